@@ -1,0 +1,196 @@
+/* kvd_pool: the blocks of one (model, layout, domain), their lifecycle, and their eviction.
+ *
+ * Blocks live in segments (memory from a kvd_backend); block id = segment * blocks_per_segment
+ * + slot, so a client maps each segment once and finds any block by arithmetic. Lifecycle:
+ *   FREE -> WRITING (leased to one session) -> COMMITTED (immutable, hashed, indexed,
+ *   refcount >= 1) -> CACHED (refcount 0, indexed, evictable) -> FREE.
+ * The generation of a block is bumped every time it returns to FREE, so a handle (id, gen) from
+ * before a reuse is refused with KV_ESTALE. Metadata is one 64-byte record per block in an array
+ * beside the segments; free and eviction lists are intrusive links in those records, so
+ * allocate, free, lookup-hit and release are O(1) per block.
+ *
+ * Eviction takes only CACHED, unpinned blocks, in the order of the pool's policy: LRU with the
+ * tail of a prefix first (vLLM's baseline: blocks released together enter in reverse order), or
+ * S3-FIFO (small probationary FIFO + main FIFO with reinsertion, ghost of recent evictions).
+ * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist.
+ *
+ * The pool does not know sessions' reference lists: the caller (the server's session table)
+ * checks that a session holds the references it releases. Loop thread only; no locks.
+ */
+#ifndef KVD_POOL_H
+#define KVD_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+#include "common/kv_layout.h"
+#include "daemon/backend.h"
+#include "daemon/index.h"
+
+#define KVD_NO_BLOCK UINT32_MAX /* "no parent" and list terminator */
+#define KVD_MAX_TENANTS 4096    /* tenant ids are 0..KVD_MAX_TENANTS-1 */
+#define KVD_MAX_SEGMENTS 4096   /* segments per pool */
+
+typedef struct kvd_pool kvd_pool;
+
+typedef enum kvd_block_state {
+    KVD_BLOCK_FREE = 0,
+    KVD_BLOCK_WRITING = 1,
+    KVD_BLOCK_COMMITTED = 2,
+    KVD_BLOCK_CACHED = 3,
+} kvd_block_state;
+
+typedef enum kvd_evict_policy {
+    KVD_EVICT_LRU = 1,    /* vLLM's order: least recently used, tail of a prefix first */
+    KVD_EVICT_S3FIFO = 2, /* S3-FIFO (Yang et al., SOSP 2023) */
+} kvd_evict_policy;
+
+typedef enum kvd_evict_reason {
+    KVD_EVICT_CAPACITY = 0, /* an allocation needed the block */
+    KVD_EVICT_ADMIN = 1,    /* an operator asked (kvctl evict) */
+    KVD_EVICT_SHRINK = 2,   /* freeing a segment */
+    KVD_EVICT_REASONS = 3,
+} kvd_evict_reason;
+
+/* A handle as clients hold it: pool-local id and the generation it was issued at. */
+typedef struct kvd_block_ref {
+    uint32_t id;
+    uint32_t gen;
+} kvd_block_ref;
+
+typedef struct kvd_pool_config {
+    uint32_t pool_id;            /* index namespace; unique among live pools */
+    uint32_t domain;             /* the domain whose blocks this pool holds (for stats) */
+    kv_layout layout;            /* initialised with kv_layout_init */
+    uint32_t blocks_per_segment; /* >= 1 */
+    uint32_t max_segments;       /* 1..KVD_MAX_SEGMENTS; allocate grows up to this */
+    kvd_evict_policy policy;
+} kvd_pool_config;
+
+/* What kvd_pool_block_info reports (a copy; the record itself stays private). */
+typedef struct kvd_block_info {
+    kvd_block_state state;
+    uint32_t gen;
+    uint32_t refcount;
+    uint32_t tenant;        /* who allocated it (charged for it) */
+    uint64_t owner_session; /* WRITING: the session that may commit it */
+    kv_hash128 hash;        /* COMMITTED/CACHED */
+    uint32_t parent;        /* KVD_NO_BLOCK for the first block of a prefix */
+    uint32_t hits;          /* lookups that returned it (saturating) */
+    int pinned;             /* pinned and retention not expired */
+} kvd_block_info;
+
+/* Per-tenant accounting for quotas (held = WRITING blocks + references on committed blocks). */
+typedef struct kvd_tenant_usage {
+    uint64_t held;   /* references held by the tenant's sessions, WRITING blocks included */
+    uint64_t cached; /* CACHED blocks the tenant allocated */
+    uint64_t pinned; /* pinned blocks the tenant allocated */
+} kvd_tenant_usage;
+
+/* Receives one named counter or gauge; the admin socket, kvctl and Prometheus print these. */
+typedef void (*kvd_stat_sink)(void *arg, const char *name, uint64_t value);
+
+/* Creates a pool with no segments (the first allocate grows it). The pool borrows idx and the
+ * backend; both must outlive it. KV_EINVAL for a bad config. */
+kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_backend_ops *be,
+                      void *be_ctx, kvd_pool **out);
+
+/* Removes the pool's entries from the index, frees every segment and the pool. Accepts NULL.
+ * Any outstanding handles become invalid; the caller has dropped its sessions' references. */
+void kvd_pool_free(kvd_pool *pool);
+
+const kvd_pool_config *kvd_pool_config_get(const kvd_pool *pool);
+
+/* Adds one segment (all its blocks FREE). KV_ENOSPC at max_segments; backend errors pass
+ * through. *seg gets the new segment's index. */
+kv_err kvd_pool_grow(kvd_pool *pool, uint32_t *seg);
+
+/* Evicts the CACHED blocks of the highest-numbered segment that holds no WRITING or referenced
+ * block, and frees it. KV_ENOENT when every segment has a live block. *seg gets its index. */
+kv_err kvd_pool_shrink(kvd_pool *pool, uint32_t *seg);
+
+/* Changes the segment limit (the server's memory budget moves between pools). Existing segments
+ * above the limit stay until shrink frees them. */
+void kvd_pool_set_max_segments(kvd_pool *pool, uint32_t max_segments);
+
+/* Number of segment slots in use (the highest live index + 1) and one segment's memory (NULL
+ * for a slot that was freed by shrink or never grown). */
+uint32_t kvd_pool_segment_slots(const kvd_pool *pool);
+const kvd_segment_mem *kvd_pool_segment(const kvd_pool *pool, uint32_t seg);
+
+/* Leases n blocks as WRITING to session, charged to tenant. All or nothing: takes FREE blocks,
+ * then grows, then evicts CACHED blocks; KV_ENOSPC when fewer than n can be had (nothing is
+ * leased then). Writes out[0..n). */
+kv_err kvd_pool_allocate(kvd_pool *pool, uint32_t n, uint64_t session, uint32_t tenant,
+                         kvd_block_ref *out);
+
+/* Commits a WRITING block leased to session: full, verified data with its chain hash and the
+ * id of its parent block (KVD_NO_BLOCK for the first). If (pool, hash) is already indexed (two
+ * workers computed the same block), the existing block gets the caller's reference, this one
+ * is freed, and *canonical names the existing one; otherwise *canonical = blk.
+ * Errors: KV_ENOENT bad id, KV_ESTALE generation, KV_ESTATE not WRITING, KV_EPERM another
+ * session's lease. */
+kv_err kvd_pool_commit(kvd_pool *pool, uint64_t session, kvd_block_ref blk, kv_hash128 hash,
+                       uint32_t parent, kvd_block_ref *canonical);
+
+/* Looks up the longest cached prefix of hashes[0..n): returns in *nhit how many leading ones
+ * are indexed and writes their handles to out[0..*nhit), each with a new reference charged to
+ * tenant (so none can be evicted while the caller uses it). Counts the query and its hits. */
+kv_err kvd_pool_lookup(kvd_pool *pool, uint32_t tenant, const kv_hash128 *hashes, size_t n,
+                       kvd_block_ref *out, size_t *nhit);
+
+/* Takes one more reference on a COMMITTED or CACHED block, charged to tenant. */
+kv_err kvd_pool_hold(kvd_pool *pool, uint32_t tenant, kvd_block_ref blk);
+
+/* Drops one reference on each of blks[0..n) (a sequence's blocks, in prefix order), charged
+ * back to tenant. Validates all first; on error nothing changes. A WRITING block is freed (it
+ * must be session's lease: KV_EPERM otherwise). A COMMITTED block at refcount 0 becomes CACHED;
+ * blocks released together enter the eviction order tail-first. */
+kv_err kvd_pool_release(kvd_pool *pool, uint64_t session, uint32_t tenant,
+                        const kvd_block_ref *blks, size_t n);
+
+/* Pins a COMMITTED or CACHED block: it is not evicted before now_ms + retention_ms. A higher
+ * priority pin survives explicit eviction of lower ones. Pinning again extends. Charged to the
+ * block's tenant as pinned. */
+kv_err kvd_pool_pin(kvd_pool *pool, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority);
+kv_err kvd_pool_unpin(kvd_pool *pool, kvd_block_ref blk);
+
+/* The pool's clock in milliseconds (monotonic); the server sets it each loop iteration. Pins
+ * expire against it and blocks record their last access with it. */
+void kvd_pool_set_now(kvd_pool *pool, uint64_t now_ms);
+
+/* Evicts up to max CACHED unpinned blocks (of tenant, or any when tenant < 0) in policy order,
+ * counting them under reason; *nevicted gets the count. With dry_run nothing changes and
+ * out (if not NULL, capacity max) receives the blocks that would go. */
+kv_err kvd_pool_evict(kvd_pool *pool, size_t max, int64_t tenant, kvd_evict_reason reason,
+                      int dry_run, kvd_block_ref *out, size_t *nevicted);
+
+/* Guaranteed share: while tenant has at most `blocks` CACHED blocks here, capacity eviction
+ * skips them unless nothing else is evictable. 0 (default) means no guarantee. */
+void kvd_pool_set_guarantee(kvd_pool *pool, uint32_t tenant, uint64_t blocks);
+
+/* Copies one block's metadata. KV_ENOENT for an id out of range or in a freed segment. */
+kv_err kvd_pool_block_info(const kvd_pool *pool, uint32_t id, kvd_block_info *out);
+
+/* Validates a handle: KV_ENOENT bad id, KV_ESTALE wrong generation. */
+kv_err kvd_pool_check_ref(const kvd_pool *pool, kvd_block_ref blk);
+
+/* Per-tenant usage in this pool (zeros for a tenant never seen). */
+kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *pool, uint32_t tenant);
+
+/* Reports every counter: blocks_total, blocks_free, blocks_writing, blocks_committed,
+ * blocks_cached, blocks_pinned, segments, bytes, queries, query_blocks, hit_blocks, hit_tokens,
+ * commits, commits_duplicate, evictions_capacity, evictions_admin, evictions_shrink. */
+void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
+
+/* Bytes of metadata per block (the record; at most 64). */
+size_t kvd_pool_meta_bytes_per_block(void);
+
+/* Walks every block and list and checks the invariants (counts by state add up, refcounts,
+ * list membership, index entries point back). KV_EINTERNAL with a log line on a violation.
+ * For tests and `kvctl selftest`; O(blocks). */
+kv_err kvd_pool_check(const kvd_pool *pool);
+
+#endif
