@@ -1,0 +1,91 @@
+/* kvd_config: every daemon option, from ONE table.
+ *
+ * The table (config.c) drives command-line flags (`--name=value`), the config file (`name =
+ * value` lines, `#` comments, `--config=FILE`), `--help` (every option with default and
+ * description) and the check that deploy/kvd.conf documents every option (config_test).
+ * Values are parsed by type: strings, unsigned integers with optional K/M/G/T suffix (powers of
+ * 1024), octal modes, booleans, log levels. Loop thread (or main before the loop); no state
+ * beyond the caller's kvd_config.
+ */
+#ifndef KVD_CONFIG_H
+#define KVD_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "common/kv_err.h"
+#include "common/kv_log.h"
+
+#define KVD_CONFIG_PATH_MAX 4096
+
+typedef struct kvd_config {
+    char socket[KVD_CONFIG_PATH_MAX];       /* socket path; "" = default location */
+    uint32_t socket_mode;                   /* mode of the socket file (octal in text) */
+    uint32_t socket_dir_mode;               /* mode of a socket directory kvd creates */
+    char backend[16];                       /* "host" */
+    int hugepages;                          /* host backend: MFD_HUGETLB segments */
+    uint64_t pool_memory;                   /* bytes of segments over all pools */
+    uint64_t segment_bytes;                 /* target bytes per segment */
+    uint64_t index_entries;                 /* capacity of the prefix index */
+    char evict_policy[16];                  /* "lru" or "s3fifo" */
+    uint64_t max_connections;               /* open client connections */
+    uint64_t max_inflight;                  /* unsent replies before reading pauses */
+    uint64_t max_output_bytes;              /* queued reply bytes before a client is dropped */
+    uint64_t max_frame_bytes;               /* largest request body */
+    uint64_t max_blocks_per_request;        /* longest list in one request */
+    char tenants_file[KVD_CONFIG_PATH_MAX]; /* "" = every uid is its own tenant */
+    kv_log_level log_level;                 /* error|warn|info|debug */
+} kvd_config;
+
+typedef enum kvd_opt_type {
+    KVD_OPT_STRING = 1, /* char[size] field */
+    KVD_OPT_U64 = 2,    /* uint64_t, K/M/G/T suffixes */
+    KVD_OPT_MODE = 3,   /* uint32_t, octal */
+    KVD_OPT_BOOL = 4,   /* int: true/false/yes/no/1/0 */
+    KVD_OPT_LEVEL = 5,  /* kv_log_level */
+} kvd_opt_type;
+
+/* One row of the option table. */
+typedef struct kvd_config_option {
+    const char *name;        /* flag and file key, e.g. "pool-memory" */
+    kvd_opt_type type;       /* how the text is parsed */
+    size_t offset;           /* field in kvd_config */
+    size_t size;             /* field size (string capacity) */
+    const char *def;         /* default, as text */
+    uint64_t min, max;       /* U64 range, inclusive */
+    const char *description; /* one line for --help and kvd.conf */
+} kvd_config_option;
+
+/* The table: *n gets its length. Static storage; any thread. */
+const kvd_config_option *kvd_config_options(size_t *n);
+
+/* Fills c with every option's default. Cannot fail (defaults are tested). */
+void kvd_config_init(kvd_config *c);
+
+/* Sets option name from text. KV_ENOENT unknown name, KV_EINVAL bad value; err (if not NULL)
+ * gets a sentence saying why. On error c is unchanged. */
+kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *err, size_t errlen);
+
+/* Applies `name = value` lines of text (`#` starts a comment; blank lines ignored; value may
+ * be empty for strings). source names the text in errors ("FILE:LINE: ..."). Stops at the first
+ * bad line: options before it stay applied. */
+kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source, char *err,
+                             size_t errlen);
+
+/* Reads a file and applies it as kvd_config_parse_text. KV_ESYS when it cannot be read. */
+kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t errlen);
+
+/* Applies argv[1..argc): first every --config=FILE (in order), then every other --name=value, so
+ * flags override the file. `--help` sets *help = 1 (other arguments still parsed). An argument
+ * not of the form --name=value is KV_EINVAL. */
+kv_err kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *help, char *err,
+                             size_t errlen);
+
+/* Prints usage with every option, its default and description. */
+void kvd_config_print_help(FILE *f);
+
+/* Prints one option's current value as text into buf. */
+void kvd_config_format(const kvd_config *c, const kvd_config_option *o, char *buf, size_t len);
+
+#endif
