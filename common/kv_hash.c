@@ -23,16 +23,33 @@
  * is hashed without touching the heap. */
 #define HASH_STACK_BYTES (HASH_FIXED_BYTES + KV_HASH_MAX_EXTRA + 4u * 1024u)
 
+/* Little-endian stores. On little-endian hosts a plain memcpy: the byte-by-byte form compiles
+ * to a reassembly through the stack whose wide reload misses store forwarding and costs more
+ * than the hash itself for a 16-token block. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define HASH_HOST_LE 1
+#else
+#define HASH_HOST_LE 0
+#endif
+
 static void put_u32le(unsigned char *p, uint32_t v) {
+#if HASH_HOST_LE
+    memcpy(p, &v, sizeof(v));
+#else
     p[0] = (unsigned char)v;
     p[1] = (unsigned char)(v >> 8);
     p[2] = (unsigned char)(v >> 16);
     p[3] = (unsigned char)(v >> 24);
+#endif
 }
 
 static void put_u64le(unsigned char *p, uint64_t v) {
+#if HASH_HOST_LE
+    memcpy(p, &v, sizeof(v));
+#else
     put_u32le(p, (uint32_t)v);
     put_u32le(p + 4, (uint32_t)(v >> 32));
+#endif
 }
 
 static uint64_t get_u64le(const unsigned char *p) {
@@ -43,21 +60,26 @@ static uint64_t get_u64le(const unsigned char *p) {
     return v;
 }
 
-/* Lays out one block's input in buf, which holds 24 + extra_len + 4 * ntokens bytes. */
-static void hash_fill(unsigned char *buf, kv_hash128 parent, const void *extra, size_t extra_len,
-                      const uint32_t *tokens, size_t ntokens) {
+/* Lays out one block's input in buf, which holds 24 + extra_len + 4 * ntokens bytes. The parent
+ * comes as two scalars and bytes 16..23 are one store when there is no extra: XXH3 reads the
+ * input in 8-byte words, and a word assembled from several narrower stores (or a struct spilled
+ * and reloaded as one 16-byte vector) misses store forwarding, which cost more than the hash
+ * itself for a 16-token block. */
+static void hash_fill(unsigned char *buf, uint64_t parent_lo, uint64_t parent_hi, const void *extra,
+                      size_t extra_len, const uint32_t *tokens, size_t ntokens) {
     unsigned char *p = buf;
-    put_u64le(p, parent.lo);
-    put_u64le(p + 8, parent.hi);
-    put_u32le(p + 16, (uint32_t)extra_len);
-    p += 20;
-    if (extra_len > 0) {
-        memcpy(p, extra, extra_len);
-        p += extra_len;
+    put_u64le(p, parent_lo);
+    put_u64le(p + 8, parent_hi);
+    if (extra_len == 0) {
+        put_u64le(p + 16, (uint64_t)ntokens << 32); /* extra_len 0, then ntokens */
+        p += 24;
+    } else {
+        put_u32le(p + 16, (uint32_t)extra_len);
+        memcpy(p + 20, extra, extra_len);
+        put_u32le(p + 20 + extra_len, (uint32_t)ntokens);
+        p += 24 + extra_len;
     }
-    put_u32le(p, (uint32_t)ntokens);
-    p += 4;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if HASH_HOST_LE
     if (ntokens > 0) {
         memcpy(p, tokens, ntokens * sizeof(uint32_t));
     }
@@ -116,7 +138,7 @@ static kv_err hash_one(kv_hash_algo algo, kv_hash128 parent, const void *extra, 
             return KV_ENOMEM;
         }
     }
-    hash_fill(buf, parent, extra, extra_len, tokens, ntokens);
+    hash_fill(buf, parent.lo, parent.hi, extra, extra_len, tokens, ntokens);
     kv_hash128 h;
     kv_err err = hash_digest(algo, buf, len, &h);
     if (buf != stackbuf) {
