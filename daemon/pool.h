@@ -157,6 +157,11 @@ kv_err kvd_pool_release(kvd_pool *pool, uint64_t session, uint32_t tenant,
 kv_err kvd_pool_pin(kvd_pool *pool, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority);
 kv_err kvd_pool_unpin(kvd_pool *pool, kvd_block_ref blk);
 
+/* Removes every pin whose priority is below `priority` (an operator reclaiming pinned memory:
+ * higher-priority pins survive). Those blocks rejoin the eviction order as most recently used.
+ * *nunpinned (if not NULL) gets the count. O(blocks). */
+kv_err kvd_pool_unpin_below(kvd_pool *pool, uint8_t priority, size_t *nunpinned);
+
 /* The pool's clock in milliseconds (monotonic); the server sets it each loop iteration. Pins
  * expire against it and blocks record their last access with it. */
 void kvd_pool_set_now(kvd_pool *pool, uint64_t now_ms);

@@ -1,0 +1,1195 @@
+/* kvd_pool: blocks, their lifecycle and eviction (see pool.h).
+ *
+ * Every block has one 64-byte record in its segment's record array. A block sits on at most
+ * one intrusive doubly linked list, named by its `list` field: the free list (LIFO, so hot
+ * records are reused), the eviction order of the policy (LRU: one list; S3-FIFO: small and
+ * main queues), or the list of pinned CACHED blocks. Referenced blocks (WRITING, COMMITTED)
+ * are on no list, which is what keeps a referenced block out of eviction's reach. Counts per
+ * state, per segment and per tenant are kept exactly, so allocation knows in O(1) whether it
+ * can succeed and kvd_pool_check can compare them with a full walk.
+ */
+#include "daemon/pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/kv_log.h"
+
+enum {
+    LIST_NONE = 0,   /* referenced: WRITING or COMMITTED */
+    LIST_FREE = 1,   /* FREE */
+    LIST_LRU = 2,    /* CACHED, unpinned, LRU policy */
+    LIST_SMALL = 3,  /* CACHED, unpinned, S3-FIFO probationary queue */
+    LIST_MAIN = 4,   /* CACHED, unpinned, S3-FIFO main queue */
+    LIST_PINNED = 5, /* CACHED, pinned */
+    LIST_COUNT = 6,
+};
+
+#define BLOCK_PINNED 0x01u /* flags: pin set (may have expired if the block is referenced) */
+#define FREQ_MAX 3         /* S3-FIFO's two-bit access counter */
+
+typedef struct pool_block {
+    uint64_t hlo;         /* chain hash, low half (COMMITTED/CACHED) */
+    uint64_t hhi;         /* chain hash, high half */
+    uint64_t aux;         /* WRITING: owner session; pinned: retention end (pool ms) */
+    uint64_t last_access; /* pool ms of the last allocate, hit, hold or release */
+    uint32_t prev;        /* list links (block ids), KVD_NO_BLOCK at the ends */
+    uint32_t next;
+    uint32_t parent;   /* parent block id or KVD_NO_BLOCK */
+    uint32_t gen;      /* bumped each time the block returns to FREE */
+    uint32_t refcount; /* WRITING: 1 (the lease); COMMITTED: >= 1; FREE/CACHED: 0 */
+    uint32_t hits;     /* lookups that returned it, saturating */
+    uint16_t tenant;   /* tenant that allocated it */
+    uint8_t state;     /* kvd_block_state */
+    uint8_t flags;     /* BLOCK_PINNED */
+    uint8_t pin_prio;  /* highest priority of the current pin */
+    uint8_t freq;      /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
+    uint8_t list;      /* LIST_* it is on */
+    uint8_t pad;
+} pool_block;
+
+_Static_assert(sizeof(pool_block) <= 64, "block metadata must fit 64 bytes");
+_Static_assert(KVD_MAX_TENANTS <= 65536, "tenant ids are stored in 16 bits");
+
+typedef struct pool_list {
+    uint32_t head; /* first block (next to evict / next to allocate) */
+    uint32_t tail; /* last block */
+    uint64_t len;  /* blocks on the list */
+} pool_list;
+
+typedef struct pool_segment {
+    pool_block *blocks;  /* blocks_per_segment records; NULL for an empty slot */
+    kvd_segment_mem mem; /* backend memory */
+    uint32_t nfree;      /* FREE blocks */
+    uint32_t nevict;     /* CACHED unpinned blocks */
+    uint32_t next_gen;   /* first generation of the slot's blocks when grown again */
+} pool_segment;
+
+struct kvd_pool {
+    kvd_pool_config cfg;         /* copy of the caller's config */
+    kvd_index *idx;              /* borrowed prefix index */
+    const kvd_backend_ops *be;   /* borrowed backend */
+    void *be_ctx;                /* backend context */
+    pool_segment *segs;          /* KVD_MAX_SEGMENTS slots */
+    uint32_t nslots;             /* highest live slot + 1 */
+    uint32_t nsegs;              /* live segments */
+    uint32_t bps;                /* blocks per segment */
+    uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
+    uint64_t now;                /* pool clock, ms */
+    uint64_t min_pin_expiry;     /* no pin on the pinned list expires before this */
+    pool_list lists[LIST_COUNT]; /* indexed by LIST_*; LIST_NONE unused */
+    uint64_t n_writing;          /* blocks by state (FREE is lists[LIST_FREE].len) */
+    uint64_t n_committed;
+    uint64_t n_cached;
+    uint64_t n_pinned;         /* blocks with BLOCK_PINNED */
+    kvd_tenant_usage *tenants; /* KVD_MAX_TENANTS entries */
+    uint64_t *guarantee;       /* KVD_MAX_TENANTS entries; 0 = none */
+    uint32_t nguarantee;       /* tenants with a guarantee */
+    uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
+    size_t ghost_mask;         /* ghost slots - 1 */
+    uint32_t ghost_seq;        /* evictions from the small queue so far (wraps) */
+    uint64_t queries;          /* lookups */
+    uint64_t query_blocks;     /* hashes asked */
+    uint64_t hit_blocks;       /* hashes found */
+    uint64_t commits;          /* commits, duplicates included */
+    uint64_t commits_duplicate;
+    uint64_t evictions[KVD_EVICT_REASONS];
+};
+
+/* ---- records and lists ---------------------------------------------------------------- */
+
+static inline pool_block *blk_at(const kvd_pool *p, uint32_t id) {
+    if (p->bps_log != UINT32_MAX) {
+        return &p->segs[id >> p->bps_log].blocks[id & (p->bps - 1)];
+    }
+    return &p->segs[id / p->bps].blocks[id % p->bps];
+}
+
+static inline pool_segment *seg_of(const kvd_pool *p, uint32_t id) {
+    return &p->segs[p->bps_log != UINT32_MAX ? id >> p->bps_log : id / p->bps];
+}
+
+static inline uint32_t blk_id(const kvd_pool *p, uint32_t seg, uint32_t slot) {
+    return seg * p->bps + slot;
+}
+
+static inline uint64_t pack_ref(uint32_t id, uint32_t gen) {
+    return (uint64_t)gen << 32 | id;
+}
+
+static inline kv_hash128 blk_hash(const pool_block *b) {
+    kv_hash128 h = {b->hlo, b->hhi};
+    return h;
+}
+
+static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    pool_list *l = &p->lists[which];
+    b->list = (uint8_t)which;
+    b->next = KVD_NO_BLOCK;
+    b->prev = l->tail;
+    if (l->tail != KVD_NO_BLOCK) {
+        blk_at(p, l->tail)->next = id;
+    } else {
+        l->head = id;
+    }
+    l->tail = id;
+    l->len++;
+}
+
+static void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    pool_list *l = &p->lists[which];
+    b->list = (uint8_t)which;
+    b->prev = KVD_NO_BLOCK;
+    b->next = l->head;
+    if (l->head != KVD_NO_BLOCK) {
+        blk_at(p, l->head)->prev = id;
+    } else {
+        l->tail = id;
+    }
+    l->head = id;
+    l->len++;
+}
+
+static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
+    pool_list *l = &p->lists[b->list];
+    KV_ASSERT(b->list != LIST_NONE && l->len > 0);
+    if (b->prev != KVD_NO_BLOCK) {
+        blk_at(p, b->prev)->next = b->next;
+    } else {
+        l->head = b->next;
+    }
+    if (b->next != KVD_NO_BLOCK) {
+        blk_at(p, b->next)->prev = b->prev;
+    } else {
+        l->tail = b->prev;
+    }
+    l->len--;
+    b->list = LIST_NONE;
+    b->prev = b->next = KVD_NO_BLOCK;
+    (void)id;
+}
+
+static uint64_t evictable_count(const kvd_pool *p) {
+    return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len;
+}
+
+/* ---- S3-FIFO ghost ---------------------------------------------------------------------- */
+
+static inline uint64_t ghost_fp(const pool_block *b) {
+    return b->hlo ^ (b->hhi * 0x9E3779B97F4A7C15ull);
+}
+
+static void ghost_insert(kvd_pool *p, const pool_block *b) {
+    if (p->ghost == NULL) {
+        return;
+    }
+    uint64_t fp = ghost_fp(b);
+    uint64_t tag = (fp >> 32) | 1u;
+    p->ghost[fp & p->ghost_mask] = tag << 32 | p->ghost_seq++;
+}
+
+/* A ghost entry counts while fewer evictions than the pool has blocks happened since. */
+static int ghost_has(const kvd_pool *p, const pool_block *b) {
+    if (p->ghost == NULL) {
+        return 0;
+    }
+    uint64_t fp = ghost_fp(b);
+    uint64_t e = p->ghost[fp & p->ghost_mask];
+    uint64_t tag = (fp >> 32) | 1u;
+    uint32_t age = p->ghost_seq - (uint32_t)e;
+    return (e >> 32) == tag && (uint64_t)age <= (uint64_t)p->nsegs * p->bps;
+}
+
+/* Sizes the ghost to the pool (a power of two >= blocks); keeps the old one when out of memory
+ * (the ghost is a hint, never a correctness matter). */
+static void ghost_resize(kvd_pool *p) {
+    if (p->cfg.policy != KVD_EVICT_S3FIFO) {
+        return;
+    }
+    size_t want = 64;
+    while (want < (size_t)p->nsegs * p->bps) {
+        want <<= 1;
+    }
+    if (p->ghost != NULL && want == p->ghost_mask + 1) {
+        return;
+    }
+    uint64_t *g = calloc(want, sizeof(uint64_t));
+    if (g == NULL) {
+        return;
+    }
+    free(p->ghost);
+    p->ghost = g;
+    p->ghost_mask = want - 1;
+}
+
+/* ---- state transitions ------------------------------------------------------------------ */
+
+static int tenant_protected(const kvd_pool *p, const pool_block *b) {
+    if (p->nguarantee == 0) {
+        return 0;
+    }
+    uint64_t g = p->guarantee[b->tenant];
+    return g != 0 && p->tenants[b->tenant].cached <= g;
+}
+
+/* Puts an unpinned block that just became CACHED (or was unpinned) into the eviction order. */
+static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
+    seg_of(p, id)->nevict++;
+    if (p->cfg.policy == KVD_EVICT_LRU) {
+        list_push_tail(p, LIST_LRU, id, b);
+    } else if (b->freq > 0 || ghost_has(p, b)) {
+        /* Reused since it entered the cache, or evicted from the small queue recently:
+         * proven reuse goes straight to the main queue. */
+        list_push_tail(p, LIST_MAIN, id, b);
+    } else {
+        list_push_tail(p, LIST_SMALL, id, b);
+    }
+}
+
+/* Returns a block (any state but FREE, on no list) to FREE with a new generation. */
+static void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
+    KV_ASSERT(b->list == LIST_NONE && b->refcount == 0);
+    b->state = KVD_BLOCK_FREE;
+    b->gen++;
+    b->flags = 0;
+    b->freq = 0;
+    b->hits = 0;
+    b->aux = 0;
+    b->hlo = b->hhi = 0;
+    b->parent = KVD_NO_BLOCK;
+    seg_of(p, id)->nfree++;
+    list_push_head(p, LIST_FREE, id, b);
+}
+
+static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {
+    KV_ASSERT(b->flags & BLOCK_PINNED);
+    b->flags &= (uint8_t)~BLOCK_PINNED;
+    b->pin_prio = 0;
+    b->aux = 0;
+    p->n_pinned--;
+    p->tenants[b->tenant].pinned--;
+    if (b->state == KVD_BLOCK_CACHED) {
+        list_remove(p, id, b);
+        evict_order_insert(p, id, b);
+    }
+}
+
+/* Evicts a CACHED unpinned block: out of the index and the eviction order, back to FREE. */
+static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
+    KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
+    int from_small = b->list == LIST_SMALL;
+    list_remove(p, id, b);
+    kv_err err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+    KV_ASSERT(err == KV_OK);
+    if (from_small) {
+        ghost_insert(p, b);
+    }
+    seg_of(p, id)->nevict--;
+    p->n_cached--;
+    p->tenants[b->tenant].cached--;
+    p->evictions[reason]++;
+    block_to_free(p, id, b);
+}
+
+/* Takes a reference on a COMMITTED or CACHED block for tenant. */
+static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
+    if (b->state == KVD_BLOCK_CACHED) {
+        if (b->list != LIST_PINNED) {
+            seg_of(p, id)->nevict--;
+        }
+        list_remove(p, id, b);
+        b->state = KVD_BLOCK_COMMITTED;
+        p->n_cached--;
+        p->n_committed++;
+        p->tenants[b->tenant].cached--;
+    }
+    b->refcount++;
+    if (b->freq < FREQ_MAX) {
+        b->freq++;
+    }
+    b->last_access = p->now;
+    p->tenants[tenant].held++;
+}
+
+/* A COMMITTED block's last reference went away. */
+static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
+    b->state = KVD_BLOCK_CACHED;
+    b->last_access = p->now;
+    p->n_committed--;
+    p->n_cached++;
+    p->tenants[b->tenant].cached++;
+    if (b->flags & BLOCK_PINNED) {
+        if (b->aux > p->now) {
+            list_push_tail(p, LIST_PINNED, id, b);
+            if (b->aux < p->min_pin_expiry) {
+                p->min_pin_expiry = b->aux;
+            }
+            return;
+        }
+        /* Its pin expired while it was referenced. */
+        b->flags &= (uint8_t)~BLOCK_PINNED;
+        b->pin_prio = 0;
+        b->aux = 0;
+        p->n_pinned--;
+        p->tenants[b->tenant].pinned--;
+    }
+    evict_order_insert(p, id, b);
+}
+
+static void pin_sweep(kvd_pool *p) {
+    uint64_t next = UINT64_MAX;
+    uint32_t id = p->lists[LIST_PINNED].head;
+    while (id != KVD_NO_BLOCK) {
+        pool_block *b = blk_at(p, id);
+        uint32_t nx = b->next;
+        if (b->aux <= p->now) {
+            unpin_block(p, id, b);
+        } else if (b->aux < next) {
+            next = b->aux;
+        }
+        id = nx;
+    }
+    p->min_pin_expiry = next;
+}
+
+/* Moves the head of list `which` to its tail (a second chance or a protected skip). */
+static void list_rotate(kvd_pool *p, int which, int to) {
+    uint32_t id = p->lists[which].head;
+    pool_block *b = blk_at(p, id);
+    list_remove(p, id, b);
+    list_push_tail(p, to, id, b);
+}
+
+/* The next block the policy evicts. Honours guarantees until every candidate has been skipped
+ * once (then "nothing else is evictable" and protected blocks go too). Requires a candidate. */
+static uint32_t pick_victim(kvd_pool *p, int honour) {
+    uint64_t skips = 0;
+    uint64_t budget = evictable_count(p);
+    KV_ASSERT(budget > 0);
+    if (p->cfg.policy == KVD_EVICT_LRU) {
+        for (;;) {
+            uint32_t id = p->lists[LIST_LRU].head;
+            pool_block *b = blk_at(p, id);
+            if (honour && skips < budget && tenant_protected(p, b)) {
+                list_rotate(p, LIST_LRU, LIST_LRU);
+                skips++;
+                continue;
+            }
+            return id;
+        }
+    }
+    /* S3-FIFO: evict from the small queue while it holds >= 10% of the pool's blocks, else
+     * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). */
+    uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
+    if (small_target == 0) {
+        small_target = 1;
+    }
+    for (;;) {
+        pool_list *s = &p->lists[LIST_SMALL];
+        pool_list *m = &p->lists[LIST_MAIN];
+        int use_small = s->len > 0 && (s->len >= small_target || m->len == 0);
+        int which = use_small ? LIST_SMALL : LIST_MAIN;
+        uint32_t id = p->lists[which].head;
+        pool_block *b = blk_at(p, id);
+        if (use_small && b->freq > 0) {
+            b->freq = 0;
+            list_rotate(p, LIST_SMALL, LIST_MAIN);
+            continue;
+        }
+        if (!use_small && b->freq > 0) {
+            b->freq--;
+            list_rotate(p, LIST_MAIN, LIST_MAIN);
+            continue;
+        }
+        if (honour && skips < budget && tenant_protected(p, b)) {
+            list_rotate(p, which, which);
+            skips++;
+            continue;
+        }
+        return id;
+    }
+}
+
+/* Validates a handle and returns its record. */
+static kv_err get_block(const kvd_pool *p, kvd_block_ref ref, pool_block **out) {
+    if (ref.id >= p->nslots * p->bps) {
+        return KV_ENOENT;
+    }
+    if (seg_of(p, ref.id)->blocks == NULL) {
+        return KV_ENOENT;
+    }
+    pool_block *b = blk_at(p, ref.id);
+    if (b->gen != ref.gen) {
+        return KV_ESTALE;
+    }
+    *out = b;
+    return KV_OK;
+}
+
+/* ---- lifecycle of the pool -------------------------------------------------------------- */
+
+kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_backend_ops *be,
+                      void *be_ctx, kvd_pool **out) {
+    if (cfg == NULL || idx == NULL || be == NULL || out == NULL) {
+        return KV_EINVAL;
+    }
+    if (cfg->blocks_per_segment == 0 || cfg->max_segments == 0 ||
+        cfg->max_segments > KVD_MAX_SEGMENTS || cfg->layout.block_bytes == 0) {
+        return KV_EINVAL;
+    }
+    /* Every id of every possible segment must stay below KVD_NO_BLOCK. */
+    if ((uint64_t)cfg->blocks_per_segment * KVD_MAX_SEGMENTS >= KVD_NO_BLOCK) {
+        return KV_EINVAL;
+    }
+    if (cfg->policy != KVD_EVICT_LRU && cfg->policy != KVD_EVICT_S3FIFO) {
+        return KV_EINVAL;
+    }
+    kvd_pool *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return KV_ENOMEM;
+    }
+    p->segs = calloc(KVD_MAX_SEGMENTS, sizeof(pool_segment));
+    p->tenants = calloc(KVD_MAX_TENANTS, sizeof(kvd_tenant_usage));
+    p->guarantee = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
+    if (p->segs == NULL || p->tenants == NULL || p->guarantee == NULL) {
+        goto fail_free;
+    }
+    p->cfg = *cfg;
+    p->idx = idx;
+    p->be = be;
+    p->be_ctx = be_ctx;
+    p->bps = cfg->blocks_per_segment;
+    p->bps_log = UINT32_MAX;
+    if ((p->bps & (p->bps - 1)) == 0) {
+        p->bps_log = (uint32_t)__builtin_ctz(p->bps);
+    }
+    p->min_pin_expiry = UINT64_MAX;
+    for (int i = 0; i < LIST_COUNT; i++) {
+        p->lists[i].head = p->lists[i].tail = KVD_NO_BLOCK;
+    }
+    *out = p;
+    return KV_OK;
+
+fail_free:
+    free(p->segs);
+    free(p->tenants);
+    free(p->guarantee);
+    free(p);
+    return KV_ENOMEM;
+}
+
+void kvd_pool_free(kvd_pool *p) {
+    if (p == NULL) {
+        return;
+    }
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        pool_segment *seg = &p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        for (uint32_t i = 0; i < p->bps; i++) {
+            pool_block *b = &seg->blocks[i];
+            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+                (void)kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+            }
+        }
+        p->be->segment_free(p->be_ctx, &seg->mem);
+        free(seg->blocks);
+    }
+    free(p->segs);
+    free(p->tenants);
+    free(p->guarantee);
+    free(p->ghost);
+    free(p);
+}
+
+const kvd_pool_config *kvd_pool_config_get(const kvd_pool *p) {
+    return &p->cfg;
+}
+
+kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
+    if (p->nsegs >= p->cfg.max_segments) {
+        return KV_ENOSPC;
+    }
+    uint32_t s = 0;
+    while (s < KVD_MAX_SEGMENTS && p->segs[s].blocks != NULL) {
+        s++;
+    }
+    if (s >= KVD_MAX_SEGMENTS) {
+        return KV_ENOSPC;
+    }
+    pool_segment *seg = &p->segs[s];
+    size_t rec_bytes = ((size_t)p->bps * sizeof(pool_block) + 63u) & ~(size_t)63u;
+    pool_block *blocks = aligned_alloc(64, rec_bytes);
+    if (blocks == NULL) {
+        return KV_ENOMEM;
+    }
+    kvd_segment_mem mem;
+    kv_err err =
+        p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(&p->cfg.layout, p->bps), &mem);
+    if (err != KV_OK) {
+        KV_LOG(WARN, "KVD-POOL-GROW", "pool %u: backend %s could not create a segment: %s",
+               p->cfg.pool_id, p->be->name, kv_strerror(err));
+        free(blocks);
+        return err;
+    }
+    memset(blocks, 0, rec_bytes);
+    seg->blocks = blocks;
+    seg->mem = mem;
+    seg->nfree = 0;
+    seg->nevict = 0;
+    /* New blocks go behind the free blocks already there, in id order: recently freed records
+     * are reused first, and fresh segments fill only when the others are used up. */
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &blocks[i];
+        b->gen = seg->next_gen;
+        b->parent = KVD_NO_BLOCK;
+        b->state = KVD_BLOCK_FREE;
+        seg->nfree++;
+        list_push_tail(p, LIST_FREE, blk_id(p, s, i), b);
+    }
+    p->nsegs++;
+    if (s >= p->nslots) {
+        p->nslots = s + 1;
+    }
+    ghost_resize(p);
+    if (seg_out != NULL) {
+        *seg_out = s;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
+    uint32_t s = p->nslots;
+    for (;;) {
+        if (s == 0) {
+            return KV_ENOENT;
+        }
+        s--;
+        pool_segment *seg = &p->segs[s];
+        if (seg->blocks != NULL && seg->nfree + seg->nevict == p->bps) {
+            break;
+        }
+    }
+    pool_segment *seg = &p->segs[s];
+    uint32_t max_gen = 0;
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        uint32_t id = blk_id(p, s, i);
+        if (b->state == KVD_BLOCK_CACHED) {
+            evict_block(p, id, b, KVD_EVICT_SHRINK);
+        }
+        KV_ASSERT(b->state == KVD_BLOCK_FREE);
+        list_remove(p, id, b);
+        if (b->gen > max_gen) {
+            max_gen = b->gen;
+        }
+    }
+    /* A later segment in this slot starts past every generation handed out here, so handles
+     * into the old segment stay stale. */
+    seg->next_gen = max_gen + 1;
+    p->be->segment_free(p->be_ctx, &seg->mem);
+    free(seg->blocks);
+    seg->blocks = NULL;
+    seg->nfree = seg->nevict = 0;
+    p->nsegs--;
+    while (p->nslots > 0 && p->segs[p->nslots - 1].blocks == NULL) {
+        p->nslots--;
+    }
+    ghost_resize(p);
+    if (seg_out != NULL) {
+        *seg_out = s;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_max_segments(kvd_pool *p, uint32_t max_segments) {
+    if (max_segments > KVD_MAX_SEGMENTS) {
+        max_segments = KVD_MAX_SEGMENTS;
+    }
+    p->cfg.max_segments = max_segments;
+}
+
+uint32_t kvd_pool_segment_slots(const kvd_pool *p) {
+    return p->nslots;
+}
+
+const kvd_segment_mem *kvd_pool_segment(const kvd_pool *p, uint32_t seg) {
+    if (seg >= p->nslots || p->segs[seg].blocks == NULL) {
+        return NULL;
+    }
+    return &p->segs[seg].mem;
+}
+
+/* ---- block operations ------------------------------------------------------------------- */
+
+kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
+                         kvd_block_ref *out) {
+    if (tenant >= KVD_MAX_TENANTS || (n > 0 && out == NULL)) {
+        return KV_EINVAL;
+    }
+    pool_list *fl = &p->lists[LIST_FREE];
+    kv_err grow_err = KV_OK;
+    while (fl->len < n && p->nsegs < p->cfg.max_segments) {
+        grow_err = kvd_pool_grow(p, NULL);
+        if (grow_err != KV_OK) {
+            break;
+        }
+    }
+    if (fl->len < n) {
+        if (p->now >= p->min_pin_expiry) {
+            pin_sweep(p);
+        }
+        uint64_t need = n - fl->len;
+        if (evictable_count(p) < need) {
+            return grow_err != KV_OK && grow_err != KV_ENOSPC ? grow_err : KV_ENOSPC;
+        }
+        for (uint64_t i = 0; i < need; i++) {
+            uint32_t id = pick_victim(p, 1);
+            evict_block(p, id, blk_at(p, id), KVD_EVICT_CAPACITY);
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t id = fl->head;
+        pool_block *b = blk_at(p, id);
+        list_remove(p, id, b);
+        seg_of(p, id)->nfree--;
+        b->state = KVD_BLOCK_WRITING;
+        b->refcount = 1;
+        b->aux = session;
+        b->tenant = (uint16_t)tenant;
+        b->last_access = p->now;
+        out[i].id = id;
+        out[i].gen = b->gen;
+    }
+    p->n_writing += n;
+    p->tenants[tenant].held += n;
+    return KV_OK;
+}
+
+kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash128 hash,
+                       uint32_t parent, kvd_block_ref *canonical) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_WRITING) {
+        return KV_ESTATE;
+    }
+    if (b->aux != session) {
+        return KV_EPERM;
+    }
+    if (parent != KVD_NO_BLOCK && (parent >= p->nslots * p->bps || parent == blk.id)) {
+        return KV_EINVAL;
+    }
+    uint64_t existing = 0;
+    err = kvd_index_insert(p->idx, p->cfg.pool_id, hash, pack_ref(blk.id, blk.gen), &existing);
+    if (err == KV_OK) {
+        b->state = KVD_BLOCK_COMMITTED;
+        b->hlo = hash.lo;
+        b->hhi = hash.hi;
+        b->parent = parent;
+        b->aux = 0;
+        b->last_access = p->now;
+        p->n_writing--;
+        p->n_committed++;
+        p->commits++;
+        if (canonical != NULL) {
+            *canonical = blk;
+        }
+        return KV_OK;
+    }
+    if (err != KV_EEXIST) {
+        return err;
+    }
+    /* Another worker committed the same block first: the caller's lease becomes a reference
+     * on that one, charged to the same tenant, and its own copy is freed. */
+    kvd_block_ref e = {(uint32_t)existing, (uint32_t)(existing >> 32)};
+    pool_block *eb;
+    KV_ASSERT(get_block(p, e, &eb) == KV_OK);
+    KV_ASSERT(eb->state == KVD_BLOCK_COMMITTED || eb->state == KVD_BLOCK_CACHED);
+    if (eb->refcount == UINT32_MAX) {
+        return KV_EBUSY;
+    }
+    uint32_t tenant = b->tenant;
+    p->tenants[tenant].held--; /* take_ref charges it again */
+    take_ref(p, e.id, eb, tenant);
+    b->refcount = 0;
+    p->n_writing--;
+    block_to_free(p, blk.id, b);
+    p->commits++;
+    p->commits_duplicate++;
+    if (canonical != NULL) {
+        *canonical = e;
+    }
+    return KV_OK;
+}
+
+#define LOOKUP_CHUNK 256
+
+kv_err kvd_pool_lookup(kvd_pool *p, uint32_t tenant, const kv_hash128 *hashes, size_t n,
+                       kvd_block_ref *out, size_t *nhit) {
+    if (tenant >= KVD_MAX_TENANTS || (n > 0 && (hashes == NULL || out == NULL))) {
+        return KV_EINVAL;
+    }
+    uint64_t vals[LOOKUP_CHUNK];
+    size_t total = 0;
+    while (total < n) {
+        size_t chunk = n - total < LOOKUP_CHUNK ? n - total : LOOKUP_CHUNK;
+        size_t k = kvd_index_probe_prefix(p->idx, p->cfg.pool_id, hashes + total, chunk, vals);
+        for (size_t j = 0; j < k; j++) {
+            kvd_block_ref r = {(uint32_t)vals[j], (uint32_t)(vals[j] >> 32)};
+            pool_block *b;
+            KV_ASSERT(get_block(p, r, &b) == KV_OK);
+            KV_ASSERT(b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED);
+            if (b->refcount == UINT32_MAX) {
+                k = j; /* cannot count one more reference: the prefix ends here */
+                break;
+            }
+            take_ref(p, r.id, b, tenant);
+            if (b->hits < UINT32_MAX) {
+                b->hits++;
+            }
+            out[total + j] = r;
+        }
+        total += k;
+        if (k < chunk) {
+            break;
+        }
+    }
+    p->queries++;
+    p->query_blocks += n;
+    p->hit_blocks += total;
+    if (nhit != NULL) {
+        *nhit = total;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_hold(kvd_pool *p, uint32_t tenant, kvd_block_ref blk) {
+    if (tenant >= KVD_MAX_TENANTS) {
+        return KV_EINVAL;
+    }
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->refcount == UINT32_MAX) {
+        return KV_EBUSY;
+    }
+    take_ref(p, blk.id, b, tenant);
+    return KV_OK;
+}
+
+kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
+                        size_t n) {
+    if (n == 0) {
+        return KV_OK;
+    }
+    if (tenant >= KVD_MAX_TENANTS || blks == NULL || p->tenants[tenant].held < n) {
+        return KV_EINVAL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pool_block *b;
+        kv_err err = get_block(p, blks[i], &b);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+            return KV_ESTATE;
+        }
+        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+            return KV_EPERM;
+        }
+    }
+    /* Drop the references; a block listed more often than it is referenced undoes it all. */
+    for (size_t i = 0; i < n; i++) {
+        pool_block *b = blk_at(p, blks[i].id);
+        if (b->refcount == 0) {
+            for (size_t j = 0; j < i; j++) {
+                blk_at(p, blks[j].id)->refcount++;
+            }
+            return KV_ESTATE;
+        }
+        b->refcount--;
+    }
+    /* Tail first: the last block of the prefix enters the eviction order first, so it is
+     * evicted before its parents (a child is useless without them). */
+    for (size_t i = n; i-- > 0;) {
+        uint32_t id = blks[i].id;
+        pool_block *b = blk_at(p, id);
+        if (b->refcount != 0) {
+            continue;
+        }
+        if (b->state == KVD_BLOCK_WRITING) {
+            p->n_writing--;
+            block_to_free(p, id, b);
+        } else if (b->state == KVD_BLOCK_COMMITTED) {
+            block_to_cached(p, id, b);
+        }
+    }
+    p->tenants[tenant].held -= n;
+    return KV_OK;
+}
+
+kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    uint64_t until = retention_ms > UINT64_MAX - p->now ? UINT64_MAX : p->now + retention_ms;
+    if (b->flags & BLOCK_PINNED) {
+        if (until > b->aux) {
+            b->aux = until;
+        }
+        if (priority > b->pin_prio) {
+            b->pin_prio = priority;
+        }
+    } else {
+        if (until <= p->now) {
+            return KV_OK; /* a zero retention pins nothing */
+        }
+        b->flags |= BLOCK_PINNED;
+        b->aux = until;
+        b->pin_prio = priority;
+        p->n_pinned++;
+        p->tenants[b->tenant].pinned++;
+        if (b->state == KVD_BLOCK_CACHED) {
+            list_remove(p, blk.id, b);
+            seg_of(p, blk.id)->nevict--;
+            list_push_tail(p, LIST_PINNED, blk.id, b);
+        }
+    }
+    if (b->aux < p->min_pin_expiry) {
+        p->min_pin_expiry = b->aux;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpin(kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->flags & BLOCK_PINNED) {
+        unpin_block(p, blk.id, b);
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpin_below(kvd_pool *p, uint8_t priority, size_t *nunpinned) {
+    size_t count = 0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        pool_segment *seg = &p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        for (uint32_t i = 0; i < p->bps; i++) {
+            pool_block *b = &seg->blocks[i];
+            if ((b->flags & BLOCK_PINNED) && b->pin_prio < priority) {
+                unpin_block(p, blk_id(p, s, i), b);
+                count++;
+            }
+        }
+    }
+    if (nunpinned != NULL) {
+        *nunpinned = count;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
+    p->now = now_ms;
+    if (now_ms >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+}
+
+/* Walks the eviction order as it stands (S3-FIFO: small queue, then main; the rotations the
+ * policy would make are not simulated) and takes up to max of tenant's blocks (any when
+ * tenant < 0), evicting them unless dry_run. */
+static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
+                         kvd_evict_reason reason, kvd_block_ref *out) {
+    static const int order_lru[] = {LIST_LRU};
+    static const int order_s3[] = {LIST_SMALL, LIST_MAIN};
+    const int *order = p->cfg.policy == KVD_EVICT_LRU ? order_lru : order_s3;
+    int norder = p->cfg.policy == KVD_EVICT_LRU ? 1 : 2;
+    size_t count = 0;
+    for (int o = 0; o < norder && count < max; o++) {
+        uint32_t id = p->lists[order[o]].head;
+        while (id != KVD_NO_BLOCK && count < max) {
+            pool_block *b = blk_at(p, id);
+            uint32_t nx = b->next;
+            if (tenant < 0 || b->tenant == (uint64_t)tenant) {
+                if (out != NULL) {
+                    out[count].id = id;
+                    out[count].gen = b->gen;
+                }
+                if (!dry_run) {
+                    evict_block(p, id, b, reason);
+                }
+                count++;
+            }
+            id = nx;
+        }
+    }
+    return count;
+}
+
+kv_err kvd_pool_evict(kvd_pool *p, size_t max, int64_t tenant, kvd_evict_reason reason, int dry_run,
+                      kvd_block_ref *out, size_t *nevicted) {
+    if ((unsigned)reason >= KVD_EVICT_REASONS || tenant >= KVD_MAX_TENANTS) {
+        return KV_EINVAL;
+    }
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    size_t count = 0;
+    if (dry_run || tenant >= 0) {
+        count = evict_walk(p, max, tenant, dry_run, reason, out);
+    } else {
+        while (count < max && evictable_count(p) > 0) {
+            uint32_t id = pick_victim(p, 0);
+            pool_block *b = blk_at(p, id);
+            if (out != NULL) {
+                out[count].id = id;
+                out[count].gen = b->gen;
+            }
+            evict_block(p, id, b, reason);
+            count++;
+        }
+    }
+    if (nevicted != NULL) {
+        *nevicted = count;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_guarantee(kvd_pool *p, uint32_t tenant, uint64_t blocks) {
+    if (tenant >= KVD_MAX_TENANTS) {
+        return;
+    }
+    if (p->guarantee[tenant] == 0 && blocks != 0) {
+        p->nguarantee++;
+    } else if (p->guarantee[tenant] != 0 && blocks == 0) {
+        p->nguarantee--;
+    }
+    p->guarantee[tenant] = blocks;
+}
+
+kv_err kvd_pool_block_info(const kvd_pool *p, uint32_t id, kvd_block_info *out) {
+    if (id >= p->nslots * p->bps || seg_of(p, id)->blocks == NULL) {
+        return KV_ENOENT;
+    }
+    const pool_block *b = blk_at(p, id);
+    kvd_block_info info;
+    memset(&info, 0, sizeof(info));
+    info.state = (kvd_block_state)b->state;
+    info.gen = b->gen;
+    info.refcount = b->refcount;
+    info.tenant = b->tenant;
+    info.owner_session = b->state == KVD_BLOCK_WRITING ? b->aux : 0;
+    info.hash = blk_hash(b);
+    info.parent = b->parent;
+    info.hits = b->hits;
+    info.pinned = (b->flags & BLOCK_PINNED) && b->aux > p->now;
+    *out = info;
+    return KV_OK;
+}
+
+kv_err kvd_pool_check_ref(const kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    return get_block(p, blk, &b);
+}
+
+kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
+    kvd_tenant_usage zero = {0, 0, 0};
+    if (tenant >= KVD_MAX_TENANTS) {
+        return zero;
+    }
+    return p->tenants[tenant];
+}
+
+void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
+    uint64_t bytes = 0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        if (p->segs[s].blocks != NULL) {
+            bytes += p->segs[s].mem.bytes;
+        }
+    }
+    sink(arg, "blocks_total", (uint64_t)p->nsegs * p->bps);
+    sink(arg, "blocks_free", p->lists[LIST_FREE].len);
+    sink(arg, "blocks_writing", p->n_writing);
+    sink(arg, "blocks_committed", p->n_committed);
+    sink(arg, "blocks_cached", p->n_cached);
+    sink(arg, "blocks_pinned", p->n_pinned);
+    sink(arg, "segments", p->nsegs);
+    sink(arg, "bytes", bytes);
+    sink(arg, "queries", p->queries);
+    sink(arg, "query_blocks", p->query_blocks);
+    sink(arg, "hit_blocks", p->hit_blocks);
+    sink(arg, "hit_tokens", p->hit_blocks * p->cfg.layout.tokens_per_block);
+    sink(arg, "commits", p->commits);
+    sink(arg, "commits_duplicate", p->commits_duplicate);
+    sink(arg, "evictions_capacity", p->evictions[KVD_EVICT_CAPACITY]);
+    sink(arg, "evictions_admin", p->evictions[KVD_EVICT_ADMIN]);
+    sink(arg, "evictions_shrink", p->evictions[KVD_EVICT_SHRINK]);
+}
+
+size_t kvd_pool_meta_bytes_per_block(void) {
+    return sizeof(pool_block);
+}
+
+/* ---- invariant check -------------------------------------------------------------------- */
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            KV_LOG(ERROR, "KVD-POOL-CHECK", __VA_ARGS__);                                          \
+            err = KV_EINTERNAL;                                                                    \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+static kv_err check_list(const kvd_pool *p, int which, uint64_t *walked) {
+    kv_err err = KV_OK;
+    const pool_list *l = &p->lists[which];
+    uint32_t prev = KVD_NO_BLOCK;
+    uint64_t n = 0;
+    for (uint32_t id = l->head; id != KVD_NO_BLOCK; id = blk_at(p, id)->next) {
+        CHECK(id < p->nslots * p->bps && seg_of(p, id)->blocks != NULL,
+              "list %d: id %u out of range", which, id);
+        const pool_block *b = blk_at(p, id);
+        CHECK(b->list == which, "list %d: block %u tagged %u", which, id, b->list);
+        CHECK(b->prev == prev, "list %d: block %u prev %u, want %u", which, id, b->prev, prev);
+        CHECK(++n <= l->len, "list %d longer than %llu", which, (unsigned long long)l->len);
+        prev = id;
+    }
+    CHECK(l->tail == prev, "list %d: tail %u, want %u", which, l->tail, prev);
+    CHECK(n == l->len, "list %d: walked %llu, len %llu", which, (unsigned long long)n,
+          (unsigned long long)l->len);
+    *walked = n;
+out:
+    return err;
+}
+
+kv_err kvd_pool_check(const kvd_pool *p) {
+    kv_err err = KV_OK;
+    uint64_t by_state[4] = {0, 0, 0, 0};
+    uint64_t by_list[LIST_COUNT] = {0};
+    uint64_t pinned = 0, refs = 0, held = 0;
+    uint64_t *cached_t = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
+    uint64_t *pinned_t = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
+    if (cached_t == NULL || pinned_t == NULL) {
+        free(cached_t);
+        free(pinned_t);
+        return KV_ENOMEM;
+    }
+    uint32_t live = 0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        const pool_segment *seg = &p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        live++;
+        uint32_t nfree = 0, nevict = 0;
+        for (uint32_t i = 0; i < p->bps; i++) {
+            uint32_t id = blk_id(p, s, i);
+            const pool_block *b = &seg->blocks[i];
+            CHECK(b->state <= KVD_BLOCK_CACHED, "block %u: bad state %u", id, b->state);
+            by_state[b->state]++;
+            by_list[b->list]++;
+            refs += b->refcount;
+            CHECK(b->tenant < KVD_MAX_TENANTS, "block %u: tenant %u", id, b->tenant);
+            if (b->flags & BLOCK_PINNED) {
+                pinned++;
+                pinned_t[b->tenant]++;
+                CHECK(b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED,
+                      "block %u: pinned in state %u", id, b->state);
+            }
+            switch (b->state) {
+                case KVD_BLOCK_FREE:
+                    nfree++;
+                    CHECK(b->refcount == 0 && b->list == LIST_FREE && b->flags == 0,
+                          "block %u: FREE with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_WRITING:
+                    CHECK(b->refcount == 1 && b->list == LIST_NONE,
+                          "block %u: WRITING with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_COMMITTED:
+                    CHECK(b->refcount >= 1 && b->list == LIST_NONE,
+                          "block %u: COMMITTED with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_CACHED:
+                    cached_t[b->tenant]++;
+                    CHECK(b->refcount == 0, "block %u: CACHED with refcount %u", id, b->refcount);
+                    if (b->flags & BLOCK_PINNED) {
+                        CHECK(b->list == LIST_PINNED, "block %u: pinned CACHED on list %u", id,
+                              b->list);
+                    } else {
+                        nevict++;
+                        int want = p->cfg.policy == KVD_EVICT_LRU ? LIST_LRU : -1;
+                        CHECK(want == LIST_LRU ? b->list == LIST_LRU
+                                               : (b->list == LIST_SMALL || b->list == LIST_MAIN),
+                              "block %u: CACHED on list %u", id, b->list);
+                    }
+                    break;
+            }
+            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+                uint64_t v = 0;
+                CHECK(kvd_index_find(p->idx, p->cfg.pool_id, blk_hash(b), &v) == KV_OK,
+                      "block %u: hash not indexed", id);
+                CHECK(v == pack_ref(id, b->gen), "block %u: index points to %u gen %u", id,
+                      (uint32_t)v, (uint32_t)(v >> 32));
+            }
+        }
+        CHECK(nfree == seg->nfree, "segment %u: %u free, counted %u", s, nfree, seg->nfree);
+        CHECK(nevict == seg->nevict, "segment %u: %u evictable, counted %u", s, nevict,
+              seg->nevict);
+    }
+    CHECK(live == p->nsegs, "%u live segments, counted %u", live, p->nsegs);
+    CHECK(p->nslots == 0 || p->segs[p->nslots - 1].blocks != NULL, "slot count %u too high",
+          p->nslots);
+    for (int l = LIST_FREE; l < LIST_COUNT; l++) {
+        uint64_t walked = 0;
+        err = check_list(p, l, &walked);
+        if (err != KV_OK) {
+            goto out;
+        }
+        CHECK(walked == by_list[l], "list %d: %llu linked, %llu tagged", l,
+              (unsigned long long)walked, (unsigned long long)by_list[l]);
+    }
+    CHECK(by_state[KVD_BLOCK_FREE] == p->lists[LIST_FREE].len, "free count");
+    CHECK(by_state[KVD_BLOCK_WRITING] == p->n_writing, "writing count %llu vs %llu",
+          (unsigned long long)by_state[KVD_BLOCK_WRITING], (unsigned long long)p->n_writing);
+    CHECK(by_state[KVD_BLOCK_COMMITTED] == p->n_committed, "committed count");
+    CHECK(by_state[KVD_BLOCK_CACHED] == p->n_cached, "cached count");
+    CHECK(pinned == p->n_pinned, "pinned count");
+    for (uint32_t t = 0; t < KVD_MAX_TENANTS; t++) {
+        CHECK(cached_t[t] == p->tenants[t].cached, "tenant %u: cached %llu, counted %llu", t,
+              (unsigned long long)cached_t[t], (unsigned long long)p->tenants[t].cached);
+        CHECK(pinned_t[t] == p->tenants[t].pinned, "tenant %u: pinned %llu, counted %llu", t,
+              (unsigned long long)pinned_t[t], (unsigned long long)p->tenants[t].pinned);
+        held += p->tenants[t].held;
+    }
+    CHECK(held == refs, "references %llu, tenants hold %llu", (unsigned long long)refs,
+          (unsigned long long)held);
+out:
+    free(cached_t);
+    free(pinned_t);
+    return err;
+}
