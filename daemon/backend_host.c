@@ -1,0 +1,92 @@
+/* kvd_backend_host: memfd segments. Sealing is what lets clients trust the size they map. */
+#include "daemon/backend_host.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/kv_log.h"
+
+#define HUGE_PAGE_BYTES (2ull << 20)
+
+static kv_err host_segment_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out) {
+    const kvd_backend_host_ctx *hc = ctx;
+    int huge = hc != NULL && hc->hugepages;
+    if (bytes == 0) {
+        return KV_EINVAL;
+    }
+    uint64_t page = huge ? HUGE_PAGE_BYTES : (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t size = (bytes + page - 1) / page * page;
+    unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB : 0);
+    int fd = memfd_create("kvd-segment", flags);
+    if (fd < 0) {
+        int e = errno;
+        if (huge) {
+            KV_LOG(ERROR, "KVD-HUGEPAGES",
+                   "memfd_create(MFD_HUGETLB) failed: %s; this system has no usable huge pages "
+                   "(set vm.nr_hugepages or run with hugepages = false)",
+                   strerror(e));
+        } else {
+            KV_LOG(ERROR, "KVD-SEGMENT", "memfd_create failed: %s", strerror(e));
+        }
+        return KV_ESYS;
+    }
+    kv_err rc = KV_ESYS;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        KV_LOG(ERROR, "KVD-SEGMENT", "ftruncate of a %llu-byte segment failed: %s",
+               (unsigned long long)size, strerror(errno));
+        goto cleanup_fd;
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        KV_LOG(ERROR, "KVD-SEGMENT", "sealing a segment failed: %s", strerror(errno));
+        goto cleanup_fd;
+    }
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        int e = errno;
+        if (huge) {
+            KV_LOG(ERROR, "KVD-HUGEPAGES",
+                   "mmap of a %llu-byte huge-page segment failed: %s; not enough huge pages "
+                   "(raise vm.nr_hugepages or run with hugepages = false)",
+                   (unsigned long long)size, strerror(e));
+        } else {
+            KV_LOG(ERROR, "KVD-SEGMENT", "mmap of a %llu-byte segment failed: %s",
+                   (unsigned long long)size, strerror(e));
+        }
+        rc = e == ENOMEM ? KV_ENOMEM : KV_ESYS;
+        goto cleanup_fd;
+    }
+    out->base = base;
+    out->fd = fd;
+    out->bytes = size;
+    out->priv = NULL;
+    return KV_OK;
+cleanup_fd:
+    close(fd);
+    return rc;
+}
+
+static void host_segment_free(void *ctx, kvd_segment_mem *mem) {
+    (void)ctx;
+    if (mem == NULL) {
+        return;
+    }
+    if (mem->base != NULL && mem->bytes != 0) {
+        munmap(mem->base, mem->bytes);
+    }
+    /* A zeroed segment has fd 0, which is never ours to close: only close fds we made (> 2). */
+    if (mem->fd > 2) {
+        close(mem->fd);
+    }
+    mem->base = NULL;
+    mem->fd = -1;
+    mem->bytes = 0;
+}
+
+const kvd_backend_ops kvd_backend_host = {
+    .name = "host",
+    .segment_alloc = host_segment_alloc,
+    .segment_free = host_segment_free,
+};

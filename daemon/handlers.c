@@ -1,0 +1,928 @@
+/* kvd handlers: one function per request. Each checks its fields (validate.c), then the
+ * session's state, and only then changes pools, so an Error reply means nothing changed. On
+ * success a handler queues its own reply (built on the stack, arrays on the heap for the
+ * request's lifetime); on failure it returns the code and writes a message, and the dispatcher
+ * queues the Error. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "common/kv_log.h"
+#include "common/kv_wire.h"
+#include "daemon/server_int.h"
+
+#define FAIL(rc, ...)                                                                              \
+    do {                                                                                           \
+        snprintf(msg, KVD_ERRMSG, __VA_ARGS__);                                                    \
+        return (rc);                                                                               \
+    } while (0)
+
+static void env_init(kvd_conn *c, Kvd__Envelope *env, uint64_t id) {
+    kvd__envelope__init(env);
+    env->id = id;
+    env->boot_epoch = c->srv->boot_epoch;
+}
+
+/* ---- budget and pools ------------------------------------------------------------------ */
+
+static uint64_t pool_bytes(const kvd_pool *p, uint32_t *live) {
+    uint64_t bytes = 0;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < kvd_pool_segment_slots(p); i++) {
+        const kvd_segment_mem *m = kvd_pool_segment(p, i);
+        if (m != NULL) {
+            bytes += m->bytes;
+            n++;
+        }
+    }
+    if (live != NULL) {
+        *live = n;
+    }
+    return bytes;
+}
+
+static uint64_t budget_used(const kvd_server *s) {
+    uint64_t used = 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        used += pool_bytes(s->pools[i].pool, NULL);
+    }
+    return used;
+}
+
+/* Sets sp's segment limit to its live segments plus what the shared budget still holds, so the
+ * pool's own allocate grows while memory is left and evicts within itself after that. Returns
+ * the number of segments it may still add. */
+static uint32_t budget_apply(kvd_server *s, kvd_srv_pool *sp) {
+    uint64_t used = budget_used(s);
+    uint64_t left = used < s->cfg.pool_memory ? s->cfg.pool_memory - used : 0;
+    uint32_t live;
+    pool_bytes(sp->pool, &live);
+    uint64_t extra = left / sp->segment_bytes;
+    uint64_t max = live + extra;
+    if (max > KVD_MAX_SEGMENTS) {
+        max = KVD_MAX_SEGMENTS;
+    }
+    kvd_pool_set_max_segments(sp->pool, (uint32_t)max);
+    return (uint32_t)(max - (live < max ? live : max));
+}
+
+static uint32_t gcd32(uint64_t a, uint64_t b) {
+    while (b != 0) {
+        uint64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return (uint32_t)a;
+}
+
+/* Blocks per segment: floor(segment-bytes / block_bytes), rounded down to a multiple of m, the
+ * smallest count that makes nblocks * kv_block_bytes a page multiple (at least m). */
+static uint32_t pick_blocks_per_segment(const kv_layout *l, uint64_t segment_bytes) {
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t m = page / gcd32(l->kv_block_bytes, page);
+    uint64_t n = segment_bytes / l->block_bytes;
+    if (n > KVD_MAX_BLOCKS_PER_SEGMENT) {
+        n = KVD_MAX_BLOCKS_PER_SEGMENT;
+    }
+    n = n / m * m;
+    if (n < m) {
+        n = m;
+    }
+    return (uint32_t)n;
+}
+
+static kv_hash128 pool_seed(const char *model_id, const kv_layout *l) {
+    uint8_t buf[KVD_MAX_MODEL_ID + 24];
+    size_t n = strlen(model_id);
+    memcpy(buf, model_id, n);
+    uint32_t f[6] = {l->num_layers,       l->num_kv_heads,    l->head_dim,
+                     l->tokens_per_block, (uint32_t)l->dtype, (uint32_t)l->arrangement};
+    for (int i = 0; i < 6; i++) {
+        buf[n++] = (uint8_t)f[i];
+        buf[n++] = (uint8_t)(f[i] >> 8);
+        buf[n++] = (uint8_t)(f[i] >> 16);
+        buf[n++] = (uint8_t)(f[i] >> 24);
+    }
+    XXH128_hash_t h = XXH3_128bits(buf, n);
+    kv_hash128 out = {h.low64, h.high64};
+    return out;
+}
+
+static kvd_srv_pool *pool_by_id(kvd_server *s, uint32_t id) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        if (s->pools[i].pool_id == id) {
+            return &s->pools[i];
+        }
+    }
+    return NULL;
+}
+
+static int same_shape(const kv_layout *a, const kv_layout *b) {
+    return a->num_layers == b->num_layers && a->num_kv_heads == b->num_kv_heads &&
+           a->head_dim == b->head_dim && a->tokens_per_block == b->tokens_per_block &&
+           a->dtype == b->dtype && a->arrangement == b->arrangement;
+}
+
+/* Finds or creates the pool for (model_id, layout, domain); a new pool gets its first segment
+ * so that new_segments_from = 0 never has to mean anything. */
+static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l, uint32_t domain,
+                        kvd_srv_pool **out, char *msg) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        kvd_srv_pool *sp = &s->pools[i];
+        if (sp->domain == domain && strcmp(sp->model_id, model_id) == 0 &&
+            same_shape(&sp->layout, l)) {
+            *out = sp;
+            return KV_OK;
+        }
+    }
+    if (s->npools == s->pools_cap) {
+        uint32_t ncap = s->pools_cap == 0 ? 8 : s->pools_cap * 2;
+        kvd_srv_pool *n = realloc(s->pools, sizeof(*n) * ncap);
+        if (n == NULL) {
+            FAIL(KV_ENOMEM, "no memory for a new pool");
+        }
+        s->pools = n;
+        s->pools_cap = ncap;
+    }
+    kvd_srv_pool sp;
+    memset(&sp, 0, sizeof(sp));
+    snprintf(sp.model_id, sizeof(sp.model_id), "%s", model_id);
+    sp.layout = *l;
+    sp.domain = domain;
+    sp.seed = pool_seed(model_id, l);
+    kvd_pool_config pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.pool_id = s->next_pool_id;
+    pc.domain = domain;
+    pc.layout = *l;
+    pc.blocks_per_segment = pick_blocks_per_segment(l, s->cfg.segment_bytes);
+    pc.max_segments = 1;
+    pc.policy = strcmp(s->cfg.evict_policy, "s3fifo") == 0 ? KVD_EVICT_S3FIFO : KVD_EVICT_LRU;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    if (s->cfg.hugepages) {
+        page = 2ull << 20;
+    }
+    sp.segment_bytes = (kv_layout_segment_bytes(l, pc.blocks_per_segment) + page - 1) / page * page;
+    uint64_t used = budget_used(s);
+    if (used + sp.segment_bytes > s->cfg.pool_memory) {
+        /* UNFINISHED: memory is not yet moved between pools (shrinking another pool's unused
+         * segments); a new pool needs room left in the budget. */
+        FAIL(KV_ENOSPC,
+             "pool-memory is spent: %llu of %llu bytes used, a segment of this layout needs "
+             "%llu",
+             (unsigned long long)used, (unsigned long long)s->cfg.pool_memory,
+             (unsigned long long)sp.segment_bytes);
+    }
+    kv_err rc = kvd_pool_alloc(&pc, s->index, s->be, &s->host, &sp.pool);
+    if (rc != KV_OK) {
+        FAIL(rc, "cannot create the pool: %s", kv_strerror(rc));
+    }
+    rc = kvd_pool_grow(sp.pool, NULL);
+    if (rc != KV_OK) {
+        kvd_pool_free(sp.pool);
+        FAIL(rc == KV_ESYS ? KV_ESYS : rc,
+             "cannot create the pool's first segment (%llu bytes): %s",
+             (unsigned long long)sp.segment_bytes, kv_strerror(rc));
+    }
+    sp.pool_id = s->next_pool_id++;
+    s->pools[s->npools] = sp;
+    *out = &s->pools[s->npools++];
+    KV_LOG(INFO, "KVD-POOL-NEW",
+           "pool %u: model %s, %u layers x %u heads x %u dim, %s, %u tokens/block, %llu "
+           "bytes/block, %u blocks/segment, domain %u",
+           sp.pool_id, model_id, l->num_layers, l->num_kv_heads, l->head_dim,
+           kv_dtype_name(l->dtype), l->tokens_per_block, (unsigned long long)l->block_bytes,
+           pc.blocks_per_segment, domain);
+    return KV_OK;
+}
+
+void kvd_handlers_free_pools(kvd_server *s) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        kvd_pool_free(s->pools[i].pool);
+    }
+    free(s->pools);
+    s->pools = NULL;
+    s->npools = s->pools_cap = 0;
+}
+
+/* The session's pool entry and the server's, or ENOENT. */
+static kv_err session_pool(kvd_conn *c, uint32_t pool_id, kvd_session_pool **out,
+                           kvd_srv_pool **srv_out, char *msg) {
+    kvd_session_pool *sp = kvd_session_find_pool(&c->sess, pool_id);
+    kvd_srv_pool *p = pool_by_id(c->srv, pool_id);
+    if (sp == NULL || p == NULL) {
+        FAIL(KV_ENOENT, "pool %u is not attached by this session (AttachPool first)", pool_id);
+    }
+    kvd_pool_set_now(p->pool, uv_now(c->srv->loop));
+    *out = sp;
+    if (srv_out != NULL) {
+        *srv_out = p;
+    }
+    return KV_OK;
+}
+
+/* new_segments_from for a reply: the first slot this session has not been sent, or 0. */
+static uint32_t new_segments_from(const kvd_session_pool *sp) {
+    return kvd_pool_segment_slots(sp->pool) > sp->segments_sent ? sp->segments_sent : 0;
+}
+
+/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first; *nfds fds. */
+static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segment *segs,
+                                 Kvd__Segment **ptrs, int *fds) {
+    uint32_t n = 0;
+    uint32_t slots = kvd_pool_segment_slots(sp->pool);
+    const kvd_pool_config *pc = kvd_pool_config_get(sp->pool);
+    for (uint32_t i = first; i < slots && n < KVD_MAX_FDS_PER_FRAME; i++) {
+        const kvd_segment_mem *m = kvd_pool_segment(sp->pool, i);
+        if (m == NULL) {
+            continue;
+        }
+        kvd__segment__init(&segs[n]);
+        segs[n].index = i;
+        segs[n].nblocks = pc->blocks_per_segment;
+        segs[n].bytes = m->bytes;
+        segs[n].kind = KVD__MEMORY_KIND__HOST_MEMFD;
+        segs[n].fd_index = n;
+        fds[n] = m->fd;
+        ptrs[n] = &segs[n];
+        n++;
+        if (i + 1 > sp->segments_sent) {
+            sp->segments_sent = i + 1;
+        }
+    }
+    return n;
+}
+
+/* ---- requests -------------------------------------------------------------------------- */
+
+static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg) {
+    kvd_server *s = c->srv;
+    if (c->sess.hello) {
+        FAIL(KV_ESTATE, "Hello was already done on this connection");
+    }
+    kv_err rc = kvd_validate_hello(h, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t tenant;
+    rc = kvd_tenants_resolve(s->tenants, c->sess.uid, c->sess.gid, &tenant);
+    if (rc != KV_OK) {
+        FAIL(rc, "the daemon knows %d tenants already; uid %d cannot get a new one",
+             KVD_MAX_TENANTS, (int)c->sess.uid);
+    }
+    c->sess.tenant = tenant;
+    c->sess.hello = 1;
+    snprintf(c->sess.name, sizeof(c->sess.name), "%s", h->client_name ? h->client_name : "");
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__HelloReply r = KVD__HELLO_REPLY__INIT;
+    char *domains[1] = {(char *)kvd_tenants_name(s->tenants, tenant)};
+    r.session_id = c->sess.id;
+    r.tenant = domains[0];
+    r.n_domains = 1;
+    r.domains = domains;
+    r.boot_epoch = s->boot_epoch;
+    r.protocol_version = KV_PROTOCOL_VERSION;
+    r.max_frame_bytes = (uint32_t)s->cfg.max_frame_bytes;
+    r.max_inflight = (uint32_t)s->cfg.max_inflight;
+    r.max_blocks_per_request = (uint32_t)s->cfg.max_blocks_per_request;
+    env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
+    env.hello_reply = &r;
+    KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
+           (unsigned long long)c->sess.id, c->sess.name, (int)c->sess.pid, domains[0]);
+    return kvd_conn_send(c, &env, NULL, 0);
+}
+
+static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp, kvd_srv_pool *p,
+                                  uint32_t first, int attach) {
+    Kvd__Segment *segs = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(*segs));
+    Kvd__Segment **ptrs = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(*ptrs));
+    int *fds = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(int));
+    kv_err rc = KV_ENOMEM;
+    if (segs == NULL || ptrs == NULL || fds == NULL) {
+        goto cleanup;
+    }
+    uint32_t n = collect_segments(sp, first, segs, ptrs, fds);
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__AttachPoolReply ar = KVD__ATTACH_POOL_REPLY__INIT;
+    Kvd__MapSegmentsReply mr = KVD__MAP_SEGMENTS_REPLY__INIT;
+    Kvd__Layout lay = KVD__LAYOUT__INIT;
+    Kvd__Hash128 seed = KVD__HASH128__INIT;
+    if (attach) {
+        const kv_layout *l = &p->layout;
+        lay.num_layers = l->num_layers;
+        lay.num_kv_heads = l->num_kv_heads;
+        lay.head_dim = l->head_dim;
+        lay.tokens_per_block = l->tokens_per_block;
+        lay.dtype = (Kvd__DType)l->dtype;
+        lay.arrangement = (Kvd__Arrangement)l->arrangement;
+        lay.block_bytes = l->block_bytes;
+        seed.lo = p->seed.lo;
+        seed.hi = p->seed.hi;
+        ar.pool_id = p->pool_id;
+        ar.layout = &lay;
+        ar.blocks_per_segment = kvd_pool_config_get(p->pool)->blocks_per_segment;
+        ar.n_segments = n;
+        ar.segments = ptrs;
+        ar.hash_seed = &seed;
+        ar.hash_algo = 1;
+        ar.max_segments = kvd_pool_config_get(p->pool)->max_segments;
+        env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;
+        env.attach_pool_reply = &ar;
+    } else {
+        mr.n_segments = n;
+        mr.segments = ptrs;
+        env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY;
+        env.map_segments_reply = &mr;
+    }
+    rc = kvd_conn_send(c, &env, fds, n);
+cleanup:
+    free(segs);
+    free(ptrs);
+    free(fds);
+    return rc;
+}
+
+static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char *msg) {
+    kv_layout l;
+    kv_err rc = kvd_validate_attach(a, &l, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kvd_srv_pool *p;
+    rc = pool_open(c->srv, a->model_id, &l, c->sess.tenant, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    budget_apply(c->srv, p);
+    kvd_session_pool *sp;
+    rc = kvd_session_add_pool(&c->sess, p->pool_id, p->pool, &sp);
+    if (rc != KV_OK) {
+        FAIL(rc, "no memory to attach the pool");
+    }
+    /* A repeated attach sends every segment again. */
+    sp->segments_sent = 0;
+    return send_segments_reply(c, id, sp, p, 0, 1);
+}
+
+static kv_err on_map(kvd_conn *c, uint64_t id, const Kvd__MapSegments *m, char *msg) {
+    kvd_session_pool *sp;
+    kvd_srv_pool *p;
+    kv_err rc = session_pool(c, m->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    return send_segments_reply(c, id, sp, p, m->first_index, 0);
+}
+
+static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *refs, size_t n,
+                                uint32_t nsf, int lookup) {
+    Kvd__BlockRef *v = calloc(n > 0 ? n : 1, sizeof(*v));
+    Kvd__BlockRef **pv = calloc(n > 0 ? n : 1, sizeof(*pv));
+    kv_err rc = KV_ENOMEM;
+    if (v == NULL || pv == NULL) {
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__block_ref__init(&v[i]);
+        v[i].id = refs[i].id;
+        v[i].gen = refs[i].gen;
+        pv[i] = &v[i];
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
+    Kvd__AllocateReply ar = KVD__ALLOCATE_REPLY__INIT;
+    if (lookup) {
+        lr.n_blocks = n;
+        lr.blocks = pv;
+        lr.new_segments_from = nsf;
+        env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
+        env.lookup_reply = &lr;
+    } else {
+        ar.n_blocks = n;
+        ar.blocks = pv;
+        ar.new_segments_from = nsf;
+        env.body_case = KVD__ENVELOPE__BODY_ALLOCATE_REPLY;
+        env.allocate_reply = &ar;
+    }
+    rc = kvd_conn_send(c, &env, NULL, 0);
+cleanup:
+    free(v);
+    free(pv);
+    return rc;
+}
+
+/* Records n new references of the session; on ENOMEM gives them back to the pool. */
+static kv_err hold_refs(kvd_conn *c, kvd_session_pool *sp, const kvd_block_ref *refs, size_t n,
+                        char *msg) {
+    for (size_t i = 0; i < n; i++) {
+        if (kvd_refs_add(&sp->refs, refs[i].id, refs[i].gen, 1) != KV_OK) {
+            for (size_t j = 0; j < i; j++) {
+                (void)kvd_refs_sub(&sp->refs, refs[j].id, 1);
+            }
+            (void)kvd_pool_release(sp->pool, c->sess.id, c->sess.tenant, refs, n);
+            FAIL(KV_ENOMEM, "no memory to record %zu references", n);
+        }
+    }
+    return KV_OK;
+}
+
+typedef struct stat_acc {
+    uint64_t free, cached, pinned; /* the counters we need from kvd_pool_stats */
+} stat_acc;
+
+static void acc_sink(void *arg, const char *name, uint64_t v) {
+    stat_acc *a = arg;
+    if (strcmp(name, "blocks_free") == 0) {
+        a->free = v;
+    } else if (strcmp(name, "blocks_cached") == 0) {
+        a->cached = v;
+    } else if (strcmp(name, "blocks_pinned") == 0) {
+        a->pinned = v;
+    }
+}
+
+static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char *msg) {
+    kvd_session_pool *sp;
+    kvd_srv_pool *p;
+    kv_err rc = session_pool(c, a->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_allocate(a, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t grow = budget_apply(c->srv, p);
+    kvd_block_ref *refs = malloc(sizeof(*refs) * a->count);
+    if (refs == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
+    }
+    rc = kvd_pool_allocate(p->pool, a->count, c->sess.id, c->sess.tenant, refs);
+    if (rc == KV_ENOSPC) {
+        stat_acc acc = {0, 0, 0};
+        kvd_pool_stats(p->pool, acc_sink, &acc);
+        uint64_t could = acc.free + acc.cached +
+                         (uint64_t)grow * kvd_pool_config_get(p->pool)->blocks_per_segment;
+        snprintf(msg, KVD_ERRMSG,
+                 "pool %u exhausted: asked %u blocks, %llu could be had (%llu free, %llu cached "
+                 "of which %llu pinned); release blocks or raise pool-memory",
+                 p->pool_id, a->count, (unsigned long long)could, (unsigned long long)acc.free,
+                 (unsigned long long)acc.cached, (unsigned long long)acc.pinned);
+        goto cleanup;
+    }
+    if (rc != KV_OK) {
+        snprintf(msg, KVD_ERRMSG, "allocate failed: %s", kv_strerror(rc));
+        goto cleanup;
+    }
+    rc = hold_refs(c, sp, refs, a->count, msg);
+    if (rc != KV_OK) {
+        goto cleanup;
+    }
+    rc = send_blocks_reply(c, id, refs, a->count, new_segments_from(sp), 0);
+cleanup:
+    free(refs);
+    return rc;
+}
+
+static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
+    kvd_session_pool *sp;
+    kvd_srv_pool *p;
+    kv_err rc = session_pool(c, l->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_lookup(l, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t n = l->n_hashes;
+    kv_hash128 *hashes = malloc(sizeof(*hashes) * (n > 0 ? n : 1));
+    kvd_block_ref *refs = malloc(sizeof(*refs) * (n > 0 ? n : 1));
+    size_t nhit = 0;
+    if (hashes == NULL || refs == NULL) {
+        snprintf(msg, KVD_ERRMSG, "no memory for %zu hashes", n);
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        hashes[i].lo = l->hashes[i]->lo;
+        hashes[i].hi = l->hashes[i]->hi;
+    }
+    rc = kvd_pool_lookup(p->pool, c->sess.tenant, hashes, n, refs, &nhit);
+    if (rc != KV_OK) {
+        snprintf(msg, KVD_ERRMSG, "lookup failed: %s", kv_strerror(rc));
+        goto cleanup;
+    }
+    rc = hold_refs(c, sp, refs, nhit, msg);
+    if (rc != KV_OK) {
+        goto cleanup;
+    }
+    rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1);
+cleanup:
+    free(hashes);
+    free(refs);
+    return rc;
+}
+
+/* Checks a handle the session says it holds `times` times: ENOENT/ESTALE from the pool, EPERM
+ * when the session holds fewer references. */
+static kv_err check_held(kvd_conn *c, kvd_session_pool *sp, kvd_block_ref r, uint32_t times,
+                         const char *what, size_t i, char *msg) {
+    kv_err rc = kvd_pool_check_ref(sp->pool, r);
+    if (rc == KV_ENOENT) {
+        FAIL(rc, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id, sp->pool_id);
+    }
+    if (rc == KV_ESTALE) {
+        FAIL(rc, "%s[%zu]: block %u generation %u is stale", what, i, r.id, r.gen);
+    }
+    if (rc != KV_OK) {
+        FAIL(rc, "%s[%zu]: block %u: %s", what, i, r.id, kv_strerror(rc));
+    }
+    uint32_t held = kvd_refs_count(&sp->refs, r.id, NULL);
+    if (held < times) {
+        FAIL(KV_EPERM, "%s[%zu]: block %u is held %u times by this session, not %u", what, i, r.id,
+             held, times);
+    }
+    (void)c;
+    return KV_OK;
+}
+
+static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
+    kvd_session_pool *sp;
+    kvd_srv_pool *p;
+    kv_err rc = session_pool(c, cm->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_commit(cm, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t n = cm->n_entries;
+    kvd_refs seen;
+    kvd_refs_init(&seen);
+    kvd_block_ref *canon = calloc(n > 0 ? n : 1, sizeof(*canon));
+    Kvd__BlockRef *v = calloc(n > 0 ? n : 1, sizeof(*v));
+    Kvd__BlockRef **pv = calloc(n > 0 ? n : 1, sizeof(*pv));
+    if (canon == NULL || v == NULL || pv == NULL) {
+        snprintf(msg, KVD_ERRMSG, "no memory for %zu entries", n);
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
+    /* Check everything first: the commit itself must not fail half way. */
+    for (size_t i = 0; i < n; i++) {
+        const Kvd__CommitEntry *e = cm->entries[i];
+        kvd_block_ref r = {e->block->id, e->block->gen};
+        rc = check_held(c, sp, r, 1, "entries", i, msg);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+        kvd_block_info info;
+        rc = kvd_pool_block_info(p->pool, r.id, &info);
+        if (rc != KV_OK || info.state != KVD_BLOCK_WRITING || info.owner_session != c->sess.id) {
+            snprintf(msg, KVD_ERRMSG, "entries[%zu]: block %u is not WRITING under this session", i,
+                     r.id);
+            rc = KV_ESTATE;
+            goto cleanup;
+        }
+        if (kvd_refs_count(&seen, r.id, NULL) > 0) {
+            snprintf(msg, KVD_ERRMSG, "entries[%zu]: block %u is listed twice", i, r.id);
+            rc = KV_ESTATE;
+            goto cleanup;
+        }
+        if (e->parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, e->parent, &info) != KV_OK) {
+            snprintf(msg, KVD_ERRMSG, "entries[%zu]: parent block %u does not exist", i, e->parent);
+            rc = KV_ENOENT;
+            goto cleanup;
+        }
+        rc = kvd_refs_add(&seen, r.id, r.gen, 1);
+        if (rc != KV_OK) {
+            snprintf(msg, KVD_ERRMSG, "no memory");
+            goto cleanup;
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvd__CommitEntry *e = cm->entries[i];
+        kvd_block_ref r = {e->block->id, e->block->gen};
+        kv_hash128 h = {e->hash->lo, e->hash->hi};
+        uint32_t parent = e->parent;
+        /* A parent committed earlier in this request may have been replaced by a duplicate. */
+        for (size_t j = 0; j < i && parent != KVD_NO_BLOCK; j++) {
+            if (cm->entries[j]->block->id == parent) {
+                parent = canon[j].id;
+                break;
+            }
+        }
+        rc = kvd_pool_commit(p->pool, c->sess.id, r, h, parent, &canon[i]);
+        if (rc != KV_OK) {
+            KV_LOG(ERROR, "KVD-COMMIT", "session %llu: commit of checked block %u failed: %s",
+                   (unsigned long long)c->sess.id, r.id, kv_strerror(rc));
+            snprintf(msg, KVD_ERRMSG, "internal: entries[%zu] failed after %zu were committed: %s",
+                     i, i, kv_strerror(rc));
+            rc = KV_EINTERNAL;
+            goto cleanup;
+        }
+        if (canon[i].id != r.id) {
+            /* Our block was freed; the reference now lives on the canonical one. */
+            KV_ASSERT(kvd_refs_sub(&sp->refs, r.id, 1) == KV_OK);
+            if (kvd_refs_add(&sp->refs, canon[i].id, canon[i].gen, 1) != KV_OK) {
+                (void)kvd_pool_release(p->pool, c->sess.id, c->sess.tenant, &canon[i], 1);
+                snprintf(msg, KVD_ERRMSG, "no memory to record a reference");
+                rc = KV_ENOMEM;
+                goto cleanup;
+            }
+        }
+        kvd__block_ref__init(&v[i]);
+        v[i].id = canon[i].id;
+        v[i].gen = canon[i].gen;
+        pv[i] = &v[i];
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
+    cr.n_canonical = n;
+    cr.canonical = pv;
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
+    env.commit_reply = &cr;
+    rc = kvd_conn_send(c, &env, NULL, 0);
+cleanup:
+    kvd_refs_fini(&seen);
+    free(canon);
+    free(v);
+    free(pv);
+    return rc;
+}
+
+static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t n,
+                         Kvd__BlockRef *const *blocks, int rewind, char *msg) {
+    kvd_session_pool *sp;
+    kv_err rc = session_pool(c, pool_id, &sp, NULL, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_refs(n, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kvd_refs times;
+    kvd_refs_init(&times);
+    kvd_block_ref *refs = malloc(sizeof(*refs) * (n > 0 ? n : 1));
+    if (refs == NULL) {
+        snprintf(msg, KVD_ERRMSG, "no memory");
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        refs[i].id = blocks[i]->id;
+        refs[i].gen = blocks[i]->gen;
+        /* Count repeats so that a block listed k times needs k references. */
+        rc = kvd_pool_check_ref(sp->pool, refs[i]);
+        if (rc == KV_OK) {
+            rc = kvd_refs_add(&times, refs[i].id, refs[i].gen, 1);
+        }
+        uint32_t k = rc == KV_OK ? kvd_refs_count(&times, refs[i].id, NULL) : 1;
+        rc = check_held(c, sp, refs[i], k, "blocks", i, msg);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+    }
+    rc = kvd_pool_release(sp->pool, c->sess.id, c->sess.tenant, refs, n);
+    if (rc != KV_OK) {
+        snprintf(msg, KVD_ERRMSG, "release failed: %s", kv_strerror(rc));
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        KV_ASSERT(kvd_refs_sub(&sp->refs, refs[i].id, 1) == KV_OK);
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__ReleaseReply rr = KVD__RELEASE_REPLY__INIT;
+    Kvd__RewindReply wr = KVD__REWIND_REPLY__INIT;
+    if (rewind) {
+        env.body_case = KVD__ENVELOPE__BODY_REWIND_REPLY;
+        env.rewind_reply = &wr;
+    } else {
+        env.body_case = KVD__ENVELOPE__BODY_RELEASE_REPLY;
+        env.release_reply = &rr;
+    }
+    rc = kvd_conn_send(c, &env, NULL, 0);
+cleanup:
+    kvd_refs_fini(&times);
+    free(refs);
+    return rc;
+}
+
+static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
+    kvd_session_pool *sp;
+    kv_err rc = session_pool(c, pin->pool_id, &sp, NULL, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_pin(pin, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    for (size_t i = 0; i < pin->n_blocks; i++) {
+        kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
+        rc = check_held(c, sp, r, 1, "blocks", i, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+        kvd_block_info info;
+        if (kvd_pool_block_info(sp->pool, r.id, &info) != KV_OK ||
+            (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
+            FAIL(KV_ESTATE, "blocks[%zu]: block %u is not committed", i, r.id);
+        }
+    }
+    for (size_t i = 0; i < pin->n_blocks; i++) {
+        kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
+        rc = pin->unpin ? kvd_pool_unpin(sp->pool, r)
+                        : kvd_pool_pin(sp->pool, r, pin->retention_ms, (uint8_t)pin->priority);
+        if (rc != KV_OK) {
+            FAIL(rc, "blocks[%zu]: %s", i, kv_strerror(rc));
+        }
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__PinReply pr = KVD__PIN_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_PIN_REPLY;
+    env.pin_reply = &pr;
+    return kvd_conn_send(c, &env, NULL, 0);
+}
+
+typedef struct stat_list {
+    Kvd__Stat *v;       /* stats */
+    char (*names)[64];  /* their names */
+    size_t n, cap;      /* used, allocated */
+    const char *prefix; /* prepended to names from a sink */
+} stat_list;
+
+static void stat_add(void *arg, const char *name, uint64_t value) {
+    stat_list *l = arg;
+    if (l->n == l->cap) {
+        return;
+    }
+    kvd__stat__init(&l->v[l->n]);
+    snprintf(l->names[l->n], sizeof(l->names[0]), "%s%s", l->prefix, name);
+    l->v[l->n].name = l->names[l->n];
+    l->v[l->n].value = value;
+    l->n++;
+}
+
+static kv_err on_stats(kvd_conn *c, uint64_t id, const Kvd__Stats *st, char *msg) {
+    kvd_server *s = c->srv;
+    kvd_session_pool *sp = NULL;
+    if (st->pool_id != 0) {
+        kv_err rc = session_pool(c, st->pool_id, &sp, NULL, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
+    stat_list l;
+    l.cap = 64;
+    l.n = 0;
+    l.prefix = "";
+    l.v = calloc(l.cap, sizeof(*l.v));
+    l.names = calloc(l.cap, sizeof(*l.names));
+    Kvd__Stat **pv = calloc(l.cap, sizeof(*pv));
+    kv_err rc = KV_ENOMEM;
+    if (l.v == NULL || l.names == NULL || pv == NULL) {
+        snprintf(msg, KVD_ERRMSG, "no memory for stats");
+        goto cleanup;
+    }
+    stat_add(&l, "daemon.sessions", s->nconns);
+    stat_add(&l, "daemon.pools", s->npools);
+    stat_add(&l, "daemon.pool_memory_bytes", s->cfg.pool_memory);
+    stat_add(&l, "daemon.pool_memory_used", budget_used(s));
+    stat_add(&l, "session.id", c->sess.id);
+    stat_add(&l, "session.requests", c->sess.requests);
+    stat_add(&l, "session.errors", c->sess.errors);
+    stat_add(&l, "session.pools_attached", c->sess.npools);
+    stat_add(&l, "session.refs_held", kvd_session_refs_held(&c->sess));
+    if (sp != NULL) {
+        stat_add(&l, "pool.id", sp->pool_id);
+        l.prefix = "pool.";
+        kvd_pool_stats(sp->pool, stat_add, &l);
+        l.prefix = "";
+        stat_add(&l, "pool.session_refs", sp->refs.total);
+    }
+    for (size_t i = 0; i < l.n; i++) {
+        pv[i] = &l.v[i];
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__StatsReply sr = KVD__STATS_REPLY__INIT;
+    sr.n_stats = l.n;
+    sr.stats = pv;
+    env.body_case = KVD__ENVELOPE__BODY_STATS_REPLY;
+    env.stats_reply = &sr;
+    rc = kvd_conn_send(c, &env, NULL, 0);
+cleanup:
+    free(l.v);
+    free(l.names);
+    free(pv);
+    return rc;
+}
+
+static kv_err on_ping(kvd_conn *c, uint64_t id, const Kvd__Ping *p, char *msg) {
+    kv_err rc = kvd_validate_ping(p, c->srv->cfg.max_frame_bytes, msg, KVD_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__Pong pong = KVD__PONG__INIT;
+    pong.nonce = p->nonce;
+    pong.payload = p->payload;
+    env.body_case = KVD__ENVELOPE__BODY_PONG;
+    env.pong = &pong;
+    return kvd_conn_send(c, &env, NULL, 0);
+}
+
+static kv_err on_goodbye(kvd_conn *c, uint64_t id) {
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__GoodbyeReply gr = KVD__GOODBYE_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_GOODBYE_REPLY;
+    env.goodbye_reply = &gr;
+    kv_err rc = kvd_conn_send(c, &env, NULL, 0);
+    c->close_after_flush = 1;
+    return rc;
+}
+
+void kvd_handle_request(kvd_conn *c, const Kvd__Envelope *env) {
+    char msg[KVD_ERRMSG];
+    msg[0] = '\0';
+    kv_err rc;
+    c->sess.requests++;
+    if (env->boot_epoch != 0 && env->boot_epoch != c->srv->boot_epoch) {
+        snprintf(msg, sizeof(msg),
+                 "request is for boot epoch %016llx; this daemon is %016llx: re-attach",
+                 (unsigned long long)env->boot_epoch, (unsigned long long)c->srv->boot_epoch);
+        rc = KV_EEPOCH;
+        goto error;
+    }
+    if (!c->sess.hello && env->body_case != KVD__ENVELOPE__BODY_HELLO) {
+        snprintf(msg, sizeof(msg), "Hello must be the first request");
+        rc = KV_EPROTO;
+        goto error;
+    }
+    switch (env->body_case) {
+        case KVD__ENVELOPE__BODY_HELLO:
+            rc = on_hello(c, env->id, env->hello, msg);
+            break;
+        case KVD__ENVELOPE__BODY_ATTACH_POOL:
+            rc = on_attach(c, env->id, env->attach_pool, msg);
+            break;
+        case KVD__ENVELOPE__BODY_MAP_SEGMENTS:
+            rc = on_map(c, env->id, env->map_segments, msg);
+            break;
+        case KVD__ENVELOPE__BODY_LOOKUP:
+            rc = on_lookup(c, env->id, env->lookup, msg);
+            break;
+        case KVD__ENVELOPE__BODY_ALLOCATE:
+            rc = on_allocate(c, env->id, env->allocate, msg);
+            break;
+        case KVD__ENVELOPE__BODY_COMMIT:
+            rc = on_commit(c, env->id, env->commit, msg);
+            break;
+        case KVD__ENVELOPE__BODY_RELEASE:
+            rc = on_release(c, env->id, env->release->pool_id, env->release->n_blocks,
+                            env->release->blocks, 0, msg);
+            break;
+        case KVD__ENVELOPE__BODY_REWIND:
+            rc = on_release(c, env->id, env->rewind->pool_id, env->rewind->n_blocks,
+                            env->rewind->blocks, 1, msg);
+            break;
+        case KVD__ENVELOPE__BODY_PIN:
+            rc = on_pin(c, env->id, env->pin, msg);
+            break;
+        case KVD__ENVELOPE__BODY_STATS:
+            rc = on_stats(c, env->id, env->stats, msg);
+            break;
+        case KVD__ENVELOPE__BODY_PING:
+            rc = on_ping(c, env->id, env->ping, msg);
+            break;
+        case KVD__ENVELOPE__BODY_GOODBYE:
+            rc = on_goodbye(c, env->id);
+            break;
+        default:
+            snprintf(msg, sizeof(msg), "body %d is not a request", (int)env->body_case);
+            rc = KV_EPROTO;
+            break;
+    }
+    if (rc == KV_OK || rc == KV_ECLOSED) {
+        return;
+    }
+error:
+    if (rc == KV_EPROTO) {
+        kvd_conn_log_proto(c, msg, NULL, 0);
+    }
+    kvd_conn_send_error(c, env->id, rc, msg);
+}

@@ -1,0 +1,728 @@
+/* kvd_server: sockets, connections and their byte streams. Requests are decoded here and handed
+ * to handlers.c; replies come back as encoded frames in a per-connection queue. Reading a
+ * connection pauses while it has max-inflight unsent replies (backpressure without refusing),
+ * and a connection whose queue passes max-output-bytes is closed, so one client that does not
+ * read never holds memory or the loop hostage. */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common/kv_log.h"
+#include "common/kv_wire.h"
+#include "daemon/server_int.h"
+
+#define READ_CHUNK 65536
+
+static void conn_close(kvd_conn *c);
+static void conn_update_events(kvd_conn *c);
+
+/* ---- output ---------------------------------------------------------------------------- */
+
+static void frame_free(kvd_out_frame *f) {
+    for (uint32_t i = 0; i < f->nfds; i++) {
+        close(f->fds[i]);
+    }
+    free(f->fds);
+    free(f->buf);
+    free(f);
+}
+
+kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds) {
+    if (c->closing) {
+        return KV_ECLOSED;
+    }
+    kvd_out_frame *f = calloc(1, sizeof(*f));
+    if (f == NULL) {
+        return KV_ENOMEM;
+    }
+    size_t len = kv_wire_frame_size(env);
+    f->buf = malloc(len);
+    if (f->buf == NULL) {
+        free(f);
+        return KV_ENOMEM;
+    }
+    f->len = kv_wire_encode_into(env, f->buf);
+    if (nfds > 0) {
+        f->fds = malloc(sizeof(int) * nfds);
+        if (f->fds == NULL) {
+            frame_free(f);
+            return KV_ENOMEM;
+        }
+        /* Dup: a segment freed before this frame is written must not leave a dangling fd. */
+        for (uint32_t i = 0; i < nfds; i++) {
+            int d = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
+            if (d < 0) {
+                KV_LOG(ERROR, "KVD-CONN-FD", "dup of a segment fd failed: %s", strerror(errno));
+                frame_free(f);
+                return KV_ESYS;
+            }
+            f->fds[f->nfds++] = d;
+        }
+    }
+    if (c->out_tail != NULL) {
+        c->out_tail->next = f;
+    } else {
+        c->out_head = f;
+    }
+    c->out_tail = f;
+    c->out_frames++;
+    c->out_bytes += f->len;
+    if (c->out_bytes > c->srv->cfg.max_output_bytes && !c->close_after_flush) {
+        KV_LOG(WARN, "KVD-CONN-SLOW",
+               "session %llu (pid %d): %zu reply bytes queued, above max-output-bytes %llu; "
+               "disconnecting a client that does not read",
+               (unsigned long long)c->sess.id, (int)c->sess.pid, c->out_bytes,
+               (unsigned long long)c->srv->cfg.max_output_bytes);
+        conn_close(c);
+    }
+    return KV_OK;
+}
+
+void kvd_conn_send_error(kvd_conn *c, uint64_t id, kv_err code, const char *msg) {
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    Kvd__Error err = KVD__ERROR__INIT;
+    err.code = (Kvd__ErrorCode)code;
+    err.message = (char *)(msg != NULL && msg[0] != '\0' ? msg : kv_strerror(code));
+    env.id = id;
+    env.boot_epoch = c->srv->boot_epoch;
+    env.body_case = KVD__ENVELOPE__BODY_ERROR;
+    env.error = &err;
+    c->sess.errors++;
+    KV_LOG(DEBUG, "KVD-REQ-ERROR", "session %llu request %llu: %s: %s",
+           (unsigned long long)c->sess.id, (unsigned long long)id, kv_err_name(code), err.message);
+    if (kvd_conn_send(c, &env, NULL, 0) == KV_ENOMEM) {
+        KV_LOG(ERROR, "KVD-CONN-NOMEM", "session %llu: no memory for a reply; closing",
+               (unsigned long long)c->sess.id);
+        conn_close(c);
+    }
+}
+
+void kvd_conn_log_proto(kvd_conn *c, const char *what, const uint8_t *bytes, size_t len) {
+    kvd_server *s = c->srv;
+    uint64_t now = uv_now(s->loop);
+    /* At most 10 lines a second over all connections; the rest are counted. */
+    if (now - s->log_window_ms >= 1000) {
+        s->log_window_ms = now;
+        s->log_in_window = 0;
+    }
+    if (s->log_in_window >= 10) {
+        s->log_suppressed++;
+        return;
+    }
+    s->log_in_window++;
+    char hex[3 * 32 + 1];
+    size_t n = len < 32 ? len : 32;
+    for (size_t i = 0; i < n; i++) {
+        snprintf(hex + 3 * i, 4, "%02x ", bytes[i]);
+    }
+    hex[n > 0 ? 3 * n - 1 : 0] = '\0';
+    KV_LOG(WARN, "KVD-CONN-PROTO",
+           "session %llu (pid %d uid %d): %s; %zu bytes, first: %s (%llu similar lines "
+           "suppressed)",
+           (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid, what, len, hex,
+           (unsigned long long)s->log_suppressed);
+    s->log_suppressed = 0;
+}
+
+/* Writes as much of the queue as the socket takes. A frame with fds starts its own sendmsg so
+ * its fds ride with its first byte. Returns -1 when the connection was closed. */
+static int conn_flush(kvd_conn *c) {
+    while (c->out_head != NULL) {
+        struct iovec iov[64];
+        int niov = 0;
+        kvd_out_frame *f = c->out_head;
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * KVD_MAX_FDS_PER_FRAME)];
+            struct cmsghdr align;
+        } ctl;
+        struct msghdr mh;
+        memset(&mh, 0, sizeof(mh));
+        int with_fds = f->off == 0 && f->nfds > 0;
+        for (kvd_out_frame *g = f; g != NULL && niov < 64; g = g->next) {
+            if (g != f && g->nfds > 0) {
+                break;
+            }
+            iov[niov].iov_base = g->buf + g->off;
+            iov[niov].iov_len = g->len - g->off;
+            niov++;
+        }
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)niov;
+        if (with_fds) {
+            memset(&ctl, 0, sizeof(ctl));
+            mh.msg_control = ctl.buf;
+            mh.msg_controllen = CMSG_SPACE(sizeof(int) * f->nfds);
+            struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+            cm->cmsg_level = SOL_SOCKET;
+            cm->cmsg_type = SCM_RIGHTS;
+            cm->cmsg_len = CMSG_LEN(sizeof(int) * f->nfds);
+            memcpy(CMSG_DATA(cm), f->fds, sizeof(int) * f->nfds);
+        }
+        ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                return 0;
+            }
+            if (errno == EINTR) {
+                continue;
+            }
+            KV_LOG(DEBUG, "KVD-CONN-WRITE", "session %llu: sendmsg: %s",
+                   (unsigned long long)c->sess.id, strerror(errno));
+            conn_close(c);
+            return -1;
+        }
+        if (with_fds) {
+            /* The kernel holds the fds in flight now; our dups can go. */
+            for (uint32_t i = 0; i < f->nfds; i++) {
+                close(f->fds[i]);
+            }
+            f->nfds = 0;
+        }
+        size_t left = (size_t)n;
+        while (left > 0) {
+            kvd_out_frame *h = c->out_head;
+            size_t take = h->len - h->off < left ? h->len - h->off : left;
+            h->off += take;
+            left -= take;
+            c->out_bytes -= take;
+            if (h->off == h->len) {
+                c->out_head = h->next;
+                if (c->out_head == NULL) {
+                    c->out_tail = NULL;
+                }
+                c->out_frames--;
+                frame_free(h);
+            }
+        }
+    }
+    if (c->close_after_flush) {
+        conn_close(c);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- input ----------------------------------------------------------------------------- */
+
+static uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Decodes and handles the whole frames in the input buffer while the connection may take more
+ * requests. Returns the number of frames handled. */
+static size_t conn_process(kvd_conn *c) {
+    kvd_server *s = c->srv;
+    size_t handled = 0;
+    while (!c->closing && !c->close_after_flush && c->out_frames < s->cfg.max_inflight) {
+        const uint8_t *p = c->in + c->in_off;
+        size_t avail = c->in_len - c->in_off;
+        Kvd__Envelope *env = NULL;
+        size_t used = 0;
+        kv_err rc = kv_wire_decode(p, avail, (uint32_t)s->cfg.max_frame_bytes, &env, &used);
+        if (rc == KV_ETOOBIG) {
+            char msg[KVD_ERRMSG];
+            snprintf(msg, sizeof(msg), "frame of %u bytes exceeds max_frame_bytes %llu; closing",
+                     le32(p), (unsigned long long)s->cfg.max_frame_bytes);
+            kvd_conn_log_proto(c, "frame too big", p, avail);
+            kvd_conn_send_error(c, 0, KV_ETOOBIG, msg);
+            /* The body is not read: the stream cannot be resynchronised. */
+            c->in_off = c->in_len = 0;
+            c->close_after_flush = 1;
+            break;
+        }
+        if (rc == KV_EPROTO) {
+            /* The length was valid, so skip exactly this frame and stay in sync. */
+            size_t flen = KV_WIRE_HEADER_BYTES + le32(p);
+            kvd_conn_log_proto(c, "frame body does not decode as an Envelope", p, flen);
+            kvd_conn_send_error(c, 0, KV_EPROTO,
+                                "frame body is not a kvd.Envelope with a body; frame skipped");
+            c->in_off += flen;
+            handled++;
+            continue;
+        }
+        if (env == NULL) {
+            break;
+        }
+        c->in_off += used;
+        kvd_handle_request(c, env);
+        kv_wire_free(env);
+        handled++;
+    }
+    if (c->in_off == c->in_len) {
+        c->in_off = c->in_len = 0;
+    }
+    return handled;
+}
+
+/* Reads once. Returns -1 when the connection closed. */
+static int conn_read(kvd_conn *c) {
+    size_t need = c->srv->cfg.max_frame_bytes + KV_WIRE_HEADER_BYTES + READ_CHUNK;
+    if (c->in_off > 0 && c->in_cap - c->in_len < READ_CHUNK) {
+        memmove(c->in, c->in + c->in_off, c->in_len - c->in_off);
+        c->in_len -= c->in_off;
+        c->in_off = 0;
+    }
+    if (c->in_cap - c->in_len < READ_CHUNK && c->in_cap < need) {
+        size_t ncap = c->in_cap == 0 ? 2 * READ_CHUNK : c->in_cap * 2;
+        if (ncap > need) {
+            ncap = need;
+        }
+        uint8_t *n = realloc(c->in, ncap);
+        if (n == NULL) {
+            KV_LOG(ERROR, "KVD-CONN-NOMEM", "session %llu: no memory for input; closing",
+                   (unsigned long long)c->sess.id);
+            conn_close(c);
+            return -1;
+        }
+        c->in = n;
+        c->in_cap = ncap;
+    }
+    size_t room = c->in_cap - c->in_len;
+    if (room == 0) {
+        /* A whole frame always fits, so a full buffer means requests are paused. */
+        return 0;
+    }
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 16)];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {c->in + c->in_len, room};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof(mh));
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof(ctl.buf);
+    ssize_t n = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            return 0;
+        }
+        KV_LOG(DEBUG, "KVD-CONN-READ", "session %llu: recvmsg: %s", (unsigned long long)c->sess.id,
+               strerror(errno));
+        conn_close(c);
+        return -1;
+    }
+    /* Clients never send fds; close any that came so they cannot pile up in the daemon. */
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            int fds[16];
+            memcpy(fds, CMSG_DATA(cm), k * sizeof(int));
+            for (size_t i = 0; i < k; i++) {
+                close(fds[i]);
+            }
+        }
+    }
+    if (n == 0) {
+        conn_close(c);
+        return -1;
+    }
+    c->in_len += (size_t)n;
+    return 0;
+}
+
+static void on_conn_poll(uv_poll_t *h, int status, int events) {
+    kvd_conn *c = h->data;
+    if (c->closing) {
+        return;
+    }
+    if (status < 0) {
+        conn_close(c);
+        return;
+    }
+    if ((events & UV_WRITABLE) && conn_flush(c) < 0) {
+        return;
+    }
+    if ((events & UV_READABLE) && c->out_frames < c->srv->cfg.max_inflight &&
+        !c->close_after_flush && conn_read(c) < 0) {
+        return;
+    }
+    /* Handle, write, and go on while writing made room for buffered requests. */
+    for (;;) {
+        size_t handled = conn_process(c);
+        if (c->closing || conn_flush(c) < 0) {
+            return;
+        }
+        if (handled == 0 || c->out_frames >= c->srv->cfg.max_inflight) {
+            break;
+        }
+    }
+    conn_update_events(c);
+}
+
+static void conn_update_events(kvd_conn *c) {
+    if (c->closing) {
+        return;
+    }
+    int ev = 0;
+    if (!c->close_after_flush && c->out_frames < c->srv->cfg.max_inflight) {
+        ev |= UV_READABLE;
+    }
+    if (c->out_head != NULL) {
+        ev |= UV_WRITABLE;
+    }
+    if (ev == c->events) {
+        return;
+    }
+    c->events = ev;
+    if (ev == 0) {
+        uv_poll_stop(&c->poll);
+    } else {
+        uv_poll_start(&c->poll, ev, on_conn_poll);
+    }
+}
+
+static void on_conn_closed(uv_handle_t *h) {
+    kvd_conn *c = h->data;
+    kvd_server *s = c->srv;
+    uint64_t refs = kvd_session_refs_held(&c->sess);
+    KV_LOG(INFO, "KVD-CONN-CLOSE", "session %llu closed (pid %d, %s): %llu references released",
+           (unsigned long long)c->sess.id, (int)c->sess.pid,
+           c->sess.hello ? kvd_tenants_name(s->tenants, c->sess.tenant) : "no hello",
+           (unsigned long long)refs);
+    kvd_session_fini(&c->sess);
+    close(c->fd);
+    while (c->out_head != NULL) {
+        kvd_out_frame *f = c->out_head;
+        c->out_head = f->next;
+        frame_free(f);
+    }
+    free(c->in);
+    if (c->prev != NULL) {
+        c->prev->next = c->next;
+    } else {
+        s->conns = c->next;
+    }
+    if (c->next != NULL) {
+        c->next->prev = c->prev;
+    }
+    s->nconns--;
+    free(c);
+}
+
+static void conn_close(kvd_conn *c) {
+    if (c->closing) {
+        return;
+    }
+    c->closing = 1;
+    uv_close((uv_handle_t *)&c->poll, on_conn_closed);
+}
+
+/* ---- accept ---------------------------------------------------------------------------- */
+
+/* Sends one Error frame on a socket we will not serve, best effort, and closes it. */
+static void refuse(kvd_server *s, int fd, kv_err code, const char *msg) {
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    Kvd__Error err = KVD__ERROR__INIT;
+    err.code = (Kvd__ErrorCode)code;
+    err.message = (char *)msg;
+    env.boot_epoch = s->boot_epoch;
+    env.body_case = KVD__ENVELOPE__BODY_ERROR;
+    env.error = &err;
+    uint8_t buf[512];
+    if (kv_wire_frame_size(&env) <= sizeof(buf)) {
+        size_t n = kv_wire_encode_into(&env, buf);
+        ssize_t w = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w;
+    }
+    close(fd);
+}
+
+static void on_listen_poll(uv_poll_t *h, int status, int events) {
+    kvd_server *s = h->data;
+    (void)events;
+    if (status < 0 || s->stopping) {
+        return;
+    }
+    for (int i = 0; i < 64; i++) {
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                KV_LOG(WARN, "KVD-ACCEPT", "accept: %s", strerror(errno));
+            }
+            return;
+        }
+        if (s->nconns >= s->cfg.max_connections) {
+            KV_LOG(WARN, "KVD-CONN-BUSY", "refusing a connection: %u open (max-connections)",
+                   s->nconns);
+            refuse(s, fd, KV_EBUSY, "too many connections (max-connections); try again later");
+            continue;
+        }
+        struct ucred cred;
+        socklen_t clen = sizeof(cred);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
+            KV_LOG(WARN, "KVD-ACCEPT", "SO_PEERCRED: %s", strerror(errno));
+            close(fd);
+            continue;
+        }
+        kvd_conn *c = calloc(1, sizeof(*c));
+        if (c == NULL || uv_poll_init(s->loop, &c->poll, fd) != 0) {
+            KV_LOG(ERROR, "KVD-ACCEPT", "no memory or poll for a new connection");
+            free(c);
+            close(fd);
+            continue;
+        }
+        c->srv = s;
+        c->fd = fd;
+        c->poll.data = c;
+        kvd_session_init(&c->sess, s->next_session_id++, cred.pid, cred.uid, cred.gid);
+        c->next = s->conns;
+        if (s->conns != NULL) {
+            s->conns->prev = c;
+        }
+        s->conns = c;
+        s->nconns++;
+        KV_LOG(INFO, "KVD-CONN-OPEN", "session %llu opened: pid %d uid %d gid %d",
+               (unsigned long long)c->sess.id, (int)cred.pid, (int)cred.uid, (int)cred.gid);
+        conn_update_events(c);
+    }
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------- */
+
+kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out) {
+    kvd_server *s = calloc(1, sizeof(*s));
+    if (s == NULL) {
+        return KV_ENOMEM;
+    }
+    kv_err rc;
+    s->cfg = *cfg;
+    s->loop = loop;
+    s->listen_fd = -1;
+    s->next_pool_id = 1;
+    s->next_session_id = 1;
+    s->host.hugepages = cfg->hugepages;
+    s->be = &kvd_backend_host;
+    while (s->boot_epoch == 0) {
+        if (getrandom(&s->boot_epoch, sizeof(s->boot_epoch), 0) != sizeof(s->boot_epoch)) {
+            KV_LOG(ERROR, "KVD-START", "getrandom: %s", strerror(errno));
+            rc = KV_ESYS;
+            goto cleanup_server;
+        }
+    }
+    rc = kvd_tenants_alloc(&s->tenants);
+    if (rc != KV_OK) {
+        goto cleanup_server;
+    }
+    if (cfg->tenants_file[0] != '\0') {
+        char err[512];
+        rc = kvd_tenants_load(s->tenants, cfg->tenants_file, err, sizeof(err));
+        if (rc != KV_OK) {
+            KV_LOG(ERROR, "KVD-TENANTS", "tenants-file: %s", err);
+            goto cleanup_tenants;
+        }
+    }
+    rc = kvd_index_alloc(cfg->index_entries, &s->index);
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "prefix index of %llu entries: %s",
+               (unsigned long long)cfg->index_entries, kv_strerror(rc));
+        goto cleanup_tenants;
+    }
+    *out = s;
+    return KV_OK;
+cleanup_tenants:
+    kvd_tenants_free(s->tenants);
+cleanup_server:
+    free(s);
+    return rc;
+}
+
+/* Fills s->sock_path from the option or the default location and creates its directory. */
+static kv_err socket_path_prepare(kvd_server *s) {
+    char path[KVD_CONFIG_PATH_MAX];
+    int own_dir = 0;
+    if (s->cfg.socket[0] != '\0') {
+        snprintf(path, sizeof(path), "%s", s->cfg.socket);
+    } else {
+        const char *xdg = getenv("XDG_RUNTIME_DIR");
+        if (xdg != NULL && xdg[0] != '\0') {
+            snprintf(path, sizeof(path), "%s/kvd/kvd.sock", xdg);
+        } else {
+            snprintf(path, sizeof(path), "/tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+        }
+        own_dir = 1;
+    }
+    if (strlen(path) >= sizeof(s->sock_path)) {
+        KV_LOG(ERROR, "KVD-SOCKET", "socket path '%s' is longer than %zu bytes", path,
+               sizeof(s->sock_path) - 1);
+        return KV_EINVAL;
+    }
+    snprintf(s->sock_path, sizeof(s->sock_path), "%s", path);
+    char *slash = strrchr(path, '/');
+    if (slash != NULL && slash != path) {
+        *slash = '\0';
+        struct stat st;
+        if (stat(path, &st) != 0) {
+            if (mkdir(path, (mode_t)s->cfg.socket_dir_mode) != 0 && errno != EEXIST) {
+                KV_LOG(ERROR, "KVD-SOCKET", "cannot create socket directory %s: %s", path,
+                       strerror(errno));
+                return KV_ESYS;
+            }
+            (void)chmod(path, (mode_t)s->cfg.socket_dir_mode);
+        } else if (!S_ISDIR(st.st_mode)) {
+            KV_LOG(ERROR, "KVD-SOCKET", "%s is not a directory", path);
+            return KV_ESYS;
+        } else if (own_dir && st.st_uid != getuid()) {
+            KV_LOG(ERROR, "KVD-SOCKET", "socket directory %s belongs to uid %u, not us", path,
+                   (unsigned)st.st_uid);
+            return KV_EPERM;
+        }
+    }
+    return KV_OK;
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+    kvd_server *s = h->data;
+    KV_LOG(INFO, "KVD-STOP", "signal %d: stopping", signum);
+    kvd_server_stop(s);
+}
+
+static void on_stop_async(uv_async_t *h) {
+    kvd_server_stop(h->data);
+}
+
+kv_err kvd_server_start(kvd_server *s, int handle_signals) {
+    if (uv_async_init(s->loop, &s->stop_async, on_stop_async) != 0) {
+        return KV_ESYS;
+    }
+    s->stop_async.data = s;
+    s->async_active = 1;
+    if (handle_signals) {
+        uv_signal_init(s->loop, &s->sigterm);
+        uv_signal_init(s->loop, &s->sigint);
+        s->sigterm.data = s->sigint.data = s;
+        s->signals_active = 1;
+        uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+        uv_signal_start(&s->sigint, on_signal, SIGINT);
+    }
+    kv_err rc = socket_path_prepare(s);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        KV_LOG(ERROR, "KVD-SOCKET", "socket: %s", strerror(errno));
+        return KV_ESYS;
+    }
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, s->sock_path, strlen(s->sock_path) + 1);
+    struct stat st;
+    if (lstat(s->sock_path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) {
+            KV_LOG(ERROR, "KVD-SOCKET", "%s exists and is not a socket", s->sock_path);
+            rc = KV_EEXIST;
+            goto cleanup_fd;
+        }
+        /* A socket file nobody answers on is left over from a daemon that died: take it. */
+        int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int live = probe >= 0 && connect(probe, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+        if (probe >= 0) {
+            close(probe);
+        }
+        if (live) {
+            KV_LOG(ERROR, "KVD-SOCKET", "another kvd is serving %s", s->sock_path);
+            rc = KV_EEXIST;
+            goto cleanup_fd;
+        }
+        unlink(s->sock_path);
+    }
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        KV_LOG(ERROR, "KVD-SOCKET", "bind %s: %s", s->sock_path, strerror(errno));
+        rc = KV_ESYS;
+        goto cleanup_fd;
+    }
+    s->bound = 1;
+    if (chmod(s->sock_path, (mode_t)s->cfg.socket_mode) != 0 || listen(fd, 512) != 0) {
+        KV_LOG(ERROR, "KVD-SOCKET", "chmod/listen %s: %s", s->sock_path, strerror(errno));
+        rc = KV_ESYS;
+        goto cleanup_fd;
+    }
+    if (uv_poll_init(s->loop, &s->listen_poll, fd) != 0) {
+        rc = KV_ESYS;
+        goto cleanup_fd;
+    }
+    s->listen_fd = fd;
+    s->listen_poll.data = s;
+    s->listen_active = 1;
+    uv_poll_start(&s->listen_poll, UV_READABLE, on_listen_poll);
+    return KV_OK;
+cleanup_fd:
+    close(fd);
+    return rc;
+}
+
+static void on_listen_closed(uv_handle_t *h) {
+    kvd_server *s = h->data;
+    close(s->listen_fd);
+    s->listen_fd = -1;
+}
+
+void kvd_server_stop(kvd_server *s) {
+    if (s->stopping) {
+        return;
+    }
+    s->stopping = 1;
+    if (s->listen_active) {
+        s->listen_active = 0;
+        uv_close((uv_handle_t *)&s->listen_poll, on_listen_closed);
+    }
+    if (s->bound) {
+        unlink(s->sock_path);
+        s->bound = 0;
+    }
+    kvd_conn *next;
+    for (kvd_conn *c = s->conns; c != NULL; c = next) {
+        next = c->next;
+        if (!c->closing) {
+            /* Best effort: what the socket takes now; a client that does not read loses it. */
+            c->close_after_flush = 1;
+            if (conn_flush(c) == 0) {
+                conn_close(c);
+            }
+        }
+    }
+    if (s->signals_active) {
+        s->signals_active = 0;
+        uv_close((uv_handle_t *)&s->sigterm, NULL);
+        uv_close((uv_handle_t *)&s->sigint, NULL);
+    }
+    if (s->async_active) {
+        s->async_active = 0;
+        uv_close((uv_handle_t *)&s->stop_async, NULL);
+    }
+}
+
+void kvd_server_stop_async(kvd_server *s) {
+    uv_async_send(&s->stop_async);
+}
+
+void kvd_server_free(kvd_server *s) {
+    if (s == NULL) {
+        return;
+    }
+    KV_ASSERT(s->conns == NULL);
+    kvd_handlers_free_pools(s);
+    kvd_index_free(s->index);
+    kvd_tenants_free(s->tenants);
+    free(s);
+}
+
+const char *kvd_server_socket_path(const kvd_server *s) {
+    return s->sock_path;
+}
+
+uint64_t kvd_server_boot_epoch(const kvd_server *s) {
+    return s->boot_epoch;
+}

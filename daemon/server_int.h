@@ -1,0 +1,107 @@
+/* kvd server internals shared by server.c (connections, I/O) and handlers.c (one function per
+ * request). Not an interface for other modules. Loop thread only.
+ */
+#ifndef KVD_SERVER_INT_H
+#define KVD_SERVER_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/kv_layout.h"
+#include "daemon/backend_host.h"
+#include "daemon/config.h"
+#include "daemon/index.h"
+#include "daemon/pool.h"
+#include "daemon/server.h"
+#include "daemon/session.h"
+#include "daemon/tenant.h"
+#include "daemon/validate.h"
+#include "proto/kvd.pb-c.h"
+
+#define KVD_MAX_FDS_PER_FRAME 200        /* segments (fds) per reply */
+#define KVD_MAX_BLOCKS_PER_SEGMENT 65536 /* caps metadata per segment for tiny blocks */
+#define KVD_ERRMSG 256                   /* bytes of an Error message */
+
+/* One encoded reply waiting to be written. */
+typedef struct kvd_out_frame {
+    struct kvd_out_frame *next; /* queue link */
+    uint8_t *buf;               /* the whole frame, header included */
+    size_t len, off;            /* bytes and bytes already written */
+    int *fds;                   /* dup'd fds sent with the first byte; closed once sent */
+    uint32_t nfds;              /* entries of fds still owned */
+} kvd_out_frame;
+
+typedef struct kvd_conn {
+    kvd_server *srv;                    /* owner */
+    uv_poll_t poll;                     /* readiness of fd; freed in its close callback */
+    int fd;                             /* the client socket, non-blocking */
+    int events;                         /* events the poll watches now */
+    int closing;                        /* uv_close called */
+    int close_after_flush;              /* close once the output queue is empty */
+    kvd_session sess;                   /* identity and references */
+    uint8_t *in;                        /* input buffer */
+    size_t in_off, in_len, in_cap;      /* consumed offset, filled bytes, capacity */
+    kvd_out_frame *out_head, *out_tail; /* output queue */
+    size_t out_frames, out_bytes;       /* queued frames and unsent bytes */
+    struct kvd_conn *prev, *next;       /* the server's connection list */
+} kvd_conn;
+
+/* One pool the server keeps: key (model_id, layout shape, domain) -> kvd_pool. */
+typedef struct kvd_srv_pool {
+    uint32_t pool_id;                    /* > 0 */
+    char model_id[KVD_MAX_MODEL_ID + 1]; /* NUL-terminated */
+    kv_layout layout;                    /* shape (derived fields filled) */
+    uint32_t domain;                     /* the owner tenant's private domain (tenant id) */
+    uint64_t segment_bytes;              /* bytes one segment costs */
+    kv_hash128 seed;                     /* hash_seed sent to clients */
+    kvd_pool *pool;                      /* owned */
+} kvd_srv_pool;
+
+struct kvd_server {
+    kvd_config cfg;              /* copy of the options */
+    uv_loop_t *loop;             /* the one loop */
+    uint64_t boot_epoch;         /* random, non-zero */
+    char sock_path[108];         /* sun_path in use */
+    int listen_fd;               /* -1 before start */
+    uv_poll_t listen_poll;       /* accept readiness */
+    int listen_active;           /* listen_poll initialised and not closed */
+    uv_signal_t sigterm, sigint; /* stop on SIGTERM/SIGINT */
+    int signals_active;          /* signal handles initialised and not closed */
+    uv_async_t stop_async;       /* kvd_server_stop_async */
+    int async_active;            /* stop_async initialised and not closed */
+    int stopping;                /* kvd_server_stop ran */
+    int bound;                   /* socket file is ours to unlink */
+    kvd_index *index;            /* the one prefix index */
+    kvd_tenants *tenants;        /* peer credentials -> tenant */
+    kvd_backend_host_ctx host;   /* host backend options */
+    const kvd_backend_ops *be;   /* segment memory */
+    kvd_srv_pool *pools;         /* live pools */
+    uint32_t npools, pools_cap;  /* used and allocated entries */
+    uint32_t next_pool_id;       /* next pool id to hand out */
+    uint64_t next_session_id;    /* next session id */
+    kvd_conn *conns;             /* open connections */
+    uint32_t nconns;             /* entries of conns */
+    uint64_t log_window_ms;      /* start of the protocol-error log window */
+    uint32_t log_in_window;      /* protocol errors logged in the window */
+    uint64_t log_suppressed;     /* protocol errors not logged since the last one */
+};
+
+/* Queues env as a frame with fds[0..nfds) (dup'd here; the caller keeps its fds). A queue above
+ * max-output-bytes marks the connection to close (the client does not read). KV_ENOMEM. */
+kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds);
+
+/* Queues an Error reply for request id with code and a message. */
+void kvd_conn_send_error(kvd_conn *c, uint64_t id, kv_err code, const char *msg);
+
+/* Logs a protocol error of c, rate-limited, with a hex sample of the offending bytes. */
+void kvd_conn_log_proto(kvd_conn *c, const char *what, const uint8_t *bytes, size_t len);
+
+/* Handles one decoded request (envelope checks, dispatch, reply or Error). */
+void kvd_handle_request(kvd_conn *c, const Kvd__Envelope *env);
+
+/* Frees every pool (after every session is released). */
+void kvd_handlers_free_pools(kvd_server *s);
+
+#endif
