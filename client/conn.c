@@ -1,0 +1,674 @@
+/* conn: libkvclient's connection: socket setup, Hello, reconnects, and the I/O engine.
+ *
+ * The engine (kvc__exchange) is one poll() loop per call that writes the batch's encoded frames
+ * and reads replies at the same time, so a long pipelined batch never deadlocks against the
+ * daemon's flow control (it stops reading us while our unread replies pile up). Received fds go
+ * into a FIFO in arrival order; a decoded frame takes as many from the front as it names
+ * (PROTOCOL.md 2.2). Any transport failure closes the socket and marks the connection broken;
+ * the next call reconnects and reports KV_EEPOCH if the daemon restarted in between.
+ */
+#include "client/conn.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/kv_wire.h"
+
+#define RBUF_MIN (64u * 1024u)
+#define CMSG_FDS 256 /* room for PROTOCOL.md's 200 fds per frame, and some */
+
+void kvc__log(const kvc_conn *c, int level, const char *id, const char *fmt, ...) {
+    if (c == NULL || c->log == NULL || level > c->log_level) {
+        return;
+    }
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    c->log(c->log_arg, level, id, buf);
+}
+
+kv_err kvc__fail(kvc_conn *c, kv_err err, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof(c->err), fmt, ap);
+    va_end(ap);
+    return err;
+}
+
+void kvc_options_init(kvc_options *o) {
+    memset(o, 0, sizeof(*o));
+    o->log_level = KVC_LOG_WARN;
+    o->timeout_ms = 30000;
+}
+
+kv_err kvc_default_socket_path(char *buf, size_t cap) {
+    const char *env = getenv("KVD_SOCKET");
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int n;
+    if (env != NULL && env[0] != '\0') {
+        n = snprintf(buf, cap, "%s", env);
+    } else if (xdg != NULL && xdg[0] != '\0') {
+        n = snprintf(buf, cap, "%s/kvd/kvd.sock", xdg);
+    } else {
+        n = snprintf(buf, cap, "/tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+    }
+    if (n < 0 || (size_t)n >= cap) {
+        return KV_ETOOBIG;
+    }
+    return KV_OK;
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void fdq_clear(kvc_conn *c) {
+    while (c->fdq_len > 0) {
+        close(c->fdq[c->fdq_head]);
+        c->fdq_head = (c->fdq_head + 1) % KVC__FDQ_CAP;
+        c->fdq_len--;
+    }
+    c->fdq_head = 0;
+}
+
+void kvc__conn_break(kvc_conn *c) {
+    if (c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
+    }
+    c->broken = 1;
+    c->rlen = 0;
+    fdq_clear(c);
+}
+
+/* Takes n fds from the front of the FIFO. */
+static kv_err fdq_take(kvc_conn *c, size_t n, int *fds) {
+    if (n > c->fdq_len) {
+        return KV_EPROTO;
+    }
+    for (size_t i = 0; i < n; i++) {
+        fds[i] = c->fdq[c->fdq_head];
+        c->fdq_head = (c->fdq_head + 1) % KVC__FDQ_CAP;
+        c->fdq_len--;
+    }
+    return KV_OK;
+}
+
+/* ---- batches -------------------------------------------------------------------------- */
+
+void kvc__batch_init(kvc_batch *b, kvc_conn *c) {
+    memset(b, 0, sizeof(*b));
+    b->conn = c;
+}
+
+void kvc__batch_fini(kvc_batch *b) {
+    if (b == NULL) {
+        return;
+    }
+    if (b->conn != NULL && b->conn->active == b) {
+        /* Sent and never waited for: its replies would confuse the next call. */
+        kvc__conn_break(b->conn);
+        b->conn->active = NULL;
+    }
+    free(b->ops);
+    free(b->obuf);
+    memset(b, 0, sizeof(*b));
+}
+
+kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__op **op) {
+    kvc_conn *c = b->conn;
+    if (b->in_flight) {
+        return kvc__fail(c, KV_ESTATE, "batch already sent; wait for it or reset it first");
+    }
+    /* Id and epoch first: they change the encoded size. Hello goes out with epoch 0: a new
+     * daemon would refuse a stale one before saying who it is, and the reconnect logic compares
+     * epochs itself. */
+    env->id = c->next_id + 1;
+    env->boot_epoch = kind == KVC__OP_HELLO ? 0 : c->epoch;
+    size_t size = kv_wire_frame_size(env);
+    if (size - KV_WIRE_HEADER_BYTES > c->max_frame) {
+        return kvc__fail(c, KV_ETOOBIG, "request of %zu bytes exceeds the daemon's %u", size,
+                         c->max_frame);
+    }
+    if (b->nops == b->cap) {
+        size_t ncap = b->cap ? b->cap * 2 : 8;
+        kvc__op *n = realloc(b->ops, ncap * sizeof(*n));
+        if (n == NULL) {
+            return kvc__fail(c, KV_ENOMEM, "out of memory queuing a request");
+        }
+        b->ops = n;
+        b->cap = ncap;
+    }
+    if (b->olen + size > b->ocap) {
+        size_t ncap = b->ocap ? b->ocap : 4096;
+        while (ncap < b->olen + size) {
+            ncap *= 2;
+        }
+        uint8_t *n = realloc(b->obuf, ncap);
+        if (n == NULL) {
+            return kvc__fail(c, KV_ENOMEM, "out of memory encoding a request");
+        }
+        b->obuf = n;
+        b->ocap = ncap;
+    }
+    c->next_id++;
+    kvc__op *o = &b->ops[b->nops++];
+    memset(o, 0, sizeof(*o));
+    o->id = env->id;
+    o->kind = kind;
+    o->frame_off = b->olen;
+    o->frame_len = kv_wire_encode_into(env, b->obuf + b->olen);
+    o->status = KV_EINTERNAL;
+    b->olen += o->frame_len;
+    *op = o;
+    return KV_OK;
+}
+
+/* ---- receiving ------------------------------------------------------------------------ */
+
+/* Reads what the socket has (non-blocking). KV_OK with nothing read is fine (EAGAIN). */
+static kv_err recv_some(kvc_conn *c) {
+    if (c->rcap - c->rlen < RBUF_MIN / 2) {
+        size_t ncap = c->rcap ? c->rcap * 2 : RBUF_MIN;
+        uint8_t *n = realloc(c->rbuf, ncap);
+        if (n == NULL) {
+            return kvc__fail(c, KV_ENOMEM, "out of memory for the receive buffer");
+        }
+        c->rbuf = n;
+        c->rcap = ncap;
+    }
+    union {
+        char buf[CMSG_SPACE(CMSG_FDS * sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {.iov_base = c->rbuf + c->rlen, .iov_len = c->rcap - c->rlen};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.buf;
+    msg.msg_controllen = sizeof(ctl.buf);
+    ssize_t n;
+    do {
+        n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            return KV_OK;
+        }
+        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(errno));
+        return kvc__fail(c, KV_ECLOSED, "connection to kvd failed: %s", strerror(errno));
+    }
+    kv_err err = KV_OK;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm != NULL; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) {
+            continue;
+        }
+        size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const unsigned char *data = CMSG_DATA(cm);
+        for (size_t i = 0; i < nfd; i++) {
+            int fd;
+            memcpy(&fd, data + i * sizeof(int), sizeof(int));
+            if (c->fdq_len == KVC__FDQ_CAP) {
+                close(fd);
+                err = KV_EPROTO;
+                continue;
+            }
+            c->fdq[(c->fdq_head + c->fdq_len) % KVC__FDQ_CAP] = fd;
+            c->fdq_len++;
+        }
+    }
+    if (err != KV_OK || (msg.msg_flags & MSG_CTRUNC)) {
+        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-FDS",
+                 "file descriptors lost (FIFO full or truncated)");
+        return kvc__fail(c, KV_EPROTO, "file descriptors from kvd were lost");
+    }
+    if (n == 0) {
+        kvc__log(c, KVC_LOG_INFO, "KVC-CONN-EOF", "kvd closed the connection");
+        return kvc__fail(c, KV_ECLOSED, "kvd closed the connection");
+    }
+    c->rlen += (size_t)n;
+    return KV_OK;
+}
+
+/* The number of fds a reply frame names (PROTOCOL.md 2.2). */
+static size_t frame_fd_count(const Kvd__Envelope *env) {
+    Kvd__Segment **segs = NULL;
+    size_t n = 0, k = 0;
+    if (env->body_case == KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY) {
+        segs = env->attach_pool_reply->segments;
+        n = env->attach_pool_reply->n_segments;
+    } else if (env->body_case == KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY) {
+        segs = env->map_segments_reply->segments;
+        n = env->map_segments_reply->n_segments;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (segs[i]->kind == KVD__MEMORY_KIND__HOST_MEMFD ||
+            segs[i]->kind == KVD__MEMORY_KIND__CUDA_VMM) {
+            k++;
+        }
+    }
+    return k;
+}
+
+static kvc__op *find_op(kvc_batch *b, uint64_t id) {
+    if (b->nops == 0 || id < b->ops[0].id || id - b->ops[0].id >= b->nops) {
+        return NULL;
+    }
+    return &b->ops[id - b->ops[0].id];
+}
+
+/* Handles one decoded frame. Returns a transport-level error (the stream cannot go on). */
+static kv_err handle_frame(kvc_conn *c, kvc_batch *b, Kvd__Envelope *env) {
+    int fds[CMSG_FDS];
+    size_t nfds = frame_fd_count(env);
+    if (nfds > CMSG_FDS || fdq_take(c, nfds, fds) != KV_OK) {
+        return kvc__fail(c, KV_EPROTO, "reply names %zu fds but fewer arrived", nfds);
+    }
+    kv_err err = KV_OK;
+    if (c->epoch != 0 && env->boot_epoch != c->epoch) {
+        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-EPOCH", "boot epoch changed: %016llx -> %016llx",
+                 (unsigned long long)c->epoch, (unsigned long long)env->boot_epoch);
+        err = kvc__fail(c, KV_EEPOCH, "kvd restarted (boot epoch changed); attach again");
+        goto cleanup;
+    }
+    if (env->body_case == KVD__ENVELOPE__BODY_ERROR && env->id == 0) {
+        /* Connection-level: oversized frame, undecodable frame, too many connections. None of
+         * our requests will get its reply, so the stream is over for us. */
+        int code = (int)env->error->code;
+        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-ERROR", "kvd: %s: %s", kv_err_name(code),
+                 env->error->message ? env->error->message : "");
+        err = kvc__fail(c, code > 0 && code < KV_ERR_COUNT ? (kv_err)code : KV_EPROTO,
+                        "kvd refused the connection: %s", env->error->message);
+        goto cleanup;
+    }
+    kvc__op *op = find_op(b, env->id);
+    if (op == NULL || op->done) {
+        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-ID", "reply with unexpected id %llu",
+                 (unsigned long long)env->id);
+        err = kvc__fail(c, KV_EPROTO, "kvd replied to unknown request id %llu",
+                        (unsigned long long)env->id);
+        goto cleanup;
+    }
+    op->status = kvc__op_complete(c, op, env, fds, nfds);
+    op->done = 1;
+    if (op->sent) {
+        b->nwait--;
+    }
+    if (op->status == KV_EPROTO && env->body_case != KVD__ENVELOPE__BODY_ERROR) {
+        /* A reply we cannot make sense of: do not trust the rest of the stream. */
+        err = KV_EPROTO;
+    }
+cleanup:
+    for (size_t i = 0; i < nfds; i++) {
+        close(fds[i]);
+    }
+    return err;
+}
+
+/* Decodes and handles every whole frame in the input buffer. */
+static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
+    size_t off = 0;
+    kv_err err = KV_OK;
+    uint32_t limit = c->max_frame + KVC__REPLY_SLACK;
+    while (off < c->rlen) {
+        Kvd__Envelope *env = NULL;
+        size_t used = 0;
+        err = kv_wire_decode(c->rbuf + off, c->rlen - off, limit, &env, &used);
+        if (err != KV_OK) {
+            kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-DECODE", "undecodable reply from kvd: %s",
+                     kv_err_name(err));
+            err = kvc__fail(c, err, "undecodable reply from kvd (%s)", kv_strerror(err));
+            break;
+        }
+        if (env == NULL) {
+            /* Incomplete frame: make sure the buffer can hold the whole of it. */
+            if (c->rlen - off >= KV_WIRE_HEADER_BYTES) {
+                const uint8_t *p = c->rbuf + off;
+                size_t need = KV_WIRE_HEADER_BYTES + ((size_t)p[0] | (size_t)p[1] << 8 |
+                                                      (size_t)p[2] << 16 | (size_t)p[3] << 24);
+                if (need + RBUF_MIN > c->rcap) {
+                    uint8_t *n = realloc(c->rbuf, need + RBUF_MIN);
+                    if (n == NULL) {
+                        err = kvc__fail(c, KV_ENOMEM, "out of memory for a %zu-byte reply", need);
+                        break;
+                    }
+                    c->rbuf = n;
+                    c->rcap = need + RBUF_MIN;
+                }
+            }
+            break;
+        }
+        off += used;
+        err = handle_frame(c, b, env);
+        kv_wire_free(env);
+        if (err != KV_OK) {
+            break;
+        }
+    }
+    if (off > 0 && err == KV_OK) {
+        memmove(c->rbuf, c->rbuf + off, c->rlen - off);
+        c->rlen -= off;
+    }
+    return err;
+}
+
+/* ---- the engine ----------------------------------------------------------------------- */
+
+static void mark_sent(kvc_batch *b) {
+    while (b->nsent < b->nops &&
+           b->ops[b->nsent].frame_off + b->ops[b->nsent].frame_len <= b->osent) {
+        kvc__op *op = &b->ops[b->nsent++];
+        op->sent = 1;
+        if (!op->done) {
+            b->nwait++;
+        }
+    }
+}
+
+static void fail_pending(kvc_batch *b, kv_err err) {
+    for (size_t i = 0; i < b->nops; i++) {
+        if (!b->ops[i].done) {
+            b->ops[i].done = 1;
+            b->ops[i].status = err;
+        }
+    }
+    b->nwait = 0;
+    b->nsent = b->nops;
+    b->osent = b->olen;
+}
+
+kv_err kvc__exchange(kvc_batch *b, int wait) {
+    kvc_conn *c = b->conn;
+    kv_err err = KV_OK;
+    if (c->fd < 0) {
+        err = kvc__fail(c, KV_ECLOSED, "not connected to kvd");
+        goto fail;
+    }
+    if (c->active != NULL && c->active != b) {
+        err = kvc__fail(c, KV_ESTATE, "another batch is in flight on this connection");
+        fail_pending(b, err);
+        return err;
+    }
+    c->active = b;
+    b->in_flight = 1;
+    int64_t deadline = c->timeout_ms < 0 ? -1 : now_ms() + c->timeout_ms;
+    for (;;) {
+        err = drain_frames(c, b);
+        if (err != KV_OK) {
+            goto fail;
+        }
+        int want_write = b->osent < b->olen;
+        if (!want_write && (!wait || b->nwait == 0)) {
+            break;
+        }
+        struct pollfd pfd = {.fd = c->fd, .events = POLLIN | (want_write ? POLLOUT : 0)};
+        int timeout = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ms();
+            if (left <= 0) {
+                kvc__log(c, KVC_LOG_WARN, "KVC-CONN-TIMEOUT", "no reply within %d ms",
+                         c->timeout_ms);
+                err = kvc__fail(c, KV_ETIMEDOUT, "kvd did not reply within %d ms", c->timeout_ms);
+                goto fail;
+            }
+            timeout = left > 1000000 ? 1000000 : (int)left;
+        }
+        int pr = poll(&pfd, 1, timeout);
+        if (pr < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = kvc__fail(c, KV_ESYS, "poll: %s", strerror(errno));
+            goto fail;
+        }
+        if (pr == 0) {
+            continue;
+        }
+        if (pfd.revents & POLLOUT) {
+            ssize_t n =
+                send(c->fd, b->obuf + b->osent, b->olen - b->osent, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                kvc__log(c, KVC_LOG_INFO, "KVC-CONN-SEND", "send: %s", strerror(errno));
+                err = kvc__fail(c, KV_ECLOSED, "connection to kvd lost: %s", strerror(errno));
+                /* The daemon may have said why before closing (ETOOBIG): read that first. */
+                if (recv_some(c) == KV_OK) {
+                    kv_err why = drain_frames(c, b);
+                    err = why != KV_OK ? why : err;
+                }
+                goto fail;
+            }
+            if (n > 0) {
+                b->osent += (size_t)n;
+                mark_sent(b);
+            }
+        }
+        if (pfd.revents & (POLLIN | POLLHUP | POLLERR)) {
+            err = recv_some(c);
+            if (err != KV_OK) {
+                /* Frames already buffered still count (e.g. the Error before a close). */
+                kv_err why = drain_frames(c, b);
+                err = why != KV_OK ? why : err;
+                goto fail;
+            }
+        }
+    }
+    if (b->nwait == 0 && b->nsent == b->nops) {
+        b->in_flight = 0;
+        c->active = NULL;
+    }
+    return KV_OK;
+fail:
+    fail_pending(b, err);
+    b->in_flight = 0;
+    if (c->active == b) {
+        c->active = NULL;
+    }
+    kvc__conn_break(c);
+    return err;
+}
+
+/* ---- connect and Hello ---------------------------------------------------------------- */
+
+static kv_err dial(kvc_conn *c) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return kvc__fail(c, KV_ESYS, "socket: %s", strerror(errno));
+    }
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path, c->path, sizeof(sa.sun_path));
+    int rc;
+    do {
+        rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0) {
+        int e = errno;
+        close(fd);
+        return kvc__fail(c, KV_ESYS, "connect %s: %s", c->path, strerror(e));
+    }
+    /* Blocking connect (a full backlog waits instead of failing), non-blocking I/O after. */
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        int e = errno;
+        close(fd);
+        return kvc__fail(c, KV_ESYS, "fcntl: %s", strerror(e));
+    }
+    c->fd = fd;
+    c->broken = 0;
+    c->rlen = 0;
+    return KV_OK;
+}
+
+static kv_err hello(kvc_conn *c) {
+    Kvd__Hello h = KVD__HELLO__INIT;
+    h.protocol_version = KV_PROTOCOL_VERSION;
+    h.client_name = c->name;
+    h.token.data = c->token;
+    h.token.len = c->token_len;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_HELLO;
+    env.hello = &h;
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    kv_err err = kvc__batch_add(&b, KVC__OP_HELLO, &env, &op);
+    if (err == KV_OK) {
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    return err;
+}
+
+/* Dials and says Hello; on failure the connection is left broken. */
+static kv_err connect_hello(kvc_conn *c) {
+    kvc__conn_break(c);
+    /* Until HelloReply says otherwise, the protocol's default limit. */
+    c->max_frame = KV_WIRE_DEFAULT_MAX_FRAME;
+    kv_err err = dial(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    uint64_t old = c->epoch;
+    c->epoch = 0; /* accept whatever epoch HelloReply carries */
+    err = hello(c);
+    if (err != KV_OK) {
+        c->epoch = old;
+        kvc__conn_break(c);
+        return err;
+    }
+    c->broken = 0;
+    return KV_OK;
+}
+
+kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
+    kvc_options defaults;
+    if (opts == NULL) {
+        kvc_options_init(&defaults);
+        opts = &defaults;
+    }
+    kvc_conn *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return KV_ENOMEM;
+    }
+    c->fd = -1;
+    c->log = opts->log;
+    c->log_arg = opts->log_arg;
+    c->log_level = opts->log_level;
+    c->timeout_ms = opts->timeout_ms;
+    kv_err err = KV_OK;
+    if (opts->socket_path != NULL) {
+        if (strlen(opts->socket_path) >= sizeof(c->path)) {
+            err = KV_ETOOBIG;
+        } else {
+            strcpy(c->path, opts->socket_path);
+        }
+    } else {
+        err = kvc_default_socket_path(c->path, sizeof(c->path));
+    }
+    if (err != KV_OK) {
+        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-PATH", "socket path too long");
+        goto fail_conn;
+    }
+    const char *name = opts->client_name ? opts->client_name : "kvclient";
+    snprintf(c->name, sizeof(c->name), "%s", name);
+    if (opts->token_len > 0) {
+        c->token = malloc(opts->token_len);
+        if (c->token == NULL) {
+            err = KV_ENOMEM;
+            goto fail_conn;
+        }
+        memcpy(c->token, opts->token, opts->token_len);
+        c->token_len = opts->token_len;
+    }
+    err = connect_hello(c);
+    if (err != KV_OK) {
+        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-OPEN", "cannot open session: %s", c->err);
+        goto fail_token;
+    }
+    kvc__log(c, KVC_LOG_INFO, "KVC-CONN-HELLO", "session %llu tenant %s epoch %016llx",
+             (unsigned long long)c->session_id, c->tenant, (unsigned long long)c->epoch);
+    *out = c;
+    return KV_OK;
+fail_token:
+    free(c->token);
+fail_conn:
+    free(c->rbuf);
+    free(c);
+    return err;
+}
+
+kv_err kvc__conn_ready(kvc_conn *c) {
+    if (c->active != NULL) {
+        return kvc__fail(c, KV_ESTATE, "a batch is in flight on this connection; wait for it");
+    }
+    if (!c->broken && c->fd >= 0) {
+        return KV_OK;
+    }
+    return kvc_conn_reconnect(c);
+}
+
+kv_err kvc_conn_reconnect(kvc_conn *c) {
+    if (c->active != NULL) {
+        return kvc__fail(c, KV_ESTATE, "a batch is in flight on this connection; wait for it");
+    }
+    uint64_t old = c->epoch;
+    kv_err err = connect_hello(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (old != 0 && c->epoch != old) {
+        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-RESTART",
+                 "kvd restarted (epoch %016llx -> %016llx): pools must be attached again",
+                 (unsigned long long)old, (unsigned long long)c->epoch);
+        return kvc__fail(c, KV_EEPOCH, "kvd restarted (boot epoch changed); attach pools again");
+    }
+    return KV_OK;
+}
+
+void kvc_conn_close(kvc_conn *c) {
+    if (c == NULL) {
+        return;
+    }
+    while (c->pools != NULL) {
+        kvc_pool_detach(c->pools);
+    }
+    kvc__conn_break(c);
+    free(c->rbuf);
+    free(c->token);
+    free(c);
+}
+
+const char *kvc_last_error(const kvc_conn *c) {
+    return c->err;
+}
+
+uint64_t kvc_conn_session_id(const kvc_conn *c) {
+    return c->session_id;
+}
+
+const char *kvc_conn_tenant(const kvc_conn *c) {
+    return c->tenant;
+}
+
+uint64_t kvc_conn_boot_epoch(const kvc_conn *c) {
+    return c->epoch;
+}
+
+int kvc_conn_fd(const kvc_conn *c) {
+    return c->fd;
+}

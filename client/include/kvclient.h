@@ -1,0 +1,352 @@
+/* kvclient: the library an inference worker links to share KV-cache blocks through kvd.
+ *
+ * A worker opens a connection (kvc_conn) to the daemon's Unix socket, attaches a pool for its
+ * model's KV layout (kvc_pool: every segment of the pool is mapped into the worker, so block
+ * bytes are read and written in place, zero-copy), hashes its tokens into block hashes with the
+ * pool's seed, and then looks up cached prefixes, allocates blocks for what it must compute,
+ * commits full blocks and releases them. kvc_seq wraps that cycle for one sequence and exports
+ * a batch's block tables in FlashInfer's CSR form.
+ *
+ * Calls are synchronous (one round trip each) or batched (kvc_batch: many requests are sent
+ * back to back and their replies are matched by request id). No event loop, no threads.
+ *
+ * Threads: a kvc_conn, and the pools, sequences and batches made from it, are used by one
+ * thread at a time (the library takes no locks; use one connection per thread, or serialise
+ * calls on a shared one). The memory a pool maps, and the addresses kvc_pool_addr and friends
+ * return, may be read and written from any thread; they stay valid until the pool is detached.
+ *
+ * Errors: calls return a kv_err (common/kv_err.h; KV_OK is 0). The daemon's message, or the
+ * library's own description, of the last failure on a connection is kvc_last_error(). Outputs
+ * are written only on success. A daemon restart is reported as KV_EEPOCH: detach the pools,
+ * attach again (the connection reconnects by itself on the next call).
+ *
+ * Logging goes through the callback in kvc_options; the library never writes to stderr.
+ * This is the only header of libkvclient; it includes the shared type definitions of kv_err,
+ * kv_layout and kv_hash, whose functions are not part of the library's exports.
+ */
+#ifndef KVCLIENT_H
+#define KVCLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+#include "common/kv_layout.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KVC_EXTERN __attribute__((visibility("default")))
+#else
+#define KVC_EXTERN
+#endif
+
+/* ---- Connection ----------------------------------------------------------------------- */
+
+typedef struct kvc_conn kvc_conn;
+typedef struct kvc_pool kvc_pool;
+typedef struct kvc_batch kvc_batch;
+typedef struct kvc_seq kvc_seq;
+
+/* A block handle: pool-local id and the generation it was issued at. */
+typedef struct kvc_block {
+    uint32_t id;  /* segment * blocks_per_segment + slot */
+    uint32_t gen; /* a handle with an old generation is refused (KV_ESTALE) */
+} kvc_block;
+
+/* Log levels passed to kvc_log_fn (the same numbers as kv_log_level). */
+enum { KVC_LOG_ERROR = 0, KVC_LOG_WARN = 1, KVC_LOG_INFO = 2, KVC_LOG_DEBUG = 3 };
+
+/* Receives one formatted log line (no newline) with a stable message id ("KVC-CONN-EOF").
+ * Called on the thread that made the call that logs. */
+typedef void (*kvc_log_fn)(void *arg, int level, const char *id, const char *msg);
+
+typedef struct kvc_options {
+    const char *socket_path; /* NULL: kvc_default_socket_path() */
+    const char *client_name; /* shown in daemon logs and kvctl; NULL: "kvclient" */
+    const void *token;       /* optional tenant token (PROTOCOL.md, Identity), may be NULL */
+    size_t token_len;        /* bytes of token */
+    kvc_log_fn log;          /* NULL: no logging */
+    void *log_arg;           /* passed to log */
+    int log_level;           /* messages with level <= this are logged; default KVC_LOG_WARN */
+    int timeout_ms;          /* longest wait for the daemon per call; < 0 forever; default 30000 */
+} kvc_options;
+
+/* Fills o with the defaults above. Any thread. */
+KVC_EXTERN void kvc_options_init(kvc_options *o);
+
+/* Writes the default socket path into buf[cap]: $KVD_SOCKET if set, else
+ * $XDG_RUNTIME_DIR/kvd/kvd.sock, else /tmp/kvd-$UID/kvd.sock. KV_ETOOBIG when it does not fit.
+ * Any thread. */
+KVC_EXTERN kv_err kvc_default_socket_path(char *buf, size_t cap);
+
+/* Connects to the daemon and says Hello. The options (strings included) are copied.
+ * Errors: KV_ESYS (socket or connect failed; no daemon), KV_EVERSION, KV_EAUTH, KV_EPROTO,
+ * KV_ETIMEDOUT, KV_ENOMEM. On error nothing is allocated; a message for the failure is given to
+ * the log callback. Writes *out only on success; close it with kvc_conn_close. */
+KVC_EXTERN kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out);
+
+/* Detaches every pool still attached (see kvc_pool_detach), closes the socket and frees the
+ * connection; free its sequences and batches first. The daemon releases every reference of the
+ * session. Accepts NULL. */
+KVC_EXTERN void kvc_conn_close(kvc_conn *c);
+
+/* Reconnects and says Hello again (the old session and its references are gone). Returns
+ * KV_EEPOCH when the daemon restarted (its boot epoch changed): every pool of the connection is
+ * then stale and must be detached and attached again. Calls reconnect by themselves when the
+ * previous call found the connection broken, so this is only needed to force it. */
+KVC_EXTERN kv_err kvc_conn_reconnect(kvc_conn *c);
+
+/* The message of the last failed call on c (never NULL; "" before any failure). Valid until
+ * the next call on c. */
+KVC_EXTERN const char *kvc_last_error(const kvc_conn *c);
+
+/* Session id, tenant name and boot epoch from the last Hello. */
+KVC_EXTERN uint64_t kvc_conn_session_id(const kvc_conn *c);
+KVC_EXTERN const char *kvc_conn_tenant(const kvc_conn *c);
+KVC_EXTERN uint64_t kvc_conn_boot_epoch(const kvc_conn *c);
+
+/* The socket descriptor (for poll by applications that wait for many things); do not read or
+ * write it. -1 while disconnected. */
+KVC_EXTERN int kvc_conn_fd(const kvc_conn *c);
+
+/* One round trip: sends Ping with payload[len] (may be NULL, 0) and checks the echoed Pong.
+ * Errors: transport errors (KV_ECLOSED, KV_ETIMEDOUT, KV_EPROTO, KV_EEPOCH), KV_ETOOBIG. */
+KVC_EXTERN kv_err kvc_ping(kvc_conn *c, const void *payload, size_t len);
+
+/* Receives one statistic. */
+typedef void (*kvc_stat_fn)(void *arg, const char *name, uint64_t value);
+
+/* Fetches the daemon's counters: pool_id 0 for session and daemon counters only, or a pool's
+ * id for its counters too. fn is called once per statistic before the call returns. */
+KVC_EXTERN kv_err kvc_stats(kvc_conn *c, uint32_t pool_id, kvc_stat_fn fn, void *arg);
+
+/* Fetches one statistic by name; KV_ENOENT when the daemon did not report it. */
+KVC_EXTERN kv_err kvc_stat_get(kvc_conn *c, uint32_t pool_id, const char *name, uint64_t *value);
+
+/* ---- Pool ----------------------------------------------------------------------------- */
+
+/* Attaches the pool for (model_id, layout shape) and maps every segment. Only the six shape
+ * fields of layout (num_layers .. arrangement) are read; the derived fields need not be set.
+ * On success *out has the daemon's layout (kvc_pool_layout), the hash seed and algorithm, and
+ * for LAYER_MAJOR pools one contiguous range per (layer, K|V): the engine sees one tensor
+ * [blocks][tokens][heads][dim] per layer (kvc_pool_layer_base).
+ * Errors: KV_EINVAL (bad shape or model_id), the daemon's codes (KV_EPERM, KV_EQUOTA, ...),
+ * KV_ESYS (mmap failed), transport errors. Detach with kvc_pool_detach before kvc_conn_close or
+ * let kvc_conn_close do it. */
+KVC_EXTERN kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout,
+                                  kvc_pool **out);
+
+/* Unmaps the pool and frees it (no message to the daemon: references the session holds stay
+ * until released or the connection closes). Addresses from the pool become invalid. Accepts
+ * NULL. */
+KVC_EXTERN void kvc_pool_detach(kvc_pool *p);
+
+/* The pool id, the daemon's layout (derived fields filled), and the geometry. */
+KVC_EXTERN uint32_t kvc_pool_id(const kvc_pool *p);
+KVC_EXTERN const kv_layout *kvc_pool_layout(const kvc_pool *p);
+KVC_EXTERN uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p);
+KVC_EXTERN uint32_t kvc_pool_max_segments(const kvc_pool *p);
+/* Segment slots mapped so far (the highest mapped index + 1). */
+KVC_EXTERN uint32_t kvc_pool_segments(const kvc_pool *p);
+/* 1 once the daemon restarted under this pool (its calls then return KV_EEPOCH). */
+KVC_EXTERN int kvc_pool_stale(const kvc_pool *p);
+
+/* Base address of segment seg's mapping (whole segment, kv_layout byte order), or NULL when
+ * it is not mapped. *nblocks (if not NULL) gets its block count. */
+KVC_EXTERN void *kvc_pool_segment_base(const kvc_pool *p, uint32_t seg, uint32_t *nblocks);
+
+/* LAYER_MAJOR only: base of layer's K (kv = KV_K) or V (KV_V) tensor
+ * [max_segments * blocks_per_segment][tokens][heads][dim]; block id b starts at
+ * base + b * kv_block_bytes. NULL for BLOCK_MAJOR pools, for arguments out of range, and where
+ * the daemon's section sizes are not page multiples (use kvc_pool_addr then). */
+KVC_EXTERN void *kvc_pool_layer_base(const kvc_pool *p, uint32_t layer, int kv);
+
+/* Address of element (token, head, 0) of layer's K or V in block (a pool-local id), through
+ * the segment mapping and kv_layout's arithmetic; NULL when out of range or unmapped. */
+KVC_EXTERN void *kvc_pool_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv,
+                               uint32_t token, uint32_t head);
+
+/* Address of the float32 scale of (block, layer, kv, head) for 8-bit dtypes; NULL otherwise. */
+KVC_EXTERN float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv,
+                                      uint32_t head);
+
+/* 1 when the segment holding block was mapped read-only (a shared domain this tenant may only
+ * read); 0 otherwise. */
+KVC_EXTERN int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block);
+
+/* ---- Block hashes --------------------------------------------------------------------- */
+
+/* The pool's hash seed and algorithm (kv_hash_algo). */
+KVC_EXTERN kv_hash128 kvc_pool_hash_seed(const kvc_pool *p);
+KVC_EXTERN int kvc_pool_hash_algo(const kvc_pool *p);
+
+/* Hashes the full blocks of tokens[0..ntokens) with the pool's seed and algorithm, as
+ * PROTOCOL.md specifies: floor(ntokens / tokens_per_block) hashes, at most max_out, go to
+ * out; *nout gets the count. extra (NULL, 0 for none) is mixed into every block.
+ * KV_EINVAL for extra longer than KV_HASH_MAX_EXTRA. */
+KVC_EXTERN kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
+                                       const uint32_t *tokens, size_t ntokens, kv_hash128 *out,
+                                       size_t max_out, size_t *nout);
+
+/* Hashes one more block after parent (the previous block's hash; pass kvc_pool_hash_seed for
+ * the first), for engines that extend a chain token block by token block. */
+KVC_EXTERN kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const void *extra,
+                                     size_t extra_len, const uint32_t *tokens, kv_hash128 *out);
+
+/* ---- Synchronous block calls (one round trip each) ------------------------------------ */
+
+/* Finds the longest cached prefix of hashes[0..n): *nhit leading blocks are cached and out[0..
+ * *nhit) get handles, each referenced by this session (release them). out has room for n. */
+KVC_EXTERN kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                             size_t *nhit);
+
+/* Leases count blocks in WRITING state to this session (all or none): out[0..count). The
+ * daemon evicts cached blocks when needed; KV_ENOSPC when it cannot. New segments the daemon
+ * grew are mapped before this returns. */
+KVC_EXTERN kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out);
+
+/* One block to commit: written, full and verified, with its chain hash and parent block id. */
+typedef struct kvc_commit_entry {
+    kvc_block block; /* a WRITING block leased to this session */
+    kv_hash128 hash; /* its block hash (kvc_pool_hash_tokens) */
+    uint32_t parent; /* the previous block's id in the sequence, or KVC_NO_PARENT */
+} kvc_commit_entry;
+
+#define KVC_NO_PARENT UINT32_MAX
+
+/* Commits entries[0..n): each becomes immutable and indexed. canonical[i] (room for n) gets the
+ * block that now holds the session's reference: the same block, or an already cached block
+ * with the same hash (this one was then freed; use the canonical one from now on). Errors:
+ * KV_ENOENT, KV_ESTALE, KV_ESTATE (not WRITING), KV_EPERM (another session's lease). */
+KVC_EXTERN kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                             kvc_block *canonical);
+
+/* Drops the session's references on blocks[0..n) (a sequence's blocks in prefix order; WRITING
+ * blocks are freed). kvc_rewind is the same for blocks past a sequence's accepted length
+ * (speculative decoding), counted apart by the daemon. */
+KVC_EXTERN kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n);
+KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
+
+/* Pins committed blocks so they are not evicted for retention_ms (priority 0..255), or unpins
+ * them (unpin = 1; retention and priority ignored). */
+KVC_EXTERN kv_err kvc_pin(kvc_pool *p, const kvc_block *blocks, size_t n, uint64_t retention_ms,
+                          uint8_t priority, int unpin);
+
+/* ---- Batched, pipelined calls --------------------------------------------------------- */
+
+/* A batch queues requests on one connection; kvc_batch_send writes them back to back (never
+ * more in flight than the daemon allows), kvc_batch_wait collects the replies by request id.
+ * Each queued request returns its index; its own result is kvc_batch_status(b, index), and its
+ * outputs (caller buffers given when queuing, which must stay valid until the wait returns) are
+ * written only when that status is KV_OK. Reuse a batch with kvc_batch_reset. */
+
+/* Allocates an empty batch for c. KV_ENOMEM. */
+KVC_EXTERN kv_err kvc_batch_alloc(kvc_conn *c, kvc_batch **out);
+/* Frees the batch; accepts NULL. A batch sent but not waited for makes the connection broken
+ * (it reconnects on the next call). */
+KVC_EXTERN void kvc_batch_free(kvc_batch *b);
+/* Forgets every queued request (after wait, or before send). */
+KVC_EXTERN void kvc_batch_reset(kvc_batch *b);
+/* Requests queued. */
+KVC_EXTERN size_t kvc_batch_count(const kvc_batch *b);
+
+/* Queue one request; same meaning as the synchronous call. Returns KV_OK and *index (may be
+ * NULL), or KV_EINVAL / KV_ETOOBIG / KV_ENOMEM / KV_EEPOCH (stale pool) without queuing. */
+KVC_EXTERN kv_err kvc_batch_ping(kvc_batch *b, const void *payload, size_t len, size_t *index);
+KVC_EXTERN kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                                   kvc_block *out, size_t *nhit, size_t *index);
+KVC_EXTERN kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
+                                     size_t *index);
+KVC_EXTERN kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,
+                                   size_t n, kvc_block *canonical, size_t *index);
+KVC_EXTERN kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
+                                    size_t *index);
+KVC_EXTERN kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
+                                   size_t *index);
+
+/* Sends every queued request not yet sent. When the daemon's in-flight limit is reached it
+ * reads replies while sending. Transport errors (KV_ECLOSED, KV_ETIMEDOUT, KV_EPROTO,
+ * KV_EEPOCH) fail the whole batch. */
+KVC_EXTERN kv_err kvc_batch_send(kvc_batch *b);
+
+/* Waits until every sent request has its reply (mapping new segments where a reply says the
+ * pool grew). Returns KV_OK when the transport worked, even if some requests failed: check
+ * kvc_batch_status. Transport errors as for send. */
+KVC_EXTERN kv_err kvc_batch_wait(kvc_batch *b);
+
+/* kvc_batch_send then kvc_batch_wait. */
+KVC_EXTERN kv_err kvc_batch_run(kvc_batch *b);
+
+/* The result of request index (KV_EINVAL for an index never queued). */
+KVC_EXTERN kv_err kvc_batch_status(const kvc_batch *b, size_t index);
+
+/* ---- Sequences ------------------------------------------------------------------------ */
+
+/* A sequence's tokens and the blocks that hold their K/V, for an engine:
+ *   kvc_seq_prefill(prompt)  lookup of the cached prefix (at most n-1 tokens, so the last
+ *                            prompt token is always computed) + allocation of the rest;
+ *   the engine writes K/V of tokens [cached, n) at kvc_seq_block_id / kvc_pool_addr;
+ *   kvc_seq_append(tokens)   decode or draft tokens, blocks allocated as needed;
+ *   kvc_seq_commit(n_final)  commits every full block inside [0, n_final): the caller passes
+ *                            only tokens whose K/V are written and verified, never drafts;
+ *   kvc_seq_rewind(n)        drops tokens past n (rejected drafts);
+ *   kvc_seq_release()        drops all blocks (the sequence can be prefilled again).
+ * One thread at a time, like its connection. */
+
+/* Allocates a sequence on pool p holding up to max_tokens tokens; extra (NULL, 0 for none; at
+ * most KV_HASH_MAX_EXTRA bytes, copied) is mixed into every block hash (LoRA id, ...). */
+KVC_EXTERN kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t extra_len,
+                                kvc_seq **out);
+
+/* Releases the sequence's blocks (best effort) and frees it; accepts NULL. */
+KVC_EXTERN void kvc_seq_free(kvc_seq *s);
+
+/* Starts an empty sequence with prompt tokens[0..n) (n >= 1): looks up the cached prefix of
+ * its first n-1 tokens and allocates blocks for the rest. *cached_tokens gets how many leading
+ * tokens already have K/V (a multiple of tokens_per_block). KV_ESTATE when the sequence is not
+ * empty, KV_ETOOBIG beyond max_tokens, KV_ENOSPC when the pool cannot supply the blocks (the
+ * looked-up prefix is released again then). */
+KVC_EXTERN kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n,
+                                  size_t *cached_tokens);
+
+/* Appends tokens[0..n) and allocates the blocks they need. KV_ETOOBIG beyond max_tokens. */
+KVC_EXTERN kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n);
+
+/* Commits every not yet committed full block inside tokens [0, n_final) (n_final <= length):
+ * their K/V must be written and final. Blocks the daemon already had are swapped for the
+ * cached copy (same bytes). *ncommitted (may be NULL) gets the blocks committed by this call. */
+KVC_EXTERN kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted);
+
+/* Truncates the sequence to n tokens (n <= length): blocks wholly past n are given back with
+ * Rewind. If n falls inside a committed block (immutable), that block is given back too and a
+ * fresh one allocated in its place; *valid_tokens (may be NULL) gets the tokens whose K/V are
+ * still in the table: n, or the start of that block (recompute from there). */
+KVC_EXTERN kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens);
+
+/* Releases every block; the sequence is empty afterwards (even on a transport error). */
+KVC_EXTERN kv_err kvc_seq_release(kvc_seq *s);
+
+/* Tokens, blocks (ceil(length / tokens_per_block)), committed blocks, and block i's handle. */
+KVC_EXTERN size_t kvc_seq_length(const kvc_seq *s);
+KVC_EXTERN size_t kvc_seq_nblocks(const kvc_seq *s);
+KVC_EXTERN size_t kvc_seq_ncommitted(const kvc_seq *s);
+KVC_EXTERN kvc_block kvc_seq_block(const kvc_seq *s, size_t i);
+
+/* Exports the block tables of seqs[0..nseqs) in FlashInfer's paged-KV CSR form: indptr[nseqs+1]
+ * (indptr[0] = 0), indices[indptr[nseqs]] (block ids, each sequence's in order) and
+ * last_page_len[nseqs] (tokens in each sequence's last block; 0 for an empty sequence), into
+ * caller buffers of the given capacities. KV_ETOOBIG when a buffer is too small (nothing
+ * meaningful written then); *nindices (may be NULL) gets the index count. */
+KVC_EXTERN kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr,
+                                     size_t indptr_cap, int32_t *indices, size_t indices_cap,
+                                     int32_t *last_page_len, size_t last_cap, size_t *nindices);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

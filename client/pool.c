@@ -1,0 +1,325 @@
+/* pool: libkvclient's mapping of a pool's segments, block addresses, and block hashing.
+ *
+ * Each segment's memfd is mapped whole (kv_layout byte order; kvc_pool_addr works through it).
+ * For LAYER_MAJOR pools the library also reserves, at attach, one PROT_NONE range per (layer,
+ * K|V) large enough for every segment the pool may ever have, and maps each segment's
+ * (layer, K|V) section into its place with MAP_FIXED and the section's file offset, so block id
+ * b of layer l is at layer_base + b * kv_block_bytes: one ordinary paged tensor per layer, as
+ * vLLM and FlashInfer index it. Both views share the same pages (MAP_SHARED of one file), so a
+ * write through either is seen through the other and by every other worker.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "client/conn.h"
+
+#define KVC__MAX_SEGMENTS 4096        /* the daemon's per-pool limit (KVD_MAX_SEGMENTS) */
+#define KVC__MAX_RESERVE (1ull << 40) /* address space reserved per pool at most (1 TiB) */
+
+static uint64_t page_size(void) {
+    long ps = sysconf(_SC_PAGESIZE);
+    return ps > 0 ? (uint64_t)ps : 4096;
+}
+
+void kvc__pool_unmap(kvc_pool *p) {
+    if (p == NULL) {
+        return;
+    }
+    if (p->segs != NULL) {
+        for (uint32_t i = 0; i < p->max_segments; i++) {
+            if (p->segs[i].base != NULL) {
+                munmap(p->segs[i].base, p->segs[i].bytes);
+            }
+        }
+        free(p->segs);
+        p->segs = NULL;
+    }
+    if (p->layer_base != NULL) {
+        for (uint32_t i = 0; i < p->layout.num_layers * 2; i++) {
+            if (p->layer_base[i] != NULL) {
+                munmap(p->layer_base[i], p->layer_range_bytes);
+            }
+        }
+        free(p->layer_base);
+        p->layer_base = NULL;
+    }
+    p->nsegs = 0;
+}
+
+/* Reserves the per-(layer, K|V) ranges; leaves layer_base NULL where that is not possible. */
+static void reserve_layers(kvc_pool *p) {
+    const kv_layout *l = &p->layout;
+    uint64_t stride = (uint64_t)p->blocks_per_segment * l->kv_block_bytes;
+    if (l->arrangement != KV_LAYER_MAJOR || stride % page_size() != 0) {
+        return;
+    }
+    uint64_t range;
+    uint64_t total;
+    if (__builtin_mul_overflow(stride, (uint64_t)p->max_segments, &range) ||
+        __builtin_mul_overflow(range, (uint64_t)l->num_layers * 2, &total) ||
+        total > KVC__MAX_RESERVE) {
+        kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-RESERVE",
+                 "layer tensors would need more than 1 TiB of address space; use kvc_pool_addr");
+        return;
+    }
+    uint8_t **bases = calloc((size_t)l->num_layers * 2, sizeof(*bases));
+    if (bases == NULL) {
+        return;
+    }
+    for (uint32_t i = 0; i < l->num_layers * 2; i++) {
+        void *m = mmap(NULL, range, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) {
+            kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-RESERVE", "reserving layer ranges: %s",
+                     strerror(errno));
+            for (uint32_t j = 0; j < i; j++) {
+                munmap(bases[j], range);
+            }
+            free(bases);
+            return;
+        }
+        bases[i] = m;
+    }
+    p->layer_base = bases;
+    p->layer_range_bytes = range;
+}
+
+kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t blocks_per_segment,
+                               uint32_t max_segments) {
+    if (blocks_per_segment == 0 || max_segments == 0 || max_segments > KVC__MAX_SEGMENTS ||
+        layout->block_bytes == 0) {
+        return KV_EINVAL;
+    }
+    p->layout = *layout;
+    p->blocks_per_segment = blocks_per_segment;
+    /* The daemon's limit moves with its memory budget; room for its hard maximum keeps
+     * segments it adds later inside the layer tensors. */
+    p->max_segments = KVC__MAX_SEGMENTS;
+    p->segs = calloc(p->max_segments, sizeof(*p->segs));
+    if (p->segs == NULL) {
+        return KV_ENOMEM;
+    }
+    reserve_layers(p);
+    if (p->layer_base == NULL && layout->arrangement == KV_LAYER_MAJOR) {
+        /* Try the daemon's current limit before giving up on layer tensors. */
+        uint32_t keep = p->max_segments;
+        p->max_segments = max_segments;
+        reserve_layers(p);
+        p->max_segments = keep; /* layer_segments() says how far the ranges reach */
+    }
+    return KV_OK;
+}
+
+/* How many segments the layer ranges cover. */
+static uint32_t layer_segments(const kvc_pool *p) {
+    uint64_t stride = (uint64_t)p->blocks_per_segment * p->layout.kv_block_bytes;
+    return p->layer_base == NULL ? 0 : (uint32_t)(p->layer_range_bytes / stride);
+}
+
+kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, uint32_t nblocks,
+                             int read_only) {
+    const kv_layout *l = &p->layout;
+    if (seg >= p->max_segments || nblocks == 0 || nblocks > p->blocks_per_segment ||
+        bytes < kv_layout_segment_bytes(l, nblocks) || bytes > SIZE_MAX) {
+        return KV_EPROTO;
+    }
+    int prot = read_only ? PROT_READ : PROT_READ | PROT_WRITE;
+    void *base = mmap(NULL, (size_t)bytes, prot, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        kvc__log(p->conn, KVC_LOG_ERROR, "KVC-POOL-MMAP", "mmap of segment %u (%llu bytes): %s",
+                 seg, (unsigned long long)bytes, strerror(errno));
+        return KV_ESYS;
+    }
+    kvc__segment *s = &p->segs[seg];
+    if (s->base != NULL) {
+        /* The daemon freed this segment and grew a new one at the same index. */
+        munmap(s->base, s->bytes);
+    }
+    s->base = base;
+    s->bytes = bytes;
+    s->nblocks = nblocks;
+    s->read_only = read_only;
+    if (seg + 1 > p->nsegs) {
+        p->nsegs = seg + 1;
+    }
+    if (p->layer_base == NULL || seg >= layer_segments(p)) {
+        return KV_OK;
+    }
+    uint64_t stride = (uint64_t)p->blocks_per_segment * l->kv_block_bytes;
+    uint64_t len = (uint64_t)nblocks * l->kv_block_bytes;
+    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+        for (int kv = KV_K; kv <= KV_V; kv++) {
+            uint64_t off = kv_layout_offset(l, nblocks, 0, layer, kv, 0, 0);
+            uint8_t *dst = p->layer_base[layer * 2 + (uint32_t)kv] + (uint64_t)seg * stride;
+            if (off % page_size() != 0) {
+                /* Sections are page aligned when blocks_per_segment makes them so (the daemon
+                 * promises it); a short last segment of another daemon might not be. */
+                kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-ALIGN",
+                         "segment %u: layer section not page aligned; layer tensors disabled", seg);
+                goto no_layers;
+            }
+            void *m = mmap(dst, (size_t)len, prot, MAP_SHARED | MAP_FIXED, fd, (off_t)off);
+            if (m == MAP_FAILED) {
+                kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-MMAP",
+                         "segment %u: mapping layer section: %s; layer tensors disabled", seg,
+                         strerror(errno));
+                goto no_layers;
+            }
+        }
+    }
+    return KV_OK;
+no_layers:
+    for (uint32_t i = 0; i < l->num_layers * 2; i++) {
+        munmap(p->layer_base[i], p->layer_range_bytes);
+    }
+    free(p->layer_base);
+    p->layer_base = NULL;
+    return KV_OK;
+}
+
+kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs, const int *fds,
+                           size_t nfds) {
+    for (size_t i = 0; i < nsegs; i++) {
+        const Kvd__Segment *s = segs[i];
+        if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD) {
+            return kvc__fail(p->conn, KV_ENOTSUP,
+                             "segment %u has memory kind %d; this client maps host memory only",
+                             s->index, (int)s->kind);
+        }
+        if (s->fd_index >= nfds) {
+            return kvc__fail(p->conn, KV_EPROTO, "segment %u names fd %u of %zu", s->index,
+                             s->fd_index, nfds);
+        }
+        kv_err err = kvc__pool_map_segment(p, s->index, fds[s->fd_index], s->bytes, s->nblocks,
+                                           s->read_only);
+        if (err != KV_OK) {
+            return kvc__fail(p->conn, err, "cannot map segment %u (%u blocks, %llu bytes): %s",
+                             s->index, s->nblocks, (unsigned long long)s->bytes, kv_strerror(err));
+        }
+    }
+    return KV_OK;
+}
+
+void kvc_pool_detach(kvc_pool *p) {
+    if (p == NULL) {
+        return;
+    }
+    if (p->conn != NULL) {
+        for (kvc_pool **pp = &p->conn->pools; *pp != NULL; pp = &(*pp)->next) {
+            if (*pp == p) {
+                *pp = p->next;
+                break;
+            }
+        }
+    }
+    kvc__pool_unmap(p);
+    free(p);
+}
+
+uint32_t kvc_pool_id(const kvc_pool *p) {
+    return p->pool_id;
+}
+
+const kv_layout *kvc_pool_layout(const kvc_pool *p) {
+    return &p->layout;
+}
+
+uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p) {
+    return p->blocks_per_segment;
+}
+
+uint32_t kvc_pool_max_segments(const kvc_pool *p) {
+    return p->max_segments;
+}
+
+uint32_t kvc_pool_segments(const kvc_pool *p) {
+    return p->nsegs;
+}
+
+int kvc_pool_stale(const kvc_pool *p) {
+    return p->conn == NULL || p->epoch != p->conn->epoch;
+}
+
+void *kvc_pool_segment_base(const kvc_pool *p, uint32_t seg, uint32_t *nblocks) {
+    if (seg >= p->nsegs || p->segs[seg].base == NULL) {
+        return NULL;
+    }
+    if (nblocks != NULL) {
+        *nblocks = p->segs[seg].nblocks;
+    }
+    return p->segs[seg].base;
+}
+
+void *kvc_pool_layer_base(const kvc_pool *p, uint32_t layer, int kv) {
+    if (p->layer_base == NULL || layer >= p->layout.num_layers || (kv != KV_K && kv != KV_V)) {
+        return NULL;
+    }
+    return p->layer_base[layer * 2 + (uint32_t)kv];
+}
+
+/* The segment and slot of block, or NULL when it is not mapped. */
+static const kvc__segment *block_seg(const kvc_pool *p, uint32_t block, uint32_t *slot) {
+    uint32_t seg = block / p->blocks_per_segment;
+    if (seg >= p->nsegs || p->segs[seg].base == NULL) {
+        return NULL;
+    }
+    *slot = block % p->blocks_per_segment;
+    if (*slot >= p->segs[seg].nblocks) {
+        return NULL;
+    }
+    return &p->segs[seg];
+}
+
+void *kvc_pool_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv, uint32_t token,
+                    uint32_t head) {
+    const kv_layout *l = &p->layout;
+    uint32_t slot;
+    const kvc__segment *s = block_seg(p, block, &slot);
+    if (s == NULL || layer >= l->num_layers || (kv != KV_K && kv != KV_V) ||
+        token >= l->tokens_per_block || head >= l->num_kv_heads) {
+        return NULL;
+    }
+    return s->base + kv_layout_offset(l, s->nblocks, slot, layer, kv, token, head);
+}
+
+float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv,
+                           uint32_t head) {
+    const kv_layout *l = &p->layout;
+    uint32_t slot;
+    const kvc__segment *s = block_seg(p, block, &slot);
+    if (s == NULL || l->scale_bytes == 0 || layer >= l->num_layers || (kv != KV_K && kv != KV_V) ||
+        head >= l->num_kv_heads) {
+        return NULL;
+    }
+    return (float *)(void *)(s->base +
+                             kv_layout_scale_offset(l, s->nblocks, slot, layer, kv, head));
+}
+
+int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block) {
+    uint32_t slot;
+    const kvc__segment *s = block_seg(p, block, &slot);
+    return s != NULL && s->read_only;
+}
+
+kv_hash128 kvc_pool_hash_seed(const kvc_pool *p) {
+    return p->seed;
+}
+
+int kvc_pool_hash_algo(const kvc_pool *p) {
+    return p->hash_algo;
+}
+
+kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
+                            const uint32_t *tokens, size_t ntokens, kv_hash128 *out, size_t max_out,
+                            size_t *nout) {
+    return kv_hash_chain((kv_hash_algo)p->hash_algo, p->seed, extra, extra_len, tokens, ntokens,
+                         p->layout.tokens_per_block, out, max_out, nout);
+}
+
+kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const void *extra, size_t extra_len,
+                          const uint32_t *tokens, kv_hash128 *out) {
+    return kv_hash_block((kv_hash_algo)p->hash_algo, parent, extra, extra_len, tokens,
+                         p->layout.tokens_per_block, out);
+}

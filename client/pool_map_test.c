@@ -1,0 +1,138 @@
+/* Mapping arithmetic of libkvclient with local memfds, no daemon: the per-segment view
+ * (kvc_pool_addr, kv_layout order) and the per-layer tensors (MAP_FIXED sections) must be two
+ * windows on the same bytes, segment after segment. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "client/conn.h"
+
+static int make_memfd(uint64_t bytes) {
+    int fd = memfd_create("pool-map-test", MFD_CLOEXEC);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, (off_t)bytes), 0);
+    return fd;
+}
+
+static uint64_t round_page(uint64_t b) {
+    return (b + 4095) / 4096 * 4096;
+}
+
+static void test_layer_major_views_agree(void **state) {
+    (void)state;
+    kv_layout l;
+    /* 3 layers, 2 heads, dim 64, 16 tokens/block fp16: kv_block_bytes 4096, block 24 KiB. */
+    assert_int_equal(kv_layout_init(3, 2, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
+    kvc_conn conn = {.fd = -1};
+    kvc_pool p = {.conn = &conn};
+    const uint32_t bps = 4;
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, bps, 8), KV_OK);
+    assert_non_null(kvc_pool_layer_base(&p, 0, KV_K));
+    uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, bps));
+    for (uint32_t s = 0; s < 3; s++) {
+        int fd = make_memfd(seg_bytes);
+        assert_int_equal(kvc__pool_map_segment(&p, s, fd, seg_bytes, bps, 0), KV_OK);
+        close(fd); /* the mappings keep the memory */
+    }
+    assert_int_equal(kvc_pool_segments(&p), 3);
+    /* Write through the segment view, read through the layer tensors. */
+    for (uint32_t b = 0; b < 3 * bps; b++) {
+        for (uint32_t layer = 0; layer < 3; layer++) {
+            for (int kv = 0; kv < 2; kv++) {
+                for (uint32_t t = 0; t < 16; t++) {
+                    uint16_t *e = kvc_pool_addr(&p, b, layer, kv, t, 1);
+                    assert_non_null(e);
+                    e[5] = (uint16_t)(b * 1000 + layer * 100 + (uint32_t)kv * 50 + t);
+                }
+            }
+        }
+    }
+    for (uint32_t layer = 0; layer < 3; layer++) {
+        for (int kv = 0; kv < 2; kv++) {
+            uint8_t *base = kvc_pool_layer_base(&p, layer, kv);
+            for (uint32_t b = 0; b < 3 * bps; b++) {
+                for (uint32_t t = 0; t < 16; t++) {
+                    /* [blocks][tokens][heads][dim] */
+                    uint16_t *e =
+                        (uint16_t *)(base + b * l.kv_block_bytes + t * l.token_bytes + 1 * 64 * 2);
+                    assert_int_equal(e[5], b * 1000 + layer * 100 + (uint32_t)kv * 50 + t);
+                }
+            }
+        }
+    }
+    /* Out of range or unmapped. */
+    assert_null(kvc_pool_addr(&p, 3 * bps, 0, KV_K, 0, 0));
+    assert_null(kvc_pool_addr(&p, 0, 3, KV_K, 0, 0));
+    assert_null(kvc_pool_addr(&p, 0, 0, 2, 0, 0));
+    assert_null(kvc_pool_addr(&p, 0, 0, KV_K, 16, 0));
+    assert_null(kvc_pool_addr(&p, 0, 0, KV_K, 0, 2));
+    assert_null(kvc_pool_layer_base(&p, 3, KV_K));
+    assert_null(kvc_pool_scale_addr(&p, 0, 0, KV_K, 0));
+    kvc__pool_unmap(&p);
+}
+
+static void test_remap_replaces_segment(void **state) {
+    (void)state;
+    kv_layout l;
+    assert_int_equal(kv_layout_init(1, 1, 128, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
+    kvc_conn conn = {.fd = -1};
+    kvc_pool p = {.conn = &conn};
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, 2, 4), KV_OK);
+    uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, 2));
+    int a = make_memfd(seg_bytes);
+    int b = make_memfd(seg_bytes);
+    assert_int_equal(kvc__pool_map_segment(&p, 0, a, seg_bytes, 2, 0), KV_OK);
+    *(uint32_t *)kvc_pool_addr(&p, 1, 0, KV_V, 3, 0) = 0xabcd;
+    /* The daemon freed segment 0 and grew a new one at the same index. */
+    assert_int_equal(kvc__pool_map_segment(&p, 0, b, seg_bytes, 2, 0), KV_OK);
+    uint8_t *v = kvc_pool_layer_base(&p, 0, KV_V);
+    assert_int_equal(*(uint32_t *)(v + 1 * l.kv_block_bytes + 3 * l.token_bytes), 0);
+    assert_int_equal(*(uint32_t *)kvc_pool_addr(&p, 1, 0, KV_V, 3, 0), 0);
+    /* A segment too small for its blocks, or past the limit, is a protocol error. */
+    assert_int_equal(kvc__pool_map_segment(&p, 1, b, 4096, 2, 0), KV_EPROTO);
+    assert_int_equal(kvc__pool_map_segment(&p, 4096, b, seg_bytes, 2, 0), KV_EPROTO);
+    close(a);
+    close(b);
+    kvc__pool_unmap(&p);
+}
+
+static void test_block_major_and_scales(void **state) {
+    (void)state;
+    kv_layout l;
+    assert_int_equal(kv_layout_init(2, 4, 32, 8, KV_DTYPE_INT8, KV_BLOCK_MAJOR, &l), KV_OK);
+    kvc_conn conn = {.fd = -1};
+    kvc_pool p = {.conn = &conn};
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, 3, 2), KV_OK);
+    assert_null(kvc_pool_layer_base(&p, 0, KV_K)); /* block-major has no layer tensors */
+    uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, 3));
+    int fd = make_memfd(seg_bytes);
+    assert_int_equal(kvc__pool_map_segment(&p, 1, fd, seg_bytes, 3, 1), KV_OK);
+    close(fd);
+    assert_null(kvc_pool_addr(&p, 0, 0, KV_K, 0, 0)); /* segment 0 not mapped */
+    uint8_t *base = kvc_pool_segment_base(&p, 1, NULL);
+    assert_non_null(base);
+    uint8_t *e = kvc_pool_addr(&p, 4, 1, KV_V, 7, 3);
+    assert_ptr_equal(e, base + kv_layout_offset(&l, 3, 1, 1, KV_V, 7, 3));
+    float *sc = kvc_pool_scale_addr(&p, 5, 1, KV_V, 3);
+    assert_ptr_equal((uint8_t *)sc, base + kv_layout_scale_offset(&l, 3, 2, 1, KV_V, 3));
+    assert_true((uint8_t *)sc + sizeof(float) <= base + seg_bytes);
+    assert_int_equal(kvc_pool_block_read_only(&p, 4), 1);
+    assert_int_equal(kvc_pool_block_read_only(&p, 0), 0);
+    kvc__pool_unmap(&p);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_layer_major_views_agree),
+        cmocka_unit_test(test_remap_replaces_segment),
+        cmocka_unit_test(test_block_major_and_scales),
+    };
+    return cmocka_run_group_tests_name("client_pool_map", tests, NULL, NULL);
+}

@@ -1,0 +1,826 @@
+/* rpc: libkvclient's requests: encoding each one, handling its reply, and the synchronous and
+ * batched entry points.
+ *
+ * Every request is queued into a kvc_batch (a synchronous call uses a batch of one on the
+ * stack), so both paths share one encoder and one reply handler per request kind. Replies are
+ * checked against what was asked (a Lookup cannot return more blocks than hashes, an Allocate
+ * returns exactly count blocks) because a confused daemon must not make us write past a
+ * caller's buffer.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client/conn.h"
+#include "common/kv_wire.h"
+
+/* ---- reply handling ------------------------------------------------------------------- */
+
+static void blocks_out(kvc_block *out, Kvd__BlockRef *const *refs, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        out[i].id = refs[i]->id;
+        out[i].gen = refs[i]->gen;
+    }
+}
+
+static void note_new_segments(kvc_pool *p, uint32_t from) {
+    if (from != 0 && (p->need_map_from == 0 || from < p->need_map_from)) {
+        p->need_map_from = from;
+    }
+}
+
+static kv_err bad_reply(kvc_conn *c, const char *what) {
+    kvc__log(c, KVC_LOG_ERROR, "KVC-RPC-REPLY", "malformed reply: %s", what);
+    return kvc__fail(c, KV_EPROTO, "malformed reply from kvd: %s", what);
+}
+
+static kv_err complete_hello(kvc_conn *c, const Kvd__HelloReply *r) {
+    if (r->protocol_version != KV_PROTOCOL_VERSION) {
+        return kvc__fail(c, KV_EVERSION, "kvd speaks protocol %u, we speak %u", r->protocol_version,
+                         KV_PROTOCOL_VERSION);
+    }
+    if (r->boot_epoch == 0 || r->max_frame_bytes < 1024) {
+        return bad_reply(c, "HelloReply without epoch or frame limit");
+    }
+    c->session_id = r->session_id;
+    snprintf(c->tenant, sizeof(c->tenant), "%s", r->tenant ? r->tenant : "");
+    c->epoch = r->boot_epoch;
+    c->max_frame = r->max_frame_bytes;
+    c->max_inflight = r->max_inflight;
+    c->max_blocks = r->max_blocks_per_request ? r->max_blocks_per_request : 4096;
+    return KV_OK;
+}
+
+static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolReply *r,
+                              const int *fds, size_t nfds) {
+    kvc_pool *p = op->pool;
+    const Kvd__Layout *l = r->layout;
+    if (l == NULL || r->pool_id == 0 || r->blocks_per_segment == 0 || r->max_segments == 0) {
+        return bad_reply(c, "AttachPoolReply without layout or geometry");
+    }
+    kv_layout lay;
+    if (kv_layout_init(l->num_layers, l->num_kv_heads, l->head_dim, l->tokens_per_block,
+                       (kv_dtype)l->dtype, (kv_arrangement)l->arrangement, &lay) != KV_OK) {
+        return bad_reply(c, "AttachPoolReply layout is invalid");
+    }
+    if (l->block_bytes != 0 && l->block_bytes != lay.block_bytes) {
+        return kvc__fail(c, KV_EPROTO, "kvd's block is %llu bytes, ours %llu: layout mismatch",
+                         (unsigned long long)l->block_bytes, (unsigned long long)lay.block_bytes);
+    }
+    uint32_t max_segments = r->max_segments;
+    /* Never reserve room for fewer segments than the reply already names. */
+    for (size_t i = 0; i < r->n_segments; i++) {
+        if (r->segments[i]->index >= max_segments) {
+            max_segments = r->segments[i]->index + 1;
+        }
+    }
+    kv_err err = kvc__pool_init_geometry(p, &lay, r->blocks_per_segment, max_segments);
+    if (err != KV_OK) {
+        return kvc__fail(c, err, "cannot reserve address space for the pool: %s", kv_strerror(err));
+    }
+    p->pool_id = r->pool_id;
+    p->hash_algo = r->hash_algo ? (int)r->hash_algo : KV_HASH_XXH3_128;
+    if (r->hash_seed != NULL) {
+        p->seed.lo = r->hash_seed->lo;
+        p->seed.hi = r->hash_seed->hi;
+    }
+    p->epoch = c->epoch;
+    err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
+    if (err == KV_OK && r->n_segments == KVC__MAX_SEG_PER_REPLY) {
+        /* More may follow: fetch from the last index + 1 once this reply is done. */
+        note_new_segments(p, r->segments[r->n_segments - 1]->index + 1);
+    }
+    return err;
+}
+
+kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, const int *fds,
+                        size_t nfds) {
+    if (env->body_case == KVD__ENVELOPE__BODY_ERROR) {
+        const Kvd__Error *e = env->error;
+        int code = (int)e->code;
+        kv_err err = code > 0 && code < KV_ERR_COUNT ? (kv_err)code : KV_EINTERNAL;
+        kvc__log(c, KVC_LOG_DEBUG, "KVC-RPC-ERROR", "request %llu: %s: %s",
+                 (unsigned long long)op->id, kv_err_name(code), e->message ? e->message : "");
+        return kvc__fail(c, err, "%s: %s", kv_err_name(code),
+                         e->message && e->message[0] ? e->message : kv_strerror(err));
+    }
+    switch (op->kind) {
+        case KVC__OP_HELLO:
+            if (env->body_case != KVD__ENVELOPE__BODY_HELLO_REPLY) {
+                break;
+            }
+            return complete_hello(c, env->hello_reply);
+        case KVC__OP_ATTACH:
+            if (env->body_case != KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY) {
+                break;
+            }
+            return complete_attach(c, op, env->attach_pool_reply, fds, nfds);
+        case KVC__OP_MAP: {
+            if (env->body_case != KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY) {
+                break;
+            }
+            const Kvd__MapSegmentsReply *r = env->map_segments_reply;
+            kv_err err = kvc__pool_map_reply(op->pool, r->segments, r->n_segments, fds, nfds);
+            if (err == KV_OK && op->nout != NULL) {
+                *op->nout = r->n_segments;
+            }
+            return err;
+        }
+        case KVC__OP_LOOKUP: {
+            if (env->body_case != KVD__ENVELOPE__BODY_LOOKUP_REPLY) {
+                break;
+            }
+            const Kvd__LookupReply *r = env->lookup_reply;
+            if (r->n_blocks > op->count) {
+                return bad_reply(c, "more lookup hits than hashes");
+            }
+            note_new_segments(op->pool, r->new_segments_from);
+            blocks_out(op->out, r->blocks, r->n_blocks);
+            *op->nout = r->n_blocks;
+            return KV_OK;
+        }
+        case KVC__OP_ALLOCATE: {
+            if (env->body_case != KVD__ENVELOPE__BODY_ALLOCATE_REPLY) {
+                break;
+            }
+            const Kvd__AllocateReply *r = env->allocate_reply;
+            if (r->n_blocks != op->count) {
+                return bad_reply(c, "allocate returned a different block count");
+            }
+            note_new_segments(op->pool, r->new_segments_from);
+            blocks_out(op->out, r->blocks, r->n_blocks);
+            return KV_OK;
+        }
+        case KVC__OP_COMMIT: {
+            if (env->body_case != KVD__ENVELOPE__BODY_COMMIT_REPLY) {
+                break;
+            }
+            const Kvd__CommitReply *r = env->commit_reply;
+            if (r->n_canonical != op->count) {
+                return bad_reply(c, "commit returned a different entry count");
+            }
+            if (op->out != NULL) {
+                blocks_out(op->out, r->canonical, r->n_canonical);
+            }
+            return KV_OK;
+        }
+        case KVC__OP_RELEASE:
+            if (env->body_case != KVD__ENVELOPE__BODY_RELEASE_REPLY) {
+                break;
+            }
+            return KV_OK;
+        case KVC__OP_REWIND:
+            if (env->body_case != KVD__ENVELOPE__BODY_REWIND_REPLY) {
+                break;
+            }
+            return KV_OK;
+        case KVC__OP_PIN:
+            if (env->body_case != KVD__ENVELOPE__BODY_PIN_REPLY) {
+                break;
+            }
+            return KV_OK;
+        case KVC__OP_STATS: {
+            if (env->body_case != KVD__ENVELOPE__BODY_STATS_REPLY) {
+                break;
+            }
+            const Kvd__StatsReply *r = env->stats_reply;
+            for (size_t i = 0; i < r->n_stats; i++) {
+                if (op->stat_fn != NULL && r->stats[i]->name != NULL) {
+                    op->stat_fn(op->stat_arg, r->stats[i]->name, r->stats[i]->value);
+                }
+            }
+            return KV_OK;
+        }
+        case KVC__OP_PING: {
+            if (env->body_case != KVD__ENVELOPE__BODY_PONG) {
+                break;
+            }
+            const Kvd__Pong *r = env->pong;
+            if (r->nonce != op->nonce || r->payload.len != op->expect_len ||
+                (op->expect_len > 0 && memcmp(r->payload.data, op->expect, op->expect_len))) {
+                return bad_reply(c, "Pong does not echo the Ping");
+            }
+            return KV_OK;
+        }
+        case KVC__OP_GOODBYE:
+            if (env->body_case != KVD__ENVELOPE__BODY_GOODBYE_REPLY) {
+                break;
+            }
+            return KV_OK;
+    }
+    return bad_reply(c, "reply type does not match the request");
+}
+
+/* ---- encoding ------------------------------------------------------------------------- */
+
+static kv_err check_pool(kvc_conn *c, kvc_pool *p) {
+    if (p == NULL) {
+        return kvc__fail(c, KV_EINVAL, "no pool");
+    }
+    if (p->epoch != c->epoch) {
+        return kvc__fail(c, KV_EEPOCH, "pool %u belongs to a previous kvd instance; attach again",
+                         p->pool_id);
+    }
+    return KV_OK;
+}
+
+static kv_err check_list(kvc_conn *c, size_t n, const void *ptr) {
+    if (n > 0 && ptr == NULL) {
+        return kvc__fail(c, KV_EINVAL, "NULL list");
+    }
+    if (n > c->max_blocks) {
+        return kvc__fail(c, KV_ETOOBIG, "list of %zu exceeds the daemon's %u per request", n,
+                         c->max_blocks);
+    }
+    return KV_OK;
+}
+
+/* Builds BlockRef messages for blocks[0..n) in caller-freed arrays. */
+static kv_err refs_build(kvc_conn *c, const kvc_block *blocks, size_t n, Kvd__BlockRef **msgs,
+                         Kvd__BlockRef ***ptrs) {
+    Kvd__BlockRef *m = malloc((n ? n : 1) * sizeof(*m));
+    Kvd__BlockRef **p = malloc((n ? n : 1) * sizeof(*p));
+    if (m == NULL || p == NULL) {
+        free(m);
+        free(p);
+        return kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu blocks", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__block_ref__init(&m[i]);
+        m[i].id = blocks[i].id;
+        m[i].gen = blocks[i].gen;
+        p[i] = &m[i];
+    }
+    *msgs = m;
+    *ptrs = p;
+    return KV_OK;
+}
+
+static kv_err q_ping(kvc_batch *b, const void *payload, size_t len, size_t *index) {
+    kvc_conn *c = b->conn;
+    if (len > 0 && payload == NULL) {
+        return kvc__fail(c, KV_EINVAL, "NULL payload");
+    }
+    Kvd__Ping m = KVD__PING__INIT;
+    m.nonce = c->next_id * 0x9e3779b97f4a7c15ull + 1;
+    m.payload.data = (uint8_t *)payload;
+    m.payload.len = len;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_PING;
+    env.ping = &m;
+    kvc__op *op;
+    kv_err err = kvc__batch_add(b, KVC__OP_PING, &env, &op);
+    if (err != KV_OK) {
+        return err;
+    }
+    op->nonce = m.nonce;
+    op->expect = payload;
+    op->expect_len = len;
+    if (index != NULL) {
+        *index = b->nops - 1;
+    }
+    return KV_OK;
+}
+
+static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                       kvc_block *out, size_t *nhit, size_t *index) {
+    kvc_conn *c = b->conn;
+    kv_err err = check_pool(c, p);
+    if (err == KV_OK) {
+        err = check_list(c, n, hashes);
+    }
+    if (err == KV_OK && ((n > 0 && out == NULL) || nhit == NULL)) {
+        err = kvc__fail(c, KV_EINVAL, "NULL output");
+    }
+    if (err != KV_OK) {
+        return err;
+    }
+    Kvd__Hash128 *m = malloc((n ? n : 1) * sizeof(*m));
+    Kvd__Hash128 **ptrs = malloc((n ? n : 1) * sizeof(*ptrs));
+    if (m == NULL || ptrs == NULL) {
+        err = kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu hashes", n);
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__hash128__init(&m[i]);
+        m[i].lo = hashes[i].lo;
+        m[i].hi = hashes[i].hi;
+        ptrs[i] = &m[i];
+    }
+    Kvd__Lookup req = KVD__LOOKUP__INIT;
+    req.pool_id = p->pool_id;
+    req.n_hashes = n;
+    req.hashes = ptrs;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+    env.lookup = &req;
+    kvc__op *op;
+    err = kvc__batch_add(b, KVC__OP_LOOKUP, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = n;
+        op->out = out;
+        op->nout = nhit;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+cleanup:
+    free(m);
+    free(ptrs);
+    return err;
+}
+
+static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out, size_t *index) {
+    kvc_conn *c = b->conn;
+    kv_err err = check_pool(c, p);
+    if (err == KV_OK && (count == 0 || out == NULL)) {
+        err = kvc__fail(c, KV_EINVAL, "allocate needs count >= 1 and an output array");
+    }
+    if (err == KV_OK) {
+        err = check_list(c, count, out);
+    }
+    if (err != KV_OK) {
+        return err;
+    }
+    Kvd__Allocate req = KVD__ALLOCATE__INIT;
+    req.pool_id = p->pool_id;
+    req.count = count;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
+    env.allocate = &req;
+    kvc__op *op;
+    err = kvc__batch_add(b, KVC__OP_ALLOCATE, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = count;
+        op->out = out;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+    return err;
+}
+
+static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                       kvc_block *canonical, size_t *index) {
+    kvc_conn *c = b->conn;
+    kv_err err = check_pool(c, p);
+    if (err == KV_OK) {
+        err = check_list(c, n, entries);
+    }
+    if (err != KV_OK) {
+        return err;
+    }
+    Kvd__CommitEntry *e = malloc((n ? n : 1) * sizeof(*e));
+    Kvd__CommitEntry **ep = malloc((n ? n : 1) * sizeof(*ep));
+    Kvd__BlockRef *r = malloc((n ? n : 1) * sizeof(*r));
+    Kvd__Hash128 *h = malloc((n ? n : 1) * sizeof(*h));
+    if (e == NULL || ep == NULL || r == NULL || h == NULL) {
+        err = kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu commits", n);
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__commit_entry__init(&e[i]);
+        kvd__block_ref__init(&r[i]);
+        kvd__hash128__init(&h[i]);
+        r[i].id = entries[i].block.id;
+        r[i].gen = entries[i].block.gen;
+        h[i].lo = entries[i].hash.lo;
+        h[i].hi = entries[i].hash.hi;
+        e[i].block = &r[i];
+        e[i].hash = &h[i];
+        e[i].parent = entries[i].parent;
+        ep[i] = &e[i];
+    }
+    Kvd__Commit req = KVD__COMMIT__INIT;
+    req.pool_id = p->pool_id;
+    req.n_entries = n;
+    req.entries = ep;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    env.commit = &req;
+    kvc__op *op;
+    err = kvc__batch_add(b, KVC__OP_COMMIT, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = n;
+        op->out = canonical;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+cleanup:
+    free(e);
+    free(ep);
+    free(r);
+    free(h);
+    return err;
+}
+
+/* Release, Rewind and Pin carry the same block list. */
+static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_block *blocks,
+                       size_t n, uint64_t retention_ms, uint8_t priority, int unpin,
+                       size_t *index) {
+    kvc_conn *c = b->conn;
+    kv_err err = check_pool(c, p);
+    if (err == KV_OK) {
+        err = check_list(c, n, blocks);
+    }
+    if (err != KV_OK) {
+        return err;
+    }
+    Kvd__BlockRef *m = NULL, **ptrs = NULL;
+    err = refs_build(c, blocks, n, &m, &ptrs);
+    if (err != KV_OK) {
+        return err;
+    }
+    Kvd__Release rel = KVD__RELEASE__INIT;
+    Kvd__Rewind rew = KVD__REWIND__INIT;
+    Kvd__Pin pin = KVD__PIN__INIT;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    if (kind == KVC__OP_RELEASE) {
+        rel.pool_id = p->pool_id;
+        rel.n_blocks = n;
+        rel.blocks = ptrs;
+        env.body_case = KVD__ENVELOPE__BODY_RELEASE;
+        env.release = &rel;
+    } else if (kind == KVC__OP_REWIND) {
+        rew.pool_id = p->pool_id;
+        rew.n_blocks = n;
+        rew.blocks = ptrs;
+        env.body_case = KVD__ENVELOPE__BODY_REWIND;
+        env.rewind = &rew;
+    } else {
+        pin.pool_id = p->pool_id;
+        pin.n_blocks = n;
+        pin.blocks = ptrs;
+        pin.retention_ms = retention_ms;
+        pin.priority = priority;
+        pin.unpin = unpin != 0;
+        env.body_case = KVD__ENVELOPE__BODY_PIN;
+        env.pin = &pin;
+    }
+    kvc__op *op;
+    err = kvc__batch_add(b, kind, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = n;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+    free(m);
+    free(ptrs);
+    return err;
+}
+
+/* ---- running -------------------------------------------------------------------------- */
+
+/* After a batch: fetch segments that replies said are new, so returned blocks are mapped. */
+static kv_err map_pending(kvc_conn *c) {
+    for (kvc_pool *p = c->pools; p != NULL; p = p->next) {
+        if (p->need_map_from != 0 && p->epoch == c->epoch) {
+            kv_err err = kvc__pool_map_new(p);
+            if (err != KV_OK) {
+                return err;
+            }
+        }
+    }
+    return KV_OK;
+}
+
+/* Runs a one-request batch synchronously and returns the request's status. */
+static kv_err run_one(kvc_batch *b) {
+    kv_err err = kvc__exchange(b, 1);
+    if (err == KV_OK) {
+        err = b->ops[0].status;
+        kv_err merr = map_pending(b->conn);
+        if (err == KV_OK) {
+            err = merr;
+        }
+    }
+    kvc__batch_fini(b);
+    return err;
+}
+
+#define SYNC_CALL(c, queue_expr)                                                                   \
+    do {                                                                                           \
+        kv_err err_ = kvc__conn_ready(c);                                                          \
+        if (err_ != KV_OK) {                                                                       \
+            return err_;                                                                           \
+        }                                                                                          \
+        kvc_batch b_;                                                                              \
+        kvc__batch_init(&b_, c);                                                                   \
+        kvc_batch *b = &b_;                                                                        \
+        err_ = (queue_expr);                                                                       \
+        if (err_ != KV_OK) {                                                                       \
+            kvc__batch_fini(b);                                                                    \
+            return err_;                                                                           \
+        }                                                                                          \
+        return run_one(b);                                                                         \
+    } while (0)
+
+kv_err kvc_ping(kvc_conn *c, const void *payload, size_t len) {
+    SYNC_CALL(c, q_ping(b, payload, len, NULL));
+}
+
+kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out, size_t *nhit) {
+    SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, nhit, NULL));
+}
+
+kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
+    SYNC_CALL(p->conn, q_allocate(b, p, count, out, NULL));
+}
+
+kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
+    SYNC_CALL(p->conn, q_commit(b, p, entries, n, canonical, NULL));
+}
+
+kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n) {
+    SYNC_CALL(p->conn, q_blocks(b, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, NULL));
+}
+
+kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n) {
+    SYNC_CALL(p->conn, q_blocks(b, KVC__OP_REWIND, p, blocks, n, 0, 0, 0, NULL));
+}
+
+kv_err kvc_pin(kvc_pool *p, const kvc_block *blocks, size_t n, uint64_t retention_ms,
+               uint8_t priority, int unpin) {
+    SYNC_CALL(p->conn, q_blocks(b, KVC__OP_PIN, p, blocks, n, retention_ms, priority, unpin, NULL));
+}
+
+static kv_err q_stats(kvc_batch *b, uint32_t pool_id, kvc_stat_fn fn, void *arg) {
+    Kvd__Stats req = KVD__STATS__INIT;
+    req.pool_id = pool_id;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_STATS;
+    env.stats = &req;
+    kvc__op *op;
+    kv_err err = kvc__batch_add(b, KVC__OP_STATS, &env, &op);
+    if (err == KV_OK) {
+        op->stat_fn = fn;
+        op->stat_arg = arg;
+    }
+    return err;
+}
+
+kv_err kvc_stats(kvc_conn *c, uint32_t pool_id, kvc_stat_fn fn, void *arg) {
+    SYNC_CALL(c, q_stats(b, pool_id, fn, arg));
+}
+
+typedef struct stat_find {
+    const char *name; /* wanted */
+    uint64_t value;   /* found value */
+    int found;        /* seen */
+} stat_find;
+
+static void stat_find_fn(void *arg, const char *name, uint64_t value) {
+    stat_find *f = arg;
+    if (strcmp(f->name, name) == 0) {
+        f->value = value;
+        f->found = 1;
+    }
+}
+
+kv_err kvc_stat_get(kvc_conn *c, uint32_t pool_id, const char *name, uint64_t *value) {
+    stat_find f = {.name = name};
+    kv_err err = kvc_stats(c, pool_id, stat_find_fn, &f);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (!f.found) {
+        return kvc__fail(c, KV_ENOENT, "kvd reports no statistic named %s", name);
+    }
+    *value = f.value;
+    return KV_OK;
+}
+
+/* MapSegments for one pool from first_index; *nsegs gets how many came back. */
+static kv_err map_once(kvc_pool *p, uint32_t first_index, size_t *nsegs) {
+    kvc_conn *c = p->conn;
+    Kvd__MapSegments req = KVD__MAP_SEGMENTS__INIT;
+    req.pool_id = p->pool_id;
+    req.first_index = first_index;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS;
+    env.map_segments = &req;
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    kv_err err = kvc__batch_add(&b, KVC__OP_MAP, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->nout = nsegs;
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    return err;
+}
+
+kv_err kvc__pool_map_new(kvc_pool *p) {
+    uint32_t from = p->need_map_from;
+    for (;;) {
+        size_t n = 0;
+        /* Clear first: the MapSegments reply itself never sets it. */
+        p->need_map_from = 0;
+        kv_err err = map_once(p, from, &n);
+        if (err != KV_OK) {
+            p->need_map_from = from;
+            return err;
+        }
+        if (n < KVC__MAX_SEG_PER_REPLY) {
+            return KV_OK;
+        }
+        from = p->nsegs;
+    }
+}
+
+kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout, kvc_pool **out) {
+    kv_err err = kvc__conn_ready(c);
+    if (err != KV_OK && err != KV_EEPOCH) {
+        return err;
+    }
+    if (model_id == NULL || model_id[0] == '\0' || strlen(model_id) > 128 || layout == NULL) {
+        return kvc__fail(c, KV_EINVAL, "attach needs a model id of 1..128 bytes and a layout");
+    }
+    const char *why =
+        kv_layout_check_msg(layout->num_layers, layout->num_kv_heads, layout->head_dim,
+                            layout->tokens_per_block, layout->dtype, layout->arrangement);
+    if (why != NULL) {
+        return kvc__fail(c, KV_EINVAL, "bad layout: %s", why);
+    }
+    kvc_pool *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return kvc__fail(c, KV_ENOMEM, "out of memory for a pool");
+    }
+    p->conn = c;
+    Kvd__Layout l = KVD__LAYOUT__INIT;
+    l.num_layers = layout->num_layers;
+    l.num_kv_heads = layout->num_kv_heads;
+    l.head_dim = layout->head_dim;
+    l.tokens_per_block = layout->tokens_per_block;
+    l.dtype = (Kvd__DType)layout->dtype;
+    l.arrangement = (Kvd__Arrangement)layout->arrangement;
+    Kvd__AttachPool req = KVD__ATTACH_POOL__INIT;
+    req.model_id = (char *)model_id;
+    req.layout = &l;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
+    env.attach_pool = &req;
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    err = kvc__batch_add(&b, KVC__OP_ATTACH, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    if (err != KV_OK) {
+        goto fail;
+    }
+    p->next = c->pools;
+    c->pools = p;
+    if (p->need_map_from != 0) {
+        err = kvc__pool_map_new(p);
+        if (err != KV_OK) {
+            kvc_pool_detach(p);
+            return err;
+        }
+    }
+    kvc__log(c, KVC_LOG_INFO, "KVC-POOL-ATTACH", "pool %u: %u segments mapped, %u blocks each",
+             p->pool_id, p->nsegs, p->blocks_per_segment);
+    *out = p;
+    return KV_OK;
+fail:
+    kvc__pool_unmap(p);
+    free(p);
+    return err;
+}
+
+/* ---- batch API ------------------------------------------------------------------------ */
+
+kv_err kvc_batch_alloc(kvc_conn *c, kvc_batch **out) {
+    kvc_batch *b = malloc(sizeof(*b));
+    if (b == NULL) {
+        return KV_ENOMEM;
+    }
+    kvc__batch_init(b, c);
+    *out = b;
+    return KV_OK;
+}
+
+void kvc_batch_free(kvc_batch *b) {
+    if (b == NULL) {
+        return;
+    }
+    kvc__batch_fini(b);
+    free(b);
+}
+
+void kvc_batch_reset(kvc_batch *b) {
+    if (b->conn->active == b) {
+        kvc__conn_break(b->conn);
+        b->conn->active = NULL;
+    }
+    b->nops = 0;
+    b->olen = 0;
+    b->osent = 0;
+    b->nsent = 0;
+    b->nwait = 0;
+    b->in_flight = 0;
+}
+
+size_t kvc_batch_count(const kvc_batch *b) {
+    return b->nops;
+}
+
+kv_err kvc_batch_ping(kvc_batch *b, const void *payload, size_t len, size_t *index) {
+    return q_ping(b, payload, len, index);
+}
+
+kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                        kvc_block *out, size_t *nhit, size_t *index) {
+    return q_lookup(b, p, hashes, n, out, nhit, index);
+}
+
+kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
+                          size_t *index) {
+    return q_allocate(b, p, count, out, index);
+}
+
+kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                        kvc_block *canonical, size_t *index) {
+    return q_commit(b, p, entries, n, canonical, index);
+}
+
+kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
+                         size_t *index) {
+    return q_blocks(b, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, index);
+}
+
+kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
+                        size_t *index) {
+    return q_blocks(b, KVC__OP_REWIND, p, blocks, n, 0, 0, 0, index);
+}
+
+kv_err kvc_batch_send(kvc_batch *b) {
+    kvc_conn *c = b->conn;
+    if (!b->in_flight) {
+        kv_err err = kvc__conn_ready(c);
+        if (err != KV_OK) {
+            return err;
+        }
+        /* Frames were encoded with the epoch of queuing time; a reconnect in between means
+         * they are about handles of another daemon instance and it would refuse them. */
+        for (size_t i = b->nsent; i < b->nops; i++) {
+            if (b->ops[i].pool != NULL && b->ops[i].pool->epoch != c->epoch) {
+                return kvc__fail(c, KV_EEPOCH, "batch names a pool of a previous kvd instance");
+            }
+        }
+    }
+    return kvc__exchange(b, 0);
+}
+
+kv_err kvc_batch_wait(kvc_batch *b) {
+    kvc_conn *c = b->conn;
+    if (!b->in_flight && b->nsent < b->nops) {
+        kv_err err = kvc_batch_send(b);
+        if (err != KV_OK) {
+            return err;
+        }
+    }
+    if (!b->in_flight) {
+        return map_pending(c);
+    }
+    kv_err err = kvc__exchange(b, 1);
+    if (err != KV_OK) {
+        return err;
+    }
+    return map_pending(c);
+}
+
+kv_err kvc_batch_run(kvc_batch *b) {
+    kv_err err = kvc_batch_send(b);
+    if (err != KV_OK) {
+        return err;
+    }
+    return kvc_batch_wait(b);
+}
+
+kv_err kvc_batch_status(const kvc_batch *b, size_t index) {
+    if (index >= b->nops) {
+        return KV_EINVAL;
+    }
+    if (!b->ops[index].done) {
+        return KV_ESTATE;
+    }
+    return b->ops[index].status;
+}
