@@ -88,7 +88,7 @@ static int parse_ids(const char *s, uint32_t *ids, uint32_t *n) {
             return -1;
         }
         ids[(*n)++] = (uint32_t)v;
-        if (*end == ',') {
+        if (*end == ',' && end[1] != '\0') {
             end++;
         } else if (*end != '\0') {
             return -1;
