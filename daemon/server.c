@@ -125,11 +125,18 @@ void kvd_conn_log_proto(kvd_conn *c, const char *what, const uint8_t *bytes, siz
         snprintf(hex + 3 * i, 4, "%02x ", bytes[i]);
     }
     hex[n > 0 ? 3 * n - 1 : 0] = '\0';
-    KV_LOG(WARN, "KVD-CONN-PROTO",
-           "session %llu (pid %d uid %d): %s; %zu bytes, first: %s (%llu similar lines "
-           "suppressed)",
-           (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid, what, len, hex,
-           (unsigned long long)s->log_suppressed);
+    if (len > 0) {
+        KV_LOG(WARN, "KVD-CONN-PROTO",
+               "session %llu (pid %d uid %d): %s; %zu bytes, first: %s (%llu similar lines "
+               "suppressed)",
+               (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid, what, len, hex,
+               (unsigned long long)s->log_suppressed);
+    } else {
+        KV_LOG(WARN, "KVD-CONN-PROTO",
+               "session %llu (pid %d uid %d): %s (%llu similar lines suppressed)",
+               (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid, what,
+               (unsigned long long)s->log_suppressed);
+    }
     s->log_suppressed = 0;
 }
 
@@ -557,7 +564,7 @@ static kv_err socket_path_prepare(kvd_server *s) {
                sizeof(s->sock_path) - 1);
         return KV_EINVAL;
     }
-    snprintf(s->sock_path, sizeof(s->sock_path), "%s", path);
+    memcpy(s->sock_path, path, strlen(path) + 1);
     char *slash = strrchr(path, '/');
     if (slash != NULL && slash != path) {
         *slash = '\0';
