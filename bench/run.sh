@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# bench/run.sh <name>... — runs benchmarks (built beforehand with -c opt; ./dev bench does) and
+# records each one's markdown in its own section of bench/RESULTS.md, replacing the previous run.
+# Add a benchmark: one case below that prints markdown on stdout. BENCH_BIN_DIR overrides where
+# the binaries are (default bazel-bin/bench). With no name, runs them all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
+RESULTS=bench/RESULTS.md
+ALL=(core)
+
+run_one() {
+    case "$1" in
+        core) "$BIN_DIR/core_bench" ;;
+        *)
+            echo "bench/run.sh: unknown benchmark '$1' (known: ${ALL[*]})" >&2
+            return 2
+            ;;
+    esac
+}
+
+# Replaces the text between "<!-- bench:NAME:begin -->" and "<!-- bench:NAME:end -->" in
+# RESULTS.md with the file $2 (appends the section when it is not there yet).
+record() {
+    local name=$1 body=$2 tmp
+    tmp=$(mktemp)
+    awk -v name="$name" -v body="$body" '
+        BEGIN { b = "<!-- bench:" name ":begin -->"; e = "<!-- bench:" name ":end -->" }
+        $0 == b { print; while ((getline line < body) > 0) print line; skip = 1; found = 1; next }
+        $0 == e { skip = 0 }
+        !skip { print }
+        END {
+            if (!found) {
+                print ""; print b
+                while ((getline line < body) > 0) print line
+                print e
+            }
+        }' "$RESULTS" > "$tmp"
+    mv "$tmp" "$RESULTS"
+}
+
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=("${ALL[@]}")
+[ -f "$RESULTS" ] || printf '# Benchmark results\n' > "$RESULTS"
+for name in "${names[@]}"; do
+    out=$(mktemp)
+    {
+        echo "## $name"
+        echo
+        echo "Run $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) CPUs," \
+             "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')," \
+             "$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)," \
+             "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)."
+        echo
+        run_one "$name"
+    } | tee "$out"
+    record "$name" "$out"
+    rm -f "$out"
+done
