@@ -1,10 +1,39 @@
 /* kvk: the KV kernels' plain C ABI. No CUDA types appear here, so C code links these whether or
  * not the build had nvcc; each GPU kernel has a CPU reference twin with the same arguments.
+ *
+ * Every kernel addresses KV memory through one affine descriptor, kvk_cache: the element data of
+ * (block b, section s) starts at data + b * block_stride + s * section_stride, where section
+ * s = layer * 2 + (KV_K | KV_V), and holds [tokens_per_block][num_kv_heads][head_dim] elements.
+ * That one shape covers a kvd segment in either arrangement of common/kv_layout.h
+ * (kvk_cache_from_segment) and an engine's own per-layer K and V tensors (vLLM, FlashInfer NHD).
+ * The 8-bit dtypes (fp8-e4m3, int8) carry float32 scales per (block, section, head) at
+ * scales + b * scale_block_stride + s * scale_section_stride + head * 4; a stored element q means
+ * the value q * scale.
+ *
+ * Naming: kvk_<op>_cpu runs on the calling thread over host memory and is the reference ("twin")
+ * of kvk_<op>_cuda, which takes device addresses (cudaMalloc, pinned host memory mapped with
+ * UVA, or CUDA VMM) and a cudaStream_t passed as void * (NULL: the legacy default stream), and
+ * only enqueues work. Launchers return KV_ENOGPU when the binary was built without CUDA or no
+ * device is usable, KV_EINVAL for arguments checked on the host, KV_ENOTSUP for a shape the GPU
+ * kernel does not handle (the message says which), and KV_EINTERNAL when the CUDA runtime fails.
+ * kvk_last_error() then says why. Device-resident index arrays cannot be checked on the host:
+ * GPU kernels skip entries out of range instead of touching memory outside the caller's cache.
+ *
+ * Thread: all functions may be called from any thread; none keeps state except the
+ * thread-local error message.
  */
 #ifndef KVK_H
 #define KVK_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_layout.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Reports how many CUDA devices this process can use (0 when none, when the driver is missing,
  * or when the build had no nvcc) and writes a one-line reason into why (always NUL-terminated).
@@ -13,5 +42,200 @@ int kvk_gpu_probe(char *why, size_t why_len);
 
 /* 1 when this binary contains compiled CUDA kernels, else 0. */
 int kvk_built_with_cuda(void);
+
+/* ---- Errors ---------------------------------------------------------------------------------- */
+
+/* The calling thread's message for the last kvk call that failed ("" when none). Static
+ * thread-local storage; valid until the thread's next failing kvk call. */
+const char *kvk_last_error(void);
+
+/* ---- Cache descriptor ------------------------------------------------------------------------ */
+
+typedef struct kvk_cache {
+    uintptr_t data;               /* address of (block 0, section 0) element data */
+    int64_t block_stride;         /* bytes from block b's data to block b+1's, same section */
+    int64_t section_stride;       /* bytes from section s's data to section s+1's, same block */
+    uintptr_t scales;             /* address of (block 0, section 0) scales; 0 unless 8-bit */
+    int64_t scale_block_stride;   /* bytes from block b's scales to block b+1's */
+    int64_t scale_section_stride; /* bytes from section s's scales to section s+1's */
+    uint32_t num_blocks;          /* valid block ids: 0 .. num_blocks-1 */
+    uint32_t num_sections;        /* 2 * layers (K and V of each layer) */
+    uint32_t tokens_per_block;    /* tokens in one block (FlashInfer: page_size) */
+    uint32_t num_kv_heads;        /* KV heads */
+    uint32_t head_dim;            /* elements per head */
+    kv_dtype dtype;               /* element type */
+} kvk_cache;
+
+/* Describes a segment of nblocks blocks of layout l whose first byte is at base (host or device
+ * address). Uses only l's public fields and the formulas documented in common/kv_layout.h.
+ * KV_EINVAL when l's arrangement or dtype is unknown or nblocks is 0. Writes *out on success. */
+kv_err kvk_cache_from_segment(const kv_layout *l, uintptr_t base, uint32_t nblocks, kvk_cache *out);
+
+/* Bytes of one element of d (fp8 and int8: 1); 0 for an unknown dtype. */
+uint32_t kvk_dtype_bytes(kv_dtype d);
+
+/* ---- copy_blocks ----------------------------------------------------------------------------- */
+
+/* For i in 0..n-1 copies every section (all layers, K and V) of block src_blocks[i] of src into
+ * block dst_blocks[i] of dst, scales included. src and dst must agree in num_sections,
+ * tokens_per_block, num_kv_heads, head_dim and dtype; their strides may differ, which is how
+ * layer-major and block-major segments convert into each other. The blocks copied must not
+ * overlap the blocks written. KV_EINVAL on a shape mismatch or a block id out of range (nothing is
+ * copied then). Arrays are borrowed. */
+kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int32_t *src_blocks,
+                           const int32_t *dst_blocks, uint32_t n);
+
+/* GPU twin: one launch for all n blocks. src_blocks and dst_blocks are device arrays; a pair
+ * with an id out of range is skipped. src or dst data may be pinned host memory (UVA), which
+ * makes this a host<->device tier move. */
+kv_err kvk_copy_blocks_cuda(const kvk_cache *src, const kvk_cache *dst, const int32_t *src_blocks,
+                            const int32_t *dst_blocks, uint32_t n, void *stream);
+
+/* ---- reshape_and_cache ----------------------------------------------------------------------- */
+
+typedef struct kvk_tokens {
+    const void *k;        /* new keys [ntokens] rows, each [num_kv_heads][head_dim] */
+    const void *v;        /* new values, same shape */
+    int64_t row_stride;   /* bytes between consecutive tokens' rows in k and v */
+    kv_dtype dtype;       /* fp16, bf16 or fp32 */
+    const float *k_scale; /* 8-bit caches: [num_kv_heads] scales to quantize K with; else NULL */
+    const float *v_scale; /* 8-bit caches: same for V */
+} kvk_tokens;
+
+/* Writes token i's K and V into layer `layer` of cache at slot slot_mapping[i] (block =
+ * slot / tokens_per_block, token in block = slot % tokens_per_block), converting to the cache's
+ * dtype (round to nearest even; fp8-e4m3 saturates to +-448). A negative slot skips the token
+ * (vLLM's padding convention). For 8-bit caches each element is stored as
+ * round(x / scale) with the caller's per-head scale, and that scale is written to the block's
+ * scale slot; a caller must use the same scales for every token of a block (engines use fixed
+ * calibrated per-layer scales). KV_EINVAL for a bad dtype, a missing scale, a layer or slot out of
+ * range (nothing written then). */
+kv_err kvk_reshape_and_cache_cpu(const kvk_cache *cache, uint32_t layer, const kvk_tokens *t,
+                                 const int64_t *slot_mapping, uint32_t ntokens);
+
+/* GPU twin: t->k, t->v, the scales and slot_mapping are device addresses; out-of-range slots are
+ * skipped. */
+kv_err kvk_reshape_and_cache_cuda(const kvk_cache *cache, uint32_t layer, const kvk_tokens *t,
+                                  const int64_t *slot_mapping, uint32_t ntokens, void *stream);
+
+/* ---- paged_decode_attention ------------------------------------------------------------------ */
+
+typedef struct kvk_page_table {
+    const int32_t *indptr;        /* [batch+1]: request i owns indices[indptr[i]..indptr[i+1]) */
+    const int32_t *indices;       /* block ids of each request's pages, in token order */
+    const int32_t *last_page_len; /* [batch]: tokens in each request's last page, 1..page_size */
+    uint32_t batch;               /* requests */
+} kvk_page_table;
+
+typedef struct kvk_decode_args {
+    const void *q;         /* [batch][num_qo_heads][head_dim] one query token per request */
+    void *out;             /* [batch][num_qo_heads][head_dim] attention output */
+    float *lse;            /* [batch][num_qo_heads] natural log-sum-exp of scaled scores, or NULL */
+    kv_dtype qo_dtype;     /* dtype of q and out: fp16, bf16 or fp32 */
+    uint32_t num_qo_heads; /* multiple of the cache's num_kv_heads (GQA group = qo / kv) */
+    float sm_scale;        /* score = sm_scale * dot(q, k); usually 1 / sqrt(head_dim) */
+} kvk_decode_args;
+
+/* Decode attention of each request's one query token over its pages of layer `layer` (FlashInfer's
+ * CSR page table, see docs/KERNELS.md). Query head h reads KV head h / (num_qo_heads /
+ * num_kv_heads). Accumulates in float32. A request with no pages writes zeros and lse = -inf.
+ * KV_EINVAL for bad shapes or dtypes, a non-monotonic indptr, a last_page_len out of 1..page_size,
+ * or a page id out of range (outputs undefined then). */
+kv_err kvk_paged_decode_attention_cpu(const kvk_cache *cache, uint32_t layer,
+                                      const kvk_page_table *pt, const kvk_decode_args *a);
+
+/* Bytes of float workspace with which kvk_paged_decode_attention_cuda can split each request's
+ * pages into up to max_splits chunks (split-K) merged by log-sum-exp. */
+size_t kvk_paged_decode_attention_workspace_bytes(uint32_t batch, uint32_t num_qo_heads,
+                                                  uint32_t head_dim, uint32_t max_splits);
+
+/* GPU twin: one CTA per (request, KV head, split) handling the whole GQA group. All pointers in
+ * pt and a are device addresses. workspace (device, may be NULL) enables split-K when it holds
+ * at least kvk_paged_decode_attention_workspace_bytes(..., 2); splits are chosen to fill the
+ * device. Page ids out of range are skipped. KV_ENOTSUP for head_dim other than 64, 128, 256
+ * (fp32 caches: 64, 128). */
+kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32_t layer,
+                                       const kvk_page_table *pt, const kvk_decode_args *a,
+                                       void *workspace, size_t workspace_bytes, void *stream);
+
+/* ---- merge_states ---------------------------------------------------------------------------- */
+
+#define KVK_MAX_MERGE_STATES 16
+
+/* Merges num_states partial attention states over disjoint KV sets into one (cascade / shared
+ * prefix attention): state j is v[j] [rows][head_dim] (dtype) with s[j] [rows] float32 natural
+ * log-sum-exp; out = sum_j exp(s[j] - S) v[j], S = log sum_j exp(s[j]). A state with s = -inf
+ * counts as empty; when all are empty out is 0 and S is -inf. rows is usually tokens * heads.
+ * s_out may be NULL; out may alias v[0]. KV_EINVAL for num_states outside
+ * 1..KVK_MAX_MERGE_STATES or an unsupported dtype. */
+kv_err kvk_merge_states_cpu(kv_dtype dtype, const void *const *v, const float *const *s,
+                            uint32_t num_states, uint64_t rows, uint32_t head_dim, void *out,
+                            float *s_out);
+
+/* GPU twin; the arrays v and s are host arrays of device addresses. */
+kv_err kvk_merge_states_cuda(kv_dtype dtype, const void *const *v, const float *const *s,
+                             uint32_t num_states, uint64_t rows, uint32_t head_dim, void *out,
+                             float *s_out, void *stream);
+
+/* ---- quantize_blocks / dequantize_blocks ----------------------------------------------------- */
+
+/* Quantizes n groups of [tokens][heads][dim] elements (src_dtype fp16, bf16 or fp32) into
+ * dst_dtype int8 or fp8-e4m3, with one float32 scale per (group, head): scales [n][heads].
+ * scale = absmax / qmax (qmax 127 for int8, 448 for fp8; 1 when the absmax is 0); int8 stores
+ * clamp(rint(x / scale), -127, 127), fp8 stores x / scale rounded to nearest even. tokens = 1
+ * gives a scale per (token, head); tokens = tokens_per_block quantizes a layer-major section's
+ * blocks. Non-finite inputs give unspecified (but in-bounds) results. KV_EINVAL for bad dtypes
+ * or a zero dimension. */
+kv_err kvk_quantize_blocks_cpu(kv_dtype src_dtype, const void *src, kv_dtype dst_dtype, void *dst,
+                               float *scales, uint64_t n, uint32_t tokens, uint32_t heads,
+                               uint32_t dim);
+kv_err kvk_quantize_blocks_cuda(kv_dtype src_dtype, const void *src, kv_dtype dst_dtype, void *dst,
+                                float *scales, uint64_t n, uint32_t tokens, uint32_t heads,
+                                uint32_t dim, void *stream);
+
+/* The inverse: dst = src * scale, converted to dst_dtype (fp16, bf16 or fp32). */
+kv_err kvk_dequantize_blocks_cpu(kv_dtype src_dtype, const void *src, const float *scales,
+                                 kv_dtype dst_dtype, void *dst, uint64_t n, uint32_t tokens,
+                                 uint32_t heads, uint32_t dim);
+kv_err kvk_dequantize_blocks_cuda(kv_dtype src_dtype, const void *src, const float *scales,
+                                  kv_dtype dst_dtype, void *dst, uint64_t n, uint32_t tokens,
+                                  uint32_t heads, uint32_t dim, void *stream);
+
+/* ---- Device memory helpers (tests, benchmarks, the example engine) --------------------------- */
+
+typedef enum kvk_copy_kind {
+    KVK_H2D = 1, /* host to device */
+    KVK_D2H = 2, /* device to host */
+    KVK_D2D = 3, /* device to device */
+} kvk_copy_kind;
+
+/* cudaMalloc; writes *out on success. KV_ENOGPU without CUDA, KV_ENOMEM when the device is full. */
+kv_err kvk_dev_alloc(size_t bytes, void **out);
+/* cudaFree; NULL is fine. */
+void kvk_dev_free(void *p);
+/* Pinned host memory mapped into the device's address space (cudaHostAlloc, mapped): the same
+ * address works on host and device (UVA). */
+kv_err kvk_host_alloc_pinned(size_t bytes, void **out);
+void kvk_host_free_pinned(void *p);
+/* Synchronous cudaMemcpy. */
+kv_err kvk_dev_memcpy(void *dst, const void *src, size_t bytes, kvk_copy_kind kind);
+/* Asynchronous cudaMemcpyAsync on stream (NULL: default stream). */
+kv_err kvk_dev_memcpy_async(void *dst, const void *src, size_t bytes, kvk_copy_kind kind,
+                            void *stream);
+/* Waits for all work on the device; reports a failed earlier launch. */
+kv_err kvk_dev_sync(void);
+
+/* Event timing: kvk_timer_start records a start event on stream; kvk_timer_stop records the
+ * stop event, waits for it and writes the elapsed milliseconds to *ms. One timer per thread. */
+kv_err kvk_timer_start(void *stream);
+kv_err kvk_timer_stop(void *stream, float *ms);
+
+/* Streaming multiprocessors and peak memory bandwidth (GB/s, from the memory clock and bus width
+ * the runtime reports; 0 when unknown) of the current device. */
+kv_err kvk_dev_info(int *num_sms, double *peak_gbps, char *name, size_t name_len);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,0 +1,226 @@
+/* kvk_cache: the cache descriptor, argument checks shared with the CUDA launchers, and the CPU
+ * twins of copy_blocks and reshape_and_cache.
+ *
+ * Every block's (section) run of [tokens][heads][dim] elements is contiguous in both kvd
+ * arrangements and in engines' own tensors, so copy_blocks is a list of contiguous chunk copies;
+ * conversion between arrangements is nothing but different strides on the two sides.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/kvk_dtype.h"
+#include "kernels/kvk_internal.h"
+
+static _Thread_local char last_error[256];
+
+const char *kvk_last_error(void) {
+    return last_error;
+}
+
+kv_err kvk__fail(kv_err code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+uint32_t kvk_dtype_bytes(kv_dtype d) {
+    return kvk_elem_bytes(d);
+}
+
+int kvk__is_wide(kv_dtype d) {
+    return d == KV_DTYPE_FP16 || d == KV_DTYPE_BF16 || d == KV_DTYPE_FP32;
+}
+
+int kvk__is_scaled(kv_dtype d) {
+    return d == KV_DTYPE_FP8_E4M3 || d == KV_DTYPE_INT8;
+}
+
+kv_err kvk_cache_from_segment(const kv_layout *l, uintptr_t base, uint32_t nblocks,
+                              kvk_cache *out) {
+    if (l == NULL || out == NULL || nblocks == 0 || kvk_dtype_bytes(l->dtype) == 0) {
+        return kvk__fail(KV_EINVAL, "cache_from_segment: null layout, no blocks or bad dtype");
+    }
+    kvk_cache c = {
+        .num_blocks = nblocks,
+        .num_sections = l->num_layers * 2,
+        .tokens_per_block = l->tokens_per_block,
+        .num_kv_heads = l->num_kv_heads,
+        .head_dim = l->head_dim,
+        .dtype = l->dtype,
+    };
+    int64_t scale_head_bytes = (int64_t)l->num_kv_heads * (int64_t)sizeof(float);
+    /* Formulas of common/kv_layout.h; kvk_cache_test checks them against kv_layout_offset. */
+    if (l->arrangement == KV_LAYER_MAJOR) {
+        c.data = base;
+        c.block_stride = (int64_t)l->kv_block_bytes;
+        c.section_stride = (int64_t)l->kv_block_bytes * nblocks;
+        if (l->scale_bytes != 0) {
+            c.scales = base + (uintptr_t)((uint64_t)nblocks * l->data_bytes);
+            c.scale_block_stride = scale_head_bytes;
+            c.scale_section_stride = scale_head_bytes * nblocks;
+        }
+    } else if (l->arrangement == KV_BLOCK_MAJOR) {
+        c.data = base;
+        c.block_stride = (int64_t)l->block_bytes;
+        c.section_stride = (int64_t)l->kv_block_bytes;
+        if (l->scale_bytes != 0) {
+            c.scales = base + (uintptr_t)l->data_bytes;
+            c.scale_block_stride = (int64_t)l->block_bytes;
+            c.scale_section_stride = scale_head_bytes;
+        }
+    } else {
+        return kvk__fail(KV_EINVAL, "cache_from_segment: unknown arrangement %d",
+                         (int)l->arrangement);
+    }
+    *out = c;
+    return KV_OK;
+}
+
+kv_err kvk__check_cache(const kvk_cache *c, const char *what) {
+    if (c == NULL) {
+        return kvk__fail(KV_EINVAL, "%s: null cache", what);
+    }
+    if (kvk_dtype_bytes(c->dtype) == 0) {
+        return kvk__fail(KV_EINVAL, "%s: unknown cache dtype %d", what, (int)c->dtype);
+    }
+    if (c->num_blocks == 0 || c->num_sections == 0 || c->tokens_per_block == 0 ||
+        c->num_kv_heads == 0 || c->head_dim == 0 || c->data == 0) {
+        return kvk__fail(KV_EINVAL, "%s: cache with a zero dimension or null data", what);
+    }
+    if (kvk__is_scaled(c->dtype) && c->scales == 0) {
+        return kvk__fail(KV_EINVAL, "%s: 8-bit cache without scales", what);
+    }
+    return KV_OK;
+}
+
+kv_err kvk__check_copy(const kvk_cache *src, const kvk_cache *dst) {
+    kv_err rc = kvk__check_cache(src, "copy_blocks src");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvk__check_cache(dst, "copy_blocks dst");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (src->num_sections != dst->num_sections || src->tokens_per_block != dst->tokens_per_block ||
+        src->num_kv_heads != dst->num_kv_heads || src->head_dim != dst->head_dim ||
+        src->dtype != dst->dtype) {
+        return kvk__fail(KV_EINVAL, "copy_blocks: src and dst differ in shape or dtype");
+    }
+    return KV_OK;
+}
+
+kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int32_t *src_blocks,
+                           const int32_t *dst_blocks, uint32_t n) {
+    kv_err rc = kvk__check_copy(src, dst);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (n > 0 && (src_blocks == NULL || dst_blocks == NULL)) {
+        return kvk__fail(KV_EINVAL, "copy_blocks: null block list");
+    }
+    /* Check every id first so a bad list copies nothing. */
+    for (uint32_t i = 0; i < n; i++) {
+        if (src_blocks[i] < 0 || (uint32_t)src_blocks[i] >= src->num_blocks || dst_blocks[i] < 0 ||
+            (uint32_t)dst_blocks[i] >= dst->num_blocks) {
+            return kvk__fail(KV_EINVAL, "copy_blocks: pair %u (%d -> %d) out of range", i,
+                             src_blocks[i], dst_blocks[i]);
+        }
+    }
+    size_t chunk = (size_t)src->tokens_per_block * src->num_kv_heads * src->head_dim *
+                   kvk_dtype_bytes(src->dtype);
+    size_t scale_chunk = (size_t)src->num_kv_heads * sizeof(float);
+    int scaled = kvk__is_scaled(src->dtype);
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint32_t s = 0; s < src->num_sections; s++) {
+            const char *from = (const char *)src->data + src_blocks[i] * src->block_stride +
+                               (int64_t)s * src->section_stride;
+            char *to = (char *)dst->data + dst_blocks[i] * dst->block_stride +
+                       (int64_t)s * dst->section_stride;
+            memcpy(to, from, chunk);
+            if (scaled) {
+                from = (const char *)src->scales + src_blocks[i] * src->scale_block_stride +
+                       (int64_t)s * src->scale_section_stride;
+                to = (char *)dst->scales + dst_blocks[i] * dst->scale_block_stride +
+                     (int64_t)s * dst->scale_section_stride;
+                memcpy(to, from, scale_chunk);
+            }
+        }
+    }
+    return KV_OK;
+}
+
+kv_err kvk__check_reshape(const kvk_cache *c, uint32_t layer, const kvk_tokens *t) {
+    kv_err rc = kvk__check_cache(c, "reshape_and_cache");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (t == NULL || t->k == NULL || t->v == NULL || !kvk__is_wide(t->dtype)) {
+        return kvk__fail(KV_EINVAL, "reshape_and_cache: null tokens or dtype not fp16/bf16/fp32");
+    }
+    if ((uint64_t)layer * 2 + 1 >= c->num_sections) {
+        return kvk__fail(KV_EINVAL, "reshape_and_cache: layer %u out of range", layer);
+    }
+    if (kvk__is_scaled(c->dtype) && (t->k_scale == NULL || t->v_scale == NULL)) {
+        return kvk__fail(KV_EINVAL, "reshape_and_cache: 8-bit cache needs k_scale and v_scale");
+    }
+    return KV_OK;
+}
+
+kv_err kvk_reshape_and_cache_cpu(const kvk_cache *cache, uint32_t layer, const kvk_tokens *t,
+                                 const int64_t *slot_mapping, uint32_t ntokens) {
+    kv_err rc = kvk__check_reshape(cache, layer, t);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (ntokens > 0 && slot_mapping == NULL) {
+        return kvk__fail(KV_EINVAL, "reshape_and_cache: null slot mapping");
+    }
+    uint64_t nslots = (uint64_t)cache->num_blocks * cache->tokens_per_block;
+    for (uint32_t i = 0; i < ntokens; i++) {
+        if (slot_mapping[i] >= 0 && (uint64_t)slot_mapping[i] >= nslots) {
+            return kvk__fail(KV_EINVAL, "reshape_and_cache: slot %lld of token %u out of range",
+                             (long long)slot_mapping[i], i);
+        }
+    }
+    uint32_t heads = cache->num_kv_heads;
+    uint32_t dim = cache->head_dim;
+    uint64_t token_elems = (uint64_t)heads * dim;
+    uint32_t eb = kvk_dtype_bytes(cache->dtype);
+    int scaled = kvk__is_scaled(cache->dtype);
+    for (uint32_t i = 0; i < ntokens; i++) {
+        if (slot_mapping[i] < 0) {
+            continue;
+        }
+        int64_t block = slot_mapping[i] / cache->tokens_per_block;
+        int64_t off = slot_mapping[i] % cache->tokens_per_block;
+        for (int kv = 0; kv < 2; kv++) {
+            const void *src = (const char *)(kv == KV_K ? t->k : t->v) + (int64_t)i * t->row_stride;
+            uint32_t section = layer * 2 + (uint32_t)kv;
+            char *dst = (char *)cache->data + block * cache->block_stride +
+                        (int64_t)section * cache->section_stride +
+                        off * (int64_t)(token_elems * eb);
+            const float *scale = kv == KV_K ? t->k_scale : t->v_scale;
+            for (uint32_t h = 0; h < heads; h++) {
+                float inv = 1.0f;
+                if (scaled) {
+                    float *slot =
+                        (float *)((char *)cache->scales + block * cache->scale_block_stride +
+                                  (int64_t)section * cache->scale_section_stride) +
+                        h;
+                    *slot = scale[h];
+                    inv = scale[h];
+                }
+                for (uint32_t d = 0; d < dim; d++) {
+                    uint64_t e = (uint64_t)h * dim + d;
+                    float x = kvk_load_f32(t->dtype, src, e);
+                    /* Divide (not multiply by a reciprocal) so the GPU twin rounds alike. */
+                    kvk_store_f32(cache->dtype, dst, e, scaled ? x / inv : x);
+                }
+            }
+        }
+    }
+    return KV_OK;
+}
