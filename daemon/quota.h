@@ -1,0 +1,63 @@
+/* kvd_quota: per-tenant limits, read and changed at run time (admin `quota get|set`).
+ *
+ * A tenant's quota has four limits. The block limits apply per pool (each (model, layout,
+ * domain) pool counts the tenant's blocks separately, as kvd_pool_tenant_usage does); the
+ * session limit applies to the whole daemon. 0 means "no limit" (for guarantee: "no share").
+ *   max-held     blocks the tenant holds in one pool: WRITING leases + references on committed
+ *                blocks. Allocate past it is KV_EQUOTA; Lookup returns at most what it leaves.
+ *   guarantee    cached blocks of the tenant in one pool that capacity eviction for other
+ *                tenants does not take while the tenant is at or under it (kvd_pool_set_guarantee).
+ *   max-pinned   pinned blocks charged to the tenant in one pool; Pin past it is KV_EQUOTA.
+ *   max-sessions open sessions of the tenant; a Hello past it is KV_EQUOTA.
+ * Tenants without a `quota` line in the tenants file get the `quota default` line (or no limits).
+ * A change applies at once: guarantees are pushed into every pool, and later requests are
+ * checked against the new limits (blocks already held above a lowered limit stay held).
+ * Loop thread only (the admin socket runs on the loop).
+ */
+#ifndef KVD_QUOTA_H
+#define KVD_QUOTA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "daemon/pool.h"
+
+typedef struct kvd_server kvd_server;
+
+typedef struct kvd_quota {
+    uint64_t max_held;     /* blocks held per pool (WRITING + referenced); 0 = unlimited */
+    uint64_t guarantee;    /* cached blocks per pool protected from others' eviction; 0 = none */
+    uint64_t max_pinned;   /* pinned blocks per pool; 0 = unlimited */
+    uint64_t max_sessions; /* open sessions in the daemon; 0 = unlimited */
+} kvd_quota;
+
+/* Names of the limits as the tenants file and the admin command spell them. */
+#define KVD_QUOTA_NAMES "max-held, guarantee, max-pinned, max-sessions"
+
+/* Sets one limit of q by name ("max-held", "guarantee", "max-pinned", "max-sessions") from a
+ * decimal text value. KV_ENOENT unknown name, KV_EINVAL bad number. Pure; any thread. */
+kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value);
+
+/* Reports q's four limits through sink under their names. Any thread. */
+void kvd_quota_report(const kvd_quota *q, kvd_stat_sink sink, void *arg);
+
+/* The quota of the tenant named `tenant` (its own, or the default it inherits). KV_ENOENT when
+ * the daemon knows no such tenant. */
+kv_err kvd_quota_get(kvd_server *s, const char *tenant, kvd_quota *out);
+
+/* Replaces the tenant's quota and applies it at once (guarantees into every pool the tenant can
+ * use). tenant "default" changes the default of tenants without their own quota. KV_ENOENT
+ * unknown tenant. */
+kv_err kvd_quota_set(kvd_server *s, const char *tenant, const kvd_quota *q);
+
+/* Sets one limit by name (see kvd_quota_parse_field) and applies it: what `quota set TENANT
+ * NAME VALUE` calls. KV_ENOENT (tenant or name), KV_EINVAL (value); err gets a sentence. */
+kv_err kvd_quota_set_field(kvd_server *s, const char *tenant, const char *name, const char *value,
+                           char *err, size_t errlen);
+
+/* Reports the tenant's usage through sink: "sessions", and summed over pools "held", "cached",
+ * "pinned". KV_ENOENT unknown tenant. */
+kv_err kvd_quota_usage(kvd_server *s, const char *tenant, kvd_stat_sink sink, void *arg);
+
+#endif
