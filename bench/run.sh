@@ -8,11 +8,12 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core)
+ALL=(core rpc)
 
 run_one() {
     case "$1" in
         core) "$BIN_DIR/core_bench" ;;
+        rpc) "$BIN_DIR/rpc_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         *)
             echo "bench/run.sh: unknown benchmark '$1' (known: ${ALL[*]})" >&2
             return 2

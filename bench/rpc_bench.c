@@ -1,0 +1,637 @@
+/* rpc_bench: round-trip latency and throughput of kvd's client protocol through libkvclient,
+ * beside two baselines measured in the same run on the same machine:
+ *  - echo: a raw Unix-socket echo between two processes that sends and returns exactly the
+ *    bytes of the kvd request and reply frames (the floor any Unix-socket RPC can reach);
+ *  - redis: redis-server on a Unix socket (started here with a temporary config), PING for
+ *    Ping and MGET of 128 keys (a prefix index kept in Redis) for Lookup, speaking RESP.
+ * Operations: Ping, and Lookup of a 128-block cached prefix followed by its Release (the
+ * latency column is the Lookup round trip; throughput counts lookups, releases included).
+ * Each is run on 1 and 8 connections (one thread per connection), one request at a time
+ * ("sync") and DEPTH requests in flight ("pipelined": latency is then per batch).
+ * Prints markdown (bench/run.sh records it under "rpc" in bench/RESULTS.md).
+ *
+ *   rpc_bench --kvd bazel-bin/daemon/kvd [--redis redis-server] [--seconds 0.4]
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/kv_wire.h"
+#include "kvclient.h"
+
+#define NBLK 128         /* blocks in the looked-up prefix */
+#define DEPTH 32         /* requests in flight when pipelined */
+#define MAXLAT (1 << 20) /* latencies kept per thread */
+#define NCONN_MAX 8
+
+enum { SYS_KVD, SYS_ECHO, SYS_REDIS, NSYS };
+enum { OP_PING, OP_LOOKUP, NOP };
+static const char *const sys_name[NSYS] = {"kvd", "echo", "redis"};
+static const char *const op_name[NOP] = {"Ping", "Lookup 128"};
+static const char *const redis_op[NOP] = {"PING", "MGET 128"};
+
+static double g_seconds = 0.4;
+static char g_dir[64];
+static char g_kvd_sock[100], g_echo_sock[100], g_redis_sock[100];
+static kv_hash128 g_hashes[NBLK];
+static size_t g_kvd_req[NOP], g_kvd_rep[NOP]; /* frame sizes, for the echo */
+static char *g_mget;                          /* RESP MGET command */
+static size_t g_mget_len, g_mget_reply_len;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "rpc_bench: %s\n", what);
+    exit(1);
+}
+
+static int unix_connect(const char *path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    return fd;
+}
+
+static void wait_socket(const char *path, pid_t pid) {
+    for (int i = 0; i < 1000; i++) {
+        int fd = unix_connect(path);
+        if (fd >= 0) {
+            close(fd);
+            return;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            die("a server exited during start");
+        }
+        usleep(10000);
+    }
+    die("a server did not start");
+}
+
+static void write_all(int fd, const void *b, size_t n) {
+    const char *p = b;
+    while (n > 0) {
+        ssize_t k = write(fd, p, n);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR) {
+                continue;
+            }
+            die("write failed");
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+}
+
+static void read_all(int fd, void *b, size_t n) {
+    char *p = b;
+    while (n > 0) {
+        ssize_t k = read(fd, p, n);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR) {
+                continue;
+            }
+            die("read failed");
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+}
+
+/* ---- echo server: reads [u32 request bytes][u32 reply bytes][payload], writes the reply */
+
+static void echo_conn(int fd) {
+    /* Reads what is there, answers every whole request in one write: a pipelining peer gets
+     * its replies in bulk, as from any server that batches its output. */
+    static char in[1 << 16], out[1 << 20];
+    size_t len = 0;
+    for (;;) {
+        ssize_t k = read(fd, in + len, sizeof(in) - len);
+        if (k <= 0) {
+            return;
+        }
+        len += (size_t)k;
+        size_t off = 0, olen = 0;
+        while (len - off >= 8) {
+            uint32_t hdr[2];
+            memcpy(hdr, in + off, sizeof(hdr));
+            if (len - off < hdr[0] || olen + hdr[1] > sizeof(out)) {
+                break;
+            }
+            memset(out + olen, 0, hdr[1]);
+            olen += hdr[1];
+            off += hdr[0];
+        }
+        memmove(in, in + off, len - off);
+        len -= off;
+        if (olen > 0) {
+            write_all(fd, out, olen);
+        }
+    }
+}
+
+static pid_t echo_start(void) {
+    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", g_echo_sock);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(lfd, 64) < 0) {
+        die("echo: cannot listen");
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        signal(SIGCHLD, SIG_IGN);
+        for (;;) {
+            int c = accept(lfd, NULL, NULL);
+            if (c < 0) {
+                continue;
+            }
+            if (fork() == 0) {
+                echo_conn(c);
+                _exit(0);
+            }
+            close(c);
+        }
+    }
+    close(lfd);
+    return pid;
+}
+
+/* ---- servers ------------------------------------------------------------------------ */
+
+static pid_t spawn(char *const argv[]) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        int null = open("/dev/null", 1);
+        if (null >= 0) {
+            dup2(null, 1);
+        }
+        execvp(argv[0], argv);
+        fprintf(stderr, "rpc_bench: exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+static void stop(pid_t pid) {
+    if (pid > 0) {
+        kill(pid, SIGTERM);
+        waitpid(pid, NULL, 0);
+    }
+}
+
+/* ---- per-connection clients ----------------------------------------------------------- */
+
+typedef struct client {
+    int sys, op, pipelined;
+    kvc_conn *conn;   /* kvd */
+    kvc_pool *pool;   /* kvd */
+    kvc_batch *batch; /* kvd, pipelined */
+    kvc_block hits[DEPTH][NBLK];
+    size_t nhit[DEPTH];
+    int fd;                  /* echo, redis */
+    char *req, *rep;         /* echo/redis request (repeated DEPTH times) and reply buffer */
+    size_t req_len, rep_len; /* one request, one reply */
+    float *lat;              /* latencies in microseconds */
+    size_t nlat;
+    uint64_t ops;
+} client;
+
+static void kvd_open(client *c) {
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = g_kvd_sock;
+    o.client_name = "rpc_bench";
+    kv_layout l = {.num_layers = 4,
+                   .num_kv_heads = 8,
+                   .head_dim = 128,
+                   .tokens_per_block = 16,
+                   .dtype = KV_DTYPE_FP16,
+                   .arrangement = KV_LAYER_MAJOR};
+    if (kvc_conn_open(&o, &c->conn) != KV_OK || kvc_pool_attach(c->conn, "bench", &l, &c->pool) ||
+        kvc_batch_alloc(c->conn, &c->batch) != KV_OK) {
+        die("cannot open a kvd session");
+    }
+}
+
+static void client_open(client *c) {
+    if (c->sys == SYS_KVD) {
+        kvd_open(c);
+        return;
+    }
+    c->fd = unix_connect(c->sys == SYS_ECHO ? g_echo_sock : g_redis_sock);
+    if (c->fd < 0) {
+        die("cannot connect to a baseline server");
+    }
+    const char *one = NULL;
+    uint32_t hdr[2] = {(uint32_t)g_kvd_req[c->op], (uint32_t)g_kvd_rep[c->op]};
+    if (c->sys == SYS_ECHO) {
+        c->req_len = g_kvd_req[c->op];
+        c->rep_len = g_kvd_rep[c->op];
+    } else if (c->op == OP_PING) {
+        one = "*1\r\n$4\r\nPING\r\n";
+        c->req_len = strlen(one);
+        c->rep_len = strlen("+PONG\r\n");
+    } else {
+        one = g_mget;
+        c->req_len = g_mget_len;
+        c->rep_len = g_mget_reply_len;
+    }
+    c->req = calloc(DEPTH, c->req_len);
+    c->rep = malloc(c->rep_len * DEPTH);
+    for (int i = 0; i < DEPTH; i++) {
+        if (one != NULL) {
+            memcpy(c->req + (size_t)i * c->req_len, one, c->req_len);
+        } else {
+            memcpy(c->req + (size_t)i * c->req_len, hdr, sizeof(hdr));
+        }
+    }
+}
+
+static void client_close(client *c) {
+    if (c->sys == SYS_KVD) {
+        kvc_batch_free(c->batch);
+        kvc_conn_close(c->conn);
+    } else {
+        close(c->fd);
+        free(c->req);
+        free(c->rep);
+    }
+}
+
+/* One round (1 op, or DEPTH pipelined); returns ops done. */
+static int round_once(client *c) {
+    int n = c->pipelined ? DEPTH : 1;
+    if (c->sys != SYS_KVD) {
+        write_all(c->fd, c->req, c->req_len * (size_t)n);
+        read_all(c->fd, c->rep, c->rep_len * (size_t)n);
+        return n;
+    }
+    if (!c->pipelined) {
+        if (c->op == OP_PING) {
+            if (kvc_ping(c->conn, NULL, 0) != KV_OK) {
+                die("ping failed");
+            }
+            return 1;
+        }
+        if (kvc_lookup(c->pool, g_hashes, NBLK, c->hits[0], &c->nhit[0]) != KV_OK ||
+            c->nhit[0] != NBLK) {
+            die("lookup failed or missed");
+        }
+        return 1;
+    }
+    kvc_batch_reset(c->batch);
+    for (int i = 0; i < n; i++) {
+        kv_err err = c->op == OP_PING ? kvc_batch_ping(c->batch, NULL, 0, NULL)
+                                      : kvc_batch_lookup(c->batch, c->pool, g_hashes, NBLK,
+                                                         c->hits[i], &c->nhit[i], NULL);
+        if (err != KV_OK) {
+            die("queue failed");
+        }
+    }
+    if (kvc_batch_run(c->batch) != KV_OK) {
+        die("batch failed");
+    }
+    for (int i = 0; i < n; i++) {
+        if (kvc_batch_status(c->batch, (size_t)i) != KV_OK) {
+            die("batched request failed");
+        }
+    }
+    return n;
+}
+
+/* Lookups are followed by their releases (not part of the latency, part of throughput). */
+static void after_round(client *c) {
+    if (c->sys != SYS_KVD || c->op != OP_LOOKUP) {
+        return;
+    }
+    if (!c->pipelined) {
+        if (kvc_release(c->pool, c->hits[0], c->nhit[0]) != KV_OK) {
+            die("release failed");
+        }
+        return;
+    }
+    kvc_batch_reset(c->batch);
+    for (int i = 0; i < DEPTH; i++) {
+        if (kvc_batch_release(c->batch, c->pool, c->hits[i], c->nhit[i], NULL) != KV_OK) {
+            die("queue release failed");
+        }
+    }
+    if (kvc_batch_run(c->batch) != KV_OK) {
+        die("release batch failed");
+    }
+}
+
+static pthread_barrier_t g_barrier;
+
+static void *client_run(void *arg) {
+    client *c = arg;
+    client_open(c);
+    for (int i = 0; i < 50; i++) { /* warm up */
+        round_once(c);
+        after_round(c);
+    }
+    pthread_barrier_wait(&g_barrier);
+    double end = now_s() + g_seconds;
+    double t0 = now_s();
+    while (t0 < end) {
+        int n = round_once(c);
+        double t1 = now_s();
+        after_round(c);
+        if (c->nlat < MAXLAT) {
+            c->lat[c->nlat++] = (float)((t1 - t0) * 1e6);
+        }
+        c->ops += (uint64_t)n;
+        t0 = now_s();
+    }
+    client_close(c);
+    return NULL;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct result {
+    double p50, p99, ops_per_s;
+} result;
+
+static result measure(int sys, int op, int nconn, int pipelined) {
+    client cs[NCONN_MAX];
+    pthread_t th[NCONN_MAX];
+    memset(cs, 0, sizeof(cs));
+    pthread_barrier_init(&g_barrier, NULL, (unsigned)nconn + 1);
+    for (int i = 0; i < nconn; i++) {
+        cs[i].sys = sys;
+        cs[i].op = op;
+        cs[i].pipelined = pipelined;
+        cs[i].lat = malloc(MAXLAT * sizeof(float));
+        pthread_create(&th[i], NULL, client_run, &cs[i]);
+    }
+    pthread_barrier_wait(&g_barrier);
+    double t0 = now_s();
+    for (int i = 0; i < nconn; i++) {
+        pthread_join(th[i], NULL);
+    }
+    double dt = now_s() - t0;
+    pthread_barrier_destroy(&g_barrier);
+    size_t total = 0;
+    uint64_t ops = 0;
+    for (int i = 0; i < nconn; i++) {
+        total += cs[i].nlat;
+        ops += cs[i].ops;
+    }
+    float *all = malloc((total ? total : 1) * sizeof(float));
+    size_t k = 0;
+    for (int i = 0; i < nconn; i++) {
+        memcpy(all + k, cs[i].lat, cs[i].nlat * sizeof(float));
+        k += cs[i].nlat;
+        free(cs[i].lat);
+    }
+    qsort(all, total, sizeof(float), cmp_float);
+    result r = {0};
+    if (total > 0) {
+        r.p50 = all[total / 2];
+        r.p99 = all[(size_t)((double)total * 0.99)];
+    }
+    r.ops_per_s = (double)ops / dt;
+    free(all);
+    return r;
+}
+
+/* ---- setup ---------------------------------------------------------------------------- */
+
+/* Commits the 128-block prefix every Lookup finds, and measures kvd's frame sizes. */
+static void kvd_prepare(void) {
+    client c = {0};
+    kvd_open(&c);
+    uint32_t tok[NBLK * 16];
+    for (int i = 0; i < NBLK * 16; i++) {
+        tok[i] = 17 + (uint32_t)i * 13;
+    }
+    size_t nh;
+    kvc_block b[NBLK], canon[NBLK];
+    kvc_commit_entry e[NBLK];
+    if (kvc_pool_hash_tokens(c.pool, NULL, 0, tok, NBLK * 16, g_hashes, NBLK, &nh) != KV_OK ||
+        kvc_allocate(c.pool, NBLK, b) != KV_OK) {
+        die("prepare: allocate failed");
+    }
+    for (int i = 0; i < NBLK; i++) {
+        e[i].block = b[i];
+        e[i].hash = g_hashes[i];
+        e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
+    }
+    if (kvc_commit(c.pool, e, NBLK, canon) != KV_OK || kvc_release(c.pool, canon, NBLK)) {
+        die("prepare: commit failed");
+    }
+    /* Frame sizes as the library sends and the daemon answers them. */
+    uint64_t epoch = kvc_conn_boot_epoch(c.conn);
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.id = 1000000;
+    env.boot_epoch = epoch;
+    Kvd__Ping ping = KVD__PING__INIT;
+    ping.nonce = 0x9e3779b97f4a7c15ull;
+    env.body_case = KVD__ENVELOPE__BODY_PING;
+    env.ping = &ping;
+    g_kvd_req[OP_PING] = kv_wire_frame_size(&env);
+    Kvd__Pong pong = KVD__PONG__INIT;
+    pong.nonce = ping.nonce;
+    env.body_case = KVD__ENVELOPE__BODY_PONG;
+    env.pong = &pong;
+    g_kvd_rep[OP_PING] = kv_wire_frame_size(&env);
+    Kvd__Hash128 hm[NBLK], *hp[NBLK];
+    Kvd__BlockRef rm[NBLK], *rp[NBLK];
+    for (int i = 0; i < NBLK; i++) {
+        kvd__hash128__init(&hm[i]);
+        hm[i].lo = g_hashes[i].lo;
+        hm[i].hi = g_hashes[i].hi;
+        hp[i] = &hm[i];
+        kvd__block_ref__init(&rm[i]);
+        rm[i].id = canon[i].id;
+        rm[i].gen = canon[i].gen;
+        rp[i] = &rm[i];
+    }
+    Kvd__Lookup lk = KVD__LOOKUP__INIT;
+    lk.pool_id = kvc_pool_id(c.pool);
+    lk.n_hashes = NBLK;
+    lk.hashes = hp;
+    env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+    env.lookup = &lk;
+    g_kvd_req[OP_LOOKUP] = kv_wire_frame_size(&env);
+    Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
+    lr.n_blocks = NBLK;
+    lr.blocks = rp;
+    env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
+    env.lookup_reply = &lr;
+    g_kvd_rep[OP_LOOKUP] = kv_wire_frame_size(&env);
+    client_close(&c);
+}
+
+/* Keys are the hex block hashes, values 8-byte block handles, as a Redis-kept index would. */
+static void redis_prepare(void) {
+    int fd = unix_connect(g_redis_sock);
+    if (fd < 0) {
+        die("redis: cannot connect");
+    }
+    size_t cap = 64 + NBLK * 64;
+    g_mget = malloc(cap);
+    int n = snprintf(g_mget, cap, "*%d\r\n$4\r\nMGET\r\n", NBLK + 1);
+    char cmd[256];
+    for (int i = 0; i < NBLK; i++) {
+        char key[33];
+        kv_hash_hex(g_hashes[i], key);
+        n += snprintf(g_mget + n, cap - (size_t)n, "$32\r\n%s\r\n", key);
+        int m =
+            snprintf(cmd, sizeof(cmd), "*3\r\n$3\r\nSET\r\n$32\r\n%s\r\n$8\r\n%08d\r\n", key, i);
+        write_all(fd, cmd, (size_t)m);
+        char ok[5];
+        read_all(fd, ok, 5); /* +OK\r\n */
+        if (memcmp(ok, "+OK\r\n", 5) != 0) {
+            die("redis: SET failed");
+        }
+    }
+    g_mget_len = (size_t)n;
+    /* *128\r\n then 128 x ($8\r\n + 8 bytes + \r\n) */
+    g_mget_reply_len = strlen("*128\r\n") + NBLK * (4 + 8 + 2);
+    write_all(fd, g_mget, g_mget_len);
+    char *rep = malloc(g_mget_reply_len);
+    read_all(fd, rep, g_mget_reply_len);
+    if (memcmp(rep, "*128\r\n$8\r\n00000000\r\n", 20) != 0) {
+        die("redis: MGET reply is not what the benchmark expects");
+    }
+    free(rep);
+    close(fd);
+}
+
+int main(int argc, char **argv) {
+    const char *kvd = "bazel-bin/daemon/kvd";
+    const char *redis = "redis-server";
+    const char *only = NULL;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--kvd") == 0) {
+            kvd = argv[i + 1];
+        } else if (strcmp(argv[i], "--redis") == 0) {
+            redis = argv[i + 1];
+        } else if (strcmp(argv[i], "--only") == 0) {
+            only = argv[i + 1]; /* for profiling: measure one system, print its rows */
+        } else if (strcmp(argv[i], "--seconds") == 0) {
+            g_seconds = atof(argv[i + 1]);
+        } else {
+            die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
+                "kvd|echo|redis]");
+        }
+    }
+    signal(SIGPIPE, SIG_IGN);
+    snprintf(g_dir, sizeof(g_dir), "/tmp/rpc-bench-XXXXXX");
+    if (mkdtemp(g_dir) == NULL) {
+        die("mkdtemp failed");
+    }
+    snprintf(g_kvd_sock, sizeof(g_kvd_sock), "%s/kvd.sock", g_dir);
+    snprintf(g_echo_sock, sizeof(g_echo_sock), "%s/echo.sock", g_dir);
+    snprintf(g_redis_sock, sizeof(g_redis_sock), "%s/redis.sock", g_dir);
+    char conf[128];
+    snprintf(conf, sizeof(conf), "%s/redis.conf", g_dir);
+    FILE *f = fopen(conf, "w");
+    if (f == NULL) {
+        die("cannot write the redis config");
+    }
+    fprintf(f,
+            "port 0\nunixsocket %s\nunixsocketperm 700\nsave \"\"\nappendonly no\n"
+            "dir %s\nlogfile \"\"\nloglevel warning\n",
+            g_redis_sock, g_dir);
+    fclose(f);
+
+    char sockflag[160];
+    snprintf(sockflag, sizeof(sockflag), "--socket=%s", g_kvd_sock);
+    char *kvd_argv[] = {(char *)kvd, sockflag, "--log-level=warn", NULL};
+    char *redis_argv[] = {(char *)redis, conf, NULL};
+    pid_t kvd_pid = spawn(kvd_argv);
+    pid_t redis_pid = spawn(redis_argv);
+    pid_t echo_pid = echo_start();
+    wait_socket(g_kvd_sock, kvd_pid);
+    wait_socket(g_redis_sock, redis_pid);
+    kvd_prepare();
+    redis_prepare();
+
+    static const int conns[2] = {1, 8};
+    result r[NSYS][NOP][2][2];
+    for (int op = 0; op < NOP; op++) {
+        for (int ci = 0; ci < 2; ci++) {
+            for (int pl = 0; pl < 2; pl++) {
+                for (int sys = 0; sys < NSYS; sys++) {
+                    if (only == NULL || strcmp(only, sys_name[sys]) == 0) {
+                        r[sys][op][ci][pl] = measure(sys, op, conns[ci], pl);
+                    } else {
+                        r[sys][op][ci][pl] = (result){1, 1, 1};
+                    }
+                }
+            }
+        }
+    }
+    stop(kvd_pid);
+    stop(redis_pid);
+    kill(echo_pid, SIGKILL);
+    waitpid(echo_pid, NULL, 0);
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+    }
+
+    printf("Frames: Ping %zu B request / %zu B reply; Lookup of %d hashes %zu B / %zu B reply "
+           "(the echo moves exactly these). Redis: PING, and MGET of %d 32-byte keys with "
+           "8-byte values (%zu B / %zu B). Pipelined = %d requests in flight; its latency is "
+           "per batch. Lookup throughput includes each lookup's Release (kvd only). %.1f s per "
+           "row.\n\n",
+           g_kvd_req[OP_PING], g_kvd_rep[OP_PING], NBLK, g_kvd_req[OP_LOOKUP], g_kvd_rep[OP_LOOKUP],
+           NBLK, g_mget_len, g_mget_reply_len, DEPTH, g_seconds);
+    printf("| op | conns | mode | system | p50 us | p99 us | kops/s | x echo ops/s |\n");
+    printf("|---|---:|---|---|---:|---:|---:|---:|\n");
+    for (int op = 0; op < NOP; op++) {
+        for (int ci = 0; ci < 2; ci++) {
+            for (int pl = 0; pl < 2; pl++) {
+                for (int sys = 0; sys < NSYS; sys++) {
+                    result x = r[sys][op][ci][pl];
+                    printf("| %s | %d | %s | %s | %.1f | %.1f | %.1f | %.2f |\n",
+                           sys == SYS_REDIS ? redis_op[op] : op_name[op], conns[ci],
+                           pl ? "pipelined" : "sync", sys_name[sys], x.p50, x.p99,
+                           x.ops_per_s / 1e3, x.ops_per_s / r[SYS_ECHO][op][ci][pl].ops_per_s);
+                }
+            }
+        }
+    }
+    result lk = r[SYS_KVD][OP_LOOKUP][0][0], le = r[SYS_ECHO][OP_LOOKUP][0][0],
+           lr = r[SYS_REDIS][OP_LOOKUP][0][0];
+    result tk = r[SYS_KVD][OP_LOOKUP][1][1], tr = r[SYS_REDIS][OP_LOOKUP][1][1];
+    printf("\n| target | measured | ratio | met |\n|---|---|---:|---|\n");
+    printf("| Lookup p50 <= 2x echo floor (1 conn, sync) | %.1f us vs %.1f us | %.2fx | %s |\n",
+           lk.p50, le.p50, lk.p50 / le.p50, lk.p50 <= 2 * le.p50 ? "yes" : "no");
+    printf("| Lookup p50 below Redis MGET-128 (1 conn, sync) | %.1f us vs %.1f us | %.2fx | %s "
+           "|\n",
+           lk.p50, lr.p50, lk.p50 / lr.p50, lk.p50 < lr.p50 ? "yes" : "no");
+    printf("| Lookup throughput >= 2x Redis MGET-128 (8 conns, pipelined) | %.1f vs %.1f kops/s "
+           "| %.2fx | %s |\n",
+           tk.ops_per_s / 1e3, tr.ops_per_s / 1e3, tk.ops_per_s / tr.ops_per_s,
+           tk.ops_per_s >= 2 * tr.ops_per_s ? "yes" : "no");
+    return 0;
+}
