@@ -43,12 +43,15 @@ static kv_err check_page_table(const kvk_cache *c, const kvk_page_table *pt, uin
     if (pt->indptr[0] < 0) {
         return kvk__fail(KV_EINVAL, "paged_decode_attention: indptr[0] is negative");
     }
+    /* indptr first: indices holds indptr[batch] entries only if indptr never decreases. */
+    for (uint32_t i = 0; i < pt->batch; i++) {
+        if (pt->indptr[i + 1] < pt->indptr[i]) {
+            return kvk__fail(KV_EINVAL, "paged_decode_attention: indptr decreases at %u", i);
+        }
+    }
     for (uint32_t i = 0; i < pt->batch; i++) {
         int32_t p0 = pt->indptr[i];
         int32_t p1 = pt->indptr[i + 1];
-        if (p1 < p0) {
-            return kvk__fail(KV_EINVAL, "paged_decode_attention: indptr decreases at %u", i);
-        }
         if (p1 == p0) {
             continue;
         }

@@ -48,12 +48,12 @@ cudaStream_t as_stream(void *s) {
 // ---- copy_blocks -------------------------------------------------------------------------------
 
 struct CopyParams {
-    const char *src;         // src data, (block 0, section 0)
-    char *dst;               // dst data
-    int64_t src_bs, src_ss;  // src block and section strides
-    int64_t dst_bs, dst_ss;  // dst block and section strides
-    const char *src_sc;      // src scales or null
-    char *dst_sc;            // dst scales or null
+    const char *src;        // src data, (block 0, section 0)
+    char *dst;              // dst data
+    int64_t src_bs, src_ss; // src block and section strides
+    int64_t dst_bs, dst_ss; // dst block and section strides
+    const char *src_sc;     // src scales or null
+    char *dst_sc;           // dst scales or null
     int64_t src_sbs, src_sss;
     int64_t dst_sbs, dst_sss;
     uint32_t src_nb, dst_nb; // block counts, for range checks
@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(256) copy_blocks_kernel(CopyParams p) {
         }
     }
     if (p.src_sc != nullptr) {
-        const float *sf = reinterpret_cast<const float *>(p.src_sc + sblk * p.src_sbs +
-                                                          sec * p.src_sss);
+        const float *sf =
+            reinterpret_cast<const float *>(p.src_sc + sblk * p.src_sbs + sec * p.src_sss);
         float *df = reinterpret_cast<float *>(p.dst_sc + dblk * p.dst_sbs + sec * p.dst_sss);
         for (uint32_t h = threadIdx.x; h < p.heads; h += blockDim.x) {
             df[h] = sf[h];
@@ -108,17 +108,17 @@ __global__ void __launch_bounds__(256) copy_blocks_kernel(CopyParams p) {
 // ---- reshape_and_cache -------------------------------------------------------------------------
 
 struct ReshapeParams {
-    const char *k, *v;      // new tokens
-    int64_t row_stride;     // bytes between tokens' rows
-    kv_dtype src_dtype;     // fp16/bf16/fp32
-    const float *k_scale;   // 8-bit: per-head scales
+    const char *k, *v;    // new tokens
+    int64_t row_stride;   // bytes between tokens' rows
+    kv_dtype src_dtype;   // fp16/bf16/fp32
+    const float *k_scale; // 8-bit: per-head scales
     const float *v_scale;
-    char *data;             // cache data (block 0, section 0)
-    int64_t bs, ss;         // cache strides
-    char *scales;           // cache scales or null
+    char *data;     // cache data (block 0, section 0)
+    int64_t bs, ss; // cache strides
+    char *scales;   // cache scales or null
     int64_t sbs, sss;
-    kv_dtype dtype;         // cache dtype
-    uint32_t section;       // layer * 2 (K); V is section + 1
+    kv_dtype dtype;   // cache dtype
+    uint32_t section; // layer * 2 (K); V is section + 1
     uint32_t page_size, heads, dim, num_blocks;
     const int64_t *slots;
 };
@@ -151,11 +151,10 @@ __global__ void __launch_bounds__(128) reshape_kernel(ReshapeParams p) {
     }
 }
 
-
 // ---- merge_states ------------------------------------------------------------------------------
 
 struct MergeParams {
-    const void *v[KVK_MAX_MERGE_STATES]; // states' outputs [rows][dim]
+    const void *v[KVK_MAX_MERGE_STATES];  // states' outputs [rows][dim]
     const float *s[KVK_MAX_MERGE_STATES]; // states' lse [rows]
     uint32_t num_states;
     kv_dtype in_dtype;  // dtype of v[j]
@@ -261,19 +260,19 @@ __global__ void __launch_bounds__(256) dequantize_kernel(QuantParams p, uint64_t
 // ---- paged decode attention --------------------------------------------------------------------
 
 struct DecodeParams {
-    const char *k, *v;            // section data of the layer's K and V, block 0
-    int64_t bs;                   // block stride
-    const char *k_sc, *v_sc;      // scales of K and V, block 0 (8-bit) or null
-    int64_t sbs;                  // scale block stride
+    const char *k, *v;       // section data of the layer's K and V, block 0
+    int64_t bs;              // block stride
+    const char *k_sc, *v_sc; // scales of K and V, block 0 (8-bit) or null
+    int64_t sbs;             // scale block stride
     uint32_t num_blocks, page_size, kv_heads, group, gchunks, qo_heads, batch, nsplit;
     const int32_t *indptr, *indices, *last_page_len;
     const void *q;
     kv_dtype qo_dtype;
-    float scale_log2;             // sm_scale * log2(e): scores are kept in base 2
-    void *out;                    // final output (nsplit == 1)
-    float *lse;                   // final lse or null (nsplit == 1)
-    float *ws_o;                  // split partial outputs [nsplit][batch][qo_heads][dim]
-    float *ws_lse;                // split partial lse [nsplit][batch][qo_heads]
+    float scale_log2; // sm_scale * log2(e): scores are kept in base 2
+    void *out;        // final output (nsplit == 1)
+    float *lse;       // final lse or null (nsplit == 1)
+    float *ws_o;      // split partial outputs [nsplit][batch][qo_heads][dim]
+    float *ws_lse;    // split partial lse [nsplit][batch][qo_heads]
 };
 
 constexpr int kDecodeThreads = 128;
@@ -352,7 +351,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
     constexpr int VEC = V::VEC;
     constexpr int L = D / VEC;
     constexpr int NSUB = kDecodeThreads / L;
-    constexpr int EB = KVT == KV_DTYPE_FP32 ? 4 : (KVT == KV_DTYPE_FP16 || KVT == KV_DTYPE_BF16 ? 2 : 1);
+    constexpr int EB =
+        KVT == KV_DTYPE_FP32 ? 4 : (KVT == KV_DTYPE_FP16 || KVT == KV_DTYPE_BF16 ? 2 : 1);
     constexpr bool SCALED = KVT == KV_DTYPE_FP8_E4M3 || KVT == KV_DTYPE_INT8;
     static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "lanes per row must be 1..32, pow2");
 
@@ -567,14 +567,16 @@ kv_err launch_decode_t(const DecodeParams &p, uint32_t dim, uint32_t gmax, dim3 
             }
             break;
     }
-    return kvk__fail(KV_ENOTSUP, "paged_decode_attention_cuda: head_dim %u unsupported for this "
-                                 "dtype (64, 128, 256; fp32: 64, 128)",
+    return kvk__fail(KV_ENOTSUP,
+                     "paged_decode_attention_cuda: head_dim %u unsupported for this "
+                     "dtype (64, 128, 256; fp32: 64, 128)",
                      dim);
 }
 
 } // namespace
 
-// ---- Launchers -----------------------------------------------------------------------------------
+// ---- Launchers
+// -----------------------------------------------------------------------------------
 
 extern "C" kv_err kvk_copy_blocks_cuda(const kvk_cache *src, const kvk_cache *dst,
                                        const int32_t *src_blocks, const int32_t *dst_blocks,
@@ -678,8 +680,9 @@ extern "C" kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32
     const uintptr_t k = cache->data + (uintptr_t)(sec * cache->section_stride);
     const uintptr_t v = k + (uintptr_t)cache->section_stride;
     if (((k | v | (uintptr_t)cache->block_stride) & (align - 1)) != 0) {
-        return kvk__fail(KV_ENOTSUP, "paged_decode_attention_cuda: K/V addresses or strides not "
-                                     "%llu-byte aligned",
+        return kvk__fail(KV_ENOTSUP,
+                         "paged_decode_attention_cuda: K/V addresses or strides not "
+                         "%llu-byte aligned",
                          (unsigned long long)align);
     }
     DecodeParams p = {};
@@ -781,14 +784,12 @@ extern "C" kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32
     return launch_merge(mp, st);
 }
 
-extern "C" kv_err kvk_merge_states_cuda(kv_dtype dtype, const void *const *v,
-                                        const float *const *s, uint32_t num_states, uint64_t rows,
-                                        uint32_t head_dim, void *out, float *s_out,
-                                        void *stream) {
-    if (!kvk__is_wide(dtype) || v == nullptr || s == nullptr || out == nullptr ||
-        head_dim == 0 || num_states == 0 || num_states > KVK_MAX_MERGE_STATES) {
-        return kvk__fail(KV_EINVAL, "merge_states: bad dtype, null array or %u states",
-                         num_states);
+extern "C" kv_err kvk_merge_states_cuda(kv_dtype dtype, const void *const *v, const float *const *s,
+                                        uint32_t num_states, uint64_t rows, uint32_t head_dim,
+                                        void *out, float *s_out, void *stream) {
+    if (!kvk__is_wide(dtype) || v == nullptr || s == nullptr || out == nullptr || head_dim == 0 ||
+        num_states == 0 || num_states > KVK_MAX_MERGE_STATES) {
+        return kvk__fail(KV_EINVAL, "merge_states: bad dtype, null array or %u states", num_states);
     }
     MergeParams p = {};
     for (uint32_t j = 0; j < num_states; j++) {
@@ -808,10 +809,9 @@ extern "C" kv_err kvk_merge_states_cuda(kv_dtype dtype, const void *const *v,
     return launch_merge(p, as_stream(stream));
 }
 
-extern "C" kv_err kvk_quantize_blocks_cuda(kv_dtype src_dtype, const void *src,
-                                           kv_dtype dst_dtype, void *dst, float *scales,
-                                           uint64_t n, uint32_t tokens, uint32_t heads,
-                                           uint32_t dim, void *stream) {
+extern "C" kv_err kvk_quantize_blocks_cuda(kv_dtype src_dtype, const void *src, kv_dtype dst_dtype,
+                                           void *dst, float *scales, uint64_t n, uint32_t tokens,
+                                           uint32_t heads, uint32_t dim, void *stream) {
     kv_err rc = kvk__check_quant(src_dtype, dst_dtype, n, tokens, heads, dim, 1);
     if (rc != KV_OK) {
         return rc;
@@ -825,8 +825,10 @@ extern "C" kv_err kvk_quantize_blocks_cuda(kv_dtype src_dtype, const void *src,
     if (n * heads > 0x7fffffffull || (uint64_t)tokens * dim > 0xffffffffull) {
         return kvk__fail(KV_ENOTSUP, "quantize_blocks_cuda: too many groups or group too large");
     }
-    QuantParams p = {src, dst, scales, src_dtype, dst_dtype, tokens, heads, dim,
-                     dst_dtype == KV_DTYPE_INT8 ? KVK_INT8_MAX : KVK_FP8_E4M3_MAX};
+    QuantParams p = {
+        src,       dst,       scales,
+        src_dtype, dst_dtype, tokens,
+        heads,     dim,       dst_dtype == KV_DTYPE_INT8 ? KVK_INT8_MAX : KVK_FP8_E4M3_MAX};
     quantize_kernel<<<(unsigned)(n * heads), 256, 0, as_stream(stream)>>>(p);
     return launched("quantize_blocks");
 }
@@ -849,12 +851,13 @@ extern "C" kv_err kvk_dequantize_blocks_cuda(kv_dtype src_dtype, const void *src
     QuantParams p = {src, dst, const_cast<float *>(scales), src_dtype, dst_dtype, tokens, heads,
                      dim, 0.0f};
     const uint64_t blocks = (total + 255) / 256;
-    dequantize_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0,
-                        as_stream(stream)>>>(p, total);
+    dequantize_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, as_stream(stream)>>>(
+        p, total);
     return launched("dequantize_blocks");
 }
 
-// ---- Device helpers ------------------------------------------------------------------------------
+// ---- Device helpers
+// ------------------------------------------------------------------------------
 
 extern "C" kv_err kvk_dev_alloc(size_t bytes, void **out) {
     void *p = nullptr;
@@ -905,8 +908,8 @@ extern "C" kv_err kvk_dev_memcpy(void *dst, const void *src, size_t bytes, kvk_c
     return e == cudaSuccess ? KV_OK : cuda_fail(e, "dev_memcpy");
 }
 
-extern "C" kv_err kvk_dev_memcpy_async(void *dst, const void *src, size_t bytes,
-                                       kvk_copy_kind kind, void *stream) {
+extern "C" kv_err kvk_dev_memcpy_async(void *dst, const void *src, size_t bytes, kvk_copy_kind kind,
+                                       void *stream) {
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), as_stream(stream));
     return e == cudaSuccess ? KV_OK : cuda_fail(e, "dev_memcpy_async");
 }

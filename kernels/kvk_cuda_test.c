@@ -17,6 +17,10 @@ static int have_gpu(void) {
     char why[256];
     int n = kvk_gpu_probe(why, sizeof(why));
     if (n == 0) {
+        const char *expect = getenv("KVD_EXPECT_GPU");
+        if (expect != NULL && strcmp(expect, "1") == 0) {
+            fail_msg("KVD_EXPECT_GPU=1 but %s", why);
+        }
         printf("skipping: %s\n", why);
     }
     return n > 0;
