@@ -318,6 +318,83 @@ cleanup:
     return err;
 }
 
+/* protobuf-c allocates every submessage on its own (a 128-block LookupReply is 129 mallocs);
+ * replies are unpacked into a per-connection bump arena instead and dropped at once after the
+ * frame is handled. Handlers copy what they keep, so nothing outlives arena_reset. */
+static void *arena_alloc(void *data, size_t size) {
+    kvc_conn *c = data;
+    size_t need = (size + 15) & ~(size_t)15;
+    if (c->arena_used + need <= c->arena_cap) {
+        void *p = c->arena + c->arena_used;
+        c->arena_used += need;
+        return p;
+    }
+    if (c->nspill == c->spill_cap) {
+        size_t ncap = c->spill_cap ? c->spill_cap * 2 : 16;
+        void **n = realloc(c->spill, ncap * sizeof(*n));
+        if (n == NULL) {
+            return NULL;
+        }
+        c->spill = n;
+        c->spill_cap = ncap;
+    }
+    void *p = malloc(size);
+    if (p != NULL) {
+        c->spill[c->nspill++] = p;
+    }
+    return p;
+}
+
+static void arena_free(void *data, void *ptr) {
+    (void)data;
+    (void)ptr; /* released all together by arena_reset */
+}
+
+/* Frees what spilled over and grows the arena so the next reply of that size fits. */
+static void arena_reset(kvc_conn *c) {
+    for (size_t i = 0; i < c->nspill; i++) {
+        free(c->spill[i]);
+    }
+    if (c->nspill > 0 && c->arena_cap < (16u << 20)) {
+        size_t want = c->arena_cap * 2 > 65536 ? c->arena_cap * 2 : 65536;
+        /* Nothing in the arena is live between frames, so moving it is fine. */
+        uint8_t *n = realloc(c->arena, want);
+        if (n != NULL) {
+            c->arena = n;
+            c->arena_cap = want;
+        }
+    }
+    c->nspill = 0;
+    c->arena_used = 0;
+}
+
+/* kv_wire_decode's contract, unpacking into the arena. */
+static kv_err decode_frame(kvc_conn *c, const uint8_t *buf, size_t len, uint32_t max_frame,
+                           Kvd__Envelope **env, size_t *consumed) {
+    *env = NULL;
+    *consumed = 0;
+    if (len < KV_WIRE_HEADER_BYTES) {
+        return KV_OK;
+    }
+    uint32_t body =
+        (uint32_t)buf[0] | (uint32_t)buf[1] << 8 | (uint32_t)buf[2] << 16 | (uint32_t)buf[3] << 24;
+    if (body > max_frame) {
+        return KV_ETOOBIG;
+    }
+    if (len - KV_WIRE_HEADER_BYTES < body) {
+        return KV_OK;
+    }
+    ProtobufCAllocator a = {.alloc = arena_alloc, .free = arena_free, .allocator_data = c};
+    Kvd__Envelope *e = kvd__envelope__unpack(&a, body, buf + KV_WIRE_HEADER_BYTES);
+    if (e == NULL || e->body_case == KVD__ENVELOPE__BODY__NOT_SET) {
+        arena_reset(c);
+        return KV_EPROTO;
+    }
+    *env = e;
+    *consumed = KV_WIRE_HEADER_BYTES + body;
+    return KV_OK;
+}
+
 /* Decodes and handles every whole frame in the input buffer. */
 static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
     size_t off = 0;
@@ -326,7 +403,7 @@ static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
     while (off < c->rlen) {
         Kvd__Envelope *env = NULL;
         size_t used = 0;
-        err = kv_wire_decode(c->rbuf + off, c->rlen - off, limit, &env, &used);
+        err = decode_frame(c, c->rbuf + off, c->rlen - off, limit, &env, &used);
         if (err != KV_OK) {
             kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-DECODE", "undecodable reply from kvd: %s",
                      kv_err_name(err));
@@ -353,7 +430,7 @@ static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
         }
         off += used;
         err = handle_frame(c, b, env);
-        kv_wire_free(env);
+        arena_reset(c);
         if (err != KV_OK) {
             break;
         }
@@ -409,6 +486,14 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
         err = drain_frames(c, b);
         if (err != KV_OK) {
             goto fail;
+        }
+        if (b->osent == 0 && b->olen > 0) {
+            /* The socket is nearly always writable: try before paying for a poll. */
+            ssize_t n = send(c->fd, b->obuf, b->olen, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+                b->osent = (size_t)n;
+                mark_sent(b);
+            }
         }
         int want_write = b->osent < b->olen;
         if (!want_write && (!wait || b->nwait == 0)) {
@@ -608,6 +693,8 @@ fail_token:
     free(c->token);
 fail_conn:
     free(c->rbuf);
+    free(c->arena);
+    free(c->spill);
     free(c);
     return err;
 }
@@ -649,6 +736,8 @@ void kvc_conn_close(kvc_conn *c) {
     }
     kvc__conn_break(c);
     free(c->rbuf);
+    free(c->arena);
+    free(c->spill);
     free(c->token);
     free(c);
 }

@@ -122,6 +122,12 @@ struct kvc_conn {
     size_t fdq_len;        /* fds queued */
     kvc_pool *pools;       /* attached pools */
     kvc_batch *active;     /* batch sent and not yet waited for */
+    uint8_t *arena;        /* bump allocator for unpacking one reply */
+    size_t arena_cap;      /* its bytes */
+    size_t arena_used;     /* bytes handed out for the current reply */
+    void **spill;          /* allocations that did not fit, freed with the arena */
+    size_t nspill;         /* entries in spill */
+    size_t spill_cap;      /* capacity of spill */
     char err[512];         /* last error message */
 };
 

@@ -128,11 +128,45 @@ static void test_block_major_and_scales(void **state) {
     kvc__pool_unmap(&p);
 }
 
+/* The client's hashing helpers reproduce docs/HASH.md's vectors with the pool's seed. */
+static void test_hash_helpers_match_spec(void **state) {
+    (void)state;
+    kvc_conn conn = {.fd = -1};
+    kvc_pool p = {.conn = &conn, .hash_algo = KV_HASH_XXH3_128};
+    assert_int_equal(kv_layout_init(1, 1, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &p.layout), KV_OK);
+    uint32_t tok[40];
+    for (uint32_t i = 0; i < 40; i++) {
+        tok[i] = 1000 + i;
+    }
+    kv_hash128 h[4];
+    size_t n = 0;
+    char hex[33];
+    /* 40 tokens: two full blocks (vectors 4a, 4b), the partial third is not hashed. */
+    assert_int_equal(kvc_pool_hash_tokens(&p, NULL, 0, tok, 40, h, 4, &n), KV_OK);
+    assert_int_equal(n, 2);
+    kv_hash_hex(h[0], hex);
+    assert_string_equal(hex, "f8d6f8989e27a6f707fb4fd28b71c193");
+    kv_hash_hex(h[1], hex);
+    assert_string_equal(hex, "44b9cc41652e844d4df58caa7aac6346");
+    kv_hash128 next;
+    assert_int_equal(kvc_pool_hash_next(&p, h[0], NULL, 0, tok + 16, &next), KV_OK);
+    assert_true(kv_hash_eq(next, h[1]));
+    for (uint32_t i = 0; i < 16; i++) {
+        tok[i] = 1 + i;
+    }
+    assert_int_equal(kvc_pool_hash_tokens(&p, "lora:7", 6, tok, 16, h, 4, &n), KV_OK);
+    kv_hash_hex(h[0], hex);
+    assert_string_equal(hex, "ccc3edce67c8baae5f13f39a39535c51");
+    assert_int_equal(kvc_pool_hash_tokens(&p, tok, KV_HASH_MAX_EXTRA + 1, tok, 16, h, 4, &n),
+                     KV_EINVAL);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layer_major_views_agree),
         cmocka_unit_test(test_remap_replaces_segment),
         cmocka_unit_test(test_block_major_and_scales),
+        cmocka_unit_test(test_hash_helpers_match_spec),
     };
     return cmocka_run_group_tests_name("client_pool_map", tests, NULL, NULL);
 }
