@@ -10,7 +10,7 @@
  * ("sync") and DEPTH requests in flight ("pipelined": latency is then per batch).
  * Prints markdown (bench/run.sh records it under "rpc" in bench/RESULTS.md).
  *
- *   rpc_bench --kvd bazel-bin/daemon/kvd [--redis redis-server] [--seconds 0.4]
+ *   rpc_bench --kvd bazel-bin/daemon/kvd [--redis redis-server] [--seconds 0.3]
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -33,6 +33,7 @@
 #define DEPTH 32         /* requests in flight when pipelined */
 #define MAXLAT (1 << 20) /* latencies kept per thread */
 #define NCONN_MAX 8
+#define REPS 5 /* runs per row; the best is kept */
 
 enum { SYS_KVD, SYS_ECHO, SYS_REDIS, NSYS };
 enum { OP_PING, OP_LOOKUP, NOP };
@@ -40,7 +41,7 @@ static const char *const sys_name[NSYS] = {"kvd", "echo", "redis"};
 static const char *const op_name[NOP] = {"Ping", "Lookup 128"};
 static const char *const redis_op[NOP] = {"PING", "MGET 128"};
 
-static double g_seconds = 0.4;
+static double g_seconds = 0.3;
 static char g_dir[64];
 static char g_kvd_sock[100], g_echo_sock[100], g_redis_sock[100];
 static kv_hash128 g_hashes[NBLK];
@@ -575,14 +576,21 @@ int main(int argc, char **argv) {
 
     static const int conns[2] = {1, 8};
     result r[NSYS][NOP][2][2];
-    for (int op = 0; op < NOP; op++) {
-        for (int ci = 0; ci < 2; ci++) {
-            for (int pl = 0; pl < 2; pl++) {
-                for (int sys = 0; sys < NSYS; sys++) {
-                    if (only == NULL || strcmp(only, sys_name[sys]) == 0) {
-                        r[sys][op][ci][pl] = measure(sys, op, conns[ci], pl);
-                    } else {
-                        r[sys][op][ci][pl] = (result){1, 1, 1};
+    memset(r, 0, sizeof(r));
+    /* Shared build machines are noisy: every row runs REPS times, interleaved with the others,
+     * and keeps its best run (highest throughput, with that run's latencies). */
+    for (int rep = 0; rep < REPS; rep++) {
+        for (int op = 0; op < NOP; op++) {
+            for (int ci = 0; ci < 2; ci++) {
+                for (int pl = 0; pl < 2; pl++) {
+                    for (int sys = 0; sys < NSYS; sys++) {
+                        result x = {1, 1, 1};
+                        if (only == NULL || strcmp(only, sys_name[sys]) == 0) {
+                            x = measure(sys, op, conns[ci], pl);
+                        }
+                        if (x.ops_per_s > r[sys][op][ci][pl].ops_per_s) {
+                            r[sys][op][ci][pl] = x;
+                        }
                     }
                 }
             }
@@ -601,10 +609,10 @@ int main(int argc, char **argv) {
     printf("Frames: Ping %zu B request / %zu B reply; Lookup of %d hashes %zu B / %zu B reply "
            "(the echo moves exactly these). Redis: PING, and MGET of %d 32-byte keys with "
            "8-byte values (%zu B / %zu B). Pipelined = %d requests in flight; its latency is "
-           "per batch. Lookup throughput includes each lookup's Release (kvd only). %.1f s per "
-           "row.\n\n",
+           "per batch. Lookup throughput includes each lookup's Release (kvd only). Each row: "
+           "best of %d runs of %.1f s, interleaved.\n\n",
            g_kvd_req[OP_PING], g_kvd_rep[OP_PING], NBLK, g_kvd_req[OP_LOOKUP], g_kvd_rep[OP_LOOKUP],
-           NBLK, g_mget_len, g_mget_reply_len, DEPTH, g_seconds);
+           NBLK, g_mget_len, g_mget_reply_len, DEPTH, REPS, g_seconds);
     printf("| op | conns | mode | system | p50 us | p99 us | kops/s | x echo ops/s |\n");
     printf("|---|---:|---|---|---:|---:|---:|---:|\n");
     for (int op = 0; op < NOP; op++) {
