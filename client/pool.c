@@ -183,6 +183,8 @@ kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs,
                            size_t nfds) {
     for (size_t i = 0; i < nsegs; i++) {
         const Kvd__Segment *s = segs[i];
+        /* UNFINISHED: CUDA_VMM (cuMemImportFromShareableHandle + cuMemMap) and CUDA_IPC
+         * (cudaIpcOpenMemHandle) segments are refused; the daemon has no GPU backend yet. */
         if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD) {
             return kvc__fail(p->conn, KV_ENOTSUP,
                              "segment %u has memory kind %d; this client maps host memory only",

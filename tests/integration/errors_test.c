@@ -220,11 +220,53 @@ static void test_raw_bad_frames(void **state) {
     kvc_conn_close(c);
 }
 
+/* Pin and Rewind against the real daemon, through the sequence helper as an engine uses them. */
+static void test_pin_and_seq_rewind(void **state) {
+    (void)state;
+    kvc_conn *c;
+    kvc_pool *p;
+    open_pool(&H, "spec", &c, &p);
+    uint32_t tok[48];
+    for (int i = 0; i < 48; i++) {
+        tok[i] = 300 + (uint32_t)i;
+    }
+    kvc_seq *s;
+    size_t cached, valid, nc;
+    assert_int_equal(kvc_seq_alloc(p, 64, NULL, 0, &s), KV_OK);
+    assert_int_equal(kvc_seq_prefill(s, tok, 20, &cached), KV_OK);
+    assert_int_equal(kvc_seq_append(s, tok + 20, 20), KV_OK); /* drafts up to 40 */
+    assert_int_equal(kvc_seq_nblocks(s), 3);
+    assert_int_equal(kvc_seq_commit(s, 33, &nc), KV_OK); /* 33 accepted: 2 full blocks */
+    assert_int_equal(nc, 2);
+    assert_int_equal(kvc_seq_rewind(s, 33, &valid), KV_OK);
+    assert_int_equal(valid, 33);
+    assert_int_equal(kvc_seq_nblocks(s), 3);
+    /* Pinning: committed blocks yes, the WRITING third block no. */
+    kvc_block b0 = kvc_seq_block(s, 0), b2 = kvc_seq_block(s, 2);
+    assert_int_equal(kvc_pin(p, &b0, 1, 60000, 7, 0), KV_OK);
+    assert_int_equal(kvc_pin(p, &b2, 1, 60000, 7, 0), KV_ESTATE);
+    assert_int_equal(kvc_pin(p, &b0, 1, 0, 0, 1), KV_OK);
+    /* Rewind into the committed second block: replaced, recompute from token 16. */
+    assert_int_equal(kvc_seq_rewind(s, 20, &valid), KV_OK);
+    assert_int_equal(valid, 16);
+    assert_int_equal(kvc_seq_ncommitted(s), 1);
+    assert_int_equal(kvc_seq_nblocks(s), 2);
+    uint64_t v = 0;
+    assert_int_equal(kvc_stat_get(c, kvc_pool_id(p), "pool.blocks_writing", &v), KV_OK);
+    assert_int_equal(v, 1);
+    assert_int_equal(kvc_seq_release(s), KV_OK);
+    assert_int_equal(kvc_stat_get(c, 0, "session.refs_held", &v), KV_OK);
+    assert_int_equal(v, 0);
+    kvc_seq_free(s);
+    kvc_conn_close(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_handles),
         cmocka_unit_test(test_exhaustion_and_eviction),
         cmocka_unit_test(test_raw_bad_frames),
+        cmocka_unit_test(test_pin_and_seq_rewind),
     };
     return cmocka_run_group_tests_name("integration_errors", tests, setup, teardown);
 }
