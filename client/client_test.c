@@ -387,6 +387,25 @@ static void test_restart_is_eepoch(void **state) {
     assert_true(f->logs > 0); /* the restart was logged through the callback */
 }
 
+static void test_lost_connection_voids_pool(void **state) {
+    fixture *f = *state;
+    kvc_block b[2];
+    assert_int_equal(kvc_allocate(f->pool, 2, b), KV_OK);
+    uint64_t session = kvc_conn_session_id(f->conn);
+    /* Same epoch: the connection dropped but the daemon did not restart. */
+    assert_int_equal(fake_kvd_restart(f->kvd, 0x1111), 0);
+    assert_int_equal(kvc_ping(f->conn, NULL, 0), KV_ECLOSED);
+    assert_int_equal(kvc_ping(f->conn, NULL, 0), KV_OK); /* reconnected, new session */
+    assert_int_not_equal(kvc_conn_session_id(f->conn), session);
+    assert_true(kvc_pool_stale(f->pool));
+    assert_int_equal(kvc_release(f->pool, b, 2), KV_ECLOSED);
+    assert_non_null(strstr(kvc_last_error(f->conn), "session"));
+    kvc_pool_detach(f->pool);
+    kv_layout l = test_layout();
+    assert_int_equal(kvc_pool_attach(f->conn, "test-model", &l, &f->pool), KV_OK);
+    assert_int_equal(kvc_allocate(f->pool, 2, b), KV_OK);
+}
+
 static void test_connect_refused(void **state) {
     (void)state;
     kvc_options o;
@@ -413,6 +432,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_csr_export, setup, teardown),
         cmocka_unit_test_setup_teardown(test_list_limit_chunks, setup_small_lists, teardown),
         cmocka_unit_test_setup_teardown(test_restart_is_eepoch, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lost_connection_voids_pool, setup, teardown),
         cmocka_unit_test(test_connect_refused),
     };
     return cmocka_run_group_tests_name("client", tests, NULL, NULL);

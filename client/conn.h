@@ -42,6 +42,7 @@ struct kvc_pool {
     kv_hash128 seed;             /* hash chain seed */
     int hash_algo;               /* kv_hash_algo */
     uint64_t epoch;              /* boot epoch it was attached under */
+    uint64_t session;            /* session it was attached in; its references die with it */
     uint32_t need_map_from;      /* a reply said segments >= this are new; 0: none */
 };
 

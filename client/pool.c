@@ -241,7 +241,7 @@ uint32_t kvc_pool_segments(const kvc_pool *p) {
 }
 
 int kvc_pool_stale(const kvc_pool *p) {
-    return p->conn == NULL || p->epoch != p->conn->epoch;
+    return p->conn == NULL || p->epoch != p->conn->epoch || p->session != p->conn->session_id;
 }
 
 void *kvc_pool_segment_base(const kvc_pool *p, uint32_t seg, uint32_t *nblocks) {

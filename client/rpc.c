@@ -85,6 +85,7 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
         p->seed.hi = r->hash_seed->hi;
     }
     p->epoch = c->epoch;
+    p->session = c->session_id;
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
     if (err == KV_OK && r->n_segments == KVC__MAX_SEG_PER_REPLY) {
         /* More may follow: fetch from the last index + 1 once this reply is done. */
@@ -219,6 +220,14 @@ static kv_err check_pool(kvc_conn *c, kvc_pool *p) {
     }
     if (p->epoch != c->epoch) {
         return kvc__fail(c, KV_EEPOCH, "pool %u belongs to a previous kvd instance; attach again",
+                         p->pool_id);
+    }
+    if (p->session != c->session_id) {
+        /* Same daemon, new session after a lost connection: the daemon dropped every
+         * reference and attachment of the old one, so its handles mean nothing now. */
+        return kvc__fail(c, KV_ECLOSED,
+                         "pool %u was attached in a session that ended (connection lost); "
+                         "attach again",
                          p->pool_id);
     }
     return KV_OK;
@@ -480,7 +489,7 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
 /* After a batch: fetch segments that replies said are new, so returned blocks are mapped. */
 static kv_err map_pending(kvc_conn *c) {
     for (kvc_pool *p = c->pools; p != NULL; p = p->next) {
-        if (p->need_map_from != 0 && p->epoch == c->epoch) {
+        if (p->need_map_from != 0 && !kvc_pool_stale(p)) {
             kv_err err = kvc__pool_map_new(p);
             if (err != KV_OK) {
                 return err;
@@ -781,8 +790,8 @@ kv_err kvc_batch_send(kvc_batch *b) {
         /* Frames were encoded with the epoch of queuing time; a reconnect in between means
          * they are about handles of another daemon instance and it would refuse them. */
         for (size_t i = b->nsent; i < b->nops; i++) {
-            if (b->ops[i].pool != NULL && b->ops[i].pool->epoch != c->epoch) {
-                return kvc__fail(c, KV_EEPOCH, "batch names a pool of a previous kvd instance");
+            if (b->ops[i].pool != NULL && kvc_pool_stale(b->ops[i].pool)) {
+                return check_pool(c, b->ops[i].pool);
             }
         }
     }

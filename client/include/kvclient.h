@@ -152,7 +152,9 @@ KVC_EXTERN uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p);
 KVC_EXTERN uint32_t kvc_pool_max_segments(const kvc_pool *p);
 /* Segment slots mapped so far (the highest mapped index + 1). */
 KVC_EXTERN uint32_t kvc_pool_segments(const kvc_pool *p);
-/* 1 once the daemon restarted under this pool (its calls then return KV_EEPOCH). */
+/* 1 once the session the pool was attached in has ended: the daemon restarted (its calls then
+ * return KV_EEPOCH) or the connection was lost and a new session began (KV_ECLOSED). Either way
+ * every handle from the pool is void: detach and attach again. */
 KVC_EXTERN int kvc_pool_stale(const kvc_pool *p);
 
 /* Base address of segment seg's mapping (whole segment, kv_layout byte order), or NULL when
