@@ -2,11 +2,21 @@
  *
  * Every block has one 64-byte record in its segment's record array. A block sits on at most
  * one intrusive doubly linked list, named by its `list` field: the free list (LIFO, so hot
- * records are reused), the eviction order of the policy (LRU: one list; S3-FIFO: small and
- * main queues), or the list of pinned CACHED blocks. Referenced blocks (WRITING, COMMITTED)
- * are on no list, which is what keeps a referenced block out of eviction's reach. Counts per
- * state, per segment and per tenant are kept exactly, so allocation knows in O(1) whether it
+ * records are reused), the eviction order of the policy (LRU and PREFIX_LRU: one list each;
+ * S3-FIFO: small and main queues), or the list of pinned CACHED blocks. Referenced blocks (WRITING,
+ * COMMITTED) are on no list, which is what keeps a referenced block out of eviction's reach. Counts
+ * per state, per segment and per tenant are kept exactly, so allocation knows in O(1) whether it
  * can succeed and kvd_pool_check can compare them with a full walk.
+ *
+ * PREFIX_LRU keeps, per block, how many committed or cached blocks name it as their parent.
+ * When a block gets its second child it is a branch point: it and its ancestors are marked
+ * SHARED (the walk stops at the first one already marked, so each block is marked at most once
+ * per life: amortized O(1) per commit). At the head of the LRU list a SHARED block that was
+ * reused since it entered the cache gets another round instead of being evicted, one per
+ * reuse up to FREQ_MAX (the S3-FIFO main queue's rule, applied only to shared prefixes). A
+ * conversation's own history is a chain without branches, so it is evicted in plain LRU order;
+ * a system prompt or few-shot preamble that many requests continue differently outlives a burst
+ * of one-off prompts.
  */
 #include "daemon/pool.h"
 
@@ -22,10 +32,12 @@ enum {
     LIST_SMALL = 3,  /* CACHED, unpinned, S3-FIFO probationary queue */
     LIST_MAIN = 4,   /* CACHED, unpinned, S3-FIFO main queue */
     LIST_PINNED = 5, /* CACHED, pinned */
-    LIST_COUNT = 6,
+    LIST_PLRU = 6,   /* CACHED, unpinned, PREFIX_LRU policy */
+    LIST_COUNT = 7,
 };
 
 #define BLOCK_PINNED 0x01u /* flags: pin set (may have expired if the block is referenced) */
+#define BLOCK_SHARED 0x02u /* flags: PREFIX_LRU: prefix of two or more cached continuations */
 #define FREQ_MAX 3         /* S3-FIFO's two-bit access counter */
 
 typedef struct pool_block {
@@ -45,7 +57,7 @@ typedef struct pool_block {
     uint8_t pin_prio;  /* highest priority of the current pin */
     uint8_t freq;      /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
     uint8_t list;      /* LIST_* it is on */
-    uint8_t pad;
+    uint8_t nchild;    /* PREFIX_LRU: COMMITTED/CACHED blocks naming it parent, sticky at 255 */
 } pool_block;
 
 _Static_assert(sizeof(pool_block) <= 64, "block metadata must fit 64 bytes");
@@ -170,7 +182,8 @@ static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
 }
 
 static uint64_t evictable_count(const kvd_pool *p) {
-    return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len;
+    return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len +
+           p->lists[LIST_PLRU].len;
 }
 
 /* ---- S3-FIFO ghost ---------------------------------------------------------------------- */
@@ -237,6 +250,8 @@ static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
     seg_of(p, id)->nevict++;
     if (p->cfg.policy == KVD_EVICT_LRU) {
         list_push_tail(p, LIST_LRU, id, b);
+    } else if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        list_push_tail(p, LIST_PLRU, id, b);
     } else if (b->freq > 0 || ghost_has(p, b)) {
         /* Reused since it entered the cache, or evicted from the small queue recently:
          * proven reuse goes straight to the main queue. */
@@ -253,6 +268,7 @@ static void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
     b->gen++;
     b->flags = 0;
     b->freq = 0;
+    b->nchild = 0;
     b->hits = 0;
     b->aux = 0;
     b->hlo = b->hhi = 0;
@@ -274,6 +290,46 @@ static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {
     }
 }
 
+/* PREFIX_LRU: the record of a block's parent while that is COMMITTED or CACHED, else NULL. The
+ * parent id is the committing client's word and the parent may have been evicted and its
+ * record reused since, so this is a hint for the eviction order, never more. */
+static pool_block *parent_of(const kvd_pool *p, const pool_block *b) {
+    if (b->parent == KVD_NO_BLOCK || b->parent >= p->nslots * p->bps ||
+        seg_of(p, b->parent)->blocks == NULL) {
+        return NULL;
+    }
+    pool_block *pb = blk_at(p, b->parent);
+    if (pb->state != KVD_BLOCK_COMMITTED && pb->state != KVD_BLOCK_CACHED) {
+        return NULL;
+    }
+    return pb;
+}
+
+/* PREFIX_LRU: a block was just committed under its parent. A parent with two children is a
+ * branch point: it and its ancestors become SHARED. The walk stops at a block already marked
+ * (and so it ends even on a cycle of stale parent ids), so it costs amortized O(1). */
+static void plru_child_added(kvd_pool *p, pool_block *b) {
+    pool_block *pb = parent_of(p, b);
+    if (pb == NULL) {
+        return;
+    }
+    if (pb->nchild < UINT8_MAX) {
+        pb->nchild++;
+    }
+    for (pool_block *x = pb->nchild >= 2 ? pb : NULL; x != NULL && !(x->flags & BLOCK_SHARED);
+         x = parent_of(p, x)) {
+        x->flags |= BLOCK_SHARED;
+    }
+}
+
+/* PREFIX_LRU: a committed block is going away (an exact count unless it saturated). */
+static void plru_child_removed(kvd_pool *p, pool_block *b) {
+    pool_block *pb = parent_of(p, b);
+    if (pb != NULL && pb->nchild > 0 && pb->nchild < UINT8_MAX) {
+        pb->nchild--;
+    }
+}
+
 /* Evicts a CACHED unpinned block: out of the index and the eviction order, back to FREE. */
 static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
     KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
@@ -283,6 +339,9 @@ static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reaso
     KV_ASSERT(err == KV_OK);
     if (from_small) {
         ghost_insert(p, b);
+    }
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        plru_child_removed(p, b);
     }
     seg_of(p, id)->nevict--;
     p->n_cached--;
@@ -378,6 +437,25 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
             return id;
         }
     }
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        for (;;) {
+            uint32_t id = p->lists[LIST_PLRU].head;
+            pool_block *b = blk_at(p, id);
+            if ((b->flags & BLOCK_SHARED) && b->freq > 0) {
+                /* A reused shared prefix: one more round per reuse (freq only grows on hits,
+                 * so rotations are paid for by the hits before them). */
+                b->freq--;
+                list_rotate(p, LIST_PLRU, LIST_PLRU);
+                continue;
+            }
+            if (honour && skips < budget && tenant_protected(p, b)) {
+                list_rotate(p, LIST_PLRU, LIST_PLRU);
+                skips++;
+                continue;
+            }
+            return id;
+        }
+    }
     /* S3-FIFO: evict from the small queue while it holds >= 10% of the pool's blocks, else
      * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). */
     uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
@@ -441,7 +519,8 @@ kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_back
     if ((uint64_t)cfg->blocks_per_segment * KVD_MAX_SEGMENTS >= KVD_NO_BLOCK) {
         return KV_EINVAL;
     }
-    if (cfg->policy != KVD_EVICT_LRU && cfg->policy != KVD_EVICT_S3FIFO) {
+    if (cfg->policy != KVD_EVICT_LRU && cfg->policy != KVD_EVICT_S3FIFO &&
+        cfg->policy != KVD_EVICT_PREFIX_LRU) {
         return KV_EINVAL;
     }
     kvd_pool *p = calloc(1, sizeof(*p));
@@ -692,6 +771,9 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
         b->parent = parent;
         b->aux = 0;
         b->last_access = p->now;
+        if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+            plru_child_added(p, b);
+        }
         p->n_writing--;
         p->n_committed++;
         p->commits++;
@@ -919,14 +1001,17 @@ void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
 }
 
 /* Walks the eviction order as it stands (S3-FIFO: small queue, then main; the rotations the
- * policy would make are not simulated) and takes up to max of tenant's blocks (any when
- * tenant < 0), evicting them unless dry_run. */
+ * policy would make, S3-FIFO's and PREFIX_LRU's second rounds, are not simulated) and takes up to
+ * max of tenant's blocks (any when tenant < 0), evicting them unless dry_run. */
 static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
                          kvd_evict_reason reason, kvd_block_ref *out) {
     static const int order_lru[] = {LIST_LRU};
     static const int order_s3[] = {LIST_SMALL, LIST_MAIN};
-    const int *order = p->cfg.policy == KVD_EVICT_LRU ? order_lru : order_s3;
-    int norder = p->cfg.policy == KVD_EVICT_LRU ? 1 : 2;
+    static const int order_plru[] = {LIST_PLRU};
+    const int *order = p->cfg.policy == KVD_EVICT_LRU      ? order_lru
+                       : p->cfg.policy == KVD_EVICT_S3FIFO ? order_s3
+                                                           : order_plru;
+    int norder = p->cfg.policy == KVD_EVICT_S3FIFO ? 2 : 1;
     size_t count = 0;
     for (int o = 0; o < norder && count < max; o++) {
         uint32_t id = p->lists[order[o]].head;
@@ -1114,6 +1199,9 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             by_list[b->list]++;
             refs += b->refcount;
             CHECK(b->tenant < KVD_MAX_TENANTS, "block %u: tenant %u", id, b->tenant);
+            CHECK(p->cfg.policy == KVD_EVICT_PREFIX_LRU ||
+                      (!(b->flags & BLOCK_SHARED) && b->nchild == 0),
+                  "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
             if (b->flags & BLOCK_PINNED) {
                 pinned++;
                 pinned_t[b->tenant]++;
@@ -1142,10 +1230,11 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                               b->list);
                     } else {
                         nevict++;
-                        int want = p->cfg.policy == KVD_EVICT_LRU ? LIST_LRU : -1;
-                        CHECK(want == LIST_LRU ? b->list == LIST_LRU
-                                               : (b->list == LIST_SMALL || b->list == LIST_MAIN),
-                              "block %u: CACHED on list %u", id, b->list);
+                        int ok = p->cfg.policy == KVD_EVICT_LRU ? b->list == LIST_LRU
+                                 : p->cfg.policy == KVD_EVICT_S3FIFO
+                                     ? (b->list == LIST_SMALL || b->list == LIST_MAIN)
+                                     : b->list == LIST_PLRU;
+                        CHECK(ok, "block %u: CACHED on list %u", id, b->list);
                     }
                     break;
             }

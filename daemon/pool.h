@@ -45,6 +45,7 @@ typedef enum kvd_block_state {
 typedef enum kvd_evict_policy {
     KVD_EVICT_LRU = 1,    /* vLLM's order: least recently used, tail of a prefix first */
     KVD_EVICT_S3FIFO = 2, /* S3-FIFO (Yang et al., SOSP 2023) */
+    KVD_EVICT_PREFIX_LRU = 3, /* LRU, tail first; shared prefixes get a round per reuse */
 } kvd_evict_policy;
 
 typedef enum kvd_evict_reason {
