@@ -252,15 +252,17 @@ static void bench_traces(int quick) {
     static const struct {
         kvd_trace_kind kind;
         const char *name;
-    } kinds[2] = {{KVD_TRACE_CHAT, "multi-turn chat"},
-                  {KVD_TRACE_SYSPROMPT, "shared system prompt"}};
+    } kinds[4] = {{KVD_TRACE_CHAT, "multi-turn chat"},
+                  {KVD_TRACE_SYSPROMPT, "shared system prompt"},
+                  {KVD_TRACE_SESSIONS, "chat sessions, heavy-tailed gaps"},
+                  {KVD_TRACE_FEWSHOT, "few-shot from shared examples"}};
     static const double frac[3] = {0.003, 0.01, 0.03};
     printf("### Eviction: block hit rate (prefix hits / blocks asked), %u requests per trace\n\n",
            nreq);
-    printf("| trace | cache blocks | %% of distinct blocks | LRU | S3-FIFO | Belady (MIN) | "
-           "S3-FIFO / LRU | LRU / MIN | S3-FIFO / MIN |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (int k = 0; k < 2; k++) {
+    printf("| trace | cache blocks | %% of distinct blocks | LRU | S3-FIFO | PREFIX_LRU | Belady "
+           "(MIN) | S3-FIFO / LRU | PREFIX_LRU / LRU | LRU / MIN | PREFIX_LRU / MIN |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int k = 0; k < 4; k++) {
         kvd_trace t;
         kv_err err = kvd_trace_gen(kinds[k].kind, 20240601 + (uint64_t)k, nreq, &t);
         if (err != KV_OK) {
@@ -271,26 +273,43 @@ static void bench_traces(int quick) {
             if (cap < t.max_len) {
                 cap = t.max_len;
             }
-            kvd_trace_result lru, s3, opt;
+            kvd_trace_result lru, s3, pl, opt;
             if ((err = kvd_trace_replay(&t, KVD_EVICT_LRU, cap, 0, &lru)) != KV_OK ||
                 (err = kvd_trace_replay(&t, KVD_EVICT_S3FIFO, cap, 0, &s3)) != KV_OK ||
+                (err = kvd_trace_replay(&t, KVD_EVICT_PREFIX_LRU, cap, 0, &pl)) != KV_OK ||
                 (err = kvd_trace_belady(&t, cap, &opt)) != KV_OK) {
                 die("trace replay", err);
             }
             double hl = (double)lru.hit_blocks / (double)lru.query_blocks;
             double hs = (double)s3.hit_blocks / (double)s3.query_blocks;
+            double hp = (double)pl.hit_blocks / (double)pl.query_blocks;
             double ho = (double)opt.hit_blocks / (double)opt.query_blocks;
-            printf("| %s | %u | %.1f | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f |\n", kinds[k].name,
-                   cap, 100.0 * cap / t.nkeys, hl, hs, ho, hs / hl, hl / ho, hs / ho);
+            printf("| %s | %u | %.1f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f |\n",
+                   kinds[k].name, cap, 100.0 * cap / t.nkeys, hl, hs, hp, ho, hs / hl, hp / hl,
+                   hl / ho, hp / ho);
             fflush(stdout);
         }
         kvd_trace_fini(&t);
     }
     printf(
-        "\nS3-FIFO's small FIFO drops blocks that are not reused soon after their first use: it\n"
-        "wins where one-off user text follows shared prompts and loses where nearly every new\n"
-        "block is reused once the conversation returns (multi-turn chat); pick it per pool by\n"
-        "workload.\n\n");
+        "\nTraces (daemon/evict_trace.c, seeded): *multi-turn chat*: 256 open conversations, each\n"
+        "request continues one picked by recency rank (square of a uniform, so recent ones are\n"
+        "likelier), re-sending its history plus 2..8 blocks; 8%% of turns start a new one.\n"
+        "*shared system prompt*: 64 Zipf(1)-popular prompts of 8..32 blocks plus 1..8 blocks of\n"
+        "one-off user text; a quarter of requests follow up one of the last 64 requests.\n"
+        "*chat sessions*: conversations arrive as a Poisson process, run floor(Pareto(1, 1.2))\n"
+        "turns (56%% single-turn, at most 40) and return after Pareto(2, 1.1) time units; each "
+        "turn\n"
+        "adds 1..4 user and 1..12 answer blocks. *few-shot*: one of 16 Zipf-popular task\n"
+        "instructions (2..6 blocks), 4 examples drawn from the task's 64 Zipf-popular shared\n"
+        "examples (1..3 blocks, in pool order), a one-off query of 1..4 blocks.\n\n"
+        "PREFIX_LRU is LRU (tail of a prefix first) except that a block which is the prefix of\n"
+        "two or more cached continuations (a branch point or its ancestor) gets one more round\n"
+        "per reuse: shared prompts outlive bursts of one-off text, while a conversation's own\n"
+        "history (a chain without branches) keeps LRU's order, which is what chat needs.\n"
+        "S3-FIFO's small FIFO drops blocks that are not reused soon after their first use: it\n"
+        "wins most where one-off text follows shared prompts or examples and loses where nearly\n"
+        "every new block is reused once the conversation returns (multi-turn chat).\n\n");
 }
 
 int main(int argc, char **argv) {

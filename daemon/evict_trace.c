@@ -6,6 +6,7 @@
  */
 #include "daemon/evict_trace.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -192,14 +193,269 @@ static kv_err gen_sysprompt(trace_rng *r, uint32_t nreq, trace_buf *b) {
     return err;
 }
 
+/* Pareto(xm, alpha): heavy-tailed, P(X > x) = (xm / x)^alpha. */
+static double rng_pareto(trace_rng *r, double xm, double alpha) {
+    double u = 1.0 - rng_unit(r); /* (0, 1] */
+    return xm / pow(u, 1.0 / alpha);
+}
+
+#define SESS_SYS_PROMPTS 8
+#define SESS_SYS_LEN 4
+#define SESS_MAX_LEN 128
+#define SESS_MAX_TURNS 40
+
+typedef struct sess_event {
+    double when;   /* time of the conversation's next turn */
+    uint32_t conv; /* index into the conversation table */
+} sess_event;
+
+typedef struct sess_conv {
+    uint32_t *hist; /* SESS_MAX_LEN keys */
+    uint32_t len;   /* blocks so far */
+    uint32_t turns; /* turns left */
+} sess_conv;
+
+static void ev_push(sess_event *h, size_t *n, sess_event e) {
+    size_t i = (*n)++;
+    while (i > 0 && h[(i - 1) / 2].when > e.when) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = e;
+}
+
+static sess_event ev_pop(sess_event *h, size_t *n) {
+    sess_event top = h[0], last = h[--(*n)];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n) {
+            break;
+        }
+        if (c + 1 < *n && h[c + 1].when < h[c].when) {
+            c++;
+        }
+        if (h[c].when >= last.when) {
+            break;
+        }
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0) {
+        h[i] = last;
+    }
+    return top;
+}
+
+/* Multi-turn chat sessions in time: conversations arrive as a Poisson process (one per time
+ * unit), start with one of SESS_SYS_PROMPTS system prompts and run for a heavy-tailed number
+ * of turns (floor of Pareto(1, 1.2): 56% single-turn, a long tail capped at SESS_MAX_TURNS);
+ * the user comes back after a heavy-tailed gap (Pareto(2, 1.1) time units: most replies within
+ * a few units, some after thousands). Each turn re-sends the history plus 1..4 blocks of user
+ * text and 1..12 of the previous answer. Requests are emitted in time order. */
+static kv_err gen_sessions(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    size_t cap = 1024, nconv = 0, hn = 0;
+    sess_conv *conv = calloc(cap, sizeof(sess_conv));
+    sess_event *heap = malloc(cap * sizeof(sess_event));
+    uint32_t *free_slots = malloc(cap * sizeof(uint32_t));
+    size_t nfree = 0;
+    uint32_t next_key = SESS_SYS_PROMPTS * SESS_SYS_LEN;
+    double next_arrival = 0;
+    kv_err err = KV_OK;
+    if (conv == NULL || heap == NULL || free_slots == NULL) {
+        err = KV_ENOMEM;
+        goto cleanup;
+    }
+    for (uint32_t q = 0; q < nreq && err == KV_OK;) {
+        if (hn == 0 || next_arrival < heap[0].when) {
+            /* A new conversation. */
+            uint32_t c;
+            if (nfree > 0) {
+                c = free_slots[--nfree];
+            } else {
+                if (nconv == cap) {
+                    size_t nc = cap * 2;
+                    sess_conv *cv = realloc(conv, nc * sizeof(sess_conv));
+                    if (cv == NULL) {
+                        err = KV_ENOMEM;
+                        break;
+                    }
+                    conv = cv;
+                    memset(conv + cap, 0, (nc - cap) * sizeof(sess_conv));
+                    sess_event *hp = realloc(heap, nc * sizeof(sess_event));
+                    uint32_t *fs = realloc(free_slots, nc * sizeof(uint32_t));
+                    if (hp != NULL) {
+                        heap = hp;
+                    }
+                    if (fs != NULL) {
+                        free_slots = fs;
+                    }
+                    if (hp == NULL || fs == NULL) {
+                        err = KV_ENOMEM;
+                        break;
+                    }
+                    cap = nc;
+                }
+                c = (uint32_t)nconv++;
+                conv[c].hist = malloc(SESS_MAX_LEN * sizeof(uint32_t));
+                if (conv[c].hist == NULL) {
+                    err = KV_ENOMEM;
+                    break;
+                }
+            }
+            uint32_t sp = rng_range(r, 0, SESS_SYS_PROMPTS - 1);
+            for (uint32_t i = 0; i < SESS_SYS_LEN; i++) {
+                conv[c].hist[i] = sp * SESS_SYS_LEN + i;
+            }
+            conv[c].len = SESS_SYS_LEN;
+            double t = rng_pareto(r, 1.0, 1.2);
+            conv[c].turns = t >= SESS_MAX_TURNS ? SESS_MAX_TURNS : (uint32_t)t;
+            sess_event e = {next_arrival, c};
+            ev_push(heap, &hn, e);
+            next_arrival += -log(1.0 - rng_unit(r)); /* exponential, mean 1 */
+            continue;
+        }
+        sess_event e = ev_pop(heap, &hn);
+        sess_conv *cv = &conv[e.conv];
+        uint32_t add = rng_range(r, 1, 4) + rng_range(r, 1, 12);
+        if (cv->len + add > SESS_MAX_LEN) {
+            cv->turns = 0; /* the context window is full: the conversation ends */
+        } else {
+            for (uint32_t i = 0; i < add; i++) {
+                cv->hist[cv->len++] = next_key++;
+            }
+            err = buf_request(b, cv->hist, cv->len);
+            q++;
+            cv->turns--;
+        }
+        if (cv->turns > 0) {
+            sess_event n = {e.when + rng_pareto(r, 2.0, 1.1), e.conv};
+            ev_push(heap, &hn, n);
+        } else {
+            free_slots[nfree++] = e.conv;
+        }
+    }
+    b->t.nkeys = next_key;
+cleanup:
+    for (size_t i = 0; conv != NULL && i < nconv; i++) {
+        free(conv[i].hist);
+    }
+    free(conv);
+    free(heap);
+    free(free_slots);
+    return err;
+}
+
+#define FS_TASKS 16
+#define FS_EXAMPLES 64 /* per task */
+#define FS_SHOTS 4
+
+/* Maps (parent key, content) to a block key, so equal prefixes get equal keys (a chain hash
+ * depends on everything before it). Open addressing; the table never fills (sized to the
+ * trace's blocks). */
+typedef struct fs_trie {
+    uint64_t *k; /* (parent + 1) << 32 | content, 0 = empty */
+    uint32_t *v; /* block key */
+    size_t mask; /* slots - 1 */
+} fs_trie;
+
+static uint32_t trie_key(fs_trie *t, uint32_t parent, uint32_t content, uint32_t *next_key) {
+    uint64_t k = ((uint64_t)parent + 1) << 32 | content;
+    size_t i = (size_t)((k * 0x9E3779B97F4A7C15ull) >> 20) & t->mask;
+    while (t->k[i] != 0 && t->k[i] != k) {
+        i = (i + 1) & t->mask;
+    }
+    if (t->k[i] == 0) {
+        t->k[i] = k;
+        t->v[i] = (*next_key)++;
+    }
+    return t->v[i];
+}
+
+/* Few-shot prompts: one of FS_TASKS task instructions (Zipf-popular, 2..6 blocks), then
+ * FS_SHOTS examples drawn without repeats from the task's shared pool of FS_EXAMPLES
+ * (Zipf-popular, 1..3 blocks each, placed in pool order as a retriever that sorts its hits
+ * would), then a one-off query of 1..4 blocks. Two requests share blocks as far as their
+ * instruction and examples agree. */
+static kv_err gen_fewshot(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    uint32_t ilen[FS_TASKS], elen[FS_TASKS][FS_EXAMPLES];
+    double tcdf[FS_TASKS], ecdf[FS_EXAMPLES];
+    double tsum = 0, esum = 0;
+    for (uint32_t i = 0; i < FS_TASKS; i++) {
+        ilen[i] = rng_range(r, 2, 6);
+        tsum += 1.0 / (i + 1);
+        tcdf[i] = tsum;
+        for (uint32_t e = 0; e < FS_EXAMPLES; e++) {
+            elen[i][e] = rng_range(r, 1, 3);
+        }
+    }
+    for (uint32_t e = 0; e < FS_EXAMPLES; e++) {
+        esum += 1.0 / (e + 1);
+        ecdf[e] = esum;
+    }
+    fs_trie tr;
+    size_t slots = 1024;
+    while (slots < (size_t)nreq * 24) {
+        slots <<= 1;
+    }
+    tr.k = calloc(slots, sizeof(uint64_t));
+    tr.v = malloc(slots * sizeof(uint32_t));
+    tr.mask = slots - 1;
+    uint32_t next_key = 0;
+    uint32_t content = 1u << 24; /* one-off query contents */
+    kv_err err = tr.k == NULL || tr.v == NULL ? KV_ENOMEM : KV_OK;
+    for (uint32_t q = 0; q < nreq && err == KV_OK; q++) {
+        uint32_t req[6 + FS_SHOTS * 3 + 4], n = 0, parent = UINT32_MAX;
+        double u = rng_unit(r) * tsum;
+        uint32_t task = 0;
+        while (task + 1 < FS_TASKS && tcdf[task] < u) {
+            task++;
+        }
+        for (uint32_t i = 0; i < ilen[task]; i++) {
+            parent = req[n++] = trie_key(&tr, parent, task << 16 | i, &next_key);
+        }
+        uint8_t pick[FS_EXAMPLES];
+        memset(pick, 0, sizeof(pick));
+        for (uint32_t s = 0; s < FS_SHOTS;) {
+            double v = rng_unit(r) * esum;
+            uint32_t e = 0;
+            while (e + 1 < FS_EXAMPLES && ecdf[e] < v) {
+                e++;
+            }
+            if (!pick[e]) {
+                pick[e] = 1;
+                s++;
+            }
+        }
+        for (uint32_t e = 0; e < FS_EXAMPLES; e++) {
+            for (uint32_t i = 0; pick[e] && i < elen[task][e]; i++) {
+                parent = req[n++] =
+                    trie_key(&tr, parent, task << 16 | 1u << 12 | e << 4 | i, &next_key);
+            }
+        }
+        uint32_t ql = rng_range(r, 1, 4);
+        for (uint32_t i = 0; i < ql; i++) {
+            parent = req[n++] = trie_key(&tr, parent, content++, &next_key);
+        }
+        err = buf_request(b, req, n);
+    }
+    b->t.nkeys = next_key;
+    free(tr.k);
+    free(tr.v);
+    return err;
+}
+
 kv_err kvd_trace_gen(kvd_trace_kind kind, uint64_t seed, uint32_t nreq, kvd_trace *out) {
-    if (nreq == 0 || (kind != KVD_TRACE_CHAT && kind != KVD_TRACE_SYSPROMPT)) {
+    if (nreq == 0 || kind < KVD_TRACE_CHAT || kind > KVD_TRACE_FEWSHOT) {
         return KV_EINVAL;
     }
     trace_rng r = {seed};
     trace_buf b;
     memset(&b, 0, sizeof(b));
-    kv_err err = kind == KVD_TRACE_CHAT ? gen_chat(&r, nreq, &b) : gen_sysprompt(&r, nreq, &b);
+    kv_err err = kind == KVD_TRACE_CHAT        ? gen_chat(&r, nreq, &b)
+                 : kind == KVD_TRACE_SYSPROMPT ? gen_sysprompt(&r, nreq, &b)
+                 : kind == KVD_TRACE_SESSIONS  ? gen_sessions(&r, nreq, &b)
+                                               : gen_fewshot(&r, nreq, &b);
     if (err != KV_OK) {
         kvd_trace_fini(&b.t);
         return err;

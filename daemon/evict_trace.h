@@ -3,9 +3,11 @@
  *
  * A trace is a list of requests; each request is the list of its blocks' keys in prefix order.
  * Keys stand for chain hashes (kvd_trace_hash), so a key is one block in one prefix context.
- * Two shapes: multi-turn chat (conversations re-send their growing history, starting from one
- * of a few system prompts) and shared system prompts (Zipf-popular prompts followed by mostly
- * one-off user text, some follow-ups). Test and bench support only; single thread.
+ * Four shapes: multi-turn chat (a fixed set of open conversations re-send their growing
+ * history, chosen by recency rank), chat sessions in time (Poisson arrivals, heavy-tailed turn
+ * counts and return gaps), shared system prompts (Zipf-popular prompts followed by mostly
+ * one-off user text, some follow-ups) and few-shot prompts (a task instruction, examples drawn
+ * from a shared pool, a one-off query). Test and bench support only; single thread.
  */
 #ifndef KVD_EVICT_TRACE_H
 #define KVD_EVICT_TRACE_H
@@ -20,6 +22,8 @@
 typedef enum kvd_trace_kind {
     KVD_TRACE_CHAT = 1,      /* multi-turn chat */
     KVD_TRACE_SYSPROMPT = 2, /* shared system prompts + one-off questions */
+    KVD_TRACE_SESSIONS = 3,  /* chat sessions in time: heavy-tailed turns and return gaps */
+    KVD_TRACE_FEWSHOT = 4,   /* task instruction + examples from a shared pool + query */
 } kvd_trace_kind;
 
 typedef struct kvd_trace {

@@ -555,10 +555,18 @@ static void test_random_s3fifo(void **state) {
     run(KVD_EVICT_S3FIFO, 0x5EED0002);
 }
 
+/* Parents are random ids here (live, free, the block's own descendants): the child counts and
+ * shared marks are hints that must never break an invariant, whatever the client names. */
+static void test_random_prefix_lru(void **state) {
+    (void)state;
+    run(KVD_EVICT_PREFIX_LRU, 0x5EED0003);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_random_lru),
         cmocka_unit_test(test_random_s3fifo),
+        cmocka_unit_test(test_random_prefix_lru),
     };
     return cmocka_run_group_tests_name("kvd_pool_random", tests, NULL, NULL);
 }

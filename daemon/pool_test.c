@@ -295,6 +295,98 @@ static void test_s3fifo_prefers_reused(void **state) {
     drop(&f);
 }
 
+/* Commits key base..base+n-1 as the continuation of parent_ref's block (already referenced by
+ * the caller): a branch off a cached prefix. */
+static void commit_branch(kvd_pool *p, uint32_t parent, uint64_t base, uint32_t n,
+                          kvd_block_ref *refs) {
+    assert_int_equal(kvd_pool_allocate(p, n, 1, 0, refs), KV_OK);
+    for (uint32_t i = 0; i < n; i++) {
+        kvd_block_ref c;
+        assert_int_equal(kvd_pool_commit(p, 1, refs[i], H(base + i), parent, &c), KV_OK);
+        refs[i] = c;
+        parent = c.id;
+    }
+}
+
+/* A 4-block prefix continued two ways (branches A and B), looked up again, then 8 newer cold
+ * blocks; 6 more are needed. Returns how many of the prefix blocks survive. */
+static int shared_prefix_survivors(kvd_evict_policy policy) {
+    fixture f;
+    kvd_pool *p = make_pool(&f, 16, 1, policy);
+    kvd_block_ref s[4], a[2], b[2], cold[8], got[4], scan[6];
+    kv_hash128 q[4] = {H(1), H(2), H(3), H(4)};
+    size_t nhit;
+    commit_chain(p, 1, 0, 1, 4, s);
+    commit_branch(p, s[3].id, 10, 2, a);
+    assert_int_equal(kvd_pool_release(p, 1, 0, a, 2), KV_OK);
+    assert_int_equal(kvd_pool_release(p, 1, 0, s, 4), KV_OK);
+    assert_int_equal(kvd_pool_lookup(p, 0, q, 4, got, &nhit), KV_OK);
+    assert_int_equal(nhit, 4);
+    commit_branch(p, got[3].id, 20, 2, b); /* second child: the prefix is shared */
+    assert_int_equal(kvd_pool_release(p, 1, 0, b, 2), KV_OK);
+    assert_int_equal(kvd_pool_release(p, 1, 0, got, 4), KV_OK);
+    commit_chain(p, 1, 0, 100, 8, cold);
+    assert_int_equal(kvd_pool_release(p, 1, 0, cold, 8), KV_OK);
+    /* The pool is full (16 CACHED); the prefix is older than the cold chain. */
+    commit_chain(p, 2, 0, 1000, 6, scan);
+    int alive = 0;
+    for (int i = 0; i < 4; i++) {
+        alive += kvd_pool_check_ref(p, s[i]) == KV_OK;
+    }
+    /* Branch A went first either way: it is the least recently used. */
+    assert_int_equal(kvd_pool_check_ref(p, a[1]), KV_ESTALE);
+    assert_int_equal(kvd_pool_release(p, 2, 0, scan, 6), KV_OK);
+    drop(&f);
+    return alive;
+}
+
+static void test_prefix_lru_keeps_shared_prefix(void **state) {
+    (void)state;
+    /* LRU takes A, B and then the prefix's tail; PREFIX_LRU gives the reused shared prefix
+     * another round and takes two cold blocks instead. */
+    assert_int_equal(shared_prefix_survivors(KVD_EVICT_LRU), 2);
+    assert_int_equal(shared_prefix_survivors(KVD_EVICT_PREFIX_LRU), 4);
+}
+
+/* A chain without branches (a conversation's own history) gets no extra rounds however often
+ * it is reused: PREFIX_LRU evicts it in LRU order, tail first. */
+static void test_prefix_lru_linear_chain_is_lru(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool *p = make_pool(&f, 8, 1, KVD_EVICT_PREFIX_LRU);
+    kvd_block_ref x[4], got[4], y[4], z[2];
+    kv_hash128 q[4] = {H(1), H(2), H(3), H(4)};
+    size_t nhit;
+    commit_chain(p, 1, 0, 1, 4, x);
+    assert_int_equal(kvd_pool_release(p, 1, 0, x, 4), KV_OK);
+    for (int r = 0; r < 3; r++) {
+        assert_int_equal(kvd_pool_lookup(p, 0, q, 4, got, &nhit), KV_OK);
+        assert_int_equal(nhit, 4);
+        assert_int_equal(kvd_pool_release(p, 1, 0, got, 4), KV_OK);
+    }
+    commit_chain(p, 1, 0, 50, 4, y);
+    assert_int_equal(kvd_pool_release(p, 1, 0, y, 4), KV_OK);
+    commit_chain(p, 2, 0, 90, 2, z);
+    assert_int_equal(kvd_pool_check_ref(p, x[3]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, x[2]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, x[1]), KV_OK);
+    assert_int_equal(kvd_pool_check_ref(p, x[0]), KV_OK);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(kvd_pool_check_ref(p, y[i]), KV_OK);
+    }
+    assert_int_equal(kvd_pool_release(p, 2, 0, z, 2), KV_OK);
+    /* Explicit eviction follows the same order, and a dry run reports it first. */
+    kvd_block_ref out[2];
+    size_t n = 0;
+    assert_int_equal(kvd_pool_evict(p, 2, -1, KVD_EVICT_ADMIN, 1, out, &n), KV_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(out[0].id, x[1].id);
+    assert_int_equal(out[1].id, x[0].id);
+    assert_int_equal(kvd_pool_evict(p, 8, -1, KVD_EVICT_ADMIN, 0, NULL, &n), KV_OK);
+    assert_int_equal(n, 8);
+    drop(&f);
+}
+
 static void test_pins(void **state) {
     (void)state;
     fixture f;
@@ -454,6 +546,8 @@ static void test_stats_and_bad_config(void **state) {
     cfg.blocks_per_segment = 4;
     cfg.policy = 0;
     assert_int_equal(kvd_pool_alloc(&cfg, f.idx, &kvd_backend_malloc, NULL, &bad), KV_EINVAL);
+    cfg.policy = (kvd_evict_policy)(KVD_EVICT_PREFIX_LRU + 1);
+    assert_int_equal(kvd_pool_alloc(&cfg, f.idx, &kvd_backend_malloc, NULL, &bad), KV_EINVAL);
     assert_null(bad);
     kvd_pool_free(NULL);
     drop(&f);
@@ -468,6 +562,8 @@ int main(void) {
         cmocka_unit_test(test_referenced_never_evicted),
         cmocka_unit_test(test_lru_tail_first),
         cmocka_unit_test(test_s3fifo_prefers_reused),
+        cmocka_unit_test(test_prefix_lru_keeps_shared_prefix),
+        cmocka_unit_test(test_prefix_lru_linear_chain_is_lru),
         cmocka_unit_test(test_pins),
         cmocka_unit_test(test_pin_expires_while_referenced),
         cmocka_unit_test(test_guarantee),
