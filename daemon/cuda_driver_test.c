@@ -1,0 +1,459 @@
+/* cuda_driver_test: the dlopen loader, backend selection and both GPU backends, on a machine
+ * without a GPU. A missing library and a library without the driver's symbols give clear
+ * reasons; `auto` falls back to host saying why; an explicit GPU backend fails. With the test
+ * driver (daemon/fake_cuda.c: VMM allocations are memfds) the real backend code runs: a cuda-vmm
+ * segment's exported fd shows the daemon's bytes, a cuda-ipc segment's handle opens; and a real
+ * server answers AttachPool with CUDA_VMM segments and fds, or CUDA_IPC handles and no fds. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <uv.h>
+
+#include "common/kv_log.h"
+#include "common/kv_wire.h"
+#include "daemon/backend_cuda.h"
+#include "daemon/config.h"
+#include "daemon/cuda_driver.h"
+#include "daemon/server.h"
+#include "daemon/server_backend.h"
+#include "daemon/server_int.h"
+
+#define FAKE "daemon/testdata/libfakecuda.so"
+#define MISSING "/nonexistent/libcuda.so.1"
+
+static char fake_path[4096];
+
+static int setup(void **state) {
+    (void)state;
+    /* Bazel runs tests in the runfiles tree; dlopen needs a path with a slash. */
+    const char *src = getenv("TEST_SRCDIR");
+    const char *ws = getenv("TEST_WORKSPACE");
+    if (src != NULL && ws != NULL) {
+        snprintf(fake_path, sizeof(fake_path), "%s/%s/%s", src, ws, FAKE);
+    } else {
+        snprintf(fake_path, sizeof(fake_path), "./%s", FAKE);
+    }
+    unsetenv("FAKE_CUDA_NO_DEVICE");
+    unsetenv("FAKE_CUDA_NO_VMM");
+    unsetenv("KV_CUDA_LIBRARY");
+    kv_log_threshold = KV_LOG_ERROR;
+    return 0;
+}
+
+static void test_missing_library(void **state) {
+    (void)state;
+    kv_cuda cu;
+    memset(&cu, 0x5a, sizeof(cu));
+    char why[256] = "";
+    assert_int_equal(kv_cuda_load(MISSING, &cu, why, sizeof(why)), KV_ENOGPU);
+    assert_non_null(strstr(why, MISSING " not found"));
+    assert_int_equal(((unsigned char *)&cu)[0], 0x5a); /* untouched on failure */
+    /* The default name, and the environment override. */
+    assert_string_equal(kv_cuda_library_name(), "libcuda.so.1");
+    setenv("KV_CUDA_LIBRARY", MISSING, 1);
+    assert_string_equal(kv_cuda_library_name(), MISSING);
+    assert_int_equal(kv_cuda_load(NULL, &cu, why, sizeof(why)), KV_ENOGPU);
+    unsetenv("KV_CUDA_LIBRARY");
+    kv_cuda_unload(NULL);
+}
+
+static void test_library_without_symbols(void **state) {
+    (void)state;
+    kv_cuda cu;
+    char why[256] = "";
+    assert_int_equal(kv_cuda_load("libc.so.6", &cu, why, sizeof(why)), KV_ENOGPU);
+    assert_non_null(strstr(why, "lacks cuInit"));
+}
+
+static void test_fake_driver(void **state) {
+    (void)state;
+    kv_cuda cu;
+    char why[256] = "";
+    assert_int_equal(kv_cuda_load(fake_path, &cu, why, sizeof(why)), KV_OK);
+    assert_int_equal(cu.driver_version, 13000);
+    kv_cuda_device d;
+    assert_int_equal(kv_cuda_device_open(&cu, 0, &d, why, sizeof(why)), KV_OK);
+    assert_true(d.vmm && d.posix_fd);
+    assert_int_equal(d.granularity, 64u << 10);
+    assert_string_equal(d.name, "kvd fake GPU");
+    kv_cuda_device other;
+    assert_int_equal(kv_cuda_device_open(&cu, 3, &other, why, sizeof(why)), KV_ENOGPU);
+    assert_non_null(strstr(why, "device 3 does not exist"));
+    char buf[128];
+    assert_string_equal(kv_cuda_strerror(&cu, KV_CU_ERROR_NO_DEVICE, buf, sizeof(buf)),
+                        "CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)");
+    assert_string_equal(kv_cuda_strerror(NULL, 7, buf, sizeof(buf)), "CUresult 7");
+    kv_cuda_device_close(&cu, &d);
+    kv_cuda_unload(&cu);
+    assert_null(cu.lib);
+
+    setenv("FAKE_CUDA_NO_DEVICE", "1", 1);
+    assert_int_equal(kv_cuda_load(fake_path, &cu, why, sizeof(why)), KV_ENOGPU);
+    assert_non_null(strstr(why, "cuInit failed: CUDA_ERROR_NO_DEVICE"));
+    unsetenv("FAKE_CUDA_NO_DEVICE");
+}
+
+static void test_select(void **state) {
+    (void)state;
+    kvd_backend_host_ctx host = {0};
+    kvd_backend_sel sel;
+    char why[512] = "";
+    /* auto without a driver: host, and the reason names the library. */
+    assert_int_equal(kvd_backend_select("auto", 0, MISSING, &host, &sel, why, sizeof(why)), KV_OK);
+    assert_ptr_equal(sel.ops, &kvd_backend_host);
+    assert_ptr_equal(sel.ctx, &host);
+    assert_null(sel.cuda);
+    assert_non_null(strstr(sel.reason, "backend host: no usable GPU: " MISSING " not found"));
+    kvd_backend_sel_fini(&sel);
+    /* An explicit GPU backend without a driver is an error. */
+    assert_int_equal(kvd_backend_select("cuda-vmm", 0, MISSING, &host, &sel, why, sizeof(why)),
+                     KV_ENOGPU);
+    assert_non_null(strstr(why, "backend cuda-vmm: no usable GPU: " MISSING " not found"));
+    assert_int_equal(kvd_backend_select("cuda-ipc", 0, MISSING, &host, &sel, why, sizeof(why)),
+                     KV_ENOGPU);
+    assert_int_equal(kvd_backend_select("floppy", 0, MISSING, &host, &sel, why, sizeof(why)),
+                     KV_EINVAL);
+    assert_int_equal(kvd_backend_select("host", 0, MISSING, &host, &sel, why, sizeof(why)), KV_OK);
+    assert_ptr_equal(sel.ops, &kvd_backend_host);
+    kvd_backend_sel_fini(&sel);
+    /* With a (test) driver: auto takes cuda-vmm; without VMM support, cuda-ipc. */
+    assert_int_equal(kvd_backend_select("auto", 0, fake_path, &host, &sel, why, sizeof(why)),
+                     KV_OK);
+    assert_ptr_equal(sel.ops, &kvd_backend_cuda_vmm);
+    assert_non_null(sel.cuda);
+    assert_non_null(strstr(sel.reason, "backend cuda-vmm: device 0 (kvd fake GPU)"));
+    kvd_backend_sel_fini(&sel);
+    setenv("FAKE_CUDA_NO_VMM", "1", 1);
+    assert_int_equal(kvd_backend_select("auto", 0, fake_path, &host, &sel, why, sizeof(why)),
+                     KV_OK);
+    assert_ptr_equal(sel.ops, &kvd_backend_cuda_ipc);
+    kvd_backend_sel_fini(&sel);
+    assert_int_equal(kvd_backend_select("cuda-vmm", 0, fake_path, &host, &sel, why, sizeof(why)),
+                     KV_ENOGPU);
+    assert_non_null(strstr(why, "cannot export VMM memory"));
+    unsetenv("FAKE_CUDA_NO_VMM");
+    /* A device that does not exist. */
+    assert_int_equal(kvd_backend_select("cuda-vmm", 5, fake_path, &host, &sel, why, sizeof(why)),
+                     KV_ENOGPU);
+    assert_non_null(strstr(why, "device 5 does not exist"));
+}
+
+static void test_vmm_segments(void **state) {
+    (void)state;
+    kvd_backend_cuda_ctx c;
+    char why[256];
+    assert_int_equal(kvd_backend_cuda_open(&c, KVD_MEM_CUDA_VMM, 0, fake_path, why, sizeof(why)),
+                     KV_OK);
+    const kvd_backend_ops *be = &kvd_backend_cuda_vmm;
+    assert_int_equal(be->kind, KVD_MEM_CUDA_VMM);
+    assert_int_equal(be->align(&c), 64u << 10);
+    kvd_segment_mem m;
+    assert_int_equal(be->segment_alloc(&c, 0, &m), KV_EINVAL);
+    assert_int_equal(be->segment_alloc(&c, 100000, &m), KV_OK);
+    assert_int_equal(m.bytes, 128u << 10); /* rounded to the granularity */
+    assert_true(m.fd > 2);
+    assert_int_equal(c.segments, 1);
+    /* The daemon's mapping is zeroed, and the exported fd is the same memory. */
+    uint8_t *base = m.base;
+    assert_int_equal(base[0], 0);
+    assert_int_equal(base[m.bytes - 1], 0);
+    base[12345] = 0xab;
+    uint8_t *other = mmap(NULL, m.bytes, PROT_READ, MAP_SHARED, m.fd, 0);
+    assert_true(other != MAP_FAILED);
+    assert_int_equal(other[12345], 0xab);
+    /* Freeing in the daemon leaves an importer's mapping valid (memory is refcounted). */
+    be->segment_free(&c, &m);
+    assert_int_equal(other[12345], 0xab);
+    munmap(other, 128u << 10);
+    assert_int_equal(c.segments, 0);
+    kvd_segment_mem zero;
+    memset(&zero, 0, sizeof(zero));
+    be->segment_free(&c, &zero);
+    kvd_backend_cuda_close(&c);
+    kvd_backend_cuda_close(NULL);
+}
+
+static void test_ipc_segments(void **state) {
+    (void)state;
+    kvd_backend_cuda_ctx c;
+    char why[256];
+    assert_int_equal(kvd_backend_cuda_open(&c, KVD_MEM_CUDA_IPC, 0, fake_path, why, sizeof(why)),
+                     KV_OK);
+    const kvd_backend_ops *be = &kvd_backend_cuda_ipc;
+    kvd_segment_mem m;
+    assert_int_equal(be->segment_alloc(&c, 5000, &m), KV_OK);
+    assert_int_equal(m.bytes, 2u << 20);
+    assert_int_equal(m.fd, -1);
+    uint8_t zeros[64] = {0};
+    assert_memory_not_equal(m.ipc_handle, zeros, 64);
+    ((uint8_t *)m.base)[777] = 0x42;
+    /* Open the handle as a client would (here through the same driver table). */
+    kv_cu_ipc_mem_handle h;
+    memcpy(h.reserved, m.ipc_handle, 64);
+    kv_cu_deviceptr p;
+    assert_int_equal(c.cu.ipc_open_mem_handle(&p, h, KV_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                     KV_CU_SUCCESS);
+    assert_int_equal(((uint8_t *)(uintptr_t)p)[777], 0x42);
+    assert_int_equal(c.cu.ipc_close_mem_handle(p), KV_CU_SUCCESS);
+    be->segment_free(&c, &m);
+    kvd_backend_cuda_close(&c);
+}
+
+/* ---- a real server with a GPU backend --------------------------------------------------- */
+
+typedef struct harness {
+    kvd_config cfg;   /* options */
+    char dir[64];     /* socket directory */
+    uv_loop_t loop;   /* the server's loop (this thread; run step by step) */
+    kvd_server *srv;  /* the server */
+    pthread_t thread; /* runs the loop */
+} harness;
+
+static void *loop_main(void *arg) {
+    harness *h = arg;
+    uv_run(&h->loop, UV_RUN_DEFAULT);
+    return NULL;
+}
+
+static void start(harness *h, const char *backend) {
+    memset(h, 0, sizeof(*h));
+    kvd_config_init(&h->cfg);
+    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-cuda-test-XXXXXX");
+    assert_non_null(mkdtemp(h->dir));
+    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
+    snprintf(h->cfg.backend, sizeof(h->cfg.backend), "%s", backend);
+    h->cfg.pool_memory = 16 << 20;
+    h->cfg.segment_bytes = 64 << 10;
+    h->cfg.index_entries = 4096;
+    h->cfg.log_level = KV_LOG_ERROR;
+    assert_int_equal(uv_loop_init(&h->loop), 0);
+    setenv("KV_CUDA_LIBRARY", fake_path, 1);
+    assert_int_equal(kvd_server_alloc(&h->cfg, &h->loop, &h->srv), KV_OK);
+    unsetenv("KV_CUDA_LIBRARY");
+    assert_int_equal(kvd_server_start(h->srv, 0), KV_OK);
+    assert_int_equal(pthread_create(&h->thread, NULL, loop_main, h), 0);
+}
+
+static void stop(harness *h) {
+    kvd_server_stop_async(h->srv);
+    pthread_join(h->thread, NULL);
+    kvd_server_free(h->srv);
+    assert_int_equal(uv_loop_close(&h->loop), 0);
+    rmdir(h->dir);
+}
+
+static int dial(harness *h) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    assert_true(strlen(h->cfg.socket) < sizeof(sa.sun_path));
+    memcpy(sa.sun_path, h->cfg.socket, strlen(h->cfg.socket) + 1);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    struct timeval tv = {20, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+}
+
+/* Reads one whole frame with its fds (capacity 200). */
+static Kvd__Envelope *recv_frame(int fd, int *fds, size_t *nfds) {
+    uint8_t *buf = malloc(1u << 20);
+    assert_non_null(buf);
+    size_t got = 0, need = 4;
+    *nfds = 0;
+    while (got < need) {
+        union {
+            char b[CMSG_SPACE(sizeof(int) * 200)];
+            struct cmsghdr align;
+        } ctl;
+        struct iovec iov = {buf + got, need - got};
+        struct msghdr mh;
+        memset(&mh, 0, sizeof(mh));
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.b;
+        mh.msg_controllen = sizeof(ctl.b);
+        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
+        assert_true(n > 0);
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
+            if (cm->cmsg_type == SCM_RIGHTS) {
+                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                memcpy(fds + *nfds, CMSG_DATA(cm), k * sizeof(int));
+                *nfds += k;
+            }
+        }
+        got += (size_t)n;
+        if (need == 4 && got >= 4) {
+            need = 4 + ((uint32_t)buf[0] | (uint32_t)buf[1] << 8 | (uint32_t)buf[2] << 16 |
+                        (uint32_t)buf[3] << 24);
+            assert_true(need <= (1u << 20));
+        }
+    }
+    Kvd__Envelope *env;
+    size_t used;
+    assert_int_equal(kv_wire_decode(buf, got, 1u << 30, &env, &used), KV_OK);
+    free(buf);
+    return env;
+}
+
+static Kvd__Envelope *call(int fd, Kvd__Envelope *req, int *fds, size_t *nfds) {
+    uint8_t *buf;
+    size_t len;
+    assert_int_equal(kv_wire_encode(req, 1u << 30, &buf, &len), KV_OK);
+    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
+    free(buf);
+    Kvd__Envelope *r = recv_frame(fd, fds, nfds);
+    assert_int_equal(r->id, req->id);
+    return r;
+}
+
+static Kvd__AttachPoolReply *hello_attach(int fd, Kvd__Envelope **keep, int *fds, size_t *nfds) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Hello h = KVD__HELLO__INIT;
+    h.protocol_version = 1;
+    h.client_name = "cuda_driver_test";
+    e.id = 1;
+    e.body_case = KVD__ENVELOPE__BODY_HELLO;
+    e.hello = &h;
+    Kvd__Envelope *r = call(fd, &e, fds, nfds);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_HELLO_REPLY);
+    kv_wire_free(r);
+    Kvd__Envelope a = KVD__ENVELOPE__INIT;
+    Kvd__AttachPool ap = KVD__ATTACH_POOL__INIT;
+    Kvd__Layout l = KVD__LAYOUT__INIT;
+    l.num_layers = 2;
+    l.num_kv_heads = 2;
+    l.head_dim = 64;
+    l.tokens_per_block = 16;
+    l.dtype = KVD__DTYPE__FP16;
+    l.arrangement = KVD__ARRANGEMENT__LAYER_MAJOR;
+    ap.model_id = "m";
+    ap.layout = &l;
+    a.id = 2;
+    a.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
+    a.attach_pool = &ap;
+    r = call(fd, &a, fds, nfds);
+    if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
+        fail_msg("attach: %s", r->error->message);
+    }
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY);
+    *keep = r;
+    return r->attach_pool_reply;
+}
+
+static void test_server_vmm(void **state) {
+    (void)state;
+    harness h;
+    start(&h, "cuda-vmm");
+    assert_string_equal(h.srv->cfg.backend, "cuda-vmm");
+    int fd = dial(&h);
+    int fds[200];
+    size_t nfds;
+    Kvd__Envelope *keep;
+    Kvd__AttachPoolReply *ar = hello_attach(fd, &keep, fds, &nfds);
+    assert_true(ar->n_segments >= 1);
+    assert_int_equal(nfds, ar->n_segments);
+    const Kvd__Segment *s0 = ar->segments[0];
+    assert_int_equal(s0->kind, KVD__MEMORY_KIND__CUDA_VMM);
+    assert_int_equal(s0->bytes % (64u << 10), 0);
+    assert_int_equal(s0->ipc_handle.len, 0);
+    /* Layer sections are granularity multiples: blocks_per_segment * kv_block_bytes. */
+    kv_layout lay;
+    assert_int_equal(kv_layout_init(2, 2, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &lay), KV_OK);
+    assert_int_equal(((uint64_t)ar->blocks_per_segment * lay.kv_block_bytes) % (64u << 10), 0);
+    /* The fd is the daemon's allocation: what the daemon's mapping holds, we see. */
+    uint8_t *dev = h.srv->pools[0].pool != NULL
+                       ? (uint8_t *)kvd_pool_segment(h.srv->pools[0].pool, 0)->base
+                       : NULL;
+    assert_non_null(dev);
+    uint8_t *mine = mmap(NULL, s0->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[s0->fd_index], 0);
+    assert_true(mine != MAP_FAILED);
+    mine[4096] = 0x77;
+    assert_int_equal(dev[4096], 0x77);
+    munmap(mine, s0->bytes);
+    /* The session was sent segment 0; the rule for freeing holds for VMM anyway. */
+    assert_int_equal(kvd_segment_mappers(h.srv, ar->pool_id, 0), 1);
+    assert_int_equal(kvd_segment_may_free(h.srv, ar->pool_id, 0), 1);
+    for (size_t i = 0; i < nfds; i++) {
+        close(fds[i]);
+    }
+    kv_wire_free(keep);
+    close(fd);
+    stop(&h);
+}
+
+static void test_server_ipc(void **state) {
+    (void)state;
+    harness h;
+    start(&h, "cuda-ipc");
+    int fd = dial(&h);
+    int fds[200];
+    size_t nfds;
+    Kvd__Envelope *keep;
+    Kvd__AttachPoolReply *ar = hello_attach(fd, &keep, fds, &nfds);
+    assert_int_equal(nfds, 0); /* handles, not fds */
+    const Kvd__Segment *s0 = ar->segments[0];
+    assert_int_equal(s0->kind, KVD__MEMORY_KIND__CUDA_IPC);
+    assert_int_equal(s0->ipc_handle.len, 64);
+    assert_memory_equal(s0->ipc_handle.data, kvd_pool_segment(h.srv->pools[0].pool, 0)->ipc_handle,
+                        64);
+    /* A live session was sent it: cuda-ipc must not free it. */
+    uint32_t pool_id = ar->pool_id;
+    assert_int_equal(kvd_segment_mappers(h.srv, pool_id, 0), 1);
+    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 0), 0);
+    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 1), 1);
+    kv_wire_free(keep);
+    close(fd);
+    /* Once the connection is gone (the loop notices the close), it may be freed. */
+    for (int i = 0; i < 2000 && kvd_segment_mappers(h.srv, pool_id, 0) != 0; i++) {
+        usleep(1000);
+    }
+    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 0), 1);
+    stop(&h);
+}
+
+static void test_server_explicit_gpu_fails(void **state) {
+    (void)state;
+    kvd_config cfg;
+    kvd_config_init(&cfg);
+    snprintf(cfg.backend, sizeof(cfg.backend), "cuda-vmm");
+    uv_loop_t loop;
+    assert_int_equal(uv_loop_init(&loop), 0);
+    setenv("KV_CUDA_LIBRARY", MISSING, 1);
+    kvd_server *srv = NULL;
+    assert_int_equal(kvd_server_alloc(&cfg, &loop, &srv), KV_ENOGPU);
+    assert_null(srv);
+    /* auto on the same machine starts, on host. */
+    snprintf(cfg.backend, sizeof(cfg.backend), "auto");
+    assert_int_equal(kvd_server_alloc(&cfg, &loop, &srv), KV_OK);
+    assert_string_equal(srv->cfg.backend, "host");
+    kvd_server_free(srv);
+    unsetenv("KV_CUDA_LIBRARY");
+    assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(test_missing_library, setup),
+        cmocka_unit_test_setup(test_library_without_symbols, setup),
+        cmocka_unit_test_setup(test_fake_driver, setup),
+        cmocka_unit_test_setup(test_select, setup),
+        cmocka_unit_test_setup(test_vmm_segments, setup),
+        cmocka_unit_test_setup(test_ipc_segments, setup),
+        cmocka_unit_test_setup(test_server_vmm, setup),
+        cmocka_unit_test_setup(test_server_ipc, setup),
+        cmocka_unit_test_setup(test_server_explicit_gpu_fails, setup),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
