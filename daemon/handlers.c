@@ -13,6 +13,7 @@
 #include "common/kv_log.h"
 #include "common/kv_wire.h"
 #include "daemon/server_int.h"
+#include "daemon/tenancy.h"
 
 #define FAIL(rc, ...)                                                                              \
     do {                                                                                           \
@@ -190,6 +191,7 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
     sp.pool_id = s->next_pool_id++;
     s->pools[s->npools] = sp;
     *out = &s->pools[s->npools++];
+    kvd_tenancy_apply_guarantees(s, *out);
     KV_LOG(INFO, "KVD-POOL-NEW",
            "pool %u: model %s, %u layers x %u heads x %u dim, %s, %u tokens/block, %llu "
            "bytes/block, %u blocks/segment, domain %u",
@@ -199,7 +201,32 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
     return KV_OK;
 }
 
+uint32_t kvd_handlers_budget_apply(kvd_server *s, kvd_srv_pool *sp) {
+    return budget_apply(s, sp);
+}
+
+kvd_srv_pool *kvd_handlers_pool_by_id(kvd_server *s, uint32_t id) {
+    return pool_by_id(s, id);
+}
+
+kv_err kvd_handlers_pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
+                              uint32_t domain, kvd_srv_pool **out, char *msg) {
+    return pool_open(s, model_id, l, domain, out, msg);
+}
+
+void kvd_handlers_pool_close(kvd_server *s, uint32_t pool_id) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        if (s->pools[i].pool_id == pool_id) {
+            kvd_pool_free(s->pools[i].pool);
+            memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
+            s->npools--;
+            return;
+        }
+    }
+}
+
 void kvd_handlers_free_pools(kvd_server *s) {
+    kvd_tenancy_free(s);
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_pool_free(s->pools[i].pool);
     }
@@ -246,6 +273,8 @@ static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segm
         segs[n].bytes = m->bytes;
         segs[n].kind = KVD__MEMORY_KIND__HOST_MEMFD;
         segs[n].fd_index = n;
+        /* The commons is written only by the daemon (promotions); every tenant reads it. */
+        segs[n].read_only = pc->domain == KVD_DOMAIN_COMMONS;
         fds[n] = m->fd;
         ptrs[n] = &segs[n];
         n++;
@@ -268,10 +297,26 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
         return rc;
     }
     uint32_t tenant;
-    rc = kvd_tenants_resolve(s->tenants, c->sess.uid, c->sess.gid, &tenant);
-    if (rc != KV_OK) {
-        FAIL(rc, "the daemon knows %d tenants already; uid %d cannot get a new one",
-             KVD_MAX_TENANTS, (int)c->sess.uid);
+    if (h->token.len != 0) {
+        rc = kvd_tenants_resolve_token(s->tenants, c->sess.uid, c->sess.gid, h->token.data,
+                                       h->token.len, &tenant);
+        if (rc != KV_OK) {
+            KV_LOG(WARN, "KVD-AUTH", "session %llu: pid %d uid %d: tenant token refused",
+                   (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid);
+            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be", (int)c->sess.uid,
+                 (int)c->sess.gid);
+        }
+    } else {
+        rc = kvd_tenants_resolve(s->tenants, c->sess.uid, c->sess.gid, &tenant);
+        if (rc != KV_OK) {
+            FAIL(rc, "the daemon knows %d tenants already; uid %d cannot get a new one",
+                 KVD_MAX_TENANTS, (int)c->sess.uid);
+        }
+    }
+    uint64_t max_sessions = kvd_tenants_quota(s->tenants, tenant)->max_sessions;
+    if (max_sessions != 0 && kvd_tenancy_sessions(s, tenant) >= max_sessions) {
+        FAIL(KV_EQUOTA, "tenant %s: max-sessions is %llu and that many are open",
+             kvd_tenants_name(s->tenants, tenant), (unsigned long long)max_sessions);
     }
     c->sess.tenant = tenant;
     c->sess.hello = 1;
@@ -279,10 +324,17 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     Kvd__Envelope env;
     env_init(c, &env, id);
     Kvd__HelloReply r = KVD__HELLO_REPLY__INIT;
-    char *domains[1] = {(char *)kvd_tenants_name(s->tenants, tenant)};
+    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT];
+    char dnames[KVD_MAX_DOMAINS_PER_TENANT][KVD_TENANT_NAME_MAX + 8];
+    char *domains[KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t ndoms = kvd_tenants_domains(s->tenants, tenant, doms);
+    for (uint32_t i = 0; i < ndoms; i++) {
+        domains[i] =
+            (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i], sizeof(dnames[i]));
+    }
     r.session_id = c->sess.id;
     r.tenant = domains[0];
-    r.n_domains = 1;
+    r.n_domains = ndoms;
     r.domains = domains;
     r.boot_epoch = s->boot_epoch;
     r.protocol_version = KV_PROTOCOL_VERSION;
@@ -301,11 +353,42 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
     Kvd__Segment *segs = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(*segs));
     Kvd__Segment **ptrs = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(*ptrs));
     int *fds = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(int));
+    int *ro_fds = calloc(KVD_MAX_FDS_PER_FRAME, sizeof(int));
+    Kvd__LinkedPool *links = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*links));
+    Kvd__LinkedPool **link_ptrs = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*link_ptrs));
+    char(*lnames)[KVD_TENANT_NAME_MAX + 8] = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*lnames));
+    uint32_t n = 0, nro = 0, nlinks = 0;
     kv_err rc = KV_ENOMEM;
-    if (segs == NULL || ptrs == NULL || fds == NULL) {
+    if (segs == NULL || ptrs == NULL || fds == NULL || ro_fds == NULL || links == NULL ||
+        link_ptrs == NULL || lnames == NULL) {
         goto cleanup;
     }
-    uint32_t n = collect_segments(sp, first, segs, ptrs, fds);
+    n = collect_segments(sp, first, segs, ptrs, fds);
+    /* Segments the session may only read travel as fds that cannot be mapped writable. */
+    for (uint32_t i = 0; i < n; i++) {
+        if (segs[i].read_only && segs[i].kind == KVD__MEMORY_KIND__HOST_MEMFD) {
+            rc = kvd_tenancy_ro_fd(fds[i], &ro_fds[nro]);
+            if (rc != KV_OK) {
+                goto cleanup;
+            }
+            fds[i] = ro_fds[nro++];
+        }
+    }
+    for (uint32_t i = 0; attach && i < p->nlinks; i++) {
+        kvd_srv_pool *lp = pool_by_id(c->srv, p->links[i]);
+        if (lp == NULL) {
+            continue;
+        }
+        kvd__linked_pool__init(&links[nlinks]);
+        links[nlinks].pool_id = lp->pool_id;
+        links[nlinks].domain = (char *)kvd_tenants_domain_name(c->srv->tenants, lp->domain,
+                                                               lnames[nlinks], sizeof(lnames[0]));
+        links[nlinks].read_only =
+            !kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, lp->domain);
+        links[nlinks].blocks_per_segment = kvd_pool_config_get(lp->pool)->blocks_per_segment;
+        link_ptrs[nlinks] = &links[nlinks];
+        nlinks++;
+    }
     Kvd__Envelope env;
     env_init(c, &env, id);
     Kvd__AttachPoolReply ar = KVD__ATTACH_POOL_REPLY__INIT;
@@ -331,6 +414,8 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         ar.hash_seed = &seed;
         ar.hash_algo = 1;
         ar.max_segments = kvd_pool_config_get(p->pool)->max_segments;
+        ar.n_linked = nlinks;
+        ar.linked = link_ptrs;
         env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;
         env.attach_pool_reply = &ar;
     } else {
@@ -341,9 +426,16 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
     }
     rc = kvd_conn_send(c, &env, fds, n);
 cleanup:
+    for (uint32_t i = 0; i < nro; i++) {
+        close(ro_fds[i]); /* kvd_conn_send keeps its own dups */
+    }
     free(segs);
     free(ptrs);
     free(fds);
+    free(ro_fds);
+    free(links);
+    free(link_ptrs);
+    free(lnames);
     return rc;
 }
 
@@ -353,12 +445,48 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     if (rc != KV_OK) {
         return rc;
     }
+    kvd_server *s = c->srv;
     kvd_srv_pool *p;
-    rc = pool_open(c->srv, a->model_id, &l, c->sess.tenant, &p, msg);
+    rc = pool_open(s, a->model_id, &l, c->sess.tenant, &p, msg);
     if (rc != KV_OK) {
         return rc;
     }
-    budget_apply(c->srv, p);
+    uint32_t pool_id = p->pool_id;
+    /* The same model in the tenant's other domains (groups, commons), in lookup order. Opening
+     * pools moves s->pools, so pools are named by id from here on. A domain whose pool cannot
+     * be had now (budget) is left out of this attach's links. */
+    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT], links[KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t ndoms = kvd_tenants_domains(s->tenants, c->sess.tenant, doms), nlinks = 0;
+    uint32_t commons_id = 0;
+    for (uint32_t i = 1; i < ndoms; i++) {
+        char lmsg[KVD_ERRMSG];
+        kvd_srv_pool *lp;
+        if (pool_open(s, a->model_id, &l, doms[i], &lp, lmsg) != KV_OK) {
+            KV_LOG(WARN, "KVD-POOL-LINK", "session %llu: no pool in domain %u: %s",
+                   (unsigned long long)c->sess.id, doms[i], lmsg);
+            continue;
+        }
+        links[nlinks++] = lp->pool_id;
+        if (doms[i] == KVD_DOMAIN_COMMONS) {
+            commons_id = lp->pool_id;
+        }
+        kvd_session_pool *lsp;
+        rc = kvd_session_add_pool(&c->sess, lp->pool_id, lp->pool, &lsp);
+        if (rc != KV_OK) {
+            FAIL(rc, "no memory to attach the pool");
+        }
+    }
+    for (uint32_t i = 0; i < nlinks; i++) {
+        kvd_srv_pool *lp = pool_by_id(s, links[i]);
+        if (lp->domain != KVD_DOMAIN_COMMONS) {
+            lp->commons_id = commons_id; /* group commits count toward the commons too */
+        }
+    }
+    p = pool_by_id(s, pool_id);
+    memcpy(p->links, links, sizeof(links[0]) * nlinks);
+    p->nlinks = nlinks;
+    p->commons_id = commons_id;
+    budget_apply(s, p);
     kvd_session_pool *sp;
     rc = kvd_session_add_pool(&c->sess, p->pool_id, p->pool, &sp);
     if (rc != KV_OK) {
@@ -380,7 +508,7 @@ static kv_err on_map(kvd_conn *c, uint64_t id, const Kvd__MapSegments *m, char *
 }
 
 static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *refs, size_t n,
-                                uint32_t nsf, int lookup) {
+                                uint32_t nsf, int lookup, uint32_t *pool_ids) {
     Kvd__BlockRef *v = calloc(n > 0 ? n : 1, sizeof(*v));
     Kvd__BlockRef **pv = calloc(n > 0 ? n : 1, sizeof(*pv));
     kv_err rc = KV_ENOMEM;
@@ -401,6 +529,8 @@ static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *r
         lr.n_blocks = n;
         lr.blocks = pv;
         lr.new_segments_from = nsf;
+        lr.n_pool_ids = pool_ids != NULL ? n : 0;
+        lr.pool_ids = pool_ids;
         env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
         env.lookup_reply = &lr;
     } else {
@@ -458,6 +588,18 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     if (rc != KV_OK) {
         return rc;
     }
+    if (!kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, p->domain)) {
+        FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
+             p->pool_id, kvd_tenants_name(c->srv->tenants, c->sess.tenant));
+    }
+    uint64_t max_held = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_held;
+    uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess.tenant).held;
+    if (max_held != 0 && held + a->count > max_held) {
+        FAIL(KV_EQUOTA,
+             "tenant %s: quota max-held is %llu blocks per pool; pool %u holds %llu, asked %u",
+             kvd_tenants_name(c->srv->tenants, c->sess.tenant), (unsigned long long)max_held,
+             p->pool_id, (unsigned long long)held, a->count);
+    }
     uint32_t grow = budget_apply(c->srv, p);
     kvd_block_ref *refs = malloc(sizeof(*refs) * a->count);
     if (refs == NULL) {
@@ -484,7 +626,7 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     if (rc != KV_OK) {
         goto cleanup;
     }
-    rc = send_blocks_reply(c, id, refs, a->count, new_segments_from(sp), 0);
+    rc = send_blocks_reply(c, id, refs, a->count, new_segments_from(sp), 0, NULL);
 cleanup:
     free(refs);
     return rc;
@@ -504,8 +646,9 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     size_t n = l->n_hashes;
     kv_hash128 *hashes = malloc(sizeof(*hashes) * (n > 0 ? n : 1));
     kvd_block_ref *refs = malloc(sizeof(*refs) * (n > 0 ? n : 1));
+    uint32_t *pool_of = malloc(sizeof(*pool_of) * (n > 0 ? n : 1));
     size_t nhit = 0;
-    if (hashes == NULL || refs == NULL) {
+    if (hashes == NULL || refs == NULL || pool_of == NULL) {
         snprintf(msg, KVD_ERRMSG, "no memory for %zu hashes", n);
         rc = KV_ENOMEM;
         goto cleanup;
@@ -514,19 +657,65 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
         hashes[i].lo = l->hashes[i]->lo;
         hashes[i].hi = l->hashes[i]->hi;
     }
-    rc = kvd_pool_lookup(p->pool, c->sess.tenant, hashes, n, refs, &nhit);
-    if (rc != KV_OK) {
-        snprintf(msg, KVD_ERRMSG, "lookup failed: %s", kv_strerror(rc));
-        goto cleanup;
+    /* Pools searched, in order: the named one, then with search_domains its links (the same
+     * model in the tenant's groups and the commons). Each position takes the first pool that
+     * has it; a run continues in that pool. max-held caps the references a lookup may add. */
+    kvd_session_pool *order[1 + KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t norder = 0;
+    order[norder++] = sp;
+    for (uint32_t i = 0; l->search_domains && i < p->nlinks; i++) {
+        kvd_session_pool *lsp = kvd_session_find_pool(&c->sess, p->links[i]);
+        if (lsp != NULL) {
+            kvd_pool_set_now(lsp->pool, uv_now(c->srv->loop));
+            order[norder++] = lsp;
+        }
     }
-    rc = hold_refs(c, sp, refs, nhit, msg);
-    if (rc != KV_OK) {
-        goto cleanup;
+    uint64_t max_held = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_held;
+    while (nhit < n) {
+        size_t got = 0;
+        for (uint32_t k = 0; k < norder && got == 0; k++) {
+            size_t m = n - nhit;
+            if (max_held != 0) {
+                uint64_t held = kvd_pool_tenant_usage(order[k]->pool, c->sess.tenant).held;
+                uint64_t left = held < max_held ? max_held - held : 0;
+                m = left < m ? (size_t)left : m;
+            }
+            if (m == 0) {
+                continue;
+            }
+            rc = kvd_pool_lookup(order[k]->pool, c->sess.tenant, hashes + nhit, m, refs + nhit,
+                                 &got);
+            if (rc == KV_OK && got > 0) {
+                rc = hold_refs(c, order[k], refs + nhit, got, msg);
+            }
+            if (rc != KV_OK) {
+                /* Give back the runs of earlier pools (hold_refs gave back its own). */
+                for (size_t j = 0; j < nhit; j++) {
+                    kvd_session_pool *q = kvd_session_find_pool(&c->sess, pool_of[j]);
+                    KV_ASSERT(q != NULL && kvd_refs_sub(&q->refs, refs[j].id, 1) == KV_OK);
+                    (void)kvd_pool_release(q->pool, c->sess.id, c->sess.tenant, &refs[j], 1);
+                }
+                if (msg[0] == '\0') {
+                    snprintf(msg, KVD_ERRMSG, "lookup failed: %s", kv_strerror(rc));
+                }
+                goto cleanup;
+            }
+            for (size_t j = nhit; j < nhit + got; j++) {
+                pool_of[j] = order[k]->pool_id;
+            }
+        }
+        nhit += got;
+        if (got == 0 || norder == 1) {
+            break;
+        }
     }
-    rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1);
+
+    rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1,
+                           l->search_domains ? pool_of : NULL);
 cleanup:
     free(hashes);
     free(refs);
+    free(pool_of);
     return rc;
 }
 
@@ -563,6 +752,10 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     rc = kvd_validate_commit(cm, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
     if (rc != KV_OK) {
         return rc;
+    }
+    if (!kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, p->domain)) {
+        FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
+             p->pool_id, kvd_tenants_name(c->srv->tenants, c->sess.tenant));
     }
     size_t n = cm->n_entries;
     kvd_refs seen;
@@ -651,6 +844,12 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
     env.commit_reply = &cr;
     rc = kvd_conn_send(c, &env, NULL, 0);
+    /* After the reply is queued: a promotion into the commons changes no state of this
+     * session, and its failure (budget) is not this request's. */
+    for (size_t i = 0; i < n && p->commons_id != 0; i++) {
+        kv_hash128 h = {cm->entries[i]->hash->lo, cm->entries[i]->hash->hi};
+        kvd_tenancy_count_commit(c->srv, cm->pool_id, c->sess.tenant, canon[i], h);
+    }
 cleanup:
     kvd_refs_fini(&seen);
     free(canon);
@@ -728,6 +927,11 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
     if (rc != KV_OK) {
         return rc;
     }
+    if (kvd_pool_config_get(sp->pool)->domain == KVD_DOMAIN_COMMONS) {
+        FAIL(KV_EPERM, "pool %u is the commons: its blocks cannot be pinned by a tenant",
+             pin->pool_id);
+    }
+    uint64_t new_pins = 0;
     for (size_t i = 0; i < pin->n_blocks; i++) {
         kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
         rc = check_held(c, sp, r, 1, "blocks", i, msg);
@@ -739,6 +943,15 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
             (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
             FAIL(KV_ESTATE, "blocks[%zu]: block %u is not committed", i, r.id);
         }
+        new_pins += !info.pinned;
+    }
+    uint64_t max_pinned = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_pinned;
+    uint64_t pinned = kvd_pool_tenant_usage(sp->pool, c->sess.tenant).pinned;
+    if (!pin->unpin && max_pinned != 0 && pinned + new_pins > max_pinned) {
+        FAIL(KV_EQUOTA,
+             "tenant %s: quota max-pinned is %llu blocks per pool; %llu pinned, %llu more asked",
+             kvd_tenants_name(c->srv->tenants, c->sess.tenant), (unsigned long long)max_pinned,
+             (unsigned long long)pinned, (unsigned long long)new_pins);
     }
     for (size_t i = 0; i < pin->n_blocks; i++) {
         kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};

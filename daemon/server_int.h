@@ -57,6 +57,10 @@ typedef struct kvd_srv_pool {
     uint64_t segment_bytes;              /* bytes one segment costs */
     kv_hash128 seed;                     /* hash_seed sent to clients */
     kvd_pool *pool;                      /* owned */
+    uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* private pool: pool ids of the same model in
+                                                   the tenant's other domains, lookup order */
+    uint32_t nlinks;                            /* used entries of links */
+    uint32_t commons_id;                        /* pool id of the same model's commons; 0 none */
 } kvd_srv_pool;
 
 struct kvd_server {
@@ -86,6 +90,7 @@ struct kvd_server {
     uint64_t log_window_ms;      /* start of the protocol-error log window */
     uint32_t log_in_window;      /* protocol errors logged in the window */
     uint64_t log_suppressed;     /* protocol errors not logged since the last one */
+    struct kvd_commons *commons; /* tenancy: commits counted toward the commons; lazy */
 };
 
 /* Queues env as a frame with fds[0..nfds) (dup'd here; the caller keeps its fds). A queue above
@@ -103,5 +108,15 @@ void kvd_handle_request(kvd_conn *c, const Kvd__Envelope *env);
 
 /* Frees every pool (after every session is released). */
 void kvd_handlers_free_pools(kvd_server *s);
+
+/* Tenancy's access to the pool registry (handlers.c). budget_apply: sets sp's segment limit from
+ * the shared budget, returns segments it may still add. pool_by_id: NULL when unknown (pointers
+ * move when a pool is opened). pool_open: finds or creates (model, layout, domain); msg as the
+ * handlers'. pool_close: frees a pool no session has attached (the isolation self-test's). */
+uint32_t kvd_handlers_budget_apply(kvd_server *s, kvd_srv_pool *sp);
+kvd_srv_pool *kvd_handlers_pool_by_id(kvd_server *s, uint32_t id);
+kv_err kvd_handlers_pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
+                              uint32_t domain, kvd_srv_pool **out, char *msg);
+void kvd_handlers_pool_close(kvd_server *s, uint32_t pool_id);
 
 #endif

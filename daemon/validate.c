@@ -28,10 +28,9 @@ kv_err kvd_validate_hello(const Kvd__Hello *h, char *msg, size_t msglen) {
         return fail(KV_EINVAL, msg, msglen, "client_name is %zu bytes; at most %d",
                     strlen(h->client_name), KVD_MAX_CLIENT_NAME);
     }
-    if (h->token.len != 0) {
-        return fail(KV_ENOTSUP, msg, msglen,
-                    "tenant tokens are not supported in protocol 1; identity comes from "
-                    "the socket's peer credentials");
+    if (h->token.len > KVD_MAX_TOKEN) {
+        return fail(KV_EINVAL, msg, msglen, "token is %zu bytes; at most %d", h->token.len,
+                    KVD_MAX_TOKEN);
     }
     return KV_OK;
 }

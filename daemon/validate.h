@@ -16,9 +16,11 @@
 #define KVD_MAX_CLIENT_NAME 64            /* bytes of Hello.client_name */
 #define KVD_MAX_RETENTION_MS 604800000ull /* 7 days */
 #define KVD_PING_SLACK 64                 /* a Pong may exceed max_frame by the envelope fields */
+#define KVD_MAX_TOKEN 256                 /* bytes of Hello.token (= KVD_TOKEN_MAX) */
 
-/* Hello: version 1 (KV_EVERSION), client_name <= 64 bytes (KV_EINVAL), token empty
- * (KV_ENOTSUP). msg gets a sentence on error. */
+/* Hello: version 1 (KV_EVERSION), client_name <= 64 bytes (KV_EINVAL), token <= KVD_MAX_TOKEN
+ * bytes (KV_EINVAL; whether it names a tenant is the tenant table's check). msg gets a sentence
+ * on error. */
 kv_err kvd_validate_hello(const Kvd__Hello *h, char *msg, size_t msglen);
 
 /* AttachPool: model_id 1..128 bytes, layout present and valid; *out gets the layout (derived

@@ -1,0 +1,176 @@
+/* kvd_selftest: the isolation self-test drives the same pool, index and session-table code the
+ * request handlers use, with in-memory sessions of two internal tenants, on the live server.
+ */
+#include "daemon/selftest.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/kv_log.h"
+#include "daemon/server_int.h"
+
+#define ST_BLOCKS 2
+
+typedef struct st_report {
+    char *buf;    /* the caller's report */
+    size_t len;   /* its capacity */
+    size_t off;   /* bytes written */
+    int failures; /* checks that did not hold */
+} st_report;
+
+static void note(st_report *r, int ok, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void note(st_report *r, int ok, const char *fmt, ...) {
+    if (!ok) {
+        r->failures++;
+    }
+    if (r->off + 1 >= r->len) {
+        return;
+    }
+    int n = snprintf(r->buf + r->off, r->len - r->off, "%s ", ok ? "ok" : "FAIL");
+    if (n > 0) {
+        r->off += (size_t)n < r->len - r->off ? (size_t)n : r->len - r->off - 1;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    n = vsnprintf(r->buf + r->off, r->len - r->off, fmt, ap);
+    va_end(ap);
+    if (n > 0) {
+        r->off += (size_t)n < r->len - r->off ? (size_t)n : r->len - r->off - 1;
+    }
+    if (r->off + 1 < r->len) {
+        r->buf[r->off++] = '\n';
+        r->buf[r->off] = '\0';
+    }
+}
+
+static uint8_t *block_base(kvd_pool *pool, uint32_t id) {
+    const kvd_pool_config *pc = kvd_pool_config_get(pool);
+    const kvd_segment_mem *m = kvd_pool_segment(pool, id / pc->blocks_per_segment);
+    if (m == NULL || m->base == NULL) {
+        return NULL;
+    }
+    return (uint8_t *)m->base + kv_layout_offset(&pc->layout, pc->blocks_per_segment,
+                                                 id % pc->blocks_per_segment, 0, KV_K, 0, 0);
+}
+
+kv_err kvd_selftest_isolation(kvd_server *s, char *report, size_t len) {
+    st_report r = {report, len, 0, 0};
+    if (len > 0) {
+        report[0] = '\0';
+    }
+    uint32_t ta, tb;
+    kv_err rc = kvd_tenants_add_internal(s->tenants, "selftest:a", &ta);
+    if (rc == KV_OK) {
+        rc = kvd_tenants_add_internal(s->tenants, "selftest:b", &tb);
+    }
+    if (rc != KV_OK) {
+        note(&r, 0, "cannot make the throwaway tenants: %s", kv_strerror(rc));
+        return rc;
+    }
+    kv_layout l;
+    KV_ASSERT(kv_layout_init(1, 1, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l) == KV_OK);
+    char model[64];
+    snprintf(model, sizeof(model), "kvd-selftest-%016llx", (unsigned long long)s->boot_epoch);
+    char msg[KVD_ERRMSG];
+    kvd_srv_pool *p;
+    rc = kvd_handlers_pool_open(s, model, &l, ta, &p, msg);
+    if (rc != KV_OK) {
+        note(&r, 0, "no pool for tenant selftest:a: %s", msg);
+        return rc;
+    }
+    uint32_t pa = p->pool_id;
+    rc = kvd_handlers_pool_open(s, model, &l, tb, &p, msg);
+    if (rc != KV_OK) {
+        note(&r, 0, "no pool for tenant selftest:b: %s", msg);
+        kvd_handlers_pool_close(s, pa);
+        return rc;
+    }
+    uint32_t pb = p->pool_id;
+    kvd_pool *poola = kvd_handlers_pool_by_id(s, pa)->pool;
+    kvd_pool *poolb = kvd_handlers_pool_by_id(s, pb)->pool;
+    note(&r, pa != pb, "different tenants get different pools (%u, %u)", pa, pb);
+
+    kvd_session a1, a2, b1;
+    kvd_session_init(&a1, s->next_session_id++, 0, 0, 0);
+    kvd_session_init(&a2, s->next_session_id++, 0, 0, 0);
+    kvd_session_init(&b1, s->next_session_id++, 0, 0, 0);
+    a1.tenant = a2.tenant = ta;
+    b1.tenant = tb;
+    a1.hello = a2.hello = b1.hello = 1;
+    kvd_session_pool *spa1, *spa2, *spb1;
+    kv_hash128 h[ST_BLOCKS];
+    kvd_block_ref w[ST_BLOCKS], canon[ST_BLOCKS], hit[ST_BLOCKS];
+    size_t nhit = 0;
+    rc = kvd_session_add_pool(&a1, pa, poola, &spa1);
+    if (rc == KV_OK) {
+        rc = kvd_session_add_pool(&a2, pa, poola, &spa2);
+    }
+    if (rc == KV_OK) {
+        rc = kvd_session_add_pool(&b1, pb, poolb, &spb1);
+    }
+    if (rc != KV_OK) {
+        note(&r, 0, "no memory for the sessions");
+        goto cleanup;
+    }
+    /* a1 writes and commits a two-block prefix with hashes nobody else uses. */
+    rc = kvd_pool_allocate(poola, ST_BLOCKS, a1.id, ta, w);
+    if (rc != KV_OK) {
+        note(&r, 0, "allocate in selftest:a's pool: %s", kv_strerror(rc));
+        goto cleanup;
+    }
+    for (uint32_t i = 0; i < ST_BLOCKS; i++) {
+        KV_ASSERT(kvd_refs_add(&spa1->refs, w[i].id, w[i].gen, 1) == KV_OK);
+        uint8_t *base = block_base(poola, w[i].id);
+        if (base != NULL) {
+            memset(base, 0xA0 + (int)i, l.kv_block_bytes);
+        }
+        h[i].lo = s->boot_epoch ^ (0x5e1f7e57ull + i);
+        h[i].hi = (uint64_t)pa << 32 | (uint64_t)s->next_session_id;
+        rc = kvd_pool_commit(poola, a1.id, w[i], h[i], i == 0 ? KVD_NO_BLOCK : canon[i - 1].id,
+                             &canon[i]);
+        if (rc != KV_OK) {
+            note(&r, 0, "commit in selftest:a's pool: %s", kv_strerror(rc));
+            goto cleanup;
+        }
+    }
+    note(&r, 1, "selftest:a committed %d blocks in pool %u", ST_BLOCKS, pa);
+
+    /* Different domain: b's lookup of the same hashes in its own pool finds nothing. */
+    rc = kvd_pool_lookup(poolb, tb, h, ST_BLOCKS, hit, &nhit);
+    note(&r, rc == KV_OK && nhit == 0, "different domain -> no hit (selftest:b got %zu of %d)",
+         nhit, ST_BLOCKS);
+    if (rc == KV_OK && nhit > 0) {
+        (void)kvd_pool_release(poolb, b1.id, tb, hit, nhit);
+    }
+    note(&r, kvd_session_find_pool(&b1, pa) == NULL, "selftest:b cannot name selftest:a's pool %u",
+         pa);
+    uint64_t v;
+    note(&r, kvd_index_find(s->index, pb, h[0], &v) == KV_ENOENT,
+         "the index has no entry for the hash under selftest:b's pool");
+
+    /* Same domain: a second session of a hits both blocks and reads a1's bytes. */
+    nhit = 0;
+    rc = kvd_pool_lookup(poola, ta, h, ST_BLOCKS, hit, &nhit);
+    int same = rc == KV_OK && nhit == ST_BLOCKS;
+    for (size_t i = 0; i < nhit; i++) {
+        same &= hit[i].id == canon[i].id && hit[i].gen == canon[i].gen;
+        KV_ASSERT(kvd_refs_add(&spa2->refs, hit[i].id, hit[i].gen, 1) == KV_OK);
+        const uint8_t *base = block_base(poola, hit[i].id);
+        same &= base == NULL || (base[0] == 0xA0 + i && base[l.kv_block_bytes - 1] == 0xA0 + i);
+    }
+    note(&r, same, "same domain -> hit (selftest:a's second session got %zu of %d, same bytes)",
+         nhit, ST_BLOCKS);
+    rc = r.failures == 0 ? KV_OK : KV_EINTERNAL;
+cleanup:
+    kvd_session_fini(&a1);
+    kvd_session_fini(&a2);
+    kvd_session_fini(&b1);
+    kvd_handlers_pool_close(s, pa);
+    kvd_handlers_pool_close(s, pb);
+    if (rc == KV_EINTERNAL) {
+        KV_LOG(ERROR, "KVD-SELFTEST", "isolation self-test failed:\n%s", report);
+    }
+    return rc;
+}

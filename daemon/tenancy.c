@@ -1,0 +1,200 @@
+/* kvd_tenancy: read-only segment fds, guarantees, session counts and the commons.
+ *
+ * The commons counter is a direct-mapped table keyed by (commons pool id, block hash) holding
+ * the distinct tenants seen so far; a colliding key overwrites the slot. That bounds memory
+ * (COMMONS_SLOTS * 56 bytes) whatever clients commit, and can only delay a promotion.
+ */
+#include "daemon/tenancy.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/kv_log.h"
+
+#define COMMONS_SLOTS (1u << 16)
+
+typedef struct commons_slot {
+    kv_hash128 h;                        /* block hash */
+    uint32_t pool;                       /* commons pool id; 0 = empty slot */
+    uint16_t n;                          /* distinct tenants in tenants[] */
+    uint16_t tenants[KVD_COMMONS_MAX_K]; /* who committed h (tenant ids < 4096) */
+} commons_slot;
+
+struct kvd_commons {
+    commons_slot *slots; /* COMMONS_SLOTS entries */
+};
+
+kv_err kvd_tenancy_ro_fd(int fd, int *out) {
+    /* Mode first: a receiver's /proc/self/fd/N reopen is checked against the inode's mode. */
+    if (fchmod(fd, 0400) != 0) {
+        KV_LOG(ERROR, "KVD-SEGMENT", "fchmod 0400 of a read-only segment: %s", strerror(errno));
+        return KV_ESYS;
+    }
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    int ro = open(path, O_RDONLY | O_CLOEXEC);
+    if (ro < 0) {
+        KV_LOG(ERROR, "KVD-SEGMENT", "reopening a segment read-only (%s): %s", path,
+               strerror(errno));
+        return KV_ESYS;
+    }
+    *out = ro;
+    return KV_OK;
+}
+
+void kvd_tenancy_apply_guarantees(kvd_server *s, kvd_srv_pool *sp) {
+    uint32_t n = kvd_tenants_count(s->tenants);
+    for (uint32_t t = 0; t < n && t < KVD_MAX_TENANTS; t++) {
+        if (kvd_tenants_domain_writable(s->tenants, t, sp->domain)) {
+            kvd_pool_set_guarantee(sp->pool, t, kvd_tenants_quota(s->tenants, t)->guarantee);
+        }
+    }
+}
+
+uint64_t kvd_tenancy_sessions(const kvd_server *s, uint32_t tenant) {
+    uint64_t n = 0;
+    for (const kvd_conn *c = s->conns; c != NULL; c = c->next) {
+        if (c->sess.hello && !c->closing && c->sess.tenant == tenant) {
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Copies block src of pool a into block dst of pool b (same layout): every layer's K and V run
+ * and, for 8-bit dtypes, every scale. Host memory only: both segments need a daemon mapping. */
+static int copy_block(const kvd_pool *a, uint32_t src, kvd_pool *b, uint32_t dst) {
+    const kvd_pool_config *ca = kvd_pool_config_get(a);
+    const kvd_pool_config *cb = kvd_pool_config_get(b);
+    const kvd_segment_mem *ma = kvd_pool_segment(a, src / ca->blocks_per_segment);
+    const kvd_segment_mem *mb = kvd_pool_segment(b, dst / cb->blocks_per_segment);
+    if (ma == NULL || mb == NULL || ma->base == NULL || mb->base == NULL) {
+        /* UNFINISHED: GPU backends need a device copy (kvk_copy_blocks) here. */
+        return -1;
+    }
+    const kv_layout *l = &ca->layout;
+    uint32_t sa = src % ca->blocks_per_segment, sb = dst % cb->blocks_per_segment;
+    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+        for (int kv = KV_K; kv <= KV_V; kv++) {
+            uint64_t oa = kv_layout_offset(l, ca->blocks_per_segment, sa, layer, kv, 0, 0);
+            uint64_t ob = kv_layout_offset(l, cb->blocks_per_segment, sb, layer, kv, 0, 0);
+            memcpy((uint8_t *)mb->base + ob, (const uint8_t *)ma->base + oa, l->kv_block_bytes);
+            for (uint32_t h = 0; l->scale_bytes != 0 && h < l->num_kv_heads; h++) {
+                uint64_t xa = kv_layout_scale_offset(l, ca->blocks_per_segment, sa, layer, kv, h);
+                uint64_t xb = kv_layout_scale_offset(l, cb->blocks_per_segment, sb, layer, kv, h);
+                memcpy((uint8_t *)mb->base + xb, (const uint8_t *)ma->base + xa, sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+/* The commons block holding hash h, as a handle, or KVD_NO_BLOCK. Looks it up with a reference
+ * that it gives back at once (the pool's only public way from hash to block). */
+static uint32_t commons_find(kvd_pool *c, kv_hash128 h) {
+    kvd_block_ref r;
+    size_t nhit = 0;
+    if (kvd_pool_lookup(c, KVD_COMMONS_TENANT, &h, 1, &r, &nhit) != KV_OK || nhit != 1) {
+        return KVD_NO_BLOCK;
+    }
+    (void)kvd_pool_release(c, 0, KVD_COMMONS_TENANT, &r, 1);
+    return r.id;
+}
+
+static void promote(kvd_server *s, kvd_srv_pool *src, kvd_srv_pool *com, kvd_block_ref blk,
+                    kv_hash128 h) {
+    uint64_t v;
+    if (kvd_index_find(s->index, com->pool_id, h, &v) == KV_OK) {
+        return; /* already in the commons */
+    }
+    kvd_block_info info;
+    if (kvd_pool_block_info(src->pool, blk.id, &info) != KV_OK || info.gen != blk.gen ||
+        (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
+        return;
+    }
+    uint32_t parent = KVD_NO_BLOCK;
+    kvd_block_info pinfo;
+    if (info.parent != KVD_NO_BLOCK &&
+        kvd_pool_block_info(src->pool, info.parent, &pinfo) == KV_OK &&
+        (pinfo.state == KVD_BLOCK_COMMITTED || pinfo.state == KVD_BLOCK_CACHED)) {
+        parent = commons_find(com->pool, pinfo.hash);
+    }
+    kvd_handlers_budget_apply(s, com);
+    kvd_block_ref nb, canon;
+    kv_err rc = kvd_pool_allocate(com->pool, 1, 0, KVD_COMMONS_TENANT, &nb);
+    if (rc != KV_OK) {
+        KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: no block for a promotion: %s", com->pool_id,
+               kv_strerror(rc));
+        return;
+    }
+    if (copy_block(src->pool, blk.id, com->pool, nb.id) != 0) {
+        (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &nb, 1);
+        return;
+    }
+    rc = kvd_pool_commit(com->pool, 0, nb, h, parent, &canon);
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-COMMONS", "pool %u: commit of a promoted block failed: %s", com->pool_id,
+               kv_strerror(rc));
+        (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &nb, 1);
+        return;
+    }
+    (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &canon, 1);
+    KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: block %u entered the commons from pool %u", com->pool_id,
+           canon.id, src->pool_id);
+}
+
+void kvd_tenancy_count_commit(kvd_server *s, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,
+                              kv_hash128 h) {
+    uint32_t k = kvd_tenants_commons_k(s->tenants);
+    kvd_srv_pool *src = kvd_handlers_pool_by_id(s, pool_id);
+    if (k == 0 || src == NULL || src->commons_id == 0 || tenant >= KVD_MAX_TENANTS) {
+        return;
+    }
+    if (s->commons == NULL) {
+        s->commons = calloc(1, sizeof(*s->commons));
+        if (s->commons == NULL) {
+            return;
+        }
+        s->commons->slots = calloc(COMMONS_SLOTS, sizeof(commons_slot));
+        if (s->commons->slots == NULL) {
+            free(s->commons);
+            s->commons = NULL;
+            return;
+        }
+    }
+    uint32_t cid = src->commons_id;
+    uint64_t x = h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)cid * 0xC2B2AE3D27D4EB4Full);
+    commons_slot *e = &s->commons->slots[(x ^ (x >> 29)) & (COMMONS_SLOTS - 1)];
+    if (e->pool != cid || e->h.lo != h.lo || e->h.hi != h.hi) {
+        memset(e, 0, sizeof(*e));
+        e->pool = cid;
+        e->h = h;
+    }
+    int seen = 0;
+    for (uint32_t i = 0; i < e->n; i++) {
+        seen |= e->tenants[i] == tenant;
+    }
+    if (!seen && e->n < KVD_COMMONS_MAX_K) {
+        e->tenants[e->n++] = (uint16_t)tenant;
+    }
+    if (e->n < k) {
+        return;
+    }
+    kvd_srv_pool *com = kvd_handlers_pool_by_id(s, cid);
+    if (com != NULL) {
+        promote(s, src, com, blk, h);
+    }
+}
+
+void kvd_tenancy_free(kvd_server *s) {
+    if (s->commons != NULL) {
+        free(s->commons->slots);
+        free(s->commons);
+        s->commons = NULL;
+    }
+}

@@ -1,0 +1,1019 @@
+/* tenancy_test: multi-tenancy on a real server (temp socket, its own loop thread) driven with
+ * raw kv_wire frames. Tenants are real identities the server proves: tokens from token files,
+ * and a forked child that setuid()s to another uid. Checks: different tenants never hit each
+ * other's blocks nor reach them by id; group members hit; the commons fills only after
+ * min-tenants tenants committed and is mapped read-only; quotas refuse with KV_EQUOTA; a flood
+ * cannot push a tenant below its guarantee; the isolation self-test passes on a live server. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <uv.h>
+
+#include "common/kv_layout.h"
+#include "common/kv_log.h"
+#include "common/kv_wire.h"
+#include "daemon/config.h"
+#include "daemon/quota.h"
+#include "daemon/selftest.h"
+#include "daemon/server.h"
+
+typedef struct harness {
+    kvd_config cfg;                 /* options the server runs with */
+    char dir[64];                   /* temporary directory: socket, tenants file, tokens */
+    uv_loop_t loop;                 /* the server thread's loop */
+    kvd_server *srv;                /* the server */
+    pthread_t thread;               /* runs the loop */
+    pthread_mutex_t mu;             /* guards ready */
+    pthread_cond_t cv;              /* signals ready */
+    int ready;                      /* 1 started, -1 failed */
+    int loop_close_rc;              /* uv_loop_close() after the loop ended */
+    void (*on_loop)(kvd_server *s); /* runs on the loop thread before serving */
+    kv_err selftest_rc;             /* on_loop's verdict where it runs the self-test */
+    char report[2048];              /* its report */
+} harness;
+
+static harness *cur; /* the running harness, for on_loop hooks */
+
+static void *server_main(void *arg) {
+    harness *h = arg;
+    uv_loop_init(&h->loop);
+    kv_err rc = kvd_server_alloc(&h->cfg, &h->loop, &h->srv);
+    if (rc == KV_OK) {
+        rc = kvd_server_start(h->srv, 0);
+        if (rc != KV_OK) {
+            kvd_server_stop(h->srv);
+        } else if (h->on_loop != NULL) {
+            h->on_loop(h->srv);
+        }
+    }
+    pthread_mutex_lock(&h->mu);
+    h->ready = rc == KV_OK ? 1 : -1;
+    pthread_cond_signal(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+    if (h->srv != NULL) {
+        uv_run(&h->loop, UV_RUN_DEFAULT);
+        kvd_server_free(h->srv);
+    }
+    h->loop_close_rc = uv_loop_close(&h->loop);
+    return NULL;
+}
+
+static void write_file(const char *dir, const char *name, const char *text) {
+    char path[256];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* Token of tenant name: 32 bytes derived from the name. */
+static void token_of(const char *name, char *out) {
+    snprintf(out, 40, "tok-%s-0123456789abcdef0123456789", name);
+    out[32] = '\0';
+}
+
+/* Starts a server whose tenants file is `lines`, after giving each of names[] a token file
+ * ("%T" in lines is replaced by the directory). */
+static harness *start(const char *lines, const char *const *names, size_t nnames,
+                      uint64_t pool_memory, void (*on_loop)(kvd_server *)) {
+    harness *h = calloc(1, sizeof(*h));
+    assert_non_null(h);
+    kvd_config_init(&h->cfg);
+    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-tenancy-test-XXXXXX");
+    assert_non_null(mkdtemp(h->dir));
+    assert_int_equal(chmod(h->dir, 0755), 0); /* the setuid child dials the socket too */
+    for (size_t i = 0; i < nnames; i++) {
+        char tok[40], file[80];
+        token_of(names[i], tok);
+        snprintf(file, sizeof(file), "%s.token", names[i]);
+        strcat(tok, "\n"); /* a trailing newline is cut */
+        write_file(h->dir, file, tok);
+    }
+    char text[4096];
+    size_t o = 0;
+    for (const char *p = lines; *p != '\0' && o + 80 < sizeof(text); p++) {
+        if (p[0] == '%' && p[1] == 'T') {
+            o += (size_t)snprintf(text + o, sizeof(text) - o, "%s", h->dir);
+            p++;
+        } else {
+            text[o++] = *p;
+        }
+    }
+    text[o] = '\0';
+    write_file(h->dir, "tenants", text);
+    snprintf(h->cfg.tenants_file, sizeof(h->cfg.tenants_file), "%s/tenants", h->dir);
+    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
+    h->cfg.socket_mode = 0666; /* the setuid child connects too */
+    h->cfg.pool_memory = pool_memory;
+    h->cfg.segment_bytes = 64 << 10;
+    h->cfg.index_entries = 4096;
+    h->cfg.log_level = KV_LOG_WARN;
+    h->on_loop = on_loop;
+    kv_log_threshold = h->cfg.log_level;
+    cur = h;
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cv, NULL);
+    assert_int_equal(pthread_create(&h->thread, NULL, server_main, h), 0);
+    pthread_mutex_lock(&h->mu);
+    while (h->ready == 0) {
+        pthread_cond_wait(&h->cv, &h->mu);
+    }
+    pthread_mutex_unlock(&h->mu);
+    assert_int_equal(h->ready, 1);
+    return h;
+}
+
+static void stop(harness *h) {
+    kvd_server_stop_async(h->srv);
+    pthread_join(h->thread, NULL);
+    assert_int_equal(h->loop_close_rc, 0);
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", h->dir);
+    assert_int_equal(system(cmd), 0);
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
+    free(h);
+}
+
+static int dial(harness *h) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, h->cfg.socket, strlen(h->cfg.socket) + 1);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    struct timeval tv = {20, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+}
+
+static void send_env(int fd, Kvd__Envelope *env) {
+    uint8_t *buf;
+    size_t len;
+    assert_int_equal(kv_wire_encode(env, 1u << 30, &buf, &len), KV_OK);
+    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
+    free(buf);
+}
+
+static int recv_exact(int fd, uint8_t *buf, size_t len, int *fds, size_t *nfds) {
+    size_t got = 0;
+    while (got < len) {
+        union {
+            char b[CMSG_SPACE(sizeof(int) * 200)];
+            struct cmsghdr align;
+        } ctl;
+        struct iovec iov = {buf + got, len - got};
+        struct msghdr mh;
+        memset(&mh, 0, sizeof(mh));
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.b;
+        mh.msg_controllen = sizeof(ctl.b);
+        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
+        if (n <= 0) {
+            return -1;
+        }
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
+            if (cm->cmsg_type == SCM_RIGHTS) {
+                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                memcpy(fds + *nfds, CMSG_DATA(cm), k * sizeof(int));
+                *nfds += k;
+            }
+        }
+        got += (size_t)n;
+    }
+    return 0;
+}
+
+static Kvd__Envelope *recv_env_fds(int fd, int *fds, size_t *nfds) {
+    uint8_t hdr[4];
+    *nfds = 0;
+    if (recv_exact(fd, hdr, 4, fds, nfds) != 0) {
+        return NULL;
+    }
+    uint32_t len =
+        (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
+    uint8_t *buf = malloc(len + 4);
+    assert_non_null(buf);
+    memcpy(buf, hdr, 4);
+    assert_int_equal(recv_exact(fd, buf + 4, len, fds, nfds), 0);
+    Kvd__Envelope *env;
+    size_t used;
+    assert_int_equal(kv_wire_decode(buf, len + 4, 1u << 30, &env, &used), KV_OK);
+    free(buf);
+    return env;
+}
+
+static uint64_t next_id = 1;
+
+/* Sends req; returns the reply (fds closed). */
+static Kvd__Envelope *rpc(int fd, Kvd__Envelope *req) {
+    req->id = next_id++;
+    send_env(fd, req);
+    int fds[200];
+    size_t n;
+    Kvd__Envelope *r = recv_env_fds(fd, fds, &n);
+    for (size_t i = 0; i < n; i++) {
+        close(fds[i]);
+    }
+    assert_non_null(r);
+    assert_int_equal(r->id, req->id);
+    return r;
+}
+
+static void expect_code(Kvd__Envelope *r, kv_err code, const char *needle) {
+    if (code == KV_OK) {
+        if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
+            fail_msg("expected success, got %s: %s", kv_err_name(r->error->code),
+                     r->error->message);
+        }
+    } else {
+        if (r->body_case != KVD__ENVELOPE__BODY_ERROR) {
+            fail_msg("expected %s, got body %d", kv_err_name(code), r->body_case);
+        }
+        if ((int)r->error->code != (int)code) {
+            fail_msg("expected %s, got %s: %s", kv_err_name(code), kv_err_name(r->error->code),
+                     r->error->message);
+        }
+        if (needle != NULL && strstr(r->error->message, needle) == NULL) {
+            fail_msg("message '%s' does not name '%s'", r->error->message, needle);
+        }
+    }
+    kv_wire_free(r);
+}
+
+/* Hello with the token of `name` (NULL: no token); expect code; *tenant_out gets the tenant. */
+static int hello_as(harness *h, const char *name, kv_err code, char *tenant_out, size_t *ndomains) {
+    int fd = dial(h);
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Hello hl = KVD__HELLO__INIT;
+    char tok[40];
+    hl.protocol_version = 1;
+    hl.client_name = "tenancy_test";
+    if (name != NULL) {
+        token_of(name, tok);
+        hl.token.data = (uint8_t *)tok;
+        hl.token.len = strlen(tok);
+    }
+    e.body_case = KVD__ENVELOPE__BODY_HELLO;
+    e.hello = &hl;
+    Kvd__Envelope *r = rpc(fd, &e);
+    if (code == KV_OK && r->body_case == KVD__ENVELOPE__BODY_HELLO_REPLY) {
+        if (tenant_out != NULL) {
+            snprintf(tenant_out, 64, "%s", r->hello_reply->tenant);
+        }
+        if (ndomains != NULL) {
+            *ndomains = r->hello_reply->n_domains;
+        }
+    }
+    expect_code(r, code, NULL);
+    return fd;
+}
+
+static int connect_as(harness *h, const char *name) {
+    return hello_as(h, name, KV_OK, NULL, NULL);
+}
+
+typedef struct att {
+    uint32_t pool_id;       /* private pool */
+    uint32_t bps;           /* blocks per segment */
+    uint32_t nlinked;       /* linked pools */
+    uint32_t linked[4];     /* their ids */
+    int linked_ro[4];       /* their read_only */
+    char linked_dom[4][64]; /* their domain names */
+    uint8_t *base;          /* our mapping of segment 0 of the private pool */
+    uint64_t seg_bytes;     /* its size */
+    kv_layout layout;       /* the layout */
+} att;
+
+static att attach(int fd, const char *model) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
+    Kvd__Layout l = KVD__LAYOUT__INIT;
+    l.num_layers = 2;
+    l.num_kv_heads = 2;
+    l.head_dim = 8;
+    l.tokens_per_block = 4;
+    l.dtype = KVD__DTYPE__FP16;
+    l.arrangement = KVD__ARRANGEMENT__LAYER_MAJOR;
+    a.model_id = (char *)model;
+    a.layout = &l;
+    e.id = next_id++;
+    e.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
+    e.attach_pool = &a;
+    send_env(fd, &e);
+    int fds[200];
+    size_t nfds;
+    Kvd__Envelope *r = recv_env_fds(fd, fds, &nfds);
+    assert_non_null(r);
+    if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
+        fail_msg("attach: %s", r->error->message);
+    }
+    Kvd__AttachPoolReply *ar = r->attach_pool_reply;
+    att at;
+    memset(&at, 0, sizeof(at));
+    at.pool_id = ar->pool_id;
+    at.bps = ar->blocks_per_segment;
+    at.seg_bytes = ar->segments[0]->bytes;
+    assert_false(ar->segments[0]->read_only);
+    assert_true(ar->n_linked <= 4);
+    at.nlinked = (uint32_t)ar->n_linked;
+    for (size_t i = 0; i < ar->n_linked; i++) {
+        at.linked[i] = ar->linked[i]->pool_id;
+        at.linked_ro[i] = ar->linked[i]->read_only;
+        snprintf(at.linked_dom[i], sizeof(at.linked_dom[i]), "%s", ar->linked[i]->domain);
+    }
+    assert_int_equal(kv_layout_init(2, 2, 8, 4, KV_DTYPE_FP16, KV_LAYER_MAJOR, &at.layout), KV_OK);
+    at.base = mmap(NULL, at.seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                   fds[ar->segments[0]->fd_index], 0);
+    assert_true(at.base != MAP_FAILED);
+    for (size_t i = 0; i < nfds; i++) {
+        close(fds[i]);
+    }
+    kv_wire_free(r);
+    return at;
+}
+
+/* Allocates n blocks in pool; expect code; writes handles. */
+static void allocate(int fd, uint32_t pool, uint32_t n, kv_err code, const char *needle,
+                     Kvd__BlockRef *out) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Allocate a = KVD__ALLOCATE__INIT;
+    a.pool_id = pool;
+    a.count = n;
+    e.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
+    e.allocate = &a;
+    Kvd__Envelope *r = rpc(fd, &e);
+    if (code == KV_OK && r->body_case == KVD__ENVELOPE__BODY_ALLOCATE_REPLY) {
+        assert_int_equal(r->allocate_reply->n_blocks, n);
+        for (uint32_t i = 0; i < n; i++) {
+            kvd__block_ref__init(&out[i]);
+            out[i].id = r->allocate_reply->blocks[i]->id;
+            out[i].gen = r->allocate_reply->blocks[i]->gen;
+        }
+    }
+    expect_code(r, code, needle);
+}
+
+static Kvd__Hash128 hash_of(uint64_t salt, size_t i) {
+    Kvd__Hash128 h = KVD__HASH128__INIT;
+    h.lo = salt * 1000 + i;
+    h.hi = 0x7e4a4c1ull;
+    return h;
+}
+
+/* Commits blocks[0..n) as a prefix with hashes hash_of(salt, i). */
+static void commit(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint64_t salt,
+                   kv_err code) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Commit c = KVD__COMMIT__INIT;
+    Kvd__CommitEntry ent[64];
+    Kvd__CommitEntry *pe[64];
+    Kvd__Hash128 h[64];
+    Kvd__BlockRef br[64];
+    assert_true(n <= 64);
+    for (size_t i = 0; i < n; i++) {
+        kvd__commit_entry__init(&ent[i]);
+        kvd__block_ref__init(&br[i]);
+        br[i] = blocks[i];
+        kvd__block_ref__init(&br[i]);
+        br[i].id = blocks[i].id;
+        br[i].gen = blocks[i].gen;
+        h[i] = hash_of(salt, i);
+        ent[i].block = &br[i];
+        ent[i].hash = &h[i];
+        ent[i].parent = i == 0 ? UINT32_MAX : blocks[i - 1].id;
+        pe[i] = &ent[i];
+    }
+    c.pool_id = pool;
+    c.n_entries = n;
+    c.entries = pe;
+    e.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    e.commit = &c;
+    Kvd__Envelope *r = rpc(fd, &e);
+    if (r->body_case == KVD__ENVELOPE__BODY_COMMIT_REPLY) {
+        /* A duplicate moved our reference to the block that already held the hash. */
+        for (size_t i = 0; i < n; i++) {
+            blocks[i].id = r->commit_reply->canonical[i]->id;
+            blocks[i].gen = r->commit_reply->canonical[i]->gen;
+        }
+    }
+    expect_code(r, code, NULL);
+}
+
+/* Releases (or pins, with pin=1) blocks; expect code. */
+static void release_or_pin(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, int pin,
+                           kv_err code, const char *needle) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Release rl = KVD__RELEASE__INIT;
+    Kvd__Pin pn = KVD__PIN__INIT;
+    Kvd__BlockRef *pv[64];
+    assert_true(n <= 64);
+    for (size_t i = 0; i < n; i++) {
+        pv[i] = &blocks[i];
+    }
+    if (pin) {
+        pn.pool_id = pool;
+        pn.n_blocks = n;
+        pn.blocks = pv;
+        pn.retention_ms = 60000;
+        e.body_case = KVD__ENVELOPE__BODY_PIN;
+        e.pin = &pn;
+    } else {
+        rl.pool_id = pool;
+        rl.n_blocks = n;
+        rl.blocks = pv;
+        e.body_case = KVD__ENVELOPE__BODY_RELEASE;
+        e.release = &rl;
+    }
+    expect_code(rpc(fd, &e), code, needle);
+}
+
+/* Looks up hash_of(salt, 0..n); returns hits, their handles and (search) their pools. */
+static size_t lookup(int fd, uint32_t pool, uint64_t salt, size_t n, int search, Kvd__BlockRef *out,
+                     uint32_t *pools) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Lookup lk = KVD__LOOKUP__INIT;
+    Kvd__Hash128 h[64];
+    Kvd__Hash128 *ph[64];
+    assert_true(n <= 64);
+    for (size_t i = 0; i < n; i++) {
+        h[i] = hash_of(salt, i);
+        ph[i] = &h[i];
+    }
+    lk.pool_id = pool;
+    lk.n_hashes = n;
+    lk.hashes = ph;
+    lk.search_domains = search;
+    e.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+    e.lookup = &lk;
+    Kvd__Envelope *r = rpc(fd, &e);
+    if (r->body_case != KVD__ENVELOPE__BODY_LOOKUP_REPLY) {
+        fail_msg("lookup: %s", r->error->message);
+    }
+    size_t k = r->lookup_reply->n_blocks;
+    assert_int_equal(r->lookup_reply->n_pool_ids, search ? k : 0);
+    for (size_t i = 0; i < k; i++) {
+        if (out != NULL) {
+            kvd__block_ref__init(&out[i]);
+            out[i].id = r->lookup_reply->blocks[i]->id;
+            out[i].gen = r->lookup_reply->blocks[i]->gen;
+        }
+        if (pools != NULL) {
+            pools[i] = search ? r->lookup_reply->pool_ids[i] : pool;
+        }
+    }
+    kv_wire_free(r);
+    return k;
+}
+
+/* Allocates, fills with byte `fill`, commits under salt and releases n blocks in pool. */
+static void put_prefix(int fd, const att *a, uint32_t pool, size_t n, uint64_t salt) {
+    Kvd__BlockRef b[64];
+    allocate(fd, pool, (uint32_t)n, KV_OK, NULL, b);
+    for (size_t i = 0; a != NULL && i < n; i++) {
+        assert_true(b[i].id < a->bps);
+        for (uint32_t layer = 0; layer < 2; layer++) {
+            for (int kv = 0; kv < 2; kv++) {
+                uint64_t off = kv_layout_offset(&a->layout, a->bps, b[i].id, layer, kv, 0, 0);
+                memset(a->base + off, (int)(salt + i) & 0xff, a->layout.kv_block_bytes);
+            }
+        }
+    }
+    commit(fd, pool, b, n, salt, KV_OK);
+    release_or_pin(fd, pool, b, n, 0, KV_OK, NULL);
+}
+
+/* ---- tests -------------------------------------------------------------------------------- */
+
+static const char *const two[] = {"alice", "bob"};
+
+static void test_identity_and_isolation(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n"
+                       "tenant bob token-file=%T/bob.token uid=0\n",
+                       two, 2, 1 << 20, NULL);
+    char tenant[64];
+    size_t ndom = 0;
+    int fa = hello_as(h, "alice", KV_OK, tenant, &ndom);
+    assert_string_equal(tenant, "alice");
+    assert_int_equal(ndom, 1);
+    int fb = hello_as(h, "bob", KV_OK, tenant, NULL);
+    assert_string_equal(tenant, "bob");
+    /* No token: the uid's own tenant (token tenants are never reached without their token). */
+    int fu = hello_as(h, NULL, KV_OK, tenant, NULL);
+    assert_string_equal(tenant, "uid-0");
+    close(fu);
+    /* A token that names nobody. */
+    int fx = dial(h);
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Hello hl = KVD__HELLO__INIT;
+    hl.protocol_version = 1;
+    hl.token.data = (uint8_t *)"tok-alicX-0123456789abcdef012345";
+    hl.token.len = 32;
+    e.body_case = KVD__ENVELOPE__BODY_HELLO;
+    e.hello = &hl;
+    expect_code(rpc(fx, &e), KV_EAUTH, "token");
+    close(fx);
+
+    att a = attach(fa, "m");
+    att b = attach(fb, "m");
+    assert_int_not_equal(a.pool_id, b.pool_id);
+    Kvd__BlockRef blocks[4];
+    allocate(fa, a.pool_id, 4, KV_OK, NULL, blocks);
+    commit(fa, a.pool_id, blocks, 4, 11, KV_OK);
+    /* Same tokens (hashes), different tenant: zero hits, with or without the domain search. */
+    assert_int_equal(lookup(fb, b.pool_id, 11, 4, 0, NULL, NULL), 0);
+    assert_int_equal(lookup(fb, b.pool_id, 11, 4, 1, NULL, NULL), 0);
+    /* alice's own second session hits all four. */
+    int fa2 = connect_as(h, "alice");
+    att a2 = attach(fa2, "m");
+    assert_int_equal(a2.pool_id, a.pool_id);
+    Kvd__BlockRef hit[4];
+    assert_int_equal(lookup(fa2, a.pool_id, 11, 4, 0, hit, NULL), 4);
+    release_or_pin(fa2, a.pool_id, hit, 4, 0, KV_OK, NULL);
+    /* bob cannot name alice's pool at all. */
+    release_or_pin(fb, a.pool_id, blocks, 1, 0, KV_ENOENT, NULL);
+    release_or_pin(fb, a.pool_id, blocks, 1, 1, KV_ENOENT, NULL);
+    commit(fb, a.pool_id, blocks, 1, 12, KV_ENOENT);
+    allocate(fb, a.pool_id, 1, KV_ENOENT, NULL, NULL);
+    assert_int_equal(lookup(fb, b.pool_id, 11, 1, 1, NULL, NULL), 0);
+    /* Guessing ids in his own pool reaches only his own (empty) blocks: every id is refused. */
+    for (uint32_t id = 0; id < 8; id++) {
+        Kvd__BlockRef g = KVD__BLOCK_REF__INIT;
+        g.id = id;
+        g.gen = blocks[id % 4].gen;
+        release_or_pin(fb, b.pool_id, &g, 1, 0, id == 0 && g.gen == 0 ? KV_EPERM : KV_EPERM, NULL);
+        release_or_pin(fb, b.pool_id, &g, 1, 1, KV_EPERM, NULL);
+        commit(fb, b.pool_id, &g, 1, 13, KV_EPERM);
+    }
+    /* alice's blocks are untouched by all that: still committed, still hit. */
+    assert_int_equal(lookup(fa2, a.pool_id, 11, 4, 0, hit, NULL), 4);
+    close(fa2);
+    close(fa);
+    close(fb);
+    munmap(a.base, a.seg_bytes);
+    munmap(a2.base, a2.seg_bytes);
+    munmap(b.base, b.seg_bytes);
+    stop(h);
+}
+
+/* A child that setuid()s to another uid is another tenant: the server proves it by
+ * SO_PEERCRED. It commits a prefix; the parent (uid 0) must not see it. */
+static void test_setuid_child_is_another_tenant(void **state) {
+    (void)state;
+    if (geteuid() != 0) {
+        skip();
+    }
+    harness *h = start("tenant nobody uid=65534\n", NULL, 0, 1 << 20, NULL);
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(p[0]);
+        if (setgid(65534) != 0 || setuid(65534) != 0) {
+            _exit(2);
+        }
+        char tenant[64];
+        int fd = hello_as(h, NULL, KV_OK, tenant, NULL);
+        if (strcmp(tenant, "nobody") != 0) {
+            _exit(3);
+        }
+        att a = attach(fd, "m");
+        put_prefix(fd, &a, a.pool_id, 3, 21);
+        if (lookup(fd, a.pool_id, 21, 3, 0, NULL, NULL) != 3) {
+            _exit(4);
+        }
+        char done = 'x';
+        if (write(p[1], &done, 1) != 1) {
+            _exit(5);
+        }
+        _exit(0);
+    }
+    close(p[1]);
+    char c;
+    assert_int_equal(read(p[0], &c, 1), 1);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    close(p[0]);
+    char tenant[64];
+    int fd = hello_as(h, NULL, KV_OK, tenant, NULL);
+    assert_string_equal(tenant, "uid-0");
+    att a = attach(fd, "m");
+    assert_int_equal(lookup(fd, a.pool_id, 21, 3, 1, NULL, NULL), 0);
+    close(fd);
+    munmap(a.base, a.seg_bytes);
+    stop(h);
+}
+
+static const char *const three[] = {"carol", "dave", "erin"};
+
+static void test_group_shares(void **state) {
+    (void)state;
+    harness *h = start("tenant carol token-file=%T/carol.token\n"
+                       "tenant dave token-file=%T/dave.token\n"
+                       "tenant erin token-file=%T/erin.token\n"
+                       "group team members=carol,dave\n",
+                       three, 3, 1 << 20, NULL);
+    size_t ndom = 0;
+    int fc = hello_as(h, "carol", KV_OK, NULL, &ndom);
+    assert_int_equal(ndom, 2);
+    int fd = connect_as(h, "dave");
+    int fe = connect_as(h, "erin");
+    att c = attach(fc, "m");
+    att d = attach(fd, "m");
+    att e = attach(fe, "m");
+    assert_int_equal(c.nlinked, 1);
+    assert_int_equal(d.nlinked, 1);
+    assert_int_equal(e.nlinked, 0);
+    assert_int_equal(c.linked[0], d.linked[0]);
+    assert_false(c.linked_ro[0]);
+    assert_string_equal(c.linked_dom[0], "group:team");
+    uint32_t group = c.linked[0];
+    /* carol writes into the group's pool; dave hits it from his private pool, with the pool
+     * named; erin (not a member) neither hits nor can name the group pool. */
+    put_prefix(fc, NULL, group, 3, 31);
+    Kvd__BlockRef hit[3];
+    uint32_t pools[3];
+    assert_int_equal(lookup(fd, d.pool_id, 31, 3, 0, NULL, NULL), 0);
+    assert_int_equal(lookup(fd, d.pool_id, 31, 3, 1, hit, pools), 3);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(pools[i], group);
+    }
+    release_or_pin(fd, group, hit, 3, 0, KV_OK, NULL);
+    assert_int_equal(lookup(fe, e.pool_id, 31, 3, 1, NULL, NULL), 0);
+    allocate(fe, group, 1, KV_ENOENT, NULL, NULL);
+    /* Private beats group: dave's own copy of block 0 is found first. */
+    put_prefix(fd, NULL, d.pool_id, 1, 31);
+    assert_int_equal(lookup(fd, d.pool_id, 31, 3, 1, hit, pools), 3);
+    assert_int_equal(pools[0], d.pool_id);
+    assert_int_equal(pools[1], group);
+    close(fc);
+    close(fd);
+    close(fe);
+    munmap(c.base, c.seg_bytes);
+    munmap(d.base, d.seg_bytes);
+    munmap(e.base, e.seg_bytes);
+    stop(h);
+}
+
+static const char *const four[] = {"t1", "t2", "t3", "t4"};
+
+/* Maps segment 0 of pool through MapSegments; checks the read-only fd. Returns the mapping. */
+static const uint8_t *map_commons(int fd, uint32_t pool, uint64_t *bytes) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__MapSegments m = KVD__MAP_SEGMENTS__INIT;
+    m.pool_id = pool;
+    e.id = next_id++;
+    e.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS;
+    e.map_segments = &m;
+    send_env(fd, &e);
+    int fds[200];
+    size_t nfds;
+    Kvd__Envelope *r = recv_env_fds(fd, fds, &nfds);
+    assert_non_null(r);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY);
+    assert_true(r->map_segments_reply->n_segments >= 1);
+    Kvd__Segment *s = r->map_segments_reply->segments[0];
+    assert_true(s->read_only);
+    int sfd = fds[s->fd_index];
+    *bytes = s->bytes;
+    /* The fd is open read-only and the memfd's mode is 0400. */
+    assert_int_equal(fcntl(sfd, F_GETFL) & O_ACCMODE, O_RDONLY);
+    struct stat st;
+    assert_int_equal(fstat(sfd, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0400);
+    /* Writable shared mapping refused; mprotect to writable refused too. */
+    void *w = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, sfd, 0);
+    assert_true(w == MAP_FAILED);
+    assert_int_equal(errno, EACCES);
+    const uint8_t *ro = mmap(NULL, s->bytes, PROT_READ, MAP_SHARED, sfd, 0);
+    assert_true(ro != MAP_FAILED);
+    assert_int_not_equal(mprotect((void *)ro, s->bytes, PROT_READ | PROT_WRITE), 0);
+    /* A non-root process cannot reopen its copy writable through /proc (mode 0400). */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) {
+            _exit(2);
+        }
+        prctl(PR_SET_DUMPABLE, 1); /* so /proc/self/fd stays ours after setuid */
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", sfd);
+        int w2 = open(path, O_RDWR);
+        _exit(w2 < 0 && errno == EACCES ? 0 : 3);
+    }
+    int wst;
+    assert_int_equal(waitpid(pid, &wst, 0), pid);
+    assert_true(WIFEXITED(wst));
+    assert_int_equal(WEXITSTATUS(wst), 0);
+    for (size_t i = 0; i < nfds; i++) {
+        close(fds[i]);
+    }
+    kv_wire_free(r);
+    return ro;
+}
+
+static void test_commons_after_k_tenants(void **state) {
+    (void)state;
+    harness *h = start("tenant t1 token-file=%T/t1.token\n"
+                       "tenant t2 token-file=%T/t2.token\n"
+                       "tenant t3 token-file=%T/t3.token\n"
+                       "tenant t4 token-file=%T/t4.token\n"
+                       "commons min-tenants=3\n",
+                       four, 4, 2 << 20, NULL);
+    int f[4];
+    att a[4];
+    for (int i = 0; i < 4; i++) {
+        size_t ndom;
+        f[i] = hello_as(h, four[i], KV_OK, NULL, &ndom);
+        assert_int_equal(ndom, 2);
+        a[i] = attach(f[i], "m");
+        assert_int_equal(a[i].nlinked, 1);
+        assert_true(a[i].linked_ro[0]);
+        assert_string_equal(a[i].linked_dom[0], "commons");
+    }
+    uint32_t commons = a[0].linked[0];
+    for (int i = 1; i < 4; i++) {
+        assert_int_equal(a[i].linked[0], commons);
+    }
+    /* Tenants may not write the commons. */
+    allocate(f[3], commons, 1, KV_EPERM, "read-only", NULL);
+    /* t1 and t2 commit the same prefix: not enough tenants, nobody else hits. */
+    put_prefix(f[0], &a[0], a[0].pool_id, 4, 41);
+    assert_int_equal(lookup(f[3], a[3].pool_id, 41, 4, 1, NULL, NULL), 0);
+    put_prefix(f[1], &a[1], a[1].pool_id, 4, 41);
+    /* Committing twice in one tenant does not count twice. */
+    put_prefix(f[1], &a[1], a[1].pool_id, 4, 41);
+    assert_int_equal(lookup(f[3], a[3].pool_id, 41, 4, 1, NULL, NULL), 0);
+    /* The third tenant: the prefix enters the commons, and everyone hits it there. */
+    put_prefix(f[2], &a[2], a[2].pool_id, 4, 41);
+    Kvd__BlockRef hit[4];
+    uint32_t pools[4];
+    assert_int_equal(lookup(f[3], a[3].pool_id, 41, 4, 1, hit, pools), 4);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(pools[i], commons);
+    }
+    /* The read-only mapping holds the committed bytes. */
+    uint64_t bytes;
+    const uint8_t *ro = map_commons(f[3], commons, &bytes);
+    for (int i = 0; i < 4; i++) {
+        assert_true(hit[i].id < a[3].bps);
+        uint64_t off = kv_layout_offset(&a[3].layout, a[3].bps, hit[i].id, 1, 1, 0, 0);
+        assert_int_equal(ro[off], (41 + i) & 0xff);
+        assert_int_equal(ro[off + a[3].layout.kv_block_bytes - 1], (41 + i) & 0xff);
+    }
+    /* Commons blocks cannot be pinned by a tenant; they can be released. */
+    release_or_pin(f[3], commons, hit, 4, 1, KV_EPERM, "commons");
+    release_or_pin(f[3], commons, hit, 4, 0, KV_OK, NULL);
+    /* Without the domain search the private pool alone answers: no hit. */
+    assert_int_equal(lookup(f[3], a[3].pool_id, 41, 4, 0, NULL, NULL), 0);
+    munmap((void *)ro, bytes);
+    for (int i = 0; i < 4; i++) {
+        close(f[i]);
+        munmap(a[i].base, a[i].seg_bytes);
+    }
+    stop(h);
+}
+
+static void test_quotas(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n"
+                       "tenant bob token-file=%T/bob.token\n"
+                       "quota default max-sessions=2\n"
+                       "quota alice max-held=6 max-pinned=2 max-sessions=1\n",
+                       two, 2, 1 << 20, NULL);
+    int fa = connect_as(h, "alice");
+    /* max-sessions: alice has 1, bob the default 2. */
+    close(hello_as(h, "alice", KV_EQUOTA, NULL, NULL));
+    int fb1 = connect_as(h, "bob");
+    int fb2 = connect_as(h, "bob");
+    close(hello_as(h, "bob", KV_EQUOTA, NULL, NULL));
+    att a = attach(fa, "m");
+    Kvd__BlockRef b[8];
+    allocate(fa, a.pool_id, 7, KV_EQUOTA, "max-held", b);
+    allocate(fa, a.pool_id, 4, KV_OK, NULL, b);
+    allocate(fa, a.pool_id, 3, KV_EQUOTA, "max-held", NULL);
+    commit(fa, a.pool_id, b, 4, 51, KV_OK);
+    /* max-pinned 2. */
+    release_or_pin(fa, a.pool_id, b, 3, 1, KV_EQUOTA, "max-pinned");
+    release_or_pin(fa, a.pool_id, b, 2, 1, KV_OK, NULL);
+    release_or_pin(fa, a.pool_id, b, 2, 1, KV_OK, NULL); /* pinning again is no new pin */
+    release_or_pin(fa, a.pool_id, b + 2, 1, 1, KV_EQUOTA, "max-pinned");
+    /* Lookup returns at most what max-held leaves: 4 held, 2 more. */
+    Kvd__BlockRef hit[4];
+    assert_int_equal(lookup(fa, a.pool_id, 51, 4, 0, hit, NULL), 2);
+    release_or_pin(fa, a.pool_id, hit, 2, 0, KV_OK, NULL);
+    release_or_pin(fa, a.pool_id, b, 4, 0, KV_OK, NULL);
+    allocate(fa, a.pool_id, 6, KV_OK, NULL, b);
+    /* A closed session frees its slot. */
+    close(fb2);
+    int tries = 0, fb3 = -1;
+    while (fb3 < 0 && tries++ < 200) {
+        int fd = dial(h);
+        Kvd__Envelope e = KVD__ENVELOPE__INIT;
+        Kvd__Hello hl = KVD__HELLO__INIT;
+        char tok[40];
+        token_of("bob", tok);
+        hl.protocol_version = 1;
+        hl.token.data = (uint8_t *)tok;
+        hl.token.len = strlen(tok);
+        e.body_case = KVD__ENVELOPE__BODY_HELLO;
+        e.hello = &hl;
+        Kvd__Envelope *r = rpc(fd, &e);
+        if (r->body_case == KVD__ENVELOPE__BODY_HELLO_REPLY) {
+            fb3 = fd;
+        } else {
+            close(fd);
+            usleep(10000);
+        }
+        kv_wire_free(r);
+    }
+    assert_true(fb3 >= 0);
+    close(fb3);
+    close(fb1);
+    close(fa);
+    munmap(a.base, a.seg_bytes);
+    stop(h);
+}
+
+static void test_quota_fields(void **state) {
+    (void)state;
+    kvd_quota q;
+    memset(&q, 0, sizeof(q));
+    assert_int_equal(kvd_quota_parse_field(&q, "max-held", "10"), KV_OK);
+    assert_int_equal(kvd_quota_parse_field(&q, "guarantee", "3"), KV_OK);
+    assert_int_equal(kvd_quota_parse_field(&q, "max-pinned", "0"), KV_OK);
+    assert_int_equal(kvd_quota_parse_field(&q, "max-sessions", "7"), KV_OK);
+    assert_int_equal(q.max_held, 10);
+    assert_int_equal(q.guarantee, 3);
+    assert_int_equal(q.max_sessions, 7);
+    assert_int_equal(kvd_quota_parse_field(&q, "max-held", "-1"), KV_EINVAL);
+    assert_int_equal(kvd_quota_parse_field(&q, "max-held", "12x"), KV_EINVAL);
+    assert_int_equal(kvd_quota_parse_field(&q, "nope", "1"), KV_ENOENT);
+    assert_int_equal(q.max_held, 10);
+}
+
+/* Run-time change (what admin `quota set` calls), on the loop thread before serving. */
+static void set_runtime_quota(kvd_server *s) {
+    char err[256];
+    kv_err rc = kvd_quota_set_field(s, "alice", "max-held", "2", err, sizeof(err));
+    kvd_quota q;
+    if (rc == KV_OK) {
+        rc = kvd_quota_get(s, "alice", &q);
+    }
+    if (rc == KV_OK && q.max_held != 2) {
+        rc = KV_EINTERNAL;
+    }
+    if (rc == KV_OK &&
+        kvd_quota_set_field(s, "nobody", "max-held", "2", err, sizeof(err)) != KV_ENOENT) {
+        rc = KV_EINTERNAL;
+    }
+    if (rc == KV_OK &&
+        kvd_quota_set_field(s, "alice", "max-nothing", "2", err, sizeof(err)) != KV_ENOENT) {
+        rc = KV_EINTERNAL;
+    }
+    cur->selftest_rc = rc;
+}
+
+static void test_quota_set_at_run_time(void **state) {
+    (void)state;
+    harness *h =
+        start("tenant alice token-file=%T/alice.token\n", two, 1, 1 << 20, set_runtime_quota);
+    assert_int_equal(h->selftest_rc, KV_OK);
+    int fa = connect_as(h, "alice");
+    att a = attach(fa, "m");
+    allocate(fa, a.pool_id, 3, KV_EQUOTA, "max-held is 2", NULL);
+    close(fa);
+    munmap(a.base, a.seg_bytes);
+    stop(h);
+}
+
+/* Counts which of hash_of(salt, 0..n) are still cached in pool, one lookup each. */
+static size_t still_cached(int fd, uint32_t via, uint32_t pool, uint64_t salt, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        Kvd__BlockRef hit;
+        uint32_t p;
+        Kvd__Envelope e = KVD__ENVELOPE__INIT;
+        Kvd__Lookup lk = KVD__LOOKUP__INIT;
+        Kvd__Hash128 h = hash_of(salt, i);
+        Kvd__Hash128 *ph = &h;
+        lk.pool_id = via;
+        lk.n_hashes = 1;
+        lk.hashes = &ph;
+        lk.search_domains = 1;
+        e.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+        e.lookup = &lk;
+        Kvd__Envelope *r = rpc(fd, &e);
+        assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_LOOKUP_REPLY);
+        if (r->lookup_reply->n_blocks == 1) {
+            p = r->lookup_reply->pool_ids[0];
+            kvd__block_ref__init(&hit);
+            hit.id = r->lookup_reply->blocks[0]->id;
+            hit.gen = r->lookup_reply->blocks[0]->gen;
+            kv_wire_free(r);
+            assert_int_equal(p, pool);
+            release_or_pin(fd, pool, &hit, 1, 0, KV_OK, NULL);
+            k++;
+        } else {
+            kv_wire_free(r);
+        }
+    }
+    return k;
+}
+
+/* pq shares the group pool with flooder; returns how many of pq's 8 cached blocks survive a
+ * flood of the group pool (capacity: the budget leaves it 2 segments). */
+static size_t flood_survivors(const char *quota_line) {
+    static const char *const names[] = {"pq", "flooder"};
+    char lines[512];
+    snprintf(lines, sizeof(lines),
+             "tenant pq token-file=%%T/pq.token\n"
+             "tenant flooder token-file=%%T/flooder.token\n"
+             "group shared members=pq,flooder\n"
+             "%s\n",
+             quota_line);
+    /* 64 KiB segments: two private pools + the group pool + one more segment of budget. */
+    harness *h = start(lines, names, 2, 4 * (64 << 10), NULL);
+    int fq = connect_as(h, "pq");
+    int ff = connect_as(h, "flooder");
+    att q = attach(fq, "m");
+    att f = attach(ff, "m");
+    uint32_t group = q.linked[0];
+    assert_int_equal(f.linked[0], group);
+    put_prefix(fq, NULL, group, 8, 61);
+    assert_int_equal(still_cached(fq, q.pool_id, group, 61, 8), 8);
+    /* The flood: many prefixes of fresh blocks, each committed and released (cached). */
+    for (uint64_t round = 0; round < 40; round++) {
+        put_prefix(ff, NULL, group, 32, 1000 + round);
+    }
+    size_t k = still_cached(fq, q.pool_id, group, 61, 8);
+    close(fq);
+    close(ff);
+    munmap(q.base, q.seg_bytes);
+    munmap(f.base, f.seg_bytes);
+    stop(h);
+    return k;
+}
+
+static void test_flood_keeps_guarantee(void **state) {
+    (void)state;
+    /* Control: without a guarantee the flood evicts pq's blocks. */
+    size_t without = flood_survivors("");
+    assert_true(without < 5);
+    /* With guarantee 5, at least 5 of pq's blocks stay cached however long the flood. */
+    size_t with = flood_survivors("quota pq guarantee=5");
+    assert_true(with >= 5);
+}
+
+static void run_selftest(kvd_server *s) {
+    cur->selftest_rc = kvd_selftest_isolation(s, cur->report, sizeof(cur->report));
+}
+
+static void test_selftest_isolation(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n", two, 1, 1 << 20, run_selftest);
+    if (h->selftest_rc != KV_OK) {
+        fail_msg("selftest: %s\n%s", kv_strerror(h->selftest_rc), h->report);
+    }
+    assert_non_null(strstr(h->report, "ok different domain -> no hit"));
+    assert_non_null(strstr(h->report, "ok same domain -> hit"));
+    assert_null(strstr(h->report, "FAIL"));
+    stop(h);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_identity_and_isolation),
+        cmocka_unit_test(test_setuid_child_is_another_tenant),
+        cmocka_unit_test(test_group_shares),
+        cmocka_unit_test(test_commons_after_k_tenants),
+        cmocka_unit_test(test_quotas),
+        cmocka_unit_test(test_quota_fields),
+        cmocka_unit_test(test_quota_set_at_run_time),
+        cmocka_unit_test(test_flood_keeps_guarantee),
+        cmocka_unit_test(test_selftest_isolation),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
