@@ -11,11 +11,18 @@
 
 /* One memory object holding a run of blocks. */
 typedef struct kvd_segment_mem {
-    void *base;     /* daemon's own mapping (host) or device pointer (GPU); NULL if none */
-    int fd;         /* shareable fd sent to clients (memfd, VMM fd), or -1 */
-    uint64_t bytes; /* size of the object */
-    void *priv;     /* backend's own state */
+    void *base;             /* daemon's own mapping (host) or device pointer (GPU); NULL if none */
+    int fd;                 /* shareable fd sent to clients (memfd, VMM fd), or -1 */
+    uint64_t bytes;         /* size of the object */
+    void *priv;             /* backend's own state */
+    uint8_t ipc_handle[64]; /* CUDA_IPC backends: the exported cuIpcGetMemHandle bytes */
 } kvd_segment_mem;
+
+/* kvd.MemoryKind numbers (proto/kvd.proto): how a backend's segments travel to clients. */
+#define KVD_MEM_NONE 0       /* not shareable (malloc) */
+#define KVD_MEM_HOST_MEMFD 1 /* fd over SCM_RIGHTS; mmap */
+#define KVD_MEM_CUDA_VMM 2   /* fd over SCM_RIGHTS; cuMemImportFromShareableHandle */
+#define KVD_MEM_CUDA_IPC 3   /* ipc_handle bytes; cuIpcOpenMemHandle */
 
 typedef struct kvd_backend_ops {
     const char *name; /* "host", "malloc", "cuda-vmm", "cuda-ipc" */
@@ -23,6 +30,11 @@ typedef struct kvd_backend_ops {
     kv_err (*segment_alloc)(void *ctx, uint64_t bytes, kvd_segment_mem *out);
     /* Destroys a segment made by segment_alloc; accepts a zeroed one. */
     void (*segment_free)(void *ctx, kvd_segment_mem *mem);
+    uint32_t kind; /* KVD_MEM_*: what Segment.kind says; 0 (NONE) for malloc */
+    /* The size segments and, in LAYER_MAJOR pools, each (layer, K|V) section of a segment must
+     * be a multiple of so that clients can map sections at offsets (CUDA VMM granularity).
+     * NULL: the page size. A power of two. */
+    uint64_t (*align)(void *ctx);
 } kvd_backend_ops;
 
 /* Plain malloc, fd = -1: for unit tests and benchmarks of the core. ctx is unused. */

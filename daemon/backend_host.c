@@ -85,8 +85,16 @@ static void host_segment_free(void *ctx, kvd_segment_mem *mem) {
     mem->bytes = 0;
 }
 
+/* Huge-page memfds can only be mapped at 2 MiB offsets, so layer sections must be 2 MiB too. */
+static uint64_t host_align(void *ctx) {
+    const kvd_backend_host_ctx *hc = ctx;
+    return hc != NULL && hc->hugepages ? HUGE_PAGE_BYTES : (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
 const kvd_backend_ops kvd_backend_host = {
     .name = "host",
     .segment_alloc = host_segment_alloc,
     .segment_free = host_segment_free,
+    .kind = KVD_MEM_HOST_MEMFD,
+    .align = host_align,
 };

@@ -43,11 +43,14 @@ int kvd_harness_raw_connect(const kvd_harness *h) {
 static int spawn(kvd_harness *h) {
     char sockflag[200];
     snprintf(sockflag, sizeof(sockflag), "--socket=%s", h->sock);
-    char *argv[12];
+    char *argv[14];
     int n = 0;
     argv[n++] = KVD_PATH;
     argv[n++] = sockflag;
     argv[n++] = "--log-level=warn";
+    /* The tests check memfd sharing: pin host so a GPU machine's `auto` does not change it
+     * (a later --backend in args overrides this one). */
+    argv[n++] = "--backend=host";
     for (int i = 0; i < h->nargs; i++) {
         argv[n++] = h->args[i];
     }
