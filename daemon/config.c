@@ -11,7 +11,14 @@
 #define OPT(name, type, field, def, min, max, desc)                                                \
     {                                                                                              \
         name, type, offsetof(kvd_config, field), sizeof(((kvd_config *)0)->field), def, min, max,  \
-            desc                                                                                   \
+            desc, 0                                                                                \
+    }
+
+/* An option admin `config set` may change while kvd runs (the server reads it per request). */
+#define OPT_RT(name, type, field, def, min, max, desc)                                             \
+    {                                                                                              \
+        name, type, offsetof(kvd_config, field), sizeof(((kvd_config *)0)->field), def, min, max,  \
+            desc, 1                                                                                \
     }
 
 static const kvd_config_option options[] = {
@@ -33,19 +40,31 @@ static const kvd_config_option options[] = {
         "capacity of the prefix index in blocks over all pools"),
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
         "eviction order of cached blocks: lru or s3fifo"),
-    OPT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
-        "open client connections; more are refused with EBUSY"),
-    OPT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
-        "unsent replies per connection before kvd stops reading it"),
-    OPT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,
-        "queued reply bytes per connection before the client is disconnected"),
+    OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
+           "open client connections; more are refused with EBUSY"),
+    OPT_RT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
+           "unsent replies per connection before kvd stops reading it"),
+    OPT_RT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,
+           "queued reply bytes per connection before the client is disconnected"),
     OPT("max-frame-bytes", KVD_OPT_U64, max_frame_bytes, "1M", 1024, 1u << 30,
         "largest request frame body; a longer one gets ETOOBIG and a close"),
-    OPT("max-blocks-per-request", KVD_OPT_U64, max_blocks_per_request, "4096", 1, 1u << 20,
-        "longest list (hashes, blocks, entries) in one request"),
+    OPT_RT("max-blocks-per-request", KVD_OPT_U64, max_blocks_per_request, "4096", 1, 1u << 20,
+           "longest list (hashes, blocks, entries) in one request"),
     OPT("tenants-file", KVD_OPT_STRING, tenants_file, "", 0, 0,
         "tenant map (lines: tenant NAME uid=U,U gid=G); empty: each uid is tenant uid-N"),
-    OPT("log-level", KVD_OPT_LEVEL, log_level, "info", 0, 0, "error, warn, info or debug"),
+    OPT_RT("log-level", KVD_OPT_LEVEL, log_level, "info", 0, 0, "error, warn, info or debug"),
+    OPT("admin-socket", KVD_OPT_STRING, admin_socket, "", 0, 0,
+        "admin socket path (kvctl); empty: admin.sock in the client socket's directory"),
+    OPT("admin-socket-mode", KVD_OPT_MODE, admin_socket_mode, "0600", 0, 0777,
+        "permission bits of the admin socket (octal); peers are also checked by credentials"),
+    OPT("admin-group", KVD_OPT_STRING, admin_group, "", 0, 0,
+        "group (name or number) whose members may use the admin socket besides root and kvd's uid"),
+    OPT("metrics-port", KVD_OPT_U64, metrics_port, "0", 0, 65535,
+        "TCP port of the Prometheus endpoint (/metrics, /healthz, /readyz); 0: off"),
+    OPT("metrics-address", KVD_OPT_STRING, metrics_address, "127.0.0.1", 0, 0,
+        "IPv4 address the metrics port binds (0.0.0.0 for a pod's probes from the kubelet)"),
+    OPT("events", KVD_OPT_U64, events, "1024", 1, 1u << 20,
+        "evictions and refusals kept for admin `events` (a ring; oldest dropped)"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))
@@ -75,6 +94,10 @@ static const kvd_config_option *find_option(const char *name, size_t namelen) {
         }
     }
     return NULL;
+}
+
+const kvd_config_option *kvd_config_find(const char *name) {
+    return find_option(name, strlen(name));
 }
 
 /* Parses decimal digits with an optional K/M/G/T (or KiB/MiB/...) suffix. */
@@ -378,7 +401,9 @@ void kvd_config_print_help(FILE *f) {
     fprintf(f, "usage: kvd [--config=FILE] [--name=value ...]\n"
                "kvd: KV-cache daemon. Options (also as 'name = value' lines in --config):\n"
                "  --config=FILE  read options from FILE first; flags override it\n"
-               "  --help         print this\n");
+               "  --help         print this\n"
+               "  --print-config     print the commented example config (deploy/kvd.conf)\n"
+               "  --print-admin-doc  print docs/ADMIN.md (admin commands, kvctl exit codes)\n");
     for (size_t i = 0; i < NOPTIONS; i++) {
         fprintf(f, "  --%s=%s\n      %s (default: \"%s\")\n", options[i].name,
                 options[i].type == KVD_OPT_STRING ? "STRING" : "VALUE", options[i].description,
@@ -418,4 +443,21 @@ void kvd_config_format(const kvd_config *c, const kvd_config_option *o, char *bu
         }
     }
     snprintf(buf, len, "?");
+}
+
+void kvd_config_print_example(FILE *f) {
+    fprintf(f,
+            "# kvd.conf: every kvd option with its default. Lines are `name = value`; `#` starts "
+            "a comment.\n"
+            "# Use with `kvd --config=/etc/kvd/kvd.conf`; flags `--name=value` override it.\n"
+            "# Generated by `kvd --print-config` from the option table (daemon/config.c);\n"
+            "# config_test fails when this file differs. Sizes take suffixes K, M, G, T (powers "
+            "of 1024).\n"
+            "# Options marked [runtime] can also be changed live: `kvctl config set NAME "
+            "VALUE`.\n");
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        fprintf(f, "\n# %s%s\n# %s =%s%s\n", options[i].description,
+                options[i].runtime ? " [runtime]" : "", options[i].name,
+                options[i].def[0] != '\0' ? " " : "", options[i].def);
+    }
 }

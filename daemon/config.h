@@ -36,6 +36,12 @@ typedef struct kvd_config {
     uint64_t max_blocks_per_request;        /* longest list in one request */
     char tenants_file[KVD_CONFIG_PATH_MAX]; /* "" = every uid is its own tenant */
     kv_log_level log_level;                 /* error|warn|info|debug */
+    char admin_socket[KVD_CONFIG_PATH_MAX]; /* admin socket path; "" = beside the socket */
+    uint32_t admin_socket_mode;             /* mode of the admin socket file */
+    char admin_group[64];                   /* group allowed on the admin socket; "" = none */
+    uint64_t metrics_port;                  /* Prometheus HTTP port; 0 = off */
+    char metrics_address[64];               /* address the metrics port binds */
+    uint64_t events;                        /* entries of the admin event ring */
 } kvd_config;
 
 typedef enum kvd_opt_type {
@@ -55,6 +61,7 @@ typedef struct kvd_config_option {
     const char *def;         /* default, as text */
     uint64_t min, max;       /* U64 range, inclusive */
     const char *description; /* one line for --help and kvd.conf */
+    int runtime;             /* admin `config set` may change it while kvd runs */
 } kvd_config_option;
 
 /* The table: *n gets its length. Static storage; any thread. */
@@ -84,6 +91,14 @@ kv_err kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *help, ch
 
 /* Prints usage with every option, its default and description. */
 void kvd_config_print_help(FILE *f);
+
+/* The option named name, or NULL. Any thread. */
+const kvd_config_option *kvd_config_find(const char *name);
+
+/* Prints the commented example config (deploy/kvd.conf): every option with its description and
+ * default, as `# name = default` lines; `kvd --print-config` writes it and config_test checks
+ * the committed file is exactly this. */
+void kvd_config_print_example(FILE *f);
 
 /* Prints one option's current value as text into buf. */
 void kvd_config_format(const kvd_config *c, const kvd_config_option *o, char *buf, size_t len);

@@ -220,6 +220,36 @@ static void test_example_conf_is_complete(void **state) {
     free(text);
 }
 
+/* deploy/kvd.conf is exactly what `kvd --print-config` writes (kvd_config_print_example), and
+ * the runtime-settable options are marked. */
+static void test_example_conf_is_generated(void **state) {
+    (void)state;
+    FILE *f = fopen("deploy/kvd.conf", "r");
+    assert_non_null(f);
+    char *have = calloc(1, 1 << 20);
+    assert_non_null(have);
+    size_t len = fread(have, 1, (1 << 20) - 1, f);
+    fclose(f);
+    have[len] = '\0';
+    char *want = NULL;
+    size_t wlen = 0;
+    FILE *m = open_memstream(&want, &wlen);
+    assert_non_null(m);
+    kvd_config_print_example(m);
+    fclose(m);
+    if (strcmp(have, want) != 0) {
+        fail_msg(
+            "deploy/kvd.conf is stale: regenerate with `kvd --print-config > deploy/kvd.conf`");
+    }
+    const kvd_config_option *o = kvd_config_find("log-level");
+    assert_non_null(o);
+    assert_true(o->runtime);
+    assert_false(kvd_config_find("socket")->runtime);
+    assert_null(kvd_config_find("no-such-option"));
+    free(have);
+    free(want);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
@@ -229,6 +259,7 @@ int main(void) {
         cmocka_unit_test(test_file_and_flag_order),
         cmocka_unit_test(test_help_lists_every_option),
         cmocka_unit_test(test_example_conf_is_complete),
+        cmocka_unit_test(test_example_conf_is_generated),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -292,6 +292,10 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     if (c->sess.hello) {
         FAIL(KV_ESTATE, "Hello was already done on this connection");
     }
+    if (s->draining) {
+        FAIL(KV_EDRAINING, "kvd is draining (admin `drain`) for a restart; connect to the new "
+                           "instance");
+    }
     kv_err rc = kvd_validate_hello(h, msg, KVD_ERRMSG);
     if (rc != KV_OK) {
         return rc;
@@ -605,7 +609,10 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     if (refs == NULL) {
         FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
     }
+    uint64_t evicted_before = kvd_events_pool_evictions(p->pool, KVD_EVICT_CAPACITY);
     rc = kvd_pool_allocate(p->pool, a->count, c->sess.id, c->sess.tenant, refs);
+    kvd_events_note_evictions(&c->srv->events, p->pool, c->sess.tenant, KVD_EVICT_CAPACITY,
+                              evicted_before, "allocate");
     if (rc == KV_ENOSPC) {
         stat_acc acc = {0, 0, 0};
         kvd_pool_stats(p->pool, acc_sink, &acc);
@@ -709,6 +716,11 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
             break;
         }
     }
+    kvd_tenant_counters *tc = kvd_events_tenant(&c->srv->events, c->sess.tenant);
+    tc->queries++;
+    tc->query_blocks += n;
+    tc->hit_blocks += nhit;
+    tc->hit_tokens += (uint64_t)nhit * p->layout.tokens_per_block;
 
     rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1,
                            l->search_domains ? pool_of : NULL);
@@ -838,6 +850,7 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     }
     Kvd__Envelope env;
     env_init(c, &env, id);
+    kvd_events_tenant(&c->srv->events, c->sess.tenant)->commits += n;
     Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
     cr.n_canonical = n;
     cr.canonical = pv;

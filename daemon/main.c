@@ -6,12 +6,22 @@
 #include <uv.h>
 
 #include "common/kv_log.h"
+#include "daemon/admin.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
 
 #define KVD_VERSION "0.1.0"
 
 int main(int argc, char **argv) {
+    /* Generators of committed files (tests compare them with these outputs). */
+    if (argc == 2 && strcmp(argv[1], "--print-config") == 0) {
+        kvd_config_print_example(stdout);
+        return 0;
+    }
+    if (argc == 2 && strcmp(argv[1], "--print-admin-doc") == 0) {
+        kvd_admin_write_doc(stdout);
+        return 0;
+    }
     kvd_config cfg;
     kvd_config_init(&cfg);
     int help = 0;

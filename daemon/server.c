@@ -14,10 +14,13 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/kv_log.h"
 #include "common/kv_wire.h"
+#include "daemon/admin.h"
+#include "daemon/metrics.h"
 #include "daemon/server_int.h"
 
 #define READ_CHUNK 65536
@@ -97,6 +100,15 @@ void kvd_conn_send_error(kvd_conn *c, uint64_t id, kv_err code, const char *msg)
     env.body_case = KVD__ENVELOPE__BODY_ERROR;
     env.error = &err;
     c->sess.errors++;
+    if (kvd_events_is_refusal(code)) {
+        kvd_events_push(&c->srv->events, KVD_EVENT_REFUSE, 0,
+                        c->sess.hello ? (int64_t)c->sess.tenant : -1, 1, code, kv_err_name(code),
+                        "session %llu (pid %d uid %d): %s", (unsigned long long)c->sess.id,
+                        (int)c->sess.pid, (int)c->sess.uid, err.message);
+        if (c->sess.hello) {
+            kvd_events_tenant(&c->srv->events, c->sess.tenant)->refusals++;
+        }
+    }
     KV_LOG(DEBUG, "KVD-REQ-ERROR", "session %llu request %llu: %s: %s",
            (unsigned long long)c->sess.id, (unsigned long long)id, kv_err_name(code), err.message);
     if (kvd_conn_send(c, &env, NULL, 0) == KV_ENOMEM) {
@@ -462,6 +474,8 @@ static void on_listen_poll(uv_poll_t *h, int status, int events) {
         if (s->nconns >= s->cfg.max_connections) {
             KV_LOG(WARN, "KVD-CONN-BUSY", "refusing a connection: %u open (max-connections)",
                    s->nconns);
+            kvd_events_push(&s->events, KVD_EVENT_REFUSE, 0, -1, 1, KV_EBUSY, "EBUSY",
+                            "connection refused: %u open (max-connections)", s->nconns);
             refuse(s, fd, KV_EBUSY, "too many connections (max-connections); try again later");
             continue;
         }
@@ -510,6 +524,16 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
     s->next_session_id = 1;
     s->host.hugepages = cfg->hugepages;
     s->be = &kvd_backend_host;
+    s->start_loop_ms = uv_now(loop);
+    {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        s->start_unix_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    }
+    rc = kvd_events_init(&s->events, (uint32_t)cfg->events);
+    if (rc != KV_OK) {
+        goto cleanup_server;
+    }
     while (s->boot_epoch == 0) {
         if (getrandom(&s->boot_epoch, sizeof(s->boot_epoch), 0) != sizeof(s->boot_epoch)) {
             KV_LOG(ERROR, "KVD-START", "getrandom: %s", strerror(errno));
@@ -540,6 +564,7 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
 cleanup_tenants:
     kvd_tenants_free(s->tenants);
 cleanup_server:
+    kvd_events_fini(&s->events);
     free(s);
     return rc;
 }
@@ -664,7 +689,11 @@ kv_err kvd_server_start(kvd_server *s, int handle_signals) {
     s->listen_poll.data = s;
     s->listen_active = 1;
     uv_poll_start(&s->listen_poll, UV_READABLE, on_listen_poll);
-    return KV_OK;
+    rc = kvd_admin_start(s);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    return kvd_metrics_start(s);
 cleanup_fd:
     close(fd);
     return rc;
@@ -681,6 +710,8 @@ void kvd_server_stop(kvd_server *s) {
         return;
     }
     s->stopping = 1;
+    kvd_metrics_stop(s);
+    kvd_admin_stop(s);
     if (s->listen_active) {
         s->listen_active = 0;
         uv_close((uv_handle_t *)&s->listen_poll, on_listen_closed);
@@ -720,9 +751,12 @@ void kvd_server_free(kvd_server *s) {
         return;
     }
     KV_ASSERT(s->conns == NULL);
+    kvd_metrics_free(s);
+    kvd_admin_free(s);
     kvd_handlers_free_pools(s);
     kvd_index_free(s->index);
     kvd_tenants_free(s->tenants);
+    kvd_events_fini(&s->events);
     free(s);
 }
 

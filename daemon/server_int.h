@@ -12,6 +12,7 @@
 #include "common/kv_layout.h"
 #include "daemon/backend_host.h"
 #include "daemon/config.h"
+#include "daemon/events.h"
 #include "daemon/index.h"
 #include "daemon/pool.h"
 #include "daemon/server.h"
@@ -91,6 +92,12 @@ struct kvd_server {
     uint32_t log_in_window;      /* protocol errors logged in the window */
     uint64_t log_suppressed;     /* protocol errors not logged since the last one */
     struct kvd_commons *commons; /* tenancy: commits counted toward the commons; lazy */
+    kvd_events events;           /* admin: eviction/refusal ring and per-tenant counters */
+    struct kvd_admin *admin;     /* admin socket (daemon/admin.h); NULL before start */
+    struct kvd_metrics *metrics; /* Prometheus endpoint (daemon/metrics.h); NULL when off */
+    int draining;                /* admin `drain`: a new Hello gets KV_EDRAINING */
+    uint64_t start_unix_ms;      /* wall-clock time of kvd_server_alloc */
+    uint64_t start_loop_ms;      /* uv_now at kvd_server_alloc (uptime base) */
 };
 
 /* Queues env as a frame with fds[0..nfds) (dup'd here; the caller keeps its fds). A queue above
