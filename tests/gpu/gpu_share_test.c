@@ -214,6 +214,20 @@ static int wait_child(pid_t pid) {
 
 static void share(const char *backend, int layers) {
     use_fake_driver();
+#ifndef KVD_GPU_FAKE
+    /* Without a usable GPU: skip, unless device_check.sh says one must be there. */
+    kv_cuda probe;
+    char why[256];
+    if (kv_cuda_load(NULL, &probe, why, sizeof(why)) != KV_OK) {
+        const char *expect = getenv("KVD_EXPECT_GPU");
+        if (expect != NULL && expect[0] == '1') {
+            fail_msg("KVD_EXPECT_GPU=1 but %s", why);
+        }
+        fprintf(stderr, "skipping: %s\n", why);
+        skip();
+    }
+    kv_cuda_unload(&probe);
+#endif
     kvd_harness h;
     char flag[64];
     snprintf(flag, sizeof(flag), "--backend=%s", backend);
