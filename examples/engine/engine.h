@@ -1,0 +1,112 @@
+/* engine: a tiny serving engine whose KV cache lives only in kvd blocks.
+ *
+ * One kve_engine is one worker process's engine: a libkvclient connection, the pool for the
+ * model's KV shape (attached once; every block is mapped zero-copy) and a scheduler. Requests
+ * (prompt, max new tokens, arrival time) run with iteration-level scheduling: at every step
+ * requests join and leave the running batch, prefill is chunked under a token budget, blocks are
+ * allocated as sequences grow, and when blocks run out the newest request is preempted (its
+ * committed prefix stays cached in kvd, so its recompute is mostly hits). Prompts are hashed
+ * into blocks and looked up in kvd's shared index: cached blocks are not recomputed. Only
+ * verified, full blocks are committed. Options add speculative decoding (the draft is the
+ * target's first layers, which writes the same K/V as the target in those layers, so it reads
+ * and writes the target's own blocks), shared-prefix (cascade) attention merged by log-sum-exp,
+ * and 8-bit (int8, fp8-e4m3) KV pools with calibrated per-(layer, head) scales.
+ *
+ * K/V of new tokens are written with kvk_reshape_and_cache_cpu and read with
+ * kvk_paged_decode_attention_cpu over the CSR block tables of kvc_seq (a prefill token is a
+ * decode query whose table ends at its own position), so every token's numbers come from the
+ * same code whichever way it was scheduled: cached, batched, preempted or speculated runs give
+ * the tokens of a plain greedy run.
+ *
+ * Thread: one engine is used by one thread. Errors are kv_err; kve_engine_error() says why.
+ */
+#ifndef KVE_ENGINE_H
+#define KVE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_layout.h"
+#include "examples/engine/model.h"
+
+typedef struct kve_engine kve_engine;
+
+typedef struct kve_options {
+    const char *socket_path;   /* kvd socket; NULL: libkvclient's default */
+    const char *model_id;      /* pool model id; NULL: "kve-<hash of the weights>" */
+    kv_dtype kv_dtype;         /* pool dtype: fp32 (default), fp16, bf16, int8, fp8_e4m3 */
+    uint32_t tokens_per_block; /* block size in tokens; default 16 */
+    int prefix_cache;          /* 1 (default): look up and commit blocks; 0: compute all */
+    uint32_t token_budget;     /* tokens computed per step at most (chunked prefill); 256 */
+    uint32_t max_batch;        /* running requests at most; 64 */
+    uint32_t block_budget;     /* blocks this engine may hold at once; 0: only kvd's limit */
+    int static_batching;       /* 1: admit a batch only when none runs, reserving each request's
+                                  prompt + max_new blocks up front, whole prompts per step */
+    int spec_k;                /* draft tokens proposed per step; 0: no speculative decoding */
+    int draft_layers;          /* layers of the draft model (the target's first layers); 1 */
+    int cascade;               /* 1: shared-prefix attention once per group + merge_states */
+    int keep_logits;           /* 1: keep every generated token's logits in its request */
+} kve_options;
+
+/* Fills o with the defaults above. */
+void kve_options_init(kve_options *o);
+
+typedef struct kve_request {
+    uint32_t id;            /* caller's id */
+    double arrival_ms;      /* when it arrives, ms after kve_engine_run starts */
+    const uint32_t *prompt; /* borrowed until kve_engine_run returns */
+    size_t prompt_len;      /* >= 1 */
+    uint32_t max_new;       /* tokens to generate (greedy); >= 1 */
+    /* Results, written by kve_engine_run (free with kve_request_fini): */
+    uint32_t *out;          /* generated tokens [nout] */
+    size_t nout;            /* generated so far */
+    float *logits;          /* keep_logits: [nout][vocab] logits each token was chosen from */
+    size_t cached_tokens;   /* prompt tokens found in kvd at first admission */
+    size_t computed_tokens; /* token rows computed for it (recomputes included) */
+    uint32_t preemptions;   /* times it was preempted */
+    double ttft_ms;         /* first token time minus arrival */
+    double finish_ms;       /* last token time minus arrival */
+    kv_err status;          /* KV_OK once finished */
+} kve_request;
+
+/* Frees a request's results (out, logits); accepts NULL. */
+void kve_request_fini(kve_request *r);
+
+typedef struct kve_stats {
+    uint64_t steps;           /* scheduler iterations */
+    uint64_t prompt_tokens;   /* prompt tokens of all requests */
+    uint64_t cached_tokens;   /* prompt tokens that were kvd hits at first admission */
+    uint64_t computed_tokens; /* token rows through the full model (recomputes included) */
+    uint64_t generated;       /* tokens generated */
+    uint64_t preemptions;     /* requests preempted */
+    uint64_t spec_steps;      /* request-steps that speculated */
+    uint64_t spec_proposed;   /* draft tokens proposed */
+    uint64_t spec_accepted;   /* draft tokens the target accepted */
+    uint64_t draft_rows;      /* token rows through the draft */
+    uint64_t cascade_groups;  /* shared-prefix groups attended once */
+    double slots_allocated;   /* sum over steps of slots held (blocks * tokens per block) */
+    double slots_used;        /* sum over steps of slots holding a token */
+    double elapsed_ms;        /* wall time of the last kve_engine_run */
+} kve_stats;
+
+/* Connects to kvd, attaches the pool for m's KV shape and (8-bit dtypes) calibrates scales. m is
+ * borrowed and must outlive the engine. Errors: libkvclient's (KV_ESYS: no daemon, ...),
+ * KV_EINVAL for bad options, KV_ENOMEM. *out written on success. */
+kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **out);
+
+/* Releases every block, detaches and disconnects. Accepts NULL. */
+void kve_engine_close(kve_engine *e);
+
+/* Runs reqs[0..n) to completion (greedy decoding), honouring arrival times. Each request's
+ * results are written into it; a request that cannot run (its prompt needs more blocks than the
+ * budget, ...) gets status != KV_OK and the others go on. Returns KV_OK, or the error that made
+ * the engine stop (a transport error, KV_ENOMEM). */
+kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n);
+
+/* Counters since open; the pool layout (derived fields filled); the message of the last error. */
+const kve_stats *kve_engine_stats(const kve_engine *e);
+const kv_layout *kve_engine_layout(const kve_engine *e);
+const char *kve_engine_error(const kve_engine *e);
+
+#endif

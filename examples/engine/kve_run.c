@@ -1,0 +1,210 @@
+/* kve_run: one engine process. Loads or generates the model, connects to kvd, runs a workload
+ * file (or one prompt) to completion and prints one line per request and one STATS line, which
+ * kve_loadgen and the benchmark parse.
+ *
+ *   kve_run --socket PATH [--model tiny|small|bench] [--seed S] [--checkpoint FILE]
+ *           [--kv-dtype fp32|fp16|bf16|int8|fp8_e4m3] [--tpb 16] [--no-cache]
+ *           [--budget 256] [--max-batch 64] [--block-budget B] [--static]
+ *           [--spec K --draft-layers L] [--cascade] [--print-tokens]
+ *           (--workload FILE [--shard I/N] | --prompt-len N --prompt-seed S --max-new M)
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "examples/engine/engine.h"
+#include "examples/engine/model.h"
+#include "examples/engine/workload.h"
+
+static int preset(const char *name, kve_config *c) {
+    if (strcmp(name, "tiny") == 0) {
+        *c = (kve_config){32, 96, 3, 4, 2, 64, 4096};
+    } else if (strcmp(name, "small") == 0) {
+        *c = (kve_config){64, 176, 4, 4, 2, 256, 8192};
+    } else if (strcmp(name, "bench") == 0) {
+        *c = (kve_config){64, 128, 2, 2, 1, 256, 8192};
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: kve_run --socket PATH [--model tiny|small|bench] [--seed S] "
+                    "[--checkpoint FILE] [--layers L] [--kv-dtype D] [--tpb T] [--no-cache] "
+                    "[--budget T] [--max-batch B] [--block-budget B] [--static] [--spec K] "
+                    "[--draft-layers L] [--cascade] [--print-tokens] (--workload FILE "
+                    "[--shard I/N] | --prompt-len N [--prompt-seed S] [--max-new M])\n");
+}
+
+int main(int argc, char **argv) {
+    kve_options o;
+    kve_options_init(&o);
+    kve_config cfg;
+    preset("tiny", &cfg);
+    const char *ckpt = NULL, *wl_path = NULL;
+    uint64_t seed = 1;
+    unsigned shard = 0, nshards = 1;
+    size_t prompt_len = 0;
+    unsigned prompt_seed = 1, max_new = 16;
+    int print_tokens = 0, layers = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int used = 1;
+        if (strcmp(a, "--no-cache") == 0) {
+            o.prefix_cache = 0, used = 0;
+        } else if (strcmp(a, "--static") == 0) {
+            o.static_batching = 1, used = 0;
+        } else if (strcmp(a, "--cascade") == 0) {
+            o.cascade = 1, used = 0;
+        } else if (strcmp(a, "--print-tokens") == 0) {
+            print_tokens = 1, used = 0;
+        } else if (v == NULL) {
+            usage();
+            return 2;
+        } else if (strcmp(a, "--socket") == 0) {
+            o.socket_path = v;
+        } else if (strcmp(a, "--model") == 0) {
+            if (preset(v, &cfg) != 0) {
+                usage();
+                return 2;
+            }
+        } else if (strcmp(a, "--seed") == 0) {
+            seed = strtoull(v, NULL, 10);
+        } else if (strcmp(a, "--layers") == 0) {
+            layers = atoi(v);
+        } else if (strcmp(a, "--checkpoint") == 0) {
+            ckpt = v;
+        } else if (strcmp(a, "--kv-dtype") == 0) {
+            if (kv_dtype_parse(v, &o.kv_dtype) != KV_OK) {
+                usage();
+                return 2;
+            }
+        } else if (strcmp(a, "--tpb") == 0) {
+            o.tokens_per_block = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--budget") == 0) {
+            o.token_budget = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--max-batch") == 0) {
+            o.max_batch = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--block-budget") == 0) {
+            o.block_budget = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--spec") == 0) {
+            o.spec_k = atoi(v);
+        } else if (strcmp(a, "--draft-layers") == 0) {
+            o.draft_layers = atoi(v);
+        } else if (strcmp(a, "--workload") == 0) {
+            wl_path = v;
+        } else if (strcmp(a, "--shard") == 0) {
+            if (sscanf(v, "%u/%u", &shard, &nshards) != 2 || nshards == 0 || shard >= nshards) {
+                usage();
+                return 2;
+            }
+        } else if (strcmp(a, "--prompt-len") == 0) {
+            prompt_len = strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--prompt-seed") == 0) {
+            prompt_seed = (unsigned)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--max-new") == 0) {
+            max_new = (unsigned)strtoul(v, NULL, 10);
+        } else {
+            usage();
+            return 2;
+        }
+        i += used;
+    }
+    if (layers > 0) {
+        cfg.n_layers = layers;
+    }
+    kve_model m;
+    kv_err rc = ckpt ? kve_model_load(ckpt, &m) : kve_model_random(&cfg, seed, 0, &m);
+    if (rc != KV_OK) {
+        fprintf(stderr, "kve_run: model: %s\n", kv_strerror(rc));
+        return 1;
+    }
+    kve_workload w = {0};
+    uint32_t *one = NULL;
+    kve_request single = {0};
+    if (wl_path != NULL) {
+        rc = kve_workload_read(wl_path, shard, nshards, (uint32_t)m.cfg.vocab_size, &w);
+        if (rc != KV_OK) {
+            fprintf(stderr, "kve_run: workload %s: %s\n", wl_path, kv_strerror(rc));
+            kve_model_fini(&m);
+            return 1;
+        }
+    } else if (prompt_len > 0) {
+        /* The prompt is a pure function of (prompt_seed, position): two processes given the same
+         * seed build the same prompt; a different seed changes only the last 8 tokens. */
+        one = malloc(prompt_len * sizeof(*one));
+        if (one == NULL) {
+            return 1;
+        }
+        for (size_t i = 0; i < prompt_len; i++) {
+            uint32_t salt = i + 8 >= prompt_len ? prompt_seed : 0;
+            one[i] =
+                (uint32_t)((i * 2654435761u + salt * 40503u + 17) % (uint32_t)m.cfg.vocab_size);
+        }
+        single =
+            (kve_request){.id = 0, .prompt = one, .prompt_len = prompt_len, .max_new = max_new};
+        w.reqs = &single;
+        w.n = 1;
+    } else {
+        usage();
+        return 2;
+    }
+    kve_engine *e = NULL;
+    int status = 1;
+    rc = kve_engine_open(&m, &o, &e);
+    if (rc != KV_OK) {
+        goto out;
+    }
+    rc = kve_engine_run(e, w.reqs, w.n);
+    if (rc != KV_OK) {
+        fprintf(stderr, "kve_run: %s: %s\n", kv_strerror(rc), kve_engine_error(e));
+        goto out;
+    }
+    double ttft = 0, lat = 0;
+    size_t ok = 0;
+    for (size_t i = 0; i < w.n; i++) {
+        kve_request *r = &w.reqs[i];
+        printf("REQ id=%u status=%s prompt=%zu cached=%zu computed=%zu preempted=%u "
+               "ttft_ms=%.3f finish_ms=%.3f",
+               r->id, kv_err_name(r->status), r->prompt_len, r->cached_tokens, r->computed_tokens,
+               r->preemptions, r->ttft_ms, r->finish_ms);
+        if (print_tokens) {
+            printf(" tokens=");
+            for (size_t j = 0; j < r->nout; j++) {
+                printf("%s%u", j ? "," : "", r->out[j]);
+            }
+        }
+        printf("\n");
+        if (r->status == KV_OK) {
+            ok++;
+            ttft += r->ttft_ms;
+            lat += r->finish_ms;
+        }
+    }
+    const kve_stats *st = kve_engine_stats(e);
+    const kv_layout *ly = kve_engine_layout(e);
+    printf("STATS requests=%zu ok=%zu prompt_tokens=%" PRIu64 " cached_tokens=%" PRIu64
+           " computed_tokens=%" PRIu64 " generated=%" PRIu64 " preemptions=%" PRIu64
+           " steps=%" PRIu64 " spec_proposed=%" PRIu64 " spec_accepted=%" PRIu64
+           " draft_rows=%" PRIu64 " cascade_groups=%" PRIu64
+           " slots_allocated=%.0f slots_used=%.0f elapsed_ms=%.3f ttft_sum_ms=%.3f"
+           " latency_sum_ms=%.3f bytes_per_token=%.1f\n",
+           w.n, ok, st->prompt_tokens, st->cached_tokens, st->computed_tokens, st->generated,
+           st->preemptions, st->steps, st->spec_proposed, st->spec_accepted, st->draft_rows,
+           st->cascade_groups, st->slots_allocated, st->slots_used, st->elapsed_ms, ttft, lat,
+           (double)ly->block_bytes / ly->tokens_per_block);
+    status = ok == w.n ? 0 : 1;
+out:
+    kve_engine_close(e);
+    if (wl_path != NULL) {
+        kve_workload_fini(&w);
+    } else {
+        kve_request_fini(&single);
+    }
+    free(one);
+    kve_model_fini(&m);
+    return status;
+}
