@@ -41,6 +41,11 @@ kv_err kv_wire_encode(const Kvd__Envelope *env, uint32_t max_frame, uint8_t **bu
 
 kv_err kv_wire_decode(const uint8_t *buf, size_t len, uint32_t max_frame, Kvd__Envelope **env,
                       size_t *consumed) {
+    return kv_wire_decode_with(buf, len, max_frame, NULL, env, consumed);
+}
+
+kv_err kv_wire_decode_with(const uint8_t *buf, size_t len, uint32_t max_frame,
+                           ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed) {
     *env = NULL;
     *consumed = 0;
     if (len < KV_WIRE_HEADER_BYTES) {
@@ -53,12 +58,12 @@ kv_err kv_wire_decode(const uint8_t *buf, size_t len, uint32_t max_frame, Kvd__E
     if (len - KV_WIRE_HEADER_BYTES < body) {
         return KV_OK;
     }
-    Kvd__Envelope *e = kvd__envelope__unpack(NULL, body, buf + KV_WIRE_HEADER_BYTES);
+    Kvd__Envelope *e = kvd__envelope__unpack(alloc, body, buf + KV_WIRE_HEADER_BYTES);
     if (e == NULL) {
         return KV_EPROTO;
     }
     if (e->body_case == KVD__ENVELOPE__BODY__NOT_SET) {
-        kvd__envelope__free_unpacked(e, NULL);
+        kvd__envelope__free_unpacked(e, alloc);
         return KV_EPROTO;
     }
     *env = e;
@@ -70,4 +75,29 @@ void kv_wire_free(Kvd__Envelope *env) {
     if (env != NULL) {
         kvd__envelope__free_unpacked(env, NULL);
     }
+}
+
+void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc) {
+    if (env != NULL) {
+        kvd__envelope__free_unpacked(env, alloc);
+    }
+}
+
+kv_err kv_wire_packed_count(size_t len, size_t unit, size_t *n) {
+    if (unit == 0 || len % unit != 0) {
+        return KV_EPROTO;
+    }
+    *n = len / unit;
+    return KV_OK;
+}
+
+kv_err kv_wire_list_count(size_t n_repeated, size_t packed_len, size_t unit, size_t *n) {
+    if (n_repeated > 0 && packed_len > 0) {
+        return KV_EPROTO;
+    }
+    if (packed_len == 0) {
+        *n = n_repeated;
+        return KV_OK;
+    }
+    return kv_wire_packed_count(packed_len, unit, n);
 }

@@ -39,4 +39,72 @@ kv_err kv_wire_decode(const uint8_t *buf, size_t len, uint32_t max_frame, Kvd__E
 /* Frees an envelope from kv_wire_decode; accepts NULL. */
 void kv_wire_free(Kvd__Envelope *env);
 
+/* kv_wire_decode with an allocator for the unpacked message (e.g. kv_arena_allocator, so one
+ * request costs no malloc). alloc NULL is kv_wire_decode. Free *env with
+ * kv_wire_free_with(env, alloc) (with an arena: reset the arena instead). */
+kv_err kv_wire_decode_with(const uint8_t *buf, size_t len, uint32_t max_frame,
+                           ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed);
+
+/* Frees an envelope from kv_wire_decode_with(..., alloc, ...); accepts NULL. */
+void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
+
+/* ---- packed lists (PROTOCOL.md 6, "Packed lists") ----------------------------------------
+ * Lookup.hashes_packed holds 16 bytes per hash (lo as LE u64, then hi as LE u64); blocks_packed
+ * (LookupReply, AllocateReply, Release, Rewind) holds 8 bytes per block (id as LE u32, then gen
+ * as LE u32). A sender fills either the packed field or the repeated one, never both. */
+
+#define KV_WIRE_HASH_BYTES 16 /* one packed hash */
+#define KV_WIRE_BLOCK_BYTES 8 /* one packed block handle */
+
+/* Hello.features / HelloReply.features bits. */
+#define KV_FEATURE_PACKED                                                                          \
+    1u /* packed lists: the daemon takes them in requests (HelloReply);                            \
+          the client takes them in replies (Hello) */
+
+/* Entries of a packed field of len bytes with unit-byte entries: KV_EPROTO when len is not a
+ * multiple of unit (a malformed frame). Writes *n only on success. */
+kv_err kv_wire_packed_count(size_t len, size_t unit, size_t *n);
+
+/* Entries of a list sent either as n_repeated repeated entries or as a packed field of
+ * packed_len bytes: KV_EPROTO when both forms are non-empty or the packed length is not a
+ * multiple of unit. Writes *n only on success. */
+kv_err kv_wire_list_count(size_t n_repeated, size_t packed_len, size_t unit, size_t *n);
+
+/* Packed hash i of p (p holds at least 16 * (i + 1) bytes). */
+static inline void kv_wire_hash_get(const uint8_t *p, size_t i, uint64_t *lo, uint64_t *hi) {
+    const uint8_t *q = p + i * KV_WIRE_HASH_BYTES;
+    uint64_t a = 0, b = 0;
+    for (int k = 7; k >= 0; k--) {
+        a = a << 8 | q[k];
+        b = b << 8 | q[8 + k];
+    }
+    *lo = a;
+    *hi = b;
+}
+
+/* Writes packed hash i into p. */
+static inline void kv_wire_hash_put(uint8_t *p, size_t i, uint64_t lo, uint64_t hi) {
+    uint8_t *q = p + i * KV_WIRE_HASH_BYTES;
+    for (int k = 0; k < 8; k++) {
+        q[k] = (uint8_t)(lo >> (8 * k));
+        q[8 + k] = (uint8_t)(hi >> (8 * k));
+    }
+}
+
+/* Packed block i of p (p holds at least 8 * (i + 1) bytes). */
+static inline void kv_wire_block_get(const uint8_t *p, size_t i, uint32_t *id, uint32_t *gen) {
+    const uint8_t *q = p + i * KV_WIRE_BLOCK_BYTES;
+    *id = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+    *gen = (uint32_t)q[4] | (uint32_t)q[5] << 8 | (uint32_t)q[6] << 16 | (uint32_t)q[7] << 24;
+}
+
+/* Writes packed block i into p. */
+static inline void kv_wire_block_put(uint8_t *p, size_t i, uint32_t id, uint32_t gen) {
+    uint8_t *q = p + i * KV_WIRE_BLOCK_BYTES;
+    for (int k = 0; k < 4; k++) {
+        q[k] = (uint8_t)(id >> (8 * k));
+        q[4 + k] = (uint8_t)(gen >> (8 * k));
+    }
+}
+
 #endif

@@ -1,0 +1,166 @@
+/* Checks kv_wire's additions for the fast Lookup path: decoding into an arena, the packed list
+ * helpers (byte layout of PROTOCOL.md, malformed lengths -> EPROTO), and that packed and
+ * repeated lists survive a full encode/decode round trip. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/kv_arena.h"
+#include "common/kv_wire.h"
+
+static void test_packed_byte_layout(void **state) {
+    (void)state;
+    uint8_t h[2 * KV_WIRE_HASH_BYTES];
+    kv_wire_hash_put(h, 0, 0x0123456789abcdefull, 0xfedcba9876543210ull);
+    kv_wire_hash_put(h, 1, 1, 2);
+    static const uint8_t want0[16] = {0xef, 0xcd, 0xab, 0x89, 0x67, 0x45, 0x23, 0x01,
+                                      0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe};
+    assert_memory_equal(h, want0, 16);
+    uint64_t lo, hi;
+    kv_wire_hash_get(h, 0, &lo, &hi);
+    assert_true(lo == 0x0123456789abcdefull && hi == 0xfedcba9876543210ull);
+    kv_wire_hash_get(h, 1, &lo, &hi);
+    assert_true(lo == 1 && hi == 2);
+
+    uint8_t b[2 * KV_WIRE_BLOCK_BYTES];
+    kv_wire_block_put(b, 0, 0x04030201u, 0x08070605u);
+    kv_wire_block_put(b, 1, 0xffffffffu, 0);
+    static const uint8_t wantb[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    assert_memory_equal(b, wantb, 8);
+    uint32_t id, gen;
+    kv_wire_block_get(b, 1, &id, &gen);
+    assert_true(id == 0xffffffffu && gen == 0);
+}
+
+static void test_packed_counts(void **state) {
+    (void)state;
+    size_t n = 99;
+    assert_int_equal(kv_wire_packed_count(0, 16, &n), KV_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(kv_wire_packed_count(2048, 16, &n), KV_OK);
+    assert_int_equal(n, 128);
+    n = 7;
+    assert_int_equal(kv_wire_packed_count(2047, 16, &n), KV_EPROTO);
+    assert_int_equal(kv_wire_packed_count(12, 8, &n), KV_EPROTO);
+    assert_int_equal(n, 7); /* untouched on error */
+    assert_int_equal(kv_wire_list_count(5, 0, 8, &n), KV_OK);
+    assert_int_equal(n, 5);
+    assert_int_equal(kv_wire_list_count(0, 24, 8, &n), KV_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(kv_wire_list_count(0, 0, 8, &n), KV_OK);
+    assert_int_equal(n, 0);
+    assert_int_equal(kv_wire_list_count(1, 8, 8, &n), KV_EPROTO); /* both forms */
+    assert_int_equal(kv_wire_list_count(0, 9, 8, &n), KV_EPROTO);
+}
+
+/* Encodes a Lookup with n packed hashes, decodes it into arena a. */
+static Kvd__Envelope *lookup_round_trip(kv_arena *a, size_t n, uint8_t **frame) {
+    uint8_t *packed = malloc(n * KV_WIRE_HASH_BYTES + 1);
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_hash_put(packed, i, i * 3 + 1, ~(uint64_t)i);
+    }
+    Kvd__Lookup lk = KVD__LOOKUP__INIT;
+    lk.pool_id = 7;
+    lk.hashes_packed.data = packed;
+    lk.hashes_packed.len = n * KV_WIRE_HASH_BYTES;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.id = 42;
+    env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+    env.lookup = &lk;
+    size_t len;
+    assert_int_equal(kv_wire_encode(&env, 4u << 20, frame, &len), KV_OK);
+    free(packed);
+    Kvd__Envelope *out = NULL;
+    size_t used = 0;
+    assert_int_equal(kv_wire_decode_with(*frame, len, 4u << 20, kv_arena_allocator(a), &out, &used),
+                     KV_OK);
+    assert_non_null(out);
+    assert_int_equal(used, len);
+    return out;
+}
+
+static void test_decode_into_arena(void **state) {
+    (void)state;
+    kv_arena a;
+    kv_arena_init(&a);
+    /* 128 hashes fit the first block; 100000 (1.6 MB) spill, then the block grows. */
+    size_t sizes[] = {128, 100000, 100000, 3};
+    for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+        uint8_t *frame;
+        Kvd__Envelope *e = lookup_round_trip(&a, sizes[k], &frame);
+        assert_int_equal(e->id, 42);
+        assert_int_equal(e->body_case, KVD__ENVELOPE__BODY_LOOKUP);
+        assert_int_equal(e->lookup->n_hashes, 0);
+        size_t n;
+        assert_int_equal(kv_wire_list_count(e->lookup->n_hashes, e->lookup->hashes_packed.len,
+                                            KV_WIRE_HASH_BYTES, &n),
+                         KV_OK);
+        assert_int_equal(n, sizes[k]);
+        for (size_t i = 0; i < n; i++) {
+            uint64_t lo, hi;
+            kv_wire_hash_get(e->lookup->hashes_packed.data, i, &lo, &hi);
+            assert_true(lo == i * 3 + 1 && hi == ~(uint64_t)i);
+        }
+        if (k == 1) {
+            assert_true(a.nspill > 0);
+        }
+        if (k == 2) {
+            assert_int_equal(a.nspill, 0); /* the block grew at the reset after k == 1 */
+        }
+        kv_arena_reset(&a);
+        free(frame);
+    }
+    kv_arena_fini(&a);
+    kv_arena_fini(NULL);
+}
+
+static void test_decode_with_null_allocator(void **state) {
+    (void)state;
+    Kvd__BlockRef r[3], *rp[3];
+    for (int i = 0; i < 3; i++) {
+        kvd__block_ref__init(&r[i]);
+        r[i].id = (uint32_t)i;
+        r[i].gen = 9;
+        rp[i] = &r[i];
+    }
+    Kvd__Release rel = KVD__RELEASE__INIT;
+    rel.n_blocks = 3;
+    rel.blocks = rp;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_RELEASE;
+    env.release = &rel;
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kv_wire_encode(&env, KV_WIRE_DEFAULT_MAX_FRAME, &frame, &len), KV_OK);
+    Kvd__Envelope *out = NULL;
+    size_t used = 0;
+    /* Not whole yet: no message, nothing consumed. */
+    assert_int_equal(kv_wire_decode_with(frame, len - 1, 1024, NULL, &out, &used), KV_OK);
+    assert_null(out);
+    assert_int_equal(kv_wire_decode_with(frame, len, 1024, NULL, &out, &used), KV_OK);
+    assert_non_null(out);
+    size_t n;
+    assert_int_equal(kv_wire_list_count(out->release->n_blocks, out->release->blocks_packed.len,
+                                        KV_WIRE_BLOCK_BYTES, &n),
+                     KV_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(out->release->blocks[2]->id, 2);
+    kv_wire_free_with(out, NULL);
+    /* A frame too long for max_frame. */
+    assert_int_equal(kv_wire_decode_with(frame, len, 4, NULL, &out, &used), KV_ETOOBIG);
+    free(frame);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_packed_byte_layout),
+        cmocka_unit_test(test_packed_counts),
+        cmocka_unit_test(test_decode_into_arena),
+        cmocka_unit_test(test_decode_with_null_allocator),
+    };
+    return cmocka_run_group_tests_name("kv_wire", tests, NULL, NULL);
+}
