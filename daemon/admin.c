@@ -130,8 +130,23 @@ static void conn_reply(admin_conn *c, json_t *obj) {
 }
 
 static json_t *error_reply(kv_err code, const char *msg) {
+    json_t *r = json_pack("{s:b, s:{s:s, s:i, s:s}}", "ok", 0, "error", "code", kv_err_name(code),
+                          "errno", (int)code, "message", msg);
+    if (r != NULL) {
+        return r;
+    }
+    /* Messages quote the peer's words, which need not be UTF-8, and jansson refuses strings
+     * that are not (tests/fuzz/crashes/admin): send the message with every byte outside
+     * printable ASCII replaced, so the peer still gets its error line. */
+    char clean[KVD_ADMIN_MSG];
+    size_t i = 0;
+    for (; msg[i] != '\0' && i + 1 < sizeof(clean); i++) {
+        unsigned char ch = (unsigned char)msg[i];
+        clean[i] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
+    }
+    clean[i] = '\0';
     return json_pack("{s:b, s:{s:s, s:i, s:s}}", "ok", 0, "error", "code", kv_err_name(code),
-                     "errno", (int)code, "message", msg);
+                     "errno", (int)code, "message", clean);
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {

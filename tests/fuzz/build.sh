@@ -44,9 +44,8 @@ for t in "${targets[@]}"; do
         admin)
             # The admin line parser runs against a real (never started) server: the whole daemon
             # library minus its main and tests.
-            mapfile -t srcs < <(ls daemon/*.c kvctl/exit_codes.c 2>/dev/null \
-                | grep -vE '_test\.c$|/main\.c$|/selftest\.c$' )
-            srcs+=(daemon/selftest.c common/kv_wire.c common/kv_layout.c common/kv_hash.c)
+            mapfile -t srcs < <(ls daemon/*.c common/*.c kvctl/exit_codes.c 2>/dev/null \
+                | grep -vE '_test\.c$|/main\.c$|/kv_err\.c$|/kv_log\.c$')
             libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lcrypto -lpthread -ldl)
             ;;
         *) echo "build.sh: unknown target $t (${ALL[*]})" >&2; exit 2 ;;

@@ -1,0 +1,689 @@
+/* soak: see soak.h. Workers are processes (a death must be a real process death: the kernel
+ * closes the socket and kvd sees EOF at any point of a request), counters live in one shared
+ * anonymous mapping with a slot per worker, and the parent refills a slot whenever its worker
+ * dies. Block bytes are a function of (block hash, tenant, layer, K|V), so whoever reads a hit
+ * can check it without talking to the writer. */
+#include "tests/soak/soak.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvclient.h"
+
+#define SOAK_MAX_CLIENTS 256
+#define SOAK_MAX_TENANTS 16
+#define SOAK_MAX_BLOCKS 8 /* blocks per sequence */
+#define SOAK_FAMILIES 24  /* prompt families: sequences of one family share their prefix */
+#define SOAK_MODEL "soak-model"
+
+/* One worker slot's counters (written by the slot's current process, read by the parent after
+ * waitpid). */
+typedef struct soak_counters {
+    uint64_t ops, requests, lookups, hit_blocks, allocated, committed, duplicates, rewinds, pins;
+    uint64_t enospc, verified, mismatched, cross_domain, unexpected;
+    int dying;   /* set just before the worker SIGKILLs itself */
+    int started; /* set once connected and attached */
+} soak_counters;
+
+typedef struct soak_ctx {
+    const soak_options *o;
+    char dir[80];                      /* temp dir: socket, tenants file, tokens */
+    char sock[100];                    /* kvd socket */
+    char tokens[SOAK_MAX_TENANTS][40]; /* token of each tenant */
+    soak_counters *k;                  /* shared mapping, one per slot */
+    uint64_t deadline_ms;              /* workers stop starting cycles after this */
+    pid_t kvd;                         /* kvd's pid */
+} soak_ctx;
+
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+static uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    *s += 0x9e3779b97f4a7c15ull;
+    return mix64(*s);
+}
+
+void soak_options_init(soak_options *o) {
+    memset(o, 0, sizeof(*o));
+    o->seconds = 60;
+    o->clients = 64;
+    o->tenants = 4;
+    o->death_permille = 2;
+    o->kvd = "daemon/kvd";
+    o->pool_mem = "32M";
+}
+
+/* ---- block contents --------------------------------------------------------------------- */
+
+/* Word 0 of every (layer, K|V) run: the writer's tenant in the top byte, hash bits below. */
+static uint64_t content_tag(kv_hash128 h, int tenant) {
+    return (uint64_t)(tenant + 1) << 56 | (h.lo >> 8);
+}
+
+static uint64_t content_word(kv_hash128 h, int tenant, uint32_t run, size_t i) {
+    return mix64(h.lo ^ mix64(h.hi + run) ^ (uint64_t)(tenant + 1) * 0x9e3779b97f4a7c15ull ^ i);
+}
+
+static int write_block(kvc_pool *p, kvc_block b, kv_hash128 h, int tenant) {
+    const kv_layout *l = kvc_pool_layout(p);
+    size_t words = (size_t)(l->kv_block_bytes / 8);
+    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+        for (int kv = 0; kv < 2; kv++) {
+            uint64_t *w = kvc_pool_addr(p, b.id, layer, kv, 0, 0);
+            if (w == NULL) {
+                return -1;
+            }
+            uint32_t run = layer * 2 + (uint32_t)kv;
+            w[0] = content_tag(h, tenant);
+            for (size_t i = 1; i < words; i++) {
+                w[i] = content_word(h, tenant, run, i);
+            }
+        }
+    }
+    return 0;
+}
+
+/* 0: the bytes are what tenant wrote for h; 1: they differ; 2: another tenant wrote them. */
+static int check_block(kvc_pool *p, kvc_block b, kv_hash128 h, int tenant) {
+    const kv_layout *l = kvc_pool_layout(p);
+    size_t words = (size_t)(l->kv_block_bytes / 8);
+    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+        for (int kv = 0; kv < 2; kv++) {
+            const uint64_t *w = kvc_pool_addr(p, b.id, layer, kv, 0, 0);
+            if (w == NULL) {
+                return 1;
+            }
+            uint32_t run = layer * 2 + (uint32_t)kv;
+            if (w[0] != content_tag(h, tenant)) {
+                uint64_t t = w[0] >> 56;
+                int other = (w[0] << 8 >> 8) == (h.lo >> 8) && t != (uint64_t)(tenant + 1);
+                return other ? 2 : 1;
+            }
+            for (size_t i = 1; i < words; i++) {
+                if (w[i] != content_word(h, tenant, run, i)) {
+                    return 1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- worker ----------------------------------------------------------------------------- */
+
+typedef struct worker {
+    soak_counters *k;
+    kvc_pool *p;
+    int tenant;
+    int permille;
+    uint64_t rng;
+} worker;
+
+/* A fault: the worker dies here, at whatever point of its cycle it is. */
+static void maybe_die(worker *w) {
+    if ((int)(rng_next(&w->rng) % 1000) < w->permille) {
+        w->k->dying = 1;
+        raise(SIGKILL);
+    }
+}
+
+static void verify(worker *w, kvc_block b, kv_hash128 h) {
+    int v = check_block(w->p, b, h, w->tenant);
+    w->k->verified++;
+    if (v == 1) {
+        w->k->mismatched++;
+    } else if (v == 2) {
+        w->k->cross_domain++;
+    }
+}
+
+static void unexpected(worker *w, const char *what, kv_err rc) {
+    w->k->unexpected++;
+    fprintf(stderr, "soak: worker pid %d: %s: %s\n", (int)getpid(), what, kv_strerror(rc));
+}
+
+static void release(worker *w, kvc_block *held, size_t n) {
+    if (n == 0) {
+        return;
+    }
+    w->k->requests++;
+    kv_err rc = kvc_release(w->p, held, n);
+    if (rc != KV_OK) {
+        unexpected(w, "release", rc);
+    }
+}
+
+/* One cycle: look a prompt up, verify the hits, allocate and write the rest, commit it (or
+ * throw it away as rejected drafts), maybe pin, release everything. */
+static void cycle(worker *w) {
+    w->k->ops++;
+    /* Half the prompts come from a few shared families (hits, duplicates), half are new (misses,
+     * allocations, eviction under memory pressure). */
+    uint32_t fam = (uint32_t)(rng_next(&w->rng) % SOAK_FAMILIES);
+    if (rng_next(&w->rng) % 2 == 0) {
+        fam = SOAK_FAMILIES + (uint32_t)(rng_next(&w->rng) % 1000000u);
+    }
+    size_t nblocks = 1 + (size_t)(rng_next(&w->rng) % SOAK_MAX_BLOCKS);
+    uint32_t tpb = kvc_pool_layout(w->p)->tokens_per_block;
+    uint32_t tok[SOAK_MAX_BLOCKS * 64];
+    for (size_t i = 0; i < nblocks * tpb; i++) {
+        tok[i] = fam * 7919u + (uint32_t)i;
+    }
+    kv_hash128 h[SOAK_MAX_BLOCKS];
+    size_t nh;
+    kv_err rc = kvc_pool_hash_tokens(w->p, NULL, 0, tok, nblocks * tpb, h, SOAK_MAX_BLOCKS, &nh);
+    if (rc != KV_OK || nh != nblocks) {
+        unexpected(w, "hash", rc);
+        return;
+    }
+    kvc_block held[SOAK_MAX_BLOCKS];
+    size_t nhit = 0;
+    maybe_die(w);
+    w->k->requests++;
+    w->k->lookups++;
+    rc = kvc_lookup(w->p, h, nblocks, held, &nhit);
+    if (rc != KV_OK) {
+        unexpected(w, "lookup", rc);
+        return;
+    }
+    w->k->hit_blocks += nhit;
+    for (size_t i = 0; i < nhit; i++) {
+        verify(w, held[i], h[i]);
+    }
+    maybe_die(w);
+    size_t nheld = nhit;
+    size_t need = nblocks - nhit;
+    if (need > 0) {
+        kvc_block nb[SOAK_MAX_BLOCKS];
+        w->k->requests++;
+        rc = kvc_allocate(w->p, (uint32_t)need, nb);
+        if (rc == KV_ENOSPC) {
+            w->k->enospc++;
+            release(w, held, nheld);
+            return;
+        }
+        if (rc != KV_OK) {
+            unexpected(w, "allocate", rc);
+            release(w, held, nheld);
+            return;
+        }
+        w->k->allocated += need;
+        for (size_t j = 0; j < need; j++) {
+            if (write_block(w->p, nb[j], h[nhit + j], w->tenant) != 0) {
+                unexpected(w, "block address", KV_EINTERNAL);
+            }
+            if (j == need / 2) {
+                maybe_die(w); /* mid-write: some blocks written, some not */
+            }
+        }
+        if (rng_next(&w->rng) % 8 == 0) {
+            /* Speculative decoding rejected these: give them back uncommitted. */
+            w->k->requests++;
+            w->k->rewinds++;
+            rc = kvc_rewind(w->p, nb, need);
+            if (rc != KV_OK) {
+                unexpected(w, "rewind", rc);
+            }
+        } else {
+            kvc_commit_entry e[SOAK_MAX_BLOCKS];
+            for (size_t j = 0; j < need; j++) {
+                e[j].block = nb[j];
+                e[j].hash = h[nhit + j];
+                if (j > 0) {
+                    e[j].parent = nb[j - 1].id;
+                } else {
+                    e[j].parent = nhit > 0 ? held[nhit - 1].id : KVC_NO_PARENT;
+                }
+            }
+            kvc_block canon[SOAK_MAX_BLOCKS];
+            w->k->requests++;
+            rc = kvc_commit(w->p, e, need, canon);
+            if (rc != KV_OK) {
+                unexpected(w, "commit", rc);
+                release(w, nb, need);
+            } else {
+                w->k->committed += need;
+                for (size_t j = 0; j < need; j++) {
+                    if (canon[j].id != nb[j].id) {
+                        w->k->duplicates++;
+                    }
+                    verify(w, canon[j], h[nhit + j]);
+                    held[nheld++] = canon[j];
+                }
+            }
+        }
+    }
+    maybe_die(w);
+    if (nheld > 0 && rng_next(&w->rng) % 16 == 0) {
+        w->k->requests++;
+        w->k->pins++;
+        rc = kvc_pin(w->p, held, nheld, 50, (uint8_t)(rng_next(&w->rng) % 256), 0);
+        if (rc != KV_OK) {
+            unexpected(w, "pin", rc);
+        }
+    }
+    maybe_die(w);
+    release(w, held, nheld);
+}
+
+static kv_layout soak_layout(void) {
+    kv_layout l;
+    memset(&l, 0, sizeof(l));
+    l.num_layers = 2;
+    l.num_kv_heads = 2;
+    l.head_dim = 64;
+    l.tokens_per_block = 16;
+    l.dtype = KV_DTYPE_FP16;
+    l.arrangement = KV_LAYER_MAJOR;
+    return l;
+}
+
+static kv_err open_tenant(const soak_ctx *x, int tenant, const char *name, kvc_conn **c,
+                          kvc_pool **p) {
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = x->sock;
+    o.client_name = name;
+    o.token = x->tokens[tenant];
+    o.token_len = strlen(x->tokens[tenant]);
+    o.timeout_ms = 60000;
+    kv_err rc = kvc_conn_open(&o, c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_layout l = soak_layout();
+    rc = kvc_pool_attach(*c, SOAK_MODEL, &l, p);
+    if (rc != KV_OK) {
+        kvc_conn_close(*c);
+    }
+    return rc;
+}
+
+static void worker_main(const soak_ctx *x, int slot) {
+    worker w;
+    memset(&w, 0, sizeof(w));
+    w.k = &x->k[slot];
+    w.tenant = slot % x->o->tenants;
+    w.permille = x->o->death_permille;
+    w.rng = mix64((uint64_t)slot << 32 ^ (uint64_t)getpid() ^ now_ms() << 20);
+    kvc_conn *c;
+    char name[32];
+    snprintf(name, sizeof(name), "soak-%d", slot);
+    kv_err rc = open_tenant(x, w.tenant, name, &c, &w.p);
+    if (rc != KV_OK) {
+        fprintf(stderr, "soak: worker %d cannot start: %s\n", slot, kv_strerror(rc));
+        _exit(3);
+    }
+    w.k->started = 1;
+    while (now_ms() < x->deadline_ms) {
+        cycle(&w);
+    }
+    kvc_pool_detach(w.p);
+    kvc_conn_close(c);
+    _exit(0);
+}
+
+/* ---- supervisor ------------------------------------------------------------------------- */
+
+static uint64_t proc_kb(pid_t pid, const char *field) {
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    uint64_t v = 0;
+    size_t fl = strlen(field);
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, field, fl) == 0 && line[fl] == ':') {
+            v = strtoull(line + fl + 1, NULL, 10);
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    return v;
+}
+
+static int write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        return -1;
+    }
+    fputs(text, f);
+    return fclose(f);
+}
+
+static int can_connect(const char *sock) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+    int ok = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    if (fd >= 0) {
+        close(fd);
+    }
+    return ok;
+}
+
+static int start_kvd(soak_ctx *x) {
+    const char *tmp = getenv("TEST_TMPDIR");
+    snprintf(x->dir, sizeof(x->dir), "%s/kvd-soak-XXXXXX", tmp && strlen(tmp) < 50 ? tmp : "/tmp");
+    if (mkdtemp(x->dir) == NULL) {
+        snprintf(x->dir, sizeof(x->dir), "/tmp/kvd-soak-XXXXXX");
+        if (mkdtemp(x->dir) == NULL) {
+            return -1;
+        }
+    }
+    snprintf(x->sock, sizeof(x->sock), "%s/kvd.sock", x->dir);
+    char tenants[2048] = "", path[256], line[400];
+    for (int t = 0; t < x->o->tenants; t++) {
+        snprintf(x->tokens[t], sizeof(x->tokens[t]), "soak-token-%02d-%08x", t,
+                 (unsigned)mix64((uint64_t)getpid() + (uint64_t)t));
+        snprintf(path, sizeof(path), "%s/t%d.token", x->dir, t);
+        if (write_text(path, x->tokens[t]) != 0) {
+            return -1;
+        }
+        snprintf(line, sizeof(line), "tenant soak%d token-file=%s\n", t, path);
+        strncat(tenants, line, sizeof(tenants) - strlen(tenants) - 1);
+    }
+    char tfile[160], sockflag[160], tflag[200], memflag[64];
+    snprintf(tfile, sizeof(tfile), "%s/tenants", x->dir);
+    if (write_text(tfile, tenants) != 0) {
+        return -1;
+    }
+    snprintf(sockflag, sizeof(sockflag), "--socket=%s", x->sock);
+    snprintf(tflag, sizeof(tflag), "--tenants-file=%s", tfile);
+    snprintf(memflag, sizeof(memflag), "--pool-memory=%s", x->o->pool_mem);
+    char wrap[512] = "";
+    char *argv[32];
+    int n = 0;
+    if (x->o->wrap != NULL) {
+        snprintf(wrap, sizeof(wrap), "%s", x->o->wrap);
+        char *save = NULL;
+        for (char *t = strtok_r(wrap, " ", &save); t != NULL && n < 20;
+             t = strtok_r(NULL, " ", &save)) {
+            argv[n++] = t;
+        }
+    }
+    argv[n++] = (char *)x->o->kvd;
+    argv[n++] = sockflag;
+    argv[n++] = tflag;
+    argv[n++] = memflag;
+    argv[n++] = "--segment-bytes=1M";
+    argv[n++] = "--log-level=warn";
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid < 0) {
+        return -1;
+    }
+    if (pid == 0) {
+        execvp(argv[0], argv);
+        fprintf(stderr, "soak: exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    x->kvd = pid;
+    for (int i = 0; i < 6000; i++) { /* 60 s: valgrind starts slowly */
+        if (can_connect(x->sock)) {
+            return 0;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            fprintf(stderr, "soak: kvd exited during start (status %d)\n", st);
+            x->kvd = 0;
+            return -1;
+        }
+        sleep_ms(10);
+    }
+    fprintf(stderr, "soak: kvd did not accept on %s\n", x->sock);
+    return -1;
+}
+
+static int stop_kvd(soak_ctx *x) {
+    if (x->kvd == 0) {
+        return -1;
+    }
+    kill(x->kvd, SIGTERM);
+    int st = 0;
+    for (int i = 0; i < 6000; i++) {
+        if (waitpid(x->kvd, &st, WNOHANG) == x->kvd) {
+            x->kvd = 0;
+            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        }
+        sleep_ms(10);
+    }
+    kill(x->kvd, SIGKILL);
+    waitpid(x->kvd, &st, 0);
+    x->kvd = 0;
+    return -1;
+}
+
+static pid_t spawn_worker(const soak_ctx *x, int slot) {
+    x->k[slot].dying = 0;
+    x->k[slot].started = 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        worker_main(x, slot);
+    }
+    return pid;
+}
+
+/* With every worker gone: every block of every tenant's pool is free or cached. */
+static int check_pools(soak_ctx *x, soak_result *r) {
+    for (int t = 0; t < x->o->tenants; t++) {
+        kvc_conn *c;
+        kvc_pool *p;
+        kv_err rc = open_tenant(x, t, "soak-check", &c, &p);
+        if (rc != KV_OK) {
+            fprintf(stderr, "soak: checker for tenant %d: %s\n", t, kv_strerror(rc));
+            return -1;
+        }
+        /* Closes of dead workers are handled asynchronously: wait until only we are left. */
+        uint64_t sessions = 0;
+        for (int i = 0; i < 2000; i++) {
+            if (kvc_stat_get(c, 0, "daemon.sessions", &sessions) == KV_OK && sessions == 1) {
+                break;
+            }
+            sleep_ms(10);
+        }
+        uint32_t id = kvc_pool_id(p);
+        uint64_t total = 0, fr = 0, cached = 0, writing = 0, committed = 0, refs = 0;
+        if (kvc_stat_get(c, id, "pool.blocks_total", &total) != KV_OK ||
+            kvc_stat_get(c, id, "pool.blocks_free", &fr) != KV_OK ||
+            kvc_stat_get(c, id, "pool.blocks_cached", &cached) != KV_OK ||
+            kvc_stat_get(c, id, "pool.blocks_writing", &writing) != KV_OK ||
+            kvc_stat_get(c, id, "pool.blocks_committed", &committed) != KV_OK ||
+            kvc_stat_get(c, 0, "session.refs_held", &refs) != KV_OK) {
+            fprintf(stderr, "soak: stats: %s\n", kvc_last_error(c));
+            kvc_conn_close(c);
+            return -1;
+        }
+        uint64_t leaked = total - fr - cached;
+        if (fr + cached > total) {
+            leaked = (fr + cached) - total; /* counted twice: as bad as a leak */
+        }
+        if (x->o->verbose || leaked != 0 || sessions != 1) {
+            printf("soak: tenant %d pool %u: total %llu free %llu cached %llu writing %llu "
+                   "committed %llu, sessions %llu\n",
+                   t, id, (unsigned long long)total, (unsigned long long)fr,
+                   (unsigned long long)cached, (unsigned long long)writing,
+                   (unsigned long long)committed, (unsigned long long)sessions);
+        }
+        r->leaked += leaked;
+        r->blocks_total += total;
+        kvc_pool_detach(p);
+        kvc_conn_close(c);
+        if (refs != 0 || sessions != 1) {
+            fprintf(stderr, "soak: %llu sessions still open, checker holds %llu refs\n",
+                    (unsigned long long)sessions, (unsigned long long)refs);
+            return -1; /* a dead worker's session was never closed */
+        }
+    }
+    return 0;
+}
+
+int soak_run(const soak_options *o, soak_result *r) {
+    memset(r, 0, sizeof(*r));
+    r->kvd_status = -1;
+    if (o->clients < 1 || o->clients > SOAK_MAX_CLIENTS || o->tenants < 1 ||
+        o->tenants > SOAK_MAX_TENANTS) {
+        fprintf(stderr, "soak: clients 1..%d, tenants 1..%d\n", SOAK_MAX_CLIENTS, SOAK_MAX_TENANTS);
+        return -1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    soak_ctx x;
+    memset(&x, 0, sizeof(x));
+    x.o = o;
+    x.k = mmap(NULL, sizeof(soak_counters) * SOAK_MAX_CLIENTS, PROT_READ | PROT_WRITE,
+               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (x.k == MAP_FAILED) {
+        return -1;
+    }
+    if (start_kvd(&x) != 0) {
+        munmap(x.k, sizeof(soak_counters) * SOAK_MAX_CLIENTS);
+        return -1;
+    }
+    r->rss_start_kb = proc_kb(x.kvd, "VmRSS");
+    uint64_t t0 = now_ms();
+    x.deadline_ms = t0 + (uint64_t)o->seconds * 1000u;
+    uint64_t warm_at = t0 + (uint64_t)o->seconds * 250u;
+    pid_t pids[SOAK_MAX_CLIENTS];
+    int alive = 0;
+    for (int i = 0; i < o->clients; i++) {
+        pids[i] = spawn_worker(&x, i);
+        alive += pids[i] > 0;
+    }
+    int kvd_died = 0;
+    while (alive > 0) {
+        if (r->rss_warm_kb == 0 && now_ms() >= warm_at) {
+            r->rss_warm_kb = proc_kb(x.kvd, "VmRSS");
+            r->anon_warm_kb = proc_kb(x.kvd, "RssAnon");
+        }
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid == 0) {
+            sleep_ms(5);
+            continue;
+        }
+        if (pid < 0) {
+            break;
+        }
+        if (pid == x.kvd) {
+            fprintf(stderr, "soak: kvd died during the run (status %d)\n", st);
+            x.kvd = 0;
+            kvd_died = 1;
+            x.deadline_ms = 0;
+            continue;
+        }
+        int slot = -1;
+        for (int i = 0; i < o->clients; i++) {
+            if (pids[i] == pid) {
+                slot = i;
+            }
+        }
+        if (slot < 0) {
+            continue;
+        }
+        alive--;
+        pids[slot] = 0;
+        if (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL && x.k[slot].dying) {
+            r->deaths++;
+        } else if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+            fprintf(stderr, "soak: worker %d died: status 0x%x\n", slot, st);
+            r->crashes++;
+        }
+        if (!kvd_died && now_ms() + 100 < x.deadline_ms) {
+            pids[slot] = spawn_worker(&x, slot);
+            alive += pids[slot] > 0;
+        }
+    }
+    for (int i = 0; i < o->clients; i++) {
+        soak_counters *k = &x.k[i];
+        r->ops += k->ops;
+        r->requests += k->requests;
+        r->lookups += k->lookups;
+        r->hit_blocks += k->hit_blocks;
+        r->allocated += k->allocated;
+        r->committed += k->committed;
+        r->duplicates += k->duplicates;
+        r->rewinds += k->rewinds;
+        r->pins += k->pins;
+        r->enospc += k->enospc;
+        r->verified += k->verified;
+        r->mismatched += k->mismatched;
+        r->cross_domain += k->cross_domain;
+        r->unexpected += k->unexpected;
+    }
+    if (!kvd_died) {
+        r->check_failed = check_pools(&x, r) != 0;
+        r->rss_end_kb = proc_kb(x.kvd, "VmRSS");
+        r->anon_end_kb = proc_kb(x.kvd, "RssAnon");
+        r->kvd_status = stop_kvd(&x);
+    } else {
+        r->check_failed = 1;
+    }
+    munmap(x.k, sizeof(soak_counters) * SOAK_MAX_CLIENTS);
+    char path[256];
+    for (int t = 0; t < o->tenants; t++) {
+        snprintf(path, sizeof(path), "%s/t%d.token", x.dir, t);
+        unlink(path);
+    }
+    snprintf(path, sizeof(path), "%s/tenants", x.dir);
+    unlink(path);
+    unlink(x.sock);
+    snprintf(path, sizeof(path), "%s/admin.sock", x.dir);
+    unlink(path);
+    rmdir(x.dir);
+
+    printf("soak: %d s, %d client processes over %d tenants, kvd %s%s\n", o->seconds, o->clients,
+           o->tenants, o->wrap != NULL ? "under " : "", o->wrap != NULL ? o->wrap : "");
+    printf("soak: operations %llu cycles, %llu requests (lookups %llu, hit blocks %llu, "
+           "allocated %llu, committed %llu, duplicates %llu, rewinds %llu, pins %llu, "
+           "ENOSPC %llu)\n",
+           (unsigned long long)r->ops, (unsigned long long)r->requests,
+           (unsigned long long)r->lookups, (unsigned long long)r->hit_blocks,
+           (unsigned long long)r->allocated, (unsigned long long)r->committed,
+           (unsigned long long)r->duplicates, (unsigned long long)r->rewinds,
+           (unsigned long long)r->pins, (unsigned long long)r->enospc);
+    printf("soak: faults injected %llu (workers SIGKILLed at a random step)\n",
+           (unsigned long long)r->deaths);
+    printf("soak: blocks verified %llu: bytes mismatched %llu, cross-domain hits %llu\n",
+           (unsigned long long)r->verified, (unsigned long long)r->mismatched,
+           (unsigned long long)r->cross_domain);
+    printf("soak: blocks leaked %llu of %llu%s\n", (unsigned long long)r->leaked,
+           (unsigned long long)r->blocks_total, r->check_failed ? " (CHECK FAILED)" : "");
+    printf("soak: kvd RSS start %llu KiB, after 1/4 of the run %llu KiB, end %llu KiB; "
+           "anonymous %llu -> %llu KiB (growth %lld KiB)\n",
+           (unsigned long long)r->rss_start_kb, (unsigned long long)r->rss_warm_kb,
+           (unsigned long long)r->rss_end_kb, (unsigned long long)r->anon_warm_kb,
+           (unsigned long long)r->anon_end_kb,
+           (long long)r->anon_end_kb - (long long)r->anon_warm_kb);
+    printf("soak: unexpected errors %llu, worker crashes %llu, kvd exit status %d\n",
+           (unsigned long long)r->unexpected, (unsigned long long)r->crashes, r->kvd_status);
+    int ok = r->leaked == 0 && r->mismatched == 0 && r->cross_domain == 0 && r->unexpected == 0 &&
+             r->crashes == 0 && r->kvd_status == 0 && !r->check_failed && r->ops > 0;
+    printf("soak: %s\n", ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,66 @@
+/* soak: a long randomized run of kvd with many worker processes and an invariant checker.
+ *
+ * soak_run starts kvd (optionally under a wrapper such as valgrind) with a tenants file of
+ * token tenants, forks `clients` worker processes spread over `tenants` tenants, and lets them
+ * do random sequences of lookups (verifying every hit byte for byte), allocations, writes,
+ * commits, releases, rewinds, pins and deaths (SIGKILL at a random step; the slot is refilled by
+ * a new process) until the time is up. Block contents are derived from the block hash and the
+ * writer's tenant, so any reader can verify them and a hit that crossed a domain is told apart
+ * from corrupted bytes. Afterwards, with every worker gone, it checks through Stats that every
+ * block of every pool is accounted for (free + cached = total, nothing held or WRITING), stops kvd
+ * with SIGTERM and requires exit status 0. Single-threaded caller; forks.
+ */
+#ifndef KV_SOAK_H
+#define KV_SOAK_H
+
+#include <stdint.h>
+
+typedef struct soak_options {
+    int seconds;          /* run time of the workers */
+    int clients;          /* worker processes alive at any time */
+    int tenants;          /* token tenants (clients are spread round-robin), 1..16 */
+    int death_permille;   /* chance, per step of a worker's cycle, that it SIGKILLs itself */
+    const char *kvd;      /* kvd binary */
+    const char *wrap;     /* NULL or a command prefix (space-separated) kvd runs under */
+    const char *pool_mem; /* --pool-memory of kvd */
+    int verbose;          /* print per-tenant pool figures */
+} soak_options;
+
+typedef struct soak_result {
+    uint64_t ops;          /* worker cycles (lookup .. release), finished or not */
+    uint64_t requests;     /* kvd requests made by workers */
+    uint64_t lookups;      /* Lookup requests */
+    uint64_t hit_blocks;   /* blocks returned by Lookup */
+    uint64_t allocated;    /* blocks leased by Allocate */
+    uint64_t committed;    /* blocks committed */
+    uint64_t duplicates;   /* commits answered with another writer's canonical block */
+    uint64_t rewinds;      /* Rewind requests (drafts thrown away) */
+    uint64_t pins;         /* Pin requests */
+    uint64_t enospc;       /* Allocate refused with ENOSPC (expected under memory pressure) */
+    uint64_t verified;     /* blocks whose bytes were checked after a hit or a commit */
+    uint64_t mismatched;   /* blocks whose bytes differed from what their writer wrote */
+    uint64_t cross_domain; /* hits holding another tenant's bytes */
+    uint64_t unexpected;   /* requests that failed with an error no scenario explains */
+    uint64_t deaths;       /* workers that SIGKILLed themselves (faults injected) */
+    uint64_t crashes;      /* workers that died any other way, or could not start */
+    uint64_t leaked;       /* blocks neither free nor cached after every worker was gone */
+    uint64_t blocks_total; /* blocks of all pools at the end */
+    uint64_t rss_start_kb; /* kvd VmRSS after start (idle) */
+    uint64_t rss_warm_kb;  /* kvd VmRSS after a quarter of the run */
+    uint64_t rss_end_kb;   /* kvd VmRSS at the end, every worker gone */
+    uint64_t anon_warm_kb; /* kvd RssAnon after a quarter of the run */
+    uint64_t anon_end_kb;  /* kvd RssAnon at the end */
+    int kvd_status;        /* kvd's exit status after SIGTERM (0 expected), -1 if killed */
+    int check_failed;      /* the end-of-run checker could not run */
+} soak_result;
+
+/* Fills o with the defaults: 60 s, 64 clients, 4 tenants, 2 permille deaths, kvd at the runfile
+ * daemon/kvd, no wrapper, 32M pool memory. */
+void soak_options_init(soak_options *o);
+
+/* Runs the soak; fills *r (also when it fails). Returns 0 when every invariant held: nothing
+ * leaked, no byte mismatched, no hit crossed a domain, no unexpected error or crash, kvd exited
+ * 0; else -1. Prints a summary to stdout. */
+int soak_run(const soak_options *o, soak_result *r);
+
+#endif
