@@ -457,16 +457,51 @@ static void refuse(kvd_server *s, int fd, kv_err code, const char *msg) {
     close(fd);
 }
 
+/* One descriptor held in reserve, process-wide like the limit it guards. When accept fails
+ * with EMFILE/ENFILE the connection stays in the backlog and the level-triggered poll fires
+ * again at once: the loop would spin (tests/integration/fault_test measured 80,000 log lines
+ * in 200 ms). Instead the spare is closed, the waiting connections are accepted and closed at
+ * once (their peers see EOF instead of hanging), and the spare is taken again. */
+static int accept_spare_fd = -1;
+
+static void accept_out_of_fds(kvd_server *s, int err) {
+    static uint64_t last_log_ms, dropped;
+    if (accept_spare_fd >= 0) {
+        close(accept_spare_fd);
+        accept_spare_fd = -1;
+    }
+    for (int i = 0; i < 64; i++) {
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            break;
+        }
+        close(fd);
+        dropped++;
+    }
+    accept_spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    uint64_t now = uv_now(s->loop);
+    if (last_log_ms == 0 || now - last_log_ms >= 1000) {
+        KV_LOG(WARN, "KVD-ACCEPT", "accept: %s; %llu connection(s) closed unserved so far",
+               strerror(err), (unsigned long long)dropped);
+        last_log_ms = now;
+    }
+}
+
 static void on_listen_poll(uv_poll_t *h, int status, int events) {
     kvd_server *s = h->data;
     (void)events;
     if (status < 0 || s->stopping) {
         return;
     }
+    if (accept_spare_fd < 0) {
+        accept_spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
     for (int i = 0; i < 64; i++) {
         int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            if (errno == EMFILE || errno == ENFILE) {
+                accept_out_of_fds(s, errno);
+            } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
                 KV_LOG(WARN, "KVD-ACCEPT", "accept: %s", strerror(errno));
             }
             return;
