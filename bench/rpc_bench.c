@@ -524,6 +524,162 @@ static void redis_prepare(void) {
     close(fd);
 }
 
+/* ---- tenancy: cost of the tenancy checks (owner: tenancy; docs/TENANCY.md) ------------------
+ * Two more kvd instances: one with no tenants file (every session is tenant uid-N, one tenant),
+ * one with a tenants file of 100 token tenants, each with a quota line, and 100 sessions open
+ * (one per tenant, each with its own pool holding the prefix). The measured session does sync and
+ * pipelined Lookup-128 + Release on its own pool in both, so the difference is what 100 tenants,
+ * 100 pools and the quota checks cost a request. */
+
+#define TEN_N 100
+
+typedef struct ten_result {
+    double sync_ops, pipe_ops; /* best Lookup-128 ops/s over REPS runs */
+} ten_result;
+
+static void ten_open(const char *sock, int tenant, kvc_conn **conn, kvc_pool **pool) {
+    char tok[64];
+    snprintf(tok, sizeof(tok), "rpc-bench-tenant-token-%03d-xxxxxxxx", tenant);
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = sock;
+    o.client_name = "rpc_bench_tenancy";
+    if (tenant >= 0) {
+        o.token = tok;
+        o.token_len = strlen(tok);
+    }
+    kv_layout l = {.num_layers = 4,
+                   .num_kv_heads = 8,
+                   .head_dim = 128,
+                   .tokens_per_block = 16,
+                   .dtype = KV_DTYPE_FP16,
+                   .arrangement = KV_LAYER_MAJOR};
+    if (kvc_conn_open(&o, conn) != KV_OK || kvc_pool_attach(*conn, "bench", &l, pool) != KV_OK) {
+        die("tenancy: cannot open a kvd session");
+    }
+    kvc_block b[NBLK], canon[NBLK];
+    kvc_commit_entry e[NBLK];
+    if (kvc_allocate(*pool, NBLK, b) != KV_OK) {
+        die("tenancy: allocate failed");
+    }
+    for (int i = 0; i < NBLK; i++) {
+        e[i].block = b[i];
+        e[i].hash = g_hashes[i];
+        e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
+    }
+    if (kvc_commit(*pool, e, NBLK, canon) != KV_OK || kvc_release(*pool, canon, NBLK) != KV_OK) {
+        die("tenancy: commit failed");
+    }
+}
+
+/* Lookup-128 + Release for g_seconds; sync or DEPTH pipelined. Returns ops/s. */
+static double ten_run(kvc_conn *conn, kvc_pool *pool, int pipelined) {
+    static kvc_block hits[DEPTH][NBLK];
+    size_t nhit[DEPTH];
+    kvc_batch *b;
+    if (kvc_batch_alloc(conn, &b) != KV_OK) {
+        die("tenancy: batch");
+    }
+    uint64_t ops = 0;
+    double t0 = now_s(), t = t0;
+    while (t - t0 < g_seconds) {
+        int n = pipelined ? DEPTH : 1;
+        kvc_batch_reset(b);
+        for (int i = 0; i < n; i++) {
+            if (kvc_batch_lookup(b, pool, g_hashes, NBLK, hits[i], &nhit[i], NULL) != KV_OK) {
+                die("tenancy: lookup");
+            }
+        }
+        if (kvc_batch_run(b) != KV_OK) {
+            die("tenancy: lookup batch");
+        }
+        kvc_batch_reset(b);
+        for (int i = 0; i < n; i++) {
+            if (nhit[i] != NBLK || kvc_batch_release(b, pool, hits[i], NBLK, NULL) != KV_OK) {
+                die("tenancy: lookup missed");
+            }
+        }
+        if (kvc_batch_run(b) != KV_OK) {
+            die("tenancy: release batch");
+        }
+        ops += (uint64_t)n;
+        t = now_s();
+    }
+    kvc_batch_free(b);
+    return (double)ops / (t - t0);
+}
+
+static void tenancy_bench(const char *kvd, ten_result *one, ten_result *many) {
+    char tenants[128], sock1[100], sockn[100], f1[160], fn[160], tf[200];
+    snprintf(tenants, sizeof(tenants), "%s/tenants", g_dir);
+    snprintf(sock1, sizeof(sock1), "%s/kvd-1t.sock", g_dir);
+    snprintf(sockn, sizeof(sockn), "%s/kvd-100t.sock", g_dir);
+    FILE *f = fopen(tenants, "w");
+    if (f == NULL) {
+        die("tenancy: cannot write the tenants file");
+    }
+    for (int i = 0; i < TEN_N; i++) {
+        char path[128];
+        snprintf(path, sizeof(path), "%s/t%03d.token", g_dir, i);
+        FILE *t = fopen(path, "w");
+        if (t == NULL) {
+            die("tenancy: cannot write a token file");
+        }
+        fprintf(t, "rpc-bench-tenant-token-%03d-xxxxxxxx\n", i);
+        fclose(t);
+        fprintf(f, "tenant t%03d token-file=%s\n", i, path);
+        fprintf(f, "quota t%03d max-held=100000 guarantee=64 max-pinned=1000 max-sessions=16\n", i);
+    }
+    fclose(f);
+    snprintf(f1, sizeof(f1), "--socket=%s", sock1);
+    snprintf(fn, sizeof(fn), "--socket=%s", sockn);
+    snprintf(tf, sizeof(tf), "--tenants-file=%s", tenants);
+    char *argv1[] = {(char *)kvd,        f1,  "--log-level=warn", "--segment-bytes=4M",
+                     "--pool-memory=4G", NULL};
+    char *argvn[] = {(char *)kvd,        fn,  tf, "--log-level=warn", "--segment-bytes=4M",
+                     "--pool-memory=4G", NULL};
+    pid_t p1 = spawn(argv1), pn = spawn(argvn);
+    wait_socket(sock1, p1);
+    wait_socket(sockn, pn);
+    kvc_conn *c1, *cn[TEN_N];
+    kvc_pool *q1, *qn[TEN_N];
+    ten_open(sock1, -1, &c1, &q1);
+    for (int i = 0; i < TEN_N; i++) {
+        ten_open(sockn, i, &cn[i], &qn[i]);
+    }
+    memset(one, 0, sizeof(*one));
+    memset(many, 0, sizeof(*many));
+    /* Interleaved, best of REPS, as the rows above. The measured tenant is the last one made. */
+    for (int rep = 0; rep < REPS; rep++) {
+        for (int pl = 0; pl < 2; pl++) {
+            double a = ten_run(c1, q1, pl), b = ten_run(cn[TEN_N - 1], qn[TEN_N - 1], pl);
+            double *oa = pl ? &one->pipe_ops : &one->sync_ops;
+            double *ob = pl ? &many->pipe_ops : &many->sync_ops;
+            *oa = a > *oa ? a : *oa;
+            *ob = b > *ob ? b : *ob;
+        }
+    }
+    kvc_conn_close(c1);
+    for (int i = 0; i < TEN_N; i++) {
+        kvc_conn_close(cn[i]);
+    }
+    stop(p1);
+    stop(pn);
+}
+
+static void tenancy_print(const ten_result *one, const ten_result *many) {
+    printf("\nTenancy checks (Lookup-128 + Release on one session, 1 conn): one tenant vs %d "
+           "token tenants with quotas, %d sessions and %d pools open.\n\n",
+           TEN_N, TEN_N, TEN_N);
+    printf("| mode | 1 tenant kops/s | %d tenants kops/s | ratio | within 5%% |\n", TEN_N);
+    printf("|---|---:|---:|---:|---|\n");
+    for (int pl = 0; pl < 2; pl++) {
+        double a = pl ? one->pipe_ops : one->sync_ops, b = pl ? many->pipe_ops : many->sync_ops;
+        printf("| %s | %.1f | %.1f | %.3f | %s |\n", pl ? "pipelined" : "sync", a / 1e3, b / 1e3,
+               b / a, b >= 0.95 * a ? "yes" : "no");
+    }
+}
+
 int main(int argc, char **argv) {
     const char *kvd = "bazel-bin/daemon/kvd";
     const char *redis = "redis-server";
@@ -596,6 +752,10 @@ int main(int argc, char **argv) {
             }
         }
     }
+    ten_result ten_one, ten_many; /* tenancy section (below the tables) */
+    if (only == NULL || strcmp(only, "kvd") == 0) {
+        tenancy_bench(kvd, &ten_one, &ten_many);
+    }
     stop(kvd_pid);
     stop(redis_pid);
     kill(echo_pid, SIGKILL);
@@ -641,5 +801,8 @@ int main(int argc, char **argv) {
            "| %.2fx | %s |\n",
            tk.ops_per_s / 1e3, tr.ops_per_s / 1e3, tk.ops_per_s / tr.ops_per_s,
            tk.ops_per_s >= 2 * tr.ops_per_s ? "yes" : "no");
+    if (only == NULL || strcmp(only, "kvd") == 0) {
+        tenancy_print(&ten_one, &ten_many);
+    }
     return 0;
 }
