@@ -460,28 +460,22 @@ static void kvd_prepare(void) {
     env.body_case = KVD__ENVELOPE__BODY_PONG;
     env.pong = &pong;
     g_kvd_rep[OP_PING] = kv_wire_frame_size(&env);
-    Kvd__Hash128 hm[NBLK], *hp[NBLK];
-    Kvd__BlockRef rm[NBLK], *rp[NBLK];
+    /* libkvclient and kvd exchange packed lists (PROTOCOL.md 6, Packed lists). */
+    uint8_t hp[NBLK * KV_WIRE_HASH_BYTES], rp[NBLK * KV_WIRE_BLOCK_BYTES];
     for (int i = 0; i < NBLK; i++) {
-        kvd__hash128__init(&hm[i]);
-        hm[i].lo = g_hashes[i].lo;
-        hm[i].hi = g_hashes[i].hi;
-        hp[i] = &hm[i];
-        kvd__block_ref__init(&rm[i]);
-        rm[i].id = canon[i].id;
-        rm[i].gen = canon[i].gen;
-        rp[i] = &rm[i];
+        kv_wire_hash_put(hp, (size_t)i, g_hashes[i].lo, g_hashes[i].hi);
+        kv_wire_block_put(rp, (size_t)i, canon[i].id, canon[i].gen);
     }
     Kvd__Lookup lk = KVD__LOOKUP__INIT;
     lk.pool_id = kvc_pool_id(c.pool);
-    lk.n_hashes = NBLK;
-    lk.hashes = hp;
+    lk.hashes_packed.data = hp;
+    lk.hashes_packed.len = sizeof(hp);
     env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
     env.lookup = &lk;
     g_kvd_req[OP_LOOKUP] = kv_wire_frame_size(&env);
     Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
-    lr.n_blocks = NBLK;
-    lr.blocks = rp;
+    lr.blocks_packed.data = rp;
+    lr.blocks_packed.len = sizeof(rp);
     env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
     env.lookup_reply = &lr;
     g_kvd_rep[OP_LOOKUP] = kv_wire_frame_size(&env);

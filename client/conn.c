@@ -602,6 +602,7 @@ static kv_err hello(kvc_conn *c) {
     h.client_name = c->name;
     h.token.data = c->token;
     h.token.len = c->token_len;
+    h.features = KV_FEATURE_PACKED; /* we read packed block lists in replies */
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_HELLO;
     env.hello = &h;

@@ -113,6 +113,7 @@ struct kvc_conn {
     uint32_t max_frame;    /* daemon's max_frame_bytes */
     uint32_t max_inflight; /* daemon's max_inflight */
     uint32_t max_blocks;   /* daemon's max_blocks_per_request */
+    uint32_t features;     /* HelloReply.features: KV_FEATURE_* the daemon takes */
     uint64_t next_id;      /* next envelope id */
     int broken;            /* transport failed: reconnect before the next call */
     uint8_t *rbuf;         /* received bytes not yet decoded */

@@ -324,6 +324,7 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     }
     c->sess.tenant = tenant;
     c->sess.hello = 1;
+    c->features = h->features & KV_FEATURE_PACKED; /* what we may send it */
     snprintf(c->sess.name, sizeof(c->sess.name), "%s", h->client_name ? h->client_name : "");
     Kvd__Envelope env;
     env_init(c, &env, id);
@@ -345,6 +346,7 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     r.max_frame_bytes = (uint32_t)s->cfg.max_frame_bytes;
     r.max_inflight = (uint32_t)s->cfg.max_inflight;
     r.max_blocks_per_request = (uint32_t)s->cfg.max_blocks_per_request;
+    r.features = KV_FEATURE_PACKED; /* what it may send us */
     env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
     env.hello_reply = &r;
     KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
@@ -511,44 +513,57 @@ static kv_err on_map(kvd_conn *c, uint64_t id, const Kvd__MapSegments *m, char *
     return send_segments_reply(c, id, sp, p, m->first_index, 0);
 }
 
+/* Queues a LookupReply (lookup) or AllocateReply with refs[0..n): as blocks_packed when the
+ * client said it reads packed lists (Hello.features), else as BlockRef messages. */
 static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *refs, size_t n,
                                 uint32_t nsf, int lookup, uint32_t *pool_ids) {
-    Kvd__BlockRef *v = calloc(n > 0 ? n : 1, sizeof(*v));
-    Kvd__BlockRef **pv = calloc(n > 0 ? n : 1, sizeof(*pv));
-    kv_err rc = KV_ENOMEM;
-    if (v == NULL || pv == NULL) {
-        goto cleanup;
+    Kvd__BlockRef *v = NULL, **pv = NULL;
+    ProtobufCBinaryData packed = {0, NULL};
+    if (c->features & KV_FEATURE_PACKED) {
+        packed.data = kvd_conn_scratch(c, n * KV_WIRE_BLOCK_BYTES);
+        if (packed.data == NULL) {
+            return KV_ENOMEM;
+        }
+        packed.len = n * KV_WIRE_BLOCK_BYTES;
+        for (size_t i = 0; i < n; i++) {
+            kv_wire_block_put(packed.data, i, refs[i].id, refs[i].gen);
+        }
+    } else {
+        v = kvd_conn_scratch(c, n * sizeof(*v));
+        pv = kvd_conn_scratch(c, n * sizeof(*pv));
+        if (v == NULL || pv == NULL) {
+            return KV_ENOMEM;
+        }
+        for (size_t i = 0; i < n; i++) {
+            kvd__block_ref__init(&v[i]);
+            v[i].id = refs[i].id;
+            v[i].gen = refs[i].gen;
+            pv[i] = &v[i];
+        }
     }
-    for (size_t i = 0; i < n; i++) {
-        kvd__block_ref__init(&v[i]);
-        v[i].id = refs[i].id;
-        v[i].gen = refs[i].gen;
-        pv[i] = &v[i];
-    }
+    size_t nref = packed.data != NULL ? 0 : n;
     Kvd__Envelope env;
     env_init(c, &env, id);
     Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
     Kvd__AllocateReply ar = KVD__ALLOCATE_REPLY__INIT;
     if (lookup) {
-        lr.n_blocks = n;
+        lr.n_blocks = nref;
         lr.blocks = pv;
+        lr.blocks_packed = packed;
         lr.new_segments_from = nsf;
         lr.n_pool_ids = pool_ids != NULL ? n : 0;
         lr.pool_ids = pool_ids;
         env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
         env.lookup_reply = &lr;
     } else {
-        ar.n_blocks = n;
+        ar.n_blocks = nref;
         ar.blocks = pv;
+        ar.blocks_packed = packed;
         ar.new_segments_from = nsf;
         env.body_case = KVD__ENVELOPE__BODY_ALLOCATE_REPLY;
         env.allocate_reply = &ar;
     }
-    rc = kvd_conn_send(c, &env, NULL, 0);
-cleanup:
-    free(v);
-    free(pv);
-    return rc;
+    return kvd_conn_send(c, &env, NULL, 0);
 }
 
 /* Records n new references of the session; on ENOMEM gives them back to the pool. */
@@ -646,23 +661,35 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     if (rc != KV_OK) {
         return rc;
     }
+    size_t n;
+    if (kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
+        FAIL(KV_EPROTO,
+             "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
+             l->hashes_packed.len, KV_WIRE_HASH_BYTES);
+    }
     rc = kvd_validate_lookup(l, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc == KV_OK) {
+        rc = kvd_validate_list(n, c->srv->cfg.max_blocks_per_request, "hashes_packed", msg,
+                               KVD_ERRMSG);
+    }
     if (rc != KV_OK) {
         return rc;
     }
-    size_t n = l->n_hashes;
-    kv_hash128 *hashes = malloc(sizeof(*hashes) * (n > 0 ? n : 1));
-    kvd_block_ref *refs = malloc(sizeof(*refs) * (n > 0 ? n : 1));
-    uint32_t *pool_of = malloc(sizeof(*pool_of) * (n > 0 ? n : 1));
+    /* Scratch lives in the request arena: nothing to free. */
+    kv_hash128 *hashes = kvd_conn_scratch(c, sizeof(*hashes) * n);
+    kvd_block_ref *refs = kvd_conn_scratch(c, sizeof(*refs) * n);
+    uint32_t *pool_of = kvd_conn_scratch(c, sizeof(*pool_of) * n);
     size_t nhit = 0;
     if (hashes == NULL || refs == NULL || pool_of == NULL) {
-        snprintf(msg, KVD_ERRMSG, "no memory for %zu hashes", n);
-        rc = KV_ENOMEM;
-        goto cleanup;
+        FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
     }
     for (size_t i = 0; i < n; i++) {
-        hashes[i].lo = l->hashes[i]->lo;
-        hashes[i].hi = l->hashes[i]->hi;
+        if (l->n_hashes > 0) {
+            hashes[i].lo = l->hashes[i]->lo;
+            hashes[i].hi = l->hashes[i]->hi;
+        } else {
+            kv_wire_hash_get(l->hashes_packed.data, i, &hashes[i].lo, &hashes[i].hi);
+        }
     }
     /* Pools searched, in order: the named one, then with search_domains its links (the same
      * model in the tenant's groups and the commons). Each position takes the first pool that
@@ -725,9 +752,6 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1,
                            l->search_domains ? pool_of : NULL);
 cleanup:
-    free(hashes);
-    free(refs);
-    free(pool_of);
     return rc;
 }
 
@@ -871,34 +895,81 @@ cleanup:
     return rc;
 }
 
-static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t n,
-                         Kvd__BlockRef *const *blocks, int rewind, char *msg) {
+/* Occurrences of block ids among one request's list: open addressing in the request arena,
+ * sized for the list (load <= 1/2), so counting repeats costs no malloc and no rehash. */
+typedef struct seen_tab {
+    uint32_t *ids;    /* key per slot; KVD_NO_BLOCK = empty */
+    uint32_t *counts; /* occurrences per slot */
+    uint32_t mask;    /* slots - 1 (a power of two) */
+} seen_tab;
+
+static kv_err seen_init(kvd_conn *c, seen_tab *t, size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) {
+        cap *= 2;
+    }
+    t->ids = kvd_conn_scratch(c, cap * sizeof(uint32_t));
+    t->counts = kvd_conn_scratch(c, cap * sizeof(uint32_t));
+    if (t->ids == NULL || t->counts == NULL) {
+        return KV_ENOMEM;
+    }
+    memset(t->ids, 0xff, cap * sizeof(uint32_t));
+    t->mask = (uint32_t)(cap - 1);
+    return KV_OK;
+}
+
+/* Counts one more occurrence of id (!= KVD_NO_BLOCK) and returns how many there were. */
+static uint32_t seen_add(seen_tab *t, uint32_t id) {
+    uint32_t i = (id * 2654435761u) & t->mask;
+    while (t->ids[i] != id && t->ids[i] != KVD_NO_BLOCK) {
+        i = (i + 1) & t->mask;
+    }
+    if (t->ids[i] == KVD_NO_BLOCK) {
+        t->ids[i] = id;
+        t->counts[i] = 0;
+    }
+    return ++t->counts[i];
+}
+
+/* Release and Rewind: the list comes as nrep BlockRefs or as packed (8 bytes a block). */
+static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t nrep,
+                         Kvd__BlockRef *const *blocks, const ProtobufCBinaryData *packed,
+                         int rewind, char *msg) {
+    size_t n;
+    if (kv_wire_list_count(nrep, packed->len, KV_WIRE_BLOCK_BYTES, &n) != KV_OK) {
+        FAIL(KV_EPROTO,
+             "blocks_packed of %zu bytes: not a multiple of %d, or sent together with blocks",
+             packed->len, KV_WIRE_BLOCK_BYTES);
+    }
     kvd_session_pool *sp;
     kv_err rc = session_pool(c, pool_id, &sp, NULL, msg);
     if (rc != KV_OK) {
         return rc;
     }
-    rc = kvd_validate_refs(n, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    rc = kvd_validate_refs(nrep, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc == KV_OK) {
+        rc = kvd_validate_list(n, c->srv->cfg.max_blocks_per_request, "blocks_packed", msg,
+                               KVD_ERRMSG);
+    }
     if (rc != KV_OK) {
         return rc;
     }
-    kvd_refs times;
-    kvd_refs_init(&times);
-    kvd_block_ref *refs = malloc(sizeof(*refs) * (n > 0 ? n : 1));
-    if (refs == NULL) {
+    seen_tab times;
+    kvd_block_ref *refs = kvd_conn_scratch(c, sizeof(*refs) * n);
+    if (refs == NULL || seen_init(c, &times, n) != KV_OK) {
         snprintf(msg, KVD_ERRMSG, "no memory");
         rc = KV_ENOMEM;
         goto cleanup;
     }
     for (size_t i = 0; i < n; i++) {
-        refs[i].id = blocks[i]->id;
-        refs[i].gen = blocks[i]->gen;
-        /* Count repeats so that a block listed k times needs k references. */
-        rc = kvd_pool_check_ref(sp->pool, refs[i]);
-        if (rc == KV_OK) {
-            rc = kvd_refs_add(&times, refs[i].id, refs[i].gen, 1);
+        if (nrep > 0) {
+            refs[i].id = blocks[i]->id;
+            refs[i].gen = blocks[i]->gen;
+        } else {
+            kv_wire_block_get(packed->data, i, &refs[i].id, &refs[i].gen);
         }
-        uint32_t k = rc == KV_OK ? kvd_refs_count(&times, refs[i].id, NULL) : 1;
+        /* Count repeats so that a block listed k times needs k references. */
+        uint32_t k = refs[i].id != KVD_NO_BLOCK ? seen_add(&times, refs[i].id) : 1;
         rc = check_held(c, sp, refs[i], k, "blocks", i, msg);
         if (rc != KV_OK) {
             goto cleanup;
@@ -925,8 +996,6 @@ static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t n,
     }
     rc = kvd_conn_send(c, &env, NULL, 0);
 cleanup:
-    kvd_refs_fini(&times);
-    free(refs);
     return rc;
 }
 
@@ -1120,11 +1189,11 @@ void kvd_handle_request(kvd_conn *c, const Kvd__Envelope *env) {
             break;
         case KVD__ENVELOPE__BODY_RELEASE:
             rc = on_release(c, env->id, env->release->pool_id, env->release->n_blocks,
-                            env->release->blocks, 0, msg);
+                            env->release->blocks, &env->release->blocks_packed, 0, msg);
             break;
         case KVD__ENVELOPE__BODY_REWIND:
             rc = on_release(c, env->id, env->rewind->pool_id, env->rewind->n_blocks,
-                            env->rewind->blocks, 1, msg);
+                            env->rewind->blocks, &env->rewind->blocks_packed, 1, msg);
             break;
         case KVD__ENVELOPE__BODY_PIN:
             rc = on_pin(c, env->id, env->pin, msg);

@@ -24,6 +24,8 @@
 #include "daemon/server_int.h"
 
 #define READ_CHUNK 65536
+#define OUT_CHUNK_MIN 16384             /* bytes of a new output chunk */
+#define OUT_CHUNK_COALESCE (256u << 10) /* replies are appended to a chunk up to this size */
 
 static void conn_close(kvd_conn *c);
 static void conn_update_events(kvd_conn *c);
@@ -31,6 +33,9 @@ static void conn_update_events(kvd_conn *c);
 /* ---- output ---------------------------------------------------------------------------- */
 
 static void frame_free(kvd_out_frame *f) {
+    if (f == NULL) {
+        return;
+    }
     for (uint32_t i = 0; i < f->nfds; i++) {
         close(f->fds[i]);
     }
@@ -39,21 +44,82 @@ static void frame_free(kvd_out_frame *f) {
     free(f);
 }
 
+/* A chunk that was written: kept as the connection's spare (the next reply reuses its buffer)
+ * unless one is kept already or it grew large. */
+static void frame_done(kvd_conn *c, kvd_out_frame *f) {
+    if (c->out_spare != NULL || f->cap > OUT_CHUNK_COALESCE || f->nfds > 0) {
+        frame_free(f);
+        return;
+    }
+    free(f->fds);
+    f->fds = NULL;
+    f->next = NULL;
+    f->len = f->off = 0;
+    f->nreplies = 0;
+    c->out_spare = f;
+}
+
+/* An empty chunk with room for len bytes: the spare when it is big enough, else a new one. */
+static kvd_out_frame *frame_new(kvd_conn *c, size_t len) {
+    kvd_out_frame *f = c->out_spare;
+    if (f != NULL && f->cap >= len) {
+        c->out_spare = NULL;
+        return f;
+    }
+    f = calloc(1, sizeof(*f));
+    if (f == NULL) {
+        return NULL;
+    }
+    f->cap = len > OUT_CHUNK_MIN ? len : OUT_CHUNK_MIN;
+    f->buf = malloc(f->cap);
+    if (f->buf == NULL) {
+        free(f);
+        return NULL;
+    }
+    return f;
+}
+
+/* Appends a reply of len bytes to the queue's last chunk when it carries no fds and the chunk
+ * stays below OUT_CHUNK_COALESCE. Returns 0 when it was not appended (no memory included). */
+static int frame_append(kvd_conn *c, const Kvd__Envelope *env, size_t len) {
+    kvd_out_frame *t = c->out_tail;
+    if (t == NULL || t->len + len > OUT_CHUNK_COALESCE) {
+        return 0;
+    }
+    if (t->cap - t->len < len) {
+        size_t ncap = t->cap * 2 > t->len + len ? t->cap * 2 : t->len + len;
+        uint8_t *n = realloc(t->buf, ncap);
+        if (n == NULL) {
+            return 0;
+        }
+        t->buf = n;
+        t->cap = ncap;
+    }
+    t->len += kv_wire_encode_into(env, t->buf + t->len);
+    t->nreplies++;
+    return 1;
+}
+
+void *kvd_conn_scratch(kvd_conn *c, size_t size) {
+    return kv_arena_alloc(&c->srv->req_arena, size);
+}
+
 kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds) {
     if (c->closing) {
         return KV_ECLOSED;
     }
-    kvd_out_frame *f = calloc(1, sizeof(*f));
+    size_t len = kv_wire_frame_size(env);
+    if (nfds == 0 && frame_append(c, env, len)) {
+        c->out_frames++;
+        c->out_bytes += len;
+        goto check_size;
+    }
+    kvd_out_frame *f = frame_new(c, len);
     if (f == NULL) {
         return KV_ENOMEM;
     }
-    size_t len = kv_wire_frame_size(env);
-    f->buf = malloc(len);
-    if (f->buf == NULL) {
-        free(f);
-        return KV_ENOMEM;
-    }
     f->len = kv_wire_encode_into(env, f->buf);
+    f->nreplies = 1;
     if (nfds > 0) {
         f->fds = malloc(sizeof(int) * nfds);
         if (f->fds == NULL) {
@@ -79,6 +145,7 @@ kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint
     c->out_tail = f;
     c->out_frames++;
     c->out_bytes += f->len;
+check_size:
     if (c->out_bytes > c->srv->cfg.max_output_bytes && !c->close_after_flush) {
         KV_LOG(WARN, "KVD-CONN-SLOW",
                "session %llu (pid %d): %zu reply bytes queued, above max-output-bytes %llu; "
@@ -218,8 +285,8 @@ static int conn_flush(kvd_conn *c) {
                 if (c->out_head == NULL) {
                     c->out_tail = NULL;
                 }
-                c->out_frames--;
-                frame_free(h);
+                c->out_frames -= h->nreplies;
+                frame_done(c, h);
             }
         }
     }
@@ -246,7 +313,9 @@ static size_t conn_process(kvd_conn *c) {
         size_t avail = c->in_len - c->in_off;
         Kvd__Envelope *env = NULL;
         size_t used = 0;
-        kv_err rc = kv_wire_decode(p, avail, (uint32_t)s->cfg.max_frame_bytes, &env, &used);
+        /* Unpacked into the request arena: no malloc per submessage, one reset per request. */
+        kv_err rc = kv_wire_decode_with(p, avail, (uint32_t)s->cfg.max_frame_bytes,
+                                        kv_arena_allocator(&s->req_arena), &env, &used);
         if (rc == KV_ETOOBIG) {
             char msg[KVD_ERRMSG];
             snprintf(msg, sizeof(msg), "frame of %u bytes exceeds max_frame_bytes %llu; closing",
@@ -259,6 +328,7 @@ static size_t conn_process(kvd_conn *c) {
             break;
         }
         if (rc == KV_EPROTO) {
+            kv_arena_reset(&s->req_arena);
             /* The length was valid, so skip exactly this frame and stay in sync. */
             size_t flen = KV_WIRE_HEADER_BYTES + le32(p);
             kvd_conn_log_proto(c, "frame body does not decode as an Envelope", p, flen);
@@ -273,7 +343,7 @@ static size_t conn_process(kvd_conn *c) {
         }
         c->in_off += used;
         kvd_handle_request(c, env);
-        kv_wire_free(env);
+        kv_arena_reset(&s->req_arena); /* frees env and the handler's scratch */
         handled++;
     }
     if (c->in_off == c->in_len) {
@@ -416,6 +486,7 @@ static void on_conn_closed(uv_handle_t *h) {
         c->out_head = f->next;
         frame_free(f);
     }
+    frame_free(c->out_spare);
     free(c->in);
     if (c->prev != NULL) {
         c->prev->next = c->next;
@@ -558,6 +629,7 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
     s->next_pool_id = 1;
     s->next_session_id = 1;
     s->host.hugepages = cfg->hugepages;
+    kv_arena_init(&s->req_arena);
     s->be = &kvd_backend_host;
     s->start_loop_ms = uv_now(loop);
     {
@@ -600,6 +672,7 @@ cleanup_tenants:
     kvd_tenants_free(s->tenants);
 cleanup_server:
     kvd_events_fini(&s->events);
+    kv_arena_fini(&s->req_arena);
     free(s);
     return rc;
 }
@@ -792,6 +865,7 @@ void kvd_server_free(kvd_server *s) {
     kvd_index_free(s->index);
     kvd_tenants_free(s->tenants);
     kvd_events_fini(&s->events);
+    kv_arena_fini(&s->req_arena);
     free(s);
 }
 

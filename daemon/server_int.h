@@ -9,6 +9,7 @@
 
 #include <uv.h>
 
+#include "common/kv_arena.h"
 #include "common/kv_layout.h"
 #include "daemon/backend_host.h"
 #include "daemon/config.h"
@@ -25,11 +26,15 @@
 #define KVD_MAX_BLOCKS_PER_SEGMENT 65536 /* caps metadata per segment for tiny blocks */
 #define KVD_ERRMSG 256                   /* bytes of an Error message */
 
-/* One encoded reply waiting to be written. */
+/* A run of encoded replies waiting to be written: replies without fds are appended to the
+ * queue's last chunk, so the replies to one read leave in one sendmsg with no malloc each. A
+ * reply with fds starts a chunk of its own (its fds ride with its first byte). */
 typedef struct kvd_out_frame {
     struct kvd_out_frame *next; /* queue link */
-    uint8_t *buf;               /* the whole frame, header included */
+    uint8_t *buf;               /* whole frames back to back, headers included */
     size_t len, off;            /* bytes and bytes already written */
+    size_t cap;                 /* bytes allocated for buf */
+    uint32_t nreplies;          /* replies in buf (flow control counts them until all sent) */
     int *fds;                   /* dup'd fds sent with the first byte; closed once sent */
     uint32_t nfds;              /* entries of fds still owned */
 } kvd_out_frame;
@@ -45,7 +50,9 @@ typedef struct kvd_conn {
     uint8_t *in;                        /* input buffer */
     size_t in_off, in_len, in_cap;      /* consumed offset, filled bytes, capacity */
     kvd_out_frame *out_head, *out_tail; /* output queue */
-    size_t out_frames, out_bytes;       /* queued frames and unsent bytes */
+    size_t out_frames, out_bytes;       /* queued replies not fully written, unsent bytes */
+    kvd_out_frame *out_spare;           /* a written chunk kept for reuse, or NULL */
+    uint32_t features;                  /* Hello.features & what kvd has (KV_FEATURE_*) */
     struct kvd_conn *prev, *next;       /* the server's connection list */
 } kvd_conn;
 
@@ -98,11 +105,16 @@ struct kvd_server {
     int draining;                /* admin `drain`: a new Hello gets KV_EDRAINING */
     uint64_t start_unix_ms;      /* wall-clock time of kvd_server_alloc */
     uint64_t start_loop_ms;      /* uv_now at kvd_server_alloc (uptime base) */
+    kv_arena req_arena;          /* the request being handled is unpacked here; reset after it */
 };
 
 /* Queues env as a frame with fds[0..nfds) (dup'd here; the caller keeps its fds). A queue above
  * max-output-bytes marks the connection to close (the client does not read). KV_ENOMEM. */
 kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds);
+
+/* Scratch memory for the request being handled (the server's request arena): valid until the
+ * handler returns, never freed by the caller. NULL when out of memory. Loop thread. */
+void *kvd_conn_scratch(kvd_conn *c, size_t size);
 
 /* Queues an Error reply for request id with code and a message. */
 void kvd_conn_send_error(kvd_conn *c, uint64_t id, kv_err code, const char *msg);
