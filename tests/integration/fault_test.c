@@ -3,7 +3,11 @@
  * client that never reads its replies and a slow reader, while another client's Ping keeps
  * being answered; kvd out of file descriptors; the pool exhausted; SIGTERM under load; kvd
  * SIGKILLed and restarted. After each fault the daemon must answer, and every block a dead or
- * cut session held must be back (checked through Stats). No timing is asserted. */
+ * cut session held must be back (checked through Stats). No timing is asserted.
+ *
+ * UNFINISHED: kvd bounds buffers per connection (input <= max-frame-bytes + header + one read
+ * chunk, queued output <= max-output-bytes) but has no global bound over all connections (at
+ * the defaults 1024 connections x ~9 MiB); neither that limit nor a test of it exists yet. */
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
