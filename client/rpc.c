@@ -7,12 +7,19 @@
  * returns exactly count blocks) because a confused daemon must not make us write past a
  * caller's buffer.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "client/conn.h"
 #include "common/kv_wire.h"
+
+/* Packed lists are encoded straight from the caller's arrays on little-endian hosts. */
+_Static_assert(sizeof(kv_hash128) == KV_WIRE_HASH_BYTES && offsetof(kv_hash128, hi) == 8,
+               "kv_hash128 is not the packed hash record");
+_Static_assert(sizeof(kvc_block) == KV_WIRE_BLOCK_BYTES && offsetof(kvc_block, gen) == 4,
+               "kvc_block is not the packed block record");
 
 /* ---- reply handling ------------------------------------------------------------------- */
 
@@ -490,16 +497,24 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
     }
     Kvd__BlockRef *m = NULL, **ptrs = NULL;
     ProtobufCBinaryData packed = {0, NULL};
+    uint8_t *owned = NULL;
     if (kind != KVC__OP_PIN && (c->features & KV_FEATURE_PACKED)) {
         /* 8 bytes a block instead of a BlockRef submessage (Pin has no packed form). */
-        packed.data = malloc(n * KV_WIRE_BLOCK_BYTES + 1);
-        if (packed.data == NULL) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* kvc_block {id, gen} in memory is the packed record: encode from the caller's array
+         * (kvc__batch_add copies it into the batch). */
+        packed.data = (uint8_t *)blocks;
+#else
+        owned = malloc(n * KV_WIRE_BLOCK_BYTES + 1);
+        if (owned == NULL) {
             return kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu blocks", n);
         }
-        packed.len = n * KV_WIRE_BLOCK_BYTES;
         for (size_t i = 0; i < n; i++) {
-            kv_wire_block_put(packed.data, i, blocks[i].id, blocks[i].gen);
+            kv_wire_block_put(owned, i, blocks[i].id, blocks[i].gen);
         }
+        packed.data = owned;
+#endif
+        packed.len = n * KV_WIRE_BLOCK_BYTES;
         n = 0; /* no repeated entries */
     } else {
         err = refs_build(c, blocks, n, &m, &ptrs);
@@ -507,7 +522,7 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
             return err;
         }
     }
-    size_t count = packed.data != NULL ? packed.len / KV_WIRE_BLOCK_BYTES : n;
+    size_t count = packed.len > 0 ? packed.len / KV_WIRE_BLOCK_BYTES : n;
     Kvd__Release rel = KVD__RELEASE__INIT;
     Kvd__Rewind rew = KVD__REWIND__INIT;
     Kvd__Pin pin = KVD__PIN__INIT;
@@ -547,7 +562,7 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
     }
     free(m);
     free(ptrs);
-    free(packed.data);
+    free(owned);
     return err;
 }
 
