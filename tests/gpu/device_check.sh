@@ -8,10 +8,14 @@
 # Needs libcmocka for the tests.
 #
 # With Bazel this includes //tests/gpu:gpu_share_test (a real kvd exports cuda-vmm and cuda-ipc
-# pools; writer and reader processes share blocks through them). The no-Bazel path builds only
-# the kernels: the kvd-backed tests need the daemon's dependencies (libuv, protobuf-c), so run
-# them with Bazel. Not covered yet (UNFINISHED): attention over daemon-exported memory compared
-# with memory the worker allocated itself.
+# pools; writer and reader processes share blocks through them) and, as its own step after the
+# benchmarks, //tests/gpu:zero_copy_bench (decode attention over a kvd cuda-vmm pool's layer
+# tensors vs the same blocks in memory the process allocated itself: asserts equal data and
+# outputs, appends its timings to the results). The no-Bazel path builds only the kernels: the
+# kvd-backed tests need the daemon's dependencies (libuv, protobuf-c), so run them with Bazel.
+# Without a visible GPU (nvidia-smi lists none and there is no /dev/nvidia0) it says so, runs
+# nothing and exits 2 at once; with KVD_DRY_BUILD=1 it builds everything first (a dry run of the
+# build; minutes on a small machine).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
@@ -35,6 +39,15 @@ log() { printf '==> %s\n' "$*" >&2; }
     echo '```'
 } >"$RESULTS"
 
+HAVE_GPU=1
+if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && ! [ -e /dev/nvidia0 ]; then
+    HAVE_GPU=0
+    printf '\nNo GPU visible on this machine (nvidia-smi lists none, no /dev/nvidia0): nothing run.\n' | tee -a "$RESULTS" >&2
+    if [ "${KVD_DRY_BUILD:-0}" != 1 ]; then
+        exit 2
+    fi
+fi
+
 if ! [ -x "$NVCC" ]; then
     echo "no nvcc found: cannot build the CUDA kernels" | tee -a "$RESULTS"
     exit 1
@@ -43,8 +56,9 @@ fi
 if [ "${KVD_NO_BAZEL:-0}" != 1 ] && command -v bazel >/dev/null; then
     log "building with Bazel"
     BZ=(bazel --output_base="$WORK/bazel")
-    tests=$("${BZ[@]}" query 'attr(tags, "requires-gpu", tests(//...))' 2>/dev/null)
-    "${BZ[@]}" build -c opt --symlink_prefix=/ //kernels:kvk_bench $tests >"$WORK/build.log" 2>&1 \
+    # zero_copy_bench runs as its own step below, not among the tests.
+    tests=$("${BZ[@]}" query 'attr(tags, "requires-gpu", tests(//...)) except //tests/gpu:zero_copy_bench' 2>/dev/null)
+    "${BZ[@]}" build -c opt --symlink_prefix=/ //kernels:kvk_bench //tests/gpu:zero_copy_bench $tests >"$WORK/build.log" 2>&1 \
         || { section "Build failed"; echo '```' >>"$RESULTS"; tail -40 "$WORK/build.log" >>"$RESULTS"; echo '```' >>"$RESULTS"; exit 1; }
     BIN=$("${BZ[@]}" info -c opt bazel-bin 2>/dev/null)
     TEST_BINS=()
@@ -53,6 +67,7 @@ if [ "${KVD_NO_BAZEL:-0}" != 1 ] && command -v bazel >/dev/null; then
         TEST_BINS+=("$BIN/${p/://}")
     done
     BENCH="$BIN/kernels/kvk_bench"
+    ZERO_COPY="$BIN/tests/gpu/zero_copy_bench"
 else
     log "no Bazel: building directly with nvcc and cc"
     GENCODE="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90"
@@ -77,8 +92,14 @@ else
     cc $CFLAGS kernels/kvk_bench.c "${objs[@]}" $LIBS -o "$WORK/kvk_bench" || exit 1
     TEST_BINS=("$WORK/probe_test" "$WORK/cuda_test")
     BENCH="$WORK/kvk_bench"
+    ZERO_COPY=""
 fi
 log "built in $(( $(date +%s) - START )) s"
+if [ "$HAVE_GPU" = 0 ]; then
+    echo "Built in $(( $(date +%s) - START )) s (KVD_DRY_BUILD=1); no GPU, so no test, benchmark or zero-copy check ran." >>"$RESULTS"
+    cat "$RESULTS"
+    exit 2
+fi
 
 section "requires-gpu tests"
 echo '```' >>"$RESULTS"
@@ -103,6 +124,24 @@ if ! timeout 120 "$BENCH" >>"$RESULTS" 2>"$WORK/bench.err"; then
     rc=1
     section "Benchmark failed"
     cat "$WORK/bench.err" >>"$RESULTS"
+fi
+
+# The zero-copy check appends its own section to $OUT/gpu_results.md (this file), so it gets
+# OUT = the results' folder; it finds kvd in its runfiles tree.
+if [ -n "$ZERO_COPY" ]; then
+    log "running the zero-copy check"
+    RESULTS_DIR=$(cd "$(dirname "$RESULTS")" && pwd)
+    if ! (cd "$ZERO_COPY.runfiles/kvd" && OUT="$RESULTS_DIR" KVD_EXPECT_GPU=1 timeout 90 "$ZERO_COPY") \
+            >"$WORK/zc.log" 2>&1; then
+        rc=1
+        section "Zero-copy check failed"
+        echo '```' >>"$RESULTS"
+        tail -40 "$WORK/zc.log" >>"$RESULTS"
+        echo '```' >>"$RESULTS"
+    fi
+else
+    section "Zero-copy check"
+    echo "Not run: it starts kvd, which only the Bazel build makes (install Bazel, or run with it)." >>"$RESULTS"
 fi
 echo "Total wall time: $(( $(date +%s) - START )) s" >>"$RESULTS"
 cat "$RESULTS"
