@@ -44,6 +44,7 @@ struct kvc_pool {
     uint64_t epoch;              /* boot epoch it was attached under */
     uint64_t session;            /* session it was attached in; its references die with it */
     uint32_t need_map_from;      /* a reply said segments >= this are new; 0: none */
+    struct kvc__gpu_pool *gpu;   /* GPU pools: device mappings (client/gpu_map.h); else NULL */
 };
 
 /* Request kinds, named for the reply they expect. */

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "client/conn.h"
+#include "client/gpu_map.h"
 
 #define KVC__MAX_SEGMENTS 4096        /* the daemon's per-pool limit (KVD_MAX_SEGMENTS) */
 #define KVC__MAX_RESERVE (1ull << 40) /* address space reserved per pool at most (1 TiB) */
@@ -28,6 +29,7 @@ void kvc__pool_unmap(kvc_pool *p) {
     if (p == NULL) {
         return;
     }
+    kvc__gpu_pool_unmap(p); /* GPU pools: device mappings first; leaves bases NULL */
     if (p->segs != NULL) {
         for (uint32_t i = 0; i < p->max_segments; i++) {
             if (p->segs[i].base != NULL) {
@@ -183,11 +185,16 @@ kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs,
                            size_t nfds) {
     for (size_t i = 0; i < nsegs; i++) {
         const Kvd__Segment *s = segs[i];
-        /* UNFINISHED: CUDA_VMM (cuMemImportFromShareableHandle + cuMemMap) and CUDA_IPC
-         * (cudaIpcOpenMemHandle) segments are refused; the daemon has no GPU backend yet. */
-        if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD) {
+        if (s->kind == KVD__MEMORY_KIND__CUDA_VMM || s->kind == KVD__MEMORY_KIND__CUDA_IPC) {
+            kv_err err = kvc__gpu_map_segment(p, s, fds, nfds); /* client/gpu_map.c */
+            if (err != KV_OK) {
+                return err;
+            }
+            continue;
+        }
+        if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD || p->gpu != NULL) {
             return kvc__fail(p->conn, KV_ENOTSUP,
-                             "segment %u has memory kind %d; this client maps host memory only",
+                             "segment %u has memory kind %d, which this pool cannot map",
                              s->index, (int)s->kind);
         }
         if (s->fd_index >= nfds) {

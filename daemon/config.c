@@ -28,8 +28,11 @@ static const kvd_config_option options[] = {
         "permission bits of the socket file (octal)"),
     OPT("socket-dir-mode", KVD_OPT_MODE, socket_dir_mode, "0700", 0, 0777,
         "permission bits of a socket directory kvd creates (octal)"),
-    OPT("backend", KVD_OPT_STRING, backend, "host", 0, 0,
-        "segment memory: host (memfd shared memory)"),
+    OPT("backend", KVD_OPT_STRING, backend, "auto", 0, 0,
+        "segment memory: auto (a GPU backend when a GPU is usable, else host), host (memfd), "
+        "cuda-vmm (cuMemCreate, fds; no hostIPC needed) or cuda-ipc (legacy cudaIpc handles)"),
+    OPT("device", KVD_OPT_U64, device, "0", 0, 1023,
+        "GPU backends: CUDA device ordinal of every pool (numbered as CUDA_VISIBLE_DEVICES shows)"),
     OPT("hugepages", KVD_OPT_BOOL, hugepages, "false", 0, 1,
         "host backend: back segments with huge pages (MFD_HUGETLB; needs vm.nr_hugepages)"),
     OPT("pool-memory", KVD_OPT_U64, pool_memory, "1G", 1, UINT64_MAX,
@@ -39,7 +42,7 @@ static const kvd_config_option options[] = {
     OPT("index-entries", KVD_OPT_U64, index_entries, "1M", 1024, 1ull << 32,
         "capacity of the prefix index in blocks over all pools"),
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
-        "eviction order of cached blocks: lru or s3fifo"),
+        "eviction order of cached blocks: lru, s3fifo or prefix-lru"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
     OPT_RT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
@@ -177,13 +180,16 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
                 set_err(err, errlen, "%s: value longer than %zu bytes", o->name, o->size - 1);
                 return KV_EINVAL;
             }
-            if (strcmp(o->name, "backend") == 0 && strcmp(value, "host") != 0) {
-                set_err(err, errlen, "backend: unknown backend '%s' (this build has: host)", value);
+            if (strcmp(o->name, "backend") == 0 && strcmp(value, "auto") != 0 &&
+                strcmp(value, "host") != 0 && strcmp(value, "cuda-vmm") != 0 &&
+                strcmp(value, "cuda-ipc") != 0) {
+                set_err(err, errlen,
+                        "backend: unknown backend '%s' (auto, host, cuda-vmm or cuda-ipc)", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "evict-policy") == 0 && strcmp(value, "lru") != 0 &&
-                strcmp(value, "s3fifo") != 0) {
-                set_err(err, errlen, "evict-policy: '%s' is not lru or s3fifo", value);
+                strcmp(value, "s3fifo") != 0 && strcmp(value, "prefix-lru") != 0) {
+                set_err(err, errlen, "evict-policy: '%s' is not lru, s3fifo or prefix-lru", value);
                 return KV_EINVAL;
             }
             memcpy(field, value, n + 1);

@@ -23,7 +23,8 @@ typedef struct kvd_config {
     char socket[KVD_CONFIG_PATH_MAX];       /* socket path; "" = default location */
     uint32_t socket_mode;                   /* mode of the socket file (octal in text) */
     uint32_t socket_dir_mode;               /* mode of a socket directory kvd creates */
-    char backend[16];                       /* "host" */
+    char backend[16];                       /* "auto", "host", "cuda-vmm", "cuda-ipc" */
+    uint64_t device;                        /* GPU backends: CUDA device ordinal */
     int hugepages;                          /* host backend: MFD_HUGETLB segments */
     uint64_t pool_memory;                   /* bytes of segments over all pools */
     uint64_t segment_bytes;                 /* target bytes per segment */

@@ -24,7 +24,8 @@ static void test_defaults(void **state) {
     assert_int_equal(c.max_blocks_per_request, 4096);
     assert_int_equal(c.socket_mode, 0600);
     assert_int_equal(c.socket_dir_mode, 0700);
-    assert_string_equal(c.backend, "host");
+    assert_string_equal(c.backend, "auto");
+    assert_int_equal(c.device, 0);
     assert_string_equal(c.socket, "");
     assert_int_equal(c.hugepages, 0);
     assert_int_equal(c.log_level, KV_LOG_INFO);

@@ -79,10 +79,19 @@ static uint32_t gcd32(uint64_t a, uint64_t b) {
     return (uint32_t)a;
 }
 
-/* Blocks per segment: floor(segment-bytes / block_bytes), rounded down to a multiple of m, the
- * smallest count that makes nblocks * kv_block_bytes a page multiple (at least m). */
-static uint32_t pick_blocks_per_segment(const kv_layout *l, uint64_t segment_bytes) {
+/* The backend's mapping granularity (CUDA VMM: the allocation granularity), at least a page. */
+static uint64_t backend_align(const kvd_server *s) {
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t a = s->be->align != NULL ? s->be->align(s->be_ctx) : 0;
+    return a > page ? a : page;
+}
+
+/* Blocks per segment: floor(segment-bytes / block_bytes), rounded down to a multiple of m, the
+ * smallest count that makes nblocks * kv_block_bytes a multiple of page: the backend's mapping
+ * granularity for LAYER_MAJOR pools (so clients can map each section at its offset), else the
+ * page size (at least m). */
+static uint32_t pick_blocks_per_segment(const kv_layout *l, uint64_t segment_bytes,
+                                        uint64_t page) {
     uint64_t m = page / gcd32(l->kv_block_bytes, page);
     uint64_t n = segment_bytes / l->block_bytes;
     if (n > KVD_MAX_BLOCKS_PER_SEGMENT) {
@@ -159,12 +168,19 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
     pc.pool_id = s->next_pool_id;
     pc.domain = domain;
     pc.layout = *l;
-    pc.blocks_per_segment = pick_blocks_per_segment(l, s->cfg.segment_bytes);
+    pc.blocks_per_segment = pick_blocks_per_segment(
+        l, s->cfg.segment_bytes,
+        l->arrangement == KV_LAYER_MAJOR ? backend_align(s) : (uint64_t)sysconf(_SC_PAGESIZE));
     pc.max_segments = 1;
-    pc.policy = strcmp(s->cfg.evict_policy, "s3fifo") == 0 ? KVD_EVICT_S3FIFO : KVD_EVICT_LRU;
+    pc.policy = strcmp(s->cfg.evict_policy, "s3fifo") == 0       ? KVD_EVICT_S3FIFO
+                : strcmp(s->cfg.evict_policy, "prefix-lru") == 0 ? KVD_EVICT_PREFIX_LRU
+                                                                 : KVD_EVICT_LRU;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     if (s->cfg.hugepages) {
         page = 2ull << 20;
+    }
+    if (backend_align(s) > page) {
+        page = backend_align(s); /* GPU segments are granularity multiples */
     }
     sp.segment_bytes = (kv_layout_segment_bytes(l, pc.blocks_per_segment) + page - 1) / page * page;
     uint64_t used = budget_used(s);
@@ -177,7 +193,7 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
              (unsigned long long)used, (unsigned long long)s->cfg.pool_memory,
              (unsigned long long)sp.segment_bytes);
     }
-    kv_err rc = kvd_pool_alloc(&pc, s->index, s->be, &s->host, &sp.pool);
+    kv_err rc = kvd_pool_alloc(&pc, s->index, s->be, s->be_ctx, &sp.pool);
     if (rc != KV_OK) {
         FAIL(rc, "cannot create the pool: %s", kv_strerror(rc));
     }
@@ -256,9 +272,10 @@ static uint32_t new_segments_from(const kvd_session_pool *sp) {
     return kvd_pool_segment_slots(sp->pool) > sp->segments_sent ? sp->segments_sent : 0;
 }
 
-/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first; *nfds fds. */
+/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first; *nfds fds.
+ * kind is the backend's kvd.MemoryKind. */
 static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segment *segs,
-                                 Kvd__Segment **ptrs, int *fds) {
+                                 Kvd__Segment **ptrs, int *fds, uint32_t kind) {
     uint32_t n = 0;
     uint32_t slots = kvd_pool_segment_slots(sp->pool);
     const kvd_pool_config *pc = kvd_pool_config_get(sp->pool);
@@ -271,8 +288,13 @@ static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segm
         segs[n].index = i;
         segs[n].nblocks = pc->blocks_per_segment;
         segs[n].bytes = m->bytes;
-        segs[n].kind = KVD__MEMORY_KIND__HOST_MEMFD;
+        segs[n].kind = (Kvd__MemoryKind)kind;
         segs[n].fd_index = n;
+        if (segs[n].kind == KVD__MEMORY_KIND__CUDA_IPC) {
+            /* No fd travels (send_segments_reply sends none): the handle names the memory. */
+            segs[n].ipc_handle.len = sizeof(m->ipc_handle);
+            segs[n].ipc_handle.data = (uint8_t *)m->ipc_handle;
+        }
         /* The commons is written only by the daemon (promotions); every tenant reads it. */
         segs[n].read_only = pc->domain == KVD_DOMAIN_COMMONS;
         fds[n] = m->fd;
@@ -307,8 +329,8 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
         if (rc != KV_OK) {
             KV_LOG(WARN, "KVD-AUTH", "session %llu: pid %d uid %d: tenant token refused",
                    (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid);
-            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be", (int)c->sess.uid,
-                 (int)c->sess.gid);
+            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be",
+                 (int)c->sess.uid, (int)c->sess.gid);
         }
     } else {
         rc = kvd_tenants_resolve(s->tenants, c->sess.uid, c->sess.gid, &tenant);
@@ -334,8 +356,8 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     char *domains[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t ndoms = kvd_tenants_domains(s->tenants, tenant, doms);
     for (uint32_t i = 0; i < ndoms; i++) {
-        domains[i] =
-            (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i], sizeof(dnames[i]));
+        domains[i] = (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i],
+                                                     sizeof(dnames[i]));
     }
     r.session_id = c->sess.id;
     r.tenant = domains[0];
@@ -369,9 +391,11 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         link_ptrs == NULL || lnames == NULL) {
         goto cleanup;
     }
-    n = collect_segments(sp, first, segs, ptrs, fds);
+    n = collect_segments(sp, first, segs, ptrs, fds,
+                         c->srv->be->kind != KVD_MEM_NONE ? c->srv->be->kind : KVD_MEM_HOST_MEMFD);
     /* Segments the session may only read travel as fds that cannot be mapped writable. */
     for (uint32_t i = 0; i < n; i++) {
+        /* GPU memory cannot be handed out read-only: there read_only is advisory (docs/GPU.md). */
         if (segs[i].read_only && segs[i].kind == KVD__MEMORY_KIND__HOST_MEMFD) {
             rc = kvd_tenancy_ro_fd(fds[i], &ro_fds[nro]);
             if (rc != KV_OK) {
@@ -387,10 +411,10 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         }
         kvd__linked_pool__init(&links[nlinks]);
         links[nlinks].pool_id = lp->pool_id;
-        links[nlinks].domain = (char *)kvd_tenants_domain_name(c->srv->tenants, lp->domain,
-                                                               lnames[nlinks], sizeof(lnames[0]));
-        links[nlinks].read_only =
-            !kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, lp->domain);
+        links[nlinks].domain = (char *)kvd_tenants_domain_name(
+            c->srv->tenants, lp->domain, lnames[nlinks], sizeof(lnames[0]));
+        links[nlinks].read_only = !kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant,
+                                                               lp->domain);
         links[nlinks].blocks_per_segment = kvd_pool_config_get(lp->pool)->blocks_per_segment;
         link_ptrs[nlinks] = &links[nlinks];
         nlinks++;
@@ -430,7 +454,9 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY;
         env.map_segments_reply = &mr;
     }
-    rc = kvd_conn_send(c, &env, fds, n);
+    /* CUDA_IPC segments carry handle bytes instead of fds. */
+    rc = kvd_conn_send(c, &env, fds,
+                       n > 0 && segs[0].kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : n);
 cleanup:
     for (uint32_t i = 0; i < nro; i++) {
         close(ro_fds[i]); /* kvd_conn_send keeps its own dups */
@@ -748,7 +774,6 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     tc->query_blocks += n;
     tc->hit_blocks += nhit;
     tc->hit_tokens += (uint64_t)nhit * p->layout.tokens_per_block;
-
     rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1,
                            l->search_domains ? pool_of : NULL);
 cleanup:

@@ -21,6 +21,7 @@
 #include "common/kv_wire.h"
 #include "daemon/admin.h"
 #include "daemon/metrics.h"
+#include "daemon/server_backend.h"
 #include "daemon/server_int.h"
 
 #define READ_CHUNK 65536
@@ -630,7 +631,8 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
     s->next_session_id = 1;
     s->host.hugepages = cfg->hugepages;
     kv_arena_init(&s->req_arena);
-    s->be = &kvd_backend_host;
+    s->be = &kvd_backend_host; /* until kvd_server_backend_open chooses */
+    s->be_ctx = &s->host;
     s->start_loop_ms = uv_now(loop);
     {
         struct timespec ts;
@@ -666,8 +668,14 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
                (unsigned long long)cfg->index_entries, kv_strerror(rc));
         goto cleanup_tenants;
     }
+    rc = kvd_server_backend_open(s);
+    if (rc != KV_OK) {
+        goto cleanup_index;
+    }
     *out = s;
     return KV_OK;
+cleanup_index:
+    kvd_index_free(s->index);
 cleanup_tenants:
     kvd_tenants_free(s->tenants);
 cleanup_server:
@@ -862,6 +870,7 @@ void kvd_server_free(kvd_server *s) {
     kvd_metrics_free(s);
     kvd_admin_free(s);
     kvd_handlers_free_pools(s);
+    kvd_server_backend_close(s);
     kvd_index_free(s->index);
     kvd_tenants_free(s->tenants);
     kvd_events_fini(&s->events);

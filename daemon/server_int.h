@@ -11,6 +11,7 @@
 
 #include "common/kv_arena.h"
 #include "common/kv_layout.h"
+#include "daemon/backend_cuda.h"
 #include "daemon/backend_host.h"
 #include "daemon/config.h"
 #include "daemon/events.h"
@@ -89,6 +90,8 @@ struct kvd_server {
     kvd_tenants *tenants;        /* peer credentials -> tenant */
     kvd_backend_host_ctx host;   /* host backend options */
     const kvd_backend_ops *be;   /* segment memory */
+    void *be_ctx;                /* be's ctx: &host or the GPU backend's (backend_sel) */
+    kvd_backend_sel backend_sel; /* the backend chosen at start (daemon/server_backend.h) */
     kvd_srv_pool *pools;         /* live pools */
     uint32_t npools, pools_cap;  /* used and allocated entries */
     uint32_t next_pool_id;       /* next pool id to hand out */
