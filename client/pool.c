@@ -194,8 +194,8 @@ kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs,
         }
         if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD || p->gpu != NULL) {
             return kvc__fail(p->conn, KV_ENOTSUP,
-                             "segment %u has memory kind %d, which this pool cannot map",
-                             s->index, (int)s->kind);
+                             "segment %u has memory kind %d, which this pool cannot map", s->index,
+                             (int)s->kind);
         }
         if (s->fd_index >= nfds) {
             return kvc__fail(p->conn, KV_EPROTO, "segment %u names fd %u of %zu", s->index,

@@ -90,8 +90,7 @@ static uint64_t backend_align(const kvd_server *s) {
  * smallest count that makes nblocks * kv_block_bytes a multiple of page: the backend's mapping
  * granularity for LAYER_MAJOR pools (so clients can map each section at its offset), else the
  * page size (at least m). */
-static uint32_t pick_blocks_per_segment(const kv_layout *l, uint64_t segment_bytes,
-                                        uint64_t page) {
+static uint32_t pick_blocks_per_segment(const kv_layout *l, uint64_t segment_bytes, uint64_t page) {
     uint64_t m = page / gcd32(l->kv_block_bytes, page);
     uint64_t n = segment_bytes / l->block_bytes;
     if (n > KVD_MAX_BLOCKS_PER_SEGMENT) {
@@ -329,8 +328,8 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
         if (rc != KV_OK) {
             KV_LOG(WARN, "KVD-AUTH", "session %llu: pid %d uid %d: tenant token refused",
                    (unsigned long long)c->sess.id, (int)c->sess.pid, (int)c->sess.uid);
-            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be",
-                 (int)c->sess.uid, (int)c->sess.gid);
+            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be", (int)c->sess.uid,
+                 (int)c->sess.gid);
         }
     } else {
         rc = kvd_tenants_resolve(s->tenants, c->sess.uid, c->sess.gid, &tenant);
@@ -356,8 +355,8 @@ static kv_err on_hello(kvd_conn *c, uint64_t id, const Kvd__Hello *h, char *msg)
     char *domains[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t ndoms = kvd_tenants_domains(s->tenants, tenant, doms);
     for (uint32_t i = 0; i < ndoms; i++) {
-        domains[i] = (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i],
-                                                     sizeof(dnames[i]));
+        domains[i] =
+            (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i], sizeof(dnames[i]));
     }
     r.session_id = c->sess.id;
     r.tenant = domains[0];
@@ -411,10 +410,10 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         }
         kvd__linked_pool__init(&links[nlinks]);
         links[nlinks].pool_id = lp->pool_id;
-        links[nlinks].domain = (char *)kvd_tenants_domain_name(
-            c->srv->tenants, lp->domain, lnames[nlinks], sizeof(lnames[0]));
-        links[nlinks].read_only = !kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant,
-                                                               lp->domain);
+        links[nlinks].domain = (char *)kvd_tenants_domain_name(c->srv->tenants, lp->domain,
+                                                               lnames[nlinks], sizeof(lnames[0]));
+        links[nlinks].read_only =
+            !kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, lp->domain);
         links[nlinks].blocks_per_segment = kvd_pool_config_get(lp->pool)->blocks_per_segment;
         link_ptrs[nlinks] = &links[nlinks];
         nlinks++;
@@ -455,8 +454,7 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         env.map_segments_reply = &mr;
     }
     /* CUDA_IPC segments carry handle bytes instead of fds. */
-    rc = kvd_conn_send(c, &env, fds,
-                       n > 0 && segs[0].kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : n);
+    rc = kvd_conn_send(c, &env, fds, n > 0 && segs[0].kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : n);
 cleanup:
     for (uint32_t i = 0; i < nro; i++) {
         close(ro_fds[i]); /* kvd_conn_send keeps its own dups */

@@ -37,8 +37,8 @@ kv_err kvd_index_remove(kvd_index *idx, uint32_t ns, kv_hash128 h);
 
 /* Probes hashes[0..n) in order and returns how many leading ones are present (stops at the
  * first miss); their values go to values[0..k). Prefetches ahead so misses overlap. */
-size_t kvd_index_probe_prefix(const kvd_index *idx, uint32_t ns, const kv_hash128 *hashes,
-                              size_t n, uint64_t *values);
+size_t kvd_index_probe_prefix(const kvd_index *idx, uint32_t ns, const kv_hash128 *hashes, size_t n,
+                              uint64_t *values);
 
 size_t kvd_index_count(const kvd_index *idx);    /* entries present */
 size_t kvd_index_capacity(const kvd_index *idx); /* slots */

@@ -59,13 +59,13 @@ typedef struct kvd_conn {
 
 /* One pool the server keeps: key (model_id, layout shape, domain) -> kvd_pool. */
 typedef struct kvd_srv_pool {
-    uint32_t pool_id;                    /* > 0 */
-    char model_id[KVD_MAX_MODEL_ID + 1]; /* NUL-terminated */
-    kv_layout layout;                    /* shape (derived fields filled) */
-    uint32_t domain;                     /* the owner tenant's private domain (tenant id) */
-    uint64_t segment_bytes;              /* bytes one segment costs */
-    kv_hash128 seed;                     /* hash_seed sent to clients */
-    kvd_pool *pool;                      /* owned */
+    uint32_t pool_id;                           /* > 0 */
+    char model_id[KVD_MAX_MODEL_ID + 1];        /* NUL-terminated */
+    kv_layout layout;                           /* shape (derived fields filled) */
+    uint32_t domain;                            /* the owner tenant's private domain (tenant id) */
+    uint64_t segment_bytes;                     /* bytes one segment costs */
+    kv_hash128 seed;                            /* hash_seed sent to clients */
+    kvd_pool *pool;                             /* owned */
     uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* private pool: pool ids of the same model in
                                                    the tenant's other domains, lookup order */
     uint32_t nlinks;                            /* used entries of links */
