@@ -35,6 +35,13 @@ typedef struct kvd_backend_ops {
      * be a multiple of so that clients can map sections at offsets (CUDA VMM granularity).
      * NULL: the page size. A power of two. */
     uint64_t (*align)(void *ctx);
+    /* Releases the physical memory of a segment while the memory object, its fd and every
+     * mapping of it (the daemon's and clients') stay valid; pages read as zeros afterwards and
+     * fault in fresh when written. Pools park idle segments with it (kvd_pool_park). NULL where
+     * the backend cannot (malloc, cuda-vmm, cuda-ipc: a CUDA allocation cannot give back part of
+     * its physical memory while it stays mapped), and then memory does not move between pools.
+     * KV_ESYS when the system refuses. */
+    kv_err (*segment_discard)(void *ctx, kvd_segment_mem *mem);
 } kvd_backend_ops;
 
 /* Plain malloc, fd = -1: for unit tests and benchmarks of the core. ctx is unused. */

@@ -213,6 +213,10 @@ const kvd_backend_ops kvd_backend_cuda_vmm = {
     .segment_free = vmm_free,
     .kind = KVD_MEM_CUDA_VMM,
     .align = cuda_align,
+    /* No segment_discard: clients import the whole allocation (one physical handle), which cannot
+     * shrink while they hold it, so cuda-vmm pools never park and memory does not move between
+     * them (a new pool gets ENOSPC once pool-memory is spent). */
+    .segment_discard = NULL,
 };
 
 const kvd_backend_ops kvd_backend_cuda_ipc = {
@@ -221,6 +225,9 @@ const kvd_backend_ops kvd_backend_cuda_ipc = {
     .segment_free = ipc_free,
     .kind = KVD_MEM_CUDA_IPC,
     .align = cuda_align,
+    /* No segment_discard: a cuMemAlloc block opened by clients with cuIpcOpenMemHandle cannot
+     * release part of its memory, so cuda-ipc pools never park (see cuda-vmm). */
+    .segment_discard = NULL,
 };
 
 kv_err kvd_backend_cuda_open(kvd_backend_cuda_ctx *ctx, uint32_t kind, int device, const char *lib,

@@ -85,6 +85,21 @@ static void host_segment_free(void *ctx, kvd_segment_mem *mem) {
     mem->bytes = 0;
 }
 
+/* Punches out every page of the memfd: the file keeps its size and seals, mappings stay valid
+ * and read zeros, and the pages go back to the system (tmpfs and hugetlbfs both support it). */
+static kv_err host_segment_discard(void *ctx, kvd_segment_mem *mem) {
+    (void)ctx;
+    if (mem == NULL || mem->fd < 0 || mem->bytes == 0) {
+        return KV_EINVAL;
+    }
+    if (fallocate(mem->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)mem->bytes) != 0) {
+        KV_LOG(WARN, "KVD-SEGMENT-DISCARD", "punching out a %llu-byte segment failed: %s",
+               (unsigned long long)mem->bytes, strerror(errno));
+        return KV_ESYS;
+    }
+    return KV_OK;
+}
+
 /* Huge-page memfds can only be mapped at 2 MiB offsets, so layer sections must be 2 MiB too. */
 static uint64_t host_align(void *ctx) {
     const kvd_backend_host_ctx *hc = ctx;
@@ -97,4 +112,5 @@ const kvd_backend_ops kvd_backend_host = {
     .segment_free = host_segment_free,
     .kind = KVD_MEM_HOST_MEMFD,
     .align = host_align,
+    .segment_discard = host_segment_discard,
 };

@@ -29,12 +29,13 @@ static void env_init(kvd_conn *c, Kvd__Envelope *env, uint64_t id) {
 
 /* ---- budget and pools ------------------------------------------------------------------ */
 
+/* Bytes of p's resident segments (parked ones cost nothing); *live gets their count. */
 static uint64_t pool_bytes(const kvd_pool *p, uint32_t *live) {
     uint64_t bytes = 0;
     uint32_t n = 0;
     for (uint32_t i = 0; i < kvd_pool_segment_slots(p); i++) {
         const kvd_segment_mem *m = kvd_pool_segment(p, i);
-        if (m != NULL) {
+        if (m != NULL && !kvd_pool_segment_parked(p, i)) {
             bytes += m->bytes;
             n++;
         }
@@ -68,6 +69,60 @@ static uint32_t budget_apply(kvd_server *s, kvd_srv_pool *sp) {
     }
     kvd_pool_set_max_segments(sp->pool, (uint32_t)max);
     return (uint32_t)(max - (live < max ? live : max));
+}
+
+static uint64_t budget_left(const kvd_server *s) {
+    uint64_t used = budget_used(s);
+    return used < s->cfg.pool_memory ? s->cfg.pool_memory - used : 0;
+}
+
+/* Frees budget for `bytes` more of segments in pool `self` (NULL: a pool about to be created)
+ * by parking idle segments of other pools: each step takes the pool with the most idle memory
+ * (parkable segments x segment size; ties: the least recently used segment) and parks its best
+ * segment (fewest cached blocks, least recently used). With free_only, only segments without a
+ * cached block are taken: self could manage by evicting its own cache, and another pool's cache
+ * is not worth less than ours, but its unused memory is. Backends without segment_discard park
+ * nothing. Returns the budget left afterwards (may still be short of bytes). */
+static uint64_t make_room(kvd_server *s, const kvd_srv_pool *self, uint64_t bytes, int free_only) {
+    uint64_t left = budget_left(s);
+    uint64_t now = uv_now(s->loop);
+    while (left < bytes) {
+        kvd_srv_pool *victim = NULL;
+        kvd_park_candidate best = {0, 0, 0, 0};
+        for (uint32_t i = 0; i < s->npools; i++) {
+            kvd_srv_pool *vp = &s->pools[i];
+            kvd_park_candidate c;
+            if (vp == self) {
+                continue;
+            }
+            kvd_pool_set_now(vp->pool, now); /* expired pins must not keep memory */
+            if (kvd_pool_park_candidate(vp->pool, &c) != KV_OK || (free_only && c.cached > 0)) {
+                continue;
+            }
+            uint64_t idle = (uint64_t)c.parkable * vp->segment_bytes;
+            uint64_t best_idle =
+                victim == NULL ? 0 : (uint64_t)best.parkable * victim->segment_bytes;
+            if (victim == NULL || idle > best_idle ||
+                (idle == best_idle && c.last_access < best.last_access)) {
+                victim = vp;
+                best = c;
+            }
+        }
+        if (victim == NULL) {
+            break;
+        }
+        kv_err rc = kvd_pool_park(victim->pool, best.seg);
+        if (rc != KV_OK) {
+            KV_LOG(WARN, "KVD-POOL-PARK", "pool %u: parking segment %u failed: %s", victim->pool_id,
+                   best.seg, kv_strerror(rc));
+            break;
+        }
+        KV_LOG(DEBUG, "KVD-POOL-PARK",
+               "pool %u: parked segment %u (%u cached blocks evicted) for pool %u", victim->pool_id,
+               best.seg, best.cached, self != NULL ? self->pool_id : 0);
+        left = budget_left(s);
+    }
+    return left;
 }
 
 static uint32_t gcd32(uint64_t a, uint64_t b) {
@@ -182,13 +237,11 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
         page = backend_align(s); /* GPU segments are granularity multiples */
     }
     sp.segment_bytes = (kv_layout_segment_bytes(l, pc.blocks_per_segment) + page - 1) / page * page;
-    uint64_t used = budget_used(s);
-    if (used + sp.segment_bytes > s->cfg.pool_memory) {
-        /* UNFINISHED: memory is not yet moved between pools (shrinking another pool's unused
-         * segments); a new pool needs room left in the budget. */
+    if (make_room(s, NULL, sp.segment_bytes, 0) < sp.segment_bytes) {
+        uint64_t used = budget_used(s);
         FAIL(KV_ENOSPC,
-             "pool-memory is spent: %llu of %llu bytes used, a segment of this layout needs "
-             "%llu",
+             "pool-memory is spent: %llu of %llu bytes used and no pool has an idle segment to "
+             "give back; a segment of this layout needs %llu",
              (unsigned long long)used, (unsigned long long)s->cfg.pool_memory,
              (unsigned long long)sp.segment_bytes);
     }
@@ -620,6 +673,27 @@ static void acc_sink(void *arg, const char *name, uint64_t v) {
     }
 }
 
+/* Before p allocates n blocks: when its free blocks and the budget left fall short, other
+ * pools' idle segments are parked for it (their unused ones only while p's own cache covers
+ * the rest). p's allocate then unparks its own parked segments or grows. */
+static void make_room_for(kvd_server *s, kvd_srv_pool *p, uint32_t n) {
+    stat_acc acc = {0, 0, 0};
+    kvd_pool_stats(p->pool, acc_sink, &acc);
+    if (acc.free >= n) {
+        return;
+    }
+    uint64_t bps = kvd_pool_config_get(p->pool)->blocks_per_segment;
+    uint64_t need = n - acc.free;
+    uint64_t bytes = (need + bps - 1) / bps * p->segment_bytes;
+    uint64_t left = budget_left(s);
+    if (left >= bytes) {
+        return;
+    }
+    uint64_t evictable = acc.cached > acc.pinned ? acc.cached - acc.pinned : 0;
+    int own_ok = evictable + left / p->segment_bytes * bps >= need;
+    make_room(s, p, bytes, own_ok);
+}
+
 static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char *msg) {
     kvd_session_pool *sp;
     kvd_srv_pool *p;
@@ -643,6 +717,7 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
              kvd_tenants_name(c->srv->tenants, c->sess.tenant), (unsigned long long)max_held,
              p->pool_id, (unsigned long long)held, a->count);
     }
+    make_room_for(c->srv, p, a->count);
     uint32_t grow = budget_apply(c->srv, p);
     kvd_block_ref *refs = malloc(sizeof(*refs) * a->count);
     if (refs == NULL) {
@@ -659,7 +734,8 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
                          (uint64_t)grow * kvd_pool_config_get(p->pool)->blocks_per_segment;
         snprintf(msg, KVD_ERRMSG,
                  "pool %u exhausted: asked %u blocks, %llu could be had (%llu free, %llu cached "
-                 "of which %llu pinned); release blocks or raise pool-memory",
+                 "of which %llu pinned) and no other pool has an idle segment; release blocks or "
+                 "raise pool-memory",
                  p->pool_id, a->count, (unsigned long long)could, (unsigned long long)acc.free,
                  (unsigned long long)acc.cached, (unsigned long long)acc.pinned);
         goto cleanup;

@@ -75,6 +75,7 @@ typedef struct pool_segment {
     uint32_t nfree;      /* FREE blocks */
     uint32_t nevict;     /* CACHED unpinned blocks */
     uint32_t next_gen;   /* first generation of the slot's blocks when grown again */
+    int parked;          /* memory discarded, blocks FREE on no list (kvd_pool_park) */
 } pool_segment;
 
 struct kvd_pool {
@@ -84,7 +85,8 @@ struct kvd_pool {
     void *be_ctx;                /* backend context */
     pool_segment *segs;          /* KVD_MAX_SEGMENTS slots */
     uint32_t nslots;             /* highest live slot + 1 */
-    uint32_t nsegs;              /* live segments */
+    uint32_t nsegs;              /* live segments, parked ones included */
+    uint32_t nparked;            /* live segments that are parked */
     uint32_t bps;                /* blocks per segment */
     uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
     uint64_t now;                /* pool clock, ms */
@@ -587,7 +589,7 @@ const kvd_pool_config *kvd_pool_config_get(const kvd_pool *p) {
 }
 
 kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
-    if (p->nsegs >= p->cfg.max_segments) {
+    if (p->nsegs - p->nparked >= p->cfg.max_segments) {
         return KV_ENOSPC;
     }
     uint32_t s = 0;
@@ -646,7 +648,7 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
         }
         s--;
         pool_segment *seg = &p->segs[s];
-        if (seg->blocks != NULL && seg->nfree + seg->nevict == p->bps) {
+        if (seg->blocks != NULL && (seg->parked || seg->nfree + seg->nevict == p->bps)) {
             break;
         }
     }
@@ -659,7 +661,9 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
             evict_block(p, id, b, KVD_EVICT_SHRINK);
         }
         KV_ASSERT(b->state == KVD_BLOCK_FREE);
-        list_remove(p, id, b);
+        if (!seg->parked) {
+            list_remove(p, id, b);
+        }
         if (b->gen > max_gen) {
             max_gen = b->gen;
         }
@@ -671,6 +675,10 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
     free(seg->blocks);
     seg->blocks = NULL;
     seg->nfree = seg->nevict = 0;
+    if (seg->parked) {
+        seg->parked = 0;
+        p->nparked--;
+    }
     p->nsegs--;
     while (p->nslots > 0 && p->segs[p->nslots - 1].blocks == NULL) {
         p->nslots--;
@@ -700,6 +708,123 @@ const kvd_segment_mem *kvd_pool_segment(const kvd_pool *p, uint32_t seg) {
     return &p->segs[seg].mem;
 }
 
+/* ---- parking ---------------------------------------------------------------------------- */
+
+/* Every block of seg is FREE or CACHED unpinned (so none is leased, referenced or pinned). */
+static int seg_idle(const kvd_pool *p, const pool_segment *seg) {
+    return seg->blocks != NULL && !seg->parked && seg->nfree + seg->nevict == p->bps;
+}
+
+kv_err kvd_pool_park_candidate(const kvd_pool *p, kvd_park_candidate *out) {
+    if (p->be->segment_discard == NULL) {
+        return KV_ENOTSUP;
+    }
+    kvd_park_candidate best = {0, 0, 0, 0};
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        const pool_segment *seg = &p->segs[s];
+        if (!seg_idle(p, seg)) {
+            continue;
+        }
+        uint64_t last = 0;
+        for (uint32_t i = 0; i < p->bps; i++) {
+            if (seg->blocks[i].last_access > last) {
+                last = seg->blocks[i].last_access;
+            }
+        }
+        uint32_t cached = seg->nevict;
+        if (best.parkable == 0 || cached < best.cached ||
+            (cached == best.cached && last < best.last_access)) {
+            best.seg = s;
+            best.cached = cached;
+            best.last_access = last;
+        }
+        best.parkable++;
+    }
+    if (best.parkable == 0) {
+        return KV_ENOENT;
+    }
+    *out = best;
+    return KV_OK;
+}
+
+kv_err kvd_pool_park(kvd_pool *p, uint32_t s) {
+    if (p->be->segment_discard == NULL) {
+        return KV_ENOTSUP;
+    }
+    if (s >= p->nslots || p->segs[s].blocks == NULL) {
+        return KV_ENOENT;
+    }
+    pool_segment *seg = &p->segs[s];
+    if (seg->parked) {
+        return KV_EEXIST;
+    }
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    if (!seg_idle(p, seg)) {
+        return KV_ESTATE;
+    }
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        if (b->state == KVD_BLOCK_CACHED) {
+            evict_block(p, blk_id(p, s, i), b, KVD_EVICT_SHRINK);
+        }
+    }
+    /* Evicted first, discarded after: a failed discard leaves FREE blocks, never lost data of
+     * indexed ones. */
+    kv_err err = p->be->segment_discard(p->be_ctx, &seg->mem);
+    if (err != KV_OK) {
+        return err;
+    }
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        KV_ASSERT(b->state == KVD_BLOCK_FREE && b->list == LIST_FREE);
+        list_remove(p, blk_id(p, s, i), b);
+    }
+    seg->nfree = 0;
+    seg->parked = 1;
+    p->nparked++;
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
+    if (s >= p->nslots || p->segs[s].blocks == NULL || !p->segs[s].parked) {
+        return KV_ENOENT;
+    }
+    if (p->nsegs - p->nparked >= p->cfg.max_segments) {
+        return KV_ENOSPC;
+    }
+    pool_segment *seg = &p->segs[s];
+    /* Like a grown segment: behind the free blocks already there, in id order. */
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        KV_ASSERT(b->state == KVD_BLOCK_FREE && b->list == LIST_NONE);
+        list_push_tail(p, LIST_FREE, blk_id(p, s, i), b);
+    }
+    seg->nfree = p->bps;
+    seg->parked = 0;
+    p->nparked--;
+    return KV_OK;
+}
+
+/* Unparks the lowest-numbered parked segment (allocate's growth). */
+static kv_err unpark_any(kvd_pool *p) {
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        if (p->segs[s].blocks != NULL && p->segs[s].parked) {
+            return kvd_pool_unpark(p, s);
+        }
+    }
+    return KV_ENOENT;
+}
+
+int kvd_pool_segment_parked(const kvd_pool *p, uint32_t s) {
+    return s < p->nslots && p->segs[s].blocks != NULL && p->segs[s].parked;
+}
+
+uint32_t kvd_pool_resident_segments(const kvd_pool *p) {
+    return p->nsegs - p->nparked;
+}
+
 /* ---- block operations ------------------------------------------------------------------- */
 
 kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
@@ -709,8 +834,8 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
     }
     pool_list *fl = &p->lists[LIST_FREE];
     kv_err grow_err = KV_OK;
-    while (fl->len < n && p->nsegs < p->cfg.max_segments) {
-        grow_err = kvd_pool_grow(p, NULL);
+    while (fl->len < n && p->nsegs - p->nparked < p->cfg.max_segments) {
+        grow_err = p->nparked > 0 ? unpark_any(p) : kvd_pool_grow(p, NULL);
         if (grow_err != KV_OK) {
             break;
         }
@@ -1111,7 +1236,7 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
 void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     uint64_t bytes = 0;
     for (uint32_t s = 0; s < p->nslots; s++) {
-        if (p->segs[s].blocks != NULL) {
+        if (p->segs[s].blocks != NULL && !p->segs[s].parked) {
             bytes += p->segs[s].mem.bytes;
         }
     }
@@ -1121,7 +1246,9 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     sink(arg, "blocks_committed", p->n_committed);
     sink(arg, "blocks_cached", p->n_cached);
     sink(arg, "blocks_pinned", p->n_pinned);
+    sink(arg, "blocks_parked", (uint64_t)p->nparked * p->bps);
     sink(arg, "segments", p->nsegs);
+    sink(arg, "segments_parked", p->nparked);
     sink(arg, "bytes", bytes);
     sink(arg, "queries", p->queries);
     sink(arg, "query_blocks", p->query_blocks);
@@ -1183,13 +1310,28 @@ kv_err kvd_pool_check(const kvd_pool *p) {
         free(pinned_t);
         return KV_ENOMEM;
     }
-    uint32_t live = 0;
+    uint32_t live = 0, nparked = 0;
     for (uint32_t s = 0; s < p->nslots; s++) {
         const pool_segment *seg = &p->segs[s];
         if (seg->blocks == NULL) {
             continue;
         }
         live++;
+        if (seg->parked) {
+            /* Parked: every block FREE on no list (so not allocatable), unreferenced, unpinned
+             * and not indexed (a FREE block never is; the index walk below finds no entry). */
+            nparked++;
+            CHECK(seg->nfree == 0 && seg->nevict == 0, "parked segment %u: %u free, %u evictable",
+                  s, seg->nfree, seg->nevict);
+            for (uint32_t i = 0; i < p->bps; i++) {
+                const pool_block *b = &seg->blocks[i];
+                CHECK(b->state == KVD_BLOCK_FREE && b->list == LIST_NONE && b->refcount == 0 &&
+                          b->flags == 0,
+                      "parked block %u: state %u list %u refcount %u flags %u", blk_id(p, s, i),
+                      b->state, b->list, b->refcount, b->flags);
+            }
+            continue;
+        }
         uint32_t nfree = 0, nevict = 0;
         for (uint32_t i = 0; i < p->bps; i++) {
             uint32_t id = blk_id(p, s, i);
@@ -1251,6 +1393,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
               seg->nevict);
     }
     CHECK(live == p->nsegs, "%u live segments, counted %u", live, p->nsegs);
+    CHECK(nparked == p->nparked, "%u parked segments, counted %u", nparked, p->nparked);
     CHECK(p->nslots == 0 || p->segs[p->nslots - 1].blocks != NULL, "slot count %u too high",
           p->nslots);
     for (int l = LIST_FREE; l < LIST_COUNT; l++) {

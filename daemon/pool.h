@@ -110,12 +110,13 @@ void kvd_pool_free(kvd_pool *pool);
 
 const kvd_pool_config *kvd_pool_config_get(const kvd_pool *pool);
 
-/* Adds one segment (all its blocks FREE). KV_ENOSPC at max_segments; backend errors pass
- * through. *seg gets the new segment's index. */
+/* Adds one segment (all its blocks FREE). KV_ENOSPC at max_segments resident segments; backend
+ * errors pass through. *seg gets the new segment's index. */
 kv_err kvd_pool_grow(kvd_pool *pool, uint32_t *seg);
 
 /* Evicts the CACHED blocks of the highest-numbered segment that holds no WRITING or referenced
- * block, and frees it. KV_ENOENT when every segment has a live block. *seg gets its index. */
+ * block (or is parked), and frees it. KV_ENOENT when every segment has a live block. *seg gets its
+ * index. */
 kv_err kvd_pool_shrink(kvd_pool *pool, uint32_t *seg);
 
 /* Changes the segment limit (the server's memory budget moves between pools). Existing segments
@@ -127,9 +128,45 @@ void kvd_pool_set_max_segments(kvd_pool *pool, uint32_t max_segments);
 uint32_t kvd_pool_segment_slots(const kvd_pool *pool);
 const kvd_segment_mem *kvd_pool_segment(const kvd_pool *pool, uint32_t seg);
 
+/* ---- parking: memory moves between pools ----
+ * A parked segment keeps its slot, its memory object and every mapping of it (clients map a
+ * segment once and keep it), but its physical memory went back to the system through the
+ * backend's segment_discard and its blocks are FREE yet not allocatable (on no list, in no
+ * index). Parked segments do not count against max_segments; allocate unparks the pool's own
+ * parked segments before it grows new ones. */
+
+/* A pool's best segment to park: one whose blocks are all FREE or CACHED unpinned, fewest CACHED
+ * first, then the one used least recently. */
+typedef struct kvd_park_candidate {
+    uint32_t seg;         /* the segment */
+    uint32_t cached;      /* its CACHED blocks (parking evicts them) */
+    uint64_t last_access; /* pool ms of the newest access to any of its blocks */
+    uint32_t parkable;    /* segments of the pool that could be parked now */
+} kvd_park_candidate;
+
+/* Finds the segment kvd_pool_park would best take. KV_ENOTSUP when the backend has no
+ * segment_discard, KV_ENOENT when no segment can be parked now. O(blocks). */
+kv_err kvd_pool_park_candidate(const kvd_pool *pool, kvd_park_candidate *out);
+
+/* Parks segment seg: evicts its CACHED blocks (counted as evictions_shrink), takes its FREE blocks
+ * off the free list and discards its memory. KV_ENOTSUP without segment_discard, KV_ENOENT for a
+ * freed or unknown slot, KV_EEXIST when already parked, KV_ESTATE when a block is WRITING,
+ * referenced or pinned; a backend error passes through (the blocks stay FREE and usable then). */
+kv_err kvd_pool_park(kvd_pool *pool, uint32_t seg);
+
+/* Makes a parked segment's blocks allocatable again (their pages fault in fresh, zeroed).
+ * KV_ENOENT when seg is not parked, KV_ENOSPC when the pool is at max_segments resident ones. */
+kv_err kvd_pool_unpark(kvd_pool *pool, uint32_t seg);
+
+/* 1 when seg is a parked segment, else 0. */
+int kvd_pool_segment_parked(const kvd_pool *pool, uint32_t seg);
+
+/* Live segments that are not parked (what counts against max_segments and memory budgets). */
+uint32_t kvd_pool_resident_segments(const kvd_pool *pool);
+
 /* Leases n blocks as WRITING to session, charged to tenant. All or nothing: takes FREE blocks,
  * then grows, then evicts CACHED blocks; KV_ENOSPC when fewer than n can be had (nothing is
- * leased then). Writes out[0..n). */
+ * leased then). Growing unparks the pool's own parked segments first. Writes out[0..n). */
 kv_err kvd_pool_allocate(kvd_pool *pool, uint32_t n, uint64_t session, uint32_t tenant,
                          kvd_block_ref *out);
 
@@ -193,7 +230,8 @@ kv_err kvd_pool_check_ref(const kvd_pool *pool, kvd_block_ref blk);
 kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *pool, uint32_t tenant);
 
 /* Reports every counter: blocks_total, blocks_free, blocks_writing, blocks_committed,
- * blocks_cached, blocks_pinned, segments, bytes, queries, query_blocks, hit_blocks, hit_tokens,
+ * blocks_cached, blocks_pinned, blocks_parked, segments, segments_parked, bytes (resident segments
+ * only: parked ones cost no memory), queries, query_blocks, hit_blocks, hit_tokens,
  * commits, commits_duplicate, evictions_capacity, evictions_admin, evictions_shrink. */
 void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
 
@@ -201,8 +239,8 @@ void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
 size_t kvd_pool_meta_bytes_per_block(void);
 
 /* Walks every block and list and checks the invariants (counts by state add up, refcounts,
- * list membership, index entries point back). KV_EINTERNAL with a log line on a violation.
- * For tests and `kvctl selftest`; O(blocks). */
+ * list membership, index entries point back, parked blocks FREE on no list and unindexed).
+ * KV_EINTERNAL with a log line on a violation. For tests and `kvctl selftest`; O(blocks). */
 kv_err kvd_pool_check(const kvd_pool *pool);
 
 #endif

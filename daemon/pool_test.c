@@ -535,7 +535,7 @@ static void test_stats_and_bad_config(void **state) {
     kvd_pool_stats(p, count_stat, seen);
     assert_int_equal(seen[0], 2);
     assert_int_equal(seen[1], 0);
-    assert_int_equal(seen[2], 17);
+    assert_int_equal(seen[2], 19);
     assert_true(kvd_pool_meta_bytes_per_block() <= 64);
     assert_int_equal(kvd_pool_release(p, 1, 0, r, 2), KV_OK);
     assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);
