@@ -733,7 +733,9 @@ void kvc_conn_close(kvc_conn *c) {
         return;
     }
     while (c->pools != NULL) {
-        kvc_pool_detach(c->pools);
+        /* Linked pools are on the list too; they go with the pool that linked them. */
+        kvc_pool *p = c->pools->owner != NULL ? c->pools->owner : c->pools;
+        kvc__pool_destroy(p);
     }
     kvc__conn_break(c);
     free(c->rbuf);

@@ -44,7 +44,13 @@ struct kvc_pool {
     uint64_t epoch;              /* boot epoch it was attached under */
     uint64_t session;            /* session it was attached in; its references die with it */
     uint32_t need_map_from;      /* a reply said segments >= this are new; 0: none */
+    int need_map_all;            /* linked pool: a hit lies in an unmapped segment 0 */
     struct kvc__gpu_pool *gpu;   /* GPU pools: device mappings (client/gpu_map.h); else NULL */
+    kvc_pool *owner;             /* linked pool: the attached pool that linked it; else NULL */
+    kvc_pool **linked;           /* attached pool: its linked pools in lookup order, or NULL */
+    uint32_t nlinked;            /* entries of linked */
+    int read_only;               /* the session may only read this pool (the commons) */
+    char domain[136];            /* "group:NAME", "commons", or the tenant (private pool) */
 };
 
 /* Request kinds, named for the reply they expect. */
@@ -76,6 +82,7 @@ typedef struct kvc__op {
     size_t count;        /* list length sent (hashes, blocks, entries) */
     void *out;           /* caller's output array (kvc_block[], ...) */
     size_t *nout;        /* lookup: hit count */
+    kvc_pool **pools;    /* lookup with search_domains: the pool of each hit, else NULL */
     const void *expect;  /* ping: payload to compare */
     size_t expect_len;   /* ping: payload bytes */
     uint64_t nonce;      /* ping nonce */
@@ -184,5 +191,17 @@ void kvc__pool_unmap(kvc_pool *p);
 
 /* Fetches segments >= p->need_map_from with MapSegments (synchronously) and maps them. */
 kv_err kvc__pool_map_new(kvc_pool *p);
+
+/* Fetches and maps every segment of p with index >= from (MapSegments until a short reply). */
+kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from);
+
+/* Notes that segments >= from of p must be fetched before its blocks are used (0: none). */
+void kvc__pool_note_new(kvc_pool *p, uint32_t from);
+
+/* 1 when block's segment of p is mapped and holds the block. */
+int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block);
+
+/* Frees p and its linked pools (unmapped, taken off the connection's list). Accepts NULL. */
+void kvc__pool_destroy(kvc_pool *p);
 
 #endif

@@ -211,10 +211,8 @@ kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs,
     return KV_OK;
 }
 
-void kvc_pool_detach(kvc_pool *p) {
-    if (p == NULL) {
-        return;
-    }
+/* Takes p off its connection's list and frees its mappings and itself. */
+static void pool_free_one(kvc_pool *p) {
     if (p->conn != NULL) {
         for (kvc_pool **pp = &p->conn->pools; *pp != NULL; pp = &(*pp)->next) {
             if (*pp == p) {
@@ -225,6 +223,59 @@ void kvc_pool_detach(kvc_pool *p) {
     }
     kvc__pool_unmap(p);
     free(p);
+}
+
+void kvc__pool_destroy(kvc_pool *p) {
+    if (p == NULL) {
+        return;
+    }
+    for (uint32_t i = 0; i < p->nlinked; i++) {
+        if (p->linked[i] != NULL) {
+            pool_free_one(p->linked[i]);
+        }
+    }
+    free(p->linked);
+    pool_free_one(p);
+}
+
+void kvc_pool_detach(kvc_pool *p) {
+    if (p == NULL || p->owner != NULL) {
+        return; /* a linked pool goes with the pool that linked it */
+    }
+    kvc__pool_destroy(p);
+}
+
+uint32_t kvc_pool_nlinked(const kvc_pool *p) {
+    return p->nlinked;
+}
+
+kvc_pool *kvc_pool_linked(const kvc_pool *p, uint32_t i) {
+    return i < p->nlinked ? p->linked[i] : NULL;
+}
+
+kvc_pool *kvc_pool_owner(const kvc_pool *p) {
+    return p->owner != NULL ? p->owner : (kvc_pool *)p;
+}
+
+kvc_pool *kvc_pool_find(const kvc_pool *p, uint32_t pool_id) {
+    const kvc_pool *o = kvc_pool_owner(p);
+    if (o->pool_id == pool_id) {
+        return (kvc_pool *)o;
+    }
+    for (uint32_t i = 0; i < o->nlinked; i++) {
+        if (o->linked[i]->pool_id == pool_id) {
+            return o->linked[i];
+        }
+    }
+    return NULL;
+}
+
+const char *kvc_pool_domain(const kvc_pool *p) {
+    return p->domain;
+}
+
+int kvc_pool_read_only(const kvc_pool *p) {
+    return p->read_only;
 }
 
 uint32_t kvc_pool_id(const kvc_pool *p) {
@@ -304,6 +355,11 @@ float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, in
     }
     return (float *)(void *)(s->base +
                              kv_layout_scale_offset(l, s->nblocks, slot, layer, kv, head));
+}
+
+int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block) {
+    uint32_t slot;
+    return block_seg(p, block, &slot) != NULL;
 }
 
 int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block) {

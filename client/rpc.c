@@ -47,10 +47,14 @@ static void blocks_out_any(kvc_block *out, Kvd__BlockRef *const *refs, size_t nr
     }
 }
 
-static void note_new_segments(kvc_pool *p, uint32_t from) {
+void kvc__pool_note_new(kvc_pool *p, uint32_t from) {
     if (from != 0 && (p->need_map_from == 0 || from < p->need_map_from)) {
         p->need_map_from = from;
     }
+}
+
+static void note_new_segments(kvc_pool *p, uint32_t from) {
+    kvc__pool_note_new(p, from);
 }
 
 static kv_err bad_reply(kvc_conn *c, const char *what) {
@@ -73,6 +77,55 @@ static kv_err complete_hello(kvc_conn *c, const Kvd__HelloReply *r) {
     c->max_inflight = r->max_inflight;
     c->max_blocks = r->max_blocks_per_request ? r->max_blocks_per_request : 4096;
     c->features = r->features; /* an older daemon sends 0: repeated lists only */
+    return KV_OK;
+}
+
+/* Makes one pool object per AttachPoolReply.linked entry (same layout, seed and algorithm as
+ * p: the seed is the same in every domain). Their segments are fetched after the reply
+ * (kvc_pool_attach), since that takes more round trips. */
+static kv_err link_pools(kvc_conn *c, kvc_pool *p, const Kvd__AttachPoolReply *r,
+                         uint32_t max_segments) {
+    if (r->n_linked == 0) {
+        return KV_OK;
+    }
+    if (r->n_linked > 4096) {
+        return bad_reply(c, "AttachPoolReply links too many pools");
+    }
+    p->linked = calloc(r->n_linked, sizeof(*p->linked));
+    if (p->linked == NULL) {
+        return kvc__fail(c, KV_ENOMEM, "out of memory for linked pools");
+    }
+    for (size_t i = 0; i < r->n_linked; i++) {
+        const Kvd__LinkedPool *lk = r->linked[i];
+        if (lk->pool_id == 0 || lk->pool_id == r->pool_id) {
+            return bad_reply(c, "AttachPoolReply links a pool without id or itself");
+        }
+        for (size_t j = 0; j < i; j++) {
+            if (r->linked[j]->pool_id == lk->pool_id) {
+                return bad_reply(c, "AttachPoolReply links one pool twice");
+            }
+        }
+        kvc_pool *lp = calloc(1, sizeof(*lp));
+        if (lp == NULL) {
+            return kvc__fail(c, KV_ENOMEM, "out of memory for a linked pool");
+        }
+        p->linked[p->nlinked++] = lp; /* freed with p from here on */
+        lp->conn = c;
+        lp->owner = p;
+        lp->pool_id = lk->pool_id;
+        lp->read_only = lk->read_only;
+        snprintf(lp->domain, sizeof(lp->domain), "%s", lk->domain ? lk->domain : "");
+        uint32_t bps = lk->blocks_per_segment ? lk->blocks_per_segment : p->blocks_per_segment;
+        kv_err err = kvc__pool_init_geometry(lp, &p->layout, bps, max_segments);
+        if (err != KV_OK) {
+            return kvc__fail(c, err, "cannot reserve address space for linked pool %u: %s",
+                             lk->pool_id, kv_strerror(err));
+        }
+        lp->hash_algo = p->hash_algo;
+        lp->seed = p->seed;
+        lp->epoch = p->epoch;
+        lp->session = p->session;
+    }
     return KV_OK;
 }
 
@@ -111,12 +164,42 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
     }
     p->epoch = c->epoch;
     p->session = c->session_id;
+    snprintf(p->domain, sizeof(p->domain), "%s", c->tenant);
+    err = link_pools(c, p, r, max_segments);
+    if (err != KV_OK) {
+        return err;
+    }
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
     if (err == KV_OK && r->n_segments == KVC__MAX_SEG_PER_REPLY) {
         /* More may follow: fetch from the last index + 1 once this reply is done. */
         note_new_segments(p, r->segments[r->n_segments - 1]->index + 1);
     }
     return err;
+}
+
+/* Fills op->pools[0..n) from LookupReply.pool_ids. A daemon that sent none (it predates
+ * search_domains) searched the named pool only. Every id must be the named pool or one of its
+ * links: the reply names the pool a block must be released to. */
+static kv_err lookup_pools(kvc_conn *c, kvc__op *op, const Kvd__LookupReply *r, size_t n) {
+    if (r->n_pool_ids == 0) {
+        for (size_t i = 0; i < n; i++) {
+            op->pools[i] = op->pool;
+        }
+        return KV_OK;
+    }
+    if (r->n_pool_ids != n) {
+        return bad_reply(c, "LookupReply pool_ids is not parallel to blocks");
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvc_pool *hp = r->pool_ids[i] == op->pool->pool_id
+                           ? op->pool
+                           : kvc_pool_find(op->pool, r->pool_ids[i]);
+        if (hp == NULL || (hp != op->pool && hp->owner != op->pool)) {
+            return bad_reply(c, "LookupReply names a pool that is not linked");
+        }
+        op->pools[i] = hp;
+    }
+    return KV_OK;
 }
 
 kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, const int *fds,
@@ -164,8 +247,30 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             if (n > op->count) {
                 return bad_reply(c, "more lookup hits than hashes");
             }
+            if (op->pools != NULL) {
+                kv_err err = lookup_pools(c, op, r, n);
+                if (err != KV_OK) {
+                    return err;
+                }
+            }
             note_new_segments(op->pool, r->new_segments_from);
             blocks_out_any(op->out, r->blocks, r->n_blocks, &r->blocks_packed, n);
+            if (op->pools != NULL) {
+                /* new_segments_from covers the named pool only: a hit in a linked pool whose
+                 * segment we have not mapped is fetched with MapSegments on that pool. */
+                kvc_block *out = op->out;
+                for (size_t i = 0; i < n; i++) {
+                    kvc_pool *hp = op->pools[i];
+                    if (hp != op->pool && !kvc__pool_block_mapped(hp, out[i].id)) {
+                        uint32_t seg = out[i].id / hp->blocks_per_segment;
+                        if (seg == 0) {
+                            hp->need_map_all = 1; /* need_map_from 0 means "none" */
+                        } else {
+                            kvc__pool_note_new(hp, seg);
+                        }
+                    }
+                }
+            }
             *op->nout = n;
             return KV_OK;
         }
@@ -325,7 +430,7 @@ static kv_err q_ping(kvc_batch *b, const void *payload, size_t len, size_t *inde
 }
 
 static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
-                       kvc_block *out, size_t *nhit, size_t *index) {
+                       kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
@@ -341,6 +446,7 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     uint8_t *packed = NULL;
     Kvd__Lookup req = KVD__LOOKUP__INIT;
     req.pool_id = p->pool_id;
+    req.search_domains = pools != NULL;
     if (c->features & KV_FEATURE_PACKED) {
         /* 16 bytes a hash instead of a 20-byte submessage, and no unpacking in kvd. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -385,6 +491,7 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
         op->count = n;
         op->out = out;
         op->nout = nhit;
+        op->pools = pools;
         if (index != NULL) {
             *index = b->nops - 1;
         }
@@ -571,6 +678,13 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
 /* After a batch: fetch segments that replies said are new, so returned blocks are mapped. */
 static kv_err map_pending(kvc_conn *c) {
     for (kvc_pool *p = c->pools; p != NULL; p = p->next) {
+        if (p->need_map_all && !kvc_pool_stale(p)) {
+            kv_err err = kvc__pool_map_from(p, 0);
+            if (err != KV_OK) {
+                return err;
+            }
+            p->need_map_all = 0;
+        }
         if (p->need_map_from != 0 && !kvc_pool_stale(p)) {
             kv_err err = kvc__pool_map_new(p);
             if (err != KV_OK) {
@@ -617,7 +731,15 @@ kv_err kvc_ping(kvc_conn *c, const void *payload, size_t len) {
 }
 
 kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out, size_t *nhit) {
-    SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, nhit, NULL));
+    SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, NULL, nhit, NULL));
+}
+
+kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                          kvc_pool **pools, size_t *nhit) {
+    if (pools == NULL) {
+        return kvc__fail(p->conn, KV_EINVAL, "NULL pools output");
+    }
+    SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, pools, nhit, NULL));
 }
 
 kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
@@ -639,6 +761,62 @@ kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n) {
 kv_err kvc_pin(kvc_pool *p, const kvc_block *blocks, size_t n, uint64_t retention_ms,
                uint8_t priority, int unpin) {
     SYNC_CALL(p->conn, q_blocks(b, KVC__OP_PIN, p, blocks, n, retention_ms, priority, unpin, NULL));
+}
+
+/* Release, Rewind or Pin of blocks[i] in pools[i]: one request per run of consecutive blocks in
+ * one pool (at most the daemon's list limit each), all in one batch (one round trip). Returns
+ * the first failure, transport or request; requests after a failed one still ran. */
+static kv_err blocks_multi(kvc__op_kind kind, kvc_pool *const *pools, const kvc_block *blocks,
+                           size_t n, uint64_t retention_ms, uint8_t priority, int unpin) {
+    if (n == 0) {
+        return KV_OK;
+    }
+    if (pools == NULL || blocks == NULL || pools[0] == NULL) {
+        return KV_EINVAL;
+    }
+    kvc_conn *c = pools[0]->conn;
+    for (size_t i = 1; i < n; i++) {
+        if (pools[i] == NULL || pools[i]->conn != c) {
+            return kvc__fail(c, KV_EINVAL, "pools[%zu] is not a pool of the same connection", i);
+        }
+    }
+    kv_err err = kvc__conn_ready(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    for (size_t i = 0; i < n;) {
+        size_t k = 1;
+        while (i + k < n && pools[i + k] == pools[i] && k < c->max_blocks) {
+            k++;
+        }
+        err = q_blocks(&b, kind, pools[i], blocks + i, k, retention_ms, priority, unpin, NULL);
+        if (err != KV_OK) {
+            goto cleanup;
+        }
+        i += k;
+    }
+    err = kvc__exchange(&b, 1);
+    for (size_t i = 0; err == KV_OK && i < b.nops; i++) {
+        err = b.ops[i].status;
+    }
+cleanup:
+    kvc__batch_fini(&b);
+    return err;
+}
+
+kv_err kvc_release_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n) {
+    return blocks_multi(KVC__OP_RELEASE, pools, blocks, n, 0, 0, 0);
+}
+
+kv_err kvc_rewind_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n) {
+    return blocks_multi(KVC__OP_REWIND, pools, blocks, n, 0, 0, 0);
+}
+
+kv_err kvc_pin_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n,
+                     uint64_t retention_ms, uint8_t priority, int unpin) {
+    return blocks_multi(KVC__OP_PIN, pools, blocks, n, retention_ms, priority, unpin);
 }
 
 static kv_err q_stats(kvc_batch *b, uint32_t pool_id, kvc_stat_fn fn, void *arg) {
@@ -713,7 +891,10 @@ static kv_err map_once(kvc_pool *p, uint32_t first_index, size_t *nsegs) {
 }
 
 kv_err kvc__pool_map_new(kvc_pool *p) {
-    uint32_t from = p->need_map_from;
+    return kvc__pool_map_from(p, p->need_map_from);
+}
+
+kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from) {
     for (;;) {
         size_t n = 0;
         /* Clear first: the MapSegments reply itself never sets it. */
@@ -779,20 +960,33 @@ kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layou
     }
     p->next = c->pools;
     c->pools = p;
+    for (uint32_t i = 0; i < p->nlinked; i++) {
+        p->linked[i]->next = c->pools;
+        c->pools = p->linked[i];
+    }
     if (p->need_map_from != 0) {
         err = kvc__pool_map_new(p);
         if (err != KV_OK) {
-            kvc_pool_detach(p);
+            kvc__pool_destroy(p);
             return err;
         }
     }
-    kvc__log(c, KVC_LOG_INFO, "KVC-POOL-ATTACH", "pool %u: %u segments mapped, %u blocks each",
-             p->pool_id, p->nsegs, p->blocks_per_segment);
+    /* The linked pools' segments: MapSegments{pool_id, 0} each (PROTOCOL.md AttachPool). The
+     * commons comes read-only and is mapped PROT_READ. */
+    for (uint32_t i = 0; i < p->nlinked; i++) {
+        err = kvc__pool_map_from(p->linked[i], 0);
+        if (err != KV_OK) {
+            kvc__pool_destroy(p);
+            return err;
+        }
+    }
+    kvc__log(c, KVC_LOG_INFO, "KVC-POOL-ATTACH",
+             "pool %u: %u segments mapped, %u blocks each, %u linked pools", p->pool_id, p->nsegs,
+             p->blocks_per_segment, p->nlinked);
     *out = p;
     return KV_OK;
 fail:
-    kvc__pool_unmap(p);
-    free(p);
+    kvc__pool_destroy(p); /* not on the connection's list yet */
     return err;
 }
 
@@ -839,7 +1033,15 @@ kv_err kvc_batch_ping(kvc_batch *b, const void *payload, size_t len, size_t *ind
 
 kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                         kvc_block *out, size_t *nhit, size_t *index) {
-    return q_lookup(b, p, hashes, n, out, nhit, index);
+    return q_lookup(b, p, hashes, n, out, NULL, nhit, index);
+}
+
+kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                                kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
+    if (pools == NULL) {
+        return kvc__fail(b->conn, KV_EINVAL, "NULL pools output");
+    }
+    return q_lookup(b, p, hashes, n, out, pools, nhit, index);
 }
 
 kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,

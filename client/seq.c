@@ -6,6 +6,11 @@
  * a prefix of the table because commits only ever cover leading full blocks. The lookup of a
  * prompt is capped at n-1 tokens so the engine always computes the last prompt token (it needs
  * its logits), which is how vLLM's prefix cache does it.
+ *
+ * Shared domains: prefill searches the linked pools by default, so looked-up blocks may live in
+ * group or commons pools (bpool[i]); blocks the sequence allocates are always in its own pool.
+ * Each block goes back to the pool it lives in, and a commit's parent is only named when the
+ * previous block is in the same pool (ids of other pools mean other blocks here).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +24,8 @@ struct kvc_seq {
     uint32_t *tokens;                 /* [max_tokens] */
     size_t len;                       /* tokens in the sequence */
     kvc_block *blocks;                /* [max_blocks] the block table */
+    kvc_pool **bpool;                 /* [max_blocks] the pool each block lives in */
+    int search_domains;               /* prefill searches the linked pools too */
     size_t nblocks;                   /* ceil(len / tokens_per_block) */
     size_t ncommitted;                /* leading committed blocks */
     kv_hash128 *hashes;               /* [max_blocks] chain hashes of full blocks */
@@ -51,13 +58,16 @@ kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t e
     s->tokens = malloc(max_tokens * sizeof(*s->tokens));
     s->blocks = malloc(s->max_blocks * sizeof(*s->blocks));
     s->hashes = malloc(s->max_blocks * sizeof(*s->hashes));
-    if (s->tokens == NULL || s->blocks == NULL || s->hashes == NULL) {
+    s->bpool = malloc(s->max_blocks * sizeof(*s->bpool));
+    if (s->tokens == NULL || s->blocks == NULL || s->hashes == NULL || s->bpool == NULL) {
         free(s->tokens);
         free(s->blocks);
         free(s->hashes);
+        free(s->bpool);
         free(s);
         return KV_ENOMEM;
     }
+    s->search_domains = 1;
     if (extra_len > 0) {
         memcpy(s->extra, extra, extra_len);
     }
@@ -76,7 +86,12 @@ void kvc_seq_free(kvc_seq *s) {
     free(s->tokens);
     free(s->blocks);
     free(s->hashes);
+    free(s->bpool);
     free(s);
+}
+
+void kvc_seq_set_search_domains(kvc_seq *s, int on) {
+    s->search_domains = on != 0;
 }
 
 /* Hashes every full block not hashed yet. */
@@ -108,24 +123,18 @@ static kv_err alloc_blocks(kvc_seq *s, size_t n) {
         }
         done += k;
     }
+    for (size_t i = 0; i < n; i++) {
+        s->bpool[s->nblocks + i] = s->pool;
+    }
     s->nblocks += n;
     return KV_OK;
 }
 
-/* Gives blocks[from, from + n) back with Release or Rewind, in list-limit chunks. */
+/* Gives blocks[from, from + n) back to their pools with Release or Rewind (one round trip;
+ * kvc_release_multi splits runs at the list limit). */
 static kv_err drop_blocks(kvc_seq *s, size_t from, size_t n, int rewind) {
-    size_t limit = s->pool->conn->max_blocks;
-    kv_err first = KV_OK;
-    for (size_t done = 0; done < n;) {
-        size_t k = n - done < limit ? n - done : limit;
-        kv_err err = rewind ? kvc_rewind(s->pool, s->blocks + from + done, k)
-                            : kvc_release(s->pool, s->blocks + from + done, k);
-        if (err != KV_OK && first == KV_OK) {
-            first = err;
-        }
-        done += k;
-    }
-    return first;
+    return rewind ? kvc_rewind_multi(s->bpool + from, s->blocks + from, n)
+                  : kvc_release_multi(s->bpool + from, s->blocks + from, n);
 }
 
 kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cached_tokens) {
@@ -153,7 +162,15 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     }
     size_t nhit = 0;
     if (want > 0) {
-        err = kvc_lookup(s->pool, s->hashes, want, s->blocks, &nhit);
+        /* Without linked pools the plain lookup is the same search, minus pool_ids. */
+        if (s->search_domains && s->pool->nlinked > 0) {
+            err = kvc_lookup_domains(s->pool, s->hashes, want, s->blocks, s->bpool, &nhit);
+        } else {
+            err = kvc_lookup(s->pool, s->hashes, want, s->blocks, &nhit);
+            for (size_t i = 0; err == KV_OK && i < nhit; i++) {
+                s->bpool[i] = s->pool;
+            }
+        }
         if (err != KV_OK) {
             goto fail;
         }
@@ -163,7 +180,7 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     err = alloc_blocks(s, blocks_for(s, n) - nhit);
     if (err != KV_OK) {
         if (nhit > 0) {
-            (void)kvc_release(s->pool, s->blocks, nhit);
+            (void)kvc_release_multi(s->bpool, s->blocks, nhit);
         }
         goto fail;
     }
@@ -229,8 +246,10 @@ kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
             e[i].block = s->blocks[b];
             e[i].hash = s->hashes[b];
             /* Within one request the daemon rewrites a parent naming an earlier entry to that
-             * entry's canonical block; across requests ours is already canonical. */
-            e[i].parent = b == 0 ? KVC_NO_PARENT : s->blocks[b - 1].id;
+             * entry's canonical block; across requests ours is already canonical. A parent in
+             * another pool (a group or commons hit) has no id in this one. */
+            e[i].parent =
+                b == 0 || s->bpool[b - 1] != s->pool ? KVC_NO_PARENT : s->blocks[b - 1].id;
         }
         err = kvc_commit(s->pool, e, k, canon);
         if (err != KV_OK) {
@@ -321,9 +340,29 @@ kvc_block kvc_seq_block(const kvc_seq *s, size_t i) {
     return i < s->nblocks ? s->blocks[i] : none;
 }
 
-kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr, size_t indptr_cap,
-                          int32_t *indices, size_t indices_cap, int32_t *last_page_len,
-                          size_t last_cap, size_t *nindices) {
+kvc_pool *kvc_seq_block_pool(const kvc_seq *s, size_t i) {
+    return i < s->nblocks ? s->bpool[i] : NULL;
+}
+
+int kvc_seq_mixed(const kvc_seq *s) {
+    for (size_t i = 1; i < s->nblocks; i++) {
+        if (s->bpool[i] != s->bpool[0]) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Tokens held by block b of s: a full block except the sequence's last. */
+static int32_t block_tokens(const kvc_seq *s, size_t b) {
+    return b + 1 < s->nblocks ? (int32_t)tpb(s) : (int32_t)(s->len - (s->nblocks - 1) * tpb(s));
+}
+
+/* The CSR export of seqs' blocks in pool, or of every block (pool NULL: each sequence must then
+ * lie in one pool). */
+static kv_err export_csr(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *pool, int32_t *indptr,
+                         size_t indptr_cap, int32_t *indices, size_t indices_cap,
+                         int32_t *last_page_len, size_t last_cap, size_t *nindices) {
     if ((nseqs > 0 && seqs == NULL) || indptr == NULL || (nseqs > 0 && last_page_len == NULL)) {
         return KV_EINVAL;
     }
@@ -332,7 +371,16 @@ kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr, s
     }
     size_t total = 0;
     for (size_t i = 0; i < nseqs; i++) {
-        total += seqs[i]->nblocks;
+        const kvc_seq *s = seqs[i];
+        if (pool == NULL && kvc_seq_mixed(s)) {
+            return kvc__fail(s->pool->conn, KV_ENOTSUP,
+                             "sequence %zu has blocks in more than one pool (shared-domain hits); "
+                             "export one table per pool with kvc_seq_export_csr_pool",
+                             i);
+        }
+        for (size_t b = 0; b < s->nblocks; b++) {
+            total += pool == NULL || s->bpool[b] == pool;
+        }
     }
     if (total > indices_cap || total > INT32_MAX) {
         return KV_ETOOBIG;
@@ -344,17 +392,40 @@ kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr, s
     indptr[0] = 0;
     for (size_t i = 0; i < nseqs; i++) {
         const kvc_seq *s = seqs[i];
+        int32_t last = 0;
         for (size_t b = 0; b < s->nblocks; b++) {
+            if (pool != NULL && s->bpool[b] != pool) {
+                continue;
+            }
             if (s->blocks[b].id > INT32_MAX) {
                 return KV_ETOOBIG;
             }
             indices[k++] = (int32_t)s->blocks[b].id;
+            last = block_tokens(s, b);
         }
         indptr[i + 1] = (int32_t)k;
-        last_page_len[i] = s->nblocks == 0 ? 0 : (int32_t)(s->len - (s->nblocks - 1) * tpb(s));
+        last_page_len[i] = last;
     }
     if (nindices != NULL) {
         *nindices = k;
     }
     return KV_OK;
+}
+
+kv_err kvc_seq_export_csr_pool(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *pool,
+                               int32_t *indptr, size_t indptr_cap, int32_t *indices,
+                               size_t indices_cap, int32_t *last_page_len, size_t last_cap,
+                               size_t *nindices) {
+    if (pool == NULL) {
+        return KV_EINVAL;
+    }
+    return export_csr(seqs, nseqs, pool, indptr, indptr_cap, indices, indices_cap, last_page_len,
+                      last_cap, nindices);
+}
+
+kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr, size_t indptr_cap,
+                          int32_t *indices, size_t indices_cap, int32_t *last_page_len,
+                          size_t last_cap, size_t *nindices) {
+    return export_csr(seqs, nseqs, NULL, indptr, indptr_cap, indices, indices_cap, last_page_len,
+                      last_cap, nindices);
 }

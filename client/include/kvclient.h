@@ -7,6 +7,12 @@
  * commits full blocks and releases them. kvc_seq wraps that cycle for one sequence and exports
  * a batch's block tables in FlashInfer's CSR form.
  *
+ * Shared domains (docs/TENANCY.md): attaching also maps the same model's pools in the tenant's
+ * groups and the commons ("linked pools", kvc_pool_linked; the commons read-only). Block ids are
+ * pool-local, so a block is named by (kvc_pool *, kvc_block): kvc_lookup_domains says which
+ * pool each hit lives in, every address and block call takes that pool, and kvc_release_multi
+ * gives back blocks of several pools at once. kvc_lookup searches the attached pool only.
+ *
  * Calls are synchronous (one round trip each) or batched (kvc_batch: many requests are sent
  * back to back and their replies are matched by request id). No event loop, no threads.
  *
@@ -180,6 +186,39 @@ KVC_EXTERN float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_
  * read); 0 otherwise. */
 KVC_EXTERN int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block);
 
+/* ---- Linked pools (shared domains) ---------------------------------------------------- */
+
+/* kvc_pool_attach also maps the pools the daemon linked to the attached one
+ * (AttachPoolReply.linked): the same model and shape in each group the tenant is a member of,
+ * then the commons, in the daemon's lookup order. Each is a kvc_pool of its own, with its own
+ * block ids (pool-local), segments and layer tensors: kvc_pool_id, kvc_pool_segment_base,
+ * kvc_pool_layer_base, kvc_pool_addr and kvc_pool_scale_addr work on it as on the attached pool,
+ * and so do kvc_release, kvc_rewind, kvc_pin, kvc_allocate and kvc_commit (the daemon refuses
+ * the last three with KV_EPERM in a read-only pool, the commons). The commons is mapped
+ * PROT_READ from a read-only fd: writing to it faults and it cannot be mprotect()ed writable.
+ * Segments a linked pool grows later are mapped before a call that returns one of their blocks
+ * returns. A linked pool belongs to the pool that linked it: kvc_pool_detach of the attached
+ * pool frees it too, and kvc_pool_detach of a linked pool does nothing. Threads: the
+ * connection's. */
+
+/* Linked pools of p (0 for a linked pool or without groups and commons), and the i-th of them
+ * (NULL when i >= kvc_pool_nlinked). */
+KVC_EXTERN uint32_t kvc_pool_nlinked(const kvc_pool *p);
+KVC_EXTERN kvc_pool *kvc_pool_linked(const kvc_pool *p, uint32_t i);
+
+/* The attached pool a linked pool belongs to; p itself for an attached pool. */
+KVC_EXTERN kvc_pool *kvc_pool_owner(const kvc_pool *p);
+
+/* The pool with daemon id pool_id among p's owner and its linked pools, or NULL. */
+KVC_EXTERN kvc_pool *kvc_pool_find(const kvc_pool *p, uint32_t pool_id);
+
+/* The pool's domain: "group:NAME", "commons", or (the attached pool) the tenant's name. Valid
+ * while the pool is. */
+KVC_EXTERN const char *kvc_pool_domain(const kvc_pool *p);
+
+/* 1 when the session may only read the pool (the commons), else 0. */
+KVC_EXTERN int kvc_pool_read_only(const kvc_pool *p);
+
 /* ---- Block hashes --------------------------------------------------------------------- */
 
 /* The pool's hash seed and algorithm (kv_hash_algo). */
@@ -205,6 +244,14 @@ KVC_EXTERN kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const
  * *nhit) get handles, each referenced by this session (release them). out has room for n. */
 KVC_EXTERN kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
                              size_t *nhit);
+
+/* kvc_lookup that also searches p's linked pools (Lookup.search_domains): each position of the
+ * prefix takes the first of (p, groups in order, commons) that has it, so one prefix may mix
+ * pools. pools[i] (room for n; not NULL) gets the pool block out[i] lives in: p or one of its
+ * linked pools. Use that pool for the block's addresses and to release it (kvc_release_multi).
+ * Errors as kvc_lookup; KV_EINVAL for pools NULL. */
+KVC_EXTERN kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                                     kvc_block *out, kvc_pool **pools, size_t *nhit);
 
 /* Leases count blocks in WRITING state to this session (all or none): out[0..count). The
  * daemon evicts cached blocks when needed; KV_ENOSPC when it cannot. New segments the daemon
@@ -238,6 +285,15 @@ KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
 KVC_EXTERN kv_err kvc_pin(kvc_pool *p, const kvc_block *blocks, size_t n, uint64_t retention_ms,
                           uint8_t priority, int unpin);
 
+/* Release, Rewind and Pin of blocks[i] in pools[i] (pools of one connection; NULL entries are
+ * KV_EINVAL): one request per run of consecutive blocks in the same pool, all sent in one round
+ * trip, in the given order. Returns the first failure; the other requests still ran. Pin in the
+ * commons is KV_EPERM. */
+KVC_EXTERN kv_err kvc_release_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n);
+KVC_EXTERN kv_err kvc_rewind_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n);
+KVC_EXTERN kv_err kvc_pin_multi(kvc_pool *const *pools, const kvc_block *blocks, size_t n,
+                                uint64_t retention_ms, uint8_t priority, int unpin);
+
 /* ---- Batched, pipelined calls --------------------------------------------------------- */
 
 /* A batch queues requests on one connection; kvc_batch_send writes them back to back (never
@@ -261,6 +317,9 @@ KVC_EXTERN size_t kvc_batch_count(const kvc_batch *b);
 KVC_EXTERN kv_err kvc_batch_ping(kvc_batch *b, const void *payload, size_t len, size_t *index);
 KVC_EXTERN kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                                    kvc_block *out, size_t *nhit, size_t *index);
+KVC_EXTERN kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes,
+                                           size_t n, kvc_block *out, kvc_pool **pools, size_t *nhit,
+                                           size_t *index);
 KVC_EXTERN kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
                                      size_t *index);
 KVC_EXTERN kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,
@@ -297,12 +356,25 @@ KVC_EXTERN kv_err kvc_batch_status(const kvc_batch *b, size_t index);
  *                            only tokens whose K/V are written and verified, never drafts;
  *   kvc_seq_rewind(n)        drops tokens past n (rejected drafts);
  *   kvc_seq_release()        drops all blocks (the sequence can be prefilled again).
- * One thread at a time, like its connection. */
+ * One thread at a time, like its connection.
+ *
+ * Shared domains: by default prefill searches every domain the session may read (the attached
+ * pool, then its linked group pools, then the commons), so leading blocks of the table may live
+ * in linked pools (kvc_seq_block_pool); blocks allocated by the sequence are always in the
+ * attached pool. Block ids are pool-local and pools do not share an id space, so a table that
+ * mixes pools cannot be one page table: kvc_seq_export_csr refuses it (KV_ENOTSUP) and
+ * kvc_seq_export_csr_pool exports one table per pool, whose attention results the engine merges
+ * (log-sum-exp, e.g. FlashInfer merge_state). kvc_seq_set_search_domains(s, 0) keeps a
+ * sequence in its own pool (one page table always). */
 
 /* Allocates a sequence on pool p holding up to max_tokens tokens; extra (NULL, 0 for none; at
  * most KV_HASH_MAX_EXTRA bytes, copied) is mixed into every block hash (LoRA id, ...). */
 KVC_EXTERN kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t extra_len,
                                 kvc_seq **out);
+
+/* Whether the next prefills search the linked pools too (on = 1, the default) or the attached
+ * pool only (on = 0). Takes effect at the next kvc_seq_prefill. */
+KVC_EXTERN void kvc_seq_set_search_domains(kvc_seq *s, int on);
 
 /* Releases the sequence's blocks (best effort) and frees it; accepts NULL. */
 KVC_EXTERN void kvc_seq_free(kvc_seq *s);
@@ -338,6 +410,11 @@ KVC_EXTERN size_t kvc_seq_nblocks(const kvc_seq *s);
 KVC_EXTERN size_t kvc_seq_ncommitted(const kvc_seq *s);
 KVC_EXTERN kvc_block kvc_seq_block(const kvc_seq *s, size_t i);
 
+/* The pool block i lives in (the sequence's pool or one of its linked pools; NULL past the
+ * table), and 1 when the table has blocks in more than one pool. */
+KVC_EXTERN kvc_pool *kvc_seq_block_pool(const kvc_seq *s, size_t i);
+KVC_EXTERN int kvc_seq_mixed(const kvc_seq *s);
+
 /* Exports the block tables of seqs[0..nseqs) in FlashInfer's paged-KV CSR form: indptr[nseqs+1]
  * (indptr[0] = 0), indices[indptr[nseqs]] (block ids, each sequence's in order) and
  * last_page_len[nseqs] (tokens in each sequence's last block; 0 for an empty sequence), into
@@ -346,6 +423,17 @@ KVC_EXTERN kvc_block kvc_seq_block(const kvc_seq *s, size_t i);
 KVC_EXTERN kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr,
                                      size_t indptr_cap, int32_t *indices, size_t indices_cap,
                                      int32_t *last_page_len, size_t last_cap, size_t *nindices);
+/* (kvc_seq_export_csr: KV_ENOTSUP when a sequence's blocks are not all in one pool.) */
+
+/* The block table restricted to pool: for each sequence, its blocks that live in pool, in
+ * table order (ids index pool's layer tensors), with last_page_len[i] the tokens in the last of
+ * them (a full block unless it is the sequence's last block; 0 when none is in pool). Running
+ * attention over each pool's table and merging the partial results by log-sum-exp gives the
+ * attention over the whole sequence. Buffers and errors as kvc_seq_export_csr. */
+KVC_EXTERN kv_err kvc_seq_export_csr_pool(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *pool,
+                                          int32_t *indptr, size_t indptr_cap, int32_t *indices,
+                                          size_t indices_cap, int32_t *last_page_len,
+                                          size_t last_cap, size_t *nindices);
 
 #ifdef __cplusplus
 }
