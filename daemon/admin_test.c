@@ -33,41 +33,12 @@
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/server.h"
+#include "daemon/testing/raw_client.h"
 
 typedef struct harness {
-    kvd_config cfg;     /* options the server runs with */
-    char dir[64];       /* temporary socket directory */
+    kvd_test_server ts; /* the server on its temporary socket */
     char admin[128];    /* admin socket path */
-    uv_loop_t loop;     /* the server thread's loop */
-    kvd_server *srv;    /* the server */
-    pthread_t thread;   /* runs the loop */
-    pthread_mutex_t mu; /* guards ready */
-    pthread_cond_t cv;  /* signals ready */
-    int ready;          /* 1 started, -1 failed */
-    int loop_close_rc;  /* uv_loop_close() after the loop ended */
 } harness;
-
-static void *server_main(void *arg) {
-    harness *h = arg;
-    uv_loop_init(&h->loop);
-    kv_err rc = kvd_server_alloc(&h->cfg, &h->loop, &h->srv);
-    if (rc == KV_OK) {
-        rc = kvd_server_start(h->srv, 0);
-        if (rc != KV_OK) {
-            kvd_server_stop(h->srv);
-        }
-    }
-    pthread_mutex_lock(&h->mu);
-    h->ready = rc == KV_OK ? 1 : -1;
-    pthread_cond_signal(&h->cv);
-    pthread_mutex_unlock(&h->mu);
-    if (h->srv != NULL) {
-        uv_run(&h->loop, UV_RUN_DEFAULT);
-        kvd_server_free(h->srv);
-    }
-    h->loop_close_rc = uv_loop_close(&h->loop);
-    return NULL;
-}
 
 static uint16_t free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -86,315 +57,30 @@ static uint16_t free_port(void) {
 static harness *start(void (*tweak)(kvd_config *)) {
     harness *h = calloc(1, sizeof(*h));
     assert_non_null(h);
-    kvd_config_init(&h->cfg);
-    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-admin-test-XXXXXX");
-    assert_non_null(mkdtemp(h->dir));
-    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
-    snprintf(h->admin, sizeof(h->admin), "%s/admin.sock", h->dir);
-    h->cfg.pool_memory = 8 << 20;
-    h->cfg.segment_bytes = 64 << 10;
-    h->cfg.index_entries = 4096;
-    h->cfg.log_level = KV_LOG_WARN;
+    kvd_test_server_init(&h->ts, "admin-test");
+    snprintf(h->admin, sizeof(h->admin), "%s/admin.sock", h->ts.dir);
+    h->ts.cfg.pool_memory = 8 << 20;
+    h->ts.cfg.segment_bytes = 64 << 10;
+    h->ts.cfg.index_entries = 4096;
+    h->ts.cfg.log_level = KV_LOG_WARN;
     if (tweak != NULL) {
-        tweak(&h->cfg);
+        tweak(&h->ts.cfg);
     }
-    kv_log_threshold = h->cfg.log_level;
-    pthread_mutex_init(&h->mu, NULL);
-    pthread_cond_init(&h->cv, NULL);
-    assert_int_equal(pthread_create(&h->thread, NULL, server_main, h), 0);
-    pthread_mutex_lock(&h->mu);
-    while (h->ready == 0) {
-        pthread_cond_wait(&h->cv, &h->mu);
-    }
-    pthread_mutex_unlock(&h->mu);
-    assert_int_equal(h->ready, 1);
+    kvd_test_server_start(&h->ts);
     return h;
 }
 
 static void stop(harness *h) {
-    kvd_server_stop_async(h->srv);
-    pthread_join(h->thread, NULL);
-    assert_int_equal(h->loop_close_rc, 0);
+    kvd_test_server_stop(&h->ts);
     /* Both socket files are gone after a clean stop. */
-    assert_int_not_equal(access(h->cfg.socket, F_OK), 0);
+    assert_int_not_equal(access(h->ts.cfg.socket, F_OK), 0);
     assert_int_not_equal(access(h->admin, F_OK), 0);
-    rmdir(h->dir);
-    pthread_mutex_destroy(&h->mu);
-    pthread_cond_destroy(&h->cv);
+    rmdir(h->ts.dir);
     free(h);
 }
 
-static int dial_path(const char *path) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    assert_true(strlen(path) < sizeof(sa.sun_path));
-    memcpy(sa.sun_path, path, strlen(path) + 1);
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    /* A hung test fails instead of hanging. */
-    struct timeval tv = {20, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    return fd;
-}
-
 static int dial(harness *h) {
-    return dial_path(h->cfg.socket);
-}
-
-static void send_raw(int fd, const void *buf, size_t len) {
-    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
-}
-
-static void send_env(int fd, Kvd__Envelope *env) {
-    uint8_t *buf;
-    size_t len;
-    assert_int_equal(kv_wire_encode(env, 1u << 30, &buf, &len), KV_OK);
-    send_raw(fd, buf, len);
-    free(buf);
-}
-
-static int recv_exact(int fd, uint8_t *buf, size_t len, int *fds, size_t *nfds) {
-    size_t got = 0;
-    while (got < len) {
-        union {
-            char b[CMSG_SPACE(sizeof(int) * 200)];
-            struct cmsghdr align;
-        } ctl;
-        struct iovec iov = {buf + got, len - got};
-        struct msghdr mh;
-        memset(&mh, 0, sizeof(mh));
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.b;
-        mh.msg_controllen = sizeof(ctl.b);
-        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-        if (n <= 0) {
-            return -1;
-        }
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
-            if (cm->cmsg_type == SCM_RIGHTS) {
-                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                memcpy(fds + *nfds, CMSG_DATA(cm), k * sizeof(int));
-                *nfds += k;
-            }
-        }
-        got += (size_t)n;
-    }
-    return 0;
-}
-
-/* Receives one frame; NULL on EOF. fds (capacity 200) get the frame's fds. */
-static Kvd__Envelope *recv_env_fds(int fd, int *fds, size_t *nfds) {
-    uint8_t hdr[4];
-    *nfds = 0;
-    if (recv_exact(fd, hdr, 4, fds, nfds) != 0) {
-        return NULL;
-    }
-    uint32_t len =
-        (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
-    uint8_t *buf = malloc(len + 4);
-    assert_non_null(buf);
-    memcpy(buf, hdr, 4);
-    assert_int_equal(recv_exact(fd, buf + 4, len, fds, nfds), 0);
-    Kvd__Envelope *env;
-    size_t used;
-    assert_int_equal(kv_wire_decode(buf, len + 4, 1u << 30, &env, &used), KV_OK);
-    assert_non_null(env);
-    free(buf);
-    return env;
-}
-
-static Kvd__Envelope *recv_env(int fd) {
-    int fds[200];
-    size_t n;
-    Kvd__Envelope *e = recv_env_fds(fd, fds, &n);
-    for (size_t i = 0; i < n; i++) {
-        close(fds[i]);
-    }
-    return e;
-}
-
-static Kvd__Envelope *rpc(int fd, Kvd__Envelope *req) {
-    send_env(fd, req);
-    Kvd__Envelope *r = recv_env(fd);
-    assert_non_null(r);
-    assert_int_equal(r->id, req->id);
-    return r;
-}
-
-/* Sends req and expects an Error with code. */
-static void expect_error(int fd, Kvd__Envelope *req, kv_err code) {
-    Kvd__Envelope *r = rpc(fd, req);
-    if (r->body_case != KVD__ENVELOPE__BODY_ERROR) {
-        fail_msg("expected %s, got body %d", kv_err_name(code), r->body_case);
-    }
-    if ((int)r->error->code != (int)code) {
-        fail_msg("expected %s, got %s: %s", kv_err_name(code), kv_err_name(r->error->code),
-                 r->error->message);
-    }
-    assert_true(strlen(r->error->message) > 0);
-    kv_wire_free(r);
-}
-
-static uint64_t next_id = 100;
-
-static void hello(int fd) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__Hello h = KVD__HELLO__INIT;
-    h.protocol_version = 1;
-    h.client_name = "admin_test";
-    e.id = next_id++;
-    e.body_case = KVD__ENVELOPE__BODY_HELLO;
-    e.hello = &h;
-    Kvd__Envelope *r = rpc(fd, &e);
-    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_HELLO_REPLY);
-    assert_true(r->hello_reply->session_id > 0);
-    assert_int_equal(r->hello_reply->boot_epoch, r->boot_epoch);
-    assert_true(r->boot_epoch != 0);
-    assert_int_equal(r->hello_reply->protocol_version, 1);
-    assert_int_equal(r->hello_reply->n_domains, 1);
-    kv_wire_free(r);
-}
-
-typedef struct attached {
-    uint32_t pool_id;   /* from the reply */
-    uint32_t bps;       /* blocks per segment */
-    uint64_t seg_bytes; /* bytes of segment 0 */
-    uint8_t *base;      /* our mapping of segment 0 */
-    kv_layout layout;   /* the layout we asked */
-} attached;
-
-static void fill_layout(Kvd__Layout *l) {
-    l->num_layers = 2;
-    l->num_kv_heads = 2;
-    l->head_dim = 8;
-    l->tokens_per_block = 4;
-    l->dtype = KVD__DTYPE__FP16;
-    l->arrangement = KVD__ARRANGEMENT__LAYER_MAJOR;
-}
-
-static attached attach(int fd, const char *model) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
-    Kvd__Layout l = KVD__LAYOUT__INIT;
-    fill_layout(&l);
-    a.model_id = (char *)model;
-    a.layout = &l;
-    e.id = next_id++;
-    e.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
-    e.attach_pool = &a;
-    send_env(fd, &e);
-    int fds[200];
-    size_t nfds;
-    Kvd__Envelope *r = recv_env_fds(fd, fds, &nfds);
-    assert_non_null(r);
-    if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
-        fail_msg("attach: %s", r->error->message);
-    }
-    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY);
-    Kvd__AttachPoolReply *ar = r->attach_pool_reply;
-    assert_true(ar->pool_id > 0);
-    assert_true(ar->n_segments >= 1);
-    assert_int_equal(nfds, ar->n_segments);
-    assert_int_equal(ar->segments[0]->index, 0);
-    assert_int_equal(ar->segments[0]->kind, KVD__MEMORY_KIND__HOST_MEMFD);
-    assert_int_equal(ar->hash_algo, 1);
-    assert_non_null(ar->hash_seed);
-    attached at;
-    at.pool_id = ar->pool_id;
-    at.bps = ar->blocks_per_segment;
-    at.seg_bytes = ar->segments[0]->bytes;
-    assert_int_equal(kv_layout_init(2, 2, 8, 4, KV_DTYPE_FP16, KV_LAYER_MAJOR, &at.layout), KV_OK);
-    assert_int_equal(ar->layout->block_bytes, at.layout.block_bytes);
-    assert_true(at.seg_bytes >= kv_layout_segment_bytes(&at.layout, at.bps));
-    /* The memfd is sealed against resizing. */
-    int seals = fcntl(fds[ar->segments[0]->fd_index], F_GET_SEALS);
-    assert_true(seals & F_SEAL_SHRINK);
-    assert_true(seals & F_SEAL_GROW);
-    at.base = mmap(NULL, at.seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                   fds[ar->segments[0]->fd_index], 0);
-    assert_true(at.base != MAP_FAILED);
-    for (size_t i = 0; i < nfds; i++) {
-        close(fds[i]);
-    }
-    kv_wire_free(r);
-    return at;
-}
-
-static Kvd__Envelope *allocate(int fd, uint32_t pool, uint32_t count) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__Allocate a = KVD__ALLOCATE__INIT;
-    a.pool_id = pool;
-    a.count = count;
-    e.id = next_id++;
-    e.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
-    e.allocate = &a;
-    return rpc(fd, &e);
-}
-
-static void commit(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint64_t salt,
-                   kv_err expect) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__Commit c = KVD__COMMIT__INIT;
-    Kvd__CommitEntry ent[8];
-    Kvd__CommitEntry *pe[8];
-    Kvd__Hash128 h[8];
-    Kvd__BlockRef br[8];
-    assert_true(n <= 8);
-    for (size_t i = 0; i < n; i++) {
-        kvd__commit_entry__init(&ent[i]);
-        kvd__hash128__init(&h[i]);
-        kvd__block_ref__init(&br[i]);
-        br[i].id = blocks[i].id;
-        br[i].gen = blocks[i].gen;
-        h[i].lo = salt + i;
-        h[i].hi = 0xabcdef;
-        ent[i].block = &br[i];
-        ent[i].hash = &h[i];
-        ent[i].parent = i == 0 ? UINT32_MAX : blocks[i - 1].id;
-        pe[i] = &ent[i];
-    }
-    c.pool_id = pool;
-    c.n_entries = n;
-    c.entries = pe;
-    e.id = next_id++;
-    e.body_case = KVD__ENVELOPE__BODY_COMMIT;
-    e.commit = &c;
-    if (expect != KV_OK) {
-        expect_error(fd, &e, expect);
-        return;
-    }
-    Kvd__Envelope *r = rpc(fd, &e);
-    if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
-        fail_msg("commit: %s", r->error->message);
-    }
-    assert_int_equal(r->commit_reply->n_canonical, n);
-    for (size_t i = 0; i < n; i++) {
-        assert_int_equal(r->commit_reply->canonical[i]->id, blocks[i].id);
-    }
-    kv_wire_free(r);
-}
-
-static Kvd__Envelope *lookup(int fd, uint32_t pool, uint64_t salt, size_t n) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__Lookup l = KVD__LOOKUP__INIT;
-    Kvd__Hash128 h[8];
-    Kvd__Hash128 *ph[8];
-    for (size_t i = 0; i < n; i++) {
-        kvd__hash128__init(&h[i]);
-        h[i].lo = salt + i;
-        h[i].hi = 0xabcdef;
-        ph[i] = &h[i];
-    }
-    l.pool_id = pool;
-    l.n_hashes = n;
-    l.hashes = ph;
-    e.id = next_id++;
-    e.body_case = KVD__ENVELOPE__BODY_LOOKUP;
-    e.lookup = &l;
-    return rpc(fd, &e);
+    return kvd_raw_dial(h->ts.cfg.socket);
 }
 
 static void release(int fd, uint32_t pool, Kvd__BlockRef **blocks, size_t n) {
@@ -405,10 +91,10 @@ static void release(int fd, uint32_t pool, Kvd__BlockRef **blocks, size_t n) {
     rel.pool_id = pool;
     rel.n_blocks = n;
     rel.blocks = blocks;
-    e.id = next_id++;
+    e.id = kvd_raw_next_id();
     e.body_case = KVD__ENVELOPE__BODY_RELEASE;
     e.release = &rel;
-    Kvd__Envelope *r = rpc(fd, &e);
+    Kvd__Envelope *r = kvd_raw_rpc(fd, &e);
     if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
         fail_msg("release: %s", r->error->message);
     }
@@ -449,7 +135,7 @@ static char *read_line(int fd) {
 static json_t *cmd_on(int fd, const char *line) {
     char out[8192];
     snprintf(out, sizeof(out), "%s\n", line);
-    send_raw(fd, out, strlen(out));
+    kvd_raw_send(fd, out, strlen(out));
     char *reply = read_line(fd);
     assert_non_null(reply);
     assert_null(strchr(reply, '\n'));
@@ -463,7 +149,7 @@ static json_t *cmd_on(int fd, const char *line) {
 }
 
 static json_t *cmd(harness *h, const char *line) {
-    int fd = dial_path(h->admin);
+    int fd = kvd_raw_dial(h->admin);
     json_t *o = cmd_on(fd, line);
     close(fd);
     return o;
@@ -518,10 +204,10 @@ static long long jint(const json_t *o, const char *path) {
  * CACHED blocks with one hit each. Returns the client fd (open) and the pool id. */
 static int populate(harness *h, uint32_t *pool) {
     int fd = dial(h);
-    hello(fd);
-    attached at = attach(fd, "admin-model");
+    kvd_raw_hello(fd, "admin_test");
+    kvd_raw_attached at = kvd_raw_attach(fd, "admin-model");
     munmap(at.base, at.seg_bytes);
-    Kvd__Envelope *r = allocate(fd, at.pool_id, 4);
+    Kvd__Envelope *r = kvd_raw_allocate(fd, at.pool_id, 4);
     assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_ALLOCATE_REPLY);
     Kvd__BlockRef blocks[4];
     Kvd__BlockRef *pb[4];
@@ -530,9 +216,9 @@ static int populate(harness *h, uint32_t *pool) {
         pb[i] = &blocks[i];
     }
     kv_wire_free(r);
-    commit(fd, at.pool_id, blocks, 4, 1000, KV_OK);
+    kvd_raw_commit(fd, at.pool_id, blocks, 4, 1000, KV_OK);
     release(fd, at.pool_id, pb, 4);
-    r = lookup(fd, at.pool_id, 1000, 4);
+    r = kvd_raw_lookup(fd, at.pool_id, 1000, 4);
     assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_LOOKUP_REPLY);
     assert_int_equal(r->lookup_reply->n_blocks, 4);
     release(fd, at.pool_id, r->lookup_reply->blocks, 4);
@@ -557,7 +243,7 @@ static void test_commands(void **state) {
 
     r = ok(h, "info");
     char epoch[17];
-    snprintf(epoch, sizeof(epoch), "%016llx", (unsigned long long)kvd_server_boot_epoch(h->srv));
+    snprintf(epoch, sizeof(epoch), "%016llx", (unsigned long long)kvd_server_boot_epoch(h->ts.srv));
     assert_string_equal(json_string_value(json_object_get(r, "boot_epoch")), epoch);
     assert_non_null(json_string_value(json_object_get(r, "version")));
     assert_string_equal(json_string_value(json_object_get(r, "admin_socket")), h->admin);
@@ -695,12 +381,12 @@ static void test_commands(void **state) {
     Kvd__Hello hl = KVD__HELLO__INIT;
     hl.protocol_version = 1;
     hl.client_name = "late";
-    e.id = next_id++;
+    e.id = kvd_raw_next_id();
     e.body_case = KVD__ENVELOPE__BODY_HELLO;
     e.hello = &hl;
-    expect_error(late, &e, KV_EDRAINING);
+    kvd_raw_expect_error(late, &e, KV_EDRAINING);
     close(late);
-    Kvd__Envelope *lr = lookup(client, pool, 7777, 1); /* the open session still works */
+    Kvd__Envelope *lr = kvd_raw_lookup(client, pool, 7777, 1); /* the open session still works */
     assert_int_equal(lr->body_case, KVD__ENVELOPE__BODY_LOOKUP_REPLY);
     kv_wire_free(lr);
     r = ok(h, "events kind=refuse 1");
@@ -737,8 +423,8 @@ static void test_errors(void **state) {
     fails(h, "prefixes top=0", "EINVAL");
 
     /* Several commands on one connection, blank lines ignored, JSON-hostile input escaped. */
-    int fd = dial_path(h->admin);
-    send_raw(fd, "\n\n", 2);
+    int fd = kvd_raw_dial(h->admin);
+    kvd_raw_send(fd, "\n\n", 2);
     json_t *o = cmd_on(fd, "bad\"cmd\\\x01");
     assert_true(json_is_false(json_object_get(o, "ok")));
     assert_non_null(
@@ -753,7 +439,7 @@ static void test_errors(void **state) {
     assert_non_null(big);
     memset(big, 'x', KVD_ADMIN_LINE_MAX + 9);
     big[KVD_ADMIN_LINE_MAX + 9] = '\0';
-    send_raw(fd, big, strlen(big));
+    kvd_raw_send(fd, big, strlen(big));
     free(big);
     char *line = read_line(fd);
     assert_non_null(line);
@@ -776,7 +462,7 @@ static void test_peer_refused(void **state) {
         skip(); /* setuid() to another uid needs root */
     }
     harness *h = start(open_admin);
-    assert_int_equal(chmod(h->dir, 0755), 0);
+    assert_int_equal(chmod(h->ts.dir, 0755), 0);
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
@@ -843,7 +529,7 @@ static int http_get(uint16_t port, const char *path, char **body) {
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     char req[256];
     snprintf(req, sizeof(req), "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n", path);
-    send_raw(fd, req, strlen(req));
+    kvd_raw_send(fd, req, strlen(req));
     size_t cap = 1 << 16, len = 0;
     char *buf = malloc(cap);
     assert_non_null(buf);

@@ -27,6 +27,7 @@
 #include "daemon/server.h"
 #include "daemon/server_backend.h"
 #include "daemon/server_int.h"
+#include "daemon/testing/raw_client.h"
 
 #define FAKE "daemon/testdata/libfakecuda.so"
 #define MISSING "/nonexistent/libcuda.so.1"
@@ -211,109 +212,34 @@ static void test_ipc_segments(void **state) {
 
 /* ---- a real server with a GPU backend --------------------------------------------------- */
 
-typedef struct harness {
-    kvd_config cfg;   /* options */
-    char dir[64];     /* socket directory */
-    uv_loop_t loop;   /* the server's loop (this thread; run step by step) */
-    kvd_server *srv;  /* the server */
-    pthread_t thread; /* runs the loop */
-} harness;
-
-static void *loop_main(void *arg) {
-    harness *h = arg;
-    uv_run(&h->loop, UV_RUN_DEFAULT);
-    return NULL;
-}
+typedef kvd_test_server harness;
 
 static void start(harness *h, const char *backend) {
-    memset(h, 0, sizeof(*h));
-    kvd_config_init(&h->cfg);
-    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-cuda-test-XXXXXX");
-    assert_non_null(mkdtemp(h->dir));
-    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
+    kvd_test_server_init(h, "cuda-test");
     snprintf(h->cfg.backend, sizeof(h->cfg.backend), "%s", backend);
     h->cfg.pool_memory = 16 << 20;
     h->cfg.segment_bytes = 64 << 10;
     h->cfg.index_entries = 4096;
     h->cfg.log_level = KV_LOG_ERROR;
-    assert_int_equal(uv_loop_init(&h->loop), 0);
+    /* The server thread opens the backend before kvd_test_server_start returns. */
     setenv("KV_CUDA_LIBRARY", fake_path, 1);
-    assert_int_equal(kvd_server_alloc(&h->cfg, &h->loop, &h->srv), KV_OK);
+    kvd_test_server_start(h);
     unsetenv("KV_CUDA_LIBRARY");
-    assert_int_equal(kvd_server_start(h->srv, 0), KV_OK);
-    assert_int_equal(pthread_create(&h->thread, NULL, loop_main, h), 0);
 }
 
 static void stop(harness *h) {
-    kvd_server_stop_async(h->srv);
-    pthread_join(h->thread, NULL);
-    kvd_server_free(h->srv);
-    assert_int_equal(uv_loop_close(&h->loop), 0);
+    kvd_test_server_stop(h);
     rmdir(h->dir);
 }
 
 static int dial(harness *h) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    assert_true(strlen(h->cfg.socket) < sizeof(sa.sun_path));
-    memcpy(sa.sun_path, h->cfg.socket, strlen(h->cfg.socket) + 1);
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    struct timeval tv = {20, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    return fd;
-}
-
-/* Reads one whole frame with its fds (capacity 200). */
-static Kvd__Envelope *recv_frame(int fd, int *fds, size_t *nfds) {
-    uint8_t *buf = malloc(1u << 20);
-    assert_non_null(buf);
-    size_t got = 0, need = 4;
-    *nfds = 0;
-    while (got < need) {
-        union {
-            char b[CMSG_SPACE(sizeof(int) * 200)];
-            struct cmsghdr align;
-        } ctl;
-        struct iovec iov = {buf + got, need - got};
-        struct msghdr mh;
-        memset(&mh, 0, sizeof(mh));
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.b;
-        mh.msg_controllen = sizeof(ctl.b);
-        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-        assert_true(n > 0);
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
-            if (cm->cmsg_type == SCM_RIGHTS) {
-                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                memcpy(fds + *nfds, CMSG_DATA(cm), k * sizeof(int));
-                *nfds += k;
-            }
-        }
-        got += (size_t)n;
-        if (need == 4 && got >= 4) {
-            need = 4 + ((uint32_t)buf[0] | (uint32_t)buf[1] << 8 | (uint32_t)buf[2] << 16 |
-                        (uint32_t)buf[3] << 24);
-            assert_true(need <= (1u << 20));
-        }
-    }
-    Kvd__Envelope *env;
-    size_t used;
-    assert_int_equal(kv_wire_decode(buf, got, 1u << 30, &env, &used), KV_OK);
-    free(buf);
-    return env;
+    return kvd_raw_dial(h->cfg.socket);
 }
 
 static Kvd__Envelope *call(int fd, Kvd__Envelope *req, int *fds, size_t *nfds) {
-    uint8_t *buf;
-    size_t len;
-    assert_int_equal(kv_wire_encode(req, 1u << 30, &buf, &len), KV_OK);
-    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
-    free(buf);
-    Kvd__Envelope *r = recv_frame(fd, fds, nfds);
+    kvd_raw_send_env(fd, req);
+    Kvd__Envelope *r = kvd_raw_recv_env_fds(fd, fds, nfds);
+    assert_non_null(r);
     assert_int_equal(r->id, req->id);
     return r;
 }

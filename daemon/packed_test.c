@@ -25,50 +25,16 @@
 #include "common/kv_wire.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
+#include "daemon/testing/raw_client.h"
 
 #define NB 8 /* blocks of the test prefix */
 
-typedef struct harness {
-    kvd_config cfg;     /* options the server runs with */
-    char dir[64];       /* temporary socket directory */
-    uv_loop_t loop;     /* the server thread's loop */
-    kvd_server *srv;    /* the server */
-    pthread_t thread;   /* runs the loop */
-    pthread_mutex_t mu; /* guards ready */
-    pthread_cond_t cv;  /* signals ready */
-    int ready;          /* 1 started, -1 failed */
-    int loop_close_rc;  /* uv_loop_close() after the loop ended */
-} harness;
-
-static void *server_main(void *arg) {
-    harness *h = arg;
-    uv_loop_init(&h->loop);
-    kv_err rc = kvd_server_alloc(&h->cfg, &h->loop, &h->srv);
-    if (rc == KV_OK) {
-        rc = kvd_server_start(h->srv, 0);
-        if (rc != KV_OK) {
-            kvd_server_stop(h->srv);
-        }
-    }
-    pthread_mutex_lock(&h->mu);
-    h->ready = rc == KV_OK ? 1 : -1;
-    pthread_cond_signal(&h->cv);
-    pthread_mutex_unlock(&h->mu);
-    if (h->srv != NULL) {
-        uv_run(&h->loop, UV_RUN_DEFAULT);
-        kvd_server_free(h->srv);
-    }
-    h->loop_close_rc = uv_loop_close(&h->loop);
-    return NULL;
-}
+typedef kvd_test_server harness;
 
 static harness *start(uint64_t max_inflight) {
     harness *h = calloc(1, sizeof(*h));
     assert_non_null(h);
-    kvd_config_init(&h->cfg);
-    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-packed-test-XXXXXX");
-    assert_non_null(mkdtemp(h->dir));
-    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
+    kvd_test_server_init(h, "packed-test");
     h->cfg.pool_memory = 128 << 10;
     h->cfg.segment_bytes = 64 << 10;
     h->cfg.index_entries = 4096;
@@ -76,98 +42,32 @@ static harness *start(uint64_t max_inflight) {
     h->cfg.max_inflight = max_inflight;
     h->cfg.log_level = KV_LOG_ERROR;
     snprintf(h->cfg.backend, sizeof(h->cfg.backend), "host");
-    kv_log_threshold = h->cfg.log_level;
-    pthread_mutex_init(&h->mu, NULL);
-    pthread_cond_init(&h->cv, NULL);
-    assert_int_equal(pthread_create(&h->thread, NULL, server_main, h), 0);
-    pthread_mutex_lock(&h->mu);
-    while (h->ready == 0) {
-        pthread_cond_wait(&h->cv, &h->mu);
-    }
-    pthread_mutex_unlock(&h->mu);
-    assert_int_equal(h->ready, 1);
+    kvd_test_server_start(h);
     return h;
 }
 
 static void stop(harness *h) {
-    kvd_server_stop_async(h->srv);
-    pthread_join(h->thread, NULL);
-    assert_int_equal(h->loop_close_rc, 0);
+    kvd_test_server_stop(h);
     rmdir(h->dir);
-    pthread_mutex_destroy(&h->mu);
-    pthread_cond_destroy(&h->cv);
     free(h);
 }
 
 static int dial(harness *h) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    memcpy(sa.sun_path, h->cfg.socket, strlen(h->cfg.socket) + 1);
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    struct timeval tv = {20, 0}; /* a hung test fails instead of hanging */
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    return fd;
+    return kvd_raw_dial(h->cfg.socket);
 }
 
 static uint64_t next_id = 1;
 
+/* Sends env with a new id. */
 static void send_env(int fd, Kvd__Envelope *env) {
-    uint8_t *buf;
-    size_t len;
     env->id = next_id++;
-    assert_int_equal(kv_wire_encode(env, 1u << 30, &buf, &len), KV_OK);
-    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
-    free(buf);
+    kvd_raw_send_env(fd, env);
 }
 
-/* Reads exactly len bytes; fds that come along are closed. */
-static void recv_exact(int fd, uint8_t *buf, size_t len) {
-    size_t got = 0;
-    while (got < len) {
-        union {
-            char b[CMSG_SPACE(sizeof(int) * 200)];
-            struct cmsghdr align;
-        } ctl;
-        struct iovec iov = {buf + got, len - got};
-        struct msghdr mh;
-        memset(&mh, 0, sizeof(mh));
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.b;
-        mh.msg_controllen = sizeof(ctl.b);
-        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-        assert_true(n > 0);
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
-            if (cm->cmsg_type == SCM_RIGHTS) {
-                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                for (size_t i = 0; i < k; i++) {
-                    int d;
-                    memcpy(&d, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-                    close(d);
-                }
-            }
-        }
-        got += (size_t)n;
-    }
-}
-
+/* Receives one frame (fds closed); EOF fails the test. */
 static Kvd__Envelope *recv_env(int fd) {
-    uint8_t hdr[4];
-    recv_exact(fd, hdr, 4);
-    uint32_t len =
-        (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
-    uint8_t *buf = malloc(len + 4);
-    assert_non_null(buf);
-    memcpy(buf, hdr, 4);
-    recv_exact(fd, buf + 4, len);
-    Kvd__Envelope *env;
-    size_t used;
-    assert_int_equal(kv_wire_decode(buf, len + 4, 1u << 30, &env, &used), KV_OK);
+    Kvd__Envelope *env = kvd_raw_recv_env(fd);
     assert_non_null(env);
-    free(buf);
     return env;
 }
 
@@ -188,13 +88,10 @@ static Kvd__Envelope *rpc_ok(int fd, Kvd__Envelope *req, Kvd__Envelope__BodyCase
     return r;
 }
 
+/* Sends req with a new id and expects an Error with code. */
 static void expect_error(int fd, Kvd__Envelope *req, kv_err code) {
-    Kvd__Envelope *r = rpc(fd, req);
-    if (r->body_case != KVD__ENVELOPE__BODY_ERROR || (int)r->error->code != (int)code) {
-        fail_msg("expected %s, got body %d", kv_err_name(code), r->body_case);
-    }
-    assert_true(strlen(r->error->message) > 0);
-    kv_wire_free(r);
+    req->id = next_id++;
+    kvd_raw_expect_error(fd, req, code);
 }
 
 /* Hello (asking for packed replies or not) and AttachPool; returns the pool id. */
@@ -212,12 +109,7 @@ static uint32_t open_session(int fd, int packed) {
     kv_wire_free(r);
     Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
     Kvd__Layout l = KVD__LAYOUT__INIT;
-    l.num_layers = 2;
-    l.num_kv_heads = 2;
-    l.head_dim = 8;
-    l.tokens_per_block = 4;
-    l.dtype = KVD__DTYPE__FP16;
-    l.arrangement = KVD__ARRANGEMENT__LAYER_MAJOR;
+    kvd_raw_fill_layout(&l);
     a.model_id = "packed";
     a.layout = &l;
     kvd__envelope__init(&e);

@@ -31,47 +31,15 @@
 #include "daemon/quota.h"
 #include "daemon/selftest.h"
 #include "daemon/server.h"
+#include "daemon/testing/raw_client.h"
 
 typedef struct harness {
-    kvd_config cfg;                 /* options the server runs with */
-    char dir[64];                   /* temporary directory: socket, tenants file, tokens */
-    uv_loop_t loop;                 /* the server thread's loop */
-    kvd_server *srv;                /* the server */
-    pthread_t thread;               /* runs the loop */
-    pthread_mutex_t mu;             /* guards ready */
-    pthread_cond_t cv;              /* signals ready */
-    int ready;                      /* 1 started, -1 failed */
-    int loop_close_rc;              /* uv_loop_close() after the loop ended */
-    void (*on_loop)(kvd_server *s); /* runs on the loop thread before serving */
-    kv_err selftest_rc;             /* on_loop's verdict where it runs the self-test */
-    char report[2048];              /* its report */
+    kvd_test_server ts; /* the server; its dir also holds the tenants file and tokens */
+    kv_err selftest_rc; /* on_loop's verdict where it runs the self-test */
+    char report[2048];  /* its report */
 } harness;
 
 static harness *cur; /* the running harness, for on_loop hooks */
-
-static void *server_main(void *arg) {
-    harness *h = arg;
-    uv_loop_init(&h->loop);
-    kv_err rc = kvd_server_alloc(&h->cfg, &h->loop, &h->srv);
-    if (rc == KV_OK) {
-        rc = kvd_server_start(h->srv, 0);
-        if (rc != KV_OK) {
-            kvd_server_stop(h->srv);
-        } else if (h->on_loop != NULL) {
-            h->on_loop(h->srv);
-        }
-    }
-    pthread_mutex_lock(&h->mu);
-    h->ready = rc == KV_OK ? 1 : -1;
-    pthread_cond_signal(&h->cv);
-    pthread_mutex_unlock(&h->mu);
-    if (h->srv != NULL) {
-        uv_run(&h->loop, UV_RUN_DEFAULT);
-        kvd_server_free(h->srv);
-    }
-    h->loop_close_rc = uv_loop_close(&h->loop);
-    return NULL;
-}
 
 static void write_file(const char *dir, const char *name, const char *text) {
     char path[256];
@@ -94,148 +62,55 @@ static harness *start(const char *lines, const char *const *names, size_t nnames
                       uint64_t pool_memory, void (*on_loop)(kvd_server *)) {
     harness *h = calloc(1, sizeof(*h));
     assert_non_null(h);
-    kvd_config_init(&h->cfg);
-    snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-tenancy-test-XXXXXX");
-    assert_non_null(mkdtemp(h->dir));
-    assert_int_equal(chmod(h->dir, 0755), 0); /* the setuid child dials the socket too */
+    kvd_test_server_init(&h->ts, "tenancy-test");
+    assert_int_equal(chmod(h->ts.dir, 0755), 0); /* the setuid child dials the socket too */
     for (size_t i = 0; i < nnames; i++) {
         char tok[40], file[80];
         token_of(names[i], tok);
         snprintf(file, sizeof(file), "%s.token", names[i]);
         strcat(tok, "\n"); /* a trailing newline is cut */
-        write_file(h->dir, file, tok);
+        write_file(h->ts.dir, file, tok);
     }
     char text[4096];
     size_t o = 0;
     for (const char *p = lines; *p != '\0' && o + 80 < sizeof(text); p++) {
         if (p[0] == '%' && p[1] == 'T') {
-            o += (size_t)snprintf(text + o, sizeof(text) - o, "%s", h->dir);
+            o += (size_t)snprintf(text + o, sizeof(text) - o, "%s", h->ts.dir);
             p++;
         } else {
             text[o++] = *p;
         }
     }
     text[o] = '\0';
-    write_file(h->dir, "tenants", text);
-    snprintf(h->cfg.tenants_file, sizeof(h->cfg.tenants_file), "%s/tenants", h->dir);
-    snprintf(h->cfg.socket, sizeof(h->cfg.socket), "%s/kvd.sock", h->dir);
-    h->cfg.socket_mode = 0666; /* the setuid child connects too */
-    h->cfg.pool_memory = pool_memory;
-    h->cfg.segment_bytes = 64 << 10;
-    h->cfg.index_entries = 4096;
-    h->cfg.log_level = KV_LOG_WARN;
-    h->on_loop = on_loop;
-    kv_log_threshold = h->cfg.log_level;
+    write_file(h->ts.dir, "tenants", text);
+    snprintf(h->ts.cfg.tenants_file, sizeof(h->ts.cfg.tenants_file), "%s/tenants", h->ts.dir);
+    h->ts.cfg.socket_mode = 0666; /* the setuid child connects too */
+    h->ts.cfg.pool_memory = pool_memory;
+    h->ts.cfg.segment_bytes = 64 << 10;
+    h->ts.cfg.index_entries = 4096;
+    h->ts.cfg.log_level = KV_LOG_WARN;
+    h->ts.on_loop = on_loop;
     cur = h;
-    pthread_mutex_init(&h->mu, NULL);
-    pthread_cond_init(&h->cv, NULL);
-    assert_int_equal(pthread_create(&h->thread, NULL, server_main, h), 0);
-    pthread_mutex_lock(&h->mu);
-    while (h->ready == 0) {
-        pthread_cond_wait(&h->cv, &h->mu);
-    }
-    pthread_mutex_unlock(&h->mu);
-    assert_int_equal(h->ready, 1);
+    kvd_test_server_start(&h->ts);
     return h;
 }
 
 static void stop(harness *h) {
-    kvd_server_stop_async(h->srv);
-    pthread_join(h->thread, NULL);
-    assert_int_equal(h->loop_close_rc, 0);
+    kvd_test_server_stop(&h->ts);
     char cmd[128];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", h->dir);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", h->ts.dir);
     assert_int_equal(system(cmd), 0);
-    pthread_mutex_destroy(&h->mu);
-    pthread_cond_destroy(&h->cv);
     free(h);
 }
 
 static int dial(harness *h) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    memcpy(sa.sun_path, h->cfg.socket, strlen(h->cfg.socket) + 1);
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    struct timeval tv = {20, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    return fd;
+    return kvd_raw_dial(h->ts.cfg.socket);
 }
 
-static void send_env(int fd, Kvd__Envelope *env) {
-    uint8_t *buf;
-    size_t len;
-    assert_int_equal(kv_wire_encode(env, 1u << 30, &buf, &len), KV_OK);
-    assert_int_equal(send(fd, buf, len, MSG_NOSIGNAL), (ssize_t)len);
-    free(buf);
-}
-
-static int recv_exact(int fd, uint8_t *buf, size_t len, int *fds, size_t *nfds) {
-    size_t got = 0;
-    while (got < len) {
-        union {
-            char b[CMSG_SPACE(sizeof(int) * 200)];
-            struct cmsghdr align;
-        } ctl;
-        struct iovec iov = {buf + got, len - got};
-        struct msghdr mh;
-        memset(&mh, 0, sizeof(mh));
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.b;
-        mh.msg_controllen = sizeof(ctl.b);
-        ssize_t n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-        if (n <= 0) {
-            return -1;
-        }
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
-            if (cm->cmsg_type == SCM_RIGHTS) {
-                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                memcpy(fds + *nfds, CMSG_DATA(cm), k * sizeof(int));
-                *nfds += k;
-            }
-        }
-        got += (size_t)n;
-    }
-    return 0;
-}
-
-static Kvd__Envelope *recv_env_fds(int fd, int *fds, size_t *nfds) {
-    uint8_t hdr[4];
-    *nfds = 0;
-    if (recv_exact(fd, hdr, 4, fds, nfds) != 0) {
-        return NULL;
-    }
-    uint32_t len =
-        (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
-    uint8_t *buf = malloc(len + 4);
-    assert_non_null(buf);
-    memcpy(buf, hdr, 4);
-    assert_int_equal(recv_exact(fd, buf + 4, len, fds, nfds), 0);
-    Kvd__Envelope *env;
-    size_t used;
-    assert_int_equal(kv_wire_decode(buf, len + 4, 1u << 30, &env, &used), KV_OK);
-    free(buf);
-    return env;
-}
-
-static uint64_t next_id = 1;
-
-/* Sends req; returns the reply (fds closed). */
+/* Sends req with a new id; returns the reply (fds closed). */
 static Kvd__Envelope *rpc(int fd, Kvd__Envelope *req) {
-    req->id = next_id++;
-    send_env(fd, req);
-    int fds[200];
-    size_t n;
-    Kvd__Envelope *r = recv_env_fds(fd, fds, &n);
-    for (size_t i = 0; i < n; i++) {
-        close(fds[i]);
-    }
-    assert_non_null(r);
-    assert_int_equal(r->id, req->id);
-    return r;
+    req->id = kvd_raw_next_id();
+    return kvd_raw_rpc(fd, req);
 }
 
 static void expect_code(Kvd__Envelope *r, kv_err code, const char *needle) {
@@ -307,21 +182,16 @@ static att attach(int fd, const char *model) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
     Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
     Kvd__Layout l = KVD__LAYOUT__INIT;
-    l.num_layers = 2;
-    l.num_kv_heads = 2;
-    l.head_dim = 8;
-    l.tokens_per_block = 4;
-    l.dtype = KVD__DTYPE__FP16;
-    l.arrangement = KVD__ARRANGEMENT__LAYER_MAJOR;
+    kvd_raw_fill_layout(&l);
     a.model_id = (char *)model;
     a.layout = &l;
-    e.id = next_id++;
+    e.id = kvd_raw_next_id();
     e.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
     e.attach_pool = &a;
-    send_env(fd, &e);
+    kvd_raw_send_env(fd, &e);
     int fds[200];
     size_t nfds;
-    Kvd__Envelope *r = recv_env_fds(fd, fds, &nfds);
+    Kvd__Envelope *r = kvd_raw_recv_env_fds(fd, fds, &nfds);
     assert_non_null(r);
     if (r->body_case == KVD__ENVELOPE__BODY_ERROR) {
         fail_msg("attach: %s", r->error->message);
@@ -684,13 +554,13 @@ static const uint8_t *map_commons(int fd, uint32_t pool, uint64_t *bytes) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
     Kvd__MapSegments m = KVD__MAP_SEGMENTS__INIT;
     m.pool_id = pool;
-    e.id = next_id++;
+    e.id = kvd_raw_next_id();
     e.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS;
     e.map_segments = &m;
-    send_env(fd, &e);
+    kvd_raw_send_env(fd, &e);
     int fds[200];
     size_t nfds;
-    Kvd__Envelope *r = recv_env_fds(fd, fds, &nfds);
+    Kvd__Envelope *r = kvd_raw_recv_env_fds(fd, fds, &nfds);
     assert_non_null(r);
     assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY);
     assert_true(r->map_segments_reply->n_segments >= 1);
