@@ -7,6 +7,10 @@
  * b of layer l is at layer_base + b * kv_block_bytes: one ordinary paged tensor per layer, as
  * vLLM and FlashInfer index it. Both views share the same pages (MAP_SHARED of one file), so a
  * write through either is seen through the other and by every other worker.
+ *
+ * Linked pools (a tenant's groups and the commons) are kvc_pools of their own, owned by the
+ * attached pool that linked them and freed with it; every address function works on them.
+ * Read-only segments (the commons) are mapped PROT_READ from the read-only fd the daemon sends.
  */
 #include <errno.h>
 #include <stdlib.h>
