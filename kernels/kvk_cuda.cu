@@ -3,12 +3,14 @@
 //
 // Each kernel mirrors its CPU twin (kvk_cache.c, kvk_attn.c, kvk_quant.c) and shares its element
 // conversions (kvk_dtype.h), so copies, cache writes and (de)quantization match the twin bit for
-// bit; attention differs only in float summation order. Index arrays live on the device and
-// cannot be checked on the host, so kernels skip out-of-range ids rather than touch memory
-// outside the caller's cache. Decode attention: one CTA per (request, KV head, split) handles the
-// whole GQA group so K and V are read once per group; each token's head row is read by L lanes
-// with 16-byte loads (8-byte for 8-bit dtypes); scores use an online softmax in base 2; long
-// sequences are split over several CTAs (split-K) whose states are merged by log-sum-exp.
+// bit; attention differs only in float summation order, which is fixed (no atomics), so repeated
+// runs on equal inputs and the same device give bitwise-equal outputs. Index arrays live on the
+// device and cannot be checked on the host, so kernels skip out-of-range ids rather than touch
+// memory outside the caller's cache. Decode attention: one CTA per (request, KV head, split)
+// handles the whole GQA group so K and V are read once per group; each token's head row is read
+// by L lanes with 16-byte loads (8-byte for 8-bit dtypes); scores use an online softmax in base
+// 2; long sequences are split over several CTAs (split-K) whose states are merged by log-sum-exp
+// in split order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -356,8 +358,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
     constexpr bool SCALED = KVT == KV_DTYPE_FP8_E4M3 || KVT == KV_DTYPE_INT8;
     static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "lanes per row must be 1..32, pow2");
 
-    __shared__ float q_s[GMAX][D];
-    __shared__ float o_s[GMAX][D];
+    constexpr int NW = kDecodeThreads / 32; // warps; each holds 32 / L whole subgroups
+    static_assert(kDecodeThreads % 32 == 0, "whole warps");
+
+    // The queries are dead once the token loop ends, so the warps' merged sums reuse their space.
+    __shared__ union {
+        float q[GMAX][D];     // scaled queries, read by the token loop
+        float w[NW][GMAX][D]; // each warp's rescaled accumulator sums, written after it
+    } sh;
     __shared__ float m_s[NSUB][GMAX];
     __shared__ float l_s[NSUB][GMAX];
 
@@ -387,8 +395,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
             const uint64_t row = (uint64_t)req * p.qo_heads + (uint64_t)kvh * p.group + g0 + g;
             x = kvk_load_f32(p.qo_dtype, p.q, row * D + d) * p.scale_log2;
         }
-        q_s[g][d] = x;
-        o_s[g][d] = 0.0f;
+        sh.q[g][d] = x;
     }
     __syncthreads();
 
@@ -438,7 +445,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
             float qv[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; j++) {
-                qv[j] = q_s[g][lane * VEC + j];
+                qv[j] = sh.q[g][lane * VEC + j];
             }
             float s[kUnroll];
             float mx = m[g];
@@ -485,7 +492,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
         }
     }
 
-    // Merge the subgroups' states: global max per head, then rescaled sums into shared memory.
+    // Merge the subgroups' states in a fixed order, so equal inputs give bitwise-equal outputs:
+    // each subgroup's (m, l) goes to shared memory; every thread rescales its accumulators to the
+    // CTA-wide max per head; the subgroups of one warp are summed by an xor butterfly over the
+    // subgroup bits of the lane id (the same tree every run), the warp's first subgroup stores the
+    // sum, and each output element then adds the NW warp sums in warp order.
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < GMAX; g++) {
@@ -493,23 +504,30 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
             l_s[sub][g] = l[g];
         }
     }
-    __syncthreads();
+    __syncthreads(); // also ends every read of sh.q before sh.w overwrites it
+    const int warp = threadIdx.x / 32;
+    const bool leader = threadIdx.x % 32 < L; // lanes of the warp's first subgroup
 #pragma unroll
     for (int g = 0; g < GMAX; g++) {
         if (g >= gn) {
-            break;
+            break; // uniform across the CTA, so the shuffles below see converged warps
         }
         float mg = -INFINITY;
         for (int s2 = 0; s2 < NSUB; s2++) {
             mg = fmaxf(mg, m_s[s2][g]);
         }
-        if (mg == -INFINITY || m[g] == -INFINITY) {
-            continue;
-        }
-        const float f = exp2f(m[g] - mg);
+        const bool live = mg != -INFINITY && m[g] != -INFINITY;
+        const float f = live ? exp2f(m[g] - mg) : 0.0f;
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
-            atomicAdd(&o_s[g][lane * VEC + j], acc[g][j] * f);
+            float x = live ? acc[g][j] * f : 0.0f;
+#pragma unroll
+            for (int o = L; o < 32; o <<= 1) {
+                x += __shfl_xor_sync(0xffffffffu, x, o);
+            }
+            if (leader) {
+                sh.w[warp][g][lane * VEC + j] = x;
+            }
         }
     }
     __syncthreads();
@@ -525,7 +543,12 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
                 lg += m_s[s2][g] == -INFINITY ? 0.0f : l_s[s2][g] * exp2f(m_s[s2][g] - mg);
             }
         }
-        const float o = lg > 0.0f ? o_s[g][d] / lg : 0.0f;
+        float og = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            og += sh.w[w][g][d];
+        }
+        const float o = lg > 0.0f ? og / lg : 0.0f;
         const float lse = lg > 0.0f ? (mg + log2f(lg)) * kLn2 : -INFINITY;
         const uint64_t row = (uint64_t)req * p.qo_heads + (uint64_t)kvh * p.group + g0 + g;
         if (p.nsplit == 1) {

@@ -2,6 +2,7 @@
  * Copies, cache writes and (de)quantization must match byte for byte (they share kvk_dtype.h's
  * rounding); decode attention and merge_states within |gpu - cpu| <= 2e-3 + 2 u(out dtype) *
  * max(1, |cpu|) for outputs and 1e-3 * max(1, |cpu|) for lse (float summation order differs).
+ * Decode attention run twice on the same inputs must give bitwise-equal output and lse.
  * On a machine without a GPU every test skips.
  */
 #include <setjmp.h>
@@ -191,6 +192,23 @@ static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype
             fail_msg("lse[%u] gpu %g cpu %g", r, glse[r], lse[r]);
         }
     }
+    /* The merges run in a fixed order: a second run on the same inputs, into fresh buffers, is
+     * bitwise equal to the first. */
+    void *dout2 = NULL, *gout2 = malloc(qn * 4);
+    float *dlse2 = NULL, *glse2 = malloc(batch * qo * 4);
+    OK(kvk_dev_alloc(qn * 4, &dout2));
+    OK(kvk_dev_alloc(batch * qo * 4, (void **)&dlse2));
+    kvk_decode_args da2 = {dq, dout2, dlse2, qdt, qo, sm};
+    OK(kvk_paged_decode_attention_cuda(&d.c, 1, &dpt, &da2, ws, split ? ws_bytes : 0, NULL));
+    OK(kvk_dev_sync());
+    OK(kvk_dev_memcpy(gout2, dout2, qn * 4, KVK_D2H));
+    OK(kvk_dev_memcpy(glse2, dlse2, batch * qo * 4, KVK_D2H));
+    assert_memory_equal(gout, gout2, qn * kvk_elem_bytes(qdt));
+    assert_memory_equal(glse, glse2, batch * qo * 4);
+    kvk_dev_free(dout2);
+    kvk_dev_free(dlse2);
+    free(gout2);
+    free(glse2);
     kvk_dev_free((void *)dpt.indptr);
     kvk_dev_free((void *)dpt.indices);
     kvk_dev_free((void *)dpt.last_page_len);

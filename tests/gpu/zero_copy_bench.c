@@ -14,11 +14,12 @@
  * bitwise equal (see below); the daemon-memory output matches the CPU twin on two requests.
  * Timings are figures, never asserted.
  *
- * Exactness: the decode kernel's in-CTA merge of its subgroups adds floats with shared-memory
- * atomicAdd, whose order may vary from run to run. So a run on the worker's memory is repeated;
- * only when a repeat on the same memory is not bitwise equal to its first run either, daemon-vs-
- * worker differences of at most 2 fp16 ulps in out (1e-6 relative in lse) are accepted, and the
- * report gives both counts.
+ * Exactness: the decode kernel sums in a fixed order (no atomics; docs/KERNELS.md), so equal
+ * inputs give bitwise-equal outputs and daemon vs worker must match exactly. As a guard against a
+ * kernel that is not reproducible, a run on the worker's memory is repeated; only when a repeat
+ * on the same memory is not bitwise equal to its first run either, daemon-vs-worker differences
+ * of at most 2 fp16 ulps in out (1e-6 relative in lse) are accepted, and the report gives both
+ * counts.
  *
  * Built twice (tests/gpu/BUILD): with KVD_GPU_FAKE the daemon and this process load the test
  * driver (daemon/fake_cuda.c: "device" memory is host memory) and every kernel runs as its CPU
