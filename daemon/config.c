@@ -49,6 +49,9 @@ static const kvd_config_option options[] = {
            "unsent replies per connection before kvd stops reading it"),
     OPT_RT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,
            "queued reply bytes per connection before the client is disconnected"),
+    OPT_RT("max-buffer-bytes", KVD_OPT_U64, max_buffer_bytes, "256M", 65536, 1ull << 40,
+           "input and output buffer bytes over all connections; above it kvd stops reading "
+           "the connections with the largest reply backlog until they drain"),
     OPT("max-frame-bytes", KVD_OPT_U64, max_frame_bytes, "1M", 1024, 1u << 30,
         "largest request frame body; a longer one gets ETOOBIG and a close"),
     OPT_RT("max-blocks-per-request", KVD_OPT_U64, max_blocks_per_request, "4096", 1, 1u << 20,

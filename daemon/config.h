@@ -33,6 +33,7 @@ typedef struct kvd_config {
     uint64_t max_connections;               /* open client connections */
     uint64_t max_inflight;                  /* unsent replies before reading pauses */
     uint64_t max_output_bytes;              /* queued reply bytes before a client is dropped */
+    uint64_t max_buffer_bytes;              /* input + output buffer bytes over all connections */
     uint64_t max_frame_bytes;               /* largest request body */
     uint64_t max_blocks_per_request;        /* longest list in one request */
     char tenants_file[KVD_CONFIG_PATH_MAX]; /* "" = every uid is its own tenant */

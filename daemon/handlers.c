@@ -1198,6 +1198,8 @@ static kv_err on_stats(kvd_conn *c, uint64_t id, const Kvd__Stats *st, char *msg
     stat_add(&l, "daemon.pools", s->npools);
     stat_add(&l, "daemon.pool_memory_bytes", s->cfg.pool_memory);
     stat_add(&l, "daemon.pool_memory_used", budget_used(s));
+    stat_add(&l, "daemon.buffer_bytes", s->buf_bytes);
+    stat_add(&l, "daemon.conns_paused", s->npaused);
     stat_add(&l, "session.id", c->sess.id);
     stat_add(&l, "session.requests", c->sess.requests);
     stat_add(&l, "session.errors", c->sess.errors);

@@ -30,6 +30,7 @@
 
 static void conn_close(kvd_conn *c);
 static void conn_update_events(kvd_conn *c);
+static void conn_charge(kvd_conn *c);
 
 /* ---- output ---------------------------------------------------------------------------- */
 
@@ -147,6 +148,7 @@ kv_err kvd_conn_send(kvd_conn *c, const Kvd__Envelope *env, const int *fds, uint
     c->out_frames++;
     c->out_bytes += f->len;
 check_size:
+    conn_charge(c);
     if (c->out_bytes > c->srv->cfg.max_output_bytes && !c->close_after_flush) {
         KV_LOG(WARN, "KVD-CONN-SLOW",
                "session %llu (pid %d): %zu reply bytes queued, above max-output-bytes %llu; "
@@ -421,6 +423,62 @@ static int conn_read(kvd_conn *c) {
     return 0;
 }
 
+/* ---- the global buffer bound (max-buffer-bytes) --------------------------------------------- */
+
+/* Brings c's share of srv->buf_bytes up to date (input capacity + unsent reply bytes; 0 once
+ * closing). */
+static void conn_charge(kvd_conn *c) {
+    size_t now = c->closing ? 0 : c->in_cap + c->out_bytes;
+    c->srv->buf_bytes = c->srv->buf_bytes - c->charged + now;
+    c->charged = now;
+}
+
+static int cmp_backlog_desc(const void *a, const void *b) {
+    const kvd_conn *x = *(kvd_conn *const *)a, *y = *(kvd_conn *const *)b;
+    return x->out_bytes < y->out_bytes ? 1 : x->out_bytes > y->out_bytes ? -1 : 0;
+}
+
+/* Over max-buffer-bytes, stops reading the connections with the largest reply backlog, largest
+ * first, until the buffers of those paused cover the excess; under it (or once they drained),
+ * reads everyone again. Writing never stops, so paused connections drain and resume; one that
+ * never reads stays paused and is disconnected by max-output-bytes as before. Connections without
+ * a backlog are not paused (their input buffers are bounded per connection and given back when
+ * idle). O(connections log connections), and only while over the bound or someone is paused. */
+static void buffers_balance(kvd_server *s) {
+    kvd_conn **v = NULL;
+    uint32_t n = 0;
+    uint64_t cap = s->cfg.max_buffer_bytes;
+    if (s->buf_bytes > cap && s->nconns > 0) {
+        v = malloc(sizeof(*v) * s->nconns);
+        if (v == NULL) {
+            return; /* keep the current pauses; the next event tries again */
+        }
+        for (kvd_conn *c = s->conns; c != NULL; c = c->next) {
+            if (!c->closing && c->out_bytes > 0) {
+                v[n++] = c;
+            }
+        }
+        qsort(v, n, sizeof(*v), cmp_backlog_desc);
+    }
+    uint64_t excess = s->buf_bytes > cap ? s->buf_bytes - cap : 0;
+    uint64_t covered = 0;
+    for (kvd_conn *c = s->conns; c != NULL; c = c->next) {
+        if (c->paused) {
+            c->paused = 0;
+            s->npaused--;
+        }
+    }
+    for (uint32_t i = 0; i < n && covered < excess; i++) {
+        v[i]->paused = 1;
+        s->npaused++;
+        covered += v[i]->charged;
+    }
+    free(v);
+    for (kvd_conn *c = s->conns; c != NULL; c = c->next) {
+        conn_update_events(c);
+    }
+}
+
 static void on_conn_poll(uv_poll_t *h, int status, int events) {
     kvd_conn *c = h->data;
     if (c->closing) {
@@ -434,7 +492,7 @@ static void on_conn_poll(uv_poll_t *h, int status, int events) {
         return;
     }
     if ((events & UV_READABLE) && c->out_frames < c->srv->cfg.max_inflight &&
-        !c->close_after_flush && conn_read(c) < 0) {
+        !c->close_after_flush && !c->paused && conn_read(c) < 0) {
         return;
     }
     /* Handle, write, and go on while writing made room for buffered requests. */
@@ -447,6 +505,19 @@ static void on_conn_poll(uv_poll_t *h, int status, int events) {
             break;
         }
     }
+    kvd_server *s = c->srv;
+    if (s->buf_bytes > s->cfg.max_buffer_bytes && c->in_off == c->in_len &&
+        c->in_cap > 2 * READ_CHUNK) {
+        /* Over the global bound: an idle connection gives its large input buffer back (the next
+         * read allocates again). */
+        free(c->in);
+        c->in = NULL;
+        c->in_cap = c->in_off = c->in_len = 0;
+    }
+    conn_charge(c);
+    if (s->buf_bytes > s->cfg.max_buffer_bytes || s->npaused > 0) {
+        buffers_balance(s);
+    }
     conn_update_events(c);
 }
 
@@ -455,7 +526,7 @@ static void conn_update_events(kvd_conn *c) {
         return;
     }
     int ev = 0;
-    if (!c->close_after_flush && c->out_frames < c->srv->cfg.max_inflight) {
+    if (!c->close_after_flush && !c->paused && c->out_frames < c->srv->cfg.max_inflight) {
         ev |= UV_READABLE;
     }
     if (c->out_head != NULL) {
@@ -481,6 +552,10 @@ static void on_conn_closed(uv_handle_t *h) {
            c->sess.hello ? kvd_tenants_name(s->tenants, c->sess.tenant) : "no hello",
            (unsigned long long)refs);
     kvd_session_fini(&c->sess);
+    s->buf_bytes -= c->charged;
+    if (c->paused) {
+        s->npaused--;
+    }
     close(c->fd);
     while (c->out_head != NULL) {
         kvd_out_frame *f = c->out_head;

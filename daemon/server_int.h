@@ -54,6 +54,8 @@ typedef struct kvd_conn {
     size_t out_frames, out_bytes;       /* queued replies not fully written, unsent bytes */
     kvd_out_frame *out_spare;           /* a written chunk kept for reuse, or NULL */
     uint32_t features;                  /* Hello.features & what kvd has (KV_FEATURE_*) */
+    size_t charged;                     /* in_cap + out_bytes as counted in srv->buf_bytes */
+    int paused;                         /* not read: over max-buffer-bytes, large backlog */
     struct kvd_conn *prev, *next;       /* the server's connection list */
 } kvd_conn;
 
@@ -109,6 +111,8 @@ struct kvd_server {
     uint64_t start_unix_ms;      /* wall-clock time of kvd_server_alloc */
     uint64_t start_loop_ms;      /* uv_now at kvd_server_alloc (uptime base) */
     kv_arena req_arena;          /* the request being handled is unpacked here; reset after it */
+    uint64_t buf_bytes;          /* input capacity + unsent output bytes over all connections */
+    uint32_t npaused;            /* connections paused by max-buffer-bytes */
 };
 
 /* Queues env as a frame with fds[0..nfds) (dup'd here; the caller keeps its fds). A queue above

@@ -5,9 +5,9 @@
  * SIGKILLed and restarted. After each fault the daemon must answer, and every block a dead or
  * cut session held must be back (checked through Stats). No timing is asserted.
  *
- * UNFINISHED: kvd bounds buffers per connection (input <= max-frame-bytes + header + one read
- * chunk, queued output <= max-output-bytes) but has no global bound over all connections (at
- * the defaults 1024 connections x ~9 MiB); neither that limit nor a test of it exists yet. */
+ * Buffers are bounded per connection here (input <= max-frame-bytes + header + one read chunk,
+ * queued output <= max-output-bytes) and over all connections by max-buffer-bytes
+ * (buffer_limit_test). */
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
