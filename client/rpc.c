@@ -301,6 +301,20 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             if (op->out != NULL) {
                 blocks_out(op->out, r->canonical, r->n_canonical);
             }
+            /* A duplicate's canonical block may lie in a segment grown after our last Lookup or
+             * Allocate reply (CommitReply has no new_segments_from): fetch it like a linked
+             * pool's hit, so the block is mapped when the commit returns. */
+            for (size_t i = 0; i < r->n_canonical; i++) {
+                uint32_t id = r->canonical[i]->id;
+                if (!kvc__pool_block_mapped(op->pool, id)) {
+                    uint32_t seg = id / op->pool->blocks_per_segment;
+                    if (seg == 0) {
+                        op->pool->need_map_all = 1; /* need_map_from 0 means "none" */
+                    } else {
+                        kvc__pool_note_new(op->pool, seg);
+                    }
+                }
+            }
             return KV_OK;
         }
         case KVC__OP_RELEASE:

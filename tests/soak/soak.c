@@ -30,9 +30,10 @@
  * waitpid). */
 typedef struct soak_counters {
     uint64_t ops, requests, lookups, hit_blocks, allocated, committed, duplicates, rewinds, pins;
-    uint64_t enospc, verified, mismatched, cross_domain, unexpected;
-    int dying;   /* set just before the worker SIGKILLs itself */
-    int started; /* set once connected and attached */
+    uint64_t enospc, verified, mismatched, unmapped, cross_domain, unexpected;
+    uint32_t reported; /* mismatch lines printed by the slot's processes (capped) */
+    int dying;         /* set just before the worker SIGKILLs itself */
+    int started;       /* set once connected and attached */
 } soak_counters;
 
 typedef struct soak_ctx {
@@ -108,30 +109,56 @@ static int write_block(kvc_pool *p, kvc_block b, kv_hash128 h, int tenant) {
     return 0;
 }
 
-/* 0: the bytes are what tenant wrote for h; 1: they differ; 2: another tenant wrote them. */
-static int check_block(kvc_pool *p, kvc_block b, kv_hash128 h, int tenant) {
+/* How a block's bytes compared with what its writer wrote (check_block). */
+typedef enum soak_check {
+    SOAK_OK,          /* every word as written */
+    SOAK_UNMAPPED,    /* kvc_pool_addr gave NULL: the client has not mapped the block's segment */
+    SOAK_BAD_TAG,     /* word 0 of a run is not this tenant's tag for the hash */
+    SOAK_BAD_WORD,    /* the tag is right, a later word differs */
+    SOAK_OTHER_TENANT /* another tenant's bytes for the same hash (a hit crossed domains) */
+} soak_check;
+
+/* The first difference check_block found. */
+typedef struct soak_diff {
+    uint32_t layer; /* layer of the run that differs */
+    int kv;         /* K (0) or V (1) */
+    size_t word;    /* word index inside the run */
+    uint64_t seen;  /* the word found */
+    uint64_t want;  /* the word the writer wrote */
+} soak_diff;
+
+/* Compares block b with what tenant wrote for h; *d gets the first difference, if any. */
+static soak_check check_block(kvc_pool *p, kvc_block b, kv_hash128 h, int tenant, soak_diff *d) {
     const kv_layout *l = kvc_pool_layout(p);
     size_t words = (size_t)(l->kv_block_bytes / 8);
+    memset(d, 0, sizeof(*d));
     for (uint32_t layer = 0; layer < l->num_layers; layer++) {
         for (int kv = 0; kv < 2; kv++) {
             const uint64_t *w = kvc_pool_addr(p, b.id, layer, kv, 0, 0);
+            d->layer = layer;
+            d->kv = kv;
             if (w == NULL) {
-                return 1;
+                return SOAK_UNMAPPED;
             }
             uint32_t run = layer * 2 + (uint32_t)kv;
             if (w[0] != content_tag(h, tenant)) {
+                d->seen = w[0];
+                d->want = content_tag(h, tenant);
                 uint64_t t = w[0] >> 56;
                 int other = (w[0] << 8 >> 8) == (h.lo >> 8) && t != (uint64_t)(tenant + 1);
-                return other ? 2 : 1;
+                return other ? SOAK_OTHER_TENANT : SOAK_BAD_TAG;
             }
             for (size_t i = 1; i < words; i++) {
                 if (w[i] != content_word(h, tenant, run, i)) {
-                    return 1;
+                    d->word = i;
+                    d->seen = w[i];
+                    d->want = content_word(h, tenant, run, i);
+                    return SOAK_BAD_WORD;
                 }
             }
         }
     }
-    return 0;
+    return SOAK_OK;
 }
 
 /* ---- worker ----------------------------------------------------------------------------- */
@@ -152,14 +179,45 @@ static void maybe_die(worker *w) {
     }
 }
 
-static void verify(worker *w, kvc_block b, kv_hash128 h) {
-    int v = check_block(w->p, b, h, w->tenant);
+#define SOAK_MAX_REPORTS 16 /* mismatch lines per worker slot */
+
+/* Checks block b (what: "hit", "commit", "duplicate commit") and counts the outcome; a mismatch is
+ * printed with the block, what was seen and what was wanted. */
+static void verify(worker *w, kvc_block b, kv_hash128 h, const char *what) {
+    soak_diff d;
+    soak_check v = check_block(w->p, b, h, w->tenant, &d);
     w->k->verified++;
-    if (v == 1) {
-        w->k->mismatched++;
-    } else if (v == 2) {
-        w->k->cross_domain++;
+    if (v == SOAK_OK) {
+        return;
     }
+    if (v == SOAK_OTHER_TENANT) {
+        w->k->cross_domain++;
+    } else {
+        w->k->mismatched++;
+        w->k->unmapped += v == SOAK_UNMAPPED;
+    }
+    if (w->k->reported >= SOAK_MAX_REPORTS) {
+        return;
+    }
+    w->k->reported++;
+    uint32_t bps = kvc_pool_blocks_per_segment(w->p);
+    if (v == SOAK_UNMAPPED) {
+        fprintf(stderr,
+                "soak: worker pid %d tenant %d: %s block %u gen %u: NULL address (segment %u not "
+                "mapped; client maps %u segments)\n",
+                (int)getpid(), w->tenant, what, b.id, b.gen, b.id / bps, kvc_pool_segments(w->p));
+        return;
+    }
+    fprintf(stderr,
+            "soak: worker pid %d tenant %d: %s block %u gen %u (hash %016llx%016llx): %s at layer "
+            "%u %c word %zu: seen %016llx, wanted %016llx\n",
+            (int)getpid(), w->tenant, what, b.id, b.gen, (unsigned long long)h.hi,
+            (unsigned long long)h.lo,
+            v == SOAK_OTHER_TENANT ? "another tenant's bytes"
+            : v == SOAK_BAD_TAG    ? "tag mismatch"
+                                   : "word mismatch",
+            d.layer, d.kv == 0 ? 'K' : 'V', d.word, (unsigned long long)d.seen,
+            (unsigned long long)d.want);
 }
 
 static void unexpected(worker *w, const char *what, kv_err rc) {
@@ -213,7 +271,7 @@ static void cycle(worker *w) {
     }
     w->k->hit_blocks += nhit;
     for (size_t i = 0; i < nhit; i++) {
-        verify(w, held[i], h[i]);
+        verify(w, held[i], h[i], "hit");
     }
     maybe_die(w);
     size_t nheld = nhit;
@@ -272,7 +330,8 @@ static void cycle(worker *w) {
                     if (canon[j].id != nb[j].id) {
                         w->k->duplicates++;
                     }
-                    verify(w, canon[j], h[nhit + j]);
+                    verify(w, canon[j], h[nhit + j],
+                           canon[j].id != nb[j].id ? "duplicate commit" : "commit");
                     held[nheld++] = canon[j];
                 }
             }
@@ -508,10 +567,11 @@ static int check_pools(soak_ctx *x, soak_result *r) {
             sleep_ms(10);
         }
         uint32_t id = kvc_pool_id(p);
-        uint64_t total = 0, fr = 0, cached = 0, writing = 0, committed = 0, refs = 0;
+        uint64_t total = 0, fr = 0, cached = 0, parked = 0, writing = 0, committed = 0, refs = 0;
         if (kvc_stat_get(c, id, "pool.blocks_total", &total) != KV_OK ||
             kvc_stat_get(c, id, "pool.blocks_free", &fr) != KV_OK ||
             kvc_stat_get(c, id, "pool.blocks_cached", &cached) != KV_OK ||
+            kvc_stat_get(c, id, "pool.blocks_parked", &parked) != KV_OK ||
             kvc_stat_get(c, id, "pool.blocks_writing", &writing) != KV_OK ||
             kvc_stat_get(c, id, "pool.blocks_committed", &committed) != KV_OK ||
             kvc_stat_get(c, 0, "session.refs_held", &refs) != KV_OK) {
@@ -519,16 +579,18 @@ static int check_pools(soak_ctx *x, soak_result *r) {
             kvc_conn_close(c);
             return -1;
         }
-        uint64_t leaked = total - fr - cached;
-        if (fr + cached > total) {
-            leaked = (fr + cached) - total; /* counted twice: as bad as a leak */
+        /* Parked segments' blocks (memory lent to other pools) are FREE on no list. */
+        uint64_t leaked = total - fr - cached - parked;
+        if (fr + cached + parked > total) {
+            leaked = (fr + cached + parked) - total; /* counted twice: as bad as a leak */
         }
         if (x->o->verbose || leaked != 0 || sessions != 1) {
-            printf("soak: tenant %d pool %u: total %llu free %llu cached %llu writing %llu "
-                   "committed %llu, sessions %llu\n",
+            printf("soak: tenant %d pool %u: total %llu free %llu cached %llu parked %llu "
+                   "writing %llu committed %llu, sessions %llu\n",
                    t, id, (unsigned long long)total, (unsigned long long)fr,
-                   (unsigned long long)cached, (unsigned long long)writing,
-                   (unsigned long long)committed, (unsigned long long)sessions);
+                   (unsigned long long)cached, (unsigned long long)parked,
+                   (unsigned long long)writing, (unsigned long long)committed,
+                   (unsigned long long)sessions);
         }
         r->leaked += leaked;
         r->blocks_total += total;
@@ -632,6 +694,7 @@ int soak_run(const soak_options *o, soak_result *r) {
         r->enospc += k->enospc;
         r->verified += k->verified;
         r->mismatched += k->mismatched;
+        r->unmapped += k->unmapped;
         r->cross_domain += k->cross_domain;
         r->unexpected += k->unexpected;
     }
@@ -668,9 +731,10 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->pins, (unsigned long long)r->enospc);
     printf("soak: faults injected %llu (workers SIGKILLed at a random step)\n",
            (unsigned long long)r->deaths);
-    printf("soak: blocks verified %llu: bytes mismatched %llu, cross-domain hits %llu\n",
+    printf("soak: blocks verified %llu: bytes mismatched %llu (of which unmapped %llu), "
+           "cross-domain hits %llu\n",
            (unsigned long long)r->verified, (unsigned long long)r->mismatched,
-           (unsigned long long)r->cross_domain);
+           (unsigned long long)r->unmapped, (unsigned long long)r->cross_domain);
     printf("soak: blocks leaked %llu of %llu%s\n", (unsigned long long)r->leaked,
            (unsigned long long)r->blocks_total, r->check_failed ? " (CHECK FAILED)" : "");
     printf("soak: kvd RSS start %llu KiB, after 1/4 of the run %llu KiB, end %llu KiB; "

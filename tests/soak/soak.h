@@ -7,8 +7,8 @@
  * a new process) until the time is up. Block contents are derived from the block hash and the
  * writer's tenant, so any reader can verify them and a hit that crossed a domain is told apart
  * from corrupted bytes. Afterwards, with every worker gone, it checks through Stats that every
- * block of every pool is accounted for (free + cached = total, nothing held or WRITING), stops kvd
- * with SIGTERM and requires exit status 0. Single-threaded caller; forks.
+ * block of every pool is accounted for (free + cached + parked = total, nothing held or WRITING),
+ * stops kvd with SIGTERM and requires exit status 0. Single-threaded caller; forks.
  */
 #ifndef KV_SOAK_H
 #define KV_SOAK_H
@@ -39,6 +39,7 @@ typedef struct soak_result {
     uint64_t enospc;       /* Allocate refused with ENOSPC (expected under memory pressure) */
     uint64_t verified;     /* blocks whose bytes were checked after a hit or a commit */
     uint64_t mismatched;   /* blocks whose bytes differed from what their writer wrote */
+    uint64_t unmapped;     /* of those: kvc_pool_addr gave NULL (segment not mapped) */
     uint64_t cross_domain; /* hits holding another tenant's bytes */
     uint64_t unexpected;   /* requests that failed with an error no scenario explains */
     uint64_t deaths;       /* workers that SIGKILLed themselves (faults injected) */
