@@ -495,7 +495,14 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         ar.segments = ptrs;
         ar.hash_seed = &seed;
         ar.hash_algo = 1;
-        ar.max_segments = kvd_pool_config_get(p->pool)->max_segments;
+        /* The pool's own limit is 0 while all its segments are parked and the budget is
+         * spent (it may not grow now), but the client sizes its address space by this and
+         * takes 0 for a malformed reply; parked segments keep their slots. So: at least the
+         * pool's slots, and at least 1. */
+        uint32_t max_segs = kvd_pool_config_get(p->pool)->max_segments;
+        uint32_t slots = kvd_pool_segment_slots(p->pool);
+        max_segs = max_segs > slots ? max_segs : slots;
+        ar.max_segments = max_segs > 0 ? max_segs : 1;
         ar.n_linked = nlinks;
         ar.linked = link_ptrs;
         env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;

@@ -373,11 +373,15 @@ static kv_err open_tenant(const soak_ctx *x, int tenant, const char *name, kvc_c
     o.timeout_ms = 60000;
     kv_err rc = kvc_conn_open(&o, c);
     if (rc != KV_OK) {
+        /* kvc_conn_open keeps no connection on failure: only the code is known. */
+        fprintf(stderr, "soak: %s: tenant %d: connect: %s\n", name, tenant, kv_strerror(rc));
         return rc;
     }
     kv_layout l = soak_layout();
     rc = kvc_pool_attach(*c, SOAK_MODEL, &l, p);
     if (rc != KV_OK) {
+        fprintf(stderr, "soak: %s: tenant %d: attach: %s: %s\n", name, tenant, kv_strerror(rc),
+                kvc_last_error(*c));
         kvc_conn_close(*c);
     }
     return rc;
