@@ -214,6 +214,26 @@ static void test_ipc_segments(void **state) {
 
 typedef kvd_test_server harness;
 
+/* What the loop thread reports about one segment (read there: the loop owns it). */
+typedef struct seg_query {
+    uint32_t pool_id;
+    uint32_t seg;
+    int mappers;
+    int may_free;
+} seg_query;
+
+static void seg_query_on_loop(kvd_server *s, void *arg) {
+    seg_query *q = arg;
+    q->mappers = (int)kvd_segment_mappers(s, q->pool_id, q->seg);
+    q->may_free = kvd_segment_may_free(s, q->pool_id, q->seg);
+}
+
+static seg_query seg_state(harness *h, uint32_t pool_id, uint32_t seg) {
+    seg_query q = {pool_id, seg, 0, 0};
+    kvd_test_server_call(h, seg_query_on_loop, &q);
+    return q;
+}
+
 static void start(harness *h, const char *backend) {
     kvd_test_server_init(h, "cuda-test");
     snprintf(h->cfg.backend, sizeof(h->cfg.backend), "%s", backend);
@@ -309,8 +329,9 @@ static void test_server_vmm(void **state) {
     assert_int_equal(dev[4096], 0x77);
     munmap(mine, s0->bytes);
     /* The session was sent segment 0; the rule for freeing holds for VMM anyway. */
-    assert_int_equal(kvd_segment_mappers(h.srv, ar->pool_id, 0), 1);
-    assert_int_equal(kvd_segment_may_free(h.srv, ar->pool_id, 0), 1);
+    seg_query q = seg_state(&h, ar->pool_id, 0);
+    assert_int_equal(q.mappers, 1);
+    assert_int_equal(q.may_free, 1);
     for (size_t i = 0; i < nfds; i++) {
         close(fds[i]);
     }
@@ -336,16 +357,40 @@ static void test_server_ipc(void **state) {
                         64);
     /* A live session was sent it: cuda-ipc must not free it. */
     uint32_t pool_id = ar->pool_id;
-    assert_int_equal(kvd_segment_mappers(h.srv, pool_id, 0), 1);
-    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 0), 0);
-    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 1), 1);
+    seg_query q = seg_state(&h, pool_id, 0);
+    assert_int_equal(q.mappers, 1);
+    assert_int_equal(q.may_free, 0);
+    assert_int_equal(seg_state(&h, pool_id, 1).may_free, 1);
     kv_wire_free(keep);
     close(fd);
-    /* Once the connection is gone (the loop notices the close), it may be freed. */
-    for (int i = 0; i < 2000 && kvd_segment_mappers(h.srv, pool_id, 0) != 0; i++) {
+    /* Once the connection is gone (the loop notices the close), it may be freed. Ask the loop
+     * over a second connection until it reports only that one session: reading the server's
+     * state from this thread while the loop may still be closing the first would race. */
+    int fd2 = dial(&h);
+    kvd_raw_hello(fd2, "ipc-check");
+    uint64_t sessions = 0;
+    for (int i = 0; i < 2000; i++) {
+        Kvd__Stats st = KVD__STATS__INIT;
+        Kvd__Envelope req = KVD__ENVELOPE__INIT;
+        req.id = kvd_raw_next_id();
+        req.body_case = KVD__ENVELOPE__BODY_STATS;
+        req.stats = &st;
+        Kvd__Envelope *rep = kvd_raw_rpc(fd2, &req);
+        assert_int_equal(rep->body_case, KVD__ENVELOPE__BODY_STATS_REPLY);
+        for (size_t j = 0; j < rep->stats_reply->n_stats; j++) {
+            if (strcmp(rep->stats_reply->stats[j]->name, "daemon.sessions") == 0) {
+                sessions = rep->stats_reply->stats[j]->value;
+            }
+        }
+        kv_wire_free(rep);
+        if (sessions == 1) {
+            break;
+        }
         usleep(1000);
     }
-    assert_int_equal(kvd_segment_may_free(h.srv, pool_id, 0), 1);
+    assert_int_equal(sessions, 1);
+    assert_int_equal(seg_state(&h, pool_id, 0).may_free, 1);
+    close(fd2);
     stop(&h);
 }
 

@@ -20,6 +20,31 @@
 #include "common/kv_log.h"
 #include "common/kv_wire.h"
 
+static void test_server_on_call(uv_async_t *a) {
+    kvd_test_server *ts = a->data;
+    pthread_mutex_lock(&ts->mu);
+    void (*fn)(kvd_server *, void *) = ts->call_fn;
+    void *arg = ts->call_arg;
+    pthread_mutex_unlock(&ts->mu);
+    if (fn == NULL) {
+        return;
+    }
+    fn(ts->srv, arg);
+    pthread_mutex_lock(&ts->mu);
+    ts->call_fn = NULL;
+    ts->call_done = 1;
+    pthread_cond_broadcast(&ts->cv);
+    pthread_mutex_unlock(&ts->mu);
+}
+
+/* The last call before stopping: the call handle must be closed on the loop thread, or the loop
+ * would never end. */
+static void test_server_close_call(kvd_server *s, void *arg) {
+    (void)s;
+    kvd_test_server *ts = arg;
+    uv_close((uv_handle_t *)&ts->call_async, NULL);
+}
+
 static void *test_server_main(void *arg) {
     kvd_test_server *ts = arg;
     uv_loop_init(&ts->loop);
@@ -28,8 +53,12 @@ static void *test_server_main(void *arg) {
         rc = kvd_server_start(ts->srv, 0);
         if (rc != KV_OK) {
             kvd_server_stop(ts->srv);
-        } else if (ts->on_loop != NULL) {
-            ts->on_loop(ts->srv);
+        } else {
+            ts->call_async.data = ts;
+            uv_async_init(&ts->loop, &ts->call_async, test_server_on_call);
+            if (ts->on_loop != NULL) {
+                ts->on_loop(ts->srv);
+            }
         }
     }
     pthread_mutex_lock(&ts->mu);
@@ -66,7 +95,22 @@ void kvd_test_server_start(kvd_test_server *ts) {
     assert_int_equal(ts->ready, 1);
 }
 
+void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_server *s, void *arg), void *arg) {
+    pthread_mutex_lock(&ts->mu);
+    ts->call_fn = fn;
+    ts->call_arg = arg;
+    ts->call_done = 0;
+    pthread_mutex_unlock(&ts->mu);
+    uv_async_send(&ts->call_async);
+    pthread_mutex_lock(&ts->mu);
+    while (!ts->call_done) {
+        pthread_cond_wait(&ts->cv, &ts->mu);
+    }
+    pthread_mutex_unlock(&ts->mu);
+}
+
 void kvd_test_server_stop(kvd_test_server *ts) {
+    kvd_test_server_call(ts, test_server_close_call, ts);
     kvd_server_stop_async(ts->srv);
     pthread_join(ts->thread, NULL);
     assert_int_equal(ts->loop_close_rc, 0);

@@ -37,6 +37,10 @@ typedef struct kvd_test_server {
     int ready;                      /* 1 started, -1 failed */
     int loop_close_rc;              /* uv_loop_close() after the loop ended */
     void (*on_loop)(kvd_server *s); /* NULL, or runs on the loop thread after a good start */
+    uv_async_t call_async;          /* wakes the loop for kvd_test_server_call */
+    void (*call_fn)(kvd_server *s, void *arg); /* the pending call, under mu */
+    void *call_arg;                            /* its argument, under mu */
+    int call_done;                             /* set by the loop when call_fn returned, under mu */
 } kvd_test_server;
 
 /* Zeroes *ts, sets ts->cfg to the defaults (kvd_config_init), makes a temporary directory
@@ -49,6 +53,11 @@ void kvd_test_server_init(kvd_test_server *ts, const char *tag);
  * (kvd_server_alloc, kvd_server_start, ts->on_loop) and returns once it listens. Fails the test
  * if the server did not start. */
 void kvd_test_server_start(kvd_test_server *ts);
+
+/* Runs fn(srv, arg) on the server's loop thread and returns when it has: the way a test reads
+ * or checks loop-owned state without racing the loop (ThreadSanitizer checks this). Test thread
+ * only; one call at a time. */
+void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_server *s, void *arg), void *arg);
 
 /* Stops the server (kvd_server_stop_async), joins its thread and checks that its loop closed
  * with every handle gone (uv_loop_close() == 0). Leaves the directory to the caller, whose
