@@ -202,6 +202,38 @@ static void ipc_free(void *ctx, kvd_segment_mem *mem) {
     memset(mem->ipc_handle, 0, sizeof(mem->ipc_handle));
 }
 
+kv_err kvd_backend_cuda_copy(kvd_backend_cuda_ctx *ctx, void *dst, const void *src, uint64_t n) {
+    kv_err rc = make_current(ctx);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = ctx->cu.memcpy_dtod((kv_cu_deviceptr)(uintptr_t)dst,
+                                         (kv_cu_deviceptr)(uintptr_t)src, (size_t)n);
+    if (r != KV_CU_SUCCESS) {
+        char buf[160];
+        KV_LOG(ERROR, "KVD-CUDA-SEGMENT", "cuMemcpyDtoD of %llu bytes on device %d failed: %s",
+               (unsigned long long)n, ctx->dev.ordinal,
+               kv_cuda_strerror(&ctx->cu, r, buf, sizeof(buf)));
+        return KV_ESYS;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_backend_cuda_sync(kvd_backend_cuda_ctx *ctx) {
+    kv_err rc = make_current(ctx);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = ctx->cu.ctx_synchronize();
+    if (r != KV_CU_SUCCESS) {
+        char buf[160];
+        KV_LOG(ERROR, "KVD-CUDA-SEGMENT", "cuCtxSynchronize after copies on device %d failed: %s",
+               ctx->dev.ordinal, kv_cuda_strerror(&ctx->cu, r, buf, sizeof(buf)));
+        return KV_ESYS;
+    }
+    return KV_OK;
+}
+
 static uint64_t cuda_align(void *ctx) {
     const kvd_backend_cuda_ctx *c = ctx;
     return c->align;

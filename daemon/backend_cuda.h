@@ -55,6 +55,16 @@ void kvd_backend_cuda_close(kvd_backend_cuda_ctx *ctx);
 extern const kvd_backend_ops kvd_backend_cuda_vmm;
 extern const kvd_backend_ops kvd_backend_cuda_ipc;
 
+/* Copies n bytes from device address src to device address dst (segment bases of this backend
+ * plus offsets; the ranges must not overlap) with cuMemcpyDtoD, after making the context
+ * current. The copy may still be in flight on return: call kvd_backend_cuda_sync before the
+ * bytes are published. KV_ESYS for a driver error (logged). Loop thread. */
+kv_err kvd_backend_cuda_copy(kvd_backend_cuda_ctx *ctx, void *dst, const void *src, uint64_t n);
+
+/* Waits (cuCtxSynchronize) until every copy queued on the context has completed. KV_ESYS for a
+ * driver error (logged; a failed copy surfaces here). Loop thread. */
+kv_err kvd_backend_cuda_sync(kvd_backend_cuda_ctx *ctx);
+
 /* The backend kvd runs with, chosen once at start. */
 typedef struct kvd_backend_sel {
     const kvd_backend_ops *ops; /* the table pools use */

@@ -63,6 +63,7 @@ static const sym_row syms[] = {
     SYM(memset_d8, "cuMemsetD8_v2", "CUDA 3.2"),
     SYM(memcpy_htod, "cuMemcpyHtoD_v2", "CUDA 3.2"),
     SYM(memcpy_dtoh, "cuMemcpyDtoH_v2", "CUDA 3.2"),
+    SYM(memcpy_dtod, "cuMemcpyDtoD_v2", "CUDA 3.2"),
     SYM(mem_create, "cuMemCreate", "CUDA 10.2"),
     SYM(mem_release, "cuMemRelease", "CUDA 10.2"),
     SYM(mem_export, "cuMemExportToShareableHandle", "CUDA 10.2"),

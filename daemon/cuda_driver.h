@@ -107,6 +107,7 @@ typedef struct kv_cuda {
     kv_cu_result (*memset_d8)(kv_cu_deviceptr p, unsigned char v, size_t n);
     kv_cu_result (*memcpy_htod)(kv_cu_deviceptr dst, const void *src, size_t n);
     kv_cu_result (*memcpy_dtoh)(void *dst, kv_cu_deviceptr src, size_t n);
+    kv_cu_result (*memcpy_dtod)(kv_cu_deviceptr dst, kv_cu_deviceptr src, size_t n);
     kv_cu_result (*mem_create)(kv_cu_mem_handle *h, size_t bytes, const kv_cu_alloc_prop *prop,
                                unsigned long long flags);
     kv_cu_result (*mem_release)(kv_cu_mem_handle h);

@@ -218,6 +218,16 @@ EXPORT kv_cu_result cuMemcpyDtoH_v2(void *dst, kv_cu_deviceptr src, size_t n) {
     return KV_CU_SUCCESS;
 }
 
+/* Bytes cuMemcpyDtoD copied so far: tests read it with dlsym to see that the device path ran. */
+EXPORT unsigned long long fake_cuda_dtod_bytes;
+
+/* Synchronous here; the real driver may return before a device-to-device copy completes. */
+EXPORT kv_cu_result cuMemcpyDtoD_v2(kv_cu_deviceptr dst, kv_cu_deviceptr src, size_t n) {
+    memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    fake_cuda_dtod_bytes += n;
+    return KV_CU_SUCCESS;
+}
+
 EXPORT kv_cu_result cuMemCreate(kv_cu_mem_handle *h, size_t bytes, const kv_cu_alloc_prop *prop,
                                 unsigned long long flags) {
     (void)flags;

@@ -2,7 +2,7 @@
  * (docs/TENANCY.md): read-only fds for segments a tenant may only read, guarantees pushed into
  * pools, session counts for quotas, and the commons, where a block enters only after
  * min-tenants distinct tenants committed its hash in their own domains (the daemon then copies
- * one of those blocks into the commons pool of the same model).
+ * one of those blocks into the commons pool of the same model, host or GPU memory).
  * Internal to the server (uses server_int.h). Loop thread only.
  */
 #ifndef KVD_TENANCY_H
@@ -29,7 +29,8 @@ uint64_t kvd_tenancy_sessions(const kvd_server *s, uint32_t tenant);
 
 /* Counts that tenant committed hash h as block blk of pool pool_id (a private or group pool).
  * When min-tenants distinct tenants have and the commons pool of that model lacks h, copies the
- * block into the commons (host memory) and caches it there. Failures (no memory in the budget)
+ * block into the commons (memcpy for host pools; cuMemcpyDtoD and a synchronize for GPU pools)
+ * and caches it there. Failures (no memory in the budget)
  * only skip the promotion. Counting is lossy (a fixed table; a colliding hash restarts the
  * count), which can only delay a promotion, never make one early. */
 void kvd_tenancy_count_commit(kvd_server *s, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,
