@@ -121,7 +121,8 @@ static kv_err copy_block(const kvd_pool *a, uint32_t src, kvd_pool *b, uint32_t 
  * blocks meanwhile: 2 * num_layers copies of kv_block_bytes, plus 2 * num_layers * num_kv_heads
  * 4-byte scale copies for 8-bit dtypes, each a driver call of some microseconds, then the
  * synchronize (which also waits for other work queued on the daemon's context; it has none).
- * E.g. 32 layers, 8 KV heads, fp16: 64 calls, well under a millisecond; int8: 576 calls, a few
+ * Estimated, not measured: 32 layers, 8 KV heads, fp16: 64 calls, well under a millisecond; int8:
+ * 576 calls, a few
  * milliseconds. It happens once per hash, when the min-tenants-th tenant commits it. */
 static kv_err promote_copy(kvd_server *s, const kvd_pool *a, uint32_t src, kvd_pool *b,
                            uint32_t dst) {
