@@ -122,8 +122,8 @@ static kv_err copy_block(const kvd_pool *a, uint32_t src, kvd_pool *b, uint32_t 
  * 4-byte scale copies for 8-bit dtypes, each a driver call of some microseconds, then the
  * synchronize (which also waits for other work queued on the daemon's context; it has none).
  * Estimated, not measured: 32 layers, 8 KV heads, fp16: 64 calls, well under a millisecond; int8:
- * 576 calls, a few
- * milliseconds. It happens once per hash, when the min-tenants-th tenant commits it. */
+ * 576 calls, a few milliseconds. It happens once per hash, when the min-tenants-th tenant commits
+ * it. */
 static kv_err promote_copy(kvd_server *s, const kvd_pool *a, uint32_t src, kvd_pool *b,
                            uint32_t dst) {
     kvd_backend_cuda_ctx *gpu = s->backend_sel.cuda;
