@@ -34,26 +34,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
-}
-
-static uint64_t stat_of(kvc_conn *c, uint32_t pool_id, const char *name) {
-    uint64_t v = 0;
-    assert_int_equal(kvc_stat_get(c, pool_id, name, &v), KV_OK);
-    return v;
-}
-
-/* Allocates n blocks in requests of one segment each. Returns the first error. */
-static kv_err alloc_all(kvc_pool *p, kvc_block *out, uint32_t n) {
-    for (uint32_t i = 0; i < n; i += BPS) {
-        kv_err rc = kvc_allocate(p, BPS, out + i);
-        if (rc != KV_OK) {
-            return rc;
-        }
-    }
-    return KV_OK;
+    return kvd_harness_finish(&H);
 }
 
 static void test_attach_fully_parked_pool(void **state) {
@@ -67,16 +48,16 @@ static void test_attach_fully_parked_pool(void **state) {
     assert_int_equal(kvd_harness_connect(&H, "attach-a", &ca), KV_OK);
     assert_int_equal(kvc_pool_attach(ca, "attach-seg-a", &l, &pa), KV_OK);
     uint32_t ida = kvc_pool_id(pa);
-    assert_int_equal(alloc_all(pa, a, SEGS * BPS), KV_OK);
+    assert_int_equal(kvd_harness_alloc_all(pa, a, SEGS * BPS, BPS), KV_OK);
     assert_int_equal(kvc_release(pa, a, SEGS * BPS), KV_OK);
 
     /* B takes the whole budget: every segment of A is parked. */
     assert_int_equal(kvd_harness_connect(&H, "attach-b", &cb), KV_OK);
     assert_int_equal(kvc_pool_attach(cb, "attach-seg-b", &l, &pb), KV_OK);
     uint32_t idb = kvc_pool_id(pb);
-    assert_int_equal(alloc_all(pb, b, SEGS * BPS), KV_OK);
-    assert_int_equal(stat_of(ca, ida, "pool.segments_parked"), SEGS);
-    assert_int_equal(stat_of(ca, ida, "pool.bytes"), 0);
+    assert_int_equal(kvd_harness_alloc_all(pb, b, SEGS * BPS, BPS), KV_OK);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.segments_parked"), SEGS);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.bytes"), 0);
 
     /* A new worker of A's model attaches: the pool may not grow now, but attach works and maps
      * the parked segments (they keep their slots and fds). */
@@ -95,8 +76,8 @@ static void test_attach_fully_parked_pool(void **state) {
 
     /* B lets go; the new session allocates through the mapping the attach gave it. */
     assert_int_equal(kvc_release(pb, b, SEGS * BPS), KV_OK);
-    assert_int_equal(stat_of(cb, idb, "pool.segments_parked"), 0);
-    assert_int_equal(alloc_all(pn, a, SEGS * BPS), KV_OK);
+    assert_int_equal(kvd_harness_stat(cb, idb, "pool.segments_parked"), 0);
+    assert_int_equal(kvd_harness_alloc_all(pn, a, SEGS * BPS, BPS), KV_OK);
     assert_int_equal(kvc_pool_segments(pn), SEGS); /* the same segments, no new ones */
     for (uint32_t i = 0; i < SEGS * BPS; i += 37) {
         uint8_t *w = kvc_pool_addr(pn, a[i].id, 1, KV_V, 15, 1);

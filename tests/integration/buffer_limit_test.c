@@ -36,9 +36,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 static size_t encode(Kvd__Envelope *env, uint8_t **out) {
@@ -79,12 +77,6 @@ static void *sender(void *arg) {
     return NULL;
 }
 
-static uint64_t daemon_stat(kvc_conn *c, const char *name) {
-    uint64_t v = 0;
-    assert_int_equal(kvc_stat_get(c, 0, name, &v), KV_OK);
-    return v;
-}
-
 static void test_global_buffer_bound(void **state) {
     (void)state;
     kvc_conn *by;
@@ -113,7 +105,7 @@ static void test_global_buffer_bound(void **state) {
     uint64_t paused = 0;
     for (int i = 0; i < 1000 && paused == 0; i++) {
         assert_int_equal(kvc_ping(by, "x", 1), KV_OK);
-        paused = daemon_stat(by, "daemon.conns_paused");
+        paused = kvd_harness_stat(by, 0, "daemon.conns_paused");
         if (paused == 0) {
             struct timespec ts = {0, 10 * 1000 * 1000};
             nanosleep(&ts, NULL);
@@ -130,7 +122,7 @@ static void test_global_buffer_bound(void **state) {
     }
     assert_int_equal(pthread_join(th, NULL), 0);
     assert_int_equal(kvc_ping(by, NULL, 0), KV_OK);
-    assert_int_equal(daemon_stat(by, "daemon.conns_paused"), 0);
+    assert_int_equal(kvd_harness_stat(by, 0, "daemon.conns_paused"), 0);
     close(fd);
     kvc_conn_close(by);
 }

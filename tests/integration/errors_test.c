@@ -25,9 +25,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 static void open_pool(const kvd_harness *h, const char *name, kvc_conn **c, kvc_pool **p) {

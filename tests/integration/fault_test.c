@@ -35,11 +35,6 @@ static kvd_harness H;
 static const char *const FLAGS[] = {"--pool-memory=4M", "--segment-bytes=1M",
                                     "--max-output-bytes=1M", NULL};
 
-static void sleep_ms(int ms) {
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
-    nanosleep(&ts, NULL);
-}
-
 static int setup(void **state) {
     (void)state;
     signal(SIGPIPE, SIG_IGN);
@@ -48,9 +43,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 static void open_pool(const char *name, kvc_conn **c, kvc_pool **p) {
@@ -252,7 +245,7 @@ static void test_frames_cut_at_every_byte(void **state) {
     for (size_t i = 0; i < len; i++) {
         assert_int_equal(send(fd, buf + i, 1, MSG_NOSIGNAL), 1);
         if (i % 8 == 0) {
-            sleep_ms(1);
+            kvd_harness_sleep_ms(1);
         }
     }
     static const Kvd__Envelope__BodyCase want[3] = {KVD__ENVELOPE__BODY_HELLO_REPLY,
@@ -332,7 +325,7 @@ static void test_client_never_reads(void **state) {
             }
             assert_int_equal(kvc_ping(other, "x", 1), KV_OK); /* never stalls */
             pings++;
-            sleep_ms(2);
+            kvd_harness_sleep_ms(2);
             if (pings > 5000) {
                 break;
             }
@@ -373,7 +366,7 @@ static void test_slow_reader(void **state) {
         assert_int_equal(e->id, 100 + i); /* in order, none lost */
         kv_wire_free(e);
         if (i % 10 == 0) {
-            sleep_ms(3);
+            kvd_harness_sleep_ms(3);
             assert_int_equal(kvc_ping(other, NULL, 0), KV_OK);
         }
     }
@@ -429,7 +422,7 @@ static void test_fd_exhaustion(void **state) {
         fds[i] = kvd_harness_raw_connect(&small); /* the backlog takes what kvd cannot */
     }
     /* Some of these are beyond kvd's limit: it must neither die nor stop serving. */
-    sleep_ms(200);
+    kvd_harness_sleep_ms(200);
     for (int i = 0; i < N; i++) {
         if (fds[i] >= 0) {
             close(fds[i]);
@@ -440,7 +433,7 @@ static void test_fd_exhaustion(void **state) {
     for (int i = 0; i < 100 && rc != KV_OK; i++) {
         rc = kvd_harness_connect(&small, "after", &c);
         if (rc != KV_OK) {
-            sleep_ms(50);
+            kvd_harness_sleep_ms(50);
         }
     }
     assert_int_equal(rc, KV_OK);
@@ -497,7 +490,7 @@ static void test_sigterm_under_load(void **state) {
     kvc_conn *obs;
     assert_int_equal(kvd_harness_connect(&H, "observer", &obs), KV_OK);
     assert_int_equal(kvd_harness_wait_stat(obs, 0, "daemon.sessions", N + 1), N + 1);
-    sleep_ms(200);
+    kvd_harness_sleep_ms(200);
     kvc_conn_close(obs);
     assert_int_equal(kvd_harness_stop(&H), 0); /* drains and exits 0 */
     for (int i = 0; i < N; i++) {

@@ -3,6 +3,9 @@
 #include "tests/integration/kvd_harness.h"
 
 #include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +17,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cmocka.h>
 
 #include "common/kv_wire.h"
 
@@ -40,6 +45,74 @@ int kvd_harness_raw_connect(const kvd_harness *h) {
     return fd;
 }
 
+static int can_connect(const char *sock) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+    int ok = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    if (fd >= 0) {
+        close(fd);
+    }
+    return ok;
+}
+
+int kvd_harness_spawn(char *const *argv, const char *sock, int timeout_ms, const char *who,
+                      pid_t *pid) {
+    *pid = 0;
+    pid_t child = fork();
+    if (child < 0) {
+        fprintf(stderr, "%s: fork: %s\n", who, strerror(errno));
+        return -1;
+    }
+    if (child == 0) {
+        execvp(argv[0], argv);
+        fprintf(stderr, "%s: exec %s: %s\n", who, argv[0], strerror(errno));
+        _exit(127);
+    }
+    for (int waited = 0; waited < timeout_ms; waited += 10) {
+        if (can_connect(sock)) {
+            *pid = child;
+            return 0;
+        }
+        int st;
+        if (waitpid(child, &st, WNOHANG) == child) {
+            fprintf(stderr, "%s: kvd exited during start (status %d)\n", who, st);
+            return -1;
+        }
+        sleep_ms(10);
+    }
+    fprintf(stderr, "%s: kvd did not accept on %s within %d ms\n", who, sock, timeout_ms);
+    *pid = child;
+    return -1;
+}
+
+int kvd_harness_kill(pid_t pid, int timeout_ms) {
+    kill(pid, SIGTERM);
+    int st = 0;
+    for (int waited = 0; waited < timeout_ms; waited += 10) {
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        }
+        sleep_ms(10);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    return -1;
+}
+
+int kvd_harness_make_dir(char *dir, size_t cap, const char *prefix, size_t max_tmp_len) {
+    const char *tmp = getenv("TEST_TMPDIR");
+    snprintf(dir, cap, "%s/%s-XXXXXX", tmp && strlen(tmp) < max_tmp_len ? tmp : "/tmp", prefix);
+    if (mkdtemp(dir) == NULL) {
+        /* TEST_TMPDIR paths can be long; a socket path must fit in 108 bytes. */
+        snprintf(dir, cap, "/tmp/%s-XXXXXX", prefix);
+        if (mkdtemp(dir) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int spawn(kvd_harness *h) {
     char sockflag[200];
     snprintf(sockflag, sizeof(sockflag), "--socket=%s", h->sock);
@@ -55,45 +128,17 @@ static int spawn(kvd_harness *h) {
         argv[n++] = h->args[i];
     }
     argv[n] = NULL;
-    pid_t pid = fork();
-    if (pid < 0) {
+    if (kvd_harness_spawn(argv, h->sock, 10000, "harness", &h->pid) != 0) {
+        kvd_harness_stop(h); /* only when it is still running after 10 s */
         return -1;
     }
-    if (pid == 0) {
-        execv(KVD_PATH, argv);
-        fprintf(stderr, "harness: exec %s: %s\n", KVD_PATH, strerror(errno));
-        _exit(127);
-    }
-    h->pid = pid;
-    for (int i = 0; i < 1000; i++) {
-        int fd = kvd_harness_raw_connect(h);
-        if (fd >= 0) {
-            close(fd);
-            return 0;
-        }
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) {
-            fprintf(stderr, "harness: kvd exited during start (status %d)\n", st);
-            h->pid = 0;
-            return -1;
-        }
-        sleep_ms(10);
-    }
-    fprintf(stderr, "harness: kvd did not accept on %s within 10 s\n", h->sock);
-    kvd_harness_stop(h);
-    return -1;
+    return 0;
 }
 
 int kvd_harness_start(kvd_harness *h, const char *const *flags) {
     memset(h, 0, sizeof(*h));
-    const char *tmp = getenv("TEST_TMPDIR");
-    snprintf(h->dir, sizeof(h->dir), "%s/kvd-it-XXXXXX", tmp && strlen(tmp) < 60 ? tmp : "/tmp");
-    if (mkdtemp(h->dir) == NULL) {
-        /* TEST_TMPDIR paths can be long; a socket path must fit in 108 bytes. */
-        snprintf(h->dir, sizeof(h->dir), "/tmp/kvd-it-XXXXXX");
-        if (mkdtemp(h->dir) == NULL) {
-            return -1;
-        }
+    if (kvd_harness_make_dir(h->dir, sizeof(h->dir), "kvd-it", 60) != 0) {
+        return -1;
     }
     snprintf(h->sock, sizeof(h->sock), "%s/kvd.sock", h->dir);
     for (int i = 0; flags != NULL && flags[i] != NULL && i < 8; i++) {
@@ -107,19 +152,9 @@ int kvd_harness_stop(kvd_harness *h) {
     if (h->pid == 0) {
         return -1;
     }
-    kill(h->pid, SIGTERM);
-    int st = 0;
-    for (int i = 0; i < 500; i++) {
-        if (waitpid(h->pid, &st, WNOHANG) == h->pid) {
-            h->pid = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        }
-        sleep_ms(10);
-    }
-    kill(h->pid, SIGKILL);
-    waitpid(h->pid, &st, 0);
+    int st = kvd_harness_kill(h->pid, 5000);
     h->pid = 0;
-    return -1;
+    return st;
 }
 
 int kvd_harness_restart(kvd_harness *h) {
@@ -204,4 +239,30 @@ uint64_t kvd_harness_wait_stat(kvc_conn *c, uint32_t pool_id, const char *name, 
         sleep_ms(10);
     }
     return v;
+}
+
+int kvd_harness_finish(kvd_harness *h) {
+    int st = kvd_harness_stop(h);
+    kvd_harness_fini(h);
+    return st == 0 ? 0 : -1;
+}
+
+uint64_t kvd_harness_stat(kvc_conn *c, uint32_t pool_id, const char *name) {
+    uint64_t v = 0;
+    assert_int_equal(kvc_stat_get(c, pool_id, name, &v), KV_OK);
+    return v;
+}
+
+kv_err kvd_harness_alloc_all(kvc_pool *p, kvc_block *out, uint32_t n, uint32_t per) {
+    for (uint32_t i = 0; i < n; i += per) {
+        kv_err rc = kvc_allocate(p, per, out + i);
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
+    return KV_OK;
+}
+
+void kvd_harness_sleep_ms(int ms) {
+    sleep_ms(ms);
 }

@@ -55,4 +55,35 @@ int kvd_harness_raw_closed(int fd);
  * value seen. For effects of other processes that the daemon applies asynchronously. */
 uint64_t kvd_harness_wait_stat(kvc_conn *c, uint32_t pool_id, const char *name, uint64_t want);
 
+/* Sleeps ms milliseconds. */
+void kvd_harness_sleep_ms(int ms);
+
+/* Stops kvd and removes the temp dir (kvd_harness_stop, then kvd_harness_fini). Returns 0 if kvd
+ * exited with status 0, -1 otherwise: a cmocka group teardown's result. */
+int kvd_harness_finish(kvd_harness *h);
+
+/* Stat `name` of pool_id (0: daemon or session stats) on c; a cmocka assertion fails the test
+ * unless kvc_stat_get returns KV_OK. Only for use inside a cmocka test. */
+uint64_t kvd_harness_stat(kvc_conn *c, uint32_t pool_id, const char *name);
+
+/* Allocates n blocks into out in requests of per blocks each (n a multiple of per). Returns
+ * KV_OK, or the first error of kvc_allocate (blocks allocated before it stay held). */
+kv_err kvd_harness_alloc_all(kvc_pool *p, kvc_block *out, uint32_t n, uint32_t per);
+
+/* Creates a fresh temp dir "<base>/<prefix>-XXXXXX" into dir (cap bytes): base is $TEST_TMPDIR
+ * when set and shorter than max_tmp_len (socket paths must fit 108 bytes), else /tmp; /tmp is
+ * also the fallback when mkdtemp fails there. Returns 0, or -1. */
+int kvd_harness_make_dir(char *dir, size_t cap, const char *prefix, size_t max_tmp_len);
+
+/* Forks and execvp()s argv (argv[0] the program, NULL-terminated), then waits up to timeout_ms
+ * until the Unix socket sock accepts. Returns 0 with *pid the child's. Returns -1 with a message
+ * prefixed by who on stderr when fork fails or the child exits first (*pid = 0), or when the
+ * time runs out (*pid the child's, still running: the caller decides whether to stop it). */
+int kvd_harness_spawn(char *const *argv, const char *sock, int timeout_ms, const char *who,
+                      pid_t *pid);
+
+/* SIGTERM to pid, then SIGKILL after timeout_ms; reaps it. Returns its exit status if it exited
+ * normally before the SIGKILL, -1 otherwise. */
+int kvd_harness_kill(pid_t pid, int timeout_ms);
+
 #endif

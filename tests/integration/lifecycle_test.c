@@ -24,9 +24,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 /* The child: holds 4 committed blocks and 20 WRITING ones, writes into them, then waits to

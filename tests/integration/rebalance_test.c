@@ -33,9 +33,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 /* This process's resident shared memory (memfd pages it has mapped and touched), in bytes. */
@@ -51,23 +49,6 @@ static uint64_t rss_shmem(void) {
     }
     fclose(f);
     return kb * 1024;
-}
-
-static uint64_t stat_of(kvc_conn *c, uint32_t pool_id, const char *name) {
-    uint64_t v = 0;
-    assert_int_equal(kvc_stat_get(c, pool_id, name, &v), KV_OK);
-    return v;
-}
-
-/* Allocates n blocks in requests of one segment each. Returns the first error. */
-static kv_err alloc_all(kvc_pool *p, kvc_block *out, uint32_t n) {
-    for (uint32_t i = 0; i < n; i += BPS) {
-        kv_err rc = kvc_allocate(p, BPS, out + i);
-        if (rc != KV_OK) {
-            return rc;
-        }
-    }
-    return KV_OK;
 }
 
 static void fill_segments(kvc_pool *p, uint8_t byte) {
@@ -91,24 +72,24 @@ static void test_rebalance(void **state) {
     uint32_t ida = kvc_pool_id(pa);
 
     /* A takes the whole budget, touches every page, and lets it all go. */
-    assert_int_equal(alloc_all(pa, a, SEGS * BPS), KV_OK);
+    assert_int_equal(kvd_harness_alloc_all(pa, a, SEGS * BPS, BPS), KV_OK);
     assert_int_equal(kvc_pool_segments(pa), SEGS);
     uint64_t rss_before = rss_shmem();
     fill_segments(pa, 0xab);
     uint64_t rss_filled = rss_shmem();
     assert_true(rss_filled >= rss_before + (uint64_t)(SEGS - 1) * (1u << 20));
     assert_int_equal(kvc_release(pa, a, SEGS * BPS), KV_OK);
-    assert_int_equal(stat_of(ca, ida, "pool.segments_parked"), 0);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.segments_parked"), 0);
 
     /* B attaches and takes the whole budget: A's idle segments are parked for it. */
     assert_int_equal(kvd_harness_connect(&H, "model-b", &cb), KV_OK);
     assert_int_equal(kvc_pool_attach(cb, "rebalance-b", &l, &pb), KV_OK);
     uint32_t idb = kvc_pool_id(pb);
-    assert_int_equal(alloc_all(pb, b, SEGS * BPS), KV_OK);
-    assert_int_equal(stat_of(ca, ida, "pool.segments_parked"), SEGS);
-    assert_int_equal(stat_of(ca, ida, "pool.blocks_parked"), SEGS * BPS);
-    assert_int_equal(stat_of(ca, ida, "pool.bytes"), 0);
-    assert_int_equal(stat_of(cb, idb, "pool.segments"), SEGS);
+    assert_int_equal(kvd_harness_alloc_all(pb, b, SEGS * BPS, BPS), KV_OK);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.segments_parked"), SEGS);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.blocks_parked"), SEGS * BPS);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.bytes"), 0);
+    assert_int_equal(kvd_harness_stat(cb, idb, "pool.segments"), SEGS);
     /* The memory A touched went back to the system; A's mapping is still there, reading zeros. */
     uint64_t rss_parked = rss_shmem();
     printf("# RssShmem: %llu before, %llu with A written, %llu after parking A\n",
@@ -129,10 +110,10 @@ static void test_rebalance(void **state) {
 
     /* B lets go; A allocates the whole budget again through its old mapping. */
     assert_int_equal(kvc_release(pb, b, SEGS * BPS), KV_OK);
-    assert_int_equal(alloc_all(pa, a, SEGS * BPS), KV_OK);
+    assert_int_equal(kvd_harness_alloc_all(pa, a, SEGS * BPS, BPS), KV_OK);
     assert_int_equal(kvc_pool_segments(pa), SEGS); /* the same segments, no new ones */
-    assert_int_equal(stat_of(ca, ida, "pool.segments_parked"), 0);
-    assert_int_equal(stat_of(cb, idb, "pool.segments_parked"), SEGS);
+    assert_int_equal(kvd_harness_stat(ca, ida, "pool.segments_parked"), 0);
+    assert_int_equal(kvd_harness_stat(cb, idb, "pool.segments_parked"), SEGS);
     fill_segments(pa, 0xcd);
     uint8_t *base0 = kvc_pool_segment_base(pa, 0, NULL);
     assert_int_equal(base0[12345], 0xcd);

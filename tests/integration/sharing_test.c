@@ -105,9 +105,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    int st = kvd_harness_stop(&H);
-    kvd_harness_fini(&H);
-    return st == 0 ? 0 : -1;
+    return kvd_harness_finish(&H);
 }
 
 static void test_forked_workers_share_prefix(void **state) {

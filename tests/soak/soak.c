@@ -5,20 +5,18 @@
  * can check it without talking to the writer. */
 #include "tests/soak/soak.h"
 
-#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "kvclient.h"
+#include "tests/integration/kvd_harness.h"
 
 #define SOAK_MAX_CLIENTS 256
 #define SOAK_MAX_TENANTS 16
@@ -50,11 +48,6 @@ static uint64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000};
-    nanosleep(&ts, NULL);
 }
 
 static uint64_t mix64(uint64_t x) {
@@ -439,25 +432,9 @@ static int write_text(const char *path, const char *text) {
     return fclose(f);
 }
 
-static int can_connect(const char *sock) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
-    int ok = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
-    if (fd >= 0) {
-        close(fd);
-    }
-    return ok;
-}
-
 static int start_kvd(soak_ctx *x) {
-    const char *tmp = getenv("TEST_TMPDIR");
-    snprintf(x->dir, sizeof(x->dir), "%s/kvd-soak-XXXXXX", tmp && strlen(tmp) < 50 ? tmp : "/tmp");
-    if (mkdtemp(x->dir) == NULL) {
-        snprintf(x->dir, sizeof(x->dir), "/tmp/kvd-soak-XXXXXX");
-        if (mkdtemp(x->dir) == NULL) {
-            return -1;
-        }
+    if (kvd_harness_make_dir(x->dir, sizeof(x->dir), "kvd-soak", 50) != 0) {
+        return -1;
     }
     snprintf(x->sock, sizeof(x->sock), "%s/kvd.sock", x->dir);
     char tenants[2048] = "", path[256], line[400];
@@ -497,49 +474,17 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = "--segment-bytes=1M";
     argv[n++] = "--log-level=warn";
     argv[n] = NULL;
-    pid_t pid = fork();
-    if (pid < 0) {
-        return -1;
-    }
-    if (pid == 0) {
-        execvp(argv[0], argv);
-        fprintf(stderr, "soak: exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    x->kvd = pid;
-    for (int i = 0; i < 6000; i++) { /* 60 s: valgrind starts slowly */
-        if (can_connect(x->sock)) {
-            return 0;
-        }
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) {
-            fprintf(stderr, "soak: kvd exited during start (status %d)\n", st);
-            x->kvd = 0;
-            return -1;
-        }
-        sleep_ms(10);
-    }
-    fprintf(stderr, "soak: kvd did not accept on %s\n", x->sock);
-    return -1;
+    /* 60 s: valgrind starts slowly. A kvd still starting then is left running (x->kvd). */
+    return kvd_harness_spawn(argv, x->sock, 60000, "soak", &x->kvd);
 }
 
 static int stop_kvd(soak_ctx *x) {
     if (x->kvd == 0) {
         return -1;
     }
-    kill(x->kvd, SIGTERM);
-    int st = 0;
-    for (int i = 0; i < 6000; i++) {
-        if (waitpid(x->kvd, &st, WNOHANG) == x->kvd) {
-            x->kvd = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        }
-        sleep_ms(10);
-    }
-    kill(x->kvd, SIGKILL);
-    waitpid(x->kvd, &st, 0);
+    int st = kvd_harness_kill(x->kvd, 60000);
     x->kvd = 0;
-    return -1;
+    return st;
 }
 
 static pid_t spawn_worker(const soak_ctx *x, int slot) {
@@ -568,7 +513,7 @@ static int check_pools(soak_ctx *x, soak_result *r) {
             if (kvc_stat_get(c, 0, "daemon.sessions", &sessions) == KV_OK && sessions == 1) {
                 break;
             }
-            sleep_ms(10);
+            kvd_harness_sleep_ms(10);
         }
         uint32_t id = kvc_pool_id(p);
         uint64_t total = 0, fr = 0, cached = 0, parked = 0, writing = 0, committed = 0, refs = 0;
@@ -649,7 +594,7 @@ int soak_run(const soak_options *o, soak_result *r) {
         int st;
         pid_t pid = waitpid(-1, &st, WNOHANG);
         if (pid == 0) {
-            sleep_ms(5);
+            kvd_harness_sleep_ms(5);
             continue;
         }
         if (pid < 0) {
