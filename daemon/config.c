@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/conffile.h"
+
 #define OPT(name, type, field, def, min, max, desc)                                                \
     {                                                                                              \
         name, type, offsetof(kvd_config, field), sizeof(((kvd_config *)0)->field), def, min, max,  \
@@ -266,17 +268,6 @@ kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *
     return set_option(c, o, value, err, errlen);
 }
 
-static char *trim(char *s) {
-    while (*s == ' ' || *s == '\t') {
-        s++;
-    }
-    size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r')) {
-        s[--n] = '\0';
-    }
-    return s;
-}
-
 kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source, char *err,
                              size_t errlen) {
     char *copy = strdup(text);
@@ -285,38 +276,25 @@ kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source
         return KV_ENOMEM;
     }
     kv_err rc = KV_OK;
-    unsigned lineno = 0;
-    /* strtok would skip empty lines and lose the line count; walk by hand. */
-    char *line = copy;
-    while (line != NULL) {
-        char *next = strchr(line, '\n');
-        if (next != NULL) {
-            *next++ = '\0';
+    kvd_conf_lines it;
+    kvd_conf_lines_init(&it, copy);
+    char *l;
+    while ((l = kvd_conf_lines_next(&it)) != NULL) {
+        char *eq = strchr(l, '=');
+        if (eq == NULL) {
+            set_err(err, errlen, "%s:%u: expected 'name = value'", source, it.lineno);
+            rc = KV_EINVAL;
+            goto cleanup_copy;
         }
-        lineno++;
-        char *hash = strchr(line, '#');
-        if (hash != NULL) {
-            *hash = '\0';
+        *eq = '\0';
+        char *name = kvd_conf_trim(l);
+        char *value = kvd_conf_trim(eq + 1);
+        char sub[512];
+        rc = kvd_config_set(c, name, value, sub, sizeof(sub));
+        if (rc != KV_OK) {
+            set_err(err, errlen, "%s:%u: %s", source, it.lineno, sub);
+            goto cleanup_copy;
         }
-        char *l = trim(line);
-        if (*l != '\0') {
-            char *eq = strchr(l, '=');
-            if (eq == NULL) {
-                set_err(err, errlen, "%s:%u: expected 'name = value'", source, lineno);
-                rc = KV_EINVAL;
-                goto cleanup_copy;
-            }
-            *eq = '\0';
-            char *name = trim(l);
-            char *value = trim(eq + 1);
-            char sub[512];
-            rc = kvd_config_set(c, name, value, sub, sizeof(sub));
-            if (rc != KV_OK) {
-                set_err(err, errlen, "%s:%u: %s", source, lineno, sub);
-                goto cleanup_copy;
-            }
-        }
-        line = next;
     }
 cleanup_copy:
     free(copy);

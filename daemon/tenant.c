@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/conffile.h"
 #include "daemon/pool.h"
 
 #define MAX_IDS 64 /* uids or gids per tenant line */
@@ -368,23 +369,14 @@ kv_err kvd_tenants_parse(kvd_tenants *t, const char *text, const char *source, c
         return KV_ENOMEM;
     }
     kv_err rc = KV_OK;
-    unsigned lineno = 0;
-    char *line = copy;
-    while (line != NULL) {
-        char *next = strchr(line, '\n');
-        if (next != NULL) {
-            *next++ = '\0';
-        }
-        lineno++;
-        char *hash = strchr(line, '#');
-        if (hash != NULL) {
-            *hash = '\0';
-        }
-        rc = parse_line(t, line, source, lineno, err, errlen);
+    kvd_conf_lines it;
+    kvd_conf_lines_init(&it, copy);
+    char *line;
+    while ((line = kvd_conf_lines_next(&it)) != NULL) {
+        rc = parse_line(t, line, source, it.lineno, err, errlen);
         if (rc != KV_OK) {
             break;
         }
-        line = next;
     }
     free(copy);
     return rc;

@@ -40,7 +40,7 @@ for t in "${targets[@]}"; do
     case "$t" in
         wire) srcs=(common/kv_wire.c) libs=(-lprotobuf-c) ;;
         validate) srcs=(daemon/validate.c common/kv_layout.c) libs=(-lprotobuf-c) ;;
-        config) srcs=(daemon/config.c) libs=(-lprotobuf-c) ;;
+        config) srcs=(daemon/config.c daemon/conffile.c) libs=(-lprotobuf-c) ;;
         admin)
             # The admin line parser runs against a real (never started) server: the whole daemon
             # library minus its main and tests.
