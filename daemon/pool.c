@@ -150,7 +150,7 @@ static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
     l->len++;
 }
 
-static void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
     pool_list *l = &p->lists[which];
     b->list = (uint8_t)which;
     b->prev = KVD_NO_BLOCK;
@@ -181,6 +181,26 @@ static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
     b->list = LIST_NONE;
     b->prev = b->next = KVD_NO_BLOCK;
     (void)id;
+}
+
+/* Takes the head of the free list (list_remove specialised to the head, which has no prev). */
+static inline pool_block *free_pop(kvd_pool *p, uint32_t *id_out) {
+    pool_list *l = &p->lists[LIST_FREE];
+    uint32_t id = l->head;
+    pool_block *b = blk_at(p, id);
+    KV_ASSERT(l->len > 0 && b->list == LIST_FREE && b->prev == KVD_NO_BLOCK);
+    uint32_t nx = b->next;
+    if (nx != KVD_NO_BLOCK) {
+        blk_at(p, nx)->prev = KVD_NO_BLOCK;
+    } else {
+        l->tail = KVD_NO_BLOCK;
+    }
+    l->head = nx;
+    l->len--;
+    b->list = LIST_NONE;
+    b->next = KVD_NO_BLOCK;
+    *id_out = id;
+    return b;
 }
 
 static uint64_t evictable_count(const kvd_pool *p) {
@@ -264,7 +284,7 @@ static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
 }
 
 /* Returns a block (any state but FREE, on no list) to FREE with a new generation. */
-static void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
+static inline void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
     KV_ASSERT(b->list == LIST_NONE && b->refcount == 0);
     b->state = KVD_BLOCK_FREE;
     b->gen++;
@@ -491,14 +511,15 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
 }
 
 /* Validates a handle and returns its record. */
-static kv_err get_block(const kvd_pool *p, kvd_block_ref ref, pool_block **out) {
+static inline kv_err get_block(const kvd_pool *p, kvd_block_ref ref, pool_block **out) {
     if (ref.id >= p->nslots * p->bps) {
         return KV_ENOENT;
     }
-    if (seg_of(p, ref.id)->blocks == NULL) {
+    pool_block *blocks = seg_of(p, ref.id)->blocks; /* one segment lookup serves both */
+    if (blocks == NULL) {
         return KV_ENOENT;
     }
-    pool_block *b = blk_at(p, ref.id);
+    pool_block *b = &blocks[p->bps_log != UINT32_MAX ? ref.id & (p->bps - 1) : ref.id % p->bps];
     if (b->gen != ref.gen) {
         return KV_ESTALE;
     }
@@ -854,9 +875,8 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
         }
     }
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t id = fl->head;
-        pool_block *b = blk_at(p, id);
-        list_remove(p, id, b);
+        uint32_t id;
+        pool_block *b = free_pop(p, &id);
         seg_of(p, id)->nfree--;
         b->state = KVD_BLOCK_WRITING;
         b->refcount = 1;
@@ -1000,6 +1020,33 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
     }
     if (tenant >= KVD_MAX_TENANTS || blks == NULL || p->tenants[tenant].held < n) {
         return KV_EINVAL;
+    }
+    if (n == 1) {
+        /* The loops below for one block, with its record looked up once. */
+        pool_block *b;
+        kv_err err = get_block(p, blks[0], &b);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+            return KV_ESTATE;
+        }
+        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+            return KV_EPERM;
+        }
+        if (b->refcount == 0) {
+            return KV_ESTATE;
+        }
+        if (--b->refcount == 0) {
+            if (b->state == KVD_BLOCK_WRITING) {
+                p->n_writing--;
+                block_to_free(p, blks[0].id, b);
+            } else if (b->state == KVD_BLOCK_COMMITTED) {
+                block_to_cached(p, blks[0].id, b);
+            }
+        }
+        p->tenants[tenant].held--;
+        return KV_OK;
     }
     for (size_t i = 0; i < n; i++) {
         pool_block *b;
