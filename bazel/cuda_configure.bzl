@@ -1,37 +1,108 @@
 """Repository rule that finds the CUDA toolkit on the build machine.
 
-It writes @local_cuda//:defs.bzl with CUDA_AVAILABLE and NVCC, and @local_cuda//:BUILD with
-the static CUDA runtime. Set KVD_NOCUDA=1 (bazel --config=nocuda does) to build without CUDA
-even where nvcc exists. Everything runs offline: it only looks at the local filesystem.
+It writes @local_cuda//:defs.bzl with
+  NVCC            the nvcc to compile .cu files with ("" when there is none),
+  CUDA_AVAILABLE  True when the kernels can also be linked: nvcc and the static runtime
+                  libcudart_static.a were both found,
+  CUDA_STATUS     one line saying what was found, or why the build goes without CUDA,
+and @local_cuda//:BUILD with the static runtime as :cudart_static.
+
+Toolkits are laid out differently (lib64 -> lib, targets/<arch>/lib, Debian's multiarch folder),
+so the runtime is looked for first where nvcc itself says its libraries are (the LIBRARIES line of
+`nvcc -dryrun`), then in the usual folders. When nvcc exists but no static runtime does, the build
+still compiles every .cu file (so the kernels are checked by nvcc) but links the C fallbacks, and
+says so: a missing runtime never fails the build. KVD_NOCUDA=1 (bazel --config=nocuda) turns
+CUDA off even where the toolkit exists. Everything runs offline: it only looks at the local disk.
 """
 
-_STD_NVCC = "/usr/local/cuda/bin/nvcc"
+_STD_ROOTS = ["/usr/local/cuda", "/usr/lib/cuda", "/opt/cuda"]
+
+_LIB_SUBDIRS = [
+    "lib64",
+    "lib",
+    "targets/x86_64-linux/lib",
+    "targets/sbsa-linux/lib",
+    "targets/aarch64-linux/lib",
+]
+
+_DISTRO_LIBDIRS = ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64"]
 
 def _find_nvcc(rctx):
-    if rctx.os.environ.get("KVD_NOCUDA", "") == "1":
-        return None
     nvcc = rctx.which("nvcc")
-    if nvcc == None and rctx.path(_STD_NVCC).exists:
-        nvcc = rctx.path(_STD_NVCC)
-    return nvcc
+    if nvcc != None:
+        return nvcc
+    for root in [rctx.os.environ.get("CUDA_HOME", ""), rctx.os.environ.get("CUDA_PATH", "")] + _STD_ROOTS:
+        if root and rctx.path(root + "/bin/nvcc").exists:
+            return rctx.path(root + "/bin/nvcc")
+    return None
+
+def _nvcc_libdirs(rctx, nvcc):
+    """The -L folders of nvcc's own LIBRARIES line, stubs left out."""
+    rctx.file("probe.cu", "")
+    res = rctx.execute([str(nvcc), "-dryrun", "-c", "probe.cu", "-o", "probe.o"], timeout = 60)
+    dirs = []
+    for line in (res.stdout + "\n" + res.stderr).splitlines():
+        if "LIBRARIES=" not in line:
+            continue
+        for word in line.split(" "):
+            word = word.strip().strip("\"")
+            if word.startswith("-L") and not word.rstrip("/").endswith("/stubs"):
+                dirs.append(word[2:])
+    return dirs
+
+def _find_cudart(rctx, nvcc):
+    candidates = _nvcc_libdirs(rctx, nvcc)
+    roots = [str(nvcc.dirname.dirname), str(nvcc.realpath.dirname.dirname)]
+    for env in ["CUDA_HOME", "CUDA_PATH"]:
+        if rctx.os.environ.get(env, ""):
+            roots.append(rctx.os.environ[env])
+    for root in roots + _STD_ROOTS:
+        candidates += [root + "/" + sub for sub in _LIB_SUBDIRS]
+    candidates += _DISTRO_LIBDIRS
+    looked = []
+    for d in candidates:
+        d = d.rstrip("/")
+        if d in looked:
+            continue
+        looked.append(d)
+        lib = rctx.path(d + "/libcudart_static.a")
+        if lib.exists:
+            return lib.realpath, looked
+    return None, looked
+
+def _write(rctx, nvcc, available, status, build):
+    rctx.file("defs.bzl", "NVCC = %r\nCUDA_AVAILABLE = %s\nCUDA_STATUS = %r\n" % (
+        nvcc,
+        "True" if available else "False",
+        status,
+    ))
+    rctx.file("STATUS", status + "\n")
+    rctx.file("BUILD", "package(default_visibility = [\"//visibility:public\"])\n" +
+                       "exports_files([\"STATUS\"])\n" + build)
 
 def _cuda_configure_impl(rctx):
+    if rctx.os.environ.get("KVD_NOCUDA", "") == "1":
+        _write(rctx, "", False, "cuda: off (KVD_NOCUDA=1 / --config=nocuda)",
+               "cc_library(name = \"cudart_static\")\n")
+        return
     nvcc = _find_nvcc(rctx)
     if nvcc == None:
-        rctx.file("defs.bzl", "CUDA_AVAILABLE = False\nNVCC = \"\"\n")
-        rctx.file("BUILD", "package(default_visibility = [\"//visibility:public\"])\n" +
-                           "cc_library(name = \"cudart_static\")\n")
+        _write(rctx, "", False, "cuda: no nvcc on PATH or in " + ", ".join(_STD_ROOTS) +
+                                "; building the CPU fallbacks only",
+               "cc_library(name = \"cudart_static\")\n")
+        return
+    cudart, looked = _find_cudart(rctx, nvcc)
+    if cudart == None:
+        status = ("cuda: nvcc %s compiles the kernels, but no libcudart_static.a was found " +
+                  "(looked in %s); linking the CPU fallbacks") % (nvcc.realpath, ", ".join(looked))
+        print(status)
+        _write(rctx, str(nvcc.realpath), False, status, "cc_library(name = \"cudart_static\")\n")
         return
 
-    # <toolkit>/bin/nvcc -> <toolkit>; the static runtime lives in <toolkit>/lib64 (or
-    # targets/x86_64-linux/lib), and it loads libcuda.so.1 itself at run time.
-    root = nvcc.realpath.dirname.dirname
-    libdir = root.get_child("lib64")
-    if not libdir.get_child("libcudart_static.a").exists:
-        libdir = root.get_child("targets").get_child("x86_64-linux").get_child("lib")
-    rctx.symlink(libdir.get_child("libcudart_static.a"), "libcudart_static.a")
-    rctx.file("defs.bzl", "CUDA_AVAILABLE = True\nNVCC = \"%s\"\n" % nvcc.realpath)
-    rctx.file("BUILD", """package(default_visibility = ["//visibility:public"])
+    # The static runtime loads libcuda.so.1 itself at run time, so binaries still start without
+    # a driver; our code asks it (or its own dlopen of the driver) whether a GPU is usable.
+    rctx.symlink(cudart, "libcudart_static.a")
+    _write(rctx, str(nvcc.realpath), True, "cuda: nvcc %s, static runtime %s" % (nvcc.realpath, cudart), """
 cc_library(
     name = "cudart_static",
     srcs = ["libcudart_static.a"],
@@ -41,6 +112,6 @@ cc_library(
 
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
-    environ = ["KVD_NOCUDA", "PATH"],
+    environ = ["KVD_NOCUDA", "PATH", "CUDA_HOME", "CUDA_PATH"],
     local = True,
 )
