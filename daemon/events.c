@@ -106,24 +106,8 @@ const char *kvd_evict_reason_name(kvd_evict_reason r) {
     }
 }
 
-typedef struct evict_probe {
-    const char *name; /* "evictions_<reason>" */
-    uint64_t value;   /* what the sink reported */
-} evict_probe;
-
-static void evict_probe_sink(void *arg, const char *name, uint64_t value) {
-    evict_probe *p = arg;
-    if (strcmp(name, p->name) == 0) {
-        p->value = value;
-    }
-}
-
 uint64_t kvd_events_pool_evictions(const kvd_pool *pool, kvd_evict_reason reason) {
-    char name[40];
-    snprintf(name, sizeof(name), "evictions_%s", kvd_evict_reason_name(reason));
-    evict_probe p = {name, 0};
-    kvd_pool_stats(pool, evict_probe_sink, &p);
-    return p.value;
+    return kvd_pool_evictions(pool, reason);
 }
 
 void kvd_events_note_evictions(kvd_events *e, const kvd_pool *pool, int64_t tenant,

@@ -29,27 +29,11 @@ static void env_init(kvd_conn *c, Kvd__Envelope *env, uint64_t id) {
 
 /* ---- budget and pools ------------------------------------------------------------------ */
 
-/* Bytes of p's resident segments (parked ones cost nothing); *live gets their count. */
-static uint64_t pool_bytes(const kvd_pool *p, uint32_t *live) {
-    uint64_t bytes = 0;
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < kvd_pool_segment_slots(p); i++) {
-        const kvd_segment_mem *m = kvd_pool_segment(p, i);
-        if (m != NULL && !kvd_pool_segment_parked(p, i)) {
-            bytes += m->bytes;
-            n++;
-        }
-    }
-    if (live != NULL) {
-        *live = n;
-    }
-    return bytes;
-}
-
+/* Bytes of every pool's resident segments (parked ones cost nothing). O(pools). */
 static uint64_t budget_used(const kvd_server *s) {
     uint64_t used = 0;
     for (uint32_t i = 0; i < s->npools; i++) {
-        used += pool_bytes(s->pools[i].pool, NULL);
+        used += kvd_pool_resident_bytes(s->pools[i].pool);
     }
     return used;
 }
@@ -60,8 +44,7 @@ static uint64_t budget_used(const kvd_server *s) {
 static uint32_t budget_apply(kvd_server *s, kvd_srv_pool *sp) {
     uint64_t used = budget_used(s);
     uint64_t left = used < s->cfg.pool_memory ? s->cfg.pool_memory - used : 0;
-    uint32_t live;
-    pool_bytes(sp->pool, &live);
+    uint32_t live = kvd_pool_resident_segments(sp->pool);
     uint64_t extra = left / sp->segment_bytes;
     uint64_t max = live + extra;
     if (max > KVD_MAX_SEGMENTS) {
@@ -665,27 +648,11 @@ static kv_err hold_refs(kvd_conn *c, kvd_session_pool *sp, const kvd_block_ref *
     return KV_OK;
 }
 
-typedef struct stat_acc {
-    uint64_t free, cached, pinned; /* the counters we need from kvd_pool_stats */
-} stat_acc;
-
-static void acc_sink(void *arg, const char *name, uint64_t v) {
-    stat_acc *a = arg;
-    if (strcmp(name, "blocks_free") == 0) {
-        a->free = v;
-    } else if (strcmp(name, "blocks_cached") == 0) {
-        a->cached = v;
-    } else if (strcmp(name, "blocks_pinned") == 0) {
-        a->pinned = v;
-    }
-}
-
 /* Before p allocates n blocks: when its free blocks and the budget left fall short, other
  * pools' idle segments are parked for it (their unused ones only while p's own cache covers
  * the rest). p's allocate then unparks its own parked segments or grows. */
 static void make_room_for(kvd_server *s, kvd_srv_pool *p, uint32_t n) {
-    stat_acc acc = {0, 0, 0};
-    kvd_pool_stats(p->pool, acc_sink, &acc);
+    kvd_pool_counts acc = kvd_pool_counts_get(p->pool);
     if (acc.free >= n) {
         return;
     }
@@ -735,8 +702,7 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     kvd_events_note_evictions(&c->srv->events, p->pool, c->sess.tenant, KVD_EVICT_CAPACITY,
                               evicted_before, "allocate");
     if (rc == KV_ENOSPC) {
-        stat_acc acc = {0, 0, 0};
-        kvd_pool_stats(p->pool, acc_sink, &acc);
+        kvd_pool_counts acc = kvd_pool_counts_get(p->pool);
         uint64_t could = acc.free + acc.cached +
                          (uint64_t)grow * kvd_pool_config_get(p->pool)->blocks_per_segment;
         snprintf(msg, KVD_ERRMSG,

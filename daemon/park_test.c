@@ -110,6 +110,12 @@ static stats get_stats(kvd_pool *p) {
     stats s;
     memset(&s, 0, sizeof(s));
     kvd_pool_stats(p, sink, &s);
+    /* The O(1) running counts the daemon's allocate path reads agree with the full report. */
+    kvd_pool_counts c = kvd_pool_counts_get(p);
+    assert_int_equal(kvd_pool_resident_bytes(p), s.bytes);
+    assert_int_equal(c.free, s.free);
+    assert_int_equal(c.cached, s.cached);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
     return s;
 }
 

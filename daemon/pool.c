@@ -87,6 +87,7 @@ struct kvd_pool {
     uint32_t nslots;             /* highest live slot + 1 */
     uint32_t nsegs;              /* live segments, parked ones included */
     uint32_t nparked;            /* live segments that are parked */
+    uint64_t resident_bytes;     /* memory of the live segments that are not parked */
     uint32_t bps;                /* blocks per segment */
     uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
     uint64_t now;                /* pool clock, ms */
@@ -651,6 +652,7 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
         list_push_tail(p, LIST_FREE, blk_id(p, s, i), b);
     }
     p->nsegs++;
+    p->resident_bytes += seg->mem.bytes;
     if (s >= p->nslots) {
         p->nslots = s + 1;
     }
@@ -692,14 +694,16 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
     /* A later segment in this slot starts past every generation handed out here, so handles
      * into the old segment stay stale. */
     seg->next_gen = max_gen + 1;
+    if (seg->parked) {
+        seg->parked = 0;
+        p->nparked--;
+    } else {
+        p->resident_bytes -= seg->mem.bytes;
+    }
     p->be->segment_free(p->be_ctx, &seg->mem);
     free(seg->blocks);
     seg->blocks = NULL;
     seg->nfree = seg->nevict = 0;
-    if (seg->parked) {
-        seg->parked = 0;
-        p->nparked--;
-    }
     p->nsegs--;
     while (p->nslots > 0 && p->segs[p->nslots - 1].blocks == NULL) {
         p->nslots--;
@@ -805,6 +809,7 @@ kv_err kvd_pool_park(kvd_pool *p, uint32_t s) {
     seg->nfree = 0;
     seg->parked = 1;
     p->nparked++;
+    p->resident_bytes -= seg->mem.bytes;
     return KV_OK;
 }
 
@@ -825,6 +830,7 @@ kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
     seg->nfree = p->bps;
     seg->parked = 0;
     p->nparked--;
+    p->resident_bytes += seg->mem.bytes;
     return KV_OK;
 }
 
@@ -844,6 +850,19 @@ int kvd_pool_segment_parked(const kvd_pool *p, uint32_t s) {
 
 uint32_t kvd_pool_resident_segments(const kvd_pool *p) {
     return p->nsegs - p->nparked;
+}
+
+uint64_t kvd_pool_resident_bytes(const kvd_pool *p) {
+    return p->resident_bytes;
+}
+
+kvd_pool_counts kvd_pool_counts_get(const kvd_pool *p) {
+    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_writing, p->n_cached, p->n_pinned};
+    return c;
+}
+
+uint64_t kvd_pool_evictions(const kvd_pool *p, kvd_evict_reason reason) {
+    return (unsigned)reason < KVD_EVICT_REASONS ? p->evictions[reason] : 0;
 }
 
 /* ---- block operations ------------------------------------------------------------------- */
@@ -1281,12 +1300,6 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
 }
 
 void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
-    uint64_t bytes = 0;
-    for (uint32_t s = 0; s < p->nslots; s++) {
-        if (p->segs[s].blocks != NULL && !p->segs[s].parked) {
-            bytes += p->segs[s].mem.bytes;
-        }
-    }
     sink(arg, "blocks_total", (uint64_t)p->nsegs * p->bps);
     sink(arg, "blocks_free", p->lists[LIST_FREE].len);
     sink(arg, "blocks_writing", p->n_writing);
@@ -1296,7 +1309,7 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     sink(arg, "blocks_parked", (uint64_t)p->nparked * p->bps);
     sink(arg, "segments", p->nsegs);
     sink(arg, "segments_parked", p->nparked);
-    sink(arg, "bytes", bytes);
+    sink(arg, "bytes", p->resident_bytes);
     sink(arg, "queries", p->queries);
     sink(arg, "query_blocks", p->query_blocks);
     sink(arg, "hit_blocks", p->hit_blocks);
@@ -1358,6 +1371,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
         return KV_ENOMEM;
     }
     uint32_t live = 0, nparked = 0;
+    uint64_t resident = 0;
     for (uint32_t s = 0; s < p->nslots; s++) {
         const pool_segment *seg = &p->segs[s];
         if (seg->blocks == NULL) {
@@ -1379,6 +1393,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             }
             continue;
         }
+        resident += seg->mem.bytes;
         uint32_t nfree = 0, nevict = 0;
         for (uint32_t i = 0; i < p->bps; i++) {
             uint32_t id = blk_id(p, s, i);
@@ -1441,6 +1456,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     }
     CHECK(live == p->nsegs, "%u live segments, counted %u", live, p->nsegs);
     CHECK(nparked == p->nparked, "%u parked segments, counted %u", nparked, p->nparked);
+    CHECK(resident == p->resident_bytes, "%llu resident bytes, counted %llu",
+          (unsigned long long)resident, (unsigned long long)p->resident_bytes);
     CHECK(p->nslots == 0 || p->segs[p->nslots - 1].blocks != NULL, "slot count %u too high",
           p->nslots);
     for (int l = LIST_FREE; l < LIST_COUNT; l++) {

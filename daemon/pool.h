@@ -164,6 +164,24 @@ int kvd_pool_segment_parked(const kvd_pool *pool, uint32_t seg);
 /* Live segments that are not parked (what counts against max_segments and memory budgets). */
 uint32_t kvd_pool_resident_segments(const kvd_pool *pool);
 
+/* Bytes of the resident segments' memory (parked ones cost nothing), kept as a running count so
+ * the daemon's memory budget is O(pools), not O(segments), per Allocate. O(1). */
+uint64_t kvd_pool_resident_bytes(const kvd_pool *pool);
+
+/* Block counts by state, O(1): what allocate's room-making decides on (the same numbers as
+ * kvd_pool_stats' blocks_* counters, without walking the counter names). */
+typedef struct kvd_pool_counts {
+    uint64_t free;    /* allocatable now (parked blocks are not) */
+    uint64_t writing; /* WRITING */
+    uint64_t cached;  /* CACHED */
+    uint64_t pinned;  /* pinned (COMMITTED or CACHED) */
+} kvd_pool_counts;
+kvd_pool_counts kvd_pool_counts_get(const kvd_pool *pool);
+
+/* Blocks evicted so far for one reason (kvd_pool_stats' evictions_<reason>), O(1); 0 for an
+ * unknown reason. */
+uint64_t kvd_pool_evictions(const kvd_pool *pool, kvd_evict_reason reason);
+
 /* Leases n blocks as WRITING to session, charged to tenant. All or nothing: takes FREE blocks,
  * then grows, then evicts CACHED blocks; KV_ENOSPC when fewer than n can be had (nothing is
  * leased then). Growing unparks the pool's own parked segments first. Writes out[0..n). */
