@@ -1,7 +1,9 @@
 /* kvd_conf_lines: an in-place walk over config text, one line at a time (see conffile.h). */
 #include "daemon/conffile.h"
 
+#include <stdarg.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 void kvd_conf_lines_init(kvd_conf_lines *it, char *text) {
@@ -39,4 +41,14 @@ char *kvd_conf_lines_next(kvd_conf_lines *it) {
         }
     }
     return NULL;
+}
+
+void kvd_conf_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (err == NULL || errlen == 0) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
 }

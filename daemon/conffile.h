@@ -11,6 +11,8 @@
 #ifndef KVD_CONFFILE_H
 #define KVD_CONFFILE_H
 
+#include <stddef.h>
+
 typedef struct kvd_conf_lines {
     char *next;      /* start of the next unread line; NULL once the text is used up */
     unsigned lineno; /* 1-based number of the line kvd_conf_lines_next last returned */
@@ -28,5 +30,10 @@ char *kvd_conf_lines_next(kvd_conf_lines *it);
 /* Trims space, tab and CR from the end of `s` in place and returns the first byte that is not
  * a space or tab. `s` stays the caller's; never fails. */
 char *kvd_conf_trim(char *s);
+
+/* Formats an error message into err[0..errlen) (truncated, always NUL-terminated); does nothing
+ * when err is NULL or errlen is 0. The error reporting both parsers share. */
+void kvd_conf_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif

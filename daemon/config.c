@@ -4,7 +4,6 @@
 
 #include <errno.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,19 +75,6 @@ static const kvd_config_option options[] = {
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (err == NULL || errlen == 0) {
-        return;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 const kvd_config_option *kvd_config_options(size_t *n) {
     *n = NOPTIONS;
@@ -182,19 +168,21 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
         case KVD_OPT_STRING: {
             size_t n = strlen(value);
             if (n >= o->size) {
-                set_err(err, errlen, "%s: value longer than %zu bytes", o->name, o->size - 1);
+                kvd_conf_err(err, errlen, "%s: value longer than %zu bytes", o->name, o->size - 1);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "backend") == 0 && strcmp(value, "auto") != 0 &&
                 strcmp(value, "host") != 0 && strcmp(value, "cuda-vmm") != 0 &&
                 strcmp(value, "cuda-ipc") != 0) {
-                set_err(err, errlen,
-                        "backend: unknown backend '%s' (auto, host, cuda-vmm or cuda-ipc)", value);
+                kvd_conf_err(err, errlen,
+                             "backend: unknown backend '%s' (auto, host, cuda-vmm or cuda-ipc)",
+                             value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "evict-policy") == 0 && strcmp(value, "lru") != 0 &&
                 strcmp(value, "s3fifo") != 0 && strcmp(value, "prefix-lru") != 0) {
-                set_err(err, errlen, "evict-policy: '%s' is not lru, s3fifo or prefix-lru", value);
+                kvd_conf_err(err, errlen, "evict-policy: '%s' is not lru, s3fifo or prefix-lru",
+                             value);
                 return KV_EINVAL;
             }
             memcpy(field, value, n + 1);
@@ -203,13 +191,13 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
         case KVD_OPT_U64: {
             uint64_t v;
             if (parse_u64(value, &v) != 0) {
-                set_err(err, errlen, "%s: '%s' is not a number (suffixes K, M, G, T allowed)",
-                        o->name, value);
+                kvd_conf_err(err, errlen, "%s: '%s' is not a number (suffixes K, M, G, T allowed)",
+                             o->name, value);
                 return KV_EINVAL;
             }
             if (v < o->min || v > o->max) {
-                set_err(err, errlen, "%s: %" PRIu64 " is outside %" PRIu64 "..%" PRIu64, o->name, v,
-                        o->min, o->max);
+                kvd_conf_err(err, errlen, "%s: %" PRIu64 " is outside %" PRIu64 "..%" PRIu64,
+                             o->name, v, o->min, o->max);
                 return KV_EINVAL;
             }
             memcpy(field, &v, sizeof(v));
@@ -220,7 +208,8 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             errno = 0;
             unsigned long v = strtoul(value, &end, 8);
             if (*value == '\0' || *end != '\0' || errno != 0 || v > o->max) {
-                set_err(err, errlen, "%s: '%s' is not an octal mode like 0600", o->name, value);
+                kvd_conf_err(err, errlen, "%s: '%s' is not an octal mode like 0600", o->name,
+                             value);
                 return KV_EINVAL;
             }
             uint32_t m = (uint32_t)v;
@@ -230,7 +219,7 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
         case KVD_OPT_BOOL: {
             int b;
             if (parse_bool(value, &b) != 0) {
-                set_err(err, errlen, "%s: '%s' is not true or false", o->name, value);
+                kvd_conf_err(err, errlen, "%s: '%s' is not true or false", o->name, value);
                 return KV_EINVAL;
             }
             memcpy(field, &b, sizeof(b));
@@ -239,7 +228,8 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
         case KVD_OPT_LEVEL: {
             kv_log_level l;
             if (kv_log_level_parse(value, &l) != 0) {
-                set_err(err, errlen, "%s: '%s' is not error, warn, info or debug", o->name, value);
+                kvd_conf_err(err, errlen, "%s: '%s' is not error, warn, info or debug", o->name,
+                             value);
                 return KV_EINVAL;
             }
             memcpy(field, &l, sizeof(l));
@@ -262,7 +252,7 @@ kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *
                       size_t errlen) {
     const kvd_config_option *o = find_option(name, strlen(name));
     if (o == NULL) {
-        set_err(err, errlen, "unknown option '%s' (kvd --help lists them)", name);
+        kvd_conf_err(err, errlen, "unknown option '%s' (kvd --help lists them)", name);
         return KV_ENOENT;
     }
     return set_option(c, o, value, err, errlen);
@@ -272,7 +262,7 @@ kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source
                              size_t errlen) {
     char *copy = strdup(text);
     if (copy == NULL) {
-        set_err(err, errlen, "%s: out of memory", source);
+        kvd_conf_err(err, errlen, "%s: out of memory", source);
         return KV_ENOMEM;
     }
     kv_err rc = KV_OK;
@@ -282,7 +272,7 @@ kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source
     while ((l = kvd_conf_lines_next(&it)) != NULL) {
         char *eq = strchr(l, '=');
         if (eq == NULL) {
-            set_err(err, errlen, "%s:%u: expected 'name = value'", source, it.lineno);
+            kvd_conf_err(err, errlen, "%s:%u: expected 'name = value'", source, it.lineno);
             rc = KV_EINVAL;
             goto cleanup_copy;
         }
@@ -292,7 +282,7 @@ kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source
         char sub[512];
         rc = kvd_config_set(c, name, value, sub, sizeof(sub));
         if (rc != KV_OK) {
-            set_err(err, errlen, "%s:%u: %s", source, it.lineno, sub);
+            kvd_conf_err(err, errlen, "%s:%u: %s", source, it.lineno, sub);
             goto cleanup_copy;
         }
     }
@@ -304,7 +294,7 @@ cleanup_copy:
 kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        set_err(err, errlen, "%s: %s", path, strerror(errno));
+        kvd_conf_err(err, errlen, "%s: %s", path, strerror(errno));
         return KV_ESYS;
     }
     kv_err rc = KV_OK;
@@ -314,7 +304,7 @@ kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t e
         if (len + 4096 + 1 > cap) {
             size_t ncap = cap == 0 ? 8192 : cap * 2;
             if (ncap > (16u << 20)) {
-                set_err(err, errlen, "%s: larger than 16 MiB", path);
+                kvd_conf_err(err, errlen, "%s: larger than 16 MiB", path);
                 rc = KV_ETOOBIG;
                 goto cleanup_text;
             }
@@ -333,7 +323,7 @@ kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t e
         }
     }
     if (ferror(f)) {
-        set_err(err, errlen, "%s: read error", path);
+        kvd_conf_err(err, errlen, "%s: read error", path);
         rc = KV_ESYS;
         goto cleanup_text;
     }
@@ -367,13 +357,13 @@ kv_err kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *help, ch
         }
         const char *eq = strchr(a, '=');
         if (strncmp(a, "--", 2) != 0 || eq == NULL) {
-            set_err(err, errlen, "argument '%s' is not --name=value (kvd --help)", a);
+            kvd_conf_err(err, errlen, "argument '%s' is not --name=value (kvd --help)", a);
             return KV_EINVAL;
         }
         const kvd_config_option *o = find_option(a + 2, (size_t)(eq - (a + 2)));
         if (o == NULL) {
-            set_err(err, errlen, "unknown option '%.*s' (kvd --help lists them)",
-                    (int)(eq - (a + 2)), a + 2);
+            kvd_conf_err(err, errlen, "unknown option '%.*s' (kvd --help lists them)",
+                         (int)(eq - (a + 2)), a + 2);
             return KV_ENOENT;
         }
         kv_err rc = set_option(c, o, eq + 1, err, errlen);

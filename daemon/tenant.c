@@ -3,7 +3,6 @@
 #include "daemon/tenant.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,19 +40,6 @@ struct kvd_tenants {
     uint32_t commons_k; /* min-tenants of the commons; 0 = none */
     kvd_quota def;      /* quota of tenants without their own */
 };
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (err == NULL || errlen == 0) {
-        return;
-    }
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 kv_err kvd_tenants_alloc(kvd_tenants **out) {
     kvd_tenants *t = calloc(1, sizeof(*t));
@@ -125,7 +111,8 @@ static kv_err read_token(const char *path, tenant *nt, const char *source, unsig
                          char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        set_err(err, errlen, "%s:%u: token-file %s: %s", source, lineno, path, strerror(errno));
+        kvd_conf_err(err, errlen, "%s:%u: token-file %s: %s", source, lineno, path,
+                     strerror(errno));
         return KV_ESYS;
     }
     uint8_t buf[KVD_TOKEN_MAX + 2];
@@ -136,8 +123,8 @@ static kv_err read_token(const char *path, tenant *nt, const char *source, unsig
         n--;
     }
     if (n < KVD_TOKEN_MIN || n > KVD_TOKEN_MAX) {
-        set_err(err, errlen, "%s:%u: token-file %s must hold %d..%d bytes", source, lineno, path,
-                KVD_TOKEN_MIN, KVD_TOKEN_MAX);
+        kvd_conf_err(err, errlen, "%s:%u: token-file %s must hold %d..%d bytes", source, lineno,
+                     path, KVD_TOKEN_MIN, KVD_TOKEN_MAX);
         return KV_EINVAL;
     }
     memcpy(nt->token, buf, n);
@@ -159,18 +146,18 @@ static kv_err parse_tenant(kvd_tenants *t, char **save, const char *source, unsi
     char *name = strtok_r(NULL, " \t\r", save);
     if (name == NULL || !valid_name(name, strlen(name)) || strncmp(name, "uid-", 4) == 0 ||
         strcmp(name, "commons") == 0 || strcmp(name, "default") == 0) {
-        set_err(err, errlen,
-                "%s:%u: tenant name must be 1..63 of [A-Za-z0-9._-], not uid-N, commons or "
-                "default",
-                source, lineno);
+        kvd_conf_err(err, errlen,
+                     "%s:%u: tenant name must be 1..63 of [A-Za-z0-9._-], not uid-N, commons or "
+                     "default",
+                     source, lineno);
         return KV_EINVAL;
     }
     if (find_name(t, name) >= 0) {
-        set_err(err, errlen, "%s:%u: tenant %s defined twice", source, lineno, name);
+        kvd_conf_err(err, errlen, "%s:%u: tenant %s defined twice", source, lineno, name);
         return KV_EINVAL;
     }
     if (t->n >= t->limit) {
-        set_err(err, errlen, "%s:%u: more than %u tenants", source, lineno, t->limit);
+        kvd_conf_err(err, errlen, "%s:%u: more than %u tenants", source, lineno, t->limit);
         return KV_EQUOTA;
     }
     tenant *nt = calloc(1, sizeof(*nt));
@@ -201,22 +188,23 @@ static kv_err parse_tenant(kvd_tenants *t, char **save, const char *source, unsi
             }
             rc = KV_EINVAL;
         } else {
-            set_err(err, errlen,
-                    "%s:%u: '%s' is not uid=N[,N...], gid=N[,N...] (at most %d) or token-file=PATH",
-                    source, lineno, kv, MAX_IDS);
+            kvd_conf_err(
+                err, errlen,
+                "%s:%u: '%s' is not uid=N[,N...], gid=N[,N...] (at most %d) or token-file=PATH",
+                source, lineno, kv, MAX_IDS);
             goto cleanup;
         }
     }
     if (nt->nuids == 0 && nt->ngids == 0 && nt->token_len == 0) {
-        set_err(err, errlen, "%s:%u: tenant %s lists no uid=, gid= or token-file=", source, lineno,
-                name);
+        kvd_conf_err(err, errlen, "%s:%u: tenant %s lists no uid=, gid= or token-file=", source,
+                     lineno, name);
         goto cleanup;
     }
     for (uint32_t i = 0; i < t->n; i++) {
         if (nt->token_len != 0 && t->v[i].token_len == nt->token_len &&
             memcmp(t->v[i].token, nt->token, nt->token_len) == 0) {
-            set_err(err, errlen, "%s:%u: tenant %s has the same token as tenant %s", source, lineno,
-                    name, t->v[i].name);
+            kvd_conf_err(err, errlen, "%s:%u: tenant %s has the same token as tenant %s", source,
+                         lineno, name, t->v[i].name);
             goto cleanup;
         }
     }
@@ -232,23 +220,24 @@ static kv_err parse_group(kvd_tenants *t, char **save, const char *source, unsig
                           char *err, size_t errlen) {
     char *name = strtok_r(NULL, " \t\r", save);
     if (name == NULL || !valid_name(name, strlen(name))) {
-        set_err(err, errlen, "%s:%u: group name must be 1..63 of [A-Za-z0-9._-]", source, lineno);
+        kvd_conf_err(err, errlen, "%s:%u: group name must be 1..63 of [A-Za-z0-9._-]", source,
+                     lineno);
         return KV_EINVAL;
     }
     for (uint32_t i = 0; i < t->ngroups; i++) {
         if (strcmp(t->groups[i].name, name) == 0) {
-            set_err(err, errlen, "%s:%u: group %s defined twice", source, lineno, name);
+            kvd_conf_err(err, errlen, "%s:%u: group %s defined twice", source, lineno, name);
             return KV_EINVAL;
         }
     }
     if (t->ngroups == KVD_MAX_GROUPS) {
-        set_err(err, errlen, "%s:%u: more than %d groups", source, lineno, KVD_MAX_GROUPS);
+        kvd_conf_err(err, errlen, "%s:%u: more than %d groups", source, lineno, KVD_MAX_GROUPS);
         return KV_EQUOTA;
     }
     char *kv = strtok_r(NULL, " \t\r", save);
     if (kv == NULL || strncmp(kv, "members=", 8) != 0 || strtok_r(NULL, " \t\r", save) != NULL) {
-        set_err(err, errlen, "%s:%u: expected 'group NAME members=TENANT,TENANT...'", source,
-                lineno);
+        kvd_conf_err(err, errlen, "%s:%u: expected 'group NAME members=TENANT,TENANT...'", source,
+                     lineno);
         return KV_EINVAL;
     }
     /* Check every member before changing anything: a bad line leaves no half-joined group. */
@@ -257,19 +246,19 @@ static kv_err parse_group(kvd_tenants *t, char **save, const char *source, unsig
     for (char *m = strtok_r(kv + 8, ",", &msave); m != NULL; m = strtok_r(NULL, ",", &msave)) {
         int id = find_name(t, m);
         if (id < 0 || !t->v[id].from_file) {
-            set_err(err, errlen, "%s:%u: group %s: member %s is not a tenant defined above", source,
-                    lineno, name, m);
+            kvd_conf_err(err, errlen, "%s:%u: group %s: member %s is not a tenant defined above",
+                         source, lineno, name, m);
             return KV_EINVAL;
         }
         if (nm == MAX_IDS || t->v[id].ngroups == KVD_MAX_DOMAINS_PER_TENANT - 2) {
-            set_err(err, errlen, "%s:%u: group %s: too many members, or %s is in %d groups", source,
-                    lineno, name, m, KVD_MAX_DOMAINS_PER_TENANT - 2);
+            kvd_conf_err(err, errlen, "%s:%u: group %s: too many members, or %s is in %d groups",
+                         source, lineno, name, m, KVD_MAX_DOMAINS_PER_TENANT - 2);
             return KV_EINVAL;
         }
         members[nm++] = (uint32_t)id;
     }
     if (nm == 0) {
-        set_err(err, errlen, "%s:%u: group %s has no members", source, lineno, name);
+        kvd_conf_err(err, errlen, "%s:%u: group %s has no members", source, lineno, name);
         return KV_EINVAL;
     }
     uint32_t g = t->ngroups++;
@@ -295,14 +284,14 @@ static kv_err parse_commons(kvd_tenants *t, char **save, const char *source, uns
         uint32_t ids[MAX_IDS], n;
         if (strncmp(kv, "min-tenants=", 12) != 0 || parse_ids(kv + 12, ids, &n) != 0 || n != 1 ||
             ids[0] < 2 || ids[0] > KVD_COMMONS_MAX_K || strtok_r(NULL, " \t\r", save) != NULL) {
-            set_err(err, errlen, "%s:%u: expected 'commons [min-tenants=K]' with K in 2..%d",
-                    source, lineno, KVD_COMMONS_MAX_K);
+            kvd_conf_err(err, errlen, "%s:%u: expected 'commons [min-tenants=K]' with K in 2..%d",
+                         source, lineno, KVD_COMMONS_MAX_K);
             return KV_EINVAL;
         }
         k = ids[0];
     }
     if (t->n > KVD_COMMONS_TENANT) {
-        set_err(err, errlen, "%s:%u: the commons needs a free tenant id", source, lineno);
+        kvd_conf_err(err, errlen, "%s:%u: the commons needs a free tenant id", source, lineno);
         return KV_EQUOTA;
     }
     t->commons_k = k;
@@ -315,8 +304,9 @@ static kv_err parse_quota(kvd_tenants *t, char **save, const char *source, unsig
     char *name = strtok_r(NULL, " \t\r", save);
     int id = -1;
     if (name == NULL || (strcmp(name, "default") != 0 && (id = find_name(t, name)) < 0)) {
-        set_err(err, errlen, "%s:%u: expected 'quota TENANT|default NAME=N...' after the tenant",
-                source, lineno);
+        kvd_conf_err(err, errlen,
+                     "%s:%u: expected 'quota TENANT|default NAME=N...' after the tenant", source,
+                     lineno);
         return KV_EINVAL;
     }
     kvd_quota q = id >= 0 ? *kvd_tenants_quota(t, (uint32_t)id) : t->def;
@@ -324,14 +314,14 @@ static kv_err parse_quota(kvd_tenants *t, char **save, const char *source, unsig
     while ((kv = strtok_r(NULL, " \t\r", save)) != NULL) {
         char *eq = strchr(kv, '=');
         if (eq == NULL) {
-            set_err(err, errlen, "%s:%u: '%s' is not NAME=N (%s)", source, lineno, kv,
-                    KVD_QUOTA_NAMES);
+            kvd_conf_err(err, errlen, "%s:%u: '%s' is not NAME=N (%s)", source, lineno, kv,
+                         KVD_QUOTA_NAMES);
             return KV_EINVAL;
         }
         *eq = '\0';
         if (kvd_quota_parse_field(&q, kv, eq + 1) != KV_OK) {
-            set_err(err, errlen, "%s:%u: '%s=%s': names are %s, values decimal", source, lineno, kv,
-                    eq + 1, KVD_QUOTA_NAMES);
+            kvd_conf_err(err, errlen, "%s:%u: '%s=%s': names are %s, values decimal", source,
+                         lineno, kv, eq + 1, KVD_QUOTA_NAMES);
             return KV_EINVAL;
         }
     }
@@ -358,7 +348,8 @@ static kv_err parse_line(kvd_tenants *t, char *line, const char *source, unsigne
     if (strcmp(word, "quota") == 0) {
         return parse_quota(t, &save, source, lineno, err, errlen);
     }
-    set_err(err, errlen, "%s:%u: expected a tenant, group, commons or quota line", source, lineno);
+    kvd_conf_err(err, errlen, "%s:%u: expected a tenant, group, commons or quota line", source,
+                 lineno);
     return KV_EINVAL;
 }
 
@@ -385,7 +376,7 @@ kv_err kvd_tenants_parse(kvd_tenants *t, const char *text, const char *source, c
 kv_err kvd_tenants_load(kvd_tenants *t, const char *path, char *err, size_t errlen) {
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        set_err(err, errlen, "%s: %s", path, strerror(errno));
+        kvd_conf_err(err, errlen, "%s: %s", path, strerror(errno));
         return KV_ESYS;
     }
     kv_err rc = KV_OK;
@@ -396,7 +387,7 @@ kv_err kvd_tenants_load(kvd_tenants *t, const char *path, char *err, size_t errl
     }
     size_t n = fread(text, 1, (1u << 20) - 1, f);
     if (n == (1u << 20) - 1) {
-        set_err(err, errlen, "%s: larger than 1 MiB", path);
+        kvd_conf_err(err, errlen, "%s: larger than 1 MiB", path);
         rc = KV_ETOOBIG;
         goto cleanup_text;
     }
