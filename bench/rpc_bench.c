@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/benchutil.h"
 #include "common/kv_wire.h"
 #include "kvclient.h"
 
@@ -49,46 +50,6 @@ static size_t g_kvd_req[NOP], g_kvd_rep[NOP]; /* frame sizes, for the echo */
 static char *g_mget;                          /* RESP MGET command */
 static size_t g_mget_len, g_mget_reply_len;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "rpc_bench: %s\n", what);
-    exit(1);
-}
-
-static int unix_connect(const char *path) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-        if (fd >= 0) {
-            close(fd);
-        }
-        return -1;
-    }
-    return fd;
-}
-
-static void wait_socket(const char *path, pid_t pid) {
-    for (int i = 0; i < 1000; i++) {
-        int fd = unix_connect(path);
-        if (fd >= 0) {
-            close(fd);
-            return;
-        }
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) {
-            die("a server exited during start");
-        }
-        usleep(10000);
-    }
-    die("a server did not start");
-}
-
 static void write_all(int fd, const void *b, size_t n) {
     const char *p = b;
     while (n > 0) {
@@ -97,7 +58,7 @@ static void write_all(int fd, const void *b, size_t n) {
             if (k < 0 && errno == EINTR) {
                 continue;
             }
-            die("write failed");
+            bench_die("write failed");
         }
         p += k;
         n -= (size_t)k;
@@ -112,7 +73,7 @@ static void read_all(int fd, void *b, size_t n) {
             if (k < 0 && errno == EINTR) {
                 continue;
             }
-            die("read failed");
+            bench_die("read failed");
         }
         p += k;
         n -= (size_t)k;
@@ -156,7 +117,7 @@ static pid_t echo_start(void) {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", g_echo_sock);
     if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(lfd, 64) < 0) {
-        die("echo: cannot listen");
+        bench_die("echo: cannot listen");
     }
     pid_t pid = fork();
     if (pid == 0) {
@@ -178,27 +139,6 @@ static pid_t echo_start(void) {
 }
 
 /* ---- servers ------------------------------------------------------------------------ */
-
-static pid_t spawn(char *const argv[]) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        int null = open("/dev/null", 1);
-        if (null >= 0) {
-            dup2(null, 1);
-        }
-        execvp(argv[0], argv);
-        fprintf(stderr, "rpc_bench: exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    return pid;
-}
-
-static void stop(pid_t pid) {
-    if (pid > 0) {
-        kill(pid, SIGTERM);
-        waitpid(pid, NULL, 0);
-    }
-}
 
 /* ---- per-connection clients ----------------------------------------------------------- */
 
@@ -230,7 +170,7 @@ static void kvd_open(client *c) {
                    .arrangement = KV_LAYER_MAJOR};
     if (kvc_conn_open(&o, &c->conn) != KV_OK || kvc_pool_attach(c->conn, "bench", &l, &c->pool) ||
         kvc_batch_alloc(c->conn, &c->batch) != KV_OK) {
-        die("cannot open a kvd session");
+        bench_die("cannot open a kvd session");
     }
 }
 
@@ -239,9 +179,9 @@ static void client_open(client *c) {
         kvd_open(c);
         return;
     }
-    c->fd = unix_connect(c->sys == SYS_ECHO ? g_echo_sock : g_redis_sock);
+    c->fd = bench_unix_connect(c->sys == SYS_ECHO ? g_echo_sock : g_redis_sock);
     if (c->fd < 0) {
-        die("cannot connect to a baseline server");
+        bench_die("cannot connect to a baseline server");
     }
     const char *one = NULL;
     uint32_t hdr[2] = {(uint32_t)g_kvd_req[c->op], (uint32_t)g_kvd_rep[c->op]};
@@ -290,13 +230,13 @@ static int round_once(client *c) {
     if (!c->pipelined) {
         if (c->op == OP_PING) {
             if (kvc_ping(c->conn, NULL, 0) != KV_OK) {
-                die("ping failed");
+                bench_die("ping failed");
             }
             return 1;
         }
         if (kvc_lookup(c->pool, g_hashes, NBLK, c->hits[0], &c->nhit[0]) != KV_OK ||
             c->nhit[0] != NBLK) {
-            die("lookup failed or missed");
+            bench_die("lookup failed or missed");
         }
         return 1;
     }
@@ -306,15 +246,15 @@ static int round_once(client *c) {
                                       : kvc_batch_lookup(c->batch, c->pool, g_hashes, NBLK,
                                                          c->hits[i], &c->nhit[i], NULL);
         if (err != KV_OK) {
-            die("queue failed");
+            bench_die("queue failed");
         }
     }
     if (kvc_batch_run(c->batch) != KV_OK) {
-        die("batch failed");
+        bench_die("batch failed");
     }
     for (int i = 0; i < n; i++) {
         if (kvc_batch_status(c->batch, (size_t)i) != KV_OK) {
-            die("batched request failed");
+            bench_die("batched request failed");
         }
     }
     return n;
@@ -327,18 +267,18 @@ static void after_round(client *c) {
     }
     if (!c->pipelined) {
         if (kvc_release(c->pool, c->hits[0], c->nhit[0]) != KV_OK) {
-            die("release failed");
+            bench_die("release failed");
         }
         return;
     }
     kvc_batch_reset(c->batch);
     for (int i = 0; i < DEPTH; i++) {
         if (kvc_batch_release(c->batch, c->pool, c->hits[i], c->nhit[i], NULL) != KV_OK) {
-            die("queue release failed");
+            bench_die("queue release failed");
         }
     }
     if (kvc_batch_run(c->batch) != KV_OK) {
-        die("release batch failed");
+        bench_die("release batch failed");
     }
 }
 
@@ -352,17 +292,17 @@ static void *client_run(void *arg) {
         after_round(c);
     }
     pthread_barrier_wait(&g_barrier);
-    double end = now_s() + g_seconds;
-    double t0 = now_s();
+    double end = bench_now_s() + g_seconds;
+    double t0 = bench_now_s();
     while (t0 < end) {
         int n = round_once(c);
-        double t1 = now_s();
+        double t1 = bench_now_s();
         after_round(c);
         if (c->nlat < MAXLAT) {
             c->lat[c->nlat++] = (float)((t1 - t0) * 1e6);
         }
         c->ops += (uint64_t)n;
-        t0 = now_s();
+        t0 = bench_now_s();
     }
     client_close(c);
     return NULL;
@@ -390,11 +330,11 @@ static result measure(int sys, int op, int nconn, int pipelined) {
         pthread_create(&th[i], NULL, client_run, &cs[i]);
     }
     pthread_barrier_wait(&g_barrier);
-    double t0 = now_s();
+    double t0 = bench_now_s();
     for (int i = 0; i < nconn; i++) {
         pthread_join(th[i], NULL);
     }
-    double dt = now_s() - t0;
+    double dt = bench_now_s() - t0;
     pthread_barrier_destroy(&g_barrier);
     size_t total = 0;
     uint64_t ops = 0;
@@ -435,7 +375,7 @@ static void kvd_prepare(void) {
     kvc_commit_entry e[NBLK];
     if (kvc_pool_hash_tokens(c.pool, NULL, 0, tok, NBLK * 16, g_hashes, NBLK, &nh) != KV_OK ||
         kvc_allocate(c.pool, NBLK, b) != KV_OK) {
-        die("prepare: allocate failed");
+        bench_die("prepare: allocate failed");
     }
     for (int i = 0; i < NBLK; i++) {
         e[i].block = b[i];
@@ -443,7 +383,7 @@ static void kvd_prepare(void) {
         e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
     }
     if (kvc_commit(c.pool, e, NBLK, canon) != KV_OK || kvc_release(c.pool, canon, NBLK)) {
-        die("prepare: commit failed");
+        bench_die("prepare: commit failed");
     }
     /* Frame sizes as the library sends and the daemon answers them. */
     uint64_t epoch = kvc_conn_boot_epoch(c.conn);
@@ -484,9 +424,9 @@ static void kvd_prepare(void) {
 
 /* Keys are the hex block hashes, values 8-byte block handles, as a Redis-kept index would. */
 static void redis_prepare(void) {
-    int fd = unix_connect(g_redis_sock);
+    int fd = bench_unix_connect(g_redis_sock);
     if (fd < 0) {
-        die("redis: cannot connect");
+        bench_die("redis: cannot connect");
     }
     size_t cap = 64 + NBLK * 64;
     g_mget = malloc(cap);
@@ -502,7 +442,7 @@ static void redis_prepare(void) {
         char ok[5];
         read_all(fd, ok, 5); /* +OK\r\n */
         if (memcmp(ok, "+OK\r\n", 5) != 0) {
-            die("redis: SET failed");
+            bench_die("redis: SET failed");
         }
     }
     g_mget_len = (size_t)n;
@@ -512,7 +452,7 @@ static void redis_prepare(void) {
     char *rep = malloc(g_mget_reply_len);
     read_all(fd, rep, g_mget_reply_len);
     if (memcmp(rep, "*128\r\n$8\r\n00000000\r\n", 20) != 0) {
-        die("redis: MGET reply is not what the benchmark expects");
+        bench_die("redis: MGET reply is not what the benchmark expects");
     }
     free(rep);
     close(fd);
@@ -549,12 +489,12 @@ static void ten_open(const char *sock, int tenant, kvc_conn **conn, kvc_pool **p
                    .dtype = KV_DTYPE_FP16,
                    .arrangement = KV_LAYER_MAJOR};
     if (kvc_conn_open(&o, conn) != KV_OK || kvc_pool_attach(*conn, "bench", &l, pool) != KV_OK) {
-        die("tenancy: cannot open a kvd session");
+        bench_die("tenancy: cannot open a kvd session");
     }
     kvc_block b[NBLK], canon[NBLK];
     kvc_commit_entry e[NBLK];
     if (kvc_allocate(*pool, NBLK, b) != KV_OK) {
-        die("tenancy: allocate failed");
+        bench_die("tenancy: allocate failed");
     }
     for (int i = 0; i < NBLK; i++) {
         e[i].block = b[i];
@@ -562,7 +502,7 @@ static void ten_open(const char *sock, int tenant, kvc_conn **conn, kvc_pool **p
         e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
     }
     if (kvc_commit(*pool, e, NBLK, canon) != KV_OK || kvc_release(*pool, canon, NBLK) != KV_OK) {
-        die("tenancy: commit failed");
+        bench_die("tenancy: commit failed");
     }
 }
 
@@ -572,32 +512,32 @@ static double ten_run(kvc_conn *conn, kvc_pool *pool, int pipelined) {
     size_t nhit[DEPTH];
     kvc_batch *b;
     if (kvc_batch_alloc(conn, &b) != KV_OK) {
-        die("tenancy: batch");
+        bench_die("tenancy: batch");
     }
     uint64_t ops = 0;
-    double t0 = now_s(), t = t0;
+    double t0 = bench_now_s(), t = t0;
     while (t - t0 < g_seconds) {
         int n = pipelined ? DEPTH : 1;
         kvc_batch_reset(b);
         for (int i = 0; i < n; i++) {
             if (kvc_batch_lookup(b, pool, g_hashes, NBLK, hits[i], &nhit[i], NULL) != KV_OK) {
-                die("tenancy: lookup");
+                bench_die("tenancy: lookup");
             }
         }
         if (kvc_batch_run(b) != KV_OK) {
-            die("tenancy: lookup batch");
+            bench_die("tenancy: lookup batch");
         }
         kvc_batch_reset(b);
         for (int i = 0; i < n; i++) {
             if (nhit[i] != NBLK || kvc_batch_release(b, pool, hits[i], NBLK, NULL) != KV_OK) {
-                die("tenancy: lookup missed");
+                bench_die("tenancy: lookup missed");
             }
         }
         if (kvc_batch_run(b) != KV_OK) {
-            die("tenancy: release batch");
+            bench_die("tenancy: release batch");
         }
         ops += (uint64_t)n;
-        t = now_s();
+        t = bench_now_s();
     }
     kvc_batch_free(b);
     return (double)ops / (t - t0);
@@ -610,14 +550,14 @@ static void tenancy_bench(const char *kvd, ten_result *one, ten_result *many) {
     snprintf(sockn, sizeof(sockn), "%s/kvd-100t.sock", g_dir);
     FILE *f = fopen(tenants, "w");
     if (f == NULL) {
-        die("tenancy: cannot write the tenants file");
+        bench_die("tenancy: cannot write the tenants file");
     }
     for (int i = 0; i < TEN_N; i++) {
         char path[128];
         snprintf(path, sizeof(path), "%s/t%03d.token", g_dir, i);
         FILE *t = fopen(path, "w");
         if (t == NULL) {
-            die("tenancy: cannot write a token file");
+            bench_die("tenancy: cannot write a token file");
         }
         fprintf(t, "rpc-bench-tenant-token-%03d-xxxxxxxx\n", i);
         fclose(t);
@@ -632,9 +572,9 @@ static void tenancy_bench(const char *kvd, ten_result *one, ten_result *many) {
                      "--pool-memory=4G", NULL};
     char *argvn[] = {(char *)kvd,        fn,  tf, "--log-level=warn", "--segment-bytes=4M",
                      "--pool-memory=4G", NULL};
-    pid_t p1 = spawn(argv1), pn = spawn(argvn);
-    wait_socket(sock1, p1);
-    wait_socket(sockn, pn);
+    pid_t p1 = bench_spawn(argv1), pn = bench_spawn(argvn);
+    bench_wait_socket(sock1, p1);
+    bench_wait_socket(sockn, pn);
     kvc_conn *c1, *cn[TEN_N];
     kvc_pool *q1, *qn[TEN_N];
     ten_open(sock1, -1, &c1, &q1);
@@ -657,8 +597,8 @@ static void tenancy_bench(const char *kvd, ten_result *one, ten_result *many) {
     for (int i = 0; i < TEN_N; i++) {
         kvc_conn_close(cn[i]);
     }
-    stop(p1);
-    stop(pn);
+    bench_stop(p1);
+    bench_stop(pn);
 }
 
 static void tenancy_print(const ten_result *one, const ten_result *many) {
@@ -688,14 +628,14 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--seconds") == 0) {
             g_seconds = atof(argv[i + 1]);
         } else {
-            die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
-                "kvd|echo|redis]");
+            bench_die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
+                      "kvd|echo|redis]");
         }
     }
     signal(SIGPIPE, SIG_IGN);
     snprintf(g_dir, sizeof(g_dir), "/tmp/rpc-bench-XXXXXX");
     if (mkdtemp(g_dir) == NULL) {
-        die("mkdtemp failed");
+        bench_die("mkdtemp failed");
     }
     snprintf(g_kvd_sock, sizeof(g_kvd_sock), "%s/kvd.sock", g_dir);
     snprintf(g_echo_sock, sizeof(g_echo_sock), "%s/echo.sock", g_dir);
@@ -704,7 +644,7 @@ int main(int argc, char **argv) {
     snprintf(conf, sizeof(conf), "%s/redis.conf", g_dir);
     FILE *f = fopen(conf, "w");
     if (f == NULL) {
-        die("cannot write the redis config");
+        bench_die("cannot write the redis config");
     }
     fprintf(f,
             "port 0\nunixsocket %s\nunixsocketperm 700\nsave \"\"\nappendonly no\n"
@@ -716,11 +656,11 @@ int main(int argc, char **argv) {
     snprintf(sockflag, sizeof(sockflag), "--socket=%s", g_kvd_sock);
     char *kvd_argv[] = {(char *)kvd, sockflag, "--log-level=warn", NULL};
     char *redis_argv[] = {(char *)redis, conf, NULL};
-    pid_t kvd_pid = spawn(kvd_argv);
-    pid_t redis_pid = spawn(redis_argv);
+    pid_t kvd_pid = bench_spawn(kvd_argv);
+    pid_t redis_pid = bench_spawn(redis_argv);
     pid_t echo_pid = echo_start();
-    wait_socket(g_kvd_sock, kvd_pid);
-    wait_socket(g_redis_sock, redis_pid);
+    bench_wait_socket(g_kvd_sock, kvd_pid);
+    bench_wait_socket(g_redis_sock, redis_pid);
     kvd_prepare();
     redis_prepare();
 
@@ -750,8 +690,8 @@ int main(int argc, char **argv) {
     if (only == NULL || strcmp(only, "kvd") == 0) {
         tenancy_bench(kvd, &ten_one, &ten_many);
     }
-    stop(kvd_pid);
-    stop(redis_pid);
+    bench_stop(kvd_pid);
+    bench_stop(redis_pid);
     kill(echo_pid, SIGKILL);
     waitpid(echo_pid, NULL, 0);
     char cmd[160];

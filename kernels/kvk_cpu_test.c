@@ -112,6 +112,47 @@ static void test_copy_blocks_converts(void **state) {
     }
 }
 
+/* A copy larger than the streaming threshold (4 MiB) takes the non-temporal store path: the
+ * blocks must still arrive byte for byte, also into a destination that is not 16-byte aligned
+ * (head and tail of each chunk through memcpy), and the blocks not named stay untouched. */
+static void test_copy_blocks_streams_large(void **state) {
+    (void)state;
+    for (int misalign = 0; misalign < 2; misalign++) {
+        tu_seg src;
+        tu_seg_init(&src, 2, 4, 72, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, 600); /* 9 KiB chunks */
+        const kv_layout *l = &src.l;
+        uint64_t bytes = kv_layout_segment_bytes(l, 600);
+        uint8_t *raw = malloc(bytes + 64);
+        assert_non_null(raw);
+        memset(raw, 0xA5, bytes + 64);
+        uint8_t *dmem = raw + 16 + (misalign ? 8 : 0);
+        kvk_cache dst;
+        assert_int_equal(kvk_cache_from_segment(l, (uintptr_t)dmem, 600, &dst), KV_OK);
+        int32_t ids[590];
+        for (int i = 0; i < 590; i++) {
+            ids[i] = (i * 7) % 590; /* a permutation of 0..589: blocks 590..599 not copied */
+        }
+        assert_true((uint64_t)590 * 4 * l->kv_block_bytes >= (4u << 20));
+        assert_int_equal(kvk_copy_blocks_cpu(&src.c, &dst, ids, ids, 590), KV_OK);
+        for (uint32_t b = 0; b < 600; b++) {
+            for (uint32_t layer = 0; layer < 2; layer++) {
+                for (int kv = 0; kv < 2; kv++) {
+                    uint64_t o = kv_layout_offset(l, 600, b, layer, kv, 0, 0);
+                    if (b < 590) {
+                        assert_memory_equal(src.mem + o, dmem + o, l->kv_block_bytes);
+                    } else {
+                        for (uint64_t e = 0; e < l->kv_block_bytes; e++) {
+                            assert_int_equal(dmem[o + e], 0xA5);
+                        }
+                    }
+                }
+            }
+        }
+        free(raw);
+        tu_seg_fini(&src);
+    }
+}
+
 static void test_reshape_and_cache(void **state) {
     (void)state;
     const kv_dtype dts[] = {KV_DTYPE_FP16, KV_DTYPE_BF16, KV_DTYPE_FP32, KV_DTYPE_FP8_E4M3,
@@ -422,6 +463,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_matches_layout),
         cmocka_unit_test(test_copy_blocks_converts),
+        cmocka_unit_test(test_copy_blocks_streams_large),
         cmocka_unit_test(test_reshape_and_cache),
         cmocka_unit_test(test_decode_matches_naive),
         cmocka_unit_test(test_decode_rejects_bad_tables),

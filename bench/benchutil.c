@@ -1,0 +1,103 @@
+/* benchutil: clock, errors, server processes and medians for bench/ (see benchutil.h). */
+#include "bench/benchutil.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+double bench_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void bench_die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: ", program_invocation_short_name);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(1);
+}
+
+int bench_unix_connect(const char *path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    return fd;
+}
+
+pid_t bench_spawn(char *const argv[]) {
+    pid_t pid = fork();
+    if (pid < 0) {
+        bench_die("fork: %s", strerror(errno));
+    }
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        if (null >= 0) {
+            dup2(null, 1);
+        }
+        execvp(argv[0], argv);
+        fprintf(stderr, "%s: exec %s: %s\n", program_invocation_short_name, argv[0],
+                strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+void bench_wait_socket(const char *path, pid_t pid) {
+    for (int i = 0; i < 1000; i++) {
+        int fd = bench_unix_connect(path);
+        if (fd >= 0) {
+            close(fd);
+            return;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            bench_die("the server for %s exited during start", path);
+        }
+        usleep(10000);
+    }
+    bench_die("the server for %s did not start within 10 s", path);
+}
+
+int bench_stop(pid_t pid) {
+    if (pid <= 0) {
+        return 0;
+    }
+    kill(pid, SIGTERM);
+    int st;
+    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) {
+        return -1;
+    }
+    return WEXITSTATUS(st);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double bench_median(double *v, size_t n) {
+    if (n == 0) {
+        return 0;
+    }
+    qsort(v, n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}

@@ -1,0 +1,36 @@
+/* benchutil: what the benchmark programs under bench/ share: a monotonic clock, fatal errors,
+ * starting a server process and waiting for its Unix socket, and medians.
+ * Not for tests or the daemon; every call is for one benchmark process (single thread unless
+ * said otherwise).
+ */
+#ifndef KVD_BENCHUTIL_H
+#define KVD_BENCHUTIL_H
+
+#include <stddef.h>
+#include <sys/types.h>
+
+/* Seconds of CLOCK_MONOTONIC. Any thread. */
+double bench_now_s(void);
+
+/* Prints "<program>: <message>" on stderr and exits 1. */
+void bench_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+/* A connected blocking Unix stream socket to path, or -1. Any thread. */
+int bench_unix_connect(const char *path);
+
+/* Forks and execs argv (argv[0] searched on PATH) with stdout sent to /dev/null; returns the
+ * child's pid (bench_die when fork fails). */
+pid_t bench_spawn(char *const argv[]);
+
+/* Waits up to 10 s until the Unix socket path accepts; bench_die when pid exits first or the
+ * time runs out. */
+void bench_wait_socket(const char *path, pid_t pid);
+
+/* SIGTERM to pid and waits for it; returns its exit status, or -1 when it did not exit normally.
+ * Does nothing (returns 0) for pid <= 0. */
+int bench_stop(pid_t pid);
+
+/* Median of v[0..n) (sorts v in place); 0 for n == 0. */
+double bench_median(double *v, size_t n);
+
+#endif
