@@ -177,8 +177,8 @@ int main(int argc, char **argv) {
     uint64_t elems = l->kv_block_bytes / 2;
     for (uint32_t i = 0; i < NBLOCKS; i++) {
         for (int s = 0; s < 2; s++) {
-            uint16_t *p = (uint16_t *)(dc.data + blocks[i].id * dc.block_stride +
-                                       s * dc.section_stride);
+            uint16_t *p =
+                (uint16_t *)(dc.data + blocks[i].id * dc.block_stride + s * dc.section_stride);
             for (uint64_t e = 0; e < elems; e++) {
                 kvk_store_f32(KV_DTYPE_FP16, p, e, (float)(rnd() % 2001u) / 1000.0f - 1.0f);
             }
@@ -235,10 +235,10 @@ int main(int argc, char **argv) {
     long bad = 0;
     for (uint32_t i = 0; i < NBLOCKS; i++) {
         for (int s = 0; s < 2; s++) {
-            const void *a = (const void *)(dc.data + blocks[i].id * dc.block_stride +
-                                           s * dc.section_stride);
-            const void *b = (const void *)(bm.data + blocks[i].id * bm.block_stride +
-                                           s * bm.section_stride);
+            const void *a =
+                (const void *)(dc.data + blocks[i].id * dc.block_stride + s * dc.section_stride);
+            const void *b =
+                (const void *)(bm.data + blocks[i].id * bm.block_stride + s * bm.section_stride);
             bad += memcmp(a, b, l->kv_block_bytes) != 0;
         }
     }
@@ -257,8 +257,8 @@ int main(int argc, char **argv) {
     printf("### Tier copies (kvk_copy_blocks_cpu) vs memcpy\n\n");
     printf("| copy | ms | GB/s | x memcpy |\n|---|---:|---:|---:|\n");
     for (int c = 0; c < NCOPY; c++) {
-        printf("| %s | %.2f | %.2f | %.2f |\n", copy_name[c], med[c] * 1e3, (double)bytes / med[c] / 1e9,
-               med[C_MEMCPY] / med[c]);
+        printf("| %s | %.2f | %.2f | %.2f |\n", copy_name[c], med[c] * 1e3,
+               (double)bytes / med[c] / 1e9, med[C_MEMCPY] / med[c]);
     }
     double worst = med[C_MEMCPY] / med[C_GATHER];
     for (int c = C_GATHER_BM; c < NCOPY; c++) {
@@ -300,8 +300,8 @@ int main(int argc, char **argv) {
     for (int r = 0; r < reps; r++) {
         for (int m = 0; m < 2; m++) {
             int which = (r % 2) ? 1 - m : m; /* alternate which goes first */
-            kvk_decode_args a = {q, out[which], lse[which], KV_DTYPE_FP16, QO_HEADS,
-                                 1.0f / sqrtf((float)HEAD_DIM)};
+            kvk_decode_args a = {
+                q, out[which], lse[which], KV_DTYPE_FP16, QO_HEADS, 1.0f / sqrtf((float)HEAD_DIM)};
             double t0 = bench_now_s();
             check(kvk_paged_decode_attention_cpu(mem[which], 0, &pt, &a), "attention");
             ta[which][r] = bench_now_s() - t0;
@@ -313,7 +313,8 @@ int main(int argc, char **argv) {
     }
     double am[2] = {bench_median(ta[0], (size_t)reps), bench_median(ta[1], (size_t)reps)};
     double kv_bytes = (double)npages * 2 * (double)l->kv_block_bytes;
-    printf("### Zero-copy: decode attention (kvk_paged_decode_attention_cpu) over kvd's blocks\n\n");
+    printf(
+        "### Zero-copy: decode attention (kvk_paged_decode_attention_cpu) over kvd's blocks\n\n");
     printf("%u requests x %u tokens, %u query heads (GQA %u), one shuffled CSR page table; "
            "outputs and log-sum-exps bitwise equal (checked).\n\n",
            BATCH, SEQ_PAGES * PAGE, QO_HEADS, QO_HEADS / KV_HEADS);
