@@ -20,6 +20,27 @@ double bench_now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+#define MAX_TRACKED 32
+
+static pid_t tracked[MAX_TRACKED]; /* children bench_die kills; 0 = free slot */
+
+void bench_track(pid_t pid) {
+    for (int i = 0; i < MAX_TRACKED; i++) {
+        if (tracked[i] == 0) {
+            tracked[i] = pid;
+            return;
+        }
+    }
+}
+
+static void untrack(pid_t pid) {
+    for (int i = 0; i < MAX_TRACKED; i++) {
+        if (tracked[i] == pid) {
+            tracked[i] = 0;
+        }
+    }
+}
+
 void bench_die(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -27,6 +48,12 @@ void bench_die(const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
+    for (int i = 0; i < MAX_TRACKED; i++) {
+        if (tracked[i] > 0) {
+            kill(tracked[i], SIGKILL);
+            waitpid(tracked[i], NULL, 0);
+        }
+    }
     exit(1);
 }
 
@@ -58,6 +85,7 @@ pid_t bench_spawn(char *const argv[]) {
                 strerror(errno));
         _exit(127);
     }
+    bench_track(pid);
     return pid;
 }
 
@@ -81,6 +109,7 @@ int bench_stop(pid_t pid) {
     if (pid <= 0) {
         return 0;
     }
+    untrack(pid);
     kill(pid, SIGTERM);
     int st;
     if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) {

@@ -12,22 +12,27 @@
 /* Seconds of CLOCK_MONOTONIC. Any thread. */
 double bench_now_s(void);
 
-/* Prints "<program>: <message>" on stderr and exits 1. */
+/* Prints "<program>: <message>" on stderr, kills the processes started by bench_spawn (or given
+ * to bench_track) that were not stopped yet, and exits 1: a failed benchmark leaves no server
+ * behind. */
 void bench_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
 /* A connected blocking Unix stream socket to path, or -1. Any thread. */
 int bench_unix_connect(const char *path);
 
 /* Forks and execs argv (argv[0] searched on PATH) with stdout sent to /dev/null; returns the
- * child's pid (bench_die when fork fails). */
+ * child's pid (bench_die when fork fails). The child is tracked (bench_track). */
 pid_t bench_spawn(char *const argv[]);
+
+/* Adds a child started otherwise (fork) to the processes bench_die kills. At most 32 are kept. */
+void bench_track(pid_t pid);
 
 /* Waits up to 10 s until the Unix socket path accepts; bench_die when pid exits first or the
  * time runs out. */
 void bench_wait_socket(const char *path, pid_t pid);
 
-/* SIGTERM to pid and waits for it; returns its exit status, or -1 when it did not exit normally.
- * Does nothing (returns 0) for pid <= 0. */
+/* SIGTERM to pid and waits for it (and stops tracking it); returns its exit status, or -1 when
+ * it did not exit normally. Does nothing (returns 0) for pid <= 0. */
 int bench_stop(pid_t pid);
 
 /* Median of v[0..n) (sorts v in place); 0 for n == 0. */
