@@ -12,8 +12,9 @@ so the runtime is looked for first where nvcc itself says its libraries are (the
 `nvcc -dryrun`), then in the usual folders of nvcc's own toolkit, and a one-kernel probe is
 compiled and linked against it the way the build will. When nvcc exists but no static runtime
 does, or the probe does not link, the build still compiles every .cu file (so the kernels are
-checked by nvcc) but links the C fallbacks, and says so: the runtime never fails the build. KVD_NOCUDA=1 (bazel --config=nocuda) turns
-CUDA off even where the toolkit exists. Everything runs offline: it only looks at the local disk.
+checked by nvcc) but links the C fallbacks, and says so: the runtime never fails the build.
+KVD_NOCUDA=1 (bazel --config=nocuda) turns CUDA off even where the toolkit exists. Everything runs
+offline: it only looks at the local disk.
 """
 
 _STD_ROOTS = ["/usr/local/cuda", "/usr/lib/cuda", "/opt/cuda"]
