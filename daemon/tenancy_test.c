@@ -870,6 +870,18 @@ static void test_selftest_isolation(void **state) {
     assert_non_null(strstr(h->report, "ok different domain -> no hit"));
     assert_non_null(strstr(h->report, "ok same domain -> hit"));
     assert_null(strstr(h->report, "FAIL"));
+    /* The self-test made and closed pools of its own: pools made after it get later ids, and
+     * requests still find each one (the daemon's pool table is searched by id). */
+    int fa = connect_as(h, "alice");
+    att a = attach(fa, "m"), b = attach(fa, "m2");
+    assert_true(a.pool_id > 2 && b.pool_id > a.pool_id);
+    Kvd__BlockRef blk[2];
+    allocate(fa, b.pool_id, 1, KV_OK, NULL, &blk[0]);
+    allocate(fa, a.pool_id, 1, KV_OK, NULL, &blk[1]);
+    allocate(fa, b.pool_id + 1, 1, KV_ENOENT, "not attached", NULL);
+    close(fa);
+    munmap(a.base, a.seg_bytes);
+    munmap(b.base, b.seg_bytes);
     stop(h);
 }
 
