@@ -333,9 +333,7 @@ int main(int argc, char **argv) {
     kvc_pool_detach(pool);
     kvc_conn_close(conn);
     int st = bench_stop(pid);
-    char rm[200];
-    snprintf(rm, sizeof(rm), "%s/kvd.sock", dir);
-    unlink(rm);
+    unlink(sock);
     rmdir(dir);
     free(blocks);
     free(own_lm);

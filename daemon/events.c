@@ -106,13 +106,9 @@ const char *kvd_evict_reason_name(kvd_evict_reason r) {
     }
 }
 
-uint64_t kvd_events_pool_evictions(const kvd_pool *pool, kvd_evict_reason reason) {
-    return kvd_pool_evictions(pool, reason);
-}
-
 void kvd_events_note_evictions(kvd_events *e, const kvd_pool *pool, int64_t tenant,
                                kvd_evict_reason reason, uint64_t before, const char *what) {
-    uint64_t after = kvd_events_pool_evictions(pool, reason);
+    uint64_t after = kvd_pool_evictions(pool, reason);
     if (after <= before) {
         return;
     }

@@ -77,11 +77,8 @@ kvd_tenant_counters *kvd_events_tenant(kvd_events *e, uint32_t tenant);
  * EAUTH, ETOOBIG): what an operator looks for when a worker is turned away. */
 int kvd_events_is_refusal(kv_err code);
 
-/* The pool's eviction counter for reason (from kvd_pool_stats). O(pool counters). */
-uint64_t kvd_events_pool_evictions(const kvd_pool *pool, kvd_evict_reason reason);
-
 /* After an operation on pool that may have evicted: compares the pool's counter for reason with
- * `before` (kvd_events_pool_evictions taken earlier) and, when blocks went, pushes one evict
+ * `before` (kvd_pool_evictions taken earlier) and, when blocks went, pushes one evict
  * event naming `what` and charges them to tenant's counters (tenant < 0: none). */
 void kvd_events_note_evictions(kvd_events *e, const kvd_pool *pool, int64_t tenant,
                                kvd_evict_reason reason, uint64_t before, const char *what);

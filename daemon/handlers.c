@@ -274,14 +274,14 @@ kv_err kvd_handlers_pool_open(kvd_server *s, const char *model_id, const kv_layo
 }
 
 void kvd_handlers_pool_close(kvd_server *s, uint32_t pool_id) {
-    for (uint32_t i = 0; i < s->npools; i++) {
-        if (s->pools[i].pool_id == pool_id) {
-            kvd_pool_free(s->pools[i].pool);
-            memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
-            s->npools--;
-            return;
-        }
+    kvd_srv_pool *p = pool_by_id(s, pool_id);
+    if (p == NULL) {
+        return;
     }
+    uint32_t i = (uint32_t)(p - s->pools);
+    kvd_pool_free(p->pool);
+    memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
+    s->npools--;
 }
 
 void kvd_handlers_free_pools(kvd_server *s) {
@@ -705,7 +705,7 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     if (refs == NULL) {
         FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
     }
-    uint64_t evicted_before = kvd_events_pool_evictions(p->pool, KVD_EVICT_CAPACITY);
+    uint64_t evicted_before = kvd_pool_evictions(p->pool, KVD_EVICT_CAPACITY);
     rc = kvd_pool_allocate(p->pool, a->count, c->sess.id, c->sess.tenant, refs);
     kvd_events_note_evictions(&c->srv->events, p->pool, c->sess.tenant, KVD_EVICT_CAPACITY,
                               evicted_before, "allocate");

@@ -857,7 +857,7 @@ uint64_t kvd_pool_resident_bytes(const kvd_pool *p) {
 }
 
 kvd_pool_counts kvd_pool_counts_get(const kvd_pool *p) {
-    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_writing, p->n_cached, p->n_pinned};
+    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_cached, p->n_pinned};
     return c;
 }
 

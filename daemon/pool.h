@@ -171,10 +171,9 @@ uint64_t kvd_pool_resident_bytes(const kvd_pool *pool);
 /* Block counts by state, O(1): what allocate's room-making decides on (the same numbers as
  * kvd_pool_stats' blocks_* counters, without walking the counter names). */
 typedef struct kvd_pool_counts {
-    uint64_t free;    /* allocatable now (parked blocks are not) */
-    uint64_t writing; /* WRITING */
-    uint64_t cached;  /* CACHED */
-    uint64_t pinned;  /* pinned (COMMITTED or CACHED) */
+    uint64_t free;   /* allocatable now (parked blocks are not) */
+    uint64_t cached; /* CACHED */
+    uint64_t pinned; /* pinned (COMMITTED or CACHED) */
 } kvd_pool_counts;
 kvd_pool_counts kvd_pool_counts_get(const kvd_pool *pool);
 
