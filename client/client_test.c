@@ -41,14 +41,16 @@ static kv_layout test_layout(void) {
     return l;
 }
 
-static int setup_cfg(void **state, uint32_t bps, uint32_t init, uint32_t max, uint32_t maxb) {
+static int setup_cfg_hide(void **state, uint32_t bps, uint32_t init, uint32_t max, uint32_t maxb,
+                          uint32_t hide_from) {
     static fixture fx;
     memset(&fx, 0, sizeof(fx));
     fake_kvd_config cfg = {.blocks_per_segment = bps,
                            .initial_segments = init,
                            .max_segments = max,
                            .max_blocks = maxb,
-                           .epoch = 0x1111};
+                           .epoch = 0x1111,
+                           .hide_from = hide_from};
     if (fake_kvd_start(&cfg, &fx.kvd) != 0) {
         return -1;
     }
@@ -71,8 +73,17 @@ static int setup_cfg(void **state, uint32_t bps, uint32_t init, uint32_t max, ui
     return 0;
 }
 
+static int setup_cfg(void **state, uint32_t bps, uint32_t init, uint32_t max, uint32_t maxb) {
+    return setup_cfg_hide(state, bps, init, max, maxb, 0);
+}
+
 static int setup(void **state) {
     return setup_cfg(state, 4, 1, 8, 4096);
+}
+
+/* A lying daemon: segment 1 and later are never sent nor announced. */
+static int setup_lying(void **state) {
+    return setup_cfg_hide(state, 4, 1, 8, 4096, 1);
 }
 
 static int setup_many_segments(void **state) {
@@ -94,6 +105,33 @@ static void tokens_fill(uint32_t *t, size_t n, uint32_t base) {
     for (size_t i = 0; i < n; i++) {
         t[i] = base + (uint32_t)i;
     }
+}
+
+/* A daemon that hands out blocks in a segment it never sends: the call that returned them fails
+ * with KV_EPROTO (they are still leased), and a commit of such a block is refused with
+ * KV_ESTATE while the client releases the lease itself, so bytes this worker never wrote
+ * through its mapping are never published. */
+static void test_unaddressable_blocks(void **state) {
+    fixture *f = *state;
+    kvc_block b[4], x[2];
+    assert_int_equal(kvc_allocate(f->pool, 4, b), KV_OK); /* segment 0: mapped */
+    assert_int_equal(kvc_allocate(f->pool, 2, x), KV_EPROTO);
+    assert_non_null(strstr(kvc_last_error(f->conn), "never sent"));
+    assert_true(x[0].id >= 4);
+    assert_null(kvc_pool_addr(f->pool, x[0].id, 0, KV_K, 0, 0));
+    assert_int_equal(fake_kvd_writing(f->kvd), 6);
+    /* Committing an unaddressable block: refused, nothing committed, its lease released. */
+    kvc_commit_entry e[2] = {{.block = b[0], .hash = {1, 2}, .parent = KVC_NO_PARENT},
+                             {.block = x[0], .hash = {3, 4}, .parent = b[0].id}};
+    kvc_block canon[2];
+    assert_int_equal(kvc_commit(f->pool, e, 2, canon), KV_ESTATE);
+    assert_non_null(strstr(kvc_last_error(f->conn), "not mapped"));
+    assert_non_null(strstr(kvc_last_error(f->conn), "released"));
+    assert_int_equal(fake_kvd_writing(f->kvd), 5); /* x[0] went back; b[0] is still ours */
+    assert_int_equal(kvc_release(f->pool, b, 4), KV_OK);
+    assert_int_equal(kvc_release(f->pool, &x[1], 1), KV_OK);
+    assert_int_equal(fake_kvd_writing(f->kvd), 0);
+    assert_int_equal(fake_kvd_refs(f->kvd), 0);
 }
 
 static void test_hello_ping_stats(void **state) {
@@ -423,6 +461,7 @@ static void test_connect_refused(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hello_ping_stats, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unaddressable_blocks, setup_lying, teardown),
         cmocka_unit_test_setup_teardown(test_attach_maps_layers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_allocate_grows_and_maps, setup, teardown),
         cmocka_unit_test_setup_teardown(test_commit_lookup_and_errors, setup, teardown),

@@ -35,7 +35,7 @@ struct kvc_pool {
     kv_layout layout;            /* derived fields filled by kv_layout_init */
     uint32_t blocks_per_segment; /* from AttachPoolReply */
     uint32_t max_segments;       /* capacity of segs[] and of the layer ranges */
-    uint32_t nsegs;              /* highest mapped index + 1 */
+    uint32_t nsegs;              /* highest mapped index + 1 (slots below may be unmapped) */
     kvc__segment *segs;          /* [max_segments] */
     uint8_t **layer_base;        /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
     uint64_t layer_range_bytes;  /* bytes reserved per (layer, kv) range */
@@ -43,8 +43,8 @@ struct kvc_pool {
     int hash_algo;               /* kv_hash_algo */
     uint64_t epoch;              /* boot epoch it was attached under */
     uint64_t session;            /* session it was attached in; its references die with it */
-    uint32_t need_map_from;      /* a reply said segments >= this are new; 0: none */
-    int need_map_all;            /* linked pool: a hit lies in an unmapped segment 0 */
+    int need_map;                /* a reply announced segments we lack, or handed us a block in
+                                    one: MapSegments from our first unmapped slot */
     struct kvc__gpu_pool *gpu;   /* GPU pools: device mappings (client/gpu_map.h); else NULL */
     kvc_pool *owner;             /* linked pool: the attached pool that linked it; else NULL */
     kvc_pool **linked;           /* attached pool: its linked pools in lookup order, or NULL */
@@ -189,14 +189,17 @@ kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t bl
 /* Unmaps everything and frees p's arrays (not p itself). */
 void kvc__pool_unmap(kvc_pool *p);
 
-/* Fetches segments >= p->need_map_from with MapSegments (synchronously) and maps them. */
+/* The lowest segment slot of p that is not mapped (p->nsegs when every slot below it is). A
+ * client asks MapSegments from here, never from the slot it happens to need: asking from a
+ * higher slot would leave the hole unmapped (PROTOCOL.md §6, Segments a reply hands out). */
+uint32_t kvc__pool_first_hole(const kvc_pool *p);
+
+/* When p->need_map is set: fetches (MapSegments, synchronously) and maps every live segment from
+ * p's first hole on, then clears it. KV_OK when nothing was needed. */
 kv_err kvc__pool_map_new(kvc_pool *p);
 
 /* Fetches and maps every segment of p with index >= from (MapSegments until a short reply). */
 kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from);
-
-/* Notes that segments >= from of p must be fetched before its blocks are used (0: none). */
-void kvc__pool_note_new(kvc_pool *p, uint32_t from);
 
 /* 1 when block's segment of p is mapped and holds the block. */
 int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block);

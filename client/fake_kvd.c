@@ -228,6 +228,9 @@ static int handle(fake_kvd *f, int cfd, Kvd__Envelope *req) {
             env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;
             env.attach_pool_reply = &r;
             uint32_t nseg = f->nsegs;
+            if (f->cfg.hide_from != 0 && nseg > f->cfg.hide_from) {
+                nseg = f->cfg.hide_from;
+            }
             Kvd__Segment *segs = calloc(nseg, sizeof(*segs));
             Kvd__Segment **sp = calloc(nseg, sizeof(*sp));
             int fds[MAX_SEGS];
@@ -250,7 +253,11 @@ static int handle(fake_kvd *f, int cfd, Kvd__Envelope *req) {
         }
         case KVD__ENVELOPE__BODY_MAP_SEGMENTS: {
             uint32_t from = req->map_segments->first_index;
-            uint32_t n = from < f->nsegs ? f->nsegs - from : 0;
+            uint32_t upto = f->nsegs;
+            if (f->cfg.hide_from != 0 && upto > f->cfg.hide_from) {
+                upto = f->cfg.hide_from;
+            }
+            uint32_t n = from < upto ? upto - from : 0;
             Kvd__Segment *segs = calloc(n ? n : 1, sizeof(*segs));
             Kvd__Segment **sp = calloc(n ? n : 1, sizeof(*sp));
             int fds[MAX_SEGS];
@@ -315,7 +322,8 @@ static int handle(fake_kvd *f, int cfd, Kvd__Envelope *req) {
             Kvd__AllocateReply r = KVD__ALLOCATE_REPLY__INIT;
             r.n_blocks = count;
             r.blocks = ptrs;
-            r.new_segments_from = grown_from;
+            r.new_segments_from =
+                f->cfg.hide_from != 0 && grown_from >= f->cfg.hide_from ? 0 : grown_from;
             env.body_case = KVD__ENVELOPE__BODY_ALLOCATE_REPLY;
             env.allocate_reply = &r;
             int rc = reply(f, cfd, &env, id, NULL, 0);

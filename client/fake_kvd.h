@@ -19,6 +19,8 @@ typedef struct fake_kvd_config {
     uint32_t max_segments;       /* growth limit */
     uint32_t max_blocks;         /* max_blocks_per_request announced */
     uint64_t epoch;              /* boot epoch */
+    uint32_t hide_from;          /* > 0: a lying daemon that never sends or announces segments
+                                    >= this (tests of libkvclient's segment guards) */
 } fake_kvd_config;
 
 /* Starts the server thread; *out gets it. Returns 0 or -1. */

@@ -361,6 +361,15 @@ float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, in
                              kv_layout_scale_offset(l, s->nblocks, slot, layer, kv, head));
 }
 
+uint32_t kvc__pool_first_hole(const kvc_pool *p) {
+    for (uint32_t i = 0; i < p->nsegs; i++) {
+        if (p->segs[i].base == NULL) {
+            return i;
+        }
+    }
+    return p->nsegs;
+}
+
 int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block) {
     uint32_t slot;
     return block_seg(p, block, &slot) != NULL;

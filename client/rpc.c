@@ -47,14 +47,19 @@ static void blocks_out_any(kvc_block *out, Kvd__BlockRef *const *refs, size_t nr
     }
 }
 
-void kvc__pool_note_new(kvc_pool *p, uint32_t from) {
-    if (from != 0 && (p->need_map_from == 0 || from < p->need_map_from)) {
-        p->need_map_from = from;
+/* A reply's new_segments_from: non-zero means the daemon has segments of p it never sent us. */
+static void note_new_segments(kvc_pool *p, uint32_t from) {
+    if (from != 0) {
+        p->need_map = 1;
     }
 }
 
-static void note_new_segments(kvc_pool *p, uint32_t from) {
-    kvc__pool_note_new(p, from);
+/* A block handed to us in p must be addressable by the time the call returns: when its segment
+ * is not mapped (whatever the reply announced), fetch from our first hole. */
+static void note_block(kvc_pool *p, uint32_t id) {
+    if (!kvc__pool_block_mapped(p, id)) {
+        p->need_map = 1;
+    }
 }
 
 static kv_err bad_reply(kvc_conn *c, const char *what) {
@@ -171,8 +176,7 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
     }
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
     if (err == KV_OK && r->n_segments == KVC__MAX_SEG_PER_REPLY) {
-        /* More may follow: fetch from the last index + 1 once this reply is done. */
-        note_new_segments(p, r->segments[r->n_segments - 1]->index + 1);
+        p->need_map = 1; /* more may follow: fetched once this reply is done */
     }
     return err;
 }
@@ -254,22 +258,17 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 }
             }
             note_new_segments(op->pool, r->new_segments_from);
-            blocks_out_any(op->out, r->blocks, r->n_blocks, &r->blocks_packed, n);
-            if (op->pools != NULL) {
-                /* new_segments_from covers the named pool only: a hit in a linked pool whose
-                 * segment we have not mapped is fetched with MapSegments on that pool. */
-                kvc_block *out = op->out;
-                for (size_t i = 0; i < n; i++) {
-                    kvc_pool *hp = op->pools[i];
-                    if (hp != op->pool && !kvc__pool_block_mapped(hp, out[i].id)) {
-                        uint32_t seg = out[i].id / hp->blocks_per_segment;
-                        if (seg == 0) {
-                            hp->need_map_all = 1; /* need_map_from 0 means "none" */
-                        } else {
-                            kvc__pool_note_new(hp, seg);
-                        }
-                    }
+            for (size_t i = 0; i < r->n_linked_segments; i++) {
+                kvc_pool *lp = kvc_pool_find(op->pool, r->linked_segments[i]->pool_id);
+                if (lp == NULL || lp == op->pool) {
+                    return bad_reply(c, "LookupReply announces segments of a pool not linked");
                 }
+                lp->need_map = 1;
+            }
+            blocks_out_any(op->out, r->blocks, r->n_blocks, &r->blocks_packed, n);
+            kvc_block *out = op->out;
+            for (size_t i = 0; i < n; i++) {
+                note_block(op->pools != NULL ? op->pools[i] : op->pool, out[i].id);
             }
             *op->nout = n;
             return KV_OK;
@@ -288,6 +287,10 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             }
             note_new_segments(op->pool, r->new_segments_from);
             blocks_out_any(op->out, r->blocks, r->n_blocks, &r->blocks_packed, n);
+            kvc_block *out = op->out;
+            for (size_t i = 0; i < n; i++) {
+                note_block(op->pool, out[i].id);
+            }
             return KV_OK;
         }
         case KVC__OP_COMMIT: {
@@ -301,19 +304,10 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             if (op->out != NULL) {
                 blocks_out(op->out, r->canonical, r->n_canonical);
             }
-            /* A duplicate's canonical block may lie in a segment grown after our last Lookup or
-             * Allocate reply (CommitReply has no new_segments_from): fetch it like a linked
-             * pool's hit, so the block is mapped when the commit returns. */
+            /* A duplicate's canonical block may lie in a segment another session grew. */
+            note_new_segments(op->pool, r->new_segments_from);
             for (size_t i = 0; i < r->n_canonical; i++) {
-                uint32_t id = r->canonical[i]->id;
-                if (!kvc__pool_block_mapped(op->pool, id)) {
-                    uint32_t seg = id / op->pool->blocks_per_segment;
-                    if (seg == 0) {
-                        op->pool->need_map_all = 1; /* need_map_from 0 means "none" */
-                    } else {
-                        kvc__pool_note_new(op->pool, seg);
-                    }
-                }
+                note_block(op->pool, r->canonical[i]->id);
             }
             return KV_OK;
         }
@@ -548,12 +542,56 @@ static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *o
     return err;
 }
 
+static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_block *blocks,
+                       size_t n, uint64_t retention_ms, uint8_t priority, int unpin, size_t *index);
+
+/* The commit guard: a block this client cannot address was never written through its mapping,
+ * so its bytes are whatever the slot held (zeros, or another prefix's evicted block), and a
+ * commit would publish them under the caller's hash for every other worker. Such a commit is
+ * refused (KV_ESTATE) and a Release of the unaddressable blocks is queued in b in its place, so
+ * the leases go back when b runs. */
+static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n) {
+    kvc_conn *c = b->conn;
+    size_t bad = 0;
+    uint32_t first = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!kvc__pool_block_mapped(p, entries[i].block.id)) {
+            first = bad++ == 0 ? entries[i].block.id : first;
+        }
+    }
+    if (bad == 0) {
+        return KV_OK;
+    }
+    kvc_block *rel = malloc(bad * sizeof(*rel));
+    size_t k = 0;
+    for (size_t i = 0; rel != NULL && i < n; i++) {
+        if (!kvc__pool_block_mapped(p, entries[i].block.id)) {
+            rel[k++] = entries[i].block;
+        }
+    }
+    kv_err rerr = rel != NULL ? q_blocks(b, KVC__OP_RELEASE, p, rel, k, 0, 0, 0, NULL) : KV_ENOMEM;
+    free(rel);
+    kvc__log(c, KVC_LOG_ERROR, "KVC-COMMIT-UNMAPPED",
+             "pool %u: refusing to commit %zu block(s) this client cannot address (first: block "
+             "%u, segment %u)",
+             p->pool_id, bad, first, first / p->blocks_per_segment);
+    return kvc__fail(c, KV_ESTATE,
+                     "pool %u: %zu of %zu blocks to commit lie in segments this client has not "
+                     "mapped (first: block %u in segment %u), so their bytes were not written "
+                     "through its mapping; nothing was committed and %s",
+                     p->pool_id, bad, n, first, first / p->blocks_per_segment,
+                     rerr == KV_OK ? "their leases are released" : "release them (kvc_release)");
+}
+
 static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                        kvc_block *canonical, size_t *index) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
         err = check_list(c, n, entries);
+    }
+    if (err == KV_OK) {
+        err = commit_guard(b, p, entries, n);
     }
     if (err != KV_OK) {
         return err;
@@ -692,18 +730,45 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
 /* After a batch: fetch segments that replies said are new, so returned blocks are mapped. */
 static kv_err map_pending(kvc_conn *c) {
     for (kvc_pool *p = c->pools; p != NULL; p = p->next) {
-        if (p->need_map_all && !kvc_pool_stale(p)) {
-            kv_err err = kvc__pool_map_from(p, 0);
-            if (err != KV_OK) {
-                return err;
-            }
-            p->need_map_all = 0;
-        }
-        if (p->need_map_from != 0 && !kvc_pool_stale(p)) {
+        if (p->need_map && !kvc_pool_stale(p)) {
             kv_err err = kvc__pool_map_new(p);
             if (err != KV_OK) {
                 return err;
             }
+        }
+    }
+    return KV_OK;
+}
+
+/* The invariant of every build: each block a successful call hands the caller is addressable
+ * (its segment is mapped) once the call returns. A daemon that breaks PROTOCOL.md's segment
+ * rule (or a bug here) makes the call fail with KV_EPROTO instead of leaving the caller to
+ * compute over memory it cannot see; the blocks named in the output stay the caller's to
+ * release. Returns the op's status (KV_EPROTO when it changed it). */
+static kv_err check_addressable(kvc_conn *c, kvc__op *op) {
+    if (op->status != KV_OK || op->out == NULL || op->pool == NULL) {
+        return op->status;
+    }
+    size_t n = op->kind == KVC__OP_LOOKUP     ? *op->nout
+               : op->kind == KVC__OP_ALLOCATE ? op->count
+               : op->kind == KVC__OP_COMMIT   ? op->count
+                                              : 0;
+    const kvc_block *out = op->out;
+    for (size_t i = 0; i < n; i++) {
+        const kvc_pool *p =
+            op->kind == KVC__OP_LOOKUP && op->pools != NULL ? op->pools[i] : op->pool;
+        if (!kvc__pool_block_mapped(p, out[i].id)) {
+            kvc__log(c, KVC_LOG_ERROR, "KVC-RPC-UNMAPPED",
+                     "request %llu returned block %u of pool %u, whose segment %u was never sent "
+                     "(first hole %u, %u slots)",
+                     (unsigned long long)op->id, out[i].id, p->pool_id,
+                     out[i].id / p->blocks_per_segment, kvc__pool_first_hole(p), p->nsegs);
+            op->status = kvc__fail(c, KV_EPROTO,
+                                   "kvd handed out block %u of pool %u in segment %u, which it "
+                                   "never sent to this session (a daemon bug); the blocks of "
+                                   "this call are still held: release them",
+                                   out[i].id, p->pool_id, out[i].id / p->blocks_per_segment);
+            return op->status;
         }
     }
     return KV_OK;
@@ -717,6 +782,9 @@ static kv_err run_one(kvc_batch *b) {
         kv_err merr = map_pending(b->conn);
         if (err == KV_OK) {
             err = merr;
+        }
+        if (err == KV_OK) {
+            err = check_addressable(b->conn, &b->ops[0]);
         }
     }
     kvc__batch_fini(b);
@@ -761,7 +829,28 @@ kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
 }
 
 kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
-    SYNC_CALL(p->conn, q_commit(b, p, entries, n, canonical, NULL));
+    kvc_conn *c = p->conn;
+    kv_err err = kvc__conn_ready(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    (void)map_pending(c); /* a mapping that failed earlier may work now */
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    err = q_commit(&b, p, entries, n, canonical, NULL);
+    if (err == KV_ESTATE && b.nops == 1 && b.ops[0].kind == KVC__OP_RELEASE) {
+        /* The guard refused and queued the leases' Release: send it, keep the guard's error. */
+        char why[sizeof(c->err)];
+        snprintf(why, sizeof(why), "%s", c->err);
+        (void)run_one(&b);
+        snprintf(c->err, sizeof(c->err), "%s", why);
+        return KV_ESTATE;
+    }
+    if (err != KV_OK) {
+        kvc__batch_fini(&b);
+        return err;
+    }
+    return run_one(&b);
 }
 
 kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n) {
@@ -905,22 +994,26 @@ static kv_err map_once(kvc_pool *p, uint32_t first_index, size_t *nsegs) {
 }
 
 kv_err kvc__pool_map_new(kvc_pool *p) {
-    return kvc__pool_map_from(p, p->need_map_from);
+    if (!p->need_map) {
+        return KV_OK;
+    }
+    return kvc__pool_map_from(p, kvc__pool_first_hole(p));
 }
 
 kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from) {
     for (;;) {
         size_t n = 0;
         /* Clear first: the MapSegments reply itself never sets it. */
-        p->need_map_from = 0;
+        p->need_map = 0;
         kv_err err = map_once(p, from, &n);
         if (err != KV_OK) {
-            p->need_map_from = from;
+            p->need_map = 1;
             return err;
         }
         if (n < KVC__MAX_SEG_PER_REPLY) {
             return KV_OK;
         }
+        /* A full reply: more may follow after the highest slot it named. */
         from = p->nsegs;
     }
 }
@@ -978,7 +1071,7 @@ kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layou
         p->linked[i]->next = c->pools;
         c->pools = p->linked[i];
     }
-    if (p->need_map_from != 0) {
+    if (p->need_map) {
         err = kvc__pool_map_new(p);
         if (err != KV_OK) {
             kvc__pool_destroy(p);
@@ -1104,14 +1197,21 @@ kv_err kvc_batch_wait(kvc_batch *b) {
             return err;
         }
     }
-    if (!b->in_flight) {
-        return map_pending(c);
+    kv_err err = KV_OK;
+    if (b->in_flight) {
+        err = kvc__exchange(b, 1);
     }
-    kv_err err = kvc__exchange(b, 1);
-    if (err != KV_OK) {
-        return err;
+    if (err == KV_OK) {
+        err = map_pending(c);
     }
-    return map_pending(c);
+    if (err == KV_OK) {
+        for (size_t i = 0; i < b->nops; i++) {
+            if (b->ops[i].done) {
+                (void)check_addressable(c, &b->ops[i]); /* per-op status, kvc_batch_status */
+            }
+        }
+    }
+    return err;
 }
 
 kv_err kvc_batch_run(kvc_batch *b) {

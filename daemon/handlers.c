@@ -310,13 +310,46 @@ static kv_err session_pool(kvd_conn *c, uint32_t pool_id, kvd_session_pool **out
     return KV_OK;
 }
 
-/* new_segments_from for a reply: the first slot this session has not been sent, or 0. */
-static uint32_t new_segments_from(const kvd_session_pool *sp) {
-    return kvd_pool_segment_slots(sp->pool) > sp->segments_sent ? sp->segments_sent : 0;
+/* Requests that hand out blocks (Allocate, Lookup, Commit) name a pool whose segment 0 the
+ * session was sent: an attached pool's AttachPool reply sends it, a linked pool's comes with
+ * MapSegments{pool_id, 0}. Until then a reply could not announce segment 0 (new_segments_from
+ * = 0 means "nothing new"), so such requests are refused. */
+static kv_err need_segment0(kvd_session_pool *sp, char *msg) {
+    if (!kvd_session_pool_was_sent(sp, 0)) {
+        FAIL(KV_ESTATE,
+             "pool %u: this session was never sent its segments; send MapSegments{pool_id %u, "
+             "first_index 0} before using it",
+             sp->pool_id, sp->pool_id);
+    }
+    return KV_OK;
 }
 
-/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first; *nfds fds.
- * kind is the backend's kvd.MemoryKind. */
+/* new_segments_from for a reply about sp: the lowest live segment slot this session was not
+ * sent, or 0 when it was sent every one. Slot 0 is sent by every AttachPool and lives as long as
+ * the pool, so for an attached pool 0 can only mean "nothing new" (PROTOCOL.md, MapSegments). */
+static uint32_t new_segments_from(kvd_session_pool *sp) {
+    uint32_t h = kvd_session_pool_first_unsent(sp);
+    return h == KVD_NO_SEGMENT ? 0 : h;
+}
+
+#ifndef NDEBUG
+/* The rule of PROTOCOL.md §6 (Segments a reply hands out): a block in a reply lies in a segment
+ * the session was sent, or the same reply announces it (nsf != 0 and <= its segment). */
+static void check_announced(kvd_session_pool *sp, const kvd_block_ref *refs, size_t n,
+                            uint32_t nsf) {
+    uint32_t bps = kvd_pool_config_get(sp->pool)->blocks_per_segment;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t seg = refs[i].id / bps;
+        KV_ASSERT(kvd_session_pool_was_sent(sp, seg) || (nsf != 0 && nsf <= seg));
+    }
+}
+#else
+#define check_announced(sp, refs, n, nsf) ((void)0)
+#endif
+
+/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first and slots[] with
+ * their indexes; *nfds fds. kind is the backend's kvd.MemoryKind. Records nothing: the caller
+ * marks them sent once the reply is queued. */
 static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segment *segs,
                                  Kvd__Segment **ptrs, int *fds, uint32_t kind) {
     uint32_t n = 0;
@@ -343,9 +376,6 @@ static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segm
         fds[n] = m->fd;
         ptrs[n] = &segs[n];
         n++;
-        if (i + 1 > sp->segments_sent) {
-            sp->segments_sent = i + 1;
-        }
     }
     return n;
 }
@@ -434,6 +464,9 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         link_ptrs == NULL || lnames == NULL) {
         goto cleanup;
     }
+    if (kvd_session_pool_reserve(sp, kvd_pool_segment_slots(sp->pool)) != KV_OK) {
+        goto cleanup;
+    }
     n = collect_segments(sp, first, segs, ptrs, fds,
                          c->srv->be->kind != KVD_MEM_NONE ? c->srv->be->kind : KVD_MEM_HOST_MEMFD);
     /* Segments the session may only read travel as fds that cannot be mapped writable. */
@@ -506,6 +539,11 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
     }
     /* CUDA_IPC segments carry handle bytes instead of fds. */
     rc = kvd_conn_send(c, &env, fds, n > 0 && segs[0].kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : n);
+    if (rc == KV_OK) {
+        for (uint32_t i = 0; i < n; i++) {
+            kvd_session_pool_mark_sent(sp, segs[i].index);
+        }
+    }
 cleanup:
     for (uint32_t i = 0; i < nro; i++) {
         close(ro_fds[i]); /* kvd_conn_send keeps its own dups */
@@ -573,8 +611,8 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     if (rc != KV_OK) {
         FAIL(rc, "no memory to attach the pool");
     }
-    /* A repeated attach sends every segment again. */
-    sp->segments_sent = 0;
+    /* A repeated attach sends every segment again (the client remaps them all). */
+    kvd_session_pool_forget_sent(sp);
     return send_segments_reply(c, id, sp, p, 0, 1);
 }
 
@@ -591,7 +629,8 @@ static kv_err on_map(kvd_conn *c, uint64_t id, const Kvd__MapSegments *m, char *
 /* Queues a LookupReply (lookup) or AllocateReply with refs[0..n): as blocks_packed when the
  * client said it reads packed lists (Hello.features), else as BlockRef messages. */
 static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *refs, size_t n,
-                                uint32_t nsf, int lookup, uint32_t *pool_ids) {
+                                uint32_t nsf, int lookup, uint32_t *pool_ids,
+                                Kvd__SegmentNotice **notices, size_t nnotices) {
     Kvd__BlockRef *v = NULL, **pv = NULL;
     ProtobufCBinaryData packed = {0, NULL};
     if (c->features & KV_FEATURE_PACKED) {
@@ -628,6 +667,8 @@ static kv_err send_blocks_reply(kvd_conn *c, uint64_t id, const kvd_block_ref *r
         lr.new_segments_from = nsf;
         lr.n_pool_ids = pool_ids != NULL ? n : 0;
         lr.pool_ids = pool_ids;
+        lr.n_linked_segments = nnotices;
+        lr.linked_segments = notices;
         env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
         env.lookup_reply = &lr;
     } else {
@@ -691,6 +732,10 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
         FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
              p->pool_id, kvd_tenants_name(c->srv->tenants, c->sess.tenant));
     }
+    rc = need_segment0(sp, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
     uint64_t max_held = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_held;
     uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess.tenant).held;
     if (max_held != 0 && held + a->count > max_held) {
@@ -729,7 +774,9 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     if (rc != KV_OK) {
         goto cleanup;
     }
-    rc = send_blocks_reply(c, id, refs, a->count, new_segments_from(sp), 0, NULL);
+    uint32_t nsf = new_segments_from(sp);
+    check_announced(sp, refs, a->count, nsf);
+    rc = send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0);
 cleanup:
     free(refs);
     return rc;
@@ -752,6 +799,9 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     if (rc == KV_OK) {
         rc = kvd_validate_list(n, c->srv->cfg.max_blocks_per_request, "hashes_packed", msg,
                                KVD_ERRMSG);
+    }
+    if (rc == KV_OK) {
+        rc = need_segment0(sp, msg);
     }
     if (rc != KV_OK) {
         return rc;
@@ -829,8 +879,38 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     tc->query_blocks += n;
     tc->hit_blocks += nhit;
     tc->hit_tokens += (uint64_t)nhit * p->layout.tokens_per_block;
-    rc = send_blocks_reply(c, id, refs, nhit, new_segments_from(sp), 1,
-                           l->search_domains ? pool_of : NULL);
+    /* Announce, per searched pool, the segments this session was not sent: a hit may lie in
+     * one (PROTOCOL.md §6, Segments a reply hands out). */
+    uint32_t nsf = new_segments_from(sp);
+    Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
+    size_t nnotices = 0;
+    for (uint32_t k = 1; k < norder; k++) {
+        uint32_t h = kvd_session_pool_first_unsent(order[k]);
+        if (h != KVD_NO_SEGMENT) {
+            kvd__segment_notice__init(&notice[nnotices]);
+            notice[nnotices].pool_id = order[k]->pool_id;
+            notice[nnotices].first_index = h;
+            notices[nnotices] = &notice[nnotices];
+            nnotices++;
+        }
+    }
+#ifndef NDEBUG
+    for (size_t j = 0; j < nhit; j++) {
+        if (pool_of[j] == sp->pool_id) {
+            check_announced(sp, &refs[j], 1, nsf);
+        } else {
+            kvd_session_pool *q = kvd_session_find_pool(&c->sess, pool_of[j]);
+            uint32_t seg = refs[j].id / kvd_pool_config_get(q->pool)->blocks_per_segment;
+            int announced = 0;
+            for (size_t k = 0; k < nnotices; k++) {
+                announced |= notice[k].pool_id == pool_of[j] && notice[k].first_index <= seg;
+            }
+            KV_ASSERT(kvd_session_pool_was_sent(q, seg) || announced);
+        }
+    }
+#endif
+    rc = send_blocks_reply(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
+                           nnotices);
 cleanup:
     return rc;
 }
@@ -872,6 +952,10 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     if (!kvd_tenants_domain_writable(c->srv->tenants, c->sess.tenant, p->domain)) {
         FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
              p->pool_id, kvd_tenants_name(c->srv->tenants, c->sess.tenant));
+    }
+    rc = need_segment0(sp, msg);
+    if (rc != KV_OK) {
+        return rc;
     }
     size_t n = cm->n_entries;
     kvd_refs seen;
@@ -958,6 +1042,9 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
     cr.n_canonical = n;
     cr.canonical = pv;
+    /* A duplicate's canonical block may lie in a segment grown by another session. */
+    cr.new_segments_from = new_segments_from(sp);
+    check_announced(sp, canon, n, cr.new_segments_from);
     env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
     env.commit_reply = &cr;
     rc = kvd_conn_send(c, &env, NULL, 0);

@@ -75,6 +75,7 @@ typedef struct pool_segment {
     uint32_t nfree;      /* FREE blocks */
     uint32_t nevict;     /* CACHED unpinned blocks */
     uint32_t next_gen;   /* first generation of the slot's blocks when grown again */
+    uint32_t serial;     /* which segment of the pool's life this is (kvd_pool_segment_serial) */
     int parked;          /* memory discarded, blocks FREE on no list (kvd_pool_park) */
 } pool_segment;
 
@@ -87,6 +88,8 @@ struct kvd_pool {
     uint32_t nslots;             /* highest live slot + 1 */
     uint32_t nsegs;              /* live segments, parked ones included */
     uint32_t nparked;            /* live segments that are parked */
+    uint32_t next_serial;        /* serial of the next segment grown (from 1) */
+    uint32_t slot_reuses;        /* segments grown into a slot below nslots (after a shrink) */
     uint64_t resident_bytes;     /* memory of the live segments that are not parked */
     uint32_t bps;                /* blocks per segment */
     uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
@@ -567,6 +570,7 @@ kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_back
         p->bps_log = (uint32_t)__builtin_ctz(p->bps);
     }
     p->min_pin_expiry = UINT64_MAX;
+    p->next_serial = 1;
     for (int i = 0; i < LIST_COUNT; i++) {
         p->lists[i].head = p->lists[i].tail = KVD_NO_BLOCK;
     }
@@ -639,6 +643,10 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
     memset(blocks, 0, rec_bytes);
     seg->blocks = blocks;
     seg->mem = mem;
+    seg->serial = p->next_serial++;
+    if (s < p->nslots) {
+        p->slot_reuses++; /* a session's "every slot below k was sent" may be stale now */
+    }
     seg->nfree = 0;
     seg->nevict = 0;
     /* New blocks go behind the free blocks already there, in id order: recently freed records
@@ -666,7 +674,9 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
 kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
     uint32_t s = p->nslots;
     for (;;) {
-        if (s == 0) {
+        /* Segment 0 lives as long as the pool: a client that attached has it, so
+         * new_segments_from = 0 can keep meaning "nothing new" (PROTOCOL.md, MapSegments). */
+        if (s <= 1) {
             return KV_ENOENT;
         }
         s--;
@@ -731,6 +741,17 @@ const kvd_segment_mem *kvd_pool_segment(const kvd_pool *p, uint32_t seg) {
         return NULL;
     }
     return &p->segs[seg].mem;
+}
+
+uint32_t kvd_pool_segment_serial(const kvd_pool *p, uint32_t seg) {
+    if (seg >= p->nslots || p->segs[seg].blocks == NULL) {
+        return 0;
+    }
+    return p->segs[seg].serial;
+}
+
+uint32_t kvd_pool_slot_reuses(const kvd_pool *p) {
+    return p->slot_reuses;
 }
 
 /* ---- parking ---------------------------------------------------------------------------- */

@@ -115,8 +115,8 @@ const kvd_pool_config *kvd_pool_config_get(const kvd_pool *pool);
 kv_err kvd_pool_grow(kvd_pool *pool, uint32_t *seg);
 
 /* Evicts the CACHED blocks of the highest-numbered segment that holds no WRITING or referenced
- * block (or is parked), and frees it. KV_ENOENT when every segment has a live block. *seg gets its
- * index. */
+ * block (or is parked), and frees it. Segment 0 is never freed (it lives as long as the pool).
+ * KV_ENOENT when every other segment has a live block. *seg gets its index. */
 kv_err kvd_pool_shrink(kvd_pool *pool, uint32_t *seg);
 
 /* Changes the segment limit (the server's memory budget moves between pools). Existing segments
@@ -127,6 +127,15 @@ void kvd_pool_set_max_segments(kvd_pool *pool, uint32_t max_segments);
  * for a slot that was freed by shrink or never grown). */
 uint32_t kvd_pool_segment_slots(const kvd_pool *pool);
 const kvd_segment_mem *kvd_pool_segment(const kvd_pool *pool, uint32_t seg);
+
+/* Which segment of the pool's life occupies slot seg: a number > 0, different for every segment
+ * grown (a slot freed by shrink and grown again gets a new one); 0 for an empty slot. What a
+ * session was sent is recorded by serial, so a regrown slot counts as never sent. O(1). */
+uint32_t kvd_pool_segment_serial(const kvd_pool *pool, uint32_t seg);
+
+/* How many times a segment was grown into a slot below the highest live one (only after a
+ * shrink); a session's "every slot below k was sent" hint is rechecked when it changes. O(1). */
+uint32_t kvd_pool_slot_reuses(const kvd_pool *pool);
 
 /* ---- parking: memory moves between pools ----
  * A parked segment keeps its slot, its memory object and every mapping of it (clients map a

@@ -391,7 +391,8 @@ static void op_evict(model *m) {
 
 static void op_shrink(model *m) {
     int want = -1;
-    for (int s = MAXSEG - 1; s >= 0 && want < 0; s--) {
+    /* Segment 0 is never freed (pool.h). */
+    for (int s = MAXSEG - 1; s >= 1 && want < 0; s--) {
         if (!m->live[s]) {
             continue;
         }

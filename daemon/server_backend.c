@@ -35,7 +35,7 @@ uint32_t kvd_segment_mappers(const kvd_server *s, uint32_t pool_id, uint32_t seg
     for (const kvd_conn *c = s->conns; c != NULL; c = c->next) {
         for (uint32_t i = 0; i < c->sess.npools; i++) {
             const kvd_session_pool *sp = &c->sess.pools[i];
-            if (sp->pool_id == pool_id && seg < sp->segments_sent) {
+            if (sp->pool_id == pool_id && kvd_session_pool_was_sent(sp, seg)) {
                 n++;
             }
         }

@@ -159,6 +159,7 @@ void kvd_session_fini(kvd_session *s) {
     kvd_session_release_all(s);
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_refs_fini(&s->pools[i].refs);
+        free(s->pools[i].sent);
     }
     free(s->pools);
     s->pools = NULL;
@@ -197,6 +198,58 @@ kv_err kvd_session_add_pool(kvd_session *s, uint32_t pool_id, kvd_pool *pool,
     kvd_refs_init(&sp->refs);
     *out = sp;
     return KV_OK;
+}
+
+kv_err kvd_session_pool_reserve(kvd_session_pool *sp, uint32_t slots) {
+    if (slots <= sp->nsent) {
+        return KV_OK;
+    }
+    uint32_t n = sp->nsent == 0 ? 16 : sp->nsent;
+    while (n < slots) {
+        n *= 2;
+    }
+    uint32_t *v = realloc(sp->sent, sizeof(*v) * n);
+    if (v == NULL) {
+        return KV_ENOMEM;
+    }
+    memset(v + sp->nsent, 0, sizeof(*v) * (n - sp->nsent));
+    sp->sent = v;
+    sp->nsent = n;
+    return KV_OK;
+}
+
+void kvd_session_pool_mark_sent(kvd_session_pool *sp, uint32_t seg) {
+    KV_ASSERT(seg < sp->nsent);
+    sp->sent[seg] = kvd_pool_segment_serial(sp->pool, seg);
+}
+
+int kvd_session_pool_was_sent(const kvd_session_pool *sp, uint32_t seg) {
+    uint32_t serial = kvd_pool_segment_serial(sp->pool, seg);
+    return serial != 0 && seg < sp->nsent && sp->sent[seg] == serial;
+}
+
+uint32_t kvd_session_pool_first_unsent(kvd_session_pool *sp) {
+    uint32_t reuses = kvd_pool_slot_reuses(sp->pool);
+    if (reuses != sp->hole_reuses) {
+        sp->hole = 0; /* a slot below the hint was regrown: its new segment was never sent */
+        sp->hole_reuses = reuses;
+    }
+    uint32_t slots = kvd_pool_segment_slots(sp->pool);
+    while (sp->hole < slots) {
+        uint32_t serial = kvd_pool_segment_serial(sp->pool, sp->hole);
+        if (serial != 0 && (sp->hole >= sp->nsent || sp->sent[sp->hole] != serial)) {
+            return sp->hole;
+        }
+        sp->hole++;
+    }
+    return KVD_NO_SEGMENT;
+}
+
+void kvd_session_pool_forget_sent(kvd_session_pool *sp) {
+    if (sp->sent != NULL) {
+        memset(sp->sent, 0, sizeof(*sp->sent) * sp->nsent);
+    }
+    sp->hole = 0;
 }
 
 typedef struct collect {

@@ -44,13 +44,38 @@ kv_err kvd_refs_sub(kvd_refs *r, uint32_t id, uint32_t n);
 void kvd_refs_each(const kvd_refs *r,
                    void (*fn)(void *arg, uint32_t id, uint32_t gen, uint32_t count), void *arg);
 
-/* One pool a session attached. */
+#define KVD_NO_SEGMENT UINT32_MAX /* "no segment": every live segment was sent */
+
+/* One pool a session attached. What the session was sent is recorded per segment slot (the
+ * serial of the segment sent there, kvd_pool_segment_serial), never as a high-water mark: a
+ * client may ask MapSegments from any index, and a mark set by such a reply would claim slots
+ * below it that were never sent (the hole that let a worker publish stale bytes). */
 typedef struct kvd_session_pool {
-    uint32_t pool_id;       /* the pool's id */
-    kvd_pool *pool;         /* borrowed from the server's pool table */
-    uint32_t segments_sent; /* segment slots [0, segments_sent) were sent to the client */
-    kvd_refs refs;          /* references this session holds in the pool */
+    uint32_t pool_id;     /* the pool's id */
+    kvd_pool *pool;       /* borrowed from the server's pool table */
+    uint32_t *sent;       /* [nsent] serial of the segment sent per slot; 0 = none */
+    uint32_t nsent;       /* entries of sent (grows with the pool's slots) */
+    uint32_t hole;        /* every live slot below it was sent (hint, see hole_reuses) */
+    uint32_t hole_reuses; /* kvd_pool_slot_reuses when hole was computed */
+    kvd_refs refs;        /* references this session holds in the pool */
 } kvd_session_pool;
+
+/* Makes room to record segment slots [0, slots) of sp: called before a reply is queued, so that
+ * kvd_session_pool_mark_sent cannot fail after it. KV_ENOMEM (nothing changed). */
+kv_err kvd_session_pool_reserve(kvd_session_pool *sp, uint32_t slots);
+
+/* Records that the segment now in slot seg (< the reserved slots) was sent to the session. */
+void kvd_session_pool_mark_sent(kvd_session_pool *sp, uint32_t seg);
+
+/* 1 when the segment now in slot seg was sent to the session, else 0. */
+int kvd_session_pool_was_sent(const kvd_session_pool *sp, uint32_t seg);
+
+/* The lowest live segment slot of the pool that was not sent to the session, or KVD_NO_SEGMENT.
+ * Amortized O(1) (a hint that only moves forward while slots are not reused). */
+uint32_t kvd_session_pool_first_unsent(kvd_session_pool *sp);
+
+/* Forgets what was sent (a repeated AttachPool sends everything again). */
+void kvd_session_pool_forget_sent(kvd_session_pool *sp);
 
 typedef struct kvd_session {
     uint64_t id; /* > 0, unique per daemon run */

@@ -178,7 +178,9 @@ typedef struct att {
     kv_layout layout;       /* the layout */
 } att;
 
-static att attach(int fd, const char *model) {
+/* AttachPool of model; with map_linked, then MapSegments{linked pool, 0} of each linked pool,
+ * as a client must before it uses one (PROTOCOL.md §6). */
+static att attach_ex(int fd, const char *model, int map_linked) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
     Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
     Kvd__Layout l = KVD__LAYOUT__INIT;
@@ -218,7 +220,14 @@ static att attach(int fd, const char *model) {
         close(fds[i]);
     }
     kv_wire_free(r);
+    for (uint32_t i = 0; map_linked && i < at.nlinked; i++) {
+        assert_true(kvd_raw_map_segments(fd, at.linked[i], 0) >= 1);
+    }
     return at;
+}
+
+static att attach(int fd, const char *model) {
+    return attach_ex(fd, model, 1);
 }
 
 /* Allocates n blocks in pool; expect code; writes handles. */
@@ -520,6 +529,15 @@ static void test_group_shares(void **state) {
     assert_false(c.linked_ro[0]);
     assert_string_equal(c.linked_dom[0], "group:team");
     uint32_t group = c.linked[0];
+    /* A linked pool is used only after its segments were fetched (PROTOCOL.md §6). */
+    int fc2 = connect_as(h, "carol");
+    att c2 = attach_ex(fc2, "m", 0);
+    allocate(fc2, group, 1, KV_ESTATE, "MapSegments", NULL);
+    assert_true(kvd_raw_map_segments(fc2, group, 0) >= 1);
+    Kvd__BlockRef one;
+    allocate(fc2, group, 1, KV_OK, NULL, &one);
+    close(fc2);
+    munmap(c2.base, c2.seg_bytes);
     /* carol writes into the group's pool; dave hits it from his private pool, with the pool
      * named; erin (not a member) neither hits nor can name the group pool. */
     put_prefix(fc, NULL, group, 3, 31);

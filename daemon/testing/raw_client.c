@@ -390,3 +390,18 @@ Kvd__Envelope *kvd_raw_lookup(int fd, uint32_t pool, uint64_t salt, size_t n) {
     e.lookup = &l;
     return kvd_raw_rpc(fd, &e);
 }
+
+uint32_t kvd_raw_map_segments(int fd, uint32_t pool, uint32_t first_index) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__MapSegments m = KVD__MAP_SEGMENTS__INIT;
+    m.pool_id = pool;
+    m.first_index = first_index;
+    e.id = kvd_raw_next_id();
+    e.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS;
+    e.map_segments = &m;
+    Kvd__Envelope *r = kvd_raw_rpc(fd, &e);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY);
+    uint32_t n = (uint32_t)r->map_segments_reply->n_segments;
+    kv_wire_free(r);
+    return n;
+}

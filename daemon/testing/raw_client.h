@@ -133,4 +133,9 @@ void kvd_raw_commit(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint
 /* Lookup of n (<= 8) hashes {lo = salt + i, hi = 0xabcdef}; returns the reply. */
 Kvd__Envelope *kvd_raw_lookup(int fd, uint32_t pool, uint64_t salt, size_t n);
 
+/* MapSegments{pool, first_index}; checks for a MapSegmentsReply (its fds are closed) and returns
+ * how many segments it named. A linked pool must be mapped so before Allocate, Lookup or Commit
+ * name it (PROTOCOL.md §6). */
+uint32_t kvd_raw_map_segments(int fd, uint32_t pool, uint32_t first_index);
+
 #endif

@@ -70,6 +70,7 @@ void soak_options_init(soak_options *o) {
     o->death_permille = 2;
     o->kvd = "daemon/kvd";
     o->pool_mem = "32M";
+    o->seg_size = "1M";
 }
 
 /* ---- block contents --------------------------------------------------------------------- */
@@ -448,7 +449,7 @@ static int start_kvd(soak_ctx *x) {
         snprintf(line, sizeof(line), "tenant soak%d token-file=%s\n", t, path);
         strncat(tenants, line, sizeof(tenants) - strlen(tenants) - 1);
     }
-    char tfile[160], sockflag[160], tflag[200], memflag[64];
+    char tfile[160], sockflag[160], tflag[200], memflag[64], segflag[64];
     snprintf(tfile, sizeof(tfile), "%s/tenants", x->dir);
     if (write_text(tfile, tenants) != 0) {
         return -1;
@@ -456,6 +457,7 @@ static int start_kvd(soak_ctx *x) {
     snprintf(sockflag, sizeof(sockflag), "--socket=%s", x->sock);
     snprintf(tflag, sizeof(tflag), "--tenants-file=%s", tfile);
     snprintf(memflag, sizeof(memflag), "--pool-memory=%s", x->o->pool_mem);
+    snprintf(segflag, sizeof(segflag), "--segment-bytes=%s", x->o->seg_size);
     char wrap[512] = "";
     char *argv[32];
     int n = 0;
@@ -471,7 +473,7 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = sockflag;
     argv[n++] = tflag;
     argv[n++] = memflag;
-    argv[n++] = "--segment-bytes=1M";
+    argv[n++] = segflag;
     argv[n++] = "--log-level=warn";
     argv[n] = NULL;
     /* 60 s: valgrind starts slowly. A kvd still starting then is left running (x->kvd). */
@@ -576,6 +578,19 @@ int soak_run(const soak_options *o, soak_result *r) {
         return -1;
     }
     r->rss_start_kb = proc_kb(x.kvd, "VmRSS");
+    /* CPU burners: with every core busy, the daemon and workers are preempted at random points,
+     * which is what turned a one-in-six race into a one-in-three failure. */
+    pid_t burners[16];
+    int nburn = o->busy < 16 ? o->busy : 16;
+    for (int i = 0; i < nburn; i++) {
+        burners[i] = fork();
+        if (burners[i] == 0) {
+            volatile uint64_t spin = 0;
+            for (;;) {
+                spin++;
+            }
+        }
+    }
     uint64_t t0 = now_ms();
     x.deadline_ms = t0 + (uint64_t)o->seconds * 1000u;
     uint64_t warm_at = t0 + (uint64_t)o->seconds * 250u;
@@ -599,6 +614,13 @@ int soak_run(const soak_options *o, soak_result *r) {
         }
         if (pid < 0) {
             break;
+        }
+        int burner = 0;
+        for (int i = 0; i < nburn; i++) {
+            burner |= burners[i] == pid;
+        }
+        if (burner) {
+            continue;
         }
         if (pid == x.kvd) {
             fprintf(stderr, "soak: kvd died during the run (status %d)\n", st);
@@ -627,6 +649,12 @@ int soak_run(const soak_options *o, soak_result *r) {
         if (!kvd_died && now_ms() + 100 < x.deadline_ms) {
             pids[slot] = spawn_worker(&x, slot);
             alive += pids[slot] > 0;
+        }
+    }
+    for (int i = 0; i < nburn; i++) {
+        if (burners[i] > 0) {
+            kill(burners[i], SIGKILL);
+            waitpid(burners[i], NULL, 0);
         }
     }
     for (int i = 0; i < o->clients; i++) {
@@ -668,8 +696,10 @@ int soak_run(const soak_options *o, soak_result *r) {
     unlink(path);
     rmdir(x.dir);
 
-    printf("soak: %d s, %d client processes over %d tenants, kvd %s%s\n", o->seconds, o->clients,
-           o->tenants, o->wrap != NULL ? "under " : "", o->wrap != NULL ? o->wrap : "");
+    printf("soak: %d s, %d client processes over %d tenants, segments of %s, %d CPU burners, kvd "
+           "%s%s\n",
+           o->seconds, o->clients, o->tenants, o->seg_size, nburn, o->wrap != NULL ? "under " : "",
+           o->wrap != NULL ? o->wrap : "");
     printf("soak: operations %llu cycles, %llu requests (lookups %llu, hit blocks %llu, "
            "allocated %llu, committed %llu, duplicates %llu, rewinds %llu, pins %llu, "
            "ENOSPC %llu)\n",

@@ -23,6 +23,8 @@ typedef struct soak_options {
     const char *kvd;      /* kvd binary */
     const char *wrap;     /* NULL or a command prefix (space-separated) kvd runs under */
     const char *pool_mem; /* --pool-memory of kvd */
+    const char *seg_size; /* --segment-bytes of kvd: small ones make many segments and gaps */
+    int busy;             /* CPU-burning processes run beside the workers (load: races show) */
     int verbose;          /* print per-tenant pool figures */
 } soak_options;
 
@@ -56,7 +58,7 @@ typedef struct soak_result {
 } soak_result;
 
 /* Fills o with the defaults: 60 s, 64 clients, 4 tenants, 2 permille deaths, kvd at the runfile
- * daemon/kvd, no wrapper, 32M pool memory. */
+ * daemon/kvd, no wrapper, 32M pool memory, 1M segments, no CPU burners. */
 void soak_options_init(soak_options *o);
 
 /* Runs the soak; fills *r (also when it fails). Returns 0 when every invariant held: nothing

@@ -1,6 +1,7 @@
 /* soak_main: `./dev soak [seconds]` (bazel run //tests/soak:soak -- [options] [seconds]).
- * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --kvd=PATH
- * --wrap="CMD ARGS" (run kvd under e.g. valgrind) -v. Exit 0 when every invariant held. */
+ * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --segment-bytes=SIZE
+ * --busy=N (CPU burners beside the workers) --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g.
+ * valgrind) -v. Exit 0 when every invariant held. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,10 @@ int main(int argc, char **argv) {
             o.death_permille = atoi(a + 9);
         } else if (strncmp(a, "--pool-memory=", 14) == 0) {
             o.pool_mem = a + 14;
+        } else if (strncmp(a, "--segment-bytes=", 16) == 0) {
+            o.seg_size = a + 16;
+        } else if (strncmp(a, "--busy=", 7) == 0) {
+            o.busy = atoi(a + 7);
         } else if (strncmp(a, "--kvd=", 6) == 0) {
             o.kvd = a + 6;
         } else if (strncmp(a, "--wrap=", 7) == 0) {
@@ -30,7 +35,8 @@ int main(int argc, char **argv) {
             o.seconds = atoi(a);
         } else {
             fprintf(stderr, "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
-                            "[--pool-memory=SIZE] [--kvd=PATH] [--wrap=CMD] [-v] [seconds]\n");
+                            "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] [--kvd=PATH] "
+                            "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }
     }
