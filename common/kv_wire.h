@@ -46,6 +46,22 @@ void kv_wire_free(Kvd__Envelope *env);
 kv_err kv_wire_decode_with(const uint8_t *buf, size_t len, uint32_t max_frame,
                            ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed);
 
+/* The daemon's decoder of one request frame: kv_wire_decode_with, and then the checks a request
+ * must pass before a handler sees it. Returns KV_OK with *env NULL while more bytes are needed.
+ * Errors: KV_ETOOBIG (the length exceeds max_frame: the stream cannot continue); otherwise the
+ * frame is skipped (*consumed set) and why gets a sentence: KV_EPROTO (the body does not unpack,
+ * *id 0; or the envelope has no body), KV_ENOTSUP (the body is a type this protocol version
+ * does not have: a newer client's request), KV_EINVAL (a string field is not UTF-8 or holds a
+ * NUL byte, which protobuf-c would silently cut). *id gets the envelope's id when it unpacked,
+ * so the error can answer that request. */
+kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame,
+                              ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed,
+                              uint64_t *id, char *why, size_t whylen);
+
+/* Length of the longest prefix of s[0..n) that is well-formed UTF-8 (no overlong forms, no
+ * surrogates, nothing above U+10FFFF): n when all of it is. Pure. */
+size_t kv_utf8_prefix(const char *s, size_t n);
+
 /* Frees an envelope from kv_wire_decode_with(..., alloc, ...); accepts NULL. */
 void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
 

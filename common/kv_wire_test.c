@@ -155,12 +155,73 @@ static void test_decode_with_null_allocator(void **state) {
     free(frame);
 }
 
+/* Decodes one hand-made request body; returns the code and the id it reports. */
+static kv_err decode_body(const uint8_t *body, size_t n, uint64_t *id, char *why) {
+    uint8_t frame[64];
+    assert_true(n + 4 <= sizeof(frame));
+    frame[0] = (uint8_t)n;
+    frame[1] = frame[2] = frame[3] = 0;
+    memcpy(frame + 4, body, n);
+    Kvd__Envelope *env = NULL;
+    size_t used = 0;
+    kv_err rc = kv_wire_decode_request(frame, n + 4, 4096, NULL, &env, &used, id, why, 256);
+    assert_int_equal(used, n + 4); /* accepted or skipped, the frame is consumed */
+    if (rc == KV_OK) {
+        assert_non_null(env);
+        kv_wire_free(env);
+    } else {
+        assert_null(env);
+    }
+    return rc;
+}
+
+/* The request decoder refuses strings protobuf-c would cut or pass on: a NUL byte inside
+ * AttachPool.model_id ("m\0x" and "m" were one pool), bytes that are not UTF-8; it answers a
+ * body type it does not know with ENOTSUP and the request's id (a newer client), and an envelope
+ * without any body with EPROTO. */
+static void test_request_decoder(void **state) {
+    (void)state;
+    char why[256];
+    uint64_t id = 0;
+    /* Envelope{id 5, attach_pool{model_id "m\0x"}} */
+    const uint8_t nul[] = {0x08, 0x05, 0x62, 0x05, 0x0a, 0x03, 'm', 0x00, 'x'};
+    assert_int_equal(decode_body(nul, sizeof(nul), &id, why), KV_EINVAL);
+    assert_int_equal(id, 5);
+    assert_non_null(strstr(why, "AttachPool.model_id"));
+    const uint8_t ok[] = {0x08, 0x05, 0x62, 0x05, 0x0a, 0x03, 'm', 'y', 'x'};
+    assert_int_equal(decode_body(ok, sizeof(ok), &id, why), KV_OK);
+    /* Envelope{id 6, hello{client_name "\xff"}} */
+    const uint8_t bad[] = {0x08, 0x06, 0x52, 0x03, 0x12, 0x01, 0xff};
+    assert_int_equal(decode_body(bad, sizeof(bad), &id, why), KV_EINVAL);
+    assert_int_equal(id, 6);
+    assert_non_null(strstr(why, "Hello.client_name"));
+    /* Envelope{id 7, field 99 (a future request) empty} */
+    const uint8_t future[] = {0x08, 0x07, 0x9a, 0x06, 0x00};
+    assert_int_equal(decode_body(future, sizeof(future), &id, why), KV_ENOTSUP);
+    assert_int_equal(id, 7);
+    /* Envelope{id 8} and nothing else. */
+    const uint8_t empty[] = {0x08, 0x08};
+    assert_int_equal(decode_body(empty, sizeof(empty), &id, why), KV_EPROTO);
+    assert_int_equal(id, 8);
+    /* Not protobuf at all: id 0. */
+    const uint8_t junk[] = {0xff, 0xff, 0xff};
+    assert_int_equal(decode_body(junk, sizeof(junk), &id, why), KV_EPROTO);
+    assert_int_equal(id, 0);
+    /* UTF-8 edges. */
+    assert_int_equal(kv_utf8_prefix("caf\xc3\xa9", 5), 5);
+    assert_int_equal(kv_utf8_prefix("\xc0\xaf", 2), 0);         /* overlong */
+    assert_int_equal(kv_utf8_prefix("a\xed\xa0\x80", 4), 1);    /* surrogate */
+    assert_int_equal(kv_utf8_prefix("\xf4\x90\x80\x80", 4), 0); /* above U+10FFFF */
+    assert_int_equal(kv_utf8_prefix("ab\xe2\x9c", 4), 2);       /* cut short */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_packed_byte_layout),
         cmocka_unit_test(test_packed_counts),
         cmocka_unit_test(test_decode_into_arena),
         cmocka_unit_test(test_decode_with_null_allocator),
+        cmocka_unit_test(test_request_decoder),
     };
     return cmocka_run_group_tests_name("kv_wire", tests, NULL, NULL);
 }

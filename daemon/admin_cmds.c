@@ -14,6 +14,8 @@
 
 #include "daemon/quota.h"
 #include "daemon/selftest.h"
+#include "common/kv_wire.h"
+#include "daemon/validate.h"
 
 #ifndef KVD_VERSION
 #define KVD_VERSION "0.1.0"
@@ -29,6 +31,38 @@
 
 static json_t *u64(uint64_t v) {
     return json_integer((json_int_t)v);
+}
+
+/* A JSON string of s that always exists: bytes that are not UTF-8 (which jansson refuses, and a
+ * refused string used to drop its whole row from stats, pools, sessions and the metrics) become
+ * U+FFFD. The daemon refuses such names at the door; this keeps any that slip through visible. */
+static json_t *text(const char *s) {
+    if (s == NULL) {
+        return json_string("");
+    }
+    size_t n = strlen(s);
+    if (kv_utf8_prefix(s, n) == n) {
+        return json_stringn(s, n);
+    }
+    char *buf = malloc(n * 3 + 1);
+    if (buf == NULL) {
+        return json_string("?");
+    }
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t ok = kv_utf8_prefix(s + i, n - i);
+        memcpy(buf + o, s + i, ok);
+        o += ok;
+        i += ok;
+        if (i < n) {
+            memcpy(buf + o, "\xef\xbf\xbd", 3); /* U+FFFD */
+            o += 3;
+            i++;
+        }
+    }
+    json_t *j = json_stringn(buf, o);
+    free(buf);
+    return j;
 }
 
 static json_t *hash_json(kv_hash128 h) {
@@ -109,9 +143,10 @@ json_t *kvd_admin_stats(kvd_server *s) {
     uint64_t used = 0;
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_srv_pool *p = &s->pools[i];
-        json_t *o = json_pack("{s:i, s:s, s:s, s:i}", "id", (int)p->pool_id, "model", p->model_id,
-                              "domain", kvd_tenants_name(s->tenants, p->domain), "tokens_per_block",
-                              (int)p->layout.tokens_per_block);
+        json_t *o =
+            json_pack("{s:i, s:o, s:o, s:i}", "id", (int)p->pool_id, "model", text(p->model_id),
+                      "domain", text(kvd_tenants_name(s->tenants, p->domain)), "tokens_per_block",
+                      (int)p->layout.tokens_per_block);
         kvd_pool_stats(p->pool, pool_sink, o);
         used += get_u64(o, "bytes");
         add_hit_rate(o, get_u64(o, "hit_blocks"), get_u64(o, "query_blocks"));
@@ -129,11 +164,12 @@ json_t *kvd_admin_stats(kvd_server *s) {
             u.pinned += pu.pinned;
         }
         json_t *o = json_pack(
-            "{s:i, s:s, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id",
-            (int)t, "name", kvd_tenants_name(s->tenants, t), "sessions", (int)tenant_sessions(s, t),
-            "queries", u64(tc->queries), "query_blocks", u64(tc->query_blocks), "hit_blocks",
-            u64(tc->hit_blocks), "hit_tokens", u64(tc->hit_tokens), "commits", u64(tc->commits),
-            "evictions_capacity", u64(tc->evictions[KVD_EVICT_CAPACITY]), "evictions_admin",
+            "{s:i, s:o, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id",
+            (int)t, "name", text(kvd_tenants_name(s->tenants, t)), "sessions",
+            (int)tenant_sessions(s, t), "queries", u64(tc->queries), "query_blocks",
+            u64(tc->query_blocks), "hit_blocks", u64(tc->hit_blocks), "hit_tokens",
+            u64(tc->hit_tokens), "commits", u64(tc->commits), "evictions_capacity",
+            u64(tc->evictions[KVD_EVICT_CAPACITY]), "evictions_admin",
             u64(tc->evictions[KVD_EVICT_ADMIN]), "evictions_shrink",
             u64(tc->evictions[KVD_EVICT_SHRINK]), "refusals", u64(tc->refusals), "blocks_held",
             u64(u.held), "blocks_cached", u64(u.cached), "blocks_pinned", u64(u.pinned));
@@ -220,9 +256,9 @@ static kv_err cmd_pools(kvd_server *s, int argc, char **argv, json_t **out, char
         kvd_srv_pool *p = &s->pools[i];
         const kvd_pool_config *pc = kvd_pool_config_get(p->pool);
         json_t *o =
-            json_pack("{s:i, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s, s:s, s:o}, s:i, s:i, s:o, s:s}",
-                      "id", (int)p->pool_id, "model", p->model_id, "domain",
-                      kvd_tenants_name(s->tenants, p->domain), "layout", "layers",
+            json_pack("{s:i, s:o, s:o, s:{s:i, s:i, s:i, s:i, s:s, s:s, s:o}, s:i, s:i, s:o, s:s}",
+                      "id", (int)p->pool_id, "model", text(p->model_id), "domain",
+                      text(kvd_tenants_name(s->tenants, p->domain)), "layout", "layers",
                       (int)p->layout.num_layers, "kv_heads", (int)p->layout.num_kv_heads,
                       "head_dim", (int)p->layout.head_dim, "tokens_per_block",
                       (int)p->layout.tokens_per_block, "dtype", kv_dtype_name(p->layout.dtype),
@@ -261,12 +297,12 @@ static kv_err cmd_sessions(kvd_server *s, int argc, char **argv, json_t **out, c
     json_t *a = json_array();
     for (const kvd_conn *c = s->conns; c != NULL; c = c->next) {
         json_array_append_new(
-            a, json_pack("{s:o, s:i, s:i, s:i, s:o, s:s, s:o, s:i, s:o, s:o}", "id",
+            a, json_pack("{s:o, s:i, s:i, s:i, s:o, s:o, s:o, s:i, s:o, s:o}", "id",
                          u64(c->sess.id), "pid", (int)c->sess.pid, "uid", (int)c->sess.uid, "gid",
                          (int)c->sess.gid, "tenant",
-                         c->sess.hello ? json_string(kvd_tenants_name(s->tenants, c->sess.tenant))
+                         c->sess.hello ? text(kvd_tenants_name(s->tenants, c->sess.tenant))
                                        : json_null(),
-                         "client", c->sess.name, "blocks_held",
+                         "client", text(c->sess.name), "blocks_held",
                          u64(kvd_session_refs_held(&c->sess)), "pools", (int)c->sess.npools,
                          "requests", u64(c->sess.requests), "errors", u64(c->sess.errors)));
     }
@@ -394,7 +430,7 @@ static kv_err pool_prefixes(kvd_srv_pool *sp, size_t top, unsigned levels, json_
     for (uint32_t r = 0; r < nroots && r < top; r++) {
         json_array_append_new(a, prefix_node(&f, roots[r], levels));
     }
-    *out = json_pack("{s:i, s:s, s:i, s:o}", "pool", (int)sp->pool_id, "model", sp->model_id,
+    *out = json_pack("{s:i, s:o, s:i, s:o}", "pool", (int)sp->pool_id, "model", text(sp->model_id),
                      "prefixes", (int)nroots, "top", a);
     rc = KV_OK;
 cleanup:
@@ -598,7 +634,7 @@ static kv_err cmd_pin(kvd_server *s, int argc, char **argv, json_t **out, char *
     if (rc != KV_OK) {
         return rc;
     }
-    rc = kvd_pool_pin(sp->pool, ref, retention, (uint8_t)prio);
+    rc = kvd_pool_pin(sp->pool, ref, retention, (uint8_t)prio, KVD_PIN_OWNER);
     if (rc != KV_OK) {
         FAIL(rc, "pin block %u of pool %u: %s", ref.id, sp->pool_id, kv_strerror(rc));
     }
@@ -730,10 +766,15 @@ static kv_err cmd_config_set(kvd_server *s, int argc, char **argv, json_t **out,
              o->name, argv[1]);
     }
     char err[KVD_ADMIN_MSG];
-    kv_err rc = kvd_config_set(&s->cfg, o->name, argv[1], err, sizeof(err));
+    kvd_config next = s->cfg;
+    kv_err rc = kvd_config_set(&next, o->name, argv[1], err, sizeof(err));
+    if (rc == KV_OK) {
+        rc = kvd_config_check(&next, err, sizeof(err));
+    }
     if (rc != KV_OK) {
         FAIL(rc, "%s", err);
     }
+    s->cfg = next;
     kv_log_threshold = s->cfg.log_level;
     KV_LOG(INFO, "KVD-ADMIN-CONFIG", "config set %s = %s", o->name, argv[1]);
     *out = option_json(&s->cfg, o);
@@ -933,12 +974,13 @@ static const kvd_admin_cmd cmds[] = {
     {"unpin", "HASH [pool=ID]", "remove a pin", "Result: pool, block. ENOENT for an unknown hash.",
      cmd_unpin},
     {"quota get", "[TENANT]", "a tenant's quota and usage (all tenants without TENANT)",
-     "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions}, usage: {sessions, "
+     "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools}, usage: "
+     "{sessions, "
      "held, cached, pinned}}, or `quotas`, a list of those (the `default` entry first). 0 means "
      "unlimited.",
      cmd_quota_get},
     {"quota set", "TENANT NAME VALUE", "change one limit of a tenant's quota, live",
-     "NAME is max-held, guarantee, max-pinned or max-sessions; TENANT `default` changes the "
+     "NAME is one of " KVD_QUOTA_NAMES "; TENANT `default` changes the "
      "default. Applies at once (guarantees are pushed into every pool). Result: as `quota get "
      "TENANT`.",
      cmd_quota_set},

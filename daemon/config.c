@@ -41,11 +41,18 @@ static const kvd_config_option options[] = {
     OPT("segment-bytes", KVD_OPT_U64, segment_bytes, "64M", 4096, UINT64_MAX,
         "target bytes per segment; a segment holds at least one block"),
     OPT("index-entries", KVD_OPT_U64, index_entries, "1M", 1024, 1ull << 32,
-        "capacity of the prefix index in blocks over all pools"),
+        "initial capacity of the prefix index in blocks over all pools; it grows with the pools so "
+        "every block can be indexed"),
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
         "eviction order of cached blocks: lru, s3fifo or prefix-lru"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
+    OPT_RT("max-pools", KVD_OPT_U64, max_pools, "1024", 1, 1u << 20,
+           "pools (model, layout, domain) over all tenants; an attach that needs one more after "
+           "idle ones are freed gets ENOSPC"),
+    OPT_RT("frame-timeout-ms", KVD_OPT_U64, frame_timeout_ms, "10000", 0, 1ull << 32,
+           "a client that started a request frame must complete it within this many ms, else "
+           "it gets ETIMEDOUT and is disconnected; 0: no limit"),
     OPT_RT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
            "unsent replies per connection before kvd stops reading it"),
     OPT_RT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,
@@ -53,8 +60,9 @@ static const kvd_config_option options[] = {
     OPT_RT("max-buffer-bytes", KVD_OPT_U64, max_buffer_bytes, "256M", 65536, 1ull << 40,
            "input and output buffer bytes over all connections; above it kvd stops reading "
            "the connections with the largest reply backlog until they drain"),
-    OPT("max-frame-bytes", KVD_OPT_U64, max_frame_bytes, "1M", 1024, 1u << 30,
-        "largest request frame body; a longer one gets ETOOBIG and a close"),
+    OPT("max-frame-bytes", KVD_OPT_U64, max_frame_bytes, "1M", 65536, 1u << 30,
+        "largest request frame body; a longer one gets ETOOBIG and a close; at least "
+        "16 * max-blocks-per-request + 32K, so that every reply fits it"),
     OPT_RT("max-blocks-per-request", KVD_OPT_U64, max_blocks_per_request, "4096", 1, 1u << 20,
            "longest list (hashes, blocks, entries) in one request"),
     OPT("tenants-file", KVD_OPT_STRING, tenants_file, "", 0, 0,
@@ -256,6 +264,19 @@ kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *
         return KV_ENOENT;
     }
     return set_option(c, o, value, err, errlen);
+}
+
+kv_err kvd_config_check(const kvd_config *c, char *err, size_t errlen) {
+    uint64_t need = KVD_REPLY_BYTES_PER_BLOCK * c->max_blocks_per_request + KVD_REPLY_RESERVE;
+    if (c->max_frame_bytes < need) {
+        kvd_conf_err(err, errlen,
+                     "max-frame-bytes %" PRIu64
+                     " cannot hold a reply of max-blocks-per-request %" PRIu64
+                     " blocks: it needs at least %" PRIu64 " (16 bytes a block + 32K)",
+                     c->max_frame_bytes, c->max_blocks_per_request, need);
+        return KV_EINVAL;
+    }
+    return KV_OK;
 }
 
 kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source, char *err,

@@ -31,6 +31,8 @@ typedef struct kvd_config {
     uint64_t index_entries;                 /* capacity of the prefix index */
     char evict_policy[16];                  /* "lru" or "s3fifo" */
     uint64_t max_connections;               /* open client connections */
+    uint64_t max_pools;                     /* pools over all tenants */
+    uint64_t frame_timeout_ms;              /* a started request frame must complete in this */
     uint64_t max_inflight;                  /* unsent replies before reading pauses */
     uint64_t max_output_bytes;              /* queued reply bytes before a client is dropped */
     uint64_t max_buffer_bytes;              /* input + output buffer bytes over all connections */
@@ -81,6 +83,17 @@ kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *
  * bad line: options before it stay applied. */
 kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source, char *err,
                              size_t errlen);
+
+/* Every reply fits max_frame_bytes + 64 (PROTOCOL.md §2): a reply names at most
+ * max-blocks-per-request blocks (a repeated BlockRef costs at most 14 bytes, a packed one 8) and
+ * at most 200 segments and 18 linked pools (under 32 KiB). */
+#define KVD_REPLY_BYTES_PER_BLOCK 16
+#define KVD_REPLY_RESERVE 32768
+
+/* Checks what one option cannot: max-frame-bytes >= 16 * max-blocks-per-request + 32K. KV_EINVAL
+ * with a sentence in err. Called once the options are read, and by admin `config set` on the
+ * values it would apply. */
+kv_err kvd_config_check(const kvd_config *c, char *err, size_t errlen);
 
 /* Reads a file and applies it as kvd_config_parse_text. KV_ESYS when it cannot be read. */
 kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t errlen);

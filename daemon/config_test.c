@@ -251,8 +251,25 @@ static void test_example_conf_is_generated(void **state) {
     free(want);
 }
 
+/* Options that only make sense together: every reply must fit max-frame-bytes. */
+static void test_cross_checks(void **state) {
+    (void)state;
+    kvd_config c;
+    kvd_config_init(&c);
+    char err[256];
+    assert_int_equal(kvd_config_check(&c, err, sizeof(err)), KV_OK);
+    assert_int_equal(kvd_config_set(&c, "max-frame-bytes", "64K", err, sizeof(err)), KV_OK);
+    assert_int_equal(kvd_config_check(&c, err, sizeof(err)), KV_EINVAL);
+    assert_non_null(strstr(err, "max-blocks-per-request"));
+    assert_int_equal(kvd_config_set(&c, "max-blocks-per-request", "2048", err, sizeof(err)),
+                     KV_OK);
+    assert_int_equal(kvd_config_check(&c, err, sizeof(err)), KV_OK);
+    assert_int_equal(kvd_config_set(&c, "max-frame-bytes", "4096", err, sizeof(err)), KV_EINVAL);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cross_checks),
         cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_flags),
         cmocka_unit_test(test_flag_errors),

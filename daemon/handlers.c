@@ -29,13 +29,26 @@ static void env_init(kvd_conn *c, Kvd__Envelope *env, uint64_t id) {
 
 /* ---- budget and pools ------------------------------------------------------------------ */
 
-/* Bytes of every pool's resident segments (parked ones cost nothing). O(pools). */
+/* Bytes of every pool's resident segments (parked ones cost no segment memory) and of every
+ * pool's metadata (block records included, parked segments' too): what pool-memory bounds, so
+ * that many pools of tiny blocks cannot take the daemon far past it. O(pools). */
 static uint64_t budget_used(const kvd_server *s) {
     uint64_t used = 0;
     for (uint32_t i = 0; i < s->npools; i++) {
-        used += kvd_pool_resident_bytes(s->pools[i].pool);
+        used += kvd_pool_resident_bytes(s->pools[i].pool) + kvd_pool_meta_bytes(s->pools[i].pool);
     }
     return used;
+}
+
+/* Segments pool sp can add with `bytes` of budget: its own parked ones first (unparking costs
+ * their memory only: the block records stayed), then new ones (memory and records). */
+static uint64_t segments_for(const kvd_srv_pool *sp, uint64_t bytes) {
+    uint64_t parked = kvd_pool_parked_segments(sp->pool);
+    uint64_t k1 = bytes / sp->segment_bytes;
+    if (k1 > parked) {
+        k1 = parked;
+    }
+    return k1 + (bytes - k1 * sp->segment_bytes) / sp->seg_cost;
 }
 
 /* Sets sp's segment limit to its live segments plus what the shared budget still holds, so the
@@ -45,7 +58,7 @@ static uint32_t budget_apply(kvd_server *s, kvd_srv_pool *sp) {
     uint64_t used = budget_used(s);
     uint64_t left = used < s->cfg.pool_memory ? s->cfg.pool_memory - used : 0;
     uint32_t live = kvd_pool_resident_segments(sp->pool);
-    uint64_t extra = left / sp->segment_bytes;
+    uint64_t extra = segments_for(sp, left);
     uint64_t max = live + extra;
     if (max > KVD_MAX_SEGMENTS) {
         max = KVD_MAX_SEGMENTS;
@@ -182,14 +195,48 @@ static int same_shape(const kv_layout *a, const kv_layout *b) {
 
 /* Finds or creates the pool for (model_id, layout, domain); a new pool gets its first segment
  * so that new_segments_from = 0 never has to mean anything. */
+/* Frees every pool that no session uses and that holds nothing: its memory and metadata go
+ * back (a pool with cached blocks stays, as a cache; once parking or eviction empties it, it
+ * goes too). O(pools). */
+static void reclaim_pools(kvd_server *s) {
+    for (uint32_t i = 0; i < s->npools;) {
+        kvd_srv_pool *p = &s->pools[i];
+        if (p->nsessions == 0 && !kvd_pool_in_use(p->pool)) {
+            KV_LOG(INFO, "KVD-POOL-FREE", "pool %u (model %s): no session and no block; freed",
+                   p->pool_id, p->model_id);
+            kvd_handlers_pool_close(s, p->pool_id); /* keeps the order; i now names the next */
+        } else {
+            i++;
+        }
+    }
+}
+
 static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l, uint32_t domain,
-                        kvd_srv_pool **out, char *msg) {
+                        uint32_t creator, kvd_srv_pool **out, char *msg) {
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_srv_pool *sp = &s->pools[i];
         if (sp->domain == domain && strcmp(sp->model_id, model_id) == 0 &&
             same_shape(&sp->layout, l)) {
             *out = sp;
             return KV_OK;
+        }
+    }
+    if (s->npools >= s->cfg.max_pools) {
+        FAIL(KV_ENOSPC,
+             "kvd has max-pools (%llu) pools in use; a new model or layout needs one more (raise "
+             "max-pools, or let pools of models no longer used empty)",
+             (unsigned long long)s->cfg.max_pools);
+    }
+    uint64_t max_pools =
+        creator < KVD_MAX_TENANTS ? kvd_tenants_quota(s->tenants, creator)->max_pools : 0;
+    if (max_pools != 0) {
+        uint64_t mine = 0;
+        for (uint32_t i = 0; i < s->npools; i++) {
+            mine += s->pools[i].creator == creator;
+        }
+        if (mine >= max_pools) {
+            FAIL(KV_EQUOTA, "tenant %s: quota max-pools is %llu and its attaches made that many",
+                 kvd_tenants_name(s->tenants, creator), (unsigned long long)max_pools);
         }
     }
     if (s->npools == s->pools_cap) {
@@ -206,6 +253,7 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
     snprintf(sp.model_id, sizeof(sp.model_id), "%s", model_id);
     sp.layout = *l;
     sp.domain = domain;
+    sp.creator = creator;
     sp.seed = pool_seed(model_id, l);
     kvd_pool_config pc;
     memset(&pc, 0, sizeof(pc));
@@ -227,13 +275,18 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
         page = backend_align(s); /* GPU segments are granularity multiples */
     }
     sp.segment_bytes = (kv_layout_segment_bytes(l, pc.blocks_per_segment) + page - 1) / page * page;
-    if (make_room(s, NULL, sp.segment_bytes, 0) < sp.segment_bytes) {
+    /* A new segment also costs its block records; a new pool its own metadata (an estimate
+     * until the pool exists: its record and first slots and tenants). */
+    sp.seg_cost =
+        sp.segment_bytes + (uint64_t)pc.blocks_per_segment * kvd_pool_meta_bytes_per_block();
+    uint64_t need = sp.seg_cost + KVD_POOL_META_BASE;
+    if (make_room(s, NULL, need, 0) < need) {
         uint64_t used = budget_used(s);
         FAIL(KV_ENOSPC,
              "pool-memory is spent: %llu of %llu bytes used and no pool has an idle segment to "
-             "give back; a segment of this layout needs %llu",
+             "give back; a pool of this layout needs %llu (a segment and its metadata)",
              (unsigned long long)used, (unsigned long long)s->cfg.pool_memory,
-             (unsigned long long)sp.segment_bytes);
+             (unsigned long long)need);
     }
     kv_err rc = kvd_pool_alloc(&pc, s->index, s->be, s->be_ctx, &sp.pool);
     if (rc != KV_OK) {
@@ -270,7 +323,17 @@ kvd_srv_pool *kvd_handlers_pool_by_id(kvd_server *s, uint32_t id) {
 
 kv_err kvd_handlers_pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
                               uint32_t domain, kvd_srv_pool **out, char *msg) {
-    return pool_open(s, model_id, l, domain, out, msg);
+    return pool_open(s, model_id, l, domain, KVD_MAX_TENANTS, out, msg);
+}
+
+void kvd_handlers_sessions_gone(kvd_server *s, const uint32_t *pool_ids, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        kvd_srv_pool *p = pool_by_id(s, pool_ids[i]);
+        if (p != NULL && p->nsessions > 0) {
+            p->nsessions--;
+        }
+    }
+    reclaim_pools(s);
 }
 
 void kvd_handlers_pool_close(kvd_server *s, uint32_t pool_id) {
@@ -566,7 +629,10 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     }
     kvd_server *s = c->srv;
     kvd_srv_pool *p;
-    rc = pool_open(s, a->model_id, &l, c->sess.tenant, &p, msg);
+    /* Idle pools go before new ones are counted against max-pools (never during the opens
+     * below: a pool this attach just made has no session yet). */
+    reclaim_pools(s);
+    rc = pool_open(s, a->model_id, &l, c->sess.tenant, c->sess.tenant, &p, msg);
     if (rc != KV_OK) {
         return rc;
     }
@@ -580,7 +646,7 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     for (uint32_t i = 1; i < ndoms; i++) {
         char lmsg[KVD_ERRMSG];
         kvd_srv_pool *lp;
-        if (pool_open(s, a->model_id, &l, doms[i], &lp, lmsg) != KV_OK) {
+        if (pool_open(s, a->model_id, &l, doms[i], c->sess.tenant, &lp, lmsg) != KV_OK) {
             KV_LOG(WARN, "KVD-POOL-LINK", "session %llu: no pool in domain %u: %s",
                    (unsigned long long)c->sess.id, doms[i], lmsg);
             continue;
@@ -590,10 +656,12 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
             commons_id = lp->pool_id;
         }
         kvd_session_pool *lsp;
+        int known = kvd_session_find_pool(&c->sess, lp->pool_id) != NULL;
         rc = kvd_session_add_pool(&c->sess, lp->pool_id, lp->pool, &lsp);
         if (rc != KV_OK) {
             FAIL(rc, "no memory to attach the pool");
         }
+        lp->nsessions += !known;
     }
     for (uint32_t i = 0; i < nlinks; i++) {
         kvd_srv_pool *lp = pool_by_id(s, links[i]);
@@ -607,10 +675,12 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     p->commons_id = commons_id;
     budget_apply(s, p);
     kvd_session_pool *sp;
+    int known = kvd_session_find_pool(&c->sess, p->pool_id) != NULL;
     rc = kvd_session_add_pool(&c->sess, p->pool_id, p->pool, &sp);
     if (rc != KV_OK) {
         FAIL(rc, "no memory to attach the pool");
     }
+    p->nsessions += !known;
     /* A repeated attach sends every segment again (the client remaps them all). */
     kvd_session_pool_forget_sent(sp);
     return send_segments_reply(c, id, sp, p, 0, 1);
@@ -697,6 +767,25 @@ static kv_err hold_refs(kvd_conn *c, kvd_session_pool *sp, const kvd_block_ref *
     return KV_OK;
 }
 
+/* Bytes other pools could give back by parking (their idle segments, guarantees kept): what
+ * make_room can find, counted without changing anything. O(segments of other pools). */
+static uint64_t parkable_elsewhere(kvd_server *s, const kvd_srv_pool *self) {
+    uint64_t bytes = 0;
+    uint64_t now = uv_now(s->loop);
+    for (uint32_t i = 0; i < s->npools; i++) {
+        kvd_srv_pool *vp = &s->pools[i];
+        kvd_park_candidate c;
+        if (vp == self) {
+            continue;
+        }
+        kvd_pool_set_now(vp->pool, now); /* expired pins must not keep memory */
+        if (kvd_pool_park_candidate(vp->pool, &c) == KV_OK) {
+            bytes += (uint64_t)c.parkable * vp->segment_bytes;
+        }
+    }
+    return bytes;
+}
+
 /* Before p allocates n blocks: when its free blocks and the budget left fall short, other
  * pools' idle segments are parked for it (their unused ones only while p's own cache covers
  * the rest). p's allocate then unparks its own parked segments or grows. */
@@ -707,13 +796,12 @@ static void make_room_for(kvd_server *s, kvd_srv_pool *p, uint32_t n) {
     }
     uint64_t bps = kvd_pool_config_get(p->pool)->blocks_per_segment;
     uint64_t need = n - acc.free;
-    uint64_t bytes = (need + bps - 1) / bps * p->segment_bytes;
+    uint64_t bytes = (need + bps - 1) / bps * p->seg_cost;
     uint64_t left = budget_left(s);
     if (left >= bytes) {
         return;
     }
-    uint64_t evictable = acc.cached > acc.pinned ? acc.cached - acc.pinned : 0;
-    int own_ok = evictable + left / p->segment_bytes * bps >= need;
+    int own_ok = acc.evictable + segments_for(p, left) * bps >= need;
     make_room(s, p, bytes, own_ok);
 }
 
@@ -744,8 +832,31 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
              kvd_tenants_name(c->srv->tenants, c->sess.tenant), (unsigned long long)max_held,
              p->pool_id, (unsigned long long)held, a->count);
     }
+    /* Decide before anything changes: free blocks, evictable cached ones, and segments the
+     * budget holds now or after parking other pools' idle segments. A refused Allocate parks,
+     * grows and evicts nothing. */
+    kvd_pool_counts acc = kvd_pool_counts_get(p->pool);
+    uint64_t bps = kvd_pool_config_get(p->pool)->blocks_per_segment;
+    uint64_t left = budget_left(c->srv);
+    uint64_t idle = acc.free + acc.evictable >= a->count ? 0 : parkable_elsewhere(c->srv, p);
+    uint64_t room = segments_for(p, left + idle);
+    uint32_t slots = KVD_MAX_SEGMENTS - kvd_pool_resident_segments(p->pool);
+    if (room > slots) {
+        room = slots;
+    }
+    uint64_t could = acc.free + acc.evictable + room * bps;
+    if (could < a->count) {
+        FAIL(KV_ENOSPC,
+             "pool %u exhausted: asked %u blocks, %llu could be had (%llu free, %llu evictable "
+             "cached, %llu pinned, room for %llu more segments of %llu blocks: %llu bytes of "
+             "pool-memory left, %llu idle in other pools); release blocks or raise pool-memory",
+             p->pool_id, a->count, (unsigned long long)could, (unsigned long long)acc.free,
+             (unsigned long long)acc.evictable, (unsigned long long)acc.pinned,
+             (unsigned long long)room, (unsigned long long)bps, (unsigned long long)left,
+             (unsigned long long)idle);
+    }
     make_room_for(c->srv, p, a->count);
-    uint32_t grow = budget_apply(c->srv, p);
+    budget_apply(c->srv, p);
     kvd_block_ref *refs = malloc(sizeof(*refs) * a->count);
     if (refs == NULL) {
         FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
@@ -755,15 +866,13 @@ static kv_err on_allocate(kvd_conn *c, uint64_t id, const Kvd__Allocate *a, char
     kvd_events_note_evictions(&c->srv->events, p->pool, c->sess.tenant, KVD_EVICT_CAPACITY,
                               evicted_before, "allocate");
     if (rc == KV_ENOSPC) {
-        kvd_pool_counts acc = kvd_pool_counts_get(p->pool);
-        uint64_t could = acc.free + acc.cached +
-                         (uint64_t)grow * kvd_pool_config_get(p->pool)->blocks_per_segment;
+        /* The estimate above said it could (a bug or a backend that failed to grow). */
+        acc = kvd_pool_counts_get(p->pool);
         snprintf(msg, KVD_ERRMSG,
-                 "pool %u exhausted: asked %u blocks, %llu could be had (%llu free, %llu cached "
-                 "of which %llu pinned) and no other pool has an idle segment; release blocks or "
-                 "raise pool-memory",
-                 p->pool_id, a->count, (unsigned long long)could, (unsigned long long)acc.free,
-                 (unsigned long long)acc.cached, (unsigned long long)acc.pinned);
+                 "pool %u exhausted: asked %u blocks; %llu free, %llu evictable; the pool could "
+                 "not grow as the memory budget allowed (see the daemon log)",
+                 p->pool_id, a->count, (unsigned long long)acc.free,
+                 (unsigned long long)acc.evictable);
         goto cleanup;
     }
     if (rc != KV_OK) {
@@ -838,6 +947,7 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     uint64_t max_held = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_held;
     while (nhit < n) {
         size_t got = 0;
+        int room[1 + KVD_MAX_DOMAINS_PER_TENANT];
         for (uint32_t k = 0; k < norder && got == 0; k++) {
             size_t m = n - nhit;
             if (max_held != 0) {
@@ -845,8 +955,20 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
                 uint64_t left = held < max_held ? max_held - held : 0;
                 m = left < m ? (size_t)left : m;
             }
+            room[k] = m > 0;
             if (m == 0) {
                 continue;
+            }
+            /* Each position takes the first pool (this one, groups, commons) that has it: a
+             * run found in a later pool stops where an earlier pool has the next block. */
+            for (size_t t = 1; k > 0 && t < m; t++) {
+                int earlier = 0;
+                for (uint32_t e = 0; e < k && !earlier; e++) {
+                    earlier = room[e] && kvd_pool_has(order[e]->pool, hashes[nhit + t]);
+                }
+                if (earlier) {
+                    m = t;
+                }
             }
             rc = kvd_pool_lookup(order[k]->pool, c->sess.tenant, hashes + nhit, m, refs + nhit,
                                  &got);
@@ -915,26 +1037,31 @@ cleanup:
     return rc;
 }
 
-/* Checks a handle the session says it holds `times` times: ENOENT/ESTALE from the pool, EPERM
- * when the session holds fewer references. */
-static kv_err check_held(kvd_conn *c, kvd_session_pool *sp, kvd_block_ref r, uint32_t times,
-                         const char *what, size_t i, char *msg) {
-    kv_err rc = kvd_pool_check_ref(sp->pool, r);
-    if (rc == KV_ENOENT) {
-        FAIL(rc, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id, sp->pool_id);
+/* Checks a handle the session says it holds `times` times, faults in this order (PROTOCOL.md §7,
+ * "Which error"): ENOENT for an id that names no block of the pool; EPERM when the session holds
+ * no reference on that id (whatever the generation: a block it never received is not its to
+ * name); ESTALE when it holds the id at another generation; EPERM when it holds fewer than
+ * `times` references. */
+static kv_err check_held(kvd_session_pool *sp, kvd_block_ref r, uint32_t times, const char *what,
+                         size_t i, char *msg) {
+    kvd_block_info info;
+    if (kvd_pool_block_info(sp->pool, r.id, &info) != KV_OK) {
+        FAIL(KV_ENOENT, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id,
+             sp->pool_id);
     }
-    if (rc == KV_ESTALE) {
-        FAIL(rc, "%s[%zu]: block %u generation %u is stale", what, i, r.id, r.gen);
+    uint32_t gen = 0;
+    uint32_t held = kvd_refs_count(&sp->refs, r.id, &gen);
+    if (held == 0) {
+        FAIL(KV_EPERM, "%s[%zu]: block %u is not held by this session", what, i, r.id);
     }
-    if (rc != KV_OK) {
-        FAIL(rc, "%s[%zu]: block %u: %s", what, i, r.id, kv_strerror(rc));
+    if (gen != r.gen) {
+        FAIL(KV_ESTALE, "%s[%zu]: block %u generation %u is stale (this session holds %u)", what,
+             i, r.id, r.gen, gen);
     }
-    uint32_t held = kvd_refs_count(&sp->refs, r.id, NULL);
     if (held < times) {
         FAIL(KV_EPERM, "%s[%zu]: block %u is held %u times by this session, not %u", what, i, r.id,
              held, times);
     }
-    (void)c;
     return KV_OK;
 }
 
@@ -972,7 +1099,7 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
     for (size_t i = 0; i < n; i++) {
         const Kvd__CommitEntry *e = cm->entries[i];
         kvd_block_ref r = {e->block->id, e->block->gen};
-        rc = check_held(c, sp, r, 1, "entries", i, msg);
+        rc = check_held(sp, r, 1, "entries", i, msg);
         if (rc != KV_OK) {
             goto cleanup;
         }
@@ -989,10 +1116,28 @@ static kv_err on_commit(kvd_conn *c, uint64_t id, const Kvd__Commit *cm, char *m
             rc = KV_ESTATE;
             goto cleanup;
         }
-        if (e->parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, e->parent, &info) != KV_OK) {
-            snprintf(msg, KVD_ERRMSG, "entries[%zu]: parent block %u does not exist", i, e->parent);
-            rc = KV_ENOENT;
-            goto cleanup;
+        /* A valid parent: none (KVD_NO_BLOCK), an earlier entry of this request, or a
+         * COMMITTED block of this pool the session holds; never the block itself. */
+        if (e->parent != KVD_NO_BLOCK && kvd_refs_count(&seen, e->parent, NULL) == 0) {
+            const char *why = NULL;
+            kvd_block_info pinfo;
+            if (e->parent == r.id) {
+                why = "is the block itself";
+            } else if (kvd_pool_block_info(p->pool, e->parent, &pinfo) != KV_OK) {
+                why = "does not exist in this pool";
+            } else if (kvd_refs_count(&sp->refs, e->parent, NULL) == 0) {
+                why = "is not held by this session";
+            } else if (pinfo.state != KVD_BLOCK_COMMITTED) {
+                why = "is not committed (and not an earlier entry of this request)";
+            }
+            if (why != NULL) {
+                snprintf(msg, KVD_ERRMSG,
+                         "entries[%zu]: parent block %u %s; a parent is a committed block this "
+                         "session holds or an earlier entry of the same Commit",
+                         i, e->parent, why);
+                rc = KV_EINVAL;
+                goto cleanup;
+            }
         }
         rc = kvd_refs_add(&seen, r.id, r.gen, 1);
         if (rc != KV_OK) {
@@ -1141,7 +1286,7 @@ static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t nrep
         refs[i] = r;
         /* Count repeats so that a block listed k times needs k references. */
         uint32_t k = r.id != KVD_NO_BLOCK ? seen_add(&times, r.id) : 1;
-        rc = check_held(c, sp, r, k, "blocks", i, msg);
+        rc = check_held(sp, r, k, "blocks", i, msg);
         if (rc != KV_OK) {
             goto cleanup;
         }
@@ -1187,7 +1332,7 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
     uint64_t new_pins = 0;
     for (size_t i = 0; i < pin->n_blocks; i++) {
         kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
-        rc = check_held(c, sp, r, 1, "blocks", i, msg);
+        rc = check_held(sp, r, 1, "blocks", i, msg);
         if (rc != KV_OK) {
             return rc;
         }
@@ -1209,7 +1354,8 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
     for (size_t i = 0; i < pin->n_blocks; i++) {
         kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
         rc = pin->unpin ? kvd_pool_unpin(sp->pool, r)
-                        : kvd_pool_pin(sp->pool, r, pin->retention_ms, (uint8_t)pin->priority);
+                        : kvd_pool_pin(sp->pool, r, pin->retention_ms, (uint8_t)pin->priority,
+                                       c->sess.tenant);
         if (rc != KV_OK) {
             FAIL(rc, "blocks[%zu]: %s", i, kv_strerror(rc));
         }

@@ -32,6 +32,7 @@ struct kvd_index {
     size_t mask;       /* capacity - 1 */
     size_t count;      /* entries present */
     size_t max_load;   /* insert refuses beyond this many entries */
+    size_t reserved;   /* entries pools may still make (kvd_index_reserve); <= max_load */
     unsigned shift;    /* 64 - log2(capacity) */
     uint64_t key;      /* random key of the home-slot mix */
 };
@@ -60,37 +61,110 @@ static uint64_t index_random_key(void) {
     return k;
 }
 
-kv_err kvd_index_alloc(size_t max_entries, kvd_index **out) {
-    if (max_entries == 0 || max_entries > ((size_t)1 << 40)) {
-        return KV_EINVAL;
-    }
-    /* Capacity: the smallest power of two keeping max_entries at load <= 0.7. */
+/* The smallest power-of-two capacity keeping entries at load <= 0.7, and its log2. */
+static size_t index_capacity_for(size_t entries, unsigned *bits_out) {
     size_t cap = 16;
     unsigned bits = 4;
-    while ((double)max_entries > 0.7 * (double)cap) {
+    while ((double)entries > 0.7 * (double)cap) {
         cap <<= 1;
         bits++;
     }
-    kvd_index *idx = calloc(1, sizeof(*idx));
-    if (idx == NULL) {
-        return KV_ENOMEM;
-    }
+    *bits_out = bits;
+    return cap;
+}
+
+static index_slot *index_map(size_t cap) {
     void *mem = mmap(NULL, cap * sizeof(index_slot), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (mem == MAP_FAILED) {
-        free(idx);
-        return KV_ENOMEM;
+        return NULL;
     }
     if (cap * sizeof(index_slot) >= ((size_t)4 << 20)) {
         (void)madvise(mem, cap * sizeof(index_slot), MADV_HUGEPAGE); /* fewer TLB misses */
     }
-    idx->slots = mem;
+    return mem;
+}
+
+kv_err kvd_index_alloc(size_t max_entries, kvd_index **out) {
+    if (max_entries == 0 || max_entries > ((size_t)1 << 40)) {
+        return KV_EINVAL;
+    }
+    unsigned bits;
+    size_t cap = index_capacity_for(max_entries, &bits);
+    kvd_index *idx = calloc(1, sizeof(*idx));
+    if (idx == NULL) {
+        return KV_ENOMEM;
+    }
+    idx->slots = index_map(cap);
+    if (idx->slots == NULL) {
+        free(idx);
+        return KV_ENOMEM;
+    }
     idx->mask = cap - 1;
     idx->shift = 64 - bits;
     idx->max_load = cap / INDEX_MAX_LOAD_DEN * INDEX_MAX_LOAD_NUM;
     idx->key = index_random_key();
     *out = idx;
     return KV_OK;
+}
+
+/* Moves every entry into a table of cap slots (same key, new home slots). */
+static kv_err index_rehash(kvd_index *idx, size_t cap, unsigned bits) {
+    index_slot *n = index_map(cap);
+    if (n == NULL) {
+        return KV_ENOMEM;
+    }
+    index_slot *old = idx->slots;
+    size_t old_cap = idx->mask + 1;
+    idx->slots = n;
+    idx->mask = cap - 1;
+    idx->shift = 64 - bits;
+    idx->max_load = cap / INDEX_MAX_LOAD_DEN * INDEX_MAX_LOAD_NUM;
+    for (size_t i = 0; i < old_cap; i++) {
+        const index_slot *s = &old[i];
+        if (!s->used) {
+            continue;
+        }
+        size_t j = index_home(idx, s->ns, s->lo, s->hi);
+        while (n[j].used) {
+            j = (j + 1) & idx->mask;
+        }
+        n[j] = *s;
+    }
+    munmap(old, old_cap * sizeof(index_slot));
+    return KV_OK;
+}
+
+kv_err kvd_index_reserve(kvd_index *idx, size_t n) {
+    if (n > ((size_t)1 << 40) - idx->reserved) {
+        return KV_ENOMEM;
+    }
+    size_t want = idx->reserved + n;
+    if (want > idx->max_load) {
+        unsigned bits;
+        size_t cap = index_capacity_for(want, &bits);
+        size_t old_cap = idx->mask + 1;
+        kv_err err = index_rehash(idx, cap, bits);
+        if (err != KV_OK) {
+            KV_LOG(WARN, "KVD-INDEX-GROW", "prefix index: no memory to grow from %zu to %zu slots",
+                   old_cap, cap);
+            return err;
+        }
+        KV_LOG(INFO, "KVD-INDEX-GROW",
+               "prefix index grew from %zu to %zu slots (%zu entries, room for %zu)", old_cap, cap,
+               idx->count, want);
+    }
+    idx->reserved = want;
+    return KV_OK;
+}
+
+void kvd_index_unreserve(kvd_index *idx, size_t n) {
+    KV_ASSERT(n <= idx->reserved);
+    idx->reserved -= n;
+}
+
+size_t kvd_index_reserved(const kvd_index *idx) {
+    return idx->reserved;
 }
 
 void kvd_index_free(kvd_index *idx) {

@@ -3,7 +3,10 @@
  *
  * Namespace is the pool id: a pool serves one model in one domain, so keying by pool keeps
  * domains apart. Linear probing over 32-byte slots with tombstone-free backward-shift deletion;
- * capacity is a power of two fixed at init (sized for 10 M entries at load <= 0.7). Batched
+ * capacity is a power of two (sized at init for the entries asked at load <= 0.7). Pools reserve
+ * one entry per block slot they own before they own it (kvd_index_reserve), and the table grows
+ * (a rehash) when the reservations would pass its load limit, so an insert for a pool's block
+ * never finds the index full: a Commit cannot fail half way for want of index room. Batched
  * probes prefetch every home slot first so a long prompt costs parallel cache misses.
  * Loop thread only; no locks.
  */
@@ -21,11 +24,23 @@ typedef struct kvd_index kvd_index;
 /* Allocates an index that holds at least max_entries entries. KV_ENOMEM on failure. */
 kv_err kvd_index_alloc(size_t max_entries, kvd_index **out);
 
+/* Reserves room for n more entries (a pool growing by n block slots): grows the table (a rehash,
+ * O(entries), logged KVD-INDEX-GROW) when the reservations would pass its load limit. KV_ENOMEM
+ * (nothing changed) when it cannot. */
+kv_err kvd_index_reserve(kvd_index *idx, size_t n);
+
+/* Gives back n reserved entries (a pool's segment or the pool went away). */
+void kvd_index_unreserve(kvd_index *idx, size_t n);
+
+/* Entries reserved by pools. */
+size_t kvd_index_reserved(const kvd_index *idx);
+
 /* Frees the index; accepts NULL. */
 void kvd_index_free(kvd_index *idx);
 
 /* Inserts (ns, h) -> value. If the key is present, leaves it and writes the existing value to
- * *existing (when not NULL) and returns KV_EEXIST. KV_ENOSPC when the table is full. */
+ * *existing (when not NULL) and returns KV_EEXIST. KV_ENOSPC when the table is at its load limit
+ * (never for an entry within the reservations). */
 kv_err kvd_index_insert(kvd_index *idx, uint32_t ns, kv_hash128 h, uint64_t value,
                         uint64_t *existing);
 

@@ -121,6 +121,35 @@ static void test_probe_prefix(void **state) {
     kvd_index_free(idx);
 }
 
+/* Reservations grow the table: every reserved entry fits, entries survive the rehash, and an
+ * insert beyond the reservations of an index at its load limit is refused. */
+static void test_reserve_grows(void **state) {
+    (void)state;
+    kvd_index *idx;
+    assert_int_equal(kvd_index_alloc(1024, &idx), KV_OK);
+    size_t cap0 = kvd_index_capacity(idx);
+    for (uint64_t i = 0; i < 1000; i++) {
+        kv_hash128 h = {i * 0x9E3779B97F4A7C15ull, i};
+        assert_int_equal(kvd_index_insert(idx, 3, h, i, NULL), KV_OK);
+    }
+    assert_int_equal(kvd_index_reserve(idx, 8192), KV_OK);
+    assert_true(kvd_index_capacity(idx) > cap0);
+    assert_int_equal(kvd_index_reserved(idx), 8192);
+    for (uint64_t i = 1000; i < 8192; i++) {
+        kv_hash128 h = {i * 0x9E3779B97F4A7C15ull, i};
+        assert_int_equal(kvd_index_insert(idx, 3, h, i, NULL), KV_OK);
+    }
+    for (uint64_t i = 0; i < 8192; i++) {
+        kv_hash128 h = {i * 0x9E3779B97F4A7C15ull, i};
+        uint64_t v = 0;
+        assert_int_equal(kvd_index_find(idx, 3, h, &v), KV_OK);
+        assert_int_equal(v, i);
+    }
+    kvd_index_unreserve(idx, 8192);
+    assert_int_equal(kvd_index_reserved(idx), 0);
+    kvd_index_free(idx);
+}
+
 static void test_bad_size(void **state) {
     (void)state;
     kvd_index *idx = (kvd_index *)0x1;
@@ -130,9 +159,8 @@ static void test_bad_size(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_insert_find_remove),
-        cmocka_unit_test(test_full_table_churn),
-        cmocka_unit_test(test_probe_prefix),
+        cmocka_unit_test(test_insert_find_remove), cmocka_unit_test(test_full_table_churn),
+        cmocka_unit_test(test_probe_prefix),       cmocka_unit_test(test_reserve_grows),
         cmocka_unit_test(test_bad_size),
     };
     return cmocka_run_group_tests_name("kvd_index", tests, NULL, NULL);

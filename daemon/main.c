@@ -26,7 +26,8 @@ int main(int argc, char **argv) {
     kvd_config_init(&cfg);
     int help = 0;
     char err[1024];
-    if (kvd_config_parse_args(&cfg, argc, argv, &help, err, sizeof(err)) != KV_OK) {
+    if (kvd_config_parse_args(&cfg, argc, argv, &help, err, sizeof(err)) != KV_OK ||
+        (!help && kvd_config_check(&cfg, err, sizeof(err)) != KV_OK)) {
         fprintf(stderr, "kvd: %s\n", err);
         return 2;
     }

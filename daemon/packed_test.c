@@ -25,6 +25,7 @@
 #include "common/kv_wire.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
+#include "daemon/pool.h"
 #include "daemon/testing/raw_client.h"
 
 #define NB 8 /* blocks of the test prefix */
@@ -35,7 +36,8 @@ static harness *start(uint64_t max_inflight) {
     harness *h = calloc(1, sizeof(*h));
     assert_non_null(h);
     kvd_test_server_init(h, "packed-test");
-    h->cfg.pool_memory = 128 << 10;
+    h->cfg.pool_memory =
+        2 * ((64 << 10) + 128 * 64) + 2 * KVD_POOL_META_BASE; /* 2 segments, 2 pools */
     h->cfg.segment_bytes = 64 << 10;
     h->cfg.index_entries = 4096;
     h->cfg.max_blocks_per_request = 16;

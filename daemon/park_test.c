@@ -159,7 +159,7 @@ static void test_park_rules(void **state) {
     assert_int_equal(nh, 4);
     assert_int_equal(kvd_pool_release(f.pool, 1, 0, hi, nh), KV_OK);
     /* A pinned block keeps its segment resident. */
-    assert_int_equal(kvd_pool_pin(f.pool, hi[0], 100000, 1), KV_OK);
+    assert_int_equal(kvd_pool_pin(f.pool, hi[0], 100000, 1, KVD_PIN_OWNER), KV_OK);
     assert_int_equal(kvd_pool_park(f.pool, s1), KV_ESTATE);
     assert_int_equal(kvd_pool_unpin(f.pool, hi[0]), KV_OK);
     assert_int_equal(kvd_pool_park_candidate(f.pool, &c), KV_OK);
@@ -216,7 +216,7 @@ static void test_allocate_unparks(void **state) {
     kvd_block_ref a[8];
     assert_int_equal(kvd_pool_allocate(f.pool, 5, 1, 0, a), KV_ENOSPC);
     assert_int_equal(kvd_pool_check(f.pool), KV_OK);
-    assert_int_equal(kvd_pool_resident_segments(f.pool), 1); /* unparked one on the way */
+    assert_int_equal(kvd_pool_resident_segments(f.pool), 0); /* refused: nothing unparked */
     assert_int_equal(kvd_pool_allocate(f.pool, 4, 1, 0, a), KV_OK);
     assert_int_equal(kvd_pool_resident_segments(f.pool), 1);
     assert_int_equal(kvd_pool_segment_slots(f.pool), 2); /* no new slot: reused a parked one */

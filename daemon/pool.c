@@ -3,8 +3,10 @@
  * Every block has one 64-byte record in its segment's record array. A block sits on at most
  * one intrusive doubly linked list, named by its `list` field: the free list (LIFO, so hot
  * records are reused), the eviction order of the policy (LRU and PREFIX_LRU: one list each;
- * S3-FIFO: small and main queues), or the list of pinned CACHED blocks. Referenced blocks (WRITING,
- * COMMITTED) are on no list, which is what keeps a referenced block out of eviction's reach. Counts
+ * S3-FIFO: small and main queues), the list of pinned CACHED blocks, or the list of pinned
+ * COMMITTED blocks (so that expiry finds every pin, referenced or not). Other referenced blocks
+ * (WRITING, COMMITTED) are on no list; no referenced block is on an eviction list, which is what
+ * keeps it out of eviction's reach. Counts
  * per state, per segment and per tenant are kept exactly, so allocation knows in O(1) whether it
  * can succeed and kvd_pool_check can compare them with a full walk.
  *
@@ -33,7 +35,8 @@ enum {
     LIST_MAIN = 4,   /* CACHED, unpinned, S3-FIFO main queue */
     LIST_PINNED = 5, /* CACHED, pinned */
     LIST_PLRU = 6,   /* CACHED, unpinned, PREFIX_LRU policy */
-    LIST_COUNT = 7,
+    LIST_PINREF = 7, /* COMMITTED (referenced), pinned: only so that expiry finds its pin */
+    LIST_COUNT = 8,
 };
 
 #define BLOCK_PINNED 0x01u /* flags: pin set (may have expired if the block is referenced) */
@@ -47,17 +50,18 @@ typedef struct pool_block {
     uint64_t last_access; /* pool ms of the last allocate, hit, hold or release */
     uint32_t prev;        /* list links (block ids), KVD_NO_BLOCK at the ends */
     uint32_t next;
-    uint32_t parent;   /* parent block id or KVD_NO_BLOCK */
-    uint32_t gen;      /* bumped each time the block returns to FREE */
-    uint32_t refcount; /* WRITING: 1 (the lease); COMMITTED: >= 1; FREE/CACHED: 0 */
-    uint32_t hits;     /* lookups that returned it, saturating */
-    uint16_t tenant;   /* tenant that allocated it */
-    uint8_t state;     /* kvd_block_state */
-    uint8_t flags;     /* BLOCK_PINNED */
-    uint8_t pin_prio;  /* highest priority of the current pin */
-    uint8_t freq;      /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
-    uint8_t list;      /* LIST_* it is on */
-    uint8_t nchild;    /* PREFIX_LRU: COMMITTED/CACHED blocks naming it parent, sticky at 255 */
+    uint32_t parent;     /* parent block id or KVD_NO_BLOCK */
+    uint32_t gen;        /* bumped each time the block returns to FREE */
+    uint32_t refcount;   /* WRITING: 1 (the lease); COMMITTED: >= 1; FREE/CACHED: 0 */
+    uint16_t hits;       /* lookups that returned it, saturating */
+    uint16_t pin_tenant; /* pinned: the tenant the pin is charged to (max-pinned) */
+    uint16_t tenant;     /* tenant that allocated it */
+    uint8_t state;       /* kvd_block_state */
+    uint8_t flags;       /* BLOCK_PINNED */
+    uint8_t pin_prio;    /* highest priority of the current pin */
+    uint8_t freq;        /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
+    uint8_t list;        /* LIST_* it is on */
+    uint8_t nchild;      /* PREFIX_LRU: COMMITTED/CACHED blocks naming it parent, sticky at 255 */
 } pool_block;
 
 _Static_assert(sizeof(pool_block) <= 64, "block metadata must fit 64 bytes");
@@ -84,7 +88,9 @@ struct kvd_pool {
     kvd_index *idx;              /* borrowed prefix index */
     const kvd_backend_ops *be;   /* borrowed backend */
     void *be_ctx;                /* backend context */
-    pool_segment *segs;          /* KVD_MAX_SEGMENTS slots */
+    pool_segment **segs;         /* [segcap] one record per slot (allocated for every slot) */
+    pool_block **blkv;           /* [segcap] segs[i]->blocks, for the hot path's block lookup */
+    uint32_t segcap;             /* slots allocated (grows with nslots, at most MAX_SEGMENTS) */
     uint32_t nslots;             /* highest live slot + 1 */
     uint32_t nsegs;              /* live segments, parked ones included */
     uint32_t nparked;            /* live segments that are parked */
@@ -100,8 +106,12 @@ struct kvd_pool {
     uint64_t n_committed;
     uint64_t n_cached;
     uint64_t n_pinned;         /* blocks with BLOCK_PINNED */
-    kvd_tenant_usage *tenants; /* KVD_MAX_TENANTS entries */
-    uint64_t *guarantee;       /* KVD_MAX_TENANTS entries; 0 = none */
+    kvd_tenant_usage *tenants; /* [ntcap] per tenant id (grown on first use of a tenant id) */
+    uint64_t *guarantee;       /* [ntcap]; 0 = none */
+    uint32_t *tevict;          /* [ntcap * 2] evictable blocks per tenant and queue (0: S3-FIFO
+                                  small, 1: any other eviction list) */
+    uint16_t *gtenants;        /* [ntcap] the first nguarantee: tenants with a guarantee */
+    uint32_t ntcap;            /* tenant ids the arrays cover */
     uint32_t nguarantee;       /* tenants with a guarantee */
     uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
     size_t ghost_mask;         /* ghost slots - 1 */
@@ -118,13 +128,92 @@ struct kvd_pool {
 
 static inline pool_block *blk_at(const kvd_pool *p, uint32_t id) {
     if (p->bps_log != UINT32_MAX) {
-        return &p->segs[id >> p->bps_log].blocks[id & (p->bps - 1)];
+        return &p->blkv[id >> p->bps_log][id & (p->bps - 1)];
     }
-    return &p->segs[id / p->bps].blocks[id % p->bps];
+    return &p->blkv[id / p->bps][id % p->bps];
 }
 
 static inline pool_segment *seg_of(const kvd_pool *p, uint32_t id) {
-    return &p->segs[p->bps_log != UINT32_MAX ? id >> p->bps_log : id / p->bps];
+    return p->segs[p->bps_log != UINT32_MAX ? id >> p->bps_log : id / p->bps];
+}
+
+/* Grows the per-slot arrays to cover slots [0, n) (doubling; every slot gets its record).
+ * KV_ENOMEM leaves them as they were. Records never move once made (kvd_pool_segment hands out
+ * pointers into them). */
+static kv_err slots_reserve(kvd_pool *p, uint32_t n) {
+    if (n <= p->segcap) {
+        return KV_OK;
+    }
+    uint32_t cap = p->segcap == 0 ? 4 : p->segcap;
+    while (cap < n) {
+        cap *= 2;
+    }
+    if (cap > KVD_MAX_SEGMENTS) {
+        cap = KVD_MAX_SEGMENTS;
+    }
+    pool_segment **segs = realloc(p->segs, sizeof(*segs) * cap);
+    if (segs == NULL) {
+        return KV_ENOMEM;
+    }
+    p->segs = segs;
+    pool_block **blkv = realloc(p->blkv, sizeof(*blkv) * cap);
+    if (blkv == NULL) {
+        return KV_ENOMEM;
+    }
+    p->blkv = blkv;
+    for (uint32_t i = p->segcap; i < cap; i++) {
+        p->segs[i] = calloc(1, sizeof(pool_segment));
+        if (p->segs[i] == NULL) {
+            for (uint32_t j = p->segcap; j < i; j++) {
+                free(p->segs[j]);
+            }
+            return KV_ENOMEM;
+        }
+        p->blkv[i] = NULL;
+    }
+    p->segcap = cap;
+    return KV_OK;
+}
+
+/* Grows the per-tenant arrays to cover tenant id t (a power of two at least 16). KV_EINVAL for
+ * an id out of range, KV_ENOMEM (arrays unchanged). Memory grows with the tenants a pool meets,
+ * not with KVD_MAX_TENANTS (a private pool sees one). */
+static kv_err tenant_room(kvd_pool *p, uint32_t t) {
+    if (t < p->ntcap) {
+        return KV_OK;
+    }
+    if (t >= KVD_MAX_TENANTS) {
+        return KV_EINVAL;
+    }
+    uint32_t cap = p->ntcap == 0 ? 16 : p->ntcap;
+    while (cap <= t) {
+        cap *= 2;
+    }
+    kvd_tenant_usage *u = realloc(p->tenants, sizeof(*u) * cap);
+    if (u == NULL) {
+        return KV_ENOMEM;
+    }
+    p->tenants = u;
+    uint64_t *g = realloc(p->guarantee, sizeof(*g) * cap);
+    if (g == NULL) {
+        return KV_ENOMEM;
+    }
+    p->guarantee = g;
+    uint32_t *e = realloc(p->tevict, sizeof(*e) * cap * 2);
+    if (e == NULL) {
+        return KV_ENOMEM;
+    }
+    p->tevict = e;
+    uint16_t *gt = realloc(p->gtenants, sizeof(*gt) * cap);
+    if (gt == NULL) {
+        return KV_ENOMEM;
+    }
+    p->gtenants = gt;
+    memset(u + p->ntcap, 0, sizeof(*u) * (cap - p->ntcap));
+    memset(g + p->ntcap, 0, sizeof(*g) * (cap - p->ntcap));
+    memset(e + p->ntcap * 2, 0, sizeof(*e) * (cap - p->ntcap) * 2);
+    p->ntcap = cap;
+    return KV_OK;
 }
 
 static inline uint32_t blk_id(const kvd_pool *p, uint32_t seg, uint32_t slot) {
@@ -140,7 +229,23 @@ static inline kv_hash128 blk_hash(const pool_block *b) {
     return h;
 }
 
+/* Eviction lists count their blocks per tenant, so that a victim pick knows in O(guaranteed
+ * tenants) whether an unprotected block is left in a queue (pick_victim). */
+static inline int evict_queue(int which) {
+    return which == LIST_SMALL                                             ? 0
+           : which == LIST_LRU || which == LIST_MAIN || which == LIST_PLRU ? 1
+                                                                           : -1;
+}
+
+static inline void tevict_add(kvd_pool *p, int which, const pool_block *b, int delta) {
+    int q = evict_queue(which);
+    if (q >= 0) {
+        p->tevict[(uint32_t)b->tenant * 2 + (uint32_t)q] += (uint32_t)delta;
+    }
+}
+
 static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    tevict_add(p, which, b, 1);
     pool_list *l = &p->lists[which];
     b->list = (uint8_t)which;
     b->next = KVD_NO_BLOCK;
@@ -155,6 +260,7 @@ static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
 }
 
 static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    tevict_add(p, which, b, 1);
     pool_list *l = &p->lists[which];
     b->list = (uint8_t)which;
     b->prev = KVD_NO_BLOCK;
@@ -171,6 +277,7 @@ static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_bloc
 static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
     pool_list *l = &p->lists[b->list];
     KV_ASSERT(b->list != LIST_NONE && l->len > 0);
+    tevict_add(p, b->list, b, -1);
     if (b->prev != KVD_NO_BLOCK) {
         blk_at(p, b->prev)->next = b->next;
     } else {
@@ -296,6 +403,7 @@ static inline void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
     b->freq = 0;
     b->nchild = 0;
     b->hits = 0;
+    b->pin_tenant = 0;
     b->aux = 0;
     b->hlo = b->hhi = 0;
     b->parent = KVD_NO_BLOCK;
@@ -309,9 +417,10 @@ static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {
     b->pin_prio = 0;
     b->aux = 0;
     p->n_pinned--;
-    p->tenants[b->tenant].pinned--;
+    p->tenants[b->pin_tenant].pinned--;
+    b->pin_tenant = 0;
+    list_remove(p, id, b); /* LIST_PINNED (CACHED) or LIST_PINREF (COMMITTED) */
     if (b->state == KVD_BLOCK_CACHED) {
-        list_remove(p, id, b);
         evict_order_insert(p, id, b);
     }
 }
@@ -387,6 +496,9 @@ static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
         p->n_cached--;
         p->n_committed++;
         p->tenants[b->tenant].cached--;
+        if (b->flags & BLOCK_PINNED) {
+            list_push_tail(p, LIST_PINREF, id, b); /* its pin keeps expiring while referenced */
+        }
     }
     b->refcount++;
     if (b->freq < FREQ_MAX) {
@@ -404,6 +516,7 @@ static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     p->n_cached++;
     p->tenants[b->tenant].cached++;
     if (b->flags & BLOCK_PINNED) {
+        list_remove(p, id, b); /* LIST_PINREF */
         if (b->aux > p->now) {
             list_push_tail(p, LIST_PINNED, id, b);
             if (b->aux < p->min_pin_expiry) {
@@ -411,28 +524,34 @@ static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
             }
             return;
         }
-        /* Its pin expired while it was referenced. */
+        /* Its pin expired since the last sweep (the clock moved without a sweep). */
         b->flags &= (uint8_t)~BLOCK_PINNED;
         b->pin_prio = 0;
         b->aux = 0;
         p->n_pinned--;
-        p->tenants[b->tenant].pinned--;
+        p->tenants[b->pin_tenant].pinned--;
+        b->pin_tenant = 0;
     }
     evict_order_insert(p, id, b);
 }
 
+/* Removes every expired pin, on CACHED and COMMITTED blocks alike (an expired pin must stop
+ * counting against max-pinned and blocks_pinned at once, referenced or not). */
 static void pin_sweep(kvd_pool *p) {
     uint64_t next = UINT64_MAX;
-    uint32_t id = p->lists[LIST_PINNED].head;
-    while (id != KVD_NO_BLOCK) {
-        pool_block *b = blk_at(p, id);
-        uint32_t nx = b->next;
-        if (b->aux <= p->now) {
-            unpin_block(p, id, b);
-        } else if (b->aux < next) {
-            next = b->aux;
+    static const int lists[] = {LIST_PINNED, LIST_PINREF};
+    for (int k = 0; k < 2; k++) {
+        uint32_t id = p->lists[lists[k]].head;
+        while (id != KVD_NO_BLOCK) {
+            pool_block *b = blk_at(p, id);
+            uint32_t nx = b->next;
+            if (b->aux <= p->now) {
+                unpin_block(p, id, b);
+            } else if (b->aux < next) {
+                next = b->aux;
+            }
+            id = nx;
         }
-        id = nx;
     }
     p->min_pin_expiry = next;
 }
@@ -445,12 +564,39 @@ static void list_rotate(kvd_pool *p, int which, int to) {
     list_push_tail(p, to, id, b);
 }
 
-/* The next block the policy evicts. Honours guarantees until every candidate has been skipped
- * once (then "nothing else is evictable" and protected blocks go too). Requires a candidate. */
+/* Evictable blocks of protected tenants (under their guaranteed share) per queue (0: S3-FIFO
+ * small, 1: the other eviction list). O(tenants with a guarantee). */
+static void protected_counts(const kvd_pool *p, uint64_t prot[2]) {
+    prot[0] = prot[1] = 0;
+    for (uint32_t i = 0; i < p->nguarantee; i++) {
+        uint32_t t = p->gtenants[i];
+        if (p->tenants[t].cached <= p->guarantee[t]) {
+            prot[0] += p->tevict[t * 2];
+            prot[1] += p->tevict[t * 2 + 1];
+        }
+    }
+}
+
+/* The next block the policy evicts. With honour, a block of a tenant under its guaranteed share
+ * is skipped (rotated to its queue's tail) while any unprotected block is evictable, in either
+ * queue; when none is, protected blocks go in policy order without a walk. The per-tenant queue
+ * counts make "is any unprotected block left" O(guaranteed tenants), so a pick never rotates
+ * through every protected block to find out (it did, once per block an Allocate needed).
+ * Requires a candidate. */
 static uint32_t pick_victim(kvd_pool *p, int honour) {
-    uint64_t skips = 0;
     uint64_t budget = evictable_count(p);
     KV_ASSERT(budget > 0);
+    uint64_t unprot[2] = {0, 0};
+    if (honour && p->nguarantee > 0) {
+        uint64_t prot[2];
+        protected_counts(p, prot);
+        unprot[0] = p->lists[LIST_SMALL].len - prot[0];
+        unprot[1] = budget - p->lists[LIST_SMALL].len - prot[1];
+        honour = unprot[0] + unprot[1] > 0;
+    } else {
+        honour = 0;
+    }
+    uint64_t skips = 0; /* a safety bound only: an unprotected block exists when honouring */
     if (p->cfg.policy == KVD_EVICT_LRU) {
         for (;;) {
             uint32_t id = p->lists[LIST_LRU].head;
@@ -483,7 +629,8 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         }
     }
     /* S3-FIFO: evict from the small queue while it holds >= 10% of the pool's blocks, else
-     * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). */
+     * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). A
+     * queue whose evictable blocks are all protected yields to the other one. */
     uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
     if (small_target == 0) {
         small_target = 1;
@@ -492,6 +639,17 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         pool_list *s = &p->lists[LIST_SMALL];
         pool_list *m = &p->lists[LIST_MAIN];
         int use_small = s->len > 0 && (s->len >= small_target || m->len == 0);
+        if (honour) {
+            /* Second-chance moves shift blocks between the queues: count afresh. */
+            uint64_t prot[2];
+            protected_counts(p, prot);
+            uint64_t us = s->len - prot[0], um = m->len - prot[1];
+            if (use_small && us == 0 && um > 0) {
+                use_small = 0;
+            } else if (!use_small && um == 0 && us > 0) {
+                use_small = 1;
+            }
+        }
         int which = use_small ? LIST_SMALL : LIST_MAIN;
         uint32_t id = p->lists[which].head;
         pool_block *b = blk_at(p, id);
@@ -505,7 +663,7 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
             list_rotate(p, LIST_MAIN, LIST_MAIN);
             continue;
         }
-        if (honour && skips < budget && tenant_protected(p, b)) {
+        if (honour && skips < 2 * budget && tenant_protected(p, b)) {
             list_rotate(p, which, which);
             skips++;
             continue;
@@ -554,10 +712,7 @@ kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_back
     if (p == NULL) {
         return KV_ENOMEM;
     }
-    p->segs = calloc(KVD_MAX_SEGMENTS, sizeof(pool_segment));
-    p->tenants = calloc(KVD_MAX_TENANTS, sizeof(kvd_tenant_usage));
-    p->guarantee = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
-    if (p->segs == NULL || p->tenants == NULL || p->guarantee == NULL) {
+    if (slots_reserve(p, 1) != KV_OK || tenant_room(p, 0) != KV_OK) {
         goto fail_free;
     }
     p->cfg = *cfg;
@@ -578,9 +733,15 @@ kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_back
     return KV_OK;
 
 fail_free:
+    for (uint32_t i = 0; i < p->segcap; i++) {
+        free(p->segs[i]);
+    }
     free(p->segs);
+    free(p->blkv);
     free(p->tenants);
     free(p->guarantee);
+    free(p->gtenants);
+    free(p->tevict);
     free(p);
     return KV_ENOMEM;
 }
@@ -590,7 +751,7 @@ void kvd_pool_free(kvd_pool *p) {
         return;
     }
     for (uint32_t s = 0; s < p->nslots; s++) {
-        pool_segment *seg = &p->segs[s];
+        pool_segment *seg = p->segs[s];
         if (seg->blocks == NULL) {
             continue;
         }
@@ -601,11 +762,18 @@ void kvd_pool_free(kvd_pool *p) {
             }
         }
         p->be->segment_free(p->be_ctx, &seg->mem);
+        kvd_index_unreserve(p->idx, p->bps);
         free(seg->blocks);
     }
+    for (uint32_t i = 0; i < p->segcap; i++) {
+        free(p->segs[i]);
+    }
     free(p->segs);
+    free(p->blkv);
     free(p->tenants);
     free(p->guarantee);
+    free(p->gtenants);
+    free(p->tevict);
     free(p->ghost);
     free(p);
 }
@@ -619,29 +787,39 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
         return KV_ENOSPC;
     }
     uint32_t s = 0;
-    while (s < KVD_MAX_SEGMENTS && p->segs[s].blocks != NULL) {
+    while (s < p->segcap && p->segs[s]->blocks != NULL) {
         s++;
     }
     if (s >= KVD_MAX_SEGMENTS) {
         return KV_ENOSPC;
     }
-    pool_segment *seg = &p->segs[s];
+    if (slots_reserve(p, s + 1) != KV_OK) {
+        return KV_ENOMEM;
+    }
+    pool_segment *seg = p->segs[s];
     size_t rec_bytes = ((size_t)p->bps * sizeof(pool_block) + 63u) & ~(size_t)63u;
     pool_block *blocks = aligned_alloc(64, rec_bytes);
     if (blocks == NULL) {
         return KV_ENOMEM;
     }
+    /* Every block this segment adds can be indexed: the index makes room now or never. */
+    kv_err err = kvd_index_reserve(p->idx, p->bps);
+    if (err != KV_OK) {
+        free(blocks);
+        return err;
+    }
     kvd_segment_mem mem;
-    kv_err err =
-        p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(&p->cfg.layout, p->bps), &mem);
+    err = p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(&p->cfg.layout, p->bps), &mem);
     if (err != KV_OK) {
         KV_LOG(WARN, "KVD-POOL-GROW", "pool %u: backend %s could not create a segment: %s",
                p->cfg.pool_id, p->be->name, kv_strerror(err));
+        kvd_index_unreserve(p->idx, p->bps);
         free(blocks);
         return err;
     }
     memset(blocks, 0, rec_bytes);
     seg->blocks = blocks;
+    p->blkv[s] = blocks;
     seg->mem = mem;
     seg->serial = p->next_serial++;
     if (s < p->nslots) {
@@ -680,12 +858,12 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
             return KV_ENOENT;
         }
         s--;
-        pool_segment *seg = &p->segs[s];
+        pool_segment *seg = p->segs[s];
         if (seg->blocks != NULL && (seg->parked || seg->nfree + seg->nevict == p->bps)) {
             break;
         }
     }
-    pool_segment *seg = &p->segs[s];
+    pool_segment *seg = p->segs[s];
     uint32_t max_gen = 0;
     for (uint32_t i = 0; i < p->bps; i++) {
         pool_block *b = &seg->blocks[i];
@@ -711,11 +889,13 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
         p->resident_bytes -= seg->mem.bytes;
     }
     p->be->segment_free(p->be_ctx, &seg->mem);
+    kvd_index_unreserve(p->idx, p->bps);
     free(seg->blocks);
     seg->blocks = NULL;
+    p->blkv[s] = NULL;
     seg->nfree = seg->nevict = 0;
     p->nsegs--;
-    while (p->nslots > 0 && p->segs[p->nslots - 1].blocks == NULL) {
+    while (p->nslots > 0 && p->segs[p->nslots - 1]->blocks == NULL) {
         p->nslots--;
     }
     ghost_resize(p);
@@ -737,17 +917,17 @@ uint32_t kvd_pool_segment_slots(const kvd_pool *p) {
 }
 
 const kvd_segment_mem *kvd_pool_segment(const kvd_pool *p, uint32_t seg) {
-    if (seg >= p->nslots || p->segs[seg].blocks == NULL) {
+    if (seg >= p->nslots || p->segs[seg]->blocks == NULL) {
         return NULL;
     }
-    return &p->segs[seg].mem;
+    return &p->segs[seg]->mem;
 }
 
 uint32_t kvd_pool_segment_serial(const kvd_pool *p, uint32_t seg) {
-    if (seg >= p->nslots || p->segs[seg].blocks == NULL) {
+    if (seg >= p->nslots || p->segs[seg]->blocks == NULL) {
         return 0;
     }
-    return p->segs[seg].serial;
+    return p->segs[seg]->serial;
 }
 
 uint32_t kvd_pool_slot_reuses(const kvd_pool *p) {
@@ -767,15 +947,24 @@ kv_err kvd_pool_park_candidate(const kvd_pool *p, kvd_park_candidate *out) {
     }
     kvd_park_candidate best = {0, 0, 0, 0};
     for (uint32_t s = 0; s < p->nslots; s++) {
-        const pool_segment *seg = &p->segs[s];
+        const pool_segment *seg = p->segs[s];
         if (!seg_idle(p, seg)) {
             continue;
         }
         uint64_t last = 0;
+        int guarded = 0;
         for (uint32_t i = 0; i < p->bps; i++) {
-            if (seg->blocks[i].last_access > last) {
-                last = seg->blocks[i].last_access;
+            const pool_block *b = &seg->blocks[i];
+            if (b->last_access > last) {
+                last = b->last_access;
             }
+            /* Parking for another pool never takes a guaranteed share (PROTOCOL.md,
+             * TENANCY.md): a segment holding a cached block of a tenant at or under its
+             * guarantee here stays. */
+            guarded |= b->state == KVD_BLOCK_CACHED && tenant_protected(p, b);
+        }
+        if (guarded) {
+            continue;
         }
         uint32_t cached = seg->nevict;
         if (best.parkable == 0 || cached < best.cached ||
@@ -797,10 +986,10 @@ kv_err kvd_pool_park(kvd_pool *p, uint32_t s) {
     if (p->be->segment_discard == NULL) {
         return KV_ENOTSUP;
     }
-    if (s >= p->nslots || p->segs[s].blocks == NULL) {
+    if (s >= p->nslots || p->segs[s]->blocks == NULL) {
         return KV_ENOENT;
     }
-    pool_segment *seg = &p->segs[s];
+    pool_segment *seg = p->segs[s];
     if (seg->parked) {
         return KV_EEXIST;
     }
@@ -835,13 +1024,13 @@ kv_err kvd_pool_park(kvd_pool *p, uint32_t s) {
 }
 
 kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
-    if (s >= p->nslots || p->segs[s].blocks == NULL || !p->segs[s].parked) {
+    if (s >= p->nslots || p->segs[s]->blocks == NULL || !p->segs[s]->parked) {
         return KV_ENOENT;
     }
     if (p->nsegs - p->nparked >= p->cfg.max_segments) {
         return KV_ENOSPC;
     }
-    pool_segment *seg = &p->segs[s];
+    pool_segment *seg = p->segs[s];
     /* Like a grown segment: behind the free blocks already there, in id order. */
     for (uint32_t i = 0; i < p->bps; i++) {
         pool_block *b = &seg->blocks[i];
@@ -858,7 +1047,7 @@ kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
 /* Unparks the lowest-numbered parked segment (allocate's growth). */
 static kv_err unpark_any(kvd_pool *p) {
     for (uint32_t s = 0; s < p->nslots; s++) {
-        if (p->segs[s].blocks != NULL && p->segs[s].parked) {
+        if (p->segs[s]->blocks != NULL && p->segs[s]->parked) {
             return kvd_pool_unpark(p, s);
         }
     }
@@ -866,11 +1055,26 @@ static kv_err unpark_any(kvd_pool *p) {
 }
 
 int kvd_pool_segment_parked(const kvd_pool *p, uint32_t s) {
-    return s < p->nslots && p->segs[s].blocks != NULL && p->segs[s].parked;
+    return s < p->nslots && p->segs[s]->blocks != NULL && p->segs[s]->parked;
 }
 
 uint32_t kvd_pool_resident_segments(const kvd_pool *p) {
     return p->nsegs - p->nparked;
+}
+
+int kvd_pool_in_use(const kvd_pool *p) {
+    return p->n_writing + p->n_committed + p->n_cached > 0;
+}
+
+uint32_t kvd_pool_parked_segments(const kvd_pool *p) {
+    return p->nparked;
+}
+
+uint32_t kvd_pool_growable_segments(const kvd_pool *p) {
+    uint32_t resident = p->nsegs - p->nparked;
+    uint32_t room = p->cfg.max_segments > resident ? p->cfg.max_segments - resident : 0;
+    uint32_t slots = p->nparked + (KVD_MAX_SEGMENTS - p->nsegs);
+    return room < slots ? room : slots;
 }
 
 uint64_t kvd_pool_resident_bytes(const kvd_pool *p) {
@@ -878,7 +1082,7 @@ uint64_t kvd_pool_resident_bytes(const kvd_pool *p) {
 }
 
 kvd_pool_counts kvd_pool_counts_get(const kvd_pool *p) {
-    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_cached, p->n_pinned};
+    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_cached, p->n_pinned, evictable_count(p)};
     return c;
 }
 
@@ -890,10 +1094,21 @@ uint64_t kvd_pool_evictions(const kvd_pool *p, kvd_evict_reason reason) {
 
 kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
                          kvd_block_ref *out) {
-    if (tenant >= KVD_MAX_TENANTS || (n > 0 && out == NULL)) {
+    if (n > 0 && out == NULL) {
         return KV_EINVAL;
     }
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
     pool_list *fl = &p->lists[LIST_FREE];
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    /* Decide before anything changes: a refused allocation grows and evicts nothing. */
+    if (fl->len + (uint64_t)kvd_pool_growable_segments(p) * p->bps + evictable_count(p) < n) {
+        return KV_ENOSPC;
+    }
     kv_err grow_err = KV_OK;
     while (fl->len < n && p->nsegs - p->nparked < p->cfg.max_segments) {
         grow_err = p->nparked > 0 ? unpark_any(p) : kvd_pool_grow(p, NULL);
@@ -902,9 +1117,6 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
         }
     }
     if (fl->len < n) {
-        if (p->now >= p->min_pin_expiry) {
-            pin_sweep(p);
-        }
         uint64_t need = n - fl->len;
         if (evictable_count(p) < need) {
             return grow_err != KV_OK && grow_err != KV_ENOSPC ? grow_err : KV_ENOSPC;
@@ -997,8 +1209,12 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
 
 kv_err kvd_pool_lookup(kvd_pool *p, uint32_t tenant, const kv_hash128 *hashes, size_t n,
                        kvd_block_ref *out, size_t *nhit) {
-    if (tenant >= KVD_MAX_TENANTS || (n > 0 && (hashes == NULL || out == NULL))) {
+    if (n > 0 && (hashes == NULL || out == NULL)) {
         return KV_EINVAL;
+    }
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
     }
     uint64_t vals[LOOKUP_CHUNK];
     size_t total = 0;
@@ -1015,7 +1231,7 @@ kv_err kvd_pool_lookup(kvd_pool *p, uint32_t tenant, const kv_hash128 *hashes, s
                 break;
             }
             take_ref(p, r.id, b, tenant);
-            if (b->hits < UINT32_MAX) {
+            if (b->hits < UINT16_MAX) {
                 b->hits++;
             }
             out[total + j] = r;
@@ -1035,8 +1251,9 @@ kv_err kvd_pool_lookup(kvd_pool *p, uint32_t tenant, const kv_hash128 *hashes, s
 }
 
 kv_err kvd_pool_hold(kvd_pool *p, uint32_t tenant, kvd_block_ref blk) {
-    if (tenant >= KVD_MAX_TENANTS) {
-        return KV_EINVAL;
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
     }
     pool_block *b;
     kv_err err = get_block(p, blk, &b);
@@ -1053,12 +1270,34 @@ kv_err kvd_pool_hold(kvd_pool *p, uint32_t tenant, kvd_block_ref blk) {
     return KV_OK;
 }
 
+kv_err kvd_pool_hold_hash(kvd_pool *p, uint32_t tenant, kv_hash128 h, kvd_block_ref *out) {
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    uint64_t v;
+    if (kvd_index_find(p->idx, p->cfg.pool_id, h, &v) != KV_OK) {
+        return KV_ENOENT;
+    }
+    kvd_block_ref r = {(uint32_t)v, (uint32_t)(v >> 32)};
+    kv_err err = kvd_pool_hold(p, tenant, r);
+    if (err == KV_OK) {
+        *out = r;
+    }
+    return err;
+}
+
+int kvd_pool_has(const kvd_pool *p, kv_hash128 h) {
+    uint64_t v;
+    return kvd_index_find(p->idx, p->cfg.pool_id, h, &v) == KV_OK;
+}
+
 kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
                         size_t n) {
     if (n == 0) {
         return KV_OK;
     }
-    if (tenant >= KVD_MAX_TENANTS || blks == NULL || p->tenants[tenant].held < n) {
+    if (tenant >= p->ntcap || blks == NULL || p->tenants[tenant].held < n) {
         return KV_EINVAL;
     }
     if (n == 1) {
@@ -1131,7 +1370,14 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
     return KV_OK;
 }
 
-kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority) {
+kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority,
+                    uint32_t tenant) {
+    if (tenant != KVD_PIN_OWNER) {
+        kv_err terr = tenant_room(p, tenant);
+        if (terr != KV_OK) {
+            return terr;
+        }
+    }
     pool_block *b;
     kv_err err = get_block(p, blk, &b);
     if (err != KV_OK) {
@@ -1155,12 +1401,15 @@ kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8
         b->flags |= BLOCK_PINNED;
         b->aux = until;
         b->pin_prio = priority;
+        b->pin_tenant = (uint16_t)(tenant == KVD_PIN_OWNER ? b->tenant : tenant);
         p->n_pinned++;
-        p->tenants[b->tenant].pinned++;
+        p->tenants[b->pin_tenant].pinned++;
         if (b->state == KVD_BLOCK_CACHED) {
             list_remove(p, blk.id, b);
             seg_of(p, blk.id)->nevict--;
             list_push_tail(p, LIST_PINNED, blk.id, b);
+        } else {
+            list_push_tail(p, LIST_PINREF, blk.id, b);
         }
     }
     if (b->aux < p->min_pin_expiry) {
@@ -1187,7 +1436,7 @@ kv_err kvd_pool_unpin(kvd_pool *p, kvd_block_ref blk) {
 kv_err kvd_pool_unpin_below(kvd_pool *p, uint8_t priority, size_t *nunpinned) {
     size_t count = 0;
     for (uint32_t s = 0; s < p->nslots; s++) {
-        pool_segment *seg = &p->segs[s];
+        pool_segment *seg = p->segs[s];
         if (seg->blocks == NULL) {
             continue;
         }
@@ -1276,13 +1525,23 @@ kv_err kvd_pool_evict(kvd_pool *p, size_t max, int64_t tenant, kvd_evict_reason 
 }
 
 void kvd_pool_set_guarantee(kvd_pool *p, uint32_t tenant, uint64_t blocks) {
-    if (tenant >= KVD_MAX_TENANTS) {
+    if (blocks == 0 && tenant >= p->ntcap) {
+        return;
+    }
+    if (tenant_room(p, tenant) != KV_OK) {
+        KV_LOG(WARN, "KVD-POOL-GUARANTEE", "pool %u: no memory for tenant %u's guarantee",
+               p->cfg.pool_id, tenant);
         return;
     }
     if (p->guarantee[tenant] == 0 && blocks != 0) {
-        p->nguarantee++;
+        p->gtenants[p->nguarantee++] = (uint16_t)tenant;
     } else if (p->guarantee[tenant] != 0 && blocks == 0) {
-        p->nguarantee--;
+        for (uint32_t i = 0; i < p->nguarantee; i++) {
+            if (p->gtenants[i] == tenant) {
+                p->gtenants[i] = p->gtenants[--p->nguarantee];
+                break;
+            }
+        }
     }
     p->guarantee[tenant] = blocks;
 }
@@ -1314,7 +1573,7 @@ kv_err kvd_pool_check_ref(const kvd_pool *p, kvd_block_ref blk) {
 
 kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
     kvd_tenant_usage zero = {0, 0, 0};
-    if (tenant >= KVD_MAX_TENANTS) {
+    if (tenant >= p->ntcap) {
         return zero;
     }
     return p->tenants[tenant];
@@ -1340,6 +1599,15 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     sink(arg, "evictions_capacity", p->evictions[KVD_EVICT_CAPACITY]);
     sink(arg, "evictions_admin", p->evictions[KVD_EVICT_ADMIN]);
     sink(arg, "evictions_shrink", p->evictions[KVD_EVICT_SHRINK]);
+}
+
+uint64_t kvd_pool_meta_bytes(const kvd_pool *p) {
+    uint64_t rec = ((uint64_t)p->bps * sizeof(pool_block) + 63u) & ~(uint64_t)63u;
+    uint64_t ghost = p->ghost != NULL ? (uint64_t)(p->ghost_mask + 1) * sizeof(uint64_t) : 0;
+    return sizeof(*p) + (uint64_t)p->segcap * (sizeof(pool_segment) + 2 * sizeof(void *)) +
+           (uint64_t)p->ntcap * (sizeof(kvd_tenant_usage) + sizeof(uint64_t) +
+                                 2 * sizeof(uint32_t) + sizeof(uint16_t)) +
+           ghost + (uint64_t)p->nsegs * rec;
 }
 
 size_t kvd_pool_meta_bytes_per_block(void) {
@@ -1384,17 +1652,19 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     uint64_t by_state[4] = {0, 0, 0, 0};
     uint64_t by_list[LIST_COUNT] = {0};
     uint64_t pinned = 0, refs = 0, held = 0;
-    uint64_t *cached_t = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
-    uint64_t *pinned_t = calloc(KVD_MAX_TENANTS, sizeof(uint64_t));
-    if (cached_t == NULL || pinned_t == NULL) {
+    uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
+    uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
+    uint32_t *tevict = calloc((size_t)p->ntcap * 2, sizeof(uint32_t));
+    if (cached_t == NULL || pinned_t == NULL || tevict == NULL) {
         free(cached_t);
         free(pinned_t);
+        free(tevict);
         return KV_ENOMEM;
     }
     uint32_t live = 0, nparked = 0;
     uint64_t resident = 0;
     for (uint32_t s = 0; s < p->nslots; s++) {
-        const pool_segment *seg = &p->segs[s];
+        const pool_segment *seg = p->segs[s];
         if (seg->blocks == NULL) {
             continue;
         }
@@ -1423,13 +1693,14 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             by_state[b->state]++;
             by_list[b->list]++;
             refs += b->refcount;
-            CHECK(b->tenant < KVD_MAX_TENANTS, "block %u: tenant %u", id, b->tenant);
+            CHECK(b->tenant < p->ntcap && b->pin_tenant < p->ntcap, "block %u: tenant %u/%u", id,
+                  b->tenant, b->pin_tenant);
             CHECK(p->cfg.policy == KVD_EVICT_PREFIX_LRU ||
                       (!(b->flags & BLOCK_SHARED) && b->nchild == 0),
                   "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
             if (b->flags & BLOCK_PINNED) {
                 pinned++;
-                pinned_t[b->tenant]++;
+                pinned_t[b->pin_tenant]++;
                 CHECK(b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED,
                       "block %u: pinned in state %u", id, b->state);
             }
@@ -1444,7 +1715,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                           "block %u: WRITING with refcount %u list %u", id, b->refcount, b->list);
                     break;
                 case KVD_BLOCK_COMMITTED:
-                    CHECK(b->refcount >= 1 && b->list == LIST_NONE,
+                    CHECK(b->refcount >= 1 &&
+                              b->list == ((b->flags & BLOCK_PINNED) ? LIST_PINREF : LIST_NONE),
                           "block %u: COMMITTED with refcount %u list %u", id, b->refcount, b->list);
                     break;
                 case KVD_BLOCK_CACHED:
@@ -1455,6 +1727,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                               b->list);
                     } else {
                         nevict++;
+                        tevict[(uint32_t)b->tenant * 2 + (b->list == LIST_SMALL ? 0u : 1u)]++;
                         int ok = p->cfg.policy == KVD_EVICT_LRU ? b->list == LIST_LRU
                                  : p->cfg.policy == KVD_EVICT_S3FIFO
                                      ? (b->list == LIST_SMALL || b->list == LIST_MAIN)
@@ -1479,7 +1752,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     CHECK(nparked == p->nparked, "%u parked segments, counted %u", nparked, p->nparked);
     CHECK(resident == p->resident_bytes, "%llu resident bytes, counted %llu",
           (unsigned long long)resident, (unsigned long long)p->resident_bytes);
-    CHECK(p->nslots == 0 || p->segs[p->nslots - 1].blocks != NULL, "slot count %u too high",
+    CHECK(p->nslots == 0 || p->segs[p->nslots - 1]->blocks != NULL, "slot count %u too high",
           p->nslots);
     for (int l = LIST_FREE; l < LIST_COUNT; l++) {
         uint64_t walked = 0;
@@ -1496,17 +1769,21 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     CHECK(by_state[KVD_BLOCK_COMMITTED] == p->n_committed, "committed count");
     CHECK(by_state[KVD_BLOCK_CACHED] == p->n_cached, "cached count");
     CHECK(pinned == p->n_pinned, "pinned count");
-    for (uint32_t t = 0; t < KVD_MAX_TENANTS; t++) {
+    for (uint32_t t = 0; t < p->ntcap; t++) {
         CHECK(cached_t[t] == p->tenants[t].cached, "tenant %u: cached %llu, counted %llu", t,
               (unsigned long long)cached_t[t], (unsigned long long)p->tenants[t].cached);
         CHECK(pinned_t[t] == p->tenants[t].pinned, "tenant %u: pinned %llu, counted %llu", t,
               (unsigned long long)pinned_t[t], (unsigned long long)p->tenants[t].pinned);
         held += p->tenants[t].held;
+        CHECK(tevict[t * 2] == p->tevict[t * 2] && tevict[t * 2 + 1] == p->tevict[t * 2 + 1],
+              "tenant %u: evictable %u/%u, counted %u/%u", t, tevict[t * 2], tevict[t * 2 + 1],
+              p->tevict[t * 2], p->tevict[t * 2 + 1]);
     }
     CHECK(held == refs, "references %llu, tenants hold %llu", (unsigned long long)refs,
           (unsigned long long)held);
 out:
     free(cached_t);
     free(pinned_t);
+    free(tevict);
     return err;
 }

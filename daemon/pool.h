@@ -93,7 +93,7 @@ typedef struct kvd_block_info {
 typedef struct kvd_tenant_usage {
     uint64_t held;   /* references held by the tenant's sessions, WRITING blocks included */
     uint64_t cached; /* CACHED blocks the tenant allocated */
-    uint64_t pinned; /* pinned blocks the tenant allocated */
+    uint64_t pinned; /* unexpired pins charged to the tenant (on COMMITTED or CACHED blocks) */
 } kvd_tenant_usage;
 
 /* Receives one named counter or gauge; the admin socket, kvctl and Prometheus print these. */
@@ -144,8 +144,9 @@ uint32_t kvd_pool_slot_reuses(const kvd_pool *pool);
  * index). Parked segments do not count against max_segments; allocate unparks the pool's own
  * parked segments before it grows new ones. */
 
-/* A pool's best segment to park: one whose blocks are all FREE or CACHED unpinned, fewest CACHED
- * first, then the one used least recently. */
+/* A pool's best segment to park: one whose blocks are all FREE or CACHED unpinned, none of them a
+ * cached block of a tenant at or under its guaranteed share (parking for another pool never
+ * takes a guarantee), fewest CACHED first, then the one used least recently. */
 typedef struct kvd_park_candidate {
     uint32_t seg;         /* the segment */
     uint32_t cached;      /* its CACHED blocks (parking evicts them) */
@@ -173,6 +174,16 @@ int kvd_pool_segment_parked(const kvd_pool *pool, uint32_t seg);
 /* Live segments that are not parked (what counts against max_segments and memory budgets). */
 uint32_t kvd_pool_resident_segments(const kvd_pool *pool);
 
+/* 1 when a block is WRITING, COMMITTED or CACHED (the pool holds something), else 0. O(1). */
+int kvd_pool_in_use(const kvd_pool *pool);
+
+/* Live segments that are parked (their memory went back; their block records stay). O(1). */
+uint32_t kvd_pool_parked_segments(const kvd_pool *pool);
+
+/* Segments allocate could add now (its own parked ones first, then new ones) under
+ * max_segments and the slot limit. O(1). */
+uint32_t kvd_pool_growable_segments(const kvd_pool *pool);
+
 /* Bytes of the resident segments' memory (parked ones cost nothing), kept as a running count so
  * the daemon's memory budget is O(pools), not O(segments), per Allocate. O(1). */
 uint64_t kvd_pool_resident_bytes(const kvd_pool *pool);
@@ -180,9 +191,10 @@ uint64_t kvd_pool_resident_bytes(const kvd_pool *pool);
 /* Block counts by state, O(1): what allocate's room-making decides on (the same numbers as
  * kvd_pool_stats' blocks_* counters, without walking the counter names). */
 typedef struct kvd_pool_counts {
-    uint64_t free;   /* allocatable now (parked blocks are not) */
-    uint64_t cached; /* CACHED */
-    uint64_t pinned; /* pinned (COMMITTED or CACHED) */
+    uint64_t free;      /* allocatable now (parked blocks are not) */
+    uint64_t cached;    /* CACHED */
+    uint64_t pinned;    /* pinned (COMMITTED or CACHED) */
+    uint64_t evictable; /* CACHED and unpinned: what allocation may evict */
 } kvd_pool_counts;
 kvd_pool_counts kvd_pool_counts_get(const kvd_pool *pool);
 
@@ -191,8 +203,9 @@ kvd_pool_counts kvd_pool_counts_get(const kvd_pool *pool);
 uint64_t kvd_pool_evictions(const kvd_pool *pool, kvd_evict_reason reason);
 
 /* Leases n blocks as WRITING to session, charged to tenant. All or nothing: takes FREE blocks,
- * then grows, then evicts CACHED blocks; KV_ENOSPC when fewer than n can be had (nothing is
- * leased then). Growing unparks the pool's own parked segments first. Writes out[0..n). */
+ * then grows, then evicts CACHED blocks; KV_ENOSPC when fewer than n can be had, decided before
+ * anything changes (nothing grows, nothing is evicted or leased then). Growing unparks the
+ * pool's own parked segments first. Writes out[0..n). */
 kv_err kvd_pool_allocate(kvd_pool *pool, uint32_t n, uint64_t session, uint32_t tenant,
                          kvd_block_ref *out);
 
@@ -214,6 +227,15 @@ kv_err kvd_pool_lookup(kvd_pool *pool, uint32_t tenant, const kv_hash128 *hashes
 /* Takes one more reference on a COMMITTED or CACHED block, charged to tenant. */
 kv_err kvd_pool_hold(kvd_pool *pool, uint32_t tenant, kvd_block_ref blk);
 
+/* kvd_pool_hold of the block indexed under h, whose handle goes to *out: the daemon's own way
+ * from a hash to a held block (commons promotion), counted as no query and no hit. KV_ENOENT
+ * when h is not indexed here. */
+kv_err kvd_pool_hold_hash(kvd_pool *pool, uint32_t tenant, kv_hash128 h, kvd_block_ref *out);
+
+/* 1 when h is indexed in the pool (COMMITTED or CACHED), else 0. Takes no reference and counts
+ * nothing. O(1). */
+int kvd_pool_has(const kvd_pool *pool, kv_hash128 h);
+
 /* Drops one reference on each of blks[0..n) (a sequence's blocks, in prefix order), charged
  * back to tenant. Validates all first; on error nothing changes. A WRITING block is freed (it
  * must be session's lease: KV_EPERM otherwise). A COMMITTED block at refcount 0 becomes CACHED;
@@ -221,10 +243,18 @@ kv_err kvd_pool_hold(kvd_pool *pool, uint32_t tenant, kvd_block_ref blk);
 kv_err kvd_pool_release(kvd_pool *pool, uint64_t session, uint32_t tenant,
                         const kvd_block_ref *blks, size_t n);
 
+#define KVD_PIN_OWNER                                                                              \
+    UINT32_MAX /* kvd_pool_pin: charge the pin to the block's allocating tenant                    \
+                */
+
 /* Pins a COMMITTED or CACHED block: it is not evicted before now_ms + retention_ms. A higher
- * priority pin survives explicit eviction of lower ones. Pinning again extends. Charged to the
- * block's tenant as pinned. */
-kv_err kvd_pool_pin(kvd_pool *pool, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority);
+ * priority pin survives explicit eviction of lower ones. Pinning again extends (the pin stays
+ * charged to whom it was first). A new pin is charged as pinned to `tenant`, the tenant whose
+ * max-pinned it uses (the pinning session's; KVD_PIN_OWNER: the block's allocator, for an
+ * operator's pin). An expired pin stops counting at the next clock step, referenced or not.
+ * KV_EINVAL for a bad tenant. */
+kv_err kvd_pool_pin(kvd_pool *pool, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority,
+                    uint32_t tenant);
 kv_err kvd_pool_unpin(kvd_pool *pool, kvd_block_ref blk);
 
 /* Removes every pin whose priority is below `priority` (an operator reclaiming pinned memory:
@@ -260,6 +290,15 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *pool, uint32_t tenant);
  * only: parked ones cost no memory), queries, query_blocks, hit_blocks, hit_tokens,
  * commits, commits_duplicate, evictions_capacity, evictions_admin, evictions_shrink. */
 void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
+
+/* Bytes of the pool's own metadata: its record, per-slot and per-tenant arrays (sized to the
+ * slots and tenants it has met), the S3-FIFO ghost and the block records of its live segments
+ * (parked ones keep theirs). What the daemon's memory budget counts beside segment memory. O(1). */
+uint64_t kvd_pool_meta_bytes(const kvd_pool *pool);
+
+/* An upper bound of kvd_pool_meta_bytes of a pool that has one segment's slots and met a few
+ * tenants, without its block records: what a new pool costs besides its first segment. */
+#define KVD_POOL_META_BASE 4096
 
 /* Bytes of metadata per block (the record; at most 64). */
 size_t kvd_pool_meta_bytes_per_block(void);

@@ -356,7 +356,7 @@ static void op_pin(model *m) {
         return;
     }
     uint64_t ret = below(m, 40);
-    assert_int_equal(kvd_pool_pin(m->pool, r, ret, (uint8_t)below(m, 4)), KV_OK);
+    assert_int_equal(kvd_pool_pin(m->pool, r, ret, (uint8_t)below(m, 4), KVD_PIN_OWNER), KV_OK);
     if (m->b[e].pin_until > m->now || ret > 0) {
         if (m->now + ret > m->b[e].pin_until) {
             m->b[e].pin_until = m->now + ret;

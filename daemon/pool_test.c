@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -394,8 +395,8 @@ static void test_pins(void **state) {
     kvd_pool_set_now(p, 1000);
     kvd_block_ref r[4], x[4];
     commit_chain(p, 1, 7, 1, 4, r);
-    assert_int_equal(kvd_pool_pin(p, r[0], 500, 1), KV_OK);
-    assert_int_equal(kvd_pool_pin(p, r[1], 5000, 9), KV_OK);
+    assert_int_equal(kvd_pool_pin(p, r[0], 500, 1, KVD_PIN_OWNER), KV_OK);
+    assert_int_equal(kvd_pool_pin(p, r[1], 5000, 9, KVD_PIN_OWNER), KV_OK);
     assert_int_equal(kvd_pool_release(p, 1, 7, r, 4), KV_OK);
     assert_int_equal(kvd_pool_tenant_usage(p, 7).pinned, 2);
     kvd_block_info info;
@@ -423,7 +424,7 @@ static void test_pins(void **state) {
     assert_int_equal(kvd_pool_allocate(p, 4, 2, 7, x), KV_OK);
     assert_int_equal(kvd_pool_release(p, 2, 7, x, 4), KV_OK);
     /* Pin and unpin of a free block are state errors. */
-    assert_int_equal(kvd_pool_pin(p, x[0], 10, 0), KV_ESTALE);
+    assert_int_equal(kvd_pool_pin(p, x[0], 10, 0, KVD_PIN_OWNER), KV_ESTALE);
     drop(&f);
 }
 
@@ -433,8 +434,8 @@ static void test_pin_expires_while_referenced(void **state) {
     kvd_pool *p = make_pool(&f, 2, 1, KVD_EVICT_LRU);
     kvd_block_ref r[2], x[2];
     commit_chain(p, 1, 0, 1, 2, r);
-    assert_int_equal(kvd_pool_pin(p, r[0], 100, 0), KV_OK);
-    assert_int_equal(kvd_pool_pin(p, r[1], 100, 0), KV_OK);
+    assert_int_equal(kvd_pool_pin(p, r[0], 100, 0, KVD_PIN_OWNER), KV_OK);
+    assert_int_equal(kvd_pool_pin(p, r[1], 100, 0, KVD_PIN_OWNER), KV_OK);
     assert_int_equal(kvd_pool_unpin(p, r[1]), KV_OK);
     kvd_pool_set_now(p, 200);
     assert_int_equal(kvd_pool_release(p, 1, 0, r, 2), KV_OK);
@@ -474,6 +475,126 @@ static void test_guarantee(void **state) {
     assert_int_equal(n, c1);
     assert_int_equal(kvd_pool_tenant_usage(p, 1).cached, 0);
     kvd_pool_set_guarantee(p, 1, 0);
+    drop(&f);
+}
+
+/* Guaranteed shares hold under every policy: a tenant with guarantee 5 keeps at least 5 cached
+ * blocks however long another tenant floods the pool, while unprotected blocks exist. S3-FIFO
+ * once rotated the protected head of one queue and spent its skip budget on both queues, then
+ * evicted a protected block although the other queue held unprotected ones (kept 2 or 3). */
+static void test_guarantee_every_policy(void **state) {
+    (void)state;
+    const kvd_evict_policy pols[] = {KVD_EVICT_LRU, KVD_EVICT_S3FIFO, KVD_EVICT_PREFIX_LRU};
+    for (int k = 0; k < 3; k++) {
+        fixture f;
+        kvd_pool *p = make_pool(&f, 8, 4, pols[k]); /* 32 blocks */
+        kvd_pool_set_guarantee(p, 1, 5);
+        kvd_block_ref r[8];
+        commit_chain(p, 1, 1, 1000, 8, r);
+        assert_int_equal(kvd_pool_release(p, 1, 1, r, 8), KV_OK);
+        for (uint64_t round = 0; round < 200; round++) {
+            kvd_block_ref x[6];
+            commit_chain(p, 2, 2, 10000 + round * 16, 6, x);
+            /* Hit some of the flood again so S3-FIFO moves blocks to its main queue. */
+            if (round % 3 == 0) {
+                kvd_block_ref h[2];
+                size_t nh = 0;
+                kv_hash128 hs[2] = {H(10000 + round * 16), H(10000 + round * 16 + 1)};
+                assert_int_equal(kvd_pool_release(p, 2, 2, x, 6), KV_OK);
+                assert_int_equal(kvd_pool_lookup(p, 2, hs, 2, h, &nh), KV_OK);
+                assert_int_equal(kvd_pool_release(p, 2, 2, h, nh), KV_OK);
+            } else {
+                assert_int_equal(kvd_pool_release(p, 2, 2, x, 6), KV_OK);
+            }
+            if (kvd_pool_tenant_usage(p, 1).cached < 5) {
+                fail_msg("policy %d, round %llu: tenant 1 keeps %llu cached blocks, guarantee 5",
+                         (int)pols[k], (unsigned long long)round,
+                         (unsigned long long)kvd_pool_tenant_usage(p, 1).cached);
+            }
+            assert_int_equal(kvd_pool_check(p), KV_OK);
+        }
+        drop(&f);
+    }
+}
+
+/* When every evictable block is protected, a victim pick does not walk them: a 2048-block
+ * allocation over 32768 protected cached blocks is cheap (it rotated all of them once per block:
+ * 0.9 s). The test bounds the work by the clock loosely; the cost itself is in bench/. */
+static void test_guarantee_all_protected(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool *p = make_pool(&f, 1024, 40, KVD_EVICT_LRU);
+    kvd_pool_set_guarantee(p, 1, 1u << 20);
+    static kvd_block_ref r[32768];
+    assert_int_equal(kvd_pool_allocate(p, 32768, 1, 1, r), KV_OK);
+    for (uint32_t i = 0; i < 32768; i++) {
+        kvd_block_ref c;
+        assert_int_equal(kvd_pool_commit(p, 1, r[i], H(i), KVD_NO_BLOCK, &c), KV_OK);
+        r[i] = c;
+    }
+    assert_int_equal(kvd_pool_release(p, 1, 1, r, 32768), KV_OK);
+    kvd_pool_set_max_segments(p, 32);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    static kvd_block_ref x[2048];
+    assert_int_equal(kvd_pool_allocate(p, 2048, 2, 2, x), KV_OK);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    assert_true(s < 0.1); /* O(blocks asked), not O(blocks asked x protected blocks) */
+    assert_int_equal(kvd_pool_release(p, 2, 2, x, 2048), KV_OK);
+    drop(&f);
+}
+
+/* An expired pin stops counting at once, also on a referenced (COMMITTED) block: pinned counts
+ * and the tenant's usage drop at the next clock step (the sweep walked CACHED pins only). */
+static void test_pin_expiry_counts_at_once(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool *p = make_pool(&f, 8, 2, KVD_EVICT_LRU);
+    kvd_block_ref r[2];
+    commit_chain(p, 1, 3, 500, 2, r);
+    kvd_pool_set_now(p, 1000);
+    assert_int_equal(kvd_pool_pin(p, r[0], 1, 0, 3), KV_OK);
+    assert_int_equal(kvd_pool_tenant_usage(p, 3).pinned, 1);
+    assert_int_equal(kvd_pool_counts_get(p).pinned, 1);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    kvd_pool_set_now(p, 1002); /* still referenced */
+    assert_int_equal(kvd_pool_tenant_usage(p, 3).pinned, 0);
+    assert_int_equal(kvd_pool_counts_get(p).pinned, 0);
+    kvd_block_info info;
+    assert_int_equal(kvd_pool_block_info(p, r[0].id, &info), KV_OK);
+    assert_false(info.pinned);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    /* A pin on a referenced block that outlives the reference moves with it. */
+    assert_int_equal(kvd_pool_pin(p, r[1], 100, 0, 3), KV_OK);
+    assert_int_equal(kvd_pool_release(p, 1, 3, r, 2), KV_OK);
+    assert_int_equal(kvd_pool_counts_get(p).evictable, 1);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    kvd_pool_set_now(p, 1200);
+    assert_int_equal(kvd_pool_counts_get(p).evictable, 2);
+    assert_int_equal(kvd_pool_tenant_usage(p, 3).pinned, 0);
+    drop(&f);
+}
+
+/* A pin is charged to the tenant that pinned, not to the block's allocator (in a group pool one
+ * member pinned another's blocks and used up her max-pinned). */
+static void test_pin_charged_to_pinner(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool *p = make_pool(&f, 8, 2, KVD_EVICT_LRU);
+    kvd_block_ref r[3];
+    commit_chain(p, 1, 7, 700, 3, r); /* allocated by tenant 7 */
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(kvd_pool_pin(p, r[i], 10000, 0, 8), KV_OK); /* pinned by tenant 8 */
+    }
+    assert_int_equal(kvd_pool_tenant_usage(p, 8).pinned, 3);
+    assert_int_equal(kvd_pool_tenant_usage(p, 7).pinned, 0);
+    assert_int_equal(kvd_pool_pin(p, r[0], 10000, 0, 99999), KV_EINVAL);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    assert_int_equal(kvd_pool_unpin(p, r[1]), KV_OK);
+    assert_int_equal(kvd_pool_tenant_usage(p, 8).pinned, 2);
+    assert_int_equal(kvd_pool_release(p, 1, 7, r, 3), KV_OK);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
     drop(&f);
 }
 
@@ -567,6 +688,10 @@ int main(void) {
         cmocka_unit_test(test_pins),
         cmocka_unit_test(test_pin_expires_while_referenced),
         cmocka_unit_test(test_guarantee),
+        cmocka_unit_test(test_guarantee_every_policy),
+        cmocka_unit_test(test_guarantee_all_protected),
+        cmocka_unit_test(test_pin_expiry_counts_at_once),
+        cmocka_unit_test(test_pin_charged_to_pinner),
         cmocka_unit_test(test_grow_shrink),
         cmocka_unit_test(test_stats_and_bad_config),
     };

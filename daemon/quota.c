@@ -3,6 +3,7 @@
 #include "daemon/quota.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,21 @@
 #include "common/kv_log.h"
 #include "daemon/server_int.h"
 #include "daemon/tenancy.h"
+
+/* The one list of limits: parsing, reports and KVD_QUOTA_NAMES follow it (quota_test checks
+ * that the names string lists exactly these). */
+static const struct {
+    const char *name; /* as the tenants file and `quota set` spell it */
+    size_t off;       /* its field in kvd_quota */
+} fields[] = {
+    {"max-held", offsetof(kvd_quota, max_held)},
+    {"guarantee", offsetof(kvd_quota, guarantee)},
+    {"max-pinned", offsetof(kvd_quota, max_pinned)},
+    {"max-sessions", offsetof(kvd_quota, max_sessions)},
+    {"max-pools", offsetof(kvd_quota, max_pools)},
+};
+
+#define NFIELDS (sizeof(fields) / sizeof(fields[0]))
 
 kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value) {
     if (value == NULL || value[0] < '0' || value[0] > '9') {
@@ -21,25 +37,20 @@ kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value) 
     if (errno != 0 || *end != '\0') {
         return KV_EINVAL;
     }
-    if (strcmp(name, "max-held") == 0) {
-        q->max_held = v;
-    } else if (strcmp(name, "guarantee") == 0) {
-        q->guarantee = v;
-    } else if (strcmp(name, "max-pinned") == 0) {
-        q->max_pinned = v;
-    } else if (strcmp(name, "max-sessions") == 0) {
-        q->max_sessions = v;
-    } else {
-        return KV_ENOENT;
+    for (size_t i = 0; i < NFIELDS; i++) {
+        if (strcmp(name, fields[i].name) == 0) {
+            *(uint64_t *)(void *)((char *)q + fields[i].off) = v;
+            return KV_OK;
+        }
     }
-    return KV_OK;
+    return KV_ENOENT;
 }
 
 void kvd_quota_report(const kvd_quota *q, kvd_stat_sink sink, void *arg) {
-    sink(arg, "max-held", q->max_held);
-    sink(arg, "guarantee", q->guarantee);
-    sink(arg, "max-pinned", q->max_pinned);
-    sink(arg, "max-sessions", q->max_sessions);
+    for (size_t i = 0; i < NFIELDS; i++) {
+        sink(arg, fields[i].name,
+             *(const uint64_t *)(const void *)((const char *)q + fields[i].off));
+    }
 }
 
 /* UINT32_MAX for "default", else the tenant's id. */
@@ -72,9 +83,11 @@ kv_err kvd_quota_set(kvd_server *s, const char *tenant, const kvd_quota *q) {
         kvd_tenancy_apply_guarantees(s, &s->pools[i]);
     }
     KV_LOG(INFO, "KVD-QUOTA",
-           "quota of %s: max-held %llu, guarantee %llu, max-pinned %llu, max-sessions %llu", tenant,
-           (unsigned long long)q->max_held, (unsigned long long)q->guarantee,
-           (unsigned long long)q->max_pinned, (unsigned long long)q->max_sessions);
+           "quota of %s: max-held %llu, guarantee %llu, max-pinned %llu, max-sessions %llu, "
+           "max-pools %llu",
+           tenant, (unsigned long long)q->max_held, (unsigned long long)q->guarantee,
+           (unsigned long long)q->max_pinned, (unsigned long long)q->max_sessions,
+           (unsigned long long)q->max_pools);
     return KV_OK;
 }
 

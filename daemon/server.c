@@ -316,9 +316,12 @@ static size_t conn_process(kvd_conn *c) {
         size_t avail = c->in_len - c->in_off;
         Kvd__Envelope *env = NULL;
         size_t used = 0;
+        uint64_t id = 0;
+        char why[KVD_ERRMSG];
         /* Unpacked into the request arena: no malloc per submessage, one reset per request. */
-        kv_err rc = kv_wire_decode_with(p, avail, (uint32_t)s->cfg.max_frame_bytes,
-                                        kv_arena_allocator(&s->req_arena), &env, &used);
+        kv_err rc = kv_wire_decode_request(p, avail, (uint32_t)s->cfg.max_frame_bytes,
+                                           kv_arena_allocator(&s->req_arena), &env, &used, &id, why,
+                                           sizeof(why));
         if (rc == KV_ETOOBIG) {
             char msg[KVD_ERRMSG];
             snprintf(msg, sizeof(msg), "frame of %u bytes exceeds max_frame_bytes %llu; closing",
@@ -330,14 +333,14 @@ static size_t conn_process(kvd_conn *c) {
             c->close_after_flush = 1;
             break;
         }
-        if (rc == KV_EPROTO) {
+        if (rc != KV_OK) {
             kv_arena_reset(&s->req_arena);
-            /* The length was valid, so skip exactly this frame and stay in sync. */
-            size_t flen = KV_WIRE_HEADER_BYTES + le32(p);
-            kvd_conn_log_proto(c, "frame body does not decode as an Envelope", p, flen);
-            kvd_conn_send_error(c, 0, KV_EPROTO,
-                                "frame body is not a kvd.Envelope with a body; frame skipped");
-            c->in_off += flen;
+            /* The length was valid, so skip exactly this frame and stay in sync; answer the
+             * request's id where the envelope unpacked (0 where it did not). */
+            kvd_conn_log_proto(c, why, p, used);
+            kvd_conn_send_error(c, id, rc, why);
+            c->in_off += used;
+            c->sess.requests++;
             handled++;
             continue;
         }
@@ -506,6 +509,16 @@ static void on_conn_poll(uv_poll_t *h, int status, int events) {
         }
     }
     kvd_server *s = c->srv;
+    /* A frame whose bytes have not all arrived starts its clock (frame-timeout-ms); whole frames
+     * waiting for flow control do not. */
+    size_t avail = c->in_len - c->in_off;
+    int partial = avail > 0 && (avail < KV_WIRE_HEADER_BYTES ||
+                                avail < KV_WIRE_HEADER_BYTES + (size_t)le32(c->in + c->in_off));
+    if (!partial) {
+        c->partial_since = 0;
+    } else if (c->partial_since == 0) {
+        c->partial_since = uv_now(s->loop);
+    }
     if (s->buf_bytes > s->cfg.max_buffer_bytes && c->in_off == c->in_len &&
         c->in_cap > 2 * READ_CHUNK) {
         /* Over the global bound: an idle connection gives its large input buffer back (the next
@@ -551,7 +564,25 @@ static void on_conn_closed(uv_handle_t *h) {
            (unsigned long long)c->sess.id, (int)c->sess.pid,
            c->sess.hello ? kvd_tenants_name(s->tenants, c->sess.tenant) : "no hello",
            (unsigned long long)refs);
+    /* The pools' clocks first: released blocks record their last access at close time, and
+     * pins that expired meanwhile are swept before the blocks rejoin the eviction order. */
+    uint64_t now = uv_now(s->loop);
+    uint32_t npools = c->sess.npools;
+    uint32_t *ids = npools > 0 ? malloc(sizeof(*ids) * npools) : NULL;
+    for (uint32_t i = 0; i < npools; i++) {
+        kvd_pool_set_now(c->sess.pools[i].pool, now);
+        if (ids != NULL) {
+            ids[i] = c->sess.pools[i].pool_id;
+        }
+    }
     kvd_session_fini(&c->sess);
+    /* Pools no session uses and that hold nothing are freed (a pool with a cache stays). */
+    if (ids != NULL || npools == 0) {
+        kvd_handlers_sessions_gone(s, ids, npools);
+    } else {
+        KV_LOG(WARN, "KVD-CONN-CLOSE", "no memory to count the pools of a closed session");
+    }
+    free(ids);
     s->buf_bytes -= c->charged;
     if (c->paused) {
         s->npaused--;
@@ -691,6 +722,38 @@ static void on_listen_poll(uv_poll_t *h, int status, int events) {
     }
 }
 
+/* A client that started a frame and stopped sending holds a connection (and a max-connections
+ * slot) for ever otherwise: such a connection gets ETIMEDOUT and is closed. */
+static void on_frame_timer(uv_timer_t *t) {
+    kvd_server *s = t->data;
+    uint64_t limit = s->cfg.frame_timeout_ms;
+    uint64_t now = uv_now(s->loop);
+    kvd_conn *next;
+    for (kvd_conn *c = s->conns; limit != 0 && c != NULL; c = next) {
+        next = c->next;
+        if (c->closing || c->close_after_flush || c->partial_since == 0 ||
+            now - c->partial_since < limit) {
+            continue;
+        }
+        size_t avail = c->in_len - c->in_off;
+        char msg[KVD_ERRMSG];
+        snprintf(msg, sizeof(msg),
+                 "a request frame stayed incomplete for %llu ms (%zu bytes of it arrived); "
+                 "frame-timeout-ms is %llu: closing",
+                 (unsigned long long)(now - c->partial_since), avail, (unsigned long long)limit);
+        KV_LOG(WARN, "KVD-CONN-TIMEOUT", "session %llu (pid %d): %s",
+               (unsigned long long)c->sess.id, (int)c->sess.pid, msg);
+        c->in_off = c->in_len = 0;
+        c->partial_since = 0;
+        kvd_conn_send_error(c, 0, KV_ETIMEDOUT, msg);
+        c->close_after_flush = 1;
+        /* Closes once the Error is written; the poll writes what the socket does not take now. */
+        if (conn_flush(c) == 0 && !c->closing) {
+            conn_update_events(c);
+        }
+    }
+}
+
 /* ---- lifecycle ------------------------------------------------------------------------- */
 
 kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out) {
@@ -699,6 +762,12 @@ kv_err kvd_server_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_server **out
         return KV_ENOMEM;
     }
     kv_err rc;
+    char why[256];
+    if (kvd_config_check(cfg, why, sizeof(why)) != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "%s", why);
+        free(s);
+        return KV_EINVAL;
+    }
     s->cfg = *cfg;
     s->loop = loop;
     s->listen_fd = -1;
@@ -820,6 +889,12 @@ kv_err kvd_server_start(kvd_server *s, int handle_signals) {
     }
     s->stop_async.data = s;
     s->async_active = 1;
+    if (uv_timer_init(s->loop, &s->frame_timer) != 0) {
+        return KV_ESYS;
+    }
+    s->frame_timer.data = s;
+    s->timer_active = 1;
+    uv_timer_start(&s->frame_timer, on_frame_timer, 250, 250);
     if (handle_signals) {
         uv_signal_init(s->loop, &s->sigterm);
         uv_signal_init(s->loop, &s->sigint);
@@ -930,6 +1005,10 @@ void kvd_server_stop(kvd_server *s) {
     if (s->async_active) {
         s->async_active = 0;
         uv_close((uv_handle_t *)&s->stop_async, NULL);
+    }
+    if (s->timer_active) {
+        s->timer_active = 0;
+        uv_close((uv_handle_t *)&s->frame_timer, NULL);
     }
 }
 

@@ -56,6 +56,7 @@ typedef struct kvd_conn {
     uint32_t features;                  /* Hello.features & what kvd has (KV_FEATURE_*) */
     size_t charged;                     /* in_cap + out_bytes as counted in srv->buf_bytes */
     int paused;                         /* not read: over max-buffer-bytes, large backlog */
+    uint64_t partial_since;             /* loop ms since an incomplete frame waits; 0: none */
     struct kvd_conn *prev, *next;       /* the server's connection list */
 } kvd_conn;
 
@@ -65,13 +66,17 @@ typedef struct kvd_srv_pool {
     char model_id[KVD_MAX_MODEL_ID + 1];        /* NUL-terminated */
     kv_layout layout;                           /* shape (derived fields filled) */
     uint32_t domain;                            /* the owner tenant's private domain (tenant id) */
-    uint64_t segment_bytes;                     /* bytes one segment costs */
+    uint64_t segment_bytes;                     /* bytes of one segment's memory */
+    uint64_t seg_cost;                          /* what a new segment costs the budget: its
+                                                   memory and its block records */
     kv_hash128 seed;                            /* hash_seed sent to clients */
     kvd_pool *pool;                             /* owned */
     uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* private pool: pool ids of the same model in
                                                    the tenant's other domains, lookup order */
     uint32_t nlinks;                            /* used entries of links */
     uint32_t commons_id;                        /* pool id of the same model's commons; 0 none */
+    uint32_t creator;                           /* tenant whose attach created it (max-pools) */
+    uint32_t nsessions;                         /* sessions that attached it (or it as a link) */
 } kvd_srv_pool;
 
 struct kvd_server {
@@ -86,6 +91,8 @@ struct kvd_server {
     int signals_active;          /* signal handles initialised and not closed */
     uv_async_t stop_async;       /* kvd_server_stop_async */
     int async_active;            /* stop_async initialised and not closed */
+    uv_timer_t frame_timer;      /* sweeps connections for frames not completed in time */
+    int timer_active;            /* frame_timer initialised and not closed */
     int stopping;                /* kvd_server_stop ran */
     int bound;                   /* socket file is ours to unlink */
     kvd_index *index;            /* the one prefix index */
@@ -144,5 +151,10 @@ kvd_srv_pool *kvd_handlers_pool_by_id(kvd_server *s, uint32_t id);
 kv_err kvd_handlers_pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
                               uint32_t domain, kvd_srv_pool **out, char *msg);
 void kvd_handlers_pool_close(kvd_server *s, uint32_t pool_id);
+
+/* A session is closing: its pools lose a session, and pools no session uses that hold nothing
+ * (no WRITING, COMMITTED or CACHED block) are freed. Call after the session released everything
+ * (kvd_session_fini); pool_ids are the pools it had attached. */
+void kvd_handlers_sessions_gone(kvd_server *s, const uint32_t *pool_ids, uint32_t n);
 
 #endif

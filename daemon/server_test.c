@@ -23,6 +23,7 @@
 #include "common/kv_wire.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
+#include "daemon/pool.h"
 #include "daemon/testing/raw_client.h"
 
 typedef kvd_test_server harness;
@@ -31,7 +32,8 @@ static harness *start(void (*tweak)(kvd_config *)) {
     harness *h = calloc(1, sizeof(*h));
     assert_non_null(h);
     kvd_test_server_init(h, "server-test");
-    h->cfg.pool_memory = 128 << 10;
+    h->cfg.pool_memory =
+        2 * ((64 << 10) + 128 * 64) + 2 * KVD_POOL_META_BASE; /* 2 segments, 2 pools */
     h->cfg.segment_bytes = 64 << 10;
     h->cfg.index_entries = 4096;
     h->cfg.log_level = KV_LOG_WARN;
@@ -141,7 +143,7 @@ static void test_share_through_memfd(void **state) {
 
 static void small_lists(kvd_config *c) {
     c->max_blocks_per_request = 4;
-    c->max_frame_bytes = 4096;
+    c->max_frame_bytes = 65536; /* the smallest allowed */
 }
 
 static void test_bad_inputs(void **state) {
@@ -280,17 +282,17 @@ static void test_bad_inputs(void **state) {
         kv_wire_free(r);
     }
     assert_true(got_enospc);
-    /* Ping payload too long for max-frame-bytes. */
-    uint8_t payload[4090];
+    /* Ping payload too long for max-frame-bytes (its reply must fit max-frame-bytes + 64). */
+    static uint8_t payload[65500];
     memset(payload, 1, sizeof(payload));
     ping.payload.data = payload;
-    ping.payload.len = 4040;
+    ping.payload.len = sizeof(payload);
     e.id = kvd_raw_next_id();
     e.body_case = KVD__ENVELOPE__BODY_PING;
     e.ping = &ping;
     kvd_raw_expect_error(a, &e, KV_ETOOBIG);
     /* A frame above max-frame-bytes: ETOOBIG with id 0, then the daemon closes. */
-    uint8_t big[4] = {0, 0, 1, 0};
+    uint8_t big[4] = {1, 0, 1, 0}; /* 65537 */
     kvd_raw_send(a, big, sizeof(big));
     r = kvd_raw_recv_env(a);
     assert_non_null(r);
@@ -363,12 +365,69 @@ static void test_max_connections(void **state) {
     stop(h);
 }
 
+static void short_frame_timeout(kvd_config *c) {
+    c->frame_timeout_ms = 300;
+}
+
+/* A client that sends half a frame and stops gets ETIMEDOUT and is disconnected after
+ * frame-timeout-ms (it held its connection, and a max-connections slot, for ever); a client that
+ * sends nothing (an idle worker holding leases) and one whose frame arrives byte by byte but
+ * completes within the limit are kept. */
+static void test_frame_timeout(void **state) {
+    (void)state;
+    harness *h = start(short_frame_timeout);
+    int idle = dial(h);
+    kvd_raw_hello(idle, "idle");
+    int half = dial(h);
+    kvd_raw_hello(half, "half");
+    uint8_t hdr[6] = {100, 0, 0, 0, 0x08, 0x01}; /* a 100-byte frame, 2 bytes of it */
+    kvd_raw_send(half, hdr, sizeof(hdr));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    Kvd__Envelope *r = kvd_raw_recv_env(half);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    assert_non_null(r);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_ERROR);
+    assert_int_equal(r->error->code, KV_ETIMEDOUT);
+    assert_non_null(strstr(r->error->message, "frame-timeout-ms"));
+    assert_int_equal(r->id, 0);
+    kv_wire_free(r);
+    assert_null(kvd_raw_recv_env(half)); /* closed */
+    double waited = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    assert_true(waited >= 0.25 && waited < 5.0);
+    close(half);
+    /* The idle one is still served; a slow but steady sender too. */
+    Kvd__Envelope p = KVD__ENVELOPE__INIT;
+    Kvd__Ping ping = KVD__PING__INIT;
+    p.id = kvd_raw_next_id();
+    p.body_case = KVD__ENVELOPE__BODY_PING;
+    p.ping = &ping;
+    r = kvd_raw_rpc(idle, &p);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_PONG);
+    kv_wire_free(r);
+    p.id = kvd_raw_next_id();
+    uint8_t *frame = NULL;
+    size_t n = 0;
+    assert_int_equal(kv_wire_encode(&p, 1 << 20, &frame, &n), KV_OK);
+    assert_true(n < 20);
+    for (size_t i = 0; i < n; i++) {
+        kvd_raw_send(idle, frame + i, 1);
+        usleep(5000); /* the whole frame within the limit: served */
+    }
+    free(frame);
+    r = kvd_raw_recv_env(idle);
+    assert_non_null(r);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_PONG);
+    kv_wire_free(r);
+    close(idle);
+    stop(h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_share_through_memfd),
-        cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_close_gives_blocks_back),
-        cmocka_unit_test(test_max_connections),
+        cmocka_unit_test(test_share_through_memfd),     cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_close_gives_blocks_back), cmocka_unit_test(test_max_connections),
+        cmocka_unit_test(test_frame_timeout),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -135,22 +135,9 @@ static kv_err promote_copy(kvd_server *s, const kvd_pool *a, uint32_t src, kvd_p
     return rc != KV_OK ? rc : sync;
 }
 
-/* The commons block holding hash h, as a handle, or KVD_NO_BLOCK. Looks it up with a reference
- * that it gives back at once (the pool's only public way from hash to block). */
-static uint32_t commons_find(kvd_pool *c, kv_hash128 h) {
-    kvd_block_ref r;
-    size_t nhit = 0;
-    if (kvd_pool_lookup(c, KVD_COMMONS_TENANT, &h, 1, &r, &nhit) != KV_OK || nhit != 1) {
-        return KVD_NO_BLOCK;
-    }
-    (void)kvd_pool_release(c, 0, KVD_COMMONS_TENANT, &r, 1);
-    return r.id;
-}
-
 static void promote(kvd_server *s, kvd_srv_pool *src, kvd_srv_pool *com, kvd_block_ref blk,
                     kv_hash128 h) {
-    uint64_t v;
-    if (kvd_index_find(s->index, com->pool_id, h, &v) == KV_OK) {
+    if (kvd_pool_has(com->pool, h)) {
         return; /* already in the commons */
     }
     kvd_block_info info;
@@ -158,12 +145,16 @@ static void promote(kvd_server *s, kvd_srv_pool *src, kvd_srv_pool *com, kvd_blo
         (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
         return;
     }
-    uint32_t parent = KVD_NO_BLOCK;
+    /* The commons copy of the parent is held for the promotion: otherwise the Allocate below
+     * could evict it and reuse its slot, and the new block would name a stranger as parent. The
+     * hold counts as no query and no hit of the commons. */
+    kvd_block_ref parent = {KVD_NO_BLOCK, 0};
     kvd_block_info pinfo;
     if (info.parent != KVD_NO_BLOCK &&
         kvd_pool_block_info(src->pool, info.parent, &pinfo) == KV_OK &&
-        (pinfo.state == KVD_BLOCK_COMMITTED || pinfo.state == KVD_BLOCK_CACHED)) {
-        parent = commons_find(com->pool, pinfo.hash);
+        (pinfo.state == KVD_BLOCK_COMMITTED || pinfo.state == KVD_BLOCK_CACHED) &&
+        kvd_pool_hold_hash(com->pool, KVD_COMMONS_TENANT, pinfo.hash, &parent) != KV_OK) {
+        parent.id = KVD_NO_BLOCK;
     }
     kvd_handlers_budget_apply(s, com);
     kvd_block_ref nb, canon;
@@ -171,25 +162,29 @@ static void promote(kvd_server *s, kvd_srv_pool *src, kvd_srv_pool *com, kvd_blo
     if (rc != KV_OK) {
         KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: no block for a promotion: %s", com->pool_id,
                kv_strerror(rc));
-        return;
+        goto done;
     }
     rc = promote_copy(s, src->pool, blk.id, com->pool, nb.id);
     if (rc != KV_OK) {
         KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: copying a promoted block failed: %s", com->pool_id,
                kv_strerror(rc));
         (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &nb, 1);
-        return;
+        goto done;
     }
-    rc = kvd_pool_commit(com->pool, 0, nb, h, parent, &canon);
+    rc = kvd_pool_commit(com->pool, 0, nb, h, parent.id, &canon);
     if (rc != KV_OK) {
         KV_LOG(ERROR, "KVD-COMMONS", "pool %u: commit of a promoted block failed: %s", com->pool_id,
                kv_strerror(rc));
         (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &nb, 1);
-        return;
+        goto done;
     }
     (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &canon, 1);
     KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: block %u entered the commons from pool %u", com->pool_id,
            canon.id, src->pool_id);
+done:
+    if (parent.id != KVD_NO_BLOCK) {
+        (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &parent, 1);
+    }
 }
 
 void kvd_tenancy_count_commit(kvd_server *s, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,

@@ -41,6 +41,11 @@ typedef struct harness {
 
 static harness *cur; /* the running harness, for on_loop hooks */
 
+/* pool-memory for `segs` segments over `pools` pools of the small layout with start()'s 64 KiB
+ * segments: each segment costs its 64 KiB and its 128 block records (64 bytes each), each pool
+ * its own metadata (KVD_POOL_META_BASE at most). */
+#define BUDGET(segs, pools) ((segs) * ((64u << 10) + 128u * 64u) + (pools)*KVD_POOL_META_BASE)
+
 static void write_file(const char *dir, const char *name, const char *text) {
     char path[256];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
@@ -843,7 +848,7 @@ static size_t flood_survivors(const char *quota_line) {
              "%s\n",
              quota_line);
     /* 64 KiB segments: two private pools + the group pool + one more segment of budget. */
-    harness *h = start(lines, names, 2, 4 * (64 << 10), NULL);
+    harness *h = start(lines, names, 2, BUDGET(4, 3), NULL);
     int fq = connect_as(h, "pq");
     int ff = connect_as(h, "flooder");
     att q = attach(fq, "m");
@@ -873,6 +878,323 @@ static void test_flood_keeps_guarantee(void **state) {
     /* With guarantee 5, at least 5 of pq's blocks stay cached however long the flood. */
     size_t with = flood_survivors("quota pq guarantee=5");
     assert_true(with >= 5);
+}
+
+/* ---- lifecycle findings of the integrity audit (issue 12) ------------------------------- */
+
+/* Commit of n entries with explicit hashes (hash_of(salt, hidx[i])) and parents; expect code
+ * (and needle in its message). On success blocks[] get the canonical handles. */
+static void commit_ex(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint64_t salt,
+                      const size_t *hidx, const uint32_t *parents, kv_err code,
+                      const char *needle) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Commit c = KVD__COMMIT__INIT;
+    Kvd__CommitEntry ent[8], *pe[8];
+    Kvd__Hash128 h[8];
+    Kvd__BlockRef br[8];
+    assert_true(n <= 8);
+    for (size_t i = 0; i < n; i++) {
+        kvd__commit_entry__init(&ent[i]);
+        kvd__block_ref__init(&br[i]);
+        br[i].id = blocks[i].id;
+        br[i].gen = blocks[i].gen;
+        h[i] = hash_of(salt, hidx != NULL ? hidx[i] : i);
+        ent[i].block = &br[i];
+        ent[i].hash = &h[i];
+        ent[i].parent = parents[i];
+        pe[i] = &ent[i];
+    }
+    c.pool_id = pool;
+    c.n_entries = n;
+    c.entries = pe;
+    e.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    e.commit = &c;
+    Kvd__Envelope *r = rpc(fd, &e);
+    if (r->body_case == KVD__ENVELOPE__BODY_COMMIT_REPLY) {
+        for (size_t i = 0; i < n; i++) {
+            blocks[i].id = r->commit_reply->canonical[i]->id;
+            blocks[i].gen = r->commit_reply->canonical[i]->gen;
+        }
+    }
+    expect_code(r, code, needle);
+}
+
+/* Pin with a retention of ms milliseconds; expect code. */
+static void pin_for(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint64_t ms,
+                    kv_err code, const char *needle) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Pin pn = KVD__PIN__INIT;
+    Kvd__BlockRef *pv[8];
+    assert_true(n <= 8);
+    for (size_t i = 0; i < n; i++) {
+        pv[i] = &blocks[i];
+    }
+    pn.pool_id = pool;
+    pn.n_blocks = n;
+    pn.blocks = pv;
+    pn.retention_ms = ms;
+    e.body_case = KVD__ENVELOPE__BODY_PIN;
+    e.pin = &pn;
+    expect_code(rpc(fd, &e), code, needle);
+}
+
+/* Commit is all or nothing and a parent is a committed block the session holds or an earlier
+ * entry: an entry naming itself used to answer EINTERNAL half way, leaving earlier entries
+ * committed (and hit by others). */
+static void test_commit_parents(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n", two, 1, 1 << 20, NULL);
+    int fa = connect_as(h, "alice");
+    int fa2 = connect_as(h, "alice");
+    att a = attach(fa, "m"), a2 = attach(fa2, "m");
+    Kvd__BlockRef b[4];
+    allocate(fa, a.pool_id, 4, KV_OK, NULL, b);
+    uint32_t self[1] = {b[0].id};
+    commit_ex(fa, a.pool_id, b, 1, 71, NULL, self, KV_EINVAL, "itself");
+    uint32_t second_self[2] = {UINT32_MAX, b[1].id};
+    commit_ex(fa, a.pool_id, b, 2, 71, NULL, second_self, KV_EINVAL, "entries[1]");
+    assert_int_equal(lookup(fa2, a.pool_id, 71, 1, 0, NULL, NULL), 0); /* nothing went in */
+    /* A FREE block, a WRITING block not committed before it, and a later entry are no parents. */
+    uint32_t free_parent[1] = {a.bps - 1};
+    commit_ex(fa, a.pool_id, b, 1, 71, NULL, free_parent, KV_EINVAL, "parent");
+    uint32_t writing_parent[1] = {b[3].id};
+    commit_ex(fa, a.pool_id, b, 1, 71, NULL, writing_parent, KV_EINVAL, "not committed");
+    uint32_t later[2] = {b[1].id, UINT32_MAX};
+    commit_ex(fa, a.pool_id, b, 2, 71, NULL, later, KV_EINVAL, "entries[0]");
+    /* Another session's committed block is not this session's to name. */
+    Kvd__BlockRef o[1];
+    allocate(fa2, a.pool_id, 1, KV_OK, NULL, o);
+    uint32_t none[1] = {UINT32_MAX};
+    size_t nine[1] = {9};
+    commit_ex(fa2, a.pool_id, o, 1, 71, nine, none, KV_OK, NULL);
+    uint32_t foreign[1] = {o[0].id};
+    commit_ex(fa, a.pool_id, b, 1, 71, NULL, foreign, KV_EINVAL, "not held");
+    /* The valid forms: none, an earlier entry, a held committed block. */
+    uint32_t chain[2] = {UINT32_MAX, b[0].id};
+    commit_ex(fa, a.pool_id, b, 2, 71, NULL, chain, KV_OK, NULL);
+    uint32_t held[1] = {b[1].id};
+    size_t two_idx[1] = {2};
+    commit_ex(fa, a.pool_id, b + 2, 1, 71, two_idx, held, KV_OK, NULL);
+    assert_int_equal(lookup(fa2, a.pool_id, 71, 3, 0, NULL, NULL), 3);
+    close(fa);
+    close(fa2);
+    munmap(a.base, a.seg_bytes);
+    munmap(a2.base, a2.seg_bytes);
+    stop(h);
+}
+
+/* client_name and model_id are protobuf strings: bytes that are not UTF-8 are refused at the
+ * door (such a session and pool used to vanish from admin listings and metrics). */
+static void test_names_are_utf8(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n", two, 1, 1 << 20, NULL);
+    int fd = dial(h);
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Hello hl = KVD__HELLO__INIT;
+    hl.protocol_version = 1;
+    hl.client_name = "bad\xff\xfename";
+    e.body_case = KVD__ENVELOPE__BODY_HELLO;
+    e.hello = &hl;
+    expect_code(rpc(fd, &e), KV_EINVAL, "UTF-8");
+    hl.client_name = "caf\xc3\xa9 \xe2\x9c\x93"; /* valid: accepted */
+    expect_code(rpc(fd, &e), KV_OK, NULL);
+    static const char *const bad[] = {"m\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80"};
+    for (size_t i = 0; i < 4; i++) {
+        Kvd__Envelope ae = KVD__ENVELOPE__INIT;
+        Kvd__AttachPool at = KVD__ATTACH_POOL__INIT;
+        Kvd__Layout l = KVD__LAYOUT__INIT;
+        kvd_raw_fill_layout(&l);
+        at.model_id = (char *)bad[i];
+        at.layout = &l;
+        ae.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
+        ae.attach_pool = &at;
+        expect_code(rpc(fd, &ae), KV_EINVAL, "UTF-8");
+    }
+    close(fd);
+    stop(h);
+}
+
+/* max-pinned is the pinning tenant's: in a group pool dave pinning carol's blocks uses dave's
+ * limit, never carol's (carol got EQUOTA though she had pinned nothing). */
+static void test_pin_quota_is_the_pinners(void **state) {
+    (void)state;
+    harness *h = start("tenant carol token-file=%T/carol.token\n"
+                       "tenant dave token-file=%T/dave.token\n"
+                       "group team members=carol,dave\n"
+                       "quota default max-pinned=1\n",
+                       three, 2, 1 << 20, NULL);
+    int fc = connect_as(h, "carol"), fd = connect_as(h, "dave");
+    att c = attach(fc, "m"), d = attach(fd, "m");
+    uint32_t group = c.linked[0];
+    put_prefix(fc, NULL, group, 3, 81);
+    Kvd__BlockRef hit[3];
+    assert_int_equal(lookup(fd, group, 81, 3, 0, hit, NULL), 3);
+    pin_for(fd, group, hit, 1, 60000, KV_OK, NULL);
+    pin_for(fd, group, hit + 1, 1, 60000, KV_EQUOTA, "max-pinned");
+    Kvd__BlockRef mine[3];
+    assert_int_equal(lookup(fc, group, 81, 3, 0, mine, NULL), 3);
+    pin_for(fc, group, mine + 2, 1, 60000, KV_OK, NULL); /* carol's own limit is untouched */
+    close(fc);
+    close(fd);
+    munmap(c.base, c.seg_bytes);
+    munmap(d.base, d.seg_bytes);
+    stop(h);
+}
+
+/* An expired pin stops counting at once, also while its block is referenced: after a 1 ms pin a
+ * tenant with max-pinned 1 pins again (it got EQUOTA for as long as the block stayed held). */
+static void test_expired_pin_frees_quota(void **state) {
+    (void)state;
+    harness *h = start("tenant alice token-file=%T/alice.token\n"
+                       "quota alice max-pinned=1\n",
+                       two, 1, 1 << 20, NULL);
+    int fa = connect_as(h, "alice");
+    att a = attach(fa, "m");
+    Kvd__BlockRef b[2];
+    allocate(fa, a.pool_id, 2, KV_OK, NULL, b);
+    commit(fa, a.pool_id, b, 2, 91, KV_OK);
+    pin_for(fa, a.pool_id, b, 1, 1, KV_OK, NULL);
+    pin_for(fa, a.pool_id, b + 1, 1, 60000, KV_EQUOTA, "max-pinned");
+    usleep(20000);
+    pin_for(fa, a.pool_id, b + 1, 1, 60000, KV_OK, NULL);
+    close(fa);
+    munmap(a.base, a.seg_bytes);
+    stop(h);
+}
+
+/* Each position of a domain search takes the first pool that has it: a run found in the group
+ * stops where dave's private pool has the next block (it used to continue in the group). */
+static void test_search_each_position(void **state) {
+    (void)state;
+    harness *h = start("tenant carol token-file=%T/carol.token\n"
+                       "tenant dave token-file=%T/dave.token\n"
+                       "group team members=carol,dave\n",
+                       three, 2, 1 << 20, NULL);
+    int fc = connect_as(h, "carol"), fd = connect_as(h, "dave");
+    att c = attach(fc, "m"), d = attach(fd, "m");
+    uint32_t group = c.linked[0];
+    put_prefix(fc, NULL, group, 4, 101);
+    Kvd__BlockRef x[1];
+    allocate(fd, d.pool_id, 1, KV_OK, NULL, x);
+    uint32_t none[1] = {UINT32_MAX};
+    size_t idx2[1] = {2};
+    commit_ex(fd, d.pool_id, x, 1, 101, idx2, none, KV_OK, NULL);
+    Kvd__BlockRef hit[4];
+    uint32_t pools[4];
+    assert_int_equal(lookup(fd, d.pool_id, 101, 4, 1, hit, pools), 4);
+    assert_int_equal(pools[0], group);
+    assert_int_equal(pools[1], group);
+    assert_int_equal(pools[2], d.pool_id);
+    assert_int_equal(pools[3], group);
+    close(fc);
+    close(fd);
+    munmap(c.base, c.seg_bytes);
+    munmap(d.base, d.seg_bytes);
+    stop(h);
+}
+
+/* A refused Allocate changes nothing: it neither parks another pool's segment (evicting that
+ * tenant's cache) nor grows its own pool (bob's 64 cached blocks used to go to 0 hits). */
+static void test_refused_allocate_changes_nothing(void **state) {
+    (void)state;
+    /* 64 KiB segments of 128 blocks: room for alice's and bob's first segment and one more. */
+    harness *h = start("tenant alice token-file=%T/alice.token\n"
+                       "tenant bob token-file=%T/bob.token\n",
+                       two, 2, BUDGET(3, 2), NULL);
+    int fa = connect_as(h, "alice"), fb = connect_as(h, "bob");
+    att a = attach(fa, "m"), b = attach(fb, "m");
+    static Kvd__BlockRef blk[64];
+    allocate(fb, b.pool_id, 64, KV_OK, NULL, blk);
+    for (size_t i = 0; i < 64; i += 8) {
+        commit(fb, b.pool_id, blk + i, 8, 200 + i, KV_OK);
+    }
+    for (size_t i = 0; i < 64; i += 8) {
+        release_or_pin(fb, b.pool_id, blk + i, 8, 0, KV_OK, NULL);
+    }
+    allocate(fa, a.pool_id, 1000, KV_ENOSPC, "could be had", NULL);
+    size_t hits = 0;
+    for (size_t i = 0; i < 64; i += 8) {
+        hits += lookup(fb, b.pool_id, 200 + i, 8, 0, NULL, NULL);
+    }
+    assert_int_equal(hits, 64);
+    /* A request that fits is still served (parking bob's idle memory as before). */
+    Kvd__BlockRef ok[200];
+    allocate(fa, a.pool_id, 200, KV_OK, NULL, ok);
+    close(fa);
+    close(fb);
+    munmap(a.base, a.seg_bytes);
+    munmap(b.base, b.seg_bytes);
+    stop(h);
+}
+
+/* Parking for another pool never takes a guaranteed share: bob's idle segment of cached blocks
+ * stays while bob is within his guarantee, and is parked without one. */
+static size_t parked_survivors(const char *quota_line) {
+    char lines[256];
+    snprintf(lines, sizeof(lines),
+             "tenant alice token-file=%%T/alice.token\n"
+             "tenant bob token-file=%%T/bob.token\n%s\n",
+             quota_line);
+    /* A parked segment keeps its block records: bob's stay counted. */
+    harness *h = start(lines, two, 2, BUDGET(3, 2) + 128 * 64, NULL);
+    int fa = connect_as(h, "alice"), fb = connect_as(h, "bob");
+    att a = attach(fa, "m"), b = attach(fb, "m");
+    static Kvd__BlockRef blk[128];
+    allocate(fb, b.pool_id, 128, KV_OK, NULL, blk); /* bob's whole first segment */
+    for (size_t i = 0; i < 128; i += 8) {
+        commit(fb, b.pool_id, blk + i, 8, 300 + i, KV_OK);
+        release_or_pin(fb, b.pool_id, blk + i, 8, 0, KV_OK, NULL);
+    }
+    /* alice wants two more segments: the budget has one, parking bob's would give the other. */
+    static Kvd__BlockRef al[256];
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Allocate al_req = KVD__ALLOCATE__INIT;
+    al_req.pool_id = a.pool_id;
+    al_req.count = 3 * 128;
+    e.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
+    e.allocate = &al_req;
+    kv_wire_free(rpc(fa, &e));
+    (void)al;
+    size_t hits = 0;
+    for (size_t i = 0; i < 128; i += 8) {
+        hits += lookup(fb, b.pool_id, 300 + i, 8, 0, NULL, NULL);
+    }
+    close(fa);
+    close(fb);
+    munmap(a.base, a.seg_bytes);
+    munmap(b.base, b.seg_bytes);
+    stop(h);
+    return hits;
+}
+
+static void test_parking_keeps_guarantees(void **state) {
+    (void)state;
+    assert_int_equal(parked_survivors(""), 0);                          /* parked for alice */
+    assert_int_equal(parked_survivors("quota bob guarantee=128"), 128); /* kept */
+}
+
+/* The prefix index grows with the pools: 8192 blocks commit into a daemon whose index was sized
+ * for 1024 (Commit failed half way with EINTERNAL "entries[42] failed after 42 were committed"). */
+static void test_index_grows_with_pools(void **state) {
+    (void)state;
+    /* 64 segments, and the pool's per-slot records growing with them. */
+    harness *h = start("tenant alice token-file=%T/alice.token\n", two, 1, BUDGET(66, 1), NULL);
+    int fa = connect_as(h, "alice");
+    att a = attach(fa, "m");
+    for (uint64_t k = 0; k < 8192 / 64; k++) {
+        Kvd__BlockRef b[64];
+        allocate(fa, a.pool_id, 64, KV_OK, NULL, b);
+        commit(fa, a.pool_id, b, 64, 1000 + k, KV_OK);
+        release_or_pin(fa, a.pool_id, b, 64, 0, KV_OK, NULL);
+    }
+    size_t hits = 0;
+    for (uint64_t k = 0; k < 8192 / 64; k++) {
+        hits += lookup(fa, a.pool_id, 1000 + k, 64, 0, NULL, NULL);
+    }
+    assert_int_equal(hits, 8192);
+    close(fa);
+    munmap(a.base, a.seg_bytes);
+    stop(h);
 }
 
 static void run_selftest(kvd_server *s) {
@@ -914,6 +1236,14 @@ int main(void) {
         cmocka_unit_test(test_quota_set_at_run_time),
         cmocka_unit_test(test_flood_keeps_guarantee),
         cmocka_unit_test(test_selftest_isolation),
+        cmocka_unit_test(test_commit_parents),
+        cmocka_unit_test(test_names_are_utf8),
+        cmocka_unit_test(test_pin_quota_is_the_pinners),
+        cmocka_unit_test(test_expired_pin_frees_quota),
+        cmocka_unit_test(test_search_each_position),
+        cmocka_unit_test(test_refused_allocate_changes_nothing),
+        cmocka_unit_test(test_parking_keeps_guarantees),
+        cmocka_unit_test(test_index_grows_with_pools),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -80,6 +80,48 @@ static void check_roundtrip(const Kvd__Envelope *env) {
     free(b);
 }
 
+/* The daemon's request decoder on the same bytes: it agrees with kv_wire_decode on what is a
+ * frame, skips exactly the frames it refuses, and what it accepts has only UTF-8 strings without
+ * NUL bytes. */
+static void check_request_decoder(const uint8_t *buf, size_t size) {
+    size_t off = 0;
+    for (;;) {
+        Kvd__Envelope *env = (Kvd__Envelope *)1;
+        size_t used = 7;
+        uint64_t id = 1;
+        char why[256];
+        kv_err rc = kv_wire_decode_request(buf + off, size - off, FUZZ_MAX_FRAME, NULL, &env, &used,
+                                           &id, why, sizeof(why));
+        if (rc == KV_ETOOBIG) {
+            FUZZ_CHECK(env == NULL);
+            break;
+        }
+        if (rc != KV_OK) {
+            FUZZ_CHECK(rc == KV_EPROTO || rc == KV_ENOTSUP || rc == KV_EINVAL);
+            FUZZ_CHECK(env == NULL && used >= KV_WIRE_HEADER_BYTES && used <= size - off);
+            FUZZ_CHECK(why[0] != '\0');
+            off += used;
+            continue;
+        }
+        if (env == NULL) {
+            FUZZ_CHECK(used == 0);
+            break;
+        }
+        FUZZ_CHECK(used >= KV_WIRE_HEADER_BYTES && used <= size - off);
+        if (env->body_case == KVD__ENVELOPE__BODY_HELLO && env->hello->client_name != NULL) {
+            size_t n = strlen(env->hello->client_name);
+            FUZZ_CHECK(kv_utf8_prefix(env->hello->client_name, n) == n);
+        }
+        if (env->body_case == KVD__ENVELOPE__BODY_ATTACH_POOL &&
+            env->attach_pool->model_id != NULL) {
+            size_t n = strlen(env->attach_pool->model_id);
+            FUZZ_CHECK(kv_utf8_prefix(env->attach_pool->model_id, n) == n);
+        }
+        kv_wire_free(env);
+        off += used;
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* Copy to an exact-size heap buffer so ASan sees any read past the end. */
     uint8_t *buf = malloc(size > 0 ? size : 1);
@@ -116,6 +158,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         kv_wire_free(env);
         off += used;
     }
+    check_request_decoder(buf, size);
     free(buf);
     return 0;
 }

@@ -69,12 +69,14 @@ static void test_bad_handles(void **state) {
     kvc_commit_entry e = {.block = b[0], .hash = {1, 2}, .parent = KVC_NO_PARENT};
     kvc_block canon;
     assert_int_equal(kvc_commit(p2, &e, 1, &canon), KV_EPERM);
-    /* Stale generation: b[1] was freed (its generation moved on); the old handle is refused
-     * whether or not the block was handed out again. */
+    /* A handle the session gave back: it no longer holds the block, so EPERM whether or not the
+     * block was handed out again; once it holds the block at a new generation, the old handle
+     * is ESTALE (PROTOCOL.md §7, which error). */
     assert_int_equal(kvc_release(p1, &b[1], 1), KV_OK);
-    assert_int_equal(kvc_release(p1, &b[1], 1), KV_ESTALE);
+    assert_int_equal(kvc_release(p1, &b[1], 1), KV_EPERM);
     kvc_block again;
     assert_int_equal(kvc_allocate(p1, 1, &again), KV_OK);
+    assert_int_equal(again.id, b[1].id); /* the freed record is reused first */
     assert_int_equal(kvc_release(p1, &b[1], 1), KV_ESTALE);
     kvc_commit_entry se = {.block = b[1], .hash = {3, 4}, .parent = KVC_NO_PARENT};
     assert_int_equal(kvc_commit(p1, &se, 1, &canon), KV_ESTALE);
@@ -92,8 +94,9 @@ static void test_bad_handles(void **state) {
 
 static void test_exhaustion_and_eviction(void **state) {
     (void)state;
-    /* 16 KiB blocks, 64 KiB segments (4 blocks), 256 KiB budget: 16 blocks in all. */
-    static const char *const flags[] = {"--pool-memory=256K", "--segment-bytes=64K", NULL};
+    /* 16 KiB blocks, 64 KiB segments (4 blocks), a budget of 4 segments with their block records
+     * (4 x 64 bytes each) and two pools' metadata (4 KiB each): 16 blocks in all. */
+    static const char *const flags[] = {"--pool-memory=265K", "--segment-bytes=64K", NULL};
     kvd_harness small;
     assert_int_equal(kvd_harness_start(&small, flags), 0);
     kvc_conn *c, *other;

@@ -20,10 +20,12 @@
 
 static kvd_harness H;
 
-/* 16 KiB blocks, 1 MiB segments of 64 blocks, 8 MiB budget: 512 blocks over all pools. */
+/* 16 KiB blocks, 1 MiB segments of 64 blocks, a budget of 8 MiB of segments plus the block
+ * records of 16 segments (a parked segment keeps its records: 64 x 64 bytes) and two pools'
+ * metadata (4 KiB each): 512 blocks over all pools. */
 #define SEGS 8
 #define BPS 64
-static const char *const FLAGS[] = {"--pool-memory=8M", "--segment-bytes=1M", NULL};
+static const char *const FLAGS[] = {"--pool-memory=8264K", "--segment-bytes=1M", NULL};
 
 static int setup(void **state) {
     (void)state;

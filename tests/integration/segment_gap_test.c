@@ -31,8 +31,8 @@ static void fill(kvc_pool *p, kvc_block b, uint64_t seed) {
         for (int kv = KV_K; kv <= KV_V; kv++) {
             uint64_t *w = kvc_pool_addr(p, b.id, layer, kv, 0, 0);
             if (w == NULL) {
-                fail_msg("block %u (segment %u) has no address in pool %u", b.id,
-                         b.id / SEG_BLOCKS, kvc_pool_id(p));
+                fail_msg("block %u (segment %u) has no address in pool %u", b.id, b.id / SEG_BLOCKS,
+                         kvc_pool_id(p));
             }
             for (size_t i = 0; i < l->kv_block_bytes / 8; i++) {
                 w[i] = seed ^ ((uint64_t)layer << 48) ^ ((uint64_t)kv << 40) ^ i;
@@ -48,8 +48,8 @@ static void expect_holds(kvc_pool *p, kvc_block b, uint64_t seed) {
         for (int kv = KV_K; kv <= KV_V; kv++) {
             const uint64_t *w = kvc_pool_addr(p, b.id, layer, kv, 0, 0);
             if (w == NULL) {
-                fail_msg("block %u (segment %u) has no address in pool %u", b.id,
-                         b.id / SEG_BLOCKS, kvc_pool_id(p));
+                fail_msg("block %u (segment %u) has no address in pool %u", b.id, b.id / SEG_BLOCKS,
+                         kvc_pool_id(p));
             }
             for (size_t i = 0; i < l->kv_block_bytes / 8; i++) {
                 if (w[i] != (seed ^ ((uint64_t)layer << 48) ^ ((uint64_t)kv << 40) ^ i)) {
