@@ -1247,16 +1247,16 @@ static uint32_t seen_add(seen_tab *t, uint32_t id) {
 static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t nrep,
                          Kvd__BlockRef *const *blocks, const ProtobufCBinaryData *packed,
                          int rewind, char *msg) {
+    kvd_session_pool *sp;
+    kv_err rc = session_pool(c, pool_id, &sp, NULL, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
     size_t n;
     if (kv_wire_list_count(nrep, packed->len, KV_WIRE_BLOCK_BYTES, &n) != KV_OK) {
         FAIL(KV_EPROTO,
              "blocks_packed of %zu bytes: not a multiple of %d, or sent together with blocks",
              packed->len, KV_WIRE_BLOCK_BYTES);
-    }
-    kvd_session_pool *sp;
-    kv_err rc = session_pool(c, pool_id, &sp, NULL, msg);
-    if (rc != KV_OK) {
-        return rc;
     }
     rc = kvd_validate_refs(nrep, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
     if (rc == KV_OK) {
