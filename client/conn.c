@@ -257,7 +257,7 @@ static size_t frame_fd_count(const Kvd__Envelope *env) {
     for (size_t i = 0; i < n; i++) {
         if (segs[i]->kind == KVD__MEMORY_KIND__HOST_MEMFD ||
             segs[i]->kind == KVD__MEMORY_KIND__CUDA_VMM) {
-            k++;
+            k += segs[i]->n_part_bytes > 0 ? segs[i]->n_part_bytes : 1; /* parts: one fd each */
         }
     }
     return k;

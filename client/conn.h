@@ -29,28 +29,30 @@ typedef struct kvc__segment {
 } kvc__segment;
 
 struct kvc_pool {
-    kvc_conn *conn;              /* owning connection */
-    kvc_pool *next;              /* conn's list of pools */
-    uint32_t pool_id;            /* daemon's id */
-    kv_layout layout;            /* derived fields filled by kv_layout_init */
-    uint32_t blocks_per_segment; /* from AttachPoolReply */
-    uint32_t max_segments;       /* capacity of segs[] and of the layer ranges */
-    uint32_t nsegs;              /* highest mapped index + 1 (slots below may be unmapped) */
-    kvc__segment *segs;          /* [max_segments] */
-    uint8_t **layer_base;        /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
-    uint64_t layer_range_bytes;  /* bytes reserved per (layer, kv) range */
-    kv_hash128 seed;             /* hash chain seed */
-    int hash_algo;               /* kv_hash_algo */
-    uint64_t epoch;              /* boot epoch it was attached under */
-    uint64_t session;            /* session it was attached in; its references die with it */
-    int need_map;                /* a reply announced segments we lack, or handed us a block in
-                                    one: MapSegments from our first unmapped slot */
-    struct kvc__gpu_pool *gpu;   /* GPU pools: device mappings (client/gpu_map.h); else NULL */
-    kvc_pool *owner;             /* linked pool: the attached pool that linked it; else NULL */
-    kvc_pool **linked;           /* attached pool: its linked pools in lookup order, or NULL */
-    uint32_t nlinked;            /* entries of linked */
-    int read_only;               /* the session may only read this pool (the commons) */
-    char domain[136];            /* "group:NAME", "commons", or the tenant (private pool) */
+    kvc_conn *conn;                /* owning connection */
+    kvc_pool *next;                /* conn's list of pools */
+    uint32_t pool_id;              /* daemon's id */
+    kv_layout layout;              /* derived fields filled by kv_layout_init */
+    uint32_t blocks_per_segment;   /* from AttachPoolReply */
+    uint32_t max_segments;         /* capacity of segs[] and of the layer ranges */
+    uint32_t nsegs;                /* highest mapped index + 1 (slots below may be unmapped) */
+    kvc__segment *segs;            /* [max_segments] */
+    uint8_t **layer_base;          /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
+    uint64_t layer_range_bytes;    /* bytes reserved per (layer, kv) range */
+    kv_hash128 seed;               /* hash chain seed */
+    int hash_algo;                 /* kv_hash_algo */
+    uint64_t epoch;                /* boot epoch it was attached under */
+    uint64_t session;              /* session it was attached in; its references die with it */
+    int need_map;                  /* a reply announced segments we lack, or handed us a block in
+                                      one: MapSegments from our first unmapped slot */
+    struct kvc__gpu_pool *gpu;     /* GPU pools: device mappings (client/gpu_map.h); else NULL */
+    kvc_pool *owner;               /* linked pool: the attached pool that linked it; else NULL */
+    kvc_pool **linked;             /* attached pool: its linked pools in lookup order, or NULL */
+    uint32_t nlinked;              /* entries of linked */
+    int read_only;                 /* the session may only read this pool (the commons) */
+    char domain[136];              /* "group:NAME", "commons", or the tenant (private pool) */
+    unsigned char device_uuid[16]; /* GPU pools: the UUID of kvd's GPU (AttachPoolReply) */
+    int has_device_uuid;           /* device_uuid was sent */
 };
 
 /* Request kinds, named for the reply they expect. */

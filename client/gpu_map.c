@@ -16,6 +16,8 @@
 typedef struct gpu_seg {
     kv_cu_deviceptr va;     /* VMM: reserved and mapped range; IPC: opened pointer; 0: none */
     uint64_t bytes;         /* size of the mapping */
+    uint64_t *parts;        /* VMM made of parts: [nparts] their sizes, mapped back to back */
+    size_t nparts;          /* entries of parts; 0: one allocation */
     int layers_mapped;      /* VMM: its sections are mapped into the layer ranges */
     uint8_t ipc_handle[64]; /* IPC: the handle it was opened from */
 } gpu_seg;
@@ -187,24 +189,52 @@ static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind) {
         free(g);
         return KV_ENOMEM;
     }
+    /* The device: the one of the caller's current context, else KVC_CUDA_DEVICE (default 0).
+     * The mappings always live in that device's primary context (retained here): IPC handles
+     * opened in another context (one of several per device) would be that context's only, and
+     * the engine's kernels run in the primary one. The caller's current context is left as it
+     * was (none stays none). */
     kv_cu_context cur = NULL;
-    if (driver.ctx_get_current(&cur) == KV_CU_SUCCESS && cur != NULL &&
-        driver.ctx_get_device(&g->dev) == KV_CU_SUCCESS) {
-        g->ctx = cur;
+    if (driver.ctx_get_current(&cur) != KV_CU_SUCCESS) {
+        cur = NULL;
+    }
+    kv_cuda_device d;
+    char why[256];
+    int have_dev = cur != NULL && driver.ctx_get_device(&g->dev) == KV_CU_SUCCESS;
+    kv_err drc;
+    if (have_dev) {
+        int ordinal = (int)g->dev;
+        drc = kv_cuda_device_open(&driver, ordinal, &d, why, sizeof(why));
     } else {
         const char *env = getenv("KVC_CUDA_DEVICE");
-        int ordinal = env != NULL ? atoi(env) : 0;
-        kv_cuda_device d;
-        char why[256];
-        if (kv_cuda_device_open(&driver, ordinal, &d, why, sizeof(why)) != KV_OK) {
-            free(g->segs);
-            free(g);
-            return kvc__fail(p->conn, KV_ENOGPU, "pool %u: %s", p->pool_id, why);
-        }
-        /* kv_cuda_device_open made it current; the caller had none, so leave it so. */
-        g->ctx = d.ctx;
-        g->dev = d.dev;
-        g->own_primary = 1;
+        drc = kv_cuda_device_open(&driver, env != NULL ? atoi(env) : 0, &d, why, sizeof(why));
+    }
+    driver.ctx_set_current(cur); /* kv_cuda_device_open made the primary context current */
+    if (drc != KV_OK) {
+        free(g->segs);
+        free(g);
+        return kvc__fail(p->conn, KV_ENOGPU, "pool %u: %s", p->pool_id, why);
+    }
+    g->ctx = d.ctx;
+    g->dev = d.dev;
+    g->own_primary = 1;
+    /* The daemon's segments live on one GPU: mapping them from another would work (over NVLink
+     * or PCIe) and quietly run attention at a fraction of its speed. */
+    const kvc_pool *o = kvc_pool_owner(p);
+    if (o->has_device_uuid && memcmp(o->device_uuid, d.uuid.bytes, 16) != 0) {
+        char mine[48], theirs[48];
+        kv_cu_uuid u;
+        memcpy(u.bytes, o->device_uuid, 16);
+        kv_cuda_uuid_str(&d.uuid, mine, sizeof(mine));
+        kv_cuda_uuid_str(&u, theirs, sizeof(theirs));
+        driver.primary_ctx_release(g->dev);
+        free(g->segs);
+        free(g);
+        return kvc__fail(p->conn, KV_ENOGPU,
+                         "pool %u lives on GPU %s (kvd --device), but this process uses GPU %s "
+                         "(device %d): run the worker on kvd's GPU (CUDA_VISIBLE_DEVICES / "
+                         "KVC_CUDA_DEVICE) or start kvd on this one",
+                         p->pool_id, theirs, mine, (int)d.dev);
     }
     kv_cu_alloc_prop prop;
     memset(&prop, 0, sizeof(prop));
@@ -239,7 +269,15 @@ static void unmap_seg(kvc_pool *p, gpu_pool *g, uint32_t seg) {
     }
     if (g->kind == KVD__MEMORY_KIND__CUDA_VMM) {
         unmap_sections(p, g, seg);
-        driver.mem_unmap(s->va, (size_t)s->bytes);
+        if (s->nparts == 0) {
+            driver.mem_unmap(s->va, (size_t)s->bytes);
+        }
+        uint64_t off = 0;
+        for (size_t k = 0; k < s->nparts; k++) {
+            driver.mem_unmap(s->va + off, (size_t)s->parts[k]); /* each mapping on its own */
+            off += s->parts[k];
+        }
+        free(s->parts);
         driver.mem_address_free(s->va, (size_t)s->bytes);
     } else {
         driver.ipc_close_mem_handle(s->va);
@@ -296,6 +334,120 @@ fail:
     }
     g->segs[seg].layers_mapped = 0;
     drop_gpu_layers(p, g);
+}
+
+/* Maps the allocation of fd (size bytes) at va (offset 0) and opens it to the device. */
+static kv_err map_part(kvc_pool *p, gpu_pool *g, uint32_t seg, int fd, kv_cu_deviceptr va,
+                       uint64_t bytes, kv_cu_mem_handle *h_out) {
+    kv_cu_mem_handle h;
+    kv_cu_result r =
+        driver.mem_import(&h, (void *)(intptr_t)fd, KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != KV_CU_SUCCESS) {
+        return cu_fail(p, r, "cuMemImportFromShareableHandle", seg);
+    }
+    r = driver.mem_map(va, (size_t)bytes, 0, h, 0);
+    if (r != KV_CU_SUCCESS) {
+        driver.mem_release(h);
+        return cu_fail(p, r, "cuMemMap", seg);
+    }
+    if (set_access(g, va, bytes) != KV_OK) {
+        driver.mem_unmap(va, (size_t)bytes);
+        driver.mem_release(h);
+        return kvc__fail(p->conn, KV_ESYS, "segment %u: cuMemSetAccess failed", seg);
+    }
+    *h_out = h;
+    return KV_OK;
+}
+
+/* A segment made of parts (one allocation per (layer, K|V) section, then the scales): each part
+ * is mapped at offset 0 of its own allocation, back to back for the segment view, and each
+ * section part once more into its layer tensor. No mapping at a non-zero offset, so layer
+ * tensors do not depend on what the driver allows there. */
+static kv_err map_vmm_parts(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, const int *fds,
+                            size_t nfds) {
+    const kv_layout *l = &p->layout;
+    uint64_t sum = 0;
+    for (size_t k = 0; k < s->n_part_bytes; k++) {
+        if (s->part_bytes[k] == 0 || s->part_bytes[k] % g->gran != 0) {
+            return kvc__fail(p->conn, KV_EPROTO, "segment %u: part %zu of %llu bytes", s->index, k,
+                             (unsigned long long)s->part_bytes[k]);
+        }
+        sum += s->part_bytes[k];
+    }
+    if (sum != s->bytes || s->fd_index + s->n_part_bytes > nfds) {
+        return kvc__fail(p->conn, KV_EPROTO,
+                         "segment %u: %zu parts of %llu bytes for a %llu-byte segment, %zu fds",
+                         s->index, s->n_part_bytes, (unsigned long long)sum,
+                         (unsigned long long)s->bytes, nfds);
+    }
+    if (g->layer_va == NULL && l->arrangement == KV_LAYER_MAJOR && p->nsegs == 0) {
+        reserve_gpu_layers(p, g, s->index + 1);
+    }
+    kv_cu_deviceptr va = 0;
+    kv_cu_result r = driver.mem_address_reserve(&va, (size_t)s->bytes, (size_t)g->gran, 0, 0);
+    if (r != KV_CU_SUCCESS) {
+        return cu_fail(p, r, "cuMemAddressReserve", s->index);
+    }
+    uint64_t stride = section_stride(p);
+    uint32_t nsec = l->arrangement == KV_LAYER_MAJOR ? l->num_layers * 2 : 0;
+    int layers = g->layer_va != NULL && (uint64_t)(s->index + 1) * stride <= g->layer_range_bytes &&
+                 nsec <= s->n_part_bytes;
+    uint64_t off = 0;
+    size_t done = 0;
+    kv_err rc = KV_OK;
+    for (; done < s->n_part_bytes; done++) {
+        kv_cu_mem_handle h = 0;
+        rc = map_part(p, g, s->index, fds[s->fd_index + done], va + off, s->part_bytes[done], &h);
+        if (rc != KV_OK) {
+            break;
+        }
+        if (layers && done < nsec) {
+            if (s->part_bytes[done] != (uint64_t)s->nblocks * l->kv_block_bytes) {
+                layers = 0; /* not one section a part: segment view only */
+            } else {
+                kv_cu_deviceptr dst = g->layer_va[done] + (uint64_t)s->index * stride;
+                if (driver.mem_map(dst, (size_t)s->part_bytes[done], 0, h, 0) != KV_CU_SUCCESS ||
+                    set_access(g, dst, s->part_bytes[done]) != KV_OK) {
+                    layers = 0;
+                } else {
+                    g->segs[s->index].layers_mapped = 1; /* unmap_sections undoes */
+                }
+            }
+        }
+        driver.mem_release(h); /* the mappings hold the memory now */
+        off += s->part_bytes[done];
+    }
+    gpu_seg *gs = &g->segs[s->index];
+    gs->va = va;
+    gs->bytes = s->bytes;
+    p->segs[s->index].nblocks = s->nblocks;
+    if (rc != KV_OK) {
+        /* Unmap what was mapped: the segment view part by part, then the layer sections. */
+        uint64_t o = 0;
+        for (size_t k = 0; k < done; k++) {
+            driver.mem_unmap(va + o, (size_t)s->part_bytes[k]);
+            o += s->part_bytes[k];
+        }
+        unmap_sections(p, g, s->index);
+        driver.mem_address_free(va, (size_t)s->bytes);
+        memset(gs, 0, sizeof(*gs));
+        return rc;
+    }
+    gs->parts = malloc(sizeof(*gs->parts) * s->n_part_bytes);
+    if (gs->parts == NULL) {
+        unmap_seg(p, g, s->index);
+        return kvc__fail(p->conn, KV_ENOMEM, "segment %u: out of memory", s->index);
+    }
+    memcpy(gs->parts, s->part_bytes, sizeof(*gs->parts) * s->n_part_bytes);
+    gs->nparts = s->n_part_bytes;
+    if (!layers && g->layer_va != NULL && l->arrangement == KV_LAYER_MAJOR) {
+        kvc__log(p->conn, KVC_LOG_WARN, "KVC-GPU-ALIGN",
+                 "pool %u segment %u: a layer section could not be mapped; layer tensors off, "
+                 "use kvc_pool_addr",
+                 p->pool_id, s->index);
+        drop_gpu_layers(p, g);
+    }
+    return KV_OK;
 }
 
 static kv_err map_vmm(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, int fd) {
@@ -401,8 +553,9 @@ kv_err kvc__gpu_map_segment(kvc_pool *p, const Kvd__Segment *s, const int *fds, 
     ctx_enter(g, &prev);
     /* The daemon freed this segment and grew a new one at the same index. */
     unmap_seg(p, g, s->index);
-    kv_err rc =
-        kind == KVD__MEMORY_KIND__CUDA_VMM ? map_vmm(p, g, s, fds[s->fd_index]) : map_ipc(p, g, s);
+    kv_err rc = kind == KVD__MEMORY_KIND__CUDA_IPC ? map_ipc(p, g, s)
+                : s->n_part_bytes > 0              ? map_vmm_parts(p, g, s, fds, nfds)
+                                                   : map_vmm(p, g, s, fds[s->fd_index]);
     ctx_leave(g, prev);
     if (rc != KV_OK) {
         return rc;

@@ -174,9 +174,13 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
     if (err != KV_OK) {
         return err;
     }
+    if (r->device_uuid.len == sizeof(p->device_uuid)) {
+        memcpy(p->device_uuid, r->device_uuid.data, sizeof(p->device_uuid));
+        p->has_device_uuid = 1;
+    }
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
-    if (err == KV_OK && r->n_segments == KVC__MAX_SEG_PER_REPLY) {
-        p->need_map = 1; /* more may follow: fetched once this reply is done */
+    if (err == KV_OK && (r->more_segments || r->n_segments == KVC__MAX_SEG_PER_REPLY)) {
+        p->need_map = 1; /* more follow: fetched once this reply is done */
     }
     return err;
 }
@@ -235,7 +239,9 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             const Kvd__MapSegmentsReply *r = env->map_segments_reply;
             kv_err err = kvc__pool_map_reply(op->pool, r->segments, r->n_segments, fds, nfds);
             if (err == KV_OK && op->nout != NULL) {
-                *op->nout = r->n_segments;
+                /* A full reply (200 segments, or fewer with more_segments: the fd limit) is one
+                 * of several: the caller asks again from its last index + 1. */
+                *op->nout = r->more_segments ? KVC__MAX_SEG_PER_REPLY : r->n_segments;
             }
             return err;
         }

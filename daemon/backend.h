@@ -9,13 +9,22 @@
 
 #include "common/kv_err.h"
 
-/* One memory object holding a run of blocks. */
+#define KVD_MAX_SEGMENT_PARTS 4096 /* allocations one segment may be made of */
+
+/* One segment: the memory of a run of blocks. Usually one memory object (one fd); a cuda-vmm
+ * segment of a LAYER_MAJOR pool is made of parts, one allocation per (layer, K|V) section plus
+ * one for the scales, mapped back to back, so that clients can map every section into its
+ * layer tensor at offset 0 of its own allocation (cuda.h says cuMemMap's offset "currently must
+ * be zero"; no driver's answer about non-zero offsets matters then). */
 typedef struct kvd_segment_mem {
     void *base;             /* daemon's own mapping (host) or device pointer (GPU); NULL if none */
-    int fd;                 /* shareable fd sent to clients (memfd, VMM fd), or -1 */
-    uint64_t bytes;         /* size of the object */
+    int fd;                 /* shareable fd sent to clients (memfd, VMM fd), or -1; parts: -1 */
+    uint64_t bytes;         /* size of the object (parts: their sum) */
     void *priv;             /* backend's own state */
     uint8_t ipc_handle[64]; /* CUDA_IPC backends: the exported cuIpcGetMemHandle bytes */
+    uint32_t nparts;        /* 0: one object (fd); else the allocations it is made of */
+    int *part_fds;          /* [nparts] their shareable fds, in address order */
+    uint64_t *part_bytes;   /* [nparts] their sizes; they add up to bytes */
 } kvd_segment_mem;
 
 /* kvd.MemoryKind numbers (proto/kvd.proto): how a backend's segments travel to clients. */
@@ -35,6 +44,18 @@ typedef struct kvd_backend_ops {
      * be a multiple of so that clients can map sections at offsets (CUDA VMM granularity).
      * NULL: the page size. A power of two. */
     uint64_t (*align)(void *ctx);
+    /* Optional: copies n bytes into (write) or out of (read) segment mem at byte offset off, and
+     * returns when the bytes are in place (a device copy is synchronized). NULL: the segment's
+     * base is host memory the daemon may touch directly (kvd_segment_write/read do). */
+    kv_err (*segment_write)(void *ctx, const kvd_segment_mem *mem, uint64_t off, const void *src,
+                            uint64_t n);
+    kv_err (*segment_read)(void *ctx, const kvd_segment_mem *mem, uint64_t off, void *dst,
+                           uint64_t n);
+    /* Optional: creates a segment of nparts allocations of part_bytes[i] bytes each, back to back
+     * (base covers them all); writes *out only on success. NULL where the backend has only
+     * whole segments. */
+    kv_err (*segment_alloc_parts)(void *ctx, const uint64_t *part_bytes, uint32_t nparts,
+                                  kvd_segment_mem *out);
     /* Releases the physical memory of a segment while the memory object, its fd and every
      * mapping of it (the daemon's and clients') stay valid; pages read as zeros afterwards and
      * fault in fresh when written. Pools park idle segments with it (kvd_pool_park). NULL where
@@ -43,6 +64,15 @@ typedef struct kvd_backend_ops {
      * KV_ESYS when the system refuses. */
     kv_err (*segment_discard)(void *ctx, kvd_segment_mem *mem);
 } kvd_backend_ops;
+
+/* Writes or reads n bytes of a segment at offset off through the backend: on GPU backends the
+ * base is a device address no host load may touch (the driver copies), on the others it is the
+ * daemon's own mapping. KV_EINVAL for a range outside the segment; backend errors pass through.
+ * Loop thread. */
+kv_err kvd_segment_write(const kvd_backend_ops *be, void *ctx, const kvd_segment_mem *mem,
+                         uint64_t off, const void *src, uint64_t n);
+kv_err kvd_segment_read(const kvd_backend_ops *be, void *ctx, const kvd_segment_mem *mem,
+                        uint64_t off, void *dst, uint64_t n);
 
 /* Plain malloc, fd = -1: for unit tests and benchmarks of the core. ctx is unused. */
 extern const kvd_backend_ops kvd_backend_malloc;

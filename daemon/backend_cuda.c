@@ -11,11 +11,17 @@
 
 #define IPC_ALIGN (2ull << 20) /* cuMemAlloc hands out 2 MiB pages for large allocations */
 
-/* cuda-vmm segment state: the allocation and the daemon's own mapping of it. */
+/* cuda-vmm segment state: its allocations (one, or one per part) and the daemon's own mapping
+ * of them back to back. */
 typedef struct vmm_seg {
-    kv_cu_mem_handle handle; /* cuMemCreate */
-    kv_cu_deviceptr va;      /* reserved and mapped range */
-    uint64_t bytes;          /* its size */
+    uint32_t n;               /* allocations */
+    kv_cu_mem_handle *handle; /* [n] cuMemCreate */
+    uint64_t *bytes;          /* [n] their sizes */
+    int *fds;                 /* [n] exported fds */
+    kv_cu_deviceptr va;       /* reserved range of total bytes */
+    uint64_t total;           /* sum of bytes */
+    uint32_t mapped;          /* allocations mapped into va so far */
+    uint32_t made;            /* allocations created so far */
 } vmm_seg;
 
 static kv_err driver_err(kvd_backend_cuda_ctx *c, kv_cu_result r, const char *what,
@@ -46,80 +52,159 @@ static kv_err zero(kvd_backend_cuda_ctx *c, kv_cu_deviceptr p, uint64_t bytes) {
     return r == KV_CU_SUCCESS ? KV_OK : driver_err(c, r, "zeroing", bytes);
 }
 
-static kv_err vmm_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out) {
-    kvd_backend_cuda_ctx *c = ctx;
-    if (bytes == 0) {
-        return KV_EINVAL;
+/* Undoes what vmm_make made of s (in reverse), and frees s. Context current. */
+static void vmm_unmake(kvd_backend_cuda_ctx *c, vmm_seg *s) {
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < s->mapped; i++) {
+        c->cu.mem_unmap(s->va + off, (size_t)s->bytes[i]);
+        off += s->bytes[i];
     }
+    if (s->va != 0) {
+        c->cu.mem_address_free(s->va, (size_t)s->total);
+    }
+    for (uint32_t i = 0; i < s->made; i++) {
+        if (s->fds[i] > 2) {
+            close(s->fds[i]);
+        }
+        c->cu.mem_release(s->handle[i]);
+    }
+    free(s->handle);
+    free(s->bytes);
+    free(s->fds);
+    free(s);
+}
+
+/* Creates n allocations of sizes[i] (granularity multiples), exports each as a POSIX fd and maps
+ * them back to back into one range the daemon reads and writes through; zeroes it. Unmapping
+ * drops only the daemon's use: the physical memory stays while an importer holds it. */
+static kv_err vmm_make(kvd_backend_cuda_ctx *c, const uint64_t *sizes, uint32_t n, vmm_seg **out) {
     kv_err rc = make_current(c);
     if (rc != KV_OK) {
         return rc;
     }
-    uint64_t size = round_up(bytes, c->align);
-    int fd = -1;
     vmm_seg *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         return KV_ENOMEM;
     }
-    s->bytes = size;
+    s->n = n;
+    s->handle = calloc(n, sizeof(*s->handle));
+    s->bytes = calloc(n, sizeof(*s->bytes));
+    s->fds = calloc(n, sizeof(*s->fds));
+    if (s->handle == NULL || s->bytes == NULL || s->fds == NULL) {
+        vmm_unmake(c, s);
+        return KV_ENOMEM;
+    }
     kv_cu_alloc_prop prop;
     memset(&prop, 0, sizeof(prop));
     prop.type = KV_CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.requested_handle_types = KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     prop.location.type = KV_CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = c->dev.dev;
-    kv_cu_result r = c->cu.mem_create(&s->handle, (size_t)size, &prop, 0);
-    if (r != KV_CU_SUCCESS) {
-        rc = driver_err(c, r, "cuMemCreate", size);
-        goto cleanup_state;
+    for (uint32_t i = 0; i < n; i++) {
+        s->bytes[i] = sizes[i];
+        s->total += sizes[i];
+        s->fds[i] = -1;
+        kv_cu_result r = c->cu.mem_create(&s->handle[i], (size_t)sizes[i], &prop, 0);
+        if (r != KV_CU_SUCCESS) {
+            rc = driver_err(c, r, "cuMemCreate", sizes[i]);
+            goto fail;
+        }
+        s->made++;
+        r = c->cu.mem_export(&s->fds[i], s->handle[i], KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                             0);
+        if (r != KV_CU_SUCCESS || s->fds[i] < 0) {
+            rc = driver_err(c, r, "cuMemExportToShareableHandle", sizes[i]);
+            goto fail;
+        }
     }
-    r = c->cu.mem_export(&fd, s->handle, KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-    if (r != KV_CU_SUCCESS || fd < 0) {
-        rc = driver_err(c, r, "cuMemExportToShareableHandle", size);
-        goto cleanup_handle;
-    }
-    r = c->cu.mem_address_reserve(&s->va, (size_t)size, (size_t)c->align, 0, 0);
+    kv_cu_result r = c->cu.mem_address_reserve(&s->va, (size_t)s->total, (size_t)c->align, 0, 0);
     if (r != KV_CU_SUCCESS) {
-        rc = driver_err(c, r, "cuMemAddressReserve", size);
-        goto cleanup_fd;
-    }
-    r = c->cu.mem_map(s->va, (size_t)size, 0, s->handle, 0);
-    if (r != KV_CU_SUCCESS) {
-        rc = driver_err(c, r, "cuMemMap", size);
-        goto cleanup_va;
+        s->va = 0;
+        rc = driver_err(c, r, "cuMemAddressReserve", s->total);
+        goto fail;
     }
     kv_cu_access_desc acc;
     memset(&acc, 0, sizeof(acc));
     acc.location.type = KV_CU_MEM_LOCATION_TYPE_DEVICE;
     acc.location.id = c->dev.dev;
     acc.flags = KV_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    r = c->cu.mem_set_access(s->va, (size_t)size, &acc, 1);
-    if (r != KV_CU_SUCCESS) {
-        rc = driver_err(c, r, "cuMemSetAccess", size);
-        goto cleanup_map;
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        /* Offset 0 of each allocation: what every driver supports. */
+        r = c->cu.mem_map(s->va + off, (size_t)s->bytes[i], 0, s->handle[i], 0);
+        if (r != KV_CU_SUCCESS) {
+            rc = driver_err(c, r, "cuMemMap", s->bytes[i]);
+            goto fail;
+        }
+        s->mapped++;
+        r = c->cu.mem_set_access(s->va + off, (size_t)s->bytes[i], &acc, 1);
+        if (r != KV_CU_SUCCESS) {
+            rc = driver_err(c, r, "cuMemSetAccess", s->bytes[i]);
+            goto fail;
+        }
+        rc = zero(c, s->va + off, s->bytes[i]);
+        if (rc != KV_OK) {
+            goto fail;
+        }
+        off += s->bytes[i];
     }
-    rc = zero(c, s->va, size);
-    if (rc != KV_OK) {
-        goto cleanup_map;
-    }
+    *out = s;
+    return KV_OK;
+fail:
+    vmm_unmake(c, s);
+    return rc;
+}
+
+static void vmm_out(kvd_backend_cuda_ctx *c, vmm_seg *s, int parts, kvd_segment_mem *out) {
     memset(out, 0, sizeof(*out));
     out->base = (void *)(uintptr_t)s->va;
-    out->fd = fd;
-    out->bytes = size;
+    out->bytes = s->total;
     out->priv = s;
+    out->fd = parts ? -1 : s->fds[0];
+    out->nparts = parts ? s->n : 0;
+    out->part_fds = parts ? s->fds : NULL;
+    out->part_bytes = parts ? s->bytes : NULL;
     c->segments++;
-    c->bytes += size;
-    return KV_OK;
-cleanup_map:
-    c->cu.mem_unmap(s->va, (size_t)size);
-cleanup_va:
-    c->cu.mem_address_free(s->va, (size_t)size);
-cleanup_fd:
-    close(fd);
-cleanup_handle:
-    c->cu.mem_release(s->handle);
-cleanup_state:
-    free(s);
+    c->bytes += s->total;
+}
+
+static kv_err vmm_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out) {
+    kvd_backend_cuda_ctx *c = ctx;
+    if (bytes == 0) {
+        return KV_EINVAL;
+    }
+    uint64_t size = round_up(bytes, c->align);
+    vmm_seg *s;
+    kv_err rc = vmm_make(c, &size, 1, &s);
+    if (rc == KV_OK) {
+        vmm_out(c, s, 0, out);
+    }
+    return rc;
+}
+
+static kv_err vmm_alloc_parts(void *ctx, const uint64_t *part_bytes, uint32_t nparts,
+                              kvd_segment_mem *out) {
+    kvd_backend_cuda_ctx *c = ctx;
+    if (nparts == 0 || nparts > KVD_MAX_SEGMENT_PARTS) {
+        return KV_EINVAL;
+    }
+    uint64_t *sizes = calloc(nparts, sizeof(*sizes));
+    if (sizes == NULL) {
+        return KV_ENOMEM;
+    }
+    for (uint32_t i = 0; i < nparts; i++) {
+        if (part_bytes[i] == 0) {
+            free(sizes);
+            return KV_EINVAL;
+        }
+        sizes[i] = round_up(part_bytes[i], c->align);
+    }
+    vmm_seg *s;
+    kv_err rc = vmm_make(c, sizes, nparts, &s);
+    free(sizes);
+    if (rc == KV_OK) {
+        vmm_out(c, s, 1, out);
+    }
     return rc;
 }
 
@@ -129,23 +214,13 @@ static void vmm_free(void *ctx, kvd_segment_mem *mem) {
         return;
     }
     vmm_seg *s = mem->priv;
-    if (make_current(c) == KV_OK) {
-        /* Unmapping drops the daemon's use; the physical memory stays while an importer holds
-         * it, so a client that still maps the segment keeps valid memory. */
-        c->cu.mem_unmap(s->va, (size_t)s->bytes);
-        c->cu.mem_address_free(s->va, (size_t)s->bytes);
-        c->cu.mem_release(s->handle);
-    }
-    if (mem->fd > 2) {
-        close(mem->fd);
-    }
     c->segments--;
-    c->bytes -= s->bytes;
-    free(s);
-    mem->priv = NULL;
-    mem->base = NULL;
+    c->bytes -= s->total;
+    if (make_current(c) == KV_OK) {
+        vmm_unmake(c, s);
+    }
+    memset(mem, 0, sizeof(*mem));
     mem->fd = -1;
-    mem->bytes = 0;
 }
 
 static kv_err ipc_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out) {
@@ -234,6 +309,31 @@ kv_err kvd_backend_cuda_sync(kvd_backend_cuda_ctx *ctx) {
     return KV_OK;
 }
 
+static kv_err cuda_seg_write(void *ctx, const kvd_segment_mem *mem, uint64_t off, const void *src,
+                             uint64_t n) {
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_err rc = make_current(c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.memcpy_htod((kv_cu_deviceptr)(uintptr_t)mem->base + off, src, (size_t)n);
+    if (r == KV_CU_SUCCESS) {
+        r = c->cu.ctx_synchronize(); /* the bytes are in place when this returns */
+    }
+    return r == KV_CU_SUCCESS ? KV_OK : driver_err(c, r, "cuMemcpyHtoD into", mem->bytes);
+}
+
+static kv_err cuda_seg_read(void *ctx, const kvd_segment_mem *mem, uint64_t off, void *dst,
+                            uint64_t n) {
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_err rc = make_current(c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.memcpy_dtoh(dst, (kv_cu_deviceptr)(uintptr_t)mem->base + off, (size_t)n);
+    return r == KV_CU_SUCCESS ? KV_OK : driver_err(c, r, "cuMemcpyDtoH out of", mem->bytes);
+}
+
 static uint64_t cuda_align(void *ctx) {
     const kvd_backend_cuda_ctx *c = ctx;
     return c->align;
@@ -245,6 +345,9 @@ const kvd_backend_ops kvd_backend_cuda_vmm = {
     .segment_free = vmm_free,
     .kind = KVD_MEM_CUDA_VMM,
     .align = cuda_align,
+    .segment_write = cuda_seg_write,
+    .segment_read = cuda_seg_read,
+    .segment_alloc_parts = vmm_alloc_parts,
     /* No segment_discard: clients import the whole allocation (one physical handle), which cannot
      * shrink while they hold it, so cuda-vmm pools never park and memory does not move between
      * them (a new pool gets ENOSPC once pool-memory is spent). */
@@ -257,6 +360,8 @@ const kvd_backend_ops kvd_backend_cuda_ipc = {
     .segment_free = ipc_free,
     .kind = KVD_MEM_CUDA_IPC,
     .align = cuda_align,
+    .segment_write = cuda_seg_write,
+    .segment_read = cuda_seg_read,
     /* No segment_discard: a cuMemAlloc block opened by clients with cuIpcOpenMemHandle cannot
      * release part of its memory, so cuda-ipc pools never park (see cuda-vmm). */
     .segment_discard = NULL,

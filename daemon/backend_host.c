@@ -58,6 +58,7 @@ static kv_err host_segment_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out
         rc = e == ENOMEM ? KV_ENOMEM : KV_ESYS;
         goto cleanup_fd;
     }
+    memset(out, 0, sizeof(*out));
     out->base = base;
     out->fd = fd;
     out->bytes = size;

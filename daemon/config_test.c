@@ -261,8 +261,7 @@ static void test_cross_checks(void **state) {
     assert_int_equal(kvd_config_set(&c, "max-frame-bytes", "64K", err, sizeof(err)), KV_OK);
     assert_int_equal(kvd_config_check(&c, err, sizeof(err)), KV_EINVAL);
     assert_non_null(strstr(err, "max-blocks-per-request"));
-    assert_int_equal(kvd_config_set(&c, "max-blocks-per-request", "2048", err, sizeof(err)),
-                     KV_OK);
+    assert_int_equal(kvd_config_set(&c, "max-blocks-per-request", "2048", err, sizeof(err)), KV_OK);
     assert_int_equal(kvd_config_check(&c, err, sizeof(err)), KV_OK);
     assert_int_equal(kvd_config_set(&c, "max-frame-bytes", "4096", err, sizeof(err)), KV_EINVAL);
 }

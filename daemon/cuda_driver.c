@@ -52,6 +52,7 @@ static const sym_row syms[] = {
     SYM(device_get, "cuDeviceGet", "CUDA 2.0"),
     SYM(device_get_attribute, "cuDeviceGetAttribute", "CUDA 2.0"),
     SYM(device_get_name, "cuDeviceGetName", "CUDA 2.0"),
+    SYM(device_get_uuid, "cuDeviceGetUuid_v2", "CUDA 11.4"),
     SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain", "CUDA 7.0"),
     SYM(primary_ctx_release, "cuDevicePrimaryCtxRelease_v2", "CUDA 11.0"),
     SYM(ctx_set_current, "cuCtxSetCurrent", "CUDA 4.0"),
@@ -118,10 +119,16 @@ void kv_cuda_unload(kv_cuda *cu) {
     if (cu == NULL) {
         return;
     }
-    if (cu->lib != NULL) {
-        dlclose(cu->lib);
-    }
+    /* No dlclose: cuInit ran (kv_cuda_load only returns an initialised table). */
     memset(cu, 0, sizeof(*cu));
+}
+
+const char *kv_cuda_uuid_str(const kv_cu_uuid *u, char *buf, size_t len) {
+    const unsigned char *b = u->bytes;
+    snprintf(buf, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+    return buf;
 }
 
 const char *kv_cuda_strerror(const kv_cuda *cu, kv_cu_result r, char *buf, size_t len) {
@@ -168,6 +175,9 @@ kv_err kv_cuda_device_open(const kv_cuda *cu, int ordinal, kv_cuda_device *out, 
     }
     if (cu->device_get_name(d.name, (int)sizeof(d.name), d.dev) != KV_CU_SUCCESS) {
         snprintf(d.name, sizeof(d.name), "device %d", ordinal);
+    }
+    if (cu->device_get_uuid(&d.uuid, d.dev) != KV_CU_SUCCESS) {
+        memset(&d.uuid, 0, sizeof(d.uuid));
     }
     r = cu->primary_ctx_retain(&d.ctx, d.dev);
     if (r != KV_CU_SUCCESS) {

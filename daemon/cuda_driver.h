@@ -77,6 +77,11 @@ typedef struct kv_cu_access_desc {
     int flags;                   /* KV_CU_MEM_ACCESS_FLAGS_* */
 } kv_cu_access_desc;
 
+/* CUuuid: 16 bytes naming one GPU (what nvidia-smi shows as GPU-xxxxxxxx-...). */
+typedef struct kv_cu_uuid {
+    unsigned char bytes[16];
+} kv_cu_uuid;
+
 /* CUipcMemHandle: passed by value. */
 typedef struct kv_cu_ipc_mem_handle {
     unsigned char reserved[KV_CU_IPC_HANDLE_SIZE]; /* opaque */
@@ -96,6 +101,7 @@ typedef struct kv_cuda {
     kv_cu_result (*device_get)(kv_cu_device *d, int ordinal);
     kv_cu_result (*device_get_attribute)(int *v, int attr, kv_cu_device d);
     kv_cu_result (*device_get_name)(char *name, int len, kv_cu_device d);
+    kv_cu_result (*device_get_uuid)(kv_cu_uuid *uuid, kv_cu_device d);
     kv_cu_result (*primary_ctx_retain)(kv_cu_context *ctx, kv_cu_device d);
     kv_cu_result (*primary_ctx_release)(kv_cu_device d);
     kv_cu_result (*ctx_set_current)(kv_cu_context ctx);
@@ -141,8 +147,9 @@ const char *kv_cuda_library_name(void);
  * afterwards and may be shared between threads. */
 kv_err kv_cuda_load(const char *lib, kv_cuda *out, char *why, size_t why_len);
 
-/* dlcloses the library and zeroes the table. Accepts NULL and a zeroed table. Call only after
- * every context and allocation made through it is gone. */
+/* Zeroes the table. The library stays loaded: a driver that ran cuInit is never unloaded (its
+ * threads and atexit handlers outlive any context, and unloading it under them is undefined), so
+ * a process that loads again gets the same library. Accepts NULL and a zeroed table. */
 void kv_cuda_unload(kv_cuda *cu);
 
 /* "CUDA_ERROR_OUT_OF_MEMORY (out of memory)" for r, in static or driver-owned storage; works
@@ -157,6 +164,7 @@ typedef struct kv_cuda_device {
     int vmm;              /* CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     int posix_fd;         /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
     uint64_t granularity; /* minimum VMM granularity of a POSIX-fd allocation there; 0 without */
+    kv_cu_uuid uuid;      /* cuDeviceGetUuid: which GPU this is, whatever its ordinal */
     char name[96];        /* cuDeviceGetName */
 } kv_cuda_device;
 
@@ -165,6 +173,10 @@ typedef struct kv_cuda_device {
  * or the context cannot be had. Writes *out only on success. */
 kv_err kv_cuda_device_open(const kv_cuda *cu, int ordinal, kv_cuda_device *out, char *why,
                            size_t why_len);
+
+/* The UUID as nvidia-smi prints it: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (buf >= 41 bytes).
+ * Any thread. */
+const char *kv_cuda_uuid_str(const kv_cu_uuid *u, char *buf, size_t len);
 
 /* Releases the primary context. Accepts NULL and a zeroed device (ctx NULL). */
 void kv_cuda_device_close(const kv_cuda *cu, kv_cuda_device *d);

@@ -14,6 +14,8 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -85,7 +87,10 @@ static void test_fake_driver(void **state) {
     kv_cuda_device d;
     assert_int_equal(kv_cuda_device_open(&cu, 0, &d, why, sizeof(why)), KV_OK);
     assert_true(d.vmm && d.posix_fd);
-    assert_int_equal(d.granularity, 64u << 10);
+    assert_int_equal(d.granularity, 2u << 20);
+    char ubuf[48];
+    assert_string_equal(kv_cuda_uuid_str(&d.uuid, ubuf, sizeof(ubuf)),
+                        "GPU-6b76642d-6661-6b65-2d67-70752d303030");
     assert_string_equal(d.name, "kvd fake GPU");
     kv_cuda_device other;
     assert_int_equal(kv_cuda_device_open(&cu, 3, &other, why, sizeof(why)), KV_ENOGPU);
@@ -94,6 +99,37 @@ static void test_fake_driver(void **state) {
     assert_string_equal(kv_cuda_strerror(&cu, KV_CU_ERROR_NO_DEVICE, buf, sizeof(buf)),
                         "CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)");
     assert_string_equal(kv_cuda_strerror(NULL, 7, buf, sizeof(buf)), "CUresult 7");
+    /* The strict fake is what a real driver is: device memory is not host memory, and work
+     * queued to the device completes at a synchronize. */
+    kv_cu_deviceptr p = 0;
+    assert_int_equal(cu.mem_alloc(&p, 1u << 20), KV_CU_SUCCESS);
+    uint8_t in[16] = "device bytes", out[16] = "";
+    assert_int_equal(cu.memcpy_htod(p, in, sizeof(in)), KV_CU_SUCCESS);
+    assert_int_equal(cu.memcpy_dtoh(out, p, sizeof(out)), KV_CU_SUCCESS); /* orders after it */
+    assert_memory_equal(in, out, sizeof(in));
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        /* A host load through a device pointer faults, as on a GPU (cmocka's handler off: the
+         * child must die of it). */
+        signal(SIGSEGV, SIG_DFL);
+        volatile uint8_t x = *(volatile uint8_t *)(uintptr_t)p;
+        (void)x;
+        _exit(0);
+    }
+    int st = 0;
+    assert_int_equal(waitpid(child, &st, 0), child);
+    assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV);
+    child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        /* CUDA state does not survive fork: the child must exec (or not use CUDA). */
+        int n = 0;
+        _exit(cu.device_get_count(&n) == KV_CU_ERROR_NOT_INITIALIZED ? 0 : 1);
+    }
+    assert_int_equal(waitpid(child, &st, 0), child);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_int_equal(cu.mem_free(p), KV_CU_SUCCESS);
     kv_cuda_device_close(&cu, &d);
     kv_cuda_unload(&cu);
     assert_null(cu.lib);
@@ -149,6 +185,24 @@ static void test_select(void **state) {
     assert_non_null(strstr(why, "device 5 does not exist"));
 }
 
+/* Imports a VMM fd and maps it (offset 0) as a client would; returns the device address. */
+static kv_cu_deviceptr import_map(kvd_backend_cuda_ctx *c, int fd, uint64_t bytes) {
+    kv_cu_mem_handle h;
+    assert_int_equal(
+        c->cu.mem_import(&h, (void *)(intptr_t)fd, KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        KV_CU_SUCCESS);
+    kv_cu_deviceptr va = 0;
+    assert_int_equal(c->cu.mem_address_reserve(&va, (size_t)bytes, 0, 0, 0), KV_CU_SUCCESS);
+    assert_int_equal(c->cu.mem_map(va, (size_t)bytes, 0, h, 0), KV_CU_SUCCESS);
+    kv_cu_access_desc acc;
+    memset(&acc, 0, sizeof(acc));
+    acc.location.type = KV_CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.flags = KV_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    assert_int_equal(c->cu.mem_set_access(va, (size_t)bytes, &acc, 1), KV_CU_SUCCESS);
+    assert_int_equal(c->cu.mem_release(h), KV_CU_SUCCESS);
+    return va;
+}
+
 static void test_vmm_segments(void **state) {
     (void)state;
     kvd_backend_cuda_ctx c;
@@ -157,25 +211,53 @@ static void test_vmm_segments(void **state) {
                      KV_OK);
     const kvd_backend_ops *be = &kvd_backend_cuda_vmm;
     assert_int_equal(be->kind, KVD_MEM_CUDA_VMM);
-    assert_int_equal(be->align(&c), 64u << 10);
+    assert_int_equal(be->align(&c), 2u << 20);
     kvd_segment_mem m;
     assert_int_equal(be->segment_alloc(&c, 0, &m), KV_EINVAL);
     assert_int_equal(be->segment_alloc(&c, 100000, &m), KV_OK);
-    assert_int_equal(m.bytes, 128u << 10); /* rounded to the granularity */
+    assert_int_equal(m.bytes, 2u << 20); /* rounded to the granularity */
     assert_true(m.fd > 2);
+    assert_int_equal(m.nparts, 0);
     assert_int_equal(c.segments, 1);
     /* The daemon's mapping is zeroed, and the exported fd is the same memory. */
-    uint8_t *base = m.base;
-    assert_int_equal(base[0], 0);
-    assert_int_equal(base[m.bytes - 1], 0);
-    base[12345] = 0xab;
-    uint8_t *other = mmap(NULL, m.bytes, PROT_READ, MAP_SHARED, m.fd, 0);
-    assert_true(other != MAP_FAILED);
-    assert_int_equal(other[12345], 0xab);
+    uint8_t b[2];
+    kv_cu_deviceptr base = (kv_cu_deviceptr)(uintptr_t)m.base;
+    assert_int_equal(c.cu.memcpy_dtoh(&b[0], base, 1), KV_CU_SUCCESS);
+    assert_int_equal(c.cu.memcpy_dtoh(&b[1], base + m.bytes - 1, 1), KV_CU_SUCCESS);
+    assert_int_equal(b[0] | b[1], 0);
+    uint8_t ab = 0xab;
+    assert_int_equal(c.cu.memcpy_htod(base + 12345, &ab, 1), KV_CU_SUCCESS);
+    assert_int_equal(c.cu.ctx_synchronize(), KV_CU_SUCCESS);
+    kv_cu_deviceptr other = import_map(&c, m.fd, m.bytes);
     /* Freeing in the daemon leaves an importer's mapping valid (memory is refcounted). */
     be->segment_free(&c, &m);
-    assert_int_equal(other[12345], 0xab);
-    munmap(other, 128u << 10);
+    assert_int_equal(c.cu.memcpy_dtoh(&b[0], other + 12345, 1), KV_CU_SUCCESS);
+    assert_int_equal(b[0], 0xab);
+    assert_int_equal(c.cu.mem_unmap(other, 2u << 20), KV_CU_SUCCESS);
+    assert_int_equal(c.cu.mem_address_free(other, 2u << 20), KV_CU_SUCCESS);
+    assert_int_equal(c.segments, 0);
+    /* A segment of parts: one allocation (and fd) each, back to back in the daemon's range. */
+    uint64_t parts[3] = {2u << 20, 2u << 20, 100};
+    assert_int_equal(be->segment_alloc_parts(&c, parts, 3, &m), KV_OK);
+    assert_int_equal(m.nparts, 3);
+    assert_int_equal(m.fd, -1);
+    assert_int_equal(m.bytes, 6u << 20);
+    assert_int_equal(m.part_bytes[2], 2u << 20);
+    base = (kv_cu_deviceptr)(uintptr_t)m.base;
+    uint8_t mark[3] = {1, 2, 3};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(c.cu.memcpy_htod(base + (uint64_t)k * (2u << 20) + 7, &mark[k], 1),
+                         KV_CU_SUCCESS);
+    }
+    assert_int_equal(c.cu.ctx_synchronize(), KV_CU_SUCCESS);
+    for (int k = 0; k < 3; k++) {
+        kv_cu_deviceptr q = import_map(&c, m.part_fds[k], 2u << 20);
+        assert_int_equal(c.cu.memcpy_dtoh(&b[0], q + 7, 1), KV_CU_SUCCESS);
+        assert_int_equal(b[0], mark[k]);
+        assert_int_equal(c.cu.mem_unmap(q, 2u << 20), KV_CU_SUCCESS);
+        assert_int_equal(c.cu.mem_address_free(q, 2u << 20), KV_CU_SUCCESS);
+    }
+    be->segment_free(&c, &m);
     assert_int_equal(c.segments, 0);
     kvd_segment_mem zero;
     memset(&zero, 0, sizeof(zero));
@@ -197,14 +279,19 @@ static void test_ipc_segments(void **state) {
     assert_int_equal(m.fd, -1);
     uint8_t zeros[64] = {0};
     assert_memory_not_equal(m.ipc_handle, zeros, 64);
-    ((uint8_t *)m.base)[777] = 0x42;
+    uint8_t v = 0x42;
+    assert_int_equal(c.cu.memcpy_htod((kv_cu_deviceptr)(uintptr_t)m.base + 777, &v, 1),
+                     KV_CU_SUCCESS);
+    assert_int_equal(c.cu.ctx_synchronize(), KV_CU_SUCCESS);
     /* Open the handle as a client would (here through the same driver table). */
     kv_cu_ipc_mem_handle h;
     memcpy(h.reserved, m.ipc_handle, 64);
     kv_cu_deviceptr p;
     assert_int_equal(c.cu.ipc_open_mem_handle(&p, h, KV_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                      KV_CU_SUCCESS);
-    assert_int_equal(((uint8_t *)(uintptr_t)p)[777], 0x42);
+    v = 0;
+    assert_int_equal(c.cu.memcpy_dtoh(&v, p + 777, 1), KV_CU_SUCCESS);
+    assert_int_equal(v, 0x42);
     assert_int_equal(c.cu.ipc_close_mem_handle(p), KV_CU_SUCCESS);
     be->segment_free(&c, &m);
     kvd_backend_cuda_close(&c);
@@ -237,8 +324,8 @@ static seg_query seg_state(harness *h, uint32_t pool_id, uint32_t seg) {
 static void start(harness *h, const char *backend) {
     kvd_test_server_init(h, "cuda-test");
     snprintf(h->cfg.backend, sizeof(h->cfg.backend), "%s", backend);
-    h->cfg.pool_memory = 16 << 20;
-    h->cfg.segment_bytes = 64 << 10;
+    h->cfg.pool_memory = 64 << 20;
+    h->cfg.segment_bytes = 2 << 20;
     h->cfg.index_entries = 4096;
     h->cfg.log_level = KV_LOG_ERROR;
     /* The server thread opens the backend before kvd_test_server_start returns. */
@@ -309,25 +396,40 @@ static void test_server_vmm(void **state) {
     Kvd__Envelope *keep;
     Kvd__AttachPoolReply *ar = hello_attach(fd, &keep, fds, &nfds);
     assert_true(ar->n_segments >= 1);
-    assert_int_equal(nfds, ar->n_segments);
     const Kvd__Segment *s0 = ar->segments[0];
     assert_int_equal(s0->kind, KVD__MEMORY_KIND__CUDA_VMM);
-    assert_int_equal(s0->bytes % (64u << 10), 0);
+    assert_int_equal(s0->bytes % (2u << 20), 0);
     assert_int_equal(s0->ipc_handle.len, 0);
-    /* Layer sections are granularity multiples: blocks_per_segment * kv_block_bytes. */
+    assert_int_equal(ar->device_uuid.len, 16);
+    /* A LAYER_MAJOR segment is one allocation per (layer, K|V) section, one fd each, so that a
+     * client maps each section at offset 0: 2 layers x K, V = 4 parts of one section each. */
     kv_layout lay;
     assert_int_equal(kv_layout_init(2, 2, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &lay), KV_OK);
-    assert_int_equal(((uint64_t)ar->blocks_per_segment * lay.kv_block_bytes) % (64u << 10), 0);
-    /* The fd is the daemon's allocation: what the daemon's mapping holds, we see. */
-    uint8_t *dev = h.srv->pools[0].pool != NULL
-                       ? (uint8_t *)kvd_pool_segment(h.srv->pools[0].pool, 0)->base
-                       : NULL;
-    assert_non_null(dev);
-    uint8_t *mine = mmap(NULL, s0->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[s0->fd_index], 0);
-    assert_true(mine != MAP_FAILED);
-    mine[4096] = 0x77;
-    assert_int_equal(dev[4096], 0x77);
-    munmap(mine, s0->bytes);
+    uint64_t section = (uint64_t)ar->blocks_per_segment * lay.kv_block_bytes;
+    assert_int_equal(section % (2u << 20), 0);
+    assert_int_equal(s0->n_part_bytes, 4);
+    size_t want_fds = 0;
+    for (size_t i = 0; i < ar->n_segments; i++) {
+        want_fds += ar->segments[i]->n_part_bytes;
+    }
+    assert_int_equal(nfds, want_fds);
+    for (size_t k = 0; k < 4; k++) {
+        assert_int_equal(s0->part_bytes[k], section);
+    }
+    /* Part 1 (layer 0's V) is the daemon's allocation: what we write through it, the daemon's
+     * mapping holds at the section's offset. */
+    kvd_backend_cuda_ctx *gpu = h.srv->backend_sel.cuda;
+    kv_cu_deviceptr dev =
+        (kv_cu_deviceptr)(uintptr_t)kvd_pool_segment(h.srv->pools[0].pool, 0)->base;
+    kv_cu_deviceptr mine = import_map(gpu, fds[s0->fd_index + 1], section);
+    uint8_t v = 0x77;
+    assert_int_equal(gpu->cu.memcpy_htod(mine + 4096, &v, 1), KV_CU_SUCCESS);
+    assert_int_equal(gpu->cu.ctx_synchronize(), KV_CU_SUCCESS);
+    v = 0;
+    assert_int_equal(gpu->cu.memcpy_dtoh(&v, dev + section + 4096, 1), KV_CU_SUCCESS);
+    assert_int_equal(v, 0x77);
+    assert_int_equal(gpu->cu.mem_unmap(mine, (size_t)section), KV_CU_SUCCESS);
+    assert_int_equal(gpu->cu.mem_address_free(mine, (size_t)section), KV_CU_SUCCESS);
     /* The session was sent segment 0; the rule for freeing holds for VMM anyway. */
     seg_query q = seg_state(&h, ar->pool_id, 0);
     assert_int_equal(q.mappers, 1);

@@ -410,12 +410,16 @@ static void check_announced(kvd_session_pool *sp, const kvd_block_ref *refs, siz
 #define check_announced(sp, refs, n, nsf) ((void)0)
 #endif
 
-/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first and slots[] with
- * their indexes; *nfds fds. kind is the backend's kvd.MemoryKind. Records nothing: the caller
- * marks them sent once the reply is queued. */
+/* Fills segs (capacity KVD_MAX_FDS_PER_FRAME) with the live segments >= first, as many as their
+ * fds fit one frame (KVD_MAX_FDS_PER_FRAME: one fd per segment, one per part for segments made
+ * of parts, none for CUDA_IPC), and fds with their fds in fd_index order; *nfds gets the count.
+ * kind is the backend's kvd.MemoryKind. Records nothing: the caller marks them sent once the
+ * reply is queued. */
 static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segment *segs,
-                                 Kvd__Segment **ptrs, int *fds, uint32_t kind) {
-    uint32_t n = 0;
+                                 Kvd__Segment **ptrs, int *fds, uint32_t *nfds, int *more,
+                                 uint32_t kind) {
+    uint32_t n = 0, nf = 0;
+    *more = 0;
     uint32_t slots = kvd_pool_segment_slots(sp->pool);
     const kvd_pool_config *pc = kvd_pool_config_get(sp->pool);
     for (uint32_t i = first; i < slots && n < KVD_MAX_FDS_PER_FRAME; i++) {
@@ -423,23 +427,40 @@ static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segm
         if (m == NULL) {
             continue;
         }
+        uint32_t need = kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : m->nparts > 0 ? m->nparts : 1;
+        if (nf + need > KVD_MAX_FDS_PER_FRAME) {
+            *more = 1; /* the next reply: the client asks from here */
+            break;
+        }
         kvd__segment__init(&segs[n]);
         segs[n].index = i;
         segs[n].nblocks = pc->blocks_per_segment;
         segs[n].bytes = m->bytes;
         segs[n].kind = (Kvd__MemoryKind)kind;
-        segs[n].fd_index = n;
+        segs[n].fd_index = nf;
         if (segs[n].kind == KVD__MEMORY_KIND__CUDA_IPC) {
             /* No fd travels (send_segments_reply sends none): the handle names the memory. */
             segs[n].ipc_handle.len = sizeof(m->ipc_handle);
             segs[n].ipc_handle.data = (uint8_t *)m->ipc_handle;
         }
+        if (m->nparts > 0) {
+            segs[n].n_part_bytes = m->nparts;
+            segs[n].part_bytes = m->part_bytes;
+            for (uint32_t k = 0; k < m->nparts; k++) {
+                fds[nf++] = m->part_fds[k];
+            }
+        } else if (need == 1) {
+            fds[nf++] = m->fd;
+        }
         /* The commons is written only by the daemon (promotions); every tenant reads it. */
         segs[n].read_only = pc->domain == KVD_DOMAIN_COMMONS;
-        fds[n] = m->fd;
         ptrs[n] = &segs[n];
         n++;
     }
+    for (uint32_t i = first + n; !*more && n > 0 && i < slots; i++) {
+        *more = kvd_pool_segment(sp->pool, i) != NULL && i > segs[n - 1].index;
+    }
+    *nfds = nf;
     return n;
 }
 
@@ -521,7 +542,7 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
     Kvd__LinkedPool *links = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*links));
     Kvd__LinkedPool **link_ptrs = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*link_ptrs));
     char(*lnames)[KVD_TENANT_NAME_MAX + 8] = calloc(KVD_MAX_DOMAINS_PER_TENANT, sizeof(*lnames));
-    uint32_t n = 0, nro = 0, nlinks = 0;
+    uint32_t n = 0, nfds = 0, nro = 0, nlinks = 0;
     kv_err rc = KV_ENOMEM;
     if (segs == NULL || ptrs == NULL || fds == NULL || ro_fds == NULL || links == NULL ||
         link_ptrs == NULL || lnames == NULL) {
@@ -530,17 +551,18 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
     if (kvd_session_pool_reserve(sp, kvd_pool_segment_slots(sp->pool)) != KV_OK) {
         goto cleanup;
     }
-    n = collect_segments(sp, first, segs, ptrs, fds,
+    int more = 0;
+    n = collect_segments(sp, first, segs, ptrs, fds, &nfds, &more,
                          c->srv->be->kind != KVD_MEM_NONE ? c->srv->be->kind : KVD_MEM_HOST_MEMFD);
     /* Segments the session may only read travel as fds that cannot be mapped writable. */
     for (uint32_t i = 0; i < n; i++) {
         /* GPU memory cannot be handed out read-only: there read_only is advisory (docs/GPU.md). */
         if (segs[i].read_only && segs[i].kind == KVD__MEMORY_KIND__HOST_MEMFD) {
-            rc = kvd_tenancy_ro_fd(fds[i], &ro_fds[nro]);
+            rc = kvd_tenancy_ro_fd(fds[segs[i].fd_index], &ro_fds[nro]);
             if (rc != KV_OK) {
                 goto cleanup;
             }
-            fds[i] = ro_fds[nro++];
+            fds[segs[i].fd_index] = ro_fds[nro++];
         }
     }
     for (uint32_t i = 0; attach && i < p->nlinks; i++) {
@@ -592,16 +614,22 @@ static kv_err send_segments_reply(kvd_conn *c, uint64_t id, kvd_session_pool *sp
         ar.max_segments = max_segs > 0 ? max_segs : 1;
         ar.n_linked = nlinks;
         ar.linked = link_ptrs;
+        ar.more_segments = more;
+        if (c->srv->backend_sel.cuda != NULL) {
+            ar.device_uuid.data = c->srv->backend_sel.cuda->dev.uuid.bytes;
+            ar.device_uuid.len = sizeof(c->srv->backend_sel.cuda->dev.uuid.bytes);
+        }
         env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;
         env.attach_pool_reply = &ar;
     } else {
         mr.n_segments = n;
         mr.segments = ptrs;
+        mr.more_segments = more;
         env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY;
         env.map_segments_reply = &mr;
     }
     /* CUDA_IPC segments carry handle bytes instead of fds. */
-    rc = kvd_conn_send(c, &env, fds, n > 0 && segs[0].kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : n);
+    rc = kvd_conn_send(c, &env, fds, nfds);
     if (rc == KV_OK) {
         for (uint32_t i = 0; i < n; i++) {
             kvd_session_pool_mark_sent(sp, segs[i].index);
@@ -1046,8 +1074,7 @@ static kv_err check_held(kvd_session_pool *sp, kvd_block_ref r, uint32_t times, 
                          size_t i, char *msg) {
     kvd_block_info info;
     if (kvd_pool_block_info(sp->pool, r.id, &info) != KV_OK) {
-        FAIL(KV_ENOENT, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id,
-             sp->pool_id);
+        FAIL(KV_ENOENT, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id, sp->pool_id);
     }
     uint32_t gen = 0;
     uint32_t held = kvd_refs_count(&sp->refs, r.id, &gen);
@@ -1055,8 +1082,8 @@ static kv_err check_held(kvd_session_pool *sp, kvd_block_ref r, uint32_t times, 
         FAIL(KV_EPERM, "%s[%zu]: block %u is not held by this session", what, i, r.id);
     }
     if (gen != r.gen) {
-        FAIL(KV_ESTALE, "%s[%zu]: block %u generation %u is stale (this session holds %u)", what,
-             i, r.id, r.gen, gen);
+        FAIL(KV_ESTALE, "%s[%zu]: block %u generation %u is stale (this session holds %u)", what, i,
+             r.id, r.gen, gen);
     }
     if (held < times) {
         FAIL(KV_EPERM, "%s[%zu]: block %u is held %u times by this session, not %u", what, i, r.id,

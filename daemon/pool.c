@@ -809,7 +809,23 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
         return err;
     }
     kvd_segment_mem mem;
-    err = p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(&p->cfg.layout, p->bps), &mem);
+    memset(&mem, 0, sizeof(mem)); /* backends fill what they have; the rest (parts) stays 0 */
+    const kv_layout *l = &p->cfg.layout;
+    uint32_t nparts = l->num_layers * 2 + (l->scale_bytes != 0);
+    if (p->be->segment_alloc_parts != NULL && l->arrangement == KV_LAYER_MAJOR &&
+        nparts <= KVD_SEGMENT_PARTS_MAX) {
+        /* One allocation per (layer, K|V) section, then the scales: see kvd_segment_mem. */
+        uint64_t sizes[KVD_SEGMENT_PARTS_MAX];
+        for (uint32_t i = 0; i < l->num_layers * 2; i++) {
+            sizes[i] = (uint64_t)p->bps * l->kv_block_bytes;
+        }
+        if (l->scale_bytes != 0) {
+            sizes[nparts - 1] = (uint64_t)p->bps * l->scale_bytes;
+        }
+        err = p->be->segment_alloc_parts(p->be_ctx, sizes, nparts, &mem);
+    } else {
+        err = p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(l, p->bps), &mem);
+    }
     if (err != KV_OK) {
         KV_LOG(WARN, "KVD-POOL-GROW", "pool %u: backend %s could not create a segment: %s",
                p->cfg.pool_id, p->be->name, kv_strerror(err));

@@ -38,6 +38,10 @@
 #define KVD_NO_BLOCK UINT32_MAX /* "no parent" and list terminator */
 #define KVD_MAX_TENANTS 4096    /* tenant ids are 0..KVD_MAX_TENANTS-1 */
 #define KVD_MAX_SEGMENTS 4096   /* segments per pool */
+/* A LAYER_MAJOR pool on a backend with segment_alloc_parts makes each segment of one allocation
+ * per section (and the scales) while they fit one reply's fds with room to spare (models of up
+ * to 99 layers); deeper models get whole segments, whose sections clients map at offsets. */
+#define KVD_SEGMENT_PARTS_MAX 199
 
 typedef struct kvd_pool kvd_pool;
 

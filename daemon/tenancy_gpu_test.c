@@ -1,7 +1,8 @@
 /* tenancy_gpu_test: promotion into a GPU commons, on a real in-process server whose backend is
- * cuda-vmm or cuda-ipc on the test driver (daemon/fake_cuda.c: "device memory" is host memory,
- * so the daemon's real device-copy path, cuMemcpyDtoD through the dlopen'd table, runs and the
- * test checks bytes with plain loads). Three token tenants write and commit the same two-block
+ * cuda-vmm or cuda-ipc on the test driver (daemon/fake_cuda.c: the daemon's real device-copy
+ * path, cuMemcpyDtoD through the dlopen'd table, runs; device memory is reached only through the
+ * driver's copies, as on a GPU, so the test reads and writes segments through host staging
+ * buffers). Three token tenants write and commit the same two-block
  * prefix in their private pools; a fourth then hits it in the commons, and every K/V run and
  * every scale of the commons blocks equals what the writers wrote. For layer-major and
  * block-major pools, fp16 and int8 (per-head float scales). */
@@ -26,6 +27,7 @@
 #include "daemon/backend.h"
 #include "daemon/config.h"
 #include "daemon/cuda_driver.h"
+#include "daemon/selftest.h"
 #include "daemon/server.h"
 #include "daemon/testing/raw_client.h"
 
@@ -97,10 +99,11 @@ static void start(kvd_test_server *ts, const char *backend) {
     snprintf(ts->cfg.tenants_file, sizeof(ts->cfg.tenants_file), "%s/tenants", ts->dir);
     snprintf(ts->cfg.backend, sizeof(ts->cfg.backend), "%s", backend);
     ts->cfg.pool_memory = 256ull << 20;
-    ts->cfg.segment_bytes = 64 << 10;
+    ts->cfg.segment_bytes = 2 << 20;
     ts->cfg.index_entries = 4096;
     ts->cfg.log_level = KV_LOG_WARN;
-    /* The server thread opens the backend before kvd_test_server_start returns. */
+    /* The server thread opens the backend before kvd_test_server_start returns (in this process:
+     * the test thread uses the same, already initialised driver). */
     setenv("KV_CUDA_LIBRARY", fake_path, 1);
     kvd_test_server_start(ts);
     unsetenv("KV_CUDA_LIBRARY");
@@ -155,45 +158,87 @@ static int hello_as(kvd_test_server *ts, const char *name) {
     return fd;
 }
 
-/* A segment mapped into this process as a client would: the VMM fd mmap'd (the test driver's
- * allocation is a memfd), or the IPC handle opened through the driver. */
+/* A segment mapped into this process as a client would, through the driver: VMM parts (or the
+ * one allocation) imported and mapped back to back at offset 0, or the IPC handle opened. The
+ * bytes are reached with cuMemcpyHtoD / cuMemcpyDtoH into the host image `host`. */
 typedef struct mapped {
-    uint8_t *p;     /* NULL: not mapped */
-    uint64_t bytes; /* its size */
-    int ipc;        /* opened with cuIpcOpenMemHandle */
+    kv_cu_deviceptr va; /* 0: not mapped */
+    uint64_t bytes;     /* its size */
+    int ipc;            /* opened with cuIpcOpenMemHandle */
+    uint64_t parts[64]; /* VMM: sizes of the mappings, in address order */
+    size_t nparts;      /* entries of parts */
+    uint8_t *host;      /* host image of the segment (seg_pull / seg_push) */
 } mapped;
 
+static void set_rw(kv_cu_deviceptr va, uint64_t bytes) {
+    kv_cu_access_desc acc;
+    memset(&acc, 0, sizeof(acc));
+    acc.location.type = KV_CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.flags = KV_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    assert_int_equal(cu.mem_set_access(va, (size_t)bytes, &acc, 1), KV_CU_SUCCESS);
+}
+
 static mapped map_segment(const Kvd__Segment *s, const int *fds, size_t nfds, int expect_kind) {
-    mapped m = {NULL, s->bytes, 0};
+    mapped m;
+    memset(&m, 0, sizeof(m));
+    m.bytes = s->bytes;
     assert_int_equal(s->kind, expect_kind);
     if (s->kind == KVD__MEMORY_KIND__CUDA_VMM) {
-        assert_true(s->fd_index < nfds);
-        void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[s->fd_index], 0);
-        assert_true(p != MAP_FAILED);
-        m.p = p;
+        size_t n = s->n_part_bytes > 0 ? s->n_part_bytes : 1;
+        assert_true(n <= 64 && s->fd_index + n <= nfds);
+        assert_int_equal(cu.mem_address_reserve(&m.va, (size_t)s->bytes, 0, 0, 0), KV_CU_SUCCESS);
+        uint64_t off = 0;
+        for (size_t k = 0; k < n; k++) {
+            uint64_t len = s->n_part_bytes > 0 ? s->part_bytes[k] : s->bytes;
+            kv_cu_mem_handle h;
+            assert_int_equal(cu.mem_import(&h, (void *)(intptr_t)fds[s->fd_index + k],
+                                           KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                             KV_CU_SUCCESS);
+            assert_int_equal(cu.mem_map(m.va + off, (size_t)len, 0, h, 0), KV_CU_SUCCESS);
+            set_rw(m.va + off, len);
+            assert_int_equal(cu.mem_release(h), KV_CU_SUCCESS);
+            m.parts[m.nparts++] = len;
+            off += len;
+        }
     } else {
         assert_int_equal(s->ipc_handle.len, KV_CU_IPC_HANDLE_SIZE);
         kv_cu_ipc_mem_handle h;
         memcpy(h.reserved, s->ipc_handle.data, KV_CU_IPC_HANDLE_SIZE);
-        kv_cu_deviceptr p = 0;
-        assert_int_equal(cu.ipc_open_mem_handle(&p, h, KV_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+        assert_int_equal(cu.ipc_open_mem_handle(&m.va, h, KV_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                          KV_CU_SUCCESS);
-        m.p = (uint8_t *)(uintptr_t)p;
         m.ipc = 1;
     }
+    m.host = calloc(1, (size_t)m.bytes);
+    assert_non_null(m.host);
     return m;
 }
 
+/* Device -> host image, and back (synchronized: the daemon reads it next). */
+static void seg_pull(mapped *m) {
+    assert_int_equal(cu.memcpy_dtoh(m->host, m->va, (size_t)m->bytes), KV_CU_SUCCESS);
+}
+
+static void seg_push(mapped *m) {
+    assert_int_equal(cu.memcpy_htod(m->va, m->host, (size_t)m->bytes), KV_CU_SUCCESS);
+    assert_int_equal(cu.ctx_synchronize(), KV_CU_SUCCESS);
+}
+
 static void unmap_segment(mapped *m) {
-    if (m->p == NULL) {
+    if (m->va == 0) {
         return;
     }
     if (m->ipc) {
-        assert_int_equal(cu.ipc_close_mem_handle((kv_cu_deviceptr)(uintptr_t)m->p), KV_CU_SUCCESS);
+        assert_int_equal(cu.ipc_close_mem_handle(m->va), KV_CU_SUCCESS);
     } else {
-        munmap(m->p, m->bytes);
+        uint64_t off = 0;
+        for (size_t k = 0; k < m->nparts; k++) {
+            assert_int_equal(cu.mem_unmap(m->va + off, (size_t)m->parts[k]), KV_CU_SUCCESS);
+            off += m->parts[k];
+        }
+        assert_int_equal(cu.mem_address_free(m->va, (size_t)m->bytes), KV_CU_SUCCESS);
     }
-    m->p = NULL;
+    free(m->host);
+    m->va = 0;
 }
 
 typedef struct tenant_view {
@@ -319,9 +364,13 @@ static void put_prefix(tenant_view *t, const kv_layout *l) {
         br[i].gen = r->allocate_reply->blocks[i]->gen;
         pbr[i] = &br[i];
         assert_true(br[i].id < t->bps); /* segment 0, which we mapped */
-        fill_block(t->seg0.p, l, t->bps, br[i].id, i);
     }
     kv_wire_free(r);
+    seg_pull(&t->seg0);
+    for (size_t i = 0; i < NBLOCKS; i++) {
+        fill_block(t->seg0.host, l, t->bps, br[i].id, i);
+    }
+    seg_push(&t->seg0); /* written and synchronized before the Commit */
     Kvd__Envelope c = KVD__ENVELOPE__INIT;
     Kvd__Commit cm = KVD__COMMIT__INIT;
     Kvd__CommitEntry ent[NBLOCKS];
@@ -394,7 +443,8 @@ static mapped map_commons(tenant_view *t, uint32_t seg, int kind) {
     size_t nfds = 0;
     Kvd__Envelope *r = rpc_fds(t->fd, &e, fds, &nfds);
     assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY);
-    mapped m = {NULL, 0, 0};
+    mapped m;
+    memset(&m, 0, sizeof(m));
     for (size_t i = 0; i < r->map_segments_reply->n_segments; i++) {
         const Kvd__Segment *s = r->map_segments_reply->segments[i];
         if (s->index == seg) {
@@ -402,7 +452,7 @@ static mapped map_commons(tenant_view *t, uint32_t seg, int kind) {
             m = map_segment(s, fds, nfds, kind);
         }
     }
-    assert_non_null(m.p);
+    assert_true(m.va != 0);
     for (size_t i = 0; i < nfds; i++) {
         close(fds[i]);
     }
@@ -452,7 +502,8 @@ static void run_case(const char *backend, kv_dtype dtype, kv_arrangement arr) {
     for (size_t i = 0; i < NBLOCKS; i++) {
         assert_int_equal(pools[i], t[3].commons);
         mapped m = map_commons(&t[3], hit[i].id / t[3].cbps, kind);
-        check_block(m.p, &l, t[3].cbps, hit[i].id % t[3].cbps, i);
+        seg_pull(&m);
+        check_block(m.host, &l, t[3].cbps, hit[i].id % t[3].cbps, i);
         unmap_segment(&m);
     }
     for (int i = 0; i < 4; i++) {
@@ -492,11 +543,36 @@ static void test_ipc_block_major_fp16(void **state) {
     run_case("cuda-ipc", KV_DTYPE_FP16, KV_BLOCK_MAJOR);
 }
 
+static void run_selftest_on_loop(kvd_server *s, void *arg) {
+    static char report[2048];
+    *(kv_err *)arg = kvd_selftest_isolation(s, report, sizeof(report));
+    if (*(kv_err *)arg != KV_OK) {
+        fprintf(stderr, "%s\n", report);
+    }
+}
+
+/* `kvctl selftest isolation` on a GPU backend: the self-test writes and reads block bytes through
+ * the backend (segment bases are device addresses there; it used to memset them from the host,
+ * which on a GPU machine is a SIGSEGV of kvd). */
+static void test_selftest_on_gpu(void **state) {
+    (void)state;
+    const char *backends[] = {"cuda-vmm", "cuda-ipc"};
+    for (int i = 0; i < 2; i++) {
+        kvd_test_server ts;
+        start(&ts, backends[i]);
+        kv_err rc = KV_EINTERNAL;
+        kvd_test_server_call(&ts, run_selftest_on_loop, &rc);
+        assert_int_equal(rc, KV_OK);
+        stop(&ts);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vmm_layer_major_fp16), cmocka_unit_test(test_vmm_block_major_fp16),
         cmocka_unit_test(test_vmm_layer_major_int8), cmocka_unit_test(test_vmm_block_major_int8),
         cmocka_unit_test(test_ipc_layer_major_int8), cmocka_unit_test(test_ipc_block_major_fp16),
+        cmocka_unit_test(test_selftest_on_gpu),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -25,8 +25,14 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+backend=host  # pinned: on a GPU machine `auto` would give device memory the CPU cannot touch
+gpu=0
+if [ "${1:-}" = --gpu ]; then
+    backend=cuda-vmm
+    gpu=1
+fi
 sock="$tmp/kvd.sock"
-"$KVD" --socket="$sock" --log-level=warn &
+"$KVD" --socket="$sock" --log-level=warn --backend="$backend" &
 kvd_pid=$!
 for _ in $(seq 1 100); do
     [ -S "$sock" ] && break
@@ -34,16 +40,16 @@ for _ in $(seq 1 100); do
     sleep 0.1
 done
 [ -S "$sock" ] || { echo "demo: kvd did not create $sock" >&2; exit 1; }
-echo "kvd running (pid $kvd_pid) on $sock"
+echo "kvd running (pid $kvd_pid) on $sock, backend $backend"
 
 PREFIX=512   # 32 blocks of 16 tokens shared by all three workers
 SUFFIX=100
 "$WORKER" --socket "$sock" --name A --prefix $PREFIX --suffix $SUFFIX --suffix-seed 1 \
-    --expect-hit-blocks 0
+    --expect-hit-blocks 0 --gpu $gpu
 "$WORKER" --socket "$sock" --name B --prefix $PREFIX --suffix $SUFFIX --suffix-seed 2 \
-    --expect-hit-blocks $((PREFIX / 16))
+    --expect-hit-blocks $((PREFIX / 16)) --gpu $gpu
 "$WORKER" --socket "$sock" --name C --prefix $PREFIX --suffix $SUFFIX --suffix-seed 3 \
-    --expect-hit-blocks $((PREFIX / 16))
+    --expect-hit-blocks $((PREFIX / 16)) --gpu $gpu
 
 kill -TERM "$kvd_pid"
 wait "$kvd_pid" || { echo "demo: kvd exited with an error" >&2; exit 1; }

@@ -6,15 +6,20 @@
  * commits the full blocks and releases the sequence. K/V values are a pure function of
  * (token id, position, layer, K|V, head, dim), so any worker can verify any other's bytes.
  * Exit status: 0 when every byte matched and the hit count is what --expect-hit-blocks says.
+ * With --gpu 1 the pool is GPU memory (kvd --backend=cuda-vmm or cuda-ipc): the worker reaches it
+ * as an engine would, through the CUDA driver (cuMemcpyDtoH / cuMemcpyHtoD of each block's
+ * (layer, K|V) run; device addresses are never touched from the host), and synchronizes before
+ * it commits, so its writes are in device memory before any other worker can hit them.
  *
  *   demo_worker --socket PATH --name B --prefix 512 --suffix 100 --suffix-seed 2
- *               [--expect-hit-blocks 32]
+ *               [--expect-hit-blocks 32] [--gpu 1]
  */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/cuda_driver.h"
 #include "kvclient.h"
 
 #define LAYERS 4
@@ -62,11 +67,49 @@ static uint16_t *elem(const kvc_pool *p, const kvc_seq *s, uint32_t pos, uint32_
     return kvc_pool_addr(p, b.id, layer, kv, pos % TPB, head);
 }
 
+/* The GPU mode's driver (loaded once, device 0's primary context current). */
+static kv_cuda cu;
+
+/* Verifies (pos < cached) and writes (cached <= pos < n) the K/V of one (block, layer, kv) run
+ * through a host copy: the run is kv_block_bytes of device memory at dev. */
+static int gpu_run(uint8_t *dev, const kvc_pool *p, const uint32_t *prompt, uint32_t first,
+                   uint32_t cached, uint32_t n, uint32_t layer, int kv, uint64_t *checked,
+                   uint64_t *bad) {
+    const kv_layout *l = kvc_pool_layout(p);
+    uint16_t run[TPB * HEADS * DIM];
+    if (cu.memcpy_dtoh(run, (kv_cu_deviceptr)(uintptr_t)dev, l->kv_block_bytes) != KV_CU_SUCCESS) {
+        return -1;
+    }
+    int dirty = 0;
+    for (uint32_t t = 0; t < TPB && first + t < n; t++) {
+        uint32_t pos = first + t;
+        for (uint32_t h = 0; h < HEADS; h++) {
+            uint16_t *e = run + ((uint64_t)t * HEADS + h) * DIM;
+            for (uint32_t d = 0; d < DIM; d++) {
+                uint16_t want = kv_value(prompt[pos], pos, layer, kv, h, d);
+                if (pos < cached) {
+                    *bad += e[d] != want;
+                    *checked += sizeof(uint16_t);
+                } else {
+                    e[d] = want;
+                    dirty = 1;
+                }
+            }
+        }
+    }
+    if (dirty &&
+        cu.memcpy_htod((kv_cu_deviceptr)(uintptr_t)dev, run, l->kv_block_bytes) != KV_CU_SUCCESS) {
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *sock = NULL;
     const char *name = "worker";
     uint32_t prefix = 512, suffix = 100, seed = 1;
     long expect_hits = -1;
+    int gpu = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--socket") == 0) {
             sock = argv[i + 1];
@@ -80,10 +123,21 @@ int main(int argc, char **argv) {
             seed = (uint32_t)strtoul(argv[i + 1], NULL, 10);
         } else if (strcmp(argv[i], "--expect-hit-blocks") == 0) {
             expect_hits = strtol(argv[i + 1], NULL, 10);
+        } else if (strcmp(argv[i], "--gpu") == 0) {
+            gpu = atoi(argv[i + 1]) != 0;
         } else {
             fprintf(stderr, "usage: demo_worker --socket PATH [--name N] [--prefix T] "
-                            "[--suffix T] [--suffix-seed S] [--expect-hit-blocks B]\n");
+                            "[--suffix T] [--suffix-seed S] [--expect-hit-blocks B] [--gpu 1]\n");
             return 2;
+        }
+    }
+    if (gpu) {
+        char why[256];
+        kv_cuda_device dev;
+        if (kv_cuda_load(NULL, &cu, why, sizeof(why)) != KV_OK ||
+            kv_cuda_device_open(&cu, 0, &dev, why, sizeof(why)) != KV_OK) {
+            fprintf(stderr, "[%s] --gpu: %s\n", name, why);
+            return 1;
         }
     }
     uint32_t n = prefix + suffix;
@@ -135,7 +189,25 @@ int main(int argc, char **argv) {
 
     /* Verify the cached prefix byte for byte: another process wrote it into shared memory. */
     uint64_t checked = 0, bad = 0;
-    for (uint32_t pos = 0; pos < cached; pos++) {
+    for (uint32_t first = 0; gpu && first < n; first += TPB) {
+        for (uint32_t layer = 0; layer < LAYERS; layer++) {
+            for (int kv = KV_K; kv <= KV_V; kv++) {
+                uint8_t *dev = (uint8_t *)elem(p, s, first, layer, kv, 0);
+                if (dev == NULL || gpu_run(dev, p, prompt, first, (uint32_t)cached, n, layer, kv,
+                                           &checked, &bad) != 0) {
+                    fprintf(stderr, "[%s] a device copy of block %u failed\n", name, first / TPB);
+                    goto out;
+                }
+            }
+        }
+    }
+    /* The copies may still be in flight: they must be in device memory before the Commit lets
+     * another worker hit these blocks (docs/GPU.md). */
+    if (gpu && cu.ctx_synchronize() != KV_CU_SUCCESS) {
+        fprintf(stderr, "[%s] cuCtxSynchronize failed\n", name);
+        goto out;
+    }
+    for (uint32_t pos = 0; !gpu && pos < cached; pos++) {
         for (uint32_t layer = 0; layer < LAYERS; layer++) {
             for (int kv = KV_K; kv <= KV_V; kv++) {
                 for (uint32_t h = 0; h < HEADS; h++) {
@@ -149,7 +221,7 @@ int main(int argc, char **argv) {
         }
     }
     /* "Compute" the rest: write K/V of tokens [cached, n). */
-    for (uint32_t pos = (uint32_t)cached; pos < n; pos++) {
+    for (uint32_t pos = (uint32_t)cached; !gpu && pos < n; pos++) {
         for (uint32_t layer = 0; layer < LAYERS; layer++) {
             for (int kv = KV_K; kv <= KV_V; kv++) {
                 for (uint32_t h = 0; h < HEADS; h++) {

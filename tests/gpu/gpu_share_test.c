@@ -28,6 +28,8 @@
 #define TPB 16
 
 static kv_cuda cu;
+static int g_committed[2]; /* writer -> parent: its blocks are committed */
+static int g_done[2];      /* parent -> writer: the readers are done, detach */
 
 static void use_fake_driver(void) {
 #ifdef KVD_GPU_FAKE
@@ -138,10 +140,22 @@ static int writer(kvd_harness *h, int layers_expected) {
         e[i].hash = hs[i];
         e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
     }
+    /* cuMemcpyHtoD from pageable memory may return before the bytes are in device memory: the
+     * writes must be complete before Commit publishes the blocks (docs/GPU.md, docs/CLIENT.md). */
+    if (cu.ctx_synchronize() != KV_CU_SUCCESS) {
+        fprintf(stderr, "writer: cuCtxSynchronize failed\n");
+        return 6;
+    }
     kvc_block canon[NBLOCKS];
     if (kvc_commit(p, e, NBLOCKS, canon) != KV_OK || kvc_release(p, canon, NBLOCKS) != KV_OK) {
         fprintf(stderr, "writer: commit: %s\n", kvc_last_error(c));
         return 7;
+    }
+    /* Stay alive, mappings and all, while the readers read: a writer that exits (or unmaps)
+     * first would let a missing synchronize go unnoticed. */
+    char go = 'c';
+    if (write(g_committed[1], &go, 1) != 1 || read(g_done[0], &go, 1) != 1) {
+        return 9;
     }
     kvc_pool_detach(p);
     kvc_conn_close(c);
@@ -196,6 +210,33 @@ static int reader(kvd_harness *h, int layers_expected) {
     return bad ? 8 : 0;
 }
 
+/* Loads the driver in a child that exits at once; 0 when a GPU is usable, else -1 with the
+ * reason in why. The parent never initialises CUDA. */
+static int probe_in_child(char *why, size_t len) {
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(p[0]);
+        kv_cuda probe;
+        char msg[256] = "";
+        int ok = kv_cuda_load(NULL, &probe, msg, sizeof(msg)) == KV_OK;
+        if (write(p[1], msg, strlen(msg) + 1) < 0) {
+            _exit(3);
+        }
+        _exit(ok ? 0 : 1);
+    }
+    close(p[1]);
+    ssize_t n = read(p[0], why, len - 1);
+    why[n > 0 ? (size_t)n : 0] = '\0';
+    close(p[0]);
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+}
+
 static int run_child(int (*fn)(kvd_harness *, int), kvd_harness *h, int layers) {
     fflush(NULL);
     pid_t pid = fork();
@@ -214,11 +255,11 @@ static int wait_child(pid_t pid) {
 
 static void share(const char *backend, int layers) {
     use_fake_driver();
-#ifndef KVD_GPU_FAKE
-    /* Without a usable GPU: skip, unless device_check.sh says one must be there. */
-    kv_cuda probe;
+    /* Without a usable GPU: skip, unless device_check.sh says one must be there. The probe
+     * runs in a throwaway child: CUDA state does not survive fork, so a parent that ran cuInit
+     * could not fork the writer and readers below (they would get CUDA_ERROR_NOT_INITIALIZED). */
     char why[256];
-    if (kv_cuda_load(NULL, &probe, why, sizeof(why)) != KV_OK) {
+    if (probe_in_child(why, sizeof(why)) != 0) {
         const char *expect = getenv("KVD_EXPECT_GPU");
         if (expect != NULL && expect[0] == '1') {
             fail_msg("KVD_EXPECT_GPU=1 but %s", why);
@@ -226,18 +267,27 @@ static void share(const char *backend, int layers) {
         fprintf(stderr, "skipping: %s\n", why);
         skip();
     }
-    kv_cuda_unload(&probe);
-#endif
     kvd_harness h;
     char flag[64];
     snprintf(flag, sizeof(flag), "--backend=%s", backend);
     const char *flags[] = {flag, "--pool-memory=256M", "--segment-bytes=4M", NULL};
     assert_int_equal(kvd_harness_start(&h, flags), 0);
-    assert_int_equal(wait_child(run_child(writer, &h, layers)), 0);
-    pid_t r1 = run_child(reader, &h, layers);
-    pid_t r2 = run_child(reader, &h, layers);
-    assert_int_equal(wait_child(r1), 0);
-    assert_int_equal(wait_child(r2), 0);
+    assert_int_equal(pipe(g_committed), 0);
+    assert_int_equal(pipe(g_done), 0);
+    pid_t w = run_child(writer, &h, layers);
+    char c = 0;
+    int committed = read(g_committed[0], &c, 1) == 1;
+    pid_t r1 = committed ? run_child(reader, &h, layers) : 0;
+    pid_t r2 = committed ? run_child(reader, &h, layers) : 0;
+    int st1 = committed ? wait_child(r1) : -1, st2 = committed ? wait_child(r2) : -1;
+    assert_int_equal(write(g_done[1], "d", 1), 1);
+    assert_int_equal(wait_child(w), 0);
+    assert_int_equal(st1, 0);
+    assert_int_equal(st2, 0);
+    close(g_committed[0]);
+    close(g_committed[1]);
+    close(g_done[0]);
+    close(g_done[1]);
     assert_int_equal(kvd_harness_stop(&h), 0);
     kvd_harness_fini(&h);
 }
@@ -245,6 +295,20 @@ static void share(const char *backend, int layers) {
 static void test_vmm(void **state) {
     (void)state;
     share("cuda-vmm", 1);
+}
+
+/* A driver that refuses cuMemMap at a non-zero offset (cuda.h: "currently must be zero"): the
+ * per-layer tensors must still be there, since every part of a segment is mapped at offset 0 of
+ * its own allocation. Fake build only: the switch is the test driver's. */
+static void test_vmm_no_map_offsets(void **state) {
+    (void)state;
+#ifdef KVD_GPU_FAKE
+    setenv("FAKE_CUDA_NO_MAP_OFFSET", "1", 1);
+    share("cuda-vmm", 1);
+    unsetenv("FAKE_CUDA_NO_MAP_OFFSET");
+#else
+    skip();
+#endif
 }
 
 static void test_ipc(void **state) {
@@ -255,6 +319,7 @@ static void test_ipc(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vmm),
+        cmocka_unit_test(test_vmm_no_map_offsets),
         cmocka_unit_test(test_ipc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -183,6 +183,10 @@ static void use_fake_driver(void) {
                  getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".");
     }
     setenv("KV_CUDA_LIBRARY", path, 1);
+    /* The CPU twins read and write the mapped blocks with host loads: the test driver opens its
+     * device ranges to the host for this variant only (everywhere else it keeps them PROT_NONE,
+     * as device memory is to the host on a GPU). */
+    setenv("FAKE_CUDA_HOST_ACCESS", "1", 1);
 }
 #endif
 
