@@ -53,6 +53,9 @@ static const kvd_config_option options[] = {
     OPT_RT("frame-timeout-ms", KVD_OPT_U64, frame_timeout_ms, "10000", 0, 1ull << 32,
            "a client that started a request frame must complete it within this many ms, else "
            "it gets ETIMEDOUT and is disconnected; 0: no limit"),
+    OPT_RT("shutdown-grace-ms", KVD_OPT_U64, shutdown_grace_ms, "10000", 0, 1ull << 32,
+           "cuda-ipc backend: on SIGTERM, how long kvd waits for sessions to close before it "
+           "frees memory they may still map (new sessions are refused meanwhile); 0: no wait"),
     OPT_RT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
            "unsent replies per connection before kvd stops reading it"),
     OPT_RT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,

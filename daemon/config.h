@@ -33,6 +33,7 @@ typedef struct kvd_config {
     uint64_t max_connections;               /* open client connections */
     uint64_t max_pools;                     /* pools over all tenants */
     uint64_t frame_timeout_ms;              /* a started request frame must complete in this */
+    uint64_t shutdown_grace_ms;             /* cuda-ipc: how long a stop waits for sessions */
     uint64_t max_inflight;                  /* unsent replies before reading pauses */
     uint64_t max_output_bytes;              /* queued reply bytes before a client is dropped */
     uint64_t max_buffer_bytes;              /* input + output buffer bytes over all connections */

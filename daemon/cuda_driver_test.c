@@ -496,6 +496,46 @@ static void test_server_ipc(void **state) {
     stop(&h);
 }
 
+static void stop_on_loop(kvd_server *s, void *arg) {
+    (void)arg;
+    kvd_server_stop(s);
+}
+
+/* A cuda-ipc daemon that is stopped with a session open waits for it (shutdown-grace-ms) before it
+ * frees memory the session may still map: the session keeps being served, no new one is taken,
+ * and the stop completes once it closed. */
+static void test_server_ipc_waits_for_sessions(void **state) {
+    (void)state;
+    harness h;
+    start(&h, "cuda-ipc");
+    int fd = dial(&h);
+    int fds[200];
+    size_t nfds;
+    Kvd__Envelope *keep;
+    (void)hello_attach(fd, &keep, fds, &nfds);
+    kv_wire_free(keep);
+    kvd_test_server_call(&h, stop_on_loop, NULL);
+    /* Still served. */
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Ping ping = KVD__PING__INIT;
+    e.id = kvd_raw_next_id();
+    e.body_case = KVD__ENVELOPE__BODY_PING;
+    e.ping = &ping;
+    Kvd__Envelope *r = kvd_raw_rpc(fd, &e);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_PONG);
+    kv_wire_free(r);
+    /* No new session. */
+    int probe = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, h.cfg.socket, strlen(h.cfg.socket) + 1); /* short: /tmp/kvd-... */
+    assert_int_not_equal(connect(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    close(probe);
+    close(fd);
+    stop(&h); /* joins the loop: it ends once the session is gone */
+}
+
 static void test_server_explicit_gpu_fails(void **state) {
     (void)state;
     kvd_config cfg;
@@ -526,6 +566,7 @@ int main(void) {
         cmocka_unit_test_setup(test_ipc_segments, setup),
         cmocka_unit_test_setup(test_server_vmm, setup),
         cmocka_unit_test_setup(test_server_ipc, setup),
+        cmocka_unit_test_setup(test_server_ipc_waits_for_sessions, setup),
         cmocka_unit_test_setup(test_server_explicit_gpu_fails, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

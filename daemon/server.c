@@ -971,7 +971,56 @@ static void on_listen_closed(uv_handle_t *h) {
     s->listen_fd = -1;
 }
 
+static void stop_now(kvd_server *s);
+
+/* cuda-ipc at stop: wait for the sessions (grace), then stop. */
+static void on_linger_timer(uv_timer_t *t) {
+    kvd_server *s = t->data;
+    uint64_t waited = uv_now(s->loop) - s->linger_start;
+    if (s->nconns == 0 || waited >= s->cfg.shutdown_grace_ms) {
+        if (s->nconns > 0) {
+            KV_LOG(WARN, "KVD-STOP",
+                   "%u sessions still open after shutdown-grace-ms %llu: closing them; their "
+                   "cuda-ipc mappings of kvd's memory become invalid",
+                   s->nconns, (unsigned long long)s->cfg.shutdown_grace_ms);
+        }
+        uv_timer_stop(t);
+        stop_now(s);
+    }
+}
+
 void kvd_server_stop(kvd_server *s) {
+    if (s->stopping || s->lingering) {
+        return;
+    }
+    /* cuda-ipc memory freed while an importer has it open is undefined in CUDA (and kvd's exit
+     * frees it): with sessions open, stop taking new ones and wait up to shutdown-grace-ms for
+     * them to close, before anything is freed. Other backends' memory lives while a client maps
+     * it (fds), so they stop at once. */
+    if (s->be->kind == KVD_MEM_CUDA_IPC && s->nconns > 0 && s->cfg.shutdown_grace_ms > 0 &&
+        s->timer_active) {
+        s->lingering = 1;
+        s->draining = 1;
+        s->linger_start = uv_now(s->loop);
+        if (s->listen_active) {
+            s->listen_active = 0;
+            uv_close((uv_handle_t *)&s->listen_poll, on_listen_closed);
+        }
+        KV_LOG(INFO, "KVD-STOP",
+               "stopping: %u sessions have cuda-ipc segments open; waiting up to %llu ms for them "
+               "to close",
+               s->nconns, (unsigned long long)s->cfg.shutdown_grace_ms);
+        if (uv_timer_init(s->loop, &s->linger_timer) == 0) {
+            s->linger_timer.data = s;
+            s->linger_active = 1;
+            uv_timer_start(&s->linger_timer, on_linger_timer, 50, 50);
+            return;
+        }
+    }
+    stop_now(s);
+}
+
+static void stop_now(kvd_server *s) {
     if (s->stopping) {
         return;
     }
@@ -1009,6 +1058,10 @@ void kvd_server_stop(kvd_server *s) {
     if (s->timer_active) {
         s->timer_active = 0;
         uv_close((uv_handle_t *)&s->frame_timer, NULL);
+    }
+    if (s->linger_active) {
+        s->linger_active = 0;
+        uv_close((uv_handle_t *)&s->linger_timer, NULL);
     }
 }
 

@@ -93,6 +93,10 @@ struct kvd_server {
     int async_active;            /* stop_async initialised and not closed */
     uv_timer_t frame_timer;      /* sweeps connections for frames not completed in time */
     int timer_active;            /* frame_timer initialised and not closed */
+    uv_timer_t linger_timer;     /* cuda-ipc stop: waits for sessions (shutdown-grace-ms) */
+    int linger_active;           /* linger_timer initialised and not closed */
+    int lingering;               /* kvd_server_stop is waiting for sessions to close */
+    uint64_t linger_start;       /* loop ms it began */
     int stopping;                /* kvd_server_stop ran */
     int bound;                   /* socket file is ours to unlink */
     kvd_index *index;            /* the one prefix index */

@@ -14,8 +14,12 @@
  * of kvk_<op>_cuda, which takes device addresses (cudaMalloc, pinned host memory mapped with
  * UVA, or CUDA VMM) and a cudaStream_t passed as void * (NULL: the legacy default stream), and
  * only enqueues work. Launchers return KV_ENOGPU when the binary was built without CUDA or no
- * device is usable, KV_EINVAL for arguments checked on the host, KV_ENOTSUP for a shape the GPU
- * kernel does not handle (the message says which), and KV_EINTERNAL when the CUDA runtime fails.
+ * device is usable, KV_EINVAL for arguments checked on the host (a null array, a shape, an
+ * address or stride not aligned to its element: a misaligned device access would kill the
+ * caller's whole context), KV_ENOTSUP for a shape the GPU kernel does not handle (the message
+ * says which), and KV_EINTERNAL when the CUDA runtime fails. A CUDA error an earlier call left
+ * pending is reported as such ("not launched: an earlier CUDA call had failed") and cleared,
+ * never blamed on the launch.
  * kvk_last_error() then says why. Device-resident index arrays cannot be checked on the host:
  * GPU kernels skip entries out of range instead of touching memory outside the caller's cache.
  *
@@ -152,6 +156,8 @@ size_t kvk_paged_decode_attention_workspace_bytes(uint32_t batch, uint32_t num_q
 /* GPU twin: one CTA per (request, KV head, split) handling the whole GQA group. All pointers in
  * pt and a are device addresses. workspace (device, may be NULL) enables split-K when it holds
  * at least kvk_paged_decode_attention_workspace_bytes(..., 2); splits are chosen to fill the
+ * device. The workspace is scratch of the launch until it completed: two launches that may run at
+ * once (on two streams) need a workspace each, or they overwrite each other's partial states;
  * device. Page ids out of range are skipped. KV_ENOTSUP for head_dim other than 64, 128, 256
  * (fp32 caches: 64, 128). */
 kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32_t layer,
@@ -166,7 +172,8 @@ kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32_t layer,
  * prefix attention): state j is v[j] [rows][head_dim] (dtype) with s[j] [rows] float32 natural
  * log-sum-exp; out = sum_j exp(s[j] - S) v[j], S = log sum_j exp(s[j]). A state with s = -inf
  * counts as empty; when all are empty out is 0 and S is -inf. rows is usually tokens * heads.
- * s_out may be NULL; out may alias v[0]. KV_EINVAL for num_states outside
+ * s_out may be NULL; out may alias v[0] and s_out may alias s[0] (the GPU twin then writes the
+ * merged lse after the merge, in a second launch). KV_EINVAL for num_states outside
  * 1..KVK_MAX_MERGE_STATES or an unsupported dtype. */
 kv_err kvk_merge_states_cpu(kv_dtype dtype, const void *const *v, const float *const *s,
                             uint32_t num_states, uint64_t rows, uint32_t head_dim, void *out,

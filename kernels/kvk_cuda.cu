@@ -38,9 +38,48 @@ kv_err cuda_fail(cudaError_t e, const char *op) {
     return kvk__fail(code, "%s: %s", op, cudaGetErrorString(e));
 }
 
+// Before a launch: an error an earlier call left pending (cudaGetLastError would report it
+// after our launch and blame it) is reported as what it is, and cleared, without launching.
+kv_err pre_launch(const char *op) {
+    cudaError_t e = cudaPeekAtLastError();
+    if (e == cudaSuccess) {
+        return KV_OK;
+    }
+    (void)cudaGetLastError();
+    kv_err code = cuda_fail(e, op);
+    return kvk__fail(code, "%s: not launched: an earlier CUDA call had failed: %s", op,
+                     cudaGetErrorString(e));
+}
+
+// After a launch: only this launch's error can be pending now (pre_launch cleared the rest).
 kv_err launched(const char *op) {
     cudaError_t e = cudaGetLastError();
     return e == cudaSuccess ? KV_OK : cuda_fail(e, op);
+}
+
+// Streaming multiprocessors of the current device, asked once per device (the attribute query
+// is a driver call; the decode launcher needs it on every call).
+kv_err device_sms(int *out) {
+    static int cached[64];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) {
+        return cuda_fail(e, "cudaGetDevice");
+    }
+    if (dev >= 0 && dev < 64 && cached[dev] > 0) {
+        *out = cached[dev];
+        return KV_OK;
+    }
+    int sms = 0;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) {
+        return cuda_fail(e, "cudaDeviceGetAttribute");
+    }
+    if (dev >= 0 && dev < 64) {
+        cached[dev] = sms; // the same value from every thread: a benign race
+    }
+    *out = sms;
+    return KV_OK;
 }
 
 cudaStream_t as_stream(void *s) {
@@ -193,14 +232,50 @@ __global__ void __launch_bounds__(256) merge_kernel(MergeParams p) {
     }
 }
 
+// One thread per row: the merged lse, written after it read every state's lse of that row. The
+// merge's own s_out write races with other threads of the row still reading s[j] when s_out
+// aliases one of them, so aliased merges write s_out here, after the merge kernel.
+__global__ void __launch_bounds__(256) merge_lse_kernel(MergeParams p) {
+    for (uint64_t r = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; r < p.rows;
+         r += (uint64_t)gridDim.x * blockDim.x) {
+        float m = -INFINITY;
+        for (uint32_t j = 0; j < p.num_states; j++) {
+            m = fmaxf(m, p.s[j][r]);
+        }
+        float sum = 0.0f;
+        for (uint32_t j = 0; m != -INFINITY && j < p.num_states; j++) {
+            sum += expf(p.s[j][r] - m);
+        }
+        p.s_out[r] = m == -INFINITY ? -INFINITY : m + logf(sum);
+    }
+}
+
 kv_err launch_merge(const MergeParams &p, cudaStream_t stream) {
     const uint64_t total = p.rows * p.dim;
     if (total == 0) {
         return KV_OK;
     }
+    kv_err rc = pre_launch("merge_states");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    int alias = 0;
+    for (uint32_t j = 0; p.s_out != nullptr && j < p.num_states; j++) {
+        alias |= p.s[j] == p.s_out;
+    }
+    MergeParams q = p;
+    if (alias) {
+        q.s_out = nullptr;
+    }
     const uint64_t blocks = (total + 255) / 256;
-    merge_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(p);
-    return launched("merge_states");
+    merge_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(q);
+    rc = launched("merge_states");
+    if (rc != KV_OK || !alias) {
+        return rc;
+    }
+    const uint64_t rblocks = (p.rows + 255) / 256;
+    merge_lse_kernel<<<(unsigned)(rblocks < 65536 ? rblocks : 65536), 256, 0, stream>>>(p);
+    return launched("merge_states (lse)");
 }
 
 // ---- quantize / dequantize ---------------------------------------------------------------------
@@ -568,8 +643,16 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeParams p) 
 
 template <int KVT, int D>
 kv_err launch_decode_d(const DecodeParams &p, uint32_t gmax, dim3 grid, cudaStream_t st) {
+    kv_err rc = pre_launch("paged_decode_attention");
+    if (rc != KV_OK) {
+        return rc;
+    }
     if (gmax == 2) {
         decode_kernel<KVT, D, 2><<<grid, kDecodeThreads, 0, st>>>(p);
+    } else if (gmax == 4) {
+        // GQA 3-4 (Llama 3 70B: 8 KV heads x 4): the 8-row variant would hold twice the
+        // accumulators it uses.
+        decode_kernel<KVT, D, 4><<<grid, kDecodeThreads, 0, st>>>(p);
     } else {
         decode_kernel<KVT, D, 8><<<grid, kDecodeThreads, 0, st>>>(p);
     }
@@ -639,6 +722,19 @@ extern "C" kv_err kvk_copy_blocks_cuda(const kvk_cache *src, const kvk_cache *ds
     p.heads = src->num_kv_heads;
     p.sb = src_blocks;
     p.db = dst_blocks;
+    // Element stores are done bytewise where an address or length is not 16-aligned, but scale
+    // copies are float loads and stores: a misaligned one would kill the caller's context.
+    if (kvk__is_scaled(src->dtype) &&
+        ((src->scales | dst->scales | (uintptr_t)src->scale_block_stride |
+          (uintptr_t)src->scale_section_stride | (uintptr_t)dst->scale_block_stride |
+          (uintptr_t)dst->scale_section_stride) &
+         3u) != 0) {
+        return kvk__fail(KV_EINVAL, "copy_blocks_cuda: scales or scale strides not 4-byte aligned");
+    }
+    rc = pre_launch("copy_blocks");
+    if (rc != KV_OK) {
+        return rc;
+    }
     dim3 grid(n, src->num_sections);
     copy_blocks_kernel<<<grid, 256, 0, as_stream(stream)>>>(p);
     return launched("copy_blocks");
@@ -679,6 +775,25 @@ extern "C" kv_err kvk_reshape_and_cache_cuda(const kvk_cache *cache, uint32_t la
     p.dim = cache->head_dim;
     p.num_blocks = cache->num_blocks;
     p.slots = slot_mapping;
+    // Elements are stored at their size and scales as floats: a misaligned address or stride
+    // faults on the device and takes the caller's context with it, so refuse it here.
+    const uint64_t eb = kvk_elem_bytes(cache->dtype), ib = kvk_elem_bytes(t->dtype);
+    if (((cache->data | (uintptr_t)cache->block_stride | (uintptr_t)cache->section_stride) &
+         (eb - 1)) != 0 ||
+        (((uintptr_t)t->k | (uintptr_t)t->v | (uintptr_t)t->row_stride) & (ib - 1)) != 0 ||
+        (kvk__is_scaled(cache->dtype) &&
+         ((cache->scales | (uintptr_t)cache->scale_block_stride |
+           (uintptr_t)cache->scale_section_stride | (uintptr_t)t->k_scale | (uintptr_t)t->v_scale) &
+          3u) != 0)) {
+        return kvk__fail(KV_EINVAL,
+                         "reshape_and_cache_cuda: an address or stride is not aligned to its "
+                         "element (cache %llu bytes, tokens %llu bytes, scales 4)",
+                         (unsigned long long)eb, (unsigned long long)ib);
+    }
+    rc = pre_launch("reshape_and_cache");
+    if (rc != KV_OK) {
+        return rc;
+    }
     reshape_kernel<<<dim3(ntokens, 2), 128, 0, as_stream(stream)>>>(p);
     return launched("reshape_and_cache");
 }
@@ -723,7 +838,7 @@ extern "C" kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32
         p.sbs = cache->scale_block_stride;
     }
     const uint32_t group = a->num_qo_heads / cache->num_kv_heads;
-    const uint32_t gmax = group <= 2 ? 2 : 8;
+    const uint32_t gmax = group <= 2 ? 2 : group <= 4 ? 4 : 8;
     p.num_blocks = cache->num_blocks;
     p.page_size = cache->tokens_per_block;
     p.kv_heads = cache->num_kv_heads;
@@ -746,13 +861,10 @@ extern "C" kv_err kvk_paged_decode_attention_cuda(const kvk_cache *cache, uint32
         return kvk__fail(KV_ENOTSUP, "paged_decode_attention_cuda: grid too large");
     }
     uint32_t nsplit = 1;
-    int dev = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) {
-        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    }
-    if (e != cudaSuccess) {
-        return cuda_fail(e, "paged_decode_attention");
+    int sms = 0;
+    rc = device_sms(&sms);
+    if (rc != KV_OK) {
+        return rc;
     }
     const size_t per_split =
         kvk_paged_decode_attention_workspace_bytes(pt->batch, a->num_qo_heads, cache->head_dim, 1);
@@ -852,6 +964,10 @@ extern "C" kv_err kvk_quantize_blocks_cuda(kv_dtype src_dtype, const void *src, 
         src,       dst,       scales,
         src_dtype, dst_dtype, tokens,
         heads,     dim,       dst_dtype == KV_DTYPE_INT8 ? KVK_INT8_MAX : KVK_FP8_E4M3_MAX};
+    rc = pre_launch("quantize_blocks");
+    if (rc != KV_OK) {
+        return rc;
+    }
     quantize_kernel<<<(unsigned)(n * heads), 256, 0, as_stream(stream)>>>(p);
     return launched("quantize_blocks");
 }
@@ -873,6 +989,10 @@ extern "C" kv_err kvk_dequantize_blocks_cuda(kv_dtype src_dtype, const void *src
     }
     QuantParams p = {src, dst, const_cast<float *>(scales), src_dtype, dst_dtype, tokens, heads,
                      dim, 0.0f};
+    rc = pre_launch("dequantize_blocks");
+    if (rc != KV_OK) {
+        return rc;
+    }
     const uint64_t blocks = (total + 255) / 256;
     dequantize_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), 256, 0, as_stream(stream)>>>(
         p, total);

@@ -138,9 +138,9 @@ static void test_reshape_and_cache_gpu(void **state) {
     }
 }
 
-static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype kdt, kv_dtype qdt,
-                             int split) {
-    const uint32_t kv_heads = 2, qo = kv_heads * gqa;
+static void check_decode_arr(uint32_t page, uint32_t kv_heads, uint32_t gqa, uint32_t dim,
+                             kv_dtype kdt, kv_dtype qdt, int split, kv_arrangement arr) {
+    const uint32_t qo = kv_heads * gqa;
     const uint32_t lens[] = {1, 300, 0, 64, 1000, 17, 2048};
     const uint32_t batch = 7;
     uint32_t pages = 0;
@@ -148,8 +148,7 @@ static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype
         pages += (lens[i] + page - 1) / page;
     }
     tu_seg s;
-    tu_seg_init(&s, 2, kv_heads, dim, page, kdt, split ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR,
-                pages + 2);
+    tu_seg_init(&s, 2, kv_heads, dim, page, kdt, arr, pages + 2);
     tu_pt t;
     assert_int_equal(tu_pt_init(&t, lens, batch, page, pages + 2), 0);
     dev_seg d;
@@ -181,8 +180,9 @@ static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype
     for (uint64_t i = 0; i < qn; i++) {
         double c = kvk_load_f32(qdt, out, i), g = kvk_load_f32(qdt, gout, i);
         if (fabs(c - g) > 2e-3 + 2 * tu_rel_tol(qdt) * fmax(1.0, fabs(c))) {
-            fail_msg("page %u gqa %u dim %u kv %s split %d: out[%llu] gpu %g cpu %g", page, gqa,
-                     dim, kv_dtype_name(kdt), split, (unsigned long long)i, g, c);
+            fail_msg("page %u kv heads %u gqa %u dim %u kv %s split %d %s: out[%llu] gpu %g cpu %g",
+                     page, kv_heads, gqa, dim, kv_dtype_name(kdt), split, kv_arrangement_name(arr),
+                     (unsigned long long)i, g, c);
         }
     }
     for (uint32_t r = 0; r < batch * qo; r++) {
@@ -226,6 +226,11 @@ static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype
     tu_seg_fini(&s);
 }
 
+static void check_decode_gpu(uint32_t page, uint32_t gqa, uint32_t dim, kv_dtype kdt, kv_dtype qdt,
+                             int split) {
+    check_decode_arr(page, 2, gqa, dim, kdt, qdt, split, split ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR);
+}
+
 static void test_decode_gpu(void **state) {
     (void)state;
     if (!have_gpu()) {
@@ -252,6 +257,17 @@ static void test_decode_gpu(void **state) {
     }
     /* GQA 16 runs as two head chunks of 8. */
     check_decode_gpu(16, 16, 128, KV_DTYPE_FP16, KV_DTYPE_FP16, 1);
+    /* Split-K over layer-major caches, KV head counts other than 2, and the GQA groups that do
+     * not fill a head chunk (2, 3 in the 4-row variant; 5, 6, 7 in the 8-row one). */
+    const uint32_t heads[] = {1, 3, 8};
+    const uint32_t groups[] = {2, 3, 5, 6, 7};
+    for (int h = 0; h < 3; h++) {
+        for (int g = 0; g < 5; g++) {
+            check_decode_arr(16, heads[h], groups[g], 128, g % 2 ? KV_DTYPE_BF16 : KV_DTYPE_FP16,
+                             KV_DTYPE_FP16, 1, KV_LAYER_MAJOR);
+        }
+    }
+    check_decode_arr(64, 4, 4, 64, KV_DTYPE_INT8, KV_DTYPE_BF16, 1, KV_LAYER_MAJOR);
 }
 
 static void test_merge_states_gpu(void **state) {
@@ -267,7 +283,8 @@ static void test_merge_states_gpu(void **state) {
     for (int j = 0; j < S; j++) {
         tu_fill(KV_DTYPE_FP16, v[j], R * D, 1.0f);
         for (int r = 0; r < R; r++) {
-            s[j][r] = (r + j) % 11 == 0 ? -INFINITY : tu_randf() * 10.0f;
+            /* Some states empty per row, and every 13th row empty in all states. */
+            s[j][r] = (r + j) % 11 == 0 || r % 13 == 0 ? -INFINITY : tu_randf() * 10.0f;
         }
         vp[j] = v[j];
         sp[j] = s[j];
@@ -287,7 +304,27 @@ static void test_merge_states_gpu(void **state) {
         assert_true(fabsf(c - g) <= 2e-3f + 2.0f / 1024 * fmaxf(1.0f, fabsf(c)));
     }
     for (int r = 0; r < R; r++) {
+        if (r % 13 == 0) {
+            assert_true(isinf(gso[r]) && gso[r] < 0); /* all empty: -inf, and out is 0 */
+            for (int d = 0; d < D; d++) {
+                assert_int_equal(gout[r * D + d] & 0x7fff, 0);
+            }
+            continue;
+        }
         assert_true(fabsf(so[r] - gso[r]) <= 1e-3f * fmaxf(1.0f, fabsf(so[r])));
+    }
+    /* In place: out aliases v[0] and s_out aliases s[0] (the cascade merge of a shared prefix
+     * into the first state); same results as into separate buffers. */
+    OK(kvk_merge_states_cuda(KV_DTYPE_FP16, dvp, dsp, S, R, D, (void *)dvp[0], (float *)dsp[0],
+                             NULL));
+    OK(kvk_dev_sync());
+    static uint16_t iout[R * D];
+    static float iso[R];
+    OK(kvk_dev_memcpy(iout, dvp[0], sizeof(iout), KVK_D2H));
+    OK(kvk_dev_memcpy(iso, dsp[0], sizeof(iso), KVK_D2H));
+    assert_memory_equal(iout, gout, sizeof(iout));
+    for (int r = 0; r < R; r++) {
+        assert_true((isinf(iso[r]) && isinf(gso[r])) || iso[r] == gso[r]);
     }
     for (int j = 0; j < S; j++) {
         kvk_dev_free((void *)dvp[j]);

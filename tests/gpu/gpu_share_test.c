@@ -311,6 +311,47 @@ static void test_vmm_no_map_offsets(void **state) {
 #endif
 }
 
+/* A worker whose GPU is not kvd's (another UUID): attaching is refused with KV_ENOGPU naming
+ * both GPUs, instead of mapping kvd's memory over NVLink or PCIe at a fraction of the speed.
+ * Only the test driver can pretend to be another GPU. */
+#ifdef KVD_GPU_FAKE
+static int other_gpu(kvd_harness *h, int layers) {
+    (void)layers;
+    setenv("FAKE_CUDA_UUID", "0123456789abcdef0123456789abcdef", 1);
+    if (child_cuda() != 0) {
+        return 2;
+    }
+    kvc_conn *c;
+    kvc_pool *p;
+    if (kvd_harness_connect(h, "other-gpu", &c) != KV_OK) {
+        return 3;
+    }
+    kv_layout l = kvd_harness_layout();
+    kv_err rc = kvc_pool_attach(c, "gpu-model", &l, &p);
+    int ok = rc == KV_ENOGPU && strstr(kvc_last_error(c), "GPU-01234567") != NULL;
+    if (!ok) {
+        fprintf(stderr, "other_gpu: attach gave %s: %s\n", kv_err_name(rc), kvc_last_error(c));
+    }
+    kvc_conn_close(c);
+    return ok ? 0 : 4;
+}
+#endif
+
+static void test_vmm_other_gpu(void **state) {
+    (void)state;
+#ifdef KVD_GPU_FAKE
+    use_fake_driver();
+    kvd_harness h;
+    const char *flags[] = {"--backend=cuda-vmm", "--pool-memory=64M", "--segment-bytes=4M", NULL};
+    assert_int_equal(kvd_harness_start(&h, flags), 0);
+    assert_int_equal(wait_child(run_child(other_gpu, &h, 1)), 0);
+    assert_int_equal(kvd_harness_stop(&h), 0);
+    kvd_harness_fini(&h);
+#else
+    skip();
+#endif
+}
+
 static void test_ipc(void **state) {
     (void)state;
     share("cuda-ipc", 0); /* IPC memory cannot be mapped at offsets: no layer tensors */
@@ -320,6 +361,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vmm),
         cmocka_unit_test(test_vmm_no_map_offsets),
+        cmocka_unit_test(test_vmm_other_gpu),
         cmocka_unit_test(test_ipc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
