@@ -5,8 +5,8 @@
  *  - paged_decode_attention, batch 64 x 4096 tokens, 8 KV heads, 128 dim, 32 query heads, fp16,
  *    page size 16: effective bandwidth (K and V bytes read / time) vs the device's peak.
  * Not measured here: attention over daemon-exported (cuda-vmm) memory vs the worker's own; that
- * is tests/gpu/zero_copy_bench.c, which device_check.sh runs as its own step.
- * Without a GPU it prints why and exits 0.
+ * is tests/gpu/zero_copy_bench.c, which the GPU check bundle (tests/gpu/bundle/run.sh) runs as its
+ * own step. Without a GPU it prints why and exits 0.
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /* Runs everywhere: the probe must answer without crashing, and on a machine without a GPU say
- * so. When KVD_EXPECT_GPU=1 is set (tests/gpu/device_check.sh), a GPU must be found. */
+ * so. When KVD_EXPECT_GPU=1 is set (tests/gpu/bundle/run.sh), a GPU must be found. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

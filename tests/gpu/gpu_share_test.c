@@ -255,9 +255,10 @@ static int wait_child(pid_t pid) {
 
 static void share(const char *backend, int layers) {
     use_fake_driver();
-    /* Without a usable GPU: skip, unless device_check.sh says one must be there. The probe
-     * runs in a throwaway child: CUDA state does not survive fork, so a parent that ran cuInit
-     * could not fork the writer and readers below (they would get CUDA_ERROR_NOT_INITIALIZED). */
+    /* Without a usable GPU: skip, unless the bundle (KVD_EXPECT_GPU=1) says one must be there. The
+     * probe runs in a throwaway child: CUDA state does not survive fork, so a parent that ran
+     * cuInit could not fork the writer and readers below (they would get
+     * CUDA_ERROR_NOT_INITIALIZED). */
     char why[256];
     if (probe_in_child(why, sizeof(why)) != 0) {
         const char *expect = getenv("KVD_EXPECT_GPU");

@@ -11,7 +11,9 @@
  * paged_decode_attention_cuda over both with one shuffled CSR page table, in interleaved
  * repetitions (medians, bandwidth, ratio). Checks that are asserted (exit status 1 when one
  * fails): the K/V bytes of every block are equal in both memories; both attention outputs are
- * bitwise equal (see below); the daemon-memory output matches the CPU twin on two requests.
+ * bitwise equal (see below); the daemon-memory output matches the CPU twin on every request
+ * (last pages partly filled); and the same holds for a batch small enough that the kernel splits
+ * each request's pages (split-K).
  * Timings are figures, never asserted.
  *
  * Exactness: the decode kernel sums in a fixed order (no atomics; docs/KERNELS.md), so equal
@@ -28,8 +30,8 @@
  *
  * Prints a markdown section on stdout and appends it to $OUT/gpu_results.md when $OUT is set.
  * Without a usable GPU (or in a build without CUDA) it says it skipped and exits 0, unless
- * KVD_EXPECT_GPU=1 (tests/gpu/device_check.sh), where that is a failure. Run from the runfiles
- * root (kvd is found as daemon/kvd), as `bazel test` and device_check.sh do.
+ * KVD_EXPECT_GPU=1 (tests/gpu/bundle/run.sh), where that is a failure. Run from the runfiles
+ * root (kvd is found as daemon/kvd), as `bazel test` and the bundle do.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -57,7 +59,7 @@ enum {
     FILL_SHIFT = 2048,   /* extra random rows, so launches write different data */
     MAX_SAMPLES = 40,
     WARMUP = 3,
-    TWIN_REQUESTS = 2, /* requests checked against the CPU twin */
+    SMALL_BATCH = 4, /* requests of the split-K pass (8 KV heads: 32 CTAs leave SMs idle) */
 };
 
 /* What one build measures. */
@@ -420,18 +422,19 @@ static long compare_blocks(const ctx *c, const kvk_cache *dc, const kvk_cache *s
     return bad;
 }
 
-/* Checks requests [0, TWIN_REQUESTS) of the daemon-memory result r against the CPU twin over
- * the same bytes (gathered page by page), with docs/KERNELS.md's GPU-vs-twin tolerance.
+/* Checks requests [0, nreq) of the daemon-memory result r against the CPU twin over the same
+ * bytes (gathered page by page; request i's last page holds last_len[i] tokens), with
+ * docs/KERNELS.md's GPU-vs-twin tolerance.
  * Returns the number of values out of tolerance, or -1 on an error. */
 static long twin_check(const kvk_cache *dc, const kv_layout *l, const int32_t *indices,
-                       const uint16_t *q, const result *r) {
+                       const int32_t *last_len, uint32_t nreq, const uint16_t *q, const result *r) {
     const uint32_t ppr = SHAPE.seq_len / PAGE;
     kv_layout one;
     long bad = -1;
     uint8_t *mem = NULL;
     uint16_t *out = malloc((size_t)QO_HEADS * HEAD_DIM * 2);
     float lse[QO_HEADS];
-    int32_t indptr[2] = {0, (int32_t)ppr}, last[1] = {PAGE};
+    int32_t indptr[2] = {0, (int32_t)ppr}, last[1];
     int32_t *ids = malloc(ppr * sizeof(int32_t));
     if (kv_layout_init(1, KV_HEADS, HEAD_DIM, PAGE, KV_DTYPE_FP16, KV_LAYER_MAJOR, &one) != KV_OK ||
         out == NULL || ids == NULL) {
@@ -445,7 +448,8 @@ static long twin_check(const kvk_cache *dc, const kv_layout *l, const int32_t *i
         goto cleanup;
     }
     bad = 0;
-    for (uint32_t req = 0; req < TWIN_REQUESTS && bad >= 0; req++) {
+    for (uint32_t req = 0; req < nreq && bad >= 0; req++) {
+        last[0] = last_len[req];
         for (uint32_t pg = 0; pg < ppr; pg++) {
             ids[pg] = (int32_t)pg;
             uint64_t id = (uint64_t)indices[req * ppr + pg];
@@ -555,8 +559,9 @@ static int run(ctx *c, const char *dev_name, double peak) {
     for (uint32_t i = 0; i <= batch; i++) {
         indptr[i] = (int32_t)(i * ppr);
     }
+    /* Last pages partly filled (1..PAGE tokens; every third one full), as in serving. */
     for (uint32_t i = 0; i < batch; i++) {
-        last[i] = PAGE;
+        last[i] = i % 3 == 2 ? PAGE : 1 + (int32_t)((i * 7u) % PAGE);
     }
     fill_fp16(hq, (uint64_t)batch * QO_HEADS * HEAD_DIM);
     const uint32_t nblk = max_id + 1; /* descriptors cover ids 0..max_id in both memories */
@@ -698,7 +703,7 @@ static int run(ctx *c, const char *dev_name, double peak) {
         spread.out_ulps = ss.out_ulps > spread.out_ulps ? ss.out_ulps : spread.out_ulps;
         spread.out_ulps = dd.out_ulps > spread.out_ulps ? dd.out_ulps : spread.out_ulps;
         within &= ds.out_ulps <= 2 && ds.lse_max_rel <= 1e-6f;
-        long tb = twin_check(&dc[L], &l, indices, hq, &c->r[0]);
+        long tb = twin_check(&dc[L], &l, indices, last, batch, hq, &c->r[0]);
         if (tb < 0) {
             checks_ok = 0;
             break;
@@ -707,6 +712,38 @@ static int run(ctx *c, const char *dev_name, double peak) {
     }
     if (!checks_ok) {
         failf("attention check runs: %s", kvk_last_error());
+        goto cleanup;
+    }
+
+    /* A small batch (the first requests of the same table), where the kernel splits each
+     * request's pages (split-K) and merges the parts: daemon vs self must again be bitwise
+     * equal, and every request must match the twin. */
+    const uint32_t small = batch >= 2 * SMALL_BATCH ? SMALL_BATCH : (batch + 1) / 2;
+    kvk_page_table pts = {d_indptr, d_indices, d_last, small};
+    const size_t snout = (size_t)small * QO_HEADS * HEAD_DIM, snlse = (size_t)small * QO_HEADS;
+    int small_exact = 1;
+    long small_bad = 0;
+    for (uint32_t L = 0; L < LAYERS && checks_ok; L++) {
+        const kvk_cache *order[2] = {&dc[L], &sc[L]};
+        for (int i = 0; i < 2 && checks_ok; i++) {
+            checks_ok = OPS->attention(order[i], 0, &pts, &a, d_ws, wsb) == KV_OK &&
+                        OPS->memcpy(c->r[i].out, d_out, snout * 2, KVK_D2H) == KV_OK &&
+                        OPS->memcpy(c->r[i].lse, d_lse, snlse * 4, KVK_D2H) == KV_OK;
+        }
+        if (!checks_ok) {
+            break;
+        }
+        diff ds = compare(c->r[0].out, c->r[0].lse, c->r[1].out, c->r[1].lse, snout, snlse);
+        small_exact &= is_equal(&ds) || (nondet && ds.out_ulps <= 2 && ds.lse_max_rel <= 1e-6f);
+        long tb = twin_check(&dc[L], &l, indices, last, small, hq, &c->r[0]);
+        if (tb < 0) {
+            checks_ok = 0;
+            break;
+        }
+        small_bad += tb;
+    }
+    if (!checks_ok) {
+        failf("small-batch (split-K) check runs: %s", kvk_last_error());
         goto cleanup;
     }
 
@@ -747,6 +784,26 @@ static int run(ctx *c, const char *dev_name, double peak) {
     say("Time ratio daemon / self (medians): **%.3f** (target <= 1.03: %s).\n\n", ratio,
         ratio <= 1.03 ? "met" : "NOT met");
 
+    /* The split-K batch, timed the same way (fewer samples). */
+    float s_d[MAX_SAMPLES], s_s[MAX_SAMPLES];
+    const int ssamples = SHAPE.samples / 2 > 0 ? SHAPE.samples / 2 : 1;
+    for (int smp = 0; smp < ssamples; smp++) {
+        for (int k = 0; k < 2; k++) {
+            int daemon_side = (k == 0) == (smp % 2 == 0);
+            const kvk_cache *cc = daemon_side ? &dc[0] : &sc[0];
+            KVK_TRY(OPS->timer_start());
+            for (int i = 0; i < SHAPE.calls; i++) {
+                KVK_TRY(OPS->attention(cc, 0, &pts, &a, d_ws, wsb));
+            }
+            KVK_TRY(OPS->timer_stop(&ms));
+            (daemon_side ? s_d : s_s)[smp] = ms / SHAPE.calls;
+        }
+    }
+    float smed_d = median(s_d, ssamples), smed_s = median(s_s, ssamples);
+    say("Split-K batch (%u requests, workspace for up to 16 splits): daemon %.4f ms, self %.4f ms "
+        "per call (medians of %d), ratio **%.3f**.\n\n",
+        small, smed_d, smed_s, ssamples, (double)smed_d / smed_s);
+
     /* The asserted checks. */
     say("Checks: K/V bytes of all %u blocks x %u layers equal in both memories. ", npages, LAYERS);
     if (exact) {
@@ -759,9 +816,19 @@ static int run(ctx *c, const char *dev_name, double peak) {
             (double)worst.lse_max_rel, (unsigned long long)spread.out_diff, spread.out_ulps,
             nondet ? "not " : "");
     }
-    say("CPU twin on %d requests per layer: %ld values out of tolerance.\n", TWIN_REQUESTS,
-        twin_bad);
+    say("Last pages partly filled (1..%d tokens). CPU twin on every request (%u per layer): %ld "
+        "values out of tolerance. Split-K batch of %u: daemon vs self %s, %ld values out of "
+        "tolerance against the twin.\n",
+        PAGE, batch, twin_bad, small, small_exact ? "equal" : "DIFFERENT", small_bad);
     ok = 1;
+    if (!small_exact) {
+        failf("split-K batch: daemon and self outputs differ");
+        ok = 0;
+    }
+    if (small_bad != 0) {
+        failf("split-K batch: %ld values differ from the CPU twin beyond tolerance", small_bad);
+        ok = 0;
+    }
     if (!exact && !(nondet && within)) {
         failf("daemon and self outputs differ beyond the kernel's own run-to-run spread");
         ok = 0;
