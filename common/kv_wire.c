@@ -195,7 +195,7 @@ static int strings_ok(const ProtobufCMessageDescriptor *d, const uint8_t *p, con
     return 1;
 }
 
-kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame,
+kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame, uint64_t epoch,
                               ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed,
                               uint64_t *id, char *why, size_t whylen) {
     *env = NULL;
@@ -221,7 +221,14 @@ kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame
     *id = e->id;
     kv_err rc = KV_OK;
     const char *bad_msg = NULL, *bad_field = NULL;
-    if (e->body_case == KVD__ENVELOPE__BODY__NOT_SET && e->base.n_unknown_fields > 0) {
+    if (epoch != 0 && e->boot_epoch != 0 && e->boot_epoch != epoch) {
+        /* Before everything else (PROTOCOL.md §4): a request for another boot is void whatever
+         * else is wrong with it. */
+        snprintf(why, whylen,
+                 "request is for boot epoch %016llx; this daemon is %016llx: re-attach",
+                 (unsigned long long)e->boot_epoch, (unsigned long long)epoch);
+        rc = KV_EEPOCH;
+    } else if (e->body_case == KVD__ENVELOPE__BODY__NOT_SET && e->base.n_unknown_fields > 0) {
         snprintf(why, whylen,
                  "the request's body is of a type this daemon does not know (protocol %d)",
                  KV_PROTOCOL_VERSION);

@@ -50,11 +50,12 @@ kv_err kv_wire_decode_with(const uint8_t *buf, size_t len, uint32_t max_frame,
  * must pass before a handler sees it. Returns KV_OK with *env NULL while more bytes are needed.
  * Errors: KV_ETOOBIG (the length exceeds max_frame: the stream cannot continue); otherwise the
  * frame is skipped (*consumed set) and why gets a sentence: KV_EPROTO (the body does not unpack,
- * *id 0; or the envelope has no body), KV_ENOTSUP (the body is a type this protocol version
- * does not have: a newer client's request), KV_EINVAL (a string field is not UTF-8 or holds a
- * NUL byte, which protobuf-c would silently cut). *id gets the envelope's id when it unpacked,
- * so the error can answer that request. */
-kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame,
+ * *id 0; or the envelope has no body), KV_EEPOCH (boot_epoch is set and is not epoch, checked
+ * before everything else; epoch 0: not checked), KV_ENOTSUP (the body is a type this protocol
+ * version does not have: a newer client's request), KV_EINVAL (a string field is not UTF-8 or holds
+ * a NUL byte, which protobuf-c would silently cut). *id gets the envelope's id when it unpacked, so
+ * the error can answer that request. */
+kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame, uint64_t epoch,
                               ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed,
                               uint64_t *id, char *why, size_t whylen);
 

@@ -156,7 +156,8 @@ static void test_decode_with_null_allocator(void **state) {
 }
 
 /* Decodes one hand-made request body; returns the code and the id it reports. */
-static kv_err decode_body(const uint8_t *body, size_t n, uint64_t *id, char *why) {
+static kv_err decode_body_at(const uint8_t *body, size_t n, uint64_t epoch, uint64_t *id,
+                             char *why) {
     uint8_t frame[64];
     assert_true(n + 4 <= sizeof(frame));
     frame[0] = (uint8_t)n;
@@ -164,7 +165,7 @@ static kv_err decode_body(const uint8_t *body, size_t n, uint64_t *id, char *why
     memcpy(frame + 4, body, n);
     Kvd__Envelope *env = NULL;
     size_t used = 0;
-    kv_err rc = kv_wire_decode_request(frame, n + 4, 4096, NULL, &env, &used, id, why, 256);
+    kv_err rc = kv_wire_decode_request(frame, n + 4, 4096, epoch, NULL, &env, &used, id, why, 256);
     assert_int_equal(used, n + 4); /* accepted or skipped, the frame is consumed */
     if (rc == KV_OK) {
         assert_non_null(env);
@@ -173,6 +174,10 @@ static kv_err decode_body(const uint8_t *body, size_t n, uint64_t *id, char *why
         assert_null(env);
     }
     return rc;
+}
+
+static kv_err decode_body(const uint8_t *body, size_t n, uint64_t *id, char *why) {
+    return decode_body_at(body, n, 0, id, why);
 }
 
 /* The request decoder refuses strings protobuf-c would cut or pass on: a NUL byte inside
@@ -207,6 +212,20 @@ static void test_request_decoder(void **state) {
     const uint8_t junk[] = {0xff, 0xff, 0xff};
     assert_int_equal(decode_body(junk, sizeof(junk), &id, why), KV_EPROTO);
     assert_int_equal(id, 0);
+    /* A request for another boot epoch is EEPOCH before any other fault (PROTOCOL.md §4): no
+     * body, an unknown body, a bad string. Envelope{id 9, boot_epoch 5, ...}. */
+    const uint8_t e_empty[] = {0x08, 0x09, 0x11, 5, 0, 0, 0, 0, 0, 0, 0};
+    const uint8_t e_future[] = {0x08, 0x09, 0x11, 5, 0, 0, 0, 0, 0, 0, 0, 0x9a, 0x06, 0x00};
+    const uint8_t e_nul[] = {0x08, 0x09, 0x11, 5,    0,    0,    0,   0, 0,
+                             0,    0,    0x62, 0x05, 0x0a, 0x03, 'm', 0, 'x'};
+    assert_int_equal(decode_body_at(e_empty, sizeof(e_empty), 7, &id, why), KV_EEPOCH);
+    assert_int_equal(id, 9);
+    assert_non_null(strstr(why, "boot epoch 0000000000000005"));
+    assert_int_equal(decode_body_at(e_future, sizeof(e_future), 7, &id, why), KV_EEPOCH);
+    assert_int_equal(decode_body_at(e_nul, sizeof(e_nul), 7, &id, why), KV_EEPOCH);
+    /* The right epoch: the other checks apply. */
+    assert_int_equal(decode_body_at(e_empty, sizeof(e_empty), 5, &id, why), KV_EPROTO);
+    assert_int_equal(decode_body_at(e_nul, sizeof(e_nul), 5, &id, why), KV_EINVAL);
     /* UTF-8 edges. */
     assert_int_equal(kv_utf8_prefix("caf\xc3\xa9", 5), 5);
     assert_int_equal(kv_utf8_prefix("\xc0\xaf", 2), 0);         /* overlong */

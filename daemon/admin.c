@@ -336,6 +336,20 @@ kv_err kvd_admin_start(kvd_server *s) {
         a->have_group = 1;
     }
     struct stat st;
+    /* libuv reports a missing directory as "permission denied": say what is wrong. */
+    char dir[sizeof(a->path)];
+    snprintf(dir, sizeof(dir), "%s", a->path);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL && slash != dir) {
+        *slash = '\0';
+        if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            KV_LOG(ERROR, "KVD-ADMIN",
+                   "admin-socket %s: its directory %s does not exist (create it, or leave "
+                   "admin-socket empty for admin.sock beside the client socket)",
+                   a->path, dir);
+            return KV_ENOENT;
+        }
+    }
     if (lstat(a->path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {
             KV_LOG(ERROR, "KVD-ADMIN", "%s exists and is not a socket", a->path);

@@ -143,10 +143,11 @@ json_t *kvd_admin_stats(kvd_server *s) {
     uint64_t used = 0;
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_srv_pool *p = &s->pools[i];
-        json_t *o =
-            json_pack("{s:i, s:o, s:o, s:i}", "id", (int)p->pool_id, "model", text(p->model_id),
-                      "domain", text(kvd_tenants_name(s->tenants, p->domain)), "tokens_per_block",
-                      (int)p->layout.tokens_per_block);
+        char dom[KVD_TENANT_NAME_MAX + 8];
+        json_t *o = json_pack(
+            "{s:i, s:o, s:o, s:i}", "id", (int)p->pool_id, "model", text(p->model_id), "domain",
+            text(kvd_tenants_domain_name(s->tenants, p->domain, dom, sizeof(dom))),
+            "tokens_per_block", (int)p->layout.tokens_per_block);
         kvd_pool_stats(p->pool, pool_sink, o);
         used += get_u64(o, "bytes");
         add_hit_rate(o, get_u64(o, "hit_blocks"), get_u64(o, "query_blocks"));
@@ -255,17 +256,18 @@ static kv_err cmd_pools(kvd_server *s, int argc, char **argv, json_t **out, char
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_srv_pool *p = &s->pools[i];
         const kvd_pool_config *pc = kvd_pool_config_get(p->pool);
-        json_t *o =
-            json_pack("{s:i, s:o, s:o, s:{s:i, s:i, s:i, s:i, s:s, s:s, s:o}, s:i, s:i, s:o, s:s}",
-                      "id", (int)p->pool_id, "model", text(p->model_id), "domain",
-                      text(kvd_tenants_name(s->tenants, p->domain)), "layout", "layers",
-                      (int)p->layout.num_layers, "kv_heads", (int)p->layout.num_kv_heads,
-                      "head_dim", (int)p->layout.head_dim, "tokens_per_block",
-                      (int)p->layout.tokens_per_block, "dtype", kv_dtype_name(p->layout.dtype),
-                      "arrangement", kv_arrangement_name(p->layout.arrangement), "block_bytes",
-                      u64(p->layout.block_bytes), "blocks_per_segment", (int)pc->blocks_per_segment,
-                      "max_segments", (int)pc->max_segments, "segment_bytes", u64(p->segment_bytes),
-                      "policy", pc->policy == KVD_EVICT_S3FIFO ? "s3fifo" : "lru");
+        char dom[KVD_TENANT_NAME_MAX + 8];
+        json_t *o = json_pack(
+            "{s:i, s:o, s:o, s:{s:i, s:i, s:i, s:i, s:s, s:s, s:o}, s:i, s:i, s:o, s:s}", "id",
+            (int)p->pool_id, "model", text(p->model_id), "domain",
+            text(kvd_tenants_domain_name(s->tenants, p->domain, dom, sizeof(dom))), "layout",
+            "layers", (int)p->layout.num_layers, "kv_heads", (int)p->layout.num_kv_heads,
+            "head_dim", (int)p->layout.head_dim, "tokens_per_block",
+            (int)p->layout.tokens_per_block, "dtype", kv_dtype_name(p->layout.dtype), "arrangement",
+            kv_arrangement_name(p->layout.arrangement), "block_bytes", u64(p->layout.block_bytes),
+            "blocks_per_segment", (int)pc->blocks_per_segment, "max_segments",
+            (int)pc->max_segments, "segment_bytes", u64(p->segment_bytes), "policy",
+            kvd_evict_policy_name(pc->policy));
         kvd_pool_stats(p->pool, pool_sink, o);
         json_array_append_new(a, o);
     }
@@ -538,8 +540,7 @@ static kv_err cmd_evict(kvd_server *s, int argc, char **argv, json_t **out, char
             json_decref(pools);
             FAIL(rc, "evict in pool %u: %s", sp->pool_id, kv_strerror(rc));
         }
-        const char *policy =
-            kvd_pool_config_get(sp->pool)->policy == KVD_EVICT_S3FIFO ? "s3fifo" : "lru";
+        const char *policy = kvd_evict_policy_name(kvd_pool_config_get(sp->pool)->policy);
         json_t *o = json_pack("{s:i, s:o, s:s}", "pool", (int)sp->pool_id, "blocks", u64(n),
                               "policy", policy);
         if (dry) {

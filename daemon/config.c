@@ -404,11 +404,12 @@ void kvd_config_print_help(FILE *f) {
                "  --config=FILE  read options from FILE first; flags override it\n"
                "  --help         print this\n"
                "  --print-config     print the commented example config (deploy/kvd.conf)\n"
-               "  --print-admin-doc  print docs/ADMIN.md (admin commands, kvctl exit codes)\n");
+               "  --print-admin-doc  print docs/ADMIN.md (admin commands, kvctl exit codes)\n"
+               "Options marked [runtime] can also be changed while kvd runs (kvctl config set).\n");
     for (size_t i = 0; i < NOPTIONS; i++) {
-        fprintf(f, "  --%s=%s\n      %s (default: \"%s\")\n", options[i].name,
-                options[i].type == KVD_OPT_STRING ? "STRING" : "VALUE", options[i].description,
-                options[i].def);
+        fprintf(f, "  --%s=%s%s\n      %s (default: \"%s\")\n", options[i].name,
+                options[i].type == KVD_OPT_STRING ? "STRING" : "VALUE",
+                options[i].runtime ? "  [runtime]" : "", options[i].description, options[i].def);
     }
 }
 

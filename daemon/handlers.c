@@ -211,21 +211,28 @@ static void reclaim_pools(kvd_server *s) {
     }
 }
 
-static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l, uint32_t domain,
-                        uint32_t creator, kvd_srv_pool **out, char *msg) {
+/* The pool of (model, layout) in domain, or NULL. */
+static kvd_srv_pool *pool_find(kvd_server *s, const char *model_id, const kv_layout *l,
+                               uint32_t domain) {
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_srv_pool *sp = &s->pools[i];
         if (sp->domain == domain && strcmp(sp->model_id, model_id) == 0 &&
             same_shape(&sp->layout, l)) {
-            *out = sp;
-            return KV_OK;
+            return sp;
         }
     }
-    if (s->npools >= s->cfg.max_pools) {
+    return NULL;
+}
+
+/* Whether `more` new pools fit max-pools and creator's max-pools quota: KV_ENOSPC / KV_EQUOTA
+ * with a sentence otherwise. */
+static kv_err pools_fit(kvd_server *s, uint32_t creator, uint32_t more, char *msg) {
+    if (s->npools + (uint64_t)more > s->cfg.max_pools) {
         FAIL(KV_ENOSPC,
-             "kvd has max-pools (%llu) pools in use; a new model or layout needs one more (raise "
-             "max-pools, or let pools of models no longer used empty)",
-             (unsigned long long)s->cfg.max_pools);
+             "kvd has %u of max-pools (%llu) pools in use; this attach needs %u more (a new model "
+             "or layout needs its own pool and one in each of the tenant's groups and the "
+             "commons; raise max-pools, or let pools of models no longer used empty)",
+             s->npools, (unsigned long long)s->cfg.max_pools, more);
     }
     uint64_t max_pools =
         creator < KVD_MAX_TENANTS ? kvd_tenants_quota(s->tenants, creator)->max_pools : 0;
@@ -234,10 +241,27 @@ static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l,
         for (uint32_t i = 0; i < s->npools; i++) {
             mine += s->pools[i].creator == creator;
         }
-        if (mine >= max_pools) {
-            FAIL(KV_EQUOTA, "tenant %s: quota max-pools is %llu and its attaches made that many",
-                 kvd_tenants_name(s->tenants, creator), (unsigned long long)max_pools);
+        if (mine + more > max_pools) {
+            FAIL(KV_EQUOTA,
+                 "tenant %s: quota max-pools is %llu; its attaches made %llu and this one needs "
+                 "%u more (its own pool and one per group and the commons)",
+                 kvd_tenants_name(s->tenants, creator), (unsigned long long)max_pools,
+                 (unsigned long long)mine, more);
         }
+    }
+    return KV_OK;
+}
+
+static kv_err pool_open(kvd_server *s, const char *model_id, const kv_layout *l, uint32_t domain,
+                        uint32_t creator, kvd_srv_pool **out, char *msg) {
+    kvd_srv_pool *found = pool_find(s, model_id, l, domain);
+    if (found != NULL) {
+        *out = found;
+        return KV_OK;
+    }
+    kv_err frc = pools_fit(s, creator, 1, msg);
+    if (frc != KV_OK) {
+        return frc;
     }
     if (s->npools == s->pools_cap) {
         uint32_t ncap = s->pools_cap == 0 ? 8 : s->pools_cap * 2;
@@ -660,16 +684,28 @@ static kv_err on_attach(kvd_conn *c, uint64_t id, const Kvd__AttachPool *a, char
     /* Idle pools go before new ones are counted against max-pools (never during the opens
      * below: a pool this attach just made has no session yet). */
     reclaim_pools(s);
+    /* The pools this attach makes (its own and one per other domain: groups, commons) fit
+     * max-pools and the quota all together, or none is made. */
+    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT], links[KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t ndoms = kvd_tenants_domains(s->tenants, c->sess.tenant, doms), nlinks = 0;
+    uint32_t missing = pool_find(s, a->model_id, &l, c->sess.tenant) == NULL;
+    for (uint32_t i = 1; i < ndoms; i++) {
+        missing += pool_find(s, a->model_id, &l, doms[i]) == NULL;
+    }
+    if (missing > 0) {
+        rc = pools_fit(s, c->sess.tenant, missing, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
     rc = pool_open(s, a->model_id, &l, c->sess.tenant, c->sess.tenant, &p, msg);
     if (rc != KV_OK) {
         return rc;
     }
     uint32_t pool_id = p->pool_id;
-    /* The same model in the tenant's other domains (groups, commons), in lookup order. Opening
-     * pools moves s->pools, so pools are named by id from here on. A domain whose pool cannot
-     * be had now (budget) is left out of this attach's links. */
-    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT], links[KVD_MAX_DOMAINS_PER_TENANT];
-    uint32_t ndoms = kvd_tenants_domains(s->tenants, c->sess.tenant, doms), nlinks = 0;
+    /* The same model in the tenant's other domains, in lookup order. Opening pools moves
+     * s->pools, so pools are named by id from here on. A domain whose pool cannot be had now
+     * (pool-memory spent) is left out of this attach's links, which the reply lists. */
     uint32_t commons_id = 0;
     for (uint32_t i = 1; i < ndoms; i++) {
         char lmsg[KVD_ERRMSG];
@@ -926,16 +962,20 @@ static kv_err on_lookup(kvd_conn *c, uint64_t id, const Kvd__Lookup *l, char *ms
     if (rc != KV_OK) {
         return rc;
     }
+    /* PROTOCOL.md §7 step 3: EINVAL, then ETOOBIG (either list too long), then EPROTO (a packed
+     * list that is not whole entries, or both forms at once). */
     size_t n;
-    if (kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
+    rc = kvd_validate_lookup(l, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc == KV_OK) {
+        rc =
+            kvd_validate_list(l->hashes_packed.len / KV_WIRE_HASH_BYTES,
+                              c->srv->cfg.max_blocks_per_request, "hashes_packed", msg, KVD_ERRMSG);
+    }
+    if (rc == KV_OK &&
+        kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
         FAIL(KV_EPROTO,
              "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
              l->hashes_packed.len, KV_WIRE_HASH_BYTES);
-    }
-    rc = kvd_validate_lookup(l, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
-    if (rc == KV_OK) {
-        rc = kvd_validate_list(n, c->srv->cfg.max_blocks_per_request, "hashes_packed", msg,
-                               KVD_ERRMSG);
     }
     if (rc == KV_OK) {
         rc = need_segment0(sp, msg);
@@ -1279,19 +1319,21 @@ static kv_err on_release(kvd_conn *c, uint64_t id, uint32_t pool_id, size_t nrep
     if (rc != KV_OK) {
         return rc;
     }
+    /* EINVAL, ETOOBIG, then EPROTO, as for Lookup. */
     size_t n;
+    rc = kvd_validate_refs(nrep, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
+    if (rc == KV_OK) {
+        rc =
+            kvd_validate_list(packed->len / KV_WIRE_BLOCK_BYTES, c->srv->cfg.max_blocks_per_request,
+                              "blocks_packed", msg, KVD_ERRMSG);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
     if (kv_wire_list_count(nrep, packed->len, KV_WIRE_BLOCK_BYTES, &n) != KV_OK) {
         FAIL(KV_EPROTO,
              "blocks_packed of %zu bytes: not a multiple of %d, or sent together with blocks",
              packed->len, KV_WIRE_BLOCK_BYTES);
-    }
-    rc = kvd_validate_refs(nrep, blocks, c->srv->cfg.max_blocks_per_request, msg, KVD_ERRMSG);
-    if (rc == KV_OK) {
-        rc = kvd_validate_list(n, c->srv->cfg.max_blocks_per_request, "blocks_packed", msg,
-                               KVD_ERRMSG);
-    }
-    if (rc != KV_OK) {
-        return rc;
     }
     seen_tab times;
     kvd_block_ref *refs = kvd_conn_scratch(c, sizeof(*refs) * n);
@@ -1356,9 +1398,16 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
         FAIL(KV_EPERM, "pool %u is the commons: its blocks cannot be pinned by a tenant",
              pin->pool_id);
     }
+    /* A block listed twice is pinned once and costs one unit of max-pinned; retention 0 pins
+     * nothing, so it costs nothing. */
     uint64_t new_pins = 0;
+    seen_tab once;
+    if (seen_init(c, &once, pin->n_blocks) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory");
+    }
     for (size_t i = 0; i < pin->n_blocks; i++) {
         kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
+        uint32_t k = r.id != KVD_NO_BLOCK ? seen_add(&once, r.id) : 1;
         rc = check_held(sp, r, 1, "blocks", i, msg);
         if (rc != KV_OK) {
             return rc;
@@ -1368,11 +1417,12 @@ static kv_err on_pin(kvd_conn *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
             (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
             FAIL(KV_ESTATE, "blocks[%zu]: block %u is not committed", i, r.id);
         }
-        new_pins += !info.pinned;
+        new_pins += !info.pinned && k == 1;
     }
     uint64_t max_pinned = kvd_tenants_quota(c->srv->tenants, c->sess.tenant)->max_pinned;
     uint64_t pinned = kvd_pool_tenant_usage(sp->pool, c->sess.tenant).pinned;
-    if (!pin->unpin && max_pinned != 0 && pinned + new_pins > max_pinned) {
+    if (!pin->unpin && pin->retention_ms != 0 && max_pinned != 0 &&
+        pinned + new_pins > max_pinned) {
         FAIL(KV_EQUOTA,
              "tenant %s: quota max-pinned is %llu blocks per pool; %llu pinned, %llu more asked",
              kvd_tenants_name(c->srv->tenants, c->sess.tenant), (unsigned long long)max_pinned,

@@ -1803,3 +1803,15 @@ out:
     free(tevict);
     return err;
 }
+
+const char *kvd_evict_policy_name(kvd_evict_policy p) {
+    switch (p) {
+        case KVD_EVICT_LRU:
+            return "lru";
+        case KVD_EVICT_S3FIFO:
+            return "s3fifo";
+        case KVD_EVICT_PREFIX_LRU:
+            return "prefix-lru";
+    }
+    return "?";
+}

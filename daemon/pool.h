@@ -58,6 +58,9 @@ typedef enum kvd_evict_policy {
     KVD_EVICT_PREFIX_LRU = 3, /* LRU, tail first; shared prefixes get a round per reuse */
 } kvd_evict_policy;
 
+/* The policy's name as `evict-policy` spells it ("lru", "s3fifo", "prefix-lru"); "?" for others. */
+const char *kvd_evict_policy_name(kvd_evict_policy p);
+
 typedef enum kvd_evict_reason {
     KVD_EVICT_CAPACITY = 0, /* an allocation needed the block */
     KVD_EVICT_ADMIN = 1,    /* an operator asked (kvctl evict) */

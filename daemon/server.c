@@ -320,8 +320,8 @@ static size_t conn_process(kvd_conn *c) {
         char why[KVD_ERRMSG];
         /* Unpacked into the request arena: no malloc per submessage, one reset per request. */
         kv_err rc = kv_wire_decode_request(p, avail, (uint32_t)s->cfg.max_frame_bytes,
-                                           kv_arena_allocator(&s->req_arena), &env, &used, &id, why,
-                                           sizeof(why));
+                                           s->boot_epoch, kv_arena_allocator(&s->req_arena), &env,
+                                           &used, &id, why, sizeof(why));
         if (rc == KV_ETOOBIG) {
             char msg[KVD_ERRMSG];
             snprintf(msg, sizeof(msg), "frame of %u bytes exceeds max_frame_bytes %llu; closing",
@@ -731,8 +731,16 @@ static void on_frame_timer(uv_timer_t *t) {
     kvd_conn *next;
     for (kvd_conn *c = s->conns; limit != 0 && c != NULL; c = next) {
         next = c->next;
-        if (c->closing || c->close_after_flush || c->partial_since == 0 ||
-            now - c->partial_since < limit) {
+        if (c->closing || c->close_after_flush || c->partial_since == 0) {
+            continue;
+        }
+        if (c->paused || c->out_frames >= s->cfg.max_inflight) {
+            /* kvd is not reading this connection (flow control): the rest of the frame may be
+             * waiting in the socket. The clock counts only while kvd reads. */
+            c->partial_since = now;
+            continue;
+        }
+        if (now - c->partial_since < limit) {
             continue;
         }
         size_t avail = c->in_len - c->in_off;

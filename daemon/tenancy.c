@@ -20,7 +20,9 @@
 
 typedef struct commons_slot {
     kv_hash128 h;                        /* block hash */
-    uint32_t pool;                       /* commons pool id; 0 = empty slot */
+    kv_hash128 model;                    /* the pools' seed (model and layout), not a pool id:
+                                          * counts outlive a commons pool freed while idle */
+    uint32_t used;                       /* 0 = empty slot */
     uint16_t n;                          /* distinct tenants in tenants[] */
     uint16_t tenants[KVD_COMMONS_MAX_K]; /* who committed h (tenant ids < 4096) */
 } commons_slot;
@@ -207,11 +209,14 @@ void kvd_tenancy_count_commit(kvd_server *s, uint32_t pool_id, uint32_t tenant, 
         }
     }
     uint32_t cid = src->commons_id;
-    uint64_t x = h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)cid * 0xC2B2AE3D27D4EB4Full);
+    const kv_hash128 m = src->seed;
+    uint64_t x = h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull) ^ (m.lo * 0xC2B2AE3D27D4EB4Full) ^ m.hi;
     commons_slot *e = &s->commons->slots[(x ^ (x >> 29)) & (COMMONS_SLOTS - 1)];
-    if (e->pool != cid || e->h.lo != h.lo || e->h.hi != h.hi) {
+    if (!e->used || e->model.lo != m.lo || e->model.hi != m.hi || e->h.lo != h.lo ||
+        e->h.hi != h.hi) {
         memset(e, 0, sizeof(*e));
-        e->pool = cid;
+        e->used = 1;
+        e->model = m;
         e->h = h;
     }
     int seen = 0;

@@ -62,7 +62,8 @@ kv_err kvd_validate_attach(const Kvd__AttachPool *a, kv_layout *out, char *msg, 
 
 kv_err kvd_validate_list(size_t n, uint64_t max, const char *what, char *msg, size_t msglen) {
     if (n > max) {
-        return fail(KV_ETOOBIG, msg, msglen, "%s has %zu entries; at most %llu per request", what,
+        return fail(KV_ETOOBIG, msg, msglen,
+                    "%s has %zu entries; at most %llu per request (max-blocks-per-request)", what,
                     n, (unsigned long long)max);
     }
     return KV_OK;

@@ -90,8 +90,8 @@ static void check_request_decoder(const uint8_t *buf, size_t size) {
         size_t used = 7;
         uint64_t id = 1;
         char why[256];
-        kv_err rc = kv_wire_decode_request(buf + off, size - off, FUZZ_MAX_FRAME, NULL, &env, &used,
-                                           &id, why, sizeof(why));
+        kv_err rc = kv_wire_decode_request(buf + off, size - off, FUZZ_MAX_FRAME, 0, NULL, &env,
+                                           &used, &id, why, sizeof(why));
         if (rc == KV_ETOOBIG) {
             FUZZ_CHECK(env == NULL);
             break;

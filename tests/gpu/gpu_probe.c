@@ -174,8 +174,7 @@ static void probe_vmm(const kv_cuda *cu, const kv_cuda_device *d) {
     if (r == KV_CU_SUCCESS) {
         r = cu->mem_map(va3, gmin, gmin, imp, 0);
         if (r != KV_CU_SUCCESS) {
-            row("cuMemMap at a non-zero offset", "refused: %s (kvd does not need it)",
-                err(cu, r));
+            row("cuMemMap at a non-zero offset", "refused: %s (kvd does not need it)", err(cu, r));
         } else {
             r = cu->mem_set_access(va3, gmin, &acc, 1);
             if (r == KV_CU_SUCCESS) {
@@ -183,8 +182,7 @@ static void probe_vmm(const kv_cuda *cu, const kv_cuda_device *d) {
                 r = cu->memcpy_dtoh(back, va3, gmin);
             }
             if (r != KV_CU_SUCCESS) {
-                row("cuMemMap at a non-zero offset", "mapped, but access failed: %s",
-                    err(cu, r));
+                row("cuMemMap at a non-zero offset", "mapped, but access failed: %s", err(cu, r));
             } else {
                 row("cuMemMap at a non-zero offset", "%s",
                     memcmp(back, pat + gmin, gmin) == 0
