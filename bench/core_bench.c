@@ -13,9 +13,9 @@
 #include <time.h>
 
 #include "common/kv_hash.h"
-#include "daemon/evict_trace.h"
-#include "daemon/index.h"
-#include "daemon/pool.h"
+#include "daemon/testing/evict_trace.h"
+#include "daemon/core/index.h"
+#include "daemon/core/pool.h"
 
 static double now_s(void) {
     struct timespec ts;

@@ -16,9 +16,8 @@
 #include "client/include/kvclient.h"
 #include "proto/kvd.pb-c.h"
 
-#define KVC__FDQ_CAP 512           /* received fds not yet claimed by a frame */
-#define KVC__MAX_SEG_PER_REPLY 200 /* PROTOCOL.md 2.2 */
-#define KVC__REPLY_SLACK 64        /* replies may exceed max_frame_bytes by this much */
+#define KVC__FDQ_CAP 512    /* received fds not yet claimed by a frame */
+#define KVC__REPLY_SLACK 64 /* replies may exceed max_frame_bytes by this much */
 
 /* One mapped segment of a pool. */
 typedef struct kvc__segment {

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "daemon/cuda_driver.h"
+#include "common/kv_cuda.h"
 
 #define GPU_MAX_RESERVE (4ull << 40) /* device address space reserved per pool at most */
 

@@ -1,6 +1,6 @@
 /* gpu_map: libkvclient's mapping of GPU segments (CUDA_VMM and CUDA_IPC) into the worker.
  *
- * The driver is loaded on first use (dlopen of libcuda.so.1 through daemon/cuda_driver.h), so
+ * The driver is loaded on first use (dlopen of libcuda.so.1 through common/kv_cuda.h), so
  * the library runs without CUDA as long as no GPU pool is attached. Mappings are made in the
  * CUDA context current on the calling thread when the first GPU segment of a pool arrives (the
  * engine's own context, as it would be for cudaMalloc); with none current, in the primary

@@ -179,7 +179,7 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
         p->has_device_uuid = 1;
     }
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
-    if (err == KV_OK && (r->more_segments || r->n_segments == KVC__MAX_SEG_PER_REPLY)) {
+    if (err == KV_OK && (r->more_segments || r->n_segments == KV_WIRE_MAX_FDS)) {
         p->need_map = 1; /* more follow: fetched once this reply is done */
     }
     return err;
@@ -241,7 +241,7 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             if (err == KV_OK && op->nout != NULL) {
                 /* A full reply (200 segments, or fewer with more_segments: the fd limit) is one
                  * of several: the caller asks again from its last index + 1. */
-                *op->nout = r->more_segments ? KVC__MAX_SEG_PER_REPLY : r->n_segments;
+                *op->nout = r->more_segments ? KV_WIRE_MAX_FDS : r->n_segments;
             }
             return err;
         }
@@ -1016,7 +1016,7 @@ kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from) {
             p->need_map = 1;
             return err;
         }
-        if (n < KVC__MAX_SEG_PER_REPLY) {
+        if (n < KV_WIRE_MAX_FDS) {
             return KV_OK;
         }
         /* A full reply: more may follow after the highest slot it named. */

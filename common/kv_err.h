@@ -41,6 +41,10 @@ typedef enum kv_err {
 /* Number of codes; codes run 0..KV_ERR_COUNT-1 without gaps. */
 #define KV_ERR_COUNT 23
 
+/* Bytes of an error sentence: the messages of Error replies and of functions that explain a
+ * refusal (daemon and client). */
+#define KV_ERRMSG 256
+
 /* A fixed English sentence for err; "unknown error" for a number not in the map. Any thread. */
 const char *kv_strerror(int err);
 

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common/kv_err.h"
+#include "common/kv_limits.h"
 #include "proto/kvd.pb-c.h"
 
 #define KV_WIRE_HEADER_BYTES 4

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-kvd}"
 export KVD_BIN_DIR=.
-export KV_CUDA_LIBRARY="$PWD/daemon/testdata/libfakecuda.so"
+export KV_CUDA_LIBRARY="$PWD/daemon/testing/libfakecuda.so"
 export TMPDIR=/tmp
 bash examples/demo.sh
 bash examples/demo.sh --gpu

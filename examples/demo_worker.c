@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/cuda_driver.h"
+#include "common/kv_cuda.h"
 #include "kvclient.h"
 
 #define LAYERS 4

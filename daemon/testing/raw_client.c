@@ -23,7 +23,7 @@
 static void test_server_on_call(uv_async_t *a) {
     kvd_test_server *ts = a->data;
     pthread_mutex_lock(&ts->mu);
-    void (*fn)(kvd_server *, void *) = ts->call_fn;
+    void (*fn)(kvd_daemon *, void *) = ts->call_fn;
     void *arg = ts->call_arg;
     pthread_mutex_unlock(&ts->mu);
     if (fn == NULL) {
@@ -39,7 +39,7 @@ static void test_server_on_call(uv_async_t *a) {
 
 /* The last call before stopping: the call handle must be closed on the loop thread, or the loop
  * would never end. */
-static void test_server_close_call(kvd_server *s, void *arg) {
+static void test_server_close_call(kvd_daemon *s, void *arg) {
     (void)s;
     kvd_test_server *ts = arg;
     uv_close((uv_handle_t *)&ts->call_async, NULL);
@@ -48,11 +48,11 @@ static void test_server_close_call(kvd_server *s, void *arg) {
 static void *test_server_main(void *arg) {
     kvd_test_server *ts = arg;
     uv_loop_init(&ts->loop);
-    kv_err rc = kvd_server_alloc(&ts->cfg, &ts->loop, &ts->srv);
+    kv_err rc = kvd_daemon_alloc(&ts->cfg, &ts->loop, &ts->srv);
     if (rc == KV_OK) {
-        rc = kvd_server_start(ts->srv, 0);
+        rc = kvd_daemon_start(ts->srv, 0);
         if (rc != KV_OK) {
-            kvd_server_stop(ts->srv);
+            kvd_daemon_stop(ts->srv);
         } else {
             ts->call_async.data = ts;
             uv_async_init(&ts->loop, &ts->call_async, test_server_on_call);
@@ -67,7 +67,7 @@ static void *test_server_main(void *arg) {
     pthread_mutex_unlock(&ts->mu);
     if (ts->srv != NULL) {
         uv_run(&ts->loop, UV_RUN_DEFAULT);
-        kvd_server_free(ts->srv);
+        kvd_daemon_free(ts->srv);
     }
     ts->loop_close_rc = uv_loop_close(&ts->loop);
     return NULL;
@@ -95,7 +95,7 @@ void kvd_test_server_start(kvd_test_server *ts) {
     assert_int_equal(ts->ready, 1);
 }
 
-void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_server *s, void *arg), void *arg) {
+void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_daemon *s, void *arg), void *arg) {
     pthread_mutex_lock(&ts->mu);
     ts->call_fn = fn;
     ts->call_arg = arg;
@@ -111,7 +111,7 @@ void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_server *s, void *a
 
 void kvd_test_server_stop(kvd_test_server *ts) {
     kvd_test_server_call(ts, test_server_close_call, ts);
-    kvd_server_stop_async(ts->srv);
+    kvd_daemon_stop_async(ts->srv);
     pthread_join(ts->thread, NULL);
     assert_int_equal(ts->loop_close_rc, 0);
     pthread_mutex_destroy(&ts->mu);

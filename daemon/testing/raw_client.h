@@ -1,4 +1,4 @@
-/* raw_client: what the daemon's in-process tests share to drive a real kvd_server without
+/* raw_client: what the daemon's in-process tests share to drive a real kvd_daemon without
  * libkvclient. A test server runs the server on a temporary socket in a thread with its own
  * libuv loop; the raw client speaks kv_wire frames over plain blocking Unix sockets (encode and
  * send an Envelope, read one frame and the SCM_RIGHTS fds that came with it) and has the
@@ -17,8 +17,8 @@
 
 #include "common/kv_err.h"
 #include "common/kv_layout.h"
-#include "daemon/config.h"
-#include "daemon/server.h"
+#include "daemon/config/config.h"
+#include "daemon/app/daemon.h"
 #include "proto/kvd.pb-c.h"
 
 /* Capacity of the fd arrays kvd_raw_recv_* fill: more fds in one frame fail the test. */
@@ -30,15 +30,15 @@ typedef struct kvd_test_server {
     kvd_config cfg;                 /* options the server runs with; the test edits them */
     char dir[64];                   /* temporary directory holding the socket */
     uv_loop_t loop;                 /* the server thread's loop */
-    kvd_server *srv;                /* the server */
+    kvd_daemon *srv;                /* the server */
     pthread_t thread;               /* runs the loop */
     pthread_mutex_t mu;             /* guards ready */
     pthread_cond_t cv;              /* signals ready */
     int ready;                      /* 1 started, -1 failed */
     int loop_close_rc;              /* uv_loop_close() after the loop ended */
-    void (*on_loop)(kvd_server *s); /* NULL, or runs on the loop thread after a good start */
+    void (*on_loop)(kvd_daemon *s); /* NULL, or runs on the loop thread after a good start */
     uv_async_t call_async;          /* wakes the loop for kvd_test_server_call */
-    void (*call_fn)(kvd_server *s, void *arg); /* the pending call, under mu */
+    void (*call_fn)(kvd_daemon *s, void *arg); /* the pending call, under mu */
     void *call_arg;                            /* its argument, under mu */
     int call_done;                             /* set by the loop when call_fn returned, under mu */
 } kvd_test_server;
@@ -57,7 +57,7 @@ void kvd_test_server_start(kvd_test_server *ts);
 /* Runs fn(srv, arg) on the server's loop thread and returns when it has: the way a test reads
  * or checks loop-owned state without racing the loop (ThreadSanitizer checks this). Test thread
  * only; one call at a time. */
-void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_server *s, void *arg), void *arg);
+void kvd_test_server_call(kvd_test_server *ts, void (*fn)(kvd_daemon *s, void *arg), void *arg);
 
 /* Stops the server (kvd_server_stop_async), joins its thread and checks that its loop closed
  * with every handle gone (uv_loop_close() == 0). Leaves the directory to the caller, whose

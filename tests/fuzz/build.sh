@@ -39,13 +39,14 @@ clang "${CFLAGS[@]}" -fsanitize=fuzzer-no-link -c "$OUT/kvd.pb-c.c" -o "$OUT/kvd
 for t in "${targets[@]}"; do
     case "$t" in
         wire) srcs=(common/kv_wire.c) libs=(-lprotobuf-c) ;;
-        validate) srcs=(daemon/validate.c common/kv_layout.c) libs=(-lprotobuf-c) ;;
-        config) srcs=(daemon/config.c daemon/conffile.c) libs=(-lprotobuf-c) ;;
+        validate) srcs=(daemon/proto/validate.c common/kv_layout.c) libs=(-lprotobuf-c) ;;
+        config) srcs=(daemon/config/config.c daemon/config/conffile.c daemon/core/policy.c)
+            libs=(-lprotobuf-c) ;;
         admin)
             # The admin line parser runs against a real (never started) server: the whole daemon
             # library minus its main and tests.
-            mapfile -t srcs < <(ls daemon/*.c common/*.c kvctl/exit_codes.c 2>/dev/null \
-                | grep -vE '_test\.c$|/main\.c$|/kv_err\.c$|/kv_log\.c$')
+            mapfile -t srcs < <(ls daemon/*/*.c common/*.c kvctl/exit_codes.c 2>/dev/null \
+                | grep -vE '_test\.c$|/main\.c$|/kv_err\.c$|/kv_log\.c$|^daemon/testing/')
             libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lcrypto -lpthread -ldl)
             ;;
         *) echo "build.sh: unknown target $t (${ALL[*]})" >&2; exit 2 ;;

@@ -1,5 +1,5 @@
 /* fuzz_admin: the admin line protocol (daemon/admin: word splitting, command lookup in the one
- * table, every command's argument parsing) on any text, against a real kvd_server that is
+ * table, every command's argument parsing) on any text, against a real kvd_daemon that is
  * allocated once and never started (no sockets; the commands see its empty registry, tenants,
  * config and event ring). Input: lines as a peer would send them; each is executed as the
  * admin connection does. Properties: every line gets a reply object (never NULL: the connection
@@ -11,12 +11,12 @@
 #include <uv.h>
 
 #include "common/kv_log.h"
-#include "daemon/admin.h"
-#include "daemon/config.h"
-#include "daemon/server.h"
+#include "daemon/ops/admin_cmds.h"
+#include "daemon/config/config.h"
+#include "daemon/app/daemon.h"
 #include "tests/fuzz/fuzz.h"
 
-static kvd_server *srv;
+static kvd_daemon *srv;
 static uv_loop_t loop;
 
 /* Commands may raise the log level (`log level debug`); the fuzzer's output stays readable. */
@@ -27,7 +27,7 @@ static void quiet_sink(void *arg, kv_log_level level, const char *id, const char
     (void)msg;
 }
 
-static kvd_server *server(void) {
+static kvd_daemon *server(void) {
     if (srv != NULL) {
         return srv;
     }
@@ -38,7 +38,7 @@ static kvd_server *server(void) {
     cfg.segment_bytes = 1u << 20;
     cfg.index_entries = 4096;
     FUZZ_CHECK(uv_loop_init(&loop) == 0);
-    FUZZ_CHECK(kvd_server_alloc(&cfg, &loop, &srv) == KV_OK);
+    FUZZ_CHECK(kvd_daemon_alloc(&cfg, &loop, &srv) == KV_OK);
     return srv;
 }
 
@@ -60,7 +60,7 @@ static void check_reply(json_t *r) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    kvd_server *s = server();
+    kvd_daemon *s = server();
     char *text = malloc(size + 1);
     if (text == NULL) {
         return 0;
@@ -78,7 +78,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (strlen(l) >= KVD_ADMIN_LINE_MAX) {
             l[KVD_ADMIN_LINE_MAX - 1] = '\0';
         }
-        json_t *r = kvd_admin_execute(s, l);
+        json_t *r = kvd_admin_execute(kvd_daemon_ops(s), l);
         check_reply(r);
         json_decref(r);
     }

@@ -5,7 +5,7 @@
  * (the admin `config get` -> `config set` round trip); every numeric option is in its range. */
 #include <string.h>
 
-#include "daemon/config.h"
+#include "daemon/config/config.h"
 #include "tests/fuzz/fuzz.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "common/kv_layout.h"
-#include "daemon/validate.h"
+#include "daemon/proto/validate.h"
 #include "tests/fuzz/fuzz.h"
 
 #define FUZZ_MAX_FRAME 4096u
@@ -63,7 +63,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             FUZZ_CHECK(rc == KV_OK || rc == KV_EVERSION || rc == KV_EINVAL || rc == KV_ENOTSUP);
             if (rc == KV_OK) {
                 FUZZ_CHECK(e->hello->protocol_version == 1);
-                FUZZ_CHECK(strlen(e->hello->client_name) <= KVD_MAX_CLIENT_NAME);
+                FUZZ_CHECK(strlen(e->hello->client_name) <= KV_WIRE_MAX_CLIENT_NAME);
             }
             break;
         case KVD__ENVELOPE__BODY_ATTACH_POOL: {
@@ -74,7 +74,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             FUZZ_CHECK(rc == KV_OK || rc == KV_EINVAL);
             if (rc == KV_OK) {
                 size_t n = strlen(e->attach_pool->model_id);
-                FUZZ_CHECK(n >= 1 && n <= KVD_MAX_MODEL_ID);
+                FUZZ_CHECK(n >= 1 && n <= KV_WIRE_MAX_MODEL_ID);
                 check_layout(&out);
             } else {
                 FUZZ_CHECK(memcmp(&out, &before, sizeof(out)) == 0);
@@ -120,14 +120,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             rc = kvd_validate_pin(e->pin, max, msg, sizeof(msg));
             check_refs(rc, e->pin->n_blocks, e->pin->blocks, max);
             if (rc == KV_OK && !e->pin->unpin) {
-                FUZZ_CHECK(e->pin->retention_ms <= KVD_MAX_RETENTION_MS);
+                FUZZ_CHECK(e->pin->retention_ms <= KV_WIRE_MAX_RETENTION_MS);
                 FUZZ_CHECK(e->pin->priority <= 255);
             }
             break;
         case KVD__ENVELOPE__BODY_PING:
             rc = kvd_validate_ping(e->ping, FUZZ_MAX_FRAME, msg, sizeof(msg));
             FUZZ_CHECK(rc == KV_OK || rc == KV_ETOOBIG);
-            FUZZ_CHECK((rc == KV_OK) == (e->ping->payload.len <= FUZZ_MAX_FRAME - KVD_PING_SLACK));
+            FUZZ_CHECK((rc == KV_OK) ==
+                       (e->ping->payload.len <= FUZZ_MAX_FRAME - KV_WIRE_PING_SLACK));
             break;
         default: {
             /* Requests without fields to check, and reply bodies sent as requests: the generic

@@ -1,5 +1,5 @@
 /* gpu_probe: the first step of the GPU device check (tests/gpu/bundle/run.sh). Loads the driver
- * the way kvd does (daemon/cuda_driver.c: dlopen libcuda.so.1, every entry point resolved),
+ * the way kvd does (common/kv_cuda.c: dlopen libcuda.so.1, every entry point resolved),
  * prints a report of each visible device as markdown, and measures the facts kvd's cuda-vmm
  * path depends on instead of trusting the headers:
  *   - allocation granularity (minimum and recommended) for POSIX-fd shareable memory;
@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "daemon/cuda_driver.h"
+#include "common/kv_cuda.h"
 
 #define ATTR_SMS 16 /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
 #define ATTR_CC_MAJOR 75

@@ -178,10 +178,10 @@ static void use_fake_driver(void) {
     const char *src = getenv("TEST_SRCDIR");
     const char *ws = getenv("TEST_WORKSPACE");
     if (src != NULL && ws != NULL) {
-        snprintf(path, sizeof(path), "%s/%s/daemon/testdata/libfakecuda.so", src, ws);
+        snprintf(path, sizeof(path), "%s/%s/daemon/testing/libfakecuda.so", src, ws);
     } else {
         char cwd[2048];
-        snprintf(path, sizeof(path), "%s/daemon/testdata/libfakecuda.so",
+        snprintf(path, sizeof(path), "%s/daemon/testing/libfakecuda.so",
                  getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".");
     }
     setenv("KV_CUDA_LIBRARY", path, 1);

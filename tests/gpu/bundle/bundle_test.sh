@@ -54,7 +54,7 @@ bytes=$(du -sb "$B" | awk '{print $1}')
 if [ "$bytes" -le $((64 << 20)) ]; then ok "bundle is $((bytes >> 20)) MiB (<= 64)"; else bad "bundle is $((bytes >> 20)) MiB"; fi
 
 # 3. The probe over the test driver.
-FAKE="$R/daemon/testdata/libfakecuda.so"
+FAKE="$R/daemon/testing/libfakecuda.so"
 out=$(KV_CUDA_LIBRARY="$FAKE" "$B/tests/gpu/gpu_probe" 2>&1)
 rc=$?
 if [ "$rc" = 0 ] && [[ $out == *"read through the imported handle | ok"* ]] &&

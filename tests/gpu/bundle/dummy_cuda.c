@@ -2,7 +2,7 @@
  * and cuInit answers CUDA_ERROR_NO_DEVICE (100), as the real driver does where no device is
  * visible. tests/gpu/bundle/bundle_test.sh puts it in a chroot beside the bundle to show that
  * run.sh gets as far as "no GPU visible" with nothing but the bundle and the C/C++ runtime.
- * Generated from daemon/cuda_driver.c's symbol table (keep the list in step with it). */
+ * Generated from common/kv_cuda.c's symbol table (keep the list in step with it). */
 #include <stddef.h>
 
 #define NO_DEVICE 100

@@ -1,0 +1,214 @@
+/* kvd_daemon: the parts of the daemon and their order (daemon/app/daemon.h). */
+#include "daemon/app/daemon.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/kv_log.h"
+#include "daemon/mem/backend_cuda.h"
+#include "daemon/mem/backend_host.h"
+#include "daemon/ops/admin.h"
+#include "daemon/ops/metrics.h"
+#include "daemon/tenancy/tenant.h"
+
+struct kvd_daemon {
+    kvd_config cfg;              /* the live options (admin `config set` changes runtime ones) */
+    uv_loop_t *loop;             /* the one loop */
+    uint64_t boot_epoch;         /* random, non-zero */
+    kvd_tenants *tenants;        /* peer credentials -> tenant */
+    kvd_backend_host_ctx host;   /* host backend options */
+    kvd_backend_sel sel;         /* the backend chosen at alloc */
+    int sel_open;                /* sel holds a backend to close */
+    kvd_registry reg;            /* pools, budget, quotas, events */
+    int reg_open;                /* reg initialised */
+    kvd_server *srv;             /* the client socket and its connections */
+    kvd_ops ops;                 /* what the admin and metrics see */
+    uv_signal_t sigterm, sigint; /* stop on SIGTERM/SIGINT */
+    int signals_active;          /* signal handles initialised and not closed */
+    uv_async_t stop_async;       /* kvd_daemon_stop_async */
+    int async_active;            /* stop_async initialised and not closed */
+};
+
+static uint64_t loop_clock(void *arg) {
+    return uv_now(arg);
+}
+
+/* The server stopped (after any cuda-ipc wait): the rest goes. */
+static void on_server_stopped(void *arg) {
+    kvd_daemon *d = arg;
+    kvd_metrics_stop(&d->ops);
+    kvd_admin_stop(&d->ops);
+    if (d->signals_active) {
+        d->signals_active = 0;
+        uv_close((uv_handle_t *)&d->sigterm, NULL);
+        uv_close((uv_handle_t *)&d->sigint, NULL);
+    }
+    if (d->async_active) {
+        d->async_active = 0;
+        uv_close((uv_handle_t *)&d->stop_async, NULL);
+    }
+}
+
+static kv_err backend_open(kvd_daemon *d) {
+    char why[512];
+    kv_err rc = kvd_backend_select(d->cfg.backend, (int)d->cfg.device, NULL, &d->host, &d->sel,
+                                   why, sizeof(why));
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-BACKEND", "%s", why);
+        return rc;
+    }
+    d->sel_open = 1;
+    /* `kvctl info` shows the backend in use, not "auto". */
+    snprintf(d->cfg.backend, sizeof(d->cfg.backend), "%s", d->sel.ops->name);
+    KV_LOG(INFO, "KVD-BACKEND", "%s", d->sel.reason);
+    return KV_OK;
+}
+
+kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out) {
+    char why[256];
+    if (kvd_config_check(cfg, why, sizeof(why)) != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "%s", why);
+        return KV_EINVAL;
+    }
+    kvd_daemon *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        return KV_ENOMEM;
+    }
+    d->cfg = *cfg;
+    d->loop = loop;
+    d->host.hugepages = cfg->hugepages;
+    kv_err rc = KV_OK;
+    while (d->boot_epoch == 0) {
+        if (getrandom(&d->boot_epoch, sizeof(d->boot_epoch), 0) != sizeof(d->boot_epoch)) {
+            KV_LOG(ERROR, "KVD-START", "getrandom: %s", strerror(errno));
+            rc = KV_ESYS;
+            goto fail;
+        }
+    }
+    rc = kvd_tenants_alloc(&d->tenants);
+    if (rc != KV_OK) {
+        goto fail;
+    }
+    if (cfg->tenants_file[0] != '\0') {
+        char err[512];
+        rc = kvd_tenants_load(d->tenants, cfg->tenants_file, err, sizeof(err));
+        if (rc != KV_OK) {
+            KV_LOG(ERROR, "KVD-TENANTS", "tenants-file: %s", err);
+            goto fail;
+        }
+    }
+    rc = backend_open(d);
+    if (rc != KV_OK) {
+        goto fail;
+    }
+    kvd_registry_deps rd = {&d->cfg, d->tenants, &d->sel, loop_clock, loop};
+    rc = kvd_registry_init(&d->reg, &rd);
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "prefix index of %llu entries: %s",
+               (unsigned long long)cfg->index_entries, kv_strerror(rc));
+        goto fail;
+    }
+    d->reg_open = 1;
+    kvd_server_deps sd = {&d->cfg, loop, &d->reg, d->boot_epoch, on_server_stopped, d};
+    rc = kvd_server_alloc(&sd, &d->srv);
+    if (rc != KV_OK) {
+        goto fail;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    d->ops.cfg = &d->cfg;
+    d->ops.loop = loop;
+    d->ops.reg = &d->reg;
+    d->ops.srv = d->srv;
+    d->ops.boot_epoch = d->boot_epoch;
+    d->ops.start_unix_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    d->ops.start_loop_ms = uv_now(loop);
+    *out = d;
+    return KV_OK;
+fail:
+    kvd_daemon_free(d);
+    return rc;
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+    kvd_daemon *d = h->data;
+    KV_LOG(INFO, "KVD-STOP", "signal %d: stopping", signum);
+    kvd_daemon_stop(d);
+}
+
+static void on_stop_async(uv_async_t *h) {
+    kvd_daemon_stop(h->data);
+}
+
+kv_err kvd_daemon_start(kvd_daemon *d, int handle_signals) {
+    if (uv_async_init(d->loop, &d->stop_async, on_stop_async) != 0) {
+        return KV_ESYS;
+    }
+    d->stop_async.data = d;
+    d->async_active = 1;
+    if (handle_signals) {
+        uv_signal_init(d->loop, &d->sigterm);
+        uv_signal_init(d->loop, &d->sigint);
+        d->sigterm.data = d->sigint.data = d;
+        d->signals_active = 1;
+        uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+        uv_signal_start(&d->sigint, on_signal, SIGINT);
+    }
+    kv_err rc = kvd_server_start(d->srv);
+    if (rc == KV_OK) {
+        rc = kvd_admin_start(&d->ops); /* beside the client socket by default */
+    }
+    if (rc == KV_OK) {
+        rc = kvd_metrics_start(&d->ops);
+    }
+    return rc;
+}
+
+void kvd_daemon_stop(kvd_daemon *d) {
+    kvd_server_stop(d->srv); /* on_server_stopped does the rest, now or after the wait */
+}
+
+void kvd_daemon_stop_async(kvd_daemon *d) {
+    uv_async_send(&d->stop_async);
+}
+
+void kvd_daemon_free(kvd_daemon *d) {
+    if (d == NULL) {
+        return;
+    }
+    kvd_metrics_free(&d->ops);
+    kvd_admin_free(&d->ops);
+    kvd_server_free(d->srv);
+    if (d->reg_open) {
+        kvd_registry_fini(&d->reg); /* every pool, before the backend goes */
+    }
+    if (d->sel_open) {
+        kvd_backend_sel_fini(&d->sel);
+    }
+    kvd_tenants_free(d->tenants);
+    free(d);
+}
+
+const char *kvd_daemon_socket_path(const kvd_daemon *d) {
+    return kvd_server_socket_path(d->srv);
+}
+
+uint64_t kvd_daemon_boot_epoch(const kvd_daemon *d) {
+    return d->boot_epoch;
+}
+
+kvd_ops *kvd_daemon_ops(kvd_daemon *d) {
+    return &d->ops;
+}
+
+kvd_registry *kvd_daemon_registry(kvd_daemon *d) {
+    return &d->reg;
+}
+
+const kvd_config *kvd_daemon_config(const kvd_daemon *d) {
+    return &d->cfg;
+}

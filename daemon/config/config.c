@@ -1,0 +1,467 @@
+/* kvd_config: the option table and its parsers. Adding an option means one row here, one field
+ * in kvd_config and one entry in deploy/kvd.conf (config_test fails until it is there). */
+#include "daemon/config/config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/config/conffile.h"
+#include "daemon/core/pool.h"
+
+#define OPT(name, type, field, def, min, max, desc)                                                \
+    {                                                                                              \
+        name, type, offsetof(kvd_config, field), sizeof(((kvd_config *)0)->field), def, min, max,  \
+            desc, 0                                                                                \
+    }
+
+/* An option admin `config set` may change while kvd runs (the server reads it per request). */
+#define OPT_RT(name, type, field, def, min, max, desc)                                             \
+    {                                                                                              \
+        name, type, offsetof(kvd_config, field), sizeof(((kvd_config *)0)->field), def, min, max,  \
+            desc, 1                                                                                \
+    }
+
+static const kvd_config_option options[] = {
+    OPT("socket", KVD_OPT_STRING, socket, "", 0, 0,
+        "client socket path; empty: $XDG_RUNTIME_DIR/kvd/kvd.sock or /tmp/kvd-$UID/kvd.sock"),
+    OPT("socket-mode", KVD_OPT_MODE, socket_mode, "0600", 0, 0777,
+        "permission bits of the socket file (octal)"),
+    OPT("socket-dir-mode", KVD_OPT_MODE, socket_dir_mode, "0700", 0, 0777,
+        "permission bits of a socket directory kvd creates (octal)"),
+    OPT("backend", KVD_OPT_STRING, backend, "auto", 0, 0,
+        "segment memory: auto (a GPU backend when a GPU is usable, else host), host (memfd), "
+        "cuda-vmm (cuMemCreate, fds; no hostIPC needed) or cuda-ipc (legacy cudaIpc handles)"),
+    OPT("device", KVD_OPT_U64, device, "0", 0, 1023,
+        "GPU backends: CUDA device ordinal of every pool (numbered as CUDA_VISIBLE_DEVICES shows)"),
+    OPT("hugepages", KVD_OPT_BOOL, hugepages, "false", 0, 1,
+        "host backend: back segments with huge pages (MFD_HUGETLB; needs vm.nr_hugepages)"),
+    OPT("pool-memory", KVD_OPT_U64, pool_memory, "1G", 1, UINT64_MAX,
+        "bytes of segment memory shared by all pools (suffix K, M, G, T)"),
+    OPT("segment-bytes", KVD_OPT_U64, segment_bytes, "64M", 4096, UINT64_MAX,
+        "target bytes per segment; a segment holds at least one block"),
+    OPT("index-entries", KVD_OPT_U64, index_entries, "1M", 1024, 1ull << 32,
+        "initial capacity of the prefix index in blocks over all pools; it grows with the pools so "
+        "every block can be indexed"),
+    OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
+        "eviction order of cached blocks: lru, s3fifo or prefix-lru"),
+    OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
+           "open client connections; more are refused with EBUSY"),
+    OPT_RT("max-pools", KVD_OPT_U64, max_pools, "1024", 1, 1u << 20,
+           "pools (model, layout, domain) over all tenants; an attach that needs one more after "
+           "idle ones are freed gets ENOSPC"),
+    OPT_RT("frame-timeout-ms", KVD_OPT_U64, frame_timeout_ms, "10000", 0, 1ull << 32,
+           "a client that started a request frame must complete it within this many ms, else "
+           "it gets ETIMEDOUT and is disconnected; 0: no limit"),
+    OPT_RT("shutdown-grace-ms", KVD_OPT_U64, shutdown_grace_ms, "10000", 0, 1ull << 32,
+           "cuda-ipc backend: on SIGTERM, how long kvd waits for sessions to close before it "
+           "frees memory they may still map (new sessions are refused meanwhile); 0: no wait"),
+    OPT_RT("max-inflight", KVD_OPT_U64, max_inflight, "64", 1, 1u << 20,
+           "unsent replies per connection before kvd stops reading it"),
+    OPT_RT("max-output-bytes", KVD_OPT_U64, max_output_bytes, "8M", 4096, 1ull << 40,
+           "queued reply bytes per connection before the client is disconnected"),
+    OPT_RT("max-buffer-bytes", KVD_OPT_U64, max_buffer_bytes, "256M", 65536, 1ull << 40,
+           "input and output buffer bytes over all connections; above it kvd stops reading "
+           "the connections with the largest reply backlog until they drain"),
+    OPT("max-frame-bytes", KVD_OPT_U64, max_frame_bytes, "1M", 65536, 1u << 30,
+        "largest request frame body; a longer one gets ETOOBIG and a close; at least "
+        "16 * max-blocks-per-request + 32K, so that every reply fits it"),
+    OPT_RT("max-blocks-per-request", KVD_OPT_U64, max_blocks_per_request, "4096", 1, 1u << 20,
+           "longest list (hashes, blocks, entries) in one request"),
+    OPT("tenants-file", KVD_OPT_STRING, tenants_file, "", 0, 0,
+        "tenant map (lines: tenant NAME uid=U,U gid=G); empty: each uid is tenant uid-N"),
+    OPT_RT("log-level", KVD_OPT_LEVEL, log_level, "info", 0, 0, "error, warn, info or debug"),
+    OPT("admin-socket", KVD_OPT_STRING, admin_socket, "", 0, 0,
+        "admin socket path (kvctl); empty: admin.sock in the client socket's directory"),
+    OPT("admin-socket-mode", KVD_OPT_MODE, admin_socket_mode, "0600", 0, 0777,
+        "permission bits of the admin socket (octal); peers are also checked by credentials"),
+    OPT("admin-group", KVD_OPT_STRING, admin_group, "", 0, 0,
+        "group (name or number) whose members may use the admin socket besides root and kvd's uid"),
+    OPT("metrics-port", KVD_OPT_U64, metrics_port, "0", 0, 65535,
+        "TCP port of the Prometheus endpoint (/metrics, /healthz, /readyz); 0: off"),
+    OPT("metrics-address", KVD_OPT_STRING, metrics_address, "127.0.0.1", 0, 0,
+        "IPv4 address the metrics port binds (0.0.0.0 for a pod's probes from the kubelet)"),
+    OPT("events", KVD_OPT_U64, events, "1024", 1, 1u << 20,
+        "evictions and refusals kept for admin `events` (a ring; oldest dropped)"),
+};
+
+#define NOPTIONS (sizeof(options) / sizeof(options[0]))
+
+const kvd_config_option *kvd_config_options(size_t *n) {
+    *n = NOPTIONS;
+    return options;
+}
+
+static const kvd_config_option *find_option(const char *name, size_t namelen) {
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        if (strlen(options[i].name) == namelen && memcmp(options[i].name, name, namelen) == 0) {
+            return &options[i];
+        }
+    }
+    return NULL;
+}
+
+const kvd_config_option *kvd_config_find(const char *name) {
+    return find_option(name, strlen(name));
+}
+
+/* Parses decimal digits with an optional K/M/G/T (or KiB/MiB/...) suffix. */
+static int parse_u64(const char *s, uint64_t *out) {
+    if (*s < '0' || *s > '9') {
+        return -1;
+    }
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0) {
+        return -1;
+    }
+    unsigned shift = 0;
+    switch (*end) {
+        case 'k':
+        case 'K':
+            shift = 10;
+            break;
+        case 'm':
+        case 'M':
+            shift = 20;
+            break;
+        case 'g':
+        case 'G':
+            shift = 30;
+            break;
+        case 't':
+        case 'T':
+            shift = 40;
+            break;
+        case '\0':
+            break;
+        default:
+            return -1;
+    }
+    if (shift != 0) {
+        end++;
+        if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0) {
+            end += strlen(end);
+        }
+        if (v > (UINT64_MAX >> shift)) {
+            return -1;
+        }
+        v <<= shift;
+    }
+    if (*end != '\0') {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_bool(const char *s, int *out) {
+    static const char *const yes[] = {"true", "yes", "on", "1"};
+    static const char *const no[] = {"false", "no", "off", "0"};
+    for (size_t i = 0; i < 4; i++) {
+        if (strcmp(s, yes[i]) == 0) {
+            *out = 1;
+            return 0;
+        }
+        if (strcmp(s, no[i]) == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *value, char *err,
+                         size_t errlen) {
+    char *field = (char *)c + o->offset;
+    switch (o->type) {
+        case KVD_OPT_STRING: {
+            size_t n = strlen(value);
+            if (n >= o->size) {
+                kvd_conf_err(err, errlen, "%s: value longer than %zu bytes", o->name, o->size - 1);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "backend") == 0 && strcmp(value, "auto") != 0 &&
+                strcmp(value, "host") != 0 && strcmp(value, "cuda-vmm") != 0 &&
+                strcmp(value, "cuda-ipc") != 0) {
+                kvd_conf_err(err, errlen,
+                             "backend: unknown backend '%s' (auto, host, cuda-vmm or cuda-ipc)",
+                             value);
+                return KV_EINVAL;
+            }
+            kvd_evict_policy pol;
+            if (strcmp(o->name, "evict-policy") == 0 &&
+                kvd_evict_policy_parse(value, &pol) != KV_OK) {
+                kvd_conf_err(err, errlen, "evict-policy: '%s' is not lru, s3fifo or prefix-lru",
+                             value);
+                return KV_EINVAL;
+            }
+            memcpy(field, value, n + 1);
+            return KV_OK;
+        }
+        case KVD_OPT_U64: {
+            uint64_t v;
+            if (parse_u64(value, &v) != 0) {
+                kvd_conf_err(err, errlen, "%s: '%s' is not a number (suffixes K, M, G, T allowed)",
+                             o->name, value);
+                return KV_EINVAL;
+            }
+            if (v < o->min || v > o->max) {
+                kvd_conf_err(err, errlen, "%s: %" PRIu64 " is outside %" PRIu64 "..%" PRIu64,
+                             o->name, v, o->min, o->max);
+                return KV_EINVAL;
+            }
+            memcpy(field, &v, sizeof(v));
+            return KV_OK;
+        }
+        case KVD_OPT_MODE: {
+            char *end;
+            errno = 0;
+            unsigned long v = strtoul(value, &end, 8);
+            if (*value == '\0' || *end != '\0' || errno != 0 || v > o->max) {
+                kvd_conf_err(err, errlen, "%s: '%s' is not an octal mode like 0600", o->name,
+                             value);
+                return KV_EINVAL;
+            }
+            uint32_t m = (uint32_t)v;
+            memcpy(field, &m, sizeof(m));
+            return KV_OK;
+        }
+        case KVD_OPT_BOOL: {
+            int b;
+            if (parse_bool(value, &b) != 0) {
+                kvd_conf_err(err, errlen, "%s: '%s' is not true or false", o->name, value);
+                return KV_EINVAL;
+            }
+            memcpy(field, &b, sizeof(b));
+            return KV_OK;
+        }
+        case KVD_OPT_LEVEL: {
+            kv_log_level l;
+            if (kv_log_level_parse(value, &l) != 0) {
+                kvd_conf_err(err, errlen, "%s: '%s' is not error, warn, info or debug", o->name,
+                             value);
+                return KV_EINVAL;
+            }
+            memcpy(field, &l, sizeof(l));
+            return KV_OK;
+        }
+    }
+    KV_ASSERT(0 && "unknown option type");
+    return KV_EINTERNAL;
+}
+
+void kvd_config_init(kvd_config *c) {
+    memset(c, 0, sizeof(*c));
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        kv_err e = set_option(c, &options[i], options[i].def, NULL, 0);
+        KV_ASSERT(e == KV_OK);
+    }
+}
+
+kv_err kvd_config_set(kvd_config *c, const char *name, const char *value, char *err,
+                      size_t errlen) {
+    const kvd_config_option *o = find_option(name, strlen(name));
+    if (o == NULL) {
+        kvd_conf_err(err, errlen, "unknown option '%s' (kvd --help lists them)", name);
+        return KV_ENOENT;
+    }
+    return set_option(c, o, value, err, errlen);
+}
+
+kv_err kvd_config_check(const kvd_config *c, char *err, size_t errlen) {
+    uint64_t need = KVD_REPLY_BYTES_PER_BLOCK * c->max_blocks_per_request + KVD_REPLY_RESERVE;
+    if (c->max_frame_bytes < need) {
+        kvd_conf_err(err, errlen,
+                     "max-frame-bytes %" PRIu64
+                     " cannot hold a reply of max-blocks-per-request %" PRIu64
+                     " blocks: it needs at least %" PRIu64 " (16 bytes a block + 32K)",
+                     c->max_frame_bytes, c->max_blocks_per_request, need);
+        return KV_EINVAL;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_config_parse_text(kvd_config *c, const char *text, const char *source, char *err,
+                             size_t errlen) {
+    char *copy = strdup(text);
+    if (copy == NULL) {
+        kvd_conf_err(err, errlen, "%s: out of memory", source);
+        return KV_ENOMEM;
+    }
+    kv_err rc = KV_OK;
+    kvd_conf_lines it;
+    kvd_conf_lines_init(&it, copy);
+    char *l;
+    while ((l = kvd_conf_lines_next(&it)) != NULL) {
+        char *eq = strchr(l, '=');
+        if (eq == NULL) {
+            kvd_conf_err(err, errlen, "%s:%u: expected 'name = value'", source, it.lineno);
+            rc = KV_EINVAL;
+            goto cleanup_copy;
+        }
+        *eq = '\0';
+        char *name = kvd_conf_trim(l);
+        char *value = kvd_conf_trim(eq + 1);
+        char sub[512];
+        rc = kvd_config_set(c, name, value, sub, sizeof(sub));
+        if (rc != KV_OK) {
+            kvd_conf_err(err, errlen, "%s:%u: %s", source, it.lineno, sub);
+            goto cleanup_copy;
+        }
+    }
+cleanup_copy:
+    free(copy);
+    return rc;
+}
+
+kv_err kvd_config_load_file(kvd_config *c, const char *path, char *err, size_t errlen) {
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        kvd_conf_err(err, errlen, "%s: %s", path, strerror(errno));
+        return KV_ESYS;
+    }
+    kv_err rc = KV_OK;
+    char *text = NULL;
+    size_t cap = 0, len = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            size_t ncap = cap == 0 ? 8192 : cap * 2;
+            if (ncap > (16u << 20)) {
+                kvd_conf_err(err, errlen, "%s: larger than 16 MiB", path);
+                rc = KV_ETOOBIG;
+                goto cleanup_text;
+            }
+            char *t = realloc(text, ncap);
+            if (t == NULL) {
+                rc = KV_ENOMEM;
+                goto cleanup_text;
+            }
+            text = t;
+            cap = ncap;
+        }
+        size_t n = fread(text + len, 1, 4096, f);
+        len += n;
+        if (n < 4096) {
+            break;
+        }
+    }
+    if (ferror(f)) {
+        kvd_conf_err(err, errlen, "%s: read error", path);
+        rc = KV_ESYS;
+        goto cleanup_text;
+    }
+    text[len] = '\0';
+    rc = kvd_config_parse_text(c, text, path, err, errlen);
+cleanup_text:
+    free(text);
+    fclose(f);
+    return rc;
+}
+
+kv_err kvd_config_parse_args(kvd_config *c, int argc, char **argv, int *help, char *err,
+                             size_t errlen) {
+    /* Pass 1: config files, so that flags given anywhere override them. */
+    for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "--config=", 9) == 0) {
+            kv_err rc = kvd_config_load_file(c, argv[i] + 9, err, errlen);
+            if (rc != KV_OK) {
+                return rc;
+            }
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            *help = 1;
+            continue;
+        }
+        if (strncmp(a, "--config=", 9) == 0) {
+            continue;
+        }
+        const char *eq = strchr(a, '=');
+        if (strncmp(a, "--", 2) != 0 || eq == NULL) {
+            kvd_conf_err(err, errlen, "argument '%s' is not --name=value (kvd --help)", a);
+            return KV_EINVAL;
+        }
+        const kvd_config_option *o = find_option(a + 2, (size_t)(eq - (a + 2)));
+        if (o == NULL) {
+            kvd_conf_err(err, errlen, "unknown option '%.*s' (kvd --help lists them)",
+                         (int)(eq - (a + 2)), a + 2);
+            return KV_ENOENT;
+        }
+        kv_err rc = set_option(c, o, eq + 1, err, errlen);
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
+    return KV_OK;
+}
+
+void kvd_config_print_help(FILE *f) {
+    fprintf(f, "usage: kvd [--config=FILE] [--name=value ...]\n"
+               "kvd: KV-cache daemon. Options (also as 'name = value' lines in --config):\n"
+               "  --config=FILE  read options from FILE first; flags override it\n"
+               "  --help         print this\n"
+               "  --print-config     print the commented example config (deploy/kvd.conf)\n"
+               "  --print-admin-doc  print docs/ADMIN.md (admin commands, kvctl exit codes)\n"
+               "Options marked [runtime] can also be changed while kvd runs (kvctl config set).\n");
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        fprintf(f, "  --%s=%s%s\n      %s (default: \"%s\")\n", options[i].name,
+                options[i].type == KVD_OPT_STRING ? "STRING" : "VALUE",
+                options[i].runtime ? "  [runtime]" : "", options[i].description, options[i].def);
+    }
+}
+
+void kvd_config_format(const kvd_config *c, const kvd_config_option *o, char *buf, size_t len) {
+    const char *field = (const char *)c + o->offset;
+    switch (o->type) {
+        case KVD_OPT_STRING:
+            snprintf(buf, len, "%s", field);
+            return;
+        case KVD_OPT_U64: {
+            uint64_t v;
+            memcpy(&v, field, sizeof(v));
+            snprintf(buf, len, "%" PRIu64, v);
+            return;
+        }
+        case KVD_OPT_MODE: {
+            uint32_t m;
+            memcpy(&m, field, sizeof(m));
+            snprintf(buf, len, "0%o", m);
+            return;
+        }
+        case KVD_OPT_BOOL: {
+            int b;
+            memcpy(&b, field, sizeof(b));
+            snprintf(buf, len, "%s", b ? "true" : "false");
+            return;
+        }
+        case KVD_OPT_LEVEL: {
+            kv_log_level l;
+            memcpy(&l, field, sizeof(l));
+            snprintf(buf, len, "%s", kv_log_level_name(l));
+            return;
+        }
+    }
+    snprintf(buf, len, "?");
+}
+
+void kvd_config_print_example(FILE *f) {
+    fprintf(f,
+            "# kvd.conf: every kvd option with its default. Lines are `name = value`; `#` starts "
+            "a comment.\n"
+            "# Use with `kvd --config=/etc/kvd/kvd.conf`; flags `--name=value` override it.\n"
+            "# Generated by `kvd --print-config` from the option table (daemon/config.c);\n"
+            "# config_test fails when this file differs. Sizes take suffixes K, M, G, T (powers "
+            "of 1024).\n"
+            "# Options marked [runtime] can also be changed live: `kvctl config set NAME "
+            "VALUE`.\n");
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        fprintf(f, "\n# %s%s\n# %s =%s%s\n", options[i].description,
+                options[i].runtime ? " [runtime]" : "", options[i].name,
+                options[i].def[0] != '\0' ? " " : "", options[i].def);
+    }
+}

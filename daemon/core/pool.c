@@ -1,0 +1,1806 @@
+/* kvd_pool: blocks, their lifecycle and eviction (see pool.h).
+ *
+ * Every block has one 64-byte record in its segment's record array. A block sits on at most
+ * one intrusive doubly linked list, named by its `list` field: the free list (LIFO, so hot
+ * records are reused), the eviction order of the policy (LRU and PREFIX_LRU: one list each;
+ * S3-FIFO: small and main queues), the list of pinned CACHED blocks, or the list of pinned
+ * COMMITTED blocks (so that expiry finds every pin, referenced or not). Other referenced blocks
+ * (WRITING, COMMITTED) are on no list; no referenced block is on an eviction list, which is what
+ * keeps it out of eviction's reach. Counts
+ * per state, per segment and per tenant are kept exactly, so allocation knows in O(1) whether it
+ * can succeed and kvd_pool_check can compare them with a full walk.
+ *
+ * PREFIX_LRU keeps, per block, how many committed or cached blocks name it as their parent.
+ * When a block gets its second child it is a branch point: it and its ancestors are marked
+ * SHARED (the walk stops at the first one already marked, so each block is marked at most once
+ * per life: amortized O(1) per commit). At the head of the LRU list a SHARED block that was
+ * reused since it entered the cache gets another round instead of being evicted, one per
+ * reuse up to FREQ_MAX (the S3-FIFO main queue's rule, applied only to shared prefixes). A
+ * conversation's own history is a chain without branches, so it is evicted in plain LRU order;
+ * a system prompt or few-shot preamble that many requests continue differently outlives a burst
+ * of one-off prompts.
+ */
+#include "daemon/core/pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/kv_log.h"
+
+enum {
+    LIST_NONE = 0,   /* referenced: WRITING or COMMITTED */
+    LIST_FREE = 1,   /* FREE */
+    LIST_LRU = 2,    /* CACHED, unpinned, LRU policy */
+    LIST_SMALL = 3,  /* CACHED, unpinned, S3-FIFO probationary queue */
+    LIST_MAIN = 4,   /* CACHED, unpinned, S3-FIFO main queue */
+    LIST_PINNED = 5, /* CACHED, pinned */
+    LIST_PLRU = 6,   /* CACHED, unpinned, PREFIX_LRU policy */
+    LIST_PINREF = 7, /* COMMITTED (referenced), pinned: only so that expiry finds its pin */
+    LIST_COUNT = 8,
+};
+
+#define BLOCK_PINNED 0x01u /* flags: pin set (may have expired if the block is referenced) */
+#define BLOCK_SHARED 0x02u /* flags: PREFIX_LRU: prefix of two or more cached continuations */
+#define FREQ_MAX 3         /* S3-FIFO's two-bit access counter */
+
+typedef struct pool_block {
+    uint64_t hlo;         /* chain hash, low half (COMMITTED/CACHED) */
+    uint64_t hhi;         /* chain hash, high half */
+    uint64_t aux;         /* WRITING: owner session; pinned: retention end (pool ms) */
+    uint64_t last_access; /* pool ms of the last allocate, hit, hold or release */
+    uint32_t prev;        /* list links (block ids), KVD_NO_BLOCK at the ends */
+    uint32_t next;
+    uint32_t parent;     /* parent block id or KVD_NO_BLOCK */
+    uint32_t gen;        /* bumped each time the block returns to FREE */
+    uint32_t refcount;   /* WRITING: 1 (the lease); COMMITTED: >= 1; FREE/CACHED: 0 */
+    uint16_t hits;       /* lookups that returned it, saturating */
+    uint16_t pin_tenant; /* pinned: the tenant the pin is charged to (max-pinned) */
+    uint16_t tenant;     /* tenant that allocated it */
+    uint8_t state;       /* kvd_block_state */
+    uint8_t flags;       /* BLOCK_PINNED */
+    uint8_t pin_prio;    /* highest priority of the current pin */
+    uint8_t freq;        /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
+    uint8_t list;        /* LIST_* it is on */
+    uint8_t nchild;      /* PREFIX_LRU: COMMITTED/CACHED blocks naming it parent, sticky at 255 */
+} pool_block;
+
+_Static_assert(sizeof(pool_block) <= 64, "block metadata must fit 64 bytes");
+_Static_assert(KVD_MAX_TENANTS <= 65536, "tenant ids are stored in 16 bits");
+
+typedef struct pool_list {
+    uint32_t head; /* first block (next to evict / next to allocate) */
+    uint32_t tail; /* last block */
+    uint64_t len;  /* blocks on the list */
+} pool_list;
+
+typedef struct pool_segment {
+    pool_block *blocks;  /* blocks_per_segment records; NULL for an empty slot */
+    kvd_segment_mem mem; /* backend memory */
+    uint32_t nfree;      /* FREE blocks */
+    uint32_t nevict;     /* CACHED unpinned blocks */
+    uint32_t next_gen;   /* first generation of the slot's blocks when grown again */
+    uint32_t serial;     /* which segment of the pool's life this is (kvd_pool_segment_serial) */
+    int parked;          /* memory discarded, blocks FREE on no list (kvd_pool_park) */
+} pool_segment;
+
+struct kvd_pool {
+    kvd_pool_config cfg;         /* copy of the caller's config */
+    kvd_index *idx;              /* borrowed prefix index */
+    const kvd_backend_ops *be;   /* borrowed backend */
+    void *be_ctx;                /* backend context */
+    pool_segment **segs;         /* [segcap] one record per slot (allocated for every slot) */
+    pool_block **blkv;           /* [segcap] segs[i]->blocks, for the hot path's block lookup */
+    uint32_t segcap;             /* slots allocated (grows with nslots, at most MAX_SEGMENTS) */
+    uint32_t nslots;             /* highest live slot + 1 */
+    uint32_t nsegs;              /* live segments, parked ones included */
+    uint32_t nparked;            /* live segments that are parked */
+    uint32_t next_serial;        /* serial of the next segment grown (from 1) */
+    uint32_t slot_reuses;        /* segments grown into a slot below nslots (after a shrink) */
+    uint64_t resident_bytes;     /* memory of the live segments that are not parked */
+    uint32_t bps;                /* blocks per segment */
+    uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
+    uint64_t now;                /* pool clock, ms */
+    uint64_t min_pin_expiry;     /* no pin on the pinned list expires before this */
+    pool_list lists[LIST_COUNT]; /* indexed by LIST_*; LIST_NONE unused */
+    uint64_t n_writing;          /* blocks by state (FREE is lists[LIST_FREE].len) */
+    uint64_t n_committed;
+    uint64_t n_cached;
+    uint64_t n_pinned;         /* blocks with BLOCK_PINNED */
+    kvd_tenant_usage *tenants; /* [ntcap] per tenant id (grown on first use of a tenant id) */
+    uint64_t *guarantee;       /* [ntcap]; 0 = none */
+    uint32_t *tevict;          /* [ntcap * 2] evictable blocks per tenant and queue (0: S3-FIFO
+                                  small, 1: any other eviction list) */
+    uint16_t *gtenants;        /* [ntcap] the first nguarantee: tenants with a guarantee */
+    uint32_t ntcap;            /* tenant ids the arrays cover */
+    uint32_t nguarantee;       /* tenants with a guarantee */
+    uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
+    size_t ghost_mask;         /* ghost slots - 1 */
+    uint32_t ghost_seq;        /* evictions from the small queue so far (wraps) */
+    uint64_t queries;          /* lookups */
+    uint64_t query_blocks;     /* hashes asked */
+    uint64_t hit_blocks;       /* hashes found */
+    uint64_t commits;          /* commits, duplicates included */
+    uint64_t commits_duplicate;
+    uint64_t evictions[KVD_EVICT_REASONS];
+};
+
+/* ---- records and lists ---------------------------------------------------------------- */
+
+static inline pool_block *blk_at(const kvd_pool *p, uint32_t id) {
+    if (p->bps_log != UINT32_MAX) {
+        return &p->blkv[id >> p->bps_log][id & (p->bps - 1)];
+    }
+    return &p->blkv[id / p->bps][id % p->bps];
+}
+
+static inline pool_segment *seg_of(const kvd_pool *p, uint32_t id) {
+    return p->segs[p->bps_log != UINT32_MAX ? id >> p->bps_log : id / p->bps];
+}
+
+/* Grows the per-slot arrays to cover slots [0, n) (doubling; every slot gets its record).
+ * KV_ENOMEM leaves them as they were. Records never move once made (kvd_pool_segment hands out
+ * pointers into them). */
+static kv_err slots_reserve(kvd_pool *p, uint32_t n) {
+    if (n <= p->segcap) {
+        return KV_OK;
+    }
+    uint32_t cap = p->segcap == 0 ? 4 : p->segcap;
+    while (cap < n) {
+        cap *= 2;
+    }
+    if (cap > KVD_MAX_SEGMENTS) {
+        cap = KVD_MAX_SEGMENTS;
+    }
+    pool_segment **segs = realloc(p->segs, sizeof(*segs) * cap);
+    if (segs == NULL) {
+        return KV_ENOMEM;
+    }
+    p->segs = segs;
+    pool_block **blkv = realloc(p->blkv, sizeof(*blkv) * cap);
+    if (blkv == NULL) {
+        return KV_ENOMEM;
+    }
+    p->blkv = blkv;
+    for (uint32_t i = p->segcap; i < cap; i++) {
+        p->segs[i] = calloc(1, sizeof(pool_segment));
+        if (p->segs[i] == NULL) {
+            for (uint32_t j = p->segcap; j < i; j++) {
+                free(p->segs[j]);
+            }
+            return KV_ENOMEM;
+        }
+        p->blkv[i] = NULL;
+    }
+    p->segcap = cap;
+    return KV_OK;
+}
+
+/* Grows the per-tenant arrays to cover tenant id t (a power of two at least 16). KV_EINVAL for
+ * an id out of range, KV_ENOMEM (arrays unchanged). Memory grows with the tenants a pool meets,
+ * not with KVD_MAX_TENANTS (a private pool sees one). */
+static kv_err tenant_room(kvd_pool *p, uint32_t t) {
+    if (t < p->ntcap) {
+        return KV_OK;
+    }
+    if (t >= KVD_MAX_TENANTS) {
+        return KV_EINVAL;
+    }
+    uint32_t cap = p->ntcap == 0 ? 16 : p->ntcap;
+    while (cap <= t) {
+        cap *= 2;
+    }
+    kvd_tenant_usage *u = realloc(p->tenants, sizeof(*u) * cap);
+    if (u == NULL) {
+        return KV_ENOMEM;
+    }
+    p->tenants = u;
+    uint64_t *g = realloc(p->guarantee, sizeof(*g) * cap);
+    if (g == NULL) {
+        return KV_ENOMEM;
+    }
+    p->guarantee = g;
+    uint32_t *e = realloc(p->tevict, sizeof(*e) * cap * 2);
+    if (e == NULL) {
+        return KV_ENOMEM;
+    }
+    p->tevict = e;
+    uint16_t *gt = realloc(p->gtenants, sizeof(*gt) * cap);
+    if (gt == NULL) {
+        return KV_ENOMEM;
+    }
+    p->gtenants = gt;
+    memset(u + p->ntcap, 0, sizeof(*u) * (cap - p->ntcap));
+    memset(g + p->ntcap, 0, sizeof(*g) * (cap - p->ntcap));
+    memset(e + p->ntcap * 2, 0, sizeof(*e) * (cap - p->ntcap) * 2);
+    p->ntcap = cap;
+    return KV_OK;
+}
+
+static inline uint32_t blk_id(const kvd_pool *p, uint32_t seg, uint32_t slot) {
+    return seg * p->bps + slot;
+}
+
+static inline uint64_t pack_ref(uint32_t id, uint32_t gen) {
+    return (uint64_t)gen << 32 | id;
+}
+
+static inline kv_hash128 blk_hash(const pool_block *b) {
+    kv_hash128 h = {b->hlo, b->hhi};
+    return h;
+}
+
+/* Eviction lists count their blocks per tenant, so that a victim pick knows in O(guaranteed
+ * tenants) whether an unprotected block is left in a queue (pick_victim). */
+static inline int evict_queue(int which) {
+    return which == LIST_SMALL                                             ? 0
+           : which == LIST_LRU || which == LIST_MAIN || which == LIST_PLRU ? 1
+                                                                           : -1;
+}
+
+static inline void tevict_add(kvd_pool *p, int which, const pool_block *b, int delta) {
+    int q = evict_queue(which);
+    if (q >= 0) {
+        p->tevict[(uint32_t)b->tenant * 2 + (uint32_t)q] += (uint32_t)delta;
+    }
+}
+
+static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    tevict_add(p, which, b, 1);
+    pool_list *l = &p->lists[which];
+    b->list = (uint8_t)which;
+    b->next = KVD_NO_BLOCK;
+    b->prev = l->tail;
+    if (l->tail != KVD_NO_BLOCK) {
+        blk_at(p, l->tail)->next = id;
+    } else {
+        l->head = id;
+    }
+    l->tail = id;
+    l->len++;
+}
+
+static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    tevict_add(p, which, b, 1);
+    pool_list *l = &p->lists[which];
+    b->list = (uint8_t)which;
+    b->prev = KVD_NO_BLOCK;
+    b->next = l->head;
+    if (l->head != KVD_NO_BLOCK) {
+        blk_at(p, l->head)->prev = id;
+    } else {
+        l->tail = id;
+    }
+    l->head = id;
+    l->len++;
+}
+
+static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
+    pool_list *l = &p->lists[b->list];
+    KV_ASSERT(b->list != LIST_NONE && l->len > 0);
+    tevict_add(p, b->list, b, -1);
+    if (b->prev != KVD_NO_BLOCK) {
+        blk_at(p, b->prev)->next = b->next;
+    } else {
+        l->head = b->next;
+    }
+    if (b->next != KVD_NO_BLOCK) {
+        blk_at(p, b->next)->prev = b->prev;
+    } else {
+        l->tail = b->prev;
+    }
+    l->len--;
+    b->list = LIST_NONE;
+    b->prev = b->next = KVD_NO_BLOCK;
+    (void)id;
+}
+
+/* Takes the head of the free list (list_remove specialised to the head, which has no prev). */
+static inline pool_block *free_pop(kvd_pool *p, uint32_t *id_out) {
+    pool_list *l = &p->lists[LIST_FREE];
+    uint32_t id = l->head;
+    pool_block *b = blk_at(p, id);
+    KV_ASSERT(l->len > 0 && b->list == LIST_FREE && b->prev == KVD_NO_BLOCK);
+    uint32_t nx = b->next;
+    if (nx != KVD_NO_BLOCK) {
+        blk_at(p, nx)->prev = KVD_NO_BLOCK;
+    } else {
+        l->tail = KVD_NO_BLOCK;
+    }
+    l->head = nx;
+    l->len--;
+    b->list = LIST_NONE;
+    b->next = KVD_NO_BLOCK;
+    *id_out = id;
+    return b;
+}
+
+static uint64_t evictable_count(const kvd_pool *p) {
+    return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len +
+           p->lists[LIST_PLRU].len;
+}
+
+/* ---- S3-FIFO ghost ---------------------------------------------------------------------- */
+
+static inline uint64_t ghost_fp(const pool_block *b) {
+    return b->hlo ^ (b->hhi * 0x9E3779B97F4A7C15ull);
+}
+
+static void ghost_insert(kvd_pool *p, const pool_block *b) {
+    if (p->ghost == NULL) {
+        return;
+    }
+    uint64_t fp = ghost_fp(b);
+    uint64_t tag = (fp >> 32) | 1u;
+    p->ghost[fp & p->ghost_mask] = tag << 32 | p->ghost_seq++;
+}
+
+/* A ghost entry counts while fewer evictions than the pool has blocks happened since. */
+static int ghost_has(const kvd_pool *p, const pool_block *b) {
+    if (p->ghost == NULL) {
+        return 0;
+    }
+    uint64_t fp = ghost_fp(b);
+    uint64_t e = p->ghost[fp & p->ghost_mask];
+    uint64_t tag = (fp >> 32) | 1u;
+    uint32_t age = p->ghost_seq - (uint32_t)e;
+    return (e >> 32) == tag && (uint64_t)age <= (uint64_t)p->nsegs * p->bps;
+}
+
+/* Sizes the ghost to the pool (a power of two >= blocks); keeps the old one when out of memory
+ * (the ghost is a hint, never a correctness matter). */
+static void ghost_resize(kvd_pool *p) {
+    if (p->cfg.policy != KVD_EVICT_S3FIFO) {
+        return;
+    }
+    size_t want = 64;
+    while (want < (size_t)p->nsegs * p->bps) {
+        want <<= 1;
+    }
+    if (p->ghost != NULL && want == p->ghost_mask + 1) {
+        return;
+    }
+    uint64_t *g = calloc(want, sizeof(uint64_t));
+    if (g == NULL) {
+        return;
+    }
+    free(p->ghost);
+    p->ghost = g;
+    p->ghost_mask = want - 1;
+}
+
+/* ---- state transitions ------------------------------------------------------------------ */
+
+static int tenant_protected(const kvd_pool *p, const pool_block *b) {
+    if (p->nguarantee == 0) {
+        return 0;
+    }
+    uint64_t g = p->guarantee[b->tenant];
+    return g != 0 && p->tenants[b->tenant].cached <= g;
+}
+
+/* Puts an unpinned block that just became CACHED (or was unpinned) into the eviction order. */
+static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
+    seg_of(p, id)->nevict++;
+    if (p->cfg.policy == KVD_EVICT_LRU) {
+        list_push_tail(p, LIST_LRU, id, b);
+    } else if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        list_push_tail(p, LIST_PLRU, id, b);
+    } else if (b->freq > 0 || ghost_has(p, b)) {
+        /* Reused since it entered the cache, or evicted from the small queue recently:
+         * proven reuse goes straight to the main queue. */
+        list_push_tail(p, LIST_MAIN, id, b);
+    } else {
+        list_push_tail(p, LIST_SMALL, id, b);
+    }
+}
+
+/* Returns a block (any state but FREE, on no list) to FREE with a new generation. */
+static inline void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
+    KV_ASSERT(b->list == LIST_NONE && b->refcount == 0);
+    b->state = KVD_BLOCK_FREE;
+    b->gen++;
+    b->flags = 0;
+    b->freq = 0;
+    b->nchild = 0;
+    b->hits = 0;
+    b->pin_tenant = 0;
+    b->aux = 0;
+    b->hlo = b->hhi = 0;
+    b->parent = KVD_NO_BLOCK;
+    seg_of(p, id)->nfree++;
+    list_push_head(p, LIST_FREE, id, b);
+}
+
+static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {
+    KV_ASSERT(b->flags & BLOCK_PINNED);
+    b->flags &= (uint8_t)~BLOCK_PINNED;
+    b->pin_prio = 0;
+    b->aux = 0;
+    p->n_pinned--;
+    p->tenants[b->pin_tenant].pinned--;
+    b->pin_tenant = 0;
+    list_remove(p, id, b); /* LIST_PINNED (CACHED) or LIST_PINREF (COMMITTED) */
+    if (b->state == KVD_BLOCK_CACHED) {
+        evict_order_insert(p, id, b);
+    }
+}
+
+/* PREFIX_LRU: the record of a block's parent while that is COMMITTED or CACHED, else NULL. The
+ * parent id is the committing client's word and the parent may have been evicted and its
+ * record reused since, so this is a hint for the eviction order, never more. */
+static pool_block *parent_of(const kvd_pool *p, const pool_block *b) {
+    if (b->parent == KVD_NO_BLOCK || b->parent >= p->nslots * p->bps ||
+        seg_of(p, b->parent)->blocks == NULL) {
+        return NULL;
+    }
+    pool_block *pb = blk_at(p, b->parent);
+    if (pb->state != KVD_BLOCK_COMMITTED && pb->state != KVD_BLOCK_CACHED) {
+        return NULL;
+    }
+    return pb;
+}
+
+/* PREFIX_LRU: a block was just committed under its parent. A parent with two children is a
+ * branch point: it and its ancestors become SHARED. The walk stops at a block already marked
+ * (and so it ends even on a cycle of stale parent ids), so it costs amortized O(1). */
+static void plru_child_added(kvd_pool *p, pool_block *b) {
+    pool_block *pb = parent_of(p, b);
+    if (pb == NULL) {
+        return;
+    }
+    if (pb->nchild < UINT8_MAX) {
+        pb->nchild++;
+    }
+    for (pool_block *x = pb->nchild >= 2 ? pb : NULL; x != NULL && !(x->flags & BLOCK_SHARED);
+         x = parent_of(p, x)) {
+        x->flags |= BLOCK_SHARED;
+    }
+}
+
+/* PREFIX_LRU: a committed block is going away (an exact count unless it saturated). */
+static void plru_child_removed(kvd_pool *p, pool_block *b) {
+    pool_block *pb = parent_of(p, b);
+    if (pb != NULL && pb->nchild > 0 && pb->nchild < UINT8_MAX) {
+        pb->nchild--;
+    }
+}
+
+/* Evicts a CACHED unpinned block: out of the index and the eviction order, back to FREE. */
+static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
+    KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
+    int from_small = b->list == LIST_SMALL;
+    list_remove(p, id, b);
+    kv_err err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+    KV_ASSERT(err == KV_OK);
+    if (from_small) {
+        ghost_insert(p, b);
+    }
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        plru_child_removed(p, b);
+    }
+    seg_of(p, id)->nevict--;
+    p->n_cached--;
+    p->tenants[b->tenant].cached--;
+    p->evictions[reason]++;
+    block_to_free(p, id, b);
+}
+
+/* Takes a reference on a COMMITTED or CACHED block for tenant. */
+static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
+    if (b->state == KVD_BLOCK_CACHED) {
+        if (b->list != LIST_PINNED) {
+            seg_of(p, id)->nevict--;
+        }
+        list_remove(p, id, b);
+        b->state = KVD_BLOCK_COMMITTED;
+        p->n_cached--;
+        p->n_committed++;
+        p->tenants[b->tenant].cached--;
+        if (b->flags & BLOCK_PINNED) {
+            list_push_tail(p, LIST_PINREF, id, b); /* its pin keeps expiring while referenced */
+        }
+    }
+    b->refcount++;
+    if (b->freq < FREQ_MAX) {
+        b->freq++;
+    }
+    b->last_access = p->now;
+    p->tenants[tenant].held++;
+}
+
+/* A COMMITTED block's last reference went away. */
+static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
+    b->state = KVD_BLOCK_CACHED;
+    b->last_access = p->now;
+    p->n_committed--;
+    p->n_cached++;
+    p->tenants[b->tenant].cached++;
+    if (b->flags & BLOCK_PINNED) {
+        list_remove(p, id, b); /* LIST_PINREF */
+        if (b->aux > p->now) {
+            list_push_tail(p, LIST_PINNED, id, b);
+            if (b->aux < p->min_pin_expiry) {
+                p->min_pin_expiry = b->aux;
+            }
+            return;
+        }
+        /* Its pin expired since the last sweep (the clock moved without a sweep). */
+        b->flags &= (uint8_t)~BLOCK_PINNED;
+        b->pin_prio = 0;
+        b->aux = 0;
+        p->n_pinned--;
+        p->tenants[b->pin_tenant].pinned--;
+        b->pin_tenant = 0;
+    }
+    evict_order_insert(p, id, b);
+}
+
+/* Removes every expired pin, on CACHED and COMMITTED blocks alike (an expired pin must stop
+ * counting against max-pinned and blocks_pinned at once, referenced or not). */
+static void pin_sweep(kvd_pool *p) {
+    uint64_t next = UINT64_MAX;
+    static const int lists[] = {LIST_PINNED, LIST_PINREF};
+    for (int k = 0; k < 2; k++) {
+        uint32_t id = p->lists[lists[k]].head;
+        while (id != KVD_NO_BLOCK) {
+            pool_block *b = blk_at(p, id);
+            uint32_t nx = b->next;
+            if (b->aux <= p->now) {
+                unpin_block(p, id, b);
+            } else if (b->aux < next) {
+                next = b->aux;
+            }
+            id = nx;
+        }
+    }
+    p->min_pin_expiry = next;
+}
+
+/* Moves the head of list `which` to its tail (a second chance or a protected skip). */
+static void list_rotate(kvd_pool *p, int which, int to) {
+    uint32_t id = p->lists[which].head;
+    pool_block *b = blk_at(p, id);
+    list_remove(p, id, b);
+    list_push_tail(p, to, id, b);
+}
+
+/* Evictable blocks of protected tenants (under their guaranteed share) per queue (0: S3-FIFO
+ * small, 1: the other eviction list). O(tenants with a guarantee). */
+static void protected_counts(const kvd_pool *p, uint64_t prot[2]) {
+    prot[0] = prot[1] = 0;
+    for (uint32_t i = 0; i < p->nguarantee; i++) {
+        uint32_t t = p->gtenants[i];
+        if (p->tenants[t].cached <= p->guarantee[t]) {
+            prot[0] += p->tevict[t * 2];
+            prot[1] += p->tevict[t * 2 + 1];
+        }
+    }
+}
+
+/* The next block the policy evicts. With honour, a block of a tenant under its guaranteed share
+ * is skipped (rotated to its queue's tail) while any unprotected block is evictable, in either
+ * queue; when none is, protected blocks go in policy order without a walk. The per-tenant queue
+ * counts make "is any unprotected block left" O(guaranteed tenants), so a pick never rotates
+ * through every protected block to find out (it did, once per block an Allocate needed).
+ * Requires a candidate. */
+static uint32_t pick_victim(kvd_pool *p, int honour) {
+    uint64_t budget = evictable_count(p);
+    KV_ASSERT(budget > 0);
+    uint64_t unprot[2] = {0, 0};
+    if (honour && p->nguarantee > 0) {
+        uint64_t prot[2];
+        protected_counts(p, prot);
+        unprot[0] = p->lists[LIST_SMALL].len - prot[0];
+        unprot[1] = budget - p->lists[LIST_SMALL].len - prot[1];
+        honour = unprot[0] + unprot[1] > 0;
+    } else {
+        honour = 0;
+    }
+    uint64_t skips = 0; /* a safety bound only: an unprotected block exists when honouring */
+    if (p->cfg.policy == KVD_EVICT_LRU) {
+        for (;;) {
+            uint32_t id = p->lists[LIST_LRU].head;
+            pool_block *b = blk_at(p, id);
+            if (honour && skips < budget && tenant_protected(p, b)) {
+                list_rotate(p, LIST_LRU, LIST_LRU);
+                skips++;
+                continue;
+            }
+            return id;
+        }
+    }
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        for (;;) {
+            uint32_t id = p->lists[LIST_PLRU].head;
+            pool_block *b = blk_at(p, id);
+            if ((b->flags & BLOCK_SHARED) && b->freq > 0) {
+                /* A reused shared prefix: one more round per reuse (freq only grows on hits,
+                 * so rotations are paid for by the hits before them). */
+                b->freq--;
+                list_rotate(p, LIST_PLRU, LIST_PLRU);
+                continue;
+            }
+            if (honour && skips < budget && tenant_protected(p, b)) {
+                list_rotate(p, LIST_PLRU, LIST_PLRU);
+                skips++;
+                continue;
+            }
+            return id;
+        }
+    }
+    /* S3-FIFO: evict from the small queue while it holds >= 10% of the pool's blocks, else
+     * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). A
+     * queue whose evictable blocks are all protected yields to the other one. */
+    uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
+    if (small_target == 0) {
+        small_target = 1;
+    }
+    for (;;) {
+        pool_list *s = &p->lists[LIST_SMALL];
+        pool_list *m = &p->lists[LIST_MAIN];
+        int use_small = s->len > 0 && (s->len >= small_target || m->len == 0);
+        if (honour) {
+            /* Second-chance moves shift blocks between the queues: count afresh. */
+            uint64_t prot[2];
+            protected_counts(p, prot);
+            uint64_t us = s->len - prot[0], um = m->len - prot[1];
+            if (use_small && us == 0 && um > 0) {
+                use_small = 0;
+            } else if (!use_small && um == 0 && us > 0) {
+                use_small = 1;
+            }
+        }
+        int which = use_small ? LIST_SMALL : LIST_MAIN;
+        uint32_t id = p->lists[which].head;
+        pool_block *b = blk_at(p, id);
+        if (use_small && b->freq > 0) {
+            b->freq = 0;
+            list_rotate(p, LIST_SMALL, LIST_MAIN);
+            continue;
+        }
+        if (!use_small && b->freq > 0) {
+            b->freq--;
+            list_rotate(p, LIST_MAIN, LIST_MAIN);
+            continue;
+        }
+        if (honour && skips < 2 * budget && tenant_protected(p, b)) {
+            list_rotate(p, which, which);
+            skips++;
+            continue;
+        }
+        return id;
+    }
+}
+
+/* Validates a handle and returns its record. */
+static inline kv_err get_block(const kvd_pool *p, kvd_block_ref ref, pool_block **out) {
+    if (ref.id >= p->nslots * p->bps) {
+        return KV_ENOENT;
+    }
+    pool_block *blocks = seg_of(p, ref.id)->blocks; /* one segment lookup serves both */
+    if (blocks == NULL) {
+        return KV_ENOENT;
+    }
+    pool_block *b = &blocks[p->bps_log != UINT32_MAX ? ref.id & (p->bps - 1) : ref.id % p->bps];
+    if (b->gen != ref.gen) {
+        return KV_ESTALE;
+    }
+    *out = b;
+    return KV_OK;
+}
+
+/* ---- lifecycle of the pool -------------------------------------------------------------- */
+
+kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_backend_ops *be,
+                      void *be_ctx, kvd_pool **out) {
+    if (cfg == NULL || idx == NULL || be == NULL || out == NULL) {
+        return KV_EINVAL;
+    }
+    if (cfg->blocks_per_segment == 0 || cfg->max_segments == 0 ||
+        cfg->max_segments > KVD_MAX_SEGMENTS || cfg->layout.block_bytes == 0) {
+        return KV_EINVAL;
+    }
+    /* Every id of every possible segment must stay below KVD_NO_BLOCK. */
+    if ((uint64_t)cfg->blocks_per_segment * KVD_MAX_SEGMENTS >= KVD_NO_BLOCK) {
+        return KV_EINVAL;
+    }
+    if (cfg->policy != KVD_EVICT_LRU && cfg->policy != KVD_EVICT_S3FIFO &&
+        cfg->policy != KVD_EVICT_PREFIX_LRU) {
+        return KV_EINVAL;
+    }
+    kvd_pool *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return KV_ENOMEM;
+    }
+    if (slots_reserve(p, 1) != KV_OK || tenant_room(p, 0) != KV_OK) {
+        goto fail_free;
+    }
+    p->cfg = *cfg;
+    p->idx = idx;
+    p->be = be;
+    p->be_ctx = be_ctx;
+    p->bps = cfg->blocks_per_segment;
+    p->bps_log = UINT32_MAX;
+    if ((p->bps & (p->bps - 1)) == 0) {
+        p->bps_log = (uint32_t)__builtin_ctz(p->bps);
+    }
+    p->min_pin_expiry = UINT64_MAX;
+    p->next_serial = 1;
+    for (int i = 0; i < LIST_COUNT; i++) {
+        p->lists[i].head = p->lists[i].tail = KVD_NO_BLOCK;
+    }
+    *out = p;
+    return KV_OK;
+
+fail_free:
+    for (uint32_t i = 0; i < p->segcap; i++) {
+        free(p->segs[i]);
+    }
+    free(p->segs);
+    free(p->blkv);
+    free(p->tenants);
+    free(p->guarantee);
+    free(p->gtenants);
+    free(p->tevict);
+    free(p);
+    return KV_ENOMEM;
+}
+
+void kvd_pool_free(kvd_pool *p) {
+    if (p == NULL) {
+        return;
+    }
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        pool_segment *seg = p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        for (uint32_t i = 0; i < p->bps; i++) {
+            pool_block *b = &seg->blocks[i];
+            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+                (void)kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+            }
+        }
+        p->be->segment_free(p->be_ctx, &seg->mem);
+        kvd_index_unreserve(p->idx, p->bps);
+        free(seg->blocks);
+    }
+    for (uint32_t i = 0; i < p->segcap; i++) {
+        free(p->segs[i]);
+    }
+    free(p->segs);
+    free(p->blkv);
+    free(p->tenants);
+    free(p->guarantee);
+    free(p->gtenants);
+    free(p->tevict);
+    free(p->ghost);
+    free(p);
+}
+
+const kvd_pool_config *kvd_pool_config_get(const kvd_pool *p) {
+    return &p->cfg;
+}
+
+kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
+    if (p->nsegs - p->nparked >= p->cfg.max_segments) {
+        return KV_ENOSPC;
+    }
+    uint32_t s = 0;
+    while (s < p->segcap && p->segs[s]->blocks != NULL) {
+        s++;
+    }
+    if (s >= KVD_MAX_SEGMENTS) {
+        return KV_ENOSPC;
+    }
+    if (slots_reserve(p, s + 1) != KV_OK) {
+        return KV_ENOMEM;
+    }
+    pool_segment *seg = p->segs[s];
+    size_t rec_bytes = ((size_t)p->bps * sizeof(pool_block) + 63u) & ~(size_t)63u;
+    pool_block *blocks = aligned_alloc(64, rec_bytes);
+    if (blocks == NULL) {
+        return KV_ENOMEM;
+    }
+    /* Every block this segment adds can be indexed: the index makes room now or never. */
+    kv_err err = kvd_index_reserve(p->idx, p->bps);
+    if (err != KV_OK) {
+        free(blocks);
+        return err;
+    }
+    kvd_segment_mem mem;
+    memset(&mem, 0, sizeof(mem)); /* backends fill what they have; the rest (parts) stays 0 */
+    const kv_layout *l = &p->cfg.layout;
+    uint32_t nparts = l->num_layers * 2 + (l->scale_bytes != 0);
+    if (p->be->segment_alloc_parts != NULL && l->arrangement == KV_LAYER_MAJOR &&
+        nparts <= KVD_SEGMENT_PARTS_MAX) {
+        /* One allocation per (layer, K|V) section, then the scales: see kvd_segment_mem. */
+        uint64_t sizes[KVD_SEGMENT_PARTS_MAX];
+        for (uint32_t i = 0; i < l->num_layers * 2; i++) {
+            sizes[i] = (uint64_t)p->bps * l->kv_block_bytes;
+        }
+        if (l->scale_bytes != 0) {
+            sizes[nparts - 1] = (uint64_t)p->bps * l->scale_bytes;
+        }
+        err = p->be->segment_alloc_parts(p->be_ctx, sizes, nparts, &mem);
+    } else {
+        err = p->be->segment_alloc(p->be_ctx, kv_layout_segment_bytes(l, p->bps), &mem);
+    }
+    if (err != KV_OK) {
+        KV_LOG(WARN, "KVD-POOL-GROW", "pool %u: backend %s could not create a segment: %s",
+               p->cfg.pool_id, p->be->name, kv_strerror(err));
+        kvd_index_unreserve(p->idx, p->bps);
+        free(blocks);
+        return err;
+    }
+    memset(blocks, 0, rec_bytes);
+    seg->blocks = blocks;
+    p->blkv[s] = blocks;
+    seg->mem = mem;
+    seg->serial = p->next_serial++;
+    if (s < p->nslots) {
+        p->slot_reuses++; /* a session's "every slot below k was sent" may be stale now */
+    }
+    seg->nfree = 0;
+    seg->nevict = 0;
+    /* New blocks go behind the free blocks already there, in id order: recently freed records
+     * are reused first, and fresh segments fill only when the others are used up. */
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &blocks[i];
+        b->gen = seg->next_gen;
+        b->parent = KVD_NO_BLOCK;
+        b->state = KVD_BLOCK_FREE;
+        seg->nfree++;
+        list_push_tail(p, LIST_FREE, blk_id(p, s, i), b);
+    }
+    p->nsegs++;
+    p->resident_bytes += seg->mem.bytes;
+    if (s >= p->nslots) {
+        p->nslots = s + 1;
+    }
+    ghost_resize(p);
+    if (seg_out != NULL) {
+        *seg_out = s;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
+    uint32_t s = p->nslots;
+    for (;;) {
+        /* Segment 0 lives as long as the pool: a client that attached has it, so
+         * new_segments_from = 0 can keep meaning "nothing new" (PROTOCOL.md, MapSegments). */
+        if (s <= 1) {
+            return KV_ENOENT;
+        }
+        s--;
+        pool_segment *seg = p->segs[s];
+        if (seg->blocks != NULL && (seg->parked || seg->nfree + seg->nevict == p->bps)) {
+            break;
+        }
+    }
+    pool_segment *seg = p->segs[s];
+    uint32_t max_gen = 0;
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        uint32_t id = blk_id(p, s, i);
+        if (b->state == KVD_BLOCK_CACHED) {
+            evict_block(p, id, b, KVD_EVICT_SHRINK);
+        }
+        KV_ASSERT(b->state == KVD_BLOCK_FREE);
+        if (!seg->parked) {
+            list_remove(p, id, b);
+        }
+        if (b->gen > max_gen) {
+            max_gen = b->gen;
+        }
+    }
+    /* A later segment in this slot starts past every generation handed out here, so handles
+     * into the old segment stay stale. */
+    seg->next_gen = max_gen + 1;
+    if (seg->parked) {
+        seg->parked = 0;
+        p->nparked--;
+    } else {
+        p->resident_bytes -= seg->mem.bytes;
+    }
+    p->be->segment_free(p->be_ctx, &seg->mem);
+    kvd_index_unreserve(p->idx, p->bps);
+    free(seg->blocks);
+    seg->blocks = NULL;
+    p->blkv[s] = NULL;
+    seg->nfree = seg->nevict = 0;
+    p->nsegs--;
+    while (p->nslots > 0 && p->segs[p->nslots - 1]->blocks == NULL) {
+        p->nslots--;
+    }
+    ghost_resize(p);
+    if (seg_out != NULL) {
+        *seg_out = s;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_max_segments(kvd_pool *p, uint32_t max_segments) {
+    if (max_segments > KVD_MAX_SEGMENTS) {
+        max_segments = KVD_MAX_SEGMENTS;
+    }
+    p->cfg.max_segments = max_segments;
+}
+
+uint32_t kvd_pool_segment_slots(const kvd_pool *p) {
+    return p->nslots;
+}
+
+const kvd_segment_mem *kvd_pool_segment(const kvd_pool *p, uint32_t seg) {
+    if (seg >= p->nslots || p->segs[seg]->blocks == NULL) {
+        return NULL;
+    }
+    return &p->segs[seg]->mem;
+}
+
+uint32_t kvd_pool_segment_serial(const kvd_pool *p, uint32_t seg) {
+    if (seg >= p->nslots || p->segs[seg]->blocks == NULL) {
+        return 0;
+    }
+    return p->segs[seg]->serial;
+}
+
+uint32_t kvd_pool_slot_reuses(const kvd_pool *p) {
+    return p->slot_reuses;
+}
+
+/* ---- parking ---------------------------------------------------------------------------- */
+
+/* Every block of seg is FREE or CACHED unpinned (so none is leased, referenced or pinned). */
+static int seg_idle(const kvd_pool *p, const pool_segment *seg) {
+    return seg->blocks != NULL && !seg->parked && seg->nfree + seg->nevict == p->bps;
+}
+
+kv_err kvd_pool_park_candidate(const kvd_pool *p, kvd_park_candidate *out) {
+    if (p->be->segment_discard == NULL) {
+        return KV_ENOTSUP;
+    }
+    kvd_park_candidate best = {0, 0, 0, 0};
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        const pool_segment *seg = p->segs[s];
+        if (!seg_idle(p, seg)) {
+            continue;
+        }
+        uint64_t last = 0;
+        int guarded = 0;
+        for (uint32_t i = 0; i < p->bps; i++) {
+            const pool_block *b = &seg->blocks[i];
+            if (b->last_access > last) {
+                last = b->last_access;
+            }
+            /* Parking for another pool never takes a guaranteed share (PROTOCOL.md,
+             * TENANCY.md): a segment holding a cached block of a tenant at or under its
+             * guarantee here stays. */
+            guarded |= b->state == KVD_BLOCK_CACHED && tenant_protected(p, b);
+        }
+        if (guarded) {
+            continue;
+        }
+        uint32_t cached = seg->nevict;
+        if (best.parkable == 0 || cached < best.cached ||
+            (cached == best.cached && last < best.last_access)) {
+            best.seg = s;
+            best.cached = cached;
+            best.last_access = last;
+        }
+        best.parkable++;
+    }
+    if (best.parkable == 0) {
+        return KV_ENOENT;
+    }
+    *out = best;
+    return KV_OK;
+}
+
+kv_err kvd_pool_park(kvd_pool *p, uint32_t s) {
+    if (p->be->segment_discard == NULL) {
+        return KV_ENOTSUP;
+    }
+    if (s >= p->nslots || p->segs[s]->blocks == NULL) {
+        return KV_ENOENT;
+    }
+    pool_segment *seg = p->segs[s];
+    if (seg->parked) {
+        return KV_EEXIST;
+    }
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    if (!seg_idle(p, seg)) {
+        return KV_ESTATE;
+    }
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        if (b->state == KVD_BLOCK_CACHED) {
+            evict_block(p, blk_id(p, s, i), b, KVD_EVICT_SHRINK);
+        }
+    }
+    /* Evicted first, discarded after: a failed discard leaves FREE blocks, never lost data of
+     * indexed ones. */
+    kv_err err = p->be->segment_discard(p->be_ctx, &seg->mem);
+    if (err != KV_OK) {
+        return err;
+    }
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        KV_ASSERT(b->state == KVD_BLOCK_FREE && b->list == LIST_FREE);
+        list_remove(p, blk_id(p, s, i), b);
+    }
+    seg->nfree = 0;
+    seg->parked = 1;
+    p->nparked++;
+    p->resident_bytes -= seg->mem.bytes;
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
+    if (s >= p->nslots || p->segs[s]->blocks == NULL || !p->segs[s]->parked) {
+        return KV_ENOENT;
+    }
+    if (p->nsegs - p->nparked >= p->cfg.max_segments) {
+        return KV_ENOSPC;
+    }
+    pool_segment *seg = p->segs[s];
+    /* Like a grown segment: behind the free blocks already there, in id order. */
+    for (uint32_t i = 0; i < p->bps; i++) {
+        pool_block *b = &seg->blocks[i];
+        KV_ASSERT(b->state == KVD_BLOCK_FREE && b->list == LIST_NONE);
+        list_push_tail(p, LIST_FREE, blk_id(p, s, i), b);
+    }
+    seg->nfree = p->bps;
+    seg->parked = 0;
+    p->nparked--;
+    p->resident_bytes += seg->mem.bytes;
+    return KV_OK;
+}
+
+/* Unparks the lowest-numbered parked segment (allocate's growth). */
+static kv_err unpark_any(kvd_pool *p) {
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        if (p->segs[s]->blocks != NULL && p->segs[s]->parked) {
+            return kvd_pool_unpark(p, s);
+        }
+    }
+    return KV_ENOENT;
+}
+
+int kvd_pool_segment_parked(const kvd_pool *p, uint32_t s) {
+    return s < p->nslots && p->segs[s]->blocks != NULL && p->segs[s]->parked;
+}
+
+uint32_t kvd_pool_resident_segments(const kvd_pool *p) {
+    return p->nsegs - p->nparked;
+}
+
+int kvd_pool_in_use(const kvd_pool *p) {
+    return p->n_writing + p->n_committed + p->n_cached > 0;
+}
+
+uint32_t kvd_pool_parked_segments(const kvd_pool *p) {
+    return p->nparked;
+}
+
+uint32_t kvd_pool_growable_segments(const kvd_pool *p) {
+    uint32_t resident = p->nsegs - p->nparked;
+    uint32_t room = p->cfg.max_segments > resident ? p->cfg.max_segments - resident : 0;
+    uint32_t slots = p->nparked + (KVD_MAX_SEGMENTS - p->nsegs);
+    return room < slots ? room : slots;
+}
+
+uint64_t kvd_pool_resident_bytes(const kvd_pool *p) {
+    return p->resident_bytes;
+}
+
+kvd_pool_counts kvd_pool_counts_get(const kvd_pool *p) {
+    kvd_pool_counts c = {p->lists[LIST_FREE].len, p->n_cached, p->n_pinned, evictable_count(p)};
+    return c;
+}
+
+uint64_t kvd_pool_evictions(const kvd_pool *p, kvd_evict_reason reason) {
+    return (unsigned)reason < KVD_EVICT_REASONS ? p->evictions[reason] : 0;
+}
+
+/* ---- block operations ------------------------------------------------------------------- */
+
+kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
+                         kvd_block_ref *out) {
+    if (n > 0 && out == NULL) {
+        return KV_EINVAL;
+    }
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    pool_list *fl = &p->lists[LIST_FREE];
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    /* Decide before anything changes: a refused allocation grows and evicts nothing. */
+    if (fl->len + (uint64_t)kvd_pool_growable_segments(p) * p->bps + evictable_count(p) < n) {
+        return KV_ENOSPC;
+    }
+    kv_err grow_err = KV_OK;
+    while (fl->len < n && p->nsegs - p->nparked < p->cfg.max_segments) {
+        grow_err = p->nparked > 0 ? unpark_any(p) : kvd_pool_grow(p, NULL);
+        if (grow_err != KV_OK) {
+            break;
+        }
+    }
+    if (fl->len < n) {
+        uint64_t need = n - fl->len;
+        if (evictable_count(p) < need) {
+            return grow_err != KV_OK && grow_err != KV_ENOSPC ? grow_err : KV_ENOSPC;
+        }
+        for (uint64_t i = 0; i < need; i++) {
+            uint32_t id = pick_victim(p, 1);
+            evict_block(p, id, blk_at(p, id), KVD_EVICT_CAPACITY);
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t id;
+        pool_block *b = free_pop(p, &id);
+        seg_of(p, id)->nfree--;
+        b->state = KVD_BLOCK_WRITING;
+        b->refcount = 1;
+        b->aux = session;
+        b->tenant = (uint16_t)tenant;
+        b->last_access = p->now;
+        out[i].id = id;
+        out[i].gen = b->gen;
+    }
+    p->n_writing += n;
+    p->tenants[tenant].held += n;
+    return KV_OK;
+}
+
+kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash128 hash,
+                       uint32_t parent, kvd_block_ref *canonical) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_WRITING) {
+        return KV_ESTATE;
+    }
+    if (b->aux != session) {
+        return KV_EPERM;
+    }
+    if (parent != KVD_NO_BLOCK && (parent >= p->nslots * p->bps || parent == blk.id)) {
+        return KV_EINVAL;
+    }
+    uint64_t existing = 0;
+    err = kvd_index_insert(p->idx, p->cfg.pool_id, hash, pack_ref(blk.id, blk.gen), &existing);
+    if (err == KV_OK) {
+        b->state = KVD_BLOCK_COMMITTED;
+        b->hlo = hash.lo;
+        b->hhi = hash.hi;
+        b->parent = parent;
+        b->aux = 0;
+        b->last_access = p->now;
+        if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+            plru_child_added(p, b);
+        }
+        p->n_writing--;
+        p->n_committed++;
+        p->commits++;
+        if (canonical != NULL) {
+            *canonical = blk;
+        }
+        return KV_OK;
+    }
+    if (err != KV_EEXIST) {
+        return err;
+    }
+    /* Another worker committed the same block first: the caller's lease becomes a reference
+     * on that one, charged to the same tenant, and its own copy is freed. */
+    kvd_block_ref e = {(uint32_t)existing, (uint32_t)(existing >> 32)};
+    pool_block *eb;
+    KV_ASSERT(get_block(p, e, &eb) == KV_OK);
+    KV_ASSERT(eb->state == KVD_BLOCK_COMMITTED || eb->state == KVD_BLOCK_CACHED);
+    if (eb->refcount == UINT32_MAX) {
+        return KV_EBUSY;
+    }
+    uint32_t tenant = b->tenant;
+    p->tenants[tenant].held--; /* take_ref charges it again */
+    take_ref(p, e.id, eb, tenant);
+    b->refcount = 0;
+    p->n_writing--;
+    block_to_free(p, blk.id, b);
+    p->commits++;
+    p->commits_duplicate++;
+    if (canonical != NULL) {
+        *canonical = e;
+    }
+    return KV_OK;
+}
+
+#define LOOKUP_CHUNK 256
+
+kv_err kvd_pool_lookup(kvd_pool *p, uint32_t tenant, const kv_hash128 *hashes, size_t n,
+                       kvd_block_ref *out, size_t *nhit) {
+    if (n > 0 && (hashes == NULL || out == NULL)) {
+        return KV_EINVAL;
+    }
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    uint64_t vals[LOOKUP_CHUNK];
+    size_t total = 0;
+    while (total < n) {
+        size_t chunk = n - total < LOOKUP_CHUNK ? n - total : LOOKUP_CHUNK;
+        size_t k = kvd_index_probe_prefix(p->idx, p->cfg.pool_id, hashes + total, chunk, vals);
+        for (size_t j = 0; j < k; j++) {
+            kvd_block_ref r = {(uint32_t)vals[j], (uint32_t)(vals[j] >> 32)};
+            pool_block *b;
+            KV_ASSERT(get_block(p, r, &b) == KV_OK);
+            KV_ASSERT(b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED);
+            if (b->refcount == UINT32_MAX) {
+                k = j; /* cannot count one more reference: the prefix ends here */
+                break;
+            }
+            take_ref(p, r.id, b, tenant);
+            if (b->hits < UINT16_MAX) {
+                b->hits++;
+            }
+            out[total + j] = r;
+        }
+        total += k;
+        if (k < chunk) {
+            break;
+        }
+    }
+    p->queries++;
+    p->query_blocks += n;
+    p->hit_blocks += total;
+    if (nhit != NULL) {
+        *nhit = total;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_hold(kvd_pool *p, uint32_t tenant, kvd_block_ref blk) {
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->refcount == UINT32_MAX) {
+        return KV_EBUSY;
+    }
+    take_ref(p, blk.id, b, tenant);
+    return KV_OK;
+}
+
+kv_err kvd_pool_hold_hash(kvd_pool *p, uint32_t tenant, kv_hash128 h, kvd_block_ref *out) {
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    uint64_t v;
+    if (kvd_index_find(p->idx, p->cfg.pool_id, h, &v) != KV_OK) {
+        return KV_ENOENT;
+    }
+    kvd_block_ref r = {(uint32_t)v, (uint32_t)(v >> 32)};
+    kv_err err = kvd_pool_hold(p, tenant, r);
+    if (err == KV_OK) {
+        *out = r;
+    }
+    return err;
+}
+
+int kvd_pool_has(const kvd_pool *p, kv_hash128 h) {
+    uint64_t v;
+    return kvd_index_find(p->idx, p->cfg.pool_id, h, &v) == KV_OK;
+}
+
+kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
+                        size_t n) {
+    if (n == 0) {
+        return KV_OK;
+    }
+    if (tenant >= p->ntcap || blks == NULL || p->tenants[tenant].held < n) {
+        return KV_EINVAL;
+    }
+    if (n == 1) {
+        /* The loops below for one block, with its record looked up once. */
+        pool_block *b;
+        kv_err err = get_block(p, blks[0], &b);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+            return KV_ESTATE;
+        }
+        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+            return KV_EPERM;
+        }
+        if (b->refcount == 0) {
+            return KV_ESTATE;
+        }
+        if (--b->refcount == 0) {
+            if (b->state == KVD_BLOCK_WRITING) {
+                p->n_writing--;
+                block_to_free(p, blks[0].id, b);
+            } else if (b->state == KVD_BLOCK_COMMITTED) {
+                block_to_cached(p, blks[0].id, b);
+            }
+        }
+        p->tenants[tenant].held--;
+        return KV_OK;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pool_block *b;
+        kv_err err = get_block(p, blks[i], &b);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+            return KV_ESTATE;
+        }
+        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+            return KV_EPERM;
+        }
+    }
+    /* Drop the references; a block listed more often than it is referenced undoes it all. */
+    for (size_t i = 0; i < n; i++) {
+        pool_block *b = blk_at(p, blks[i].id);
+        if (b->refcount == 0) {
+            for (size_t j = 0; j < i; j++) {
+                blk_at(p, blks[j].id)->refcount++;
+            }
+            return KV_ESTATE;
+        }
+        b->refcount--;
+    }
+    /* Tail first: the last block of the prefix enters the eviction order first, so it is
+     * evicted before its parents (a child is useless without them). */
+    for (size_t i = n; i-- > 0;) {
+        uint32_t id = blks[i].id;
+        pool_block *b = blk_at(p, id);
+        if (b->refcount != 0) {
+            continue;
+        }
+        if (b->state == KVD_BLOCK_WRITING) {
+            p->n_writing--;
+            block_to_free(p, id, b);
+        } else if (b->state == KVD_BLOCK_COMMITTED) {
+            block_to_cached(p, id, b);
+        }
+    }
+    p->tenants[tenant].held -= n;
+    return KV_OK;
+}
+
+kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority,
+                    uint32_t tenant) {
+    if (tenant != KVD_PIN_OWNER) {
+        kv_err terr = tenant_room(p, tenant);
+        if (terr != KV_OK) {
+            return terr;
+        }
+    }
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    uint64_t until = retention_ms > UINT64_MAX - p->now ? UINT64_MAX : p->now + retention_ms;
+    if (b->flags & BLOCK_PINNED) {
+        if (until > b->aux) {
+            b->aux = until;
+        }
+        if (priority > b->pin_prio) {
+            b->pin_prio = priority;
+        }
+    } else {
+        if (until <= p->now) {
+            return KV_OK; /* a zero retention pins nothing */
+        }
+        b->flags |= BLOCK_PINNED;
+        b->aux = until;
+        b->pin_prio = priority;
+        b->pin_tenant = (uint16_t)(tenant == KVD_PIN_OWNER ? b->tenant : tenant);
+        p->n_pinned++;
+        p->tenants[b->pin_tenant].pinned++;
+        if (b->state == KVD_BLOCK_CACHED) {
+            list_remove(p, blk.id, b);
+            seg_of(p, blk.id)->nevict--;
+            list_push_tail(p, LIST_PINNED, blk.id, b);
+        } else {
+            list_push_tail(p, LIST_PINREF, blk.id, b);
+        }
+    }
+    if (b->aux < p->min_pin_expiry) {
+        p->min_pin_expiry = b->aux;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpin(kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->flags & BLOCK_PINNED) {
+        unpin_block(p, blk.id, b);
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unpin_below(kvd_pool *p, uint8_t priority, size_t *nunpinned) {
+    size_t count = 0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        pool_segment *seg = p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        for (uint32_t i = 0; i < p->bps; i++) {
+            pool_block *b = &seg->blocks[i];
+            if ((b->flags & BLOCK_PINNED) && b->pin_prio < priority) {
+                unpin_block(p, blk_id(p, s, i), b);
+                count++;
+            }
+        }
+    }
+    if (nunpinned != NULL) {
+        *nunpinned = count;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
+    p->now = now_ms;
+    if (now_ms >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+}
+
+/* Walks the eviction order as it stands (S3-FIFO: small queue, then main; the rotations the
+ * policy would make, S3-FIFO's and PREFIX_LRU's second rounds, are not simulated) and takes up to
+ * max of tenant's blocks (any when tenant < 0), evicting them unless dry_run. */
+static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
+                         kvd_evict_reason reason, kvd_block_ref *out) {
+    static const int order_lru[] = {LIST_LRU};
+    static const int order_s3[] = {LIST_SMALL, LIST_MAIN};
+    static const int order_plru[] = {LIST_PLRU};
+    const int *order = p->cfg.policy == KVD_EVICT_LRU      ? order_lru
+                       : p->cfg.policy == KVD_EVICT_S3FIFO ? order_s3
+                                                           : order_plru;
+    int norder = p->cfg.policy == KVD_EVICT_S3FIFO ? 2 : 1;
+    size_t count = 0;
+    for (int o = 0; o < norder && count < max; o++) {
+        uint32_t id = p->lists[order[o]].head;
+        while (id != KVD_NO_BLOCK && count < max) {
+            pool_block *b = blk_at(p, id);
+            uint32_t nx = b->next;
+            if (tenant < 0 || b->tenant == (uint64_t)tenant) {
+                if (out != NULL) {
+                    out[count].id = id;
+                    out[count].gen = b->gen;
+                }
+                if (!dry_run) {
+                    evict_block(p, id, b, reason);
+                }
+                count++;
+            }
+            id = nx;
+        }
+    }
+    return count;
+}
+
+kv_err kvd_pool_evict(kvd_pool *p, size_t max, int64_t tenant, kvd_evict_reason reason, int dry_run,
+                      kvd_block_ref *out, size_t *nevicted) {
+    if ((unsigned)reason >= KVD_EVICT_REASONS || tenant >= KVD_MAX_TENANTS) {
+        return KV_EINVAL;
+    }
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    size_t count = 0;
+    if (dry_run || tenant >= 0) {
+        count = evict_walk(p, max, tenant, dry_run, reason, out);
+    } else {
+        while (count < max && evictable_count(p) > 0) {
+            uint32_t id = pick_victim(p, 0);
+            pool_block *b = blk_at(p, id);
+            if (out != NULL) {
+                out[count].id = id;
+                out[count].gen = b->gen;
+            }
+            evict_block(p, id, b, reason);
+            count++;
+        }
+    }
+    if (nevicted != NULL) {
+        *nevicted = count;
+    }
+    return KV_OK;
+}
+
+void kvd_pool_set_guarantee(kvd_pool *p, uint32_t tenant, uint64_t blocks) {
+    if (blocks == 0 && tenant >= p->ntcap) {
+        return;
+    }
+    if (tenant_room(p, tenant) != KV_OK) {
+        KV_LOG(WARN, "KVD-POOL-GUARANTEE", "pool %u: no memory for tenant %u's guarantee",
+               p->cfg.pool_id, tenant);
+        return;
+    }
+    if (p->guarantee[tenant] == 0 && blocks != 0) {
+        p->gtenants[p->nguarantee++] = (uint16_t)tenant;
+    } else if (p->guarantee[tenant] != 0 && blocks == 0) {
+        for (uint32_t i = 0; i < p->nguarantee; i++) {
+            if (p->gtenants[i] == tenant) {
+                p->gtenants[i] = p->gtenants[--p->nguarantee];
+                break;
+            }
+        }
+    }
+    p->guarantee[tenant] = blocks;
+}
+
+kv_err kvd_pool_block_info(const kvd_pool *p, uint32_t id, kvd_block_info *out) {
+    if (id >= p->nslots * p->bps || seg_of(p, id)->blocks == NULL) {
+        return KV_ENOENT;
+    }
+    const pool_block *b = blk_at(p, id);
+    kvd_block_info info;
+    memset(&info, 0, sizeof(info));
+    info.state = (kvd_block_state)b->state;
+    info.gen = b->gen;
+    info.refcount = b->refcount;
+    info.tenant = b->tenant;
+    info.owner_session = b->state == KVD_BLOCK_WRITING ? b->aux : 0;
+    info.hash = blk_hash(b);
+    info.parent = b->parent;
+    info.hits = b->hits;
+    info.pinned = (b->flags & BLOCK_PINNED) && b->aux > p->now;
+    *out = info;
+    return KV_OK;
+}
+
+kv_err kvd_pool_check_ref(const kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    return get_block(p, blk, &b);
+}
+
+kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
+    kvd_tenant_usage zero = {0, 0, 0};
+    if (tenant >= p->ntcap) {
+        return zero;
+    }
+    return p->tenants[tenant];
+}
+
+void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
+    sink(arg, "blocks_total", (uint64_t)p->nsegs * p->bps);
+    sink(arg, "blocks_free", p->lists[LIST_FREE].len);
+    sink(arg, "blocks_writing", p->n_writing);
+    sink(arg, "blocks_committed", p->n_committed);
+    sink(arg, "blocks_cached", p->n_cached);
+    sink(arg, "blocks_pinned", p->n_pinned);
+    sink(arg, "blocks_parked", (uint64_t)p->nparked * p->bps);
+    sink(arg, "segments", p->nsegs);
+    sink(arg, "segments_parked", p->nparked);
+    sink(arg, "bytes", p->resident_bytes);
+    sink(arg, "queries", p->queries);
+    sink(arg, "query_blocks", p->query_blocks);
+    sink(arg, "hit_blocks", p->hit_blocks);
+    sink(arg, "hit_tokens", p->hit_blocks * p->cfg.layout.tokens_per_block);
+    sink(arg, "commits", p->commits);
+    sink(arg, "commits_duplicate", p->commits_duplicate);
+    sink(arg, "evictions_capacity", p->evictions[KVD_EVICT_CAPACITY]);
+    sink(arg, "evictions_admin", p->evictions[KVD_EVICT_ADMIN]);
+    sink(arg, "evictions_shrink", p->evictions[KVD_EVICT_SHRINK]);
+}
+
+uint64_t kvd_pool_meta_bytes(const kvd_pool *p) {
+    uint64_t rec = ((uint64_t)p->bps * sizeof(pool_block) + 63u) & ~(uint64_t)63u;
+    uint64_t ghost = p->ghost != NULL ? (uint64_t)(p->ghost_mask + 1) * sizeof(uint64_t) : 0;
+    return sizeof(*p) + (uint64_t)p->segcap * (sizeof(pool_segment) + 2 * sizeof(void *)) +
+           (uint64_t)p->ntcap * (sizeof(kvd_tenant_usage) + sizeof(uint64_t) +
+                                 2 * sizeof(uint32_t) + sizeof(uint16_t)) +
+           ghost + (uint64_t)p->nsegs * rec;
+}
+
+size_t kvd_pool_meta_bytes_per_block(void) {
+    return sizeof(pool_block);
+}
+
+/* ---- invariant check -------------------------------------------------------------------- */
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            KV_LOG(ERROR, "KVD-POOL-CHECK", __VA_ARGS__);                                          \
+            err = KV_EINTERNAL;                                                                    \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+static kv_err check_list(const kvd_pool *p, int which, uint64_t *walked) {
+    kv_err err = KV_OK;
+    const pool_list *l = &p->lists[which];
+    uint32_t prev = KVD_NO_BLOCK;
+    uint64_t n = 0;
+    for (uint32_t id = l->head; id != KVD_NO_BLOCK; id = blk_at(p, id)->next) {
+        CHECK(id < p->nslots * p->bps && seg_of(p, id)->blocks != NULL,
+              "list %d: id %u out of range", which, id);
+        const pool_block *b = blk_at(p, id);
+        CHECK(b->list == which, "list %d: block %u tagged %u", which, id, b->list);
+        CHECK(b->prev == prev, "list %d: block %u prev %u, want %u", which, id, b->prev, prev);
+        CHECK(++n <= l->len, "list %d longer than %llu", which, (unsigned long long)l->len);
+        prev = id;
+    }
+    CHECK(l->tail == prev, "list %d: tail %u, want %u", which, l->tail, prev);
+    CHECK(n == l->len, "list %d: walked %llu, len %llu", which, (unsigned long long)n,
+          (unsigned long long)l->len);
+    *walked = n;
+out:
+    return err;
+}
+
+kv_err kvd_pool_check(const kvd_pool *p) {
+    kv_err err = KV_OK;
+    uint64_t by_state[4] = {0, 0, 0, 0};
+    uint64_t by_list[LIST_COUNT] = {0};
+    uint64_t pinned = 0, refs = 0, held = 0;
+    uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
+    uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
+    uint32_t *tevict = calloc((size_t)p->ntcap * 2, sizeof(uint32_t));
+    if (cached_t == NULL || pinned_t == NULL || tevict == NULL) {
+        free(cached_t);
+        free(pinned_t);
+        free(tevict);
+        return KV_ENOMEM;
+    }
+    uint32_t live = 0, nparked = 0;
+    uint64_t resident = 0;
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        const pool_segment *seg = p->segs[s];
+        if (seg->blocks == NULL) {
+            continue;
+        }
+        live++;
+        if (seg->parked) {
+            /* Parked: every block FREE on no list (so not allocatable), unreferenced, unpinned
+             * and not indexed (a FREE block never is; the index walk below finds no entry). */
+            nparked++;
+            CHECK(seg->nfree == 0 && seg->nevict == 0, "parked segment %u: %u free, %u evictable",
+                  s, seg->nfree, seg->nevict);
+            for (uint32_t i = 0; i < p->bps; i++) {
+                const pool_block *b = &seg->blocks[i];
+                CHECK(b->state == KVD_BLOCK_FREE && b->list == LIST_NONE && b->refcount == 0 &&
+                          b->flags == 0,
+                      "parked block %u: state %u list %u refcount %u flags %u", blk_id(p, s, i),
+                      b->state, b->list, b->refcount, b->flags);
+            }
+            continue;
+        }
+        resident += seg->mem.bytes;
+        uint32_t nfree = 0, nevict = 0;
+        for (uint32_t i = 0; i < p->bps; i++) {
+            uint32_t id = blk_id(p, s, i);
+            const pool_block *b = &seg->blocks[i];
+            CHECK(b->state <= KVD_BLOCK_CACHED, "block %u: bad state %u", id, b->state);
+            by_state[b->state]++;
+            by_list[b->list]++;
+            refs += b->refcount;
+            CHECK(b->tenant < p->ntcap && b->pin_tenant < p->ntcap, "block %u: tenant %u/%u", id,
+                  b->tenant, b->pin_tenant);
+            CHECK(p->cfg.policy == KVD_EVICT_PREFIX_LRU ||
+                      (!(b->flags & BLOCK_SHARED) && b->nchild == 0),
+                  "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
+            if (b->flags & BLOCK_PINNED) {
+                pinned++;
+                pinned_t[b->pin_tenant]++;
+                CHECK(b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED,
+                      "block %u: pinned in state %u", id, b->state);
+            }
+            switch (b->state) {
+                case KVD_BLOCK_FREE:
+                    nfree++;
+                    CHECK(b->refcount == 0 && b->list == LIST_FREE && b->flags == 0,
+                          "block %u: FREE with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_WRITING:
+                    CHECK(b->refcount == 1 && b->list == LIST_NONE,
+                          "block %u: WRITING with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_COMMITTED:
+                    CHECK(b->refcount >= 1 &&
+                              b->list == ((b->flags & BLOCK_PINNED) ? LIST_PINREF : LIST_NONE),
+                          "block %u: COMMITTED with refcount %u list %u", id, b->refcount, b->list);
+                    break;
+                case KVD_BLOCK_CACHED:
+                    cached_t[b->tenant]++;
+                    CHECK(b->refcount == 0, "block %u: CACHED with refcount %u", id, b->refcount);
+                    if (b->flags & BLOCK_PINNED) {
+                        CHECK(b->list == LIST_PINNED, "block %u: pinned CACHED on list %u", id,
+                              b->list);
+                    } else {
+                        nevict++;
+                        tevict[(uint32_t)b->tenant * 2 + (b->list == LIST_SMALL ? 0u : 1u)]++;
+                        int ok = p->cfg.policy == KVD_EVICT_LRU ? b->list == LIST_LRU
+                                 : p->cfg.policy == KVD_EVICT_S3FIFO
+                                     ? (b->list == LIST_SMALL || b->list == LIST_MAIN)
+                                     : b->list == LIST_PLRU;
+                        CHECK(ok, "block %u: CACHED on list %u", id, b->list);
+                    }
+                    break;
+            }
+            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+                uint64_t v = 0;
+                CHECK(kvd_index_find(p->idx, p->cfg.pool_id, blk_hash(b), &v) == KV_OK,
+                      "block %u: hash not indexed", id);
+                CHECK(v == pack_ref(id, b->gen), "block %u: index points to %u gen %u", id,
+                      (uint32_t)v, (uint32_t)(v >> 32));
+            }
+        }
+        CHECK(nfree == seg->nfree, "segment %u: %u free, counted %u", s, nfree, seg->nfree);
+        CHECK(nevict == seg->nevict, "segment %u: %u evictable, counted %u", s, nevict,
+              seg->nevict);
+    }
+    CHECK(live == p->nsegs, "%u live segments, counted %u", live, p->nsegs);
+    CHECK(nparked == p->nparked, "%u parked segments, counted %u", nparked, p->nparked);
+    CHECK(resident == p->resident_bytes, "%llu resident bytes, counted %llu",
+          (unsigned long long)resident, (unsigned long long)p->resident_bytes);
+    CHECK(p->nslots == 0 || p->segs[p->nslots - 1]->blocks != NULL, "slot count %u too high",
+          p->nslots);
+    for (int l = LIST_FREE; l < LIST_COUNT; l++) {
+        uint64_t walked = 0;
+        err = check_list(p, l, &walked);
+        if (err != KV_OK) {
+            goto out;
+        }
+        CHECK(walked == by_list[l], "list %d: %llu linked, %llu tagged", l,
+              (unsigned long long)walked, (unsigned long long)by_list[l]);
+    }
+    CHECK(by_state[KVD_BLOCK_FREE] == p->lists[LIST_FREE].len, "free count");
+    CHECK(by_state[KVD_BLOCK_WRITING] == p->n_writing, "writing count %llu vs %llu",
+          (unsigned long long)by_state[KVD_BLOCK_WRITING], (unsigned long long)p->n_writing);
+    CHECK(by_state[KVD_BLOCK_COMMITTED] == p->n_committed, "committed count");
+    CHECK(by_state[KVD_BLOCK_CACHED] == p->n_cached, "cached count");
+    CHECK(pinned == p->n_pinned, "pinned count");
+    for (uint32_t t = 0; t < p->ntcap; t++) {
+        CHECK(cached_t[t] == p->tenants[t].cached, "tenant %u: cached %llu, counted %llu", t,
+              (unsigned long long)cached_t[t], (unsigned long long)p->tenants[t].cached);
+        CHECK(pinned_t[t] == p->tenants[t].pinned, "tenant %u: pinned %llu, counted %llu", t,
+              (unsigned long long)pinned_t[t], (unsigned long long)p->tenants[t].pinned);
+        held += p->tenants[t].held;
+        CHECK(tevict[t * 2] == p->tevict[t * 2] && tevict[t * 2 + 1] == p->tevict[t * 2 + 1],
+              "tenant %u: evictable %u/%u, counted %u/%u", t, tevict[t * 2], tevict[t * 2 + 1],
+              p->tevict[t * 2], p->tevict[t * 2 + 1]);
+    }
+    CHECK(held == refs, "references %llu, tenants hold %llu", (unsigned long long)refs,
+          (unsigned long long)held);
+out:
+    free(cached_t);
+    free(pinned_t);
+    free(tevict);
+    return err;
+}
+

@@ -1,0 +1,1113 @@
+/* kvd admin commands: the ONE table that drives dispatch, `help` and docs/ADMIN.md, and the
+ * command functions. Every function runs on the loop thread and reads the server's state
+ * directly; results are jansson objects that admin.c serialises as one line. */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/kv_hash.h"
+#include "common/kv_log.h"
+#include "common/kv_version.h"
+#include "daemon/ops/admin_cmds.h"
+
+#include "daemon/tenancy/quota.h"
+#include "daemon/ops/selftest.h"
+#include "common/kv_wire.h"
+#include "daemon/proto/validate.h"
+
+
+#define FAIL(rc, ...)                                                                              \
+    do {                                                                                           \
+        snprintf(msg, KVD_ADMIN_MSG, __VA_ARGS__);                                                 \
+        return (rc);                                                                               \
+    } while (0)
+
+/* ---- helpers --------------------------------------------------------------------------- */
+
+static json_t *u64(uint64_t v) {
+    return json_integer((json_int_t)v);
+}
+
+/* A JSON string of s that always exists: bytes that are not UTF-8 (which jansson refuses, and a
+ * refused string used to drop its whole row from stats, pools, sessions and the metrics) become
+ * U+FFFD. The daemon refuses such names at the door; this keeps any that slip through visible. */
+static json_t *text(const char *s) {
+    if (s == NULL) {
+        return json_string("");
+    }
+    size_t n = strlen(s);
+    if (kv_utf8_prefix(s, n) == n) {
+        return json_stringn(s, n);
+    }
+    char *buf = malloc(n * 3 + 1);
+    if (buf == NULL) {
+        return json_string("?");
+    }
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t ok = kv_utf8_prefix(s + i, n - i);
+        memcpy(buf + o, s + i, ok);
+        o += ok;
+        i += ok;
+        if (i < n) {
+            memcpy(buf + o, "\xef\xbf\xbd", 3); /* U+FFFD */
+            o += 3;
+            i++;
+        }
+    }
+    json_t *j = json_stringn(buf, o);
+    free(buf);
+    return j;
+}
+
+static json_t *hash_json(kv_hash128 h) {
+    char hex[33];
+    kv_hash_hex(h, hex);
+    return json_string(hex);
+}
+
+/* Parses a decimal argument value. */
+static int parse_num(const char *s, uint64_t *out) {
+    if (*s < '0' || *s > '9') {
+        return -1;
+    }
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*end != '\0') {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* If arg is "key=value", returns value; else NULL. */
+static const char *kv_arg(const char *arg, const char *key) {
+    size_t n = strlen(key);
+    return strncmp(arg, key, n) == 0 && arg[n] == '=' ? arg + n + 1 : NULL;
+}
+
+static kv_err tenant_by_name(const kvd_ops *s, const char *name, uint32_t *out) {
+    return kvd_tenants_find(s->reg->tenants, name, out);
+}
+
+/* The pool with this id, its clock advanced (an admin pin or evict must see expired pins gone
+ * and set expiry from now); NULL when unknown. */
+static kvd_reg_pool *pool_by_id(kvd_ops *s, uint64_t id) {
+    return id <= UINT32_MAX ? kvd_registry_pool(s->reg, (uint32_t)id) : NULL;
+}
+
+static void add_hit_rate(json_t *o, uint64_t hits, uint64_t asked) {
+    json_object_set_new(o, "hit_rate",
+                        json_pack("{s:f, s:o, s:o, s:s}", "value",
+                                  asked > 0 ? (double)hits / (double)asked : 0.0, "hit_blocks",
+                                  u64(hits), "query_blocks", u64(asked), "denominator",
+                                  "blocks asked in Lookup requests (query_blocks)"));
+}
+
+static void pool_sink(void *arg, const char *name, uint64_t value) {
+    json_object_set_new((json_t *)arg, name, u64(value));
+}
+
+static uint64_t get_u64(const json_t *o, const char *key) {
+    json_t *v = json_object_get(o, key);
+    return json_is_integer(v) ? (uint64_t)json_integer_value(v) : 0;
+}
+
+/* ---- stats ----------------------------------------------------------------------------- */
+
+json_t *kvd_admin_stats(kvd_ops *s) {
+    json_t *pools = json_array();
+    uint64_t used = 0;
+    for (uint32_t i = 0; i < s->reg->npools; i++) {
+        kvd_reg_pool *p = &s->reg->pools[i];
+        char dom[KVD_TENANT_NAME_MAX + 8];
+        json_t *o = json_pack(
+            "{s:i, s:o, s:o, s:i}", "id", (int)p->pool_id, "model", text(p->model_id), "domain",
+            text(kvd_tenants_domain_name(s->reg->tenants, p->domain, dom, sizeof(dom))),
+            "tokens_per_block", (int)p->layout.tokens_per_block);
+        kvd_pool_stats(p->pool, pool_sink, o);
+        used += get_u64(o, "bytes");
+        add_hit_rate(o, get_u64(o, "hit_blocks"), get_u64(o, "query_blocks"));
+        json_array_append_new(pools, o);
+    }
+    json_t *tenants = json_array();
+    uint32_t nt = kvd_tenants_count(s->reg->tenants);
+    for (uint32_t t = 0; t < nt && t < KVD_MAX_TENANTS; t++) {
+        const kvd_tenant_counters *tc = kvd_events_tenant(&s->reg->events, t);
+        kvd_tenant_usage u = {0, 0, 0};
+        for (uint32_t i = 0; i < s->reg->npools; i++) {
+            kvd_tenant_usage pu = kvd_pool_tenant_usage(s->reg->pools[i].pool, t);
+            u.held += pu.held;
+            u.cached += pu.cached;
+            u.pinned += pu.pinned;
+        }
+        json_t *o = json_pack(
+            "{s:i, s:o, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id",
+            (int)t, "name", text(kvd_tenants_name(s->reg->tenants, t)), "sessions",
+            (int)kvd_registry_sessions(s->reg, t), "queries", u64(tc->queries), "query_blocks",
+            u64(tc->query_blocks), "hit_blocks", u64(tc->hit_blocks), "hit_tokens",
+            u64(tc->hit_tokens), "commits", u64(tc->commits), "evictions_capacity",
+            u64(tc->evictions[KVD_EVICT_CAPACITY]), "evictions_admin",
+            u64(tc->evictions[KVD_EVICT_ADMIN]), "evictions_shrink",
+            u64(tc->evictions[KVD_EVICT_SHRINK]), "refusals", u64(tc->refusals), "blocks_held",
+            u64(u.held), "blocks_cached", u64(u.cached), "blocks_pinned", u64(u.pinned));
+        add_hit_rate(o, tc->hit_blocks, tc->query_blocks);
+        json_array_append_new(tenants, o);
+    }
+    json_t *daemon = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:o, s:o, s:o}", "sessions",
+                               u64(kvd_server_counts(s->srv)->conns), "pools", u64(s->reg->npools), "pool_memory_bytes",
+                               u64(s->cfg->pool_memory), "pool_memory_used_bytes", u64(used),
+                               "index_entries", u64(kvd_index_count(s->reg->index)), "index_capacity",
+                               u64(kvd_index_capacity(s->reg->index)), "draining", kvd_server_draining(s->srv),
+                               "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000),
+                               "events_evict", u64(s->reg->events.pushed[KVD_EVENT_EVICT]),
+                               "events_refuse", u64(s->reg->events.pushed[KVD_EVENT_REFUSE]));
+    return json_pack("{s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants);
+}
+
+/* ---- commands -------------------------------------------------------------------------- */
+
+static kv_err cmd_help(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)s, (void)argc, (void)argv, (void)msg;
+    size_t n;
+    const kvd_admin_cmd *cmds = kvd_admin_cmds(&n);
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(a, json_pack("{s:s, s:s, s:s}", "command", cmds[i].name, "args",
+                                           cmds[i].args, "summary", cmds[i].summary));
+    }
+    *out = json_pack("{s:o}", "commands", a);
+    return KV_OK;
+}
+
+static kv_err no_args(int argc, char *msg) {
+    if (argc != 0) {
+        FAIL(KV_EINVAL, "this command takes no arguments");
+    }
+    return KV_OK;
+}
+
+static kv_err cmd_info(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    char epoch[17];
+    snprintf(epoch, sizeof(epoch), "%016" PRIx64, s->boot_epoch);
+    size_t n;
+    const kvd_config_option *opts = kvd_config_options(&n);
+    json_t *cfg = json_object();
+    for (size_t i = 0; i < n; i++) {
+        char v[KVD_CONFIG_PATH_MAX];
+        kvd_config_format(s->cfg, &opts[i], v, sizeof(v));
+        json_object_set_new(cfg, opts[i].name, json_string(v));
+    }
+    *out = json_pack("{s:s, s:s, s:o, s:o, s:i, s:i, s:s, s:s, s:s, s:b, s:b, s:o, s:o}", "version",
+                     KV_VERSION, "boot_epoch", epoch, "start_unix_ms", u64(s->start_unix_ms),
+                     "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000), "pid",
+                     (int)getpid(), "uid", (int)geteuid(), "backend", s->cfg->backend, "socket",
+                     kvd_server_socket_path(s->srv), "admin_socket", s->admin_path, "draining",
+                     kvd_server_draining(s->srv), "ready", kvd_ops_ready(s), "metrics_port",
+                     u64(s->metrics_port), "config", cfg);
+    return KV_OK;
+}
+
+static kv_err cmd_stats(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    *out = kvd_admin_stats(s);
+    return *out != NULL ? KV_OK : KV_ENOMEM;
+}
+
+static kv_err cmd_pools(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    json_t *a = json_array();
+    for (uint32_t i = 0; i < s->reg->npools; i++) {
+        kvd_reg_pool *p = &s->reg->pools[i];
+        const kvd_pool_config *pc = kvd_pool_config_get(p->pool);
+        char dom[KVD_TENANT_NAME_MAX + 8];
+        json_t *o = json_pack(
+            "{s:i, s:o, s:o, s:{s:i, s:i, s:i, s:i, s:s, s:s, s:o}, s:i, s:i, s:o, s:s}", "id",
+            (int)p->pool_id, "model", text(p->model_id), "domain",
+            text(kvd_tenants_domain_name(s->reg->tenants, p->domain, dom, sizeof(dom))), "layout",
+            "layers", (int)p->layout.num_layers, "kv_heads", (int)p->layout.num_kv_heads,
+            "head_dim", (int)p->layout.head_dim, "tokens_per_block",
+            (int)p->layout.tokens_per_block, "dtype", kv_dtype_name(p->layout.dtype), "arrangement",
+            kv_arrangement_name(p->layout.arrangement), "block_bytes", u64(p->layout.block_bytes),
+            "blocks_per_segment", (int)pc->blocks_per_segment, "max_segments",
+            (int)pc->max_segments, "segment_bytes", u64(p->segment_bytes), "policy",
+            kvd_evict_policy_name(pc->policy));
+        kvd_pool_stats(p->pool, pool_sink, o);
+        json_array_append_new(a, o);
+    }
+    *out = json_pack("{s:o}", "pools", a);
+    return KV_OK;
+}
+
+static kv_err cmd_tenants(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    json_t *st = kvd_admin_stats(s);
+    if (st == NULL) {
+        return KV_ENOMEM;
+    }
+    *out = json_pack("{s:O}", "tenants", json_object_get(st, "tenants"));
+    json_decref(st);
+    return KV_OK;
+}
+
+typedef struct session_rows {
+    const kvd_ops *s;
+    json_t *a;
+} session_rows;
+
+static void session_row(void *arg, const kvd_session *c) {
+    session_rows *r = arg;
+    json_array_append_new(
+        r->a, json_pack("{s:o, s:i, s:i, s:i, s:o, s:o, s:o, s:i, s:o, s:o}", "id", u64(c->id),
+                        "pid", (int)c->pid, "uid", (int)c->uid, "gid", (int)c->gid, "tenant",
+                        c->hello ? text(kvd_tenants_name(r->s->reg->tenants, c->tenant))
+                                 : json_null(),
+                        "client", text(c->name), "blocks_held", u64(kvd_session_refs_held(c)),
+                        "pools", (int)c->npools, "requests", u64(c->requests), "errors",
+                        u64(c->errors)));
+}
+
+static kv_err cmd_sessions(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    session_rows rows = {s, json_array()};
+    kvd_server_each_session(s->srv, session_row, &rows);
+    *out = json_pack("{s:o}", "sessions", rows.a);
+    return KV_OK;
+}
+
+/* -- prefixes: the forest of committed blocks (parent links), top roots by hits -- */
+
+typedef struct prefix_forest {
+    const kvd_pool *pool; /* the pool walked */
+    uint32_t n;           /* ids 0..n */
+    uint32_t *first;      /* first child of id, KVD_NO_BLOCK for none */
+    uint32_t *sibling;    /* next sibling of id */
+    uint32_t *hits;       /* hits of id */
+    uint32_t *size;       /* blocks in the subtree of id */
+    uint32_t *depth;      /* longest chain from id down, in blocks */
+    kv_hash128 *hash;     /* hash of id */
+} prefix_forest;
+
+static json_t *prefix_node(const prefix_forest *f, uint32_t id, unsigned levels) {
+    /* Collapse a chain of single children into one node of `blocks` blocks. */
+    uint32_t run = 1, last = id;
+    while (f->first[last] != KVD_NO_BLOCK && f->sibling[f->first[last]] == KVD_NO_BLOCK) {
+        last = f->first[last];
+        run++;
+    }
+    json_t *o = json_pack("{s:i, s:o, s:i, s:i, s:i, s:i}", "block", (int)id, "hash",
+                          hash_json(f->hash[id]), "hits", (int)f->hits[id], "blocks", (int)run,
+                          "size", (int)f->size[id], "depth", (int)f->depth[id]);
+    json_t *kids = json_array();
+    unsigned shown = 0, more = 0;
+    for (uint32_t k = f->first[last]; k != KVD_NO_BLOCK; k = f->sibling[k]) {
+        if (levels > 1 && shown < 8) {
+            json_array_append_new(kids, prefix_node(f, k, levels - 1));
+            shown++;
+        } else {
+            more++;
+        }
+    }
+    json_object_set_new(o, "children", kids);
+    json_object_set_new(o, "more_children", json_integer(more));
+    return o;
+}
+
+static int cmp_hits_desc(const void *a, const void *b, void *arg) {
+    const uint32_t *h = arg;
+    uint32_t x = h[*(const uint32_t *)a], y = h[*(const uint32_t *)b];
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static kv_err pool_prefixes(kvd_reg_pool *sp, size_t top, unsigned levels, json_t **out) {
+    const kvd_pool *pool = sp->pool;
+    prefix_forest f;
+    memset(&f, 0, sizeof(f));
+    f.pool = pool;
+    f.n = kvd_pool_segment_slots(pool) * kvd_pool_config_get(pool)->blocks_per_segment;
+    size_t cnt = f.n > 0 ? f.n : 1;
+    f.first = malloc(cnt * sizeof(uint32_t));
+    f.sibling = malloc(cnt * sizeof(uint32_t));
+    f.hits = calloc(cnt, sizeof(uint32_t));
+    f.size = calloc(cnt, sizeof(uint32_t));
+    f.depth = calloc(cnt, sizeof(uint32_t));
+    f.hash = calloc(cnt, sizeof(kv_hash128));
+    uint32_t *parent = malloc(cnt * sizeof(uint32_t));
+    uint32_t *roots = malloc(cnt * sizeof(uint32_t));
+    uint32_t *order = malloc(cnt * sizeof(uint32_t));
+    uint8_t *live = calloc(cnt, 1);
+    kv_err rc = KV_ENOMEM;
+    if (f.first == NULL || f.sibling == NULL || f.hits == NULL || f.size == NULL ||
+        f.depth == NULL || f.hash == NULL || parent == NULL || roots == NULL || order == NULL ||
+        live == NULL) {
+        goto cleanup;
+    }
+    for (uint32_t i = 0; i < f.n; i++) {
+        f.first[i] = f.sibling[i] = parent[i] = KVD_NO_BLOCK;
+        kvd_block_info bi;
+        if (kvd_pool_block_info(pool, i, &bi) == KV_OK &&
+            (bi.state == KVD_BLOCK_COMMITTED || bi.state == KVD_BLOCK_CACHED)) {
+            live[i] = 1;
+            f.hits[i] = bi.hits;
+            f.hash[i] = bi.hash;
+            parent[i] = bi.parent;
+        }
+    }
+    uint32_t nroots = 0;
+    for (uint32_t i = 0; i < f.n; i++) {
+        if (!live[i]) {
+            continue;
+        }
+        uint32_t p = parent[i];
+        if (p != KVD_NO_BLOCK && p < f.n && live[p] && p != i) {
+            f.sibling[i] = f.first[p];
+            f.first[p] = i;
+        } else {
+            roots[nroots++] = i; /* first block of a prefix (or its parent was evicted) */
+        }
+    }
+    /* Post-order by an explicit stack (prefix chains can be thousands of blocks deep). */
+    uint32_t norder = 0;
+    for (uint32_t r = 0; r < nroots; r++) {
+        uint32_t top_of = norder;
+        order[norder++] = roots[r];
+        for (uint32_t k = top_of; k < norder; k++) {
+            for (uint32_t c = f.first[order[k]]; c != KVD_NO_BLOCK; c = f.sibling[c]) {
+                if (norder < f.n) {
+                    order[norder++] = c;
+                }
+            }
+        }
+    }
+    /* BFS order: children come after parents, so a reverse walk sees children first. */
+    for (uint32_t k = norder; k-- > 0;) {
+        uint32_t id = order[k];
+        uint32_t size = 1, depth = 0;
+        for (uint32_t c = f.first[id]; c != KVD_NO_BLOCK; c = f.sibling[c]) {
+            size += f.size[c];
+            depth = f.depth[c] > depth ? f.depth[c] : depth;
+        }
+        f.size[id] = size;
+        f.depth[id] = depth + 1;
+    }
+    qsort_r(roots, nroots, sizeof(uint32_t), cmp_hits_desc, f.hits);
+    json_t *a = json_array();
+    for (uint32_t r = 0; r < nroots && r < top; r++) {
+        json_array_append_new(a, prefix_node(&f, roots[r], levels));
+    }
+    *out = json_pack("{s:i, s:o, s:i, s:o}", "pool", (int)sp->pool_id, "model", text(sp->model_id),
+                     "prefixes", (int)nroots, "top", a);
+    rc = KV_OK;
+cleanup:
+    free(f.first);
+    free(f.sibling);
+    free(f.hits);
+    free(f.size);
+    free(f.depth);
+    free(f.hash);
+    free(parent);
+    free(roots);
+    free(order);
+    free(live);
+    return rc;
+}
+
+static kv_err cmd_prefixes(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    uint64_t pool = 0, top = 10, levels = 4;
+    for (int i = 0; i < argc; i++) {
+        const char *v;
+        if ((v = kv_arg(argv[i], "pool")) != NULL && parse_num(v, &pool) == 0) {
+            continue;
+        }
+        if ((v = kv_arg(argv[i], "top")) != NULL && parse_num(v, &top) == 0 && top > 0) {
+            continue;
+        }
+        if ((v = kv_arg(argv[i], "levels")) != NULL && parse_num(v, &levels) == 0 && levels > 0 &&
+            levels <= 16) {
+            continue;
+        }
+        FAIL(KV_EINVAL, "bad argument '%.64s' (pool=ID top=N levels=1..16)", argv[i]);
+    }
+    if (pool != 0 && pool_by_id(s, pool) == NULL) {
+        FAIL(KV_ENOENT, "no pool %" PRIu64 " (see pools)", pool);
+    }
+    json_t *a = json_array();
+    for (uint32_t i = 0; i < s->reg->npools; i++) {
+        if (pool != 0 && s->reg->pools[i].pool_id != pool) {
+            continue;
+        }
+        json_t *o;
+        kv_err rc = pool_prefixes(&s->reg->pools[i], top, (unsigned)levels, &o);
+        if (rc != KV_OK) {
+            json_decref(a);
+            FAIL(rc, "no memory to walk pool %u", s->reg->pools[i].pool_id);
+        }
+        json_array_append_new(a, o);
+    }
+    *out = json_pack("{s:o}", "pools", a);
+    return KV_OK;
+}
+
+/* -- evict -- */
+
+static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    int dry = 0, all = 0;
+    int64_t tenant = -1;
+    uint64_t pool = 0, max = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *v;
+        if (strcmp(argv[i], "--dry-run") == 0) {
+            dry = 1;
+        } else if (strcmp(argv[i], "all") == 0) {
+            all = 1;
+        } else if ((v = kv_arg(argv[i], "tenant")) != NULL) {
+            uint32_t t;
+            if (tenant_by_name(s, v, &t) != KV_OK) {
+                FAIL(KV_ENOENT, "no tenant '%.64s' (see tenants)", v);
+            }
+            tenant = t;
+        } else if ((v = kv_arg(argv[i], "pool")) != NULL && parse_num(v, &pool) == 0 && pool > 0) {
+            if (pool_by_id(s, pool) == NULL) {
+                FAIL(KV_ENOENT, "no pool %" PRIu64 " (see pools)", pool);
+            }
+        } else if ((v = kv_arg(argv[i], "max")) != NULL && parse_num(v, &max) == 0 && max > 0) {
+        } else {
+            FAIL(KV_EINVAL, "bad argument '%.64s' (--dry-run, all, tenant=NAME, pool=ID, max=N)",
+                 argv[i]);
+        }
+    }
+    if (!all && tenant < 0 && pool == 0) {
+        FAIL(KV_EINVAL, "say what to evict: all, tenant=NAME or pool=ID (and --dry-run to look)");
+    }
+    size_t limit = max > 0 ? (size_t)max : (dry ? 1000 : SIZE_MAX);
+    json_t *pools = json_array();
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < s->reg->npools && total < limit; i++) {
+        kvd_reg_pool *sp = &s->reg->pools[i];
+        if (pool != 0 && sp->pool_id != pool) {
+            continue;
+        }
+        kvd_pool_set_now(sp->pool, kvd_registry_now(s->reg)); /* expired pins protect nothing */
+        size_t want = limit - (size_t)total;
+        kvd_block_ref *refs = NULL;
+        if (dry) {
+            refs = malloc(sizeof(*refs) * want);
+            if (refs == NULL) {
+                json_decref(pools);
+                FAIL(KV_ENOMEM, "no memory for %zu blocks", want);
+            }
+        }
+        size_t n = 0;
+        kv_err rc = kvd_pool_evict(sp->pool, want, tenant, KVD_EVICT_ADMIN, dry, refs, &n);
+        if (rc != KV_OK) {
+            free(refs);
+            json_decref(pools);
+            FAIL(rc, "evict in pool %u: %s", sp->pool_id, kv_strerror(rc));
+        }
+        const char *policy = kvd_evict_policy_name(kvd_pool_config_get(sp->pool)->policy);
+        json_t *o = json_pack("{s:i, s:o, s:s}", "pool", (int)sp->pool_id, "blocks", u64(n),
+                              "policy", policy);
+        if (dry) {
+            json_t *blocks = json_array();
+            for (size_t k = 0; k < n; k++) {
+                kvd_block_info bi;
+                if (kvd_pool_block_info(sp->pool, refs[k].id, &bi) != KV_OK) {
+                    continue;
+                }
+                char why[128];
+                snprintf(why, sizeof(why),
+                         "cached (refcount 0), unpinned; position %zu in %s eviction order", k + 1,
+                         policy);
+                json_array_append_new(blocks,
+                                      json_pack("{s:i, s:o, s:s, s:i, s:s}", "block",
+                                                (int)refs[k].id, "hash", hash_json(bi.hash),
+                                                "tenant", kvd_tenants_name(s->reg->tenants, bi.tenant),
+                                                "hits", (int)bi.hits, "why", why));
+            }
+            json_object_set_new(o, "would_evict", blocks);
+        } else if (n > 0) {
+            if (tenant >= 0) {
+                kvd_events_tenant(&s->reg->events, (uint32_t)tenant)->evictions[KVD_EVICT_ADMIN] += n;
+            }
+            kvd_events_push(&s->reg->events, KVD_EVENT_EVICT, sp->pool_id, tenant, n, KV_OK, "admin",
+                            "admin evict (%s%s) in pool %u evicted %zu cached blocks",
+                            tenant >= 0 ? "tenant " : "all",
+                            tenant >= 0 ? kvd_tenants_name(s->reg->tenants, (uint32_t)tenant) : "",
+                            sp->pool_id, n);
+        }
+        free(refs);
+        total += n;
+        json_array_append_new(pools, o);
+    }
+    if (!dry) {
+        KV_LOG(INFO, "KVD-ADMIN-EVICT", "admin evict: %" PRIu64 " cached blocks evicted", total);
+    }
+    *out = json_pack("{s:b, s:o, s:o}", "dry_run", dry, dry ? "would_evict" : "evicted", u64(total),
+                     "pools", pools);
+    return KV_OK;
+}
+
+/* -- pin / unpin -- */
+
+/* Finds the committed or cached block with hash in pool `pool` (0: any pool). */
+static kv_err find_hash(kvd_ops *s, const char *hex, uint64_t pool, kvd_reg_pool **sp_out,
+                        kvd_block_ref *ref, char *msg) {
+    kv_hash128 h;
+    if (kv_hash_parse(hex, &h) != KV_OK) {
+        FAIL(KV_EINVAL, "'%.64s' is not a block hash (32 hex digits, as prefixes prints)", hex);
+    }
+    for (uint32_t i = 0; i < s->reg->npools; i++) {
+        kvd_reg_pool *sp = &s->reg->pools[i];
+        if (pool != 0 && sp->pool_id != pool) {
+            continue;
+        }
+        /* A pin's expiry counts from now, not from the pool's last request. */
+        kvd_pool_set_now(sp->pool, kvd_registry_now(s->reg));
+        uint32_t n =
+            kvd_pool_segment_slots(sp->pool) * kvd_pool_config_get(sp->pool)->blocks_per_segment;
+        for (uint32_t id = 0; id < n; id++) {
+            kvd_block_info bi;
+            if (kvd_pool_block_info(sp->pool, id, &bi) == KV_OK &&
+                (bi.state == KVD_BLOCK_COMMITTED || bi.state == KVD_BLOCK_CACHED) &&
+                bi.hash.lo == h.lo && bi.hash.hi == h.hi) {
+                *sp_out = sp;
+                ref->id = id;
+                ref->gen = bi.gen;
+                return KV_OK;
+            }
+        }
+    }
+    FAIL(KV_ENOENT, "no cached block with hash %s%s", hex, pool != 0 ? " in that pool" : "");
+}
+
+static kv_err cmd_pin(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc < 1) {
+        FAIL(KV_EINVAL, "usage: pin HASH [pool=ID] [retention=MS] [priority=0..255]");
+    }
+    uint64_t pool = 0, retention = 3600000, prio = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        if (((v = kv_arg(argv[i], "pool")) != NULL && parse_num(v, &pool) == 0) ||
+            ((v = kv_arg(argv[i], "retention")) != NULL && parse_num(v, &retention) == 0) ||
+            ((v = kv_arg(argv[i], "priority")) != NULL && parse_num(v, &prio) == 0 &&
+             prio <= 255)) {
+            continue;
+        }
+        FAIL(KV_EINVAL, "bad argument '%.64s' (pool=ID retention=MS priority=0..255)", argv[i]);
+    }
+    kvd_reg_pool *sp;
+    kvd_block_ref ref;
+    kv_err rc = find_hash(s, argv[0], pool, &sp, &ref, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_pool_pin(sp->pool, ref, retention, (uint8_t)prio, KVD_PIN_OWNER);
+    if (rc != KV_OK) {
+        FAIL(rc, "pin block %u of pool %u: %s", ref.id, sp->pool_id, kv_strerror(rc));
+    }
+    *out = json_pack("{s:i, s:i, s:o, s:i}", "pool", (int)sp->pool_id, "block", (int)ref.id,
+                     "retention_ms", u64(retention), "priority", (int)prio);
+    return KV_OK;
+}
+
+static kv_err cmd_unpin(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    uint64_t pool = 0;
+    if (argc < 1 || argc > 2 ||
+        (argc == 2 &&
+         (kv_arg(argv[1], "pool") == NULL || parse_num(kv_arg(argv[1], "pool"), &pool) != 0))) {
+        FAIL(KV_EINVAL, "usage: unpin HASH [pool=ID]");
+    }
+    kvd_reg_pool *sp;
+    kvd_block_ref ref;
+    kv_err rc = find_hash(s, argv[0], pool, &sp, &ref, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_pool_unpin(sp->pool, ref);
+    if (rc != KV_OK) {
+        FAIL(rc, "unpin block %u of pool %u: %s", ref.id, sp->pool_id, kv_strerror(rc));
+    }
+    *out = json_pack("{s:i, s:i}", "pool", (int)sp->pool_id, "block", (int)ref.id);
+    return KV_OK;
+}
+
+/* -- quota -- */
+
+static void quota_sink(void *arg, const char *name, uint64_t value) {
+    json_object_set_new((json_t *)arg, name, u64(value));
+}
+
+static kv_err quota_one(kvd_ops *s, const char *tenant, json_t **out, char *msg) {
+    kvd_quota q;
+    kv_err rc = kvd_registry_quota_get(s->reg, tenant, &q);
+    if (rc != KV_OK) {
+        FAIL(rc, "no tenant '%.64s' (see tenants)", tenant);
+    }
+    json_t *limits = json_object();
+    kvd_quota_report(&q, quota_sink, limits);
+    json_t *usage = json_object();
+    if (strcmp(tenant, "default") != 0) {
+        (void)kvd_registry_quota_usage(s->reg, tenant, quota_sink, usage);
+    }
+    *out = json_pack("{s:s, s:o, s:o}", "tenant", tenant, "quota", limits, "usage", usage);
+    return KV_OK;
+}
+
+static kv_err cmd_quota_get(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc == 1) {
+        return quota_one(s, argv[0], out, msg);
+    }
+    if (argc != 0) {
+        FAIL(KV_EINVAL, "usage: quota get [TENANT]");
+    }
+    json_t *a = json_array();
+    json_t *o;
+    if (quota_one(s, "default", &o, msg) == KV_OK) {
+        json_array_append_new(a, o);
+    }
+    uint32_t n = kvd_tenants_count(s->reg->tenants);
+    for (uint32_t t = 0; t < n; t++) {
+        if (quota_one(s, kvd_tenants_name(s->reg->tenants, t), &o, msg) == KV_OK) {
+            json_array_append_new(a, o);
+        }
+    }
+    *out = json_pack("{s:o}", "quotas", a);
+    return KV_OK;
+}
+
+static kv_err cmd_quota_set(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc != 3) {
+        FAIL(KV_EINVAL, "usage: quota set TENANT NAME VALUE (NAME: %s)", KVD_QUOTA_NAMES);
+    }
+    char err[KVD_ADMIN_MSG];
+    err[0] = '\0';
+    kv_err rc = kvd_registry_quota_set_field(s->reg, argv[0], argv[1], argv[2], err, sizeof(err));
+    if (rc != KV_OK) {
+        FAIL(rc, "%s", err[0] != '\0' ? err : kv_strerror(rc));
+    }
+    KV_LOG(INFO, "KVD-ADMIN-QUOTA", "quota of %s: %s = %s", argv[0], argv[1], argv[2]);
+    return quota_one(s, argv[0], out, msg);
+}
+
+/* -- config, log -- */
+
+static json_t *option_json(const kvd_config *c, const kvd_config_option *o) {
+    char v[KVD_CONFIG_PATH_MAX];
+    kvd_config_format(c, o, v, sizeof(v));
+    return json_pack("{s:s, s:s, s:s, s:b, s:s}", "name", o->name, "value", v, "default", o->def,
+                     "runtime", o->runtime, "description", o->description);
+}
+
+static kv_err cmd_config_get(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc == 1) {
+        const kvd_config_option *o = kvd_config_find(argv[0]);
+        if (o == NULL) {
+            FAIL(KV_ENOENT, "unknown option '%.64s' (config get lists them)", argv[0]);
+        }
+        *out = option_json(s->cfg, o);
+        return KV_OK;
+    }
+    if (argc != 0) {
+        FAIL(KV_EINVAL, "usage: config get [NAME]");
+    }
+    size_t n;
+    const kvd_config_option *opts = kvd_config_options(&n);
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(a, option_json(s->cfg, &opts[i]));
+    }
+    *out = json_pack("{s:o}", "options", a);
+    return KV_OK;
+}
+
+static kv_err cmd_config_set(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc != 2) {
+        FAIL(KV_EINVAL, "usage: config set NAME VALUE");
+    }
+    const kvd_config_option *o = kvd_config_find(argv[0]);
+    if (o == NULL) {
+        FAIL(KV_ENOENT, "unknown option '%.64s' (config get lists them)", argv[0]);
+    }
+    if (!o->runtime) {
+        FAIL(KV_ENOTSUP, "%s is not runtime-settable; restart kvd with --%s=%.64s", o->name,
+             o->name, argv[1]);
+    }
+    char err[KVD_ADMIN_MSG];
+    kvd_config next = *s->cfg;
+    kv_err rc = kvd_config_set(&next, o->name, argv[1], err, sizeof(err));
+    if (rc == KV_OK) {
+        rc = kvd_config_check(&next, err, sizeof(err));
+    }
+    if (rc != KV_OK) {
+        FAIL(rc, "%s", err);
+    }
+    *s->cfg = next; /* the live copy every layer reads */
+    kv_log_threshold = s->cfg->log_level;
+    KV_LOG(INFO, "KVD-ADMIN-CONFIG", "config set %s = %s", o->name, argv[1]);
+    *out = option_json(s->cfg, o);
+    return KV_OK;
+}
+
+static kv_err cmd_log_level(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc == 1) {
+        kv_log_level l;
+        if (kv_log_level_parse(argv[0], &l) != 0) {
+            FAIL(KV_EINVAL, "'%.64s' is not error, warn, info or debug", argv[0]);
+        }
+        s->cfg->log_level = l;
+        kv_log_threshold = l;
+        KV_LOG(INFO, "KVD-ADMIN-LOG", "log level set to %s", kv_log_level_name(l));
+    } else if (argc != 0) {
+        FAIL(KV_EINVAL, "usage: log level [error|warn|info|debug]");
+    }
+    *out = json_pack("{s:s}", "level", kv_log_level_name(kv_log_threshold));
+    return KV_OK;
+}
+
+/* -- events -- */
+
+static kv_err cmd_events(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    uint64_t want = 50;
+    int kind = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *v;
+        if (parse_num(argv[i], &want) == 0) {
+            continue;
+        }
+        if ((v = kv_arg(argv[i], "kind")) != NULL &&
+            (strcmp(v, "evict") == 0 || strcmp(v, "refuse") == 0)) {
+            kind = strcmp(v, "evict") == 0 ? KVD_EVENT_EVICT : KVD_EVENT_REFUSE;
+            continue;
+        }
+        FAIL(KV_EINVAL, "bad argument '%.64s' (events [N] [kind=evict|refuse])", argv[i]);
+    }
+    size_t n = kvd_events_count(&s->reg->events);
+    /* Newest last; walk back from the newest to find the first one shown. */
+    size_t first = n, taken = 0;
+    while (first > 0 && taken < want) {
+        first--;
+        if (kind == 0 || (int)kvd_events_at(&s->reg->events, first)->kind == kind) {
+            taken++;
+        }
+    }
+    json_t *a = json_array();
+    for (size_t i = first; i < n; i++) {
+        const kvd_event *e = kvd_events_at(&s->reg->events, i);
+        if (kind != 0 && (int)e->kind != kind) {
+            continue;
+        }
+        json_array_append_new(
+            a, json_pack("{s:o, s:o, s:s, s:s, s:i, s:o, s:o, s:s}", "seq", u64(e->seq), "unix_ms",
+                         u64(e->unix_ms), "kind", e->kind == KVD_EVENT_EVICT ? "evict" : "refuse",
+                         "reason", e->reason, "pool", (int)e->pool_id, "tenant",
+                         e->tenant >= 0
+                             ? json_string(kvd_tenants_name(s->reg->tenants, (uint32_t)e->tenant))
+                             : json_null(),
+                         "count", u64(e->count), "detail", e->detail));
+    }
+    *out = json_pack("{s:o, s:o}", "events", a, "dropped",
+                     u64(s->reg->events.next_seq - 1 - kvd_events_count(&s->reg->events)));
+    return KV_OK;
+}
+
+/* -- selftest, drain, ready -- */
+
+static kv_err cmd_selftest_isolation(kvd_ops *s, int argc, char **argv, json_t **out,
+                                     char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    char report[8192];
+    report[0] = '\0';
+    rc = kvd_selftest_isolation(s, report, sizeof(report));
+    json_t *checks = json_array();
+    char *save = NULL;
+    for (char *l = strtok_r(report, "\n", &save); l != NULL; l = strtok_r(NULL, "\n", &save)) {
+        json_array_append_new(checks, json_string(l));
+    }
+    if (rc != KV_OK) {
+        const char *first_fail = "";
+        for (size_t i = 0; i < json_array_size(checks); i++) {
+            const char *l = json_string_value(json_array_get(checks, i));
+            if (strncmp(l, "FAIL", 4) == 0) {
+                first_fail = l;
+                break;
+            }
+        }
+        json_decref(checks);
+        FAIL(rc, "selftest isolation: %s%s%.180s", kv_strerror(rc), first_fail[0] ? ": " : "",
+             first_fail);
+    }
+    *out = json_pack("{s:b, s:o}", "passed", 1, "checks", checks);
+    return KV_OK;
+}
+
+static kv_err cmd_drain(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    if (argc == 1 && strcmp(argv[0], "off") == 0) {
+        kvd_server_set_draining(s->srv, 0);
+    } else if (argc == 0) {
+        kvd_server_set_draining(s->srv, 1);
+    } else {
+        FAIL(KV_EINVAL, "usage: drain [off]");
+    }
+    int draining = kvd_server_draining(s->srv);
+    KV_LOG(INFO, "KVD-ADMIN-DRAIN", "%s",
+           draining ? "draining: new sessions are refused" : "drain cancelled: accepting sessions");
+    uint64_t open = 0;
+    uint32_t nt = kvd_tenants_count(s->reg->tenants);
+    for (uint32_t t = 0; t < nt && t < KVD_MAX_TENANTS; t++) {
+        open += kvd_registry_sessions(s->reg, t);
+    }
+    *out = json_pack("{s:b, s:i}", "draining", draining, "sessions", (int)open);
+    return KV_OK;
+}
+
+static kv_err cmd_ready(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    kv_err rc = no_args(argc, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kvd_server_draining(s->srv)) {
+        FAIL(KV_EDRAINING, "not ready: draining");
+    }
+    if (!kvd_ops_ready(s)) {
+        FAIL(KV_ECLOSED, "not ready: not listening (stopping)");
+    }
+    *out = json_pack("{s:b}", "ready", 1);
+    return KV_OK;
+}
+
+/* ---- the table ------------------------------------------------------------------------- */
+
+static const kvd_admin_cmd cmds[] = {
+    {"help", "", "list the commands",
+     "Result: `commands`, one object per command with `command`, "
+     "`args` and `summary` (the same table this document is generated from).",
+     cmd_help},
+    {"info", "", "version, boot epoch, uptime, backend, sockets, readiness, every option's value",
+     "Result: `version`, `boot_epoch` (16 hex digits; clients see it in every reply), "
+     "`start_unix_ms`, `uptime_seconds`, `pid`, `uid`, `backend`, `socket`, `admin_socket`, "
+     "`draining`, `ready`, `metrics_port` (0: off) and `config` (option name -> current value as "
+     "text).",
+     cmd_info},
+    {"stats", "", "counters per pool and per tenant (the numbers /metrics exports)",
+     "Result: `daemon` (sessions, pools, pool_memory_bytes, pool_memory_used_bytes, "
+     "index_entries, index_capacity, draining, uptime_seconds, events_evict, events_refuse), "
+     "`pools` (per pool: id, model, domain, tokens_per_block, and every pool counter: "
+     "blocks_total, blocks_free, blocks_writing, blocks_committed, blocks_cached, blocks_pinned, "
+     "segments, bytes, queries, query_blocks, hit_blocks, hit_tokens, commits, commits_duplicate, "
+     "evictions_capacity, evictions_admin, evictions_shrink) and `tenants` (per tenant: id, name, "
+     "sessions, queries, query_blocks, hit_blocks, hit_tokens, commits, evictions_capacity / "
+     "evictions_admin / evictions_shrink (evictions its requests caused, or an operator evicted "
+     "of it), refusals, blocks_held, blocks_cached, blocks_pinned). Every `hit_rate` is an object "
+     "{value, hit_blocks, query_blocks, denominator}: the rate is hit blocks over the blocks "
+     "asked in Lookup requests.",
+     cmd_stats},
+    {"pools", "", "pools: model, domain, layout, segments, policy",
+     "Result: `pools`, per pool: id, model, domain, layout (layers, kv_heads, head_dim, "
+     "tokens_per_block, dtype, arrangement, block_bytes), blocks_per_segment, max_segments, "
+     "segment_bytes, policy, and the pool counters as in `stats`.",
+     cmd_pools},
+    {"tenants", "", "tenants with their sessions, counters and blocks by state",
+     "Result: `tenants`, the same objects as `stats` returns under `tenants`.", cmd_tenants},
+    {"sessions", "", "open client sessions: pid, uid, tenant, blocks held, requests",
+     "Result: `sessions`, per connection: id, pid, uid, gid, tenant (null before Hello), client "
+     "(Hello.client_name), blocks_held (references, leases included), pools (attached), "
+     "requests, errors.",
+     cmd_sessions},
+    {"prefixes", "[pool=ID] [top=N] [levels=L]", "the top cached prefixes by hits, as a tree",
+     "Walks the committed and cached blocks of each pool (or pool=ID) and links them by parent. "
+     "Result: `pools`, each with `prefixes` (number of roots) and `top`: the N (default 10) roots "
+     "with most hits. A node is {block, hash, hits, blocks, size, depth, children, "
+     "more_children}: `blocks` is the length of the chain that node stands for (single-child "
+     "chains are collapsed), `size` the blocks in its subtree, `depth` the longest chain below "
+     "it; children are shown for L (default 4) levels, at most 8 per node. O(blocks).",
+     cmd_prefixes},
+    {"evict", "[--dry-run] all|tenant=NAME|pool=ID [max=N]",
+     "evict cached blocks now, or show what would go and why",
+     "Evicts CACHED, unpinned blocks in each pool's policy order (reason `admin` in the "
+     "counters and events). A scope is required: `all`, `tenant=NAME` (blocks that tenant "
+     "allocated) and/or `pool=ID`. With `--dry-run` nothing changes: the result lists, per pool, "
+     "`would_evict` blocks (block, hash, tenant, hits, why), at most max=N (default 1000). "
+     "Result: `dry_run`, `evicted` or `would_evict` (total), `pools` (pool, blocks, policy).",
+     cmd_evict},
+    {"pin", "HASH [pool=ID] [retention=MS] [priority=P]", "pin a cached prefix block by its hash",
+     "HASH is 32 hex digits as `prefixes` prints. The block is not evicted before retention "
+     "(default 3600000 ms) ends; priority 0..255 (default 0). ENOENT when no pool caches the "
+     "hash. Result: pool, block, retention_ms, priority.",
+     cmd_pin},
+    {"unpin", "HASH [pool=ID]", "remove a pin", "Result: pool, block. ENOENT for an unknown hash.",
+     cmd_unpin},
+    {"quota get", "[TENANT]", "a tenant's quota and usage (all tenants without TENANT)",
+     "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools}, usage: "
+     "{sessions, "
+     "held, cached, pinned}}, or `quotas`, a list of those (the `default` entry first). 0 means "
+     "unlimited.",
+     cmd_quota_get},
+    {"quota set", "TENANT NAME VALUE", "change one limit of a tenant's quota, live",
+     "NAME is one of " KVD_QUOTA_NAMES "; TENANT `default` changes the "
+     "default. Applies at once (guarantees are pushed into every pool). Result: as `quota get "
+     "TENANT`.",
+     cmd_quota_set},
+    {"config get", "[NAME]", "options with value, default and whether runtime-settable",
+     "Result: one option {name, value, default, runtime, description} or `options`, all of "
+     "them.",
+     cmd_config_get},
+    {"config set", "NAME VALUE", "change a runtime-settable option, live",
+     "Only options whose `runtime` is true (marked [runtime] in deploy/kvd.conf); others are "
+     "ENOTSUP with the flag to restart with. EINVAL for a bad value. Result: the option as "
+     "`config get NAME`.",
+     cmd_config_set},
+    {"log level", "[error|warn|info|debug]", "show or set the log level",
+     "Result: `level` (after the change).", cmd_log_level},
+    {"events", "[N] [kind=evict|refuse]", "the last N (default 50) evictions and refusals",
+     "Result: `events` oldest first, each {seq, unix_ms, kind, reason, pool, tenant, count, "
+     "detail}, and `dropped` (events older than the ring, option `events`). Evictions: reason "
+     "capacity (an allocation needed room), admin, shrink. Refusals: reason is the error code "
+     "sent (ENOSPC, EQUOTA, EPERM, EDRAINING, EBUSY, EAUTH, ETOOBIG).",
+     cmd_events},
+    {"selftest isolation", "", "check that no tenant can reach another tenant's blocks",
+     "Makes two throwaway tenants and proves on the live pools, index and session code that a "
+     "block committed in one domain is a hit for the same domain only and that the other tenant "
+     "cannot reach its pool. Result: passed, checks (one line per check). EINTERNAL when "
+     "isolation is broken (message names the first failing check); ENOSPC/EQUOTA/ESYS when it "
+     "could not run.",
+     cmd_selftest_isolation},
+    {"drain", "[off]", "stop accepting new sessions (rolling restarts); `off` undoes",
+     "Open sessions keep working; a new Hello gets EDRAINING, /readyz and `ready` fail. Result: "
+     "draining, sessions (open).",
+     cmd_drain},
+    {"ready", "", "succeed only when kvd takes new sessions (for probes)",
+     "EDRAINING while draining, ECLOSED while stopping. Result: {ready: true}.", cmd_ready},
+};
+
+const kvd_admin_cmd *kvd_admin_cmds(size_t *n) {
+    *n = sizeof(cmds) / sizeof(cmds[0]);
+    return cmds;
+}
+
+/* ---- the command line ---- */
+
+json_t *kvd_admin_error(kv_err code, const char *msg) {
+    json_t *r = json_pack("{s:b, s:{s:s, s:i, s:s}}", "ok", 0, "error", "code", kv_err_name(code),
+                          "errno", (int)code, "message", msg);
+    if (r != NULL) {
+        return r;
+    }
+    /* Messages quote the peer's words, which need not be UTF-8, and jansson refuses strings
+     * that are not (tests/fuzz/crashes/admin): send the message with every byte outside
+     * printable ASCII replaced, so the peer still gets its error line. */
+    char clean[KVD_ADMIN_MSG];
+    size_t i = 0;
+    for (; msg[i] != '\0' && i + 1 < sizeof(clean); i++) {
+        unsigned char ch = (unsigned char)msg[i];
+        clean[i] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
+    }
+    clean[i] = '\0';
+    return json_pack("{s:b, s:{s:s, s:i, s:s}}", "ok", 0, "error", "code", kv_err_name(code),
+                     "errno", (int)code, "message", clean);
+}
+
+json_t *kvd_admin_execute(kvd_ops *s, const char *line) {
+    char copy[KVD_ADMIN_LINE_MAX];
+    char msg[KVD_ADMIN_MSG];
+    if (strlen(line) >= sizeof(copy)) {
+        snprintf(msg, sizeof(msg), "command line longer than %d bytes", KVD_ADMIN_LINE_MAX - 1);
+        return kvd_admin_error(KV_ETOOBIG, msg);
+    }
+    snprintf(copy, sizeof(copy), "%s", line);
+    char *argv[64];
+    int argc = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(copy, " \t\r\n", &save); t != NULL;
+         t = strtok_r(NULL, " \t\r\n", &save)) {
+        if (argc == (int)(sizeof(argv) / sizeof(argv[0]))) {
+            return kvd_admin_error(KV_ETOOBIG, "more than 64 words in one command");
+        }
+        argv[argc++] = t;
+    }
+    if (argc == 0) {
+        return kvd_admin_error(KV_EINVAL, "empty command (try help)");
+    }
+    size_t n;
+    const kvd_admin_cmd *cmds = kvd_admin_cmds(&n);
+    const kvd_admin_cmd *cmd = NULL;
+    int words = 0;
+    /* Two-word names ("config set") first, so they win over a one-word prefix. */
+    if (argc >= 2) {
+        char two[128];
+        snprintf(two, sizeof(two), "%s %s", argv[0], argv[1]);
+        for (size_t i = 0; i < n && cmd == NULL; i++) {
+            if (strcmp(cmds[i].name, two) == 0) {
+                cmd = &cmds[i];
+                words = 2;
+            }
+        }
+    }
+    for (size_t i = 0; i < n && cmd == NULL; i++) {
+        if (strcmp(cmds[i].name, argv[0]) == 0) {
+            cmd = &cmds[i];
+            words = 1;
+        }
+    }
+    if (cmd == NULL) {
+        int family = 0;
+        for (size_t i = 0; i < n; i++) {
+            size_t l = strlen(argv[0]);
+            if (strncmp(cmds[i].name, argv[0], l) == 0 && cmds[i].name[l] == ' ') {
+                family = 1;
+            }
+        }
+        snprintf(msg, sizeof(msg),
+                 family ? "'%.64s' needs a subcommand (try help)"
+                        : "unknown command '%.64s' (try help)",
+                 argv[0]);
+        return kvd_admin_error(KV_ENOENT, msg);
+    }
+    json_t *result = NULL;
+    msg[0] = '\0';
+    kv_err rc = cmd->run(s, argc - words, argv + words, &result, msg);
+    if (rc != KV_OK) {
+        if (msg[0] == '\0') {
+            snprintf(msg, sizeof(msg), "%s", kv_strerror(rc));
+        }
+        return kvd_admin_error(rc, msg);
+    }
+    json_t *reply = json_object();
+    if (reply == NULL) {
+        json_decref(result);
+        return NULL;
+    }
+    json_object_set_new(reply, "ok", json_true());
+    json_object_set_new(reply, "result", result != NULL ? result : json_object());
+    return reply;
+}
+
+int kvd_ops_ready(const kvd_ops *s) {
+    return kvd_server_listening(s->srv) && !kvd_server_draining(s->srv);
+}

@@ -1,0 +1,1241 @@
+/* kvd_rpc: one function per request (daemon/proto/rpc.h). Each checks its fields (validate.c),
+ * then the session's state, and only then changes pools, so an Error reply means nothing
+ * changed. On success a handler encodes its reply into the request arena (rpc_send); on failure
+ * it returns the code and writes a message, and kvd_rpc_handle encodes the Error. Scratch
+ * memory comes from the same arena: no malloc per request on the paths that hand out blocks. */
+#include "daemon/proto/rpc.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/kv_log.h"
+#include "common/kv_wire.h"
+#include "daemon/mem/backend_host.h"
+#include "daemon/proto/validate.h"
+#include "daemon/registry/commons.h"
+
+#define FAIL(rc, ...)                                                                              \
+    do {                                                                                           \
+        snprintf(msg, KV_ERRMSG, __VA_ARGS__);                                                     \
+        return (rc);                                                                               \
+    } while (0)
+
+/* One request in flight: what the handlers use. */
+typedef struct rpc {
+    const kvd_rpc_ctx *ctx; /* as the caller gave it */
+    kvd_registry *reg;      /* ctx->reg */
+    const kvd_config *cfg;  /* ctx->cfg */
+    kvd_session *sess;      /* the request's session */
+    kvd_reply *out;         /* where the reply goes */
+} rpc;
+
+static void *rpc_scratch(rpc *c, size_t size) {
+    return kv_arena_alloc(c->ctx->arena, size);
+}
+
+/* Encodes env as the request's reply, with fds (borrowed: the connection layer dups them).
+ * KV_ENOMEM when the arena cannot hold it. */
+static kv_err rpc_send(rpc *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds) {
+    size_t n = kv_wire_frame_size(env);
+    uint8_t *buf = kv_arena_alloc(c->ctx->arena, n);
+    if (buf == NULL) {
+        return KV_ENOMEM;
+    }
+    kv_wire_encode_into(env, buf);
+    c->out->frame = buf;
+    c->out->len = n;
+    c->out->fds = fds;
+    c->out->nfds = nfds;
+    return KV_OK;
+}
+
+static void env_init(rpc *c, Kvd__Envelope *env, uint64_t id) {
+    kvd__envelope__init(env);
+    env->id = id;
+    env->boot_epoch = c->ctx->boot_epoch;
+}
+
+/* The session's pool entry and the server's, or ENOENT. */
+static kv_err session_pool(rpc *c, uint32_t pool_id, kvd_session_pool **out,
+                           kvd_reg_pool **srv_out, char *msg) {
+    kvd_session_pool *sp = kvd_session_find_pool(c->sess, pool_id);
+    kvd_reg_pool *p = sp != NULL ? kvd_registry_pool(c->reg, pool_id) : NULL; /* clock too */
+    if (sp == NULL || p == NULL) {
+        FAIL(KV_ENOENT, "pool %u is not attached by this session (AttachPool first)", pool_id);
+    }
+    *out = sp;
+    if (srv_out != NULL) {
+        *srv_out = p;
+    }
+    return KV_OK;
+}
+
+/* Requests that hand out blocks (Allocate, Lookup, Commit) name a pool whose segment 0 the
+ * session was sent: an attached pool's AttachPool reply sends it, a linked pool's comes with
+ * MapSegments{pool_id, 0}. Until then a reply could not announce segment 0 (new_segments_from
+ * = 0 means "nothing new"), so such requests are refused. */
+static kv_err need_segment0(kvd_session_pool *sp, char *msg) {
+    if (!kvd_session_pool_was_sent(sp, 0)) {
+        FAIL(KV_ESTATE,
+             "pool %u: this session was never sent its segments; send MapSegments{pool_id %u, "
+             "first_index 0} before using it",
+             sp->pool_id, sp->pool_id);
+    }
+    return KV_OK;
+}
+
+/* new_segments_from for a reply about sp: the lowest live segment slot this session was not
+ * sent, or 0 when it was sent every one. Slot 0 is sent by every AttachPool and lives as long as
+ * the pool, so for an attached pool 0 can only mean "nothing new" (PROTOCOL.md, MapSegments). */
+static uint32_t new_segments_from(kvd_session_pool *sp) {
+    uint32_t h = kvd_session_pool_first_unsent(sp);
+    return h == KVD_NO_SEGMENT ? 0 : h;
+}
+
+#ifndef NDEBUG
+/* The rule of PROTOCOL.md §6 (Segments a reply hands out): a block in a reply lies in a segment
+ * the session was sent, or the same reply announces it (nsf != 0 and <= its segment). */
+static void check_announced(kvd_session_pool *sp, const kvd_block_ref *refs, size_t n,
+                            uint32_t nsf) {
+    uint32_t bps = kvd_pool_config_get(sp->pool)->blocks_per_segment;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t seg = refs[i].id / bps;
+        KV_ASSERT(kvd_session_pool_was_sent(sp, seg) || (nsf != 0 && nsf <= seg));
+    }
+}
+#else
+#define check_announced(sp, refs, n, nsf) ((void)0)
+#endif
+
+/* Fills segs (capacity KV_WIRE_MAX_FDS) with the live segments >= first, as many as their
+ * fds fit one frame (KV_WIRE_MAX_FDS: one fd per segment, one per part for segments made
+ * of parts, none for CUDA_IPC), and fds with their fds in fd_index order; *nfds gets the count.
+ * kind is the backend's kvd.MemoryKind. Records nothing: the caller marks them sent once the
+ * reply is queued. */
+static uint32_t collect_segments(kvd_session_pool *sp, uint32_t first, Kvd__Segment *segs,
+                                 Kvd__Segment **ptrs, int *fds, uint32_t *nfds, int *more,
+                                 uint32_t kind) {
+    uint32_t n = 0, nf = 0;
+    *more = 0;
+    uint32_t slots = kvd_pool_segment_slots(sp->pool);
+    const kvd_pool_config *pc = kvd_pool_config_get(sp->pool);
+    for (uint32_t i = first; i < slots && n < KV_WIRE_MAX_FDS; i++) {
+        const kvd_segment_mem *m = kvd_pool_segment(sp->pool, i);
+        if (m == NULL) {
+            continue;
+        }
+        uint32_t need = kind == KVD__MEMORY_KIND__CUDA_IPC ? 0 : m->nparts > 0 ? m->nparts : 1;
+        if (nf + need > KV_WIRE_MAX_FDS) {
+            *more = 1; /* the next reply: the client asks from here */
+            break;
+        }
+        kvd__segment__init(&segs[n]);
+        segs[n].index = i;
+        segs[n].nblocks = pc->blocks_per_segment;
+        segs[n].bytes = m->bytes;
+        segs[n].kind = (Kvd__MemoryKind)kind;
+        segs[n].fd_index = nf;
+        if (segs[n].kind == KVD__MEMORY_KIND__CUDA_IPC) {
+            /* No fd travels (send_segments_reply sends none): the handle names the memory. */
+            segs[n].ipc_handle.len = sizeof(m->ipc_handle);
+            segs[n].ipc_handle.data = (uint8_t *)m->ipc_handle;
+        }
+        if (m->nparts > 0) {
+            segs[n].n_part_bytes = m->nparts;
+            segs[n].part_bytes = m->part_bytes;
+            for (uint32_t k = 0; k < m->nparts; k++) {
+                fds[nf++] = m->part_fds[k];
+            }
+        } else if (need == 1) {
+            fds[nf++] = m->fd;
+        }
+        /* The commons is written only by the daemon (promotions); every tenant reads it. */
+        segs[n].read_only = pc->domain == KVD_DOMAIN_COMMONS;
+        ptrs[n] = &segs[n];
+        n++;
+    }
+    for (uint32_t i = first + n; !*more && n > 0 && i < slots; i++) {
+        *more = kvd_pool_segment(sp->pool, i) != NULL && i > segs[n - 1].index;
+    }
+    *nfds = nf;
+    return n;
+}
+
+/* ---- requests -------------------------------------------------------------------------- */
+
+static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
+    kvd_registry *s = c->reg;
+    if (c->sess->hello) {
+        FAIL(KV_ESTATE, "Hello was already done on this connection");
+    }
+    if (c->ctx->draining) {
+        FAIL(KV_EDRAINING, "kvd is draining (admin `drain`) for a restart; connect to the new "
+                           "instance");
+    }
+    kv_err rc = kvd_validate_hello(h, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t tenant;
+    if (h->token.len != 0) {
+        rc = kvd_tenants_resolve_token(s->tenants, c->sess->uid, c->sess->gid, h->token.data,
+                                       h->token.len, &tenant);
+        if (rc != KV_OK) {
+            KV_LOG(WARN, "KVD-AUTH", "session %llu: pid %d uid %d: tenant token refused",
+                   (unsigned long long)c->sess->id, (int)c->sess->pid, (int)c->sess->uid);
+            FAIL(KV_EAUTH, "the token names no tenant that uid %d gid %d may be", (int)c->sess->uid,
+                 (int)c->sess->gid);
+        }
+    } else {
+        rc = kvd_tenants_resolve(s->tenants, c->sess->uid, c->sess->gid, &tenant);
+        if (rc != KV_OK) {
+            FAIL(rc, "the daemon knows %d tenants already; uid %d cannot get a new one",
+                 KVD_MAX_TENANTS, (int)c->sess->uid);
+        }
+    }
+    uint64_t max_sessions = kvd_tenants_quota(s->tenants, tenant)->max_sessions;
+    if (max_sessions != 0 && kvd_registry_sessions(s, tenant) >= max_sessions) {
+        FAIL(KV_EQUOTA, "tenant %s: max-sessions is %llu and that many are open",
+             kvd_tenants_name(s->tenants, tenant), (unsigned long long)max_sessions);
+    }
+    if (kvd_registry_session_open(s, tenant) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory to count the tenant's sessions");
+    }
+    c->sess->tenant = tenant;
+    c->sess->hello = 1;
+    c->sess->features = h->features & KV_FEATURE_PACKED; /* what we may send it */
+    snprintf(c->sess->name, sizeof(c->sess->name), "%s", h->client_name ? h->client_name : "");
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__HelloReply r = KVD__HELLO_REPLY__INIT;
+    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT];
+    char dnames[KVD_MAX_DOMAINS_PER_TENANT][KVD_TENANT_NAME_MAX + 8];
+    char *domains[KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t ndoms = kvd_tenants_domains(s->tenants, tenant, doms);
+    for (uint32_t i = 0; i < ndoms; i++) {
+        domains[i] =
+            (char *)kvd_tenants_domain_name(s->tenants, doms[i], dnames[i], sizeof(dnames[i]));
+    }
+    r.session_id = c->sess->id;
+    r.tenant = domains[0];
+    r.n_domains = ndoms;
+    r.domains = domains;
+    r.boot_epoch = c->ctx->boot_epoch;
+    r.protocol_version = KV_PROTOCOL_VERSION;
+    r.max_frame_bytes = (uint32_t)c->cfg->max_frame_bytes;
+    r.max_inflight = (uint32_t)c->cfg->max_inflight;
+    r.max_blocks_per_request = (uint32_t)c->cfg->max_blocks_per_request;
+    r.features = KV_FEATURE_PACKED; /* what it may send us */
+    env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
+    env.hello_reply = &r;
+    KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
+           (unsigned long long)c->sess->id, c->sess->name, (int)c->sess->pid, domains[0]);
+    return rpc_send(c, &env, NULL, 0);
+}
+
+static kv_err send_segments_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd_reg_pool *p,
+                                  uint32_t first, int attach) {
+    /* In the request arena: the reply's fds must live until the connection layer dup'ed them. */
+    Kvd__Segment *segs = rpc_scratch(c, KV_WIRE_MAX_FDS * sizeof(*segs));
+    Kvd__Segment **ptrs = rpc_scratch(c, KV_WIRE_MAX_FDS * sizeof(*ptrs));
+    int *fds = rpc_scratch(c, KV_WIRE_MAX_FDS * sizeof(int));
+    int *ro_fds = rpc_scratch(c, KV_WIRE_MAX_FDS * sizeof(int));
+    Kvd__LinkedPool *links = rpc_scratch(c, KVD_MAX_DOMAINS_PER_TENANT * sizeof(*links));
+    Kvd__LinkedPool **link_ptrs = rpc_scratch(c, KVD_MAX_DOMAINS_PER_TENANT * sizeof(*link_ptrs));
+    char(*lnames)[KVD_TENANT_NAME_MAX + 8] =
+        rpc_scratch(c, KVD_MAX_DOMAINS_PER_TENANT * sizeof(*lnames));
+    uint32_t n = 0, nfds = 0, nro = 0, nlinks = 0;
+    kv_err rc = KV_ENOMEM;
+    if (segs == NULL || ptrs == NULL || fds == NULL || ro_fds == NULL || links == NULL ||
+        link_ptrs == NULL || lnames == NULL) {
+        goto cleanup;
+    }
+    if (kvd_session_pool_reserve(sp, kvd_pool_segment_slots(sp->pool)) != KV_OK) {
+        goto cleanup;
+    }
+    int more = 0;
+    n = collect_segments(sp, first, segs, ptrs, fds, &nfds, &more,
+                         c->reg->be->kind != KVD_MEM_NONE ? c->reg->be->kind : KVD_MEM_HOST_MEMFD);
+    /* Segments the session may only read travel as fds that cannot be mapped writable. */
+    for (uint32_t i = 0; i < n; i++) {
+        /* GPU memory cannot be handed out read-only: there read_only is advisory (docs/GPU.md). */
+        if (segs[i].read_only && segs[i].kind == KVD__MEMORY_KIND__HOST_MEMFD) {
+            rc = kvd_backend_host_ro_fd(fds[segs[i].fd_index], &ro_fds[nro]);
+            if (rc != KV_OK) {
+                goto cleanup;
+            }
+            fds[segs[i].fd_index] = ro_fds[nro++];
+        }
+    }
+    for (uint32_t i = 0; attach && i < p->nlinks; i++) {
+        const kvd_reg_pool *lp = kvd_registry_peek(c->reg, p->links[i]);
+        if (lp == NULL) {
+            continue;
+        }
+        kvd__linked_pool__init(&links[nlinks]);
+        links[nlinks].pool_id = lp->pool_id;
+        links[nlinks].domain = (char *)kvd_tenants_domain_name(c->reg->tenants, lp->domain,
+                                                               lnames[nlinks], sizeof(lnames[0]));
+        links[nlinks].read_only =
+            !kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, lp->domain);
+        links[nlinks].blocks_per_segment = kvd_pool_config_get(lp->pool)->blocks_per_segment;
+        link_ptrs[nlinks] = &links[nlinks];
+        nlinks++;
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__AttachPoolReply ar = KVD__ATTACH_POOL_REPLY__INIT;
+    Kvd__MapSegmentsReply mr = KVD__MAP_SEGMENTS_REPLY__INIT;
+    Kvd__Layout lay = KVD__LAYOUT__INIT;
+    Kvd__Hash128 seed = KVD__HASH128__INIT;
+    if (attach) {
+        const kv_layout *l = &p->layout;
+        lay.num_layers = l->num_layers;
+        lay.num_kv_heads = l->num_kv_heads;
+        lay.head_dim = l->head_dim;
+        lay.tokens_per_block = l->tokens_per_block;
+        lay.dtype = (Kvd__DType)l->dtype;
+        lay.arrangement = (Kvd__Arrangement)l->arrangement;
+        lay.block_bytes = l->block_bytes;
+        seed.lo = p->seed.lo;
+        seed.hi = p->seed.hi;
+        ar.pool_id = p->pool_id;
+        ar.layout = &lay;
+        ar.blocks_per_segment = kvd_pool_config_get(p->pool)->blocks_per_segment;
+        ar.n_segments = n;
+        ar.segments = ptrs;
+        ar.hash_seed = &seed;
+        ar.hash_algo = 1;
+        /* The pool's own limit is 0 while all its segments are parked and the budget is
+         * spent (it may not grow now), but the client sizes its address space by this and
+         * takes 0 for a malformed reply; parked segments keep their slots. So: at least the
+         * pool's slots, and at least 1. */
+        uint32_t max_segs = kvd_pool_config_get(p->pool)->max_segments;
+        uint32_t slots = kvd_pool_segment_slots(p->pool);
+        max_segs = max_segs > slots ? max_segs : slots;
+        ar.max_segments = max_segs > 0 ? max_segs : 1;
+        ar.n_linked = nlinks;
+        ar.linked = link_ptrs;
+        ar.more_segments = more;
+        if (c->reg->sel->cuda != NULL) {
+            ar.device_uuid.data = c->reg->sel->cuda->dev.uuid.bytes;
+            ar.device_uuid.len = sizeof(c->reg->sel->cuda->dev.uuid.bytes);
+        }
+        env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL_REPLY;
+        env.attach_pool_reply = &ar;
+    } else {
+        mr.n_segments = n;
+        mr.segments = ptrs;
+        mr.more_segments = more;
+        env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS_REPLY;
+        env.map_segments_reply = &mr;
+    }
+    /* CUDA_IPC segments carry handle bytes instead of fds. */
+    rc = rpc_send(c, &env, fds, nfds);
+    if (rc == KV_OK) {
+        /* Marked now: a reply the connection layer cannot queue closes the connection. */
+        for (uint32_t i = 0; i < n; i++) {
+            kvd_session_pool_mark_sent(sp, segs[i].index);
+        }
+        c->out->tmp_fds = ro_fds; /* closed by the connection layer once dup'ed */
+        c->out->ntmp = nro;
+        return KV_OK;
+    }
+cleanup:
+    for (uint32_t i = 0; ro_fds != NULL && i < nro; i++) {
+        close(ro_fds[i]);
+    }
+    return rc;
+}
+
+static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg) {
+    kv_layout l;
+    kv_err rc = kvd_validate_attach(a, &l, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t ids[KVD_MAX_DOMAINS_PER_TENANT + 1], nids = 0;
+    rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, ids, &nids, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    /* The session records each pool once; a pool it knew already gives back the session count
+     * the registry just added. */
+    kvd_session_pool *sp = NULL;
+    for (uint32_t i = 0; i < nids; i++) {
+        kvd_reg_pool *lp = kvd_registry_pool(c->reg, ids[i]);
+        kvd_session_pool *lsp;
+        if (kvd_session_find_pool(c->sess, ids[i]) != NULL) {
+            kvd_registry_sessions_gone(c->reg, &ids[i], 1);
+        }
+        rc = kvd_session_add_pool(c->sess, ids[i], lp->pool, &lsp);
+        if (rc != KV_OK) {
+            FAIL(rc, "no memory to attach the pool");
+        }
+        if (i == 0) {
+            sp = lsp;
+        }
+    }
+    kvd_reg_pool *p = kvd_registry_pool(c->reg, ids[0]);
+    /* A repeated attach sends every segment again (the client remaps them all). */
+    kvd_session_pool_forget_sent(sp);
+    return send_segments_reply(c, id, sp, p, 0, 1);
+}
+
+static kv_err on_map(rpc *c, uint64_t id, const Kvd__MapSegments *m, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, m->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    return send_segments_reply(c, id, sp, p, m->first_index, 0);
+}
+
+/* Queues a LookupReply (lookup) or AllocateReply with refs[0..n): as blocks_packed when the
+ * client said it reads packed lists (Hello.features), else as BlockRef messages. */
+static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
+                                uint32_t nsf, int lookup, uint32_t *pool_ids,
+                                Kvd__SegmentNotice **notices, size_t nnotices) {
+    Kvd__BlockRef *v = NULL, **pv = NULL;
+    ProtobufCBinaryData packed = {0, NULL};
+    if (c->sess->features & KV_FEATURE_PACKED) {
+        packed.data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES);
+        if (packed.data == NULL) {
+            return KV_ENOMEM;
+        }
+        packed.len = n * KV_WIRE_BLOCK_BYTES;
+        for (size_t i = 0; i < n; i++) {
+            kv_wire_block_put(packed.data, i, refs[i].id, refs[i].gen);
+        }
+    } else {
+        v = rpc_scratch(c, n * sizeof(*v));
+        pv = rpc_scratch(c, n * sizeof(*pv));
+        if (v == NULL || pv == NULL) {
+            return KV_ENOMEM;
+        }
+        for (size_t i = 0; i < n; i++) {
+            kvd__block_ref__init(&v[i]);
+            v[i].id = refs[i].id;
+            v[i].gen = refs[i].gen;
+            pv[i] = &v[i];
+        }
+    }
+    size_t nref = packed.data != NULL ? 0 : n;
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
+    Kvd__AllocateReply ar = KVD__ALLOCATE_REPLY__INIT;
+    if (lookup) {
+        lr.n_blocks = nref;
+        lr.blocks = pv;
+        lr.blocks_packed = packed;
+        lr.new_segments_from = nsf;
+        lr.n_pool_ids = pool_ids != NULL ? n : 0;
+        lr.pool_ids = pool_ids;
+        lr.n_linked_segments = nnotices;
+        lr.linked_segments = notices;
+        env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
+        env.lookup_reply = &lr;
+    } else {
+        ar.n_blocks = nref;
+        ar.blocks = pv;
+        ar.blocks_packed = packed;
+        ar.new_segments_from = nsf;
+        env.body_case = KVD__ENVELOPE__BODY_ALLOCATE_REPLY;
+        env.allocate_reply = &ar;
+    }
+    return rpc_send(c, &env, NULL, 0);
+}
+
+/* Records n new references of the session; on ENOMEM gives them back to the pool. */
+static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, a->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_allocate(a, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (!kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+        FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
+             p->pool_id, kvd_tenants_name(c->reg->tenants, c->sess->tenant));
+    }
+    rc = need_segment0(sp, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
+    uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess->tenant).held;
+    if (max_held != 0 && held + a->count > max_held) {
+        FAIL(KV_EQUOTA,
+             "tenant %s: quota max-held is %llu blocks per pool; pool %u holds %llu, asked %u",
+             kvd_tenants_name(c->reg->tenants, c->sess->tenant), (unsigned long long)max_held,
+             p->pool_id, (unsigned long long)held, a->count);
+    }
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * a->count);
+    if (refs == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
+    }
+    /* The registry decides first (a refused Allocate changes nothing), then parks, grows and
+     * allocates. */
+    rc = kvd_registry_allocate(c->reg, p, a->count, c->sess->id, c->sess->tenant, refs, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kvd_session_hold(c->sess, sp, refs, a->count) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory to record %u references", a->count);
+    }
+    uint32_t nsf = new_segments_from(sp);
+    check_announced(sp, refs, a->count, nsf);
+    return send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0);
+}
+
+static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, l->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    /* PROTOCOL.md §7 step 3: EINVAL, then ETOOBIG (either list too long), then EPROTO (a packed
+     * list that is not whole entries, or both forms at once). */
+    size_t n;
+    rc = kvd_validate_lookup(l, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc == KV_OK) {
+        rc =
+            kvd_validate_list(l->hashes_packed.len / KV_WIRE_HASH_BYTES,
+                              c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
+    }
+    if (rc == KV_OK &&
+        kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
+        FAIL(KV_EPROTO,
+             "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
+             l->hashes_packed.len, KV_WIRE_HASH_BYTES);
+    }
+    if (rc == KV_OK) {
+        rc = need_segment0(sp, msg);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    /* Scratch lives in the request arena: nothing to free. */
+    kv_hash128 *hashes = rpc_scratch(c, sizeof(*hashes) * n);
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
+    uint32_t *pool_of = rpc_scratch(c, sizeof(*pool_of) * n);
+    size_t nhit = 0;
+    if (hashes == NULL || refs == NULL || pool_of == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (l->n_hashes > 0) {
+            hashes[i].lo = l->hashes[i]->lo;
+            hashes[i].hi = l->hashes[i]->hi;
+        } else {
+            kv_wire_hash_get(l->hashes_packed.data, i, &hashes[i].lo, &hashes[i].hi);
+        }
+    }
+    /* Pools searched, in order: the named one, then with search_domains its links (the same
+     * model in the tenant's groups and the commons). Each position takes the first pool that
+     * has it; a run continues in that pool. max-held caps the references a lookup may add. */
+    kvd_session_pool *order[1 + KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t norder = 0;
+    order[norder++] = sp;
+    for (uint32_t i = 0; l->search_domains && i < p->nlinks; i++) {
+        kvd_session_pool *lsp = kvd_session_find_pool(c->sess, p->links[i]);
+        if (lsp != NULL) {
+            kvd_pool_set_now(lsp->pool, kvd_registry_now(c->reg));
+            order[norder++] = lsp;
+        }
+    }
+    uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
+    while (nhit < n) {
+        size_t got = 0;
+        int room[1 + KVD_MAX_DOMAINS_PER_TENANT];
+        for (uint32_t k = 0; k < norder && got == 0; k++) {
+            size_t m = n - nhit;
+            if (max_held != 0) {
+                uint64_t held = kvd_pool_tenant_usage(order[k]->pool, c->sess->tenant).held;
+                uint64_t left = held < max_held ? max_held - held : 0;
+                m = left < m ? (size_t)left : m;
+            }
+            room[k] = m > 0;
+            if (m == 0) {
+                continue;
+            }
+            /* Each position takes the first pool (this one, groups, commons) that has it: a
+             * run found in a later pool stops where an earlier pool has the next block. */
+            for (size_t t = 1; k > 0 && t < m; t++) {
+                int earlier = 0;
+                for (uint32_t e = 0; e < k && !earlier; e++) {
+                    earlier = room[e] && kvd_pool_has(order[e]->pool, hashes[nhit + t]);
+                }
+                if (earlier) {
+                    m = t;
+                }
+            }
+            rc = kvd_pool_lookup(order[k]->pool, c->sess->tenant, hashes + nhit, m, refs + nhit,
+                                 &got);
+            if (rc == KV_OK && got > 0) {
+                rc = kvd_session_hold(c->sess, order[k], refs + nhit, got);
+            }
+            if (rc != KV_OK) {
+                /* Give back the runs of earlier pools (kvd_session_hold gave back its own). */
+                for (size_t j = 0; j < nhit; j++) {
+                    kvd_session_unhold(c->sess, kvd_session_find_pool(c->sess, pool_of[j]),
+                                       &refs[j], 1);
+                }
+                if (msg[0] == '\0') {
+                    snprintf(msg, KV_ERRMSG, "lookup failed: %s", kv_strerror(rc));
+                }
+                goto cleanup;
+            }
+            for (size_t j = nhit; j < nhit + got; j++) {
+                pool_of[j] = order[k]->pool_id;
+            }
+        }
+        nhit += got;
+        if (got == 0 || norder == 1) {
+            break;
+        }
+    }
+    kvd_tenant_counters *tc = kvd_events_tenant(&c->reg->events, c->sess->tenant);
+    tc->queries++;
+    tc->query_blocks += n;
+    tc->hit_blocks += nhit;
+    tc->hit_tokens += (uint64_t)nhit * p->layout.tokens_per_block;
+    /* Announce, per searched pool, the segments this session was not sent: a hit may lie in
+     * one (PROTOCOL.md §6, Segments a reply hands out). */
+    uint32_t nsf = new_segments_from(sp);
+    Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
+    size_t nnotices = 0;
+    for (uint32_t k = 1; k < norder; k++) {
+        uint32_t h = kvd_session_pool_first_unsent(order[k]);
+        if (h != KVD_NO_SEGMENT) {
+            kvd__segment_notice__init(&notice[nnotices]);
+            notice[nnotices].pool_id = order[k]->pool_id;
+            notice[nnotices].first_index = h;
+            notices[nnotices] = &notice[nnotices];
+            nnotices++;
+        }
+    }
+#ifndef NDEBUG
+    for (size_t j = 0; j < nhit; j++) {
+        if (pool_of[j] == sp->pool_id) {
+            check_announced(sp, &refs[j], 1, nsf);
+        } else {
+            kvd_session_pool *q = kvd_session_find_pool(c->sess, pool_of[j]);
+            uint32_t seg = refs[j].id / kvd_pool_config_get(q->pool)->blocks_per_segment;
+            int announced = 0;
+            for (size_t k = 0; k < nnotices; k++) {
+                announced |= notice[k].pool_id == pool_of[j] && notice[k].first_index <= seg;
+            }
+            KV_ASSERT(kvd_session_pool_was_sent(q, seg) || announced);
+        }
+    }
+#endif
+    rc = send_blocks_reply(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
+                           nnotices);
+cleanup:
+    return rc;
+}
+
+/* Checks a handle the session says it holds `times` times, faults in this order (PROTOCOL.md §7,
+ * "Which error"): ENOENT for an id that names no block of the pool; EPERM when the session holds
+ * no reference on that id (whatever the generation: a block it never received is not its to
+ * name); ESTALE when it holds the id at another generation; EPERM when it holds fewer than
+ * `times` references. */
+static kv_err check_held(kvd_session_pool *sp, kvd_block_ref r, uint32_t times, const char *what,
+                         size_t i, char *msg) {
+    kvd_block_info info;
+    if (kvd_pool_block_info(sp->pool, r.id, &info) != KV_OK) {
+        FAIL(KV_ENOENT, "%s[%zu]: block %u does not exist in pool %u", what, i, r.id, sp->pool_id);
+    }
+    uint32_t gen = 0;
+    uint32_t held = kvd_refs_count(&sp->refs, r.id, &gen);
+    if (held == 0) {
+        FAIL(KV_EPERM, "%s[%zu]: block %u is not held by this session", what, i, r.id);
+    }
+    if (gen != r.gen) {
+        FAIL(KV_ESTALE, "%s[%zu]: block %u generation %u is stale (this session holds %u)", what, i,
+             r.id, r.gen, gen);
+    }
+    if (held < times) {
+        FAIL(KV_EPERM, "%s[%zu]: block %u is held %u times by this session, not %u", what, i, r.id,
+             held, times);
+    }
+    return KV_OK;
+}
+
+static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, cm->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_commit(cm, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (!kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+        FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
+             p->pool_id, kvd_tenants_name(c->reg->tenants, c->sess->tenant));
+    }
+    rc = need_segment0(sp, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t n = cm->n_entries;
+    kvd_refs seen;
+    kvd_refs_init(&seen);
+    kvd_block_ref *canon = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*canon));
+    Kvd__BlockRef *v = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*v));
+    Kvd__BlockRef **pv = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*pv));
+    if (canon == NULL || v == NULL || pv == NULL) {
+        snprintf(msg, KV_ERRMSG, "no memory for %zu entries", n);
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
+    /* Check everything first: the commit itself must not fail half way. */
+    for (size_t i = 0; i < n; i++) {
+        const Kvd__CommitEntry *e = cm->entries[i];
+        kvd_block_ref r = {e->block->id, e->block->gen};
+        rc = check_held(sp, r, 1, "entries", i, msg);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+        kvd_block_info info;
+        rc = kvd_pool_block_info(p->pool, r.id, &info);
+        if (rc != KV_OK || info.state != KVD_BLOCK_WRITING || info.owner_session != c->sess->id) {
+            snprintf(msg, KV_ERRMSG, "entries[%zu]: block %u is not WRITING under this session", i,
+                     r.id);
+            rc = KV_ESTATE;
+            goto cleanup;
+        }
+        if (kvd_refs_count(&seen, r.id, NULL) > 0) {
+            snprintf(msg, KV_ERRMSG, "entries[%zu]: block %u is listed twice", i, r.id);
+            rc = KV_ESTATE;
+            goto cleanup;
+        }
+        /* A valid parent: none (KVD_NO_BLOCK), an earlier entry of this request, or a
+         * COMMITTED block of this pool the session holds; never the block itself. */
+        if (e->parent != KVD_NO_BLOCK && kvd_refs_count(&seen, e->parent, NULL) == 0) {
+            const char *why = NULL;
+            kvd_block_info pinfo;
+            if (e->parent == r.id) {
+                why = "is the block itself";
+            } else if (kvd_pool_block_info(p->pool, e->parent, &pinfo) != KV_OK) {
+                why = "does not exist in this pool";
+            } else if (kvd_refs_count(&sp->refs, e->parent, NULL) == 0) {
+                why = "is not held by this session";
+            } else if (pinfo.state != KVD_BLOCK_COMMITTED) {
+                why = "is not committed (and not an earlier entry of this request)";
+            }
+            if (why != NULL) {
+                snprintf(msg, KV_ERRMSG,
+                         "entries[%zu]: parent block %u %s; a parent is a committed block this "
+                         "session holds or an earlier entry of the same Commit",
+                         i, e->parent, why);
+                rc = KV_EINVAL;
+                goto cleanup;
+            }
+        }
+        rc = kvd_refs_add(&seen, r.id, r.gen, 1);
+        if (rc != KV_OK) {
+            snprintf(msg, KV_ERRMSG, "no memory");
+            goto cleanup;
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Kvd__CommitEntry *e = cm->entries[i];
+        kvd_block_ref r = {e->block->id, e->block->gen};
+        kv_hash128 h = {e->hash->lo, e->hash->hi};
+        uint32_t parent = e->parent;
+        /* A parent committed earlier in this request may have been replaced by a duplicate. */
+        for (size_t j = 0; j < i && parent != KVD_NO_BLOCK; j++) {
+            if (cm->entries[j]->block->id == parent) {
+                parent = canon[j].id;
+                break;
+            }
+        }
+        rc = kvd_pool_commit(p->pool, c->sess->id, r, h, parent, &canon[i]);
+        if (rc != KV_OK) {
+            KV_LOG(ERROR, "KVD-COMMIT", "session %llu: commit of checked block %u failed: %s",
+                   (unsigned long long)c->sess->id, r.id, kv_strerror(rc));
+            snprintf(msg, KV_ERRMSG, "internal: entries[%zu] failed after %zu were committed: %s",
+                     i, i, kv_strerror(rc));
+            rc = KV_EINTERNAL;
+            goto cleanup;
+        }
+        if (canon[i].id != r.id &&
+            kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
+            /* Our block was freed; the reference lives on the canonical one, or nowhere. */
+            snprintf(msg, KV_ERRMSG, "no memory to record a reference");
+            rc = KV_ENOMEM;
+            goto cleanup;
+        }
+        kvd__block_ref__init(&v[i]);
+        v[i].id = canon[i].id;
+        v[i].gen = canon[i].gen;
+        pv[i] = &v[i];
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    kvd_events_tenant(&c->reg->events, c->sess->tenant)->commits += n;
+    Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
+    cr.n_canonical = n;
+    cr.canonical = pv;
+    /* A duplicate's canonical block may lie in a segment grown by another session. */
+    cr.new_segments_from = new_segments_from(sp);
+    check_announced(sp, canon, n, cr.new_segments_from);
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
+    env.commit_reply = &cr;
+    rc = rpc_send(c, &env, NULL, 0);
+    /* After the reply is queued: a promotion into the commons changes no state of this
+     * session, and its failure (budget) is not this request's. */
+    for (size_t i = 0; i < n && p->commons_id != 0; i++) {
+        kv_hash128 h = {cm->entries[i]->hash->lo, cm->entries[i]->hash->hi};
+        kvd_commons_count_commit(c->reg, cm->pool_id, c->sess->tenant, canon[i], h);
+    }
+cleanup:
+    kvd_refs_fini(&seen);
+    return rc;
+}
+
+/* Occurrences of block ids among one request's list: open addressing in the request arena,
+ * sized for the list (load <= 1/2), so counting repeats costs no malloc and no rehash. */
+typedef struct seen_tab {
+    uint32_t *ids;    /* key per slot; KVD_NO_BLOCK = empty */
+    uint32_t *counts; /* occurrences per slot */
+    uint32_t mask;    /* slots - 1 (a power of two) */
+} seen_tab;
+
+static kv_err seen_init(rpc *c, seen_tab *t, size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) {
+        cap *= 2;
+    }
+    t->ids = rpc_scratch(c, cap * sizeof(uint32_t));
+    t->counts = rpc_scratch(c, cap * sizeof(uint32_t));
+    if (t->ids == NULL || t->counts == NULL) {
+        return KV_ENOMEM;
+    }
+    memset(t->ids, 0xff, cap * sizeof(uint32_t));
+    t->mask = (uint32_t)(cap - 1);
+    return KV_OK;
+}
+
+/* Counts one more occurrence of id (!= KVD_NO_BLOCK) and returns how many there were. */
+static uint32_t seen_add(seen_tab *t, uint32_t id) {
+    uint32_t i = (id * 2654435761u) & t->mask;
+    while (t->ids[i] != id && t->ids[i] != KVD_NO_BLOCK) {
+        i = (i + 1) & t->mask;
+    }
+    if (t->ids[i] == KVD_NO_BLOCK) {
+        t->ids[i] = id;
+        t->counts[i] = 0;
+    }
+    return ++t->counts[i];
+}
+
+/* Release and Rewind: the list comes as nrep BlockRefs or as packed (8 bytes a block). */
+static kv_err on_release(rpc *c, uint64_t id, uint32_t pool_id, size_t nrep,
+                         Kvd__BlockRef *const *blocks, const ProtobufCBinaryData *packed,
+                         int rewind, char *msg) {
+    kvd_session_pool *sp;
+    kv_err rc = session_pool(c, pool_id, &sp, NULL, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    /* EINVAL, ETOOBIG, then EPROTO, as for Lookup. */
+    size_t n;
+    rc = kvd_validate_refs(nrep, blocks, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc == KV_OK) {
+        rc =
+            kvd_validate_list(packed->len / KV_WIRE_BLOCK_BYTES, c->cfg->max_blocks_per_request,
+                              "blocks_packed", msg, KV_ERRMSG);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kv_wire_list_count(nrep, packed->len, KV_WIRE_BLOCK_BYTES, &n) != KV_OK) {
+        FAIL(KV_EPROTO,
+             "blocks_packed of %zu bytes: not a multiple of %d, or sent together with blocks",
+             packed->len, KV_WIRE_BLOCK_BYTES);
+    }
+    seen_tab times;
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
+    if (refs == NULL || seen_init(c, &times, n) != KV_OK) {
+        snprintf(msg, KV_ERRMSG, "no memory");
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        /* Checked from the local: reading refs[i] back right after its two 4-byte stores
+         * misses store forwarding (it cost as much as the rest of the loop). */
+        kvd_block_ref r;
+        if (nrep > 0) {
+            r.id = blocks[i]->id;
+            r.gen = blocks[i]->gen;
+        } else {
+            kv_wire_block_get(packed->data, i, &r.id, &r.gen);
+        }
+        refs[i] = r;
+        /* Count repeats so that a block listed k times needs k references. */
+        uint32_t k = r.id != KVD_NO_BLOCK ? seen_add(&times, r.id) : 1;
+        rc = check_held(sp, r, k, "blocks", i, msg);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+    }
+    rc = kvd_pool_release(sp->pool, c->sess->id, c->sess->tenant, refs, n);
+    if (rc != KV_OK) {
+        snprintf(msg, KV_ERRMSG, "release failed: %s", kv_strerror(rc));
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        KV_ASSERT(kvd_refs_sub(&sp->refs, refs[i].id, 1) == KV_OK);
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__ReleaseReply rr = KVD__RELEASE_REPLY__INIT;
+    Kvd__RewindReply wr = KVD__REWIND_REPLY__INIT;
+    if (rewind) {
+        env.body_case = KVD__ENVELOPE__BODY_REWIND_REPLY;
+        env.rewind_reply = &wr;
+    } else {
+        env.body_case = KVD__ENVELOPE__BODY_RELEASE_REPLY;
+        env.release_reply = &rr;
+    }
+    rc = rpc_send(c, &env, NULL, 0);
+cleanup:
+    return rc;
+}
+
+static kv_err on_pin(rpc *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
+    kvd_session_pool *sp;
+    kv_err rc = session_pool(c, pin->pool_id, &sp, NULL, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_pin(pin, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kvd_pool_config_get(sp->pool)->domain == KVD_DOMAIN_COMMONS) {
+        FAIL(KV_EPERM, "pool %u is the commons: its blocks cannot be pinned by a tenant",
+             pin->pool_id);
+    }
+    /* A block listed twice is pinned once and costs one unit of max-pinned; retention 0 pins
+     * nothing, so it costs nothing. */
+    uint64_t new_pins = 0;
+    seen_tab once;
+    if (seen_init(c, &once, pin->n_blocks) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory");
+    }
+    for (size_t i = 0; i < pin->n_blocks; i++) {
+        kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
+        uint32_t k = r.id != KVD_NO_BLOCK ? seen_add(&once, r.id) : 1;
+        rc = check_held(sp, r, 1, "blocks", i, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+        kvd_block_info info;
+        if (kvd_pool_block_info(sp->pool, r.id, &info) != KV_OK ||
+            (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
+            FAIL(KV_ESTATE, "blocks[%zu]: block %u is not committed", i, r.id);
+        }
+        new_pins += !info.pinned && k == 1;
+    }
+    uint64_t max_pinned = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_pinned;
+    uint64_t pinned = kvd_pool_tenant_usage(sp->pool, c->sess->tenant).pinned;
+    if (!pin->unpin && pin->retention_ms != 0 && max_pinned != 0 &&
+        pinned + new_pins > max_pinned) {
+        FAIL(KV_EQUOTA,
+             "tenant %s: quota max-pinned is %llu blocks per pool; %llu pinned, %llu more asked",
+             kvd_tenants_name(c->reg->tenants, c->sess->tenant), (unsigned long long)max_pinned,
+             (unsigned long long)pinned, (unsigned long long)new_pins);
+    }
+    for (size_t i = 0; i < pin->n_blocks; i++) {
+        kvd_block_ref r = {pin->blocks[i]->id, pin->blocks[i]->gen};
+        rc = pin->unpin ? kvd_pool_unpin(sp->pool, r)
+                        : kvd_pool_pin(sp->pool, r, pin->retention_ms, (uint8_t)pin->priority,
+                                       c->sess->tenant);
+        if (rc != KV_OK) {
+            FAIL(rc, "blocks[%zu]: %s", i, kv_strerror(rc));
+        }
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__PinReply pr = KVD__PIN_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_PIN_REPLY;
+    env.pin_reply = &pr;
+    return rpc_send(c, &env, NULL, 0);
+}
+
+typedef struct stat_list {
+    Kvd__Stat *v;       /* stats */
+    char (*names)[64];  /* their names */
+    size_t n, cap;      /* used, allocated */
+    const char *prefix; /* prepended to names from a sink */
+} stat_list;
+
+static void stat_add(void *arg, const char *name, uint64_t value) {
+    stat_list *l = arg;
+    if (l->n == l->cap) {
+        return;
+    }
+    kvd__stat__init(&l->v[l->n]);
+    snprintf(l->names[l->n], sizeof(l->names[0]), "%s%s", l->prefix, name);
+    l->v[l->n].name = l->names[l->n];
+    l->v[l->n].value = value;
+    l->n++;
+}
+
+static kv_err on_stats(rpc *c, uint64_t id, const Kvd__Stats *st, char *msg) {
+    kvd_registry *s = c->reg;
+    kvd_session_pool *sp = NULL;
+    if (st->pool_id != 0) {
+        kv_err rc = session_pool(c, st->pool_id, &sp, NULL, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
+    stat_list l;
+    l.cap = 64;
+    l.n = 0;
+    l.prefix = "";
+    l.v = rpc_scratch(c, l.cap * sizeof(*l.v));
+    l.names = rpc_scratch(c, l.cap * sizeof(*l.names));
+    Kvd__Stat **pv = rpc_scratch(c, l.cap * sizeof(*pv));
+    if (l.v == NULL || l.names == NULL || pv == NULL) {
+        FAIL(KV_ENOMEM, "no memory for stats");
+    }
+    stat_add(&l, "daemon.sessions", c->ctx->conns != NULL ? c->ctx->conns->conns : 0);
+    stat_add(&l, "daemon.pools", s->npools);
+    stat_add(&l, "daemon.pool_memory_bytes", c->cfg->pool_memory);
+    stat_add(&l, "daemon.pool_memory_used", kvd_registry_budget_used(s));
+    stat_add(&l, "daemon.buffer_bytes", c->ctx->conns != NULL ? c->ctx->conns->buffer_bytes : 0);
+    stat_add(&l, "daemon.conns_paused", c->ctx->conns != NULL ? c->ctx->conns->paused : 0);
+    stat_add(&l, "session.id", c->sess->id);
+    stat_add(&l, "session.requests", c->sess->requests);
+    stat_add(&l, "session.errors", c->sess->errors);
+    stat_add(&l, "session.pools_attached", c->sess->npools);
+    stat_add(&l, "session.refs_held", kvd_session_refs_held(c->sess));
+    if (sp != NULL) {
+        stat_add(&l, "pool.id", sp->pool_id);
+        l.prefix = "pool.";
+        kvd_pool_stats(sp->pool, stat_add, &l);
+        l.prefix = "";
+        stat_add(&l, "pool.session_refs", sp->refs.total);
+    }
+    for (size_t i = 0; i < l.n; i++) {
+        pv[i] = &l.v[i];
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__StatsReply sr = KVD__STATS_REPLY__INIT;
+    sr.n_stats = l.n;
+    sr.stats = pv;
+    env.body_case = KVD__ENVELOPE__BODY_STATS_REPLY;
+    env.stats_reply = &sr;
+    return rpc_send(c, &env, NULL, 0);
+}
+
+static kv_err on_ping(rpc *c, uint64_t id, const Kvd__Ping *p, char *msg) {
+    kv_err rc = kvd_validate_ping(p, c->cfg->max_frame_bytes, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__Pong pong = KVD__PONG__INIT;
+    pong.nonce = p->nonce;
+    pong.payload = p->payload;
+    env.body_case = KVD__ENVELOPE__BODY_PONG;
+    env.pong = &pong;
+    return rpc_send(c, &env, NULL, 0);
+}
+
+static kv_err on_goodbye(rpc *c, uint64_t id) {
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__GoodbyeReply gr = KVD__GOODBYE_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_GOODBYE_REPLY;
+    env.goodbye_reply = &gr;
+    kv_err rc = rpc_send(c, &env, NULL, 0);
+    c->out->close_after = 1;
+    return rc;
+}
+
+/* The one table of requests: a handler per Envelope body case. Release and Rewind share one
+ * (named apart in stats). */
+typedef kv_err (*handler_fn)(rpc *c, const Kvd__Envelope *env, char *msg);
+
+static kv_err h_hello(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_hello(c, e->id, e->hello, msg);
+}
+static kv_err h_attach(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_attach(c, e->id, e->attach_pool, msg);
+}
+static kv_err h_map(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_map(c, e->id, e->map_segments, msg);
+}
+static kv_err h_lookup(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_lookup(c, e->id, e->lookup, msg);
+}
+static kv_err h_allocate(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_allocate(c, e->id, e->allocate, msg);
+}
+static kv_err h_commit(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_commit(c, e->id, e->commit, msg);
+}
+static kv_err h_release(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_release(c, e->id, e->release->pool_id, e->release->n_blocks, e->release->blocks,
+                      &e->release->blocks_packed, 0, msg);
+}
+static kv_err h_rewind(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_release(c, e->id, e->rewind->pool_id, e->rewind->n_blocks, e->rewind->blocks,
+                      &e->rewind->blocks_packed, 1, msg);
+}
+static kv_err h_pin(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_pin(c, e->id, e->pin, msg);
+}
+static kv_err h_stats(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_stats(c, e->id, e->stats, msg);
+}
+static kv_err h_ping(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_ping(c, e->id, e->ping, msg);
+}
+static kv_err h_goodbye(rpc *c, const Kvd__Envelope *e, char *msg) {
+    (void)msg;
+    return on_goodbye(c, e->id);
+}
+
+static const struct {
+    Kvd__Envelope__BodyCase body;
+    handler_fn fn;
+} handlers[] = {
+    {KVD__ENVELOPE__BODY_HELLO, h_hello},       {KVD__ENVELOPE__BODY_ATTACH_POOL, h_attach},
+    {KVD__ENVELOPE__BODY_MAP_SEGMENTS, h_map},  {KVD__ENVELOPE__BODY_LOOKUP, h_lookup},
+    {KVD__ENVELOPE__BODY_ALLOCATE, h_allocate}, {KVD__ENVELOPE__BODY_COMMIT, h_commit},
+    {KVD__ENVELOPE__BODY_RELEASE, h_release},   {KVD__ENVELOPE__BODY_REWIND, h_rewind},
+    {KVD__ENVELOPE__BODY_PIN, h_pin},           {KVD__ENVELOPE__BODY_STATS, h_stats},
+    {KVD__ENVELOPE__BODY_PING, h_ping},         {KVD__ENVELOPE__BODY_GOODBYE, h_goodbye},
+};
+
+void kvd_rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, kv_err code,
+                   const char *msg, kvd_reply *out) {
+    memset(out, 0, sizeof(*out));
+    out->code = code;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    Kvd__Error err = KVD__ERROR__INIT;
+    err.code = (Kvd__ErrorCode)code;
+    err.message = (char *)(msg != NULL && msg[0] != '\0' ? msg : kv_strerror(code));
+    env.id = id;
+    env.boot_epoch = ctx->boot_epoch;
+    env.body_case = KVD__ENVELOPE__BODY_ERROR;
+    env.error = &err;
+    if (sess != NULL) {
+        sess->errors++;
+    }
+    int hello = sess != NULL && sess->hello;
+    if (kvd_events_is_refusal(code)) {
+        kvd_events_push(&ctx->reg->events, KVD_EVENT_REFUSE, 0, hello ? (int64_t)sess->tenant : -1,
+                        1, code, kv_err_name(code), "session %llu (pid %d uid %d): %s",
+                        sess != NULL ? (unsigned long long)sess->id : 0ull,
+                        sess != NULL ? (int)sess->pid : 0, sess != NULL ? (int)sess->uid : -1,
+                        err.message);
+        if (hello) {
+            kvd_events_tenant(&ctx->reg->events, sess->tenant)->refusals++;
+        }
+    }
+    KV_LOG(DEBUG, "KVD-REQ-ERROR", "session %llu request %llu: %s: %s",
+           sess != NULL ? (unsigned long long)sess->id : 0ull, (unsigned long long)id,
+           kv_err_name(code), err.message);
+    size_t n = kv_wire_frame_size(&env);
+    uint8_t *buf = kv_arena_alloc(ctx->arena, n);
+    if (buf != NULL) {
+        kv_wire_encode_into(&env, buf);
+        out->frame = buf;
+        out->len = n;
+    }
+    size_t wl = strlen(err.message) + 1;
+    char *why = kv_arena_alloc(ctx->arena, wl);
+    if (why != NULL) {
+        memcpy(why, err.message, wl);
+    }
+    out->why = why;
+}
+
+void kvd_rpc_handle(const kvd_rpc_ctx *ctx, kvd_session *sess, const Kvd__Envelope *env,
+                    kvd_reply *out) {
+    memset(out, 0, sizeof(*out));
+    rpc call = {ctx, ctx->reg, ctx->cfg, sess, out};
+    rpc *c = &call;
+    char msg[KV_ERRMSG];
+    msg[0] = '\0';
+    kv_err rc;
+    sess->requests++;
+    if (env->boot_epoch != 0 && env->boot_epoch != ctx->boot_epoch) {
+        snprintf(msg, sizeof(msg),
+                 "request is for boot epoch %016llx; this daemon is %016llx: re-attach",
+                 (unsigned long long)env->boot_epoch, (unsigned long long)ctx->boot_epoch);
+        rc = KV_EEPOCH;
+    } else if (!sess->hello && env->body_case != KVD__ENVELOPE__BODY_HELLO) {
+        snprintf(msg, sizeof(msg), "Hello must be the first request");
+        rc = KV_EPROTO;
+    } else {
+        rc = KV_EPROTO;
+        snprintf(msg, sizeof(msg), "body %d is not a request", (int)env->body_case);
+        for (size_t i = 0; i < sizeof(handlers) / sizeof(handlers[0]); i++) {
+            if (handlers[i].body == env->body_case) {
+                msg[0] = '\0';
+                rc = handlers[i].fn(c, env, msg);
+                break;
+            }
+        }
+    }
+    if (rc == KV_OK && out->frame != NULL) {
+        return;
+    }
+    if (rc == KV_OK) {
+        rc = KV_ENOMEM; /* the reply did not fit the arena */
+        snprintf(msg, sizeof(msg), "no memory for the reply");
+    }
+    kvd_rpc_error(ctx, sess, env->id, rc, msg, out);
+}
+
+void kvd_rpc_session_close(const kvd_rpc_ctx *ctx, kvd_session *sess) {
+    /* The pools' clocks first: released blocks record their last access at close time, and
+     * pins that expired meanwhile are swept before the blocks rejoin the eviction order. */
+    uint64_t now = kvd_registry_now(ctx->reg);
+    uint32_t npools = sess->npools;
+    uint32_t *ids = npools > 0 ? malloc(sizeof(*ids) * npools) : NULL;
+    for (uint32_t i = 0; i < npools; i++) {
+        kvd_pool_set_now(sess->pools[i].pool, now);
+        if (ids != NULL) {
+            ids[i] = sess->pools[i].pool_id;
+        }
+    }
+    int hello = sess->hello;
+    uint32_t tenant = sess->tenant;
+    kvd_session_fini(sess);
+    if (hello) {
+        kvd_registry_session_close(ctx->reg, tenant);
+    }
+    /* Pools no session uses and that hold nothing are freed (a pool with a cache stays). */
+    if (ids != NULL || npools == 0) {
+        kvd_registry_sessions_gone(ctx->reg, ids, npools);
+    } else {
+        KV_LOG(WARN, "KVD-CONN-CLOSE", "no memory to count the pools of a closed session");
+    }
+    free(ids);
+}

@@ -1,0 +1,52 @@
+/* kvd_quota: limits live in the tenant table (tenant.c); this module parses and reports them by
+ * name. The registry applies changes (daemon/registry/registry.h). */
+#include "daemon/tenancy/quota.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/kv_log.h"
+
+/* The one list of limits: parsing, reports and KVD_QUOTA_NAMES follow it (quota_test checks
+ * that the names string lists exactly these). */
+static const struct {
+    const char *name; /* as the tenants file and `quota set` spell it */
+    size_t off;       /* its field in kvd_quota */
+} fields[] = {
+    {"max-held", offsetof(kvd_quota, max_held)},
+    {"guarantee", offsetof(kvd_quota, guarantee)},
+    {"max-pinned", offsetof(kvd_quota, max_pinned)},
+    {"max-sessions", offsetof(kvd_quota, max_sessions)},
+    {"max-pools", offsetof(kvd_quota, max_pools)},
+};
+
+#define NFIELDS (sizeof(fields) / sizeof(fields[0]))
+
+kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value) {
+    if (value == NULL || value[0] < '0' || value[0] > '9') {
+        return KV_EINVAL;
+    }
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(value, &end, 10);
+    if (errno != 0 || *end != '\0') {
+        return KV_EINVAL;
+    }
+    for (size_t i = 0; i < NFIELDS; i++) {
+        if (strcmp(name, fields[i].name) == 0) {
+            *(uint64_t *)(void *)((char *)q + fields[i].off) = v;
+            return KV_OK;
+        }
+    }
+    return KV_ENOENT;
+}
+
+void kvd_quota_report(const kvd_quota *q, kvd_stat_sink sink, void *arg) {
+    for (size_t i = 0; i < NFIELDS; i++) {
+        sink(arg, fields[i].name,
+             *(const uint64_t *)(const void *)((const char *)q + fields[i].off));
+    }
+}
