@@ -11,7 +11,7 @@
 
 #include <cmocka.h>
 
-#include "client/fake_kvd.h"
+#include "client/testing/fake_kvd.h"
 #include "client/include/kvclient.h"
 
 typedef struct fixture {

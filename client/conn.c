@@ -1,18 +1,19 @@
-/* conn: libkvclient's connection: socket setup, Hello, reconnects, and the I/O engine.
+/* conn: libkvclient's transport: dialing, framing, the fd FIFO, batches and the I/O engine.
  *
  * The engine (kvc__exchange) is one poll() loop per call that writes the batch's encoded frames
  * and reads replies at the same time, so a long pipelined batch never deadlocks against the
  * daemon's flow control (it stops reading us while our unread replies pile up). Received fds go
  * into a FIFO in arrival order; a decoded frame takes as many from the front as it names
- * (PROTOCOL.md 2.2). Any transport failure closes the socket and marks the connection broken;
- * the next call reconnects and reports KV_EEPOCH if the daemon restarted in between.
+ * (PROTOCOL.md 2.2). Frames are decoded by common/kv_wire.h into the connection's arena, handed
+ * to the installed completion function and dropped at once. Any transport failure closes the
+ * socket and marks the connection broken; Hello and reconnecting are the request layer's
+ * (client/rpc.c).
  */
 #include "client/conn.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,30 +22,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/kv_arena.h"
 #include "common/kv_wire.h"
 
 #define RBUF_MIN (64u * 1024u)
 #define CMSG_FDS 256 /* room for PROTOCOL.md's 200 fds per frame, and some */
-
-void kvc__log(const kvc_conn *c, int level, const char *id, const char *fmt, ...) {
-    if (c == NULL || c->log == NULL || level > c->log_level) {
-        return;
-    }
-    char buf[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, ap);
-    va_end(ap);
-    c->log(c->log_arg, level, id, buf);
-}
-
-kv_err kvc__fail(kvc_conn *c, kv_err err, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->err, sizeof(c->err), fmt, ap);
-    va_end(ap);
-    return err;
-}
 
 void kvc_options_init(kvc_options *o) {
     memset(o, 0, sizeof(*o));
@@ -131,7 +113,7 @@ void kvc__batch_fini(kvc_batch *b) {
 kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__op **op) {
     kvc_conn *c = b->conn;
     if (b->in_flight) {
-        return kvc__fail(c, KV_ESTATE, "batch already sent; wait for it or reset it first");
+        return kvc__fail(&c->diag, KV_ESTATE, "batch already sent; wait for it or reset it first");
     }
     /* Id and epoch first: they change the encoded size. Hello goes out with epoch 0: a new
      * daemon would refuse a stale one before saying who it is, and the reconnect logic compares
@@ -140,14 +122,14 @@ kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__
     env->boot_epoch = kind == KVC__OP_HELLO ? 0 : c->epoch;
     size_t size = kv_wire_frame_size(env);
     if (size - KV_WIRE_HEADER_BYTES > c->max_frame) {
-        return kvc__fail(c, KV_ETOOBIG, "request of %zu bytes exceeds the daemon's %u", size,
+        return kvc__fail(&c->diag, KV_ETOOBIG, "request of %zu bytes exceeds the daemon's %u", size,
                          c->max_frame);
     }
     if (b->nops == b->cap) {
         size_t ncap = b->cap ? b->cap * 2 : 8;
         kvc__op *n = realloc(b->ops, ncap * sizeof(*n));
         if (n == NULL) {
-            return kvc__fail(c, KV_ENOMEM, "out of memory queuing a request");
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory queuing a request");
         }
         b->ops = n;
         b->cap = ncap;
@@ -159,7 +141,7 @@ kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__
         }
         uint8_t *n = realloc(b->obuf, ncap);
         if (n == NULL) {
-            return kvc__fail(c, KV_ENOMEM, "out of memory encoding a request");
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding a request");
         }
         b->obuf = n;
         b->ocap = ncap;
@@ -185,7 +167,7 @@ static kv_err recv_some(kvc_conn *c) {
         size_t ncap = c->rcap ? c->rcap * 2 : RBUF_MIN;
         uint8_t *n = realloc(c->rbuf, ncap);
         if (n == NULL) {
-            return kvc__fail(c, KV_ENOMEM, "out of memory for the receive buffer");
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for the receive buffer");
         }
         c->rbuf = n;
         c->rcap = ncap;
@@ -208,8 +190,8 @@ static kv_err recv_some(kvc_conn *c) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
             return KV_OK;
         }
-        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(errno));
-        return kvc__fail(c, KV_ECLOSED, "connection to kvd failed: %s", strerror(errno));
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(errno));
+        return kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd failed: %s", strerror(errno));
     }
     kv_err err = KV_OK;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm != NULL; cm = CMSG_NXTHDR(&msg, cm)) {
@@ -231,13 +213,13 @@ static kv_err recv_some(kvc_conn *c) {
         }
     }
     if (err != KV_OK || (msg.msg_flags & MSG_CTRUNC)) {
-        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-FDS",
+        kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-FDS",
                  "file descriptors lost (FIFO full or truncated)");
-        return kvc__fail(c, KV_EPROTO, "file descriptors from kvd were lost");
+        return kvc__fail(&c->diag, KV_EPROTO, "file descriptors from kvd were lost");
     }
     if (n == 0) {
-        kvc__log(c, KVC_LOG_INFO, "KVC-CONN-EOF", "kvd closed the connection");
-        return kvc__fail(c, KV_ECLOSED, "kvd closed the connection");
+        kvc__log(&c->diag, KVC_LOG_INFO, "KVC-CONN-EOF", "kvd closed the connection");
+        return kvc__fail(&c->diag, KV_ECLOSED, "kvd closed the connection");
     }
     c->rlen += (size_t)n;
     return KV_OK;
@@ -275,34 +257,34 @@ static kv_err handle_frame(kvc_conn *c, kvc_batch *b, Kvd__Envelope *env) {
     int fds[CMSG_FDS];
     size_t nfds = frame_fd_count(env);
     if (nfds > CMSG_FDS || fdq_take(c, nfds, fds) != KV_OK) {
-        return kvc__fail(c, KV_EPROTO, "reply names %zu fds but fewer arrived", nfds);
+        return kvc__fail(&c->diag, KV_EPROTO, "reply names %zu fds but fewer arrived", nfds);
     }
     kv_err err = KV_OK;
     if (c->epoch != 0 && env->boot_epoch != c->epoch) {
-        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-EPOCH", "boot epoch changed: %016llx -> %016llx",
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-EPOCH", "boot epoch changed: %016llx -> %016llx",
                  (unsigned long long)c->epoch, (unsigned long long)env->boot_epoch);
-        err = kvc__fail(c, KV_EEPOCH, "kvd restarted (boot epoch changed); attach again");
+        err = kvc__fail(&c->diag, KV_EEPOCH, "kvd restarted (boot epoch changed); attach again");
         goto cleanup;
     }
     if (env->body_case == KVD__ENVELOPE__BODY_ERROR && env->id == 0) {
         /* Connection-level: oversized frame, undecodable frame, too many connections. None of
          * our requests will get its reply, so the stream is over for us. */
         int code = (int)env->error->code;
-        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-ERROR", "kvd: %s: %s", kv_err_name(code),
+        kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-ERROR", "kvd: %s: %s", kv_err_name(code),
                  env->error->message ? env->error->message : "");
-        err = kvc__fail(c, code > 0 && code < KV_ERR_COUNT ? (kv_err)code : KV_EPROTO,
+        err = kvc__fail(&c->diag, code > 0 && code < KV_ERR_COUNT ? (kv_err)code : KV_EPROTO,
                         "kvd refused the connection: %s", env->error->message);
         goto cleanup;
     }
     kvc__op *op = find_op(b, env->id);
     if (op == NULL || op->done) {
-        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-ID", "reply with unexpected id %llu",
+        kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-ID", "reply with unexpected id %llu",
                  (unsigned long long)env->id);
-        err = kvc__fail(c, KV_EPROTO, "kvd replied to unknown request id %llu",
+        err = kvc__fail(&c->diag, KV_EPROTO, "kvd replied to unknown request id %llu",
                         (unsigned long long)env->id);
         goto cleanup;
     }
-    op->status = kvc__op_complete(c, op, env, fds, nfds);
+    op->status = c->complete(c, op, env, fds, nfds);
     op->done = 1;
     if (op->sent) {
         b->nwait--;
@@ -318,83 +300,6 @@ cleanup:
     return err;
 }
 
-/* protobuf-c allocates every submessage on its own (a 128-block LookupReply is 129 mallocs);
- * replies are unpacked into a per-connection bump arena instead and dropped at once after the
- * frame is handled. Handlers copy what they keep, so nothing outlives arena_reset. */
-static void *arena_alloc(void *data, size_t size) {
-    kvc_conn *c = data;
-    size_t need = (size + 15) & ~(size_t)15;
-    if (c->arena_used + need <= c->arena_cap) {
-        void *p = c->arena + c->arena_used;
-        c->arena_used += need;
-        return p;
-    }
-    if (c->nspill == c->spill_cap) {
-        size_t ncap = c->spill_cap ? c->spill_cap * 2 : 16;
-        void **n = realloc(c->spill, ncap * sizeof(*n));
-        if (n == NULL) {
-            return NULL;
-        }
-        c->spill = n;
-        c->spill_cap = ncap;
-    }
-    void *p = malloc(size);
-    if (p != NULL) {
-        c->spill[c->nspill++] = p;
-    }
-    return p;
-}
-
-static void arena_free(void *data, void *ptr) {
-    (void)data;
-    (void)ptr; /* released all together by arena_reset */
-}
-
-/* Frees what spilled over and grows the arena so the next reply of that size fits. */
-static void arena_reset(kvc_conn *c) {
-    for (size_t i = 0; i < c->nspill; i++) {
-        free(c->spill[i]);
-    }
-    if (c->nspill > 0 && c->arena_cap < (16u << 20)) {
-        size_t want = c->arena_cap * 2 > 65536 ? c->arena_cap * 2 : 65536;
-        /* Nothing in the arena is live between frames, so moving it is fine. */
-        uint8_t *n = realloc(c->arena, want);
-        if (n != NULL) {
-            c->arena = n;
-            c->arena_cap = want;
-        }
-    }
-    c->nspill = 0;
-    c->arena_used = 0;
-}
-
-/* kv_wire_decode's contract, unpacking into the arena. */
-static kv_err decode_frame(kvc_conn *c, const uint8_t *buf, size_t len, uint32_t max_frame,
-                           Kvd__Envelope **env, size_t *consumed) {
-    *env = NULL;
-    *consumed = 0;
-    if (len < KV_WIRE_HEADER_BYTES) {
-        return KV_OK;
-    }
-    uint32_t body =
-        (uint32_t)buf[0] | (uint32_t)buf[1] << 8 | (uint32_t)buf[2] << 16 | (uint32_t)buf[3] << 24;
-    if (body > max_frame) {
-        return KV_ETOOBIG;
-    }
-    if (len - KV_WIRE_HEADER_BYTES < body) {
-        return KV_OK;
-    }
-    ProtobufCAllocator a = {.alloc = arena_alloc, .free = arena_free, .allocator_data = c};
-    Kvd__Envelope *e = kvd__envelope__unpack(&a, body, buf + KV_WIRE_HEADER_BYTES);
-    if (e == NULL || e->body_case == KVD__ENVELOPE__BODY__NOT_SET) {
-        arena_reset(c);
-        return KV_EPROTO;
-    }
-    *env = e;
-    *consumed = KV_WIRE_HEADER_BYTES + body;
-    return KV_OK;
-}
-
 /* Decodes and handles every whole frame in the input buffer. */
 static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
     size_t off = 0;
@@ -403,23 +308,24 @@ static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
     while (off < c->rlen) {
         Kvd__Envelope *env = NULL;
         size_t used = 0;
-        err = decode_frame(c, c->rbuf + off, c->rlen - off, limit, &env, &used);
+        err = kv_wire_decode_with(c->rbuf + off, c->rlen - off, limit,
+                                  kv_arena_allocator(&c->arena), &env, &used);
         if (err != KV_OK) {
-            kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-DECODE", "undecodable reply from kvd: %s",
+            kv_arena_reset(&c->arena); /* what a failed unpack left there */
+            kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-DECODE", "undecodable reply from kvd: %s",
                      kv_err_name(err));
-            err = kvc__fail(c, err, "undecodable reply from kvd (%s)", kv_strerror(err));
+            err = kvc__fail(&c->diag, err, "undecodable reply from kvd (%s)", kv_strerror(err));
             break;
         }
         if (env == NULL) {
             /* Incomplete frame: make sure the buffer can hold the whole of it. */
             if (c->rlen - off >= KV_WIRE_HEADER_BYTES) {
-                const uint8_t *p = c->rbuf + off;
-                size_t need = KV_WIRE_HEADER_BYTES + ((size_t)p[0] | (size_t)p[1] << 8 |
-                                                      (size_t)p[2] << 16 | (size_t)p[3] << 24);
+                size_t need = KV_WIRE_HEADER_BYTES + (size_t)kv_wire_le32(c->rbuf + off);
                 if (need + RBUF_MIN > c->rcap) {
                     uint8_t *n = realloc(c->rbuf, need + RBUF_MIN);
                     if (n == NULL) {
-                        err = kvc__fail(c, KV_ENOMEM, "out of memory for a %zu-byte reply", need);
+                        err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a %zu-byte reply",
+                                        need);
                         break;
                     }
                     c->rbuf = n;
@@ -430,7 +336,8 @@ static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
         }
         off += used;
         err = handle_frame(c, b, env);
-        arena_reset(c);
+        /* Completion copies what it keeps: nothing of the reply outlives this. */
+        kv_arena_reset(&c->arena);
         if (err != KV_OK) {
             break;
         }
@@ -471,11 +378,11 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
     kvc_conn *c = b->conn;
     kv_err err = KV_OK;
     if (c->fd < 0) {
-        err = kvc__fail(c, KV_ECLOSED, "not connected to kvd");
+        err = kvc__fail(&c->diag, KV_ECLOSED, "not connected to kvd");
         goto fail;
     }
     if (c->active != NULL && c->active != b) {
-        err = kvc__fail(c, KV_ESTATE, "another batch is in flight on this connection");
+        err = kvc__fail(&c->diag, KV_ESTATE, "another batch is in flight on this connection");
         fail_pending(b, err);
         return err;
     }
@@ -504,9 +411,10 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
         if (deadline >= 0) {
             int64_t left = deadline - now_ms();
             if (left <= 0) {
-                kvc__log(c, KVC_LOG_WARN, "KVC-CONN-TIMEOUT", "no reply within %d ms",
+                kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-TIMEOUT", "no reply within %d ms",
                          c->timeout_ms);
-                err = kvc__fail(c, KV_ETIMEDOUT, "kvd did not reply within %d ms", c->timeout_ms);
+                err = kvc__fail(&c->diag, KV_ETIMEDOUT, "kvd did not reply within %d ms",
+                                c->timeout_ms);
                 goto fail;
             }
             timeout = left > 1000000 ? 1000000 : (int)left;
@@ -516,7 +424,7 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             if (errno == EINTR) {
                 continue;
             }
-            err = kvc__fail(c, KV_ESYS, "poll: %s", strerror(errno));
+            err = kvc__fail(&c->diag, KV_ESYS, "poll: %s", strerror(errno));
             goto fail;
         }
         if (pr == 0) {
@@ -526,8 +434,9 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             ssize_t n =
                 send(c->fd, b->obuf + b->osent, b->olen - b->osent, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-                kvc__log(c, KVC_LOG_INFO, "KVC-CONN-SEND", "send: %s", strerror(errno));
-                err = kvc__fail(c, KV_ECLOSED, "connection to kvd lost: %s", strerror(errno));
+                kvc__log(&c->diag, KVC_LOG_INFO, "KVC-CONN-SEND", "send: %s", strerror(errno));
+                err =
+                    kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd lost: %s", strerror(errno));
                 /* The daemon may have said why before closing (ETOOBIG): read that first. */
                 if (recv_some(c) == KV_OK) {
                     kv_err why = drain_frames(c, b);
@@ -565,83 +474,9 @@ fail:
     return err;
 }
 
-/* ---- connect and Hello ---------------------------------------------------------------- */
+/* ---- making, dialing, freeing --------------------------------------------------------- */
 
-static kv_err dial(kvc_conn *c) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        return kvc__fail(c, KV_ESYS, "socket: %s", strerror(errno));
-    }
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    memcpy(sa.sun_path, c->path, sizeof(sa.sun_path));
-    int rc;
-    do {
-        rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
-    } while (rc < 0 && errno == EINTR);
-    if (rc < 0) {
-        int e = errno;
-        close(fd);
-        return kvc__fail(c, KV_ESYS, "connect %s: %s", c->path, strerror(e));
-    }
-    /* Blocking connect (a full backlog waits instead of failing), non-blocking I/O after. */
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
-        int e = errno;
-        close(fd);
-        return kvc__fail(c, KV_ESYS, "fcntl: %s", strerror(e));
-    }
-    c->fd = fd;
-    c->broken = 0;
-    c->rlen = 0;
-    return KV_OK;
-}
-
-static kv_err hello(kvc_conn *c) {
-    Kvd__Hello h = KVD__HELLO__INIT;
-    h.protocol_version = KV_PROTOCOL_VERSION;
-    h.client_name = c->name;
-    h.token.data = c->token;
-    h.token.len = c->token_len;
-    h.features = KV_FEATURE_PACKED; /* we read packed block lists in replies */
-    Kvd__Envelope env = KVD__ENVELOPE__INIT;
-    env.body_case = KVD__ENVELOPE__BODY_HELLO;
-    env.hello = &h;
-    kvc_batch b;
-    kvc__batch_init(&b, c);
-    kvc__op *op;
-    kv_err err = kvc__batch_add(&b, KVC__OP_HELLO, &env, &op);
-    if (err == KV_OK) {
-        err = kvc__exchange(&b, 1);
-    }
-    if (err == KV_OK) {
-        err = b.ops[0].status;
-    }
-    kvc__batch_fini(&b);
-    return err;
-}
-
-/* Dials and says Hello; on failure the connection is left broken. */
-static kv_err connect_hello(kvc_conn *c) {
-    kvc__conn_break(c);
-    /* Until HelloReply says otherwise, the protocol's default limit. */
-    c->max_frame = KV_WIRE_DEFAULT_MAX_FRAME;
-    kv_err err = dial(c);
-    if (err != KV_OK) {
-        return err;
-    }
-    uint64_t old = c->epoch;
-    c->epoch = 0; /* accept whatever epoch HelloReply carries */
-    err = hello(c);
-    if (err != KV_OK) {
-        c->epoch = old;
-        kvc__conn_break(c);
-        return err;
-    }
-    c->broken = 0;
-    return KV_OK;
-}
-
-kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
+kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_conn **out) {
     kvc_options defaults;
     if (opts == NULL) {
         kvc_options_init(&defaults);
@@ -652,10 +487,12 @@ kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
         return KV_ENOMEM;
     }
     c->fd = -1;
-    c->log = opts->log;
-    c->log_arg = opts->log_arg;
-    c->log_level = opts->log_level;
+    c->complete = complete;
+    c->diag.log = opts->log;
+    c->diag.log_arg = opts->log_arg;
+    c->diag.log_level = opts->log_level;
     c->timeout_ms = opts->timeout_ms;
+    kv_arena_init(&c->arena);
     kv_err err = KV_OK;
     if (opts->socket_path != NULL) {
         if (strlen(opts->socket_path) >= sizeof(c->path)) {
@@ -667,8 +504,8 @@ kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
         err = kvc_default_socket_path(c->path, sizeof(c->path));
     }
     if (err != KV_OK) {
-        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-PATH", "socket path too long");
-        goto fail_conn;
+        kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-PATH", "socket path too long");
+        goto fail;
     }
     const char *name = opts->client_name ? opts->client_name : "kvclient";
     snprintf(c->name, sizeof(c->name), "%s", name);
@@ -676,77 +513,62 @@ kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
         c->token = malloc(opts->token_len);
         if (c->token == NULL) {
             err = KV_ENOMEM;
-            goto fail_conn;
+            goto fail;
         }
         memcpy(c->token, opts->token, opts->token_len);
         c->token_len = opts->token_len;
     }
-    err = connect_hello(c);
-    if (err != KV_OK) {
-        kvc__log(c, KVC_LOG_ERROR, "KVC-CONN-OPEN", "cannot open session: %s", c->err);
-        goto fail_token;
-    }
-    kvc__log(c, KVC_LOG_INFO, "KVC-CONN-HELLO", "session %llu tenant %s epoch %016llx",
-             (unsigned long long)c->session_id, c->tenant, (unsigned long long)c->epoch);
     *out = c;
     return KV_OK;
-fail_token:
-    free(c->token);
-fail_conn:
-    free(c->rbuf);
-    free(c->arena);
-    free(c->spill);
-    free(c);
+fail:
+    kvc__conn_free(c);
     return err;
 }
 
-kv_err kvc__conn_ready(kvc_conn *c) {
-    if (c->active != NULL) {
-        return kvc__fail(c, KV_ESTATE, "a batch is in flight on this connection; wait for it");
-    }
-    if (!c->broken && c->fd >= 0) {
-        return KV_OK;
-    }
-    return kvc_conn_reconnect(c);
-}
-
-kv_err kvc_conn_reconnect(kvc_conn *c) {
-    if (c->active != NULL) {
-        return kvc__fail(c, KV_ESTATE, "a batch is in flight on this connection; wait for it");
-    }
-    uint64_t old = c->epoch;
-    kv_err err = connect_hello(c);
-    if (err != KV_OK) {
-        return err;
-    }
-    if (old != 0 && c->epoch != old) {
-        kvc__log(c, KVC_LOG_WARN, "KVC-CONN-RESTART",
-                 "kvd restarted (epoch %016llx -> %016llx): pools must be attached again",
-                 (unsigned long long)old, (unsigned long long)c->epoch);
-        return kvc__fail(c, KV_EEPOCH, "kvd restarted (boot epoch changed); attach pools again");
-    }
-    return KV_OK;
-}
-
-void kvc_conn_close(kvc_conn *c) {
+void kvc__conn_free(kvc_conn *c) {
     if (c == NULL) {
         return;
     }
-    while (c->pools != NULL) {
-        /* Linked pools are on the list too; they go with the pool that linked them. */
-        kvc_pool *p = c->pools->owner != NULL ? c->pools->owner : c->pools;
-        kvc__pool_destroy(p);
-    }
     kvc__conn_break(c);
     free(c->rbuf);
-    free(c->arena);
-    free(c->spill);
+    kv_arena_fini(&c->arena);
     free(c->token);
     free(c);
 }
 
+kv_err kvc__conn_dial(kvc_conn *c) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return kvc__fail(&c->diag, KV_ESYS, "socket: %s", strerror(errno));
+    }
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    memcpy(sa.sun_path, c->path, sizeof(sa.sun_path));
+    int rc;
+    do {
+        rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0) {
+        int e = errno;
+        close(fd);
+        return kvc__fail(&c->diag, KV_ESYS, "connect %s: %s", c->path, strerror(e));
+    }
+    /* Blocking connect (a full backlog waits instead of failing), non-blocking I/O after. */
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        int e = errno;
+        close(fd);
+        return kvc__fail(&c->diag, KV_ESYS, "fcntl: %s", strerror(e));
+    }
+    c->fd = fd;
+    c->broken = 0;
+    c->rlen = 0;
+    return KV_OK;
+}
+
+/* ---- public accessors ----------------------------------------------------------------- */
+
 const char *kvc_last_error(const kvc_conn *c) {
-    return c->err;
+    return c->diag.err;
 }
 
 uint64_t kvc_conn_session_id(const kvc_conn *c) {

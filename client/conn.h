@@ -1,10 +1,14 @@
-/* conn: libkvclient's internal view of a connection, a pool and a pending request.
+/* conn: libkvclient's transport: the socket, framing, the SCM_RIGHTS fd FIFO, batches of encoded
+ * requests and the I/O engine that sends them and matches replies.
  *
- * One kvc_conn owns a non-blocking Unix socket, an input buffer that frames are decoded from,
- * the FIFO of file descriptors received with SCM_RIGHTS, and the list of attached pools. The
- * I/O engine (kvc__conn_exchange) writes a run of encoded requests and reads replies with
- * poll(), matching each reply to its request by envelope id, so synchronous calls are a batch
- * of one. Internal names are kvc__*; nothing here is exported (-fvisibility=hidden).
+ * One kvc_conn owns a non-blocking Unix socket, an input buffer that frames are decoded from
+ * (into a per-connection arena, common/kv_arena.h), and the FIFO of file descriptors received
+ * with SCM_RIGHTS. The engine (kvc__exchange) writes a run of encoded requests and reads replies
+ * with poll(), matching each reply to its request by envelope id, so synchronous calls are a
+ * batch of one. What a reply means is not this module's business: each one goes to the
+ * completion function the layer above installed when it made the connection (kvc__conn_alloc),
+ * which is how the request layer (client/rpc.h) sits on top without conn calling up into it.
+ * Internal names are kvc__*; nothing here is exported (-fvisibility=hidden).
  * Threads: whatever thread owns the connection (see kvclient.h).
  */
 #ifndef KVC_CONN_H
@@ -13,46 +17,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "client/diag.h"
 #include "client/include/kvclient.h"
+#include "common/kv_arena.h"
 #include "proto/kvd.pb-c.h"
 
 #define KVC__FDQ_CAP 512    /* received fds not yet claimed by a frame */
 #define KVC__REPLY_SLACK 64 /* replies may exceed max_frame_bytes by this much */
-
-/* One mapped segment of a pool. */
-typedef struct kvc__segment {
-    uint8_t *base;    /* whole-segment mapping, NULL when not mapped */
-    uint64_t bytes;   /* mapped length */
-    uint32_t nblocks; /* blocks in the segment */
-    int read_only;    /* mapped PROT_READ */
-} kvc__segment;
-
-struct kvc_pool {
-    kvc_conn *conn;                /* owning connection */
-    kvc_pool *next;                /* conn's list of pools */
-    uint32_t pool_id;              /* daemon's id */
-    kv_layout layout;              /* derived fields filled by kv_layout_init */
-    uint32_t blocks_per_segment;   /* from AttachPoolReply */
-    uint32_t max_segments;         /* capacity of segs[] and of the layer ranges */
-    uint32_t nsegs;                /* highest mapped index + 1 (slots below may be unmapped) */
-    kvc__segment *segs;            /* [max_segments] */
-    uint8_t **layer_base;          /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
-    uint64_t layer_range_bytes;    /* bytes reserved per (layer, kv) range */
-    kv_hash128 seed;               /* hash chain seed */
-    int hash_algo;                 /* kv_hash_algo */
-    uint64_t epoch;                /* boot epoch it was attached under */
-    uint64_t session;              /* session it was attached in; its references die with it */
-    int need_map;                  /* a reply announced segments we lack, or handed us a block in
-                                      one: MapSegments from our first unmapped slot */
-    struct kvc__gpu_pool *gpu;     /* GPU pools: device mappings (client/gpu_map.h); else NULL */
-    kvc_pool *owner;               /* linked pool: the attached pool that linked it; else NULL */
-    kvc_pool **linked;             /* attached pool: its linked pools in lookup order, or NULL */
-    uint32_t nlinked;              /* entries of linked */
-    int read_only;                 /* the session may only read this pool (the commons) */
-    char domain[136];              /* "group:NAME", "commons", or the tenant (private pool) */
-    unsigned char device_uuid[16]; /* GPU pools: the UUID of kvd's GPU (AttachPoolReply) */
-    int has_device_uuid;           /* device_uuid was sent */
-};
 
 /* Request kinds, named for the reply they expect. */
 typedef enum kvc__op_kind {
@@ -70,7 +41,9 @@ typedef enum kvc__op_kind {
     KVC__OP_GOODBYE,
 } kvc__op_kind;
 
-/* One request in flight: where its frame is, and where its reply's outputs go. */
+/* One request in flight: where its frame is, and where its reply's outputs go. The engine uses
+ * the fields up to status; the rest belong to the layer that queued the op (client/rpc.c), and
+ * conn neither reads nor writes them (pools are opaque here). */
 typedef struct kvc__op {
     uint64_t id;         /* envelope id */
     kvc__op_kind kind;   /* expected reply */
@@ -82,7 +55,7 @@ typedef struct kvc__op {
     kvc_pool *pool;      /* pool the request is about, or NULL */
     size_t count;        /* list length sent (hashes, blocks, entries) */
     void *out;           /* caller's output array (kvc_block[], ...) */
-    size_t *nout;        /* lookup: hit count */
+    size_t *nout;        /* lookup: hit count; map: segments in the reply */
     kvc_pool **pools;    /* lookup with search_domains: the pool of each hit, else NULL */
     const void *expect;  /* ping: payload to compare */
     size_t expect_len;   /* ping: payload bytes */
@@ -90,6 +63,13 @@ typedef struct kvc__op {
     kvc_stat_fn stat_fn; /* stats callback */
     void *stat_arg;      /* its argument */
 } kvc__op;
+
+/* Handles the reply envelope env (unpacked into the connection's arena: valid during the call
+ * only) for op and returns the op's status. fds[0..nfds) are the fds the frame carried, in
+ * fd_index order (borrowed: the engine closes them afterwards). Installed by the layer that
+ * makes the connection (kvc__op_complete of client/rpc.h). */
+typedef kv_err (*kvc__complete_fn)(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env,
+                                   const int *fds, size_t nfds);
 
 /* A queue of encoded requests (also the engine of every synchronous call). */
 struct kvc_batch {
@@ -107,105 +87,64 @@ struct kvc_batch {
 };
 
 struct kvc_conn {
-    int fd;                /* socket, -1 when disconnected */
-    char path[108];        /* socket path */
-    char name[65];         /* client_name */
-    uint8_t *token;        /* copy of the token, or NULL */
-    size_t token_len;      /* its bytes */
-    kvc_log_fn log;        /* application's log callback */
-    void *log_arg;         /* its argument */
-    int log_level;         /* threshold */
-    int timeout_ms;        /* per call; < 0 forever */
-    uint64_t session_id;   /* from HelloReply */
-    char tenant[128];      /* from HelloReply */
-    uint64_t epoch;        /* boot epoch from HelloReply; 0 before */
-    uint32_t max_frame;    /* daemon's max_frame_bytes */
-    uint32_t max_inflight; /* daemon's max_inflight */
-    uint32_t max_blocks;   /* daemon's max_blocks_per_request */
-    uint32_t features;     /* HelloReply.features: KV_FEATURE_* the daemon takes */
-    uint64_t next_id;      /* next envelope id */
-    int broken;            /* transport failed: reconnect before the next call */
-    uint8_t *rbuf;         /* received bytes not yet decoded */
-    size_t rlen;           /* bytes in rbuf */
-    size_t rcap;           /* capacity of rbuf */
-    int fdq[KVC__FDQ_CAP]; /* received fds, FIFO */
-    size_t fdq_head;       /* index of the oldest */
-    size_t fdq_len;        /* fds queued */
-    kvc_pool *pools;       /* attached pools */
-    kvc_batch *active;     /* batch sent and not yet waited for */
-    uint8_t *arena;        /* bump allocator for unpacking one reply */
-    size_t arena_cap;      /* its bytes */
-    size_t arena_used;     /* bytes handed out for the current reply */
-    void **spill;          /* allocations that did not fit, freed with the arena */
-    size_t nspill;         /* entries in spill */
-    size_t spill_cap;      /* capacity of spill */
-    char err[512];         /* last error message */
+    kvc__diag diag;            /* log callback and last error; pools point here */
+    kvc__complete_fn complete; /* handles every reply (set by kvc__conn_alloc's caller) */
+    int fd;                    /* socket, -1 when disconnected */
+    char path[108];            /* socket path */
+    char name[65];             /* client_name */
+    uint8_t *token;            /* copy of the token, or NULL */
+    size_t token_len;          /* its bytes */
+    int timeout_ms;            /* per call; < 0 forever */
+    uint64_t session_id;       /* from HelloReply */
+    char tenant[128];          /* from HelloReply */
+    uint64_t epoch;            /* boot epoch from HelloReply; 0 before */
+    uint32_t max_frame;        /* daemon's max_frame_bytes */
+    uint32_t max_inflight;     /* daemon's max_inflight */
+    uint32_t max_blocks;       /* daemon's max_blocks_per_request */
+    uint32_t features;         /* HelloReply.features: KV_FEATURE_* the daemon takes */
+    uint64_t next_id;          /* next envelope id */
+    int broken;                /* transport failed: reconnect before the next call */
+    uint8_t *rbuf;             /* received bytes not yet decoded */
+    size_t rlen;               /* bytes in rbuf */
+    size_t rcap;               /* capacity of rbuf */
+    int fdq[KVC__FDQ_CAP];     /* received fds, FIFO */
+    size_t fdq_head;           /* index of the oldest */
+    size_t fdq_len;            /* fds queued */
+    kvc_pool *pools;           /* attached pools (opaque here: client/map.h links them) */
+    kvc_batch *active;         /* batch sent and not yet waited for */
+    kv_arena arena;            /* one reply at a time is unpacked into it */
 };
 
-/* Logs through the application's callback when level is enabled. */
-void kvc__log(const kvc_conn *c, int level, const char *id, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+/* Makes a disconnected connection from opts (NULL: kvc_options_init's defaults) whose replies
+ * go to complete. KV_ETOOBIG when the socket path does not fit (logged through opts->log),
+ * KV_ENOMEM. *out gets it on success; free with kvc__conn_free. */
+kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_conn **out);
 
-/* Records err's message for kvc_last_error and returns err (for `return kvc__fail(...)`). */
-kv_err kvc__fail(kvc_conn *c, kv_err err, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* Closes the socket and frees c and its buffers; accepts NULL. Whatever the layers above hang
+ * off c (pools) must be gone first. */
+void kvc__conn_free(kvc_conn *c);
 
-/* Reconnects if the previous call broke the connection; KV_EEPOCH when the daemon changed. */
-kv_err kvc__conn_ready(kvc_conn *c);
+/* Connects the socket to c->path (blocking connect, non-blocking I/O after) and clears broken.
+ * KV_ESYS with the last error set when that fails. Hello is the caller's. */
+kv_err kvc__conn_dial(kvc_conn *c);
 
 /* Marks the connection broken (closes the socket, drops queued fds and input). */
 void kvc__conn_break(kvc_conn *c);
 
-/* Appends an op with the envelope env (id assigned here) to b. KV_ETOOBIG when the frame is
- * larger than the daemon accepts, KV_ENOMEM. *op gets the new op (valid until the next add). */
+/* Appends an op with the envelope env (id and epoch assigned here; Hello goes with epoch 0) to
+ * b. KV_ETOOBIG when the frame is larger than the daemon accepts, KV_ESTATE when b was sent and
+ * not waited for, KV_ENOMEM. *op gets the new op (valid until the next add). */
 kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__op **op);
 
-/* Initialises / finalises a batch living in caller storage (synchronous calls). */
+/* Initialises / finalises a batch living in caller storage (synchronous calls). Finalising a
+ * batch that was sent and not waited for breaks the connection (its replies would confuse the
+ * next call). fini accepts NULL. */
 void kvc__batch_init(kvc_batch *b, kvc_conn *c);
 void kvc__batch_fini(kvc_batch *b);
 
-/* Sends the unsent ops of b and, with wait, reads until every op is done. Transport errors
- * break the connection and are returned; op statuses hold per-request results. */
+/* Sends the unsent ops of b and, with wait, reads until every op is done, handing each reply to
+ * c->complete. Transport errors break the connection and are returned (every op not done gets
+ * that status); op statuses hold per-request results. */
 kv_err kvc__exchange(kvc_batch *b, int wait);
-
-/* Handles the reply envelope env for op (rpc.c) and returns the op's status. fds[0..nfds) are
- * the fds the frame carried, in fd_index order (borrowed: the caller closes them). */
-kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, const int *fds,
-                        size_t nfds);
-
-/* Maps the segments of a reply (AttachPoolReply or MapSegmentsReply) into p; fds[0..nfds) are
- * the frame's fds (borrowed). KV_EPROTO for an fd_index out of range or a bad segment. */
-kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs, const int *fds,
-                           size_t nfds);
-
-/* Maps one segment from fd (borrowed) at index seg with nblocks blocks of bytes bytes. Pure
- * mapping arithmetic, testable with a local memfd. */
-kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, uint32_t nblocks,
-                             int read_only);
-
-/* Sets up a pool object's geometry and reserves its layer ranges (no daemon involved). */
-kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t blocks_per_segment,
-                               uint32_t max_segments);
-
-/* Unmaps everything and frees p's arrays (not p itself). */
-void kvc__pool_unmap(kvc_pool *p);
-
-/* The lowest segment slot of p that is not mapped (p->nsegs when every slot below it is). A
- * client asks MapSegments from here, never from the slot it happens to need: asking from a
- * higher slot would leave the hole unmapped (PROTOCOL.md §6, Segments a reply hands out). */
-uint32_t kvc__pool_first_hole(const kvc_pool *p);
-
-/* When p->need_map is set: fetches (MapSegments, synchronously) and maps every live segment from
- * p's first hole on, then clears it. KV_OK when nothing was needed. */
-kv_err kvc__pool_map_new(kvc_pool *p);
-
-/* Fetches and maps every segment of p with index >= from (MapSegments until a short reply). */
-kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from);
-
-/* 1 when block's segment of p is mapped and holds the block. */
-int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block);
-
-/* Frees p and its linked pools (unmapped, taken off the connection's list). Accepts NULL. */
-void kvc__pool_destroy(kvc_pool *p);
 
 #endif

@@ -18,8 +18,10 @@ static void test_only_public_symbols(void **state) {
     for (size_t i = 0; i < sizeof(exported) / sizeof(exported[0]); i++) {
         assert_non_null(dlsym(so, exported[i]));
     }
-    const char *hidden[] = {"kvc__exchange", "kvc__pool_map_segment", "kv_wire_decode",
-                            "kv_hash_chain", "kv_layout_offset",      "kvd__envelope__pack"};
+    const char *hidden[] = {"kvc__exchange",      "kvc__pool_map_segment", "kvc__op_complete",
+                            "kvc__fail",          "kvc__gpu_mapper",       "kv_wire_decode",
+                            "kv_arena_alloc",     "kv_hash_chain",         "kv_layout_offset",
+                            "kvd__envelope__pack"};
     for (size_t i = 0; i < sizeof(hidden) / sizeof(hidden[0]); i++) {
         assert_null(dlsym(so, hidden[i]));
     }

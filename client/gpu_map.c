@@ -6,8 +6,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
+#include "client/diag.h"
+#include "client/map.h"
 #include "common/kv_cuda.h"
 
 #define GPU_MAX_RESERVE (4ull << 40) /* device address space reserved per pool at most */
@@ -46,7 +47,7 @@ static void load_driver(void) {
 
 static kv_err cu_fail(kvc_pool *p, kv_cu_result r, const char *what, uint32_t seg) {
     char buf[160];
-    return kvc__fail(p->conn, r == KV_CU_ERROR_OUT_OF_MEMORY ? KV_ENOMEM : KV_ESYS,
+    return kvc__fail(p->diag, r == KV_CU_ERROR_OUT_OF_MEMORY ? KV_ENOMEM : KV_ESYS,
                      "segment %u: %s failed: %s", seg, what,
                      kv_cuda_strerror(&driver, r, buf, sizeof(buf)));
 }
@@ -69,21 +70,6 @@ static void ctx_leave(const gpu_pool *g, kv_cu_context prev) {
 
 static uint64_t section_stride(const kvc_pool *p) {
     return (uint64_t)p->blocks_per_segment * p->layout.kv_block_bytes;
-}
-
-/* Gives back the host PROT_NONE layer ranges kvc__pool_init_geometry reserved. */
-static void drop_host_layers(kvc_pool *p) {
-    if (p->layer_base == NULL) {
-        return;
-    }
-    for (uint32_t i = 0; i < p->layout.num_layers * 2; i++) {
-        if (p->layer_base[i] != NULL) {
-            munmap(p->layer_base[i], p->layer_range_bytes);
-        }
-    }
-    free(p->layer_base);
-    p->layer_base = NULL;
-    p->layer_range_bytes = 0;
 }
 
 /* Unmaps seg's sections from the layer ranges. */
@@ -127,7 +113,7 @@ static void reserve_gpu_layers(kvc_pool *p, gpu_pool *g, uint32_t need) {
     const kv_layout *l = &p->layout;
     uint64_t stride = section_stride(p);
     if (l->arrangement != KV_LAYER_MAJOR || stride % g->gran != 0) {
-        kvc__log(p->conn, KVC_LOG_WARN, "KVC-GPU-ALIGN",
+        kvc__log(p->diag, KVC_LOG_WARN, "KVC-GPU-ALIGN",
                  "pool %u: layer sections (%llu bytes) are not multiples of the GPU granularity "
                  "(%llu); layer tensors off, use kvc_pool_addr",
                  p->pool_id, (unsigned long long)stride, (unsigned long long)g->gran);
@@ -167,16 +153,16 @@ static void reserve_gpu_layers(kvc_pool *p, gpu_pool *g, uint32_t need) {
         free(va);
         free(bases);
     }
-    kvc__log(p->conn, KVC_LOG_WARN, "KVC-GPU-RESERVE",
+    kvc__log(p->diag, KVC_LOG_WARN, "KVC-GPU-RESERVE",
              "pool %u: cannot reserve device address space for layer tensors; use kvc_pool_addr",
              p->pool_id);
 }
 
 /* Turns p into a GPU pool of kind on the first GPU segment. */
-static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind) {
+static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind, const unsigned char *device_uuid) {
     pthread_once(&load_once, load_driver);
     if (driver_rc != KV_OK) {
-        return kvc__fail(p->conn, KV_ENOGPU, "pool %u has GPU segments but %s", p->pool_id,
+        return kvc__fail(p->diag, KV_ENOGPU, "pool %u has GPU segments but %s", p->pool_id,
                          driver_why);
     }
     gpu_pool *g = calloc(1, sizeof(*g));
@@ -213,24 +199,23 @@ static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind) {
     if (drc != KV_OK) {
         free(g->segs);
         free(g);
-        return kvc__fail(p->conn, KV_ENOGPU, "pool %u: %s", p->pool_id, why);
+        return kvc__fail(p->diag, KV_ENOGPU, "pool %u: %s", p->pool_id, why);
     }
     g->ctx = d.ctx;
     g->dev = d.dev;
     g->own_primary = 1;
     /* The daemon's segments live on one GPU: mapping them from another would work (over NVLink
      * or PCIe) and quietly run attention at a fraction of its speed. */
-    const kvc_pool *o = kvc_pool_owner(p);
-    if (o->has_device_uuid && memcmp(o->device_uuid, d.uuid.bytes, 16) != 0) {
+    if (device_uuid != NULL && memcmp(device_uuid, d.uuid.bytes, 16) != 0) {
         char mine[48], theirs[48];
         kv_cu_uuid u;
-        memcpy(u.bytes, o->device_uuid, 16);
+        memcpy(u.bytes, device_uuid, 16);
         kv_cuda_uuid_str(&d.uuid, mine, sizeof(mine));
         kv_cuda_uuid_str(&u, theirs, sizeof(theirs));
         driver.primary_ctx_release(g->dev);
         free(g->segs);
         free(g);
-        return kvc__fail(p->conn, KV_ENOGPU,
+        return kvc__fail(p->diag, KV_ENOGPU,
                          "pool %u lives on GPU %s (kvd --device), but this process uses GPU %s "
                          "(device %d): run the worker on kvd's GPU (CUDA_VISIBLE_DEVICES / "
                          "KVC_CUDA_DEVICE) or start kvd on this one",
@@ -252,11 +237,11 @@ static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind) {
         }
         free(g->segs);
         free(g);
-        return kvc__fail(p->conn, KV_ENOGPU, "pool %u: the device cannot map VMM memory",
+        return kvc__fail(p->diag, KV_ENOGPU, "pool %u: the device cannot map VMM memory",
                          p->pool_id);
     }
     g->gran = gran;
-    drop_host_layers(p);
+    kvc__pool_drop_layers(p); /* host PROT_NONE ranges of kvc__pool_init_geometry */
     p->gpu = g;
     return KV_OK;
 }
@@ -323,7 +308,7 @@ static void map_sections(kvc_pool *p, gpu_pool *g, uint32_t seg, kv_cu_mem_handl
     }
     return;
 fail:
-    kvc__log(p->conn, KVC_LOG_WARN, "KVC-GPU-ALIGN",
+    kvc__log(p->diag, KVC_LOG_WARN, "KVC-GPU-ALIGN",
              "pool %u segment %u: a layer section cannot be mapped at its offset; layer tensors "
              "off, use kvc_pool_addr",
              p->pool_id, seg);
@@ -353,7 +338,7 @@ static kv_err map_part(kvc_pool *p, gpu_pool *g, uint32_t seg, int fd, kv_cu_dev
     if (set_access(g, va, bytes) != KV_OK) {
         driver.mem_unmap(va, (size_t)bytes);
         driver.mem_release(h);
-        return kvc__fail(p->conn, KV_ESYS, "segment %u: cuMemSetAccess failed", seg);
+        return kvc__fail(p->diag, KV_ESYS, "segment %u: cuMemSetAccess failed", seg);
     }
     *h_out = h;
     return KV_OK;
@@ -369,13 +354,13 @@ static kv_err map_vmm_parts(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, con
     uint64_t sum = 0;
     for (size_t k = 0; k < s->n_part_bytes; k++) {
         if (s->part_bytes[k] == 0 || s->part_bytes[k] % g->gran != 0) {
-            return kvc__fail(p->conn, KV_EPROTO, "segment %u: part %zu of %llu bytes", s->index, k,
+            return kvc__fail(p->diag, KV_EPROTO, "segment %u: part %zu of %llu bytes", s->index, k,
                              (unsigned long long)s->part_bytes[k]);
         }
         sum += s->part_bytes[k];
     }
     if (sum != s->bytes || s->fd_index + s->n_part_bytes > nfds) {
-        return kvc__fail(p->conn, KV_EPROTO,
+        return kvc__fail(p->diag, KV_EPROTO,
                          "segment %u: %zu parts of %llu bytes for a %llu-byte segment, %zu fds",
                          s->index, s->n_part_bytes, (unsigned long long)sum,
                          (unsigned long long)s->bytes, nfds);
@@ -436,12 +421,12 @@ static kv_err map_vmm_parts(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, con
     gs->parts = malloc(sizeof(*gs->parts) * s->n_part_bytes);
     if (gs->parts == NULL) {
         unmap_seg(p, g, s->index);
-        return kvc__fail(p->conn, KV_ENOMEM, "segment %u: out of memory", s->index);
+        return kvc__fail(p->diag, KV_ENOMEM, "segment %u: out of memory", s->index);
     }
     memcpy(gs->parts, s->part_bytes, sizeof(*gs->parts) * s->n_part_bytes);
     gs->nparts = s->n_part_bytes;
     if (!layers && g->layer_va != NULL && l->arrangement == KV_LAYER_MAJOR) {
-        kvc__log(p->conn, KVC_LOG_WARN, "KVC-GPU-ALIGN",
+        kvc__log(p->diag, KVC_LOG_WARN, "KVC-GPU-ALIGN",
                  "pool %u segment %u: a layer section could not be mapped; layer tensors off, "
                  "use kvc_pool_addr",
                  p->pool_id, s->index);
@@ -452,7 +437,7 @@ static kv_err map_vmm_parts(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, con
 
 static kv_err map_vmm(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, int fd) {
     if (s->bytes % g->gran != 0) {
-        return kvc__fail(p->conn, KV_EPROTO,
+        return kvc__fail(p->diag, KV_EPROTO,
                          "segment %u: %llu bytes is not a multiple of the GPU granularity %llu",
                          s->index, (unsigned long long)s->bytes, (unsigned long long)g->gran);
     }
@@ -478,7 +463,7 @@ static kv_err map_vmm(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s, int fd) {
         goto cleanup_va;
     }
     if (set_access(g, va, s->bytes) != KV_OK) {
-        rc = kvc__fail(p->conn, KV_ESYS, "segment %u: cuMemSetAccess failed", s->index);
+        rc = kvc__fail(p->diag, KV_ESYS, "segment %u: cuMemSetAccess failed", s->index);
         goto cleanup_map;
     }
     gpu_seg *gs = &g->segs[s->index];
@@ -500,7 +485,7 @@ cleanup_handle:
 
 static kv_err map_ipc(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s) {
     if (s->ipc_handle.len != KV_CU_IPC_HANDLE_SIZE) {
-        return kvc__fail(p->conn, KV_EPROTO, "segment %u: CUDA_IPC handle of %zu bytes, not 64",
+        return kvc__fail(p->diag, KV_EPROTO, "segment %u: CUDA_IPC handle of %zu bytes, not 64",
                          s->index, s->ipc_handle.len);
     }
     kv_cu_ipc_mem_handle h;
@@ -517,31 +502,32 @@ static kv_err map_ipc(kvc_pool *p, gpu_pool *g, const Kvd__Segment *s) {
     return KV_OK;
 }
 
-kv_err kvc__gpu_map_segment(kvc_pool *p, const Kvd__Segment *s, const int *fds, size_t nfds) {
+static kv_err gpu_map_segment(kvc_pool *p, const Kvd__Segment *s, const int *fds, size_t nfds,
+                              const unsigned char *device_uuid) {
     const kv_layout *l = &p->layout;
     uint32_t kind = (uint32_t)s->kind;
     if (s->index >= p->max_segments || s->nblocks == 0 || s->nblocks > p->blocks_per_segment ||
         s->bytes < kv_layout_segment_bytes(l, s->nblocks) || s->bytes > SIZE_MAX) {
-        return kvc__fail(p->conn, KV_EPROTO, "segment %u: bad geometry (%u blocks, %llu bytes)",
+        return kvc__fail(p->diag, KV_EPROTO, "segment %u: bad geometry (%u blocks, %llu bytes)",
                          s->index, s->nblocks, (unsigned long long)s->bytes);
     }
     if (kind == KVD__MEMORY_KIND__CUDA_VMM && s->fd_index >= nfds) {
-        return kvc__fail(p->conn, KV_EPROTO, "segment %u names fd %u of %zu", s->index, s->fd_index,
+        return kvc__fail(p->diag, KV_EPROTO, "segment %u names fd %u of %zu", s->index, s->fd_index,
                          nfds);
     }
     if (p->gpu == NULL) {
         if (p->nsegs != 0) {
-            return kvc__fail(p->conn, KV_EPROTO, "segment %u is GPU memory in a host pool",
+            return kvc__fail(p->diag, KV_EPROTO, "segment %u is GPU memory in a host pool",
                              s->index);
         }
-        kv_err rc = gpu_pool_init(p, kind);
+        kv_err rc = gpu_pool_init(p, kind, device_uuid);
         if (rc != KV_OK) {
             return rc;
         }
     }
     gpu_pool *g = p->gpu;
     if (g->kind != kind) {
-        return kvc__fail(p->conn, KV_EPROTO, "segment %u: memory kind %u in a pool of kind %u",
+        return kvc__fail(p->diag, KV_EPROTO, "segment %u: memory kind %u in a pool of kind %u",
                          s->index, kind, g->kind);
     }
     gpu_seg *gs = &g->segs[s->index];
@@ -571,7 +557,7 @@ kv_err kvc__gpu_map_segment(kvc_pool *p, const Kvd__Segment *s, const int *fds, 
     return KV_OK;
 }
 
-void kvc__gpu_pool_unmap(kvc_pool *p) {
+static void gpu_pool_unmap(kvc_pool *p) {
     if (p == NULL || p->gpu == NULL) {
         return;
     }
@@ -592,3 +578,8 @@ void kvc__gpu_pool_unmap(kvc_pool *p) {
     free(g);
     p->gpu = NULL;
 }
+
+const kvc__gpu_ops kvc__gpu_mapper = {
+    .map_segment = gpu_map_segment,
+    .unmap = gpu_pool_unmap,
+};

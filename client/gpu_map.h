@@ -19,24 +19,25 @@
  *    layer tensors are not available (kvc_pool_layer_base returns NULL): engines index per
  *    segment through kvc_pool_segment_base / kvc_pool_addr.
  * read_only is not enforced for GPU memory (whoever holds the handle may map it writable).
+ * This module works on the pool record of client/map.h and is reached only through the table
+ * below (kvc_pool.gpu_ops, installed where pools are made), so map.c never calls it by name.
  * Threads: the pool's (see kvclient.h).
  */
 #ifndef KVC_GPU_MAP_H
 #define KVC_GPU_MAP_H
 
-#include <stddef.h>
+#include "client/map.h"
 
-#include "client/conn.h"
-
-/* Maps one CUDA_VMM or CUDA_IPC segment of a reply into p; fds[0..nfds) are the frame's fds
- * (borrowed). The first GPU segment turns the pool into a GPU pool (its host layer
- * reservations are given back); a pool never mixes kinds (KV_EPROTO). KV_ENOGPU when the driver
- * or a context cannot be had, KV_EPROTO for a bad segment, KV_ESYS for a driver error; the
- * connection's last error says which. */
-kv_err kvc__gpu_map_segment(kvc_pool *p, const Kvd__Segment *s, const int *fds, size_t nfds);
-
-/* Unmaps every GPU mapping of p (closes IPC handles, frees reserved ranges, releases a retained
- * primary context) and leaves p->segs[].base and p->layer_base NULL. No-op for host pools. */
-void kvc__gpu_pool_unmap(kvc_pool *p);
+/* The GPU segment mapper, to install as kvc_pool.gpu_ops:
+ *  - map_segment: maps one CUDA_VMM or CUDA_IPC segment of a reply into the pool. The first GPU
+ *    segment turns the pool into a GPU pool (its host layer reservations are given back); a
+ *    pool never mixes kinds (KV_EPROTO). With device_uuid, the device the mappings are made on
+ *    must be that GPU (KV_ENOGPU otherwise). KV_ENOGPU when the driver or a context cannot be
+ *    had, KV_EPROTO for a bad segment, KV_ESYS for a driver error; the pool's last error says
+ *    which.
+ *  - unmap: unmaps every GPU mapping of the pool (closes IPC handles, frees reserved ranges,
+ *    releases a retained primary context) and leaves its segment bases and layer_base NULL.
+ *    No-op for host pools. */
+extern const kvc__gpu_ops kvc__gpu_mapper;
 
 #endif

@@ -12,6 +12,8 @@
 #include <cmocka.h>
 
 #include "client/conn.h"
+#include "client/map.h"
+#include "client/rpc.h"
 #include "common/kv_wire.h"
 
 typedef struct fixture {
@@ -28,6 +30,7 @@ static fixture *fx_new(void) {
     fixture *f = calloc(1, sizeof(*f));
     assert_non_null(f);
     f->pool.conn = &f->conn;
+    f->pool.diag = &f->conn.diag;
     f->pool.blocks_per_segment = 16;
     for (uint32_t i = 0; i < 8; i++) {
         kv_wire_block_put(f->buf, i, 100 + i, 7 * i);

@@ -1,245 +1,75 @@
-/* pool: libkvclient's mapping of a pool's segments, block addresses, and block hashing.
+/* pool: libkvclient's public pool calls: attach and detach, the accessors, block addresses
+ * and block hashing.
  *
- * Each segment's memfd is mapped whole (kv_layout byte order; kvc_pool_addr works through it).
- * For LAYER_MAJOR pools the library also reserves, at attach, one PROT_NONE range per (layer,
- * K|V) large enough for every segment the pool may ever have, and maps each segment's
- * (layer, K|V) section into its place with MAP_FIXED and the section's file offset, so block id
- * b of layer l is at layer_base + b * kv_block_bytes: one ordinary paged tensor per layer, as
- * vLLM and FlashInfer index it. Both views share the same pages (MAP_SHARED of one file), so a
- * write through either is seen through the other and by every other worker.
- *
- * Linked pools (a tenant's groups and the commons) are kvc_pools of their own, owned by the
- * attached pool that linked them and freed with it; every address function works on them.
- * Read-only segments (the commons) are mapped PROT_READ from the read-only fd the daemon sends.
+ * The pool record and its mappings are client/map.h's, the AttachPool and MapSegments round
+ * trips client/rpc.h's; this module puts them together. An attached pool gets the GPU segment
+ * mapper (client/gpu_map.h), and the linked pools its attach makes (a tenant's groups and the
+ * commons) inherit it. Linked pools are owned by the attached pool that linked them and freed
+ * with it; every address function works on them.
  */
-#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "client/conn.h"
+#include "client/diag.h"
 #include "client/gpu_map.h"
+#include "client/map.h"
+#include "client/rpc.h"
 
-#define KVC__MAX_SEGMENTS 4096        /* the daemon's per-pool limit (KVD_MAX_SEGMENTS) */
-#define KVC__MAX_RESERVE (1ull << 40) /* address space reserved per pool at most (1 TiB) */
-
-static uint64_t page_size(void) {
-    long ps = sysconf(_SC_PAGESIZE);
-    return ps > 0 ? (uint64_t)ps : 4096;
-}
-
-void kvc__pool_unmap(kvc_pool *p) {
+kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout, kvc_pool **out) {
+    kv_err err = kvc__rpc_ready(c);
+    if (err != KV_OK && err != KV_EEPOCH) {
+        return err;
+    }
+    if (model_id == NULL || model_id[0] == '\0' || strlen(model_id) > 128 || layout == NULL) {
+        return kvc__fail(&c->diag, KV_EINVAL,
+                         "attach needs a model id of 1..128 bytes and a layout");
+    }
+    const char *why =
+        kv_layout_check_msg(layout->num_layers, layout->num_kv_heads, layout->head_dim,
+                            layout->tokens_per_block, layout->dtype, layout->arrangement);
+    if (why != NULL) {
+        return kvc__fail(&c->diag, KV_EINVAL, "bad layout: %s", why);
+    }
+    kvc_pool *p = calloc(1, sizeof(*p));
     if (p == NULL) {
-        return;
+        return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a pool");
     }
-    kvc__gpu_pool_unmap(p); /* GPU pools: device mappings first; leaves bases NULL */
-    if (p->segs != NULL) {
-        for (uint32_t i = 0; i < p->max_segments; i++) {
-            if (p->segs[i].base != NULL) {
-                munmap(p->segs[i].base, p->segs[i].bytes);
-            }
-        }
-        free(p->segs);
-        p->segs = NULL;
+    p->conn = c;
+    p->diag = &c->diag;
+    p->gpu_ops = &kvc__gpu_mapper;
+    err = kvc__rpc_attach(p, model_id, layout);
+    if (err != KV_OK) {
+        kvc__pool_destroy(p); /* not on the connection's list yet */
+        return err;
     }
-    if (p->layer_base != NULL) {
-        for (uint32_t i = 0; i < p->layout.num_layers * 2; i++) {
-            if (p->layer_base[i] != NULL) {
-                munmap(p->layer_base[i], p->layer_range_bytes);
-            }
-        }
-        free(p->layer_base);
-        p->layer_base = NULL;
-    }
-    p->nsegs = 0;
-}
-
-/* Reserves the per-(layer, K|V) ranges; leaves layer_base NULL where that is not possible. */
-static void reserve_layers(kvc_pool *p) {
-    const kv_layout *l = &p->layout;
-    uint64_t stride = (uint64_t)p->blocks_per_segment * l->kv_block_bytes;
-    if (l->arrangement != KV_LAYER_MAJOR || stride % page_size() != 0) {
-        return;
-    }
-    uint64_t range;
-    uint64_t total;
-    if (__builtin_mul_overflow(stride, (uint64_t)p->max_segments, &range) ||
-        __builtin_mul_overflow(range, (uint64_t)l->num_layers * 2, &total) ||
-        total > KVC__MAX_RESERVE) {
-        kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-RESERVE",
-                 "layer tensors would need more than 1 TiB of address space; use kvc_pool_addr");
-        return;
-    }
-    uint8_t **bases = calloc((size_t)l->num_layers * 2, sizeof(*bases));
-    if (bases == NULL) {
-        return;
-    }
-    for (uint32_t i = 0; i < l->num_layers * 2; i++) {
-        void *m = mmap(NULL, range, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (m == MAP_FAILED) {
-            kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-RESERVE", "reserving layer ranges: %s",
-                     strerror(errno));
-            for (uint32_t j = 0; j < i; j++) {
-                munmap(bases[j], range);
-            }
-            free(bases);
-            return;
-        }
-        bases[i] = m;
-    }
-    p->layer_base = bases;
-    p->layer_range_bytes = range;
-}
-
-kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t blocks_per_segment,
-                               uint32_t max_segments) {
-    if (blocks_per_segment == 0 || max_segments == 0 || max_segments > KVC__MAX_SEGMENTS ||
-        layout->block_bytes == 0) {
-        return KV_EINVAL;
-    }
-    p->layout = *layout;
-    p->blocks_per_segment = blocks_per_segment;
-    /* The daemon's limit moves with its memory budget; room for its hard maximum keeps
-     * segments it adds later inside the layer tensors. */
-    p->max_segments = KVC__MAX_SEGMENTS;
-    p->segs = calloc(p->max_segments, sizeof(*p->segs));
-    if (p->segs == NULL) {
-        return KV_ENOMEM;
-    }
-    reserve_layers(p);
-    if (p->layer_base == NULL && layout->arrangement == KV_LAYER_MAJOR) {
-        /* Try the daemon's current limit before giving up on layer tensors. */
-        uint32_t keep = p->max_segments;
-        p->max_segments = max_segments;
-        reserve_layers(p);
-        p->max_segments = keep; /* layer_segments() says how far the ranges reach */
-    }
-    return KV_OK;
-}
-
-/* How many segments the layer ranges cover. */
-static uint32_t layer_segments(const kvc_pool *p) {
-    uint64_t stride = (uint64_t)p->blocks_per_segment * p->layout.kv_block_bytes;
-    return p->layer_base == NULL ? 0 : (uint32_t)(p->layer_range_bytes / stride);
-}
-
-kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, uint32_t nblocks,
-                             int read_only) {
-    const kv_layout *l = &p->layout;
-    if (seg >= p->max_segments || nblocks == 0 || nblocks > p->blocks_per_segment ||
-        bytes < kv_layout_segment_bytes(l, nblocks) || bytes > SIZE_MAX) {
-        return KV_EPROTO;
-    }
-    int prot = read_only ? PROT_READ : PROT_READ | PROT_WRITE;
-    void *base = mmap(NULL, (size_t)bytes, prot, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
-        kvc__log(p->conn, KVC_LOG_ERROR, "KVC-POOL-MMAP", "mmap of segment %u (%llu bytes): %s",
-                 seg, (unsigned long long)bytes, strerror(errno));
-        return KV_ESYS;
-    }
-    kvc__segment *s = &p->segs[seg];
-    if (s->base != NULL) {
-        /* The daemon freed this segment and grew a new one at the same index. */
-        munmap(s->base, s->bytes);
-    }
-    s->base = base;
-    s->bytes = bytes;
-    s->nblocks = nblocks;
-    s->read_only = read_only;
-    if (seg + 1 > p->nsegs) {
-        p->nsegs = seg + 1;
-    }
-    if (p->layer_base == NULL || seg >= layer_segments(p)) {
-        return KV_OK;
-    }
-    uint64_t stride = (uint64_t)p->blocks_per_segment * l->kv_block_bytes;
-    uint64_t len = (uint64_t)nblocks * l->kv_block_bytes;
-    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
-        for (int kv = KV_K; kv <= KV_V; kv++) {
-            uint64_t off = kv_layout_offset(l, nblocks, 0, layer, kv, 0, 0);
-            uint8_t *dst = p->layer_base[layer * 2 + (uint32_t)kv] + (uint64_t)seg * stride;
-            if (off % page_size() != 0) {
-                /* Sections are page aligned when blocks_per_segment makes them so (the daemon
-                 * promises it); a short last segment of another daemon might not be. */
-                kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-ALIGN",
-                         "segment %u: layer section not page aligned; layer tensors disabled", seg);
-                goto no_layers;
-            }
-            void *m = mmap(dst, (size_t)len, prot, MAP_SHARED | MAP_FIXED, fd, (off_t)off);
-            if (m == MAP_FAILED) {
-                kvc__log(p->conn, KVC_LOG_WARN, "KVC-POOL-MMAP",
-                         "segment %u: mapping layer section: %s; layer tensors disabled", seg,
-                         strerror(errno));
-                goto no_layers;
-            }
-        }
-    }
-    return KV_OK;
-no_layers:
-    for (uint32_t i = 0; i < l->num_layers * 2; i++) {
-        munmap(p->layer_base[i], p->layer_range_bytes);
-    }
-    free(p->layer_base);
-    p->layer_base = NULL;
-    return KV_OK;
-}
-
-kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs, const int *fds,
-                           size_t nfds) {
-    for (size_t i = 0; i < nsegs; i++) {
-        const Kvd__Segment *s = segs[i];
-        if (s->kind == KVD__MEMORY_KIND__CUDA_VMM || s->kind == KVD__MEMORY_KIND__CUDA_IPC) {
-            kv_err err = kvc__gpu_map_segment(p, s, fds, nfds); /* client/gpu_map.c */
-            if (err != KV_OK) {
-                return err;
-            }
-            continue;
-        }
-        if (s->kind != KVD__MEMORY_KIND__HOST_MEMFD || p->gpu != NULL) {
-            return kvc__fail(p->conn, KV_ENOTSUP,
-                             "segment %u has memory kind %d, which this pool cannot map", s->index,
-                             (int)s->kind);
-        }
-        if (s->fd_index >= nfds) {
-            return kvc__fail(p->conn, KV_EPROTO, "segment %u names fd %u of %zu", s->index,
-                             s->fd_index, nfds);
-        }
-        kv_err err = kvc__pool_map_segment(p, s->index, fds[s->fd_index], s->bytes, s->nblocks,
-                                           s->read_only);
-        if (err != KV_OK) {
-            return kvc__fail(p->conn, err, "cannot map segment %u (%u blocks, %llu bytes): %s",
-                             s->index, s->nblocks, (unsigned long long)s->bytes, kv_strerror(err));
-        }
-    }
-    return KV_OK;
-}
-
-/* Takes p off its connection's list and frees its mappings and itself. */
-static void pool_free_one(kvc_pool *p) {
-    if (p->conn != NULL) {
-        for (kvc_pool **pp = &p->conn->pools; *pp != NULL; pp = &(*pp)->next) {
-            if (*pp == p) {
-                *pp = p->next;
-                break;
-            }
-        }
-    }
-    kvc__pool_unmap(p);
-    free(p);
-}
-
-void kvc__pool_destroy(kvc_pool *p) {
-    if (p == NULL) {
-        return;
-    }
+    p->next = c->pools;
+    c->pools = p;
     for (uint32_t i = 0; i < p->nlinked; i++) {
-        if (p->linked[i] != NULL) {
-            pool_free_one(p->linked[i]);
+        p->linked[i]->next = c->pools;
+        c->pools = p->linked[i];
+    }
+    if (p->need_map) {
+        err = kvc__rpc_map_new(p);
+        if (err != KV_OK) {
+            kvc__pool_destroy(p);
+            return err;
         }
     }
-    free(p->linked);
-    pool_free_one(p);
+    /* The linked pools' segments: MapSegments{pool_id, 0} each (PROTOCOL.md AttachPool). The
+     * commons comes read-only and is mapped PROT_READ. */
+    for (uint32_t i = 0; i < p->nlinked; i++) {
+        err = kvc__rpc_map_from(p->linked[i], 0);
+        if (err != KV_OK) {
+            kvc__pool_destroy(p);
+            return err;
+        }
+    }
+    kvc__log(&c->diag, KVC_LOG_INFO, "KVC-POOL-ATTACH",
+             "pool %u: %u segments mapped, %u blocks each, %u linked pools", p->pool_id, p->nsegs,
+             p->blocks_per_segment, p->nlinked);
+    *out = p;
+    return KV_OK;
 }
 
 void kvc_pool_detach(kvc_pool *p) {
@@ -258,20 +88,11 @@ kvc_pool *kvc_pool_linked(const kvc_pool *p, uint32_t i) {
 }
 
 kvc_pool *kvc_pool_owner(const kvc_pool *p) {
-    return p->owner != NULL ? p->owner : (kvc_pool *)p;
+    return kvc__pool_owner(p);
 }
 
 kvc_pool *kvc_pool_find(const kvc_pool *p, uint32_t pool_id) {
-    const kvc_pool *o = kvc_pool_owner(p);
-    if (o->pool_id == pool_id) {
-        return (kvc_pool *)o;
-    }
-    for (uint32_t i = 0; i < o->nlinked; i++) {
-        if (o->linked[i]->pool_id == pool_id) {
-            return o->linked[i];
-        }
-    }
-    return NULL;
+    return kvc__pool_find(p, pool_id);
 }
 
 const char *kvc_pool_domain(const kvc_pool *p) {
@@ -303,7 +124,7 @@ uint32_t kvc_pool_segments(const kvc_pool *p) {
 }
 
 int kvc_pool_stale(const kvc_pool *p) {
-    return p->conn == NULL || p->epoch != p->conn->epoch || p->session != p->conn->session_id;
+    return kvc__pool_stale(p);
 }
 
 void *kvc_pool_segment_base(const kvc_pool *p, uint32_t seg, uint32_t *nblocks) {
@@ -323,24 +144,11 @@ void *kvc_pool_layer_base(const kvc_pool *p, uint32_t layer, int kv) {
     return p->layer_base[layer * 2 + (uint32_t)kv];
 }
 
-/* The segment and slot of block, or NULL when it is not mapped. */
-static const kvc__segment *block_seg(const kvc_pool *p, uint32_t block, uint32_t *slot) {
-    uint32_t seg = block / p->blocks_per_segment;
-    if (seg >= p->nsegs || p->segs[seg].base == NULL) {
-        return NULL;
-    }
-    *slot = block % p->blocks_per_segment;
-    if (*slot >= p->segs[seg].nblocks) {
-        return NULL;
-    }
-    return &p->segs[seg];
-}
-
 void *kvc_pool_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv, uint32_t token,
                     uint32_t head) {
     const kv_layout *l = &p->layout;
     uint32_t slot;
-    const kvc__segment *s = block_seg(p, block, &slot);
+    const kvc__segment *s = kvc__pool_block_seg(p, block, &slot);
     if (s == NULL || layer >= l->num_layers || (kv != KV_K && kv != KV_V) ||
         token >= l->tokens_per_block || head >= l->num_kv_heads) {
         return NULL;
@@ -352,7 +160,7 @@ float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, in
                            uint32_t head) {
     const kv_layout *l = &p->layout;
     uint32_t slot;
-    const kvc__segment *s = block_seg(p, block, &slot);
+    const kvc__segment *s = kvc__pool_block_seg(p, block, &slot);
     if (s == NULL || l->scale_bytes == 0 || layer >= l->num_layers || (kv != KV_K && kv != KV_V) ||
         head >= l->num_kv_heads) {
         return NULL;
@@ -361,23 +169,9 @@ float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, in
                              kv_layout_scale_offset(l, s->nblocks, slot, layer, kv, head));
 }
 
-uint32_t kvc__pool_first_hole(const kvc_pool *p) {
-    for (uint32_t i = 0; i < p->nsegs; i++) {
-        if (p->segs[i].base == NULL) {
-            return i;
-        }
-    }
-    return p->nsegs;
-}
-
-int kvc__pool_block_mapped(const kvc_pool *p, uint32_t block) {
-    uint32_t slot;
-    return block_seg(p, block, &slot) != NULL;
-}
-
 int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block) {
     uint32_t slot;
-    const kvc__segment *s = block_seg(p, block, &slot);
+    const kvc__segment *s = kvc__pool_block_seg(p, block, &slot);
     return s != NULL && s->read_only;
 }
 

@@ -12,7 +12,8 @@
 
 #include <cmocka.h>
 
-#include "client/conn.h"
+#include "client/diag.h"
+#include "client/map.h"
 
 static int make_memfd(uint64_t bytes) {
     int fd = memfd_create("pool-map-test", MFD_CLOEXEC);
@@ -30,8 +31,8 @@ static void test_layer_major_views_agree(void **state) {
     kv_layout l;
     /* 3 layers, 2 heads, dim 64, 16 tokens/block fp16: kv_block_bytes 4096, block 24 KiB. */
     assert_int_equal(kv_layout_init(3, 2, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
-    kvc_conn conn = {.fd = -1};
-    kvc_pool p = {.conn = &conn};
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
     const uint32_t bps = 4;
     assert_int_equal(kvc__pool_init_geometry(&p, &l, bps, 8), KV_OK);
     assert_non_null(kvc_pool_layer_base(&p, 0, KV_K));
@@ -82,8 +83,8 @@ static void test_remap_replaces_segment(void **state) {
     (void)state;
     kv_layout l;
     assert_int_equal(kv_layout_init(1, 1, 128, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
-    kvc_conn conn = {.fd = -1};
-    kvc_pool p = {.conn = &conn};
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
     assert_int_equal(kvc__pool_init_geometry(&p, &l, 2, 4), KV_OK);
     uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, 2));
     int a = make_memfd(seg_bytes);
@@ -107,8 +108,8 @@ static void test_block_major_and_scales(void **state) {
     (void)state;
     kv_layout l;
     assert_int_equal(kv_layout_init(2, 4, 32, 8, KV_DTYPE_INT8, KV_BLOCK_MAJOR, &l), KV_OK);
-    kvc_conn conn = {.fd = -1};
-    kvc_pool p = {.conn = &conn};
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
     assert_int_equal(kvc__pool_init_geometry(&p, &l, 3, 2), KV_OK);
     assert_null(kvc_pool_layer_base(&p, 0, KV_K)); /* block-major has no layer tensors */
     uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, 3));
@@ -131,8 +132,8 @@ static void test_block_major_and_scales(void **state) {
 /* The client's hashing helpers reproduce docs/HASH.md's vectors with the pool's seed. */
 static void test_hash_helpers_match_spec(void **state) {
     (void)state;
-    kvc_conn conn = {.fd = -1};
-    kvc_pool p = {.conn = &conn, .hash_algo = KV_HASH_XXH3_128};
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag, .hash_algo = KV_HASH_XXH3_128};
     assert_int_equal(kv_layout_init(1, 1, 64, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &p.layout), KV_OK);
     uint32_t tok[40];
     for (uint32_t i = 0; i < 40; i++) {

@@ -1,18 +1,23 @@
-/* rpc: libkvclient's requests: encoding each one, handling its reply, and the synchronous and
- * batched entry points.
+/* rpc: libkvclient's requests: the session (Hello, open, reconnect, close), encoding each
+ * request, completing its reply, and the synchronous and batched entry points.
  *
  * Every request is queued into a kvc_batch (a synchronous call uses a batch of one on the
- * stack), so both paths share one encoder and one reply handler per request kind. Replies are
- * checked against what was asked (a Lookup cannot return more blocks than hashes, an Allocate
- * returns exactly count blocks) because a confused daemon must not make us write past a
- * caller's buffer.
+ * stack), so both paths share one encoder and one reply handler per request kind. The transport
+ * (client/conn.c) hands each reply to kvc__op_complete, which kvc_conn_open installs when it
+ * makes the connection. Replies are checked against what was asked (a Lookup cannot return more
+ * blocks than hashes, an Allocate returns exactly count blocks) because a confused daemon must
+ * not make us write past a caller's buffer.
  */
+#include "client/rpc.h"
+
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "client/conn.h"
+#include "client/diag.h"
+#include "client/map.h"
 #include "common/kv_wire.h"
 
 /* Packed lists are encoded straight from the caller's arrays on little-endian hosts. */
@@ -63,14 +68,14 @@ static void note_block(kvc_pool *p, uint32_t id) {
 }
 
 static kv_err bad_reply(kvc_conn *c, const char *what) {
-    kvc__log(c, KVC_LOG_ERROR, "KVC-RPC-REPLY", "malformed reply: %s", what);
-    return kvc__fail(c, KV_EPROTO, "malformed reply from kvd: %s", what);
+    kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-RPC-REPLY", "malformed reply: %s", what);
+    return kvc__fail(&c->diag, KV_EPROTO, "malformed reply from kvd: %s", what);
 }
 
 static kv_err complete_hello(kvc_conn *c, const Kvd__HelloReply *r) {
     if (r->protocol_version != KV_PROTOCOL_VERSION) {
-        return kvc__fail(c, KV_EVERSION, "kvd speaks protocol %u, we speak %u", r->protocol_version,
-                         KV_PROTOCOL_VERSION);
+        return kvc__fail(&c->diag, KV_EVERSION, "kvd speaks protocol %u, we speak %u",
+                         r->protocol_version, KV_PROTOCOL_VERSION);
     }
     if (r->boot_epoch == 0 || r->max_frame_bytes < 1024) {
         return bad_reply(c, "HelloReply without epoch or frame limit");
@@ -98,7 +103,7 @@ static kv_err link_pools(kvc_conn *c, kvc_pool *p, const Kvd__AttachPoolReply *r
     }
     p->linked = calloc(r->n_linked, sizeof(*p->linked));
     if (p->linked == NULL) {
-        return kvc__fail(c, KV_ENOMEM, "out of memory for linked pools");
+        return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for linked pools");
     }
     for (size_t i = 0; i < r->n_linked; i++) {
         const Kvd__LinkedPool *lk = r->linked[i];
@@ -112,10 +117,12 @@ static kv_err link_pools(kvc_conn *c, kvc_pool *p, const Kvd__AttachPoolReply *r
         }
         kvc_pool *lp = calloc(1, sizeof(*lp));
         if (lp == NULL) {
-            return kvc__fail(c, KV_ENOMEM, "out of memory for a linked pool");
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a linked pool");
         }
         p->linked[p->nlinked++] = lp; /* freed with p from here on */
         lp->conn = c;
+        lp->diag = p->diag;
+        lp->gpu_ops = p->gpu_ops; /* maps like the pool that linked it */
         lp->owner = p;
         lp->pool_id = lk->pool_id;
         lp->read_only = lk->read_only;
@@ -123,7 +130,7 @@ static kv_err link_pools(kvc_conn *c, kvc_pool *p, const Kvd__AttachPoolReply *r
         uint32_t bps = lk->blocks_per_segment ? lk->blocks_per_segment : p->blocks_per_segment;
         kv_err err = kvc__pool_init_geometry(lp, &p->layout, bps, max_segments);
         if (err != KV_OK) {
-            return kvc__fail(c, err, "cannot reserve address space for linked pool %u: %s",
+            return kvc__fail(&c->diag, err, "cannot reserve address space for linked pool %u: %s",
                              lk->pool_id, kv_strerror(err));
         }
         lp->hash_algo = p->hash_algo;
@@ -147,7 +154,8 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
         return bad_reply(c, "AttachPoolReply layout is invalid");
     }
     if (l->block_bytes != 0 && l->block_bytes != lay.block_bytes) {
-        return kvc__fail(c, KV_EPROTO, "kvd's block is %llu bytes, ours %llu: layout mismatch",
+        return kvc__fail(&c->diag, KV_EPROTO,
+                         "kvd's block is %llu bytes, ours %llu: layout mismatch",
                          (unsigned long long)l->block_bytes, (unsigned long long)lay.block_bytes);
     }
     uint32_t max_segments = r->max_segments;
@@ -159,7 +167,8 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
     }
     kv_err err = kvc__pool_init_geometry(p, &lay, r->blocks_per_segment, max_segments);
     if (err != KV_OK) {
-        return kvc__fail(c, err, "cannot reserve address space for the pool: %s", kv_strerror(err));
+        return kvc__fail(&c->diag, err, "cannot reserve address space for the pool: %s",
+                         kv_strerror(err));
     }
     p->pool_id = r->pool_id;
     p->hash_algo = r->hash_algo ? (int)r->hash_algo : KV_HASH_XXH3_128;
@@ -201,7 +210,7 @@ static kv_err lookup_pools(kvc_conn *c, kvc__op *op, const Kvd__LookupReply *r, 
     for (size_t i = 0; i < n; i++) {
         kvc_pool *hp = r->pool_ids[i] == op->pool->pool_id
                            ? op->pool
-                           : kvc_pool_find(op->pool, r->pool_ids[i]);
+                           : kvc__pool_find(op->pool, r->pool_ids[i]);
         if (hp == NULL || (hp != op->pool && hp->owner != op->pool)) {
             return bad_reply(c, "LookupReply names a pool that is not linked");
         }
@@ -216,9 +225,9 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
         const Kvd__Error *e = env->error;
         int code = (int)e->code;
         kv_err err = code > 0 && code < KV_ERR_COUNT ? (kv_err)code : KV_EINTERNAL;
-        kvc__log(c, KVC_LOG_DEBUG, "KVC-RPC-ERROR", "request %llu: %s: %s",
+        kvc__log(&c->diag, KVC_LOG_DEBUG, "KVC-RPC-ERROR", "request %llu: %s: %s",
                  (unsigned long long)op->id, kv_err_name(code), e->message ? e->message : "");
-        return kvc__fail(c, err, "%s: %s", kv_err_name(code),
+        return kvc__fail(&c->diag, err, "%s: %s", kv_err_name(code),
                          e->message && e->message[0] ? e->message : kv_strerror(err));
     }
     switch (op->kind) {
@@ -265,7 +274,7 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
             }
             note_new_segments(op->pool, r->new_segments_from);
             for (size_t i = 0; i < r->n_linked_segments; i++) {
-                kvc_pool *lp = kvc_pool_find(op->pool, r->linked_segments[i]->pool_id);
+                kvc_pool *lp = kvc__pool_find(op->pool, r->linked_segments[i]->pool_id);
                 if (lp == NULL || lp == op->pool) {
                     return bad_reply(c, "LookupReply announces segments of a pool not linked");
                 }
@@ -364,20 +373,127 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
     return bad_reply(c, "reply type does not match the request");
 }
 
+/* ---- the session: Hello, open, reconnect, close ---------------------------------------- */
+
+static kv_err hello(kvc_conn *c) {
+    Kvd__Hello h = KVD__HELLO__INIT;
+    h.protocol_version = KV_PROTOCOL_VERSION;
+    h.client_name = c->name;
+    h.token.data = c->token;
+    h.token.len = c->token_len;
+    h.features = KV_FEATURE_PACKED; /* we read packed block lists in replies */
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_HELLO;
+    env.hello = &h;
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    kv_err err = kvc__batch_add(&b, KVC__OP_HELLO, &env, &op);
+    if (err == KV_OK) {
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    return err;
+}
+
+/* Dials and says Hello; on failure the connection is left broken. */
+static kv_err connect_hello(kvc_conn *c) {
+    kvc__conn_break(c);
+    /* Until HelloReply says otherwise, the protocol's default limit. */
+    c->max_frame = KV_WIRE_DEFAULT_MAX_FRAME;
+    kv_err err = kvc__conn_dial(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    uint64_t old = c->epoch;
+    c->epoch = 0; /* accept whatever epoch HelloReply carries */
+    err = hello(c);
+    if (err != KV_OK) {
+        c->epoch = old;
+        kvc__conn_break(c);
+        return err;
+    }
+    c->broken = 0;
+    return KV_OK;
+}
+
+kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out) {
+    kvc_conn *c;
+    kv_err err = kvc__conn_alloc(opts, kvc__op_complete, &c);
+    if (err != KV_OK) {
+        return err;
+    }
+    err = connect_hello(c);
+    if (err != KV_OK) {
+        kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-OPEN", "cannot open session: %s", c->diag.err);
+        kvc__conn_free(c);
+        return err;
+    }
+    kvc__log(&c->diag, KVC_LOG_INFO, "KVC-CONN-HELLO", "session %llu tenant %s epoch %016llx",
+             (unsigned long long)c->session_id, c->tenant, (unsigned long long)c->epoch);
+    *out = c;
+    return KV_OK;
+}
+
+kv_err kvc__rpc_ready(kvc_conn *c) {
+    if (c->active != NULL) {
+        return kvc__fail(&c->diag, KV_ESTATE,
+                         "a batch is in flight on this connection; wait for it");
+    }
+    if (!c->broken && c->fd >= 0) {
+        return KV_OK;
+    }
+    return kvc_conn_reconnect(c);
+}
+
+kv_err kvc_conn_reconnect(kvc_conn *c) {
+    if (c->active != NULL) {
+        return kvc__fail(&c->diag, KV_ESTATE,
+                         "a batch is in flight on this connection; wait for it");
+    }
+    uint64_t old = c->epoch;
+    kv_err err = connect_hello(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (old != 0 && c->epoch != old) {
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-RESTART",
+                 "kvd restarted (epoch %016llx -> %016llx): pools must be attached again",
+                 (unsigned long long)old, (unsigned long long)c->epoch);
+        return kvc__fail(&c->diag, KV_EEPOCH,
+                         "kvd restarted (boot epoch changed); attach pools again");
+    }
+    return KV_OK;
+}
+
+void kvc_conn_close(kvc_conn *c) {
+    if (c == NULL) {
+        return;
+    }
+    while (c->pools != NULL) {
+        /* Linked pools are on the list too; they go with the pool that linked them. */
+        kvc__pool_destroy(kvc__pool_owner(c->pools));
+    }
+    kvc__conn_free(c);
+}
+
 /* ---- encoding ------------------------------------------------------------------------- */
 
 static kv_err check_pool(kvc_conn *c, kvc_pool *p) {
     if (p == NULL) {
-        return kvc__fail(c, KV_EINVAL, "no pool");
+        return kvc__fail(&c->diag, KV_EINVAL, "no pool");
     }
     if (p->epoch != c->epoch) {
-        return kvc__fail(c, KV_EEPOCH, "pool %u belongs to a previous kvd instance; attach again",
-                         p->pool_id);
+        return kvc__fail(&c->diag, KV_EEPOCH,
+                         "pool %u belongs to a previous kvd instance; attach again", p->pool_id);
     }
     if (p->session != c->session_id) {
         /* Same daemon, new session after a lost connection: the daemon dropped every
          * reference and attachment of the old one, so its handles mean nothing now. */
-        return kvc__fail(c, KV_ECLOSED,
+        return kvc__fail(&c->diag, KV_ECLOSED,
                          "pool %u was attached in a session that ended (connection lost); "
                          "attach again",
                          p->pool_id);
@@ -387,10 +503,10 @@ static kv_err check_pool(kvc_conn *c, kvc_pool *p) {
 
 static kv_err check_list(kvc_conn *c, size_t n, const void *ptr) {
     if (n > 0 && ptr == NULL) {
-        return kvc__fail(c, KV_EINVAL, "NULL list");
+        return kvc__fail(&c->diag, KV_EINVAL, "NULL list");
     }
     if (n > c->max_blocks) {
-        return kvc__fail(c, KV_ETOOBIG, "list of %zu exceeds the daemon's %u per request", n,
+        return kvc__fail(&c->diag, KV_ETOOBIG, "list of %zu exceeds the daemon's %u per request", n,
                          c->max_blocks);
     }
     return KV_OK;
@@ -404,7 +520,7 @@ static kv_err refs_build(kvc_conn *c, const kvc_block *blocks, size_t n, Kvd__Bl
     if (m == NULL || p == NULL) {
         free(m);
         free(p);
-        return kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu blocks", n);
+        return kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu blocks", n);
     }
     for (size_t i = 0; i < n; i++) {
         kvd__block_ref__init(&m[i]);
@@ -420,7 +536,7 @@ static kv_err refs_build(kvc_conn *c, const kvc_block *blocks, size_t n, Kvd__Bl
 static kv_err q_ping(kvc_batch *b, const void *payload, size_t len, size_t *index) {
     kvc_conn *c = b->conn;
     if (len > 0 && payload == NULL) {
-        return kvc__fail(c, KV_EINVAL, "NULL payload");
+        return kvc__fail(&c->diag, KV_EINVAL, "NULL payload");
     }
     Kvd__Ping m = KVD__PING__INIT;
     m.nonce = c->next_id * 0x9e3779b97f4a7c15ull + 1;
@@ -451,7 +567,7 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
         err = check_list(c, n, hashes);
     }
     if (err == KV_OK && ((n > 0 && out == NULL) || nhit == NULL)) {
-        err = kvc__fail(c, KV_EINVAL, "NULL output");
+        err = kvc__fail(&c->diag, KV_EINVAL, "NULL output");
     }
     if (err != KV_OK) {
         return err;
@@ -470,7 +586,7 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
 #else
         packed = malloc(n * KV_WIRE_HASH_BYTES + 1);
         if (packed == NULL) {
-            err = kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu hashes", n);
+            err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu hashes", n);
             goto cleanup;
         }
         for (size_t i = 0; i < n; i++) {
@@ -483,7 +599,7 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
         m = malloc((n ? n : 1) * sizeof(*m));
         ptrs = malloc((n ? n : 1) * sizeof(*ptrs));
         if (m == NULL || ptrs == NULL) {
-            err = kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu hashes", n);
+            err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu hashes", n);
             goto cleanup;
         }
         for (size_t i = 0; i < n; i++) {
@@ -521,7 +637,7 @@ static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *o
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK && (count == 0 || out == NULL)) {
-        err = kvc__fail(c, KV_EINVAL, "allocate needs count >= 1 and an output array");
+        err = kvc__fail(&c->diag, KV_EINVAL, "allocate needs count >= 1 and an output array");
     }
     if (err == KV_OK) {
         err = check_list(c, count, out);
@@ -577,11 +693,11 @@ static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *en
     }
     kv_err rerr = rel != NULL ? q_blocks(b, KVC__OP_RELEASE, p, rel, k, 0, 0, 0, NULL) : KV_ENOMEM;
     free(rel);
-    kvc__log(c, KVC_LOG_ERROR, "KVC-COMMIT-UNMAPPED",
+    kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-COMMIT-UNMAPPED",
              "pool %u: refusing to commit %zu block(s) this client cannot address (first: block "
              "%u, segment %u)",
              p->pool_id, bad, first, first / p->blocks_per_segment);
-    return kvc__fail(c, KV_ESTATE,
+    return kvc__fail(&c->diag, KV_ESTATE,
                      "pool %u: %zu of %zu blocks to commit lie in segments this client has not "
                      "mapped (first: block %u in segment %u), so their bytes were not written "
                      "through its mapping; nothing was committed and %s",
@@ -607,7 +723,7 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
     Kvd__BlockRef *r = malloc((n ? n : 1) * sizeof(*r));
     Kvd__Hash128 *h = malloc((n ? n : 1) * sizeof(*h));
     if (e == NULL || ep == NULL || r == NULL || h == NULL) {
-        err = kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu commits", n);
+        err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu commits", n);
         goto cleanup;
     }
     for (size_t i = 0; i < n; i++) {
@@ -672,7 +788,7 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
 #else
         owned = malloc(n * KV_WIRE_BLOCK_BYTES + 1);
         if (owned == NULL) {
-            return kvc__fail(c, KV_ENOMEM, "out of memory encoding %zu blocks", n);
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu blocks", n);
         }
         for (size_t i = 0; i < n; i++) {
             kv_wire_block_put(owned, i, blocks[i].id, blocks[i].gen);
@@ -736,8 +852,8 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
 /* After a batch: fetch segments that replies said are new, so returned blocks are mapped. */
 static kv_err map_pending(kvc_conn *c) {
     for (kvc_pool *p = c->pools; p != NULL; p = p->next) {
-        if (p->need_map && !kvc_pool_stale(p)) {
-            kv_err err = kvc__pool_map_new(p);
+        if (p->need_map && !kvc__pool_stale(p)) {
+            kv_err err = kvc__rpc_map_new(p);
             if (err != KV_OK) {
                 return err;
             }
@@ -764,12 +880,12 @@ static kv_err check_addressable(kvc_conn *c, kvc__op *op) {
         const kvc_pool *p =
             op->kind == KVC__OP_LOOKUP && op->pools != NULL ? op->pools[i] : op->pool;
         if (!kvc__pool_block_mapped(p, out[i].id)) {
-            kvc__log(c, KVC_LOG_ERROR, "KVC-RPC-UNMAPPED",
+            kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-RPC-UNMAPPED",
                      "request %llu returned block %u of pool %u, whose segment %u was never sent "
                      "(first hole %u, %u slots)",
                      (unsigned long long)op->id, out[i].id, p->pool_id,
                      out[i].id / p->blocks_per_segment, kvc__pool_first_hole(p), p->nsegs);
-            op->status = kvc__fail(c, KV_EPROTO,
+            op->status = kvc__fail(&c->diag, KV_EPROTO,
                                    "kvd handed out block %u of pool %u in segment %u, which it "
                                    "never sent to this session (a daemon bug); the blocks of "
                                    "this call are still held: release them",
@@ -799,7 +915,7 @@ static kv_err run_one(kvc_batch *b) {
 
 #define SYNC_CALL(c, queue_expr)                                                                   \
     do {                                                                                           \
-        kv_err err_ = kvc__conn_ready(c);                                                          \
+        kv_err err_ = kvc__rpc_ready(c);                                                           \
         if (err_ != KV_OK) {                                                                       \
             return err_;                                                                           \
         }                                                                                          \
@@ -825,7 +941,7 @@ kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *ou
 kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
                           kvc_pool **pools, size_t *nhit) {
     if (pools == NULL) {
-        return kvc__fail(p->conn, KV_EINVAL, "NULL pools output");
+        return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL pools output");
     }
     SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, pools, nhit, NULL));
 }
@@ -836,7 +952,7 @@ kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
 
 kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
     kvc_conn *c = p->conn;
-    kv_err err = kvc__conn_ready(c);
+    kv_err err = kvc__rpc_ready(c);
     if (err != KV_OK) {
         return err;
     }
@@ -846,10 +962,10 @@ kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_bl
     err = q_commit(&b, p, entries, n, canonical, NULL);
     if (err == KV_ESTATE && b.nops == 1 && b.ops[0].kind == KVC__OP_RELEASE) {
         /* The guard refused and queued the leases' Release: send it, keep the guard's error. */
-        char why[sizeof(c->err)];
-        snprintf(why, sizeof(why), "%s", c->err);
+        char why[sizeof(c->diag.err)];
+        snprintf(why, sizeof(why), "%s", c->diag.err);
         (void)run_one(&b);
-        snprintf(c->err, sizeof(c->err), "%s", why);
+        snprintf(c->diag.err, sizeof(c->diag.err), "%s", why);
         return KV_ESTATE;
     }
     if (err != KV_OK) {
@@ -886,10 +1002,11 @@ static kv_err blocks_multi(kvc__op_kind kind, kvc_pool *const *pools, const kvc_
     kvc_conn *c = pools[0]->conn;
     for (size_t i = 1; i < n; i++) {
         if (pools[i] == NULL || pools[i]->conn != c) {
-            return kvc__fail(c, KV_EINVAL, "pools[%zu] is not a pool of the same connection", i);
+            return kvc__fail(&c->diag, KV_EINVAL, "pools[%zu] is not a pool of the same connection",
+                             i);
         }
     }
-    kv_err err = kvc__conn_ready(c);
+    kv_err err = kvc__rpc_ready(c);
     if (err != KV_OK) {
         return err;
     }
@@ -968,7 +1085,7 @@ kv_err kvc_stat_get(kvc_conn *c, uint32_t pool_id, const char *name, uint64_t *v
         return err;
     }
     if (!f.found) {
-        return kvc__fail(c, KV_ENOENT, "kvd reports no statistic named %s", name);
+        return kvc__fail(&c->diag, KV_ENOENT, "kvd reports no statistic named %s", name);
     }
     *value = f.value;
     return KV_OK;
@@ -999,14 +1116,14 @@ static kv_err map_once(kvc_pool *p, uint32_t first_index, size_t *nsegs) {
     return err;
 }
 
-kv_err kvc__pool_map_new(kvc_pool *p) {
+kv_err kvc__rpc_map_new(kvc_pool *p) {
     if (!p->need_map) {
         return KV_OK;
     }
-    return kvc__pool_map_from(p, kvc__pool_first_hole(p));
+    return kvc__rpc_map_from(p, kvc__pool_first_hole(p));
 }
 
-kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from) {
+kv_err kvc__rpc_map_from(kvc_pool *p, uint32_t from) {
     for (;;) {
         size_t n = 0;
         /* Clear first: the MapSegments reply itself never sets it. */
@@ -1024,25 +1141,8 @@ kv_err kvc__pool_map_from(kvc_pool *p, uint32_t from) {
     }
 }
 
-kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout, kvc_pool **out) {
-    kv_err err = kvc__conn_ready(c);
-    if (err != KV_OK && err != KV_EEPOCH) {
-        return err;
-    }
-    if (model_id == NULL || model_id[0] == '\0' || strlen(model_id) > 128 || layout == NULL) {
-        return kvc__fail(c, KV_EINVAL, "attach needs a model id of 1..128 bytes and a layout");
-    }
-    const char *why =
-        kv_layout_check_msg(layout->num_layers, layout->num_kv_heads, layout->head_dim,
-                            layout->tokens_per_block, layout->dtype, layout->arrangement);
-    if (why != NULL) {
-        return kvc__fail(c, KV_EINVAL, "bad layout: %s", why);
-    }
-    kvc_pool *p = calloc(1, sizeof(*p));
-    if (p == NULL) {
-        return kvc__fail(c, KV_ENOMEM, "out of memory for a pool");
-    }
-    p->conn = c;
+kv_err kvc__rpc_attach(kvc_pool *p, const char *model_id, const kv_layout *layout) {
+    kvc_conn *c = p->conn;
     Kvd__Layout l = KVD__LAYOUT__INIT;
     l.num_layers = layout->num_layers;
     l.num_kv_heads = layout->num_kv_heads;
@@ -1059,7 +1159,7 @@ kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layou
     kvc_batch b;
     kvc__batch_init(&b, c);
     kvc__op *op;
-    err = kvc__batch_add(&b, KVC__OP_ATTACH, &env, &op);
+    kv_err err = kvc__batch_add(&b, KVC__OP_ATTACH, &env, &op);
     if (err == KV_OK) {
         op->pool = p;
         err = kvc__exchange(&b, 1);
@@ -1068,38 +1168,6 @@ kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layou
         err = b.ops[0].status;
     }
     kvc__batch_fini(&b);
-    if (err != KV_OK) {
-        goto fail;
-    }
-    p->next = c->pools;
-    c->pools = p;
-    for (uint32_t i = 0; i < p->nlinked; i++) {
-        p->linked[i]->next = c->pools;
-        c->pools = p->linked[i];
-    }
-    if (p->need_map) {
-        err = kvc__pool_map_new(p);
-        if (err != KV_OK) {
-            kvc__pool_destroy(p);
-            return err;
-        }
-    }
-    /* The linked pools' segments: MapSegments{pool_id, 0} each (PROTOCOL.md AttachPool). The
-     * commons comes read-only and is mapped PROT_READ. */
-    for (uint32_t i = 0; i < p->nlinked; i++) {
-        err = kvc__pool_map_from(p->linked[i], 0);
-        if (err != KV_OK) {
-            kvc__pool_destroy(p);
-            return err;
-        }
-    }
-    kvc__log(c, KVC_LOG_INFO, "KVC-POOL-ATTACH",
-             "pool %u: %u segments mapped, %u blocks each, %u linked pools", p->pool_id, p->nsegs,
-             p->blocks_per_segment, p->nlinked);
-    *out = p;
-    return KV_OK;
-fail:
-    kvc__pool_destroy(p); /* not on the connection's list yet */
     return err;
 }
 
@@ -1152,7 +1220,7 @@ kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, siz
 kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                                 kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
     if (pools == NULL) {
-        return kvc__fail(b->conn, KV_EINVAL, "NULL pools output");
+        return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL pools output");
     }
     return q_lookup(b, p, hashes, n, out, pools, nhit, index);
 }
@@ -1180,14 +1248,14 @@ kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size
 kv_err kvc_batch_send(kvc_batch *b) {
     kvc_conn *c = b->conn;
     if (!b->in_flight) {
-        kv_err err = kvc__conn_ready(c);
+        kv_err err = kvc__rpc_ready(c);
         if (err != KV_OK) {
             return err;
         }
         /* Frames were encoded with the epoch of queuing time; a reconnect in between means
          * they are about handles of another daemon instance and it would refuse them. */
         for (size_t i = b->nsent; i < b->nops; i++) {
-            if (b->ops[i].pool != NULL && kvc_pool_stale(b->ops[i].pool)) {
+            if (b->ops[i].pool != NULL && kvc__pool_stale(b->ops[i].pool)) {
                 return check_pool(c, b->ops[i].pool);
             }
         }

@@ -16,6 +16,8 @@
 #include <string.h>
 
 #include "client/conn.h"
+#include "client/diag.h"
+#include "client/map.h"
 
 struct kvc_seq {
     kvc_pool *pool;                   /* pool the blocks live in */
@@ -140,13 +142,13 @@ static kv_err drop_blocks(kvc_seq *s, size_t from, size_t n, int rewind) {
 kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cached_tokens) {
     kvc_conn *c = s->pool->conn;
     if (s->len != 0 || s->nblocks != 0) {
-        return kvc__fail(c, KV_ESTATE, "prefill of a sequence that is not empty");
+        return kvc__fail(&c->diag, KV_ESTATE, "prefill of a sequence that is not empty");
     }
     if (n == 0 || tokens == NULL) {
-        return kvc__fail(c, KV_EINVAL, "prefill needs at least one token");
+        return kvc__fail(&c->diag, KV_EINVAL, "prefill needs at least one token");
     }
     if (n > s->max_tokens) {
-        return kvc__fail(c, KV_ETOOBIG, "prompt of %zu tokens exceeds the sequence's %zu", n,
+        return kvc__fail(&c->diag, KV_ETOOBIG, "prompt of %zu tokens exceeds the sequence's %zu", n,
                          s->max_tokens);
     }
     memcpy(s->tokens, tokens, n * sizeof(*tokens));
@@ -200,10 +202,11 @@ kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n) {
         return KV_OK;
     }
     if (tokens == NULL) {
-        return kvc__fail(c, KV_EINVAL, "NULL tokens");
+        return kvc__fail(&c->diag, KV_EINVAL, "NULL tokens");
     }
     if (n > s->max_tokens - s->len) {
-        return kvc__fail(c, KV_ETOOBIG, "sequence would exceed its %zu tokens", s->max_tokens);
+        return kvc__fail(&c->diag, KV_ETOOBIG, "sequence would exceed its %zu tokens",
+                         s->max_tokens);
     }
     size_t need = blocks_for(s, s->len + n) - s->nblocks;
     if (need > 0) {
@@ -220,7 +223,7 @@ kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n) {
 kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
     kvc_conn *c = s->pool->conn;
     if (n_final > s->len) {
-        return kvc__fail(c, KV_EINVAL, "commit of %zu tokens; the sequence has %zu", n_final,
+        return kvc__fail(&c->diag, KV_EINVAL, "commit of %zu tokens; the sequence has %zu", n_final,
                          s->len);
     }
     size_t full = n_final / tpb(s);
@@ -234,7 +237,7 @@ kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
         e = malloc(chunk * sizeof(*e));
         canon = malloc(chunk * sizeof(*canon));
         if (e == NULL || canon == NULL) {
-            err = kvc__fail(c, KV_ENOMEM, "out of memory committing %zu blocks", chunk);
+            err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory committing %zu blocks", chunk);
             goto cleanup;
         }
     }
@@ -270,7 +273,8 @@ cleanup:
 kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens) {
     kvc_conn *c = s->pool->conn;
     if (n > s->len) {
-        return kvc__fail(c, KV_EINVAL, "rewind to %zu tokens; the sequence has %zu", n, s->len);
+        return kvc__fail(&c->diag, KV_EINVAL, "rewind to %zu tokens; the sequence has %zu", n,
+                         s->len);
     }
     size_t keep = blocks_for(s, n);
     size_t valid = n;
@@ -373,7 +377,7 @@ static kv_err export_csr(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *poo
     for (size_t i = 0; i < nseqs; i++) {
         const kvc_seq *s = seqs[i];
         if (pool == NULL && kvc_seq_mixed(s)) {
-            return kvc__fail(s->pool->conn, KV_ENOTSUP,
+            return kvc__fail(s->pool->diag, KV_ENOTSUP,
                              "sequence %zu has blocks in more than one pool (shared-domain hits); "
                              "export one table per pool with kvc_seq_export_csr_pool",
                              i);

@@ -409,7 +409,8 @@ static void test_server_vmm(void **state) {
      * mapping holds at the section's offset. */
     kvd_backend_cuda_ctx *gpu = kvd_daemon_registry(h.srv)->sel->cuda;
     kv_cu_deviceptr dev =
-        (kv_cu_deviceptr)(uintptr_t)kvd_pool_segment(kvd_daemon_registry(h.srv)->pools[0].pool, 0)->base;
+        (kv_cu_deviceptr)(uintptr_t)kvd_pool_segment(kvd_daemon_registry(h.srv)->pools[0].pool, 0)
+            ->base;
     kv_cu_deviceptr mine = import_map(gpu, fds[s0->fd_index + 1], section);
     uint8_t v = 0x77;
     assert_int_equal(gpu->cu.memcpy_htod(mine + 4096, &v, 1), KV_CU_SUCCESS);
@@ -440,7 +441,8 @@ static void test_server_ipc(void **state) {
     const Kvd__Segment *s0 = ar->segments[0];
     assert_int_equal(s0->kind, KVD__MEMORY_KIND__CUDA_IPC);
     assert_int_equal(s0->ipc_handle.len, 64);
-    assert_memory_equal(s0->ipc_handle.data, kvd_pool_segment(kvd_daemon_registry(h.srv)->pools[0].pool, 0)->ipc_handle,
+    assert_memory_equal(s0->ipc_handle.data,
+                        kvd_pool_segment(kvd_daemon_registry(h.srv)->pools[0].pool, 0)->ipc_handle,
                         64);
     uint32_t pool_id = ar->pool_id;
     kv_wire_free(keep);

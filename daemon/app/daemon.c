@@ -55,8 +55,8 @@ static void on_server_stopped(void *arg) {
 
 static kv_err backend_open(kvd_daemon *d) {
     char why[512];
-    kv_err rc = kvd_backend_select(d->cfg.backend, (int)d->cfg.device, NULL, &d->host, &d->sel,
-                                   why, sizeof(why));
+    kv_err rc = kvd_backend_select(d->cfg.backend, (int)d->cfg.device, NULL, &d->host, &d->sel, why,
+                                   sizeof(why));
     if (rc != KV_OK) {
         KV_LOG(ERROR, "KVD-BACKEND", "%s", why);
         return rc;

@@ -11,7 +11,6 @@
 #include "daemon/config/config.h"
 #include "daemon/ops/admin_cmds.h"
 
-
 int main(int argc, char **argv) {
     /* Generators of committed files (tests compare them with these outputs). */
     if (argc == 2 && strcmp(argv[1], "--print-config") == 0) {

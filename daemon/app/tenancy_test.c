@@ -770,7 +770,8 @@ static void test_quota_fields(void **state) {
 /* Run-time change (what admin `quota set` calls), on the loop thread before serving. */
 static void set_runtime_quota(kvd_daemon *s) {
     char err[256];
-    kv_err rc = kvd_registry_quota_set_field(kvd_daemon_registry(s), "alice", "max-held", "2", err, sizeof(err));
+    kv_err rc = kvd_registry_quota_set_field(kvd_daemon_registry(s), "alice", "max-held", "2", err,
+                                             sizeof(err));
     kvd_quota q;
     if (rc == KV_OK) {
         rc = kvd_registry_quota_get(kvd_daemon_registry(s), "alice", &q);
@@ -778,12 +779,12 @@ static void set_runtime_quota(kvd_daemon *s) {
     if (rc == KV_OK && q.max_held != 2) {
         rc = KV_EINTERNAL;
     }
-    if (rc == KV_OK &&
-        kvd_registry_quota_set_field(kvd_daemon_registry(s), "nobody", "max-held", "2", err, sizeof(err)) != KV_ENOENT) {
+    if (rc == KV_OK && kvd_registry_quota_set_field(kvd_daemon_registry(s), "nobody", "max-held",
+                                                    "2", err, sizeof(err)) != KV_ENOENT) {
         rc = KV_EINTERNAL;
     }
-    if (rc == KV_OK &&
-        kvd_registry_quota_set_field(kvd_daemon_registry(s), "alice", "max-nothing", "2", err, sizeof(err)) != KV_ENOENT) {
+    if (rc == KV_OK && kvd_registry_quota_set_field(kvd_daemon_registry(s), "alice", "max-nothing",
+                                                    "2", err, sizeof(err)) != KV_ENOENT) {
         rc = KV_EINTERNAL;
     }
     cur->selftest_rc = rc;

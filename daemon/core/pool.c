@@ -1803,4 +1803,3 @@ out:
     free(tevict);
     return err;
 }
-

@@ -921,8 +921,8 @@ void kvd_server_stop(kvd_server *s) {
      * frees it): with sessions open, stop taking new ones and wait up to shutdown-grace-ms for
      * them to close, before anything is freed. Other backends' memory lives while a client maps
      * it (fds), so they stop at once. */
-    if (s->reg->be->kind == KVD_MEM_CUDA_IPC && s->counts.conns > 0 && s->cfg->shutdown_grace_ms > 0 &&
-        s->timer_active) {
+    if (s->reg->be->kind == KVD_MEM_CUDA_IPC && s->counts.conns > 0 &&
+        s->cfg->shutdown_grace_ms > 0 && s->timer_active) {
         s->lingering = 1;
         s->draining = 1;
         s->linger_start = uv_now(s->loop);

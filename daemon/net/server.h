@@ -26,12 +26,12 @@
 typedef struct kvd_server kvd_server;
 
 typedef struct kvd_server_deps {
-    const kvd_config *cfg;          /* the daemon's live options (read at each use) */
-    uv_loop_t *loop;                /* the one loop */
-    kvd_registry *reg;              /* pools for the handlers */
-    uint64_t boot_epoch;            /* this run's, non-zero */
-    void (*on_stopped)(void *arg);  /* called once when the server has stopped (after the
-                                       cuda-ipc wait); may be NULL */
+    const kvd_config *cfg;         /* the daemon's live options (read at each use) */
+    uv_loop_t *loop;               /* the one loop */
+    kvd_registry *reg;             /* pools for the handlers */
+    uint64_t boot_epoch;           /* this run's, non-zero */
+    void (*on_stopped)(void *arg); /* called once when the server has stopped (after the
+                                      cuda-ipc wait); may be NULL */
     void *on_stopped_arg;
 } kvd_server_deps;
 

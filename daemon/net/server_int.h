@@ -13,7 +13,6 @@
 #include "daemon/net/server.h"
 #include "daemon/session/session.h"
 
-
 /* A run of encoded replies waiting to be written: replies without fds are appended to the
  * queue's last chunk, so the replies to one read leave in one sendmsg with no malloc each. A
  * reply with fds starts a chunk of its own (its fds ride with its first byte). */
@@ -47,32 +46,32 @@ typedef struct kvd_conn {
 } kvd_conn;
 
 struct kvd_server {
-    const kvd_config *cfg;       /* the daemon's live options */
-    uv_loop_t *loop;             /* the one loop */
-    kvd_registry *reg;           /* for the handlers */
-    uint64_t boot_epoch;         /* random, non-zero */
-    void (*on_stopped)(void *);  /* told when stopped */
+    const kvd_config *cfg;      /* the daemon's live options */
+    uv_loop_t *loop;            /* the one loop */
+    kvd_registry *reg;          /* for the handlers */
+    uint64_t boot_epoch;        /* random, non-zero */
+    void (*on_stopped)(void *); /* told when stopped */
     void *on_stopped_arg;
-    char sock_path[108];         /* sun_path in use */
-    int listen_fd;               /* -1 before start */
-    uv_poll_t listen_poll;       /* accept readiness */
-    int listen_active;           /* listen_poll initialised and not closed */
-    uv_timer_t frame_timer;      /* sweeps connections for frames not completed in time */
-    int timer_active;            /* frame_timer initialised and not closed */
-    uv_timer_t linger_timer;     /* cuda-ipc stop: waits for sessions (shutdown-grace-ms) */
-    int linger_active;           /* linger_timer initialised and not closed */
-    int lingering;               /* kvd_server_stop is waiting for sessions to close */
-    uint64_t linger_start;       /* loop ms it began */
-    int stopping;                /* stopped, or stopping now */
-    int bound;                   /* socket file is ours to unlink */
-    int draining;                /* admin `drain`: a new Hello gets KV_EDRAINING */
-    uint64_t next_session_id;    /* next session id */
-    kvd_conn *conns;             /* open connections */
-    kvd_conn_counts counts;      /* connections, buffer bytes, paused (Stats, admin) */
-    uint64_t log_window_ms;      /* start of the protocol-error log window */
-    uint32_t log_in_window;      /* protocol errors logged in the window */
-    uint64_t log_suppressed;     /* protocol errors not logged since the last one */
-    kv_arena req_arena;          /* the request being handled is unpacked here; reset after it */
+    char sock_path[108];      /* sun_path in use */
+    int listen_fd;            /* -1 before start */
+    uv_poll_t listen_poll;    /* accept readiness */
+    int listen_active;        /* listen_poll initialised and not closed */
+    uv_timer_t frame_timer;   /* sweeps connections for frames not completed in time */
+    int timer_active;         /* frame_timer initialised and not closed */
+    uv_timer_t linger_timer;  /* cuda-ipc stop: waits for sessions (shutdown-grace-ms) */
+    int linger_active;        /* linger_timer initialised and not closed */
+    int lingering;            /* kvd_server_stop is waiting for sessions to close */
+    uint64_t linger_start;    /* loop ms it began */
+    int stopping;             /* stopped, or stopping now */
+    int bound;                /* socket file is ours to unlink */
+    int draining;             /* admin `drain`: a new Hello gets KV_EDRAINING */
+    uint64_t next_session_id; /* next session id */
+    kvd_conn *conns;          /* open connections */
+    kvd_conn_counts counts;   /* connections, buffer bytes, paused (Stats, admin) */
+    uint64_t log_window_ms;   /* start of the protocol-error log window */
+    uint32_t log_in_window;   /* protocol errors logged in the window */
+    uint64_t log_suppressed;  /* protocol errors not logged since the last one */
+    kv_arena req_arena;       /* the request being handled is unpacked here; reset after it */
 };
 
 #endif

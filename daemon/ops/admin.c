@@ -32,7 +32,7 @@ typedef struct admin_conn {
 } admin_conn;
 
 struct kvd_admin {
-    kvd_ops *ops;   /* what the commands work on */
+    kvd_ops *ops;      /* what the commands work on */
     uv_pipe_t listen;  /* the admin socket */
     int listen_active; /* listen initialised and not closed */
     int bound;         /* the socket file is ours to unlink */
@@ -243,8 +243,9 @@ static void on_connection(uv_stream_t *server, int status) {
         kvd_events_push(&a->ops->reg->events, KVD_EVENT_REFUSE, 0, -1, 1, KV_EPERM, "EPERM",
                         "admin connection of pid %d uid %d refused", (int)cred.pid, (int)cred.uid);
         c->close_after_write = 1;
-        conn_reply(c, kvd_admin_error(KV_EPERM, "not permitted: the admin socket serves root, kvd's "
-                                            "uid and members of admin-group"));
+        conn_reply(c,
+                   kvd_admin_error(KV_EPERM, "not permitted: the admin socket serves root, kvd's "
+                                             "uid and members of admin-group"));
         if (c->pending == 0) {
             conn_close(c);
         }
@@ -305,7 +306,8 @@ kv_err kvd_admin_start(kvd_ops *s) {
                    kvd_server_socket_path(s->srv));
             return KV_EINVAL;
         }
-        snprintf(a->path, sizeof(a->path), "%.*sadmin.sock", dirlen, kvd_server_socket_path(s->srv));
+        snprintf(a->path, sizeof(a->path), "%.*sadmin.sock", dirlen,
+                 kvd_server_socket_path(s->srv));
     }
     if (s->cfg->admin_group[0] != '\0') {
         if (resolve_group(s->cfg->admin_group, &a->group) != KV_OK) {
@@ -396,5 +398,3 @@ void kvd_admin_free(kvd_ops *s) {
     free(s->admin);
     s->admin = NULL;
 }
-
-

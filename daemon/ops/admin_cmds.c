@@ -16,7 +16,6 @@
 #include "common/kv_wire.h"
 #include "daemon/proto/validate.h"
 
-
 #define FAIL(rc, ...)                                                                              \
     do {                                                                                           \
         snprintf(msg, KVD_ADMIN_MSG, __VA_ARGS__);                                                 \
@@ -155,14 +154,15 @@ json_t *kvd_admin_stats(kvd_ops *s) {
         add_hit_rate(o, tc->hit_blocks, tc->query_blocks);
         json_array_append_new(tenants, o);
     }
-    json_t *daemon = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:o, s:o, s:o}", "sessions",
-                               u64(kvd_server_counts(s->srv)->conns), "pools", u64(s->reg->npools), "pool_memory_bytes",
-                               u64(s->cfg->pool_memory), "pool_memory_used_bytes", u64(used),
-                               "index_entries", u64(kvd_index_count(s->reg->index)), "index_capacity",
-                               u64(kvd_index_capacity(s->reg->index)), "draining", kvd_server_draining(s->srv),
-                               "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000),
-                               "events_evict", u64(s->reg->events.pushed[KVD_EVENT_EVICT]),
-                               "events_refuse", u64(s->reg->events.pushed[KVD_EVENT_REFUSE]));
+    json_t *daemon =
+        json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:o, s:o, s:o}", "sessions",
+                  u64(kvd_server_counts(s->srv)->conns), "pools", u64(s->reg->npools),
+                  "pool_memory_bytes", u64(s->cfg->pool_memory), "pool_memory_used_bytes",
+                  u64(used), "index_entries", u64(kvd_index_count(s->reg->index)), "index_capacity",
+                  u64(kvd_index_capacity(s->reg->index)), "draining", kvd_server_draining(s->srv),
+                  "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000),
+                  "events_evict", u64(s->reg->events.pushed[KVD_EVENT_EVICT]), "events_refuse",
+                  u64(s->reg->events.pushed[KVD_EVENT_REFUSE]));
     return json_pack("{s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants);
 }
 
@@ -276,13 +276,12 @@ typedef struct session_rows {
 static void session_row(void *arg, const kvd_session *c) {
     session_rows *r = arg;
     json_array_append_new(
-        r->a, json_pack("{s:o, s:i, s:i, s:i, s:o, s:o, s:o, s:i, s:o, s:o}", "id", u64(c->id),
-                        "pid", (int)c->pid, "uid", (int)c->uid, "gid", (int)c->gid, "tenant",
-                        c->hello ? text(kvd_tenants_name(r->s->reg->tenants, c->tenant))
-                                 : json_null(),
-                        "client", text(c->name), "blocks_held", u64(kvd_session_refs_held(c)),
-                        "pools", (int)c->npools, "requests", u64(c->requests), "errors",
-                        u64(c->errors)));
+        r->a,
+        json_pack("{s:o, s:i, s:i, s:i, s:o, s:o, s:o, s:i, s:o, s:o}", "id", u64(c->id), "pid",
+                  (int)c->pid, "uid", (int)c->uid, "gid", (int)c->gid, "tenant",
+                  c->hello ? text(kvd_tenants_name(r->s->reg->tenants, c->tenant)) : json_null(),
+                  "client", text(c->name), "blocks_held", u64(kvd_session_refs_held(c)), "pools",
+                  (int)c->npools, "requests", u64(c->requests), "errors", u64(c->errors)));
 }
 
 static kv_err cmd_sessions(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
@@ -540,19 +539,20 @@ static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *m
                 snprintf(why, sizeof(why),
                          "cached (refcount 0), unpinned; position %zu in %s eviction order", k + 1,
                          policy);
-                json_array_append_new(blocks,
-                                      json_pack("{s:i, s:o, s:s, s:i, s:s}", "block",
-                                                (int)refs[k].id, "hash", hash_json(bi.hash),
-                                                "tenant", kvd_tenants_name(s->reg->tenants, bi.tenant),
-                                                "hits", (int)bi.hits, "why", why));
+                json_array_append_new(
+                    blocks, json_pack("{s:i, s:o, s:s, s:i, s:s}", "block", (int)refs[k].id, "hash",
+                                      hash_json(bi.hash), "tenant",
+                                      kvd_tenants_name(s->reg->tenants, bi.tenant), "hits",
+                                      (int)bi.hits, "why", why));
             }
             json_object_set_new(o, "would_evict", blocks);
         } else if (n > 0) {
             if (tenant >= 0) {
-                kvd_events_tenant(&s->reg->events, (uint32_t)tenant)->evictions[KVD_EVICT_ADMIN] += n;
+                kvd_events_tenant(&s->reg->events, (uint32_t)tenant)->evictions[KVD_EVICT_ADMIN] +=
+                    n;
             }
-            kvd_events_push(&s->reg->events, KVD_EVENT_EVICT, sp->pool_id, tenant, n, KV_OK, "admin",
-                            "admin evict (%s%s) in pool %u evicted %zu cached blocks",
+            kvd_events_push(&s->reg->events, KVD_EVENT_EVICT, sp->pool_id, tenant, n, KV_OK,
+                            "admin", "admin evict (%s%s) in pool %u evicted %zu cached blocks",
                             tenant >= 0 ? "tenant " : "all",
                             tenant >= 0 ? kvd_tenants_name(s->reg->tenants, (uint32_t)tenant) : "",
                             sp->pool_id, n);
@@ -834,8 +834,7 @@ static kv_err cmd_events(kvd_ops *s, int argc, char **argv, json_t **out, char *
 
 /* -- selftest, drain, ready -- */
 
-static kv_err cmd_selftest_isolation(kvd_ops *s, int argc, char **argv, json_t **out,
-                                     char *msg) {
+static kv_err cmd_selftest_isolation(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
     (void)argv;
     kv_err rc = no_args(argc, msg);
     if (rc != KV_OK) {

@@ -16,7 +16,6 @@
 #include "common/kv_version.h"
 #include "daemon/ops/admin_cmds.h"
 
-
 #define METRICS_DEADLINE_MS 2000 /* the loop must answer within this, or 503 */
 
 /* ---- rendering ------------------------------------------------------------------------- */
@@ -250,7 +249,8 @@ static void on_async(uv_async_t *h) {
         fputs("ready\n", f);
     } else {
         status = 503;
-        fprintf(f, "not ready: %s\n", kvd_server_draining(m->ops->srv) ? "draining" : "not listening");
+        fprintf(f, "not ready: %s\n",
+                kvd_server_draining(m->ops->srv) ? "draining" : "not listening");
     }
     if (f != NULL) {
         fclose(f);
@@ -381,10 +381,10 @@ kv_err kvd_metrics_start(kvd_ops *s) {
     }
     m->async.data = m;
     m->async_active = 1;
-    m->mhd =
-        MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)s->cfg->metrics_port, NULL, NULL,
-                         on_request, m, MHD_OPTION_SOCK_ADDR, &sin, MHD_OPTION_CONNECTION_LIMIT,
-                         (unsigned)64, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
+    m->mhd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)s->cfg->metrics_port, NULL,
+                              NULL, on_request, m, MHD_OPTION_SOCK_ADDR, &sin,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
     if (m->mhd == NULL) {
         KV_LOG(ERROR, "KVD-METRICS", "cannot serve metrics on %s:%llu (port in use?)",
                s->cfg->metrics_address, (unsigned long long)s->cfg->metrics_port);
@@ -428,5 +428,3 @@ void kvd_metrics_free(kvd_ops *s) {
     free(m);
     s->metrics = NULL;
 }
-
-

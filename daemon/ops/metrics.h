@@ -30,7 +30,6 @@ void kvd_metrics_stop(kvd_ops *o);
 /* Frees the state after the loop closed its handles. Accepts a server without metrics. */
 void kvd_metrics_free(kvd_ops *o);
 
-
 /* Writes the Prometheus text exposition (format 0.0.4) of a `stats` object (kvd_admin_stats)
  * plus build info. Pure function of its input; any thread. KV_EINVAL when st lacks a part. */
 kv_err kvd_metrics_render(const json_t *st, const char *version, FILE *out);

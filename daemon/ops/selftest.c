@@ -47,8 +47,7 @@ static void note(st_report *r, int ok, const char *fmt, ...) {
 
 /* Fills (write) or reads the K run of layer 0 of block id through the backend: on GPU backends
  * segment bases are device addresses, reached only with the driver's copies. */
-static kv_err block_io(kvd_ops *s, kvd_pool *pool, uint32_t id, uint8_t *buf, size_t n,
-                       int write) {
+static kv_err block_io(kvd_ops *s, kvd_pool *pool, uint32_t id, uint8_t *buf, size_t n, int write) {
     const kvd_pool_config *pc = kvd_pool_config_get(pool);
     const kvd_segment_mem *m = kvd_pool_segment(pool, id / pc->blocks_per_segment);
     if (m == NULL) {

@@ -59,8 +59,8 @@ static void env_init(rpc *c, Kvd__Envelope *env, uint64_t id) {
 }
 
 /* The session's pool entry and the server's, or ENOENT. */
-static kv_err session_pool(rpc *c, uint32_t pool_id, kvd_session_pool **out,
-                           kvd_reg_pool **srv_out, char *msg) {
+static kv_err session_pool(rpc *c, uint32_t pool_id, kvd_session_pool **out, kvd_reg_pool **srv_out,
+                           char *msg) {
     kvd_session_pool *sp = kvd_session_find_pool(c->sess, pool_id);
     kvd_reg_pool *p = sp != NULL ? kvd_registry_pool(c->reg, pool_id) : NULL; /* clock too */
     if (sp == NULL || p == NULL) {
@@ -509,9 +509,8 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     size_t n;
     rc = kvd_validate_lookup(l, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
     if (rc == KV_OK) {
-        rc =
-            kvd_validate_list(l->hashes_packed.len / KV_WIRE_HASH_BYTES,
-                              c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
+        rc = kvd_validate_list(l->hashes_packed.len / KV_WIRE_HASH_BYTES,
+                               c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
     }
     if (rc == KV_OK &&
         kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
@@ -774,8 +773,7 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
             rc = KV_EINTERNAL;
             goto cleanup;
         }
-        if (canon[i].id != r.id &&
-            kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
+        if (canon[i].id != r.id && kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
             /* Our block was freed; the reference lives on the canonical one, or nowhere. */
             snprintf(msg, KV_ERRMSG, "no memory to record a reference");
             rc = KV_ENOMEM;
@@ -858,9 +856,8 @@ static kv_err on_release(rpc *c, uint64_t id, uint32_t pool_id, size_t nrep,
     size_t n;
     rc = kvd_validate_refs(nrep, blocks, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
     if (rc == KV_OK) {
-        rc =
-            kvd_validate_list(packed->len / KV_WIRE_BLOCK_BYTES, c->cfg->max_blocks_per_request,
-                              "blocks_packed", msg, KV_ERRMSG);
+        rc = kvd_validate_list(packed->len / KV_WIRE_BLOCK_BYTES, c->cfg->max_blocks_per_request,
+                               "blocks_packed", msg, KV_ERRMSG);
     }
     if (rc != KV_OK) {
         return rc;

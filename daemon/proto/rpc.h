@@ -29,11 +29,11 @@ typedef struct kvd_conn_counts {
 
 /* What one request may use besides its session. */
 typedef struct kvd_rpc_ctx {
-    kvd_registry *reg;      /* pools, budget, tenants, events */
-    const kvd_config *cfg;  /* the live options (limits are read per request) */
-    uint64_t boot_epoch;    /* this daemon run's */
-    int draining;           /* admin `drain`: a Hello is refused with EDRAINING */
-    kv_arena *arena;        /* the request's scratch and its reply; reset after the reply is queued */
+    kvd_registry *reg;     /* pools, budget, tenants, events */
+    const kvd_config *cfg; /* the live options (limits are read per request) */
+    uint64_t boot_epoch;   /* this daemon run's */
+    int draining;          /* admin `drain`: a Hello is refused with EDRAINING */
+    kv_arena *arena; /* the request's scratch and its reply; reset after the reply is queued */
     const kvd_conn_counts *conns; /* for Stats */
 } kvd_rpc_ctx;
 

@@ -13,7 +13,6 @@
 #include "common/kv_layout.h"
 #include "proto/kvd.pb-c.h"
 
-
 /* Hello: version 1 (KV_EVERSION), client_name <= 64 bytes (KV_EINVAL), token <= KV_WIRE_MAX_TOKEN
  * bytes (KV_EINVAL; whether it names a tenant is the tenant table's check). msg gets a sentence
  * on error. */

@@ -18,7 +18,7 @@
  * and caches it there. Failures (no memory in the budget) only skip the promotion. Counting is
  * lossy (a fixed table; a colliding hash restarts the count), which can only delay a promotion,
  * never make one early. */
-void kvd_commons_count_commit(kvd_registry *g, uint32_t pool_id, uint32_t tenant,
-                              kvd_block_ref blk, kv_hash128 h);
+void kvd_commons_count_commit(kvd_registry *g, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,
+                              kv_hash128 h);
 
 #endif

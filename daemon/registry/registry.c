@@ -82,7 +82,8 @@ static uint64_t budget_left(const kvd_registry *s) {
  * cached block are taken: self could manage by evicting its own cache, and another pool's cache
  * is not worth less than ours, but its unused memory is. Backends without segment_discard park
  * nothing. Returns the budget left afterwards (may still be short of bytes). */
-static uint64_t make_room(kvd_registry *s, const kvd_reg_pool *self, uint64_t bytes, int free_only) {
+static uint64_t make_room(kvd_registry *s, const kvd_reg_pool *self, uint64_t bytes,
+                          int free_only) {
     uint64_t left = budget_left(s);
     uint64_t now = kvd_registry_now(s);
     while (left < bytes) {
@@ -381,7 +382,6 @@ static void make_room_for(kvd_registry *s, kvd_reg_pool *p, uint32_t n) {
     make_room(s, p, bytes, own_ok);
 }
 
-
 /* ---- quotas ---- */
 
 /* UINT32_MAX for "default", else the tenant's id. */
@@ -422,8 +422,8 @@ kv_err kvd_registry_quota_set(kvd_registry *s, const char *tenant, const kvd_quo
     return KV_OK;
 }
 
-kv_err kvd_registry_quota_set_field(kvd_registry *s, const char *tenant, const char *name, const char *value,
-                           char *err, size_t errlen) {
+kv_err kvd_registry_quota_set_field(kvd_registry *s, const char *tenant, const char *name,
+                                    const char *value, char *err, size_t errlen) {
     kvd_quota q;
     kv_err rc = kvd_registry_quota_get(s, tenant, &q);
     if (rc != KV_OK) {
@@ -442,7 +442,8 @@ kv_err kvd_registry_quota_set_field(kvd_registry *s, const char *tenant, const c
     return kvd_registry_quota_set(s, tenant, &q);
 }
 
-kv_err kvd_registry_quota_usage(kvd_registry *s, const char *tenant, kvd_stat_sink sink, void *arg) {
+kv_err kvd_registry_quota_usage(kvd_registry *s, const char *tenant, kvd_stat_sink sink,
+                                void *arg) {
     uint32_t id;
     kv_err rc = kvd_tenants_find(s->tenants, tenant, &id);
     if (rc != KV_OK) {

@@ -33,7 +33,7 @@
 /* One pool of the registry: key (model_id, layout shape, domain) -> kvd_pool. */
 typedef struct kvd_reg_pool {
     uint32_t pool_id;                           /* > 0, never reused */
-    char model_id[KV_WIRE_MAX_MODEL_ID + 1];        /* NUL-terminated */
+    char model_id[KV_WIRE_MAX_MODEL_ID + 1];    /* NUL-terminated */
     kv_layout layout;                           /* shape (derived fields filled) */
     uint32_t domain;                            /* the owner's domain: a tenant id, a group, the
                                                    commons (daemon/tenancy/tenant.h) */
@@ -51,28 +51,28 @@ typedef struct kvd_reg_pool {
 } kvd_reg_pool;
 
 typedef struct kvd_registry {
-    const kvd_config *cfg;      /* the daemon's live options (not owned) */
-    kvd_tenants *tenants;       /* peer credentials -> tenant (not owned) */
-    const kvd_backend_ops *be;  /* segment memory (not owned) */
-    void *be_ctx;               /* be's context */
-    const kvd_backend_sel *sel; /* the chosen backend: GPU context for copies, device UUID */
-    uint64_t (*clock)(void *);  /* milliseconds of the loop clock (pins, parking) */
-    void *clock_arg;            /* clock's argument */
-    kvd_index *index;           /* the one prefix index (owned) */
-    kvd_reg_pool *pools;        /* live pools, sorted by pool_id */
-    uint32_t npools, pools_cap; /* used and allocated entries */
-    uint32_t next_pool_id;      /* next pool id to hand out */
-    uint32_t *sessions;         /* [KVD_MAX_TENANTS] open sessions per tenant; lazy */
+    const kvd_config *cfg;       /* the daemon's live options (not owned) */
+    kvd_tenants *tenants;        /* peer credentials -> tenant (not owned) */
+    const kvd_backend_ops *be;   /* segment memory (not owned) */
+    void *be_ctx;                /* be's context */
+    const kvd_backend_sel *sel;  /* the chosen backend: GPU context for copies, device UUID */
+    uint64_t (*clock)(void *);   /* milliseconds of the loop clock (pins, parking) */
+    void *clock_arg;             /* clock's argument */
+    kvd_index *index;            /* the one prefix index (owned) */
+    kvd_reg_pool *pools;         /* live pools, sorted by pool_id */
+    uint32_t npools, pools_cap;  /* used and allocated entries */
+    uint32_t next_pool_id;       /* next pool id to hand out */
+    uint32_t *sessions;          /* [KVD_MAX_TENANTS] open sessions per tenant; lazy */
     struct kvd_commons *commons; /* commits counted toward the commons (registry/commons.h);
                                     made on first use, with its destructor: */
     void (*commons_free)(struct kvd_commons *c);
-    kvd_events events;          /* eviction/refusal ring and per-tenant counters (admin) */
+    kvd_events events; /* eviction/refusal ring and per-tenant counters (admin) */
 } kvd_registry;
 
 /* What kvd_registry_init needs; the registry keeps the pointers. */
 typedef struct kvd_registry_deps {
-    const kvd_config *cfg;      /* pool-memory, segment-bytes, evict-policy, hugepages,
-                                   max-pools, index-entries, events */
+    const kvd_config *cfg; /* pool-memory, segment-bytes, evict-policy, hugepages,
+                              max-pools, index-entries, events */
     kvd_tenants *tenants;
     const kvd_backend_sel *sel; /* ops and ctx of the chosen backend */
     uint64_t (*clock)(void *);
@@ -156,8 +156,7 @@ kv_err kvd_registry_quota_set_field(kvd_registry *g, const char *tenant, const c
 
 /* The tenant's usage through sink: "sessions", and summed over pools "held", "cached",
  * "pinned". KV_ENOENT unknown tenant. */
-kv_err kvd_registry_quota_usage(kvd_registry *g, const char *tenant, kvd_stat_sink sink,
-                                void *arg);
+kv_err kvd_registry_quota_usage(kvd_registry *g, const char *tenant, kvd_stat_sink sink, void *arg);
 
 /* The `evict-policy` option's value as an enum (unknown names: LRU; the config checks names). */
 kvd_evict_policy kvd_registry_policy(const kvd_registry *g);

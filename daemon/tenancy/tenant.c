@@ -13,14 +13,14 @@
 #define MAX_IDS 64 /* uids or gids per tenant line */
 
 typedef struct tenant {
-    char name[KVD_TENANT_NAME_MAX]; /* NUL-terminated */
-    int from_file;                  /* 1: a file line, 0: a "uid-N" or internal tenant */
-    int internal;                   /* 1: reachable by no peer (self-test tenants) */
-    uint32_t nuids, ngids;          /* used entries of uids, gids */
-    uid_t uids[MAX_IDS];            /* file: uids listed; dynamic: uids[0] is its uid */
-    gid_t gids[MAX_IDS];            /* file: gids listed */
-    uint8_t token[KV_WIRE_MAX_TOKEN];   /* token-file contents (trailing whitespace cut) */
-    uint32_t token_len;             /* 0: no token */
+    char name[KVD_TENANT_NAME_MAX];   /* NUL-terminated */
+    int from_file;                    /* 1: a file line, 0: a "uid-N" or internal tenant */
+    int internal;                     /* 1: reachable by no peer (self-test tenants) */
+    uint32_t nuids, ngids;            /* used entries of uids, gids */
+    uid_t uids[MAX_IDS];              /* file: uids listed; dynamic: uids[0] is its uid */
+    gid_t gids[MAX_IDS];              /* file: gids listed */
+    uint8_t token[KV_WIRE_MAX_TOKEN]; /* token-file contents (trailing whitespace cut) */
+    uint32_t token_len;               /* 0: no token */
     uint32_t groups[KVD_MAX_DOMAINS_PER_TENANT - 2]; /* group numbers, file order */
     uint32_t ngroups;                                /* used entries of groups */
     int has_quota;                                   /* 1: quota below, else the default */

@@ -1,7 +1,7 @@
 /* fake_kvd: see fake_kvd.h. One server thread, blocking I/O, a wake-up pipe to stop it. The
  * counters are read by the test thread after a reply arrived, so the socket orders them;
  * atomics keep TSan quiet all the same. */
-#include "client/fake_kvd.h"
+#include "client/testing/fake_kvd.h"
 
 #include <errno.h>
 #include <poll.h>
