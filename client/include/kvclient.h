@@ -276,7 +276,7 @@ KVC_EXTERN kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_
 
 /* Drops the session's references on blocks[0..n) (a sequence's blocks in prefix order; WRITING
  * blocks are freed). kvc_rewind is the same for blocks past a sequence's accepted length
- * (speculative decoding), counted apart by the daemon. */
+ * (speculative decoding), counted apart by the daemon (Stats pool.rewinds). */
 KVC_EXTERN kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n);
 KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
 
@@ -296,8 +296,9 @@ KVC_EXTERN kv_err kvc_pin_multi(kvc_pool *const *pools, const kvc_block *blocks,
 
 /* ---- Batched, pipelined calls --------------------------------------------------------- */
 
-/* A batch queues requests on one connection; kvc_batch_send writes them back to back (never
- * more in flight than the daemon allows), kvc_batch_wait collects the replies by request id.
+/* A batch queues requests on one connection; kvc_batch_send writes them back to back (the
+ * daemon stops reading while max_inflight replies are unsent, and the library reads replies
+ * meanwhile, so a batch of any size completes), kvc_batch_wait collects the replies by id.
  * Each queued request returns its index; its own result is kvc_batch_status(b, index), and its
  * outputs (caller buffers given when queuing, which must stay valid until the wait returns) are
  * written only when that status is KV_OK. Reuse a batch with kvc_batch_reset. */

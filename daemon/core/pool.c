@@ -121,6 +121,7 @@ struct kvd_pool {
     uint64_t hit_blocks;       /* hashes found */
     uint64_t commits;          /* commits, duplicates included */
     uint64_t commits_duplicate;
+    uint64_t rewinds; /* blocks given back by Rewind (kvd_pool_count_rewind) */
     uint64_t evictions[KVD_EVICT_REASONS];
 };
 
@@ -1449,27 +1450,6 @@ kv_err kvd_pool_unpin(kvd_pool *p, kvd_block_ref blk) {
     return KV_OK;
 }
 
-kv_err kvd_pool_unpin_below(kvd_pool *p, uint8_t priority, size_t *nunpinned) {
-    size_t count = 0;
-    for (uint32_t s = 0; s < p->nslots; s++) {
-        pool_segment *seg = p->segs[s];
-        if (seg->blocks == NULL) {
-            continue;
-        }
-        for (uint32_t i = 0; i < p->bps; i++) {
-            pool_block *b = &seg->blocks[i];
-            if ((b->flags & BLOCK_PINNED) && b->pin_prio < priority) {
-                unpin_block(p, blk_id(p, s, i), b);
-                count++;
-            }
-        }
-    }
-    if (nunpinned != NULL) {
-        *nunpinned = count;
-    }
-    return KV_OK;
-}
-
 void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
     p->now = now_ms;
     if (now_ms >= p->min_pin_expiry) {
@@ -1595,26 +1575,132 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *p, uint32_t tenant) {
     return p->tenants[tenant];
 }
 
+/* The one table of a pool's statistics, in the order kvd_pool_stats reports them. */
+enum {
+    PS_BLOCKS_TOTAL,
+    PS_BLOCKS_FREE,
+    PS_BLOCKS_WRITING,
+    PS_BLOCKS_COMMITTED,
+    PS_BLOCKS_CACHED,
+    PS_BLOCKS_PINNED,
+    PS_BLOCKS_PARKED,
+    PS_SEGMENTS,
+    PS_SEGMENTS_PARKED,
+    PS_BYTES,
+    PS_QUERIES,
+    PS_QUERY_BLOCKS,
+    PS_HIT_BLOCKS,
+    PS_HIT_TOKENS,
+    PS_COMMITS,
+    PS_COMMITS_DUPLICATE,
+    PS_REWINDS,
+    PS_EVICTIONS_CAPACITY,
+    PS_EVICTIONS_ADMIN,
+    PS_EVICTIONS_SHRINK,
+    PS_COUNT
+};
+
+static const kv_stat_desc pool_stats[PS_COUNT] = {
+    [PS_BLOCKS_TOTAL] = {"blocks_total", "gauge", "blocks",
+                         "blocks in the pool's segment slots, parked segments included",
+                         "kvd_pool_capacity_blocks", "Blocks in the pool's segments.", NULL, NULL},
+    [PS_BLOCKS_FREE] = {"blocks_free", "gauge", "blocks", "FREE blocks (no bytes, no hash)",
+                        "kvd_pool_blocks", "Blocks of the pool by lifecycle state.", "state",
+                        "free"},
+    [PS_BLOCKS_WRITING] = {"blocks_writing", "gauge", "blocks",
+                           "WRITING blocks (leased to a session, not committed)", "kvd_pool_blocks",
+                           NULL, "state", "writing"},
+    [PS_BLOCKS_COMMITTED] = {"blocks_committed", "gauge", "blocks",
+                             "COMMITTED blocks (indexed and referenced)", "kvd_pool_blocks", NULL,
+                             "state", "committed"},
+    [PS_BLOCKS_CACHED] = {"blocks_cached", "gauge", "blocks",
+                          "CACHED blocks (indexed, no reference: evictable unless pinned)",
+                          "kvd_pool_blocks", NULL, "state", "cached"},
+    [PS_BLOCKS_PINNED] = {"blocks_pinned", "gauge", "blocks",
+                          "blocks with a pin (COMMITTED or CACHED) until the pool's clock sweeps "
+                          "expired ones",
+                          "kvd_pool_pinned_blocks", "Pinned blocks of the pool.", NULL, NULL},
+    [PS_BLOCKS_PARKED] = {"blocks_parked", "gauge", "blocks",
+                          "blocks of parked segments (their memory was given to other pools)",
+                          "kvd_pool_parked_blocks", "Blocks of the pool's parked segments.", NULL,
+                          NULL},
+    [PS_SEGMENTS] = {"segments", "gauge", "segments", "segment slots of the pool (parked included)",
+                     "kvd_pool_segments", "Segments (shared memory objects) of the pool.", NULL,
+                     NULL},
+    [PS_SEGMENTS_PARKED] = {"segments_parked", "gauge", "segments",
+                            "segments whose memory was given back (parking)",
+                            "kvd_pool_parked_segments", "Parked segments of the pool.", NULL, NULL},
+    [PS_BYTES] = {"bytes", "gauge", "bytes", "resident segment memory of the pool",
+                  "kvd_pool_memory_bytes", "Segment memory of the pool.", NULL, NULL},
+    [PS_QUERIES] = {"queries", "counter", "requests", "Lookup requests on the pool",
+                    "kvd_pool_lookups_total", "Lookup requests on the pool.", NULL, NULL},
+    [PS_QUERY_BLOCKS] = {"query_blocks", "counter", "blocks",
+                         "blocks asked in Lookup requests (the hit rate's denominator)",
+                         "kvd_pool_lookup_blocks_total",
+                         "Blocks asked in Lookup requests (the hit rate's denominator).", NULL,
+                         NULL},
+    [PS_HIT_BLOCKS] = {"hit_blocks", "counter", "blocks", "blocks Lookup found",
+                       "kvd_pool_hit_blocks_total", "Blocks Lookup found cached.", NULL, NULL},
+    [PS_HIT_TOKENS] = {"hit_tokens", "counter", "tokens", "tokens of the blocks Lookup found",
+                       "kvd_pool_hit_tokens_total", "Tokens of the blocks Lookup found cached.",
+                       NULL, NULL},
+    [PS_COMMITS] = {"commits", "counter", "blocks", "blocks committed", "kvd_pool_commits_total",
+                    "Blocks committed.", NULL, NULL},
+    [PS_COMMITS_DUPLICATE] = {"commits_duplicate", "counter", "blocks",
+                              "commits of a hash already committed (the canonical block won)",
+                              "kvd_pool_duplicate_commits_total",
+                              "Commits of a block another worker had committed already.", NULL,
+                              NULL},
+    [PS_REWINDS] = {"rewinds", "counter", "blocks",
+                    "blocks given back with Rewind (rejected speculative drafts)",
+                    "kvd_pool_rewound_blocks_total",
+                    "Blocks given back with Rewind (rejected speculative drafts).", NULL, NULL},
+    [PS_EVICTIONS_CAPACITY] = {"evictions_capacity", "counter", "blocks",
+                               "cached blocks evicted because an allocation needed room",
+                               "kvd_pool_evictions_total", "Cached blocks evicted, by reason.",
+                               "reason", "capacity"},
+    [PS_EVICTIONS_ADMIN] = {"evictions_admin", "counter", "blocks",
+                            "cached blocks an operator evicted (kvctl evict)",
+                            "kvd_pool_evictions_total", NULL, "reason", "admin"},
+    [PS_EVICTIONS_SHRINK] = {"evictions_shrink", "counter", "blocks",
+                             "cached blocks evicted with a parked segment",
+                             "kvd_pool_evictions_total", NULL, "reason", "shrink"},
+};
+
+void kvd_pool_count_rewind(kvd_pool *p, uint64_t blocks) {
+    p->rewinds += blocks;
+}
+
+const kv_stat_desc *kvd_pool_stat_descs(size_t *n) {
+    *n = PS_COUNT;
+    return pool_stats;
+}
+
 void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
-    sink(arg, "blocks_total", (uint64_t)p->nsegs * p->bps);
-    sink(arg, "blocks_free", p->lists[LIST_FREE].len);
-    sink(arg, "blocks_writing", p->n_writing);
-    sink(arg, "blocks_committed", p->n_committed);
-    sink(arg, "blocks_cached", p->n_cached);
-    sink(arg, "blocks_pinned", p->n_pinned);
-    sink(arg, "blocks_parked", (uint64_t)p->nparked * p->bps);
-    sink(arg, "segments", p->nsegs);
-    sink(arg, "segments_parked", p->nparked);
-    sink(arg, "bytes", p->resident_bytes);
-    sink(arg, "queries", p->queries);
-    sink(arg, "query_blocks", p->query_blocks);
-    sink(arg, "hit_blocks", p->hit_blocks);
-    sink(arg, "hit_tokens", p->hit_blocks * p->cfg.layout.tokens_per_block);
-    sink(arg, "commits", p->commits);
-    sink(arg, "commits_duplicate", p->commits_duplicate);
-    sink(arg, "evictions_capacity", p->evictions[KVD_EVICT_CAPACITY]);
-    sink(arg, "evictions_admin", p->evictions[KVD_EVICT_ADMIN]);
-    sink(arg, "evictions_shrink", p->evictions[KVD_EVICT_SHRINK]);
+    uint64_t v[PS_COUNT];
+    v[PS_BLOCKS_TOTAL] = (uint64_t)p->nsegs * p->bps;
+    v[PS_BLOCKS_FREE] = p->lists[LIST_FREE].len;
+    v[PS_BLOCKS_WRITING] = p->n_writing;
+    v[PS_BLOCKS_COMMITTED] = p->n_committed;
+    v[PS_BLOCKS_CACHED] = p->n_cached;
+    v[PS_BLOCKS_PINNED] = p->n_pinned;
+    v[PS_BLOCKS_PARKED] = (uint64_t)p->nparked * p->bps;
+    v[PS_SEGMENTS] = p->nsegs;
+    v[PS_SEGMENTS_PARKED] = p->nparked;
+    v[PS_BYTES] = p->resident_bytes;
+    v[PS_QUERIES] = p->queries;
+    v[PS_QUERY_BLOCKS] = p->query_blocks;
+    v[PS_HIT_BLOCKS] = p->hit_blocks;
+    v[PS_HIT_TOKENS] = p->hit_blocks * p->cfg.layout.tokens_per_block;
+    v[PS_COMMITS] = p->commits;
+    v[PS_COMMITS_DUPLICATE] = p->commits_duplicate;
+    v[PS_REWINDS] = p->rewinds;
+    v[PS_EVICTIONS_CAPACITY] = p->evictions[KVD_EVICT_CAPACITY];
+    v[PS_EVICTIONS_ADMIN] = p->evictions[KVD_EVICT_ADMIN];
+    v[PS_EVICTIONS_SHRINK] = p->evictions[KVD_EVICT_SHRINK];
+    for (size_t i = 0; i < PS_COUNT; i++) {
+        sink(arg, pool_stats[i].name, v[i]);
+    }
 }
 
 uint64_t kvd_pool_meta_bytes(const kvd_pool *p) {

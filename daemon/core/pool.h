@@ -32,6 +32,7 @@
 #include "common/kv_err.h"
 #include "common/kv_hash.h"
 #include "common/kv_layout.h"
+#include "common/kv_stat.h"
 #include "daemon/core/backend.h"
 #include "daemon/core/index.h"
 
@@ -266,13 +267,9 @@ kv_err kvd_pool_pin(kvd_pool *pool, kvd_block_ref blk, uint64_t retention_ms, ui
                     uint32_t tenant);
 kv_err kvd_pool_unpin(kvd_pool *pool, kvd_block_ref blk);
 
-/* Removes every pin whose priority is below `priority` (an operator reclaiming pinned memory:
- * higher-priority pins survive). Those blocks rejoin the eviction order as most recently used.
- * *nunpinned (if not NULL) gets the count. O(blocks). */
-kv_err kvd_pool_unpin_below(kvd_pool *pool, uint8_t priority, size_t *nunpinned);
-
-/* The pool's clock in milliseconds (monotonic); the server sets it each loop iteration. Pins
- * expire against it and blocks record their last access with it. */
+/* The pool's clock in milliseconds (monotonic). It moves only when told: the registry sets it
+ * before each request names the pool (kvd_registry_pool), when a session closes, and before
+ * admin pin and evict. Pins expire against it and blocks record their last access with it. */
 void kvd_pool_set_now(kvd_pool *pool, uint64_t now_ms);
 
 /* Evicts up to max CACHED unpinned blocks (of tenant, or any when tenant < 0) in policy order,
@@ -299,6 +296,14 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *pool, uint32_t tenant);
  * only: parked ones cost no memory), queries, query_blocks, hit_blocks, hit_tokens,
  * commits, commits_duplicate, evictions_capacity, evictions_admin, evictions_shrink. */
 void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
+
+/* Counts blocks a Rewind gave back (released like Release; counted apart for speculative
+ * decoding's rejected drafts). */
+void kvd_pool_count_rewind(kvd_pool *pool, uint64_t blocks);
+
+/* The table of what kvd_pool_stats reports, in its order (common/kv_stat.h): names, units,
+ * help and Prometheus families. Static storage. */
+const kv_stat_desc *kvd_pool_stat_descs(size_t *n);
 
 /* Bytes of the pool's own metadata: its record, per-slot and per-tenant arrays (sized to the
  * slots and tenants it has met), the S3-FIFO ghost and the block records of its live segments

@@ -9,8 +9,9 @@
  *    in the daemon never pulls memory from under a client that still maps it.
  *  - cuda-ipc (legacy): each segment is one cuMemAlloc allocation (the driver's cudaMalloc),
  *    exported with cuIpcGetMemHandle; the 64 handle bytes travel in Segment.ipc_handle and no
- *    fd is sent. Freeing such memory while an importer has it open is undefined in CUDA, so the
- *    server must not free a segment that a live session was sent (kvd_backend_segment_in_use).
+ *    fd is sent. Freeing such memory while an importer has it open is undefined in CUDA, so a
+ *    cuda-ipc daemon frees no pool while it runs (daemon/registry) and waits for its sessions
+ *    at shutdown (shutdown-grace-ms).
  * The daemon keeps its own mapping of every segment (kvd_segment_mem.base is a device address)
  * and zeroes new segments, so no bytes of an earlier owner of the memory reach a tenant.
  *

@@ -115,9 +115,134 @@ static uint64_t get_u64(const json_t *o, const char *key) {
 
 /* ---- stats ----------------------------------------------------------------------------- */
 
+/* The daemon section of `stats` (and of the metrics): ONE table, values in its order. */
+enum {
+    DS_SESSIONS,
+    DS_POOLS,
+    DS_POOL_MEMORY_BYTES,
+    DS_POOL_MEMORY_USED_BYTES,
+    DS_INDEX_ENTRIES,
+    DS_INDEX_CAPACITY,
+    DS_DRAINING,
+    DS_UPTIME_SECONDS,
+    DS_EVENTS_EVICT,
+    DS_EVENTS_REFUSE,
+    DS_COUNT
+};
+
+static const kv_stat_desc daemon_stats[DS_COUNT] = {
+    [DS_SESSIONS] = {"sessions", "gauge", "connections", "open client connections", "kvd_sessions",
+                     "Open client connections.", NULL, NULL},
+    [DS_POOLS] = {"pools", "gauge", "pools", "pools (model, layout, domain) in use", "kvd_pools",
+                  "Pools (model, layout, domain) in use.", NULL, NULL},
+    [DS_POOL_MEMORY_BYTES] = {"pool_memory_bytes", "gauge", "bytes", "the budget (pool-memory)",
+                              "kvd_pool_memory_limit_bytes",
+                              "Memory all pools may use (pool-memory).", NULL, NULL},
+    [DS_POOL_MEMORY_USED_BYTES] = {"pool_memory_used_bytes", "gauge", "bytes",
+                                   "what the budget counts: resident segment memory and every "
+                                   "pool's metadata",
+                                   "kvd_pool_memory_used_bytes",
+                                   "Memory the pools hold (segments and metadata).", NULL, NULL},
+    [DS_INDEX_ENTRIES] = {"index_entries", "gauge", "blocks", "blocks in the prefix index",
+                          "kvd_index_entries", "Blocks in the prefix index.", NULL, NULL},
+    [DS_INDEX_CAPACITY] = {"index_capacity", "gauge", "slots", "slots of the prefix index",
+                           "kvd_index_capacity_entries", "Slots of the prefix index.", NULL, NULL},
+    [DS_DRAINING] = {"draining", "gauge", "bool", "true while draining (new sessions refused)",
+                     "kvd_draining", "1 while draining (new sessions refused).", NULL, NULL},
+    [DS_UPTIME_SECONDS] = {"uptime_seconds", "gauge", "seconds", "seconds since kvd started",
+                           "kvd_uptime_seconds", "Seconds since kvd started.", NULL, NULL},
+    [DS_EVENTS_EVICT] = {"events_evict", "counter", "events",
+                         "evictions recorded in the event ring (admin events)", "kvd_events_total",
+                         "Evictions and refusals recorded in the admin event ring.", "kind",
+                         "evict"},
+    [DS_EVENTS_REFUSE] = {"events_refuse", "counter", "events",
+                          "refusals recorded in the event ring", "kvd_events_total", NULL, "kind",
+                          "refuse"},
+};
+
+/* A tenant's row of `stats`: ONE table, values in its order. */
+enum {
+    TS_SESSIONS,
+    TS_QUERIES,
+    TS_QUERY_BLOCKS,
+    TS_HIT_BLOCKS,
+    TS_HIT_TOKENS,
+    TS_COMMITS,
+    TS_EVICTIONS_CAPACITY,
+    TS_EVICTIONS_ADMIN,
+    TS_EVICTIONS_SHRINK,
+    TS_REFUSALS,
+    TS_BLOCKS_HELD,
+    TS_BLOCKS_CACHED,
+    TS_BLOCKS_PINNED,
+    TS_COUNT
+};
+
+static const kv_stat_desc tenant_stats[TS_COUNT] = {
+    [TS_SESSIONS] = {"sessions", "gauge", "sessions", "open sessions of the tenant",
+                     "kvd_tenant_sessions", "Open sessions of the tenant.", NULL, NULL},
+    [TS_QUERIES] = {"queries", "counter", "requests", "Lookup requests of the tenant",
+                    "kvd_tenant_lookups_total", "Lookup requests of the tenant.", NULL, NULL},
+    [TS_QUERY_BLOCKS] = {"query_blocks", "counter", "blocks",
+                         "blocks the tenant asked in Lookup requests",
+                         "kvd_tenant_lookup_blocks_total",
+                         "Blocks the tenant asked in Lookup requests.", NULL, NULL},
+    [TS_HIT_BLOCKS] = {"hit_blocks", "counter", "blocks", "blocks the tenant's Lookups found",
+                       "kvd_tenant_hit_blocks_total", "Blocks the tenant's Lookups found cached.",
+                       NULL, NULL},
+    [TS_HIT_TOKENS] = {"hit_tokens", "counter", "tokens",
+                       "tokens of the blocks the tenant's Lookups found",
+                       "kvd_tenant_hit_tokens_total",
+                       "Tokens of the blocks the tenant's Lookups found.", NULL, NULL},
+    [TS_COMMITS] = {"commits", "counter", "blocks", "blocks the tenant committed",
+                    "kvd_tenant_commits_total", "Blocks the tenant committed.", NULL, NULL},
+    [TS_EVICTIONS_CAPACITY] = {"evictions_capacity", "counter", "blocks",
+                               "evictions the tenant's allocations caused",
+                               "kvd_tenant_evictions_total",
+                               "Evictions the tenant's allocations caused (capacity) or an "
+                               "operator made of its blocks.",
+                               "reason", "capacity"},
+    [TS_EVICTIONS_ADMIN] = {"evictions_admin", "counter", "blocks",
+                            "the tenant's blocks an operator evicted", "kvd_tenant_evictions_total",
+                            NULL, "reason", "admin"},
+    [TS_EVICTIONS_SHRINK] = {"evictions_shrink", "counter", "blocks",
+                             "the tenant's blocks evicted with a parked segment",
+                             "kvd_tenant_evictions_total", NULL, "reason", "shrink"},
+    [TS_REFUSALS] = {"refusals", "counter", "requests",
+                     "requests of the tenant refused (quota, space, permission, draining)",
+                     "kvd_tenant_refusals_total",
+                     "Requests of the tenant refused (quota, space, permission, draining).", NULL,
+                     NULL},
+    [TS_BLOCKS_HELD] = {"blocks_held", "gauge", "blocks",
+                        "blocks the tenant holds (WRITING and referenced), over all pools",
+                        "kvd_tenant_blocks", "Blocks of the tenant by state, over all pools.",
+                        "state", "held"},
+    [TS_BLOCKS_CACHED] = {"blocks_cached", "gauge", "blocks", "the tenant's cached blocks",
+                          "kvd_tenant_blocks", NULL, "state", "cached"},
+    [TS_BLOCKS_PINNED] = {"blocks_pinned", "gauge", "blocks", "pins charged to the tenant",
+                          "kvd_tenant_blocks", NULL, "state", "pinned"},
+};
+
+const kv_stat_desc *kvd_admin_daemon_stats(size_t *n) {
+    *n = DS_COUNT;
+    return daemon_stats;
+}
+
+const kv_stat_desc *kvd_admin_tenant_stats(size_t *n) {
+    *n = TS_COUNT;
+    return tenant_stats;
+}
+
+/* Sets the table's fields on o from v (booleans as JSON true/false). */
+static void put_stats(json_t *o, const kv_stat_desc *d, const uint64_t *v, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        json_object_set_new(o, d[i].name,
+                            strcmp(d[i].unit, "bool") == 0 ? json_boolean(v[i] != 0) : u64(v[i]));
+    }
+}
+
 json_t *kvd_admin_stats(kvd_ops *s) {
     json_t *pools = json_array();
-    uint64_t used = 0;
     for (uint32_t i = 0; i < s->reg->npools; i++) {
         kvd_reg_pool *p = &s->reg->pools[i];
         char dom[KVD_TENANT_NAME_MAX + 8];
@@ -126,7 +251,6 @@ json_t *kvd_admin_stats(kvd_ops *s) {
             text(kvd_tenants_domain_name(s->reg->tenants, p->domain, dom, sizeof(dom))),
             "tokens_per_block", (int)p->layout.tokens_per_block);
         kvd_pool_stats(p->pool, pool_sink, o);
-        used += get_u64(o, "bytes");
         add_hit_rate(o, get_u64(o, "hit_blocks"), get_u64(o, "query_blocks"));
         json_array_append_new(pools, o);
     }
@@ -141,28 +265,39 @@ json_t *kvd_admin_stats(kvd_ops *s) {
             u.cached += pu.cached;
             u.pinned += pu.pinned;
         }
-        json_t *o = json_pack(
-            "{s:i, s:o, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id",
-            (int)t, "name", text(kvd_tenants_name(s->reg->tenants, t)), "sessions",
-            (int)kvd_registry_sessions(s->reg, t), "queries", u64(tc->queries), "query_blocks",
-            u64(tc->query_blocks), "hit_blocks", u64(tc->hit_blocks), "hit_tokens",
-            u64(tc->hit_tokens), "commits", u64(tc->commits), "evictions_capacity",
-            u64(tc->evictions[KVD_EVICT_CAPACITY]), "evictions_admin",
-            u64(tc->evictions[KVD_EVICT_ADMIN]), "evictions_shrink",
-            u64(tc->evictions[KVD_EVICT_SHRINK]), "refusals", u64(tc->refusals), "blocks_held",
-            u64(u.held), "blocks_cached", u64(u.cached), "blocks_pinned", u64(u.pinned));
+        uint64_t v[TS_COUNT];
+        v[TS_SESSIONS] = kvd_registry_sessions(s->reg, t);
+        v[TS_QUERIES] = tc->queries;
+        v[TS_QUERY_BLOCKS] = tc->query_blocks;
+        v[TS_HIT_BLOCKS] = tc->hit_blocks;
+        v[TS_HIT_TOKENS] = tc->hit_tokens;
+        v[TS_COMMITS] = tc->commits;
+        v[TS_EVICTIONS_CAPACITY] = tc->evictions[KVD_EVICT_CAPACITY];
+        v[TS_EVICTIONS_ADMIN] = tc->evictions[KVD_EVICT_ADMIN];
+        v[TS_EVICTIONS_SHRINK] = tc->evictions[KVD_EVICT_SHRINK];
+        v[TS_REFUSALS] = tc->refusals;
+        v[TS_BLOCKS_HELD] = u.held;
+        v[TS_BLOCKS_CACHED] = u.cached;
+        v[TS_BLOCKS_PINNED] = u.pinned;
+        json_t *o = json_pack("{s:i, s:o}", "id", (int)t, "name",
+                              text(kvd_tenants_name(s->reg->tenants, t)));
+        put_stats(o, tenant_stats, v, TS_COUNT);
         add_hit_rate(o, tc->hit_blocks, tc->query_blocks);
         json_array_append_new(tenants, o);
     }
-    json_t *daemon =
-        json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:o, s:o, s:o}", "sessions",
-                  u64(kvd_server_counts(s->srv)->conns), "pools", u64(s->reg->npools),
-                  "pool_memory_bytes", u64(s->cfg->pool_memory), "pool_memory_used_bytes",
-                  u64(used), "index_entries", u64(kvd_index_count(s->reg->index)), "index_capacity",
-                  u64(kvd_index_capacity(s->reg->index)), "draining", kvd_server_draining(s->srv),
-                  "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000),
-                  "events_evict", u64(s->reg->events.pushed[KVD_EVENT_EVICT]), "events_refuse",
-                  u64(s->reg->events.pushed[KVD_EVENT_REFUSE]));
+    uint64_t v[DS_COUNT];
+    v[DS_SESSIONS] = kvd_server_counts(s->srv)->conns;
+    v[DS_POOLS] = s->reg->npools;
+    v[DS_POOL_MEMORY_BYTES] = s->cfg->pool_memory;
+    v[DS_POOL_MEMORY_USED_BYTES] = kvd_registry_budget_used(s->reg);
+    v[DS_INDEX_ENTRIES] = kvd_index_count(s->reg->index);
+    v[DS_INDEX_CAPACITY] = kvd_index_capacity(s->reg->index);
+    v[DS_DRAINING] = (uint64_t)kvd_server_draining(s->srv);
+    v[DS_UPTIME_SECONDS] = (uv_now(s->loop) - s->start_loop_ms) / 1000;
+    v[DS_EVENTS_EVICT] = s->reg->events.pushed[KVD_EVENT_EVICT];
+    v[DS_EVENTS_REFUSE] = s->reg->events.pushed[KVD_EVENT_REFUSE];
+    json_t *daemon = json_object();
+    put_stats(daemon, daemon_stats, v, DS_COUNT);
     return json_pack("{s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants);
 }
 

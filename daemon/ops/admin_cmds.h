@@ -11,6 +11,7 @@
 #include <jansson.h>
 
 #include "common/kv_err.h"
+#include "common/kv_stat.h"
 #include "daemon/ops/ops.h"
 
 #define KVD_ADMIN_LINE_MAX 4096 /* longest command line; longer gets ETOOBIG and a close */
@@ -37,6 +38,11 @@ json_t *kvd_admin_execute(kvd_ops *o, const char *line);
 /* An error reply object for code and msg; bytes of msg that are not printable ASCII become '?'
  * when jansson refuses the message. */
 json_t *kvd_admin_error(kv_err code, const char *msg);
+
+/* The tables of the `stats` sections besides the pools' (kvd_pool_stat_descs): the daemon's and
+ * a tenant's (common/kv_stat.h). Static storage. */
+const kv_stat_desc *kvd_admin_daemon_stats(size_t *n);
+const kv_stat_desc *kvd_admin_tenant_stats(size_t *n);
 
 /* The `stats` result: daemon, pools and tenants sections (what the metrics endpoint renders). */
 json_t *kvd_admin_stats(kvd_ops *o);

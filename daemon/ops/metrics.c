@@ -14,101 +14,26 @@
 
 #include "common/kv_log.h"
 #include "common/kv_version.h"
+#include "daemon/core/pool.h"
 #include "daemon/ops/admin_cmds.h"
 
 #define METRICS_DEADLINE_MS 2000 /* the loop must answer within this, or 503 */
 
 /* ---- rendering ------------------------------------------------------------------------- */
 
-typedef struct metric_row {
-    const char *family;  /* metric name */
-    const char *type;    /* counter | gauge */
-    const char *help;    /* HELP line (first row of a family only) */
-    const char *section; /* "daemon", "pools" or "tenants" in the stats object */
-    const char *key;     /* field of the stats object */
-    const char *label;   /* extra label name, or NULL */
-    const char *value;   /* its value */
-} metric_row;
+/* The exported families come from the stats tables (common/kv_stat.h): the daemon's and a
+ * tenant's (daemon/ops/admin_cmds.h) and a pool's (daemon/core/pool.h). Rows of one family are
+ * adjacent in their table; the first carries the family's HELP. */
+typedef struct section {
+    const char *name;                        /* "daemon", "pools" or "tenants" in the stats */
+    const kv_stat_desc *(*table)(size_t *n); /* its table */
+} section;
 
-static const metric_row rows[] = {
-    {"kvd_sessions", "gauge", "Open client connections.", "daemon", "sessions", NULL, NULL},
-    {"kvd_pools", "gauge", "Pools (model, layout, domain) in use.", "daemon", "pools", NULL, NULL},
-    {"kvd_pool_memory_limit_bytes", "gauge", "Segment memory all pools may use (pool-memory).",
-     "daemon", "pool_memory_bytes", NULL, NULL},
-    {"kvd_pool_memory_used_bytes", "gauge", "Segment memory the pools hold.", "daemon",
-     "pool_memory_used_bytes", NULL, NULL},
-    {"kvd_index_entries", "gauge", "Blocks in the prefix index.", "daemon", "index_entries", NULL,
-     NULL},
-    {"kvd_index_capacity_entries", "gauge", "Slots of the prefix index.", "daemon",
-     "index_capacity", NULL, NULL},
-    {"kvd_draining", "gauge", "1 while draining (new sessions refused).", "daemon", "draining",
-     NULL, NULL},
-    {"kvd_uptime_seconds", "gauge", "Seconds since kvd started.", "daemon", "uptime_seconds", NULL,
-     NULL},
-    {"kvd_events_total", "counter", "Evictions and refusals recorded in the admin event ring.",
-     "daemon", "events_evict", "kind", "evict"},
-    {"kvd_events_total", "counter", NULL, "daemon", "events_refuse", "kind", "refuse"},
-
-    {"kvd_pool_blocks", "gauge", "Blocks of the pool by lifecycle state.", "pools", "blocks_free",
-     "state", "free"},
-    {"kvd_pool_blocks", "gauge", NULL, "pools", "blocks_writing", "state", "writing"},
-    {"kvd_pool_blocks", "gauge", NULL, "pools", "blocks_committed", "state", "committed"},
-    {"kvd_pool_blocks", "gauge", NULL, "pools", "blocks_cached", "state", "cached"},
-    {"kvd_pool_capacity_blocks", "gauge", "Blocks in the pool's segments.", "pools", "blocks_total",
-     NULL, NULL},
-    {"kvd_pool_pinned_blocks", "gauge", "Pinned blocks of the pool.", "pools", "blocks_pinned",
-     NULL, NULL},
-    {"kvd_pool_segments", "gauge", "Segments (shared memory objects) of the pool.", "pools",
-     "segments", NULL, NULL},
-    {"kvd_pool_memory_bytes", "gauge", "Segment memory of the pool.", "pools", "bytes", NULL, NULL},
-    {"kvd_pool_lookups_total", "counter", "Lookup requests on the pool.", "pools", "queries", NULL,
-     NULL},
-    {"kvd_pool_lookup_blocks_total", "counter",
-     "Blocks asked in Lookup requests (the hit rate's denominator).", "pools", "query_blocks", NULL,
-     NULL},
-    {"kvd_pool_hit_blocks_total", "counter", "Blocks Lookup found cached.", "pools", "hit_blocks",
-     NULL, NULL},
-    {"kvd_pool_hit_tokens_total", "counter", "Tokens of the blocks Lookup found cached.", "pools",
-     "hit_tokens", NULL, NULL},
-    {"kvd_pool_commits_total", "counter", "Blocks committed.", "pools", "commits", NULL, NULL},
-    {"kvd_pool_duplicate_commits_total", "counter",
-     "Commits of a block another worker had committed already.", "pools", "commits_duplicate", NULL,
-     NULL},
-    {"kvd_pool_evictions_total", "counter", "Cached blocks evicted, by reason.", "pools",
-     "evictions_capacity", "reason", "capacity"},
-    {"kvd_pool_evictions_total", "counter", NULL, "pools", "evictions_admin", "reason", "admin"},
-    {"kvd_pool_evictions_total", "counter", NULL, "pools", "evictions_shrink", "reason", "shrink"},
-
-    {"kvd_tenant_sessions", "gauge", "Open sessions of the tenant.", "tenants", "sessions", NULL,
-     NULL},
-    {"kvd_tenant_lookups_total", "counter", "Lookup requests of the tenant.", "tenants", "queries",
-     NULL, NULL},
-    {"kvd_tenant_lookup_blocks_total", "counter", "Blocks the tenant asked in Lookup requests.",
-     "tenants", "query_blocks", NULL, NULL},
-    {"kvd_tenant_hit_blocks_total", "counter", "Blocks the tenant's Lookups found cached.",
-     "tenants", "hit_blocks", NULL, NULL},
-    {"kvd_tenant_hit_tokens_total", "counter", "Tokens of the blocks the tenant's Lookups found.",
-     "tenants", "hit_tokens", NULL, NULL},
-    {"kvd_tenant_commits_total", "counter", "Blocks the tenant committed.", "tenants", "commits",
-     NULL, NULL},
-    {"kvd_tenant_evictions_total", "counter",
-     "Evictions the tenant's allocations caused (capacity) or an operator made of its blocks.",
-     "tenants", "evictions_capacity", "reason", "capacity"},
-    {"kvd_tenant_evictions_total", "counter", NULL, "tenants", "evictions_admin", "reason",
-     "admin"},
-    {"kvd_tenant_evictions_total", "counter", NULL, "tenants", "evictions_shrink", "reason",
-     "shrink"},
-    {"kvd_tenant_refusals_total", "counter",
-     "Requests of the tenant refused (quota, space, "
-     "permission, draining).",
-     "tenants", "refusals", NULL, NULL},
-    {"kvd_tenant_blocks", "gauge", "Blocks of the tenant by state, over all pools.", "tenants",
-     "blocks_held", "state", "held"},
-    {"kvd_tenant_blocks", "gauge", NULL, "tenants", "blocks_cached", "state", "cached"},
-    {"kvd_tenant_blocks", "gauge", NULL, "tenants", "blocks_pinned", "state", "pinned"},
+static const section sections[] = {
+    {"daemon", kvd_admin_daemon_stats},
+    {"pools", kvd_pool_stat_descs},
+    {"tenants", kvd_admin_tenant_stats},
 };
-
-#define NROWS (sizeof(rows) / sizeof(rows[0]))
 
 /* Writes a label value with the exposition format's escapes (\\, \", \n). */
 static void put_label(FILE *out, const char *v) {
@@ -125,7 +50,7 @@ static void put_label(FILE *out, const char *v) {
     }
 }
 
-static void put_labels(FILE *out, const char *section, const json_t *obj, const metric_row *r) {
+static void put_labels(FILE *out, const char *section, const json_t *obj, const kv_stat_desc *r) {
     int first = 1;
     if (strcmp(section, "daemon") == 0 && r->label == NULL) {
         return;
@@ -146,7 +71,7 @@ static void put_labels(FILE *out, const char *section, const json_t *obj, const 
         first = 0;
     }
     if (r->label != NULL) {
-        fprintf(out, "%s%s=\"%s\"", first ? "" : ",", r->label, r->value);
+        fprintf(out, "%s%s=\"%s\"", first ? "" : ",", r->label, r->label_value);
         first = 0;
     }
     fputc('}', out);
@@ -174,27 +99,33 @@ kv_err kvd_metrics_render(const json_t *st, const char *version, FILE *out) {
           out);
     put_label(out, version);
     fputs("\"} 1\n", out);
-    for (size_t i = 0; i < NROWS;) {
-        size_t end = i;
-        while (end < NROWS && strcmp(rows[end].family, rows[i].family) == 0) {
-            end++;
-        }
-        const char *sec = rows[i].section;
+    for (size_t q = 0; q < sizeof(sections) / sizeof(sections[0]); q++) {
+        size_t nrows;
+        const kv_stat_desc *rows = sections[q].table(&nrows);
+        const char *sec = sections[q].name;
         const json_t *objs = strcmp(sec, "daemon") == 0 ? NULL : json_object_get(st, sec);
         size_t nobj = objs == NULL ? 1 : json_array_size(objs);
-        if (nobj > 0) {
-            fprintf(out, "# HELP %s %s\n# TYPE %s %s\n", rows[i].family, rows[i].help,
-                    rows[i].family, rows[i].type);
-            for (size_t k = 0; k < nobj; k++) {
-                const json_t *o = objs == NULL ? daemon : json_array_get(objs, k);
-                for (size_t r = i; r < end; r++) {
-                    fputs(rows[r].family, out);
-                    put_labels(out, sec, o, &rows[r]);
-                    fprintf(out, " %.17g\n", value_of(json_object_get(o, rows[r].key)));
+        for (size_t i = 0; i < nrows;) {
+            size_t end = i + 1;
+            while (rows[i].family != NULL && end < nrows && rows[end].family != NULL &&
+                   strcmp(rows[end].family, rows[i].family) == 0) {
+                end++;
+            }
+            if (rows[i].family != NULL && nobj > 0) {
+                fprintf(out, "# HELP %s %s\n# TYPE %s %s\n", rows[i].family,
+                        rows[i].family_help != NULL ? rows[i].family_help : rows[i].help,
+                        rows[i].family, rows[i].type);
+                for (size_t k = 0; k < nobj; k++) {
+                    const json_t *o = objs == NULL ? daemon : json_array_get(objs, k);
+                    for (size_t r = i; r < end; r++) {
+                        fputs(rows[r].family, out);
+                        put_labels(out, sec, o, &rows[r]);
+                        fprintf(out, " %.17g\n", value_of(json_object_get(o, rows[r].name)));
+                    }
                 }
             }
+            i = end;
         }
-        i = end;
     }
     return KV_OK;
 }

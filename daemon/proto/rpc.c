@@ -900,6 +900,9 @@ static kv_err on_release(rpc *c, uint64_t id, uint32_t pool_id, size_t nrep,
     for (size_t i = 0; i < n; i++) {
         KV_ASSERT(kvd_refs_sub(&sp->refs, refs[i].id, 1) == KV_OK);
     }
+    if (rewind) {
+        kvd_pool_count_rewind(sp->pool, n);
+    }
     Kvd__Envelope env;
     env_init(c, &env, id);
     Kvd__ReleaseReply rr = KVD__RELEASE_REPLY__INIT;

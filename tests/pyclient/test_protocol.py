@@ -2779,16 +2779,23 @@ def test_help_marks_runtime_options():
 # =============================================================================================
 # Admin side notes of the first runs (docs/ADMIN.md)
 
-def test_admin_names_the_commons_domain_and_every_policy(kvd_factory):
-    """`stats` and `pools` name a commons pool's domain `commons` (it read '?'), and `pools`
-    names the prefix-lru policy as the option spells it (it read 'lru')."""
-    d = kvd_factory(tenants="tenant me uid=%d\ncommons\n" % ME, evict_policy="prefix-lru")
+def test_admin_names_the_commons_domain(kvd_factory):
+    """`stats` and `pools` name a commons pool's domain `commons` (it read '?')."""
+    d = kvd_factory(tenants="tenant me uid=%d\ncommons\n" % ME)
     c = d.connect()
     c.attach("m", LAYOUT)
     doms = sorted(p["domain"] for p in d.admin_result("stats")["pools"])
     assert doms == ["commons", "me"], doms
     pools = d.admin_result("pools")["pools"]
     assert sorted(p["domain"] for p in pools) == ["commons", "me"]
+
+
+def test_admin_names_every_policy(kvd_factory):
+    """`pools` names the prefix-lru policy as the option spells it (it read 'lru')."""
+    d = kvd_factory(evict_policy="prefix-lru")
+    c = d.connect()
+    c.attach("m", LAYOUT)
+    pools = d.admin_result("pools")["pools"]
     assert {p["policy"] for p in pools} == {"prefix-lru"}, pools
 
 
@@ -2805,3 +2812,18 @@ def test_admin_socket_in_a_missing_directory_is_named(tmp_path):
                        capture_output=True, text=True, timeout=20)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "does not exist" in r.stderr and "missing" in r.stderr, r.stderr
+
+
+def test_admin_pin_counts_from_now_on_an_idle_pool(kvd):
+    """docs/ADMIN.md `pin ... retention=MS`: the retention counts from the pin. The pool's clock
+    only moves with requests, and an admin pin on a pool idle longer than the retention used to
+    count from the pool's last request: the pin had expired when it was set, and the next
+    request swept it (blocks_pinned 0 at once)."""
+    import time
+    c = kvd.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, hashes, _ = write_commit(c, pool, 1)
+    c.release(pool.pool_id, canon)
+    time.sleep(1.5)  # the pool idles; its clock stays at the release
+    kvd.admin_result("pin %s pool=%d retention=1000" % (kw.hash_hex(hashes[0]), pool.pool_id))
+    assert pool_stats(c, pool)["blocks_pinned"] == 1  # this request moves the clock to now
