@@ -11,6 +11,8 @@
  */
 #include "client/conn.h"
 
+#include "common/kv_util.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -36,16 +38,12 @@ void kvc_options_init(kvc_options *o) {
 
 kv_err kvc_default_socket_path(char *buf, size_t cap) {
     const char *env = getenv("KVD_SOCKET");
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    int n;
     if (env != NULL && env[0] != '\0') {
-        n = snprintf(buf, cap, "%s", env);
-    } else if (xdg != NULL && xdg[0] != '\0') {
-        n = snprintf(buf, cap, "%s/kvd/kvd.sock", xdg);
-    } else {
-        n = snprintf(buf, cap, "/tmp/kvd-%u/kvd.sock", (unsigned)getuid());
-    }
-    if (n < 0 || (size_t)n >= cap) {
+        int n = snprintf(buf, cap, "%s", env);
+        if (n < 0 || (size_t)n >= cap) {
+            return KV_ETOOBIG;
+        }
+    } else if (kv_default_socket_path("kvd.sock", buf, cap) != 0) {
         return KV_ETOOBIG;
     }
     return KV_OK;

@@ -15,6 +15,7 @@
 
 #include <jansson.h>
 
+#include "common/kv_util.h"
 #include "kvctl/exit_codes.h"
 
 #define LINE_MAX_BYTES 4096         /* the daemon's command line limit */
@@ -34,13 +35,10 @@ static void usage(FILE *f) {
 
 static void default_socket(char *buf, size_t len) {
     const char *env = getenv("KVD_ADMIN_SOCKET");
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
     if (env != NULL && env[0] != '\0') {
         snprintf(buf, len, "%s", env);
-    } else if (xdg != NULL && xdg[0] != '\0') {
-        snprintf(buf, len, "%s/kvd/admin.sock", xdg);
     } else {
-        snprintf(buf, len, "/tmp/kvd-%u/admin.sock", (unsigned)getuid());
+        (void)kv_default_socket_path("admin.sock", buf, len); /* too long: connect says so */
     }
 }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/kv_util.h"
 #include "daemon/config/conffile.h"
 #include "daemon/core/pool.h"
 
@@ -108,13 +109,9 @@ const kvd_config_option *kvd_config_find(const char *name) {
 
 /* Parses decimal digits with an optional K/M/G/T (or KiB/MiB/...) suffix. */
 static int parse_u64(const char *s, uint64_t *out) {
-    if (*s < '0' || *s > '9') {
-        return -1;
-    }
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno != 0) {
+    const char *end;
+    uint64_t v;
+    if (kv_parse_u64(s, &end, &v) != 0) {
         return -1;
     }
     unsigned shift = 0;

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 #include "common/kv_wire.h"
 #include "daemon/net/server_int.h"
 
@@ -787,12 +788,7 @@ static kv_err socket_path_prepare(kvd_server *s) {
     if (s->cfg->socket[0] != '\0') {
         snprintf(path, sizeof(path), "%s", s->cfg->socket);
     } else {
-        const char *xdg = getenv("XDG_RUNTIME_DIR");
-        if (xdg != NULL && xdg[0] != '\0') {
-            snprintf(path, sizeof(path), "%s/kvd/kvd.sock", xdg);
-        } else {
-            snprintf(path, sizeof(path), "/tmp/kvd-%u/kvd.sock", (unsigned)getuid());
-        }
+        (void)kv_default_socket_path("kvd.sock", path, sizeof(path)); /* too long: below */
         own_dir = 1;
     }
     if (strlen(path) >= sizeof(s->sock_path)) {

@@ -8,6 +8,7 @@
 
 #include "common/kv_hash.h"
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 #include "common/kv_version.h"
 #include "daemon/ops/admin_cmds.h"
 
@@ -68,12 +69,9 @@ static json_t *hash_json(kv_hash128 h) {
 
 /* Parses a decimal argument value. */
 static int parse_num(const char *s, uint64_t *out) {
-    if (*s < '0' || *s > '9') {
-        return -1;
-    }
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (*end != '\0') {
+    const char *end;
+    uint64_t v;
+    if (kv_parse_u64(s, &end, &v) != 0 || *end != '\0') {
         return -1;
     }
     *out = v;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 
 /* The one list of limits: parsing, reports and KVD_QUOTA_NAMES follow it (quota_test checks
  * that the names string lists exactly these). */
@@ -26,13 +27,9 @@ static const struct {
 #define NFIELDS (sizeof(fields) / sizeof(fields[0]))
 
 kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value) {
-    if (value == NULL || value[0] < '0' || value[0] > '9') {
-        return KV_EINVAL;
-    }
-    errno = 0;
-    char *end;
-    unsigned long long v = strtoull(value, &end, 10);
-    if (errno != 0 || *end != '\0') {
+    const char *end;
+    uint64_t v;
+    if (kv_parse_u64(value, &end, &v) != 0 || *end != '\0') {
         return KV_EINVAL;
     }
     for (size_t i = 0; i < NFIELDS; i++) {

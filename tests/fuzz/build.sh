@@ -40,7 +40,7 @@ for t in "${targets[@]}"; do
     case "$t" in
         wire) srcs=(common/kv_wire.c) libs=(-lprotobuf-c) ;;
         validate) srcs=(daemon/proto/validate.c common/kv_layout.c) libs=(-lprotobuf-c) ;;
-        config) srcs=(daemon/config/config.c daemon/config/conffile.c daemon/core/policy.c)
+        config) srcs=(daemon/config/config.c daemon/config/conffile.c daemon/core/policy.c common/kv_util.c)
             libs=(-lprotobuf-c) ;;
         admin)
             # The admin line parser runs against a real (never started) server: the whole daemon

@@ -1,0 +1,31 @@
+#include "common/kv_util.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+int kv_default_socket_path(const char *file, char *buf, size_t cap) {
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int n = xdg != NULL && xdg[0] != '\0' ? snprintf(buf, cap, "%s/kvd/%s", xdg, file)
+                                          : snprintf(buf, cap, "/tmp/kvd-%u/%s", (unsigned)getuid(),
+                                                     file);
+    return n < 0 || (size_t)n >= cap ? -1 : 0;
+}
+
+int kv_parse_u64(const char *s, const char **end, uint64_t *out) {
+    if (s == NULL || *s < '0' || *s > '9') {
+        return -1;
+    }
+    errno = 0;
+    char *e;
+    unsigned long long v = strtoull(s, &e, 10);
+    if (errno != 0) {
+        return -1;
+    }
+    if (end != NULL) {
+        *end = e;
+    }
+    *out = v;
+    return 0;
+}
