@@ -23,9 +23,11 @@
  * offset, as cuda.h's "currently must be zero" allows a driver to), FAKE_CUDA_HOST_ACCESS=1
  * (cuMemSetAccess also opens device ranges to host loads: for tests that run the kernels' CPU
  * twins over "device" memory), FAKE_CUDA_UUID=<32 hex digits> (the device's UUID).
- * Single-threaded use is enough for tests.
+ * Thread-safe as a real driver is: one recursive lock guards the fake's state in every entry
+ * point (in-process tests call it from the test thread and the daemon's loop thread at once).
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +45,21 @@
 #define KV_CU_ERROR_INVALID_VALUE 1
 
 #define EXPORT __attribute__((visibility("default")))
+
+/* Every entry point holds the fake's lock until it returns (cleanup attribute). */
+static pthread_mutex_t fake_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+
+static int guard_enter(void) {
+    pthread_mutex_lock(&fake_lock);
+    return 0;
+}
+
+static void guard_leave(int *unused) {
+    (void)unused;
+    pthread_mutex_unlock(&fake_lock);
+}
+
+#define GUARD() int guard_ __attribute__((cleanup(guard_leave), unused)) = guard_enter()
 
 static int env_set(const char *name) {
     const char *v = getenv(name);
@@ -207,6 +224,7 @@ static kv_cu_result enqueue(int op, uintptr_t dst, uintptr_t src, const void *ho
 /* ---- initialisation, devices, contexts ------------------------------------------------------ */
 
 EXPORT kv_cu_result cuInit(unsigned flags) {
+    GUARD();
     (void)flags;
     if (init_pid != 0 && init_pid != getpid()) {
         return KV_CU_ERROR_NOT_INITIALIZED; /* forked after cuInit, without exec */
@@ -219,11 +237,13 @@ EXPORT kv_cu_result cuInit(unsigned flags) {
 }
 
 EXPORT kv_cu_result cuDriverGetVersion(int *v) {
+    GUARD();
     *v = 13000;
     return KV_CU_SUCCESS;
 }
 
 EXPORT kv_cu_result cuGetErrorName(kv_cu_result r, const char **s) {
+    GUARD();
     switch (r) {
         case KV_CU_SUCCESS:
             *s = "CUDA_SUCCESS";
@@ -253,6 +273,7 @@ EXPORT kv_cu_result cuGetErrorName(kv_cu_result r, const char **s) {
 }
 
 EXPORT kv_cu_result cuGetErrorString(kv_cu_result r, const char **s) {
+    GUARD();
     *s = r == KV_CU_ERROR_NO_DEVICE         ? "no CUDA-capable device is detected"
          : r == KV_CU_ERROR_NOT_INITIALIZED ? "initialization error (CUDA used after fork?)"
                                             : "fake driver error";
@@ -260,12 +281,14 @@ EXPORT kv_cu_result cuGetErrorString(kv_cu_result r, const char **s) {
 }
 
 EXPORT kv_cu_result cuDeviceGetCount(int *n) {
+    GUARD();
     CHECK_PROC();
     *n = 1;
     return KV_CU_SUCCESS;
 }
 
 EXPORT kv_cu_result cuDeviceGet(kv_cu_device *d, int ordinal) {
+    GUARD();
     CHECK_PROC();
     if (ordinal != 0) {
         return KV_CU_ERROR_INVALID_DEVICE;
@@ -275,6 +298,7 @@ EXPORT kv_cu_result cuDeviceGet(kv_cu_device *d, int ordinal) {
 }
 
 EXPORT kv_cu_result cuDeviceGetAttribute(int *v, int attr, kv_cu_device d) {
+    GUARD();
     CHECK_PROC();
     (void)d;
     if (attr == KV_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ||
@@ -287,6 +311,7 @@ EXPORT kv_cu_result cuDeviceGetAttribute(int *v, int attr, kv_cu_device d) {
 }
 
 EXPORT kv_cu_result cuDeviceGetName(char *name, int len, kv_cu_device d) {
+    GUARD();
     CHECK_PROC();
     (void)d;
     snprintf(name, (size_t)len, "kvd fake GPU");
@@ -294,6 +319,7 @@ EXPORT kv_cu_result cuDeviceGetName(char *name, int len, kv_cu_device d) {
 }
 
 EXPORT kv_cu_result cuDeviceGetUuid_v2(kv_cu_uuid *uuid, kv_cu_device d) {
+    GUARD();
     CHECK_PROC();
     (void)d;
     static const unsigned char def[16] = {0x6b, 0x76, 0x64, 0x2d, 0x66, 0x61, 0x6b, 0x65,
@@ -312,6 +338,7 @@ EXPORT kv_cu_result cuDeviceGetUuid_v2(kv_cu_uuid *uuid, kv_cu_device d) {
 static int primary_ctx; /* its address is the fake context */
 
 EXPORT kv_cu_result cuDevicePrimaryCtxRetain(kv_cu_context *ctx, kv_cu_device d) {
+    GUARD();
     CHECK_PROC();
     (void)d;
     *ctx = (kv_cu_context)(void *)&primary_ctx;
@@ -319,6 +346,7 @@ EXPORT kv_cu_result cuDevicePrimaryCtxRetain(kv_cu_context *ctx, kv_cu_device d)
 }
 
 EXPORT kv_cu_result cuDevicePrimaryCtxRelease_v2(kv_cu_device d) {
+    GUARD();
     CHECK_PROC();
     (void)d;
     return KV_CU_SUCCESS;
@@ -327,24 +355,28 @@ EXPORT kv_cu_result cuDevicePrimaryCtxRelease_v2(kv_cu_device d) {
 static kv_cu_context current;
 
 EXPORT kv_cu_result cuCtxSetCurrent(kv_cu_context ctx) {
+    GUARD();
     CHECK_PROC();
     current = ctx;
     return KV_CU_SUCCESS;
 }
 
 EXPORT kv_cu_result cuCtxGetCurrent(kv_cu_context *ctx) {
+    GUARD();
     CHECK_PROC();
     *ctx = current;
     return KV_CU_SUCCESS;
 }
 
 EXPORT kv_cu_result cuCtxGetDevice(kv_cu_device *d) {
+    GUARD();
     CHECK_PROC();
     *d = 0;
     return current != NULL ? KV_CU_SUCCESS : KV_CU_ERROR_NOT_INITIALIZED;
 }
 
 EXPORT kv_cu_result cuCtxSynchronize(void) {
+    GUARD();
     CHECK_PROC();
     drain();
     return KV_CU_SUCCESS;
@@ -393,6 +425,7 @@ static void range_drop(range *r) {
 }
 
 EXPORT kv_cu_result cuMemAlloc_v2(kv_cu_deviceptr *p, size_t bytes) {
+    GUARD();
     CHECK_PROC();
     int fd = new_memfd(bytes);
     if (fd < 0) {
@@ -409,6 +442,7 @@ EXPORT kv_cu_result cuMemAlloc_v2(kv_cu_deviceptr *p, size_t bytes) {
 }
 
 EXPORT kv_cu_result cuMemFree_v2(kv_cu_deviceptr p) {
+    GUARD();
     CHECK_PROC();
     range *r = range_of((uintptr_t)p);
     if (r == NULL || r->va != (uintptr_t)p || r->kind != RANGE_ALLOC) {
@@ -422,16 +456,19 @@ EXPORT kv_cu_result cuMemFree_v2(kv_cu_deviceptr p) {
 }
 
 EXPORT kv_cu_result cuMemsetD8_v2(kv_cu_deviceptr p, unsigned char v, size_t n) {
+    GUARD();
     CHECK_PROC();
     return enqueue(OP_SET, (uintptr_t)p, 0, NULL, n, v);
 }
 
 EXPORT kv_cu_result cuMemcpyHtoD_v2(kv_cu_deviceptr dst, const void *src, size_t n) {
+    GUARD();
     CHECK_PROC();
     return enqueue(OP_COPY, (uintptr_t)dst, 0, src, n, 0);
 }
 
 EXPORT kv_cu_result cuMemcpyDtoH_v2(void *dst, kv_cu_deviceptr src, size_t n) {
+    GUARD();
     CHECK_PROC();
     if (!dev_range_ok((uintptr_t)src, n)) {
         return KV_CU_ERROR_INVALID_VALUE;
@@ -454,6 +491,7 @@ EXPORT kv_cu_result cuMemcpyDtoH_v2(void *dst, kv_cu_deviceptr src, size_t n) {
 EXPORT unsigned long long fake_cuda_dtod_bytes;
 
 EXPORT kv_cu_result cuMemcpyDtoD_v2(kv_cu_deviceptr dst, kv_cu_deviceptr src, size_t n) {
+    GUARD();
     CHECK_PROC();
     kv_cu_result r = enqueue(OP_COPY, (uintptr_t)dst, (uintptr_t)src, NULL, n, 0);
     if (r == KV_CU_SUCCESS) {
@@ -464,6 +502,7 @@ EXPORT kv_cu_result cuMemcpyDtoD_v2(kv_cu_deviceptr dst, kv_cu_deviceptr src, si
 
 EXPORT kv_cu_result cuMemCreate(kv_cu_mem_handle *h, size_t bytes, const kv_cu_alloc_prop *prop,
                                 unsigned long long flags) {
+    GUARD();
     CHECK_PROC();
     (void)flags;
     if (bytes == 0 || bytes % FAKE_GRANULARITY != 0 ||
@@ -479,6 +518,7 @@ EXPORT kv_cu_result cuMemCreate(kv_cu_mem_handle *h, size_t bytes, const kv_cu_a
 }
 
 EXPORT kv_cu_result cuMemRelease(kv_cu_mem_handle h) {
+    GUARD();
     CHECK_PROC();
     close((int)h);
     return KV_CU_SUCCESS;
@@ -486,6 +526,7 @@ EXPORT kv_cu_result cuMemRelease(kv_cu_mem_handle h) {
 
 EXPORT kv_cu_result cuMemExportToShareableHandle(void *shareable, kv_cu_mem_handle h, int type,
                                                  unsigned long long flags) {
+    GUARD();
     CHECK_PROC();
     (void)flags;
     if (type != KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
@@ -500,6 +541,7 @@ EXPORT kv_cu_result cuMemExportToShareableHandle(void *shareable, kv_cu_mem_hand
 }
 
 EXPORT kv_cu_result cuMemImportFromShareableHandle(kv_cu_mem_handle *h, void *os_handle, int type) {
+    GUARD();
     CHECK_PROC();
     if (type != KV_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
         return KV_CU_ERROR_NOT_SUPPORTED;
@@ -514,6 +556,7 @@ EXPORT kv_cu_result cuMemImportFromShareableHandle(kv_cu_mem_handle *h, void *os
 
 EXPORT kv_cu_result cuMemAddressReserve(kv_cu_deviceptr *p, size_t bytes, size_t align,
                                         kv_cu_deviceptr addr, unsigned long long flags) {
+    GUARD();
     CHECK_PROC();
     (void)addr;
     (void)flags;
@@ -542,6 +585,7 @@ EXPORT kv_cu_result cuMemAddressReserve(kv_cu_deviceptr *p, size_t bytes, size_t
 }
 
 EXPORT kv_cu_result cuMemAddressFree(kv_cu_deviceptr p, size_t bytes) {
+    GUARD();
     CHECK_PROC();
     munmap((void *)(uintptr_t)p, bytes);
     return KV_CU_SUCCESS;
@@ -549,6 +593,7 @@ EXPORT kv_cu_result cuMemAddressFree(kv_cu_deviceptr p, size_t bytes) {
 
 EXPORT kv_cu_result cuMemMap(kv_cu_deviceptr p, size_t bytes, size_t offset, kv_cu_mem_handle h,
                              unsigned long long flags) {
+    GUARD();
     CHECK_PROC();
     (void)flags;
     if (bytes == 0 || bytes % FAKE_GRANULARITY != 0 || offset % FAKE_GRANULARITY != 0 ||
@@ -566,6 +611,7 @@ EXPORT kv_cu_result cuMemMap(kv_cu_deviceptr p, size_t bytes, size_t offset, kv_
 }
 
 EXPORT kv_cu_result cuMemUnmap(kv_cu_deviceptr p, size_t bytes) {
+    GUARD();
     CHECK_PROC();
     drain();
     int found = 0;
@@ -584,6 +630,7 @@ EXPORT kv_cu_result cuMemUnmap(kv_cu_deviceptr p, size_t bytes) {
 
 EXPORT kv_cu_result cuMemSetAccess(kv_cu_deviceptr p, size_t bytes, const kv_cu_access_desc *d,
                                    size_t count) {
+    GUARD();
     CHECK_PROC();
     if (count != 1 || !dev_range_ok((uintptr_t)p, bytes)) {
         return KV_CU_ERROR_INVALID_VALUE;
@@ -599,6 +646,7 @@ EXPORT kv_cu_result cuMemSetAccess(kv_cu_deviceptr p, size_t bytes, const kv_cu_
 
 EXPORT kv_cu_result cuMemGetAllocationGranularity(size_t *g, const kv_cu_alloc_prop *prop,
                                                   int option) {
+    GUARD();
     CHECK_PROC();
     (void)prop;
     (void)option;
@@ -616,6 +664,7 @@ typedef struct fake_ipc {
 } fake_ipc;
 
 EXPORT kv_cu_result cuIpcGetMemHandle(kv_cu_ipc_mem_handle *h, kv_cu_deviceptr p) {
+    GUARD();
     CHECK_PROC();
     range *r = range_of((uintptr_t)p);
     if (r == NULL || r->va != (uintptr_t)p || r->kind != RANGE_ALLOC) {
@@ -629,6 +678,7 @@ EXPORT kv_cu_result cuIpcGetMemHandle(kv_cu_ipc_mem_handle *h, kv_cu_deviceptr p
 
 EXPORT kv_cu_result cuIpcOpenMemHandle_v2(kv_cu_deviceptr *p, kv_cu_ipc_mem_handle h,
                                           unsigned flags) {
+    GUARD();
     CHECK_PROC();
     (void)flags;
     fake_ipc f;
@@ -653,6 +703,7 @@ EXPORT kv_cu_result cuIpcOpenMemHandle_v2(kv_cu_deviceptr *p, kv_cu_ipc_mem_hand
 }
 
 EXPORT kv_cu_result cuIpcCloseMemHandle(kv_cu_deviceptr p) {
+    GUARD();
     CHECK_PROC();
     range *r = range_of((uintptr_t)p);
     if (r == NULL || r->va != (uintptr_t)p || r->kind != RANGE_IPC) {
