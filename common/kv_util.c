@@ -7,9 +7,9 @@
 
 int kv_default_socket_path(const char *file, char *buf, size_t cap) {
     const char *xdg = getenv("XDG_RUNTIME_DIR");
-    int n = xdg != NULL && xdg[0] != '\0' ? snprintf(buf, cap, "%s/kvd/%s", xdg, file)
-                                          : snprintf(buf, cap, "/tmp/kvd-%u/%s", (unsigned)getuid(),
-                                                     file);
+    int n = xdg != NULL && xdg[0] != '\0'
+                ? snprintf(buf, cap, "%s/kvd/%s", xdg, file)
+                : snprintf(buf, cap, "/tmp/kvd-%u/%s", (unsigned)getuid(), file);
     return n < 0 || (size_t)n >= cap ? -1 : 0;
 }
 

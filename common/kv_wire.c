@@ -45,19 +45,31 @@ kv_err kv_wire_decode(const uint8_t *buf, size_t len, uint32_t max_frame, Kvd__E
     return kv_wire_decode_with(buf, len, max_frame, NULL, env, consumed);
 }
 
+/* Whether buf holds a whole frame: KV_OK with *body its length (*whole 1), KV_OK with *whole 0
+ * while bytes are missing, KV_ETOOBIG when the length exceeds max_frame. */
+static kv_err frame_of(const uint8_t *buf, size_t len, uint32_t max_frame, uint32_t *body,
+                       int *whole) {
+    *whole = 0;
+    if (len < KV_WIRE_HEADER_BYTES) {
+        return KV_OK;
+    }
+    *body = get_le32(buf);
+    if (*body > max_frame) {
+        return KV_ETOOBIG;
+    }
+    *whole = len - KV_WIRE_HEADER_BYTES >= *body;
+    return KV_OK;
+}
+
 kv_err kv_wire_decode_with(const uint8_t *buf, size_t len, uint32_t max_frame,
                            ProtobufCAllocator *alloc, Kvd__Envelope **env, size_t *consumed) {
     *env = NULL;
     *consumed = 0;
-    if (len < KV_WIRE_HEADER_BYTES) {
-        return KV_OK;
-    }
-    uint32_t body = get_le32(buf);
-    if (body > max_frame) {
-        return KV_ETOOBIG;
-    }
-    if (len - KV_WIRE_HEADER_BYTES < body) {
-        return KV_OK;
+    uint32_t body;
+    int whole;
+    kv_err rc = frame_of(buf, len, max_frame, &body, &whole);
+    if (rc != KV_OK || !whole) {
+        return rc;
     }
     Kvd__Envelope *e = kvd__envelope__unpack(alloc, body, buf + KV_WIRE_HEADER_BYTES);
     if (e == NULL) {
@@ -201,15 +213,11 @@ kv_err kv_wire_decode_request(const uint8_t *buf, size_t len, uint32_t max_frame
     *env = NULL;
     *consumed = 0;
     *id = 0;
-    if (len < KV_WIRE_HEADER_BYTES) {
-        return KV_OK;
-    }
-    uint32_t body = get_le32(buf);
-    if (body > max_frame) {
-        return KV_ETOOBIG;
-    }
-    if (len - KV_WIRE_HEADER_BYTES < body) {
-        return KV_OK;
+    uint32_t body;
+    int whole;
+    kv_err frc = frame_of(buf, len, max_frame, &body, &whole);
+    if (frc != KV_OK || !whole) {
+        return frc;
     }
     const uint8_t *b = buf + KV_WIRE_HEADER_BYTES;
     *consumed = KV_WIRE_HEADER_BYTES + body;
