@@ -8,13 +8,14 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core rpc host engine)
+ALL=(core rpc host sched engine)
 
 run_one() {
     case "$1" in
         core) "$BIN_DIR/core_bench" ;;
         rpc) "$BIN_DIR/rpc_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         host) "$BIN_DIR/host_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
+        sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
         *)
             echo "bench/run.sh: unknown benchmark '$1' (known: ${ALL[*]})" >&2

@@ -41,10 +41,11 @@ kv_err kvc_default_socket_path(char *buf, size_t cap) {
     if (env != NULL && env[0] != '\0') {
         int n = snprintf(buf, cap, "%s", env);
         if (n < 0 || (size_t)n >= cap) {
-            return KV_ETOOBIG;
+            return kvc__fail(NULL, KV_ETOOBIG, "$KVD_SOCKET is longer than %zu bytes", cap - 1);
         }
     } else if (kv_default_socket_path("kvd.sock", buf, cap) != 0) {
-        return KV_ETOOBIG;
+        return kvc__fail(NULL, KV_ETOOBIG, "the default socket path is longer than %zu bytes",
+                         cap - 1);
     }
     return KV_OK;
 }
@@ -92,6 +93,11 @@ static kv_err fdq_take(kvc_conn *c, size_t n, int *fds) {
 void kvc__batch_init(kvc_batch *b, kvc_conn *c) {
     memset(b, 0, sizeof(*b));
     b->conn = c;
+    b->next = c->batches;
+    if (c->batches != NULL) {
+        c->batches->prev = b;
+    }
+    c->batches = b;
 }
 
 void kvc__batch_fini(kvc_batch *b) {
@@ -102,6 +108,16 @@ void kvc__batch_fini(kvc_batch *b) {
         /* Sent and never waited for: its replies would confuse the next call. */
         kvc__conn_break(b->conn);
         b->conn->active = NULL;
+    }
+    if (b->conn != NULL) {
+        if (b->prev != NULL) {
+            b->prev->next = b->next;
+        } else {
+            b->conn->batches = b->next;
+        }
+        if (b->next != NULL) {
+            b->next->prev = b->prev;
+        }
     }
     free(b->ops);
     free(b->obuf);
@@ -308,6 +324,20 @@ static kv_err drain_frames(kvc_conn *c, kvc_batch *b) {
         size_t used = 0;
         err = kv_wire_decode_with(c->rbuf + off, c->rlen - off, limit,
                                   kv_arena_allocator(&c->arena), &env, &used);
+        if (err != KV_OK && c->rbuf[off] == '{') {
+            /* A text line where a frame belongs: kvd's admin socket answering a binary frame. */
+            kv_arena_reset(&c->arena);
+            size_t n = c->rlen - off < 120 ? c->rlen - off : 120;
+            const uint8_t *nl = memchr(c->rbuf + off, '\n', n);
+            if (nl != NULL) {
+                n = (size_t)(nl - (c->rbuf + off));
+            }
+            err = kvc__fail(&c->diag, KV_EPROTO,
+                            "%s answered with a text line (%.*s): that is kvd's admin socket; "
+                            "workers connect to the client socket (kvd.sock beside it)",
+                            c->path, (int)n, (const char *)c->rbuf + off);
+            break;
+        }
         if (err != KV_OK) {
             kv_arena_reset(&c->arena); /* what a failed unpack left there */
             kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-DECODE", "undecodable reply from kvd: %s",
@@ -482,7 +512,7 @@ kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_c
     }
     kvc_conn *c = calloc(1, sizeof(*c));
     if (c == NULL) {
-        return KV_ENOMEM;
+        return kvc__fail(NULL, KV_ENOMEM, "out of memory for a connection");
     }
     c->fd = -1;
     c->complete = complete;
@@ -528,6 +558,10 @@ void kvc__conn_free(kvc_conn *c) {
         return;
     }
     kvc__conn_break(c);
+    /* Batches outlive their connection as empty shells (kvc_batch_free still frees them). */
+    for (kvc_batch *b = c->batches; b != NULL; b = b->next) {
+        b->conn = NULL;
+    }
     free(c->rbuf);
     kv_arena_fini(&c->arena);
     free(c->token);
@@ -566,7 +600,15 @@ kv_err kvc__conn_dial(kvc_conn *c) {
 /* ---- public accessors ----------------------------------------------------------------- */
 
 const char *kvc_last_error(const kvc_conn *c) {
-    return c->diag.err;
+    return c != NULL ? c->diag.err : kvc__thread_error();
+}
+
+const char *kvc_strerror(kv_err err) {
+    return kv_strerror(err);
+}
+
+const char *kvc_err_name(kv_err err) {
+    return kv_err_name(err);
 }
 
 uint64_t kvc_conn_session_id(const kvc_conn *c) {

@@ -39,6 +39,7 @@ typedef enum kvc__op_kind {
     KVC__OP_STATS,
     KVC__OP_PING,
     KVC__OP_GOODBYE,
+    KVC__OP_DETACH,
 } kvc__op_kind;
 
 /* One request in flight: where its frame is, and where its reply's outputs go. The engine uses
@@ -73,17 +74,18 @@ typedef kv_err (*kvc__complete_fn)(kvc_conn *c, kvc__op *op, const Kvd__Envelope
 
 /* A queue of encoded requests (also the engine of every synchronous call). */
 struct kvc_batch {
-    kvc_conn *conn; /* owning connection */
-    kvc__op *ops;   /* queued requests */
-    size_t nops;    /* queued */
-    size_t cap;     /* capacity of ops */
-    uint8_t *obuf;  /* encoded frames back to back */
-    size_t olen;    /* bytes in obuf */
-    size_t ocap;    /* capacity of obuf */
-    size_t osent;   /* bytes of obuf written to the socket */
-    size_t nsent;   /* ops whose frames are fully written */
-    size_t nwait;   /* ops sent and not done */
-    int in_flight;  /* sent and not yet waited for */
+    kvc_conn *conn;                /* owning connection */
+    kvc__op *ops;                  /* queued requests */
+    size_t nops;                   /* queued */
+    size_t cap;                    /* capacity of ops */
+    uint8_t *obuf;                 /* encoded frames back to back */
+    size_t olen;                   /* bytes in obuf */
+    size_t ocap;                   /* capacity of obuf */
+    size_t osent;                  /* bytes of obuf written to the socket */
+    size_t nsent;                  /* ops whose frames are fully written */
+    size_t nwait;                  /* ops sent and not done */
+    int in_flight;                 /* sent and not yet waited for */
+    struct kvc_batch *prev, *next; /* the connection's batches (orphaned when it closes) */
 };
 
 struct kvc_conn {
@@ -111,6 +113,7 @@ struct kvc_conn {
     size_t fdq_head;           /* index of the oldest */
     size_t fdq_len;            /* fds queued */
     kvc_pool *pools;           /* attached pools (opaque here: client/map.h links them) */
+    kvc_batch *batches;        /* its batches (kvc__batch_init links them) */
     kvc_batch *active;         /* batch sent and not yet waited for */
     kv_arena arena;            /* one reply at a time is unpacked into it */
 };

@@ -24,9 +24,13 @@ typedef struct kvc__diag {
 void kvc__log(const kvc__diag *d, int level, const char *id, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
-/* Records the message for kvc_last_error and returns err (for `return kvc__fail(...)`). d may
- * be NULL (nothing recorded). */
+/* Records the message for kvc_last_error: in d (may be NULL: a call without a connection) and
+ * as the calling thread's last error. Returns err (for `return kvc__fail(...)`). Every failing
+ * public call goes through here, so kvc_last_error is never stale. */
 kv_err kvc__fail(kvc__diag *d, kv_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* The calling thread's last failure ("" before any). */
+const char *kvc__thread_error(void);
 
 #endif

@@ -11,10 +11,23 @@ static void test_only_public_symbols(void **state) {
     (void)state;
     void *so = dlopen("client/shared/libkvclient.so", RTLD_NOW | RTLD_LOCAL);
     assert_non_null(so);
-    const char *exported[] = {"kvc_conn_open",   "kvc_pool_attach",        "kvc_lookup",
-                              "kvc_batch_run",   "kvc_seq_prefill",        "kvc_seq_export_csr",
-                              "kvc_last_error",  "kvc_lookup_domains",     "kvc_release_multi",
-                              "kvc_pool_linked", "kvc_seq_export_csr_pool"};
+    const char *exported[] = {"kvc_conn_open",
+                              "kvc_pool_attach",
+                              "kvc_lookup",
+                              "kvc_batch_run",
+                              "kvc_seq_prefill",
+                              "kvc_seq_export_csr",
+                              "kvc_last_error",
+                              "kvc_lookup_domains",
+                              "kvc_release_multi",
+                              "kvc_pool_linked",
+                              "kvc_seq_export_csr_pool",
+                              "kvc_strerror",
+                              "kvc_err_name",
+                              "kvc_seq_fork",
+                              "kvc_seq_append_many",
+                              "kvc_seq_export_slots",
+                              "kvc_pool_copy_blocks"};
     for (size_t i = 0; i < sizeof(exported) / sizeof(exported[0]); i++) {
         assert_non_null(dlsym(so, exported[i]));
     }

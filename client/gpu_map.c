@@ -167,13 +167,13 @@ static kv_err gpu_pool_init(kvc_pool *p, uint32_t kind, const unsigned char *dev
     }
     gpu_pool *g = calloc(1, sizeof(*g));
     if (g == NULL) {
-        return KV_ENOMEM;
+        return kvc__fail(p->diag, KV_ENOMEM, "out of memory for a GPU pool");
     }
     g->kind = kind;
     g->segs = calloc(p->max_segments, sizeof(*g->segs));
     if (g->segs == NULL) {
         free(g);
-        return KV_ENOMEM;
+        return kvc__fail(p->diag, KV_ENOMEM, "out of memory for %u GPU segments", p->max_segments);
     }
     /* The device: the one of the caller's current context, else KVC_CUDA_DEVICE (default 0).
      * The mappings always live in that device's primary context (retained here): IPC handles

@@ -100,16 +100,20 @@ kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t bl
                                uint32_t max_segments) {
     if (blocks_per_segment == 0 || max_segments == 0 || max_segments > KVC__MAX_SEGMENTS ||
         layout->block_bytes == 0) {
-        return KV_EINVAL;
+        return kvc__fail(p->diag, KV_EPROTO,
+                         "the daemon's pool geometry is invalid (%u blocks per segment, %u "
+                         "segments at most)",
+                         blocks_per_segment, max_segments);
     }
     p->layout = *layout;
     p->blocks_per_segment = blocks_per_segment;
+    p->budget_segments = max_segments;
     /* The daemon's limit moves with its memory budget; room for its hard maximum keeps
      * segments it adds later inside the layer tensors. */
     p->max_segments = KVC__MAX_SEGMENTS;
     p->segs = calloc(p->max_segments, sizeof(*p->segs));
     if (p->segs == NULL) {
-        return KV_ENOMEM;
+        return kvc__fail(p->diag, KV_ENOMEM, "out of memory for the segment table");
     }
     reserve_layers(p);
     if (p->layer_base == NULL && layout->arrangement == KV_LAYER_MAJOR) {
@@ -133,14 +137,18 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
     const kv_layout *l = &p->layout;
     if (seg >= p->max_segments || nblocks == 0 || nblocks > p->blocks_per_segment ||
         bytes < kv_layout_segment_bytes(l, nblocks) || bytes > SIZE_MAX) {
-        return KV_EPROTO;
+        return kvc__fail(p->diag, KV_EPROTO,
+                         "segment %u of %llu bytes and %u blocks does not fit the pool's layout",
+                         seg, (unsigned long long)bytes, nblocks);
     }
     int prot = read_only ? PROT_READ : PROT_READ | PROT_WRITE;
     void *base = mmap(NULL, (size_t)bytes, prot, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
+        int e = errno;
         kvc__log(p->diag, KVC_LOG_ERROR, "KVC-POOL-MMAP", "mmap of segment %u (%llu bytes): %s",
-                 seg, (unsigned long long)bytes, strerror(errno));
-        return KV_ESYS;
+                 seg, (unsigned long long)bytes, strerror(e));
+        return kvc__fail(p->diag, KV_ESYS, "mmap of segment %u (%llu bytes): %s", seg,
+                         (unsigned long long)bytes, strerror(e));
     }
     kvc__segment *s = &p->segs[seg];
     if (s->base != NULL) {
@@ -220,7 +228,37 @@ kv_err kvc__pool_map_reply(kvc_pool *p, Kvd__Segment *const *segs, size_t nsegs,
 }
 
 /* Takes p off its connection's list and frees its mappings and itself. */
+kv_err kvc__pool_add_user(kvc_pool *p, void *user, void (*orphan)(void *user)) {
+    if (p->nusers == p->users_cap) {
+        size_t ncap = p->users_cap ? p->users_cap * 2 : 8;
+        void **n = realloc(p->users, ncap * sizeof(*n));
+        if (n == NULL) {
+            return kvc__fail(p->diag, KV_ENOMEM, "out of memory recording a sequence");
+        }
+        p->users = n;
+        p->users_cap = ncap;
+    }
+    p->users[p->nusers++] = user;
+    p->orphan = orphan;
+    return KV_OK;
+}
+
+void kvc__pool_forget_user(kvc_pool *p, void *user) {
+    for (size_t i = 0; i < p->nusers; i++) {
+        if (p->users[i] == user) {
+            p->users[i] = p->users[--p->nusers];
+            return;
+        }
+    }
+}
+
 static void pool_free_one(kvc_pool *p) {
+    /* Sequences made on the pool outlive it as empty shells (their references went with the
+     * pool's session, or with DetachPool): every call on them says so. */
+    for (size_t i = 0; i < p->nusers && p->orphan != NULL; i++) {
+        p->orphan(p->users[i]);
+    }
+    free(p->users);
     if (p->conn != NULL) {
         for (kvc_pool **pp = &p->conn->pools; *pp != NULL; pp = &(*pp)->next) {
             if (*pp == p) {

@@ -49,6 +49,7 @@ struct kvc_pool {
     kv_layout layout;              /* derived fields filled by kv_layout_init */
     uint32_t blocks_per_segment;   /* from AttachPoolReply */
     uint32_t max_segments;         /* capacity of segs[] and of the layer ranges */
+    uint32_t budget_segments;      /* the daemon's limit at attach (AttachPoolReply.max_segments) */
     uint32_t nsegs;                /* highest mapped index + 1 (slots below may be unmapped) */
     kvc__segment *segs;            /* [max_segments] */
     uint8_t **layer_base;          /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
@@ -67,7 +68,18 @@ struct kvc_pool {
     char domain[136];              /* "group:NAME", "commons", or the tenant (private pool) */
     unsigned char device_uuid[16]; /* GPU pools: the UUID of kvd's GPU (AttachPoolReply) */
     int has_device_uuid;           /* device_uuid was sent */
+    int layout_conflict;           /* AttachPoolReply.layout_conflict */
+    void **users;                  /* objects made on this pool (sequences), told when it goes */
+    size_t nusers, users_cap;      /* entries of users */
+    void (*orphan)(void *user);    /* what they are told: the pool is gone */
 };
+
+/* Records user (a sequence made on p); when p is destroyed, orphan(user) is called so the user
+ * stops using it. KV_ENOMEM. */
+kv_err kvc__pool_add_user(kvc_pool *p, void *user, void (*orphan)(void *user));
+
+/* Forgets user (it was freed first). */
+void kvc__pool_forget_user(kvc_pool *p, void *user);
 
 /* Sets up a pool object's geometry and reserves its layer ranges (no daemon involved).
  * KV_EINVAL for a zero or oversized geometry, KV_ENOMEM. */

@@ -76,6 +76,12 @@ void kvc_pool_detach(kvc_pool *p) {
     if (p == NULL || p->owner != NULL) {
         return; /* a linked pool goes with the pool that linked it */
     }
+    kv_err err = kvc__rpc_detach(p);
+    if (err != KV_OK) {
+        kvc__log(p->diag, KVC_LOG_WARN, "KVC-POOL-DETACH",
+                 "pool %u: DetachPool failed (%s): its references stay until the session ends",
+                 p->pool_id, kv_err_name(err));
+    }
     kvc__pool_destroy(p);
 }
 
@@ -117,6 +123,14 @@ uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p) {
 
 uint32_t kvc_pool_max_segments(const kvc_pool *p) {
     return p->max_segments;
+}
+
+uint64_t kvc_pool_max_blocks(const kvc_pool *p) {
+    return (uint64_t)p->budget_segments * p->blocks_per_segment;
+}
+
+int kvc_pool_layout_conflict(const kvc_pool *p) {
+    return p->layout_conflict;
 }
 
 uint32_t kvc_pool_segments(const kvc_pool *p) {
@@ -169,6 +183,42 @@ float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, in
                              kv_layout_scale_offset(l, s->nblocks, slot, layer, kv, head));
 }
 
+kv_err kvc_pool_copy_blocks(kvc_pool *p, const int32_t *src, const int32_t *dst, size_t n) {
+    if (p->gpu != NULL) {
+        return kvc__fail(p->diag, KV_ENOTSUP,
+                         "pool %u is in GPU memory: copy its blocks on the device (the engine's "
+                         "copy kernel, e.g. kernels/kvk.h kvk_copy_blocks_cuda)",
+                         p->pool_id);
+    }
+    const kv_layout *l = &p->layout;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t a = (uint32_t)src[i], b = (uint32_t)dst[i];
+        if (src[i] < 0 || dst[i] < 0 || kvc_pool_addr(p, a, 0, KV_K, 0, 0) == NULL ||
+            kvc_pool_addr(p, b, 0, KV_K, 0, 0) == NULL) {
+            return kvc__fail(p->diag, KV_EINVAL, "copy %zu: block %d -> %d: not a mapped block", i,
+                             src[i], dst[i]);
+        }
+        if (kvc_pool_block_read_only(p, b)) {
+            return kvc__fail(p->diag, KV_EPERM, "copy %zu: block %d is read-only here", i, dst[i]);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t a = (uint32_t)src[i], b = (uint32_t)dst[i];
+        for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+            for (int kv = KV_K; kv <= KV_V; kv++) {
+                memcpy(kvc_pool_addr(p, b, layer, kv, 0, 0), kvc_pool_addr(p, a, layer, kv, 0, 0),
+                       l->kv_block_bytes);
+                if (l->scale_bytes != 0) {
+                    memcpy(kvc_pool_scale_addr(p, b, layer, kv, 0),
+                           kvc_pool_scale_addr(p, a, layer, kv, 0),
+                           l->num_kv_heads * sizeof(float));
+                }
+            }
+        }
+    }
+    return KV_OK;
+}
+
 int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block) {
     uint32_t slot;
     const kvc__segment *s = kvc__pool_block_seg(p, block, &slot);
@@ -186,12 +236,23 @@ int kvc_pool_hash_algo(const kvc_pool *p) {
 kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
                             const uint32_t *tokens, size_t ntokens, kv_hash128 *out, size_t max_out,
                             size_t *nout) {
-    return kv_hash_chain((kv_hash_algo)p->hash_algo, p->seed, extra, extra_len, tokens, ntokens,
-                         p->layout.tokens_per_block, out, max_out, nout);
+    kv_err rc = kv_hash_chain((kv_hash_algo)p->hash_algo, p->seed, extra, extra_len, tokens,
+                              ntokens, p->layout.tokens_per_block, out, max_out, nout);
+    if (rc != KV_OK) {
+        return kvc__fail(p->diag, rc,
+                         "hashing %zu tokens: %s (extra of at most %d bytes, room for %zu hashes "
+                         "given)",
+                         ntokens, kv_strerror(rc), KV_HASH_MAX_EXTRA, max_out);
+    }
+    return KV_OK;
 }
 
 kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const void *extra, size_t extra_len,
                           const uint32_t *tokens, kv_hash128 *out) {
-    return kv_hash_block((kv_hash_algo)p->hash_algo, parent, extra, extra_len, tokens,
-                         p->layout.tokens_per_block, out);
+    kv_err rc = kv_hash_block((kv_hash_algo)p->hash_algo, parent, extra, extra_len, tokens,
+                              p->layout.tokens_per_block, out);
+    if (rc != KV_OK) {
+        return kvc__fail(p->diag, rc, "hashing a block: %s", kv_strerror(rc));
+    }
+    return KV_OK;
 }

@@ -187,6 +187,13 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
         memcpy(p->device_uuid, r->device_uuid.data, sizeof(p->device_uuid));
         p->has_device_uuid = 1;
     }
+    if (r->layout_conflict) {
+        p->layout_conflict = 1;
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-POOL-LAYOUT",
+                 "pool %u: kvd has another pool of this model id with a different layout (a "
+                 "second attach with other shapes makes a separate pool that shares nothing)",
+                 p->pool_id);
+    }
     err = kvc__pool_map_reply(p, r->segments, r->n_segments, fds, nfds);
     if (err == KV_OK && (r->more_segments || r->n_segments == KV_WIRE_MAX_FDS)) {
         p->need_map = 1; /* more follow: fetched once this reply is done */
@@ -366,6 +373,11 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
         }
         case KVC__OP_GOODBYE:
             if (env->body_case != KVD__ENVELOPE__BODY_GOODBYE_REPLY) {
+                break;
+            }
+            return KV_OK;
+        case KVC__OP_DETACH:
+            if (env->body_case != KVD__ENVELOPE__BODY_DETACH_POOL_REPLY) {
                 break;
             }
             return KV_OK;
@@ -997,7 +1009,7 @@ static kv_err blocks_multi(kvc__op_kind kind, kvc_pool *const *pools, const kvc_
         return KV_OK;
     }
     if (pools == NULL || blocks == NULL || pools[0] == NULL) {
-        return KV_EINVAL;
+        return kvc__fail(NULL, KV_EINVAL, "NULL pools or blocks");
     }
     kvc_conn *c = pools[0]->conn;
     for (size_t i = 1; i < n; i++) {
@@ -1171,12 +1183,45 @@ kv_err kvc__rpc_attach(kvc_pool *p, const char *model_id, const kv_layout *layou
     return err;
 }
 
+kv_err kvc__rpc_detach(kvc_pool *p) {
+    kvc_conn *c = p->conn;
+    if (c == NULL || c->fd < 0 || c->broken || p->epoch != c->epoch ||
+        p->session != c->session_id) {
+        return KV_OK; /* the session that held the references is gone: nothing to release */
+    }
+    Kvd__DetachPool req = KVD__DETACH_POOL__INIT;
+    req.pool_id = p->pool_id;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_DETACH_POOL;
+    env.detach_pool = &req;
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    kv_err err = kvc__batch_add(&b, KVC__OP_DETACH, &env, &op);
+    if (err == KV_OK) {
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    return err;
+}
+
 /* ---- batch API ------------------------------------------------------------------------ */
+
+/* A batch whose connection was closed is an empty shell: every call says so. */
+#define BATCH_LIVE(b)                                                                              \
+    do {                                                                                           \
+        if ((b)->conn == NULL) {                                                                   \
+            return kvc__fail(NULL, KV_ECLOSED, "the batch's connection was closed");               \
+        }                                                                                          \
+    } while (0)
 
 kv_err kvc_batch_alloc(kvc_conn *c, kvc_batch **out) {
     kvc_batch *b = malloc(sizeof(*b));
     if (b == NULL) {
-        return KV_ENOMEM;
+        return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a batch");
     }
     kvc__batch_init(b, c);
     *out = b;
@@ -1192,7 +1237,7 @@ void kvc_batch_free(kvc_batch *b) {
 }
 
 void kvc_batch_reset(kvc_batch *b) {
-    if (b->conn->active == b) {
+    if (b->conn != NULL && b->conn->active == b) {
         kvc__conn_break(b->conn);
         b->conn->active = NULL;
     }
@@ -1209,16 +1254,19 @@ size_t kvc_batch_count(const kvc_batch *b) {
 }
 
 kv_err kvc_batch_ping(kvc_batch *b, const void *payload, size_t len, size_t *index) {
+    BATCH_LIVE(b);
     return q_ping(b, payload, len, index);
 }
 
 kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                         kvc_block *out, size_t *nhit, size_t *index) {
+    BATCH_LIVE(b);
     return q_lookup(b, p, hashes, n, out, NULL, nhit, index);
 }
 
 kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                                 kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
+    BATCH_LIVE(b);
     if (pools == NULL) {
         return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL pools output");
     }
@@ -1227,25 +1275,30 @@ kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *has
 
 kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
                           size_t *index) {
+    BATCH_LIVE(b);
     return q_allocate(b, p, count, out, index);
 }
 
 kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                         kvc_block *canonical, size_t *index) {
+    BATCH_LIVE(b);
     return q_commit(b, p, entries, n, canonical, index);
 }
 
 kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
                          size_t *index) {
+    BATCH_LIVE(b);
     return q_blocks(b, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, index);
 }
 
 kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
                         size_t *index) {
+    BATCH_LIVE(b);
     return q_blocks(b, KVC__OP_REWIND, p, blocks, n, 0, 0, 0, index);
 }
 
 kv_err kvc_batch_send(kvc_batch *b) {
+    BATCH_LIVE(b);
     kvc_conn *c = b->conn;
     if (!b->in_flight) {
         kv_err err = kvc__rpc_ready(c);
@@ -1264,6 +1317,7 @@ kv_err kvc_batch_send(kvc_batch *b) {
 }
 
 kv_err kvc_batch_wait(kvc_batch *b) {
+    BATCH_LIVE(b);
     kvc_conn *c = b->conn;
     if (!b->in_flight && b->nsent < b->nops) {
         kv_err err = kvc_batch_send(b);
@@ -1289,6 +1343,7 @@ kv_err kvc_batch_wait(kvc_batch *b) {
 }
 
 kv_err kvc_batch_run(kvc_batch *b) {
+    BATCH_LIVE(b);
     kv_err err = kvc_batch_send(b);
     if (err != KV_OK) {
         return err;

@@ -41,4 +41,7 @@ kv_err kvc__rpc_map_new(kvc_pool *p);
  * need_map stays set when it fails. */
 kv_err kvc__rpc_map_from(kvc_pool *p, uint32_t from);
 
+/* DetachPool for p (best effort: nothing to do when its session is gone). */
+kv_err kvc__rpc_detach(kvc_pool *p);
+
 #endif

@@ -2,10 +2,12 @@
  *
  * Invariants: the table holds ceil(length / tokens_per_block) blocks; blocks [0, ncommitted)
  * are committed (looked up or committed by us) and the rest are WRITING leases of this session;
- * hashes [0, nhashes) are the chain hashes of the full blocks of the tokens. Committed blocks are
- * a prefix of the table because commits only ever cover leading full blocks. The lookup of a
- * prompt is capped at n-1 tokens so the engine always computes the last prompt token (it needs
- * its logits), which is how vLLM's prefix cache does it.
+ * blocks [nblocks, nheld) are reserved: WRITING leases of the sequence's own pool past its
+ * length (a reservation, kvc_seq_reserve, or lookahead slots, kvc_seq_set_lookahead), taken
+ * first when the sequence grows; hashes [0, nhashes) are the chain hashes of the full blocks.
+ * Committed blocks are a prefix of the table because commits only ever cover leading full blocks.
+ * The lookup of a prompt is capped at n-1 tokens so the engine always computes the last prompt
+ * token (it needs its logits), which is how vLLM's prefix cache does it.
  *
  * Shared domains: prefill searches the linked pools by default, so looked-up blocks may live in
  * group or commons pools (bpool[i]); blocks the sequence allocates are always in its own pool.
@@ -29,6 +31,9 @@ struct kvc_seq {
     kvc_pool **bpool;                 /* [max_blocks] the pool each block lives in */
     int search_domains;               /* prefill searches the linked pools too */
     size_t nblocks;                   /* ceil(len / tokens_per_block) */
+    size_t nheld;                     /* blocks held: the table and the reserved ones after it */
+    size_t reserve_tokens;            /* kvc_seq_reserve: keep blocks for this many tokens */
+    size_t lookahead;                 /* kvc_seq_set_lookahead: slots kept past the length */
     size_t ncommitted;                /* leading committed blocks */
     kv_hash128 *hashes;               /* [max_blocks] chain hashes of full blocks */
     size_t nhashes;                   /* full blocks hashed */
@@ -44,15 +49,25 @@ static size_t blocks_for(const kvc_seq *s, size_t ntokens) {
     return (ntokens + tpb(s) - 1) / tpb(s);
 }
 
+/* The pool is being destroyed (detach or connection close): the sequence becomes an empty shell
+ * whose references the daemon already dropped. */
+static void seq_orphan(void *user) {
+    kvc_seq *s = user;
+    s->pool = NULL;
+    s->len = s->nblocks = s->nheld = s->ncommitted = s->nhashes = 0;
+}
+
 kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t extra_len,
                      kvc_seq **out) {
     if (p == NULL || max_tokens == 0 || extra_len > KV_HASH_MAX_EXTRA ||
         (extra_len > 0 && extra == NULL)) {
-        return KV_EINVAL;
+        return kvc__fail(p != NULL ? p->diag : NULL, KV_EINVAL,
+                         "sequence: needs a pool, max_tokens >= 1 and extra of at most %d bytes",
+                         KV_HASH_MAX_EXTRA);
     }
     kvc_seq *s = calloc(1, sizeof(*s));
     if (s == NULL) {
-        return KV_ENOMEM;
+        return kvc__fail(p->diag, KV_ENOMEM, "out of memory for a sequence");
     }
     s->pool = p;
     s->max_tokens = max_tokens;
@@ -67,9 +82,18 @@ kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t e
         free(s->hashes);
         free(s->bpool);
         free(s);
+        return kvc__fail(p->diag, KV_ENOMEM, "out of memory for a sequence of %zu tokens",
+                         max_tokens);
+    }
+    s->search_domains = 0; /* one page table per sequence unless asked (kvclient.h) */
+    if (kvc__pool_add_user(p, s, seq_orphan) != KV_OK) {
+        free(s->tokens);
+        free(s->blocks);
+        free(s->hashes);
+        free(s->bpool);
+        free(s);
         return KV_ENOMEM;
     }
-    s->search_domains = 1;
     if (extra_len > 0) {
         memcpy(s->extra, extra, extra_len);
     }
@@ -82,8 +106,11 @@ void kvc_seq_free(kvc_seq *s) {
     if (s == NULL) {
         return;
     }
-    if (s->nblocks > 0 && !kvc_pool_stale(s->pool)) {
-        (void)kvc_seq_release(s);
+    if (s->pool != NULL) {
+        if (s->nheld > 0 && !kvc_pool_stale(s->pool)) {
+            (void)kvc_seq_release(s);
+        }
+        kvc__pool_forget_user(s->pool, s);
     }
     free(s->tokens);
     free(s->blocks);
@@ -93,6 +120,7 @@ void kvc_seq_free(kvc_seq *s) {
 }
 
 void kvc_seq_set_search_domains(kvc_seq *s, int on) {
+    /* Off by default: a table in one pool is one page table (kvc_seq_export_csr never fails). */
     s->search_domains = on != 0;
 }
 
@@ -110,26 +138,44 @@ static kv_err hash_full_blocks(kvc_seq *s) {
     return KV_OK;
 }
 
-/* Allocates n blocks into the table's end, in requests of at most the daemon's list limit. */
+/* Allocates n blocks after the held ones, in requests of at most the daemon's list limit. */
 static kv_err alloc_blocks(kvc_seq *s, size_t n) {
     size_t limit = s->pool->conn->max_blocks;
     size_t done = 0;
     while (done < n) {
         size_t k = n - done < limit ? n - done : limit;
-        kv_err err = kvc_allocate(s->pool, (uint32_t)k, s->blocks + s->nblocks + done);
+        kv_err err = kvc_allocate(s->pool, (uint32_t)k, s->blocks + s->nheld + done);
         if (err != KV_OK) {
             if (done > 0) {
-                (void)kvc_release(s->pool, s->blocks + s->nblocks, done);
+                (void)kvc_release(s->pool, s->blocks + s->nheld, done);
             }
             return err;
         }
         done += k;
     }
     for (size_t i = 0; i < n; i++) {
-        s->bpool[s->nblocks + i] = s->pool;
+        s->bpool[s->nheld + i] = s->pool;
     }
-    s->nblocks += n;
+    s->nheld += n;
     return KV_OK;
+}
+
+/* Blocks the sequence keeps held for ntokens tokens plus its lookahead and reservation. */
+static size_t held_target(const kvc_seq *s, size_t ntokens) {
+    size_t t = ntokens + s->lookahead;
+    if (t < s->reserve_tokens) {
+        t = s->reserve_tokens;
+    }
+    if (t > s->max_tokens) {
+        t = s->max_tokens;
+    }
+    return blocks_for(s, t);
+}
+
+/* Makes sure blocks for ntokens tokens (and the lookahead and reservation) are held. */
+static kv_err ensure_held(kvc_seq *s, size_t ntokens) {
+    size_t want = held_target(s, ntokens);
+    return want > s->nheld ? alloc_blocks(s, want - s->nheld) : KV_OK;
 }
 
 /* Gives blocks[from, from + n) back to their pools with Release or Rewind (one round trip;
@@ -140,6 +186,9 @@ static kv_err drop_blocks(kvc_seq *s, size_t from, size_t n, int rewind) {
 }
 
 kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cached_tokens) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
     kvc_conn *c = s->pool->conn;
     if (s->len != 0 || s->nblocks != 0) {
         return kvc__fail(&c->diag, KV_ESTATE, "prefill of a sequence that is not empty");
@@ -154,6 +203,18 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     memcpy(s->tokens, tokens, n * sizeof(*tokens));
     s->len = n;
     s->nhashes = 0;
+    /* Reserved blocks (held while empty) move behind the cached prefix the lookup returns. */
+    size_t nres = s->nheld;
+    kvc_block *res = NULL;
+    if (nres > 0) {
+        res = malloc(nres * sizeof(*res));
+        if (res == NULL) {
+            s->len = 0;
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for %zu reserved blocks", nres);
+        }
+        memcpy(res, s->blocks, nres * sizeof(*res));
+    }
+    s->nheld = 0;
     kv_err err = hash_full_blocks(s);
     if (err != KV_OK) {
         goto fail;
@@ -177,18 +238,38 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
             goto fail;
         }
     }
-    s->nblocks = nhit;
     s->ncommitted = nhit;
-    err = alloc_blocks(s, blocks_for(s, n) - nhit);
+    s->nheld = nhit;
+    for (size_t i = 0; i < nres; i++) {
+        s->blocks[s->nheld] = res[i];
+        s->bpool[s->nheld++] = s->pool;
+    }
+    err = ensure_held(s, n);
     if (err != KV_OK) {
         if (nhit > 0) {
             (void)kvc_release_multi(s->bpool, s->blocks, nhit);
         }
+        memmove(s->blocks, s->blocks + nhit, nres * sizeof(*s->blocks));
+        for (size_t i = 0; i < nres; i++) {
+            s->bpool[i] = s->pool;
+        }
+        s->nheld = nres;
+        nres = 0; /* back in the table: not restored again below */
         goto fail;
     }
+    s->nblocks = blocks_for(s, n);
+    free(res);
     *cached_tokens = nhit * tpb(s);
     return KV_OK;
 fail:
+    if (nres > 0) {
+        memcpy(s->blocks, res, nres * sizeof(*res));
+        for (size_t i = 0; i < nres; i++) {
+            s->bpool[i] = s->pool;
+        }
+        s->nheld = nres;
+    }
+    free(res);
     s->len = 0;
     s->nblocks = 0;
     s->ncommitted = 0;
@@ -197,6 +278,9 @@ fail:
 }
 
 kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
     kvc_conn *c = s->pool->conn;
     if (n == 0) {
         return KV_OK;
@@ -208,19 +292,20 @@ kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n) {
         return kvc__fail(&c->diag, KV_ETOOBIG, "sequence would exceed its %zu tokens",
                          s->max_tokens);
     }
-    size_t need = blocks_for(s, s->len + n) - s->nblocks;
-    if (need > 0) {
-        kv_err err = alloc_blocks(s, need);
-        if (err != KV_OK) {
-            return err;
-        }
+    kv_err err = ensure_held(s, s->len + n);
+    if (err != KV_OK) {
+        return err;
     }
     memcpy(s->tokens + s->len, tokens, n * sizeof(*tokens));
     s->len += n;
+    s->nblocks = blocks_for(s, s->len);
     return hash_full_blocks(s);
 }
 
 kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
     kvc_conn *c = s->pool->conn;
     if (n_final > s->len) {
         return kvc__fail(&c->diag, KV_EINVAL, "commit of %zu tokens; the sequence has %zu", n_final,
@@ -270,7 +355,42 @@ cleanup:
     return err;
 }
 
+/* Gives back blocks [from, nheld) except own-pool WRITING ones that the reservation (up to
+ * `hold` blocks held in all) keeps; the kept ones move to [from, ...). One round trip. */
+static kv_err shrink_held(kvc_seq *s, size_t from, size_t hold) {
+    size_t n = s->nheld - from;
+    if (n == 0) {
+        return KV_OK;
+    }
+    kvc_pool **dp = malloc(n * sizeof(*dp));
+    kvc_block *db = malloc(n * sizeof(*db));
+    if (dp == NULL || db == NULL) {
+        free(dp);
+        free(db);
+        return kvc__fail(s->pool->diag, KV_ENOMEM, "out of memory giving back %zu blocks", n);
+    }
+    size_t nd = 0, kept = from;
+    for (size_t i = from; i < s->nheld; i++) {
+        int writing_own = i >= s->ncommitted && s->bpool[i] == s->pool;
+        if (writing_own && kept < hold) {
+            s->blocks[kept] = s->blocks[i];
+            s->bpool[kept++] = s->pool;
+        } else {
+            dp[nd] = s->bpool[i];
+            db[nd++] = s->blocks[i];
+        }
+    }
+    kv_err err = nd > 0 ? kvc_rewind_multi(dp, db, nd) : KV_OK;
+    free(dp);
+    free(db);
+    s->nheld = kept;
+    return err;
+}
+
 kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
     kvc_conn *c = s->pool->conn;
     if (n > s->len) {
         return kvc__fail(&c->diag, KV_EINVAL, "rewind to %zu tokens; the sequence has %zu", n,
@@ -285,29 +405,40 @@ kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens) {
         keep--;
         valid = keep * tpb(s);
     }
-    kv_err err = KV_OK;
-    if (s->nblocks > keep) {
-        err = drop_blocks(s, keep, s->nblocks - keep, 1);
+    if (s->ncommitted > keep) {
+        /* Committed blocks past the cut are shared and immutable: they always go back. */
+        size_t nc = s->ncommitted - keep;
+        kv_err err = kvc_rewind_multi(s->bpool + keep, s->blocks + keep, nc);
         if (err != KV_OK) {
             return err;
         }
-        s->nblocks = keep;
-    }
-    if (s->ncommitted > keep) {
+        memmove(s->blocks + keep, s->blocks + s->ncommitted,
+                (s->nheld - s->ncommitted) * sizeof(*s->blocks));
+        memmove(s->bpool + keep, s->bpool + s->ncommitted,
+                (s->nheld - s->ncommitted) * sizeof(*s->bpool));
+        s->nheld -= nc;
         s->ncommitted = keep;
     }
+    /* WRITING blocks past the cut stay held as far as the lookahead and reservation want. */
+    kv_err err = shrink_held(s, keep, held_target(s, n));
+    if (err != KV_OK) {
+        return err;
+    }
+    s->nblocks = keep;
     s->len = n;
     if (s->nhashes > n / tpb(s)) {
         s->nhashes = n / tpb(s);
     }
     if (replace) {
-        err = alloc_blocks(s, 1);
+        /* A held WRITING block (reserved, or fresh) takes the replaced block's place. */
+        err = s->nheld > keep ? KV_OK : alloc_blocks(s, 1);
         if (err != KV_OK) {
             /* Keep the invariant: the table must cover the tokens. */
             s->len = valid;
             s->nhashes = valid / tpb(s);
             return err;
         }
+        s->nblocks = keep + 1;
     }
     if (valid_tokens != NULL) {
         *valid_tokens = valid;
@@ -316,15 +447,145 @@ kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens) {
 }
 
 kv_err kvc_seq_release(kvc_seq *s) {
+    if (s->pool == NULL) {
+        s->len = s->nblocks = s->nheld = s->ncommitted = s->nhashes = 0;
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
     kv_err err = KV_OK;
-    if (s->nblocks > 0) {
-        err = drop_blocks(s, 0, s->nblocks, 0);
+    if (s->nheld > 0) {
+        err = drop_blocks(s, 0, s->nheld, 0);
     }
     s->len = 0;
     s->nblocks = 0;
+    s->nheld = 0;
     s->ncommitted = 0;
     s->nhashes = 0;
+    s->reserve_tokens = 0;
     return err;
+}
+
+kv_err kvc_seq_reserve(kvc_seq *s, size_t ntokens) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    if (ntokens > s->max_tokens) {
+        return kvc__fail(s->pool->diag, KV_ETOOBIG,
+                         "reservation of %zu tokens exceeds the sequence's %zu", ntokens,
+                         s->max_tokens);
+    }
+    size_t old = s->reserve_tokens;
+    s->reserve_tokens = ntokens;
+    kv_err err = ensure_held(s, s->len);
+    if (err != KV_OK) {
+        s->reserve_tokens = old;
+        return err;
+    }
+    /* A smaller reservation gives back what it no longer keeps. */
+    return shrink_held(s, s->nblocks, held_target(s, s->len));
+}
+
+kv_err kvc_seq_set_lookahead(kvc_seq *s, size_t ntokens) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    size_t old = s->lookahead;
+    s->lookahead = ntokens;
+    kv_err err = ensure_held(s, s->len);
+    if (err != KV_OK) {
+        s->lookahead = old;
+        return err;
+    }
+    return shrink_held(s, s->nblocks, held_target(s, s->len));
+}
+
+kv_err kvc_seq_fork(kvc_seq *src, kvc_seq **out, int32_t *copy_src, int32_t *copy_dst,
+                    size_t max_copies, size_t *ncopies) {
+    if (src == NULL || out == NULL) {
+        return kvc__fail(NULL, KV_EINVAL, "fork: NULL sequence or output");
+    }
+    if (src->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "fork: the sequence's pool was detached");
+    }
+    kvc_conn *c = src->pool->conn;
+    size_t nshare = src->ncommitted;
+    size_t ncopy = src->nblocks - nshare;
+    if (ncopy > 0 && (copy_src == NULL || copy_dst == NULL || max_copies < ncopy)) {
+        return kvc__fail(&c->diag, KV_ETOOBIG,
+                         "fork: %zu blocks must be copied (uncommitted), room for %zu given", ncopy,
+                         copy_src == NULL || copy_dst == NULL ? 0 : max_copies);
+    }
+    kvc_seq *d;
+    kv_err err = kvc_seq_alloc(src->pool, src->max_tokens, src->extra, src->extra_len, &d);
+    if (err != KV_OK) {
+        return err;
+    }
+    d->search_domains = src->search_domains;
+    d->lookahead = src->lookahead;
+    memcpy(d->tokens, src->tokens, src->len * sizeof(*src->tokens));
+    memcpy(d->hashes, src->hashes, src->nhashes * sizeof(*src->hashes));
+    d->nhashes = src->nhashes;
+    /* Shared blocks: one more reference on each committed block, taken by looking their hashes
+     * up (the source holds them, so each is found, and found as the same block). */
+    size_t limit = c->max_blocks;
+    while (err == KV_OK && d->nheld < nshare) {
+        size_t at = d->nheld;
+        size_t k = nshare - at < limit ? nshare - at : limit;
+        size_t nhit = 0;
+        if (src->search_domains && src->pool->nlinked > 0) {
+            err = kvc_lookup_domains(src->pool, d->hashes + at, k, d->blocks + at, d->bpool + at,
+                                     &nhit);
+        } else {
+            err = kvc_lookup(src->pool, d->hashes + at, k, d->blocks + at, &nhit);
+            for (size_t i = at; err == KV_OK && i < at + nhit; i++) {
+                d->bpool[i] = src->pool;
+            }
+        }
+        if (err != KV_OK) {
+            break;
+        }
+        size_t same = 0;
+        while (same < nhit && d->blocks[at + same].id == src->blocks[at + same].id &&
+               d->blocks[at + same].gen == src->blocks[at + same].gen &&
+               d->bpool[at + same] == src->bpool[at + same]) {
+            same++;
+        }
+        d->nheld += same;
+        if (same < k) {
+            /* Only a block the daemon quarantined (verify-blocks) or a broken invariant. */
+            if (nhit > same) {
+                (void)kvc_release_multi(d->bpool + at + same, d->blocks + at + same, nhit - same);
+            }
+            err = kvc__fail(&c->diag, KV_ESTATE,
+                            "fork: committed block %zu of the sequence is no longer indexed as "
+                            "it (quarantined?): release the sequence and prefill again",
+                            at + same);
+        }
+    }
+    d->ncommitted = d->nheld;
+    d->len = src->len;
+    d->nblocks = src->nblocks;
+    if (err == KV_OK) {
+        err = ensure_held(d, d->len); /* the blocks to copy into, and the lookahead */
+    }
+    if (err != KV_OK) {
+        d->nblocks = d->nheld < d->nblocks ? d->nheld : d->nblocks;
+        kvc_seq_free(d);
+        return err;
+    }
+    for (size_t j = 0; j < ncopy; j++) {
+        copy_src[j] = (int32_t)src->blocks[nshare + j].id;
+        copy_dst[j] = (int32_t)d->blocks[nshare + j].id;
+    }
+    if (ncopies != NULL) {
+        *ncopies = ncopy;
+    }
+    *out = d;
+    return KV_OK;
+}
+
+size_t kvc_seq_capacity(const kvc_seq *s) {
+    size_t t = s->nheld * (s->pool != NULL ? tpb(s) : 0);
+    return t < s->max_tokens ? t : s->max_tokens;
 }
 
 size_t kvc_seq_length(const kvc_seq *s) {
@@ -341,11 +602,11 @@ size_t kvc_seq_ncommitted(const kvc_seq *s) {
 
 kvc_block kvc_seq_block(const kvc_seq *s, size_t i) {
     kvc_block none = {UINT32_MAX, 0};
-    return i < s->nblocks ? s->blocks[i] : none;
+    return i < s->nheld ? s->blocks[i] : none;
 }
 
 kvc_pool *kvc_seq_block_pool(const kvc_seq *s, size_t i) {
-    return i < s->nblocks ? s->bpool[i] : NULL;
+    return i < s->nheld ? s->bpool[i] : NULL;
 }
 
 int kvc_seq_mixed(const kvc_seq *s) {
@@ -364,14 +625,25 @@ static int32_t block_tokens(const kvc_seq *s, size_t b) {
 
 /* The CSR export of seqs' blocks in pool, or of every block (pool NULL: each sequence must then
  * lie in one pool). */
+/* Where an export reports its errors: the first sequence's connection (and the thread). */
+static kvc__diag *seqs_diag(kvc_seq *const *seqs, size_t nseqs) {
+    return nseqs > 0 && seqs != NULL && seqs[0] != NULL && seqs[0]->pool != NULL
+               ? seqs[0]->pool->diag
+               : NULL;
+}
+
 static kv_err export_csr(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *pool, int32_t *indptr,
                          size_t indptr_cap, int32_t *indices, size_t indices_cap,
                          int32_t *last_page_len, size_t last_cap, size_t *nindices) {
+    kvc__diag *d = seqs_diag(seqs, nseqs);
     if ((nseqs > 0 && seqs == NULL) || indptr == NULL || (nseqs > 0 && last_page_len == NULL)) {
-        return KV_EINVAL;
+        return kvc__fail(d, KV_EINVAL, "CSR export: NULL sequences, indptr or last_page_len");
     }
     if (indptr_cap < nseqs + 1 || last_cap < nseqs) {
-        return KV_ETOOBIG;
+        return kvc__fail(d, KV_ETOOBIG,
+                         "CSR export of %zu sequences needs indptr[%zu] and last_page_len[%zu]; "
+                         "got %zu and %zu",
+                         nseqs, nseqs + 1, nseqs, indptr_cap, last_cap);
     }
     size_t total = 0;
     for (size_t i = 0; i < nseqs; i++) {
@@ -387,10 +659,11 @@ static kv_err export_csr(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *poo
         }
     }
     if (total > indices_cap || total > INT32_MAX) {
-        return KV_ETOOBIG;
+        return kvc__fail(d, KV_ETOOBIG, "CSR export needs indices[%zu]; got %zu", total,
+                         indices_cap);
     }
     if (total > 0 && indices == NULL) {
-        return KV_EINVAL;
+        return kvc__fail(d, KV_EINVAL, "CSR export: NULL indices");
     }
     size_t k = 0;
     indptr[0] = 0;
@@ -402,7 +675,7 @@ static kv_err export_csr(kvc_seq *const *seqs, size_t nseqs, const kvc_pool *poo
                 continue;
             }
             if (s->blocks[b].id > INT32_MAX) {
-                return KV_ETOOBIG;
+                return kvc__fail(d, KV_ETOOBIG, "block id %u does not fit int32", s->blocks[b].id);
             }
             indices[k++] = (int32_t)s->blocks[b].id;
             last = block_tokens(s, b);
@@ -421,7 +694,7 @@ kv_err kvc_seq_export_csr_pool(kvc_seq *const *seqs, size_t nseqs, const kvc_poo
                                size_t indices_cap, int32_t *last_page_len, size_t last_cap,
                                size_t *nindices) {
     if (pool == NULL) {
-        return KV_EINVAL;
+        return kvc__fail(seqs_diag(seqs, nseqs), KV_EINVAL, "CSR export per pool: NULL pool");
     }
     return export_csr(seqs, nseqs, pool, indptr, indptr_cap, indices, indices_cap, last_page_len,
                       last_cap, nindices);
@@ -432,4 +705,231 @@ kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t *indptr, s
                           size_t last_cap, size_t *nindices) {
     return export_csr(seqs, nseqs, NULL, indptr, indptr_cap, indices, indices_cap, last_page_len,
                       last_cap, nindices);
+}
+
+kv_err kvc_seq_export_slots(const kvc_seq *s, size_t from, size_t to, int64_t *slots, size_t cap) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    size_t limit = s->nheld * tpb(s);
+    if (from > to || to > limit) {
+        return kvc__fail(s->pool->diag, KV_EINVAL,
+                         "slots of tokens [%zu, %zu): the sequence holds blocks for %zu tokens",
+                         from, to, limit);
+    }
+    if (to - from > cap || (to > from && slots == NULL)) {
+        return kvc__fail(s->pool->diag, KV_ETOOBIG, "slots of %zu tokens; room for %zu", to - from,
+                         cap);
+    }
+    for (size_t t = from; t < to; t++) {
+        size_t b = t / tpb(s);
+        if (s->bpool[b] != s->pool) {
+            return kvc__fail(s->pool->diag, KV_ENOTSUP,
+                             "token %zu lies in a block of a linked pool (a cached prefix): its "
+                             "K/V are written already and have no slot in this pool",
+                             t);
+        }
+        slots[t - from] = (int64_t)s->blocks[b].id * tpb(s) + (int64_t)(t % tpb(s));
+    }
+    return KV_OK;
+}
+
+kv_err kvc_seq_export_table(kvc_seq *const *seqs, size_t nseqs, int32_t *table, size_t width,
+                            int32_t pad, size_t *max_used) {
+    kvc__diag *d = seqs_diag(seqs, nseqs);
+    if (nseqs > 0 && (seqs == NULL || table == NULL)) {
+        return kvc__fail(d, KV_EINVAL, "block table export: NULL sequences or table");
+    }
+    size_t used = 0;
+    for (size_t i = 0; i < nseqs; i++) {
+        const kvc_seq *s = seqs[i];
+        if (s->nblocks > width) {
+            return kvc__fail(d, KV_ETOOBIG, "sequence %zu has %zu blocks; the table is %zu wide", i,
+                             s->nblocks, width);
+        }
+        if (kvc_seq_mixed(s)) {
+            return kvc__fail(d, KV_ENOTSUP,
+                             "sequence %zu has blocks in more than one pool; export one table "
+                             "per pool (kvc_seq_export_csr_pool)",
+                             i);
+        }
+        used = s->nblocks > used ? s->nblocks : used;
+    }
+    for (size_t i = 0; i < nseqs; i++) {
+        const kvc_seq *s = seqs[i];
+        int32_t *row = table + i * width;
+        for (size_t b = 0; b < width; b++) {
+            if (b < s->nblocks && s->blocks[b].id > INT32_MAX) {
+                return kvc__fail(d, KV_ETOOBIG, "block id %u does not fit int32", s->blocks[b].id);
+            }
+            row[b] = b < s->nblocks ? (int32_t)s->blocks[b].id : pad;
+        }
+    }
+    if (max_used != NULL) {
+        *max_used = used;
+    }
+    return KV_OK;
+}
+
+/* One pool's share of a batched append: the sequences that need blocks from it. */
+typedef struct pool_need {
+    kvc_pool *pool;
+    size_t total;       /* blocks wanted */
+    kvc_block *got;     /* [total] */
+    size_t first_index; /* its first request in the batch */
+    size_t nrequests;   /* requests (chunks of the daemon's list limit) */
+    kv_err status;      /* KV_OK when every chunk was allocated */
+} pool_need;
+
+kv_err kvc_seq_append_many(kvc_seq *const *seqs, size_t nseqs, const uint32_t *const *tokens,
+                           const size_t *counts, kv_err *status) {
+    kvc__diag *d = seqs_diag(seqs, nseqs);
+    if (nseqs == 0) {
+        return KV_OK;
+    }
+    if (seqs == NULL || tokens == NULL || counts == NULL) {
+        return kvc__fail(d, KV_EINVAL, "append_many: NULL sequences, tokens or counts");
+    }
+    kv_err first = KV_OK;
+    size_t *need = calloc(nseqs, sizeof(*need));
+    kv_err *st = calloc(nseqs, sizeof(*st));
+    pool_need *pn = calloc(nseqs, sizeof(*pn));
+    size_t npn = 0;
+    if (need == NULL || st == NULL || pn == NULL) {
+        free(need);
+        free(st);
+        free(pn);
+        return kvc__fail(d, KV_ENOMEM, "out of memory for a step of %zu sequences", nseqs);
+    }
+    /* What each sequence needs, and from which pool. */
+    for (size_t i = 0; i < nseqs; i++) {
+        kvc_seq *s = seqs[i];
+        if (s == NULL || s->pool == NULL) {
+            st[i] = kvc__fail(d, KV_ESTATE, "sequence %zu: no pool (detached)", i);
+            continue;
+        }
+        if (counts[i] > 0 && tokens[i] == NULL) {
+            st[i] = kvc__fail(s->pool->diag, KV_EINVAL, "sequence %zu: NULL tokens", i);
+            continue;
+        }
+        if (counts[i] > s->max_tokens - s->len) {
+            st[i] = kvc__fail(s->pool->diag, KV_ETOOBIG, "sequence %zu would exceed its %zu tokens",
+                              i, s->max_tokens);
+            continue;
+        }
+        size_t want = held_target(s, s->len + counts[i]);
+        need[i] = want > s->nheld ? want - s->nheld : 0;
+        if (need[i] == 0) {
+            continue;
+        }
+        size_t k = 0;
+        while (k < npn && pn[k].pool != s->pool) {
+            k++;
+        }
+        if (k == npn) {
+            pn[npn++].pool = s->pool;
+        }
+        pn[k].total += need[i];
+    }
+    /* One batch per connection: every pool's Allocate requests leave back to back, one round
+     * trip for the whole step. */
+    for (size_t k = 0; k < npn; k++) {
+        pn[k].got = malloc(pn[k].total * sizeof(*pn[k].got));
+        if (pn[k].got == NULL) {
+            pn[k].status =
+                kvc__fail(pn[k].pool->diag, KV_ENOMEM, "out of memory for %zu blocks", pn[k].total);
+        }
+    }
+    for (size_t k = 0; k < npn; k++) {
+        kvc_conn *c = pn[k].pool->conn;
+        int first_of_conn = 1;
+        for (size_t j = 0; j < k; j++) {
+            first_of_conn &= pn[j].pool->conn != c;
+        }
+        if (!first_of_conn) {
+            continue;
+        }
+        kvc_batch *b;
+        kv_err err = kvc_batch_alloc(c, &b);
+        for (size_t j = k; j < npn && err == KV_OK; j++) {
+            if (pn[j].pool->conn != c || pn[j].status != KV_OK) {
+                continue;
+            }
+            size_t limit = c->max_blocks;
+            pn[j].first_index = kvc_batch_count(b);
+            for (size_t done = 0; done < pn[j].total && pn[j].status == KV_OK;) {
+                size_t n = pn[j].total - done < limit ? pn[j].total - done : limit;
+                pn[j].status =
+                    kvc_batch_allocate(b, pn[j].pool, (uint32_t)n, pn[j].got + done, NULL);
+                done += n;
+                pn[j].nrequests++;
+            }
+        }
+        if (err == KV_OK) {
+            err = kvc_batch_run(b);
+        }
+        for (size_t j = k; j < npn; j++) {
+            if (pn[j].pool->conn != c || pn[j].status != KV_OK) {
+                continue;
+            }
+            if (err != KV_OK) {
+                pn[j].status = err;
+                continue;
+            }
+            /* All chunks or none: a pool that got only some gives each granted chunk back. */
+            kv_err ps = KV_OK;
+            for (size_t r = 0; r < pn[j].nrequests && ps == KV_OK; r++) {
+                ps = kvc_batch_status(b, pn[j].first_index + r);
+            }
+            for (size_t r = 0; r < pn[j].nrequests && ps != KV_OK; r++) {
+                size_t off = r * c->max_blocks;
+                size_t n = pn[j].total - off < c->max_blocks ? pn[j].total - off : c->max_blocks;
+                if (kvc_batch_status(b, pn[j].first_index + r) == KV_OK) {
+                    (void)kvc_release(pn[j].pool, pn[j].got + off, n);
+                }
+            }
+            pn[j].status = ps;
+        }
+        kvc_batch_free(b);
+    }
+    /* Hand the blocks out in sequence order and append the tokens. */
+    for (size_t k = 0; k < npn; k++) {
+        pn[k].total = 0; /* from here: blocks handed out */
+    }
+    for (size_t i = 0; i < nseqs; i++) {
+        kvc_seq *s = seqs[i];
+        if (st[i] == KV_OK && need[i] > 0) {
+            size_t k = 0;
+            while (pn[k].pool != s->pool) {
+                k++;
+            }
+            if (pn[k].status != KV_OK) {
+                st[i] = pn[k].status;
+            } else {
+                for (size_t j = 0; j < need[i]; j++) {
+                    s->blocks[s->nheld] = pn[k].got[pn[k].total++];
+                    s->bpool[s->nheld++] = s->pool;
+                }
+            }
+        }
+        if (st[i] == KV_OK && counts[i] > 0) {
+            memcpy(s->tokens + s->len, tokens[i], counts[i] * sizeof(*tokens[i]));
+            s->len += counts[i];
+            s->nblocks = blocks_for(s, s->len);
+            st[i] = hash_full_blocks(s);
+        }
+        if (status != NULL) {
+            status[i] = st[i];
+        }
+        if (first == KV_OK && st[i] != KV_OK) {
+            first = st[i];
+        }
+    }
+    for (size_t k = 0; k < npn; k++) {
+        free(pn[k].got);
+    }
+    free(pn);
+    free(need);
+    free(st);
+    return first;
 }

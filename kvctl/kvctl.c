@@ -64,8 +64,12 @@ static int connect_admin(const char *path) {
     return fd;
 }
 
-/* Sends line and reads one reply line into a malloc'd string (NULL on error). */
-static char *roundtrip(int fd, const char *line) {
+/* Sends line and reads one reply line into a malloc'd string (NULL on error). A reply that
+ * ends without a newline (the peer closed) is returned too, with *complete 0 and *len its
+ * bytes, so the caller can tell what answered. */
+static char *roundtrip(int fd, const char *line, size_t *got, int *complete) {
+    *got = 0;
+    *complete = 0;
     size_t n = strlen(line);
     char out[LINE_MAX_BYTES + 1];
     memcpy(out, line, n);
@@ -105,11 +109,33 @@ static char *roundtrip(int fd, const char *line) {
         len += (size_t)r;
         if (nl != NULL) {
             *nl = '\0';
+            *got = (size_t)(nl - buf);
+            *complete = 1;
             return buf;
         }
     }
+    if (buf != NULL && len > 0) {
+        buf[len] = '\0';
+        *got = len;
+        return buf;
+    }
     free(buf);
     return NULL;
+}
+
+/* The reply starts like a binary frame of kvd's client protocol (a little-endian length,
+ * whose high bytes are zero for any frame kvd sends), not like a JSON line. */
+static int binary_reply(const char *reply, size_t len) {
+    if (len < 4 || reply[0] == '{') {
+        return 0;
+    }
+    for (size_t i = 0; i < 4; i++) {
+        unsigned char b = (unsigned char)reply[i];
+        if (b < 0x20 && b != '\t' && b != '\r') {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* ---- human output ---------------------------------------------------------------------- */
@@ -295,10 +321,26 @@ static int run_once(const char *path, const char *line, const char *cmd, int jso
     if (fd < 0) {
         return KVCTL_EXIT_CONNECT;
     }
-    char *reply = roundtrip(fd, line);
+    size_t got;
+    int complete;
+    char *reply = roundtrip(fd, line, &got, &complete);
     close(fd);
     if (reply == NULL) {
         fprintf(stderr, "kvctl: no reply line from %s\n", path);
+        return KVCTL_EXIT_PROTO;
+    }
+    if (binary_reply(reply, got)) {
+        fprintf(stderr,
+                "kvctl: %s answered in kvd's binary wire protocol: that is the client socket "
+                "(workers'); kvctl talks to the admin socket (admin.sock beside it, or "
+                "--socket)\n",
+                path);
+        free(reply);
+        return KVCTL_EXIT_PROTO;
+    }
+    if (!complete) {
+        fprintf(stderr, "kvctl: %s closed before a whole reply line: %.200s\n", path, reply);
+        free(reply);
         return KVCTL_EXIT_PROTO;
     }
     json_error_t jerr;

@@ -21,8 +21,11 @@
  * calls on a shared one). The memory a pool maps, and the addresses kvc_pool_addr and friends
  * return, may be read and written from any thread; they stay valid until the pool is detached.
  *
- * Errors: calls return a kv_err (common/kv_err.h; KV_OK is 0). The daemon's message, or the
- * library's own description, of the last failure on a connection is kvc_last_error(). Outputs
+ * Errors: calls return a kv_err (common/kv_err.h; KV_OK is 0; kvc_err_name and kvc_strerror
+ * name and describe one). Every failing call records a sentence: the daemon's message or the
+ * library's own description. kvc_last_error(c) is the last failure on connection c (of any call
+ * on it or on its pools, sequences and batches), kvc_last_error(NULL) the calling thread's last
+ * failure of any call (kvc_conn_open included, which has no connection to report on). Outputs
  * are written only on success. A daemon restart is reported as KV_EEPOCH: detach the pools,
  * attach again (the connection reconnects by itself on the next call).
  *
@@ -91,13 +94,15 @@ KVC_EXTERN kv_err kvc_default_socket_path(char *buf, size_t cap);
 
 /* Connects to the daemon and says Hello. The options (strings included) are copied.
  * Errors: KV_ESYS (socket or connect failed; no daemon), KV_EVERSION, KV_EAUTH, KV_EPROTO,
- * KV_ETIMEDOUT, KV_ENOMEM. On error nothing is allocated; a message for the failure is given to
- * the log callback. Writes *out only on success; close it with kvc_conn_close. */
+ * KV_ETIMEDOUT, KV_ENOMEM. On error nothing is allocated; kvc_last_error(NULL) says why ("connect
+ * /run/kvd/kvd.sock: No such file or directory", or that the path is kvd's admin socket) and
+ * the log callback gets it too. Writes *out only on success; close it with kvc_conn_close. */
 KVC_EXTERN kv_err kvc_conn_open(const kvc_options *opts, kvc_conn **out);
 
-/* Detaches every pool still attached (see kvc_pool_detach), closes the socket and frees the
- * connection; free its sequences and batches first. The daemon releases every reference of the
- * session. Accepts NULL. */
+/* Frees every pool still attached, closes the socket and frees the connection; the daemon
+ * releases every reference of the session. Sequences and batches made from it may be freed
+ * before or after: afterwards they are empty shells (their calls return KV_ESTATE/KV_ECLOSED).
+ * Accepts NULL. */
 KVC_EXTERN void kvc_conn_close(kvc_conn *c);
 
 /* Reconnects and says Hello again (the old session and its references are gone). Returns
@@ -106,9 +111,13 @@ KVC_EXTERN void kvc_conn_close(kvc_conn *c);
  * previous call found the connection broken, so this is only needed to force it. */
 KVC_EXTERN kv_err kvc_conn_reconnect(kvc_conn *c);
 
-/* The message of the last failed call on c (never NULL; "" before any failure). Valid until
- * the next call on c. */
+/* The message of the last failed call on c, or with c NULL of the calling thread's last failed
+ * call (never NULL; "" before any failure). Valid until the next call on c (or on the thread). */
 KVC_EXTERN const char *kvc_last_error(const kvc_conn *c);
+
+/* The name ("ENOSPC") and the one-line description of an error code, for messages and logs. */
+KVC_EXTERN const char *kvc_err_name(kv_err err);
+KVC_EXTERN const char *kvc_strerror(kv_err err);
 
 /* Session id, tenant name and boot epoch from the last Hello. */
 KVC_EXTERN uint64_t kvc_conn_session_id(const kvc_conn *c);
@@ -146,16 +155,28 @@ KVC_EXTERN kv_err kvc_stat_get(kvc_conn *c, uint32_t pool_id, const char *name, 
 KVC_EXTERN kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout,
                                   kvc_pool **out);
 
-/* Unmaps the pool and frees it (no message to the daemon: references the session holds stay
- * until released or the connection closes). Addresses from the pool become invalid. Accepts
- * NULL. */
+/* Ends the session's use of the pool: tells kvd (DetachPool: every reference the session holds
+ * in it and its linked pools is released, WRITING leases freed), unmaps it and frees it.
+ * Addresses from the pool become invalid; sequences made on it become empty shells (free them
+ * with kvc_seq_free in any order). With the connection broken or the pool stale there is
+ * nothing to release. Accepts NULL. */
 KVC_EXTERN void kvc_pool_detach(kvc_pool *p);
 
 /* The pool id, the daemon's layout (derived fields filled), and the geometry. */
 KVC_EXTERN uint32_t kvc_pool_id(const kvc_pool *p);
 KVC_EXTERN const kv_layout *kvc_pool_layout(const kvc_pool *p);
 KVC_EXTERN uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p);
+/* Segment slots the library reserved address space for (its hard maximum, 4096): the layer
+ * tensors of kvc_pool_layer_base span max_segments * blocks_per_segment blocks. */
 KVC_EXTERN uint32_t kvc_pool_max_segments(const kvc_pool *p);
+/* Blocks the pool could hold at attach within kvd's memory budget (AttachPoolReply's
+ * max_segments * blocks_per_segment): what to size the engine's own structures for. It moves
+ * with the budget (Stats pool.blocks_total says what the pool has now). */
+KVC_EXTERN uint64_t kvc_pool_max_blocks(const kvc_pool *p);
+/* 1 when kvd reported another pool of the same model_id with a different layout (a second
+ * attach with 8 instead of 32 KV heads, bf16 instead of fp16: usually a bug; logged at WARN).
+ * kvd's strict-layouts option refuses such an attach instead (KV_EINVAL). */
+KVC_EXTERN int kvc_pool_layout_conflict(const kvc_pool *p);
 /* Segment slots mapped so far (the highest mapped index + 1). */
 KVC_EXTERN uint32_t kvc_pool_segments(const kvc_pool *p);
 /* 1 once the session the pool was attached in has ended: the daemon restarted (its calls then
@@ -181,6 +202,14 @@ KVC_EXTERN void *kvc_pool_addr(const kvc_pool *p, uint32_t block, uint32_t layer
 /* Address of the float32 scale of (block, layer, kv, head) for 8-bit dtypes; NULL otherwise. */
 KVC_EXTERN float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_t layer, int kv,
                                       uint32_t head);
+
+/* Copies every byte of blocks src[i] to dst[i] (all layers, K and V, scales) through the host
+ * mapping: what an engine does with kvc_seq_fork's copy list on a host pool. Checks every pair
+ * first (KV_EINVAL unmapped, KV_EPERM read-only destination: nothing copied). KV_ENOTSUP for a
+ * GPU pool: copy on the device with the engine's kernel (kernels/kvk.h kvk_copy_blocks_cuda
+ * takes the same two lists). */
+KVC_EXTERN kv_err kvc_pool_copy_blocks(kvc_pool *p, const int32_t *src, const int32_t *dst,
+                                       size_t n);
 
 /* 1 when the segment holding block was mapped read-only (a shared domain this tenant may only
  * read); 0 otherwise. */
@@ -276,7 +305,9 @@ KVC_EXTERN kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_
 
 /* Drops the session's references on blocks[0..n) (a sequence's blocks in prefix order; WRITING
  * blocks are freed). kvc_rewind is the same for blocks past a sequence's accepted length
- * (speculative decoding), counted apart by the daemon (Stats pool.rewinds). */
+ * (speculative decoding), counted apart by the daemon (Stats pool.rewinds). Never write into a
+ * block after releasing it: a committed block is another worker's next hit (kvd
+ * --verify-blocks catches such writes; docs/CLIENT.md). */
 KVC_EXTERN kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n);
 KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
 
@@ -351,7 +382,7 @@ KVC_EXTERN kv_err kvc_batch_status(const kvc_batch *b, size_t index);
 /* A sequence's tokens and the blocks that hold their K/V, for an engine:
  *   kvc_seq_prefill(prompt)  lookup of the cached prefix (at most n-1 tokens, so the last
  *                            prompt token is always computed) + allocation of the rest;
- *   the engine writes K/V of tokens [cached, n) at kvc_seq_block_id / kvc_pool_addr;
+ *   the engine writes K/V of tokens [cached, n) at kvc_seq_block / kvc_pool_addr;
  *   kvc_seq_append(tokens)   decode or draft tokens, blocks allocated as needed;
  *   kvc_seq_commit(n_final)  commits every full block inside [0, n_final): the caller passes
  *                            only tokens whose K/V are written and verified, never drafts;
@@ -359,22 +390,34 @@ KVC_EXTERN kv_err kvc_batch_status(const kvc_batch *b, size_t index);
  *   kvc_seq_release()        drops all blocks (the sequence can be prefilled again).
  * One thread at a time, like its connection.
  *
- * Shared domains: by default prefill searches every domain the session may read (the attached
- * pool, then its linked group pools, then the commons), so leading blocks of the table may live
- * in linked pools (kvc_seq_block_pool); blocks allocated by the sequence are always in the
- * attached pool. Block ids are pool-local and pools do not share an id space, so a table that
- * mixes pools cannot be one page table: kvc_seq_export_csr refuses it (KV_ENOTSUP) and
- * kvc_seq_export_csr_pool exports one table per pool, whose attention results the engine merges
- * (log-sum-exp, e.g. FlashInfer merge_state). kvc_seq_set_search_domains(s, 0) keeps a
- * sequence in its own pool (one page table always). */
+ * Reserved blocks: a sequence may hold WRITING blocks past its length, taken first when it
+ * grows: kvc_seq_reserve(s, n) keeps blocks for n tokens at all times (admission control: a
+ * running sequence cannot be starved by other workers between steps; vLLM's
+ * full_sequence_must_fit), kvc_seq_set_lookahead(s, k) keeps k slots past the length
+ * (speculative decoding's draft tokens: export their slots with kvc_seq_export_slots before
+ * the tokens exist, append the drafts, commit only the verified length, rewind the rest; the
+ * rewound blocks stay held for the next step). kvc_seq_append_many grows every sequence of a
+ * scheduler step with one round trip.
+ *
+ * Shared domains: by default a sequence stays in its own pool (one page table always). With
+ * kvc_seq_set_search_domains(s, 1), prefill also searches every domain the session may read
+ * (the attached pool, then its linked group pools, then the commons), so leading blocks of the
+ * table may live in linked pools (kvc_seq_block_pool); blocks allocated by the sequence are
+ * always in the attached pool. Block ids are pool-local and pools do not share an id space, so
+ * a table that mixes pools cannot be one page table: kvc_seq_export_csr refuses it
+ * (KV_ENOTSUP) and kvc_seq_export_csr_pool exports one table per pool, whose attention results
+ * the engine merges (log-sum-exp, e.g. FlashInfer merge_state).
+ *
+ * A sequence belongs to its pool: when the pool is detached (or its connection closed) the
+ * sequence becomes an empty shell whose calls return KV_ESTATE; free it with kvc_seq_free. */
 
 /* Allocates a sequence on pool p holding up to max_tokens tokens; extra (NULL, 0 for none; at
  * most KV_HASH_MAX_EXTRA bytes, copied) is mixed into every block hash (LoRA id, ...). */
 KVC_EXTERN kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t extra_len,
                                 kvc_seq **out);
 
-/* Whether the next prefills search the linked pools too (on = 1, the default) or the attached
- * pool only (on = 0). Takes effect at the next kvc_seq_prefill. */
+/* Whether the next prefills search the linked pools too (on = 1) or the attached pool only
+ * (on = 0, the default). Takes effect at the next kvc_seq_prefill. */
 KVC_EXTERN void kvc_seq_set_search_domains(kvc_seq *s, int on);
 
 /* Releases the sequence's blocks (best effort) and frees it; accepts NULL. */
@@ -402,17 +445,57 @@ KVC_EXTERN kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted)
  * still in the table: n, or the start of that block (recompute from there). */
 KVC_EXTERN kv_err kvc_seq_rewind(kvc_seq *s, size_t n, size_t *valid_tokens);
 
-/* Releases every block; the sequence is empty afterwards (even on a transport error). */
+/* Releases every block, reserved ones included, and ends its reservation; the sequence is
+ * empty afterwards (even on a transport error). */
 KVC_EXTERN kv_err kvc_seq_release(kvc_seq *s);
 
-/* Tokens, blocks (ceil(length / tokens_per_block)), committed blocks, and block i's handle. */
+/* Keeps blocks for ntokens tokens held from now on (allocating what is missing; 0 ends the
+ * reservation and gives back reserved blocks past the length). KV_ETOOBIG beyond max_tokens,
+ * KV_ENOSPC (nothing changed). */
+KVC_EXTERN kv_err kvc_seq_reserve(kvc_seq *s, size_t ntokens);
+
+/* Keeps ntokens slots held past the length from now on (draft tokens of speculative
+ * decoding), allocating what is missing now and at each growth. KV_ENOSPC (nothing changed). */
+KVC_EXTERN kv_err kvc_seq_set_lookahead(kvc_seq *s, size_t ntokens);
+
+/* Tokens the held blocks have room for (length + what can be appended without a round trip). */
+KVC_EXTERN size_t kvc_seq_capacity(const kvc_seq *s);
+
+/* One scheduler step: appends tokens[i][0..counts[i]) to seqs[i] for every i, allocating the
+ * blocks all of them need (with their lookahead and reservation) in one round trip per
+ * connection (one Allocate per pool, sent back to back). status[i] (status may be NULL) gets
+ * each sequence's result; a sequence whose pool could not supply every block it and the other
+ * sequences of that pool needed gets that pool's error (KV_ENOSPC) and is unchanged, as is one
+ * that would exceed its max_tokens (KV_ETOOBIG). Returns the first failure, KV_OK when all
+ * succeeded. */
+KVC_EXTERN kv_err kvc_seq_append_many(kvc_seq *const *seqs, size_t nseqs,
+                                      const uint32_t *const *tokens, const size_t *counts,
+                                      kv_err *status);
+
+/* Fork (parallel sampling, beam search): *out gets a new sequence with src's tokens whose
+ * committed blocks are src's own, shared (one more reference each, taken with one Lookup:
+ * PagedAttention's copy-on-write), and whose other blocks (full ones not committed yet and the
+ * partial last one) are fresh leases that the caller fills by copying: copy_src[j] -> copy_dst[j]
+ * for j < *ncopies (block ids of src's pool; vLLM's blocks_to_copy) before the engine writes
+ * into the fork or reads it. The fork keeps src's lookahead and search_domains, not its
+ * reservation. One or two round trips; nothing is made on error: KV_ETOOBIG when max_copies is
+ * below the blocks to copy (needed: kvc_seq_nblocks - kvc_seq_ncommitted), KV_ENOSPC, KV_ESTATE
+ * (detached, or a committed block the daemon quarantined). Commit the shared prefix before
+ * forking to copy the least. */
+KVC_EXTERN kv_err kvc_seq_fork(kvc_seq *src, kvc_seq **out, int32_t *copy_src, int32_t *copy_dst,
+                               size_t max_copies, size_t *ncopies);
+
+/* Tokens, blocks (ceil(length / tokens_per_block)), committed blocks, and block i's handle:
+ * valid for every held block, i < kvc_seq_capacity / tokens_per_block, so the blocks of a
+ * reservation or of lookahead slots past the length are addressable too (draft K/V is
+ * written there before the drafts are appended); {UINT32_MAX, 0} past that. */
 KVC_EXTERN size_t kvc_seq_length(const kvc_seq *s);
 KVC_EXTERN size_t kvc_seq_nblocks(const kvc_seq *s);
 KVC_EXTERN size_t kvc_seq_ncommitted(const kvc_seq *s);
 KVC_EXTERN kvc_block kvc_seq_block(const kvc_seq *s, size_t i);
 
-/* The pool block i lives in (the sequence's pool or one of its linked pools; NULL past the
- * table), and 1 when the table has blocks in more than one pool. */
+/* The pool block i lives in (the sequence's pool or one of its linked pools; NULL past the held
+ * blocks), and 1 when the table has blocks in more than one pool. */
 KVC_EXTERN kvc_pool *kvc_seq_block_pool(const kvc_seq *s, size_t i);
 KVC_EXTERN int kvc_seq_mixed(const kvc_seq *s);
 
@@ -425,6 +508,21 @@ KVC_EXTERN kv_err kvc_seq_export_csr(kvc_seq *const *seqs, size_t nseqs, int32_t
                                      size_t indptr_cap, int32_t *indices, size_t indices_cap,
                                      int32_t *last_page_len, size_t last_cap, size_t *nindices);
 /* (kvc_seq_export_csr: KV_ENOTSUP when a sequence's blocks are not all in one pool.) */
+
+/* The slot of each token in [from, to) of s: block id * tokens_per_block + offset, the index
+ * vLLM's reshape_and_cache writes K/V at; to may reach past the length into held blocks
+ * (lookahead slots of draft tokens). Into slots[cap] (a fixed buffer: CUDA-graph stable).
+ * KV_EINVAL past the held blocks, KV_ETOOBIG when cap is short, KV_ENOTSUP for a token whose
+ * block is in a linked pool (a cached prefix: it has no slot to write). */
+KVC_EXTERN kv_err kvc_seq_export_slots(const kvc_seq *s, size_t from, size_t to, int64_t *slots,
+                                       size_t cap);
+
+/* The block tables of seqs as one padded 2-D table, row i = seqs[i]'s block ids then pad, into
+ * table[nseqs * width] (a fixed buffer). *max_used (may be NULL) gets the longest row.
+ * KV_ETOOBIG when a sequence has more than width blocks, KV_ENOTSUP for a table in several
+ * pools (as kvc_seq_export_csr). */
+KVC_EXTERN kv_err kvc_seq_export_table(kvc_seq *const *seqs, size_t nseqs, int32_t *table,
+                                       size_t width, int32_t pad, size_t *max_used);
 
 /* The block table restricted to pool: for each sequence, its blocks that live in pool, in
  * table order (ids index pool's layer tensors), with last_page_len[i] the tokens in the last of

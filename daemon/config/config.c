@@ -49,6 +49,13 @@ static const kvd_config_option options[] = {
         "eviction order of cached blocks: lru, s3fifo or prefix-lru"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
+    OPT_RT("strict-layouts", KVD_OPT_BOOL, strict_layouts, "false", 0, 1,
+           "refuse an AttachPool whose model id already has a pool with another layout (EINVAL); "
+           "off: allow it with a warning and AttachPoolReply.layout_conflict"),
+    OPT_RT("verify-blocks", KVD_OPT_BOOL, verify_blocks, "false", 0, 1,
+           "debug mode: checksum every committed block and check it on each Lookup hit; a block "
+           "whose bytes changed since its commit (a worker wrote after Release) is taken out of "
+           "the index, logged (KVD-VERIFY) and counted (quarantines); costs a read of each block"),
     OPT_RT("max-pools", KVD_OPT_U64, max_pools, "1024", 1, 1u << 20,
            "pools (model, layout, domain) over all tenants; an attach that needs one more after "
            "idle ones are freed gets ENOSPC"),

@@ -26,6 +26,8 @@ typedef struct kvd_config {
     char backend[16];                       /* "auto", "host", "cuda-vmm", "cuda-ipc" */
     uint64_t device;                        /* GPU backends: CUDA device ordinal */
     int hugepages;                          /* host backend: MFD_HUGETLB segments */
+    int strict_layouts;                     /* refuse a second layout of one model id */
+    int verify_blocks;                      /* checksum committed blocks, check on hits */
     uint64_t pool_memory;                   /* bytes of segments over all pools */
     uint64_t segment_bytes;                 /* target bytes per segment */
     uint64_t index_entries;                 /* capacity of the prefix index */

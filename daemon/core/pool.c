@@ -39,9 +39,10 @@ enum {
     LIST_COUNT = 8,
 };
 
-#define BLOCK_PINNED 0x01u /* flags: pin set (may have expired if the block is referenced) */
-#define BLOCK_SHARED 0x02u /* flags: PREFIX_LRU: prefix of two or more cached continuations */
-#define FREQ_MAX 3         /* S3-FIFO's two-bit access counter */
+#define BLOCK_PINNED 0x01u  /* flags: pin set (may have expired if the block is referenced) */
+#define BLOCK_SHARED 0x02u  /* flags: PREFIX_LRU: prefix of two or more cached continuations */
+#define BLOCK_CORRUPT 0x04u /* flags: quarantined (out of the index; FREE at its last release) */
+#define FREQ_MAX 3          /* S3-FIFO's two-bit access counter */
 
 typedef struct pool_block {
     uint64_t hlo;         /* chain hash, low half (COMMITTED/CACHED) */
@@ -121,7 +122,10 @@ struct kvd_pool {
     uint64_t hit_blocks;       /* hashes found */
     uint64_t commits;          /* commits, duplicates included */
     uint64_t commits_duplicate;
-    uint64_t rewinds; /* blocks given back by Rewind (kvd_pool_count_rewind) */
+    uint64_t quarantines;   /* blocks kvd_pool_quarantine took out of the index */
+    uint64_t verified;      /* hits verify-blocks checked (kvd_pool_count_verified) */
+    uint64_t n_quarantined; /* of them, COMMITTED ones still held (BLOCK_CORRUPT) */
+    uint64_t rewinds;       /* blocks given back by Rewind (kvd_pool_count_rewind) */
     uint64_t evictions[KVD_EVICT_REASONS];
 };
 
@@ -466,8 +470,8 @@ static void plru_child_removed(kvd_pool *p, pool_block *b) {
     }
 }
 
-/* Evicts a CACHED unpinned block: out of the index and the eviction order, back to FREE. */
-static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
+/* Takes a CACHED unpinned block out of the index and the eviction order, back to FREE. */
+static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
     int from_small = b->list == LIST_SMALL;
     list_remove(p, id, b);
@@ -482,8 +486,13 @@ static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reaso
     seg_of(p, id)->nevict--;
     p->n_cached--;
     p->tenants[b->tenant].cached--;
-    p->evictions[reason]++;
     block_to_free(p, id, b);
+}
+
+/* Evicts a CACHED unpinned block (drop_cached), counted under reason. */
+static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
+    drop_cached(p, id, b);
+    p->evictions[reason]++;
 }
 
 /* Takes a reference on a COMMITTED or CACHED block for tenant. */
@@ -511,6 +520,17 @@ static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
 
 /* A COMMITTED block's last reference went away. */
 static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
+    if (b->flags & BLOCK_CORRUPT) {
+        /* Quarantined (kvd_pool_quarantine): out of the index already, so it is not cached
+         * but freed; a pin it had goes with it. */
+        if (b->flags & BLOCK_PINNED) {
+            unpin_block(p, id, b);
+        }
+        p->n_committed--;
+        p->n_quarantined--;
+        block_to_free(p, id, b);
+        return;
+    }
     b->state = KVD_BLOCK_CACHED;
     b->last_access = p->now;
     p->n_committed--;
@@ -758,7 +778,8 @@ void kvd_pool_free(kvd_pool *p) {
         }
         for (uint32_t i = 0; i < p->bps; i++) {
             pool_block *b = &seg->blocks[i];
-            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+            if ((b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) &&
+                !(b->flags & BLOCK_CORRUPT)) {
                 (void)kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
             }
         }
@@ -1309,6 +1330,37 @@ int kvd_pool_has(const kvd_pool *p, kv_hash128 h) {
     return kvd_index_find(p->idx, p->cfg.pool_id, h, &v) == KV_OK;
 }
 
+kv_err kvd_pool_quarantine(kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->flags & BLOCK_CORRUPT) {
+        return KV_OK;
+    }
+    p->quarantines++;
+    if (b->state == KVD_BLOCK_CACHED) {
+        /* Nobody holds it: it goes at once, like an eviction that is not counted as one. */
+        if (b->flags & BLOCK_PINNED) {
+            unpin_block(p, blk.id, b); /* onto the eviction order */
+        }
+        drop_cached(p, blk.id, b);
+        return KV_OK;
+    }
+    err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+    KV_ASSERT(err == KV_OK);
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        plru_child_removed(p, b);
+    }
+    b->flags |= BLOCK_CORRUPT;
+    p->n_quarantined++;
+    return KV_OK;
+}
+
 kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
                         size_t n) {
     if (n == 0) {
@@ -1597,6 +1649,8 @@ enum {
     PS_EVICTIONS_CAPACITY,
     PS_EVICTIONS_ADMIN,
     PS_EVICTIONS_SHRINK,
+    PS_VERIFIED,
+    PS_QUARANTINES,
     PS_COUNT
 };
 
@@ -1665,10 +1719,25 @@ static const kv_stat_desc pool_stats[PS_COUNT] = {
     [PS_EVICTIONS_SHRINK] = {"evictions_shrink", "counter", "blocks",
                              "cached blocks evicted with a parked segment",
                              "kvd_pool_evictions_total", NULL, "reason", "shrink"},
+    [PS_VERIFIED] = {"verified", "counter", "blocks",
+                     "Lookup hits whose bytes verify-blocks checked against their commit",
+                     "kvd_pool_verified_blocks_total",
+                     "Lookup hits whose bytes were checked against their commit (verify-blocks).",
+                     NULL, NULL},
+    [PS_QUARANTINES] = {"quarantines", "counter", "blocks",
+                        "committed blocks taken out of the index because their bytes changed "
+                        "after the commit (verify-blocks)",
+                        "kvd_pool_quarantined_blocks_total",
+                        "Committed blocks whose bytes changed after the commit (verify-blocks).",
+                        NULL, NULL},
 };
 
 void kvd_pool_count_rewind(kvd_pool *p, uint64_t blocks) {
     p->rewinds += blocks;
+}
+
+void kvd_pool_count_verified(kvd_pool *p, uint64_t blocks) {
+    p->verified += blocks;
 }
 
 const kv_stat_desc *kvd_pool_stat_descs(size_t *n) {
@@ -1698,6 +1767,8 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     v[PS_EVICTIONS_CAPACITY] = p->evictions[KVD_EVICT_CAPACITY];
     v[PS_EVICTIONS_ADMIN] = p->evictions[KVD_EVICT_ADMIN];
     v[PS_EVICTIONS_SHRINK] = p->evictions[KVD_EVICT_SHRINK];
+    v[PS_VERIFIED] = p->verified;
+    v[PS_QUARANTINES] = p->quarantines;
     for (size_t i = 0; i < PS_COUNT; i++) {
         sink(arg, pool_stats[i].name, v[i]);
     }
@@ -1753,7 +1824,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     kv_err err = KV_OK;
     uint64_t by_state[4] = {0, 0, 0, 0};
     uint64_t by_list[LIST_COUNT] = {0};
-    uint64_t pinned = 0, refs = 0, held = 0;
+    uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0;
     uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
     uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
     uint32_t *tevict = calloc((size_t)p->ntcap * 2, sizeof(uint32_t));
@@ -1838,7 +1909,11 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                     }
                     break;
             }
-            if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
+            if (b->flags & BLOCK_CORRUPT) {
+                quarantined++;
+                CHECK(b->state == KVD_BLOCK_COMMITTED, "block %u: quarantined in state %u", id,
+                      b->state);
+            } else if (b->state == KVD_BLOCK_COMMITTED || b->state == KVD_BLOCK_CACHED) {
                 uint64_t v = 0;
                 CHECK(kvd_index_find(p->idx, p->cfg.pool_id, blk_hash(b), &v) == KV_OK,
                       "block %u: hash not indexed", id);
@@ -1871,6 +1946,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     CHECK(by_state[KVD_BLOCK_COMMITTED] == p->n_committed, "committed count");
     CHECK(by_state[KVD_BLOCK_CACHED] == p->n_cached, "cached count");
     CHECK(pinned == p->n_pinned, "pinned count");
+    CHECK(quarantined == p->n_quarantined, "quarantined count %llu vs %llu",
+          (unsigned long long)quarantined, (unsigned long long)p->n_quarantined);
     for (uint32_t t = 0; t < p->ntcap; t++) {
         CHECK(cached_t[t] == p->tenants[t].cached, "tenant %u: cached %llu, counted %llu", t,
               (unsigned long long)cached_t[t], (unsigned long long)p->tenants[t].cached);

@@ -246,6 +246,14 @@ kv_err kvd_pool_hold_hash(kvd_pool *pool, uint32_t tenant, kv_hash128 h, kvd_blo
  * nothing. O(1). */
 int kvd_pool_has(const kvd_pool *pool, kv_hash128 h);
 
+/* Takes a COMMITTED or CACHED block whose bytes are known to have changed since its commit
+ * (verify-blocks) out of the index: no Lookup finds it again and a new commit of its hash makes
+ * a fresh block. A CACHED one is freed at once (not counted as an eviction); a COMMITTED one
+ * stays readable by whoever holds it and is freed, not cached, at its last release. Counted
+ * in `quarantines`. Again on a quarantined block: KV_OK, nothing changes. KV_ENOENT,
+ * KV_ESTALE for a bad handle, KV_ESTATE for a FREE or WRITING block. */
+kv_err kvd_pool_quarantine(kvd_pool *pool, kvd_block_ref blk);
+
 /* Drops one reference on each of blks[0..n) (a sequence's blocks, in prefix order), charged
  * back to tenant. Validates all first; on error nothing changes. A WRITING block is freed (it
  * must be session's lease: KV_EPERM otherwise). A COMMITTED block at refcount 0 becomes CACHED;
@@ -294,12 +302,16 @@ kvd_tenant_usage kvd_pool_tenant_usage(const kvd_pool *pool, uint32_t tenant);
 /* Reports every counter: blocks_total, blocks_free, blocks_writing, blocks_committed,
  * blocks_cached, blocks_pinned, blocks_parked, segments, segments_parked, bytes (resident segments
  * only: parked ones cost no memory), queries, query_blocks, hit_blocks, hit_tokens,
- * commits, commits_duplicate, evictions_capacity, evictions_admin, evictions_shrink. */
+ * commits, commits_duplicate, rewinds, evictions_capacity, evictions_admin, evictions_shrink,
+ * verified, quarantines (kvd_pool_stat_descs has the whole table). */
 void kvd_pool_stats(const kvd_pool *pool, kvd_stat_sink sink, void *arg);
 
 /* Counts blocks a Rewind gave back (released like Release; counted apart for speculative
  * decoding's rejected drafts). */
 void kvd_pool_count_rewind(kvd_pool *pool, uint64_t blocks);
+
+/* Counts Lookup hits whose bytes were checked (verify-blocks). */
+void kvd_pool_count_verified(kvd_pool *pool, uint64_t blocks);
 
 /* The table of what kvd_pool_stats reports, in its order (common/kv_stat.h): names, units,
  * help and Prometheus families. Static storage. */

@@ -639,6 +639,70 @@ static void count_stat(void *arg, const char *name, uint64_t value) {
     seen[2]++;
 }
 
+typedef struct stat_find {
+    const char *name;
+    uint64_t value;
+} stat_find;
+
+static void stat_sink(void *arg, const char *name, uint64_t value) {
+    stat_find *f = arg;
+    if (strcmp(f->name, name) == 0) {
+        f->value = value;
+    }
+}
+
+static uint64_t stat_of(kvd_pool *p, const char *name) {
+    stat_find f = {name, UINT64_MAX};
+    kvd_pool_stats(p, stat_sink, &f);
+    assert_true(f.value != UINT64_MAX);
+    return f.value;
+}
+
+/* kvd_pool_quarantine (verify-blocks): a quarantined block is found by no Lookup, a new commit
+ * of its hash makes a fresh block, the holder keeps reading it until its last release frees
+ * it (not cached), a CACHED one (pinned too) goes at once, and no eviction is counted. Under
+ * every policy. */
+static void test_quarantine(void **state) {
+    (void)state;
+    kvd_evict_policy pols[] = {KVD_EVICT_LRU, KVD_EVICT_S3FIFO, KVD_EVICT_PREFIX_LRU};
+    for (size_t k = 0; k < sizeof(pols) / sizeof(pols[0]); k++) {
+        fixture f;
+        kvd_pool *p = make_pool(&f, 16, 2, pols[k]);
+        kvd_block_ref r[3], hit[3];
+        size_t nhit;
+        commit_chain(p, 1, 0, 100, 3, r);
+        assert_int_equal(kvd_pool_quarantine(p, r[1]), KV_OK); /* held: COMMITTED */
+        assert_int_equal(kvd_pool_quarantine(p, r[1]), KV_OK); /* again: nothing changes */
+        assert_int_equal(kvd_pool_check(p), KV_OK);
+        kv_hash128 hs[3] = {H(100), H(101), H(102)};
+        assert_int_equal(kvd_pool_lookup(p, 0, hs, 3, hit, &nhit), KV_OK);
+        assert_int_equal(nhit, 1); /* the prefix ends at the quarantined block */
+        assert_int_equal(kvd_pool_release(p, 1, 0, hit, 1), KV_OK);
+        /* A fresh commit of the same hash is a new block, not a duplicate. */
+        kvd_block_ref w, c;
+        assert_int_equal(kvd_pool_allocate(p, 1, 2, 0, &w), KV_OK);
+        assert_int_equal(kvd_pool_commit(p, 2, w, H(101), r[0].id, &c), KV_OK);
+        assert_int_equal(c.id, w.id);
+        assert_int_equal(kvd_pool_release(p, 1, 0, r, 3), KV_OK);
+        assert_int_equal(state_of(p, r[1].id), KVD_BLOCK_FREE); /* freed, not cached */
+        assert_int_equal(state_of(p, r[0].id), KVD_BLOCK_CACHED);
+        /* CACHED and pinned: freed at once, no eviction counted. */
+        assert_int_equal(kvd_pool_pin(p, r[0], 100000, 0, 0), KV_OK);
+        assert_int_equal(kvd_pool_quarantine(p, r[0]), KV_OK);
+        assert_int_equal(state_of(p, r[0].id), KVD_BLOCK_FREE);
+        assert_int_equal(stat_of(p, "blocks_pinned"), 0);
+        assert_int_equal(stat_of(p, "evictions_admin") + stat_of(p, "evictions_capacity"), 0);
+        assert_int_equal(stat_of(p, "quarantines"), 2);
+        assert_int_equal(kvd_pool_quarantine(p, r[0]), KV_ESTALE);
+        kvd_block_ref w2;
+        assert_int_equal(kvd_pool_allocate(p, 1, 2, 0, &w2), KV_OK);
+        assert_int_equal(kvd_pool_quarantine(p, w2), KV_ESTATE); /* WRITING */
+        assert_int_equal(kvd_pool_release(p, 2, 0, &w2, 1), KV_OK);
+        assert_int_equal(kvd_pool_release(p, 2, 0, &c, 1), KV_OK);
+        drop(&f);
+    }
+}
+
 static void test_stats_and_bad_config(void **state) {
     (void)state;
     fixture f;
@@ -655,7 +719,7 @@ static void test_stats_and_bad_config(void **state) {
     size_t ndesc;
     (void)kvd_pool_stat_descs(&ndesc);
     assert_int_equal(seen[2], ndesc); /* every statistic of the table, once */
-    assert_int_equal(ndesc, 20);
+    assert_int_equal(ndesc, 22);
     assert_true(kvd_pool_meta_bytes_per_block() <= 64);
     assert_int_equal(kvd_pool_release(p, 1, 0, r, 2), KV_OK);
     assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);
@@ -693,6 +757,7 @@ int main(void) {
         cmocka_unit_test(test_pin_charged_to_pinner),
         cmocka_unit_test(test_grow_shrink),
         cmocka_unit_test(test_stats_and_bad_config),
+        cmocka_unit_test(test_quarantine),
     };
     return cmocka_run_group_tests_name("kvd_pool", tests, NULL, NULL);
 }

@@ -102,6 +102,20 @@ static int frame_append(kvd_conn *c, const uint8_t *frame, size_t len) {
     return 1;
 }
 
+/* A reply was encoded in place (reserve_reply): the queue's bounds are checked as for any. */
+static kv_err conn_queued(kvd_conn *c) {
+    conn_charge(c);
+    if (c->out_bytes > c->srv->cfg->max_output_bytes && !c->close_after_flush) {
+        KV_LOG(WARN, "KVD-CONN-SLOW",
+               "session %llu (pid %d): %zu reply bytes queued, above max-output-bytes %llu; "
+               "disconnecting a client that does not read",
+               (unsigned long long)c->sess.id, (int)c->sess.pid, c->out_bytes,
+               (unsigned long long)c->srv->cfg->max_output_bytes);
+        conn_close(c);
+    }
+    return KV_OK;
+}
+
 /* Queues one encoded frame with fds[0..nfds) (dup'ed here; the caller keeps its fds). A queue
  * above max-output-bytes closes the connection (the client does not read): KV_OK all the same,
  * the reply is dropped with the connection. KV_ECLOSED when the connection is closing, KV_ENOMEM,
@@ -161,16 +175,40 @@ check_size:
     return KV_OK;
 }
 
-/* What the handlers get for a request on c. */
-static kvd_rpc_ctx rpc_ctx(kvd_server *s) {
-    kvd_rpc_ctx x = {s->reg, s->cfg, s->boot_epoch, s->draining, &s->req_arena, &s->counts};
+/* Room for one more reply of len bytes at the end of c's output queue, counted as queued (the
+ * handler encodes it there); NULL when it does not fit the last chunk (the reply then comes
+ * back encoded in the arena). */
+static uint8_t *reserve_reply(void *arg, size_t len) {
+    kvd_conn *c = arg;
+    kvd_out_frame *t = c->out_tail;
+    if (c->closing || t == NULL || t->nfds > 0 || t->len + len > OUT_CHUNK_COALESCE ||
+        t->cap - t->len < len) {
+        return NULL;
+    }
+    uint8_t *at = t->buf + t->len;
+    t->len += len;
+    t->nreplies++;
+    c->out_frames++;
+    c->out_bytes += len;
+    return at;
+}
+
+/* What the handlers get for a request on c (conn NULL: no in-place replies). */
+static kvd_rpc_ctx rpc_ctx(kvd_server *s, kvd_conn *c) {
+    kvd_rpc_ctx x = {s->reg,        s->cfg,     s->boot_epoch, s->draining,
+                     &s->req_arena, &s->counts, reserve_reply, c};
+    if (c == NULL) {
+        x.reserve = NULL;
+    }
     return x;
 }
 
 /* Queues a reply the handlers made; a reply that cannot be queued closes the connection (the
  * session's state already says it was sent). Closes the reply's temporary fds. */
 static void conn_queue_reply(kvd_conn *c, const kvd_reply *r) {
-    kv_err rc = r->frame != NULL ? conn_queue(c, r->frame, r->len, r->fds, r->nfds) : KV_ENOMEM;
+    kv_err rc = r->queued          ? conn_queued(c)
+                : r->frame != NULL ? conn_queue(c, r->frame, r->len, r->fds, r->nfds)
+                                   : KV_ENOMEM;
     for (uint32_t i = 0; i < r->ntmp; i++) {
         close(r->tmp_fds[i]);
     }
@@ -190,7 +228,7 @@ static void conn_queue_reply(kvd_conn *c, const kvd_reply *r) {
 
 /* Queues an Error reply for request id. */
 static void conn_send_error(kvd_conn *c, uint64_t id, kv_err code, const char *msg) {
-    kvd_rpc_ctx x = rpc_ctx(c->srv);
+    kvd_rpc_ctx x = rpc_ctx(c->srv, NULL);
     kvd_reply r;
     kvd_rpc_error(&x, &c->sess, id, code, msg, &r);
     conn_queue_reply(c, &r);
@@ -358,7 +396,7 @@ static size_t conn_process(kvd_conn *c) {
             break;
         }
         c->in_off += used;
-        kvd_rpc_ctx x = rpc_ctx(s);
+        kvd_rpc_ctx x = rpc_ctx(s, c);
         kvd_reply r;
         kvd_rpc_handle(&x, &c->sess, env, &r);
         if (r.code == KV_EPROTO) {
@@ -580,7 +618,7 @@ static void on_conn_closed(uv_handle_t *h) {
            (unsigned long long)c->sess.id, (int)c->sess.pid,
            c->sess.hello ? kvd_tenants_name(s->reg->tenants, c->sess.tenant) : "no hello",
            (unsigned long long)refs);
-    kvd_rpc_ctx x = rpc_ctx(s);
+    kvd_rpc_ctx x = rpc_ctx(s, NULL);
     kvd_rpc_session_close(&x, &c->sess); /* releases everything; idle empty pools go */
     s->counts.buffer_bytes -= c->charged;
     if (c->paused) {

@@ -25,6 +25,7 @@ typedef struct admin_conn {
     size_t len;                    /* bytes in line */
     int closing;                   /* uv_close called */
     int close_after_write;         /* close once pending writes are done */
+    int greeted;                   /* the first byte was looked at (text or not) */
     unsigned pending;              /* writes not yet completed */
     uid_t uid;                     /* peer credentials */
     pid_t pid;
@@ -148,6 +149,21 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
             c->close_after_write = 1;
         }
         return;
+    }
+    if (c->len == 0 && nread > 0 && !c->greeted) {
+        /* The first byte of a connection: the admin protocol is text. A binary byte is a worker
+         * (or a tool) dialling the wrong socket; say so at once instead of waiting for a newline
+         * that never comes. */
+        unsigned char b0 = (unsigned char)c->line[0];
+        c->greeted = 1;
+        if (b0 < 0x20 && b0 != '\t' && b0 != '\n' && b0 != '\r') {
+            conn_reply(c, kvd_admin_error(KV_EPROTO,
+                                          "this is kvd's admin socket (text commands, one per "
+                                          "line); workers connect to the client socket"));
+            uv_read_stop(st);
+            c->close_after_write = 1;
+            return;
+        }
     }
     c->len += (size_t)nread;
     size_t start = 0;

@@ -705,12 +705,22 @@ static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *m
 /* -- pin / unpin -- */
 
 /* Finds the committed or cached block with hash in pool `pool` (0: any pool). */
+/* Finds the committed or cached block whose hash is hex, or starts with hex (a unique prefix of
+ * at least 6 hex digits, as kvctl prefixes prints 12), in pool `pool` (0: any pool). */
 static kv_err find_hash(kvd_ops *s, const char *hex, uint64_t pool, kvd_reg_pool **sp_out,
                         kvd_block_ref *ref, char *msg) {
-    kv_hash128 h;
-    if (kv_hash_parse(hex, &h) != KV_OK) {
-        FAIL(KV_EINVAL, "'%.64s' is not a block hash (32 hex digits, as prefixes prints)", hex);
+    size_t len = strlen(hex);
+    if (len < 6 || len > 32 || strspn(hex, "0123456789abcdefABCDEF") != len) {
+        FAIL(KV_EINVAL,
+             "'%.64s' is not a block hash (32 hex digits, or a unique prefix of at least 6, as "
+             "prefixes prints)",
+             hex);
     }
+    char want[33];
+    for (size_t i = 0; i <= len; i++) {
+        want[i] = (char)(hex[i] >= 'A' && hex[i] <= 'F' ? hex[i] - 'A' + 'a' : hex[i]);
+    }
+    size_t matches = 0;
     for (uint32_t i = 0; i < s->reg->npools; i++) {
         kvd_reg_pool *sp = &s->reg->pools[i];
         if (pool != 0 && sp->pool_id != pool) {
@@ -722,17 +732,30 @@ static kv_err find_hash(kvd_ops *s, const char *hex, uint64_t pool, kvd_reg_pool
             kvd_pool_segment_slots(sp->pool) * kvd_pool_config_get(sp->pool)->blocks_per_segment;
         for (uint32_t id = 0; id < n; id++) {
             kvd_block_info bi;
-            if (kvd_pool_block_info(sp->pool, id, &bi) == KV_OK &&
-                (bi.state == KVD_BLOCK_COMMITTED || bi.state == KVD_BLOCK_CACHED) &&
-                bi.hash.lo == h.lo && bi.hash.hi == h.hi) {
-                *sp_out = sp;
-                ref->id = id;
-                ref->gen = bi.gen;
-                return KV_OK;
+            char bh[33];
+            if (kvd_pool_block_info(sp->pool, id, &bi) != KV_OK ||
+                (bi.state != KVD_BLOCK_COMMITTED && bi.state != KVD_BLOCK_CACHED)) {
+                continue;
+            }
+            kv_hash_hex(bi.hash, bh);
+            if (strncmp(bh, want, len) == 0) {
+                if (matches++ == 0) {
+                    *sp_out = sp;
+                    ref->id = id;
+                    ref->gen = bi.gen;
+                }
             }
         }
     }
-    FAIL(KV_ENOENT, "no cached block with hash %s%s", hex, pool != 0 ? " in that pool" : "");
+    if (matches > 1) {
+        FAIL(KV_EINVAL, "hash prefix %s matches %zu blocks; give more digits (or pool=ID)", hex,
+             matches);
+    }
+    if (matches == 0) {
+        FAIL(KV_ENOENT, "no cached block with hash %s%s%s", hex, len < 32 ? "..." : "",
+             pool != 0 ? " in that pool" : "");
+    }
+    return KV_OK;
 }
 
 static kv_err cmd_pin(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
@@ -1089,7 +1112,8 @@ static const kvd_admin_cmd cmds[] = {
      "Result: `dry_run`, `evicted` or `would_evict` (total), `pools` (pool, blocks, policy).",
      cmd_evict},
     {"pin", "HASH [pool=ID] [retention=MS] [priority=P]", "pin a cached prefix block by its hash",
-     "HASH is 32 hex digits as `prefixes` prints. The block is not evicted before retention "
+     "HASH is the 32 hex digits `prefixes` reports, or a unique prefix of at least 6 of them "
+     "(kvctl prints 12; an ambiguous prefix is EINVAL). The block is not evicted before retention "
      "(default 3600000 ms) ends; priority 0..255 (default 0). ENOENT when no pool caches the "
      "hash. Result: pool, block, retention_ms, priority.",
      cmd_pin},

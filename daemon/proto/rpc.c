@@ -30,6 +30,7 @@ typedef struct rpc {
     const kvd_config *cfg;  /* ctx->cfg */
     kvd_session *sess;      /* the request's session */
     kvd_reply *out;         /* where the reply goes */
+    int layout_conflict;    /* AttachPool: another layout of the model exists */
 } rpc;
 
 static void *rpc_scratch(rpc *c, size_t size) {
@@ -40,6 +41,14 @@ static void *rpc_scratch(rpc *c, size_t size) {
  * KV_ENOMEM when the arena cannot hold it. */
 static kv_err rpc_send(rpc *c, const Kvd__Envelope *env, const int *fds, uint32_t nfds) {
     size_t n = kv_wire_frame_size(env);
+    if (nfds == 0 && c->ctx->reserve != NULL) {
+        uint8_t *at = c->ctx->reserve(c->ctx->reserve_arg, n);
+        if (at != NULL) {
+            kv_wire_encode_into(env, at); /* straight into the output queue: no copy */
+            c->out->queued = 1;
+            return KV_OK;
+        }
+    }
     uint8_t *buf = kv_arena_alloc(c->ctx->arena, n);
     if (buf == NULL) {
         return KV_ENOMEM;
@@ -320,6 +329,7 @@ static kv_err send_segments_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd
         ar.n_linked = nlinks;
         ar.linked = link_ptrs;
         ar.more_segments = more;
+        ar.layout_conflict = c->layout_conflict;
         if (c->reg->sel->cuda != NULL) {
             ar.device_uuid.data = c->reg->sel->cuda->dev.uuid.bytes;
             ar.device_uuid.len = sizeof(c->reg->sel->cuda->dev.uuid.bytes);
@@ -358,7 +368,8 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
         return rc;
     }
     uint32_t ids[KVD_MAX_DOMAINS_PER_TENANT + 1], nids = 0;
-    rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, ids, &nids, msg);
+    int conflict = 0;
+    rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, ids, &nids, &conflict, msg);
     if (rc != KV_OK) {
         return rc;
     }
@@ -382,6 +393,7 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
     kvd_reg_pool *p = kvd_registry_pool(c->reg, ids[0]);
     /* A repeated attach sends every segment again (the client remaps them all). */
     kvd_session_pool_forget_sent(sp);
+    c->layout_conflict = conflict;
     return send_segments_reply(c, id, sp, p, 0, 1);
 }
 
@@ -497,6 +509,29 @@ static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg
     return send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0);
 }
 
+/* verify-blocks: checks the hits (runs per pool, in order) and ends the list before the first
+ * block whose bytes changed since its commit, giving back the session's references to it and
+ * to every hit after it. Returns the hits left. */
+static size_t verify_hits(rpc *c, const kvd_block_ref *refs, const uint32_t *pool_of, size_t nhit) {
+    size_t good = 0;
+    while (good < nhit) {
+        size_t end = good;
+        while (end < nhit && pool_of[end] == pool_of[good]) {
+            end++;
+        }
+        kvd_reg_pool *rp = kvd_registry_pool(c->reg, pool_of[good]);
+        size_t ok = kvd_registry_verify_hits(c->reg, rp, refs + good, end - good);
+        good += ok;
+        if (good < end) {
+            break;
+        }
+    }
+    for (size_t j = good; j < nhit; j++) {
+        kvd_session_unhold(c->sess, kvd_session_find_pool(c->sess, pool_of[j]), &refs[j], 1);
+    }
+    return good;
+}
+
 static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
@@ -603,6 +638,9 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
         if (got == 0 || norder == 1) {
             break;
         }
+    }
+    if (c->cfg->verify_blocks) {
+        nhit = verify_hits(c, refs, pool_of, nhit);
     }
     kvd_tenant_counters *tc = kvd_events_tenant(&c->reg->events, c->sess->tenant);
     tc->queries++;
@@ -772,6 +810,9 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
                      i, i, kv_strerror(rc));
             rc = KV_EINTERNAL;
             goto cleanup;
+        }
+        if (canon[i].id == r.id && c->cfg->verify_blocks) {
+            kvd_registry_verify_commit(c->reg, p, canon[i]);
         }
         if (canon[i].id != r.id && kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
             /* Our block was freed; the reference lives on the canonical one, or nowhere. */
@@ -1064,6 +1105,37 @@ static kv_err on_ping(rpc *c, uint64_t id, const Kvd__Ping *p, char *msg) {
     return rpc_send(c, &env, NULL, 0);
 }
 
+/* DetachPool: the session gives back every reference in the pool and its linked pools and
+ * stops using them; the registry may free them when no session uses them. */
+static kv_err on_detach(rpc *c, uint64_t id, const Kvd__DetachPool *d, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, d->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t ids[KVD_MAX_DOMAINS_PER_TENANT + 1];
+    uint32_t n = 0;
+    ids[n++] = p->pool_id;
+    for (uint32_t i = 0; i < p->nlinks; i++) {
+        if (kvd_session_find_pool(c->sess, p->links[i]) != NULL) {
+            ids[n++] = p->links[i];
+        }
+    }
+    uint64_t released = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        released += kvd_session_drop_pool(c->sess, ids[i]);
+    }
+    kvd_registry_sessions_gone(c->reg, ids, n); /* p may be freed now */
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__DetachPoolReply dr = KVD__DETACH_POOL_REPLY__INIT;
+    dr.released = released;
+    env.body_case = KVD__ENVELOPE__BODY_DETACH_POOL_REPLY;
+    env.detach_pool_reply = &dr;
+    return rpc_send(c, &env, NULL, 0);
+}
+
 static kv_err on_goodbye(rpc *c, uint64_t id) {
     Kvd__Envelope env;
     env_init(c, &env, id);
@@ -1114,6 +1186,9 @@ static kv_err h_stats(rpc *c, const Kvd__Envelope *e, char *msg) {
 static kv_err h_ping(rpc *c, const Kvd__Envelope *e, char *msg) {
     return on_ping(c, e->id, e->ping, msg);
 }
+static kv_err h_detach(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_detach(c, e->id, e->detach_pool, msg);
+}
 static kv_err h_goodbye(rpc *c, const Kvd__Envelope *e, char *msg) {
     (void)msg;
     return on_goodbye(c, e->id);
@@ -1123,16 +1198,57 @@ static const struct {
     Kvd__Envelope__BodyCase body;
     handler_fn fn;
 } handlers[] = {
-    {KVD__ENVELOPE__BODY_HELLO, h_hello},       {KVD__ENVELOPE__BODY_ATTACH_POOL, h_attach},
-    {KVD__ENVELOPE__BODY_MAP_SEGMENTS, h_map},  {KVD__ENVELOPE__BODY_LOOKUP, h_lookup},
-    {KVD__ENVELOPE__BODY_ALLOCATE, h_allocate}, {KVD__ENVELOPE__BODY_COMMIT, h_commit},
-    {KVD__ENVELOPE__BODY_RELEASE, h_release},   {KVD__ENVELOPE__BODY_REWIND, h_rewind},
-    {KVD__ENVELOPE__BODY_PIN, h_pin},           {KVD__ENVELOPE__BODY_STATS, h_stats},
-    {KVD__ENVELOPE__BODY_PING, h_ping},         {KVD__ENVELOPE__BODY_GOODBYE, h_goodbye},
+    {KVD__ENVELOPE__BODY_HELLO, h_hello},
+    {KVD__ENVELOPE__BODY_ATTACH_POOL, h_attach},
+    {KVD__ENVELOPE__BODY_MAP_SEGMENTS, h_map},
+    {KVD__ENVELOPE__BODY_LOOKUP, h_lookup},
+    {KVD__ENVELOPE__BODY_ALLOCATE, h_allocate},
+    {KVD__ENVELOPE__BODY_COMMIT, h_commit},
+    {KVD__ENVELOPE__BODY_RELEASE, h_release},
+    {KVD__ENVELOPE__BODY_REWIND, h_rewind},
+    {KVD__ENVELOPE__BODY_PIN, h_pin},
+    {KVD__ENVELOPE__BODY_STATS, h_stats},
+    {KVD__ENVELOPE__BODY_PING, h_ping},
+    {KVD__ENVELOPE__BODY_GOODBYE, h_goodbye},
+    {KVD__ENVELOPE__BODY_DETACH_POOL, h_detach},
 };
+
+/* The pool a request names (0: none), for the refusal's event. */
+static uint32_t request_pool(const Kvd__Envelope *e) {
+    switch (e->body_case) {
+        case KVD__ENVELOPE__BODY_MAP_SEGMENTS:
+            return e->map_segments->pool_id;
+        case KVD__ENVELOPE__BODY_LOOKUP:
+            return e->lookup->pool_id;
+        case KVD__ENVELOPE__BODY_ALLOCATE:
+            return e->allocate->pool_id;
+        case KVD__ENVELOPE__BODY_COMMIT:
+            return e->commit->pool_id;
+        case KVD__ENVELOPE__BODY_RELEASE:
+            return e->release->pool_id;
+        case KVD__ENVELOPE__BODY_REWIND:
+            return e->rewind->pool_id;
+        case KVD__ENVELOPE__BODY_PIN:
+            return e->pin->pool_id;
+        case KVD__ENVELOPE__BODY_STATS:
+            return e->stats->pool_id;
+        case KVD__ENVELOPE__BODY_DETACH_POOL:
+            return e->detach_pool->pool_id;
+        default:
+            return 0;
+    }
+}
+
+static void rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, uint32_t pool,
+                      kv_err code, const char *msg, kvd_reply *out);
 
 void kvd_rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, kv_err code,
                    const char *msg, kvd_reply *out) {
+    rpc_error(ctx, sess, id, 0, code, msg, out);
+}
+
+static void rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, uint32_t pool,
+                      kv_err code, const char *msg, kvd_reply *out) {
     memset(out, 0, sizeof(*out));
     out->code = code;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
@@ -1148,11 +1264,11 @@ void kvd_rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, kv_er
     }
     int hello = sess != NULL && sess->hello;
     if (kvd_events_is_refusal(code)) {
-        kvd_events_push(&ctx->reg->events, KVD_EVENT_REFUSE, 0, hello ? (int64_t)sess->tenant : -1,
-                        1, code, kv_err_name(code), "session %llu (pid %d uid %d): %s",
-                        sess != NULL ? (unsigned long long)sess->id : 0ull,
-                        sess != NULL ? (int)sess->pid : 0, sess != NULL ? (int)sess->uid : -1,
-                        err.message);
+        kvd_events_push(
+            &ctx->reg->events, KVD_EVENT_REFUSE, pool, hello ? (int64_t)sess->tenant : -1, 1, code,
+            kv_err_name(code), "session %llu (pid %d uid %d): %s",
+            sess != NULL ? (unsigned long long)sess->id : 0ull, sess != NULL ? (int)sess->pid : 0,
+            sess != NULL ? (int)sess->uid : -1, err.message);
         if (hello) {
             kvd_events_tenant(&ctx->reg->events, sess->tenant)->refusals++;
         }
@@ -1178,7 +1294,7 @@ void kvd_rpc_error(const kvd_rpc_ctx *ctx, kvd_session *sess, uint64_t id, kv_er
 void kvd_rpc_handle(const kvd_rpc_ctx *ctx, kvd_session *sess, const Kvd__Envelope *env,
                     kvd_reply *out) {
     memset(out, 0, sizeof(*out));
-    rpc call = {ctx, ctx->reg, ctx->cfg, sess, out};
+    rpc call = {ctx, ctx->reg, ctx->cfg, sess, out, 0};
     rpc *c = &call;
     char msg[KV_ERRMSG];
     msg[0] = '\0';
@@ -1193,24 +1309,25 @@ void kvd_rpc_handle(const kvd_rpc_ctx *ctx, kvd_session *sess, const Kvd__Envelo
         snprintf(msg, sizeof(msg), "Hello must be the first request");
         rc = KV_EPROTO;
     } else {
-        rc = KV_EPROTO;
-        snprintf(msg, sizeof(msg), "body %d is not a request", (int)env->body_case);
-        for (size_t i = 0; i < sizeof(handlers) / sizeof(handlers[0]); i++) {
-            if (handlers[i].body == env->body_case) {
-                msg[0] = '\0';
-                rc = handlers[i].fn(c, env, msg);
-                break;
-            }
+        handler_fn fn = NULL;
+        for (size_t i = 0; i < sizeof(handlers) / sizeof(handlers[0]) && fn == NULL; i++) {
+            fn = handlers[i].body == env->body_case ? handlers[i].fn : NULL;
+        }
+        if (fn != NULL) {
+            rc = fn(c, env, msg);
+        } else {
+            snprintf(msg, sizeof(msg), "body %d is not a request", (int)env->body_case);
+            rc = KV_EPROTO;
         }
     }
-    if (rc == KV_OK && out->frame != NULL) {
+    if (rc == KV_OK && (out->frame != NULL || out->queued)) {
         return;
     }
     if (rc == KV_OK) {
         rc = KV_ENOMEM; /* the reply did not fit the arena */
         snprintf(msg, sizeof(msg), "no memory for the reply");
     }
-    kvd_rpc_error(ctx, sess, env->id, rc, msg, out);
+    rpc_error(ctx, sess, env->id, request_pool(env), rc, msg, out);
 }
 
 void kvd_rpc_session_close(const kvd_rpc_ctx *ctx, kvd_session *sess) {

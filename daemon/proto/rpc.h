@@ -35,6 +35,11 @@ typedef struct kvd_rpc_ctx {
     int draining;          /* admin `drain`: a Hello is refused with EDRAINING */
     kv_arena *arena; /* the request's scratch and its reply; reset after the reply is queued */
     const kvd_conn_counts *conns; /* for Stats */
+    /* Where a reply without fds may be encoded in place (the connection's output queue): room
+     * for len bytes that will be sent as the next reply, or NULL (then the reply goes to the
+     * arena). May be NULL. */
+    uint8_t *(*reserve)(void *arg, size_t len);
+    void *reserve_arg;
 } kvd_rpc_ctx;
 
 /* A reply, valid until the arena is reset. */
@@ -47,6 +52,7 @@ typedef struct kvd_reply {
                              once it has dup'ed fds */
     uint32_t ntmp;        /* entries of tmp_fds */
     kv_err code;          /* KV_OK, or the code of the Error it carries */
+    int queued;           /* the frame was encoded in place through ctx->reserve (frame NULL) */
     const char *why;      /* the Error's message (NULL for KV_OK), for the caller's log */
     int close_after;      /* Goodbye: close the connection once the reply is written */
 } kvd_reply;

@@ -113,6 +113,9 @@ static void promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_b
         (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
         return;
     }
+    if (s->cfg->verify_blocks && kvd_registry_verify_hits(s, src, &blk, 1) == 0) {
+        return; /* its bytes changed since the commit: quarantined, not promoted */
+    }
     /* The commons copy of the parent is held for the promotion: otherwise the Allocate below
      * could evict it and reuse its slot, and the new block would name a stranger as parent. The
      * hold counts as no query and no hit of the commons. */
@@ -145,6 +148,9 @@ static void promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_b
                kv_strerror(rc));
         (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &nb, 1);
         goto done;
+    }
+    if (s->cfg->verify_blocks && canon.id == nb.id) {
+        kvd_registry_verify_commit(s, com, canon);
     }
     (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &canon, 1);
     KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: block %u entered the commons from pool %u", com->pool_id,

@@ -472,6 +472,7 @@ static void pool_close(kvd_registry *s, uint32_t pool_id) {
     }
     uint32_t i = (uint32_t)(p - s->pools);
     kvd_pool_free(p->pool);
+    kvd_verify_free(&p->verify);
     memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
     s->npools--;
 }
@@ -505,6 +506,7 @@ void kvd_registry_fini(kvd_registry *g) {
     g->commons = NULL;
     for (uint32_t i = 0; i < g->npools; i++) {
         kvd_pool_free(g->pools[i].pool);
+        kvd_verify_free(&g->pools[i].verify);
     }
     free(g->pools);
     g->pools = NULL;
@@ -538,8 +540,43 @@ uint64_t kvd_registry_budget_used(const kvd_registry *g) {
     return budget_used(g);
 }
 
+/* Another pool of model_id whose layout shape differs from l, or NULL. */
+static const kvd_reg_pool *layout_rival(const kvd_registry *s, const char *model_id,
+                                        const kv_layout *l) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const kvd_reg_pool *p = &s->pools[i];
+        if (strcmp(p->model_id, model_id) == 0 && !same_shape(&p->layout, l)) {
+            return p;
+        }
+    }
+    return NULL;
+}
+
 kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_id,
-                           const kv_layout *l, uint32_t *ids, uint32_t *n, char *msg) {
+                           const kv_layout *l, uint32_t *ids, uint32_t *n, int *conflict,
+                           char *msg) {
+    const kvd_reg_pool *rival = layout_rival(s, model_id, l);
+    *conflict = rival != NULL;
+    if (rival != NULL) {
+        const kv_layout *o = &rival->layout;
+        char theirs[160], ours[160];
+        snprintf(theirs, sizeof(theirs), "%u layers x %u heads x %u dim, %u tokens/block, %s, %s",
+                 o->num_layers, o->num_kv_heads, o->head_dim, o->tokens_per_block,
+                 kv_dtype_name(o->dtype), kv_arrangement_name(o->arrangement));
+        snprintf(ours, sizeof(ours), "%u layers x %u heads x %u dim, %u tokens/block, %s, %s",
+                 l->num_layers, l->num_kv_heads, l->head_dim, l->tokens_per_block,
+                 kv_dtype_name(l->dtype), kv_arrangement_name(l->arrangement));
+        if (s->cfg->strict_layouts) {
+            FAIL(KV_EINVAL,
+                 "model %.40s has pool %u with layout %.60s; this attach asks for %.60s "
+                 "(strict-layouts)",
+                 model_id, rival->pool_id, theirs, ours);
+        }
+        KV_LOG(WARN, "KVD-POOL-LAYOUT",
+               "model %s: an attach asks for layout %s while pool %u has %s; the pools share "
+               "nothing (strict-layouts refuses this)",
+               model_id, ours, rival->pool_id, theirs);
+    }
     /* Idle pools go before new ones are counted against max-pools (never during the opens
      * below: a pool this attach just made has no session yet). */
     reclaim_pools(s);
@@ -607,6 +644,19 @@ kv_err kvd_registry_pool_open(kvd_registry *g, const char *model_id, const kv_la
         *pool_id = p->pool_id;
     }
     return rc;
+}
+
+void kvd_registry_verify_commit(kvd_registry *g, kvd_reg_pool *p, kvd_block_ref blk) {
+    kv_err rc = kvd_verify_commit(&p->verify, g->be, g->be_ctx, p->pool, blk);
+    if (rc != KV_OK) {
+        KV_LOG(WARN, "KVD-VERIFY", "pool %u block %u: no checksum recorded (%s); it is not checked",
+               p->pool_id, blk.id, kv_strerror(rc));
+    }
+}
+
+size_t kvd_registry_verify_hits(kvd_registry *g, kvd_reg_pool *p, const kvd_block_ref *hits,
+                                size_t n) {
+    return kvd_verify_hits(&p->verify, g->be, g->be_ctx, p->pool, p->pool_id, hits, n);
 }
 
 void kvd_registry_pool_close(kvd_registry *g, uint32_t pool_id) {

@@ -25,6 +25,7 @@
 #include "daemon/core/index.h"
 #include "daemon/core/pool.h"
 #include "daemon/mem/backend_cuda.h"
+#include "daemon/registry/verify.h"
 #include "daemon/tenancy/quota.h"
 #include "daemon/tenancy/tenant.h"
 
@@ -48,6 +49,7 @@ typedef struct kvd_reg_pool {
     uint32_t commons_id;                        /* pool id of the same model's commons; 0 none */
     uint32_t creator;                           /* tenant whose attach created it (max-pools) */
     uint32_t nsessions;                         /* sessions that attached it (or it as a link) */
+    kvd_verify verify;                          /* verify-blocks: checksums of its blocks */
 } kvd_reg_pool;
 
 typedef struct kvd_registry {
@@ -100,14 +102,26 @@ const kvd_reg_pool *kvd_registry_peek(const kvd_registry *g, uint32_t pool_id);
  * make fit max-pools (KV_ENOSPC) and the tenant's max-pools quota (KV_EQUOTA) all together or
  * none is made. A linked pool that cannot get its first segment (pool-memory spent) is left
  * out (logged). On success ids[0] is the tenant's pool and ids[1..*n) its links; each gets
- * one more session (kvd_registry_sessions_gone gives them back). msg gets a sentence on error. */
+ * one more session (kvd_registry_sessions_gone gives them back). *conflict is 1 when another
+ * pool of model_id has a different layout shape (logged at WARN; with strict-layouts the attach
+ * is refused, KV_EINVAL). msg gets a sentence on error. */
 kv_err kvd_registry_attach(kvd_registry *g, uint32_t tenant, const char *model_id,
-                           const kv_layout *l, uint32_t *ids, uint32_t *n, char *msg);
+                           const kv_layout *l, uint32_t *ids, uint32_t *n, int *conflict,
+                           char *msg);
 
 /* A pool of (model_id, layout, domain) outside any attach (the isolation self-test): found or
  * made with no creator and no session. */
 kv_err kvd_registry_pool_open(kvd_registry *g, const char *model_id, const kv_layout *l,
                               uint32_t domain, uint32_t *pool_id, char *msg);
+
+/* verify-blocks (registry/verify.h): records the checksum of blk, a block just committed in p
+ * (not a duplicate). A failure to read or record it is logged and leaves the block unchecked. */
+void kvd_registry_verify_commit(kvd_registry *g, kvd_reg_pool *p, kvd_block_ref blk);
+
+/* verify-blocks: how many leading hits[0..n) of pool p still have their committed bytes; the
+ * first one that does not is quarantined (the caller gives back its references from there). */
+size_t kvd_registry_verify_hits(kvd_registry *g, kvd_reg_pool *p, const kvd_block_ref *hits,
+                                size_t n);
 
 /* Frees a pool no session has attached, whatever it holds (the self-test's own pools). */
 void kvd_registry_pool_close(kvd_registry *g, uint32_t pool_id);

@@ -266,43 +266,63 @@ static void collect_one(void *arg, uint32_t id, uint32_t gen, uint32_t count) {
     }
 }
 
+/* Releases every reference the session holds in sp (pool refcounts and ledger). */
+static uint64_t release_pool(kvd_session *s, kvd_session_pool *sp) {
+    if (sp->refs.total == 0) {
+        return 0;
+    }
+    collect c = {calloc(sp->refs.total, sizeof(kvd_block_ref)), 0};
+    if (c.v != NULL) {
+        kvd_refs_each(&sp->refs, collect_one, &c);
+        kv_err rc = kvd_pool_release(sp->pool, s->id, s->tenant, c.v, c.n);
+        if (rc != KV_OK) {
+            /* The batch is all or nothing; one bad entry (a bug) must not leak the rest. */
+            KV_LOG(ERROR, "KVD-SESSION-RELEASE",
+                   "session %llu: releasing %zu references in pool %u failed: %s; "
+                   "releasing one by one",
+                   (unsigned long long)s->id, c.n, sp->pool_id, kv_strerror(rc));
+            for (size_t k = 0; k < c.n; k++) {
+                (void)kvd_pool_release(sp->pool, s->id, s->tenant, &c.v[k], 1);
+            }
+        }
+    } else {
+        /* No memory for one batch: release block by block (slower, but nothing leaks). */
+        for (uint32_t j = 0; j < sp->refs.cap; j++) {
+            if (sp->refs.ids[j] == KVD_NO_BLOCK) {
+                continue;
+            }
+            kvd_block_ref r = {sp->refs.ids[j], sp->refs.gens[j]};
+            for (uint32_t k = 0; k < sp->refs.counts[j]; k++) {
+                (void)kvd_pool_release(sp->pool, s->id, s->tenant, &r, 1);
+            }
+        }
+    }
+    uint64_t dropped = sp->refs.total;
+    free(c.v);
+    kvd_refs_fini(&sp->refs);
+    kvd_refs_init(&sp->refs);
+    return dropped;
+}
+
 uint64_t kvd_session_release_all(kvd_session *s) {
     uint64_t dropped = 0;
     for (uint32_t i = 0; i < s->npools; i++) {
-        kvd_session_pool *sp = &s->pools[i];
-        if (sp->refs.total == 0) {
-            continue;
-        }
-        collect c = {calloc(sp->refs.total, sizeof(kvd_block_ref)), 0};
-        if (c.v != NULL) {
-            kvd_refs_each(&sp->refs, collect_one, &c);
-            kv_err rc = kvd_pool_release(sp->pool, s->id, s->tenant, c.v, c.n);
-            if (rc != KV_OK) {
-                /* The batch is all or nothing; one bad entry (a bug) must not leak the rest. */
-                KV_LOG(ERROR, "KVD-SESSION-RELEASE",
-                       "session %llu: releasing %zu references in pool %u failed: %s; "
-                       "releasing one by one",
-                       (unsigned long long)s->id, c.n, sp->pool_id, kv_strerror(rc));
-                for (size_t k = 0; k < c.n; k++) {
-                    (void)kvd_pool_release(sp->pool, s->id, s->tenant, &c.v[k], 1);
-                }
-            }
-        } else {
-            /* No memory for one batch: release block by block (slower, but nothing leaks). */
-            for (uint32_t j = 0; j < sp->refs.cap; j++) {
-                if (sp->refs.ids[j] == KVD_NO_BLOCK) {
-                    continue;
-                }
-                kvd_block_ref r = {sp->refs.ids[j], sp->refs.gens[j]};
-                for (uint32_t k = 0; k < sp->refs.counts[j]; k++) {
-                    (void)kvd_pool_release(sp->pool, s->id, s->tenant, &r, 1);
-                }
-            }
-        }
-        dropped += sp->refs.total;
-        free(c.v);
-        kvd_refs_fini(&sp->refs);
+        dropped += release_pool(s, &s->pools[i]);
     }
+    return dropped;
+}
+
+uint64_t kvd_session_drop_pool(kvd_session *s, uint32_t pool_id) {
+    kvd_session_pool *sp = kvd_session_find_pool(s, pool_id);
+    if (sp == NULL) {
+        return 0;
+    }
+    uint64_t dropped = release_pool(s, sp);
+    kvd_refs_fini(&sp->refs);
+    free(sp->sent);
+    uint32_t i = (uint32_t)(sp - s->pools);
+    memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
+    s->npools--;
     return dropped;
 }
 

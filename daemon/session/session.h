@@ -109,6 +109,11 @@ kv_err kvd_session_add_pool(kvd_session *s, uint32_t pool_id, kvd_pool *pool,
  * the number of references dropped. */
 uint64_t kvd_session_release_all(kvd_session *s);
 
+/* The session stops using pool_id (DetachPool): every reference it holds there is released and
+ * the pool leaves the session's list (pointers to its entries are void). Returns the references
+ * released; 0 for a pool the session does not have. */
+uint64_t kvd_session_drop_pool(kvd_session *s, uint32_t pool_id);
+
 /* Records n references the pool just gave this session (Allocate, Lookup, Commit's canonical
  * blocks) in sp's ledger. Pool refcount and ledger move together: when the ledger cannot grow
  * (KV_ENOMEM), the entries recorded by this call are taken back and the pool references are

@@ -281,6 +281,7 @@ static void test_group_hits_same_bytes(void **state) {
     /* b's sequence: the prefix from the group, the rest private. */
     kvc_seq *s;
     assert_int_equal(kvc_seq_alloc(pb, MAXT, NULL, 0, &s), KV_OK);
+    kvc_seq_set_search_domains(s, 1); /* hits in the group and commons pools */
     size_t n = (NPREF + 1) * TPB + 3, cached;
     assert_int_equal(kvc_seq_prefill(s, tok, n, &cached), KV_OK);
     assert_int_equal(cached, NPREF * TPB);
@@ -411,6 +412,7 @@ static void test_commons_after_three_tenants(void **state) {
     /* b's sequence: commons prefix, private rest; bytes through the block's own pool. */
     kvc_seq *s;
     assert_int_equal(kvc_seq_alloc(p[1], MAXT, NULL, 0, &s), KV_OK);
+    kvc_seq_set_search_domains(s, 1); /* hits in the group and commons pools */
     size_t cached;
     assert_int_equal(kvc_seq_prefill(s, tok, NPREF * TPB + 1, &cached), KV_OK);
     assert_int_equal(cached, NPREF * TPB);
@@ -453,6 +455,7 @@ static void test_unrelated_tenants_zero_hits(void **state) {
     /* d's sequence searches every domain by default and still finds nothing. */
     kvc_seq *s;
     assert_int_equal(kvc_seq_alloc(pd, MAXT, NULL, 0, &s), KV_OK);
+    kvc_seq_set_search_domains(s, 1); /* hits in the group and commons pools */
     size_t cached;
     assert_int_equal(kvc_seq_prefill(s, tok, NPREF * TPB + 1, &cached), KV_OK);
     assert_int_equal(cached, 0);

@@ -64,6 +64,7 @@ REPLY_OF = {
     "allocate": "allocate_reply", "commit": "commit_reply", "release": "release_reply",
     "rewind": "rewind_reply", "pin": "pin_reply", "stats": "stats_reply", "ping": "pong",
     "goodbye": "goodbye_reply", "map_segments": "map_segments_reply",
+    "detach_pool": "detach_pool_reply",
 }
 FD_KINDS = (pb.HOST_MEMFD, pb.CUDA_VMM)  # segment kinds whose fd travels (§2.2)
 
@@ -474,6 +475,9 @@ class Conn:
     def stats(self, pool_id=0):
         r, _ = self.call("stats", pb.Stats(pool_id=pool_id))
         return {s.name: s.value for s in r.stats}
+
+    def detach(self, pool_id):
+        return self.call("detach_pool", pb.DetachPool(pool_id=pool_id))[0]
 
     def ping(self, nonce=0, payload=b""):
         return self.call("ping", pb.Ping(nonce=nonce, payload=payload))[0]

@@ -2827,3 +2827,131 @@ def test_admin_pin_counts_from_now_on_an_idle_pool(kvd):
     time.sleep(1.5)  # the pool idles; its clock stays at the release
     kvd.admin_result("pin %s pool=%d retention=1000" % (kw.hash_hex(hashes[0]), pool.pool_id))
     assert pool_stats(c, pool)["blocks_pinned"] == 1  # this request moves the clock to now
+
+
+def test_refusal_event_names_the_pool(kvd_factory):
+    """docs/ADMIN.md `events`: a refusal of a request that names a pool records that pool
+    (it used to record pool 0 for every refusal)."""
+    d = kvd_factory(pool_memory=budget(1))
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    with kvd_error(kw.ENOSPC):
+        c.allocate(pool.pool_id, 1000)
+    ev = d.admin_result("events kind=refuse")["events"]
+    assert ev and ev[-1]["reason"] == "ENOSPC"
+    assert ev[-1]["pool"] == pool.pool_id
+
+
+def test_admin_pin_by_hash_prefix(kvd):
+    """docs/ADMIN.md `pin HASH`: a unique prefix of at least 6 hex digits names the block;
+    a shorter or ambiguous one is refused with a message."""
+    c = kvd.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, hashes, _ = write_commit(c, pool, 2)
+    full = kw.hash_hex(hashes[0])
+    r = kvd.admin_result("pin %s pool=%d" % (full[:8], pool.pool_id))
+    assert r["block"] == canon[0][0]
+    r = kvd.admin("pin %s pool=%d" % (full[:4], pool.pool_id))
+    assert not r["ok"] and "6" in r["error"]["message"]
+    assert pool_stats(c, pool)["blocks_pinned"] == 1
+
+
+def test_detach_pool_gives_back_the_session_s_blocks(kvd):
+    """PROTOCOL.md DetachPool: the session's leases and references in the pool are released
+    (released counts them), the pool is no longer the session's (ENOENT on reuse), and a
+    second session's view is unchanged; attaching again works."""
+    a, b = kvd.connect(), kvd.connect()
+    pa = a.attach("m", LAYOUT)
+    pb_ = b.attach("m", LAYOUT)
+    canon, hashes, _ = write_commit(a, pa, 2)
+    allocate(a, pa, 3)
+    assert pool_stats(b, pb_)["blocks_writing"] == 3
+    r = a.detach(pa.pool_id)
+    assert r.released == 5
+    st = pool_stats(b, pb_)
+    assert st["blocks_writing"] == 0
+    assert lookup(b, pb_, hashes) == canon  # the cached blocks stay cached
+    with kvd_error(kw.ENOENT):
+        a.allocate(pa.pool_id, 1)
+    with kvd_error(kw.ENOENT):
+        a.detach(pa.pool_id)
+    again = a.attach("m", LAYOUT)
+    assert again.pool_id == pa.pool_id
+    allocate(a, again, 1)
+
+
+def test_attach_with_another_layout_is_flagged(kvd_factory):
+    """PROTOCOL.md AttachPoolReply.layout_conflict: a model id attached with two layouts gets
+    two pools that share nothing; the second reply says so and kvd logs KVD-POOL-LAYOUT.
+    With strict-layouts the second attach is EINVAL instead."""
+    d = kvd_factory()
+    c = d.connect()
+    first = c.attach("m", LAYOUT)
+    assert not first.attach_reply.layout_conflict
+    other = kw.Layout(2, 4, 8, 16, pb.FP16, pb.LAYER_MAJOR)
+    second = c.attach("m", other)
+    assert second.attach_reply.layout_conflict
+    assert second.pool_id != first.pool_id
+    assert "KVD-POOL-LAYOUT" in d.read_log()
+    s = kvd_factory(strict_layouts="true")
+    c = s.connect()
+    c.attach("m", LAYOUT)
+    with kvd_error(kw.EINVAL) as e:
+        c.attach("m", other)
+    assert "strict-layouts" in e.value.message
+
+
+def test_binary_client_on_admin_socket_is_told(kvd):
+    """docs/ADMIN.md: a worker pointed at the admin socket gets one error line naming the
+    client socket at once, not a silent wait for a newline."""
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(kvd.admin_sock)
+    s.sendall(b"\x10\x00\x00\x00" + b"\x08" * 16)  # a length-prefixed frame
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    r = json.loads(data)
+    assert not r["ok"] and r["error"]["code"] == "EPROTO"
+    assert "client socket" in r["error"]["message"]
+
+
+def test_verify_blocks_catches_a_write_after_release(kvd_factory):
+    """kvd --help verify-blocks: a worker that writes into a block after releasing it changes
+    what others read as a hit. With the option, the next Lookup ends before that block, the
+    block leaves the index (quarantines 1, KVD-VERIFY logged), and a fresh commit of its hash is
+    a new block that later lookups find. Without it the change is served (the case it catches)."""
+    for verify in (False, True):
+        d = kvd_factory(verify_blocks="true" if verify else "false")
+        a, b = d.connect(), d.connect()
+        pa = a.attach("m", LAYOUT)
+        pb_ = b.attach("m", LAYOUT)
+        canon, hashes, pats = write_commit(a, pa, 3)
+        a.release(pa.pool_id, canon)
+        bad = bytearray(pats[1])
+        bad[0] ^= 0xFF
+        pa.write_block(canon[1][0], bytes(bad))  # the bug: a write after Release
+        hits = lookup(b, pb_, hashes)
+        st = pool_stats(b, pb_)
+        if not verify:
+            assert hits == canon  # served as it is: nothing checks
+            assert st["quarantines"] == 0 and st["verified"] == 0
+            continue
+        assert hits == canon[:1]
+        assert st["quarantines"] == 1 and st["verified"] == 2
+        assert st["blocks_writing"] == 0 and st["session_refs"] == 1
+        assert "KVD-VERIFY" in d.read_log()
+        # b recomputes block 1: a new block, not a duplicate of the quarantined one
+        nb = allocate(b, pb_, 1)
+        pb_.write_block(nb[0][0], pats[1])
+        got = b.commit(pb_.pool_id, [(nb[0], hashes[1], canon[0][0])])
+        assert got == nb
+        b.release(pb_.pool_id, hits + got)
+        again = lookup(b, pb_, hashes)
+        assert again == [canon[0], nb[0], canon[2]]
+        assert pool_stats(b, pb_)["quarantines"] == 1
