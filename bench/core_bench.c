@@ -4,7 +4,10 @@
  * Each figure stands beside a baseline measured in the same run on the same machine (memcpy of
  * the same bytes, malloc+free, a cache-resident index, Belady's optimum), because the machines
  * are shared and absolute numbers move from run to run; the ratios move much less.
- * Usage: core_bench [--quick]   (--quick: smaller sizes, for a smoke run)
+ * Usage: core_bench [--quick] [--traces] [--seed N] [--trace-file FILE]
+ *   --quick: smaller sizes, for a smoke run; --traces: the eviction tables only; --seed: the
+ *   traces' base seed (default 20240601, the one recorded; tune on others); --trace-file: replay
+ *   a user's trace (evict_trace.h's text format) at 0.3/1/3% with every policy and Belady.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -247,76 +250,176 @@ static void bench_alloc(int quick) {
 
 /* ---- hit rates on traces ---------------------------------------------------------------- */
 
-static void bench_traces(int quick) {
+#define NPOL 4
+static const struct {
+    kvd_evict_policy pol;
+    const char *name;
+} pols[NPOL] = {{KVD_EVICT_LRU, "LRU"},
+                {KVD_EVICT_S3FIFO, "S3-FIFO"},
+                {KVD_EVICT_PREFIX_LRU, "PREFIX_LRU"},
+                {KVD_EVICT_ADAPTIVE, "ADAPTIVE"}};
+
+typedef struct worst_row {
+    double ratio;    /* the worst policy / MIN over the rows so far */
+    char what[160];  /* which policy and row */
+    double ad_ratio; /* the worst ADAPTIVE / MIN */
+    char ad_what[160];
+    double ad_lru; /* the lowest ADAPTIVE / LRU */
+    char ad_lru_what[160];
+} worst_row;
+
+/* One trace at 0.3, 1 and 3% of its distinct blocks: a table row per size. */
+static void trace_rows(const kvd_trace *t, const char *name, worst_row *w) {
+    static const double frac[3] = {0.003, 0.01, 0.03};
+    for (int f = 0; f < 3; f++) {
+        uint32_t cap = (uint32_t)(t->nkeys * frac[f]);
+        if (cap < t->max_len) {
+            cap = t->max_len;
+        }
+        kvd_trace_result r[NPOL], opt;
+        kv_err err;
+        for (int i = 0; i < NPOL; i++) {
+            if ((err = kvd_trace_replay(t, pols[i].pol, cap, 0, &r[i])) != KV_OK) {
+                die("trace replay", err);
+            }
+        }
+        if ((err = kvd_trace_belady(t, cap, &opt)) != KV_OK) {
+            die("belady", err);
+        }
+        double h[NPOL], ho = (double)opt.hit_blocks / (double)opt.query_blocks;
+        printf("| %s | %u | %.1f |", name, cap, 100.0 * cap / t->nkeys);
+        for (int i = 0; i < NPOL; i++) {
+            h[i] = (double)r[i].hit_blocks / (double)r[i].query_blocks;
+            printf(" %.3f |", h[i]);
+        }
+        printf(" %.3f |", ho);
+        for (int i = 0; i < NPOL; i++) {
+            double ratio = ho > 0 ? h[i] / ho : 1.0;
+            printf(" %.2f |", ratio);
+            if (ratio < w->ratio) {
+                w->ratio = ratio;
+                snprintf(w->what, sizeof(w->what), "%s on %s at %.1f%%", pols[i].name, name,
+                         100.0 * frac[f]);
+            }
+            if (pols[i].pol == KVD_EVICT_ADAPTIVE && ratio < w->ad_ratio) {
+                w->ad_ratio = ratio;
+                snprintf(w->ad_what, sizeof(w->ad_what), "%s at %.1f%%", name, 100.0 * frac[f]);
+            }
+        }
+        double al = h[0] > 0 ? h[3] / h[0] : 1.0;
+        if (al < w->ad_lru) {
+            w->ad_lru = al;
+            snprintf(w->ad_lru_what, sizeof(w->ad_lru_what), "%s at %.1f%%", name, 100.0 * frac[f]);
+        }
+        printf(" %.3f | %llu / %llu |\n", al, (unsigned long long)r[1].duplicates,
+               (unsigned long long)r[3].duplicates);
+        fflush(stdout);
+    }
+}
+
+static void table_head(void) {
+    printf("| trace | cache blocks | %% of distinct blocks |");
+    for (int i = 0; i < NPOL; i++) {
+        printf(" %s |", pols[i].name);
+    }
+    printf(" Belady (MIN) |");
+    for (int i = 0; i < NPOL; i++) {
+        printf(" %s / MIN |", pols[i].name);
+    }
+    printf(" ADAPTIVE / LRU | re-commits S3-FIFO / ADAPTIVE |\n|---|---:|---:|");
+    for (int i = 0; i < 2 * NPOL + 3; i++) {
+        printf("---:|");
+    }
+    printf("\n");
+}
+
+static void worst_line(const worst_row *w) {
+    printf("\nWorst policy / MIN over all rows: %.2f (%s). ADAPTIVE: worst / MIN %.2f (%s), "
+           "lowest ADAPTIVE / LRU %.3f (%s).\n\n",
+           w->ratio, w->what, w->ad_ratio, w->ad_what, w->ad_lru, w->ad_lru_what);
+}
+
+static void bench_traces(int quick, uint64_t seed) {
     uint32_t nreq = quick ? 4000 : 30000;
     static const struct {
         kvd_trace_kind kind;
         const char *name;
-    } kinds[4] = {{KVD_TRACE_CHAT, "multi-turn chat"},
+    } kinds[8] = {{KVD_TRACE_CHAT, "multi-turn chat"},
                   {KVD_TRACE_SYSPROMPT, "shared system prompt"},
                   {KVD_TRACE_SESSIONS, "chat sessions, heavy-tailed gaps"},
-                  {KVD_TRACE_FEWSHOT, "few-shot from shared examples"}};
-    static const double frac[3] = {0.003, 0.01, 0.03};
-    printf("### Eviction: block hit rate (prefix hits / blocks asked), %u requests per trace\n\n",
-           nreq);
-    printf("| trace | cache blocks | %% of distinct blocks | LRU | S3-FIFO | PREFIX_LRU | Belady "
-           "(MIN) | S3-FIFO / LRU | PREFIX_LRU / LRU | LRU / MIN | PREFIX_LRU / MIN |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (int k = 0; k < 4; k++) {
+                  {KVD_TRACE_FEWSHOT, "few-shot from shared examples"},
+                  {KVD_TRACE_AGENT, "agentic tool loops, forks"},
+                  {KVD_TRACE_RAG, "RAG, shared chunks in query order"},
+                  {KVD_TRACE_PARALLEL, "parallel samples, beams, best-of-n"},
+                  {KVD_TRACE_SHIFT, "shifting popular set"}};
+    printf("### Eviction: block hit rate (prefix hits / blocks asked), %u requests per trace, "
+           "seed %llu\n\n",
+           nreq, (unsigned long long)seed);
+    table_head();
+    worst_row w = {2.0, "", 2.0, "", 2.0, ""};
+    for (int k = 0; k < 8; k++) {
         kvd_trace t;
-        kv_err err = kvd_trace_gen(kinds[k].kind, 20240601 + (uint64_t)k, nreq, &t);
+        kv_err err = kvd_trace_gen(kinds[k].kind, seed + (uint64_t)k, nreq, &t);
         if (err != KV_OK) {
             die("kvd_trace_gen", err);
         }
-        for (int f = 0; f < 3; f++) {
-            uint32_t cap = (uint32_t)(t.nkeys * frac[f]);
-            if (cap < t.max_len) {
-                cap = t.max_len;
-            }
-            kvd_trace_result lru, s3, pl, opt;
-            if ((err = kvd_trace_replay(&t, KVD_EVICT_LRU, cap, 0, &lru)) != KV_OK ||
-                (err = kvd_trace_replay(&t, KVD_EVICT_S3FIFO, cap, 0, &s3)) != KV_OK ||
-                (err = kvd_trace_replay(&t, KVD_EVICT_PREFIX_LRU, cap, 0, &pl)) != KV_OK ||
-                (err = kvd_trace_belady(&t, cap, &opt)) != KV_OK) {
-                die("trace replay", err);
-            }
-            double hl = (double)lru.hit_blocks / (double)lru.query_blocks;
-            double hs = (double)s3.hit_blocks / (double)s3.query_blocks;
-            double hp = (double)pl.hit_blocks / (double)pl.query_blocks;
-            double ho = (double)opt.hit_blocks / (double)opt.query_blocks;
-            printf("| %s | %u | %.1f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f |\n",
-                   kinds[k].name, cap, 100.0 * cap / t.nkeys, hl, hs, hp, ho, hs / hl, hp / hl,
-                   hl / ho, hp / ho);
-            fflush(stdout);
-        }
+        trace_rows(&t, kinds[k].name, &w);
         kvd_trace_fini(&t);
     }
-    printf(
-        "\nTraces (daemon/evict_trace.c, seeded): *multi-turn chat*: 256 open conversations, each\n"
-        "request continues one picked by recency rank (square of a uniform, so recent ones are\n"
-        "likelier), re-sending its history plus 2..8 blocks; 8%% of turns start a new one.\n"
-        "*shared system prompt*: 64 Zipf(1)-popular prompts of 8..32 blocks plus 1..8 blocks of\n"
-        "one-off user text; a quarter of requests follow up one of the last 64 requests.\n"
-        "*chat sessions*: conversations arrive as a Poisson process, run floor(Pareto(1, 1.2))\n"
-        "turns (56%% single-turn, at most 40) and return after Pareto(2, 1.1) time units; each "
-        "turn\n"
-        "adds 1..4 user and 1..12 answer blocks. *few-shot*: one of 16 Zipf-popular task\n"
-        "instructions (2..6 blocks), 4 examples drawn from the task's 64 Zipf-popular shared\n"
-        "examples (1..3 blocks, in pool order), a one-off query of 1..4 blocks.\n\n"
-        "PREFIX_LRU is LRU (tail of a prefix first) except that a block which is the prefix of\n"
-        "two or more cached continuations (a branch point or its ancestor) gets one more round\n"
-        "per reuse: shared prompts outlive bursts of one-off text, while a conversation's own\n"
-        "history (a chain without branches) keeps LRU's order, which is what chat needs.\n"
-        "S3-FIFO's small FIFO drops blocks that are not reused soon after their first use: it\n"
-        "wins most where one-off text follows shared prompts or examples and loses where nearly\n"
-        "every new block is reused once the conversation returns (multi-turn chat).\n\n");
+    worst_line(&w);
+    printf("Traces (daemon/testing/evict_trace.c, seeded; evict_trace.h describes each shape).\n"
+           "Re-commits: commits that found their block already cached (a block cached behind a\n"
+           "hole in its prefix, unreachable by lookups); the leaf policies have none by design.\n"
+           "ADAPTIVE evicts only leaves of the cached prefix tree, from an ARC-style recency or\n"
+           "frequency side whose target sizes move with ghost hits (pool.h).\n\n");
+}
+
+/* A user's trace file (evict_trace.h's text format) at the same three sizes. */
+static void bench_trace_file(const char *path) {
+    kvd_trace t;
+    kv_err err = kvd_trace_load(path, &t);
+    if (err != KV_OK) {
+        fprintf(stderr, "core_bench: %s: %s\n", path, kv_strerror(err));
+        exit(1);
+    }
+    printf("### Eviction on %s: %u requests, %u distinct blocks\n\n", path, t.nreq, t.nkeys);
+    table_head();
+    worst_row w = {2.0, "", 2.0, "", 2.0, ""};
+    trace_rows(&t, "file", &w);
+    worst_line(&w);
+    kvd_trace_fini(&t);
 }
 
 int main(int argc, char **argv) {
-    int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
-    bench_hash(quick);
-    bench_alloc(quick);
-    bench_traces(quick);
-    bench_index(quick);
+    int quick = 0, traces_only = 0;
+    uint64_t seed = 20240601;
+    const char *file = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0) {
+            quick = 1;
+        } else if (strcmp(argv[i], "--traces") == 0) {
+            traces_only = 1;
+        } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
+            seed = strtoull(argv[++i], NULL, 10);
+        } else if (strcmp(argv[i], "--trace-file") == 0 && i + 1 < argc) {
+            file = argv[++i];
+        } else {
+            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--seed N] "
+                            "[--trace-file FILE]\n");
+            return 2;
+        }
+    }
+    if (file != NULL) {
+        bench_trace_file(file);
+        return 0;
+    }
+    if (!traces_only) {
+        bench_hash(quick);
+        bench_alloc(quick);
+    }
+    bench_traces(quick, seed);
+    if (!traces_only) {
+        bench_index(quick);
+    }
     return 0;
 }

@@ -46,7 +46,7 @@ static const kvd_config_option options[] = {
         "initial capacity of the prefix index in blocks over all pools; it grows with the pools so "
         "every block can be indexed"),
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
-        "eviction order of cached blocks: lru, s3fifo or prefix-lru"),
+        "eviction order of cached blocks: lru, s3fifo, prefix-lru or adaptive"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
     OPT_RT("strict-layouts", KVD_OPT_BOOL, strict_layouts, "false", 0, 1,
@@ -198,7 +198,8 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             kvd_evict_policy pol;
             if (strcmp(o->name, "evict-policy") == 0 &&
                 kvd_evict_policy_parse(value, &pol) != KV_OK) {
-                kvd_conf_err(err, errlen, "evict-policy: '%s' is not lru, s3fifo or prefix-lru",
+                kvd_conf_err(err, errlen,
+                             "evict-policy: '%s' is not lru, s3fifo, prefix-lru or adaptive",
                              value);
                 return KV_EINVAL;
             }
@@ -411,6 +412,7 @@ void kvd_config_print_help(FILE *f) {
                "  --help         print this\n"
                "  --print-config     print the commented example config (deploy/kvd.conf)\n"
                "  --print-admin-doc  print docs/ADMIN.md (admin commands, kvctl exit codes)\n"
+               "  --print-man=PAGE   print the manual page kvd(8) or kvctl(1) (docs/man/)\n"
                "Options marked [runtime] can also be changed while kvd runs (kvctl config set).\n");
     for (size_t i = 0; i < NOPTIONS; i++) {
         fprintf(f, "  --%s=%s%s\n      %s (default: \"%s\")\n", options[i].name,

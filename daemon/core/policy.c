@@ -11,6 +11,7 @@ static const struct {
     {KVD_EVICT_LRU, "lru"},
     {KVD_EVICT_S3FIFO, "s3fifo"},
     {KVD_EVICT_PREFIX_LRU, "prefix-lru"},
+    {KVD_EVICT_ADAPTIVE, "adaptive"},
 };
 
 const char *kvd_evict_policy_name(kvd_evict_policy p) {

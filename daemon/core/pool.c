@@ -19,6 +19,13 @@
  * conversation's own history is a chain without branches, so it is evicted in plain LRU order;
  * a system prompt or few-shot preamble that many requests continue differently outlives a burst
  * of one-off prompts.
+ *
+ * S3-FIFO and ADAPTIVE count children too and keep a block with any on LIST_INNER: only leaves
+ * are on their queues, so they evict tails of cached prefixes only (leaf_policy). ADAPTIVE's
+ * ghost (shared with S3-FIFO's) remembers the side each block left from; see adaptive_admit.
+ * Not done here (issue 20): the guaranteed-share skip still rotates protected blocks past the
+ * head (O(protected) per pick when unprotected blocks sit behind them) and park_candidate still
+ * walks each idle segment's blocks (O(blocks)).
  */
 #include "daemon/core/pool.h"
 
@@ -36,13 +43,19 @@ enum {
     LIST_PINNED = 5, /* CACHED, pinned */
     LIST_PLRU = 6,   /* CACHED, unpinned, PREFIX_LRU policy */
     LIST_PINREF = 7, /* COMMITTED (referenced), pinned: only so that expiry finds its pin */
-    LIST_COUNT = 8,
+    LIST_INNER = 8,  /* CACHED, unpinned, with a cached child: leaf policies evict it last */
+    LIST_AREC = 9,   /* CACHED, unpinned leaf, ADAPTIVE: not reused since it entered */
+    LIST_AFREQ = 10, /* CACHED, unpinned leaf, ADAPTIVE: reused (or a ghost hit) */
+    LIST_COUNT = 11,
 };
 
 #define BLOCK_PINNED 0x01u  /* flags: pin set (may have expired if the block is referenced) */
 #define BLOCK_SHARED 0x02u  /* flags: PREFIX_LRU: prefix of two or more cached continuations */
 #define BLOCK_CORRUPT 0x04u /* flags: quarantined (out of the index; FREE at its last release) */
+#define BLOCK_HOME2 0x08u   /* flags: on LIST_INNER, belongs to the second queue (main, AFREQ) */
 #define FREQ_MAX 3          /* S3-FIFO's two-bit access counter */
+#define ARC_STEPS 32        /* ADAPTIVE: ghost hits that move the bias across the age span */
+#define NQUEUE 3            /* eviction queues counted per tenant (evict_queue) */
 
 typedef struct pool_block {
     uint64_t hlo;         /* chain hash, low half (COMMITTED/CACHED) */
@@ -62,7 +75,8 @@ typedef struct pool_block {
     uint8_t pin_prio;    /* highest priority of the current pin */
     uint8_t freq;        /* S3-FIFO access count since it entered the cache, 0..FREQ_MAX */
     uint8_t list;        /* LIST_* it is on */
-    uint8_t nchild;      /* PREFIX_LRU: COMMITTED/CACHED blocks naming it parent, sticky at 255 */
+    uint8_t nchild;      /* PREFIX_LRU, S3-FIFO, ADAPTIVE: COMMITTED/CACHED blocks naming it
+                            parent, sticky at 255 */
 } pool_block;
 
 _Static_assert(sizeof(pool_block) <= 64, "block metadata must fit 64 bytes");
@@ -109,14 +123,20 @@ struct kvd_pool {
     uint64_t n_pinned;         /* blocks with BLOCK_PINNED */
     kvd_tenant_usage *tenants; /* [ntcap] per tenant id (grown on first use of a tenant id) */
     uint64_t *guarantee;       /* [ntcap]; 0 = none */
-    uint32_t *tevict;          /* [ntcap * 2] evictable blocks per tenant and queue (0: S3-FIFO
-                                  small, 1: any other eviction list) */
+    uint32_t *tevict;          /* [ntcap * NQUEUE] evictable blocks per tenant and queue
+                                  (evict_queue) */
     uint16_t *gtenants;        /* [ntcap] the first nguarantee: tenants with a guarantee */
     uint32_t ntcap;            /* tenant ids the arrays cover */
     uint32_t nguarantee;       /* tenants with a guarantee */
     uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
     size_t ghost_mask;         /* ghost slots - 1 */
-    uint32_t ghost_seq;        /* evictions from the small queue so far (wraps) */
+    uint32_t ghost_seq;        /* evictions recorded in the ghost so far (wraps) */
+    uint64_t inner_home[2];    /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
+    int defer_leaves;          /* an admin walk runs: child_removed leaves inner blocks be */
+    uint64_t arc_p;            /* ADAPTIVE: unused (ARC's target size; see adaptive_admit) */
+    int64_t arc_bias;          /* ADAPTIVE: clock units added to the recency side's ages */
+    uint64_t ghost_n[2];       /* ADAPTIVE: recent evictions by side, decayed (ARC's |B1|, |B2|) */
+    uint64_t ghost_hits[2];    /* ADAPTIVE: commits of a hash in the ghost, by side it left */
     uint64_t queries;          /* lookups */
     uint64_t query_blocks;     /* hashes asked */
     uint64_t hit_blocks;       /* hashes found */
@@ -204,7 +224,7 @@ static kv_err tenant_room(kvd_pool *p, uint32_t t) {
         return KV_ENOMEM;
     }
     p->guarantee = g;
-    uint32_t *e = realloc(p->tevict, sizeof(*e) * cap * 2);
+    uint32_t *e = realloc(p->tevict, sizeof(*e) * cap * NQUEUE);
     if (e == NULL) {
         return KV_ENOMEM;
     }
@@ -216,7 +236,7 @@ static kv_err tenant_room(kvd_pool *p, uint32_t t) {
     p->gtenants = gt;
     memset(u + p->ntcap, 0, sizeof(*u) * (cap - p->ntcap));
     memset(g + p->ntcap, 0, sizeof(*g) * (cap - p->ntcap));
-    memset(e + p->ntcap * 2, 0, sizeof(*e) * (cap - p->ntcap) * 2);
+    memset(e + p->ntcap * NQUEUE, 0, sizeof(*e) * (cap - p->ntcap) * NQUEUE);
     p->ntcap = cap;
     return KV_OK;
 }
@@ -235,17 +255,33 @@ static inline kv_hash128 blk_hash(const pool_block *b) {
 }
 
 /* Eviction lists count their blocks per tenant, so that a victim pick knows in O(guaranteed
- * tenants) whether an unprotected block is left in a queue (pick_victim). */
+ * tenants) whether an unprotected block is left in a queue (pick_victim). Queue 0: the first
+ * queue of a two-queue policy (S3-FIFO small, ADAPTIVE recency); 1: the other eviction lists;
+ * 2: the inner blocks of the leaf policies. */
 static inline int evict_queue(int which) {
-    return which == LIST_SMALL                                             ? 0
-           : which == LIST_LRU || which == LIST_MAIN || which == LIST_PLRU ? 1
-                                                                           : -1;
+    switch (which) {
+        case LIST_SMALL:
+        case LIST_AREC:
+            return 0;
+        case LIST_LRU:
+        case LIST_MAIN:
+        case LIST_PLRU:
+        case LIST_AFREQ:
+            return 1;
+        case LIST_INNER:
+            return 2;
+        default:
+            return -1;
+    }
 }
 
 static inline void tevict_add(kvd_pool *p, int which, const pool_block *b, int delta) {
     int q = evict_queue(which);
     if (q >= 0) {
-        p->tevict[(uint32_t)b->tenant * 2 + (uint32_t)q] += (uint32_t)delta;
+        p->tevict[(uint32_t)b->tenant * NQUEUE + (uint32_t)q] += (uint32_t)delta;
+    }
+    if (which == LIST_INNER) {
+        p->inner_home[(b->flags & BLOCK_HOME2) ? 1 : 0] += (uint64_t)(int64_t)delta;
     }
 }
 
@@ -296,6 +332,7 @@ static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
     l->len--;
     b->list = LIST_NONE;
     b->prev = b->next = KVD_NO_BLOCK;
+    b->flags &= (uint8_t)~BLOCK_HOME2;
     (void)id;
 }
 
@@ -321,7 +358,29 @@ static inline pool_block *free_pop(kvd_pool *p, uint32_t *id_out) {
 
 static uint64_t evictable_count(const kvd_pool *p) {
     return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len +
-           p->lists[LIST_PLRU].len;
+           p->lists[LIST_PLRU].len + p->lists[LIST_INNER].len + p->lists[LIST_AREC].len +
+           p->lists[LIST_AFREQ].len;
+}
+
+/* S3-FIFO and ADAPTIVE evict only leaves of the cached prefix tree: a block that a cached or
+ * committed block names as its parent waits on LIST_INNER (evicted only when no leaf is left,
+ * i.e. when every leaf below it is pinned or referenced), so a lookup never finds a prefix
+ * with a hole and its tail still cached. */
+static inline int leaf_policy(const kvd_pool *p) {
+    return p->cfg.policy == KVD_EVICT_S3FIFO || p->cfg.policy == KVD_EVICT_ADAPTIVE;
+}
+
+/* Policies that count each block's children (nchild). */
+static inline int counts_children(const kvd_pool *p) {
+    return leaf_policy(p) || p->cfg.policy == KVD_EVICT_PREFIX_LRU;
+}
+
+/* The leaf list of a two-queue policy: home 0 (S3-FIFO small, ADAPTIVE recency) or 1. */
+static inline int home_list(const kvd_pool *p, int home) {
+    if (p->cfg.policy == KVD_EVICT_S3FIFO) {
+        return home ? LIST_MAIN : LIST_SMALL;
+    }
+    return home ? LIST_AFREQ : LIST_AREC;
 }
 
 /* ---- S3-FIFO ghost ---------------------------------------------------------------------- */
@@ -330,31 +389,40 @@ static inline uint64_t ghost_fp(const pool_block *b) {
     return b->hlo ^ (b->hhi * 0x9E3779B97F4A7C15ull);
 }
 
-static void ghost_insert(kvd_pool *p, const pool_block *b) {
+/* Tag bit 0 marks a used slot, bit 1 the side the block left from (ADAPTIVE). */
+static void ghost_insert(kvd_pool *p, const pool_block *b, int side) {
     if (p->ghost == NULL) {
         return;
     }
     uint64_t fp = ghost_fp(b);
-    uint64_t tag = (fp >> 32) | 1u;
+    uint64_t tag = ((fp >> 32) & ~(uint64_t)3) | 1u | (uint64_t)side << 1;
     p->ghost[fp & p->ghost_mask] = tag << 32 | p->ghost_seq++;
 }
 
-/* A ghost entry counts while fewer evictions than the pool has blocks happened since. */
-static int ghost_has(const kvd_pool *p, const pool_block *b) {
+/* A ghost entry counts while fewer evictions than the pool has blocks happened since: the side
+ * it was evicted from (0 or 1), or -1 when the block is not in the ghost. */
+static int ghost_side(const kvd_pool *p, const pool_block *b) {
     if (p->ghost == NULL) {
-        return 0;
+        return -1;
     }
     uint64_t fp = ghost_fp(b);
     uint64_t e = p->ghost[fp & p->ghost_mask];
-    uint64_t tag = (fp >> 32) | 1u;
+    uint64_t tag = ((fp >> 32) & ~(uint64_t)3) | 1u;
     uint32_t age = p->ghost_seq - (uint32_t)e;
-    return (e >> 32) == tag && (uint64_t)age <= (uint64_t)p->nsegs * p->bps;
+    if (((e >> 32) & ~(uint64_t)2) != tag || (uint64_t)age > (uint64_t)p->nsegs * p->bps) {
+        return -1;
+    }
+    return (int)((e >> 33) & 1u);
+}
+
+static int ghost_has(const kvd_pool *p, const pool_block *b) {
+    return ghost_side(p, b) >= 0;
 }
 
 /* Sizes the ghost to the pool (a power of two >= blocks); keeps the old one when out of memory
  * (the ghost is a hint, never a correctness matter). */
 static void ghost_resize(kvd_pool *p) {
-    if (p->cfg.policy != KVD_EVICT_S3FIFO) {
+    if (!leaf_policy(p)) {
         return;
     }
     size_t want = 64;
@@ -373,6 +441,64 @@ static void ghost_resize(kvd_pool *p) {
     p->ghost_mask = want - 1;
 }
 
+/* ---- ADAPTIVE: ARC's adaptation on the leaves of the prefix tree -----------------------
+ * Two LRU sides: recency (blocks not reused since they entered the cache) and frequency
+ * (reused, or committed again while the ghost remembered them). arc_p is the recency side's
+ * target in blocks (its inner blocks included): a commit of a hash evicted from the recency
+ * side recently says that side was too small (arc_p grows), one evicted from the frequency side
+ * that it was too large; the step is the ratio of the two sides' recent evictions, ARC's
+ * |B2|/|B1|. Leaves go from whichever side is over its share. */
+
+static uint64_t pool_capacity(const kvd_pool *p) {
+    return (uint64_t)p->nsegs * p->bps;
+}
+
+static void adaptive_evicted(kvd_pool *p, int side) {
+    p->ghost_n[side]++;
+    if (p->ghost_n[0] + p->ghost_n[1] > 2 * pool_capacity(p)) {
+        /* A window of about the ghost's reach: older evictions count half. */
+        p->ghost_n[0] /= 2;
+        p->ghost_n[1] /= 2;
+    }
+}
+
+/* ADAPTIVE's choice between the sides' oldest leaves: the older one goes (LRU over all leaves)
+ * after the recency side's age is shifted by arc_bias clock units (ghost hits move it). */
+static int adaptive_rec_first(const kvd_pool *p, uint32_t rec, uint32_t freq) {
+    int64_t ra = (int64_t)blk_at(p, rec)->last_access + p->arc_bias;
+    int64_t fa = (int64_t)blk_at(p, freq)->last_access;
+    return ra <= fa;
+}
+
+/* A block was just committed: a ghost hit moves the target and admits it to the frequency side
+ * (it was used twice within the ghost's reach). */
+static void adaptive_admit(kvd_pool *p, pool_block *b) {
+    int side = ghost_side(p, b);
+    if (side < 0) {
+        return;
+    }
+    p->ghost_hits[side]++;
+    /* The step: a 32nd of the span of ages the leaves cover (clock units differ between the
+     * daemon, ms, and trace replays, requests), the bias bounded by that span. */
+    uint32_t rh = p->lists[LIST_AREC].head, fh = p->lists[LIST_AFREQ].head;
+    uint64_t oldest = p->now;
+    if (rh != KVD_NO_BLOCK && blk_at(p, rh)->last_access < oldest) {
+        oldest = blk_at(p, rh)->last_access;
+    }
+    if (fh != KVD_NO_BLOCK && blk_at(p, fh)->last_access < oldest) {
+        oldest = blk_at(p, fh)->last_access;
+    }
+    int64_t span = (int64_t)(p->now - oldest) + 1;
+    int64_t step = span / ARC_STEPS > 0 ? span / ARC_STEPS : 1;
+    p->arc_bias += side == 0 ? -step : step;
+    if (p->arc_bias > span) {
+        p->arc_bias = span;
+    } else if (p->arc_bias < -span) {
+        p->arc_bias = -span;
+    }
+    b->freq = 1;
+}
+
 /* ---- state transitions ------------------------------------------------------------------ */
 
 static int tenant_protected(const kvd_pool *p, const pool_block *b) {
@@ -388,15 +514,44 @@ static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
     seg_of(p, id)->nevict++;
     if (p->cfg.policy == KVD_EVICT_LRU) {
         list_push_tail(p, LIST_LRU, id, b);
-    } else if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
-        list_push_tail(p, LIST_PLRU, id, b);
-    } else if (b->freq > 0 || ghost_has(p, b)) {
-        /* Reused since it entered the cache, or evicted from the small queue recently:
-         * proven reuse goes straight to the main queue. */
-        list_push_tail(p, LIST_MAIN, id, b);
-    } else {
-        list_push_tail(p, LIST_SMALL, id, b);
+        return;
     }
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        list_push_tail(p, LIST_PLRU, id, b);
+        return;
+    }
+    /* S3-FIFO: reused since it entered the cache, or evicted from the small queue recently:
+     * proven reuse goes straight to the main queue. ADAPTIVE: reused (a lookup hit it, or its
+     * commit found it in the ghost) goes to the frequency side. */
+    int home = b->freq > 0 || (p->cfg.policy == KVD_EVICT_S3FIFO && ghost_has(p, b));
+    if (b->nchild > 0) {
+        if (home) {
+            b->flags |= BLOCK_HOME2; /* before the push: the inner count goes by it */
+        }
+        list_push_tail(p, LIST_INNER, id, b);
+        return;
+    }
+    list_push_tail(p, home_list(p, home), id, b);
+}
+
+/* Leaf policies: a block on LIST_INNER lost its last child and becomes a leaf. It goes to the
+ * head of its queue: every request that used it used a child too (or ended at it), so it is as
+ * old as the leaf just evicted below it and the next to go in LRU order. */
+static void inner_to_leaf(kvd_pool *p, uint32_t id, pool_block *b) {
+    int home = (b->flags & BLOCK_HOME2) != 0;
+    list_remove(p, id, b);
+    list_push_head(p, home_list(p, home), id, b);
+}
+
+/* Leaf policies: a CACHED leaf got a child (a commit named it parent): it waits on the inner
+ * list from now on, keeping its queue. */
+static void leaf_to_inner(kvd_pool *p, uint32_t id, pool_block *b) {
+    int home = b->list == LIST_MAIN || b->list == LIST_AFREQ;
+    list_remove(p, id, b);
+    if (home) {
+        b->flags |= BLOCK_HOME2;
+    }
+    list_push_tail(p, LIST_INNER, id, b);
 }
 
 /* Returns a block (any state but FREE, on no list) to FREE with a new generation. */
@@ -445,10 +600,14 @@ static pool_block *parent_of(const kvd_pool *p, const pool_block *b) {
     return pb;
 }
 
-/* PREFIX_LRU: a block was just committed under its parent. A parent with two children is a
+/* A block was just committed under its parent. PREFIX_LRU: a parent with two children is a
  * branch point: it and its ancestors become SHARED. The walk stops at a block already marked
- * (and so it ends even on a cycle of stale parent ids), so it costs amortized O(1). */
-static void plru_child_added(kvd_pool *p, pool_block *b) {
+ * (and so it ends even on a cycle of stale parent ids), so it costs amortized O(1). Leaf
+ * policies: a cached parent stops being a leaf. */
+static void child_added(kvd_pool *p, pool_block *b) {
+    if (!counts_children(p)) {
+        return;
+    }
     pool_block *pb = parent_of(p, b);
     if (pb == NULL) {
         return;
@@ -456,33 +615,52 @@ static void plru_child_added(kvd_pool *p, pool_block *b) {
     if (pb->nchild < UINT8_MAX) {
         pb->nchild++;
     }
-    for (pool_block *x = pb->nchild >= 2 ? pb : NULL; x != NULL && !(x->flags & BLOCK_SHARED);
-         x = parent_of(p, x)) {
-        x->flags |= BLOCK_SHARED;
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        for (pool_block *x = pb->nchild >= 2 ? pb : NULL; x != NULL && !(x->flags & BLOCK_SHARED);
+             x = parent_of(p, x)) {
+            x->flags |= BLOCK_SHARED;
+        }
+    } else if (pb->nchild == 1 && pb->state == KVD_BLOCK_CACHED && pb->list != LIST_PINNED) {
+        leaf_to_inner(p, b->parent, pb);
     }
 }
 
-/* PREFIX_LRU: a committed block is going away (an exact count unless it saturated). */
-static void plru_child_removed(kvd_pool *p, pool_block *b) {
+/* A committed block is going away (an exact count unless it saturated; the parent id is the
+ * client's word, so after a parent was evicted with children left, which only shrink, park,
+ * admin eviction and an eviction forced past the leaves do, a count can be off: the order is
+ * a hint, never a correctness matter). Leaf policies: a parent left without children becomes
+ * a leaf (unless an admin walk is running: it fixes them up at its end). */
+static void child_removed(kvd_pool *p, pool_block *b) {
+    if (!counts_children(p)) {
+        return;
+    }
     pool_block *pb = parent_of(p, b);
-    if (pb != NULL && pb->nchild > 0 && pb->nchild < UINT8_MAX) {
-        pb->nchild--;
+    if (pb == NULL || pb->nchild == 0 || pb->nchild == UINT8_MAX) {
+        return;
+    }
+    if (--pb->nchild == 0 && pb->list == LIST_INNER && !p->defer_leaves) {
+        inner_to_leaf(p, b->parent, pb);
     }
 }
 
 /* Takes a CACHED unpinned block out of the index and the eviction order, back to FREE. */
 static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
-    int from_small = b->list == LIST_SMALL;
+    int side = b->list == LIST_INNER                           ? (b->flags & BLOCK_HOME2) != 0
+               : b->list == LIST_MAIN || b->list == LIST_AFREQ ? 1
+                                                               : 0;
+    int ghosted = p->cfg.policy == KVD_EVICT_ADAPTIVE ||
+                  (p->cfg.policy == KVD_EVICT_S3FIFO && b->list == LIST_SMALL);
     list_remove(p, id, b);
     kv_err err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
     KV_ASSERT(err == KV_OK);
-    if (from_small) {
-        ghost_insert(p, b);
+    if (ghosted) {
+        ghost_insert(p, b, side);
+        if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
+            adaptive_evicted(p, side);
+        }
     }
-    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
-        plru_child_removed(p, b);
-    }
+    child_removed(p, b);
     seg_of(p, id)->nevict--;
     p->n_cached--;
     p->tenants[b->tenant].cached--;
@@ -587,13 +765,16 @@ static void list_rotate(kvd_pool *p, int which, int to) {
 
 /* Evictable blocks of protected tenants (under their guaranteed share) per queue (0: S3-FIFO
  * small, 1: the other eviction list). O(tenants with a guarantee). */
-static void protected_counts(const kvd_pool *p, uint64_t prot[2]) {
-    prot[0] = prot[1] = 0;
+static void protected_counts(const kvd_pool *p, uint64_t prot[NQUEUE]) {
+    for (int q = 0; q < NQUEUE; q++) {
+        prot[q] = 0;
+    }
     for (uint32_t i = 0; i < p->nguarantee; i++) {
         uint32_t t = p->gtenants[i];
         if (p->tenants[t].cached <= p->guarantee[t]) {
-            prot[0] += p->tevict[t * 2];
-            prot[1] += p->tevict[t * 2 + 1];
+            for (int q = 0; q < NQUEUE; q++) {
+                prot[q] += p->tevict[t * NQUEUE + q];
+            }
         }
     }
 }
@@ -607,13 +788,10 @@ static void protected_counts(const kvd_pool *p, uint64_t prot[2]) {
 static uint32_t pick_victim(kvd_pool *p, int honour) {
     uint64_t budget = evictable_count(p);
     KV_ASSERT(budget > 0);
-    uint64_t unprot[2] = {0, 0};
     if (honour && p->nguarantee > 0) {
-        uint64_t prot[2];
+        uint64_t prot[NQUEUE];
         protected_counts(p, prot);
-        unprot[0] = p->lists[LIST_SMALL].len - prot[0];
-        unprot[1] = budget - p->lists[LIST_SMALL].len - prot[1];
-        honour = unprot[0] + unprot[1] > 0;
+        honour = budget > prot[0] + prot[1] + prot[2];
     } else {
         honour = 0;
     }
@@ -649,37 +827,49 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
             return id;
         }
     }
-    /* S3-FIFO: evict from the small queue while it holds >= 10% of the pool's blocks, else
-     * from the main queue, whose blocks get one more round per access (at most FREQ_MAX). A
-     * queue whose evictable blocks are all protected yields to the other one. */
+    /* The leaf policies. S3-FIFO: evict from the small queue while it holds >= 10% of the
+     * pool's blocks (its inner blocks included), else from the main queue, whose blocks get one
+     * more round per access (at most FREQ_MAX). ADAPTIVE: from the recency side while it holds
+     * more than arc_p blocks, else from the frequency side. A queue whose evictable leaves are
+     * all protected yields to the other one; when no leaf is left (every leaf below the inner
+     * blocks is pinned or referenced) or all are protected, inner blocks go, oldest first. */
     uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
     if (small_target == 0) {
         small_target = 1;
     }
+    int q0 = home_list(p, 0), q1 = home_list(p, 1);
     for (;;) {
-        pool_list *s = &p->lists[LIST_SMALL];
-        pool_list *m = &p->lists[LIST_MAIN];
-        int use_small = s->len > 0 && (s->len >= small_target || m->len == 0);
+        pool_list *s = &p->lists[q0];
+        pool_list *m = &p->lists[q1];
+        uint64_t us = s->len, um = m->len;
         if (honour) {
             /* Second-chance moves shift blocks between the queues: count afresh. */
-            uint64_t prot[2];
+            uint64_t prot[NQUEUE];
             protected_counts(p, prot);
-            uint64_t us = s->len - prot[0], um = m->len - prot[1];
-            if (use_small && us == 0 && um > 0) {
-                use_small = 0;
-            } else if (!use_small && um == 0 && us > 0) {
-                use_small = 1;
-            }
+            us -= prot[0];
+            um -= prot[1];
         }
-        int which = use_small ? LIST_SMALL : LIST_MAIN;
+        uint64_t first = s->len + p->inner_home[0];
+        int which;
+        if (us > 0 && (um == 0 || (p->cfg.policy == KVD_EVICT_S3FIFO
+                                       ? first >= small_target
+                                       : adaptive_rec_first(p, s->head, m->head)))) {
+            which = q0;
+        } else if (um > 0) {
+            which = q1;
+        } else {
+            /* No (unprotected) leaf: an inner block goes (unprotected ones exist then, since
+             * honouring means some block is unprotected). */
+            which = LIST_INNER;
+        }
         uint32_t id = p->lists[which].head;
         pool_block *b = blk_at(p, id);
-        if (use_small && b->freq > 0) {
+        if (p->cfg.policy == KVD_EVICT_S3FIFO && which == LIST_SMALL && b->freq > 0) {
             b->freq = 0;
             list_rotate(p, LIST_SMALL, LIST_MAIN);
             continue;
         }
-        if (!use_small && b->freq > 0) {
+        if (p->cfg.policy == KVD_EVICT_S3FIFO && which == LIST_MAIN && b->freq > 0) {
             b->freq--;
             list_rotate(p, LIST_MAIN, LIST_MAIN);
             continue;
@@ -726,7 +916,7 @@ kv_err kvd_pool_alloc(const kvd_pool_config *cfg, kvd_index *idx, const kvd_back
         return KV_EINVAL;
     }
     if (cfg->policy != KVD_EVICT_LRU && cfg->policy != KVD_EVICT_S3FIFO &&
-        cfg->policy != KVD_EVICT_PREFIX_LRU) {
+        cfg->policy != KVD_EVICT_PREFIX_LRU && cfg->policy != KVD_EVICT_ADAPTIVE) {
         return KV_EINVAL;
     }
     kvd_pool *p = calloc(1, sizeof(*p));
@@ -1206,8 +1396,9 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
         b->parent = parent;
         b->aux = 0;
         b->last_access = p->now;
-        if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
-            plru_child_added(p, b);
+        child_added(p, b);
+        if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
+            adaptive_admit(p, b);
         }
         p->n_writing--;
         p->n_committed++;
@@ -1353,9 +1544,7 @@ kv_err kvd_pool_quarantine(kvd_pool *p, kvd_block_ref blk) {
     }
     err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
     KV_ASSERT(err == KV_OK);
-    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
-        plru_child_removed(p, b);
-    }
+    child_removed(p, b);
     b->flags |= BLOCK_CORRUPT;
     p->n_quarantined++;
     return KV_OK;
@@ -1515,13 +1704,18 @@ void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
 static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
                          kvd_evict_reason reason, kvd_block_ref *out) {
     static const int order_lru[] = {LIST_LRU};
-    static const int order_s3[] = {LIST_SMALL, LIST_MAIN};
+    static const int order_s3[] = {LIST_SMALL, LIST_MAIN, LIST_INNER};
     static const int order_plru[] = {LIST_PLRU};
-    const int *order = p->cfg.policy == KVD_EVICT_LRU      ? order_lru
-                       : p->cfg.policy == KVD_EVICT_S3FIFO ? order_s3
-                                                           : order_plru;
-    int norder = p->cfg.policy == KVD_EVICT_S3FIFO ? 2 : 1;
+    static const int order_ad[] = {LIST_AREC, LIST_AFREQ, LIST_INNER};
+    const int *order = p->cfg.policy == KVD_EVICT_LRU        ? order_lru
+                       : p->cfg.policy == KVD_EVICT_S3FIFO   ? order_s3
+                       : p->cfg.policy == KVD_EVICT_ADAPTIVE ? order_ad
+                                                             : order_plru;
+    int norder = leaf_policy(p) ? 3 : 1;
     size_t count = 0;
+    /* Leaves made by the walk's own evictions stay put until it ends (a block moving off the
+     * inner list would take the walk's next pointer with it). */
+    p->defer_leaves = !dry_run;
     for (int o = 0; o < norder && count < max; o++) {
         uint32_t id = p->lists[order[o]].head;
         while (id != KVD_NO_BLOCK && count < max) {
@@ -1538,6 +1732,20 @@ static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
                 count++;
             }
             id = nx;
+        }
+    }
+    p->defer_leaves = 0;
+    if (!dry_run && leaf_policy(p)) {
+        /* Inner blocks the walk left without children become leaves, in their order (walked
+         * from the tail, each pushed to the head of its queue). */
+        uint32_t id = p->lists[LIST_INNER].tail;
+        while (id != KVD_NO_BLOCK) {
+            pool_block *b = blk_at(p, id);
+            uint32_t pv = b->prev;
+            if (b->nchild == 0) {
+                inner_to_leaf(p, id, b);
+            }
+            id = pv;
         }
     }
     return count;
@@ -1827,7 +2035,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0;
     uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
     uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
-    uint32_t *tevict = calloc((size_t)p->ntcap * 2, sizeof(uint32_t));
+    uint32_t *tevict = calloc((size_t)p->ntcap * NQUEUE, sizeof(uint32_t));
+    uint64_t inner_home[2] = {0, 0};
     if (cached_t == NULL || pinned_t == NULL || tevict == NULL) {
         free(cached_t);
         free(pinned_t);
@@ -1868,9 +2077,14 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             refs += b->refcount;
             CHECK(b->tenant < p->ntcap && b->pin_tenant < p->ntcap, "block %u: tenant %u/%u", id,
                   b->tenant, b->pin_tenant);
-            CHECK(p->cfg.policy == KVD_EVICT_PREFIX_LRU ||
-                      (!(b->flags & BLOCK_SHARED) && b->nchild == 0),
+            CHECK((p->cfg.policy == KVD_EVICT_PREFIX_LRU || !(b->flags & BLOCK_SHARED)) &&
+                      (counts_children(p) || b->nchild == 0),
                   "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
+            CHECK(!(b->flags & BLOCK_HOME2) || b->list == LIST_INNER,
+                  "block %u: inner home mark on list %u", id, b->list);
+            if (b->list == LIST_INNER) {
+                inner_home[(b->flags & BLOCK_HOME2) ? 1 : 0]++;
+            }
             if (b->flags & BLOCK_PINNED) {
                 pinned++;
                 pinned_t[b->pin_tenant]++;
@@ -1900,12 +2114,17 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                               b->list);
                     } else {
                         nevict++;
-                        tevict[(uint32_t)b->tenant * 2 + (b->list == LIST_SMALL ? 0u : 1u)]++;
+                        int q = evict_queue(b->list);
+                        CHECK(q >= 0, "block %u: CACHED on list %u", id, b->list);
+                        tevict[(uint32_t)b->tenant * NQUEUE + (uint32_t)q]++;
                         int ok = p->cfg.policy == KVD_EVICT_LRU ? b->list == LIST_LRU
-                                 : p->cfg.policy == KVD_EVICT_S3FIFO
-                                     ? (b->list == LIST_SMALL || b->list == LIST_MAIN)
-                                     : b->list == LIST_PLRU;
-                        CHECK(ok, "block %u: CACHED on list %u", id, b->list);
+                                 : p->cfg.policy == KVD_EVICT_PREFIX_LRU
+                                     ? b->list == LIST_PLRU
+                                     : (b->list == LIST_INNER) == (b->nchild > 0) &&
+                                           (b->list == LIST_INNER || b->list == home_list(p, 0) ||
+                                            b->list == home_list(p, 1));
+                        CHECK(ok, "block %u: CACHED on list %u with %u children", id, b->list,
+                              b->nchild);
                     }
                     break;
             }
@@ -1954,12 +2173,18 @@ kv_err kvd_pool_check(const kvd_pool *p) {
         CHECK(pinned_t[t] == p->tenants[t].pinned, "tenant %u: pinned %llu, counted %llu", t,
               (unsigned long long)pinned_t[t], (unsigned long long)p->tenants[t].pinned);
         held += p->tenants[t].held;
-        CHECK(tevict[t * 2] == p->tevict[t * 2] && tevict[t * 2 + 1] == p->tevict[t * 2 + 1],
-              "tenant %u: evictable %u/%u, counted %u/%u", t, tevict[t * 2], tevict[t * 2 + 1],
-              p->tevict[t * 2], p->tevict[t * 2 + 1]);
+        for (uint32_t q = 0; q < NQUEUE; q++) {
+            CHECK(tevict[t * NQUEUE + q] == p->tevict[t * NQUEUE + q],
+                  "tenant %u: evictable %u in queue %u, counted %u", t, tevict[t * NQUEUE + q], q,
+                  p->tevict[t * NQUEUE + q]);
+        }
     }
     CHECK(held == refs, "references %llu, tenants hold %llu", (unsigned long long)refs,
           (unsigned long long)held);
+    CHECK(inner_home[0] == p->inner_home[0] && inner_home[1] == p->inner_home[1],
+          "inner blocks %llu/%llu, counted %llu/%llu", (unsigned long long)inner_home[0],
+          (unsigned long long)inner_home[1], (unsigned long long)p->inner_home[0],
+          (unsigned long long)p->inner_home[1]);
 out:
     free(cached_t);
     free(pinned_t);

@@ -17,7 +17,14 @@
  * per reuse (at most 3) when it reaches the head. A system prompt or few-shot preamble shared
  * by many requests outlives bursts of one-off text; a conversation's own history has no
  * branches and keeps LRU's order. It matched or beat LRU on all four traces of bench/RESULTS.md
- * (core section). Every policy is O(1) amortized per block.
+ * (core section). ADAPTIVE and the S3-FIFO here evict only leaves of the cached prefix tree: a
+ * block that a committed or cached block names as its parent waits on an inner list until its
+ * last child goes (then it is next in its queue), and goes earlier only when every leaf left is
+ * pinned or referenced, so no cached block sits behind a hole in its prefix. ADAPTIVE keeps two
+ * LRU sides (not reused since entering the cache / reused or re-committed while its ghost
+ * remembered it) and evicts the older of their oldest leaves after shifting the recency side's
+ * age by a bias that ghost hits move (ARC's adaptation as an age offset: bias 0 is LRU over the
+ * leaves). Every policy is O(1) amortized per block.
  * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist.
  *
  * The pool does not know sessions' reference lists: the caller (the server's session table)
@@ -57,9 +64,11 @@ typedef enum kvd_evict_policy {
     KVD_EVICT_LRU = 1,        /* vLLM's order: least recently used, tail of a prefix first */
     KVD_EVICT_S3FIFO = 2,     /* S3-FIFO (Yang et al., SOSP 2023) */
     KVD_EVICT_PREFIX_LRU = 3, /* LRU, tail first; shared prefixes get a round per reuse */
+    KVD_EVICT_ADAPTIVE = 4,   /* leaves of the prefix tree, ARC-style recency/frequency sides */
 } kvd_evict_policy;
 
-/* The one table of policy names, as `evict-policy` spells them: "lru", "s3fifo", "prefix-lru".
+/* The one table of policy names, as `evict-policy` spells them: "lru", "s3fifo", "prefix-lru",
+ * "adaptive".
  * name: "?" for a value not in the table. parse: KV_EINVAL for an unknown name. */
 const char *kvd_evict_policy_name(kvd_evict_policy p);
 kv_err kvd_evict_policy_parse(const char *name, kvd_evict_policy *out);

@@ -730,7 +730,7 @@ static void test_stats_and_bad_config(void **state) {
     cfg.blocks_per_segment = 4;
     cfg.policy = 0;
     assert_int_equal(kvd_pool_alloc(&cfg, f.idx, &kvd_backend_malloc, NULL, &bad), KV_EINVAL);
-    cfg.policy = (kvd_evict_policy)(KVD_EVICT_PREFIX_LRU + 1);
+    cfg.policy = (kvd_evict_policy)(KVD_EVICT_ADAPTIVE + 1);
     assert_int_equal(kvd_pool_alloc(&cfg, f.idx, &kvd_backend_malloc, NULL, &bad), KV_EINVAL);
     assert_null(bad);
     kvd_pool_free(NULL);

@@ -6,7 +6,9 @@
  */
 #include "daemon/testing/evict_trace.h"
 
+#include <ctype.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -445,8 +447,324 @@ static kv_err gen_fewshot(trace_rng *r, uint32_t nreq, trace_buf *b) {
     return err;
 }
 
+#define AG_TYPES 6     /* agent kinds: each has its own system prompt and tool list */
+#define AG_ACTIVE 48   /* agents running at once */
+#define AG_MAX_LEN 256 /* context window, in blocks */
+
+/* Agentic tool loops: AG_ACTIVE agents (one of AG_TYPES system prompts of 8..24 blocks, then a
+ * task of 1..4 blocks) each loop: the model writes a tool call (1..3 blocks), the tool answers
+ * with a heavy-tailed result (floor of Pareto(2, 1.3) blocks, at most 48: most small, some
+ * whole files), and the next step re-sends everything. An agent picked to step is uniform among
+ * the active ones; 10% of steps fork a sub-agent that continues from a copy of the context
+ * (both branches live on), an agent ends at the window or with probability 4% per step and a
+ * new one takes its slot. */
+static kv_err gen_agent(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    uint32_t *hist = malloc((size_t)AG_ACTIVE * AG_MAX_LEN * sizeof(uint32_t));
+    uint32_t len[AG_ACTIVE], plen[AG_TYPES], pbase[AG_TYPES];
+    uint32_t next_key = 0;
+    if (hist == NULL) {
+        return KV_ENOMEM;
+    }
+    for (uint32_t i = 0; i < AG_TYPES; i++) {
+        plen[i] = rng_range(r, 8, 24);
+        pbase[i] = next_key;
+        next_key += plen[i];
+    }
+    for (uint32_t a = 0; a < AG_ACTIVE; a++) {
+        len[a] = 0;
+    }
+    kv_err err = KV_OK;
+    for (uint32_t q = 0; q < nreq && err == KV_OK; q++) {
+        uint32_t a = rng_range(r, 0, AG_ACTIVE - 1);
+        uint32_t *h = hist + (size_t)a * AG_MAX_LEN;
+        double pr = rng_pareto(r, 2.0, 1.3);
+        uint32_t add = rng_range(r, 1, 3) + (pr > 48 ? 48 : (uint32_t)pr);
+        if (len[a] == 0 || len[a] + add > AG_MAX_LEN || rng_unit(r) < 0.04) {
+            uint32_t ty = rng_range(r, 0, AG_TYPES - 1);
+            for (uint32_t i = 0; i < plen[ty]; i++) {
+                h[i] = pbase[ty] + i;
+            }
+            len[a] = plen[ty];
+            uint32_t task = rng_range(r, 1, 4);
+            for (uint32_t i = 0; i < task; i++) {
+                h[len[a]++] = next_key++;
+            }
+        } else if (rng_unit(r) < 0.10) {
+            /* Fork: a sub-agent replaces another slot with a copy of this context. */
+            uint32_t c = rng_range(r, 0, AG_ACTIVE - 1);
+            if (c != a) {
+                memcpy(hist + (size_t)c * AG_MAX_LEN, h, len[a] * sizeof(uint32_t));
+                len[c] = len[a];
+            }
+        }
+        for (uint32_t i = 0; i < add && len[a] < AG_MAX_LEN; i++) {
+            h[len[a]++] = next_key++;
+        }
+        err = buf_request(b, h, len[a]);
+    }
+    b->t.nkeys = next_key;
+    free(hist);
+    return err;
+}
+
+#define RAG_DOCS 2048 /* chunks in the corpus */
+#define RAG_SYS_LEN 6
+#define RAG_RECENT 32
+
+/* Retrieval-augmented generation: a shared system prompt (RAG_SYS_LEN blocks), then 3..5
+ * chunks of 2..6 blocks retrieved from a corpus of RAG_DOCS (Zipf(0.9)-popular, so popular
+ * chunks recur, but in the order of each query's scores: random), then a question of 1..3
+ * blocks. Two requests share blocks as far as their chunk lists agree in order. A fifth of the
+ * requests follow up one of the last RAG_RECENT requests: its whole prefix, 2..8 answer
+ * blocks and a new question. */
+static kv_err gen_rag(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    uint32_t *clen = malloc(RAG_DOCS * sizeof(uint32_t));
+    double *cdf = malloc(RAG_DOCS * sizeof(double));
+    fs_trie tr;
+    size_t slots = 1024;
+    while (slots < (size_t)nreq * 96) {
+        slots <<= 1;
+    }
+    tr.k = calloc(slots, sizeof(uint64_t));
+    tr.v = malloc(slots * sizeof(uint32_t));
+    tr.mask = slots - 1;
+    kv_err err = clen == NULL || cdf == NULL || tr.k == NULL || tr.v == NULL ? KV_ENOMEM : KV_OK;
+    double sum = 0;
+    for (uint32_t d = 0; err == KV_OK && d < RAG_DOCS; d++) {
+        clen[d] = rng_range(r, 2, 6);
+        sum += pow(d + 1.0, -0.9);
+        cdf[d] = sum;
+    }
+    uint32_t next_key = 0, content = 1u << 24, recent[RAG_RECENT], nrecent = 0;
+    uint32_t req[RAG_SYS_LEN + 5 * 6 + 3 + 8 * 11];
+    for (uint32_t q = 0; q < nreq && err == KV_OK; q++) {
+        uint32_t n = 0, parent = UINT32_MAX;
+        if (nrecent > 0 && rng_unit(r) < 0.2) {
+            uint32_t pr =
+                recent[rng_range(r, 0, (nrecent < RAG_RECENT ? nrecent : RAG_RECENT) - 1)];
+            uint32_t pl = b->t.off[pr + 1] - b->t.off[pr];
+            if (pl + 11 <= sizeof(req) / sizeof(req[0])) {
+                memcpy(req, b->t.keys + b->t.off[pr], pl * sizeof(uint32_t));
+                n = pl;
+                parent = req[n - 1];
+                uint32_t more = rng_range(r, 2, 8) + rng_range(r, 1, 3);
+                for (uint32_t i = 0; i < more; i++) {
+                    parent = req[n++] = trie_key(&tr, parent, content++, &next_key);
+                }
+            }
+        }
+        if (n == 0) {
+            for (uint32_t i = 0; i < RAG_SYS_LEN; i++) {
+                parent = req[n++] = trie_key(&tr, parent, i, &next_key);
+            }
+            uint32_t k = rng_range(r, 3, 5), picked[5];
+            for (uint32_t j = 0; j < k;) {
+                double u = rng_unit(r) * sum;
+                uint32_t lo = 0, hi = RAG_DOCS - 1;
+                while (lo < hi) {
+                    uint32_t mid = (lo + hi) / 2;
+                    if (cdf[mid] < u) {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                int dup = 0;
+                for (uint32_t i = 0; i < j; i++) {
+                    dup |= picked[i] == lo;
+                }
+                if (!dup) {
+                    picked[j++] = lo;
+                }
+            }
+            for (uint32_t j = 0; j < k; j++) {
+                for (uint32_t i = 0; i < clen[picked[j]]; i++) {
+                    parent = req[n++] =
+                        trie_key(&tr, parent, 1u << 20 | picked[j] << 3 | i, &next_key);
+                }
+            }
+            uint32_t ql = rng_range(r, 1, 3);
+            for (uint32_t i = 0; i < ql; i++) {
+                parent = req[n++] = trie_key(&tr, parent, content++, &next_key);
+            }
+        }
+        recent[nrecent++ % RAG_RECENT] = b->t.nreq;
+        err = buf_request(b, req, n);
+    }
+    b->t.nkeys = next_key;
+    free(clen);
+    free(cdf);
+    free(tr.k);
+    free(tr.v);
+    return err;
+}
+
+#define PAR_PROMPTS 32 /* shared few-shot prompts some groups start with */
+#define PAR_LATER 64   /* best-of-n winners waiting for their next turn */
+
+/* Parallel sampling, beam search and best-of-n: each group is one prompt (40%: one of
+ * PAR_PROMPTS shared few-shot prompts of 8..16 blocks and a one-off question of 1..4; else a
+ * one-off prompt of 4..32 blocks) and n = 2..8 continuations sent one after another: parallel
+ * samples (each its own 4..16 blocks) or, for a third of the groups, beams that share their
+ * first 2..6 continuation blocks in pairs. The winner of a quarter of the groups comes back
+ * later (1..64 groups on) with its whole text and 2..6 new blocks. */
+static kv_err gen_parallel(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    uint32_t plen[PAR_PROMPTS], pbase[PAR_PROMPTS];
+    uint32_t next_key = 0;
+    for (uint32_t i = 0; i < PAR_PROMPTS; i++) {
+        plen[i] = rng_range(r, 8, 16);
+        pbase[i] = next_key;
+        next_key += plen[i];
+    }
+    uint32_t later_req[PAR_LATER], later_at[PAR_LATER], nlater = 0, group = 0;
+    uint32_t req[16 + 4 + 32 + 16 + 16 * 6], prompt[64], pn, shared[6], sn = 0;
+    kv_err err = KV_OK;
+    for (uint32_t q = 0; q < nreq && err == KV_OK; group++) {
+        for (uint32_t i = 0; i < nlater && q < nreq && err == KV_OK; i++) {
+            if (later_at[i] != group) {
+                continue;
+            }
+            uint32_t pr = later_req[i], pl = b->t.off[pr + 1] - b->t.off[pr];
+            if (pl + 6 <= sizeof(req) / sizeof(req[0])) {
+                memcpy(req, b->t.keys + b->t.off[pr], pl * sizeof(uint32_t));
+                uint32_t more = rng_range(r, 2, 6);
+                for (uint32_t j = 0; j < more; j++) {
+                    req[pl + j] = next_key++;
+                }
+                err = buf_request(b, req, pl + more);
+                q++;
+            }
+            later_req[i] = later_req[nlater - 1];
+            later_at[i] = later_at[nlater - 1];
+            nlater--;
+            i--;
+        }
+        pn = 0;
+        if (rng_unit(r) < 0.4) {
+            uint32_t sp = rng_range(r, 0, PAR_PROMPTS - 1);
+            for (uint32_t i = 0; i < plen[sp]; i++) {
+                prompt[pn++] = pbase[sp] + i;
+            }
+            uint32_t ql = rng_range(r, 1, 4);
+            for (uint32_t i = 0; i < ql; i++) {
+                prompt[pn++] = next_key++;
+            }
+        } else {
+            uint32_t l = rng_range(r, 4, 32);
+            for (uint32_t i = 0; i < l; i++) {
+                prompt[pn++] = next_key++;
+            }
+        }
+        uint32_t n = rng_range(r, 2, 8);
+        int beams = rng_unit(r) < 1.0 / 3;
+        uint32_t winner = rng_range(r, 0, n - 1), first = b->t.nreq;
+        for (uint32_t s = 0; s < n && q < nreq && err == KV_OK; s++) {
+            uint32_t m = pn;
+            memcpy(req, prompt, pn * sizeof(uint32_t));
+            if (beams) {
+                if (s % 2 == 0) {
+                    sn = rng_range(r, 2, 6);
+                    for (uint32_t i = 0; i < sn; i++) {
+                        shared[i] = next_key++;
+                    }
+                }
+                memcpy(req + m, shared, sn * sizeof(uint32_t));
+                m += sn;
+            }
+            uint32_t cl = rng_range(r, 4, 16);
+            for (uint32_t i = 0; i < cl; i++) {
+                req[m++] = next_key++;
+            }
+            err = buf_request(b, req, m);
+            q++;
+        }
+        if (rng_unit(r) < 0.25 && nlater < PAR_LATER && first + winner < b->t.nreq) {
+            later_req[nlater] = first + winner;
+            later_at[nlater++] = group + rng_range(r, 1, 64);
+        }
+    }
+    b->t.nkeys = next_key;
+    return err;
+}
+
+#define SH_PROMPTS 512
+#define SH_PHASES 6
+
+/* A mix whose popular set shifts: half the requests are shared-prompt requests (a Zipf(1.1)
+ * rank among SH_PROMPTS prompts of 6..20 blocks, then 1..6 one-off blocks), half continue one of
+ * 64 open conversations (as multi-turn chat, picked by recency rank, 2..6 blocks a turn, at
+ * most 64 blocks). The rank -> prompt map is redrawn SH_PHASES times over the trace, so what
+ * was popular goes cold at once and a new set takes over; the prompts/chat share drifts from
+ * 70/30 to 30/70 across the trace too. */
+static kv_err gen_shift(trace_rng *r, uint32_t nreq, trace_buf *b) {
+    uint32_t plen[SH_PROMPTS], pbase[SH_PROMPTS], perm[SH_PROMPTS];
+    double cdf[SH_PROMPTS], sum = 0;
+    uint32_t next_key = 0;
+    for (uint32_t i = 0; i < SH_PROMPTS; i++) {
+        plen[i] = rng_range(r, 6, 20);
+        pbase[i] = next_key;
+        next_key += plen[i];
+        perm[i] = i;
+        sum += pow(i + 1.0, -1.1);
+        cdf[i] = sum;
+    }
+    uint32_t conv[64][64], clen[64];
+    memset(clen, 0, sizeof(clen));
+    uint32_t req[64];
+    kv_err err = KV_OK;
+    uint32_t phase_len = nreq / SH_PHASES ? nreq / SH_PHASES : 1;
+    for (uint32_t q = 0; q < nreq && err == KV_OK; q++) {
+        if (q % phase_len == 0) {
+            for (uint32_t i = SH_PROMPTS - 1; i > 0; i--) { /* Fisher-Yates */
+                uint32_t j = rng_range(r, 0, i), t = perm[i];
+                perm[i] = perm[j];
+                perm[j] = t;
+            }
+        }
+        double pshare = 0.7 - 0.4 * q / nreq;
+        uint32_t n = 0;
+        if (rng_unit(r) < pshare) {
+            double u = rng_unit(r) * sum;
+            uint32_t k = 0;
+            while (k + 1 < SH_PROMPTS && cdf[k] < u) {
+                k++;
+            }
+            uint32_t pp = perm[k];
+            for (uint32_t i = 0; i < plen[pp]; i++) {
+                req[n++] = pbase[pp] + i;
+            }
+            uint32_t user = rng_range(r, 1, 6);
+            for (uint32_t i = 0; i < user; i++) {
+                req[n++] = next_key++;
+            }
+            err = buf_request(b, req, n);
+            continue;
+        }
+        double u = rng_unit(r);
+        uint32_t c = (uint32_t)(u * u * 64);
+        c = c >= 64 ? 63 : c;
+        uint32_t add = rng_range(r, 2, 6);
+        if (clen[c] == 0 || clen[c] + add > 64 || rng_unit(r) < 0.1) {
+            clen[c] = 0;
+        }
+        for (uint32_t i = 0; i < add; i++) {
+            conv[c][clen[c]++] = next_key++;
+        }
+        uint32_t tl = clen[c];
+        memcpy(req, conv[c], tl * sizeof(uint32_t));
+        err = buf_request(b, req, tl);
+        /* Move conversation c to the front (recency ranks). */
+        memmove(conv[1], conv[0], (size_t)c * sizeof(conv[0]));
+        memmove(clen + 1, clen, c * sizeof(uint32_t));
+        memcpy(conv[0], req, tl * sizeof(uint32_t));
+        clen[0] = tl;
+    }
+    b->t.nkeys = next_key;
+    return err;
+}
+
 kv_err kvd_trace_gen(kvd_trace_kind kind, uint64_t seed, uint32_t nreq, kvd_trace *out) {
-    if (nreq == 0 || kind < KVD_TRACE_CHAT || kind > KVD_TRACE_FEWSHOT) {
+    if (nreq == 0 || kind < KVD_TRACE_CHAT || kind > KVD_TRACE_SHIFT) {
         return KV_EINVAL;
     }
     trace_rng r = {seed};
@@ -455,13 +773,151 @@ kv_err kvd_trace_gen(kvd_trace_kind kind, uint64_t seed, uint32_t nreq, kvd_trac
     kv_err err = kind == KVD_TRACE_CHAT        ? gen_chat(&r, nreq, &b)
                  : kind == KVD_TRACE_SYSPROMPT ? gen_sysprompt(&r, nreq, &b)
                  : kind == KVD_TRACE_SESSIONS  ? gen_sessions(&r, nreq, &b)
-                                               : gen_fewshot(&r, nreq, &b);
+                 : kind == KVD_TRACE_FEWSHOT   ? gen_fewshot(&r, nreq, &b)
+                 : kind == KVD_TRACE_AGENT     ? gen_agent(&r, nreq, &b)
+                 : kind == KVD_TRACE_RAG       ? gen_rag(&r, nreq, &b)
+                 : kind == KVD_TRACE_PARALLEL  ? gen_parallel(&r, nreq, &b)
+                                               : gen_shift(&r, nreq, &b);
     if (err != KV_OK) {
         kvd_trace_fini(&b.t);
         return err;
     }
     *out = b.t;
     return KV_OK;
+}
+
+/* Distinct hash strings of a trace file -> keys: open addressing over 64-bit fingerprints of
+ * the text (two different hashes that collide in 64 bits would merge: 2^-64 per pair). */
+typedef struct load_map {
+    uint64_t *fp;  /* fingerprint | 1, 0 = empty */
+    uint32_t *key; /* its key */
+    size_t mask;   /* slots - 1 */
+    uint32_t n;    /* keys given */
+} load_map;
+
+static kv_err map_key(load_map *m, uint64_t fp, uint32_t *key) {
+    if ((size_t)m->n * 2 >= m->mask) {
+        size_t nslots = (m->mask + 1) * 2;
+        uint64_t *nf = calloc(nslots, sizeof(uint64_t));
+        uint32_t *nk = malloc(nslots * sizeof(uint32_t));
+        if (nf == NULL || nk == NULL) {
+            free(nf);
+            free(nk);
+            return KV_ENOMEM;
+        }
+        for (size_t i = 0; i <= m->mask; i++) {
+            if (m->fp[i] != 0) {
+                size_t j = (size_t)(m->fp[i] * 0x9E3779B97F4A7C15ull >> 17) & (nslots - 1);
+                while (nf[j] != 0) {
+                    j = (j + 1) & (nslots - 1);
+                }
+                nf[j] = m->fp[i];
+                nk[j] = m->key[i];
+            }
+        }
+        free(m->fp);
+        free(m->key);
+        m->fp = nf;
+        m->key = nk;
+        m->mask = nslots - 1;
+    }
+    fp |= 1;
+    size_t i = (size_t)(fp * 0x9E3779B97F4A7C15ull >> 17) & m->mask;
+    while (m->fp[i] != 0 && m->fp[i] != fp) {
+        i = (i + 1) & m->mask;
+    }
+    if (m->fp[i] == 0) {
+        m->fp[i] = fp;
+        m->key[i] = m->n++;
+    }
+    *key = m->key[i];
+    return KV_OK;
+}
+
+kv_err kvd_trace_load(const char *path, kvd_trace *out) {
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        return KV_ENOENT;
+    }
+    trace_buf b;
+    memset(&b, 0, sizeof(b));
+    load_map m = {calloc(1024, sizeof(uint64_t)), malloc(1024 * sizeof(uint32_t)), 1023, 0};
+    size_t rcap = 256, n = 0;
+    uint32_t *req = malloc(rcap * sizeof(uint32_t));
+    char *line = NULL;
+    size_t lcap = 0;
+    kv_err err = m.fp == NULL || m.key == NULL || req == NULL ? KV_ENOMEM : KV_OK;
+    while (err == KV_OK && getline(&line, &lcap, f) >= 0) {
+        n = 0;
+        char *c = line;
+        while (err == KV_OK) {
+            while (*c != '\0' && isspace((unsigned char)*c)) {
+                c++;
+            }
+            if (*c == '\0' || *c == '#') {
+                break;
+            }
+            /* One hash: hex digits (a 128-bit chain hash is 32; any length is taken). */
+            uint64_t h = 0xCBF29CE484222325ull;
+            size_t digits = 0;
+            for (; *c != '\0' && !isspace((unsigned char)*c); c++, digits++) {
+                if (!isxdigit((unsigned char)*c)) {
+                    err = KV_EINVAL;
+                    break;
+                }
+                h = (h ^ (uint64_t)tolower((unsigned char)*c)) * 0x100000001B3ull;
+            }
+            if (err != KV_OK || digits == 0) {
+                break;
+            }
+            if (n == rcap) {
+                uint32_t *nr = realloc(req, rcap * 2 * sizeof(uint32_t));
+                if (nr == NULL) {
+                    err = KV_ENOMEM;
+                    break;
+                }
+                req = nr;
+                rcap *= 2;
+            }
+            err = map_key(&m, h, &req[n]);
+            n++;
+        }
+        if (err == KV_OK && n > 0) {
+            err = buf_request(&b, req, (uint32_t)n);
+        }
+    }
+    if (err == KV_OK && b.t.nreq == 0) {
+        err = KV_EINVAL;
+    }
+    b.t.nkeys = m.n;
+    free(line);
+    free(req);
+    free(m.fp);
+    free(m.key);
+    fclose(f);
+    if (err != KV_OK) {
+        kvd_trace_fini(&b.t);
+        return err;
+    }
+    *out = b.t;
+    return KV_OK;
+}
+
+kv_err kvd_trace_save(const kvd_trace *t, const char *path) {
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        return KV_ESYS;
+    }
+    fprintf(f, "# kvd trace: one request per line, its block hashes in prefix order\n");
+    for (uint32_t q = 0; q < t->nreq; q++) {
+        for (uint32_t p = t->off[q]; p < t->off[q + 1]; p++) {
+            kv_hash128 h = kvd_trace_hash(t->keys[p]);
+            fprintf(f, "%s%016llx%016llx", p == t->off[q] ? "" : " ", (unsigned long long)h.hi,
+                    (unsigned long long)h.lo);
+        }
+        fputc('\n', f);
+    }
+    return fclose(f) == 0 ? KV_OK : KV_ESYS;
 }
 
 void kvd_trace_fini(kvd_trace *t) {
@@ -613,6 +1069,10 @@ static heap_ent heap_pop(heap_ent *h, size_t *n) {
     return top;
 }
 
+/* A cached key of the request being served: its heap entries are all stale (no entry carries
+ * this value), so no pop can take it, and it gets one fresh entry when the request ends. */
+#define BELADY_IN_USE (UINT64_MAX - 1)
+
 kv_err kvd_trace_belady(const kvd_trace *t, uint32_t capacity_blocks, kvd_trace_result *out) {
     if (capacity_blocks < t->max_len || capacity_blocks == 0) {
         return KV_EINVAL;
@@ -623,12 +1083,10 @@ kv_err kvd_trace_belady(const kvd_trace *t, uint32_t capacity_blocks, kvd_trace_
     uint64_t *last = malloc(((size_t)t->nkeys + 1) * sizeof(uint64_t));
     uint64_t *cur = malloc(((size_t)t->nkeys + 1) * sizeof(uint64_t)); /* next use if cached */
     uint8_t *cached = calloc((size_t)t->nkeys + 1, 1);
-    uint32_t *in_req = calloc((size_t)t->nkeys + 1, sizeof(uint32_t)); /* request + 1 */
-    /* Every access pushes one entry, and so can each set-aside entry per request. */
-    heap_ent *heap = malloc((total + (size_t)t->max_len + 1) * sizeof(heap_ent));
-    heap_ent *aside = malloc(((size_t)t->max_len + 1) * sizeof(heap_ent));
+    /* One entry per access: each access pushes one, after its request. */
+    heap_ent *heap = malloc((total + 1) * sizeof(heap_ent));
     kvd_trace_result res = {0, 0, 0};
-    if (!next || !last || !cur || !cached || !in_req || !heap || !aside) {
+    if (!next || !last || !cur || !cached || !heap) {
         err = KV_ENOMEM;
         goto cleanup;
     }
@@ -649,50 +1107,34 @@ kv_err kvd_trace_belady(const kvd_trace *t, uint32_t capacity_blocks, kvd_trace_
         res.query_blocks += hi - lo;
         res.hit_blocks += hits;
         for (uint32_t p = lo; p < hi; p++) {
-            in_req[t->keys[p]] = q + 1;
-        }
-        for (uint32_t p = lo; p < hi; p++) {
             uint32_t k = t->keys[p];
-            if (!cached[k]) {
-                if (ncached == capacity_blocks) {
-                    size_t na = 0;
-                    for (;;) {
-                        heap_ent e = heap_pop(heap, &hn);
-                        if (!cached[e.key] || cur[e.key] != e.next) {
-                            continue; /* stale */
-                        }
-                        if (in_req[e.key] == q + 1) {
-                            aside[na++] = e; /* in use by this request */
-                            continue;
-                        }
+            if (cached[k]) {
+                cur[k] = BELADY_IN_USE;
+                continue;
+            }
+            if (ncached == capacity_blocks) {
+                /* Farthest next use first; stale and in-use entries are dropped as met. A
+                 * cached key outside the request always has a current entry, and one exists
+                 * since the request (<= capacity) cannot hold every cached key and this one. */
+                for (;;) {
+                    heap_ent e = heap_pop(heap, &hn);
+                    if (cached[e.key] && cur[e.key] == e.next) {
                         cached[e.key] = 0;
                         ncached--;
                         break;
                     }
-                    for (size_t i = 0; i < na; i++) {
-                        heap_push(heap, &hn, aside[i]);
-                    }
                 }
-                cached[k] = 1;
-                ncached++;
             }
-            cur[k] = next[p];
-            heap_ent e = {next[p], k};
+            cached[k] = 1;
+            cur[k] = BELADY_IN_USE;
+            ncached++;
+        }
+        for (uint32_t p = lo; p < hi; p++) {
+            cur[t->keys[p]] = next[p]; /* a key twice in a request: the later use wins */
+        }
+        for (uint32_t p = lo; p < hi; p++) {
+            heap_ent e = {next[p], t->keys[p]};
             heap_push(heap, &hn, e);
-            if (hn > total) {
-                /* Compact: keep only current entries. */
-                size_t w = 0;
-                for (size_t i = 0; i < hn; i++) {
-                    if (cached[heap[i].key] && cur[heap[i].key] == heap[i].next) {
-                        heap[w++] = heap[i];
-                    }
-                }
-                size_t m = w;
-                hn = 0;
-                for (size_t i = 0; i < m; i++) {
-                    heap_push(heap, &hn, heap[i]);
-                }
-            }
         }
     }
     *out = res;
@@ -701,8 +1143,6 @@ cleanup:
     free(last);
     free(cur);
     free(cached);
-    free(in_req);
     free(heap);
-    free(aside);
     return err;
 }

@@ -24,6 +24,10 @@ typedef enum kvd_trace_kind {
     KVD_TRACE_SYSPROMPT = 2, /* shared system prompts + one-off questions */
     KVD_TRACE_SESSIONS = 3,  /* chat sessions in time: heavy-tailed turns and return gaps */
     KVD_TRACE_FEWSHOT = 4,   /* task instruction + examples from a shared pool + query */
+    KVD_TRACE_AGENT = 5,     /* agentic tool loops: forks, heavy-tailed tool results */
+    KVD_TRACE_RAG = 6,       /* shared document chunks in per-query order, follow-ups */
+    KVD_TRACE_PARALLEL = 7,  /* parallel samples, beams, best-of-n winners coming back */
+    KVD_TRACE_SHIFT = 8,     /* prompts + chat whose popular set is redrawn in phases */
 } kvd_trace_kind;
 
 typedef struct kvd_trace {
@@ -37,6 +41,21 @@ typedef struct kvd_trace {
 /* Generates nreq requests of the given kind from seed (same seed, same trace). KV_EINVAL for an
  * unknown kind or nreq 0, KV_ENOMEM. Free with kvd_trace_fini. */
 kv_err kvd_trace_gen(kvd_trace_kind kind, uint64_t seed, uint32_t nreq, kvd_trace *out);
+
+/* Trace files (a user's production trace, or one converted from kvd's events): text, one
+ * request per line, the request's block chain hashes in prefix order as hex strings (32 hex
+ * digits for kvd's 128-bit hashes; any length is accepted, compared exactly, case-insensitive)
+ * separated by spaces or tabs. Blank lines and anything from a '#' to the end of a line are
+ * ignored. Hashes are chain hashes, so equal strings are the same block in the same prefix
+ * context. Example, two requests sharing their first block:
+ *   # kvd trace
+ *   9a0c...31f2 44be...07aa
+ *   9a0c...31f2 0d13...e9c1 77f0...5b02
+ * load: KV_ENOENT when the file cannot be opened, KV_EINVAL for a non-hex word or a file with no
+ * request, KV_ENOMEM. Keys are numbered in order of first appearance. save: writes t in this
+ * format (kvd_trace_hash of each key); KV_ESYS. */
+kv_err kvd_trace_load(const char *path, kvd_trace *out);
+kv_err kvd_trace_save(const kvd_trace *t, const char *path);
 
 /* Frees a trace's arrays; accepts a zeroed one. */
 void kvd_trace_fini(kvd_trace *t);
