@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <openssl/evp.h>
+#include <sha2.h>
 #include <xxhash.h>
 
 /* Fixed part of the input: parent (16) + extra_len (4) + ntokens (4). */
@@ -98,11 +98,12 @@ static kv_err hash_digest(kv_hash_algo algo, const unsigned char *buf, size_t le
         out->hi = d.high64;
         return KV_OK;
     }
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int mdlen = 0;
-    if (EVP_Digest(buf, len, md, &mdlen, EVP_sha256(), NULL) != 1 || mdlen < 16) {
-        return KV_EINTERNAL;
-    }
+    /* libmd's SHA-256 (Debian libmd0): no libcrypto in libkvclient for one digest. */
+    uint8_t md[SHA256_DIGEST_LENGTH];
+    SHA2_CTX ctx;
+    SHA256Init(&ctx);
+    SHA256Update(&ctx, buf, len);
+    SHA256Final(md, &ctx);
     out->lo = get_u64le(md);
     out->hi = get_u64le(md + 8);
     return KV_OK;

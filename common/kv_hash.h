@@ -26,7 +26,7 @@ typedef struct kv_hash128 {
 
 typedef enum kv_hash_algo {
     KV_HASH_XXH3_128 = 1,   /* XXH3_128bits, seed 0 */
-    KV_HASH_SHA256_128 = 2, /* first 16 bytes of SHA-256 (OpenSSL), for crafted-collision fears */
+    KV_HASH_SHA256_128 = 2, /* first 16 bytes of SHA-256 (libmd), for crafted-collision fears */
 } kv_hash_algo;
 
 /* Largest extra key accepted per block (adapter id, multimodal hash, ...), in bytes. */

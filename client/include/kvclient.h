@@ -30,8 +30,15 @@
  * attach again (the connection reconnects by itself on the next call).
  *
  * Logging goes through the callback in kvc_options; the library never writes to stderr.
- * This is the only header of libkvclient; it includes the shared type definitions of kv_err,
- * kv_layout and kv_hash, whose functions are not part of the library's exports.
+ * This is the only header of libkvclient. In the source tree it includes the shared type
+ * definitions of common/kv_err.h, kv_hash.h and kv_layout.h; the installed kvclient.h
+ * (client/gen_public.py) carries those types itself and needs no other header. Their functions
+ * (kv_layout_init, kv_hash_chain, ...) are not part of the library: use the kvc_ calls. Each
+ * shared type also has a kvc_ name (kvc_err, kvc_layout, kvc_hash128, ...), the same type.
+ *
+ * Linking: `cc $(pkg-config --cflags --libs kvclient)` (libkvclient.so.1, which exports exactly
+ * the KVC_EXTERN functions below and needs only libc, libm, libprotobuf-c, libxxhash, libmd),
+ * or `pkg-config --static` for libkvclient.a, whose one object also defines only kvc_*.
  */
 #ifndef KVCLIENT_H
 #define KVCLIENT_H
@@ -46,6 +53,14 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* kvc_ names of the shared types. */
+typedef kv_err kvc_err;
+typedef kv_hash128 kvc_hash128;
+typedef kv_hash_algo kvc_hash_algo;
+typedef kv_layout kvc_layout;
+typedef kv_dtype kvc_dtype;
+typedef kv_arrangement kvc_arrangement;
 
 #if defined(__GNUC__)
 #define KVC_EXTERN __attribute__((visibility("default")))

@@ -10,6 +10,7 @@
 #include "daemon/app/daemon.h"
 #include "daemon/config/config.h"
 #include "daemon/ops/admin_cmds.h"
+#include "daemon/ops/man.h"
 
 int main(int argc, char **argv) {
     /* Generators of committed files (tests compare them with these outputs). */
@@ -19,6 +20,13 @@ int main(int argc, char **argv) {
     }
     if (argc == 2 && strcmp(argv[1], "--print-admin-doc") == 0) {
         kvd_admin_write_doc(stdout);
+        return 0;
+    }
+    if (argc == 2 && strncmp(argv[1], "--print-man=", 12) == 0) {
+        if (kvd_man_write(stdout, argv[1] + 12) != 0) {
+            fprintf(stderr, "kvd: --print-man takes kvd or kvctl\n");
+            return 2;
+        }
         return 0;
     }
     kvd_config cfg;
