@@ -17,7 +17,7 @@ run_one() {
         host) "$BIN_DIR/host_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
-        python) python3 bench/python_bench.py "$BIN_DIR/../daemon/kvd" \
+        python) /usr/bin/python3 bench/python_bench.py "$BIN_DIR/../daemon/kvd" \
                     "$BIN_DIR/../client/shared/libkvclient.so" "$BIN_DIR/python_c_baseline" ;;
         *)
             echo "bench/run.sh: unknown benchmark '$1' (known: ${ALL[*]})" >&2

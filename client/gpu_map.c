@@ -579,7 +579,12 @@ static void gpu_pool_unmap(kvc_pool *p) {
     p->gpu = NULL;
 }
 
+static int gpu_pool_device(const kvc_pool *p) {
+    return (int)p->gpu->dev;
+}
+
 const kvc__gpu_ops kvc__gpu_mapper = {
     .map_segment = gpu_map_segment,
     .unmap = gpu_pool_unmap,
+    .device = gpu_pool_device,
 };

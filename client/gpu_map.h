@@ -37,7 +37,8 @@
  *    which.
  *  - unmap: unmaps every GPU mapping of the pool (closes IPC handles, frees reserved ranges,
  *    releases a retained primary context) and leaves its segment bases and layer_base NULL.
- *    No-op for host pools. */
+ *    No-op for host pools.
+ *  - device: the CUDA device ordinal the pool's mappings live on (a GPU pool). */
 extern const kvc__gpu_ops kvc__gpu_mapper;
 
 #endif

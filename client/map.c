@@ -25,6 +25,57 @@ static uint64_t page_size(void) {
     return ps > 0 ? (uint64_t)ps : 4096;
 }
 
+/* A host range that no longer shows pool memory but stays mapped until detach. */
+struct kvc__retired {
+    void *base;
+    uint64_t bytes;
+    struct kvc__retired *next;
+};
+
+/* Replaces [base, base + bytes) with private anonymous memory (so the segment's memfd is no
+ * longer referenced, and an address the engine still holds reads zeros instead of faulting) and
+ * remembers the range for kvc__pool_unmap. Unmaps it when that is not possible. */
+static void retire_range(kvc_pool *p, void *base, uint64_t bytes) {
+    struct kvc__retired *r = malloc(sizeof(*r));
+    void *m = r == NULL ? MAP_FAILED
+                        : mmap(base, (size_t)bytes, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (m == MAP_FAILED) {
+        free(r);
+        munmap(base, (size_t)bytes);
+        return;
+    }
+    r->base = base;
+    r->bytes = bytes;
+    r->next = p->retired;
+    p->retired = r;
+}
+
+static void drop_retired(kvc_pool *p) {
+    while (p->retired != NULL) {
+        struct kvc__retired *r = p->retired;
+        p->retired = r->next;
+        munmap(r->base, (size_t)r->bytes);
+        free(r);
+    }
+}
+
+/* Layer tensors can no longer be kept (a section that cannot be mapped in place): the ranges
+ * become anonymous memory until detach, and kvc_pool_layer_base answers NULL from now on. */
+static void disable_layers(kvc_pool *p) {
+    if (p->layer_base == NULL || p->layers_off) {
+        return;
+    }
+    for (uint32_t i = 0; i < p->layout.num_layers * 2; i++) {
+        if (p->layer_base[i] != NULL) {
+            void *m = mmap(p->layer_base[i], (size_t)p->layer_range_bytes, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            (void)m; /* on failure the old mapping stays: still valid memory */
+        }
+    }
+    p->layers_off = 1;
+}
+
 void kvc__pool_drop_layers(kvc_pool *p) {
     if (p->layer_base == NULL) {
         return;
@@ -56,6 +107,7 @@ void kvc__pool_unmap(kvc_pool *p) {
         p->segs = NULL;
     }
     kvc__pool_drop_layers(p);
+    drop_retired(p);
     p->nsegs = 0;
 }
 
@@ -142,7 +194,13 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
                          seg, (unsigned long long)bytes, nblocks);
     }
     int prot = read_only ? PROT_READ : PROT_READ | PROT_WRITE;
-    void *base = mmap(NULL, (size_t)bytes, prot, MAP_SHARED, fd, 0);
+    kvc__segment *s = &p->segs[seg];
+    /* The daemon freed this segment and grew a new one at the same index. Addresses the engine
+     * was given stay valid until detach (kvclient.h): the new segment is mapped over the old
+     * range when it fits; otherwise it goes elsewhere and the old range is retired. */
+    int in_place = s->base != NULL && bytes <= s->bytes;
+    void *base = mmap(in_place ? s->base : NULL, (size_t)bytes, prot,
+                      MAP_SHARED | (in_place ? MAP_FIXED : 0), fd, 0);
     if (base == MAP_FAILED) {
         int e = errno;
         kvc__log(p->diag, KVC_LOG_ERROR, "KVC-POOL-MMAP", "mmap of segment %u (%llu bytes): %s",
@@ -150,19 +208,28 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
         return kvc__fail(p->diag, KV_ESYS, "mmap of segment %u (%llu bytes): %s", seg,
                          (unsigned long long)bytes, strerror(e));
     }
-    kvc__segment *s = &p->segs[seg];
-    if (s->base != NULL) {
-        /* The daemon freed this segment and grew a new one at the same index. */
-        munmap(s->base, s->bytes);
+    if (in_place) {
+        uint64_t pg = page_size();
+        uint64_t end = (bytes + pg - 1) / pg * pg;
+        if (end < s->bytes) {
+            /* the old segment was longer: its tail shows zeros now, still ours until detach */
+            void *m = mmap(s->base + end, (size_t)(s->bytes - end), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            (void)m; /* on failure the tail keeps the old segment's pages: valid memory */
+        }
+    } else {
+        if (s->base != NULL) {
+            retire_range(p, s->base, s->bytes);
+        }
+        s->base = base;
+        s->bytes = bytes;
     }
-    s->base = base;
-    s->bytes = bytes;
     s->nblocks = nblocks;
     s->read_only = read_only;
     if (seg + 1 > p->nsegs) {
         p->nsegs = seg + 1;
     }
-    if (p->layer_base == NULL || seg >= layer_segments(p)) {
+    if (p->layer_base == NULL || p->layers_off || seg >= layer_segments(p)) {
         return KV_OK;
     }
     uint64_t stride = (uint64_t)p->blocks_per_segment * l->kv_block_bytes;
@@ -189,7 +256,7 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
     }
     return KV_OK;
 no_layers:
-    kvc__pool_drop_layers(p);
+    disable_layers(p);
     return KV_OK;
 }
 

@@ -24,7 +24,7 @@
 /* One mapped segment of a pool. */
 typedef struct kvc__segment {
     uint8_t *base;    /* whole-segment mapping (a device address for GPU pools), NULL: none */
-    uint64_t bytes;   /* mapped length */
+    uint64_t bytes;   /* mapped length (host: the range owned, at least the segment's bytes) */
     uint32_t nblocks; /* blocks in the segment */
     int read_only;    /* mapped PROT_READ (advisory for GPU memory) */
 } kvc__segment;
@@ -38,6 +38,7 @@ typedef struct kvc__gpu_ops {
                           const unsigned char *device_uuid);
     /* Unmaps every GPU mapping of p and frees p->gpu (leaves segment bases NULL). */
     void (*unmap)(kvc_pool *p);
+    int (*device)(const kvc_pool *p);
 } kvc__gpu_ops;
 
 struct kvc_pool {
@@ -54,6 +55,10 @@ struct kvc_pool {
     kvc__segment *segs;            /* [max_segments] */
     uint8_t **layer_base;          /* LAYER_MAJOR: [num_layers * 2] reserved ranges, else NULL */
     uint64_t layer_range_bytes;    /* bytes reserved per (layer, kv) range */
+    int layers_off;                /* layer ranges kept (addresses handed out stay valid) but no
+                                      longer the pool's memory: kvc_pool_layer_base says NULL */
+    struct kvc__retired *retired;  /* host ranges no longer mapped to the pool (anonymous memory
+                                      so old addresses stay valid), unmapped at detach */
     kv_hash128 seed;               /* hash chain seed */
     int hash_algo;                 /* kv_hash_algo */
     uint64_t epoch;                /* boot epoch it was attached under */

@@ -152,7 +152,8 @@ void *kvc_pool_segment_base(const kvc_pool *p, uint32_t seg, uint32_t *nblocks) 
 }
 
 void *kvc_pool_layer_base(const kvc_pool *p, uint32_t layer, int kv) {
-    if (p->layer_base == NULL || layer >= p->layout.num_layers || (kv != KV_K && kv != KV_V)) {
+    if (p->layer_base == NULL || p->layers_off || layer >= p->layout.num_layers ||
+        (kv != KV_K && kv != KV_V)) {
         return NULL;
     }
     return p->layer_base[layer * 2 + (uint32_t)kv];
@@ -217,6 +218,10 @@ kv_err kvc_pool_copy_blocks(kvc_pool *p, const int32_t *src, const int32_t *dst,
         }
     }
     return KV_OK;
+}
+
+int kvc_pool_device(const kvc_pool *p) {
+    return p->gpu != NULL && p->gpu_ops != NULL ? p->gpu_ops->device(p) : -1;
 }
 
 int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block) {

@@ -104,6 +104,49 @@ static void test_remap_replaces_segment(void **state) {
     kvc__pool_unmap(&p);
 }
 
+/* An address handed out stays valid until detach (kvclient.h), whatever the daemon does to the
+ * segment under it: a same-size replacement shows the new segment at the same address; a bigger
+ * one moves, and the old range reads zeros (no longer the daemon's memory) instead of faulting. */
+static void test_addresses_survive_replacement(void **state) {
+    (void)state;
+    kv_layout l;
+    assert_int_equal(kv_layout_init(1, 1, 128, 16, KV_DTYPE_FP16, KV_BLOCK_MAJOR, &l), KV_OK);
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, 2, 4), KV_OK);
+    uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, 2));
+    int a = make_memfd(seg_bytes), b = make_memfd(seg_bytes), c = make_memfd(4 * seg_bytes);
+    assert_int_equal(kvc__pool_map_segment(&p, 0, a, seg_bytes, 2, 0), KV_OK);
+    uint32_t *old = kvc_pool_addr(&p, 1, 0, KV_V, 3, 0);
+    *old = 0xabcd;
+    /* same size: in place */
+    assert_int_equal(kvc__pool_map_segment(&p, 0, b, seg_bytes, 2, 0), KV_OK);
+    assert_ptr_equal(kvc_pool_addr(&p, 1, 0, KV_V, 3, 0), old);
+    assert_int_equal(*old, 0);
+    *old = 0x1234; /* lands in b */
+    uint32_t in_b;
+    assert_int_equal(
+        pread(b, &in_b, sizeof(in_b), (off_t)kv_layout_offset(&l, 2, 1, 0, KV_V, 3, 0)),
+        (ssize_t)sizeof(in_b));
+    assert_int_equal(in_b, 0x1234);
+    /* bigger: moves; the old address is still readable and writable memory */
+    assert_int_equal(kvc__pool_map_segment(&p, 0, c, 4 * seg_bytes, 2, 0), KV_OK);
+    uint32_t *now = kvc_pool_addr(&p, 1, 0, KV_V, 3, 0);
+    assert_ptr_not_equal(now, old);
+    assert_int_equal(*old, 0);
+    *old = 7;
+    assert_int_equal(*now, 0);
+    /* and the retired range no longer holds b's memory: b is unchanged by the write */
+    assert_int_equal(
+        pread(b, &in_b, sizeof(in_b), (off_t)kv_layout_offset(&l, 2, 1, 0, KV_V, 3, 0)),
+        (ssize_t)sizeof(in_b));
+    assert_int_equal(in_b, 0x1234);
+    close(a);
+    close(b);
+    close(c);
+    kvc__pool_unmap(&p);
+}
+
 static void test_block_major_and_scales(void **state) {
     (void)state;
     kv_layout l;
@@ -166,6 +209,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layer_major_views_agree),
         cmocka_unit_test(test_remap_replaces_segment),
+        cmocka_unit_test(test_addresses_survive_replacement),
         cmocka_unit_test(test_block_major_and_scales),
         cmocka_unit_test(test_hash_helpers_match_spec),
     };

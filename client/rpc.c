@@ -1351,6 +1351,19 @@ kv_err kvc_batch_run(kvc_batch *b) {
     return kvc_batch_wait(b);
 }
 
+kv_err kvc_batch_first_error(const kvc_batch *b, size_t *index) {
+    for (size_t i = 0; i < b->nops; i++) {
+        kv_err st = b->ops[i].done ? b->ops[i].status : KV_ESTATE;
+        if (st != KV_OK) {
+            if (index != NULL) {
+                *index = i;
+            }
+            return st;
+        }
+    }
+    return KV_OK;
+}
+
 kv_err kvc_batch_status(const kvc_batch *b, size_t index) {
     if (index >= b->nops) {
         return KV_EINVAL;

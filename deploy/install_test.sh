@@ -49,7 +49,7 @@ if bash "$here/install.sh" --destdir="$R" --prefix=/usr "${args[@]}" >"$base/ins
 else
     cat "$base/install.log"; bad "install.sh failed"; finish
 fi
-if nm -D "${f[so]}" 2>/dev/null | grep -qE ' U __(asan|tsan|ubsan)_'; then
+if nm -D "${f[so]}" 2>/dev/null >"$base/so.syms"; grep -qE " U __(asan|tsan|ubsan)_" "$base/so.syms"; then
     echo "sanitizer build: the installed objects need the sanitizer runtime; only the layout is checked"
     finish
 fi

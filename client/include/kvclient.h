@@ -19,7 +19,9 @@
  * Threads: a kvc_conn, and the pools, sequences and batches made from it, are used by one
  * thread at a time (the library takes no locks; use one connection per thread, or serialise
  * calls on a shared one). The memory a pool maps, and the addresses kvc_pool_addr and friends
- * return, may be read and written from any thread; they stay valid until the pool is detached.
+ * return, may be read and written from any thread; they stay valid until the pool is detached
+ * (host pools: when kvd frees a segment and grows another at its index, the old addresses show
+ * the new segment, or zeros where it could not be mapped there; never unmapped memory).
  *
  * Errors: calls return a kv_err (common/kv_err.h; KV_OK is 0; kvc_err_name and kvc_strerror
  * name and describe one). Every failing call records a sentence: the daemon's message or the
@@ -226,6 +228,11 @@ KVC_EXTERN float *kvc_pool_scale_addr(const kvc_pool *p, uint32_t block, uint32_
 KVC_EXTERN kv_err kvc_pool_copy_blocks(kvc_pool *p, const int32_t *src, const int32_t *dst,
                                        size_t n);
 
+/* Where the pool's memory is: -1 for host memory (memfd; plain pointers), else the CUDA device
+ * ordinal its mappings live on (addresses are device pointers, for DLPack kDLCUDA and cudaMemcpy
+ * with that device current). */
+KVC_EXTERN int kvc_pool_device(const kvc_pool *p);
+
 /* 1 when the segment holding block was mapped read-only (a shared domain this tenant may only
  * read); 0 otherwise. */
 KVC_EXTERN int kvc_pool_block_read_only(const kvc_pool *p, uint32_t block);
@@ -391,6 +398,11 @@ KVC_EXTERN kv_err kvc_batch_run(kvc_batch *b);
 
 /* The result of request index (KV_EINVAL for an index never queued). */
 KVC_EXTERN kv_err kvc_batch_status(const kvc_batch *b, size_t index);
+
+/* KV_OK when every queued request succeeded; else the status of the first that did not (KV_ESTATE
+ * for one not completed) and *index (if not NULL) its index: one call instead of a status per
+ * request. */
+KVC_EXTERN kv_err kvc_batch_first_error(const kvc_batch *b, size_t *index);
 
 /* ---- Sequences ------------------------------------------------------------------------ */
 

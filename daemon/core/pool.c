@@ -46,7 +46,13 @@ enum {
     LIST_INNER = 8,  /* CACHED, unpinned, with a cached child: leaf policies evict it last */
     LIST_AREC = 9,   /* CACHED, unpinned leaf, ADAPTIVE: not reused since it entered */
     LIST_AFREQ = 10, /* CACHED, unpinned leaf, ADAPTIVE: reused (or a ghost hit) */
-    LIST_COUNT = 11,
+    LIST_COUNT = 11, /* the pool-wide lists (lists[]); the aside lists follow, per tenant */
+    /* CACHED, unpinned, skipped for its tenant's guarantee at the head of eviction queue 0, 1
+     * or 2 (evict_queue): on the tenant's own aside list for that queue (aside[]) */
+    LIST_ASIDE0 = 11,
+    LIST_ASIDE1 = 12,
+    LIST_ASIDE2 = 13,
+    LIST_ALL = 14,
 };
 
 #define BLOCK_PINNED 0x01u  /* flags: pin set (may have expired if the block is referenced) */
@@ -89,13 +95,15 @@ typedef struct pool_list {
 } pool_list;
 
 typedef struct pool_segment {
-    pool_block *blocks;  /* blocks_per_segment records; NULL for an empty slot */
-    kvd_segment_mem mem; /* backend memory */
-    uint32_t nfree;      /* FREE blocks */
-    uint32_t nevict;     /* CACHED unpinned blocks */
-    uint32_t next_gen;   /* first generation of the slot's blocks when grown again */
-    uint32_t serial;     /* which segment of the pool's life this is (kvd_pool_segment_serial) */
-    int parked;          /* memory discarded, blocks FREE on no list (kvd_pool_park) */
+    pool_block *blocks;   /* blocks_per_segment records; NULL for an empty slot */
+    kvd_segment_mem mem;  /* backend memory */
+    uint32_t nfree;       /* FREE blocks */
+    uint32_t nevict;      /* CACHED unpinned blocks */
+    uint32_t ngcached;    /* of them, blocks of tenants with a guarantee (park_candidate) */
+    uint64_t last_access; /* newest last_access of its blocks since it was grown */
+    uint32_t next_gen;    /* first generation of the slot's blocks when grown again */
+    uint32_t serial;      /* which segment of the pool's life this is (kvd_pool_segment_serial) */
+    int parked;           /* memory discarded, blocks FREE on no list (kvd_pool_park) */
 } pool_segment;
 
 struct kvd_pool {
@@ -126,6 +134,9 @@ struct kvd_pool {
     uint32_t *tevict;          /* [ntcap * NQUEUE] evictable blocks per tenant and queue
                                   (evict_queue) */
     uint16_t *gtenants;        /* [ntcap] the first nguarantee: tenants with a guarantee */
+    pool_list *aside;          /* [ntcap * NQUEUE] blocks skipped for the tenant's guarantee,
+                                  per queue, in the order they reached the head (pick_victim) */
+    uint64_t n_aside[NQUEUE];  /* blocks on the aside lists, per queue */
     uint32_t ntcap;            /* tenant ids the arrays cover */
     uint32_t nguarantee;       /* tenants with a guarantee */
     uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
@@ -234,6 +245,15 @@ static kv_err tenant_room(kvd_pool *p, uint32_t t) {
         return KV_ENOMEM;
     }
     p->gtenants = gt;
+    pool_list *al = realloc(p->aside, sizeof(*al) * cap * NQUEUE);
+    if (al == NULL) {
+        return KV_ENOMEM;
+    }
+    p->aside = al;
+    for (uint32_t i = p->ntcap * NQUEUE; i < cap * NQUEUE; i++) {
+        al[i].head = al[i].tail = KVD_NO_BLOCK;
+        al[i].len = 0;
+    }
     memset(u + p->ntcap, 0, sizeof(*u) * (cap - p->ntcap));
     memset(g + p->ntcap, 0, sizeof(*g) * (cap - p->ntcap));
     memset(e + p->ntcap * NQUEUE, 0, sizeof(*e) * (cap - p->ntcap) * NQUEUE);
@@ -270,6 +290,10 @@ static inline int evict_queue(int which) {
             return 1;
         case LIST_INNER:
             return 2;
+        case LIST_ASIDE0:
+        case LIST_ASIDE1:
+        case LIST_ASIDE2:
+            return which - LIST_ASIDE0;
         default:
             return -1;
     }
@@ -280,14 +304,25 @@ static inline void tevict_add(kvd_pool *p, int which, const pool_block *b, int d
     if (q >= 0) {
         p->tevict[(uint32_t)b->tenant * NQUEUE + (uint32_t)q] += (uint32_t)delta;
     }
-    if (which == LIST_INNER) {
+    if (which == LIST_INNER || which == LIST_ASIDE2) {
         p->inner_home[(b->flags & BLOCK_HOME2) ? 1 : 0] += (uint64_t)(int64_t)delta;
     }
+    if (which >= LIST_ASIDE0) {
+        p->n_aside[which - LIST_ASIDE0] += (uint64_t)(int64_t)delta;
+    }
+}
+
+/* The list a block of tenant b->tenant on list `which` is linked on. */
+static inline pool_list *list_of(kvd_pool *p, int which, const pool_block *b) {
+    if (which < LIST_COUNT) {
+        return &p->lists[which];
+    }
+    return &p->aside[(uint32_t)b->tenant * NQUEUE + (uint32_t)(which - LIST_ASIDE0)];
 }
 
 static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
     tevict_add(p, which, b, 1);
-    pool_list *l = &p->lists[which];
+    pool_list *l = list_of(p, which, b);
     b->list = (uint8_t)which;
     b->next = KVD_NO_BLOCK;
     b->prev = l->tail;
@@ -302,7 +337,7 @@ static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
 
 static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
     tevict_add(p, which, b, 1);
-    pool_list *l = &p->lists[which];
+    pool_list *l = list_of(p, which, b);
     b->list = (uint8_t)which;
     b->prev = KVD_NO_BLOCK;
     b->next = l->head;
@@ -316,7 +351,7 @@ static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_bloc
 }
 
 static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
-    pool_list *l = &p->lists[b->list];
+    pool_list *l = list_of(p, b->list, b);
     KV_ASSERT(b->list != LIST_NONE && l->len > 0);
     tevict_add(p, b->list, b, -1);
     if (b->prev != KVD_NO_BLOCK) {
@@ -359,7 +394,7 @@ static inline pool_block *free_pop(kvd_pool *p, uint32_t *id_out) {
 static uint64_t evictable_count(const kvd_pool *p) {
     return p->lists[LIST_LRU].len + p->lists[LIST_SMALL].len + p->lists[LIST_MAIN].len +
            p->lists[LIST_PLRU].len + p->lists[LIST_INNER].len + p->lists[LIST_AREC].len +
-           p->lists[LIST_AFREQ].len;
+           p->lists[LIST_AFREQ].len + p->n_aside[0] + p->n_aside[1] + p->n_aside[2];
 }
 
 /* S3-FIFO and ADAPTIVE evict only leaves of the cached prefix tree: a block that a cached or

@@ -550,10 +550,9 @@ class Pool:
         self.hash_algo = lib.kvc_pool_hash_algo(ptr)
         seed = lib.kvc_pool_hash_seed(ptr)
         self.hash_seed = (seed.lo, seed.hi)
-        # kvclient.h has no call naming the memory kind; kvc_pool_copy_blocks answers ENOTSUP
-        # exactly for GPU pools (and copies nothing for n = 0).
-        self.is_device = lib.kvc_pool_copy_blocks(ptr, None, None, 0) == _KV_ENOTSUP
-        self._device_id = None
+        dev = lib.kvc_pool_device(ptr)  # -1: host memory, else the CUDA device ordinal
+        self.is_device = dev >= 0
+        self._device_id = dev if dev >= 0 else None
         self._layer_views = {}  # (layer, kv) -> (nblocks, ndarray)
         self._linked = None
         self._tpb = self.layout.tokens_per_block
@@ -1055,25 +1054,10 @@ class Batch:
 
     def check(self):
         """After run()/wait(): raises the KvdError of the first request that failed."""
-        st, bp = _lib.raw.kvc_batch_status, self._cv
-        failed = []
-        for r in self._reqs:
-            if lib.kvc_batch_status(self._ptr, r.index):
-                failed.append(r.index)
-                break
-        for kind, first, outs, nh, _ in self._fixups:
-            if kind == "lookup":
-                if _UNSET in nh:  # hit counts left unwritten: those requests failed
-                    failed.append(first + list(nh).index(_UNSET))
-            else:
-                for i in _indices(first + nh)[first:]:
-                    if st(bp, i):
-                        failed.append(i.value)
-                        break
-        if failed:
-            index = min(failed)
-            rc = lib.kvc_batch_status(self._ptr, index)
-            raise error_class(rc)(rc, None, "batch request %d" % index)
+        idx = c_size_t(0)
+        rc = lib.kvc_batch_first_error(self._ptr, ctypes.byref(idx))  # one call for all
+        if rc:
+            raise error_class(rc)(rc, None, "batch request %d" % idx.value)
 
     def _fix(self):
         for r in self._reqs:

@@ -9,6 +9,10 @@ from kvclient import K, V
 SHAPE = dict(layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16")
 
 
+def lib_device(pool):
+    return kvclient._lib_handle.kvc_pool_device(pool._ptr)
+
+
 def test_connection_options_and_identity(kvd):
     logs = []
     with kvclient.Connection(kvd.sock, client_name="pyclient-7", timeout_ms=5000,
@@ -42,6 +46,7 @@ def test_attach_reports_the_layout(conn, model_id):
     assert lay == kvclient.Layout(2, 2, 8, 4, "fp16")
     assert p.id > 0 and p.blocks_per_segment > 0 and p.max_blocks >= p.blocks_per_segment
     assert p.segments >= 1 and not p.stale and not p.read_only and not p.is_device
+    assert lib_device(p) == -1  # kvc_pool_device: host memory
     assert p.linked == [] and p.find(p.id) is p and p.owner is p
     assert not p.layout_conflict
     assert conn.stats(p)["pool.id"] == p.id
