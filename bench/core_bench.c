@@ -556,7 +556,8 @@ static void bench_traces(int quick, uint64_t seed) {
            "Re-commits: commits that found their block already cached (a block cached behind a\n"
            "hole in its prefix, unreachable by lookups); the leaf policies have none by design.\n"
            "ADAPTIVE evicts only leaves of the cached prefix tree, from an ARC-style recency or\n"
-           "frequency side whose target sizes move with ghost hits (pool.h).\n\n");
+           "frequency side; where its ghost-driven bias and LRU disagree, the rule whose victims\n"
+           "came back less often decides (pool.h).\n\n");
 }
 
 /* A user's trace file (evict_trace.h's text format) at the same three sizes. */

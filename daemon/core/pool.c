@@ -146,6 +146,11 @@ struct kvd_pool {
     int defer_leaves;          /* an admin walk runs: child_removed leaves inner blocks be */
     uint64_t arc_p;            /* ADAPTIVE: unused (ARC's target size; see adaptive_admit) */
     int64_t arc_bias;          /* ADAPTIVE: clock units added to the recency side's ages */
+    uint8_t pending_rule;      /* ADAPTIVE: rule that chose the victim being evicted (0: both
+                                  rules agreed, 1: LRU's, 2: the biased one) */
+    uint64_t rule_n[2];        /* ADAPTIVE: victims chosen by the LRU rule / the biased rule
+                                  where the two disagreed (decayed) */
+    uint64_t rule_back[2];     /* ADAPTIVE: of them, committed again within the ghost's reach */
     uint64_t ghost_n[2];       /* ADAPTIVE: recent evictions by side, decayed (ARC's |B1|, |B2|) */
     uint64_t ghost_hits[2];    /* ADAPTIVE: commits of a hash in the ghost, by side it left */
     uint64_t queries;          /* lookups */
@@ -425,29 +430,37 @@ static inline uint64_t ghost_fp(const pool_block *b) {
 }
 
 /* Tag bit 0 marks a used slot, bit 1 the side the block left from (ADAPTIVE). */
-static void ghost_insert(kvd_pool *p, const pool_block *b, int side) {
+static void ghost_insert(kvd_pool *p, const pool_block *b, int side, int rule) {
     if (p->ghost == NULL) {
         return;
     }
     uint64_t fp = ghost_fp(b);
-    uint64_t tag = ((fp >> 32) & ~(uint64_t)3) | 1u | (uint64_t)side << 1;
+    uint64_t tag =
+        ((fp >> 32) & ~(uint64_t)15) | 1u | (uint64_t)side << 1 | (uint64_t)(rule & 3) << 2;
     p->ghost[fp & p->ghost_mask] = tag << 32 | p->ghost_seq++;
 }
 
 /* A ghost entry counts while fewer evictions than the pool has blocks happened since: the side
  * it was evicted from (0 or 1), or -1 when the block is not in the ghost. */
-static int ghost_side(const kvd_pool *p, const pool_block *b) {
+static int ghost_side_rule(const kvd_pool *p, const pool_block *b, int *rule) {
     if (p->ghost == NULL) {
         return -1;
     }
     uint64_t fp = ghost_fp(b);
     uint64_t e = p->ghost[fp & p->ghost_mask];
-    uint64_t tag = ((fp >> 32) & ~(uint64_t)3) | 1u;
+    uint64_t tag = ((fp >> 32) & ~(uint64_t)15) | 1u;
     uint32_t age = p->ghost_seq - (uint32_t)e;
-    if (((e >> 32) & ~(uint64_t)2) != tag || (uint64_t)age > (uint64_t)p->nsegs * p->bps) {
+    if (((e >> 32) & ~(uint64_t)14) != tag || (uint64_t)age > (uint64_t)p->nsegs * p->bps) {
         return -1;
     }
+    if (rule != NULL) {
+        *rule = (int)((e >> 34) & 3u);
+    }
     return (int)((e >> 33) & 1u);
+}
+
+static int ghost_side(const kvd_pool *p, const pool_block *b) {
+    return ghost_side_rule(p, b, NULL);
 }
 
 static int ghost_has(const kvd_pool *p, const pool_block *b) {
@@ -497,20 +510,39 @@ static void adaptive_evicted(kvd_pool *p, int side) {
     }
 }
 
-/* ADAPTIVE's choice between the sides' oldest leaves: the older one goes (LRU over all leaves)
- * after the recency side's age is shifted by arc_bias clock units (ghost hits move it). */
-static int adaptive_rec_first(const kvd_pool *p, uint32_t rec, uint32_t freq) {
-    int64_t ra = (int64_t)blk_at(p, rec)->last_access + p->arc_bias;
+/* ADAPTIVE's choice between the sides' oldest leaves: 1 to evict the recency side's. Two rules:
+ * LRU's (the older goes) and the biased one (the recency side's age shifted by arc_bias, which
+ * ghost hits move). Where they disagree, the rule that chose is recorded with the victim in the
+ * ghost, and a victim committed again within the ghost's reach counts against its rule
+ * (adaptive_admit); the rule whose victims came back less often decides (LRU's until the
+ * biased one has shown it does better, so at worst this is close to LRU over the leaves). Two
+ * 32nds of the disagreements, by the recency head's hash, always take one rule each, so both
+ * keep being measured. */
+static int adaptive_rec_first(kvd_pool *p, uint32_t rec, uint32_t freq) {
+    int64_t ra = (int64_t)blk_at(p, rec)->last_access;
     int64_t fa = (int64_t)blk_at(p, freq)->last_access;
-    return ra <= fa;
+    int lru = ra <= fa, biased = ra + p->arc_bias <= fa;
+    if (lru == biased) {
+        return lru;
+    }
+    uint32_t sample = (uint32_t)(ghost_fp(blk_at(p, rec)) >> 40) & 31u;
+    int use_bias = sample == 0   ? 0
+                   : sample == 1 ? 1
+                                 : p->rule_back[1] * p->rule_n[0] < p->rule_back[0] * p->rule_n[1];
+    p->pending_rule = (uint8_t)(1 + use_bias);
+    return use_bias ? biased : lru;
 }
 
 /* A block was just committed: a ghost hit moves the target and admits it to the frequency side
  * (it was used twice within the ghost's reach). */
 static void adaptive_admit(kvd_pool *p, pool_block *b) {
-    int side = ghost_side(p, b);
+    int rule = 0;
+    int side = ghost_side_rule(p, b, &rule);
     if (side < 0) {
         return;
+    }
+    if (rule == 1 || rule == 2) {
+        p->rule_back[rule - 1]++;
     }
     p->ghost_hits[side]++;
     /* The step: a 32nd of the span of ages the leaves cover (clock units differ between the
@@ -544,9 +576,25 @@ static int tenant_protected(const kvd_pool *p, const pool_block *b) {
     return g != 0 && p->tenants[b->tenant].cached <= g;
 }
 
+/* A block of seg goes onto (delta 1) or off (-1) the eviction order: the segment's counts that
+ * kvd_pool_park_candidate decides on without walking its blocks. */
+static inline void seg_evictable(kvd_pool *p, pool_segment *seg, const pool_block *b, int delta) {
+    seg->nevict += (uint32_t)delta;
+    if (p->nguarantee > 0 && p->guarantee[b->tenant] != 0) {
+        seg->ngcached += (uint32_t)delta;
+    }
+}
+
+/* A block of seg was used now (its last_access set): the segment's newest access. */
+static inline void seg_touch(const kvd_pool *p, pool_segment *seg) {
+    if (p->now > seg->last_access) {
+        seg->last_access = p->now;
+    }
+}
+
 /* Puts an unpinned block that just became CACHED (or was unpinned) into the eviction order. */
 static void evict_order_insert(kvd_pool *p, uint32_t id, pool_block *b) {
-    seg_of(p, id)->nevict++;
+    seg_evictable(p, seg_of(p, id), b, 1);
     if (p->cfg.policy == KVD_EVICT_LRU) {
         list_push_tail(p, LIST_LRU, id, b);
         return;
@@ -581,7 +629,7 @@ static void inner_to_leaf(kvd_pool *p, uint32_t id, pool_block *b) {
 /* Leaf policies: a CACHED leaf got a child (a commit named it parent): it waits on the inner
  * list from now on, keeping its queue. */
 static void leaf_to_inner(kvd_pool *p, uint32_t id, pool_block *b) {
-    int home = b->list == LIST_MAIN || b->list == LIST_AFREQ;
+    int home = b->list == LIST_MAIN || b->list == LIST_AFREQ || b->list == LIST_ASIDE1;
     list_remove(p, id, b);
     if (home) {
         b->flags |= BLOCK_HOME2;
@@ -673,7 +721,8 @@ static void child_removed(kvd_pool *p, pool_block *b) {
     if (pb == NULL || pb->nchild == 0 || pb->nchild == UINT8_MAX) {
         return;
     }
-    if (--pb->nchild == 0 && pb->list == LIST_INNER && !p->defer_leaves) {
+    if (--pb->nchild == 0 && (pb->list == LIST_INNER || pb->list == LIST_ASIDE2) &&
+        !p->defer_leaves) {
         inner_to_leaf(p, b->parent, pb);
     }
 }
@@ -681,22 +730,34 @@ static void child_removed(kvd_pool *p, pool_block *b) {
 /* Takes a CACHED unpinned block out of the index and the eviction order, back to FREE. */
 static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
-    int side = b->list == LIST_INNER                           ? (b->flags & BLOCK_HOME2) != 0
-               : b->list == LIST_MAIN || b->list == LIST_AFREQ ? 1
-                                                               : 0;
-    int ghosted = p->cfg.policy == KVD_EVICT_ADAPTIVE ||
-                  (p->cfg.policy == KVD_EVICT_S3FIFO && b->list == LIST_SMALL);
+    int side = b->list == LIST_INNER || b->list == LIST_ASIDE2 ? (b->flags & BLOCK_HOME2) != 0
+               : b->list == LIST_MAIN || b->list == LIST_AFREQ || b->list == LIST_ASIDE1 ? 1
+                                                                                         : 0;
+    int ghosted =
+        p->cfg.policy == KVD_EVICT_ADAPTIVE ||
+        (p->cfg.policy == KVD_EVICT_S3FIFO && (b->list == LIST_SMALL || b->list == LIST_ASIDE0));
     list_remove(p, id, b);
     kv_err err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
     KV_ASSERT(err == KV_OK);
     if (ghosted) {
-        ghost_insert(p, b, side);
+        int rule = p->pending_rule;
+        p->pending_rule = 0;
+        ghost_insert(p, b, side, rule);
         if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
             adaptive_evicted(p, side);
+            if (rule == 1 || rule == 2) {
+                p->rule_n[rule - 1]++;
+                if (p->rule_n[0] + p->rule_n[1] > pool_capacity(p)) {
+                    for (int i = 0; i < 2; i++) {
+                        p->rule_n[i] /= 2;
+                        p->rule_back[i] /= 2;
+                    }
+                }
+            }
         }
     }
     child_removed(p, b);
-    seg_of(p, id)->nevict--;
+    seg_evictable(p, seg_of(p, id), b, -1);
     p->n_cached--;
     p->tenants[b->tenant].cached--;
     block_to_free(p, id, b);
@@ -710,9 +771,10 @@ static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reaso
 
 /* Takes a reference on a COMMITTED or CACHED block for tenant. */
 static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
+    pool_segment *seg = seg_of(p, id);
     if (b->state == KVD_BLOCK_CACHED) {
         if (b->list != LIST_PINNED) {
-            seg_of(p, id)->nevict--;
+            seg_evictable(p, seg, b, -1);
         }
         list_remove(p, id, b);
         b->state = KVD_BLOCK_COMMITTED;
@@ -728,6 +790,7 @@ static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
         b->freq++;
     }
     b->last_access = p->now;
+    seg_touch(p, seg);
     p->tenants[tenant].held++;
 }
 
@@ -746,6 +809,7 @@ static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     }
     b->state = KVD_BLOCK_CACHED;
     b->last_access = p->now;
+    seg_touch(p, seg_of(p, id));
     p->n_committed--;
     p->n_cached++;
     p->tenants[b->tenant].cached++;
@@ -790,7 +854,7 @@ static void pin_sweep(kvd_pool *p) {
     p->min_pin_expiry = next;
 }
 
-/* Moves the head of list `which` to its tail (a second chance or a protected skip). */
+/* Moves the head of list `which` to the tail of list `to` (a second chance). */
 static void list_rotate(kvd_pool *p, int which, int to) {
     uint32_t id = p->lists[which].head;
     pool_block *b = blk_at(p, id);
@@ -798,76 +862,111 @@ static void list_rotate(kvd_pool *p, int which, int to) {
     list_push_tail(p, to, id, b);
 }
 
-/* Evictable blocks of protected tenants (under their guaranteed share) per queue (0: S3-FIFO
- * small, 1: the other eviction list). O(tenants with a guarantee). */
-static void protected_counts(const kvd_pool *p, uint64_t prot[NQUEUE]) {
+/* A block of a tenant under its guaranteed share reached the head of eviction list `which`: it
+ * moves to the tenant's aside list for that queue, where no later pick meets it again while
+ * the tenant stays protected (each block is skipped once, not once per pick: O(1) amortized). */
+static void move_aside(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    int home2 = (b->flags & BLOCK_HOME2) != 0;
+    int q = evict_queue(which);
+    list_remove(p, id, b);
+    if (home2) {
+        b->flags |= BLOCK_HOME2; /* before the push: the inner count goes by it */
+    }
+    list_push_tail(p, LIST_ASIDE0 + q, id, b);
+}
+
+/* Evictable blocks of protected tenants (under their guaranteed share) per queue: all of them
+ * (prot) and those on the pool-wide lists (main: prot less their aside lists). O(tenants with
+ * a guarantee). */
+static void protected_counts(const kvd_pool *p, uint64_t prot[NQUEUE], uint64_t main[NQUEUE]) {
     for (int q = 0; q < NQUEUE; q++) {
-        prot[q] = 0;
+        prot[q] = main[q] = 0;
     }
     for (uint32_t i = 0; i < p->nguarantee; i++) {
         uint32_t t = p->gtenants[i];
         if (p->tenants[t].cached <= p->guarantee[t]) {
             for (int q = 0; q < NQUEUE; q++) {
                 prot[q] += p->tevict[t * NQUEUE + q];
+                main[q] += p->tevict[t * NQUEUE + q] - p->aside[t * NQUEUE + q].len;
             }
         }
     }
 }
 
+/* The oldest head (by last access) of the aside lists of queues [q0, q1] of the tenants with a
+ * guarantee, only of unprotected ones with `unprotected_only`; KVD_NO_BLOCK when there is none.
+ * Aside blocks reached the head of their queue before every block now in it, so they go first
+ * once their tenant may lose them. O(tenants with a guarantee). */
+static uint32_t aside_oldest(const kvd_pool *p, int q0, int q1, int unprotected_only) {
+    uint32_t best = KVD_NO_BLOCK;
+    uint64_t best_at = 0;
+    for (uint32_t i = 0; i < p->nguarantee; i++) {
+        uint32_t t = p->gtenants[i];
+        if (unprotected_only && p->tenants[t].cached <= p->guarantee[t]) {
+            continue;
+        }
+        for (int q = q0; q <= q1; q++) {
+            uint32_t id = p->aside[t * NQUEUE + (uint32_t)q].head;
+            if (id != KVD_NO_BLOCK &&
+                (best == KVD_NO_BLOCK || blk_at(p, id)->last_access < best_at)) {
+                best = id;
+                best_at = blk_at(p, id)->last_access;
+            }
+        }
+    }
+    return best;
+}
+
 /* The next block the policy evicts. With honour, a block of a tenant under its guaranteed share
- * is skipped (rotated to its queue's tail) while any unprotected block is evictable, in either
- * queue; when none is, protected blocks go in policy order without a walk. The per-tenant queue
- * counts make "is any unprotected block left" O(guaranteed tenants), so a pick never rotates
- * through every protected block to find out (it did, once per block an Allocate needed).
+ * is skipped while any unprotected block is evictable, in any queue: it moves to its tenant's
+ * aside list (move_aside), from which it goes first once the tenant is over its share again, or
+ * when every evictable block is protected (then protected blocks go in policy order). The
+ * per-tenant queue counts make "is any unprotected block left" O(guaranteed tenants), and each
+ * block is skipped once, so a pick costs O(1) amortized plus O(guaranteed tenants).
  * Requires a candidate. */
 static uint32_t pick_victim(kvd_pool *p, int honour) {
+    p->pending_rule = 0;
     uint64_t budget = evictable_count(p);
     KV_ASSERT(budget > 0);
-    if (honour && p->nguarantee > 0) {
-        uint64_t prot[NQUEUE];
-        protected_counts(p, prot);
-        honour = budget > prot[0] + prot[1] + prot[2];
+    uint64_t prot[NQUEUE] = {0, 0, 0}, protm[NQUEUE] = {0, 0, 0};
+    if (p->nguarantee > 0) {
+        protected_counts(p, prot, protm);
+        honour = honour && budget > prot[0] + prot[1] + prot[2];
+        /* Leaves set aside first (inner ones only where an inner block would go). */
+        uint32_t id = aside_oldest(p, 0, 1, honour);
+        if (id != KVD_NO_BLOCK) {
+            return id;
+        }
     } else {
         honour = 0;
     }
-    uint64_t skips = 0; /* a safety bound only: an unprotected block exists when honouring */
-    if (p->cfg.policy == KVD_EVICT_LRU) {
+    if (p->cfg.policy == KVD_EVICT_LRU || p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+        int which = p->cfg.policy == KVD_EVICT_LRU ? LIST_LRU : LIST_PLRU;
         for (;;) {
-            uint32_t id = p->lists[LIST_LRU].head;
+            uint32_t id = p->lists[which].head;
+            KV_ASSERT(id != KVD_NO_BLOCK);
             pool_block *b = blk_at(p, id);
-            if (honour && skips < budget && tenant_protected(p, b)) {
-                list_rotate(p, LIST_LRU, LIST_LRU);
-                skips++;
-                continue;
-            }
-            return id;
-        }
-    }
-    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
-        for (;;) {
-            uint32_t id = p->lists[LIST_PLRU].head;
-            pool_block *b = blk_at(p, id);
-            if ((b->flags & BLOCK_SHARED) && b->freq > 0) {
+            if (which == LIST_PLRU && (b->flags & BLOCK_SHARED) && b->freq > 0) {
                 /* A reused shared prefix: one more round per reuse (freq only grows on hits,
                  * so rotations are paid for by the hits before them). */
                 b->freq--;
                 list_rotate(p, LIST_PLRU, LIST_PLRU);
                 continue;
             }
-            if (honour && skips < budget && tenant_protected(p, b)) {
-                list_rotate(p, LIST_PLRU, LIST_PLRU);
-                skips++;
+            if (honour && tenant_protected(p, b)) {
+                move_aside(p, which, id, b);
                 continue;
             }
             return id;
         }
     }
     /* The leaf policies. S3-FIFO: evict from the small queue while it holds >= 10% of the
-     * pool's blocks (its inner blocks included), else from the main queue, whose blocks get one
-     * more round per access (at most FREQ_MAX). ADAPTIVE: from the recency side while it holds
-     * more than arc_p blocks, else from the frequency side. A queue whose evictable leaves are
-     * all protected yields to the other one; when no leaf is left (every leaf below the inner
-     * blocks is pinned or referenced) or all are protected, inner blocks go, oldest first. */
+     * pool's blocks (its inner and aside blocks included), else from the main queue, whose
+     * blocks get one more round per access (at most FREQ_MAX). ADAPTIVE: the older of the two
+     * sides' oldest leaves, the recency side's age shifted by arc_bias. A queue whose evictable
+     * leaves are all protected yields to the other one; when no leaf is left (every leaf below
+     * the inner blocks is pinned or referenced) or all are protected, inner blocks go, oldest
+     * first. */
     uint64_t small_target = ((uint64_t)p->nsegs * p->bps) / 10;
     if (small_target == 0) {
         small_target = 1;
@@ -878,13 +977,10 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         pool_list *m = &p->lists[q1];
         uint64_t us = s->len, um = m->len;
         if (honour) {
-            /* Second-chance moves shift blocks between the queues: count afresh. */
-            uint64_t prot[NQUEUE];
-            protected_counts(p, prot);
-            us -= prot[0];
-            um -= prot[1];
+            us -= protm[0];
+            um -= protm[1];
         }
-        uint64_t first = s->len + p->inner_home[0];
+        uint64_t first = s->len + p->inner_home[0] + p->n_aside[0];
         int which;
         if (us > 0 && (um == 0 || (p->cfg.policy == KVD_EVICT_S3FIFO
                                        ? first >= small_target
@@ -893,15 +989,25 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         } else if (um > 0) {
             which = q1;
         } else {
-            /* No (unprotected) leaf: an inner block goes (unprotected ones exist then, since
-             * honouring means some block is unprotected). */
+            /* No (unprotected) leaf: an inner block goes, one set aside first (unprotected
+             * ones exist then, since honouring means some block is unprotected). */
+            if (p->nguarantee > 0) {
+                uint32_t id = aside_oldest(p, 2, 2, honour);
+                if (id != KVD_NO_BLOCK) {
+                    return id;
+                }
+            }
             which = LIST_INNER;
         }
         uint32_t id = p->lists[which].head;
+        KV_ASSERT(id != KVD_NO_BLOCK);
         pool_block *b = blk_at(p, id);
         if (p->cfg.policy == KVD_EVICT_S3FIFO && which == LIST_SMALL && b->freq > 0) {
             b->freq = 0;
             list_rotate(p, LIST_SMALL, LIST_MAIN);
+            if (honour && tenant_protected(p, b)) {
+                protm[0]--, protm[1]++;
+            }
             continue;
         }
         if (p->cfg.policy == KVD_EVICT_S3FIFO && which == LIST_MAIN && b->freq > 0) {
@@ -909,12 +1015,54 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
             list_rotate(p, LIST_MAIN, LIST_MAIN);
             continue;
         }
-        if (honour && skips < 2 * budget && tenant_protected(p, b)) {
-            list_rotate(p, which, which);
-            skips++;
+        if (honour && tenant_protected(p, b)) {
+            move_aside(p, which, id, b);
+            protm[evict_queue(which)]--;
             continue;
         }
         return id;
+    }
+}
+
+/* A tenant's guarantee ended: its aside blocks go back to the heads of their queues in their
+ * order (they were the oldest there), and no aside list holds a block of a tenant without a
+ * guarantee. O(its aside blocks). */
+static void aside_flush(kvd_pool *p, uint32_t t) {
+    for (int q = 0; q < NQUEUE; q++) {
+        pool_list *l = &p->aside[t * NQUEUE + (uint32_t)q];
+        while (l->tail != KVD_NO_BLOCK) {
+            uint32_t id = l->tail;
+            pool_block *b = blk_at(p, id);
+            int home2 = (b->flags & BLOCK_HOME2) != 0;
+            list_remove(p, id, b);
+            int to = q == 2                                  ? LIST_INNER
+                     : p->cfg.policy == KVD_EVICT_LRU        ? LIST_LRU
+                     : p->cfg.policy == KVD_EVICT_PREFIX_LRU ? LIST_PLRU
+                                                             : home_list(p, q);
+            if (home2) {
+                b->flags |= BLOCK_HOME2;
+            }
+            list_push_head(p, to, id, b);
+        }
+    }
+}
+
+/* The segments' counts of guaranteed tenants' evictable blocks after tenant t's guarantee began
+ * or ended (seg_evictable keeps them from then on). O(blocks), on a configuration change. */
+static void seg_recount_guaranteed(kvd_pool *p) {
+    for (uint32_t s = 0; s < p->nslots; s++) {
+        pool_segment *seg = p->segs[s];
+        seg->ngcached = 0;
+        if (seg->blocks == NULL || seg->parked || p->nguarantee == 0 || seg->nevict == 0) {
+            continue;
+        }
+        for (uint32_t i = 0; i < p->bps; i++) {
+            const pool_block *b = &seg->blocks[i];
+            if (b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED) &&
+                p->guarantee[b->tenant] != 0) {
+                seg->ngcached++;
+            }
+        }
     }
 }
 
@@ -988,6 +1136,7 @@ fail_free:
     free(p->guarantee);
     free(p->gtenants);
     free(p->tevict);
+    free(p->aside);
     free(p);
     return KV_ENOMEM;
 }
@@ -1021,6 +1170,7 @@ void kvd_pool_free(kvd_pool *p) {
     free(p->guarantee);
     free(p->gtenants);
     free(p->tevict);
+    free(p->aside);
     free(p->ghost);
     free(p);
 }
@@ -1090,6 +1240,8 @@ kv_err kvd_pool_grow(kvd_pool *p, uint32_t *seg_out) {
     }
     seg->nfree = 0;
     seg->nevict = 0;
+    seg->ngcached = 0;
+    seg->last_access = 0;
     /* New blocks go behind the free blocks already there, in id order: recently freed records
      * are reused first, and fresh segments fill only when the others are used up. */
     for (uint32_t i = 0; i < p->bps; i++) {
@@ -1156,7 +1308,7 @@ kv_err kvd_pool_shrink(kvd_pool *p, uint32_t *seg_out) {
     free(seg->blocks);
     seg->blocks = NULL;
     p->blkv[s] = NULL;
-    seg->nfree = seg->nevict = 0;
+    seg->nfree = seg->nevict = seg->ngcached = 0;
     p->nsegs--;
     while (p->nslots > 0 && p->segs[p->nslots - 1]->blocks == NULL) {
         p->nslots--;
@@ -1208,33 +1360,27 @@ kv_err kvd_pool_park_candidate(const kvd_pool *p, kvd_park_candidate *out) {
     if (p->be->segment_discard == NULL) {
         return KV_ENOTSUP;
     }
+    /* Parking for another pool never takes a guaranteed share (PROTOCOL.md, TENANCY.md): while
+     * a tenant is at or under its guarantee here, a segment holding a cached block of a tenant
+     * with a guarantee stays (exact with one such tenant, the private pool's owner; with several
+     * it may keep a segment of one over its share). The segments' counts make it O(segments). */
+    int any_protected = 0;
+    for (uint32_t i = 0; i < p->nguarantee && !any_protected; i++) {
+        uint32_t t = p->gtenants[i];
+        any_protected = p->tenants[t].cached <= p->guarantee[t];
+    }
     kvd_park_candidate best = {0, 0, 0, 0};
     for (uint32_t s = 0; s < p->nslots; s++) {
         const pool_segment *seg = p->segs[s];
-        if (!seg_idle(p, seg)) {
-            continue;
-        }
-        uint64_t last = 0;
-        int guarded = 0;
-        for (uint32_t i = 0; i < p->bps; i++) {
-            const pool_block *b = &seg->blocks[i];
-            if (b->last_access > last) {
-                last = b->last_access;
-            }
-            /* Parking for another pool never takes a guaranteed share (PROTOCOL.md,
-             * TENANCY.md): a segment holding a cached block of a tenant at or under its
-             * guarantee here stays. */
-            guarded |= b->state == KVD_BLOCK_CACHED && tenant_protected(p, b);
-        }
-        if (guarded) {
+        if (!seg_idle(p, seg) || (any_protected && seg->ngcached > 0)) {
             continue;
         }
         uint32_t cached = seg->nevict;
         if (best.parkable == 0 || cached < best.cached ||
-            (cached == best.cached && last < best.last_access)) {
+            (cached == best.cached && seg->last_access < best.last_access)) {
             best.seg = s;
             best.cached = cached;
-            best.last_access = last;
+            best.last_access = seg->last_access;
         }
         best.parkable++;
     }
@@ -1392,7 +1538,9 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
     for (uint32_t i = 0; i < n; i++) {
         uint32_t id;
         pool_block *b = free_pop(p, &id);
-        seg_of(p, id)->nfree--;
+        pool_segment *seg = seg_of(p, id);
+        seg->nfree--;
+        seg_touch(p, seg);
         b->state = KVD_BLOCK_WRITING;
         b->refcount = 1;
         b->aux = session;
@@ -1431,6 +1579,7 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
         b->parent = parent;
         b->aux = 0;
         b->last_access = p->now;
+        seg_touch(p, seg_of(p, blk.id));
         child_added(p, b);
         if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
             adaptive_admit(p, b);
@@ -1699,7 +1848,7 @@ kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8
         p->tenants[b->pin_tenant].pinned++;
         if (b->state == KVD_BLOCK_CACHED) {
             list_remove(p, blk.id, b);
-            seg_of(p, blk.id)->nevict--;
+            seg_evictable(p, seg_of(p, blk.id), b, -1);
             list_push_tail(p, LIST_PINNED, blk.id, b);
         } else {
             list_push_tail(p, LIST_PINREF, blk.id, b);
@@ -1738,49 +1887,66 @@ void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
  * max of tenant's blocks (any when tenant < 0), evicting them unless dry_run. */
 static size_t evict_walk(kvd_pool *p, size_t max, int64_t tenant, int dry_run,
                          kvd_evict_reason reason, kvd_block_ref *out) {
-    static const int order_lru[] = {LIST_LRU};
-    static const int order_s3[] = {LIST_SMALL, LIST_MAIN, LIST_INNER};
-    static const int order_plru[] = {LIST_PLRU};
-    static const int order_ad[] = {LIST_AREC, LIST_AFREQ, LIST_INNER};
+    /* Each queue's blocks set aside for a guarantee first (they reached its head before the
+     * rest), then the queue itself. */
+    static const int order_lru[] = {LIST_ASIDE1, LIST_LRU};
+    static const int order_s3[] = {LIST_ASIDE0, LIST_SMALL,  LIST_ASIDE1,
+                                   LIST_MAIN,   LIST_ASIDE2, LIST_INNER};
+    static const int order_plru[] = {LIST_ASIDE1, LIST_PLRU};
+    static const int order_ad[] = {LIST_ASIDE0, LIST_AREC,   LIST_ASIDE1,
+                                   LIST_AFREQ,  LIST_ASIDE2, LIST_INNER};
     const int *order = p->cfg.policy == KVD_EVICT_LRU        ? order_lru
                        : p->cfg.policy == KVD_EVICT_S3FIFO   ? order_s3
                        : p->cfg.policy == KVD_EVICT_ADAPTIVE ? order_ad
                                                              : order_plru;
-    int norder = leaf_policy(p) ? 3 : 1;
+    int norder = leaf_policy(p) ? 6 : 2;
     size_t count = 0;
     /* Leaves made by the walk's own evictions stay put until it ends (a block moving off the
      * inner list would take the walk's next pointer with it). */
     p->defer_leaves = !dry_run;
     for (int o = 0; o < norder && count < max; o++) {
-        uint32_t id = p->lists[order[o]].head;
-        while (id != KVD_NO_BLOCK && count < max) {
-            pool_block *b = blk_at(p, id);
-            uint32_t nx = b->next;
-            if (tenant < 0 || b->tenant == (uint64_t)tenant) {
-                if (out != NULL) {
-                    out[count].id = id;
-                    out[count].gen = b->gen;
+        int which = order[o];
+        /* An aside queue is one list per tenant with a guarantee (only those have blocks). */
+        uint32_t nlists = which >= LIST_ASIDE0 ? p->nguarantee : 1;
+        for (uint32_t k = 0; k < nlists && count < max; k++) {
+            const pool_list *l =
+                which >= LIST_ASIDE0
+                    ? &p->aside[(uint32_t)p->gtenants[k] * NQUEUE + (uint32_t)(which - LIST_ASIDE0)]
+                    : &p->lists[which];
+            uint32_t id = l->head;
+            while (id != KVD_NO_BLOCK && count < max) {
+                pool_block *b = blk_at(p, id);
+                uint32_t nx = b->next;
+                if (tenant < 0 || b->tenant == (uint64_t)tenant) {
+                    if (out != NULL) {
+                        out[count].id = id;
+                        out[count].gen = b->gen;
+                    }
+                    if (!dry_run) {
+                        evict_block(p, id, b, reason);
+                    }
+                    count++;
                 }
-                if (!dry_run) {
-                    evict_block(p, id, b, reason);
-                }
-                count++;
+                id = nx;
             }
-            id = nx;
         }
     }
     p->defer_leaves = 0;
     if (!dry_run && leaf_policy(p)) {
         /* Inner blocks the walk left without children become leaves, in their order (walked
          * from the tail, each pushed to the head of its queue). */
-        uint32_t id = p->lists[LIST_INNER].tail;
-        while (id != KVD_NO_BLOCK) {
-            pool_block *b = blk_at(p, id);
-            uint32_t pv = b->prev;
-            if (b->nchild == 0) {
-                inner_to_leaf(p, id, b);
+        for (uint32_t k = 0; k <= p->nguarantee; k++) {
+            pool_list *l = k < p->nguarantee ? &p->aside[(uint32_t)p->gtenants[k] * NQUEUE + 2]
+                                             : &p->lists[LIST_INNER];
+            uint32_t id = l->tail;
+            while (id != KVD_NO_BLOCK) {
+                pool_block *b = blk_at(p, id);
+                uint32_t pv = b->prev;
+                if (b->nchild == 0) {
+                    inner_to_leaf(p, id, b);
+                }
+                id = pv;
             }
-            id = pv;
         }
     }
     return count;
@@ -1824,9 +1990,11 @@ void kvd_pool_set_guarantee(kvd_pool *p, uint32_t tenant, uint64_t blocks) {
                p->cfg.pool_id, tenant);
         return;
     }
+    int changed = (p->guarantee[tenant] == 0) != (blocks == 0);
     if (p->guarantee[tenant] == 0 && blocks != 0) {
         p->gtenants[p->nguarantee++] = (uint16_t)tenant;
     } else if (p->guarantee[tenant] != 0 && blocks == 0) {
+        aside_flush(p, tenant);
         for (uint32_t i = 0; i < p->nguarantee; i++) {
             if (p->gtenants[i] == tenant) {
                 p->gtenants[i] = p->gtenants[--p->nguarantee];
@@ -1835,6 +2003,9 @@ void kvd_pool_set_guarantee(kvd_pool *p, uint32_t tenant, uint64_t blocks) {
         }
     }
     p->guarantee[tenant] = blocks;
+    if (changed && p->tenants[tenant].cached > 0) {
+        seg_recount_guaranteed(p);
+    }
 }
 
 kv_err kvd_pool_block_info(const kvd_pool *p, uint32_t id, kvd_block_info *out) {
@@ -2021,8 +2192,9 @@ uint64_t kvd_pool_meta_bytes(const kvd_pool *p) {
     uint64_t rec = ((uint64_t)p->bps * sizeof(pool_block) + 63u) & ~(uint64_t)63u;
     uint64_t ghost = p->ghost != NULL ? (uint64_t)(p->ghost_mask + 1) * sizeof(uint64_t) : 0;
     return sizeof(*p) + (uint64_t)p->segcap * (sizeof(pool_segment) + 2 * sizeof(void *)) +
-           (uint64_t)p->ntcap * (sizeof(kvd_tenant_usage) + sizeof(uint64_t) +
-                                 2 * sizeof(uint32_t) + sizeof(uint16_t)) +
+           (uint64_t)p->ntcap *
+               (sizeof(kvd_tenant_usage) + sizeof(uint64_t) + NQUEUE * sizeof(uint32_t) +
+                sizeof(uint16_t) + NQUEUE * sizeof(pool_list)) +
            ghost + (uint64_t)p->nsegs * rec;
 }
 
@@ -2041,9 +2213,10 @@ size_t kvd_pool_meta_bytes_per_block(void) {
         }                                                                                          \
     } while (0)
 
-static kv_err check_list(const kvd_pool *p, int which, uint64_t *walked) {
+/* Walks list l (pool-wide list `which`, or tenant's aside list `which` when tenant >= 0). */
+static kv_err check_list(const kvd_pool *p, const pool_list *l, int which, int64_t tenant,
+                         uint64_t *walked) {
     kv_err err = KV_OK;
-    const pool_list *l = &p->lists[which];
     uint32_t prev = KVD_NO_BLOCK;
     uint64_t n = 0;
     for (uint32_t id = l->head; id != KVD_NO_BLOCK; id = blk_at(p, id)->next) {
@@ -2052,6 +2225,9 @@ static kv_err check_list(const kvd_pool *p, int which, uint64_t *walked) {
         const pool_block *b = blk_at(p, id);
         CHECK(b->list == which, "list %d: block %u tagged %u", which, id, b->list);
         CHECK(b->prev == prev, "list %d: block %u prev %u, want %u", which, id, b->prev, prev);
+        CHECK(tenant < 0 || b->tenant == (uint64_t)tenant,
+              "aside list %d of tenant %lld: block %u of tenant %u", which, (long long)tenant, id,
+              b->tenant);
         CHECK(++n <= l->len, "list %d longer than %llu", which, (unsigned long long)l->len);
         prev = id;
     }
@@ -2066,7 +2242,7 @@ out:
 kv_err kvd_pool_check(const kvd_pool *p) {
     kv_err err = KV_OK;
     uint64_t by_state[4] = {0, 0, 0, 0};
-    uint64_t by_list[LIST_COUNT] = {0};
+    uint64_t by_list[LIST_ALL] = {0};
     uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0;
     uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
     uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
@@ -2102,7 +2278,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             continue;
         }
         resident += seg->mem.bytes;
-        uint32_t nfree = 0, nevict = 0;
+        uint32_t nfree = 0, nevict = 0, ngcached = 0;
+        uint64_t last = 0;
         for (uint32_t i = 0; i < p->bps; i++) {
             uint32_t id = blk_id(p, s, i);
             const pool_block *b = &seg->blocks[i];
@@ -2110,14 +2287,19 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             by_state[b->state]++;
             by_list[b->list]++;
             refs += b->refcount;
+            if (b->last_access > last) {
+                last = b->last_access;
+            }
             CHECK(b->tenant < p->ntcap && b->pin_tenant < p->ntcap, "block %u: tenant %u/%u", id,
                   b->tenant, b->pin_tenant);
             CHECK((p->cfg.policy == KVD_EVICT_PREFIX_LRU || !(b->flags & BLOCK_SHARED)) &&
                       (counts_children(p) || b->nchild == 0),
                   "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
-            CHECK(!(b->flags & BLOCK_HOME2) || b->list == LIST_INNER,
+            CHECK(!(b->flags & BLOCK_HOME2) || b->list == LIST_INNER || b->list == LIST_ASIDE2,
                   "block %u: inner home mark on list %u", id, b->list);
-            if (b->list == LIST_INNER) {
+            CHECK(b->list < LIST_ASIDE0 || p->guarantee[b->tenant] != 0,
+                  "block %u: aside for tenant %u without a guarantee", id, b->tenant);
+            if (b->list == LIST_INNER || b->list == LIST_ASIDE2) {
                 inner_home[(b->flags & BLOCK_HOME2) ? 1 : 0]++;
             }
             if (b->flags & BLOCK_PINNED) {
@@ -2149,15 +2331,19 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                               b->list);
                     } else {
                         nevict++;
+                        ngcached += p->guarantee[b->tenant] != 0;
                         int q = evict_queue(b->list);
                         CHECK(q >= 0, "block %u: CACHED on list %u", id, b->list);
                         tevict[(uint32_t)b->tenant * NQUEUE + (uint32_t)q]++;
-                        int ok = p->cfg.policy == KVD_EVICT_LRU ? b->list == LIST_LRU
+                        int inner = b->list == LIST_INNER || b->list == LIST_ASIDE2;
+                        int ok = p->cfg.policy == KVD_EVICT_LRU
+                                     ? b->list == LIST_LRU || b->list == LIST_ASIDE1
                                  : p->cfg.policy == KVD_EVICT_PREFIX_LRU
-                                     ? b->list == LIST_PLRU
-                                     : (b->list == LIST_INNER) == (b->nchild > 0) &&
-                                           (b->list == LIST_INNER || b->list == home_list(p, 0) ||
-                                            b->list == home_list(p, 1));
+                                     ? b->list == LIST_PLRU || b->list == LIST_ASIDE1
+                                     : inner == (b->nchild > 0) &&
+                                           (inner || b->list == home_list(p, 0) ||
+                                            b->list == home_list(p, 1) || b->list == LIST_ASIDE0 ||
+                                            b->list == LIST_ASIDE1);
                         CHECK(ok, "block %u: CACHED on list %u with %u children", id, b->list,
                               b->nchild);
                     }
@@ -2178,6 +2364,11 @@ kv_err kvd_pool_check(const kvd_pool *p) {
         CHECK(nfree == seg->nfree, "segment %u: %u free, counted %u", s, nfree, seg->nfree);
         CHECK(nevict == seg->nevict, "segment %u: %u evictable, counted %u", s, nevict,
               seg->nevict);
+        CHECK(ngcached == seg->ngcached,
+              "segment %u: %u evictable of guaranteed tenants, counted %u", s, ngcached,
+              seg->ngcached);
+        CHECK(last == seg->last_access, "segment %u: newest block access %llu, counted %llu", s,
+              (unsigned long long)last, (unsigned long long)seg->last_access);
     }
     CHECK(live == p->nsegs, "%u live segments, counted %u", live, p->nsegs);
     CHECK(nparked == p->nparked, "%u parked segments, counted %u", nparked, p->nparked);
@@ -2187,12 +2378,27 @@ kv_err kvd_pool_check(const kvd_pool *p) {
           p->nslots);
     for (int l = LIST_FREE; l < LIST_COUNT; l++) {
         uint64_t walked = 0;
-        err = check_list(p, l, &walked);
+        err = check_list(p, &p->lists[l], l, -1, &walked);
         if (err != KV_OK) {
             goto out;
         }
         CHECK(walked == by_list[l], "list %d: %llu linked, %llu tagged", l,
               (unsigned long long)walked, (unsigned long long)by_list[l]);
+    }
+    for (int q = 0; q < NQUEUE; q++) {
+        uint64_t walked = 0;
+        for (uint32_t t = 0; t < p->ntcap; t++) {
+            uint64_t n = 0;
+            err = check_list(p, &p->aside[t * NQUEUE + (uint32_t)q], LIST_ASIDE0 + q, t, &n);
+            if (err != KV_OK) {
+                goto out;
+            }
+            walked += n;
+        }
+        CHECK(walked == by_list[LIST_ASIDE0 + q] && walked == p->n_aside[q],
+              "aside lists %d: %llu linked, %llu tagged, %llu counted", q,
+              (unsigned long long)walked, (unsigned long long)by_list[LIST_ASIDE0 + q],
+              (unsigned long long)p->n_aside[q]);
     }
     CHECK(by_state[KVD_BLOCK_FREE] == p->lists[LIST_FREE].len, "free count");
     CHECK(by_state[KVD_BLOCK_WRITING] == p->n_writing, "writing count %llu vs %llu",

@@ -24,8 +24,12 @@
  * LRU sides (not reused since entering the cache / reused or re-committed while its ghost
  * remembered it) and evicts the older of their oldest leaves after shifting the recency side's
  * age by a bias that ghost hits move (ARC's adaptation as an age offset: bias 0 is LRU over the
- * leaves). Every policy is O(1) amortized per block.
- * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist.
+ * leaves); where the biased and the LRU choice differ, the rule whose victims came back less
+ * often (ghost hits) decides, LRU's until the bias has proved itself. Every policy is O(1)
+ * amortized per block.
+ * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist
+ * (each protected block once: it waits on its tenant's aside list; O(1) amortized per block
+ * plus O(tenants with a guarantee) per eviction).
  *
  * The pool does not know sessions' reference lists: the caller (the server's session table)
  * checks that a session holds the references it releases. Loop thread only; no locks.
@@ -174,7 +178,10 @@ typedef struct kvd_park_candidate {
 } kvd_park_candidate;
 
 /* Finds the segment kvd_pool_park would best take. KV_ENOTSUP when the backend has no
- * segment_discard, KV_ENOENT when no segment can be parked now. O(blocks). */
+ * segment_discard, KV_ENOENT when no segment can be parked now. With several tenants with a
+ * guarantee, while any is at or under its share no segment holding a cached block of one of them
+ * is taken (conservative: exact with one). O(segments + tenants with a guarantee), from counts
+ * each segment keeps. */
 kv_err kvd_pool_park_candidate(const kvd_pool *pool, kvd_park_candidate *out);
 
 /* Parks segment seg: evicts its CACHED blocks (counted as evictions_shrink), takes its FREE blocks

@@ -54,6 +54,7 @@ typedef struct model {
     kvd_block_ref stale[NSTALE];
     int nstale;
     uint64_t tenant_held[NTENANTS];
+    uint64_t guarantee[NTENANTS]; /* kvd_pool_set_guarantee's last word per tenant */
 } model;
 
 static uint64_t rnd(model *m) {
@@ -140,6 +141,12 @@ static void op_allocate(model *m) {
         }
     }
     int must_evict = (int)n > nfree ? (int)n - nfree : 0;
+    uint64_t cached[NTENANTS] = {0}, taken[NTENANTS] = {0};
+    for (int id = 0; id < NBLK; id++) {
+        if (m->live[id / BPS] && m->b[id].state == KVD_BLOCK_CACHED) {
+            cached[m->b[id].tenant]++;
+        }
+    }
     kvd_block_ref out[4];
     kv_err err = kvd_pool_allocate(m->pool, n, session, tenant, out);
     if (must_evict > nevict) {
@@ -159,6 +166,7 @@ static void op_allocate(model *m) {
             assert_true(evictable(m, id)); /* never a referenced or pinned block */
             assert_int_not_equal(out[i].gen, b->gen);
             evicted++;
+            taken[b->tenant]++;
             to_free(m, id);
         }
         assert_int_equal(b->state, KVD_BLOCK_FREE);
@@ -171,6 +179,20 @@ static void op_allocate(model *m) {
         add_held(m, out[i], session, tenant);
     }
     assert_int_equal(evicted, must_evict);
+    /* Guaranteed shares: a tenant goes below min(its cached blocks, its guarantee) only when
+     * nothing unprotected was left, and a tenant only becomes protected during an allocation,
+     * so then every tenant with an evictable block left is at or under its guarantee. */
+    int broken = 0;
+    for (uint32_t t = 0; t < NTENANTS; t++) {
+        uint64_t g = m->guarantee[t], floor = cached[t] < g ? cached[t] : g;
+        broken |= g != 0 && cached[t] - taken[t] < floor;
+    }
+    for (int id = 0; broken && id < NBLK; id++) {
+        if (evictable(m, id)) {
+            uint32_t t = m->b[id].tenant;
+            assert_true(m->guarantee[t] != 0 && cached[t] - taken[t] <= m->guarantee[t]);
+        }
+    }
 }
 
 static int pick_held(model *m, int want_writing) {
@@ -446,8 +468,61 @@ static void op_clock(model *m) {
     }
 }
 
+/* kvd_pool_park_candidate against a walk of every block: idle segments (every block FREE or
+ * CACHED unpinned), none holding a cached block of a tenant with a guarantee while some tenant
+ * is at or under its own; fewest cached blocks first (the newest-access tie break is checked
+ * by kvd_pool_check: each segment's count equals its blocks' newest access). */
+static void check_park_choice(model *m) {
+    uint64_t cached[NTENANTS] = {0};
+    int any_protected = 0;
+    for (int id = 0; id < NBLK; id++) {
+        if (m->live[id / BPS] && m->b[id].state == KVD_BLOCK_CACHED) {
+            cached[m->b[id].tenant]++;
+        }
+    }
+    for (uint32_t t = 0; t < NTENANTS; t++) {
+        any_protected |= m->guarantee[t] != 0 && cached[t] <= m->guarantee[t];
+    }
+    uint32_t parkable = 0, fewest = UINT32_MAX;
+    int ok[MAXSEG] = {0};
+    uint32_t ncached[MAXSEG] = {0};
+    for (int s = 0; s < MAXSEG; s++) {
+        if (!m->live[s]) {
+            continue;
+        }
+        int idle = 1, guarded = 0;
+        for (int i = 0; i < BPS; i++) {
+            const mblock *b = &m->b[s * BPS + i];
+            idle &= b->state == KVD_BLOCK_FREE ||
+                    (b->state == KVD_BLOCK_CACHED && b->pin_until <= m->now);
+            guarded |=
+                b->state == KVD_BLOCK_CACHED && any_protected && m->guarantee[b->tenant] != 0;
+            ncached[s] += b->state == KVD_BLOCK_CACHED;
+        }
+        if (idle && !guarded) {
+            ok[s] = 1;
+            parkable++;
+            if (ncached[s] < fewest) {
+                fewest = ncached[s];
+            }
+        }
+    }
+    kvd_park_candidate c;
+    kv_err err = kvd_pool_park_candidate(m->pool, &c);
+    if (parkable == 0) {
+        assert_int_equal(err, KV_ENOENT);
+        return;
+    }
+    assert_int_equal(err, KV_OK);
+    assert_int_equal(c.parkable, parkable);
+    assert_true(c.seg < MAXSEG && ok[c.seg]);
+    assert_int_equal(c.cached, fewest);
+    assert_int_equal(ncached[c.seg], fewest);
+}
+
 static void compare(model *m) {
     assert_int_equal(kvd_pool_check(m->pool), KV_OK);
+    check_park_choice(m);
     for (int id = 0; id < NBLK; id++) {
         kvd_block_info info;
         kv_err err = kvd_pool_block_info(m->pool, (uint32_t)id, &info);
@@ -476,6 +551,12 @@ static void compare(model *m) {
     }
 }
 
+static kv_err keep_discard(void *ctx, kvd_segment_mem *mem) {
+    (void)ctx;
+    (void)mem;
+    return KV_OK;
+}
+
 static void run(kvd_evict_policy policy, uint64_t seed) {
     static model m;
     memset(&m, 0, sizeof(m));
@@ -495,7 +576,11 @@ static void run(kvd_evict_policy policy, uint64_t seed) {
     cfg.max_segments = MAXSEG;
     cfg.policy = policy;
     assert_int_equal(kvd_index_alloc(NBLK * 4, &m.idx), KV_OK);
-    assert_int_equal(kvd_pool_alloc(&cfg, m.idx, &kvd_backend_malloc, NULL, &m.pool), KV_OK);
+    /* The malloc backend with a discard (nothing here parks: it lets park_candidate answer). */
+    static kvd_backend_ops be;
+    be = kvd_backend_malloc;
+    be.segment_discard = keep_discard;
+    assert_int_equal(kvd_pool_alloc(&cfg, m.idx, &be, NULL, &m.pool), KV_OK);
     for (int op = 0; op < OPS; op++) {
         uint32_t r = below(&m, 100);
         if (r < 18) {
@@ -517,7 +602,9 @@ static void run(kvd_evict_policy policy, uint64_t seed) {
         } else if (r < 96) {
             op_shrink(&m);
         } else if (r < 97) {
-            kvd_pool_set_guarantee(m.pool, below(&m, NTENANTS), below(&m, 12));
+            uint32_t t = below(&m, NTENANTS);
+            m.guarantee[t] = below(&m, 12);
+            kvd_pool_set_guarantee(m.pool, t, m.guarantee[t]);
         } else {
             op_stale(&m);
         }

@@ -480,8 +480,9 @@ static void test_guarantee(void **state) {
  * evicted a protected block although the other queue held unprotected ones (kept 2 or 3). */
 static void test_guarantee_every_policy(void **state) {
     (void)state;
-    const kvd_evict_policy pols[] = {KVD_EVICT_LRU, KVD_EVICT_S3FIFO, KVD_EVICT_PREFIX_LRU};
-    for (int k = 0; k < 3; k++) {
+    const kvd_evict_policy pols[] = {KVD_EVICT_LRU, KVD_EVICT_S3FIFO, KVD_EVICT_PREFIX_LRU,
+                                     KVD_EVICT_ADAPTIVE};
+    for (int k = 0; k < 4; k++) {
         fixture f;
         kvd_pool *p = make_pool(&f, 8, 4, pols[k]); /* 32 blocks */
         kvd_pool_set_guarantee(p, 1, 5);
@@ -509,8 +510,189 @@ static void test_guarantee_every_policy(void **state) {
             }
             assert_int_equal(kvd_pool_check(p), KV_OK);
         }
+        /* The guarantee ends: the blocks it kept (set aside) are the oldest and go first. */
+        kvd_pool_set_guarantee(p, 1, 0);
+        assert_int_equal(kvd_pool_check(p), KV_OK);
+        for (uint64_t round = 0; round < 8; round++) {
+            kvd_block_ref x[6];
+            kvd_pool_set_now(p, 1000 + round); /* ADAPTIVE compares ages */
+            commit_chain(p, 2, 2, 50000 + round * 16, 6, x);
+            assert_int_equal(kvd_pool_release(p, 2, 2, x, 6), KV_OK);
+            assert_int_equal(kvd_pool_check(p), KV_OK);
+        }
+        /* (S3-FIFO keeps a block in its main queue while the small one holds 10%.) */
+        if (pols[k] != KVD_EVICT_S3FIFO && kvd_pool_tenant_usage(p, 1).cached != 0) {
+            fail_msg("policy %d: tenant 1 keeps %llu cached blocks without a guarantee",
+                     (int)pols[k], (unsigned long long)kvd_pool_tenant_usage(p, 1).cached);
+        }
         drop(&f);
     }
+}
+
+/* A protected block is skipped once, not at every pick: the other tenant's one cached block is
+ * the victim of each single-block Allocate (the pick rotated the 4 protected blocks past the
+ * head every time, O(protected) per block), and the skipped blocks keep their order: once
+ * their tenant is over its share its oldest goes first, and when the guarantee ends they are
+ * the head of the order again. */
+static void test_guarantee_skips_once(void **state) {
+    (void)state;
+    const kvd_evict_policy pols[] = {KVD_EVICT_LRU, KVD_EVICT_PREFIX_LRU};
+    for (int k = 0; k < 2; k++) {
+        fixture f;
+        kvd_pool *p = make_pool(&f, 8, 4, pols[k]); /* 32 blocks */
+        kvd_block_ref a[4], rest[27], u, prev = {KVD_NO_BLOCK, 0};
+        commit_chain(p, 1, 1, 1, 4, a); /* enters tail first: a[3] is the oldest */
+        assert_int_equal(kvd_pool_release(p, 1, 1, a, 4), KV_OK);
+        kvd_pool_set_guarantee(p, 1, 4);
+        assert_int_equal(kvd_pool_allocate(p, 27, 3, 3, rest), KV_OK); /* one block left */
+        for (uint64_t i = 0; i < 20; i++) {
+            commit_chain(p, 2, 2, 100 + i, 1, &u);
+            assert_int_equal(kvd_pool_release(p, 2, 2, &u, 1), KV_OK);
+            if (prev.id != KVD_NO_BLOCK) {
+                assert_int_equal(kvd_pool_check_ref(p, prev), KV_ESTALE); /* the victim */
+            }
+            for (int j = 0; j < 4; j++) {
+                assert_int_equal(kvd_pool_check_ref(p, a[j]), KV_OK);
+            }
+            assert_int_equal(kvd_pool_check(p), KV_OK);
+            prev = u;
+        }
+        /* Tenant 1 over its share (5 > 4): its oldest block, a[3], goes before its newer ones
+         * and before tenant 2's. */
+        kvd_block_ref a5;
+        commit_chain(p, 1, 1, 50, 1, &a5); /* evicts tenant 2's block */
+        assert_int_equal(kvd_pool_release(p, 1, 1, &a5, 1), KV_OK);
+        assert_int_equal(kvd_pool_check_ref(p, u), KV_ESTALE);
+        commit_chain(p, 2, 2, 200, 1, &u);
+        assert_int_equal(kvd_pool_check_ref(p, a[3]), KV_ESTALE);
+        assert_int_equal(kvd_pool_check_ref(p, a[2]), KV_OK);
+        assert_int_equal(kvd_pool_check_ref(p, a5), KV_OK);
+        assert_int_equal(kvd_pool_release(p, 2, 2, &u, 1), KV_OK);
+        assert_int_equal(kvd_pool_check(p), KV_OK);
+        /* Protected again at 4: tenant 2's block goes. */
+        kvd_block_ref v;
+        commit_chain(p, 2, 2, 300, 1, &v);
+        assert_int_equal(kvd_pool_check_ref(p, u), KV_ESTALE);
+        assert_int_equal(kvd_pool_release(p, 2, 2, &v, 1), KV_OK);
+        /* The guarantee ends: the order is a[2], a[1], a[0] (set aside, oldest first), then
+         * the blocks released after them. */
+        kvd_pool_set_guarantee(p, 1, 0);
+        kvd_block_ref out[5];
+        size_t n = 0;
+        assert_int_equal(kvd_pool_evict(p, 5, -1, KVD_EVICT_ADMIN, 1, out, &n), KV_OK);
+        assert_int_equal(n, 5);
+        assert_int_equal(out[0].id, a[2].id);
+        assert_int_equal(out[1].id, a[1].id);
+        assert_int_equal(out[2].id, a[0].id);
+        assert_int_equal(kvd_pool_check(p), KV_OK);
+        assert_int_equal(kvd_pool_release(p, 3, 3, rest, 27), KV_OK);
+        drop(&f);
+    }
+}
+
+/* A malloc backend that can park (the choice is what is tested). */
+static kv_err keep_discard(void *ctx, kvd_segment_mem *mem) {
+    (void)ctx;
+    (void)mem;
+    return KV_OK;
+}
+
+/* The park choice from the segments' counts: idle segments only, fewest cached blocks, then the
+ * least recently used; never one holding a cached block of a tenant at its guarantee, and the
+ * counts follow a guarantee that starts or ends (recounted), a pin, a hit. */
+static void test_park_choice(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.pool_id = 1;
+    assert_int_equal(kv_layout_init(2, 2, 8, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &cfg.layout),
+                     KV_OK);
+    cfg.blocks_per_segment = 4;
+    cfg.max_segments = 4;
+    cfg.policy = KVD_EVICT_LRU;
+    static kvd_backend_ops be;
+    be = kvd_backend_malloc;
+    be.segment_discard = keep_discard;
+    assert_int_equal(kvd_index_alloc(4096, &f.idx), KV_OK);
+    assert_int_equal(kvd_pool_alloc(&cfg, f.idx, &be, NULL, &f.pool), KV_OK);
+    kvd_pool *p = f.pool;
+    for (int s = 0; s < 4; s++) {
+        assert_int_equal(kvd_pool_grow(p, NULL), KV_OK);
+    }
+    /* Segment s gets the next 4 free blocks (grown in id order): cached chains of 1, 2, 1 and 1
+     * blocks (segment 0's tenant 1's), at clock 10, 20, 30, 40; the rest freed. */
+    static const uint32_t ncached[4] = {1, 2, 1, 1};
+    kvd_block_ref seg_blocks[4][4];
+    for (uint32_t s = 0; s < 4; s++) {
+        uint32_t t = s == 0 ? 1 : 2;
+        kvd_pool_set_now(p, 10 * (s + 1));
+        kvd_block_ref *x = seg_blocks[s];
+        assert_int_equal(kvd_pool_allocate(p, 4, t, t, x), KV_OK);
+        for (uint32_t i = 0; i < 4; i++) {
+            assert_int_equal(x[i].id / 4, s);
+        }
+        uint32_t parent = KVD_NO_BLOCK;
+        for (uint32_t i = 0; i < ncached[s]; i++) {
+            assert_int_equal(kvd_pool_commit(p, t, x[i], H(100 * s + i), parent, &x[i]), KV_OK);
+            parent = x[i].id;
+        }
+        assert_int_equal(kvd_pool_release(p, t, t, x, ncached[s]), KV_OK);
+    }
+    for (uint32_t s = 0; s < 4; s++) {
+        uint32_t t = s == 0 ? 1 : 2;
+        assert_int_equal(kvd_pool_release(p, t, t, seg_blocks[s] + ncached[s], 4 - ncached[s]),
+                         KV_OK);
+    }
+    kvd_pool_set_now(p, 100);
+    kvd_park_candidate c;
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 0); /* one cached block, least recently used */
+    assert_int_equal(c.cached, 1);
+    assert_int_equal(c.last_access, 10);
+    assert_int_equal(c.parkable, 4);
+    /* Tenant 1 at its guarantee: segment 0 stays; segment 2 is next (1 cached, at 30). */
+    kvd_pool_set_guarantee(p, 1, 1);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 2);
+    assert_int_equal(c.last_access, 30);
+    assert_int_equal(c.parkable, 3);
+    /* A hit makes segment 2 the most recently used: segment 3 is chosen. */
+    kvd_block_ref h;
+    size_t nh = 0;
+    kv_hash128 k2 = H(200);
+    assert_int_equal(kvd_pool_lookup(p, 2, &k2, 1, &h, &nh), KV_OK);
+    assert_int_equal(nh, 1);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 3); /* segment 2 is in use while the hit holds it */
+    assert_int_equal(c.parkable, 2);
+    assert_int_equal(kvd_pool_release(p, 2, 2, &h, 1), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 3);
+    assert_int_equal(c.last_access, 40);
+    /* A pin keeps segment 3 (not idle): segment 2 again, then segment 1 (2 cached). */
+    assert_int_equal(kvd_pool_pin(p, seg_blocks[3][0], 1000, 0, 2), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 2);
+    assert_int_equal(c.parkable, 2);
+    assert_int_equal(kvd_pool_park(p, 2), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 1);
+    assert_int_equal(c.cached, 2);
+    /* The guarantee ends: segment 0 can go again (recounted), and back when it returns. */
+    kvd_pool_set_guarantee(p, 1, 0);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 0);
+    kvd_pool_set_guarantee(p, 1, 5);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    assert_int_equal(kvd_pool_park_candidate(p, &c), KV_OK);
+    assert_int_equal(c.seg, 1);
+    assert_int_equal(kvd_pool_unpin(p, seg_blocks[3][0]), KV_OK);
+    assert_int_equal(kvd_pool_unpark(p, 2), KV_OK);
+    kvd_pool_set_guarantee(p, 1, 0);
+    drop(&f);
 }
 
 /* When every evictable block is protected, a victim pick does not walk them: a 2048-block
@@ -753,6 +935,8 @@ int main(void) {
         cmocka_unit_test(test_guarantee),
         cmocka_unit_test(test_guarantee_every_policy),
         cmocka_unit_test(test_guarantee_all_protected),
+        cmocka_unit_test(test_guarantee_skips_once),
+        cmocka_unit_test(test_park_choice),
         cmocka_unit_test(test_pin_expiry_counts_at_once),
         cmocka_unit_test(test_pin_charged_to_pinner),
         cmocka_unit_test(test_grow_shrink),
