@@ -5,6 +5,11 @@
  *     (same layer-major layout, and converted to block-major), and scatters them back. Baseline:
  *     one memcpy of the same number of bytes between two buffers of the worker's, in the same
  *     run. Both sides are faulted in before timing.
+ *  3. CPU decode attention near memory speed (issue 19): kvk_paged_decode_attention_cpu per KV
+ *     dtype (fp32, fp16, bf16, int8, fp8) and 1 and 2 threads over 1 GiB of K/V in the worker's
+ *     own memory (twice this CPU's 480 MiB L3, so every row comes from DRAM), against memcpy of
+ *     the same 1 GiB interleaved in the same run; then the other CPU kernels (prefill attention,
+ *     reshape_and_cache, quantize, dequantize) against their scalar twins.
  *  2. Zero-copy: attention over daemon blocks as fast as over memory the worker allocated
  *     itself (DESIGN.md; target within 3%). kvk_paged_decode_attention_cpu over the layer's
  *     blocks as mapped from kvd's memfd segments, and over the worker's malloc'd copy of the same
@@ -28,6 +33,7 @@
 #include "bench/benchutil.h"
 #include "kernels/kvk.h"
 #include "kernels/kvk_dtype.h"
+#include "kernels/kvk_internal.h"
 #include "kvclient.h"
 
 enum {
@@ -40,8 +46,7 @@ enum {
     ALLOC_CHUNK = 4096,
     BATCH = 8,       /* decode requests */
     SEQ_PAGES = 128, /* pages per request: 2048 tokens (64 MiB of the layer's K and V in all);
-                        BATCH * SEQ_PAGES <= NBLOCKS. The CPU twin is compute-bound (~0.2 GFLOP/s
-                        of fp16 attention here), so this is sized for seconds, not bandwidth. */
+                        BATCH * SEQ_PAGES <= NBLOCKS. */
     MAX_REPS = 31,
     LAYER = 1, /* the layer measured */
 };
@@ -112,6 +117,331 @@ static void check(kv_err rc, const char *what) {
     if (rc != KV_OK) {
         bench_die("%s: %s (%s)", what, kv_err_name(rc), kvk_last_error());
     }
+}
+
+/* Median and range of v[0..n). */
+typedef struct spread {
+    double med, lo, hi;
+} spread;
+
+static spread spread_of(const double *v, int n) {
+    double tmp[MAX_REPS];
+    spread s = {0, v[0], v[0]};
+    for (int i = 0; i < n; i++) {
+        tmp[i] = v[i];
+        s.lo = fmin(s.lo, v[i]);
+        s.hi = fmax(s.hi, v[i]);
+    }
+    s.med = bench_median(tmp, (size_t)n);
+    return s;
+}
+
+enum {
+    KB_BYTES = 1 << 30, /* K/V bytes each dtype's decode reads: twice the L3 */
+    KB_BATCH = 64,      /* requests; tokens per request follow from the dtype */
+};
+
+/* A layer of one dtype in the worker's memory: nblocks blocks, layer-major (K then V), random
+ * contents, scales near 1/127 (int8) or 1/400 (fp8). */
+static kvk_cache kb_cache(kv_dtype dt, uint32_t nblocks, void **mem) {
+    uint64_t chunk = (uint64_t)PAGE * KV_HEADS * HEAD_DIM * kvk_dtype_bytes(dt);
+    uint64_t data = (uint64_t)nblocks * chunk * 2;
+    uint64_t sc = (uint64_t)nblocks * 2 * KV_HEADS * sizeof(float);
+    char *m = aligned_alloc(64, (data + sc + 63) / 64 * 64);
+    if (m == NULL) {
+        bench_die("out of memory (%llu bytes)", (unsigned long long)(data + sc));
+    }
+    /* Values in [-1, 1) (8-bit: codes within +-120): random bytes would make subnormal floats,
+     * which cost this CPU a microcode assist per operation, and real K/V has none. A 64 KiB
+     * pattern is repeated (still far beyond any cache as a whole). */
+    enum { PAT = 1 << 16 };
+    static char pat[PAT];
+    uint32_t eb = kvk_dtype_bytes(dt);
+    for (uint32_t i = 0; i < PAT / eb; i++) {
+        float x = (float)(rnd() % 2001u) / 1000.0f - 1.0f;
+        kvk_store_f32(dt, pat, i, kvk__is_scaled(dt) ? x * 120.0f : x);
+    }
+    for (uint64_t i = 0; i < data; i += PAT) {
+        memcpy(m + i, pat, data - i < PAT ? data - i : PAT);
+    }
+    float *scales = (float *)(m + data);
+    for (uint64_t i = 0; i < (uint64_t)nblocks * 2 * KV_HEADS; i++) {
+        scales[i] = dt == KV_DTYPE_INT8 ? 1.0f / 127 : 1.0f / 400;
+    }
+    *mem = m;
+    kvk_cache c = {.data = (uintptr_t)m,
+                   .block_stride = (int64_t)chunk,
+                   .section_stride = (int64_t)(chunk * nblocks),
+                   .scales = kvk__is_scaled(dt) ? (uintptr_t)scales : 0,
+                   .scale_block_stride = KV_HEADS * sizeof(float),
+                   .scale_section_stride = (int64_t)nblocks * KV_HEADS * sizeof(float),
+                   .num_blocks = nblocks,
+                   .num_sections = 2,
+                   .tokens_per_block = PAGE,
+                   .num_kv_heads = KV_HEADS,
+                   .head_dim = HEAD_DIM,
+                   .dtype = dt};
+    return c;
+}
+
+/* A page table over every block: KB_BATCH requests of nblocks / KB_BATCH pages, shuffled. */
+static kvk_page_table kb_table(uint32_t nblocks, uint32_t batch, int32_t **indptr,
+                               int32_t **indices, int32_t **last) {
+    uint32_t per = nblocks / KB_BATCH;
+    *indptr = malloc((batch + 1) * sizeof(int32_t));
+    *indices = malloc((size_t)nblocks * sizeof(int32_t));
+    *last = malloc(batch * sizeof(int32_t));
+    if (*indptr == NULL || *indices == NULL || *last == NULL) {
+        bench_die("out of memory");
+    }
+    for (uint32_t i = 0; i < nblocks; i++) {
+        (*indices)[i] = (int32_t)i;
+    }
+    shuffle(*indices, nblocks);
+    for (uint32_t b = 0; b <= batch; b++) {
+        (*indptr)[b] = (int32_t)(b * per);
+    }
+    for (uint32_t b = 0; b < batch; b++) {
+        (*last)[b] = PAGE;
+    }
+    kvk_page_table pt = {*indptr, *indices, *last, batch};
+    return pt;
+}
+
+static double time_decode(const kvk_cache *c, const kvk_page_table *pt, kvk_decode_args *a) {
+    double t0 = bench_now_s();
+    check(kvk_paged_decode_attention_cpu(c, 0, pt, a), "attention");
+    return bench_now_s() - t0;
+}
+
+/* Section 3: decode attention per dtype x threads against memcpy of the same bytes, then the
+ * other kernels against their scalar twins. */
+static void bench_kernels(int reps) {
+    static const kv_dtype dts[] = {KV_DTYPE_FP32, KV_DTYPE_FP16, KV_DTYPE_BF16, KV_DTYPE_INT8,
+                                   KV_DTYPE_FP8_E4M3};
+    enum { NDT = 5 };
+    int simd = kvk__simd_force(KVK__SIMD_AVX512);
+    const char *simd_name = kvk_simd_name();
+    char *mc_src = xmalloc(KB_BYTES), *mc_dst = xmalloc(KB_BYTES);
+    memset(mc_src, 3, KB_BYTES);
+    size_t qn = (size_t)KB_BATCH * QO_HEADS * HEAD_DIM;
+    uint16_t *q = malloc(qn * 2), *out = malloc(qn * 2);
+    if (q == NULL || out == NULL) {
+        bench_die("out of memory");
+    }
+    for (size_t e = 0; e < qn; e++) {
+        kvk_store_f32(KV_DTYPE_FP16, q, e, (float)(rnd() % 2001u) / 1000.0f - 1.0f);
+    }
+    printf("\n### CPU decode attention vs memcpy of the same bytes (issue 19)\n\n");
+    printf("kvk_paged_decode_attention_cpu (%s kernels), %u requests, %u query heads over %u KV "
+           "heads (GQA %u) x %u dim, %u-token pages in shuffled order, fp16 queries: each call "
+           "reads %d MiB of K and V (twice the 480 MiB L3) in the worker's own memory; the "
+           "baseline memcpy moves the same %d MiB between two buffers, interleaved with the "
+           "attention calls (one memcpy, then each thread count, per repetition). Median "
+           "[min-max] of %d repetitions; the ratio is taken per repetition.\n\n",
+           simd_name, KB_BATCH, QO_HEADS, KV_HEADS, QO_HEADS / KV_HEADS, HEAD_DIM, PAGE,
+           KB_BYTES >> 20, KB_BYTES >> 20, reps);
+    printf("| KV dtype | tokens per request | threads | attention GB/s of K/V | memcpy GB/s | x "
+           "memcpy | M tokens/s (x fp32) |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    double fp32_tok[2] = {0, 0};
+    double worst1 = 1e9, worst1_lo = 1e9;
+    double scalar_gbps[MAX_REPS];
+    for (int d = 0; d < NDT; d++) {
+        uint64_t chunk = (uint64_t)PAGE * KV_HEADS * HEAD_DIM * kvk_dtype_bytes(dts[d]);
+        uint32_t nblocks = (uint32_t)(KB_BYTES / (2 * chunk)) / KB_BATCH * KB_BATCH;
+        double bytes = (double)nblocks * 2 * (double)chunk;
+        void *mem = NULL;
+        kvk_cache c = kb_cache(dts[d], nblocks, &mem);
+        int32_t *indptr, *indices, *last;
+        kvk_page_table pt = kb_table(nblocks, KB_BATCH, &indptr, &indices, &last);
+        kvk_decode_args a = {q, out, NULL, KV_DTYPE_FP16, QO_HEADS, 1.0f / sqrtf(HEAD_DIM)};
+        double tm[MAX_REPS], ta[2][MAX_REPS], gb[2][MAX_REPS], mg[MAX_REPS], ratio[2][MAX_REPS];
+        check(kvk_set_threads(2), "threads");
+        time_decode(&c, &pt, &a); /* warm-up: faults the helper thread in */
+        for (int r = 0; r < reps; r++) {
+            double t0 = bench_now_s();
+            memcpy(mc_dst, mc_src, (size_t)bytes);
+            tm[r] = bench_now_s() - t0;
+            mg[r] = bytes / tm[r] / 1e9;
+            for (int th = 0; th < 2; th++) {
+                check(kvk_set_threads((uint32_t)th + 1), "threads");
+                ta[th][r] = time_decode(&c, &pt, &a);
+                gb[th][r] = bytes / ta[th][r] / 1e9;
+                ratio[th][r] = tm[r] / ta[th][r];
+            }
+            if (dts[d] == KV_DTYPE_FP16) {
+                /* The scalar twin on 2 of the 64 requests (it is ~100x slower). */
+                kvk_page_table two = pt;
+                two.batch = 2;
+                kvk__simd_force(KVK__SIMD_SCALAR);
+                check(kvk_set_threads(1), "threads");
+                double t = time_decode(&c, &two, &a);
+                scalar_gbps[r] = bytes * 2 / KB_BATCH / t / 1e9;
+                kvk__simd_force(simd);
+            }
+        }
+        uint64_t tokens = (uint64_t)nblocks / KB_BATCH * PAGE;
+        spread m = spread_of(mg, reps);
+        for (int th = 0; th < 2; th++) {
+            spread g = spread_of(gb[th], reps), x = spread_of(ratio[th], reps);
+            double mtok = (double)tokens * KB_BATCH / spread_of(ta[th], reps).med / 1e6;
+            if (dts[d] == KV_DTYPE_FP32) {
+                fp32_tok[th] = mtok;
+            }
+            if (th == 0) {
+                worst1 = fmin(worst1, x.med);
+                worst1_lo = fmin(worst1_lo, x.lo);
+            }
+            printf("| %s | %llu | %d | %.2f [%.2f-%.2f] | %.2f [%.2f-%.2f] | %.2f [%.2f-%.2f] | "
+                   "%.1f (%.2f) |\n",
+                   kv_dtype_name(dts[d]), (unsigned long long)tokens, th + 1, g.med, g.lo, g.hi,
+                   m.med, m.lo, m.hi, x.med, x.lo, x.hi, mtok, mtok / fp32_tok[th]);
+        }
+        if (dts[d] == KV_DTYPE_FP16) {
+            spread sg = spread_of(scalar_gbps, reps);
+            printf("| fp16, scalar twin (KVK_SIMD=scalar; 2 requests) | %llu | 1 | %.3f "
+                   "[%.3f-%.3f] | | | |\n",
+                   (unsigned long long)tokens, sg.med, sg.lo, sg.hi);
+        }
+        free(indptr);
+        free(indices);
+        free(last);
+        free(mem);
+    }
+    printf("\nTarget: >= 0.5x memcpy on one thread for every dtype. Worst dtype: %.2fx median, "
+           "%.2fx its worst repetition (%s).\n",
+           worst1, worst1_lo, worst1 >= 0.5 ? "met" : "not met");
+    free(mc_src);
+    free(mc_dst);
+
+    /* ---- the other kernels vs their scalar twins ---- */
+    printf("\n### Other CPU kernels vs their scalar twins\n\n");
+    printf("Same process, interleaved; median [min-max] ms of %d repetitions (the scalar twin "
+           "of prefill: 1 run per repetition of its first request only, scaled).\n\n",
+           reps);
+    printf("| kernel | scalar twin ms | vector ms, 1 thread | vector ms, 2 threads | speedup 1 "
+           "thread | speedup 2 threads |\n|---|---:|---:|---:|---:|---:|\n");
+    enum { K_PREFILL, K_RESHAPE16, K_RESHAPE8, K_QUANT, K_DEQUANT, NK };
+    static const char *const kname[NK] = {
+        "prefill attention, causal, 4 x 16 rows over 1024 tokens, fp16 (GQA 4)",
+        "reshape_and_cache, 4096 fp32 tokens -> fp16 cache",
+        "reshape_and_cache, 4096 fp32 tokens -> int8 cache",
+        "quantize_blocks fp16 -> int8, 1024 blocks of 16 tokens",
+        "dequantize_blocks int8 -> fp16, 1024 blocks of 16 tokens",
+    };
+    /* Shared inputs. */
+    enum { NTOK = 4096, PF_REQ = 4, PF_ROWS = 16, PF_LEN = 1024, QB = 1024 };
+    void *m16 = NULL, *m8 = NULL;
+    kvk_cache c16 = kb_cache(KV_DTYPE_FP16, NTOK / PAGE, &m16);
+    kvk_cache c8 = kb_cache(KV_DTYPE_INT8, NTOK / PAGE, &m8);
+    size_t row = (size_t)KV_HEADS * HEAD_DIM;
+    float *kx = malloc(NTOK * row * 4), *vx = malloc(NTOK * row * 4);
+    int64_t *slots = malloc(NTOK * sizeof(int64_t));
+    float ks[KV_HEADS], vs[KV_HEADS];
+    size_t qelems = (size_t)QB * PAGE * row;
+    uint16_t *wide = malloc(qelems * 2), *back = malloc(qelems * 2);
+    int8_t *codes = malloc(qelems);
+    float *qscales = malloc((size_t)QB * KV_HEADS * 4);
+    size_t pq = (size_t)PF_REQ * PF_ROWS * QO_HEADS * HEAD_DIM;
+    uint16_t *pfq = malloc(pq * 2), *pfo = malloc(pq * 2);
+    if (kx == NULL || vx == NULL || slots == NULL || wide == NULL || back == NULL ||
+        codes == NULL || qscales == NULL || pfq == NULL || pfo == NULL) {
+        bench_die("out of memory");
+    }
+    for (size_t i = 0; i < NTOK * row; i++) {
+        kx[i] = (float)(rnd() % 2001u) / 1000.0f - 1.0f;
+        vx[i] = (float)(rnd() % 2001u) / 1000.0f - 1.0f;
+    }
+    for (uint32_t i = 0; i < NTOK; i++) {
+        slots[i] = (int64_t)((i * 7919u) % NTOK);
+    }
+    for (int h = 0; h < KV_HEADS; h++) {
+        ks[h] = vs[h] = 1.0f / 127;
+    }
+    for (size_t i = 0; i < qelems; i++) {
+        kvk_store_f32(KV_DTYPE_FP16, wide, i, (float)(rnd() % 2001u) / 500.0f - 2.0f);
+    }
+    for (size_t i = 0; i < pq; i++) {
+        kvk_store_f32(KV_DTYPE_FP16, pfq, i, (float)(rnd() % 2001u) / 1000.0f - 1.0f);
+    }
+    int32_t pf_qo[PF_REQ + 1], pf_ip[PF_REQ + 1], pf_ix[PF_REQ * PF_LEN / PAGE], pf_last[PF_REQ];
+    for (int i = 0; i <= PF_REQ; i++) {
+        pf_qo[i] = i * PF_ROWS;
+        pf_ip[i] = i * (PF_LEN / PAGE);
+    }
+    for (int i = 0; i < PF_REQ * PF_LEN / PAGE; i++) {
+        pf_ix[i] = (int32_t)((i * 37) % (NTOK / PAGE));
+    }
+    for (int i = 0; i < PF_REQ; i++) {
+        pf_last[i] = PAGE;
+    }
+    kvk_page_table pf_pt = {pf_ip, pf_ix, pf_last, PF_REQ};
+    kvk_tokens tk = {kx, vx, (int64_t)(row * 4), KV_DTYPE_FP32, ks, vs};
+    double tk_ms[NK][3][MAX_REPS];
+    for (int r = 0; r < reps; r++) {
+        for (int k = 0; k < NK; k++) {
+            for (int mode = 0; mode < 3; mode++) { /* scalar, vector x1, vector x2 */
+                kvk__simd_force(mode == 0 ? KVK__SIMD_SCALAR : simd);
+                check(kvk_set_threads(mode == 2 ? 2 : 1), "threads");
+                double scale = 1.0;
+                double t0 = bench_now_s();
+                switch (k) {
+                    case K_PREFILL: {
+                        kvk_page_table one = pf_pt;
+                        if (mode == 0) {
+                            one.batch = 1; /* the twin on one request, scaled below */
+                            scale = PF_REQ;
+                        }
+                        kvk_prefill_args pa = {
+                            pf_qo, pfq, pfo, NULL, KV_DTYPE_FP16, QO_HEADS, 1.0f / sqrtf(HEAD_DIM),
+                            1};
+                        check(kvk_paged_prefill_attention_cpu(&c16, 0, &one, &pa), "prefill");
+                        break;
+                    }
+                    case K_RESHAPE16:
+                        check(kvk_reshape_and_cache_cpu(&c16, 0, &tk, slots, NTOK), "reshape");
+                        break;
+                    case K_RESHAPE8:
+                        check(kvk_reshape_and_cache_cpu(&c8, 0, &tk, slots, NTOK), "reshape");
+                        break;
+                    case K_QUANT:
+                        check(kvk_quantize_blocks_cpu(KV_DTYPE_FP16, wide, KV_DTYPE_INT8, codes,
+                                                      qscales, QB, PAGE, KV_HEADS, HEAD_DIM),
+                              "quantize");
+                        break;
+                    default:
+                        check(kvk_dequantize_blocks_cpu(KV_DTYPE_INT8, codes, qscales,
+                                                        KV_DTYPE_FP16, back, QB, PAGE, KV_HEADS,
+                                                        HEAD_DIM),
+                              "dequantize");
+                        break;
+                }
+                tk_ms[k][mode][r] = (bench_now_s() - t0) * 1e3 * scale;
+            }
+        }
+    }
+    kvk__simd_force(simd);
+    check(kvk_set_threads(1), "threads");
+    for (int k = 0; k < NK; k++) {
+        spread s0 = spread_of(tk_ms[k][0], reps), s1 = spread_of(tk_ms[k][1], reps),
+               s2 = spread_of(tk_ms[k][2], reps);
+        printf("| %s | %.2f [%.2f-%.2f] | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.1f | %.1f |\n",
+               kname[k], s0.med, s0.lo, s0.hi, s1.med, s1.lo, s1.hi, s2.med, s2.lo, s2.hi,
+               s0.med / s1.med, s0.med / s2.med);
+    }
+    free(m16);
+    free(m8);
+    free(kx);
+    free(vx);
+    free(slots);
+    free(wide);
+    free(back);
+    free(codes);
+    free(qscales);
+    free(pfq);
+    free(pfo);
+    free(q);
+    free(out);
 }
 
 int main(int argc, char **argv) {
@@ -329,6 +659,8 @@ int main(int argc, char **argv) {
     double gap = fabs(am[0] / am[1] - 1.0);
     printf("\nTarget: daemon memory as fast as the worker's own (within 3%%): %.1f%% apart (%s).\n",
            gap * 100, gap <= 0.03 ? "met" : "not met");
+
+    bench_kernels(reps);
 
     for (uint32_t i = 0; i < NBLOCKS; i += ALLOC_CHUNK) {
         kvc_release(pool, blocks + i, ALLOC_CHUNK);

@@ -24,7 +24,13 @@
  * GPU kernels skip entries out of range instead of touching memory outside the caller's cache.
  *
  * Thread: all functions may be called from any thread; none keeps state except the
- * thread-local error message.
+ * thread-local error message and the CPU kernels' thread count and instruction set (below).
+ *
+ * CPU kernels: each kvk_<op>_cpu runs vectorised (AVX2+FMA+F16C, or AVX-512F where present,
+ * chosen at run time from CPUID) unless the environment variable KVK_SIMD=scalar (or avx2) caps
+ * it, and then runs the scalar reference code, which is also what a CPU without AVX2 runs.
+ * Attention runs on kvk_threads() threads (KVK_THREADS in the environment, default 1), split over
+ * (request, KV head); the results do not depend on the thread count.
  */
 #ifndef KVK_H
 #define KVK_H
@@ -52,6 +58,25 @@ int kvk_built_with_cuda(void);
 /* The calling thread's message for the last kvk call that failed ("" when none). Static
  * thread-local storage; valid until the thread's next failing kvk call. */
 const char *kvk_last_error(void);
+
+/* ---- CPU kernels: instruction set and threads ----------------------------------------------- */
+
+/* "avx512", "avx2" or "scalar": what the CPU kernels use in this process (CPUID, capped by the
+ * environment variable KVK_SIMD=scalar|avx2|avx512 read at the first call). Any thread. */
+const char *kvk_simd_name(void);
+
+/* Sets how many threads the CPU attention and quantize kernels use (1 .. KVK_MAX_THREADS; the
+ * calling thread is one of them, the others are started on first use and kept). The default is
+ * KVK_THREADS from the environment, else 1. Waits for a kernel call running on the pool to
+ * finish. Outputs are bitwise the same for every count: each (request, KV head) is computed by
+ * one thread in a fixed order. A kernel called while another call holds the pool runs on its
+ * calling thread alone. KV_EINVAL for n out of range; KV_ENOMEM / KV_EINTERNAL when a thread
+ * cannot be started (the count is then unchanged). Any thread. */
+#define KVK_MAX_THREADS 64
+kv_err kvk_set_threads(uint32_t n);
+
+/* The current thread count (>= 1). Any thread. */
+uint32_t kvk_threads(void);
 
 /* ---- Cache descriptor ------------------------------------------------------------------------ */
 
@@ -147,6 +172,28 @@ typedef struct kvk_decode_args {
  * or a page id out of range (outputs undefined then). */
 kv_err kvk_paged_decode_attention_cpu(const kvk_cache *cache, uint32_t layer,
                                       const kvk_page_table *pt, const kvk_decode_args *a);
+
+/* ---- paged prefill attention (CPU) ----------------------------------------------------------- */
+
+typedef struct kvk_prefill_args {
+    const int32_t *qo_indptr; /* [batch+1]: request i's query rows are qo_indptr[i]..[i+1] */
+    const void *q;            /* [rows][num_qo_heads][head_dim], rows = qo_indptr[batch] */
+    void *out;                /* [rows][num_qo_heads][head_dim] */
+    float *lse;               /* [rows][num_qo_heads] natural log-sum-exp, or NULL */
+    kv_dtype qo_dtype;        /* fp16, bf16 or fp32 */
+    uint32_t num_qo_heads;    /* multiple of the cache's num_kv_heads */
+    float sm_scale;           /* score = sm_scale * dot(q, k) */
+    int causal; /* 1: row j of a request with n rows and len tokens sees tokens 0 .. len - n + j
+                   (FlashInfer's bottom-right causal mask); 0: every row sees all len tokens */
+} kvk_prefill_args;
+
+/* Attention of several query rows per request (prefill, or speculative verification) over the
+ * request's pages, as FlashInfer's BatchPrefillWithPagedKVCache: the page table is the same CSR
+ * as decode's, and each K/V row is read once for all query rows and heads of a task. A row that
+ * sees no token writes zeros and lse = -inf. Same errors as decode, plus KV_EINVAL for a null or
+ * decreasing qo_indptr. CPU only (no GPU kernel yet). */
+kv_err kvk_paged_prefill_attention_cpu(const kvk_cache *cache, uint32_t layer,
+                                       const kvk_page_table *pt, const kvk_prefill_args *a);
 
 /* Bytes of float workspace with which kvk_paged_decode_attention_cuda can split each request's
  * pages into up to max_splits chunks (split-K) merged by log-sum-exp. */

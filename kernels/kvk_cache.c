@@ -1,5 +1,6 @@
 /* kvk_cache: the cache descriptor, argument checks shared with the CUDA launchers, and the CPU
- * twins of copy_blocks and reshape_and_cache.
+ * twins of copy_blocks and reshape_and_cache (the latter vectorised through kvk__ops(), with the
+ * scalar loop kept as kvk__reshape_ref).
  *
  * Every block's (section) run of [tokens][heads][dim] elements is contiguous in both kvd
  * arrangements and in engines' own tensors, so copy_blocks is a list of contiguous chunk copies;
@@ -246,6 +247,48 @@ kv_err kvk_reshape_and_cache_cpu(const kvk_cache *cache, uint32_t layer, const k
                              (long long)slot_mapping[i], i);
         }
     }
+    const kvk__simd_ops *ops = kvk__ops();
+    if (ops == NULL) {
+        kvk__reshape_ref(cache, layer, t, slot_mapping, ntokens);
+        return KV_OK;
+    }
+    uint32_t heads = cache->num_kv_heads;
+    uint32_t dim = cache->head_dim;
+    uint32_t eb = kvk_dtype_bytes(cache->dtype), tb = kvk_dtype_bytes(t->dtype);
+    int scaled = kvk__is_scaled(cache->dtype);
+    for (uint32_t i = 0; i < ntokens; i++) {
+        if (slot_mapping[i] < 0) {
+            continue;
+        }
+        int64_t block = slot_mapping[i] / cache->tokens_per_block;
+        int64_t off = slot_mapping[i] % cache->tokens_per_block;
+        for (int kv = 0; kv < 2; kv++) {
+            const char *src = (const char *)(kv == KV_K ? t->k : t->v) + (int64_t)i * t->row_stride;
+            uint32_t section = layer * 2 + (uint32_t)kv;
+            char *dst = (char *)cache->data + block * cache->block_stride +
+                        (int64_t)section * cache->section_stride +
+                        off * (int64_t)((uint64_t)heads * dim * eb);
+            const float *scale = kv == KV_K ? t->k_scale : t->v_scale;
+            for (uint32_t h = 0; h < heads; h++) {
+                float div = 1.0f;
+                if (scaled) {
+                    float *slot =
+                        (float *)((char *)cache->scales + block * cache->scale_block_stride +
+                                  (int64_t)section * cache->scale_section_stride) +
+                        h;
+                    *slot = scale[h];
+                    div = scale[h];
+                }
+                kvk__convert(ops, t->dtype, src + (uint64_t)h * dim * tb, 1.0f, cache->dtype,
+                             dst + (uint64_t)h * dim * eb, dim, div);
+            }
+        }
+    }
+    return KV_OK;
+}
+
+void kvk__reshape_ref(const kvk_cache *cache, uint32_t layer, const kvk_tokens *t,
+                      const int64_t *slot_mapping, uint32_t ntokens) {
     uint32_t heads = cache->num_kv_heads;
     uint32_t dim = cache->head_dim;
     uint64_t token_elems = (uint64_t)heads * dim;
@@ -283,5 +326,4 @@ kv_err kvk_reshape_and_cache_cpu(const kvk_cache *cache, uint32_t layer, const k
             }
         }
     }
-    return KV_OK;
 }

@@ -39,6 +39,105 @@ int kvk__is_wide(kv_dtype d);
 /* 1 for the 8-bit dtypes that carry scales. */
 int kvk__is_scaled(kv_dtype d);
 
+/* ---- Reference twins --------------------------------------------------------------------------
+ * The scalar code each public kvk_<op>_cpu runs when no vector unit is used (KVK_SIMD=scalar or a
+ * CPU without AVX2+FMA+F16C). Arguments are checked by the public function first; these are what
+ * the vectorised kernels are compared against (kvk_simd_test). Calling thread only. */
+kv_err kvk__decode_ref(const kvk_cache *c, uint32_t layer, const kvk_page_table *pt,
+                       const kvk_decode_args *a);
+kv_err kvk__prefill_ref(const kvk_cache *c, uint32_t layer, const kvk_page_table *pt,
+                        const kvk_prefill_args *a);
+void kvk__reshape_ref(const kvk_cache *c, uint32_t layer, const kvk_tokens *t,
+                      const int64_t *slot_mapping, uint32_t ntokens);
+void kvk__quantize_ref(kv_dtype src_dtype, const void *src, kv_dtype dst_dtype, void *dst,
+                       float *scales, uint64_t n, uint32_t tokens, uint32_t heads, uint32_t dim);
+void kvk__dequantize_ref(kv_dtype src_dtype, const void *src, const float *scales,
+                         kv_dtype dst_dtype, void *dst, uint64_t n, uint32_t tokens, uint32_t heads,
+                         uint32_t dim);
+
+/* ---- Vector kernels and their dispatch ----------------------------------------------------- */
+
+enum {
+    KVK__SIMD_SCALAR = 0, /* the reference twins */
+    KVK__SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    KVK__SIMD_AVX512 = 2, /* AVX-512F on top of those */
+};
+
+/* Query vectors one attention task handles at most (its scratch holds their accumulators). */
+#define KVK__ATTN_QMAX 64
+/* Tokens one step of the tiled attention loop converts and scores at once. */
+#define KVK__ATTN_TILE 8
+
+/* One attention call, as the vector kernels see it (decode is prefill with one row per request). */
+typedef struct kvk__attn_job {
+    const kvk_cache *c;
+    uint32_t layer;
+    const kvk_page_table *pt;
+    const int32_t *qo_indptr; /* [batch+1] query rows of each request; NULL: one row each */
+    const void *q;            /* [rows][num_qo_heads][head_dim] */
+    void *out;                /* same shape */
+    float *lse;               /* [rows][num_qo_heads] or NULL */
+    kv_dtype qo_dtype;        /* fp16, bf16, fp32 */
+    uint32_t num_qo_heads;    /* multiple of the cache's kv heads */
+    uint32_t group;           /* num_qo_heads / num_kv_heads */
+    uint32_t dimp;            /* head_dim rounded up to 16: rows of the float scratch */
+    float q_mul;              /* sm_scale * log2(e): scores are kept in base 2 */
+    int causal;               /* row j of n sees tokens 0 .. len - n + j */
+} kvk__attn_job;
+
+/* One task: query vectors qi0 .. qi0 + nq - 1 of (request, kv head), where query vector qi is
+ * row qi / group of the request and query head kv_head * group + qi % group. */
+typedef struct kvk__attn_task {
+    uint32_t req;
+    uint32_t kv_head;
+    uint32_t qi0;
+    uint32_t nq;
+} kvk__attn_task;
+
+/* Floats of scratch one worker needs for a task of job j (64-byte aligned by the caller). */
+size_t kvk__attn_scratch_floats(const kvk__attn_job *j);
+
+/* The kernels of one instruction set; every table entry is byte-exact against the twins except
+ * attend, whose float sums run in another order (tolerances in docs/KERNELS.md). */
+typedef struct kvk__simd_ops {
+    const char *name;
+    /* dst[i] = element i of src (dtype d; 8-bit: the code) * mul, i < n; mul == 1 multiplies
+     * nothing. */
+    void (*to_f32)(kv_dtype d, const void *src, uint64_t n, float mul, float *dst);
+    /* element i of dst (dtype d) = src[i] / div rounded as kvk_store_f32 does; div == 1 divides
+     * nothing (so fp32 NaN payloads pass unchanged). */
+    void (*from_f32)(kv_dtype d, const float *src, uint64_t n, float div, void *dst);
+    /* max |src[i]| (NaN ignored as fmaxf-free comparisons do in the twin: x > m). */
+    float (*absmax)(const float *src, uint64_t n);
+    /* Runs one attention task with scratch of kvk__attn_scratch_floats floats. */
+    void (*attend)(const kvk__attn_job *j, const kvk__attn_task *t, float *scratch);
+} kvk__simd_ops;
+
+extern const kvk__simd_ops kvk__simd_avx2;
+extern const kvk__simd_ops kvk__simd_avx512;
+
+/* The table calls use now (NULL: the scalar twins). Chosen once from CPUID and KVK_SIMD. */
+const kvk__simd_ops *kvk__ops(void);
+
+/* Tests: use level (KVK__SIMD_*) from now on, capped at what the CPU has; returns the level set. */
+int kvk__simd_force(int level);
+
+/* dst (dtype dd) = src (dtype sd) * mul / div, element by element through float32, n elements,
+ * rounding exactly as kvk_load_f32 / kvk_store_f32 (div == 1: no division). */
+void kvk__convert(const kvk__simd_ops *ops, kv_dtype sd, const void *src, float mul, kv_dtype dd,
+                  void *dst, uint64_t n, float div);
+
+/* Workers a call starting now may use: kvk_threads(). Size per-worker scratch with it and pass
+ * it to kvk__parallel_for (the count may change in between). */
+uint32_t kvk__workers(void);
+
+/* Runs fn(ctx, task, worker) for task 0 .. ntasks - 1 on up to max_workers threads of the pool
+ * (the caller is worker 0; worker < max_workers). Each task runs exactly once, on one thread;
+ * which thread runs which task varies, so results must not depend on it. When another call holds
+ * the pool, everything runs on the caller. */
+void kvk__parallel_for(uint64_t ntasks, uint32_t max_workers,
+                       void (*fn)(void *ctx, uint64_t task, uint32_t worker), void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

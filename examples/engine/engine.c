@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "examples/engine/gemm.h"
 #include "kernels/kvk.h"
 #include "kvclient.h"
 
@@ -54,6 +55,7 @@ struct kve_engine {
     kve_options o;       /* options (strings borrowed) */
     kvc_conn *conn;      /* connection to kvd */
     kvc_pool *pool;      /* the model's pool */
+    kve_gemm *gemm;      /* matmul threads (o.threads in all) */
     kv_layout layout;    /* pool layout */
     uint32_t tpb;        /* tokens per block */
     float *kscale;       /* 8-bit pools: [layers][kv_heads] K scales */
@@ -87,6 +89,7 @@ void kve_options_init(kve_options *o) {
     o->token_budget = 256;
     o->max_batch = 64;
     o->draft_layers = 1;
+    o->threads = 1;
 }
 
 void kve_request_fini(kve_request *r) {
@@ -146,12 +149,18 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     const kve_config *c = &m->cfg;
     if (o->tokens_per_block == 0 || o->token_budget == 0 || o->max_batch == 0 || o->spec_k < 0 ||
         o->spec_k > 64 ||
-        (o->spec_k > 0 && (o->draft_layers < 1 || o->draft_layers > c->n_layers))) {
+        (o->spec_k > 0 && (o->draft_layers < 1 || o->draft_layers > c->n_layers)) ||
+        o->threads < 1 || o->threads > 64) {
         return KV_EINVAL;
     }
     kve_engine *e = calloc(1, sizeof(*e));
     if (e == NULL) {
         return KV_ENOMEM;
+    }
+    kv_err rc = kve_gemm_alloc(o->threads, KVE_GEMM_AUTO, &e->gemm);
+    if (rc != KV_OK) {
+        fail(e, rc, "cannot start %d matmul threads", o->threads);
+        goto fail_free;
     }
     e->m = m;
     e->o = *o;
@@ -172,7 +181,7 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     kvc_options_init(&co);
     co.socket_path = o->socket_path;
     co.client_name = "kve-engine";
-    kv_err rc = kvc_conn_open(&co, &e->conn);
+    rc = kvc_conn_open(&co, &e->conn);
     if (rc != KV_OK) {
         fail(e, rc, "cannot connect to kvd");
         goto fail_free;
@@ -201,6 +210,7 @@ fail_conn:
     kvc_pool_detach(e->pool);
     kvc_conn_close(e->conn);
 fail_free:
+    kve_gemm_free(e->gemm);
     free(e->kscale);
     free(e->vscale);
     /* The caller has no engine to ask: print the reason where it is not recoverable. */
@@ -215,6 +225,7 @@ void kve_engine_close(kve_engine *e) {
     }
     kvc_pool_detach(e->pool);
     kvc_conn_close(e->conn);
+    kve_gemm_free(e->gemm);
     free(e->kscale);
     free(e->vscale);
     free(e);
@@ -495,9 +506,9 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
         for (size_t i = 0; i < n; i++) {
             kve_rmsnorm(xb + i * d, x + i * d, m->rms_att + (size_t)l * d, d);
         }
-        kve_matmul(q, xb, m->wq + (size_t)l * d * d, (int)n, d, d);
-        kve_matmul(k, xb, m->wk + (size_t)l * kvd * d, (int)n, d, kvd);
-        kve_matmul(v, xb, m->wv + (size_t)l * kvd * d, (int)n, d, kvd);
+        kve_gemm_run(e->gemm, q, xb, m->wq + (size_t)l * d * d, (int)n, d, d);
+        kve_gemm_run(e->gemm, k, xb, m->wk + (size_t)l * kvd * d, (int)n, d, kvd);
+        kve_gemm_run(e->gemm, v, xb, m->wv + (size_t)l * kvd * d, (int)n, d, kvd);
         for (size_t i = 0; i < n; i++) {
             kve_rope(q + i * d, c->n_heads, hd, rows[i].pos);
             kve_rope(k + i * kvd, c->n_kv_heads, hd, rows[i].pos);
@@ -527,28 +538,44 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
         if (rc != KV_OK) {
             goto cleanup;
         }
-        kve_matmul(xb, att, m->wo + (size_t)l * d * d, (int)n, d, d);
+        kve_gemm_run(e->gemm, xb, att, m->wo + (size_t)l * d * d, (int)n, d, d);
         for (size_t i = 0; i < n * (size_t)d; i++) {
             x[i] += xb[i];
         }
         for (size_t i = 0; i < n; i++) {
             kve_rmsnorm(xb + i * d, x + i * d, m->rms_ffn + (size_t)l * d, d);
         }
-        kve_matmul(hb, xb, m->w1 + (size_t)l * hid * d, (int)n, d, hid);
-        kve_matmul(hb2, xb, m->w3 + (size_t)l * hid * d, (int)n, d, hid);
+        kve_gemm_run(e->gemm, hb, xb, m->w1 + (size_t)l * hid * d, (int)n, d, hid);
+        kve_gemm_run(e->gemm, hb2, xb, m->w3 + (size_t)l * hid * d, (int)n, d, hid);
         for (size_t i = 0; i < n; i++) {
             kve_swiglu(hb + i * hid, hb2 + i * hid, hid);
         }
-        kve_matmul(xb, hb, m->w2 + (size_t)l * d * hid, (int)n, hid, d);
+        kve_gemm_run(e->gemm, xb, hb, m->w2 + (size_t)l * d * hid, (int)n, hid, d);
         for (size_t i = 0; i < n * (size_t)d; i++) {
             x[i] += xb[i];
         }
     }
+    /* The classifier for the rows that want logits, as one product (one pass over wcls). */
+    size_t nl = 0;
     for (size_t i = 0; i < n; i++) {
         if (rows[i].logits != NULL) {
-            kve_rmsnorm(xb, x + i * d, m->rms_final, d);
-            kve_matmul(rows[i].logits, xb, m->wcls, 1, d, c->vocab_size);
+            kve_rmsnorm(xb + nl * d, x + i * d, m->rms_final, d);
+            nl++;
         }
+    }
+    if (nl > 0) {
+        float *lg = malloc(nl * (size_t)c->vocab_size * sizeof(float));
+        if (lg == NULL) {
+            goto cleanup;
+        }
+        kve_gemm_run(e->gemm, lg, xb, m->wcls, (int)nl, d, c->vocab_size);
+        for (size_t i = 0, j = 0; i < n; i++) {
+            if (rows[i].logits != NULL) {
+                memcpy(rows[i].logits, lg + j++ * (size_t)c->vocab_size,
+                       (size_t)c->vocab_size * sizeof(float));
+            }
+        }
+        free(lg);
     }
     rc = KV_OK;
 cleanup:

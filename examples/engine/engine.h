@@ -47,6 +47,7 @@ typedef struct kve_options {
     int draft_layers;          /* layers of the draft model (the target's first layers); 1 */
     int cascade;               /* 1: shared-prefix attention once per group + merge_states */
     int keep_logits;           /* 1: keep every generated token's logits in its request */
+    int threads;               /* matmul threads in all, the caller's included (1..64); 1 */
 } kve_options;
 
 /* Fills o with the defaults above. */

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "examples/engine/gemm.h"
+
 const char *kve_config_check(const kve_config *c) {
     if (c->dim <= 0 || c->hidden_dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 ||
         c->n_kv_heads <= 0 || c->vocab_size <= 0 || c->seq_len <= 0) {
@@ -181,18 +183,7 @@ void kve_model_fini(kve_model *m) {
 }
 
 void kve_matmul(float *out, const float *x, const float *w, int n, int nin, int nout) {
-    for (int r = 0; r < n; r++) {
-        const float *xr = x + (size_t)r * nin;
-        float *o = out + (size_t)r * nout;
-        for (int j = 0; j < nout; j++) {
-            const float *wj = w + (size_t)j * nin;
-            float acc = 0.0f;
-            for (int i = 0; i < nin; i++) {
-                acc += wj[i] * xr[i];
-            }
-            o[j] = acc;
-        }
-    }
+    kve_gemm_run(NULL, out, x, w, n, nin, nout);
 }
 
 void kve_rmsnorm(float *out, const float *x, const float *w, int dim) {

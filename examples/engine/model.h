@@ -71,7 +71,8 @@ void kve_model_fini(kve_model *m);
 
 /* ---- Row kernels (one token's row at a time; used by the engine and the reference) ---- */
 
-/* out[r][o] = sum_i w[o][i] * x[r][i] for rows r < n: w is [nout][nin]. */
+/* out[r][o] = sum_i w[o][i] * x[r][i] for rows r < n: w is [nout][nin]. The calling thread
+ * alone through gemm.h (the engine uses its own pool of threads; same numbers). */
 void kve_matmul(float *out, const float *x, const float *w, int n, int nin, int nout);
 /* out = x * w / sqrt(mean(x^2) + 1e-5) over dim elements. */
 void kve_rmsnorm(float *out, const float *x, const float *w, int dim);

@@ -2,10 +2,13 @@
  * (tolerance below) with the cache off, on in one process, and across processes where the
  * second gets the prefix as hits; speculative decoding gives exactly plain greedy's tokens;
  * continuous batching with preemption gives each request's solo tokens; cascade attention and
- * 8-bit pools agree with the plain path. The model is tiny so each case takes well under a
- * second. Tolerance: logits of paged runs against the dense reference within 1e-4 (float32
- * summation order differs); paged runs against each other bit-identical (every row is computed
- * by the same code whatever the schedule), checked with 0 tolerance. */
+ * 8-bit pools agree with the plain path. The whole group runs twice, with 1 and with 2 matmul
+ * threads (examples/engine/gemm.h), and one case checks that 1, 2 and 3 threads give the same
+ * bits; engine_test_scalar runs it all again on the scalar matmul (KVE_GEMM=scalar). The model
+ * is tiny so each case takes well under a second. Tolerance: logits of paged runs against the dense
+ * reference within 1e-4 (float32 summation order differs); paged runs against each other
+ * bit-identical (every row is computed by the same code whatever the schedule), checked with 0
+ * tolerance. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -26,6 +29,7 @@
 static kvd_harness H;
 static kve_model M;
 static const kve_config CFG = {32, 96, 3, 4, 2, 64, 4096};
+static int THREADS = 1; /* matmul threads of every engine the group opens */
 
 static int setup(void **state) {
     (void)state;
@@ -56,6 +60,7 @@ static kve_options opts(void) {
     o.socket_path = H.sock;
     o.keep_logits = 1;
     o.token_budget = 32;
+    o.threads = THREADS;
     return o;
 }
 
@@ -344,6 +349,49 @@ static void test_quantized_pools(void **state) {
     kve_request_fini(&ref);
 }
 
+static void test_threads_bit_identical(void **state) {
+    (void)state;
+    /* Prefill chunks of 32 rows are split between threads (the decode rows are not: too small);
+     * both must give the one-thread bits, with batching and speculation on. */
+    enum { R = 3, N = 75, NEW = 14 };
+    uint32_t prompts[R][N];
+    kve_request ref[R], got[R];
+    int V = CFG.vocab_size;
+    for (int t = 1; t <= 3; t++) {
+        kve_options o = opts();
+        o.prefix_cache = 0;
+        o.threads = t;
+        o.spec_k = t == 3 ? 3 : 0;
+        kve_request *rq = t == 1 ? ref : got;
+        memset(rq, 0, sizeof(kve_request) * R);
+        for (int i = 0; i < R; i++) {
+            make_prompt(prompts[i], N - (size_t)i * 7, (uint32_t)i + 30);
+            rq[i] = (kve_request){.id = (uint32_t)i,
+                                  .prompt = prompts[i],
+                                  .prompt_len = N - (size_t)i * 7,
+                                  .max_new = NEW};
+        }
+        kve_engine *e = NULL;
+        assert_int_equal(kve_engine_open(&M, &o, &e), KV_OK);
+        assert_int_equal(kve_engine_run(e, rq, R), KV_OK);
+        kve_engine_close(e);
+        for (int i = 0; t > 1 && i < R; i++) {
+            assert_int_equal(got[i].status, KV_OK);
+            assert_memory_equal(got[i].out, ref[i].out, NEW * sizeof(uint32_t));
+            assert_true(max_diff(got[i].logits, ref[i].logits, (size_t)NEW * V) == 0.0f);
+            kve_request_fini(&got[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        kve_request_fini(&ref[i]);
+    }
+    /* A bad thread count is refused. */
+    kve_options bad = opts();
+    bad.threads = 0;
+    kve_engine *e = NULL;
+    assert_int_equal(kve_engine_open(&M, &bad, &e), KV_EINVAL);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_checkpoint_loader),
@@ -352,6 +400,12 @@ int main(void) {
         cmocka_unit_test(test_batching_preemption),
         cmocka_unit_test(test_cascade_and_static),
         cmocka_unit_test(test_quantized_pools),
+        cmocka_unit_test(test_threads_bit_identical),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    int failed = 0;
+    for (THREADS = 1; THREADS <= 2; THREADS++) {
+        print_message("matmul threads: %d\n", THREADS);
+        failed += cmocka_run_group_tests(tests, setup, teardown);
+    }
+    return failed;
 }

@@ -1,0 +1,486 @@
+/* kvk_simd_body: the vector CPU kernels, written once and compiled per instruction set by
+ * kvk_simd_avx2.c (KVK_W 8: __m256) and kvk_simd_avx512.c (KVK_W 16: __m512), each of which
+ * includes this file between `#pragma GCC target` push/pop and exports one kvk__simd_ops table.
+ * Nothing else may include it.
+ *
+ * Element conversions work 8 lanes at a time in both builds (they are bound by memory, not by
+ * width) and are byte-exact against kvk_dtype.h: fp16 through F16C, bf16 and fp8-e4m3 encoding
+ * with integer lanes that repeat the scalar rounding step for step, fp8 decoding by moving the
+ * code's bits into an fp16 (exponent and mantissa line up after a shift; the missing 2^8 of the
+ * bias difference is an exact multiply), so no float subnormal is ever an operand.
+ *
+ * Attention (kvk__attn_task): a tile of 8 tokens at a time, each K and V row converted once to
+ * float32 (times its block's scale) and then used by every query vector of the task (the GQA group,
+ * times the query rows in prefill), scores in base 2 with an online softmax per query vector.
+ * Only the dot products and the V accumulation use the full vector width KVK_W.
+ */
+#ifndef KVK_W
+#error "kvk_simd_body.h is included by kvk_simd_avx2.c / kvk_simd_avx512.c only"
+#endif
+
+#if KVK_W == 8
+typedef __m256 vf;
+#define VLOAD(p) _mm256_load_ps(p)
+#define VSTORE(p, v) _mm256_store_ps((p), (v))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VZERO() _mm256_setzero_ps()
+#define VTO8(v) (v)
+#else
+typedef __m512 vf;
+#define VLOAD(p) _mm512_load_ps(p)
+#define VSTORE(p, v) _mm512_store_ps((p), (v))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VZERO() _mm512_setzero_ps()
+/* Folds 16 lanes into 8 (sums of lane pairs i, i + 8). */
+#define VTO8(v)                                                                                    \
+    _mm256_add_ps(_mm512_castps512_ps256(v),                                                       \
+                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#endif
+
+/* ---- 8-lane helpers -------------------------------------------------------------------------- */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The four horizontal sums of a0..a3 in one __m128. */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* 2^x for x <= 0 (scores minus their running max); 0 below -126, for -inf and for NaN.
+ * Degree-7 Taylor polynomial of 2^f on |f| <= 1/2: relative error below 1e-8 before rounding. */
+static inline __m256 exp2_8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-126.0f);
+    __m256 xc = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(xc, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
+}
+
+/* Eight fp8-e4m3 codes as the fp16 numbers code / 256 (exact); NaN codes as fp16 NaN 0x7e00. */
+static inline __m128i fp8_to_half8(const void *p) {
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    __m128i h = _mm_slli_epi16(mag, 7);
+    __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));
+    h = _mm_or_si128(_mm_andnot_si128(nan, h), _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+    return _mm_or_si128(h, sign);
+}
+
+/* Eight 32-bit lanes holding values 0..255 (u8) or -128..127 (s8), stored as 8 bytes. */
+static inline void store_bytes8(void *p, __m256i v, int is_signed) {
+    __m256i w = is_signed ? _mm256_packs_epi32(v, v) : _mm256_packus_epi32(v, v);
+    w = is_signed ? _mm256_packs_epi16(w, w) : _mm256_packus_epi16(w, w);
+    __m128i r = _mm_unpacklo_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64((__m128i *)p, r);
+}
+
+/* float -> bf16, as kvk_f32_to_bf16. */
+static inline __m128i f32_to_bf16_8(__m256 x) {
+    __m256i xi = _mm256_castps_si256(x);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(xi, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(xi, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(xi, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(xi, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, q, nan);
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(r);
+}
+
+/* float -> fp8-e4m3 codes in 32-bit lanes, as kvk_f32_to_fp8e4m3. */
+static inline __m256i f32_to_fp8_8(__m256 x) {
+    __m256i xi = _mm256_castps_si256(x);
+    __m256i sign = _mm256_and_si256(_mm256_srli_epi32(xi, 24), _mm256_set1_epi32(0x80));
+    __m256i a = _mm256_and_si256(xi, _mm256_set1_epi32(0x7fffffff));
+    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+    __m256i sat = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43dfffff));
+    __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a);
+    /* Subnormal codes: a * 2^9 rounded to nearest even (the current rounding mode, as rintf). */
+    __m256i subc =
+        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(512.0f)));
+    __m256i q = _mm256_or_si256(
+        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(120)), 3),
+        _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(7)));
+    __m256i rem = _mm256_and_si256(a, _mm256_set1_epi32(0xfffff));
+    __m256i half = _mm256_set1_epi32(0x80000);
+    __m256i one = _mm256_set1_epi32(1);
+    __m256i up =
+        _mm256_or_si256(_mm256_cmpgt_epi32(rem, half),
+                        _mm256_and_si256(_mm256_cmpeq_epi32(rem, half),
+                                         _mm256_cmpeq_epi32(_mm256_and_si256(q, one), one)));
+    q = _mm256_sub_epi32(q, up); /* up is all ones: + 1 */
+    q = _mm256_blendv_epi8(q, subc, sub);
+    q = _mm256_blendv_epi8(q, _mm256_set1_epi32(0x7e), sat);
+    q = _mm256_blendv_epi8(q, _mm256_set1_epi32(0x7f), nan);
+    return _mm256_or_si256(q, sign);
+}
+
+/* float (already divided by the scale) -> int8 codes in 32-bit lanes, as kvk_f32_to_int8. */
+static inline __m256i f32_to_int8_8(__m256 x) {
+    __m256 r = _mm256_round_ps(x, _MM_FROUND_CUR_DIRECTION);
+    r = _mm256_max_ps(r, _mm256_set1_ps(-KVK_INT8_MAX));
+    r = _mm256_min_ps(r, _mm256_set1_ps(KVK_INT8_MAX));
+    r = _mm256_and_ps(r, _mm256_cmp_ps(x, x, _CMP_ORD_Q)); /* NaN -> 0 */
+    return _mm256_cvttps_epi32(r);
+}
+
+/* ---- Conversions (kvk__simd_ops) ------------------------------------------------------------- */
+
+/* Stores x * m, or x itself when m is 1 (a multiply would quiet a signalling NaN, and the
+ * twins never multiply then). */
+#define STORE_MUL(p, x) _mm256_storeu_ps((p), scale ? _mm256_mul_ps((x), m) : (x))
+
+/* F16C quiets a signalling fp16 NaN; the twin keeps it signalling. Clears the quiet bit of the
+ * lanes whose fp16 input h was a signalling NaN (exact conversions only). */
+static inline __m256 keep_snan(__m256 x, __m128i h) {
+    __m128i e = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7e00)), _mm_set1_epi16(0x7c00));
+    __m128i m = _mm_andnot_si128(
+        _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x1ff)), _mm_setzero_si128()), e);
+    __m256i w = _mm256_and_si256(_mm256_cvtepi16_epi32(m), _mm256_set1_epi32(0x00400000));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(w, _mm256_castps_si256(x)));
+}
+
+/* dst = src * mul (see kvk__simd_ops.to_f32); exact: NaN payloads as the twin's too. */
+static inline void load_row(kv_dtype d, const void *src, uint64_t n, float mul, float *dst,
+                            int exact) {
+    uint64_t i = 0;
+    const char *s = src;
+    int scale = mul != 1.0f;
+    __m256 m = _mm256_set1_ps(mul);
+    switch (d) {
+        case KV_DTYPE_FP32:
+            for (; i + 8 <= n; i += 8) {
+                STORE_MUL(dst + i, _mm256_loadu_ps((const float *)s + i));
+            }
+            break;
+        case KV_DTYPE_FP16:
+            for (; i + 8 <= n; i += 8) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(s + 2 * i));
+                __m256 x = _mm256_cvtph_ps(h);
+                STORE_MUL(dst + i, exact ? keep_snan(x, h) : x);
+            }
+            break;
+        case KV_DTYPE_BF16:
+            for (; i + 8 <= n; i += 8) {
+                __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + 2 * i)));
+                STORE_MUL(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+            break;
+        case KV_DTYPE_INT8:
+            for (; i + 8 <= n; i += 8) {
+                __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + i)));
+                STORE_MUL(dst + i, _mm256_cvtepi32_ps(w));
+            }
+            break;
+        case KV_DTYPE_FP8_E4M3: {
+            /* code = half * 256 exactly; (half * 256) * mul == half * (256 * mul): one rounding
+             * (NaN codes give the twin's 0x7fc00000 either way). */
+            __m256 m256 = _mm256_set1_ps(mul * 256.0f);
+            for (; i + 8 <= n; i += 8) {
+                __m256 x = _mm256_cvtph_ps(fp8_to_half8(s + i));
+                _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, m256));
+            }
+            break;
+        }
+    }
+    for (; i < n; i++) {
+        float x = kvk_load_f32(d, src, i);
+        dst[i] = scale ? x * mul : x;
+    }
+}
+#undef STORE_MUL
+
+static void simd_to_f32(kv_dtype d, const void *src, uint64_t n, float mul, float *dst) {
+    load_row(d, src, n, mul, dst, 1);
+}
+
+static void simd_from_f32(kv_dtype d, const float *src, uint64_t n, float div, void *dst) {
+    uint64_t i = 0;
+    char *o = dst;
+    int divide = div != 1.0f;
+    __m256 dv = _mm256_set1_ps(div);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(src + i);
+        if (divide) {
+            x = _mm256_div_ps(x, dv); /* divide, not multiply by 1/div: the twins divide */
+        }
+        switch (d) {
+            case KV_DTYPE_FP32:
+                _mm256_storeu_ps((float *)o + i, x);
+                break;
+            case KV_DTYPE_FP16:
+                _mm_storeu_si128((__m128i *)(o + 2 * i),
+                                 _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                break;
+            case KV_DTYPE_BF16:
+                _mm_storeu_si128((__m128i *)(o + 2 * i), f32_to_bf16_8(x));
+                break;
+            case KV_DTYPE_INT8:
+                store_bytes8(o + i, f32_to_int8_8(x), 1);
+                break;
+            case KV_DTYPE_FP8_E4M3:
+                store_bytes8(o + i, f32_to_fp8_8(x), 0);
+                break;
+        }
+    }
+    for (; i < n; i++) {
+        kvk_store_f32(d, dst, i, divide ? src[i] / div : src[i]);
+    }
+}
+
+static float simd_absmax(const float *src, uint64_t n) {
+    uint64_t i = 0;
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= n; i += 8) {
+        /* max(x, m) gives m when x is NaN: NaN is skipped, as the twin's x > m test does. */
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), abs), m);
+    }
+    float r = hmax8(m);
+    for (; i < n; i++) {
+        float x = fabsf(src[i]);
+        r = x > r ? x : r;
+    }
+    return r;
+}
+
+/* ---- Attention (kvk__simd_ops.attend) ---------------------------------------------------------
+ */
+
+/* dot(a, b) over dimp floats (64-byte aligned, dimp a multiple of 16). */
+static inline float dot1(const float *a, const float *b, uint32_t dimp) {
+    vf acc = VZERO();
+    for (uint32_t j = 0; j < dimp; j += KVK_W) {
+        acc = VFMA(VLOAD(a + j), VLOAD(b + j), acc);
+    }
+    return hsum8(VTO8(acc));
+}
+
+/* The four dots of q0..q3 with k. */
+static inline __m128 dot4(const float *q0, const float *q1, const float *q2, const float *q3,
+                          const float *k, uint32_t dimp) {
+    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    for (uint32_t j = 0; j < dimp; j += KVK_W) {
+        vf kv = VLOAD(k + j);
+        a0 = VFMA(VLOAD(q0 + j), kv, a0);
+        a1 = VFMA(VLOAD(q1 + j), kv, a1);
+        a2 = VFMA(VLOAD(q2 + j), kv, a2);
+        a3 = VFMA(VLOAD(q3 + j), kv, a3);
+    }
+    return hsum4x8(VTO8(a0), VTO8(a1), VTO8(a2), VTO8(a3));
+}
+
+/* acc[k] = acc[k] * alpha[k] + sum over t < ntok of p[k][t] * v[t], for nb (1..4) query vectors. */
+static inline void axpy_tile(float *acc, const float *alpha, const float *p, const float *vt,
+                             uint32_t ntok, uint32_t nb, uint32_t dimp) {
+    enum { T = KVK__ATTN_TILE };
+    if (nb == 4) {
+        vf s0 = VSET1(alpha[0]), s1 = VSET1(alpha[1]), s2 = VSET1(alpha[2]), s3 = VSET1(alpha[3]);
+        for (uint32_t j = 0; j < dimp; j += KVK_W) {
+            vf a0 = VMUL(VLOAD(acc + j), s0);
+            vf a1 = VMUL(VLOAD(acc + dimp + j), s1);
+            vf a2 = VMUL(VLOAD(acc + 2 * dimp + j), s2);
+            vf a3 = VMUL(VLOAD(acc + 3 * dimp + j), s3);
+            for (uint32_t t = 0; t < ntok; t++) {
+                vf v = VLOAD(vt + t * dimp + j);
+                a0 = VFMA(VSET1(p[t]), v, a0);
+                a1 = VFMA(VSET1(p[T + t]), v, a1);
+                a2 = VFMA(VSET1(p[2 * T + t]), v, a2);
+                a3 = VFMA(VSET1(p[3 * T + t]), v, a3);
+            }
+            VSTORE(acc + j, a0);
+            VSTORE(acc + dimp + j, a1);
+            VSTORE(acc + 2 * dimp + j, a2);
+            VSTORE(acc + 3 * dimp + j, a3);
+        }
+        return;
+    }
+    for (uint32_t k = 0; k < nb; k++) {
+        vf s = VSET1(alpha[k]);
+        float *ak = acc + k * dimp;
+        for (uint32_t j = 0; j < dimp; j += KVK_W) {
+            vf a = VMUL(VLOAD(ak + j), s);
+            for (uint32_t t = 0; t < ntok; t++) {
+                a = VFMA(VSET1(p[k * T + t]), VLOAD(vt + t * dimp + j), a);
+            }
+            VSTORE(ak + j, a);
+        }
+    }
+}
+
+static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float *scratch) {
+    enum { T = KVK__ATTN_TILE, QM = KVK__ATTN_QMAX };
+    const kvk_cache *c = jb->c;
+    const kvk_page_table *pt = jb->pt;
+    const uint32_t dim = c->head_dim, dimp = jb->dimp, G = jb->group, nq = tk->nq;
+    const uint32_t kvh = tk->kv_head, heads = c->num_kv_heads, tpb = c->tokens_per_block;
+    const uint32_t eb = kvk_elem_bytes(c->dtype), qeb = kvk_elem_bytes(jb->qo_dtype);
+    const int scaled = kvk__is_scaled(c->dtype);
+    float *qf = scratch;                       /* [QM][dimp] queries times sm_scale * log2(e) */
+    float *acc = qf + (size_t)QM * dimp;       /* [QM][dimp] unnormalised outputs */
+    float *kt = acc + (size_t)QM * dimp;       /* [T][dimp] the tile's K rows, dequantized */
+    float *vt = kt + (size_t)T * dimp;         /* [T][dimp] its V rows */
+    float *sp = vt + (size_t)T * dimp;         /* [QM][T] scores, then probabilities */
+    float *mx = sp + (size_t)QM * T;           /* [QM] running max (base 2) */
+    float *sum = mx + QM;                      /* [QM] running sum of 2^(s - max) */
+    float *alpha = sum + QM;                   /* [QM] this tile's rescale of acc */
+    uint32_t *lens = (uint32_t *)(alpha + QM); /* [QM] tokens each query vector sees */
+
+    int32_t p0 = pt->indptr[tk->req];
+    int32_t npages = pt->indptr[tk->req + 1] - p0;
+    uint64_t len =
+        npages == 0 ? 0 : (uint64_t)(npages - 1) * tpb + (uint64_t)pt->last_page_len[tk->req];
+    const int32_t *pages = pt->indices + (npages == 0 ? 0 : p0);
+    uint64_t row0 = jb->qo_indptr != NULL ? (uint64_t)jb->qo_indptr[tk->req] : tk->req;
+    uint64_t nrows =
+        jb->qo_indptr != NULL ? (uint64_t)(jb->qo_indptr[tk->req + 1] - jb->qo_indptr[tk->req]) : 1;
+    uint32_t maxlen = 0;
+    for (uint32_t k = 0; k < nq; k++) {
+        uint32_t qi = tk->qi0 + k;
+        uint64_t row = row0 + qi / G;
+        uint64_t e0 = (row * jb->num_qo_heads + (uint64_t)kvh * G + qi % G) * dim;
+        float *qk = qf + (size_t)k * dimp;
+        load_row(jb->qo_dtype, (const char *)jb->q + e0 * qeb, dim, jb->q_mul, qk, 0);
+        memset(qk + dim, 0, (dimp - dim) * sizeof(float));
+        memset(acc + (size_t)k * dimp, 0, dimp * sizeof(float));
+        int64_t see = (int64_t)len;
+        if (jb->causal) {
+            see = (int64_t)len - (int64_t)nrows + (int64_t)(qi / G) + 1;
+            see = see < 0 ? 0 : see;
+        }
+        lens[k] = (uint32_t)see;
+        maxlen = lens[k] > maxlen ? lens[k] : maxlen;
+        mx[k] = -INFINITY;
+        sum[k] = 0.0f;
+    }
+    for (uint32_t t = 0; t < T; t++) {
+        memset(kt + (size_t)t * dimp + dim, 0, (dimp - dim) * sizeof(float));
+        memset(vt + (size_t)t * dimp + dim, 0, (dimp - dim) * sizeof(float));
+    }
+    const uint32_t sec = jb->layer * 2; /* K; V is the next section */
+    const int64_t head_off = (int64_t)kvh * dim * eb;
+    const int64_t tok_bytes = (int64_t)heads * dim * eb;
+    const uint64_t row_bytes = (uint64_t)dim * eb;
+    for (uint32_t t0 = 0; t0 < maxlen; t0 += T) {
+        uint32_t ntok = maxlen - t0 < T ? maxlen - t0 : T;
+        const char *vrow[T];
+        float vscale[T];
+        for (uint32_t t = 0; t < ntok; t++) {
+            uint32_t tok = t0 + t;
+            int64_t blk = pages[tok / tpb];
+            const char *krow = (const char *)c->data + blk * c->block_stride +
+                               (int64_t)sec * c->section_stride + (int64_t)(tok % tpb) * tok_bytes +
+                               head_off;
+            vrow[t] = krow + c->section_stride;
+            float ks = 1.0f;
+            vscale[t] = 1.0f;
+            if (scaled) {
+                const float *sc =
+                    (const float *)((const char *)c->scales + blk * c->scale_block_stride +
+                                    (int64_t)sec * c->scale_section_stride);
+                ks = sc[kvh];
+                vscale[t] = ((const float *)((const char *)sc + c->scale_section_stride))[kvh];
+            }
+            /* The V row is needed after the scores: start loading it now. */
+            for (uint64_t b = 0; b < row_bytes; b += 64) {
+                __builtin_prefetch(vrow[t] + b);
+            }
+            load_row(c->dtype, krow, dim, ks, kt + (size_t)t * dimp, 0);
+        }
+        /* Scores of every query vector that sees this tile. */
+        for (uint32_t k = 0; k < nq; k += 4) {
+            uint32_t nb = nq - k < 4 ? nq - k : 4;
+            for (uint32_t t = 0; t < ntok; t++) {
+                const float *kr = kt + (size_t)t * dimp;
+                if (nb == 4) {
+                    const float *q0 = qf + (size_t)k * dimp;
+                    __m128 d = dot4(q0, q0 + dimp, q0 + 2 * dimp, q0 + 3 * dimp, kr, dimp);
+                    float dd[4];
+                    _mm_storeu_ps(dd, d);
+                    for (uint32_t b = 0; b < 4; b++) {
+                        sp[(k + b) * T + t] = dd[b];
+                    }
+                } else {
+                    for (uint32_t b = 0; b < nb; b++) {
+                        sp[(k + b) * T + t] = dot1(qf + (size_t)(k + b) * dimp, kr, dimp);
+                    }
+                }
+            }
+        }
+        /* Online softmax: mask tokens beyond each vector's length, rescale by the new max. */
+        for (uint32_t k = 0; k < nq; k++) {
+            float *s = sp + (size_t)k * T;
+            uint32_t see = lens[k] <= t0 ? 0 : lens[k] - t0;
+            see = see < ntok ? see : ntok;
+            for (uint32_t t = see; t < T; t++) {
+                s[t] = -INFINITY;
+            }
+            if (see == 0) {
+                alpha[k] = 1.0f; /* p is all zeros: acc unchanged */
+                _mm256_storeu_ps(s, _mm256_setzero_ps());
+                continue;
+            }
+            __m256 sv = _mm256_loadu_ps(s);
+            float mnew = hmax8(sv);
+            mnew = mnew > mx[k] ? mnew : mx[k];
+            float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
+            __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
+            _mm256_storeu_ps(s, pv);
+            sum[k] = sum[k] * a + hsum8(pv);
+            mx[k] = mnew;
+            alpha[k] = a;
+        }
+        for (uint32_t t = 0; t < ntok; t++) {
+            load_row(c->dtype, vrow[t], dim, vscale[t], vt + (size_t)t * dimp, 0);
+        }
+        for (uint32_t k = 0; k < nq; k += 4) {
+            uint32_t nb = nq - k < 4 ? nq - k : 4;
+            axpy_tile(acc + (size_t)k * dimp, alpha + k, sp + (size_t)k * T, vt, ntok, nb, dimp);
+        }
+    }
+    for (uint32_t k = 0; k < nq; k++) {
+        uint32_t qi = tk->qi0 + k;
+        uint64_t row = row0 + qi / G;
+        uint64_t r = row * jb->num_qo_heads + (uint64_t)kvh * G + qi % G;
+        char *o = (char *)jb->out + r * dim * qeb;
+        if (lens[k] == 0) {
+            memset(acc + (size_t)k * dimp, 0, dim * sizeof(float));
+            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, 1.0f, o);
+        } else {
+            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, sum[k], o);
+        }
+        if (jb->lse != NULL) {
+            jb->lse[r] = lens[k] == 0 ? -INFINITY : (mx[k] + log2f(sum[k])) * 0.69314718055994531f;
+        }
+    }
+}
