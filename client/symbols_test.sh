@@ -27,7 +27,7 @@ exported() {
         || { echo "not every export carries version KVCLIENT_1"; return 1; }
 }
 soname() {
-    readelf -d "$so" | grep -q 'SONAME.*\[libkvclient\.so\.1\]' || { readelf -d "$so" | grep SONAME; echo "soname is not libkvclient.so.1"; return 1; }
+    grep -q 'SONAME.*\[libkvclient\.so\.1\]' <<<"$(readelf -d "$so")" || { readelf -d "$so" | grep SONAME; echo "soname is not libkvclient.so.1"; return 1; }
 }
 needed() {
     local n; n=$(readelf -d "$so" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p')

@@ -67,8 +67,9 @@ if [ "$(pkg-config --modversion kvclient)" = "$(sed -n 's/^#define KV_VERSION "\
 else
     cat "$base/cc.log"; bad "cc + pkg-config"; finish
 fi
-if readelf -d "$src/consumer" | grep -q 'NEEDED.*libkvclient\.so\.1\]' &&
-    ! readelf -d "$src/consumer_static" | grep -q 'libkvclient' &&
+# (here-strings, not pipes into grep -q: under pipefail a producer's SIGPIPE would fail a check)
+if grep -q 'NEEDED.*libkvclient\.so\.1\]' <<<"$(readelf -d "$src/consumer")" &&
+    ! grep -q 'libkvclient' <<<"$(readelf -d "$src/consumer_static")" &&
     [ -z "$(nm "$src/consumer_static" | awk '$2 ~ /^[TDB]$/ && $3 ~ /^(kv_|kvd__)/')" ]; then
     ok "links libkvclient.so.1; the static link brings no kv_*/kvd__* symbol"
 else
@@ -124,8 +125,8 @@ else
 fi
 
 # 4. man pages and unit
-if MANWIDTH=80 man -l "$R/usr/share/man/man8/kvd.8.gz" 2>/dev/null | grep -q -- '--pool-memory' &&
-    MANWIDTH=80 man -l "$R/usr/share/man/man1/kvctl.1.gz" 2>/dev/null | grep -q 'EXIT STATUS'; then
+if grep -q -- '--pool-memory' <<<"$(MANWIDTH=80 man -l "$R/usr/share/man/man8/kvd.8.gz" 2>/dev/null)" &&
+    grep -q 'EXIT STATUS' <<<"$(MANWIDTH=80 man -l "$R/usr/share/man/man1/kvctl.1.gz" 2>/dev/null)"; then
     ok "man renders kvd(8) and kvctl(1)"
 else
     bad "man pages"

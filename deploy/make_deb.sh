@@ -36,8 +36,10 @@ libs=$(for b in "$stage/usr/bin/kvd" "$stage/usr/bin/kvctl" "$stage"/usr/lib/*/l
        done | sort -u)
 pkgs=()
 for l in $libs; do
-    path=$(ldconfig -p | awk -v l="$l" '$1 == l && /x86-64|'"$arch"'/ {print $NF; exit}')
-    [ -n "$path" ] || path=$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')
+    # awk reads all of its input (no early exit: under pipefail ldconfig's SIGPIPE would end us)
+    cache=$(ldconfig -p)
+    path=$(awk -v l="$l" '$1 == l && /x86-64|'"$arch"'/ && !p {print $NF; p = 1}' <<<"$cache")
+    [ -n "$path" ] || path=$(awk -v l="$l" '$1 == l && !p {print $NF; p = 1}' <<<"$cache")
     [ -n "$path" ] || { echo "make_deb.sh: cannot find $l" >&2; exit 1; }
     real=$(readlink -f "$path")
     p=$(dpkg -S "$real" 2>/dev/null || dpkg -S "$path" 2>/dev/null || dpkg -S "/usr$path" 2>/dev/null || true)

@@ -55,7 +55,8 @@ trap 'exit 130' INT
 # A sanitizer build of the library (./dev asan, ./dev tsan) needs its runtime loaded first:
 # preload it into python3 (which is not instrumented; its own allocations at exit are not leaks
 # of ours, so leak checking is off there).
-san=$(readelf -d "$KVCLIENT_LIBRARY" 2>/dev/null | sed -n 's/.*NEEDED.*\[\(lib[at]san\.so[.0-9]*\)\].*/\1/p' | head -1)
+san=$(readelf -d "$KVCLIENT_LIBRARY" 2>/dev/null | sed -n 's/.*NEEDED.*\[\(lib[at]san\.so[.0-9]*\)\].*/\1/p' || true)
+san=${san%%$'\n'*}
 if [[ -n "$san" ]]; then
     rt=$(gcc -print-file-name="$san")
     export LD_PRELOAD="$rt${LD_PRELOAD:+:$LD_PRELOAD}"
