@@ -27,6 +27,14 @@ size_t kv_wire_frame_size(const Kvd__Envelope *env);
  * the bytes written. */
 size_t kv_wire_encode_into(const Kvd__Envelope *env, uint8_t *buf);
 
+/* kv_wire_frame_size that also returns what kv_wire_encode_measured needs (the body's packed
+ * size), so a caller that sizes its buffer first packs the body's size only once. */
+size_t kv_wire_frame_measure(const Kvd__Envelope *env, size_t *body_len);
+
+/* kv_wire_encode_into for an env measured by kv_wire_frame_measure (body_len from it, env
+ * unchanged since); buf has room for the size it returned. Returns the frame's bytes. */
+size_t kv_wire_encode_measured(const Kvd__Envelope *env, size_t body_len, uint8_t *buf);
+
 /* Frames env into a malloc'd buffer (*buf, caller frees). KV_ETOOBIG when larger than
  * max_frame, KV_ENOMEM. Writes outputs only on success. */
 kv_err kv_wire_encode(const Kvd__Envelope *env, uint32_t max_frame, uint8_t **buf, size_t *len);

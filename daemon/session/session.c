@@ -76,19 +76,33 @@ static kv_err grow(kvd_refs *r) {
 
 kv_err kvd_refs_add(kvd_refs *r, uint32_t id, uint32_t gen, uint32_t n) {
     KV_ASSERT(id != KVD_NO_BLOCK);
-    int64_t s = find_slot(r, id);
-    if (s >= 0) {
-        KV_ASSERT(r->gens[s] == gen);
-        r->counts[s] += n;
-        r->total += n;
-        return KV_OK;
+    /* One probe finds the id or the empty slot where it goes (the common case on Lookup and
+     * Allocate: a block the session does not hold yet), so a new id costs no second probe. */
+    if (r->cap != 0) {
+        uint32_t mask = r->cap - 1;
+        uint32_t i = slot_of(id, r->cap);
+        while (r->ids[i] != id && r->ids[i] != KVD_NO_BLOCK) {
+            i = (i + 1) & mask;
+        }
+        if (r->ids[i] == id) {
+            KV_ASSERT(r->gens[i] == gen);
+            r->counts[i] += n;
+            r->total += n;
+            return KV_OK;
+        }
+        if ((uint64_t)(r->used + 1) * 2 <= r->cap) {
+            r->ids[i] = id;
+            r->gens[i] = gen;
+            r->counts[i] = n;
+            r->used++;
+            r->total += n;
+            return KV_OK;
+        }
     }
     /* Keep the load at or below 1/2 so probes stay short. */
-    if ((uint64_t)(r->used + 1) * 2 > r->cap) {
-        kv_err rc = grow(r);
-        if (rc != KV_OK) {
-            return rc;
-        }
+    kv_err rc = grow(r);
+    if (rc != KV_OK) {
+        return rc;
     }
     put(r, id, gen, n);
     r->used++;
