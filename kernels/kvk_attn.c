@@ -204,15 +204,35 @@ static kv_err attend_simd(const kvk__simd_ops *ops, const kvk_cache *cache, uint
     };
     uint32_t g = x.job.group;
     uint32_t chunk = g <= KVK__ATTN_QMAX ? KVK__ATTN_QMAX / g * g : KVK__ATTN_QMAX;
+    uint32_t workers = kvk__workers();
+    /* Decode-sized requests (at most KVK__ATTN_DIRECT_NQ query vectors per KV head) take several
+     * KV heads per task, so a task reads each token's rows of those heads as one contiguous run;
+     * as many as fit the task's scratch, but few enough to leave >= 4 tasks per worker. The
+     * grouping changes no result (each head is computed alike), only the order of reads. */
+    uint32_t heads = cache->num_kv_heads, hp = 1;
+    if (cache->head_dim % 16 == 0) {
+        uint64_t small = 0, widest = 1;
+        for (uint32_t i = 0; i < pt->batch; i++) {
+            uint64_t nvec = (uint64_t)(qo_indptr == NULL ? 1 : qo_indptr[i + 1] - qo_indptr[i]) * g;
+            if (nvec <= KVK__ATTN_DIRECT_NQ) {
+                small++;
+                widest = nvec > widest ? nvec : widest;
+            }
+        }
+        uint64_t cap = small * heads / (4 * (uint64_t)workers);
+        hp = KVK__ATTN_QMAX / (uint32_t)widest; /* nheads * nq fits the scratch */
+        hp = hp < heads ? hp : heads;
+        hp = cap < hp ? (uint32_t)(cap < 1 ? 1 : cap) : hp;
+    }
     uint64_t ntasks = 0;
     for (uint32_t i = 0; i < pt->batch; i++) {
         uint64_t nvec = (uint64_t)(qo_indptr == NULL ? 1 : qo_indptr[i + 1] - qo_indptr[i]) * g;
-        ntasks += (nvec + chunk - 1) / chunk * cache->num_kv_heads;
+        uint32_t per = nvec <= KVK__ATTN_DIRECT_NQ ? hp : 1;
+        ntasks += (nvec + chunk - 1) / chunk * ((heads + per - 1) / per);
     }
     if (ntasks == 0) {
         return KV_OK;
     }
-    uint32_t workers = kvk__workers();
     x.per_worker = kvk__attn_scratch_floats(&x.job);
     x.tasks = malloc(ntasks * sizeof(*x.tasks));
     x.scratch = aligned_alloc(64, workers * x.per_worker * sizeof(float));
@@ -225,13 +245,15 @@ static kv_err attend_simd(const kvk__simd_ops *ops, const kvk_cache *cache, uint
     uint64_t k = 0;
     for (uint32_t i = 0; i < pt->batch; i++) {
         uint64_t nvec = (uint64_t)(qo_indptr == NULL ? 1 : qo_indptr[i + 1] - qo_indptr[i]) * g;
+        uint32_t per = nvec <= KVK__ATTN_DIRECT_NQ ? hp : 1;
         for (uint64_t qi = 0; qi < nvec; qi += chunk) {
-            for (uint32_t h = 0; h < cache->num_kv_heads; h++) {
+            for (uint32_t h = 0; h < heads; h += per) {
                 x.tasks[k++] =
                     (kvk__attn_task){.req = i,
                                      .kv_head = h,
                                      .qi0 = (uint32_t)qi,
-                                     .nq = (uint32_t)(nvec - qi < chunk ? nvec - qi : chunk)};
+                                     .nq = (uint32_t)(nvec - qi < chunk ? nvec - qi : chunk),
+                                     .nheads = heads - h < per ? heads - h : per};
             }
         }
     }

@@ -67,6 +67,9 @@ enum {
 #define KVK__ATTN_QMAX 64
 /* Tokens one step of the tiled attention loop converts and scores at once. */
 #define KVK__ATTN_TILE 8
+/* Query vectors per KV head up to which a task converts K and V in registers, not into scratch
+ * (when head_dim is a multiple of 16), and may cover several KV heads. */
+#define KVK__ATTN_DIRECT_NQ 8
 
 /* One attention call, as the vector kernels see it (decode is prefill with one row per request). */
 typedef struct kvk__attn_job {
@@ -85,13 +88,15 @@ typedef struct kvk__attn_job {
     int causal;               /* row j of n sees tokens 0 .. len - n + j */
 } kvk__attn_job;
 
-/* One task: query vectors qi0 .. qi0 + nq - 1 of (request, kv head), where query vector qi is
- * row qi / group of the request and query head kv_head * group + qi % group. */
+/* One task: query vectors qi0 .. qi0 + nq - 1 of (request, kv head h) for the nheads KV heads
+ * h = kv_head .. kv_head + nheads - 1, where query vector qi is row qi / group of the request and
+ * query head h * group + qi % group. nheads * nq <= KVK__ATTN_QMAX. */
 typedef struct kvk__attn_task {
     uint32_t req;
     uint32_t kv_head;
     uint32_t qi0;
     uint32_t nq;
+    uint32_t nheads; /* 1, or more where nq <= KVK__ATTN_DIRECT_NQ and head_dim % 16 == 0 */
 } kvk__attn_task;
 
 /* Floats of scratch one worker needs for a task of job j (64-byte aligned by the caller). */

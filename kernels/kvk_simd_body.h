@@ -13,6 +13,9 @@
  * float32 (times its block's scale) and then used by every query vector of the task (the GQA group,
  * times the query rows in prefill), scores in base 2 with an online softmax per query vector.
  * Only the dot products and the V accumulation use the full vector width KVK_W.
+ * Decode-sized tasks (<= KVK__ATTN_DIRECT_NQ query vectors per KV head, head_dim a multiple of
+ * KVK_W) take the direct path instead (attend_direct): no float32 copy of K or V, the 8-bit scale
+ * applied per dot product, and several KV heads per task so each token's rows are one run.
  */
 #ifndef KVK_W
 #error "kvk_simd_body.h is included by kvk_simd_avx2.c / kvk_simd_avx512.c only"
@@ -338,8 +341,395 @@ static inline void axpy_tile(float *acc, const float *alpha, const float *p, con
     }
 }
 
+/* ---- Direct attention path: K and V converted in registers ------------------------------------
+ * Used when head_dim is a multiple of the vector width and a task has at most 8 query vectors
+ * (decode with GQA <= 8): the query vectors stay in L1 and every K or V vector is converted
+ * from the cache straight into a register, used by up to 4 query vectors, and never stored.
+ * The 8-bit scale is applied once per (token, query vector) to the finished dot product, and
+ * folded into the probability for V, instead of once per element. fp8 converts to code / 256
+ * (the fp16 trick of fp8_to_half8, no multiply); the 256 goes into that scale. */
+
+#define KVK_ALWAYS_INLINE inline __attribute__((always_inline))
+
+#if KVK_W == 16
+/* Sixteen fp8-e4m3 codes as the fp16 numbers code / 256 (the bits of fp8_to_half8; NaN codes
+ * as fp16 NaN 0x7f80 with the code's sign). The code in the high byte of a 16-bit lane, shifted
+ * right arithmetically by one, is sign.sign.magnitude.0000000: clearing bit 14 leaves the fp16. */
+static KVK_ALWAYS_INLINE __m256i fp8_to_half16(const void *p) {
+    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                 _mm256_set1_epi16((short)0xbfff));
+    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)),
+                                     _mm256_set1_epi16(0x3f80));
+    return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
+}
+#endif
+
+/* KVK_W elements of dtype d at p as floats (8-bit: the code; fp8: code / 256). */
+static KVK_ALWAYS_INLINE vf load_conv(kv_dtype d, const char *p) {
+#if KVK_W == 16
+    switch (d) {
+        case KV_DTYPE_FP16:
+            return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        case KV_DTYPE_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+        case KV_DTYPE_INT8:
+            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        case KV_DTYPE_FP8_E4M3:
+            return _mm512_cvtph_ps(fp8_to_half16(p));
+        default:
+            return _mm512_loadu_ps((const float *)p);
+    }
+#else
+    switch (d) {
+        case KV_DTYPE_FP16:
+            return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        case KV_DTYPE_BF16:
+            return _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        case KV_DTYPE_INT8:
+            return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        case KV_DTYPE_FP8_E4M3:
+            return _mm256_cvtph_ps(fp8_to_half8(p));
+        default:
+            return _mm256_loadu_ps((const float *)p);
+    }
+#endif
+}
+
+/* Scores of query vectors q (nb of them, rows dimp apart) with the tile's ntok K rows, times
+ * ks[t] when scaled: sp[b * T + t]. Two tokens at a time share each query load. */
+static KVK_ALWAYS_INLINE void scores_direct(kv_dtype d, uint32_t nb, const char *const *krow,
+                                            const float *ks, int scaled, uint32_t ntok,
+                                            const float *q, uint32_t dimp, uint32_t dim,
+                                            float *sp) {
+    enum { T = KVK__ATTN_TILE };
+    const uint32_t eb = kvk_elem_bytes(d);
+    uint32_t t = 0;
+    for (; t + 2 <= ntok; t += 2) {
+        vf a0[4], a1[4];
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            a0[b] = VZERO();
+            a1[b] = VZERO();
+        }
+        const char *k0 = krow[t], *k1 = krow[t + 1];
+        for (uint32_t j = 0; j < dim; j += KVK_W) {
+            vf x0 = load_conv(d, k0 + j * eb), x1 = load_conv(d, k1 + j * eb);
+#pragma GCC unroll 4
+            for (uint32_t b = 0; b < nb; b++) {
+                vf qv = VLOAD(q + b * dimp + j);
+                a0[b] = VFMA(qv, x0, a0[b]);
+                a1[b] = VFMA(qv, x1, a1[b]);
+            }
+        }
+        float d0[4], d1[4];
+        if (nb == 4) {
+            __m128 s0 = hsum4x8(VTO8(a0[0]), VTO8(a0[1]), VTO8(a0[2]), VTO8(a0[3]));
+            __m128 s1 = hsum4x8(VTO8(a1[0]), VTO8(a1[1]), VTO8(a1[2]), VTO8(a1[3]));
+            if (scaled) {
+                s0 = _mm_mul_ps(s0, _mm_set1_ps(ks[t]));
+                s1 = _mm_mul_ps(s1, _mm_set1_ps(ks[t + 1]));
+            }
+            _mm_storeu_ps(d0, s0);
+            _mm_storeu_ps(d1, s1);
+        } else {
+#pragma GCC unroll 4
+            for (uint32_t b = 0; b < nb; b++) {
+                d0[b] = hsum8(VTO8(a0[b]));
+                d1[b] = hsum8(VTO8(a1[b]));
+                if (scaled) {
+                    d0[b] *= ks[t];
+                    d1[b] *= ks[t + 1];
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            sp[b * T + t] = d0[b];
+            sp[b * T + t + 1] = d1[b];
+        }
+    }
+    if (t < ntok) {
+        vf a0[4];
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            a0[b] = VZERO();
+        }
+        for (uint32_t j = 0; j < dim; j += KVK_W) {
+            vf x0 = load_conv(d, krow[t] + j * eb);
+#pragma GCC unroll 4
+            for (uint32_t b = 0; b < nb; b++) {
+                a0[b] = VFMA(VLOAD(q + b * dimp + j), x0, a0[b]);
+            }
+        }
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            float s = hsum8(VTO8(a0[b]));
+            sp[b * T + t] = scaled ? s * ks[t] : s;
+        }
+    }
+}
+
+/* acc[b] = acc[b] * alpha[b] + sum over t < ntok of pw[b][t] * v[t] for nb query vectors, V
+ * converted in registers (pw: probabilities times the V scale). */
+static KVK_ALWAYS_INLINE void values_direct(kv_dtype d, uint32_t nb, float *acc, const float *alpha,
+                                            const float *pw, const char *const *vrow, uint32_t ntok,
+                                            uint32_t dimp, uint32_t dim) {
+    enum { T = KVK__ATTN_TILE };
+    const uint32_t eb = kvk_elem_bytes(d);
+    vf s[4];
+#pragma GCC unroll 4
+    for (uint32_t b = 0; b < nb; b++) {
+        s[b] = VSET1(alpha[b]);
+    }
+    for (uint32_t j = 0; j < dim; j += KVK_W) {
+        vf a[4];
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            a[b] = VMUL(VLOAD(acc + b * dimp + j), s[b]);
+        }
+        for (uint32_t t = 0; t < ntok; t++) {
+            vf v = load_conv(d, vrow[t] + j * eb);
+#pragma GCC unroll 4
+            for (uint32_t b = 0; b < nb; b++) {
+                a[b] = VFMA(VSET1(pw[b * T + t]), v, a[b]);
+            }
+        }
+#pragma GCC unroll 4
+        for (uint32_t b = 0; b < nb; b++) {
+            VSTORE(acc + b * dimp + j, a[b]);
+        }
+    }
+}
+
+/* One instance per (dtype, group of nb query vectors), so every switch above folds away. */
+#define KVK_DIRECT_NB(d, nb, call)                                                                 \
+    switch (nb) {                                                                                  \
+        case 1:                                                                                    \
+            call(d, 1);                                                                            \
+            break;                                                                                 \
+        case 2:                                                                                    \
+            call(d, 2);                                                                            \
+            break;                                                                                 \
+        case 3:                                                                                    \
+            call(d, 3);                                                                            \
+            break;                                                                                 \
+        default:                                                                                   \
+            call(d, 4);                                                                            \
+            break;                                                                                 \
+    }
+#define KVK_DIRECT(dt, nb, call)                                                                   \
+    switch (dt) {                                                                                  \
+        case KV_DTYPE_FP16:                                                                        \
+            KVK_DIRECT_NB(KV_DTYPE_FP16, nb, call);                                                \
+            break;                                                                                 \
+        case KV_DTYPE_BF16:                                                                        \
+            KVK_DIRECT_NB(KV_DTYPE_BF16, nb, call);                                                \
+            break;                                                                                 \
+        case KV_DTYPE_INT8:                                                                        \
+            KVK_DIRECT_NB(KV_DTYPE_INT8, nb, call);                                                \
+            break;                                                                                 \
+        case KV_DTYPE_FP8_E4M3:                                                                    \
+            KVK_DIRECT_NB(KV_DTYPE_FP8_E4M3, nb, call);                                            \
+            break;                                                                                 \
+        default:                                                                                   \
+            KVK_DIRECT_NB(KV_DTYPE_FP32, nb, call);                                                \
+            break;                                                                                 \
+    }
+
+static void scores_tile(kv_dtype dt, uint32_t nb, const char *const *krow, const float *ks,
+                        int scaled, uint32_t ntok, const float *q, uint32_t dimp, uint32_t dim,
+                        float *sp) {
+#define KVK_SC(d, n) scores_direct(d, n, krow, ks, scaled, ntok, q, dimp, dim, sp)
+    KVK_DIRECT(dt, nb, KVK_SC);
+#undef KVK_SC
+}
+
+static void values_tile(kv_dtype dt, uint32_t nb, float *acc, const float *alpha, const float *pw,
+                        const char *const *vrow, uint32_t ntok, uint32_t dimp, uint32_t dim) {
+#define KVK_VA(d, n) values_direct(d, n, acc, alpha, pw, vrow, ntok, dimp, dim)
+    KVK_DIRECT(dt, nb, KVK_VA);
+#undef KVK_VA
+}
+
+/* The direct path: tasks of up to KVK__ATTN_DIRECT_NQ query vectors per KV head and
+ * tk->nheads consecutive KV heads (nheads * nq <= KVK__ATTN_QMAX), K and V converted in registers
+ * (scores_direct, values_direct). The heads are processed tile by tile together, so each
+ * token's rows of those heads are read as one contiguous run and every block is walked front to
+ * back: the hardware prefetcher follows that, where it cannot follow one head's rows a token
+ * stride apart. Per head, the arithmetic is the same whatever nheads is. */
+static void attend_direct(const kvk__attn_job *jb, const kvk__attn_task *tk, float *scratch) {
+    enum { T = KVK__ATTN_TILE, QM = KVK__ATTN_QMAX };
+    const kvk_cache *c = jb->c;
+    const kvk_page_table *pt = jb->pt;
+    const uint32_t dim = c->head_dim, dimp = jb->dimp, G = jb->group, nq = tk->nq;
+    const uint32_t kvh0 = tk->kv_head, nh = tk->nheads < 1 ? 1 : tk->nheads;
+    const uint32_t nv = nh * nq, heads = c->num_kv_heads, tpb = c->tokens_per_block;
+    const uint32_t eb = kvk_elem_bytes(c->dtype), qeb = kvk_elem_bytes(jb->qo_dtype);
+    const int scaled = kvk__is_scaled(c->dtype);
+    float *qf = scratch;                 /* [QM][dimp] queries times sm_scale * log2(e) */
+    float *acc = qf + (size_t)QM * dimp; /* [QM][dimp] unnormalised outputs */
+    float *sp = acc + (size_t)QM * dimp + 2 * (size_t)T * dimp; /* [QM][T] scores, then p */
+    float *mx = sp + (size_t)QM * T;                            /* [QM] running max (base 2) */
+    float *sum = mx + QM;                      /* [QM] running sum of 2^(s - max) */
+    float *alpha = sum + QM;                   /* [QM] this tile's rescale of acc */
+    uint32_t *lens = (uint32_t *)(alpha + QM); /* [QM] tokens each query vector sees */
+
+    int32_t p0 = pt->indptr[tk->req];
+    int32_t npages = pt->indptr[tk->req + 1] - p0;
+    uint64_t len =
+        npages == 0 ? 0 : (uint64_t)(npages - 1) * tpb + (uint64_t)pt->last_page_len[tk->req];
+    const int32_t *pages = pt->indices + (npages == 0 ? 0 : p0);
+    uint64_t row0 = jb->qo_indptr != NULL ? (uint64_t)jb->qo_indptr[tk->req] : tk->req;
+    uint64_t nrows =
+        jb->qo_indptr != NULL ? (uint64_t)(jb->qo_indptr[tk->req + 1] - jb->qo_indptr[tk->req]) : 1;
+    uint32_t maxlen = 0;
+    /* State row r: KV head kvh0 + r / nq, query vector qi0 + r % nq. */
+    for (uint32_t r = 0; r < nv; r++) {
+        uint32_t h = kvh0 + r / nq, qi = tk->qi0 + r % nq;
+        uint64_t row = row0 + qi / G;
+        uint64_t e0 = (row * jb->num_qo_heads + (uint64_t)h * G + qi % G) * dim;
+        load_row(jb->qo_dtype, (const char *)jb->q + e0 * qeb, dim, jb->q_mul,
+                 qf + (size_t)r * dimp, 0);
+        memset(acc + (size_t)r * dimp, 0, dimp * sizeof(float));
+        int64_t see = (int64_t)len;
+        if (jb->causal) {
+            see = (int64_t)len - (int64_t)nrows + (int64_t)(qi / G) + 1;
+            see = see < 0 ? 0 : see;
+        }
+        lens[r] = (uint32_t)see;
+        maxlen = lens[r] > maxlen ? lens[r] : maxlen;
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+    const uint32_t sec = jb->layer * 2; /* K; V is the next section */
+    const int64_t tok_bytes = (int64_t)heads * dim * eb;
+    const uint64_t row_bytes = (uint64_t)dim * eb, run = nh * row_bytes;
+    /* Direct fp8 vectors are code / 256: the 256 joins the scale. */
+    const float unit = c->dtype == KV_DTYPE_FP8_E4M3 ? 256.0f : 1.0f;
+    for (uint32_t t0 = 0; t0 < maxlen; t0 += T) {
+        uint32_t ntok = maxlen - t0 < T ? maxlen - t0 : T;
+        const char *kbase[T]; /* token t's K row of head kvh0 */
+        const float *ksc[T];  /* its block's K scales (8-bit dtypes) */
+        for (uint32_t t = 0; t < ntok; t++) {
+            uint32_t tok = t0 + t;
+            int64_t blk = pages[tok / tpb];
+            kbase[t] = (const char *)c->data + blk * c->block_stride +
+                       (int64_t)sec * c->section_stride + (int64_t)(tok % tpb) * tok_bytes +
+                       (int64_t)kvh0 * row_bytes;
+            ksc[t] = scaled
+                         ? (const float *)((const char *)c->scales + blk * c->scale_block_stride +
+                                           (int64_t)sec * c->scale_section_stride)
+                         : NULL;
+            /* Pages lie anywhere in memory: start loading the next tile's rows now, so they
+             * arrive while this tile is computed. */
+            if (tok + T < maxlen) {
+                uint32_t nt = tok + T;
+                const char *nk = (const char *)c->data + pages[nt / tpb] * c->block_stride +
+                                 (int64_t)sec * c->section_stride +
+                                 (int64_t)(nt % tpb) * tok_bytes + (int64_t)kvh0 * row_bytes;
+                for (uint64_t b = 0; b < run; b += 64) {
+                    __builtin_prefetch(nk + b);
+                    __builtin_prefetch(nk + c->section_stride + b);
+                }
+            }
+        }
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *krow[T];
+            float ks[T];
+            for (uint32_t t = 0; t < ntok; t++) {
+                krow[t] = kbase[t] + h * row_bytes;
+                ks[t] = scaled ? ksc[t][kvh0 + h] * unit : 1.0f;
+            }
+            for (uint32_t k = 0; k < nq; k += 4) {
+                uint32_t nb = nq - k < 4 ? nq - k : 4, r = h * nq + k;
+                scores_tile(c->dtype, nb, krow, ks, scaled, ntok, qf + (size_t)r * dimp, dimp, dim,
+                            sp + (size_t)r * T);
+            }
+        }
+        /* Online softmax: mask tokens beyond each vector's length, rescale by the new max. */
+        for (uint32_t k = 0; k < nv; k++) {
+            float *s = sp + (size_t)k * T;
+            uint32_t see = lens[k] <= t0 ? 0 : lens[k] - t0;
+            see = see < ntok ? see : ntok;
+            for (uint32_t t = see; t < T; t++) {
+                s[t] = -INFINITY;
+            }
+            if (see == 0) {
+                alpha[k] = 1.0f; /* p is all zeros: acc unchanged */
+                _mm256_storeu_ps(s, _mm256_setzero_ps());
+                continue;
+            }
+            __m256 sv = _mm256_loadu_ps(s);
+            float mnew = hmax8(sv);
+            mnew = mnew > mx[k] ? mnew : mx[k];
+            float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
+            __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
+            _mm256_storeu_ps(s, pv);
+            sum[k] = sum[k] * a + hsum8(pv);
+            mx[k] = mnew;
+            alpha[k] = a;
+        }
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *vrow[T];
+            float vs[T] = {0};
+            for (uint32_t t = 0; t < ntok; t++) {
+                vrow[t] = kbase[t] + h * row_bytes + c->section_stride;
+                vs[t] = scaled ? ((const float *)((const char *)ksc[t] +
+                                                  c->scale_section_stride))[kvh0 + h] *
+                                     unit
+                               : 1.0f;
+            }
+            for (uint32_t k = 0; k < nq; k += 4) {
+                uint32_t nb = nq - k < 4 ? nq - k : 4, r = h * nq + k;
+                float pw[4 * T];
+                const float *p = sp + (size_t)r * T;
+                if (scaled) {
+                    __m256 v8 = _mm256_loadu_ps(vs);
+                    for (uint32_t i = 0; i < nb; i++) {
+                        _mm256_storeu_ps(pw + i * T, _mm256_mul_ps(_mm256_loadu_ps(p + i * T), v8));
+                    }
+                    p = pw;
+                }
+                values_tile(c->dtype, nb, acc + (size_t)r * dimp, alpha + r, p, vrow, ntok, dimp,
+                            dim);
+            }
+        }
+    }
+    for (uint32_t k = 0; k < nv; k++) {
+        uint32_t h = kvh0 + k / nq, qi = tk->qi0 + k % nq;
+        uint64_t row = row0 + qi / G;
+        uint64_t r = row * jb->num_qo_heads + (uint64_t)h * G + qi % G;
+        char *o = (char *)jb->out + r * dim * qeb;
+        if (lens[k] == 0) {
+            memset(acc + (size_t)k * dimp, 0, dim * sizeof(float));
+            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, 1.0f, o);
+        } else {
+            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, sum[k], o);
+        }
+        if (jb->lse != NULL) {
+            jb->lse[r] = lens[k] == 0 ? -INFINITY : (mx[k] + log2f(sum[k])) * 0.69314718055994531f;
+        }
+    }
+}
+
 static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float *scratch) {
     enum { T = KVK__ATTN_TILE, QM = KVK__ATTN_QMAX };
+    if (jb->c->head_dim % KVK_W == 0 && tk->nq <= KVK__ATTN_DIRECT_NQ) {
+        attend_direct(jb, tk, scratch);
+        return;
+    }
+    if (tk->nheads > 1) {
+        for (uint32_t h = 0; h < tk->nheads; h++) {
+            kvk__attn_task one = *tk;
+            one.kv_head = tk->kv_head + h;
+            one.nheads = 1;
+            simd_attend(jb, &one, scratch);
+        }
+        return;
+    }
     const kvk_cache *c = jb->c;
     const kvk_page_table *pt = jb->pt;
     const uint32_t dim = c->head_dim, dimp = jb->dimp, G = jb->group, nq = tk->nq;
@@ -411,9 +801,17 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
                 ks = sc[kvh];
                 vscale[t] = ((const float *)((const char *)sc + c->scale_section_stride))[kvh];
             }
-            /* The V row is needed after the scores: start loading it now. */
-            for (uint64_t b = 0; b < row_bytes; b += 64) {
-                __builtin_prefetch(vrow[t] + b);
+            /* Rows come from pages anywhere in memory, which no hardware prefetcher follows:
+             * start loading the next tile's K and V rows now. */
+            if (tok + T < maxlen) {
+                uint32_t nt = tok + T;
+                const char *nk = (const char *)c->data + pages[nt / tpb] * c->block_stride +
+                                 (int64_t)sec * c->section_stride +
+                                 (int64_t)(nt % tpb) * tok_bytes + head_off;
+                for (uint64_t b = 0; b < row_bytes; b += 64) {
+                    __builtin_prefetch(nk + b);
+                    __builtin_prefetch(nk + c->section_stride + b);
+                }
             }
             load_row(c->dtype, krow, dim, ks, kt + (size_t)t * dimp, 0);
         }
