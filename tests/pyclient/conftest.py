@@ -131,6 +131,13 @@ class Daemon:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
+        # kvd binds the admin socket just after the client socket (both before its loop runs),
+        # so a connect to the client socket can succeed before admin.sock exists: wait for it
+        # too (a daemon that cannot make it exits, which the loop sees).
+        while self.admin_sock and not os.path.exists(self.admin_sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
 
     def read_log(self):
         with open(self.log_path, "rb") as f:
