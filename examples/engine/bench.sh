@@ -15,7 +15,7 @@ KVD=$!
 trap 'kill $KVD 2>/dev/null; wait $KVD 2>/dev/null; rm -rf "$DIR"' EXIT
 for _ in $(seq 100); do [ -S "$DIR/s" ] && break; sleep 0.05; done
 S=(--socket "$DIR/s")
-kv() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" | head -1; }
+kv() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" | awk 'NR == 1'; }  # awk reads all: no SIGPIPE
 
 # ---- Batched matmuls, memory-bound model (issue 19). Every ratio: baseline and measured runs
 # interleaved in the same run, REPS times; the median and the min-max spread of the per-pair
@@ -29,9 +29,9 @@ stat() { # stat: numbers on stdin -> "median (min-max)"
         m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
         printf "%.2f (%.2f-%.2f)", m, v[1], v[NR] }'
 }
-worst() { sort -g | head -1; }
+worst() { sort -g | awk 'NR == 1'; }
 field() { # field NAME: from a STATS line on stdin
-    tr ' ' '\n' | sed -n "s/^$1=//p" | head -1
+    tr ' ' '\n' | sed -n "s/^$1=//p" | awk 'NR == 1'
 }
 met() { awk -v w="$1" -v t="$2" 'BEGIN { print (w >= t ? "**met**" : "**not met**") }'; }
 if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = big ]; then
