@@ -554,6 +554,37 @@ static void values_tile(kv_dtype dt, uint32_t nb, float *acc, const float *alpha
 #undef KVK_VA
 }
 
+/* One tile of the online softmax for n query vectors (both attention paths): the scores
+ * sp[k * T .. k * T + T) of tokens t0.., ntok of them real, become 2^(s - max) with the tokens
+ * past each vector's length masked; mx and sum carry each vector's running max and sum, and
+ * alpha[k] gets the factor its accumulator is rescaled by. */
+static inline void softmax_tile(float *sp, uint32_t n, const uint32_t *lens, uint32_t t0,
+                                uint32_t ntok, float *mx, float *sum, float *alpha) {
+    enum { T = KVK__ATTN_TILE };
+    for (uint32_t k = 0; k < n; k++) {
+        float *s = sp + (size_t)k * T;
+        uint32_t see = lens[k] <= t0 ? 0 : lens[k] - t0;
+        see = see < ntok ? see : ntok;
+        for (uint32_t t = see; t < T; t++) {
+            s[t] = -INFINITY;
+        }
+        if (see == 0) {
+            alpha[k] = 1.0f; /* p is all zeros: acc unchanged */
+            _mm256_storeu_ps(s, _mm256_setzero_ps());
+            continue;
+        }
+        __m256 sv = _mm256_loadu_ps(s);
+        float mnew = hmax8(sv);
+        mnew = mnew > mx[k] ? mnew : mx[k];
+        float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
+        __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
+        _mm256_storeu_ps(s, pv);
+        sum[k] = sum[k] * a + hsum8(pv);
+        mx[k] = mnew;
+        alpha[k] = a;
+    }
+}
+
 /* The direct path: tasks of up to KVK__ATTN_DIRECT_NQ query vectors per KV head and
  * tk->nheads consecutive KV heads (nheads * nq <= KVK__ATTN_QMAX), K and V converted in registers
  * (scores_direct, values_direct). The heads are processed tile by tile together, so each
@@ -650,28 +681,7 @@ static void attend_direct(const kvk__attn_job *jb, const kvk__attn_task *tk, flo
             }
         }
         /* Online softmax: mask tokens beyond each vector's length, rescale by the new max. */
-        for (uint32_t k = 0; k < nv; k++) {
-            float *s = sp + (size_t)k * T;
-            uint32_t see = lens[k] <= t0 ? 0 : lens[k] - t0;
-            see = see < ntok ? see : ntok;
-            for (uint32_t t = see; t < T; t++) {
-                s[t] = -INFINITY;
-            }
-            if (see == 0) {
-                alpha[k] = 1.0f; /* p is all zeros: acc unchanged */
-                _mm256_storeu_ps(s, _mm256_setzero_ps());
-                continue;
-            }
-            __m256 sv = _mm256_loadu_ps(s);
-            float mnew = hmax8(sv);
-            mnew = mnew > mx[k] ? mnew : mx[k];
-            float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
-            __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
-            _mm256_storeu_ps(s, pv);
-            sum[k] = sum[k] * a + hsum8(pv);
-            mx[k] = mnew;
-            alpha[k] = a;
-        }
+        softmax_tile(sp, nv, lens, t0, ntok, mx, sum, alpha);
         for (uint32_t h = 0; h < nh; h++) {
             const char *vrow[T];
             float vs[T] = {0};
@@ -836,28 +846,7 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
             }
         }
         /* Online softmax: mask tokens beyond each vector's length, rescale by the new max. */
-        for (uint32_t k = 0; k < nq; k++) {
-            float *s = sp + (size_t)k * T;
-            uint32_t see = lens[k] <= t0 ? 0 : lens[k] - t0;
-            see = see < ntok ? see : ntok;
-            for (uint32_t t = see; t < T; t++) {
-                s[t] = -INFINITY;
-            }
-            if (see == 0) {
-                alpha[k] = 1.0f; /* p is all zeros: acc unchanged */
-                _mm256_storeu_ps(s, _mm256_setzero_ps());
-                continue;
-            }
-            __m256 sv = _mm256_loadu_ps(s);
-            float mnew = hmax8(sv);
-            mnew = mnew > mx[k] ? mnew : mx[k];
-            float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
-            __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
-            _mm256_storeu_ps(s, pv);
-            sum[k] = sum[k] * a + hsum8(pv);
-            mx[k] = mnew;
-            alpha[k] = a;
-        }
+        softmax_tile(sp, nq, lens, t0, ntok, mx, sum, alpha);
         for (uint32_t t = 0; t < ntok; t++) {
             load_row(c->dtype, vrow[t], dim, vscale[t], vt + (size_t)t * dimp, 0);
         }
