@@ -387,6 +387,27 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
 
 /* ---- the session: Hello, open, reconnect, close ---------------------------------------- */
 
+/* Sends one request outside any batch of the caller's and waits for its reply; the op is tied to
+ * pool and nout (either may be NULL) before it is sent. Returns the send error or the reply's
+ * status. */
+static kv_err exchange_one(kvc_conn *c, kvc__op_kind kind, Kvd__Envelope *env, kvc_pool *pool,
+                           size_t *nout) {
+    kvc_batch b;
+    kvc__batch_init(&b, c);
+    kvc__op *op;
+    kv_err err = kvc__batch_add(&b, kind, env, &op);
+    if (err == KV_OK) {
+        op->pool = pool;
+        op->nout = nout;
+        err = kvc__exchange(&b, 1);
+    }
+    if (err == KV_OK) {
+        err = b.ops[0].status;
+    }
+    kvc__batch_fini(&b);
+    return err;
+}
+
 static kv_err hello(kvc_conn *c) {
     Kvd__Hello h = KVD__HELLO__INIT;
     h.protocol_version = KV_PROTOCOL_VERSION;
@@ -397,18 +418,7 @@ static kv_err hello(kvc_conn *c) {
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_HELLO;
     env.hello = &h;
-    kvc_batch b;
-    kvc__batch_init(&b, c);
-    kvc__op *op;
-    kv_err err = kvc__batch_add(&b, KVC__OP_HELLO, &env, &op);
-    if (err == KV_OK) {
-        err = kvc__exchange(&b, 1);
-    }
-    if (err == KV_OK) {
-        err = b.ops[0].status;
-    }
-    kvc__batch_fini(&b);
-    return err;
+    return exchange_one(c, KVC__OP_HELLO, &env, NULL, NULL);
 }
 
 /* Dials and says Hello; on failure the connection is left broken. */
@@ -1112,20 +1122,7 @@ static kv_err map_once(kvc_pool *p, uint32_t first_index, size_t *nsegs) {
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_MAP_SEGMENTS;
     env.map_segments = &req;
-    kvc_batch b;
-    kvc__batch_init(&b, c);
-    kvc__op *op;
-    kv_err err = kvc__batch_add(&b, KVC__OP_MAP, &env, &op);
-    if (err == KV_OK) {
-        op->pool = p;
-        op->nout = nsegs;
-        err = kvc__exchange(&b, 1);
-    }
-    if (err == KV_OK) {
-        err = b.ops[0].status;
-    }
-    kvc__batch_fini(&b);
-    return err;
+    return exchange_one(c, KVC__OP_MAP, &env, p, nsegs);
 }
 
 kv_err kvc__rpc_map_new(kvc_pool *p) {
@@ -1168,19 +1165,7 @@ kv_err kvc__rpc_attach(kvc_pool *p, const char *model_id, const kv_layout *layou
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_ATTACH_POOL;
     env.attach_pool = &req;
-    kvc_batch b;
-    kvc__batch_init(&b, c);
-    kvc__op *op;
-    kv_err err = kvc__batch_add(&b, KVC__OP_ATTACH, &env, &op);
-    if (err == KV_OK) {
-        op->pool = p;
-        err = kvc__exchange(&b, 1);
-    }
-    if (err == KV_OK) {
-        err = b.ops[0].status;
-    }
-    kvc__batch_fini(&b);
-    return err;
+    return exchange_one(c, KVC__OP_ATTACH, &env, p, NULL);
 }
 
 kv_err kvc__rpc_detach(kvc_pool *p) {
@@ -1194,18 +1179,7 @@ kv_err kvc__rpc_detach(kvc_pool *p) {
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_DETACH_POOL;
     env.detach_pool = &req;
-    kvc_batch b;
-    kvc__batch_init(&b, c);
-    kvc__op *op;
-    kv_err err = kvc__batch_add(&b, KVC__OP_DETACH, &env, &op);
-    if (err == KV_OK) {
-        err = kvc__exchange(&b, 1);
-    }
-    if (err == KV_OK) {
-        err = b.ops[0].status;
-    }
-    kvc__batch_fini(&b);
-    return err;
+    return exchange_one(c, KVC__OP_DETACH, &env, NULL, NULL);
 }
 
 /* ---- batch API ------------------------------------------------------------------------ */
