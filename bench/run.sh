@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core rpc host sched engine python)
+ALL=(core rpc host sched engine python tiers)
 
 run_one() {
     case "$1" in
@@ -17,6 +17,7 @@ run_one() {
         host) "$BIN_DIR/host_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
+        tiers) /usr/bin/python3 bench/tiers_bench.py "$BIN_DIR/../daemon/kvd" ;;
         python) /usr/bin/python3 bench/python_bench.py "$BIN_DIR/../daemon/kvd" \
                     "$BIN_DIR/../client/shared/libkvclient.so" "$BIN_DIR/python_c_baseline" ;;
         *)

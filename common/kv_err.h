@@ -30,7 +30,8 @@
     X(EAUTH, 19, "authentication failed")                                                          \
     X(ENOGPU, 20, "no usable GPU")                                                                 \
     X(ETIMEDOUT, 21, "timed out")                                                                  \
-    X(EINTERNAL, 22, "internal error")
+    X(EINTERNAL, 22, "internal error")                                                             \
+    X(ECORRUPT, 23, "stored data failed its checksum or format check")
 
 typedef enum kv_err {
 #define KV_ERR_ENUM(name, num, msg) KV_##name = num,
@@ -39,7 +40,7 @@ typedef enum kv_err {
 } kv_err;
 
 /* Number of codes; codes run 0..KV_ERR_COUNT-1 without gaps. */
-#define KV_ERR_COUNT 23
+#define KV_ERR_COUNT 24
 
 /* Bytes of an error sentence: the messages of Error replies and of functions that explain a
  * refusal (daemon and client). */

@@ -11,6 +11,7 @@
 #include "common/kv_log.h"
 #include "daemon/mem/backend_cuda.h"
 #include "daemon/mem/backend_host.h"
+#include "daemon/tiers/tiers.h"
 #include "daemon/ops/admin.h"
 #include "daemon/ops/metrics.h"
 #include "daemon/tenancy/tenant.h"
@@ -26,6 +27,7 @@ struct kvd_daemon {
     kvd_registry reg;            /* pools, budget, quotas, events */
     int reg_open;                /* reg initialised */
     kvd_server *srv;             /* the client socket and its connections */
+    kvd_tiers *tiers;            /* lower tiers of the pools (T1 host memory, T2 disk) */
     kvd_ops ops;                 /* what the admin and metrics see */
     uv_signal_t sigterm, sigint; /* stop on SIGTERM/SIGINT */
     int signals_active;          /* signal handles initialised and not closed */
@@ -113,7 +115,13 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
         goto fail;
     }
     d->reg_open = 1;
-    kvd_server_deps sd = {&d->cfg, loop, &d->reg, d->boot_epoch, on_server_stopped, d};
+    char terr[512] = "";
+    rc = kvd_tiers_alloc(loop, &d->reg, &d->cfg, &d->tiers, terr, sizeof(terr));
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "tiers: %s", terr[0] != '\0' ? terr : kv_strerror(rc));
+        goto fail;
+    }
+    kvd_server_deps sd = {&d->cfg, loop, &d->reg, d->boot_epoch, on_server_stopped, d, d->tiers};
     rc = kvd_server_alloc(&sd, &d->srv);
     if (rc != KV_OK) {
         goto fail;
@@ -124,6 +132,7 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
     d->ops.loop = loop;
     d->ops.reg = &d->reg;
     d->ops.srv = d->srv;
+    d->ops.tiers = d->tiers;
     d->ops.boot_epoch = d->boot_epoch;
     d->ops.start_unix_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
     d->ops.start_loop_ms = uv_now(loop);
@@ -186,6 +195,7 @@ void kvd_daemon_free(kvd_daemon *d) {
     if (d->reg_open) {
         kvd_registry_fini(&d->reg); /* every pool, before the backend goes */
     }
+    kvd_tiers_free(d->tiers); /* after the pools: the loop ran dry, no copy is in flight */
     if (d->sel_open) {
         kvd_backend_sel_fini(&d->sel);
     }

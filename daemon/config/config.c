@@ -92,6 +92,31 @@ static const kvd_config_option options[] = {
         "IPv4 address the metrics port binds (0.0.0.0 for a pod's probes from the kubelet)"),
     OPT("events", KVD_OPT_U64, events, "1024", 1, 1u << 20,
         "evictions and refusals kept for admin `events` (a ring; oldest dropped)"),
+    OPT("tier1-memory", KVD_OPT_U64, tier1_memory, "0", 0, UINT64_MAX,
+        "bytes of host memory for tier 1 over all pools: cached blocks evicted from a pool are "
+        "copied here instead of dropped, and a Fetch brings them back; 0: no tier 1"),
+    OPT("tier2-path", KVD_OPT_STRING, tier2_path, "", 0, 0,
+        "directory of tier 2 (local disk, survives restarts; one subdirectory per domain, mode "
+        "0700, one file per pool); empty: no tier 2"),
+    OPT("tier2-bytes", KVD_OPT_U64, tier2_bytes, "10G", 0, UINT64_MAX,
+        "bytes of tier-2 files over all pools"),
+    OPT("tier2-direct", KVD_OPT_BOOL, tier2_direct, "true", 0, 1,
+        "tier 2: O_DIRECT reads and writes where the file system takes them (else buffered)"),
+    OPT("tier-format", KVD_OPT_STRING, tier_format, "raw", 0, 0,
+        "how tiers 1 and 2 store a block: raw (as in the pool), lz4 or zstd (lossless; a block "
+        "that does not shrink by 1/16 is stored raw)"),
+    OPT("tier-write", KVD_OPT_STRING, tier_write, "write-back", 0, 0,
+        "write-back: copy the next blocks to be evicted ahead of eviction (tier-clean-ahead); "
+        "write-through: copy every committed block down at once"),
+    OPT_RT("tier-min-hits", KVD_OPT_U64, tier_min_hits, "0", 0, 65535,
+           "selective write-back: only blocks that Lookups found at least this often go down; "
+           "0: every block"),
+    OPT_RT("tier-clean-ahead", KVD_OPT_U64, tier_clean_ahead, "32", 1, 1u << 20,
+           "write-back: how many of a pool's next eviction victims are kept copied down while its "
+           "free blocks are fewer than this"),
+    OPT_RT("fetch-min-tokens", KVD_OPT_U64, fetch_min_tokens, "256", 0, 1u << 30,
+           "a lower-tier hit of fewer tokens is not worth a Fetch (the reply says SHORT; the "
+           "client recomputes); HiCache's threshold"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))
@@ -200,6 +225,17 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
                 kvd_evict_policy_parse(value, &pol) != KV_OK) {
                 kvd_conf_err(err, errlen,
                              "evict-policy: '%s' is not lru, s3fifo, prefix-lru or adaptive",
+                             value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "tier-format") == 0 && strcmp(value, "raw") != 0 &&
+                strcmp(value, "lz4") != 0 && strcmp(value, "zstd") != 0) {
+                kvd_conf_err(err, errlen, "tier-format: '%s' is not raw, lz4 or zstd", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "tier-write") == 0 && strcmp(value, "write-back") != 0 &&
+                strcmp(value, "write-through") != 0) {
+                kvd_conf_err(err, errlen, "tier-write: '%s' is not write-back or write-through",
                              value);
                 return KV_EINVAL;
             }

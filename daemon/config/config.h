@@ -49,6 +49,15 @@ typedef struct kvd_config {
     uint64_t metrics_port;                  /* Prometheus HTTP port; 0 = off */
     char metrics_address[64];               /* address the metrics port binds */
     uint64_t events;                        /* entries of the admin event ring */
+    uint64_t tier1_memory;                  /* T1 host bytes over all pools; 0 = no T1 */
+    char tier2_path[KVD_CONFIG_PATH_MAX];   /* T2 directory; "" = no T2 */
+    uint64_t tier2_bytes;                   /* T2 disk bytes over all pools */
+    int tier2_direct;                       /* T2: O_DIRECT where the file system takes it */
+    char tier_format[16];                   /* "raw", "lz4" or "zstd" */
+    char tier_write[16];                    /* "write-back" or "write-through" */
+    uint64_t tier_min_hits;                 /* selective: lookups a block needs to go down */
+    uint64_t tier_clean_ahead;              /* write-back: victims kept copied ahead */
+    uint64_t fetch_min_tokens;              /* a shorter lower-tier hit is not fetched */
 } kvd_config;
 
 typedef enum kvd_opt_type {

@@ -138,6 +138,9 @@ struct kvd_pool {
                                   per queue, in the order they reached the head (pick_victim) */
     uint64_t n_aside[NQUEUE];  /* blocks on the aside lists, per queue */
     uint32_t ntcap;            /* tenant ids the arrays cover */
+    kvd_pool_drop_fn drop_fn;  /* told of every indexed block that leaves the pool (tiers) */
+    void *drop_arg;            /* drop_fn's argument */
+    uint64_t n_leased;         /* tier leases: references charged to no tenant */
     uint32_t nguarantee;       /* tenants with a guarantee */
     uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
     size_t ghost_mask;         /* ghost slots - 1 */
@@ -765,6 +768,11 @@ static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
 
 /* Evicts a CACHED unpinned block (drop_cached), counted under reason. */
 static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
+    if (p->drop_fn != NULL) {
+        const pool_block *pb = parent_of(p, b);
+        p->drop_fn(p->drop_arg, p, blk_hash(b), pb != NULL ? blk_hash(pb) : (kv_hash128){0, 0},
+                   (int)reason);
+    }
     drop_cached(p, id, b);
     p->evictions[reason]++;
 }
@@ -1700,6 +1708,94 @@ kv_err kvd_pool_hold_hash(kvd_pool *p, uint32_t tenant, kv_hash128 h, kvd_block_
     return err;
 }
 
+void kvd_pool_set_drop_hook(kvd_pool *p, kvd_pool_drop_fn fn, void *arg) {
+    p->drop_fn = fn;
+    p->drop_arg = arg;
+}
+
+kv_err kvd_pool_lease(kvd_pool *p, kvd_block_ref blk) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if ((b->state != KVD_BLOCK_COMMITTED && b->state != KVD_BLOCK_CACHED) ||
+        (b->flags & BLOCK_CORRUPT)) {
+        return KV_ESTATE;
+    }
+    if (b->refcount == UINT32_MAX) {
+        return KV_EBUSY;
+    }
+    /* take_ref without what makes it an access: no tenant is charged, and neither the reuse
+     * count nor the age moves (a copy to a lower tier is not a use). */
+    if (b->state == KVD_BLOCK_CACHED) {
+        if (b->list != LIST_PINNED) {
+            seg_evictable(p, seg_of(p, blk.id), b, -1);
+        }
+        list_remove(p, blk.id, b);
+        b->state = KVD_BLOCK_COMMITTED;
+        p->n_cached--;
+        p->n_committed++;
+        p->tenants[b->tenant].cached--;
+        if (b->flags & BLOCK_PINNED) {
+            list_push_tail(p, LIST_PINREF, blk.id, b);
+        }
+    }
+    b->refcount++;
+    p->n_leased++;
+    return KV_OK;
+}
+
+kv_err kvd_pool_unlease(kvd_pool *p, kvd_block_ref blk, int cold) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED || b->refcount == 0 || p->n_leased == 0) {
+        return KV_ESTATE;
+    }
+    p->n_leased--;
+    if (--b->refcount != 0) {
+        return KV_OK;
+    }
+    uint64_t age = b->last_access;
+    block_to_cached(p, blk.id, b);
+    if (!cold || b->state != KVD_BLOCK_CACHED) {
+        return KV_OK;
+    }
+    int which = b->list;
+    if (which == LIST_LRU || which == LIST_PLRU || which == LIST_SMALL || which == LIST_MAIN ||
+        which == LIST_AREC || which == LIST_AFREQ) {
+        /* Back where the lease took it from: among the oldest of its queue, before the first
+         * block younger than its old age (a copy ahead of eviction leases blocks near the head,
+         * so the walk is short), so copies do not reorder what eviction takes. */
+        list_remove(p, blk.id, b);
+        b->last_access = age;
+        pool_list *l = list_of(p, which, b);
+        uint32_t at = l->head;
+        while (at != KVD_NO_BLOCK && blk_at(p, at)->last_access <= age) {
+            at = blk_at(p, at)->next;
+        }
+        if (at == KVD_NO_BLOCK) {
+            list_push_tail(p, which, blk.id, b);
+        } else if (at == l->head) {
+            list_push_head(p, which, blk.id, b);
+        } else {
+            /* Between at's predecessor and at. */
+            pool_block *nb = blk_at(p, at);
+            tevict_add(p, which, b, 1);
+            b->list = (uint8_t)which;
+            b->prev = nb->prev;
+            b->next = at;
+            blk_at(p, nb->prev)->next = blk.id;
+            nb->prev = blk.id;
+            l->len++;
+        }
+    }
+    return KV_OK;
+}
+
 int kvd_pool_has(const kvd_pool *p, kv_hash128 h) {
     uint64_t v;
     return kvd_index_find(p->idx, p->cfg.pool_id, h, &v) == KV_OK;
@@ -1718,6 +1814,10 @@ kv_err kvd_pool_quarantine(kvd_pool *p, kvd_block_ref blk) {
         return KV_OK;
     }
     p->quarantines++;
+    if (p->drop_fn != NULL) {
+        /* Before it leaves the index: a lower tier's copy of these bytes must go too. */
+        p->drop_fn(p->drop_arg, p, blk_hash(b), (kv_hash128){0, 0}, KVD_DROP_QUARANTINE);
+    }
     if (b->state == KVD_BLOCK_CACHED) {
         /* Nobody holds it: it goes at once, like an eviction that is not counted as one. */
         if (b->flags & BLOCK_PINNED) {
@@ -2420,8 +2520,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                   p->tevict[t * NQUEUE + q]);
         }
     }
-    CHECK(held == refs, "references %llu, tenants hold %llu", (unsigned long long)refs,
-          (unsigned long long)held);
+    CHECK(held + p->n_leased == refs, "references %llu, tenants hold %llu, tier leases %llu",
+          (unsigned long long)refs, (unsigned long long)held, (unsigned long long)p->n_leased);
     CHECK(inner_home[0] == p->inner_home[0] && inner_home[1] == p->inner_home[1],
           "inner blocks %llu/%llu, counted %llu/%llu", (unsigned long long)inner_home[0],
           (unsigned long long)inner_home[1], (unsigned long long)p->inner_home[0],

@@ -195,8 +195,8 @@ static uint8_t *reserve_reply(void *arg, size_t len) {
 
 /* What the handlers get for a request on c (conn NULL: no in-place replies). */
 static kvd_rpc_ctx rpc_ctx(kvd_server *s, kvd_conn *c) {
-    kvd_rpc_ctx x = {s->reg,        s->cfg,     s->boot_epoch, s->draining,
-                     &s->req_arena, &s->counts, reserve_reply, c};
+    kvd_rpc_ctx x = {s->reg,        s->cfg, s->boot_epoch, s->draining, &s->req_arena, &s->counts,
+                     reserve_reply, c,      s->tiers,      &s->later};
     if (c == NULL) {
         x.reserve = NULL;
     }
@@ -206,6 +206,9 @@ static kvd_rpc_ctx rpc_ctx(kvd_server *s, kvd_conn *c) {
 /* Queues a reply the handlers made; a reply that cannot be queued closes the connection (the
  * session's state already says it was sent). Closes the reply's temporary fds. */
 static void conn_queue_reply(kvd_conn *c, const kvd_reply *r) {
+    if (r->deferred) {
+        return; /* a Fetch in flight: its reply comes through later_send */
+    }
     kv_err rc = r->queued          ? conn_queued(c)
                 : r->frame != NULL ? conn_queue(c, r->frame, r->len, r->fds, r->nfds)
                                    : KV_ENOMEM;
@@ -801,6 +804,32 @@ static void on_frame_timer(uv_timer_t *t) {
 
 /* ---- lifecycle ------------------------------------------------------------------------- */
 
+/* kvd_rpc_later: the open connection of a session (O(connections): Fetch replies only). */
+static kvd_conn *conn_of_session(kvd_server *s, uint64_t id) {
+    for (kvd_conn *c = s->conns; c != NULL; c = c->next) {
+        if (c->sess.id == id && !c->closing) {
+            return c;
+        }
+    }
+    return NULL;
+}
+
+static kvd_session *later_find(void *arg, uint64_t id) {
+    kvd_conn *c = conn_of_session(arg, id);
+    return c != NULL ? &c->sess : NULL;
+}
+
+static void later_send(void *arg, uint64_t id, const kvd_reply *r) {
+    kvd_conn *c = conn_of_session(arg, id);
+    if (c == NULL) {
+        return;
+    }
+    conn_queue_reply(c, r);
+    if (!c->closing) {
+        conn_update_events(c); /* the reply leaves at the next writable event */
+    }
+}
+
 kv_err kvd_server_alloc(const kvd_server_deps *d, kvd_server **out) {
     kvd_server *s = calloc(1, sizeof(*s));
     if (s == NULL) {
@@ -812,6 +841,10 @@ kv_err kvd_server_alloc(const kvd_server_deps *d, kvd_server **out) {
     s->boot_epoch = d->boot_epoch;
     s->on_stopped = d->on_stopped;
     s->on_stopped_arg = d->on_stopped_arg;
+    s->tiers = d->tiers;
+    s->later.find = later_find;
+    s->later.send = later_send;
+    s->later.arg = s;
     s->listen_fd = -1;
     s->next_session_id = 1;
     kv_arena_init(&s->req_arena);

@@ -72,6 +72,8 @@ struct kvd_server {
     uint32_t log_in_window;   /* protocol errors logged in the window */
     uint64_t log_suppressed;  /* protocol errors not logged since the last one */
     kv_arena req_arena;       /* the request being handled is unpacked here; reset after it */
+    kvd_tiers *tiers;         /* lower tiers (NULL: none) */
+    kvd_rpc_later later;      /* how a Fetch's reply finds its connection later */
 };
 
 #endif

@@ -296,7 +296,13 @@ json_t *kvd_admin_stats(kvd_ops *s) {
     v[DS_EVENTS_REFUSE] = s->reg->events.pushed[KVD_EVENT_REFUSE];
     json_t *daemon = json_object();
     put_stats(daemon, daemon_stats, v, DS_COUNT);
-    return json_pack("{s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants);
+    /* The lower tiers over all pools (daemon/tiers; zeros and "off" without them). */
+    json_t *tiers = json_object();
+    kvd_tiers_stats(s->tiers, pool_sink, tiers);
+    char state[1024];
+    json_object_set_new(tiers, "state", text(kvd_tiers_state(s->tiers, state, sizeof(state))));
+    return json_pack("{s:o, s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants,
+                     "tiers", tiers);
 }
 
 /* ---- commands -------------------------------------------------------------------------- */

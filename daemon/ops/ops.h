@@ -18,6 +18,7 @@ typedef struct kvd_ops {
     uv_loop_t *loop;             /* the one loop */
     kvd_registry *reg;           /* pools, tenants, quotas, events */
     kvd_server *srv;             /* connections, sessions, draining */
+    kvd_tiers *tiers;            /* the pools' lower tiers (stats; NULL: none) */
     uint64_t boot_epoch;         /* this run's */
     uint64_t start_unix_ms;      /* wall clock at start */
     uint64_t start_loop_ms;      /* loop clock at start (uptime base) */

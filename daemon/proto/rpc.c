@@ -216,7 +216,8 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     }
     c->sess->tenant = tenant;
     c->sess->hello = 1;
-    c->sess->features = h->features & KV_FEATURE_PACKED; /* what we may send it */
+    /* What we may send it. */
+    c->sess->features = h->features & (KV_FEATURE_PACKED | KV_FEATURE_TIERS);
     snprintf(c->sess->name, sizeof(c->sess->name), "%s", h->client_name ? h->client_name : "");
     Kvd__Envelope env;
     env_init(c, &env, id);
@@ -238,7 +239,7 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     r.max_frame_bytes = (uint32_t)c->cfg->max_frame_bytes;
     r.max_inflight = (uint32_t)c->cfg->max_inflight;
     r.max_blocks_per_request = (uint32_t)c->cfg->max_blocks_per_request;
-    r.features = KV_FEATURE_PACKED; /* what it may send us */
+    r.features = KV_FEATURE_PACKED | (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0);
     env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
     env.hello_reply = &r;
     KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
@@ -387,6 +388,14 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
         if (rc != KV_OK) {
             FAIL(rc, "no memory to attach the pool");
         }
+        if (kvd_tiers_on(c->ctx->tiers)) {
+            char dn[KVD_TENANT_NAME_MAX + 8];
+            const char *dname =
+                kvd_tenants_domain_name(c->reg->tenants, lp->domain, dn, sizeof(dn));
+            if (kvd_tiers_attach(c->ctx->tiers, lp, dname) != KV_OK) {
+                FAIL(KV_ENOMEM, "no memory for the pool's lower tiers");
+            }
+        }
         if (i == 0) {
             sp = lsp;
         }
@@ -412,7 +421,8 @@ static kv_err on_map(rpc *c, uint64_t id, const Kvd__MapSegments *m, char *msg) 
  * client said it reads packed lists (Hello.features), else as BlockRef messages. */
 static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
                                 uint32_t nsf, int lookup, uint32_t *pool_ids,
-                                Kvd__SegmentNotice **notices, size_t nnotices) {
+                                Kvd__SegmentNotice **notices, size_t nnotices,
+                                const kvd_tier_run *tr) {
     Kvd__BlockRef *v = NULL, **pv = NULL;
     ProtobufCBinaryData packed = {0, NULL};
     if (c->sess->features & KV_FEATURE_PACKED) {
@@ -451,6 +461,11 @@ static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, 
         lr.pool_ids = pool_ids;
         lr.n_linked_segments = nnotices;
         lr.linked_segments = notices;
+        if (tr != NULL) {
+            lr.tier_fetchable = tr->fetchable;
+            lr.tier1_hits = tr->t1;
+            lr.tier2_hits = tr->t2;
+        }
         env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
         env.lookup_reply = &lr;
     } else {
@@ -505,9 +520,10 @@ static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg
     if (kvd_session_hold(c->sess, sp, refs, a->count) != KV_OK) {
         FAIL(KV_ENOMEM, "no memory to record %u references", a->count);
     }
+    kvd_tiers_pressure(c->ctx->tiers, p);
     uint32_t nsf = new_segments_from(sp);
     check_announced(sp, refs, a->count, nsf);
-    return send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0);
+    return send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0, NULL);
 }
 
 /* verify-blocks: checks the hits (runs per pool, in order) and ends the list before the first
@@ -678,10 +694,251 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
         }
     }
 #endif
+    /* How far the prefix goes on below T0, for a client that reads it (Hello.features). */
+    kvd_tier_run tr = {0, 0, 0};
+    if ((c->sess->features & KV_FEATURE_TIERS) && nhit < n && p->tiers != NULL) {
+        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, n - nhit, &tr);
+    }
     rc = send_blocks_reply(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
-                           nnotices);
+                           nnotices, &tr);
 cleanup:
     return rc;
+}
+
+/* ---- Fetch: a reply that may come later ---------------------------------------------------- */
+
+/* A Fetch in flight: what its reply needs once the copies are done. */
+typedef struct fetch_wait {
+    kvd_registry *reg;
+    const kvd_config *cfg;
+    uint64_t boot_epoch;
+    const kvd_rpc_later *later;
+    uint64_t id;        /* the request's id */
+    uint64_t session;   /* who asked */
+    uint32_t pool_id;   /* the pool */
+    uint32_t lower_run; /* the run found below T0 */
+    uint32_t nt0;       /* T0 hits held for the session at the request */
+    kvd_block_ref t0[]; /* [nt0] */
+} fetch_wait;
+
+/* Encodes a FetchReply for refs[0..n) (held by the session) through c. */
+static kv_err send_fetch_reply(rpc *c, uint64_t id, kvd_session_pool *sp, const kvd_block_ref *refs,
+                               size_t n, Kvd__FetchStatus st, uint32_t t0, uint32_t promoted,
+                               uint32_t lower, kv_err failure, const char *why) {
+    Kvd__FetchReply fr = KVD__FETCH_REPLY__INIT;
+    Kvd__BlockRef *v = NULL, **pv = NULL;
+    if (c->sess->features & KV_FEATURE_PACKED) {
+        fr.blocks_packed.data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES + 1);
+        if (fr.blocks_packed.data == NULL) {
+            return KV_ENOMEM;
+        }
+        fr.blocks_packed.len = n * KV_WIRE_BLOCK_BYTES;
+        for (size_t i = 0; i < n; i++) {
+            kv_wire_block_put(fr.blocks_packed.data, i, refs[i].id, refs[i].gen);
+        }
+    } else {
+        v = rpc_scratch(c, n * sizeof(*v) + 1);
+        pv = rpc_scratch(c, n * sizeof(*pv) + 1);
+        if (v == NULL || pv == NULL) {
+            return KV_ENOMEM;
+        }
+        for (size_t i = 0; i < n; i++) {
+            kvd__block_ref__init(&v[i]);
+            v[i].id = refs[i].id;
+            v[i].gen = refs[i].gen;
+            pv[i] = &v[i];
+        }
+        fr.n_blocks = n;
+        fr.blocks = pv;
+    }
+    fr.new_segments_from = new_segments_from(sp);
+    check_announced(sp, refs, n, fr.new_segments_from);
+    fr.status = st;
+    fr.t0_hits = t0;
+    fr.promoted = promoted;
+    fr.lower_run = lower;
+    fr.failure = (Kvd__ErrorCode)failure;
+    fr.message = (char *)(why != NULL ? why : "");
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    env.body_case = KVD__ENVELOPE__BODY_FETCH_REPLY;
+    env.fetch_reply = &fr;
+    return rpc_send(c, &env, NULL, 0);
+}
+
+/* The tiers finished a Fetch: the session takes the run's blocks and gets its reply. */
+static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
+    fetch_wait *w = arg;
+    kvd_session *sess =
+        r->orphan || w->later == NULL ? NULL : w->later->find(w->later->arg, w->session);
+    kvd_session_pool *sp = sess != NULL ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    if (sp == NULL) {
+        free(w);
+        return 0; /* the tiers release the run */
+    }
+    int taken = 1;
+    size_t n = w->nt0;
+    kvd_block_ref *all = malloc(sizeof(*all) * (w->nt0 + r->nok + 1));
+    if (all != NULL && r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
+        memcpy(all, w->t0, sizeof(*all) * w->nt0);
+        memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
+        n += r->nok;
+    } else if (all != NULL) {
+        memcpy(all, w->t0, sizeof(*all) * w->nt0);
+        taken = r->nok == 0 ? 1 : 0; /* no memory to record them: the tiers release them */
+    }
+    kv_arena arena;
+    kv_arena_init(&arena);
+    kvd_rpc_ctx x;
+    memset(&x, 0, sizeof(x));
+    x.reg = w->reg;
+    x.cfg = w->cfg;
+    x.boot_epoch = w->boot_epoch;
+    x.arena = &arena;
+    kvd_reply out;
+    memset(&out, 0, sizeof(out));
+    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+    int partial = r->code != KV_OK || r->nok < w->lower_run;
+    char why[KV_ERRMSG];
+    snprintf(why, sizeof(why), "%s", "");
+    if (partial) {
+        snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", r->nok, w->lower_run,
+                 r->code != KV_OK ? kv_strerror(r->code) : "evicted or failed meanwhile");
+    }
+    kv_err rc =
+        all == NULL
+            ? KV_ENOMEM
+            : send_fetch_reply(&c, w->id, sp, all, n,
+                               partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
+                                       : KVD__FETCH_STATUS__FETCH_DONE,
+                               w->nt0, r->promoted, w->lower_run,
+                               partial ? (r->code != KV_OK ? r->code : KV_ENOENT) : KV_OK, why);
+    if (rc != KV_OK) {
+        kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
+    }
+    out.code = KV_OK;
+    w->later->send(w->later->arg, w->session, &out);
+    kv_arena_fini(&arena);
+    free(all);
+    free(w);
+    return taken;
+}
+
+static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, f->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t n;
+    rc = kvd_validate_list(f->n_hashes, c->cfg->max_blocks_per_request, "hashes", msg, KV_ERRMSG);
+    for (size_t i = 0; rc == KV_OK && i < f->n_hashes; i++) {
+        if (f->hashes[i] == NULL) {
+            FAIL(KV_EINVAL, "hashes[%zu] is empty", i);
+        }
+    }
+    if (rc == KV_OK) {
+        rc = kvd_validate_list(f->hashes_packed.len / KV_WIRE_HASH_BYTES,
+                               c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
+    }
+    if (rc == KV_OK &&
+        kv_wire_list_count(f->n_hashes, f->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
+        FAIL(KV_EPROTO,
+             "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
+             f->hashes_packed.len, KV_WIRE_HASH_BYTES);
+    }
+    if (rc == KV_OK) {
+        rc = need_segment0(sp, msg);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_hash128 *hashes = rpc_scratch(c, sizeof(*hashes) * n + 1);
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n + 1);
+    if (hashes == NULL || refs == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (f->n_hashes > 0) {
+            hashes[i].lo = f->hashes[i]->lo;
+            hashes[i].hi = f->hashes[i]->hi;
+        } else {
+            kv_wire_hash_get(f->hashes_packed.data, i, &hashes[i].lo, &hashes[i].hi);
+        }
+    }
+    /* The T0 run first, as a Lookup of this pool gives it (max-held caps it). */
+    size_t m = n, nhit = 0;
+    uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
+    if (max_held != 0) {
+        uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess->tenant).held;
+        uint64_t left = held < max_held ? max_held - held : 0;
+        m = left < m ? (size_t)left : m;
+    }
+    rc = kvd_pool_lookup(p->pool, c->sess->tenant, hashes, m, refs, &nhit);
+    if (rc == KV_OK && nhit > 0) {
+        rc = kvd_session_hold(c->sess, sp, refs, nhit);
+    }
+    if (rc != KV_OK) {
+        FAIL(rc, "lookup failed: %s", kv_strerror(rc));
+    }
+    if (c->cfg->verify_blocks && nhit > 0) {
+        size_t good = kvd_registry_verify_hits(c->reg, p, refs, nhit);
+        if (good < nhit) {
+            kvd_session_unhold(c->sess, sp, refs + good, nhit - good);
+            nhit = good;
+        }
+    }
+    kvd_tier_run tr = {0, 0, 0};
+    if (nhit < n && p->tiers != NULL) {
+        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, n - nhit, &tr);
+    }
+    uint32_t tpb = p->layout.tokens_per_block;
+    uint64_t min_tokens = f->min_tokens != 0 ? f->min_tokens : c->cfg->fetch_min_tokens;
+    if (tr.fetchable == 0) {
+        return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_DONE,
+                                (uint32_t)nhit, 0, 0, KV_OK, NULL);
+    }
+    if ((uint64_t)tr.fetchable * tpb < min_tokens || c->ctx->later == NULL) {
+        char why[KV_ERRMSG];
+        snprintf(why, sizeof(why),
+                 "%u blocks (%llu tokens) below T0: under min_tokens %llu, recompute them",
+                 tr.fetchable, (unsigned long long)tr.fetchable * tpb,
+                 (unsigned long long)min_tokens);
+        kvd_tiers_count_short(c->ctx->tiers);
+        return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_SHORT,
+                                (uint32_t)nhit, 0, tr.fetchable, KV_OK, why);
+    }
+    fetch_wait *w = malloc(sizeof(*w) + sizeof(kvd_block_ref) * (nhit + 1));
+    if (w == NULL) {
+        kvd_session_unhold(c->sess, sp, refs, nhit);
+        FAIL(KV_ENOMEM, "no memory for a Fetch");
+    }
+    w->reg = c->reg;
+    w->cfg = c->cfg;
+    w->boot_epoch = c->ctx->boot_epoch;
+    w->later = c->ctx->later;
+    w->id = id;
+    w->session = c->sess->id;
+    w->pool_id = p->pool_id;
+    w->lower_run = tr.fetchable;
+    w->nt0 = (uint32_t)nhit;
+    memcpy(w->t0, refs, sizeof(*refs) * nhit);
+    uint32_t parent = nhit > 0 ? refs[nhit - 1].id : KVD_NO_BLOCK;
+    uint32_t nrun = 0;
+    char why[KV_ERRMSG];
+    why[0] = '\0';
+    rc = kvd_tiers_fetch(c->ctx->tiers, p, c->sess->id, c->sess->tenant, hashes + nhit,
+                         tr.fetchable, parent, on_fetch_done, w, &nrun, why);
+    if (rc != KV_OK) {
+        /* No room or quota for the blocks: the T0 hits are still a good answer. */
+        free(w);
+        return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_PARTIAL,
+                                (uint32_t)nhit, 0, tr.fetchable, rc,
+                                why[0] != '\0' ? why : kv_strerror(rc));
+    }
+    c->out->deferred = 1;
+    return KV_OK;
 }
 
 /* Checks a handle the session says it holds `times` times, faults in this order (PROTOCOL.md §7,
@@ -816,6 +1073,9 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
         }
         if (canon[i].id == r.id && c->cfg->verify_blocks) {
             kvd_registry_verify_commit(c->reg, p, canon[i]);
+        }
+        if (canon[i].id == r.id) {
+            kvd_tiers_committed(c->ctx->tiers, p, canon[i]);
         }
         if (canon[i].id != r.id && kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
             /* Our block was freed; the reference lives on the canonical one, or nowhere. */
@@ -1192,6 +1452,9 @@ static kv_err h_ping(rpc *c, const Kvd__Envelope *e, char *msg) {
 static kv_err h_detach(rpc *c, const Kvd__Envelope *e, char *msg) {
     return on_detach(c, e->id, e->detach_pool, msg);
 }
+static kv_err h_fetch(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_fetch(c, e->id, e->fetch, msg);
+}
 static kv_err h_goodbye(rpc *c, const Kvd__Envelope *e, char *msg) {
     (void)msg;
     return on_goodbye(c, e->id);
@@ -1212,6 +1475,7 @@ static const handler_fn handlers[] = {
     [KVD__ENVELOPE__BODY_PING] = h_ping,
     [KVD__ENVELOPE__BODY_GOODBYE] = h_goodbye,
     [KVD__ENVELOPE__BODY_DETACH_POOL] = h_detach,
+    [KVD__ENVELOPE__BODY_FETCH] = h_fetch,
 };
 
 /* The pool a request names (0: none), for the refusal's event. */
@@ -1235,6 +1499,8 @@ static uint32_t request_pool(const Kvd__Envelope *e) {
             return e->stats->pool_id;
         case KVD__ENVELOPE__BODY_DETACH_POOL:
             return e->detach_pool->pool_id;
+        case KVD__ENVELOPE__BODY_FETCH:
+            return e->fetch->pool_id;
         default:
             return 0;
     }
@@ -1319,7 +1585,7 @@ void kvd_rpc_handle(const kvd_rpc_ctx *ctx, kvd_session *sess, const Kvd__Envelo
             rc = KV_EPROTO;
         }
     }
-    if (rc == KV_OK && (out->frame != NULL || out->queued)) {
+    if (rc == KV_OK && (out->frame != NULL || out->queued || out->deferred)) {
         return;
     }
     if (rc == KV_OK) {
@@ -1343,6 +1609,7 @@ void kvd_rpc_session_close(const kvd_rpc_ctx *ctx, kvd_session *sess) {
     }
     int hello = sess->hello;
     uint32_t tenant = sess->tenant;
+    kvd_tiers_session_gone(ctx->tiers, sess->id);
     kvd_session_fini(sess);
     if (hello) {
         kvd_registry_session_close(ctx->reg, tenant);

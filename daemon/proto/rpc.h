@@ -17,6 +17,7 @@
 #include "daemon/config/config.h"
 #include "daemon/registry/registry.h"
 #include "daemon/session/session.h"
+#include "daemon/tiers/tiers.h"
 #include "proto/kvd.pb-c.h"
 
 /* The connection layer's counters a Stats reply reports (daemon.sessions, .buffer_bytes,
@@ -26,6 +27,16 @@ typedef struct kvd_conn_counts {
     uint64_t buffer_bytes; /* input capacity + unsent reply bytes over all connections */
     uint32_t paused;       /* connections not read because of max-buffer-bytes */
 } kvd_conn_counts;
+
+/* What a reply sent later (a Fetch's, when its copies are done) needs from the connection layer:
+ * the session by id (NULL once it closed) and a way to queue the reply on its connection.
+ * Lives as long as the server. */
+struct kvd_reply_s;
+typedef struct kvd_rpc_later {
+    kvd_session *(*find)(void *arg, uint64_t session_id);
+    void (*send)(void *arg, uint64_t session_id, const struct kvd_reply_s *r);
+    void *arg;
+} kvd_rpc_later;
 
 /* What one request may use besides its session. */
 typedef struct kvd_rpc_ctx {
@@ -40,10 +51,12 @@ typedef struct kvd_rpc_ctx {
      * arena). May be NULL. */
     uint8_t *(*reserve)(void *arg, size_t len);
     void *reserve_arg;
+    kvd_tiers *tiers;           /* the lower tiers (NULL: none) */
+    const kvd_rpc_later *later; /* for replies sent later (NULL: Fetch replies at once) */
 } kvd_rpc_ctx;
 
 /* A reply, valid until the arena is reset. */
-typedef struct kvd_reply {
+typedef struct kvd_reply_s {
     const uint8_t *frame; /* header and body; NULL when encoding failed (out of memory) */
     size_t len;           /* bytes of frame */
     const int *fds;       /* sent with the frame's first byte (the caller dups them) */
@@ -55,6 +68,7 @@ typedef struct kvd_reply {
     int queued;           /* the frame was encoded in place through ctx->reserve (frame NULL) */
     const char *why;      /* the Error's message (NULL for KV_OK), for the caller's log */
     int close_after;      /* Goodbye: close the connection once the reply is written */
+    int deferred;         /* no reply now: it comes through kvd_rpc_later (a Fetch in flight) */
 } kvd_reply;
 
 /* Handles one decoded request of session sess: the envelope checks (epoch, Hello first),

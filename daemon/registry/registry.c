@@ -471,6 +471,9 @@ static void pool_close(kvd_registry *s, uint32_t pool_id) {
         return;
     }
     uint32_t i = (uint32_t)(p - s->pools);
+    if (s->pool_gone != NULL) {
+        s->pool_gone(s->pool_gone_arg, p);
+    }
     kvd_pool_free(p->pool);
     kvd_verify_free(&p->verify);
     memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
@@ -505,6 +508,9 @@ void kvd_registry_fini(kvd_registry *g) {
     }
     g->commons = NULL;
     for (uint32_t i = 0; i < g->npools; i++) {
+        if (g->pool_gone != NULL) {
+            g->pool_gone(g->pool_gone_arg, &g->pools[i]);
+        }
         kvd_pool_free(g->pools[i].pool);
         kvd_verify_free(&g->pools[i].verify);
     }

@@ -50,6 +50,7 @@ typedef struct kvd_reg_pool {
     uint32_t creator;                           /* tenant whose attach created it (max-pools) */
     uint32_t nsessions;                         /* sessions that attached it (or it as a link) */
     kvd_verify verify;                          /* verify-blocks: checksums of its blocks */
+    void *tiers; /* the tiers layer's state of this pool (daemon/tiers), or NULL */
 } kvd_reg_pool;
 
 typedef struct kvd_registry {
@@ -69,6 +70,10 @@ typedef struct kvd_registry {
                                     made on first use, with its destructor: */
     void (*commons_free)(struct kvd_commons *c);
     kvd_events events; /* eviction/refusal ring and per-tenant counters (admin) */
+    /* Told just before a pool is freed (idle reclaim, pool_close, fini), so a layer above that
+     * keeps state per pool (daemon/tiers) lets it go; NULL: nobody. */
+    void (*pool_gone)(void *arg, kvd_reg_pool *p);
+    void *pool_gone_arg;
 } kvd_registry;
 
 /* What kvd_registry_init needs; the registry keeps the pointers. */

@@ -54,6 +54,7 @@ _CODES = [
     (20, "KvdNoGpu", ()),                    # ENOGPU
     (21, "KvdTimeout", (TimeoutError,)),     # ETIMEDOUT
     (22, "KvdInternal", ()),                 # EINTERNAL
+    (23, "KvdCorrupt", ()),                  # ECORRUPT
 ]
 
 

@@ -172,6 +172,12 @@ class Daemon:
     def alive(self):
         return self.proc.poll() is None
 
+    def kill(self):
+        """Kills the daemon on purpose (a crash the test wants); the end-of-test check of dead
+        daemons leaves it out."""
+        self.killed = True
+        self.stop()
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -201,7 +207,7 @@ def kvd_factory():
         return d
 
     yield start
-    dead = [d for d in started if not d.alive()]
+    dead = [d for d in started if not d.alive() and not getattr(d, "killed", False)]
     for d in started:
         d.stop()
         shutil.rmtree(d.dir, ignore_errors=True)

@@ -36,6 +36,7 @@ MAX_FDS_PER_FRAME = 200  # §2.2
 PAGE = 4096
 NO_PARENT = 0xFFFFFFFF  # Commit parent of a prefix's first block (§6 Commit)
 FEATURE_PACKED = 1  # §6 Packed lists (KV_FEATURE_PACKED)
+FEATURE_TIERS = 2  # §6 Fetch: LookupReply tier fields, FetchReply out of order (KV_FEATURE_TIERS)
 REPLY_SLACK = 64  # replies may be max_frame_bytes + 64 long (§2)
 
 
@@ -63,6 +64,7 @@ REPLY_OF = {
     "hello": "hello_reply", "attach_pool": "attach_pool_reply", "lookup": "lookup_reply",
     "allocate": "allocate_reply", "commit": "commit_reply", "release": "release_reply",
     "rewind": "rewind_reply", "pin": "pin_reply", "stats": "stats_reply", "ping": "pong",
+    "fetch": "fetch_reply",
     "goodbye": "goodbye_reply", "map_segments": "map_segments_reply",
     "detach_pool": "detach_pool_reply",
 }
@@ -430,6 +432,20 @@ class Conn:
 
     def lookup(self, pool_id, hashes, search_domains=False, packed=None):
         r, _ = self.call("lookup", self.lookup_msg(pool_id, hashes, search_domains, packed))
+        return r
+
+    def fetch_msg(self, pool_id, hashes, min_tokens=0, packed=None):
+        packed = self.packed_out if packed is None else packed
+        m = pb.Fetch(pool_id=pool_id, min_tokens=min_tokens)
+        if packed:
+            m.hashes_packed = pack_hashes(hashes)
+        else:
+            m.hashes.extend(pb.Hash128(lo=lo, hi=hi) for lo, hi in hashes)
+        return m
+
+    def fetch(self, pool_id, hashes, min_tokens=0, packed=None):
+        """Fetch (§6): waits for its FetchReply (which may come after later requests' replies)."""
+        r, _ = self.call("fetch", self.fetch_msg(pool_id, hashes, min_tokens, packed))
         return r
 
     def allocate(self, pool_id, count):

@@ -1,0 +1,228 @@
+"""bench/tiers_bench.py KVD — lower-tier copy bandwidth against its baselines, same run, same bytes.
+
+For each of RUNS runs, one kvd (-c opt) per tier:
+  T1: tier1-memory on, write-through: N blocks committed are copied T0 -> T1 by the copy threads;
+      `evict all` drops them from T0; one Fetch copies them T1 -> T0.
+  T2: tier1-memory 0, tier2-path in a directory of this machine's /tmp: T0 -> T2 writes, then a
+      Fetch reads them back (O_DIRECT where the file system takes it).
+Bandwidth of a tier = bytes moved / copy-thread time (the daemon's copy_bytes_* / copy_ns_*
+counters: per-copy bandwidth, every job timed on its own thread). Baselines, measured in the
+same run on the same sizes: memcpy (numpy copyto between two warm buffers; and into a freshly
+allocated buffer, which is what a T1 copy writes into), and pwrite/pread of the same slot-sized,
+4096-aligned buffers to a file in the same directory with the same O_DIRECT flag. Prints
+markdown (bench/run.sh records it in bench/RESULTS.md); the target (>= 0.9x) is met only when
+the worst run meets it.
+"""
+
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "pyclient"))
+os.environ.setdefault("KVDWIRE_PROTO_DIR", os.path.join(HERE, "..", "proto"))
+
+import numpy as np  # noqa: E402
+
+import kvdwire as kw  # noqa: E402
+from kvdwire import pb  # noqa: E402
+
+RUNS = int(os.environ.get("TIERS_RUNS", "5"))
+NBLOCKS = 48
+# 32 layers x 8 kv heads x 128 dims x 16 tokens fp16, block-major: 2 MiB blocks, one run each.
+LAYOUT = kw.Layout(32, 8, 128, 16, pb.FP16, pb.BLOCK_MAJOR)
+BB = LAYOUT.block_bytes
+
+
+class Kvd:
+    def __init__(self, binary, tmp, **opts):
+        tmp = tempfile.mkdtemp(prefix="d", dir=tmp)  # a fresh socket path per daemon
+        self.dir = tmp
+        self.sock = os.path.join(tmp, "kvd.sock")
+        self.admin_sock = os.path.join(tmp, "admin.sock")
+        base = {"backend": "host", "socket": self.sock, "admin_socket": self.admin_sock,
+                "pool_memory": "256M", "segment_bytes": "32M", "log_level": "warn",
+                "tier_write": "write-through", "fetch_min_tokens": "1"}
+        base.update(opts)
+        args = [binary] + ["--%s=%s" % (k.replace("_", "-"), v) for k, v in base.items()]
+        self.log = open(os.path.join(tmp, "kvd.log"), "wb")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not (os.path.exists(self.sock) and os.path.exists(self.admin_sock)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvd did not start: " + open(self.log.name).read())
+            time.sleep(0.01)
+
+    def admin(self, cmd):
+        import json
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(self.admin_sock)
+        s.sendall(cmd.encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            data += s.recv(1 << 20)
+        s.close()
+        r = json.loads(data)
+        assert r["ok"], r
+        return r["result"]
+
+    def tiers(self):
+        return self.admin("stats")["tiers"]
+
+    def settle(self):
+        deadline = time.monotonic() + 60
+        while self.tiers()["jobs_inflight"] != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("copies did not finish")
+            time.sleep(0.005)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def round_trip(d, tier):
+    """Commits NBLOCKS blocks (down), evicts them from T0, fetches them back (up); returns
+    (down GB/s, up GB/s) from the daemon's counters, after checking every byte came back."""
+    c = kw.Conn(d.sock)
+    c.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pool = c.attach("bench-tiers", LAYOUT)
+    r = c.allocate(pool.pool_id, NBLOCKS)
+    pool.follow(r)
+    blocks = kw.reply_blocks(r)
+    toks = list(range(NBLOCKS * LAYOUT.tokens_per_block))
+    hashes = kw.hash_chain(pool.hash_seed, toks, LAYOUT.tokens_per_block, b"", pool.hash_algo)
+    rng = np.random.default_rng(len(toks))
+    pats = []
+    for (bid, _), _h in zip(blocks, hashes):
+        p = rng.integers(0, 1 << 16, BB // 2, dtype=np.uint16).tobytes()
+        pool.write_block(bid, p)
+        pats.append(p)
+    entries, parent = [], kw.NO_PARENT
+    for b, h in zip(blocks, hashes):
+        entries.append((b, h, parent))
+        parent = b[0]
+    canon = c.commit(pool.pool_id, entries)
+    c.release(pool.pool_id, canon)
+    d.settle()
+    d.admin("evict all")
+    fr = c.fetch(pool.pool_id, hashes)
+    pool.follow(fr)
+    got = kw.reply_blocks(fr)
+    assert fr.status == pb.FETCH_DONE and len(got) == NBLOCKS, fr
+    for (bid, _), p in zip(got, pats):
+        assert pool.read_block(bid) == p
+    st = d.tiers()
+    c.close()
+    t = "t%d" % tier
+    down = st["copy_bytes_down_" + t] / st["copy_ns_down_" + t]
+    up = st["copy_bytes_up_" + t] / st["copy_ns_up_" + t]
+    return down, up
+
+
+def memcpy_gbps(fresh):
+    src = np.frombuffer(os.urandom(BB), dtype=np.uint8)
+    dst = np.empty(BB, dtype=np.uint8)
+    np.copyto(dst, src)
+    ns = 0
+    for _ in range(NBLOCKS):
+        if fresh:
+            dst = np.empty(BB, dtype=np.uint8)  # malloc'd fresh: its pages fault in
+        t0 = time.perf_counter_ns()
+        np.copyto(dst, src)
+        ns += time.perf_counter_ns() - t0
+    return NBLOCKS * BB / ns
+
+
+def raw_disk_gbps(directory, slot):
+    """pwrite then pread of NBLOCKS slot-sized aligned buffers, O_DIRECT when taken."""
+    path = os.path.join(directory, "raw.bin")
+    flags = os.O_RDWR | os.O_CREAT
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags | direct, 0o600)
+    except OSError:
+        fd, direct = os.open(path, flags, 0o600), 0
+    buf = mmap.mmap(-1, slot)
+    buf.write(os.urandom(slot))
+    wns = rns = 0
+    for i in range(NBLOCKS):
+        t0 = time.perf_counter_ns()
+        os.pwritev(fd, [buf], 4096 + i * slot)
+        wns += time.perf_counter_ns() - t0
+    for i in range(NBLOCKS):
+        t0 = time.perf_counter_ns()
+        os.preadv(fd, [buf], 4096 + i * slot)
+        rns += time.perf_counter_ns() - t0
+    os.close(fd)
+    os.unlink(path)
+    return NBLOCKS * BB / wns, NBLOCKS * BB / rns, bool(direct)
+
+
+def main():
+    binary = sys.argv[1]
+    rows = {k: [] for k in ("t1_down", "t1_up", "t2_down", "t2_up", "memcpy", "memcpy_fresh",
+                            "raw_w", "raw_r")}
+    direct = False
+    for run in range(RUNS):
+        tmp = tempfile.mkdtemp(prefix="kvdtb.", dir="/tmp")
+        try:
+            d = Kvd(binary, tmp, tier1_memory="256M")
+            try:
+                a, b = round_trip(d, 1)
+            finally:
+                d.stop()
+            rows["t1_down"].append(a)
+            rows["t1_up"].append(b)
+            rows["memcpy"].append(memcpy_gbps(False))
+            rows["memcpy_fresh"].append(memcpy_gbps(True))
+            t2 = os.path.join(tmp, "t2")
+            d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2, tier2_bytes="1G")
+            try:
+                a, b = round_trip(d, 2)
+            finally:
+                d.stop()
+            rows["t2_down"].append(a)
+            rows["t2_up"].append(b)
+            slot = (64 + BB + 4095) // 4096 * 4096
+            w, r, direct = raw_disk_gbps(tmp, slot)
+            rows["raw_w"].append(w)
+            rows["raw_r"].append(r)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def ratio(a, b):
+        return [x / y for x, y in zip(rows[a], rows[b])]
+
+    def fmt(v):
+        v = sorted(v)
+        return "%.2f (%.2f-%.2f)" % (v[len(v) // 2], v[0], v[-1])
+
+    print("%d runs of %d blocks of %d KiB (layout 32x8x128x16 fp16 block-major), raw format, "
+          "libuv's 4 copy threads; GB/s per copy (bytes / copy-thread time), median (min-max)."
+          % (RUNS, NBLOCKS, BB // 1024))
+    print("T2 and its baseline in a directory under /tmp, O_DIRECT %s." % ("on" if direct else
+                                                                           "off (refused)"))
+    print()
+    print("| copy | kvd GB/s | baseline | baseline GB/s | ratio | target | met (worst run) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, a, base, bname in (("T0 -> T1", "t1_down", "memcpy", "memcpy, warm buffers"),
+                                 ("T0 -> T1", "t1_down", "memcpy_fresh",
+                                  "memcpy into a fresh buffer"),
+                                 ("T1 -> T0 (Fetch)", "t1_up", "memcpy", "memcpy, warm buffers"),
+                                 ("T0 -> T2", "t2_down", "raw_w", "pwrite of the same slots"),
+                                 ("T2 -> T0 (Fetch)", "t2_up", "raw_r", "pread of the same slots")):
+        r = ratio(a, base)
+        print("| %s | %s | %s | %s | %s | >= 0.9x | %s |" % (
+            name, fmt(rows[a]), bname, fmt(rows[base]), fmt(r),
+            "yes" if min(r) >= 0.9 else "no (worst %.2f)" % min(r)))
+
+
+if __name__ == "__main__":
+    main()

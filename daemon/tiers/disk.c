@@ -1,0 +1,694 @@
+/* kvd_disk: one pool's T2 slot file, read and written with pread/pwrite from any thread.
+ *
+ * Every integer is stored little-endian through the put/get helpers below, so the format does not
+ * depend on struct layout or host byte order.
+ *
+ * File header, bytes [0, 4096):
+ *     0  8  magic "KVDTIER2"
+ *     8  4  u32 file format version (1)
+ *    12  4  u32 header bytes (4096)
+ *    16  8  u64 slot_bytes
+ *    24  8  u64 block_bytes
+ *    32  4  u32 num_layers
+ *    36  4  u32 num_kv_heads
+ *    40  4  u32 head_dim
+ *    44  4  u32 tokens_per_block
+ *    48  4  u32 dtype
+ *    52  4  u32 arrangement
+ *    56  8  u64 seed lo
+ *    64  8  u64 seed hi
+ *    72  4  u32 model id bytes (1..256)
+ *    76  4  u32 domain name bytes (1..256)
+ *    80 256 model id, zero padded
+ *   336 256 domain name, zero padded
+ *   592     zero up to 4088
+ *  4088  8  u64 XXH3_64bits of bytes [0, 4088)
+ *
+ * Record header, the first 64 bytes of a slot (slot i at 4096 + i * slot_bytes):
+ *     0  2  u16 magic 0x524B ("KR")
+ *     2  1  u8  record version (1)
+ *     3  1  u8  kvd_tier_format of the payload
+ *     4  4  u32 payload bytes
+ *     8  8  u64 hash lo
+ *    16  8  u64 hash hi
+ *    24  8  u64 parent lo
+ *    32  8  u64 parent hi
+ *    40  8  u64 seq
+ *    48  8  u64 XXH3_64bits of the payload
+ *    56  8  u64 XXH3_64bits of bytes [0, 56)
+ * then the payload at byte 64 and zeros to the end of the slot. A slot whose first 64 bytes are
+ * all zero is empty. The magic is short so that both checksums keep all 64 bits; the header
+ * checksum is what rejects garbage.
+ *
+ * I/O: whole slots, the 4096-byte file header, or a slot's first 4096 bytes (scan reads and
+ * clear writes only those), always at 4096-aligned offsets, so O_DIRECT works where the file
+ * system takes it. Where it refuses O_DIRECT at I/O time (EINVAL), O_DIRECT is cleared on the
+ * descriptor with fcntl(F_SETFL), which every thread sees at once without swapping descriptors
+ * under them. Nothing is fsync'ed: after a crash a slot may be stale or torn, and its checksums
+ * tell.
+ */
+#include "daemon/tiers/disk.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include "common/kv_log.h"
+#include "daemon/tiers/codec.h"
+
+#define FILE_MAGIC "KVDTIER2"
+#define FILE_VERSION 1u
+#define FILE_HDR KVD_DISK_ALIGN
+#define FILE_SUM_OFF (FILE_HDR - 8u)
+#define FILE_MODEL_OFF 80u
+#define FILE_DOMAIN_OFF (FILE_MODEL_OFF + KVD_DISK_KEY_MAX)
+
+#define REC_MAGIC 0x524Bu
+#define REC_VERSION 1u
+#define REC_SUM_OFF 56u
+
+struct kvd_disk {
+    char *path;          /* <dir>/<name>, heap */
+    atomic_int fd;       /* read/write, O_CLOEXEC; -1 once closed */
+    atomic_int direct;   /* 1 while the descriptor has O_DIRECT */
+    uint64_t slot_bytes; /* bytes of one slot, a multiple of KVD_DISK_ALIGN */
+};
+
+static void put_u16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) {
+        p[i] = (uint8_t)(v >> (8 * i));
+    }
+}
+
+static void put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        p[i] = (uint8_t)(v >> (8 * i));
+    }
+}
+
+static uint16_t get_u16(const uint8_t *p) {
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) {
+        v |= (uint32_t)p[i] << (8 * i);
+    }
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) {
+        v |= (uint64_t)p[i] << (8 * i);
+    }
+    return v;
+}
+
+static void disk_msg(char *msg, size_t msglen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void disk_msg(char *msg, size_t msglen, const char *fmt, ...) {
+    if (msg == NULL || msglen == 0) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, msglen, fmt, ap);
+    va_end(ap);
+}
+
+/* Byte offset of slot, or 0 when it does not fit off_t (slot 0 is at FILE_HDR, never 0). */
+static uint64_t disk_slot_off(const kvd_disk *d, uint64_t slot) {
+    uint64_t max = (uint64_t)INT64_MAX - FILE_HDR - d->slot_bytes;
+    if (slot > max / d->slot_bytes) {
+        return 0;
+    }
+    return FILE_HDR + slot * d->slot_bytes;
+}
+
+/* Turns O_DIRECT off for good after the file system refused an O_DIRECT transfer. Threads that
+ * race here all clear the same flag; the first logs. */
+static int disk_drop_direct(kvd_disk *d, int fd, int err) {
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0) {
+        return -1;
+    }
+    if (atomic_exchange(&d->direct, 0)) {
+        KV_LOG(INFO, "KVD-TIER2-FILE", "%s: O_DIRECT I/O refused (%s); using buffered I/O", d->path,
+               strerror(err));
+    }
+    return 0;
+}
+
+/* Moves n bytes between buf and the file at off, looping over short transfers and EINTR.
+ * *done gets the bytes moved (fewer than n only for a read that met the end of the file).
+ * Returns 0, or -1 with errno set. */
+static int disk_io(kvd_disk *d, int wr, void *buf, size_t n, uint64_t off, size_t *done) {
+    size_t got = 0;
+    while (got < n) {
+        int fd = atomic_load(&d->fd);
+        ssize_t r = wr ? pwrite(fd, (const uint8_t *)buf + got, n - got, (off_t)(off + got))
+                       : pread(fd, (uint8_t *)buf + got, n - got, (off_t)(off + got));
+        if (r < 0) {
+            int e = errno;
+            if (e == EINTR) {
+                continue;
+            }
+            /* Only a transfer that has not started is aligned for sure: EINVAL there is the
+             * file system (or a buffer) that O_DIRECT cannot serve. */
+            if (e == EINVAL && got == 0 && atomic_load(&d->direct) &&
+                disk_drop_direct(d, fd, e) == 0) {
+                continue;
+            }
+            errno = e;
+            return -1;
+        }
+        if (r == 0) {
+            if (wr) {
+                errno = EIO;
+                return -1;
+            }
+            break;
+        }
+        got += (size_t)r;
+    }
+    *done = got;
+    return 0;
+}
+
+/* mkdir -p: creates each missing component 0700; existing ones are used as they are. */
+static kv_err disk_mkdirs(const char *dir, char *msg, size_t msglen) {
+    size_t n = strlen(dir);
+    char *p = malloc(n + 1);
+    if (p == NULL) {
+        disk_msg(msg, msglen, "no memory for directory path %s", dir);
+        return KV_ENOMEM;
+    }
+    memcpy(p, dir, n + 1);
+    kv_err rc = KV_ESYS;
+    for (size_t i = 1; i <= n; i++) {
+        if (p[i] != '/' && p[i] != '\0') {
+            continue;
+        }
+        if (p[i - 1] == '/') {
+            continue;
+        }
+        char c = p[i];
+        p[i] = '\0';
+        /* An existing component may answer EACCES or EROFS rather than EEXIST: a directory
+         * already there is fine whatever mkdir said. */
+        struct stat cst;
+        if (mkdir(p, 0700) != 0 && errno != EEXIST) {
+            int e = errno;
+            if (stat(p, &cst) != 0 || !S_ISDIR(cst.st_mode)) {
+                disk_msg(msg, msglen, "cannot create directory %s: %s", p, strerror(e));
+                goto cleanup_path;
+            }
+        }
+        p[i] = c;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        disk_msg(msg, msglen, "cannot use directory %s: %s", dir, strerror(errno));
+        goto cleanup_path;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        disk_msg(msg, msglen, "cannot use directory %s: %s", dir, strerror(ENOTDIR));
+        goto cleanup_path;
+    }
+    rc = KV_OK;
+cleanup_path:
+    free(p);
+    return rc;
+}
+
+static int disk_key_str_ok(const char *s) {
+    size_t n = strnlen(s, KVD_DISK_KEY_MAX + 1);
+    return n >= 1 && n <= KVD_DISK_KEY_MAX;
+}
+
+static kv_err disk_key_check(const kvd_disk_key *key, char *msg, size_t msglen) {
+    if (!disk_key_str_ok(key->model)) {
+        disk_msg(msg, msglen, "T2 file key: model id must be 1..%u bytes", KVD_DISK_KEY_MAX);
+        return KV_EINVAL;
+    }
+    if (!disk_key_str_ok(key->domain)) {
+        disk_msg(msg, msglen, "T2 file key: domain name must be 1..%u bytes", KVD_DISK_KEY_MAX);
+        return KV_EINVAL;
+    }
+    const kv_layout *l = &key->layout;
+    kv_layout chk;
+    if (kv_layout_init(l->num_layers, l->num_kv_heads, l->head_dim, l->tokens_per_block, l->dtype,
+                       l->arrangement, &chk) != KV_OK) {
+        const char *why = kv_layout_check_msg(l->num_layers, l->num_kv_heads, l->head_dim,
+                                              l->tokens_per_block, l->dtype, l->arrangement);
+        disk_msg(msg, msglen, "T2 file key: bad layout: %s", why != NULL ? why : "invalid");
+        return KV_EINVAL;
+    }
+    if (chk.block_bytes != l->block_bytes) {
+        disk_msg(msg, msglen, "T2 file key: layout not initialised (block_bytes %llu, not %llu)",
+                 (unsigned long long)l->block_bytes, (unsigned long long)chk.block_bytes);
+        return KV_EINVAL;
+    }
+    return KV_OK;
+}
+
+static int disk_name_ok(const char *name) {
+    return name[0] != '\0' && strchr(name, '/') == NULL && strcmp(name, ".") != 0 &&
+           strcmp(name, "..") != 0;
+}
+
+static void disk_header_build(uint8_t *h, const kvd_disk_key *key, uint64_t slot_bytes) {
+    memset(h, 0, FILE_HDR);
+    memcpy(h, FILE_MAGIC, 8);
+    put_u32(h + 8, FILE_VERSION);
+    put_u32(h + 12, FILE_HDR);
+    put_u64(h + 16, slot_bytes);
+    put_u64(h + 24, key->layout.block_bytes);
+    put_u32(h + 32, key->layout.num_layers);
+    put_u32(h + 36, key->layout.num_kv_heads);
+    put_u32(h + 40, key->layout.head_dim);
+    put_u32(h + 44, key->layout.tokens_per_block);
+    put_u32(h + 48, (uint32_t)key->layout.dtype);
+    put_u32(h + 52, (uint32_t)key->layout.arrangement);
+    put_u64(h + 56, key->seed.lo);
+    put_u64(h + 64, key->seed.hi);
+    size_t ml = strlen(key->model);
+    size_t dl = strlen(key->domain);
+    put_u32(h + 72, (uint32_t)ml);
+    put_u32(h + 76, (uint32_t)dl);
+    memcpy(h + FILE_MODEL_OFF, key->model, ml);
+    memcpy(h + FILE_DOMAIN_OFF, key->domain, dl);
+    put_u64(h + FILE_SUM_OFF, XXH3_64bits(h, FILE_SUM_OFF));
+}
+
+/* NULL when header h (FILE_HDR bytes) belongs to key, else why not (for the log line). */
+static const char *disk_header_mismatch(const uint8_t *h, const kvd_disk_key *key,
+                                        uint64_t slot_bytes) {
+    if (memcmp(h, FILE_MAGIC, 8) != 0) {
+        return "bad magic (not a kvd T2 file)";
+    }
+    if (get_u64(h + FILE_SUM_OFF) != XXH3_64bits(h, FILE_SUM_OFF)) {
+        return "header checksum mismatch";
+    }
+    if (get_u32(h + 8) != FILE_VERSION || get_u32(h + 12) != FILE_HDR) {
+        return "unknown file format version";
+    }
+    const kv_layout *l = &key->layout;
+    if (get_u32(h + 32) != l->num_layers || get_u32(h + 36) != l->num_kv_heads ||
+        get_u32(h + 40) != l->head_dim || get_u32(h + 44) != l->tokens_per_block ||
+        get_u32(h + 48) != (uint32_t)l->dtype || get_u32(h + 52) != (uint32_t)l->arrangement) {
+        return "layout differs";
+    }
+    if (get_u64(h + 24) != l->block_bytes || get_u64(h + 16) != slot_bytes) {
+        return "block or slot size differs";
+    }
+    if (get_u64(h + 56) != key->seed.lo || get_u64(h + 64) != key->seed.hi) {
+        return "hash seed differs";
+    }
+    size_t ml = strlen(key->model);
+    if (get_u32(h + 72) != ml || memcmp(h + FILE_MODEL_OFF, key->model, ml) != 0) {
+        return "model id differs";
+    }
+    size_t dl = strlen(key->domain);
+    if (get_u32(h + 76) != dl || memcmp(h + FILE_DOMAIN_OFF, key->domain, dl) != 0) {
+        return "domain differs";
+    }
+    return NULL;
+}
+
+/* Opens path read-write with flags (O_CREAT...), with O_DIRECT first when asked; sets d->fd and
+ * d->direct. Returns 0 or -1 with errno. */
+static int disk_open_fd(kvd_disk *d, int flags, int direct) {
+    flags |= O_RDWR | O_CLOEXEC;
+    int fd = -1;
+    if (direct) {
+        fd = open(d->path, flags | O_DIRECT, 0600);
+        if (fd >= 0) {
+            atomic_store(&d->fd, fd);
+            atomic_store(&d->direct, 1);
+            return 0;
+        }
+        if (errno != EINVAL) {
+            return -1;
+        }
+    }
+    fd = open(d->path, flags, 0600);
+    if (fd < 0) {
+        return -1;
+    }
+    atomic_store(&d->fd, fd);
+    atomic_store(&d->direct, 0);
+    return 0;
+}
+
+static void disk_close_fd(kvd_disk *d) {
+    int fd = atomic_exchange(&d->fd, -1);
+    if (fd >= 0) {
+        close(fd);
+    }
+}
+
+/* Checks the file just opened: *fresh = 1 when it is empty (new), *why = NULL when its header
+ * is key's, else *why says why it must be put aside. KV_ESYS (msg) when it cannot be read. */
+static kv_err disk_check_existing(kvd_disk *d, const kvd_disk_key *key, uint8_t *h, int *fresh,
+                                  const char **why, char *msg, size_t msglen) {
+    struct stat st;
+    if (fstat(atomic_load(&d->fd), &st) != 0) {
+        disk_msg(msg, msglen, "cannot stat T2 file %s: %s", d->path, strerror(errno));
+        return KV_ESYS;
+    }
+    *fresh = 0;
+    *why = NULL;
+    if (st.st_size == 0) {
+        *fresh = 1;
+        return KV_OK;
+    }
+    if (st.st_size < (off_t)FILE_HDR) {
+        *why = "truncated header";
+        return KV_OK;
+    }
+    size_t done = 0;
+    if (disk_io(d, 0, h, FILE_HDR, 0, &done) != 0) {
+        disk_msg(msg, msglen, "cannot read T2 file header of %s: %s", d->path, strerror(errno));
+        return KV_ESYS;
+    }
+    if (done < FILE_HDR) {
+        *why = "truncated header";
+        return KV_OK;
+    }
+    *why = disk_header_mismatch(h, key, d->slot_bytes);
+    return KV_OK;
+}
+
+kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, int direct,
+                     kvd_disk **out, char *msg, size_t msglen) {
+    if (dir == NULL || dir[0] == '\0' || name == NULL || key == NULL || out == NULL) {
+        disk_msg(msg, msglen, "T2 file: directory, name, key and out are required");
+        return KV_EINVAL;
+    }
+    if (!disk_name_ok(name)) {
+        disk_msg(msg, msglen, "T2 file name \"%s\" must be a plain file name", name);
+        return KV_EINVAL;
+    }
+    kv_err rc = disk_key_check(key, msg, msglen);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = disk_mkdirs(dir, msg, msglen);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = KV_ENOMEM;
+    kvd_disk *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        disk_msg(msg, msglen, "no memory for T2 file %s/%s", dir, name);
+        return rc;
+    }
+    atomic_init(&d->fd, -1);
+    atomic_init(&d->direct, 0);
+    d->slot_bytes = (KVD_DISK_REC_HDR + key->layout.block_bytes + KVD_DISK_ALIGN - 1) /
+                    KVD_DISK_ALIGN * KVD_DISK_ALIGN;
+    size_t plen = strlen(dir) + 1 + strlen(name) + 1;
+    d->path = malloc(plen);
+    if (d->path == NULL) {
+        disk_msg(msg, msglen, "no memory for T2 file %s/%s", dir, name);
+        goto cleanup_disk;
+    }
+    snprintf(d->path, plen, "%s/%s", dir, name);
+    uint8_t *h = aligned_alloc(KVD_DISK_ALIGN, FILE_HDR);
+    if (h == NULL) {
+        disk_msg(msg, msglen, "no memory for T2 file %s", d->path);
+        goto cleanup_disk;
+    }
+    rc = KV_ESYS;
+    if (disk_open_fd(d, O_CREAT, direct) != 0) {
+        disk_msg(msg, msglen, "cannot open T2 file %s: %s", d->path, strerror(errno));
+        goto cleanup_header;
+    }
+    int fresh = 0;
+    const char *why = NULL;
+    rc = disk_check_existing(d, key, h, &fresh, &why, msg, msglen);
+    if (rc != KV_OK) {
+        goto cleanup_fd;
+    }
+    if (why != NULL) {
+        rc = KV_ENOMEM;
+        size_t blen = strlen(d->path) + sizeof(".bad");
+        char *bad = malloc(blen);
+        if (bad == NULL) {
+            disk_msg(msg, msglen, "no memory for T2 file %s", d->path);
+            goto cleanup_fd;
+        }
+        snprintf(bad, blen, "%s.bad", d->path);
+        disk_close_fd(d);
+        rc = KV_ESYS;
+        if (rename(d->path, bad) != 0) {
+            disk_msg(msg, msglen, "cannot rename T2 file %s to %s: %s", d->path, bad,
+                     strerror(errno));
+            free(bad);
+            goto cleanup_header;
+        }
+        KV_LOG(WARN, "KVD-TIER2-FILE", "%s: %s; renamed to %s, starting an empty file", d->path,
+               why, bad);
+        free(bad);
+        if (disk_open_fd(d, O_CREAT | O_EXCL, direct) != 0) {
+            disk_msg(msg, msglen, "cannot create T2 file %s: %s", d->path, strerror(errno));
+            goto cleanup_header;
+        }
+        fresh = 1;
+    }
+    if (fresh) {
+        disk_header_build(h, key, d->slot_bytes);
+        size_t done = 0;
+        if (disk_io(d, 1, h, FILE_HDR, 0, &done) != 0) {
+            disk_msg(msg, msglen, "cannot write T2 file header of %s: %s", d->path,
+                     strerror(errno));
+            goto cleanup_fd;
+        }
+    }
+    free(h);
+    *out = d;
+    return KV_OK;
+cleanup_fd:
+    disk_close_fd(d);
+cleanup_header:
+    free(h);
+cleanup_disk:
+    free(d->path);
+    free(d);
+    return rc;
+}
+
+void kvd_disk_close(kvd_disk *d) {
+    if (d == NULL) {
+        return;
+    }
+    disk_close_fd(d);
+    free(d->path);
+    free(d);
+}
+
+uint64_t kvd_disk_slot_bytes(const kvd_disk *d) {
+    return d->slot_bytes;
+}
+
+uint64_t kvd_disk_payload_max(const kvd_disk *d) {
+    return d->slot_bytes - KVD_DISK_REC_HDR;
+}
+
+int kvd_disk_direct(const kvd_disk *d) {
+    return atomic_load(&((kvd_disk *)d)->direct);
+}
+
+uint64_t kvd_disk_slots(const kvd_disk *d) {
+    struct stat st;
+    if (fstat(atomic_load(&((kvd_disk *)d)->fd), &st) != 0 || st.st_size < (off_t)FILE_HDR) {
+        return 0;
+    }
+    return ((uint64_t)st.st_size - FILE_HDR) / d->slot_bytes;
+}
+
+static int rec_is_empty(const uint8_t *p) {
+    for (unsigned i = 0; i < KVD_DISK_REC_HDR; i++) {
+        if (p[i] != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Parses and checks a record header (all but the payload checksum); 0 when valid. */
+static int rec_parse(const kvd_disk *d, const uint8_t *p, kvd_disk_rec *rec, uint64_t *psum) {
+    if (get_u16(p) != REC_MAGIC || p[2] != REC_VERSION) {
+        return -1;
+    }
+    if (get_u64(p + REC_SUM_OFF) != XXH3_64bits(p, REC_SUM_OFF)) {
+        return -1;
+    }
+    uint32_t len = get_u32(p + 4);
+    if (p[3] >= KVD_TF_COUNT || len > kvd_disk_payload_max(d)) {
+        return -1;
+    }
+    rec->format = p[3];
+    rec->len = len;
+    rec->hash.lo = get_u64(p + 8);
+    rec->hash.hi = get_u64(p + 16);
+    rec->parent.lo = get_u64(p + 24);
+    rec->parent.hi = get_u64(p + 32);
+    rec->seq = get_u64(p + 40);
+    *psum = get_u64(p + 48);
+    return 0;
+}
+
+kv_err kvd_disk_scan(kvd_disk *d, kvd_disk_scan_fn fn, void *arg, uint64_t *bad) {
+    uint8_t *p = aligned_alloc(KVD_DISK_ALIGN, KVD_DISK_ALIGN);
+    if (p == NULL) {
+        return KV_ENOMEM;
+    }
+    kv_err rc = KV_OK;
+    uint64_t nbad = 0;
+    uint64_t n = kvd_disk_slots(d);
+    for (uint64_t s = 0; s < n; s++) {
+        size_t done = 0;
+        if (disk_io(d, 0, p, KVD_DISK_ALIGN, disk_slot_off(d, s), &done) != 0) {
+            KV_LOG(ERROR, "KVD-TIER2-FILE", "%s: reading slot %llu failed: %s", d->path,
+                   (unsigned long long)s, strerror(errno));
+            rc = KV_ESYS;
+            goto cleanup_buf;
+        }
+        if (done < KVD_DISK_REC_HDR) {
+            break; /* the file shrank under us: nothing more to find */
+        }
+        if (rec_is_empty(p)) {
+            continue;
+        }
+        kvd_disk_rec rec;
+        uint64_t psum;
+        if (rec_parse(d, p, &rec, &psum) != 0) {
+            nbad++;
+            continue;
+        }
+        if (fn != NULL) {
+            fn(arg, s, &rec);
+        }
+    }
+    if (bad != NULL) {
+        *bad = nbad;
+    }
+cleanup_buf:
+    free(p);
+    return rc;
+}
+
+kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
+                      uint8_t *buf, int *sys_errno) {
+    if (rec == NULL || buf == NULL || rec->len > kvd_disk_payload_max(d) ||
+        rec->format >= KVD_TF_COUNT || (rec->len > 0 && payload == NULL)) {
+        return KV_EINVAL;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    if (off == 0) {
+        if (sys_errno != NULL) {
+            *sys_errno = EFBIG;
+        }
+        return KV_ESYS;
+    }
+    uint8_t *pl = buf + KVD_DISK_REC_HDR;
+    /* Move first: payload may overlap the header bytes about to be written. */
+    if (payload != pl && rec->len > 0) {
+        memmove(pl, payload, rec->len);
+    }
+    memset(pl + rec->len, 0, d->slot_bytes - KVD_DISK_REC_HDR - rec->len);
+    put_u16(buf, REC_MAGIC);
+    buf[2] = REC_VERSION;
+    buf[3] = (uint8_t)rec->format;
+    put_u32(buf + 4, rec->len);
+    put_u64(buf + 8, rec->hash.lo);
+    put_u64(buf + 16, rec->hash.hi);
+    put_u64(buf + 24, rec->parent.lo);
+    put_u64(buf + 32, rec->parent.hi);
+    put_u64(buf + 40, rec->seq);
+    put_u64(buf + 48, XXH3_64bits(pl, rec->len));
+    put_u64(buf + REC_SUM_OFF, XXH3_64bits(buf, REC_SUM_OFF));
+    size_t done = 0;
+    if (disk_io(d, 1, buf, d->slot_bytes, off, &done) != 0) {
+        if (sys_errno != NULL) {
+            *sys_errno = errno;
+        }
+        return KV_ESYS;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                     uint8_t *buf) {
+    if (rec == NULL || buf == NULL) {
+        return KV_EINVAL;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    if (off == 0) {
+        return KV_ECORRUPT; /* past any possible end of file */
+    }
+    size_t done = 0;
+    if (disk_io(d, 0, buf, d->slot_bytes, off, &done) != 0) {
+        KV_LOG(ERROR, "KVD-TIER2-FILE", "%s: reading slot %llu failed: %s", d->path,
+               (unsigned long long)slot, strerror(errno));
+        return KV_ESYS;
+    }
+    if (done < d->slot_bytes) {
+        return KV_ECORRUPT;
+    }
+    kvd_disk_rec r;
+    uint64_t psum;
+    if (rec_parse(d, buf, &r, &psum) != 0) {
+        return KV_ECORRUPT;
+    }
+    if (expect != NULL && !kv_hash_eq(r.hash, *expect)) {
+        return KV_ECORRUPT;
+    }
+    if (XXH3_64bits(buf + KVD_DISK_REC_HDR, r.len) != psum) {
+        return KV_ECORRUPT;
+    }
+    *rec = r;
+    return KV_OK;
+}
+
+kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
+    if (buf == NULL) {
+        return KV_EINVAL;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    struct stat st;
+    if (fstat(atomic_load(&d->fd), &st) != 0) {
+        return KV_ESYS;
+    }
+    /* A slot the file does not reach is empty already; writing would only grow the file. */
+    if (off == 0 || off >= (uint64_t)st.st_size) {
+        return KV_OK;
+    }
+    memset(buf, 0, KVD_DISK_ALIGN);
+    size_t done = 0;
+    if (disk_io(d, 1, buf, KVD_DISK_ALIGN, off, &done) != 0) {
+        KV_LOG(ERROR, "KVD-TIER2-FILE", "%s: clearing slot %llu failed: %s", d->path,
+               (unsigned long long)slot, strerror(errno));
+        return KV_ESYS;
+    }
+    return KV_OK;
+}

@@ -1,0 +1,108 @@
+/* kvd_disk: the T2 tier's file of one pool (one (model, layout, domain)): fixed-size slots of
+ * block records, written and read with pwrite/pread so that several copy threads can use one
+ * file at once, with O_DIRECT where the file system takes it.
+ *
+ * File `<dir>/<name>`, created 0600 in a directory created 0700 (the caller makes one directory
+ * per domain). Layout: a 4096-byte header (magic "KVDTIER2", format version, slot_bytes,
+ * block_bytes, the pool key: model id, layout fields, domain name, hash seed; an XXH3-64 of the
+ * header), then slot i at byte 4096 + i * slot_bytes. slot_bytes = 64 + block_bytes rounded up
+ * to 4096, so every slot starts and ends on a 4096-byte boundary (O_DIRECT's alignment). A slot
+ * holds one record: a 64-byte header (magic, format, payload length, the block's chain hash,
+ * its parent's chain hash, a sequence number, XXH3-64 of the payload, XXH3-64 of the header)
+ * followed by the payload (the block's bytes as kvd_codec stored them), zero padded.
+ *
+ * The file survives a restart: kvd_disk_scan reads every slot header and reports the valid
+ * ones, so the daemon rebuilds its T2 entries. A file whose header is corrupt, truncated or of
+ * another pool key is never used: kvd_disk_open renames it aside (`<name>.bad`, replacing an
+ * older one) with a log line and starts a new file. A record whose header or payload fails a
+ * check is never returned (KV_ECORRUPT). Slot allocation is the caller's (the tier store on the
+ * loop thread); the file only grows to the slots written.
+ *
+ * Threads: open, scan and close on one thread with no read/write in flight; read, write and
+ * clear of distinct slots from any threads at once.
+ */
+#ifndef KVD_DISK_H
+#define KVD_DISK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+#include "common/kv_layout.h"
+
+#define KVD_DISK_ALIGN 4096u  /* header size, slot alignment, buffer alignment for O_DIRECT */
+#define KVD_DISK_REC_HDR 64u  /* bytes of a record header */
+#define KVD_DISK_KEY_MAX 256u /* model id and domain name: at most this many bytes each */
+
+typedef struct kvd_disk kvd_disk;
+
+/* What a file belongs to. Two keys match when every field is equal. */
+typedef struct kvd_disk_key {
+    char model[KVD_DISK_KEY_MAX + 1];  /* model id, NUL-terminated */
+    char domain[KVD_DISK_KEY_MAX + 1]; /* domain name, NUL-terminated */
+    kv_layout layout;                  /* shape (kv_layout_init'ed) */
+    kv_hash128 seed;                   /* the pool's hash seed (model and layout) */
+} kvd_disk_key;
+
+/* One record's header fields as the caller gives and gets them. */
+typedef struct kvd_disk_rec {
+    kv_hash128 hash;   /* the block's chain hash */
+    kv_hash128 parent; /* its parent's chain hash (zero for a first block) */
+    uint64_t seq;      /* caller's sequence number (newest wins when a hash is in two slots) */
+    uint32_t format;   /* kvd_tier_format of the payload */
+    uint32_t len;      /* payload bytes (at most the slot's payload room) */
+} kvd_disk_rec;
+
+/* Opens (or creates) file `name` in directory dir (created 0700 with its parents if missing;
+ * an existing directory is used as it is) for key. direct: try O_DIRECT first (falls back to
+ * buffered I/O where the file system refuses it; kvd_disk_direct tells). A file that exists with
+ * a bad or foreign header is renamed aside and replaced (log line KVD-TIER2-FILE). KV_ESYS
+ * (errno's text in msg) when the directory or file cannot be made or opened, KV_EINVAL for a bad
+ * key or name (containing '/'). msg (msglen bytes, may be NULL) gets a sentence on error. */
+kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, int direct,
+                     kvd_disk **out, char *msg, size_t msglen);
+
+/* Closes the file (nothing in flight). Accepts NULL. */
+void kvd_disk_close(kvd_disk *d);
+
+/* Bytes of one slot, and the most payload bytes a record may have (slot_bytes - 64). */
+uint64_t kvd_disk_slot_bytes(const kvd_disk *d);
+uint64_t kvd_disk_payload_max(const kvd_disk *d);
+
+/* 1 when the file is open with O_DIRECT. */
+int kvd_disk_direct(const kvd_disk *d);
+
+/* Slots the file holds now (its size past the header / slot_bytes, a partial last slot not
+ * counted). */
+uint64_t kvd_disk_slots(const kvd_disk *d);
+
+/* Reads every slot's header in slot order and calls fn for each valid record (magic and header
+ * checksum good, format known, len within the slot). *bad (may be NULL) gets the slots that hold
+ * something but failed a check (zeroed slots are empty, not bad). KV_ESYS on a read error. The
+ * payload checksum is not read here (that would read the whole file); kvd_disk_read checks it. */
+typedef void (*kvd_disk_scan_fn)(void *arg, uint64_t slot, const kvd_disk_rec *rec);
+kv_err kvd_disk_scan(kvd_disk *d, kvd_disk_scan_fn fn, void *arg, uint64_t *bad);
+
+/* Writes record rec with payload[0..rec->len) into slot (any slot number; the file grows).
+ * buf: caller scratch of kvd_disk_slot_bytes(d) bytes aligned to KVD_DISK_ALIGN (O_DIRECT needs
+ * it); payload may point into buf at offset KVD_DISK_REC_HDR to save a copy. KV_EINVAL for
+ * len > payload_max; KV_ESYS (ENOSPC, EIO...) with errno kept in *sys_errno (may be NULL).
+ * Any thread. */
+kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
+                      uint8_t *buf, int *sys_errno);
+
+/* Reads slot into buf (kvd_disk_slot_bytes(d) bytes, KVD_DISK_ALIGN-aligned) and checks it: the
+ * header's magic and checksum, its hash equal to *expect (when not NULL), and the payload's
+ * checksum. On success *rec gets the header and the payload is at buf + KVD_DISK_REC_HDR.
+ * KV_ECORRUPT for any failed check or a short read (a slot past the end), KV_ESYS for an I/O
+ * error. Any thread. */
+kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                     uint8_t *buf);
+
+/* Makes slot empty (zeroes its header on disk) so that a restart does not find it: a block that
+ * must never be served again (quarantined) or a slot given back. buf as for write. KV_ESYS.
+ * Any thread. */
+kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf);
+
+#endif

@@ -1,0 +1,710 @@
+/* Tests of kvd_disk: file and directory creation, slot round trips, scan after reopen, checksum
+ * and hash checks, clear, foreign and damaged files put aside, O_DIRECT and its fallback, and
+ * concurrent writers. Each test works in its own mkdtemp directory under /tmp. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <cmocka.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/kv_log.h"
+#include "daemon/tiers/codec.h"
+#include "daemon/tiers/disk.h"
+
+#define NAME "pool.t2"
+
+/* What the log sink saw. */
+static struct {
+    int file_warns;     /* WARN lines with id KVD-TIER2-FILE */
+    char last[1024];    /* the last of them */
+    pthread_mutex_t mu; /* the fallback line may come from a worker thread */
+} logs = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void log_sink(void *arg, kv_log_level level, const char *id, const char *msg) {
+    (void)arg;
+    pthread_mutex_lock(&logs.mu);
+    if (level == KV_LOG_WARN && strcmp(id, "KVD-TIER2-FILE") == 0) {
+        logs.file_warns++;
+        snprintf(logs.last, sizeof(logs.last), "%s", msg);
+    }
+    pthread_mutex_unlock(&logs.mu);
+    kv_log_stderr_sink(NULL, level, id, msg);
+}
+
+typedef struct fixture {
+    char root[64];  /* the mkdtemp directory */
+    char dir[128];  /* root/a/b/dom: missing at the start */
+    char path[192]; /* dir/NAME */
+    char bad[200];  /* path.bad */
+    char shm[64];   /* a mkdtemp directory on tmpfs, or "" */
+} fixture;
+
+static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(p);
+}
+
+static int setup(void **state) {
+    fixture *fx = calloc(1, sizeof(*fx));
+    if (fx == NULL) {
+        return -1;
+    }
+    snprintf(fx->root, sizeof(fx->root), "/tmp/kvd_disk_test.XXXXXX");
+    if (mkdtemp(fx->root) == NULL) {
+        free(fx);
+        return -1;
+    }
+    snprintf(fx->dir, sizeof(fx->dir), "%s/a/b/dom", fx->root);
+    snprintf(fx->path, sizeof(fx->path), "%s/%s", fx->dir, NAME);
+    snprintf(fx->bad, sizeof(fx->bad), "%s.bad", fx->path);
+    logs.file_warns = 0;
+    logs.last[0] = '\0';
+    *state = fx;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fixture *fx = *state;
+    nftw(fx->root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (fx->shm[0] != '\0') {
+        nftw(fx->shm, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    }
+    free(fx);
+    return 0;
+}
+
+static void key_make(kvd_disk_key *k, const char *model, const char *domain, uint32_t layers,
+                     uint32_t heads, uint32_t dim, kv_dtype dtype, uint64_t seed) {
+    memset(k, 0, sizeof(*k));
+    snprintf(k->model, sizeof(k->model), "%s", model);
+    snprintf(k->domain, sizeof(k->domain), "%s", domain);
+    assert_int_equal(kv_layout_init(layers, heads, dim, 16, dtype, KV_BLOCK_MAJOR, &k->layout),
+                     KV_OK);
+    k->seed.lo = seed;
+    k->seed.hi = ~seed;
+}
+
+/* 2 layers, 2 heads of 60 fp16: 15360-byte blocks, so slots of 16384 with some padding. */
+static void key_default(kvd_disk_key *k) {
+    key_make(k, "llama-test", "tenant-a", 2, 2, 60, KV_DTYPE_FP16, 0x1234);
+}
+
+static uint8_t *slot_buf(const kvd_disk *d) {
+    uint8_t *b = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(d));
+    assert_non_null(b);
+    return b;
+}
+
+static kv_hash128 hash_of(uint64_t k) {
+    kv_hash128 h = {k * 0x9E3779B97F4A7C15ull + 1, k ^ 0xABCDEFull};
+    return h;
+}
+
+static void fill_payload(uint8_t *p, size_t n, uint64_t seed) {
+    uint64_t s = seed * 2654435761u + 1;
+    for (size_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (uint8_t)(s >> 56);
+    }
+}
+
+static kvd_disk_rec rec_of(uint64_t k, uint32_t len) {
+    kvd_disk_rec r;
+    memset(&r, 0, sizeof(r));
+    r.hash = hash_of(k);
+    r.parent = k == 0 ? (kv_hash128){0, 0} : hash_of(k - 1);
+    r.seq = 1000 + k;
+    r.format = (uint32_t)(k % KVD_TF_COUNT);
+    r.len = len;
+    return r;
+}
+
+static void write_rec(kvd_disk *d, uint64_t slot, uint64_t k, uint32_t len) {
+    uint8_t *buf = slot_buf(d);
+    uint8_t *payload = malloc(len + 1);
+    assert_non_null(payload);
+    fill_payload(payload, len, k);
+    kvd_disk_rec r = rec_of(k, len);
+    int e = 0;
+    assert_int_equal(kvd_disk_write(d, slot, &r, payload, buf, &e), KV_OK);
+    free(payload);
+    free(buf);
+}
+
+static void check_rec(const kvd_disk_rec *got, uint64_t k, uint32_t len) {
+    kvd_disk_rec want = rec_of(k, len);
+    assert_true(kv_hash_eq(got->hash, want.hash));
+    assert_true(kv_hash_eq(got->parent, want.parent));
+    assert_int_equal(got->seq, want.seq);
+    assert_int_equal(got->format, want.format);
+    assert_int_equal(got->len, want.len);
+}
+
+static void read_check(kvd_disk *d, uint64_t slot, uint64_t k, uint32_t len) {
+    uint8_t *buf = slot_buf(d);
+    uint8_t *want = malloc(len + 1);
+    assert_non_null(want);
+    fill_payload(want, len, k);
+    kvd_disk_rec got;
+    kv_hash128 h = hash_of(k);
+    assert_int_equal(kvd_disk_read(d, slot, &h, &got, buf), KV_OK);
+    check_rec(&got, k, len);
+    assert_memory_equal(buf + KVD_DISK_REC_HDR, want, len);
+    for (uint64_t i = KVD_DISK_REC_HDR + len; i < kvd_disk_slot_bytes(d); i++) {
+        assert_int_equal(buf[i], 0);
+    }
+    free(want);
+    free(buf);
+}
+
+static kv_err read_slot(kvd_disk *d, uint64_t slot, const kv_hash128 *expect) {
+    uint8_t *buf = slot_buf(d);
+    kvd_disk_rec got;
+    kv_err rc = kvd_disk_read(d, slot, expect, &got, buf);
+    free(buf);
+    return rc;
+}
+
+/* Records scan reported, by slot. */
+typedef struct scan_log {
+    int n;
+    uint64_t slot[64];
+    kvd_disk_rec rec[64];
+} scan_log;
+
+static void scan_cb(void *arg, uint64_t slot, const kvd_disk_rec *rec) {
+    scan_log *s = arg;
+    assert_true(s->n < 64);
+    s->slot[s->n] = slot;
+    s->rec[s->n] = *rec;
+    s->n++;
+}
+
+static void do_scan(kvd_disk *d, scan_log *s, uint64_t *bad) {
+    memset(s, 0, sizeof(*s));
+    *bad = 12345;
+    assert_int_equal(kvd_disk_scan(d, scan_cb, s, bad), KV_OK);
+    for (int i = 1; i < s->n; i++) {
+        assert_true(s->slot[i - 1] < s->slot[i]); /* slot order */
+    }
+}
+
+static kvd_disk *open_ok(const fixture *fx, const kvd_disk_key *k, int direct) {
+    kvd_disk *d = NULL;
+    char msg[256] = "";
+    kv_err rc = kvd_disk_open(fx->dir, NAME, k, direct, &d, msg, sizeof(msg));
+    if (rc != KV_OK) {
+        fail_msg("kvd_disk_open: %s: %s", kv_strerror(rc), msg);
+    }
+    assert_non_null(d);
+    return d;
+}
+
+static off_t file_size(const char *p) {
+    struct stat st;
+    if (stat(p, &st) != 0) {
+        return -1;
+    }
+    return st.st_size;
+}
+
+/* Flips one byte of the file at off (the disk is closed meanwhile). */
+static void flip_byte(const char *path, off_t off) {
+    int fd = open(path, O_RDWR);
+    assert_true(fd >= 0);
+    uint8_t b;
+    assert_int_equal(pread(fd, &b, 1, off), 1);
+    b ^= 0x40;
+    assert_int_equal(pwrite(fd, &b, 1, off), 1);
+    close(fd);
+}
+
+static void test_open_creates(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 0);
+    const char *parts[] = {"a", "a/b", "a/b/dom"};
+    for (int i = 0; i < 3; i++) {
+        char p[256];
+        snprintf(p, sizeof(p), "%s/%s", fx->root, parts[i]);
+        struct stat st;
+        assert_int_equal(stat(p, &st), 0);
+        assert_true(S_ISDIR(st.st_mode));
+        assert_int_equal(st.st_mode & 0777, 0700);
+    }
+    struct stat st;
+    assert_int_equal(stat(fx->path, &st), 0);
+    assert_true(S_ISREG(st.st_mode));
+    assert_int_equal(st.st_mode & 0777, 0600);
+    assert_int_equal(st.st_size, KVD_DISK_ALIGN);
+    assert_int_equal(kvd_disk_slot_bytes(d), 16384);
+    assert_int_equal(kvd_disk_payload_max(d), 16384 - KVD_DISK_REC_HDR);
+    assert_int_equal(kvd_disk_slots(d), 0);
+    assert_int_equal(kvd_disk_direct(d), 0);
+    kvd_disk_close(d);
+    kvd_disk_close(NULL);
+    /* An existing directory is used as it is, and the file opens again untouched. */
+    assert_int_equal(chmod(fx->dir, 0750), 0);
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(stat(fx->dir, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0750);
+    assert_int_equal(logs.file_warns, 0);
+    assert_int_equal(file_size(fx->bad), -1);
+    kvd_disk_close(d);
+}
+
+static void test_open_bad_args(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = (kvd_disk *)0x1;
+    char msg[256];
+    const char *names[] = {"", "x/y", ".", "..", "/abs"};
+    for (int i = 0; i < 5; i++) {
+        msg[0] = '\0';
+        assert_int_equal(kvd_disk_open(fx->dir, names[i], &k, 0, &d, msg, sizeof(msg)), KV_EINVAL);
+        assert_true(msg[0] != '\0');
+    }
+    kvd_disk_key bad = k;
+    bad.model[0] = '\0';
+    assert_int_equal(kvd_disk_open(fx->dir, NAME, &bad, 0, &d, msg, sizeof(msg)), KV_EINVAL);
+    bad = k;
+    memset(bad.domain, 'x', sizeof(bad.domain)); /* no NUL */
+    assert_int_equal(kvd_disk_open(fx->dir, NAME, &bad, 0, &d, NULL, 0), KV_EINVAL);
+    bad = k;
+    bad.layout.num_layers = 0;
+    assert_int_equal(kvd_disk_open(fx->dir, NAME, &bad, 0, &d, msg, sizeof(msg)), KV_EINVAL);
+    bad = k;
+    bad.layout.block_bytes++; /* not what kv_layout_init derives */
+    assert_int_equal(kvd_disk_open(fx->dir, NAME, &bad, 0, &d, msg, sizeof(msg)), KV_EINVAL);
+    assert_int_equal(kvd_disk_open(NULL, NAME, &k, 0, &d, msg, sizeof(msg)), KV_EINVAL);
+    assert_true(d == (kvd_disk *)0x1);
+    /* Nothing was created by the refusals. */
+    assert_int_equal(file_size(fx->dir), -1);
+    /* A directory path through a regular file cannot be made. */
+    char f[128], sub[160];
+    snprintf(f, sizeof(f), "%s/plain", fx->root);
+    int fd = open(f, O_CREAT | O_WRONLY, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+    snprintf(sub, sizeof(sub), "%s/sub", f);
+    msg[0] = '\0';
+    assert_int_equal(kvd_disk_open(sub, NAME, &k, 0, &d, msg, sizeof(msg)), KV_ESYS);
+    assert_non_null(strstr(msg, f));
+    assert_non_null(strstr(msg, strerror(ENOTDIR)));
+    assert_int_equal(kvd_disk_open(f, NAME, &k, 0, &d, msg, sizeof(msg)), KV_ESYS);
+    assert_true(d == (kvd_disk *)0x1);
+}
+
+static const struct {
+    uint64_t slot, k;
+    uint32_t len;
+} recs[] = {{5, 50, 1000}, {0, 0, 16320}, {3, 30, 0}, {9, 90, 4033}, {7, 70, 4096 - 64}};
+#define NRECS (sizeof(recs) / sizeof(recs[0]))
+
+static void test_round_trip_and_scan(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 0);
+    for (size_t i = 0; i < NRECS; i++) {
+        write_rec(d, recs[i].slot, recs[i].k, recs[i].len);
+    }
+    assert_int_equal(kvd_disk_slots(d), 10);
+    assert_int_equal(file_size(fx->path), 4096 + 10 * 16384);
+    for (size_t i = NRECS; i-- > 0;) {
+        read_check(d, recs[i].slot, recs[i].k, recs[i].len);
+    }
+    /* The payload may already sit at buf + 64: no copy, same record. */
+    uint8_t *buf = slot_buf(d);
+    memset(buf, 0xEE, kvd_disk_slot_bytes(d));
+    fill_payload(buf + KVD_DISK_REC_HDR, 2000, 110);
+    kvd_disk_rec r = rec_of(110, 2000);
+    assert_int_equal(kvd_disk_write(d, 11, &r, buf + KVD_DISK_REC_HDR, buf, NULL), KV_OK);
+    read_check(d, 11, 110, 2000);
+    /* Refusals: too long, unknown format. */
+    r = rec_of(120, (uint32_t)kvd_disk_payload_max(d) + 1);
+    int e = 0;
+    assert_int_equal(kvd_disk_write(d, 12, &r, buf, buf, &e), KV_EINVAL);
+    r = rec_of(120, 10);
+    r.format = KVD_TF_COUNT;
+    assert_int_equal(kvd_disk_write(d, 12, &r, buf, buf, &e), KV_EINVAL);
+    free(buf);
+    /* Holes read as empty, i.e. not a record; past the end is a short read. */
+    assert_int_equal(read_slot(d, 1, NULL), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 12, NULL), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 1000, NULL), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, UINT64_MAX, NULL), KV_ECORRUPT);
+    kvd_disk_close(d);
+
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 0);
+    assert_int_equal(kvd_disk_slots(d), 12);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(bad, 0);
+    assert_int_equal(s.n, NRECS + 1);
+    /* Slot order 0, 3, 5, 7, 9, 11. */
+    const size_t order[] = {1, 2, 0, 4, 3};
+    for (size_t i = 0; i < NRECS; i++) {
+        assert_int_equal(s.slot[i], recs[order[i]].slot);
+        check_rec(&s.rec[i], recs[order[i]].k, recs[order[i]].len);
+    }
+    assert_int_equal(s.slot[NRECS], 11);
+    check_rec(&s.rec[NRECS], 110, 2000);
+    for (size_t i = 0; i < NRECS; i++) {
+        read_check(d, recs[i].slot, recs[i].k, recs[i].len);
+    }
+    /* fn may be NULL (just count), bad may be NULL. */
+    assert_int_equal(kvd_disk_scan(d, NULL, NULL, &bad), KV_OK);
+    assert_int_equal(bad, 0);
+    assert_int_equal(kvd_disk_scan(d, scan_cb, &s, NULL), KV_OK);
+    kvd_disk_close(d);
+}
+
+static void test_corruption_and_clear(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 0);
+    for (uint64_t i = 0; i < 4; i++) {
+        write_rec(d, i, 10 + i, 3000);
+    }
+    kvd_disk_close(d);
+    off_t s0 = 4096, s1 = 4096 + 16384;
+    flip_byte(fx->path, s0 + KVD_DISK_REC_HDR + 1234); /* slot 0's payload */
+    flip_byte(fx->path, s1 + 40);                      /* slot 1's seq */
+    d = open_ok(fx, &k, 0);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(bad, 1);
+    assert_int_equal(s.n, 3);
+    assert_int_equal(s.slot[0], 0); /* its header is fine: scan does not check payloads */
+    check_rec(&s.rec[0], 10, 3000);
+    assert_int_equal(s.slot[1], 2);
+    assert_int_equal(s.slot[2], 3);
+    kv_hash128 h0 = hash_of(10), h1 = hash_of(11), h2 = hash_of(12);
+    assert_int_equal(read_slot(d, 0, &h0), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 0, NULL), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 1, &h1), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 1, NULL), KV_ECORRUPT);
+    read_check(d, 2, 12, 3000);
+    assert_int_equal(read_slot(d, 2, &h1), KV_ECORRUPT); /* another block's hash */
+    kv_hash128 near = h2;
+    near.hi ^= 1;
+    assert_int_equal(read_slot(d, 2, &near), KV_ECORRUPT);
+    assert_int_equal(read_slot(d, 2, NULL), KV_OK);
+
+    uint8_t *buf = slot_buf(d);
+    assert_int_equal(kvd_disk_clear(d, 2, buf), KV_OK);
+    assert_int_equal(kvd_disk_clear(d, 1, buf), KV_OK); /* a bad slot becomes empty */
+    off_t size = file_size(fx->path);
+    assert_int_equal(kvd_disk_clear(d, 100, buf), KV_OK); /* past the end: already empty */
+    assert_int_equal(kvd_disk_clear(d, UINT64_MAX, buf), KV_OK);
+    assert_int_equal(file_size(fx->path), size);
+    free(buf);
+    assert_int_equal(read_slot(d, 2, &h2), KV_ECORRUPT);
+    do_scan(d, &s, &bad);
+    assert_int_equal(bad, 0);
+    assert_int_equal(s.n, 2);
+    assert_int_equal(s.slot[0], 0);
+    assert_int_equal(s.slot[1], 3);
+    kvd_disk_close(d);
+    /* Still so after a restart. */
+    d = open_ok(fx, &k, 0);
+    do_scan(d, &s, &bad);
+    assert_int_equal(bad, 0);
+    assert_int_equal(s.n, 2);
+    read_check(d, 3, 13, 3000);
+    kvd_disk_close(d);
+    assert_int_equal(logs.file_warns, 0);
+}
+
+/* Another key: the file goes aside as .bad (the newest replacing the older) and a new one starts
+ * empty; the same key opens it again without a rename. */
+static void test_foreign_key_renamed(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key keys[6];
+    key_default(&keys[0]);
+    key_make(&keys[1], "llama-test", "tenant-b", 2, 2, 60, KV_DTYPE_FP16, 0x1234);
+    key_make(&keys[2], "llama-test", "tenant-b", 3, 2, 60, KV_DTYPE_FP16, 0x1234);
+    key_make(&keys[3], "llama-test", "tenant-b", 3, 2, 60, KV_DTYPE_BF16, 0x1234);
+    key_make(&keys[4], "llama-test", "tenant-b", 3, 2, 60, KV_DTYPE_BF16, 0x1235);
+    key_make(&keys[5], "llama-other", "tenant-b", 3, 2, 60, KV_DTYPE_BF16, 0x1235);
+    off_t prev_size = 0;
+    for (int i = 0; i < 6; i++) {
+        kvd_disk *d = open_ok(fx, &keys[i], 0);
+        assert_int_equal(logs.file_warns, i);
+        if (i > 0) {
+            assert_non_null(strstr(logs.last, fx->path));
+            assert_non_null(strstr(logs.last, ".bad"));
+            assert_int_equal(file_size(fx->bad), prev_size); /* the file of key i-1 */
+        }
+        scan_log s;
+        uint64_t bad;
+        do_scan(d, &s, &bad);
+        assert_int_equal(s.n, 0);
+        assert_int_equal(bad, 0);
+        assert_int_equal(kvd_disk_slots(d), 0);
+        /* i + 1 records, so each generation of the file has its own size. */
+        for (int j = 0; j <= i; j++) {
+            write_rec(d, (uint64_t)j, (uint64_t)j, 100);
+        }
+        kvd_disk_close(d);
+        prev_size = file_size(fx->path);
+        d = open_ok(fx, &keys[i], 0);
+        assert_int_equal(logs.file_warns, i);
+        do_scan(d, &s, &bad);
+        assert_int_equal(s.n, i + 1);
+        kvd_disk_close(d);
+    }
+    assert_non_null(strstr(logs.last, "model id differs"));
+    struct stat st;
+    assert_int_equal(stat(fx->bad, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0600);
+}
+
+static void write_file(const char *path, const void *p, size_t n) {
+    int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, p, n), (ssize_t)n);
+    close(fd);
+}
+
+static void test_damaged_header_renamed(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 0); /* makes the directory */
+    write_rec(d, 0, 1, 100);
+    kvd_disk_close(d);
+    uint8_t good[4096];
+    int fd = open(fx->path, O_RDONLY);
+    assert_true(fd >= 0);
+    assert_int_equal(read(fd, good, sizeof(good)), 4096);
+    close(fd);
+
+    /* Truncated inside the header. */
+    write_file(fx->path, good, 100);
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 1);
+    assert_non_null(strstr(logs.last, "truncated"));
+    assert_int_equal(file_size(fx->bad), 100);
+    assert_int_equal(file_size(fx->path), 4096);
+    kvd_disk_close(d);
+
+    /* One flipped byte in the model name: the checksum catches it. */
+    uint8_t h[4096];
+    memcpy(h, good, sizeof(h));
+    h[81] ^= 1;
+    write_file(fx->path, h, sizeof(h));
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 2);
+    assert_non_null(strstr(logs.last, "checksum"));
+    kvd_disk_close(d);
+
+    /* Not ours at all. */
+    memset(h, 'z', sizeof(h));
+    write_file(fx->path, h, sizeof(h));
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 3);
+    assert_non_null(strstr(logs.last, "magic"));
+    kvd_disk_close(d);
+
+    /* An empty file (a crash before the header was written) is simply started. */
+    write_file(fx->path, h, 0);
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 3);
+    assert_int_equal(file_size(fx->path), 4096);
+    kvd_disk_close(d);
+
+    /* The good header again, with a truncated last slot: the partial slot is not counted. */
+    write_file(fx->path, good, sizeof(good));
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(logs.file_warns, 3);
+    write_rec(d, 0, 1, 100);
+    write_rec(d, 1, 2, 100);
+    kvd_disk_close(d);
+    assert_int_equal(truncate(fx->path, 4096 + 16384 + 8192), 0);
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(kvd_disk_slots(d), 1);
+    read_check(d, 0, 1, 100);
+    assert_int_equal(read_slot(d, 1, NULL), KV_ECORRUPT);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(s.n, 1);
+    kvd_disk_close(d);
+}
+
+/* direct = 1 on dir: works whether the file system takes O_DIRECT or not. */
+static void direct_round_trip(const char *dir, const char *what) {
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = NULL;
+    char msg[256] = "";
+    kv_err rc = kvd_disk_open(dir, NAME, &k, 1, &d, msg, sizeof(msg));
+    if (rc != KV_OK) {
+        fail_msg("kvd_disk_open(%s): %s", dir, msg);
+    }
+    int at_open = kvd_disk_direct(d);
+    for (uint64_t i = 0; i < 6; i++) {
+        write_rec(d, 5 - i, i, (uint32_t)(500 * i + 1));
+    }
+    for (uint64_t i = 0; i < 6; i++) {
+        read_check(d, 5 - i, i, (uint32_t)(500 * i + 1));
+    }
+    print_message("O_DIRECT on %s (%s): %s at open, %s after I/O\n", what, dir,
+                  at_open ? "on" : "off", kvd_disk_direct(d) ? "on" : "off");
+    kvd_disk_close(d);
+    d = NULL;
+    assert_int_equal(kvd_disk_open(dir, NAME, &k, 1, &d, msg, sizeof(msg)), KV_OK);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(s.n, 6);
+    assert_int_equal(bad, 0);
+    if (kvd_disk_direct(d)) {
+        /* A buffer O_DIRECT cannot take makes the kernel say EINVAL (where O_DIRECT has
+         * alignment rules: ext4, xfs; tmpfs has none): the file falls back to buffered I/O for
+         * good and the write still lands. */
+        uint8_t *raw = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(d) + KVD_DISK_ALIGN);
+        assert_non_null(raw);
+        uint8_t *odd = raw + 1;
+        fill_payload(odd + KVD_DISK_REC_HDR, 700, 77);
+        kvd_disk_rec r = rec_of(77, 700);
+        assert_int_equal(kvd_disk_write(d, 6, &r, odd + KVD_DISK_REC_HDR, odd, NULL), KV_OK);
+        read_check(d, 6, 77, 700);
+        print_message("O_DIRECT on %s: misaligned buffer %s\n", what,
+                      kvd_disk_direct(d) ? "accepted (no fallback needed)"
+                                         : "refused, fell back to buffered I/O");
+        free(raw);
+    }
+    kvd_disk_close(d);
+}
+
+static void test_direct(void **state) {
+    fixture *fx = *state;
+    direct_round_trip(fx->dir, "/tmp");
+    struct stat st;
+    if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode)) {
+        snprintf(fx->shm, sizeof(fx->shm), "/dev/shm/kvd_disk_test.XXXXXX");
+        if (mkdtemp(fx->shm) != NULL) {
+            char dir[96];
+            snprintf(dir, sizeof(dir), "%s/dom", fx->shm);
+            direct_round_trip(dir, "tmpfs");
+        } else {
+            fx->shm[0] = '\0';
+        }
+    }
+}
+
+#define NTHREADS 4
+#define PER_THREAD 16
+
+typedef struct worker {
+    kvd_disk *d;
+    int t;
+    int failures; /* checks that failed (cmocka asserts are not for worker threads) */
+} worker;
+
+static void *worker_main(void *arg) {
+    worker *w = arg;
+    uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(w->d));
+    uint8_t *want = malloc(kvd_disk_slot_bytes(w->d));
+    if (buf == NULL || want == NULL) {
+        w->failures++;
+        goto done;
+    }
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < PER_THREAD; i++) {
+            uint64_t slot = (uint64_t)(w->t + NTHREADS * i);
+            uint64_t k = slot * 7 + (uint64_t)round;
+            uint32_t len = (uint32_t)(100 + slot * 211 % 16000);
+            fill_payload(buf + KVD_DISK_REC_HDR, len, k);
+            kvd_disk_rec r = rec_of(k, len);
+            int e = 0;
+            if (kvd_disk_write(w->d, slot, &r, buf + KVD_DISK_REC_HDR, buf, &e) != KV_OK) {
+                w->failures++;
+            }
+        }
+        for (int i = 0; i < PER_THREAD; i++) {
+            uint64_t slot = (uint64_t)(w->t + NTHREADS * i);
+            uint64_t k = slot * 7 + (uint64_t)round;
+            uint32_t len = (uint32_t)(100 + slot * 211 % 16000);
+            kv_hash128 h = hash_of(k);
+            kvd_disk_rec got;
+            fill_payload(want, len, k);
+            if (kvd_disk_read(w->d, slot, &h, &got, buf) != KV_OK || got.len != len ||
+                got.seq != 1000 + k || memcmp(buf + KVD_DISK_REC_HDR, want, len) != 0) {
+                w->failures++;
+            }
+        }
+    }
+done:
+    free(buf);
+    free(want);
+    return NULL;
+}
+
+static void test_threads(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    worker w[NTHREADS];
+    pthread_t th[NTHREADS];
+    for (int t = 0; t < NTHREADS; t++) {
+        w[t] = (worker){.d = d, .t = t, .failures = 0};
+        assert_int_equal(pthread_create(&th[t], NULL, worker_main, &w[t]), 0);
+    }
+    for (int t = 0; t < NTHREADS; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        assert_int_equal(w[t].failures, 0);
+    }
+    kvd_disk_close(d);
+    d = open_ok(fx, &k, 0);
+    assert_int_equal(kvd_disk_slots(d), NTHREADS * PER_THREAD);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(bad, 0);
+    assert_int_equal(s.n, NTHREADS * PER_THREAD);
+    for (int i = 0; i < s.n; i++) {
+        assert_int_equal(s.slot[i], (uint64_t)i);
+        assert_int_equal(s.rec[i].seq, 1000 + (uint64_t)i * 7 + 1);
+    }
+    kvd_disk_close(d);
+}
+
+int main(void) {
+    umask(022);
+    kv_log_set_sink(log_sink, NULL);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_open_creates, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_open_bad_args, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_round_trip_and_scan, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_corruption_and_clear, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_foreign_key_renamed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_damaged_header_renamed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_direct, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_threads, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,120 @@
+/* kvd_tstore: the lower-tier entries of one pool (one (model, layout, domain)): which block
+ * hashes have a copy in T1 (host memory the daemon owns) and in T2 (a slot of the pool's disk
+ * file), in which format, and the order each tier evicts them in.
+ *
+ * Entries live in one array with a free list and a chained hash table keyed by the block's
+ * chain hash; each tier keeps an intrusive LRU list of its present entries (a Lookup or Fetch
+ * that finds an entry makes it newest). An entry is copied to or from by copy threads only while
+ * it is busy (a count the tiers layer raises before it hands the entry's bytes to a job and drops
+ * when the job is back on the loop thread); eviction never takes a busy entry. Sizes are
+ * counted here; what the budgets allow is the caller's decision. The domain is the pool's, so a
+ * store never holds two domains' blocks.
+ *
+ * Loop thread only; the bytes of a present T1 entry are immutable until it leaves T1, so a job
+ * may read them while the entry is busy.
+ */
+#ifndef KVD_TSTORE_H
+#define KVD_TSTORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+
+#define KVD_TNONE UINT32_MAX /* "no entry" */
+
+typedef struct kvd_tentry {
+    kv_hash128 hash;   /* the block's chain hash */
+    kv_hash128 parent; /* its parent's chain hash (zero for a first block or unknown) */
+    uint8_t *t1;       /* T1: the block's bytes in format fmt1 (malloc'd), NULL when absent */
+    uint64_t len1;     /* bytes at t1 */
+    uint64_t slot2;    /* T2: slot of the pool's file, valid when in2 */
+    uint64_t len2;     /* T2: payload bytes of that slot */
+    uint64_t seq;      /* T2: record sequence number (newest wins at a restart) */
+    uint32_t busy;     /* copy jobs using the entry now */
+    uint32_t hits;     /* lookups and fetches that found it (saturating) */
+    uint8_t fmt1;      /* kvd_tier_format of t1 */
+    uint8_t fmt2;      /* kvd_tier_format of the T2 record */
+    uint8_t in2;       /* a valid record of it is in slot2 */
+    uint8_t pending;   /* a copy into T1 or T2 is in flight (KVD_TPEND_* bits) */
+    uint8_t doomed;    /* must go when no longer busy (quarantined) */
+    uint8_t used;      /* the record is an entry (not on the free list) */
+    uint32_t hnext;    /* hash chain */
+    uint32_t prev[2];  /* LRU links, per tier (index 0: T1, 1: T2) */
+    uint32_t next[2];
+} kvd_tentry;
+
+#define KVD_TPEND_T1 0x01u /* a copy into T1 is in flight */
+#define KVD_TPEND_T2 0x02u /* a write into T2 is in flight */
+
+typedef struct kvd_tstore {
+    kvd_tentry *e;      /* [cap] entries */
+    uint32_t cap, n;    /* entries allocated, entries used */
+    uint32_t free_head; /* free list through hnext */
+    uint32_t *buckets;  /* [nbuckets] heads of hash chains */
+    uint32_t nbuckets;  /* a power of two */
+    uint32_t head[2];   /* oldest present entry per tier */
+    uint32_t tail[2];   /* newest */
+    uint64_t count[2];  /* present entries per tier */
+    uint64_t bytes[2];  /* bytes per tier (T1: len1 summed; T2: slots * slot size) */
+    uint64_t *free2;    /* T2 slots given back, reused first */
+    uint64_t nfree2, free2_cap;
+    uint64_t next_slot2; /* next never-used T2 slot */
+} kvd_tstore;
+
+/* Zeroed storage is an empty store; init says so. fini frees every T1 buffer and the store's
+ * arrays (nothing may be busy). Both accept zeroed memory. */
+void kvd_tstore_init(kvd_tstore *s);
+void kvd_tstore_fini(kvd_tstore *s);
+
+/* The entry of hash h, or KVD_TNONE. O(1) expected. */
+uint32_t kvd_tstore_find(const kvd_tstore *s, kv_hash128 h);
+
+/* The entry of h, made (absent from both tiers) when there is none. KV_ENOMEM. */
+kv_err kvd_tstore_get(kvd_tstore *s, kv_hash128 h, kv_hash128 parent, uint32_t *out);
+
+/* The entry's record (valid until the next call that may make an entry). */
+static inline kvd_tentry *kvd_tstore_at(kvd_tstore *s, uint32_t i) {
+    return &s->e[i];
+}
+
+/* 1 when the entry has a copy in tier (1 or 2). */
+int kvd_tstore_in(const kvd_tstore *s, uint32_t i, int tier);
+
+/* Puts bytes (format fmt, len bytes; the store takes ownership of the malloc'd buffer) into T1
+ * as the newest entry there. The entry must not be in T1 already. */
+void kvd_tstore_set1(kvd_tstore *s, uint32_t i, uint8_t *bytes, uint64_t len, uint8_t fmt);
+
+/* Records that T2 slot `slot` (slot_bytes on disk) holds the entry (payload len, format fmt,
+ * sequence seq), as the newest entry there. The entry must not be in T2 already. */
+void kvd_tstore_set2(kvd_tstore *s, uint32_t i, uint64_t slot, uint64_t len, uint8_t fmt,
+                     uint64_t seq, uint64_t slot_bytes);
+
+/* Takes the entry out of tier (1: frees its bytes; 2: gives its slot back, slot_bytes
+ * uncounted). An entry in neither tier, not busy and not pending, is freed (its index may be
+ * reused). The entry must not be busy. */
+void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes);
+
+/* Takes the entry out of T2 without giving its slot back (the caller zeroes the slot first and
+ * then gives it back with kvd_tstore_slot2_back); returns the slot. The entry must be in T2 and
+ * not busy. Frees the entry when it is then in neither tier and not pending. */
+uint64_t kvd_tstore_unlink2(kvd_tstore *s, uint32_t i, uint64_t slot_bytes);
+
+/* Frees an entry in neither tier that is not busy or pending (a copy that failed). */
+void kvd_tstore_forget(kvd_tstore *s, uint32_t i);
+
+/* Makes a present entry the newest of each tier it is in and counts a hit. */
+void kvd_tstore_touch(kvd_tstore *s, uint32_t i);
+
+/* The oldest entry of tier that is not busy, or KVD_TNONE. Walks past busy ones (few: copies in
+ * flight). */
+uint32_t kvd_tstore_oldest(const kvd_tstore *s, int tier);
+
+/* A T2 slot for a new record: one given back, else the next never used. KV_ENOMEM. */
+kv_err kvd_tstore_slot2(kvd_tstore *s, uint64_t *slot);
+
+/* Gives a T2 slot that was taken but never recorded (a write that failed) back. */
+void kvd_tstore_slot2_back(kvd_tstore *s, uint64_t slot);
+
+#endif

@@ -1,0 +1,1474 @@
+/* kvd_tiers: demotion, promotion and their copy jobs (see tiers.h).
+ *
+ * Per pool a tier_pool holds the entry store (daemon/tiers/store.h) and the T2 file. A job is
+ * one block's move in one direction; its work function touches only what the job owns or what
+ * a lease or a busy count keeps alive (T0 runs of a leased or WRITING block, the bytes of a busy
+ * T1 entry, one slot of the file), and its completion, on the loop thread, applies the result.
+ * A T0 block's bytes are gathered into (or scattered from) one contiguous image: for
+ * BLOCK_MAJOR its one run; for LAYER_MAJOR each (layer, K|V) run followed by its scales, in
+ * layer order, K before V (the order verify-blocks sums them in).
+ */
+#include "daemon/tiers/tiers.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include <xxhash.h>
+
+#include "common/kv_layout.h"
+#include "common/kv_log.h"
+#include "daemon/tiers/codec.h"
+#include "daemon/tiers/disk.h"
+#include "daemon/tiers/store.h"
+
+enum {
+    TS_T1_BYTES,
+    TS_T1_BLOCKS,
+    TS_T1_CAP,
+    TS_T2_BYTES,
+    TS_T2_BLOCKS,
+    TS_T2_CAP,
+    TS_HITS_T1,
+    TS_HITS_T2,
+    TS_DEMOTE_T1,
+    TS_DEMOTE_T2,
+    TS_DIRTY_DROPS,
+    TS_DROPS_T1,
+    TS_DROPS_T2,
+    TS_PROMOTE_T1,
+    TS_PROMOTE_T2,
+    TS_FETCHES,
+    TS_FETCH_SHORT,
+    TS_FETCH_SHARED,
+    TS_CORRUPT_T2,
+    TS_WERR_T2,
+    TS_COPY_BYTES_DOWN1,
+    TS_COPY_NS_DOWN1,
+    TS_COPY_BYTES_DOWN2,
+    TS_COPY_NS_DOWN2,
+    TS_COPY_BYTES_UP1,
+    TS_COPY_NS_UP1,
+    TS_COPY_BYTES_UP2,
+    TS_COPY_NS_UP2,
+    TS_JOBS,
+    TS_COUNT
+};
+
+static const kv_stat_desc tier_stats[TS_COUNT] = {
+    [TS_T1_BYTES] = {"tier1_bytes", "gauge", "bytes", "bytes of blocks held in tier 1",
+                     "kvd_tier_bytes", "Bytes held per lower tier.", "tier", "1"},
+    [TS_T1_BLOCKS] = {"tier1_blocks", "gauge", "blocks", "blocks held in tier 1", "kvd_tier_blocks",
+                      "Blocks held per lower tier.", "tier", "1"},
+    [TS_T1_CAP] = {"tier1_capacity", "gauge", "bytes", "tier-1 budget (tier1-memory)", NULL, NULL,
+                   NULL, NULL},
+    [TS_T2_BYTES] = {"tier2_bytes", "gauge", "bytes", "bytes of tier-2 slots in use",
+                     "kvd_tier_bytes", NULL, "tier", "2"},
+    [TS_T2_BLOCKS] = {"tier2_blocks", "gauge", "blocks", "blocks held in tier 2", "kvd_tier_blocks",
+                      NULL, "tier", "2"},
+    [TS_T2_CAP] = {"tier2_capacity", "gauge", "bytes", "tier-2 budget (tier2-bytes; 0 when off)",
+                   NULL, NULL, NULL, NULL},
+    [TS_HITS_T1] = {"tier_hits_t1", "counter", "blocks",
+                    "Lookup/Fetch positions past the T0 hits found in tier 1",
+                    "kvd_tier_hits_total", "Prefix positions found below T0, per tier.", "tier",
+                    "1"},
+    [TS_HITS_T2] = {"tier_hits_t2", "counter", "blocks",
+                    "positions past the T0 hits found only in tier 2", "kvd_tier_hits_total", NULL,
+                    "tier", "2"},
+    [TS_DEMOTE_T1] = {"demotions_t1", "counter", "blocks", "block copies that landed in tier 1",
+                      "kvd_tier_demotions_total", "Block copies that landed in a lower tier.",
+                      "tier", "1"},
+    [TS_DEMOTE_T2] = {"demotions_t2", "counter", "blocks", "block records written to tier 2",
+                      "kvd_tier_demotions_total", NULL, "tier", "2"},
+    [TS_DIRTY_DROPS] = {"dirty_drops", "counter", "blocks",
+                        "T0 evictions of blocks no lower tier had a copy of (lost)",
+                        "kvd_tier_dirty_drops_total", "T0 evictions without a lower-tier copy.",
+                        NULL, NULL},
+    [TS_DROPS_T1] = {"drops_t1", "counter", "blocks", "blocks that left tier 1 for room",
+                     "kvd_tier_drops_total", "Blocks a lower tier let go for room.", "tier", "1"},
+    [TS_DROPS_T2] = {"drops_t2", "counter", "blocks", "blocks that left tier 2 for room",
+                     "kvd_tier_drops_total", NULL, "tier", "2"},
+    [TS_PROMOTE_T1] = {"promotions_t1", "counter", "blocks", "blocks a Fetch copied up from tier 1",
+                       "kvd_tier_promotions_total", "Blocks a Fetch copied up into T0.", "tier",
+                       "1"},
+    [TS_PROMOTE_T2] = {"promotions_t2", "counter", "blocks", "blocks a Fetch copied up from tier 2",
+                       "kvd_tier_promotions_total", NULL, "tier", "2"},
+    [TS_FETCHES] = {"fetches", "counter", "requests", "Fetch requests that copied something",
+                    "kvd_tier_fetches_total", "Fetch requests that copied something.", NULL, NULL},
+    [TS_FETCH_SHORT] = {"fetches_short", "counter", "requests",
+                        "Fetch requests whose lower-tier run was under fetch-min-tokens", NULL,
+                        NULL, NULL, NULL},
+    [TS_FETCH_SHARED] = {"fetch_shared", "counter", "blocks",
+                         "Fetch positions served by another fetch's copy in flight", NULL, NULL,
+                         NULL, NULL},
+    [TS_CORRUPT_T2] = {"corrupt_t2", "counter", "blocks",
+                       "tier-2 records that failed a check (never served; dropped)",
+                       "kvd_tier_corrupt_total", "Lower-tier copies that failed a check.", NULL,
+                       NULL},
+    [TS_WERR_T2] = {"write_errors_t2", "counter", "blocks",
+                    "tier-2 writes that failed (disk full, unwritable)",
+                    "kvd_tier_write_errors_total", "Tier-2 writes that failed.", NULL, NULL},
+    [TS_COPY_BYTES_DOWN1] = {"copy_bytes_down_t1", "counter", "bytes",
+                             "block bytes copied from T0 into tier 1", NULL, NULL, NULL, NULL},
+    [TS_COPY_NS_DOWN1] = {"copy_ns_down_t1", "counter", "ns",
+                          "copy-thread time of those copies (encoding included)", NULL, NULL, NULL,
+                          NULL},
+    [TS_COPY_BYTES_DOWN2] = {"copy_bytes_down_t2", "counter", "bytes",
+                             "record bytes written to tier 2", NULL, NULL, NULL, NULL},
+    [TS_COPY_NS_DOWN2] = {"copy_ns_down_t2", "counter", "ns", "copy-thread time of those writes",
+                          NULL, NULL, NULL, NULL},
+    [TS_COPY_BYTES_UP1] = {"copy_bytes_up_t1", "counter", "bytes",
+                           "block bytes a Fetch copied up from tier 1", NULL, NULL, NULL, NULL},
+    [TS_COPY_NS_UP1] = {"copy_ns_up_t1", "counter", "ns", "copy-thread time of those copies", NULL,
+                        NULL, NULL, NULL},
+    [TS_COPY_BYTES_UP2] = {"copy_bytes_up_t2", "counter", "bytes",
+                           "block bytes a Fetch read up from tier 2", NULL, NULL, NULL, NULL},
+    [TS_COPY_NS_UP2] = {"copy_ns_up_t2", "counter", "ns", "copy-thread time of those reads", NULL,
+                        NULL, NULL, NULL},
+    [TS_JOBS] = {"jobs_inflight", "gauge", "jobs", "copy jobs in flight", NULL, NULL, NULL, NULL},
+};
+
+typedef struct tier_pool tier_pool;
+
+struct kvd_tiers {
+    uv_loop_t *loop;
+    kvd_registry *reg;
+    const kvd_config *cfg;
+    uint64_t cap[2];        /* budgets: tier1-memory, tier2-bytes (0: tier off) */
+    uint64_t used[2];       /* bytes in use over all pools (T1: entry bytes; T2: slots) */
+    uint64_t reserved1;     /* T1 bytes of copies in flight */
+    kvd_tier_format format; /* tier-format */
+    int write_through;      /* tier-write */
+    uint64_t seq;           /* next T2 record sequence number */
+    uint32_t jobs;          /* in flight over all pools */
+    uint64_t c[TS_COUNT];   /* counters (the gauges are computed) */
+    kvd_fetch *fetches;     /* fetches in flight */
+    char t2_error[640];     /* the last T2 error ("" none) */
+    uint64_t t2_error_ms;   /* when it was logged (rate limit) */
+};
+
+struct tier_pool {
+    kvd_tiers *t;
+    uint32_t pool_id;
+    kvd_tstore st;
+    kvd_disk *disk;       /* NULL: no T2 for this pool */
+    uint64_t slot_bytes;  /* T2 slot size */
+    uint64_t block_bytes; /* layout.block_bytes */
+    uint32_t jobs;        /* in flight for this pool */
+    uint32_t cleaning;    /* write-back copies in flight */
+    int gone;             /* the pool was freed: free this when jobs reach 0 */
+};
+
+typedef enum job_kind {
+    J_DOWN1 = 1, /* T0 block (leased) -> T1 bytes */
+    J_DOWN2 = 2, /* T1 bytes (entry busy) or T0 block (leased) -> T2 slot */
+    J_UP = 3,    /* T1 bytes or T2 slot (entry busy) -> T0 block (WRITING) */
+    J_CLEAR2 = 4 /* zero a T2 slot (a quarantined record) */
+} job_kind;
+
+typedef struct run {
+    uint8_t *p;
+    uint64_t n;
+} run;
+
+typedef struct job {
+    uv_work_t work;
+    tier_pool *tp;
+    job_kind kind;
+    uint32_t entry;    /* store entry (KVD_TNONE for J_CLEAR2) */
+    kvd_block_ref ref; /* the T0 block (DOWN from T0, UP) */
+    int from_t0;       /* DOWN2: source is the T0 block, not T1 bytes */
+    int cold;          /* DOWN1/DOWN2 from T0: a write-back copy (unlease cold) */
+    int src_tier;      /* UP: 1 or 2 */
+    run *runs;         /* T0 block image runs */
+    uint32_t nruns;
+    uint64_t block_bytes;
+    const uint8_t *src1; /* T1 bytes (DOWN2 from T1, UP from T1) */
+    uint64_t len1;
+    uint8_t fmt1;
+    kvd_tier_format format; /* DOWN: the format asked */
+    kvd_disk *disk;
+    uint64_t slot;
+    kvd_disk_rec rec; /* DOWN2: what to write; UP from T2: what was read */
+    /* results */
+    kv_err rc;
+    int sys_errno;
+    uint8_t *out; /* DOWN1: encoded bytes (malloc'd) */
+    uint64_t out_len;
+    uint8_t out_fmt;
+    uint64_t ns;
+    kvd_fetch *f; /* UP: the fetch */
+    uint32_t pos; /* UP: its position */
+} job;
+
+/* One position of a fetch's run. */
+typedef struct fpos {
+    kv_hash128 hash;
+    kvd_block_ref ref; /* T0 block: held (kind T0), WRITING (UP) or, after a wait, held */
+    uint32_t entry;    /* store entry (UP) */
+    uint8_t kind;      /* P_T0, P_UP, P_WAIT */
+    uint8_t ok;        /* UP: the copy landed */
+    uint8_t have;      /* ref is a reference the fetch owns */
+    uint8_t tier;      /* UP: the source tier */
+} fpos;
+
+enum { P_T0 = 1, P_UP = 2, P_WAIT = 3 };
+
+struct kvd_fetch {
+    kvd_tiers *t;
+    tier_pool *tp;
+    uint64_t session;
+    uint32_t tenant;
+    uint32_t parent_id;
+    uint32_t n;
+    fpos *pos;
+    uint32_t pending; /* own copies and awaited fetches not done */
+    kvd_fetch_done done;
+    void *arg;
+    int orphan;
+    kv_err code;
+    uint32_t failed;
+    kvd_fetch *next;     /* t->fetches */
+    kvd_fetch **waiters; /* fetches waiting for this one */
+    uint32_t nwaiters, waiters_cap;
+};
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- block images ------------------------------------------------------------------------ */
+
+/* The runs of block id's bytes in the daemon's own mapping (NULL when the pool's memory is not
+ * host memory the daemon may touch, or the segment is gone). */
+static run *block_runs(const kvd_pool *pool, uint32_t id, uint32_t *nruns) {
+    const kvd_pool_config *pc = kvd_pool_config_get(pool);
+    const kv_layout *l = &pc->layout;
+    uint32_t bps = pc->blocks_per_segment;
+    const kvd_segment_mem *m = kvd_pool_segment(pool, id / bps);
+    if (m == NULL || m->base == NULL) {
+        return NULL;
+    }
+    uint32_t b = id % bps;
+    uint8_t *base = m->base;
+    if (l->arrangement == KV_BLOCK_MAJOR) {
+        run *r = malloc(sizeof(*r));
+        if (r != NULL) {
+            r->p = base + kv_layout_offset(l, bps, b, 0, KV_K, 0, 0);
+            r->n = l->block_bytes;
+            *nruns = 1;
+        }
+        return r;
+    }
+    uint32_t per = l->scale_bytes != 0 ? 4 : 2;
+    run *r = malloc(sizeof(*r) * (size_t)l->num_layers * per);
+    if (r == NULL) {
+        return NULL;
+    }
+    uint32_t k = 0;
+    for (uint32_t layer = 0; layer < l->num_layers; layer++) {
+        for (int kv = KV_K; kv <= KV_V; kv++) {
+            r[k].p = base + kv_layout_offset(l, bps, b, layer, kv, 0, 0);
+            r[k++].n = l->kv_block_bytes;
+            if (l->scale_bytes != 0) {
+                r[k].p = base + kv_layout_scale_offset(l, bps, b, layer, kv, 0);
+                r[k++].n = (uint64_t)l->num_kv_heads * sizeof(float);
+            }
+        }
+    }
+    *nruns = k;
+    return r;
+}
+
+static void gather(const run *r, uint32_t n, uint8_t *dst) {
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(dst, r[i].p, r[i].n);
+        dst += r[i].n;
+    }
+}
+
+static void scatter(const run *r, uint32_t n, const uint8_t *src) {
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(r[i].p, src, r[i].n);
+        src += r[i].n;
+    }
+}
+
+/* ---- the work functions (copy threads: only the job's own data) --------------------------- */
+
+static void work(uv_work_t *w) {
+    job *j = w->data;
+    uint64_t t0 = now_ns();
+    j->rc = KV_OK;
+    switch (j->kind) {
+        case J_DOWN1: {
+            /* One gather into scratch, then the codec writes the stored form. A RAW block
+             * whose image is one run needs no scratch. */
+            size_t cap = kvd_codec_bound(j->format, j->block_bytes);
+            uint8_t *img = NULL;
+            const uint8_t *src;
+            if (j->nruns == 1) {
+                src = j->runs[0].p;
+            } else {
+                img = malloc(j->block_bytes);
+                if (img == NULL) {
+                    j->rc = KV_ENOMEM;
+                    break;
+                }
+                gather(j->runs, j->nruns, img);
+                src = img;
+            }
+            j->out = malloc(cap);
+            if (j->out == NULL) {
+                j->rc = KV_ENOMEM;
+            } else {
+                size_t len = 0;
+                kvd_tier_format used = KVD_TF_RAW;
+                j->rc = kvd_codec_encode(j->format, src, j->block_bytes, j->out, cap, &len, &used);
+                j->out_len = len;
+                j->out_fmt = (uint8_t)used;
+                if (j->rc == KV_OK && len < cap) {
+                    uint8_t *shrunk = realloc(j->out, len > 0 ? len : 1);
+                    if (shrunk != NULL) {
+                        j->out = shrunk;
+                    }
+                }
+            }
+            free(img);
+            break;
+        }
+        case J_DOWN2: {
+            uint64_t sb = kvd_disk_slot_bytes(j->disk);
+            uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
+            if (buf == NULL) {
+                j->rc = KV_ENOMEM;
+                break;
+            }
+            uint8_t *payload = buf + KVD_DISK_REC_HDR;
+            if (j->from_t0) {
+                size_t cap = kvd_codec_bound(j->format, j->block_bytes);
+                uint8_t *img = malloc(j->block_bytes);
+                uint8_t *enc = j->format == KVD_TF_RAW ? payload : malloc(cap);
+                if (img == NULL || enc == NULL) {
+                    j->rc = KV_ENOMEM;
+                } else {
+                    gather(j->runs, j->nruns, img);
+                    size_t len = 0;
+                    kvd_tier_format used = KVD_TF_RAW;
+                    if (j->format == KVD_TF_RAW) {
+                        memcpy(payload, img, j->block_bytes);
+                        len = j->block_bytes;
+                    } else {
+                        j->rc =
+                            kvd_codec_encode(j->format, img, j->block_bytes, enc, cap, &len, &used);
+                        if (j->rc == KV_OK && len > kvd_disk_payload_max(j->disk)) {
+                            j->rc = KV_EINTERNAL;
+                        }
+                        if (j->rc == KV_OK) {
+                            memcpy(payload, enc, len);
+                        }
+                    }
+                    j->rec.len = (uint32_t)len;
+                    j->rec.format = (uint32_t)used;
+                }
+                free(img);
+                if (enc != payload) {
+                    free(enc);
+                }
+            } else {
+                memcpy(payload, j->src1, j->len1);
+                j->rec.len = (uint32_t)j->len1;
+                j->rec.format = j->fmt1;
+            }
+            if (j->rc == KV_OK) {
+                j->rc = kvd_disk_write(j->disk, j->slot, &j->rec, payload, buf, &j->sys_errno);
+            }
+            free(buf);
+            break;
+        }
+        case J_UP: {
+            const uint8_t *src = j->src1;
+            uint64_t len = j->len1;
+            uint8_t fmt = j->fmt1;
+            uint8_t *buf = NULL;
+            if (j->src_tier == 2) {
+                buf = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(j->disk));
+                if (buf == NULL) {
+                    j->rc = KV_ENOMEM;
+                    break;
+                }
+                kv_hash128 want = j->rec.hash;
+                j->rc = kvd_disk_read(j->disk, j->slot, &want, &j->rec, buf);
+                src = buf + KVD_DISK_REC_HDR;
+                len = j->rec.len;
+                fmt = (uint8_t)j->rec.format;
+            }
+            if (j->rc == KV_OK) {
+                if (fmt == KVD_TF_RAW && j->nruns == 1 && len == j->block_bytes) {
+                    memcpy(j->runs[0].p, src, len);
+                } else {
+                    uint8_t *img = malloc(j->block_bytes);
+                    if (img == NULL) {
+                        j->rc = KV_ENOMEM;
+                    } else {
+                        j->rc =
+                            kvd_codec_decode((kvd_tier_format)fmt, src, len, img, j->block_bytes);
+                        if (j->rc == KV_OK) {
+                            scatter(j->runs, j->nruns, img);
+                        }
+                        free(img);
+                    }
+                }
+            }
+            free(buf);
+            break;
+        }
+        case J_CLEAR2: {
+            uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(j->disk));
+            j->rc = buf == NULL ? KV_ENOMEM : kvd_disk_clear(j->disk, j->slot, buf);
+            free(buf);
+            break;
+        }
+    }
+    j->ns = now_ns() - t0;
+}
+
+/* ---- loop-thread helpers ------------------------------------------------------------------ */
+
+static void after_work(uv_work_t *w, int status);
+
+static void tier_pool_free(tier_pool *tp) {
+    kvd_tstore_fini(&tp->st);
+    kvd_disk_close(tp->disk);
+    free(tp);
+}
+
+static kvd_pool *pool_of(tier_pool *tp) {
+    if (tp->gone) {
+        return NULL;
+    }
+    const kvd_reg_pool *rp = kvd_registry_peek(tp->t->reg, tp->pool_id);
+    return rp != NULL ? rp->pool : NULL;
+}
+
+static job *job_new(tier_pool *tp, job_kind kind) {
+    job *j = calloc(1, sizeof(*j));
+    if (j != NULL) {
+        j->tp = tp;
+        j->kind = kind;
+        j->entry = KVD_TNONE;
+        j->work.data = j;
+        j->block_bytes = tp->block_bytes;
+        j->disk = tp->disk;
+        j->format = tp->t->format;
+    }
+    return j;
+}
+
+static kv_err job_start(job *j) {
+    int rc = uv_queue_work(j->tp->t->loop, &j->work, work, after_work);
+    if (rc != 0) {
+        return KV_ESYS;
+    }
+    j->tp->jobs++;
+    j->tp->t->jobs++;
+    return KV_OK;
+}
+
+static void t2_fail(kvd_tiers *t, tier_pool *tp, const char *what, int err) {
+    snprintf(t->t2_error, sizeof(t->t2_error), "pool %u: %s: %s", tp->pool_id, what,
+             err != 0 ? strerror(err) : "failed");
+    uint64_t ms = now_ns() / 1000000;
+    if (t->t2_error_ms == 0 || ms - t->t2_error_ms >= 10000) {
+        t->t2_error_ms = ms;
+        KV_LOG(WARN, "KVD-TIER2-IO", "%s (kvd keeps serving from the tiers above)", t->t2_error);
+    }
+}
+
+/* Drops entry i from tier (a budget's victim or a failed copy), keeping t->used true. */
+static void entry_drop(tier_pool *tp, uint32_t i, int tier) {
+    kvd_tiers *t = tp->t;
+    uint64_t before = tp->st.bytes[tier - 1];
+    kvd_tstore_drop(&tp->st, i, tier, tp->slot_bytes);
+    t->used[tier - 1] -= before - tp->st.bytes[tier - 1];
+}
+
+static void start_down2_from_t1(tier_pool *tp, uint32_t i);
+
+/* Makes room in tier for `need` more bytes by evicting this pool's oldest entries of it; 1 when
+ * the room is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
+static int make_room(tier_pool *tp, int tier, uint64_t need) {
+    kvd_tiers *t = tp->t;
+    uint64_t extra = tier == 1 ? t->reserved1 : 0;
+    while (t->used[tier - 1] + extra + need > t->cap[tier - 1]) {
+        uint32_t v = kvd_tstore_oldest(&tp->st, tier);
+        if (v == KVD_TNONE) {
+            return 0;
+        }
+        int last = tier == 2 || !kvd_tstore_in(&tp->st, v, 2);
+        entry_drop(tp, v, tier);
+        if (last) {
+            t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
+        }
+    }
+    return 1;
+}
+
+/* Starts writing entry i's T1 bytes to T2 (when the pool has a T2 and it lacks the copy). */
+static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (tp->disk == NULL || e->in2 || (e->pending & KVD_TPEND_T2) || e->t1 == NULL || e->doomed) {
+        return;
+    }
+    if (!make_room(tp, 2, tp->slot_bytes)) {
+        return;
+    }
+    job *j = job_new(tp, J_DOWN2);
+    uint64_t slot;
+    if (j == NULL || kvd_tstore_slot2(&tp->st, &slot) != KV_OK) {
+        free(j);
+        return;
+    }
+    e = kvd_tstore_at(&tp->st, i);
+    j->entry = i;
+    j->slot = slot;
+    j->src1 = e->t1;
+    j->len1 = e->len1;
+    j->fmt1 = e->fmt1;
+    j->rec.hash = e->hash;
+    j->rec.parent = e->parent;
+    j->rec.seq = tp->t->seq++;
+    tp->t->used[1] += tp->slot_bytes; /* reserved now, so concurrent writes fit the budget */
+    if (job_start(j) != KV_OK) {
+        tp->t->used[1] -= tp->slot_bytes;
+        kvd_tstore_slot2_back(&tp->st, slot);
+        free(j);
+        return;
+    }
+    e->busy++;
+    e->pending |= KVD_TPEND_T2;
+}
+
+/* Starts copying T0 block ref (hash, parent) down: to T1 when there is one, else to T2.
+ * cold: a write-back copy. */
+static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash128 hash,
+                       kv_hash128 parent, int cold) {
+    kvd_tiers *t = tp->t;
+    uint32_t i = kvd_tstore_find(&tp->st, hash);
+    if (i != KVD_TNONE) {
+        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+        if (e->t1 != NULL || e->in2 || e->pending != 0 || e->doomed) {
+            return; /* already down, or on its way */
+        }
+    }
+    int to1 = t->cap[0] > 0;
+    if (!to1 && tp->disk == NULL) {
+        return;
+    }
+    if (to1 ? !make_room(tp, 1, tp->block_bytes) : !make_room(tp, 2, tp->slot_bytes)) {
+        return;
+    }
+    uint32_t nruns = 0;
+    run *runs = block_runs(pool, ref.id, &nruns);
+    job *j = runs != NULL ? job_new(tp, to1 ? J_DOWN1 : J_DOWN2) : NULL;
+    if (j == NULL || kvd_tstore_get(&tp->st, hash, parent, &i) != KV_OK) {
+        free(runs);
+        free(j);
+        return;
+    }
+    if (kvd_pool_lease(pool, ref) != KV_OK) {
+        if (kvd_tstore_at(&tp->st, i)->pending == 0 && !kvd_tstore_in(&tp->st, i, 1) &&
+            !kvd_tstore_in(&tp->st, i, 2)) {
+            kvd_tstore_forget(&tp->st, i);
+        }
+        free(runs);
+        free(j);
+        return;
+    }
+    j->entry = i;
+    j->ref = ref;
+    j->runs = runs;
+    j->nruns = nruns;
+    j->cold = cold;
+    j->from_t0 = !to1;
+    if (!to1) {
+        uint64_t slot;
+        (void)kvd_tstore_slot2(&tp->st, &slot);
+        j->slot = slot;
+        j->rec.hash = hash;
+        j->rec.parent = parent;
+        j->rec.seq = t->seq++;
+        t->used[1] += tp->slot_bytes;
+    } else {
+        t->reserved1 += tp->block_bytes;
+    }
+    if (job_start(j) != KV_OK) {
+        if (to1) {
+            t->reserved1 -= tp->block_bytes;
+        } else {
+            t->used[1] -= tp->slot_bytes;
+            kvd_tstore_slot2_back(&tp->st, j->slot);
+        }
+        (void)kvd_pool_unlease(pool, ref, cold);
+        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+        if (e->pending == 0 && e->t1 == NULL && !e->in2) {
+            kvd_tstore_forget(&tp->st, i);
+        }
+        free(runs);
+        free(j);
+        return;
+    }
+    kvd_tstore_at(&tp->st, i)->pending |= to1 ? KVD_TPEND_T1 : KVD_TPEND_T2;
+    if (cold) {
+        tp->cleaning++;
+    }
+}
+
+static void fetch_finish(kvd_fetch *f);
+
+/* ---- completions (loop thread) ------------------------------------------------------------- */
+
+static void after_work(uv_work_t *w, int status) {
+    (void)status; /* uv_cancel is never called: every job ran */
+    job *j = w->data;
+    tier_pool *tp = j->tp;
+    kvd_tiers *t = tp->t;
+    kvd_pool *pool = pool_of(tp);
+    tp->jobs--;
+    t->jobs--;
+    if (tp->gone && j->kind != J_UP) {
+        /* The pool was freed (only copies that hold no T0 block can outlive it): give the
+         * reservations back and forget the result. */
+        if (j->kind == J_DOWN1) {
+            t->reserved1 -= tp->block_bytes;
+        } else if (j->kind == J_DOWN2) {
+            t->used[1] -= tp->slot_bytes;
+        }
+        free(j->out);
+        free(j->runs);
+        free(j);
+        if (tp->jobs == 0) {
+            tier_pool_free(tp);
+        }
+        return;
+    }
+    kvd_tentry *e = j->entry != KVD_TNONE ? kvd_tstore_at(&tp->st, j->entry) : NULL;
+    switch (j->kind) {
+        case J_DOWN1: {
+            t->reserved1 -= tp->block_bytes;
+            if (j->cold) {
+                tp->cleaning--;
+            }
+            if (pool != NULL) {
+                (void)kvd_pool_unlease(pool, j->ref, j->cold);
+            }
+            e->pending &= (uint8_t)~KVD_TPEND_T1;
+            if (j->rc == KV_OK && !e->doomed && e->t1 == NULL && make_room(tp, 1, j->out_len)) {
+                kvd_tstore_set1(&tp->st, j->entry, j->out, j->out_len, j->out_fmt);
+                t->used[0] += j->out_len;
+                t->c[TS_DEMOTE_T1]++;
+                t->c[TS_COPY_BYTES_DOWN1] += tp->block_bytes;
+                t->c[TS_COPY_NS_DOWN1] += j->ns;
+                j->out = NULL;
+                start_down2_from_t1(tp, j->entry);
+            } else if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
+                kvd_tstore_forget(&tp->st, j->entry);
+            }
+            break;
+        }
+        case J_DOWN2: {
+            if (j->from_t0) {
+                if (j->cold) {
+                    tp->cleaning--;
+                }
+                if (pool != NULL) {
+                    (void)kvd_pool_unlease(pool, j->ref, j->cold);
+                }
+            } else {
+                e->busy--;
+            }
+            e->pending &= (uint8_t)~KVD_TPEND_T2;
+            t->used[1] -= tp->slot_bytes; /* the reservation; set2 counts it again */
+            if (j->rc == KV_OK && !e->doomed && !e->in2) {
+                kvd_tstore_set2(&tp->st, j->entry, j->slot, j->rec.len, (uint8_t)j->rec.format,
+                                j->rec.seq, tp->slot_bytes);
+                t->used[1] += tp->slot_bytes;
+                t->c[TS_DEMOTE_T2]++;
+                t->c[TS_COPY_BYTES_DOWN2] += j->rec.len;
+                t->c[TS_COPY_NS_DOWN2] += j->ns;
+            } else {
+                if (j->rc != KV_OK) {
+                    t->c[TS_WERR_T2]++;
+                    t2_fail(t, tp, "tier-2 write", j->sys_errno);
+                }
+                kvd_tstore_slot2_back(&tp->st, j->slot);
+                if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
+                    kvd_tstore_forget(&tp->st, j->entry);
+                }
+            }
+            if (e->used && e->doomed && e->busy == 0) {
+                /* Quarantined while it was being written: nothing of it may stay. */
+                if (e->t1 != NULL) {
+                    entry_drop(tp, j->entry, 1);
+                }
+            }
+            break;
+        }
+        case J_UP: {
+            e->busy--;
+            fpos *p = &j->f->pos[j->pos];
+            if (j->rc == KV_OK) {
+                p->ok = 1;
+                t->c[j->src_tier == 1 ? TS_PROMOTE_T1 : TS_PROMOTE_T2]++;
+                t->c[j->src_tier == 1 ? TS_COPY_BYTES_UP1 : TS_COPY_BYTES_UP2] += tp->block_bytes;
+                t->c[j->src_tier == 1 ? TS_COPY_NS_UP1 : TS_COPY_NS_UP2] += j->ns;
+            } else {
+                j->f->failed++;
+                j->f->code = j->rc == KV_ECORRUPT ? KV_ECORRUPT : j->rc;
+                if (j->src_tier == 2) {
+                    t->c[TS_CORRUPT_T2] += j->rc == KV_ECORRUPT;
+                    KV_LOG(WARN, "KVD-TIER2-CORRUPT",
+                           "pool %u: tier-2 slot %llu failed its check (%s): dropped, not served",
+                           tp->pool_id, (unsigned long long)j->slot, kv_strerror(j->rc));
+                    if (e->busy == 0 && e->in2) {
+                        entry_drop(tp, j->entry, 2);
+                    }
+                }
+            }
+            kvd_fetch *f = j->f;
+            if (--f->pending == 0) {
+                fetch_finish(f);
+            }
+            break;
+        }
+        case J_CLEAR2:
+            if (j->rc != KV_OK) {
+                t2_fail(t, tp, "tier-2 clear", 0);
+            }
+            kvd_tstore_slot2_back(&tp->st, j->slot);
+            break;
+    }
+    free(j->out);
+    free(j->runs);
+    free(j);
+    if (tp->gone && tp->jobs == 0) {
+        tier_pool_free(tp);
+    }
+}
+
+/* ---- the pool's drop hook ------------------------------------------------------------------ */
+
+static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 parent, int reason) {
+    (void)pool;
+    (void)parent;
+    tier_pool *tp = arg;
+    kvd_tiers *t = tp->t;
+    uint32_t i = kvd_tstore_find(&tp->st, hash);
+    if (reason == KVD_DROP_QUARANTINE) {
+        if (i == KVD_TNONE) {
+            return;
+        }
+        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+        e->doomed = 1;
+        if (e->busy != 0) {
+            return; /* the job's completion finishes it */
+        }
+        if (e->t1 != NULL) {
+            entry_drop(tp, i, 1);
+        }
+        e = kvd_tstore_at(&tp->st, i);
+        if (e->used && e->in2 && tp->disk != NULL) {
+            job *j = job_new(tp, J_CLEAR2);
+            if (j != NULL) {
+                /* Out of the store at once; the slot goes back only once it is zeroed, so that
+                 * a restart cannot find the record. */
+                j->slot = kvd_tstore_unlink2(&tp->st, i, tp->slot_bytes);
+                t->used[1] -= tp->slot_bytes;
+                if (job_start(j) != KV_OK) {
+                    kvd_tstore_slot2_back(&tp->st, j->slot);
+                    free(j);
+                }
+            }
+        } else if (e->used && e->t1 == NULL && !e->in2 && e->pending == 0) {
+            kvd_tstore_forget(&tp->st, i);
+        }
+        return;
+    }
+    if (i != KVD_TNONE && (kvd_tstore_in(&tp->st, i, 1) || kvd_tstore_in(&tp->st, i, 2))) {
+        return; /* a demotion: the copy below stays findable */
+    }
+    if (t->cap[0] > 0 || tp->disk != NULL) {
+        t->c[TS_DIRTY_DROPS]++;
+    }
+}
+
+/* ---- the interface ------------------------------------------------------------------------- */
+
+static void on_pool_gone(void *arg, kvd_reg_pool *p) {
+    (void)arg;
+    tier_pool *tp = p->tiers;
+    if (tp == NULL) {
+        return;
+    }
+    p->tiers = NULL;
+    kvd_pool_set_drop_hook(p->pool, NULL, NULL);
+    tp->gone = 1;
+    kvd_tiers *t = tp->t;
+    t->used[0] -= tp->st.bytes[0];
+    t->used[1] -= tp->st.bytes[1];
+    if (tp->jobs == 0) {
+        tier_pool_free(tp);
+    }
+}
+
+kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
+                       char *msg, size_t msglen) {
+    kvd_tiers *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return KV_ENOMEM;
+    }
+    t->loop = loop;
+    t->reg = reg;
+    t->cfg = cfg;
+    t->cap[0] = cfg->tier1_memory;
+    t->cap[1] = cfg->tier2_path[0] != '\0' ? cfg->tier2_bytes : 0;
+    t->seq = 1;
+    if (kvd_tier_format_parse(cfg->tier_format, &t->format) != KV_OK) {
+        t->format = KVD_TF_RAW;
+    }
+    t->write_through = strcmp(cfg->tier_write, "write-through") == 0;
+    if (t->cap[1] > 0 && mkdir(cfg->tier2_path, 0700) != 0 && errno != EEXIST) {
+        if (msg != NULL) {
+            snprintf(msg, msglen, "tier2-path %s: %s", cfg->tier2_path, strerror(errno));
+        }
+        free(t);
+        return KV_ESYS;
+    }
+    reg->pool_gone = on_pool_gone;
+    reg->pool_gone_arg = t;
+    if (kvd_tiers_on(t)) {
+        KV_LOG(INFO, "KVD-TIERS",
+               "tiers: T1 %llu bytes, T2 %s (%llu bytes), format %s, %s, clean-ahead %llu, "
+               "fetch-min-tokens %llu",
+               (unsigned long long)t->cap[0], t->cap[1] > 0 ? cfg->tier2_path : "off",
+               (unsigned long long)t->cap[1], kvd_tier_format_name(t->format), cfg->tier_write,
+               (unsigned long long)cfg->tier_clean_ahead,
+               (unsigned long long)cfg->fetch_min_tokens);
+    }
+    *out = t;
+    return KV_OK;
+}
+
+void kvd_tiers_free(kvd_tiers *t) {
+    if (t == NULL) {
+        return;
+    }
+    KV_ASSERT(t->jobs == 0);
+    while (t->fetches != NULL) {
+        kvd_fetch *f = t->fetches;
+        t->fetches = f->next;
+        free(f->pos);
+        free(f->waiters);
+        free(f);
+    }
+    free(t);
+}
+
+int kvd_tiers_on(const kvd_tiers *t) {
+    return t != NULL && (t->cap[0] > 0 || t->cap[1] > 0);
+}
+
+uint32_t kvd_tiers_inflight(const kvd_tiers *t) {
+    return t != NULL ? t->jobs : 0;
+}
+
+/* A file name part from s: [A-Za-z0-9._-] kept, anything else as %XX. */
+static void name_part(const char *s, char *out, size_t len) {
+    size_t k = 0;
+    for (; *s != '\0' && k + 4 < len; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if ((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+            ch == '.' || ch == '_' || ch == '-') {
+            if (!(k == 0 && ch == '.')) {
+                out[k++] = (char)ch;
+                continue;
+            }
+        }
+        k += (size_t)snprintf(out + k, len - k, "%%%02X", ch);
+    }
+    out[k] = '\0';
+}
+
+typedef struct scan_ctx {
+    tier_pool *tp;
+    uint64_t found, dup;
+} scan_ctx;
+
+static void on_scan(void *arg, uint64_t slot, const kvd_disk_rec *rec) {
+    scan_ctx *sc = arg;
+    tier_pool *tp = sc->tp;
+    uint32_t i;
+    if (kvd_tstore_get(&tp->st, rec->hash, rec->parent, &i) != KV_OK) {
+        return;
+    }
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (e->in2) {
+        /* The same block twice (a rewrite after a crash): the newest record wins. */
+        sc->dup++;
+        if (e->seq >= rec->seq) {
+            kvd_tstore_slot2_back(&tp->st, slot);
+            return;
+        }
+        entry_drop(tp, i, 2);
+        if (kvd_tstore_get(&tp->st, rec->hash, rec->parent, &i) != KV_OK) {
+            return;
+        }
+    }
+    kvd_tstore_set2(&tp->st, i, slot, rec->len, (uint8_t)rec->format, rec->seq, tp->slot_bytes);
+    tp->t->used[1] += tp->slot_bytes;
+    if (rec->seq >= tp->t->seq) {
+        tp->t->seq = rec->seq + 1;
+    }
+    sc->found++;
+}
+
+kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
+    if (!kvd_tiers_on(t) || p->tiers != NULL) {
+        return KV_OK;
+    }
+    if (t->reg->be->segment_read != NULL) {
+        static int logged;
+        if (!logged) {
+            logged = 1;
+            KV_LOG(WARN, "KVD-TIERS-GPU",
+                   "tiers are not built for GPU pools yet (backend %s): pools stay single-tier",
+                   t->reg->be->name);
+        }
+        return KV_OK;
+    }
+    tier_pool *tp = calloc(1, sizeof(*tp));
+    if (tp == NULL) {
+        return KV_ENOMEM;
+    }
+    tp->t = t;
+    tp->pool_id = p->pool_id;
+    tp->block_bytes = p->layout.block_bytes;
+    kvd_tstore_init(&tp->st);
+    if (t->cap[1] > 0) {
+        char dpart[2 * KVD_DISK_KEY_MAX], mpart[2 * KVD_DISK_KEY_MAX];
+        char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
+        /* File names stay under NAME_MAX: a long model id or domain is cut and keeps a hash of
+         * the whole (the file's header holds the whole key and is checked at open). */
+        name_part(domain, dpart, 100);
+        if (strlen(dpart) >= 95) {
+            snprintf(dpart + 80, sizeof(dpart) - 80, "-%016llx",
+                     (unsigned long long)XXH64(domain, strlen(domain), 0));
+        }
+        name_part(p->model_id, mpart, 120);
+        if (strlen(mpart) >= 115) {
+            snprintf(mpart + 100, sizeof(mpart) - 100, "-%016llx",
+                     (unsigned long long)XXH64(p->model_id, strlen(p->model_id), 0));
+        }
+        snprintf(dir, sizeof(dir), "%s/%s", t->cfg->tier2_path, dpart);
+        snprintf(name, sizeof(name), "%s-%ux%ux%ux%u-%s-%s.t2", mpart, p->layout.num_layers,
+                 p->layout.num_kv_heads, p->layout.head_dim, p->layout.tokens_per_block,
+                 kv_dtype_name(p->layout.dtype), kv_arrangement_name(p->layout.arrangement));
+        kvd_disk_key key;
+        memset(&key, 0, sizeof(key));
+        snprintf(key.model, sizeof(key.model), "%s", p->model_id);
+        snprintf(key.domain, sizeof(key.domain), "%s", domain);
+        key.layout = p->layout;
+        key.seed = p->seed;
+        kv_err rc =
+            kvd_disk_open(dir, name, &key, t->cfg->tier2_direct, &tp->disk, msg, sizeof(msg));
+        if (rc != KV_OK) {
+            tp->disk = NULL;
+            snprintf(t->t2_error, sizeof(t->t2_error), "pool %u: %s", p->pool_id, msg);
+            KV_LOG(WARN, "KVD-TIER2-OPEN", "pool %u: no tier 2: %s", p->pool_id, msg);
+        } else {
+            tp->slot_bytes = kvd_disk_slot_bytes(tp->disk);
+            scan_ctx sc = {tp, 0, 0};
+            uint64_t bad = 0;
+            uint64_t t0 = now_ns();
+            rc = kvd_disk_scan(tp->disk, on_scan, &sc, &bad);
+            if (rc != KV_OK) {
+                KV_LOG(WARN, "KVD-TIER2-SCAN", "pool %u: scan of %s/%s failed: %s", p->pool_id, dir,
+                       name, kv_strerror(rc));
+            }
+            if (sc.found > 0 || bad > 0) {
+                KV_LOG(INFO, "KVD-TIER2-SCAN",
+                       "pool %u: %llu blocks back from tier 2 (%s/%s; %llu bad records skipped, "
+                       "%llu duplicates) in %.1f ms%s",
+                       p->pool_id, (unsigned long long)sc.found, dir, name, (unsigned long long)bad,
+                       (unsigned long long)sc.dup, (double)(now_ns() - t0) / 1e6,
+                       kvd_disk_direct(tp->disk) ? ", O_DIRECT" : "");
+            }
+            /* Over the budget after a restart with a smaller tier2-bytes: the oldest go. */
+            (void)make_room(tp, 2, 0);
+        }
+    }
+    p->tiers = tp;
+    kvd_pool_set_drop_hook(p->pool, on_drop, tp);
+    return KV_OK;
+}
+
+void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
+    tier_pool *tp = p->tiers;
+    if (tp == NULL || !t->write_through) {
+        return;
+    }
+    kvd_block_info bi;
+    if (kvd_pool_block_info(p->pool, blk.id, &bi) != KV_OK || bi.gen != blk.gen) {
+        return;
+    }
+    kvd_block_info pi;
+    kv_hash128 parent = {0, 0};
+    if (bi.parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, bi.parent, &pi) == KV_OK &&
+        (pi.state == KVD_BLOCK_COMMITTED || pi.state == KVD_BLOCK_CACHED)) {
+        parent = pi.hash;
+    }
+    start_down(tp, p->pool, blk, bi.hash, parent, 0);
+}
+
+void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
+    tier_pool *tp = p->tiers;
+    if (tp == NULL || t->write_through) {
+        return;
+    }
+    uint64_t ahead = t->cfg->tier_clean_ahead;
+    kvd_pool_counts pc = kvd_pool_counts_get(p->pool);
+    if (pc.free >= ahead || pc.evictable == 0) {
+        return;
+    }
+    /* At most half of what is evictable is leased at once, so a copy ahead never makes an
+     * Allocate that could have evicted fail. */
+    uint64_t want = ahead < pc.evictable / 2 ? ahead : pc.evictable / 2;
+    if (want <= tp->cleaning) {
+        return;
+    }
+    size_t look = (size_t)(want - tp->cleaning) * 2 + 8;
+    if (look > 1024) {
+        look = 1024;
+    }
+    kvd_block_ref refs[1024];
+    size_t n = 0;
+    if (kvd_pool_evict(p->pool, look, -1, KVD_EVICT_CAPACITY, 1, refs, &n) != KV_OK) {
+        return;
+    }
+    for (size_t k = 0; k < n && tp->cleaning < want; k++) {
+        kvd_block_info bi;
+        if (kvd_pool_block_info(p->pool, refs[k].id, &bi) != KV_OK) {
+            continue;
+        }
+        if (bi.hits < t->cfg->tier_min_hits) {
+            continue; /* selective: not reused often enough to be worth a copy */
+        }
+        uint32_t i = kvd_tstore_find(&tp->st, bi.hash);
+        if (i != KVD_TNONE) {
+            continue; /* down already, or on its way */
+        }
+        kvd_block_info pi;
+        kv_hash128 parent = {0, 0};
+        if (bi.parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, bi.parent, &pi) == KV_OK &&
+            (pi.state == KVD_BLOCK_COMMITTED || pi.state == KVD_BLOCK_CACHED)) {
+            parent = pi.hash;
+        }
+        start_down(tp, p->pool, refs[k], bi.hash, parent, 1);
+    }
+}
+
+void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                     kvd_tier_run *out) {
+    memset(out, 0, sizeof(*out));
+    tier_pool *tp = p->tiers;
+    if (tp == NULL) {
+        return;
+    }
+    for (size_t k = 0; k < n; k++) {
+        uint32_t i = kvd_tstore_find(&tp->st, hashes[k]);
+        int ok = i != KVD_TNONE && !kvd_tstore_at(&tp->st, i)->doomed;
+        int in1 = ok && kvd_tstore_in(&tp->st, i, 1);
+        int in2 = ok && kvd_tstore_in(&tp->st, i, 2);
+        if (in1 || in2) {
+            out->t1 += in1;
+            out->t2 += !in1;
+        } else if (!kvd_pool_has(p->pool, hashes[k])) {
+            break;
+        }
+        out->fetchable++;
+    }
+    t->c[TS_HITS_T1] += out->t1;
+    t->c[TS_HITS_T2] += out->t2;
+}
+
+/* The fetch in flight bringing hash h up, and which of its positions, or NULL. */
+static kvd_fetch *inflight_up(kvd_tiers *t, const tier_pool *tp, kv_hash128 h, uint32_t *pos) {
+    for (kvd_fetch *f = t->fetches; f != NULL; f = f->next) {
+        if (f->tp != tp || f->pending == 0) {
+            continue;
+        }
+        for (uint32_t k = 0; k < f->n; k++) {
+            if (f->pos[k].kind == P_UP && f->pos[k].hash.lo == h.lo && f->pos[k].hash.hi == h.hi) {
+                *pos = k;
+                return f;
+            }
+        }
+    }
+    return NULL;
+}
+
+static kv_err add_waiter(kvd_fetch *f, kvd_fetch *w) {
+    for (uint32_t k = 0; k < f->nwaiters; k++) {
+        if (f->waiters[k] == w) {
+            return KV_EEXIST;
+        }
+    }
+    if (f->nwaiters == f->waiters_cap) {
+        uint32_t nc = f->waiters_cap == 0 ? 4 : f->waiters_cap * 2;
+        kvd_fetch **nw = realloc(f->waiters, sizeof(*nw) * nc);
+        if (nw == NULL) {
+            return KV_ENOMEM;
+        }
+        f->waiters = nw;
+        f->waiters_cap = nc;
+    }
+    f->waiters[f->nwaiters++] = w;
+    return KV_OK;
+}
+
+static void fetch_unlink(kvd_fetch *f) {
+    for (kvd_fetch **pp = &f->t->fetches; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == f) {
+            *pp = f->next;
+            return;
+        }
+    }
+}
+
+/* Every copy of f landed (or failed) and every fetch it waited for finished: commit what came
+ * up, hand the run to the caller, release the rest, then wake f's waiters. */
+static void fetch_finish(kvd_fetch *f) {
+    kvd_tiers *t = f->t;
+    tier_pool *tp = f->tp;
+    kvd_pool *pool = pool_of(tp);
+    kvd_block_ref *run = calloc(f->n > 0 ? f->n : 1, sizeof(*run));
+    uint32_t nok = 0, promoted = 0, shared = 0;
+    int chain = run != NULL;
+    uint32_t parent = f->parent_id;
+    for (uint32_t k = 0; k < f->n && pool != NULL; k++) {
+        fpos *p = &f->pos[k];
+        if (p->kind == P_UP) {
+            if (p->ok) {
+                kvd_block_ref canon;
+                kv_err rc =
+                    kvd_pool_commit(pool, KVD_TIERS_SESSION, p->ref, p->hash, parent, &canon);
+                if (rc == KV_OK) {
+                    p->ref = canon;
+                    p->have = 1;
+                    if (canon.id == p->ref.id) {
+                        kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
+                        if (rp != NULL) {
+                            kvd_registry_verify_commit(t->reg, rp, canon);
+                        }
+                    }
+                    uint32_t i = kvd_tstore_find(&tp->st, p->hash);
+                    if (i != KVD_TNONE) {
+                        kvd_tstore_touch(&tp->st, i);
+                    }
+                } else {
+                    (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &p->ref, 1);
+                    p->have = 0;
+                }
+            } else {
+                (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &p->ref, 1);
+                p->have = 0;
+            }
+        } else if (p->kind == P_WAIT) {
+            p->have = kvd_pool_hold_hash(pool, f->tenant, p->hash, &p->ref) == KV_OK;
+        }
+        if (!p->have) {
+            chain = 0;
+            continue;
+        }
+        parent = p->ref.id;
+        if (chain) {
+            run[nok++] = p->ref;
+            promoted += p->kind == P_UP;
+            shared += p->kind == P_WAIT;
+            p->have = 0; /* the run owns it now */
+        }
+    }
+    t->c[TS_FETCH_SHARED] += shared;
+    kvd_fetch_result r = {tp->pool_id, f->session, run,       pool != NULL ? nok : 0,
+                          promoted,    shared,     f->failed, f->code,
+                          f->orphan};
+    int taken = f->done(f->arg, &r);
+    if (pool != NULL) {
+        if (!taken && nok > 0) {
+            (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, run, nok);
+        }
+        /* Blocks past a break in the run: cached for whoever comes next. */
+        for (uint32_t k = 0; k < f->n; k++) {
+            if (f->pos[k].have) {
+                (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &f->pos[k].ref, 1);
+            }
+        }
+    }
+    free(run);
+    fetch_unlink(f);
+    for (uint32_t k = 0; k < f->nwaiters; k++) {
+        kvd_fetch *w = f->waiters[k];
+        if (--w->pending == 0) {
+            fetch_finish(w);
+        }
+    }
+    free(f->waiters);
+    free(f->pos);
+    free(f);
+}
+
+/* A fetch with nothing to copy finishes from the loop (its callback never runs inside
+ * kvd_tiers_fetch, as the async contract says). */
+static void on_idle_finish(uv_work_t *w) {
+    (void)w;
+}
+
+static void after_idle_finish(uv_work_t *w, int status) {
+    (void)status;
+    kvd_fetch *f = w->data;
+    free(w);
+    f->t->jobs--;
+    if (--f->pending == 0) {
+        fetch_finish(f);
+    }
+}
+
+kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
+                       const kv_hash128 *hashes, size_t n, uint32_t parent_id, kvd_fetch_done done,
+                       void *arg, uint32_t *nrun, char *msg) {
+    tier_pool *tp = p->tiers;
+    kvd_tier_run probe = {0, 0, 0};
+    if (tp != NULL) {
+        kvd_tiers_probe(t, p, hashes, n, &probe);
+    }
+    uint32_t m = probe.fetchable;
+    kvd_fetch *f = calloc(1, sizeof(*f));
+    fpos *pos = calloc(m > 0 ? m : 1, sizeof(*pos));
+    if (f == NULL || pos == NULL) {
+        free(f);
+        free(pos);
+        return KV_ENOMEM;
+    }
+    f->t = t;
+    f->tp = tp;
+    f->session = session;
+    f->tenant = tenant;
+    f->parent_id = parent_id;
+    f->n = m;
+    f->pos = pos;
+    f->done = done;
+    f->arg = arg;
+    f->code = KV_OK;
+    /* Plan: in T0 now -> hold at once (an allocation below could evict it otherwise); being
+     * brought up by another fetch -> wait for it; else copy up. */
+    uint32_t nup = 0;
+    kv_err rc = KV_OK;
+    for (uint32_t k = 0; k < m; k++) {
+        fpos *q = &pos[k];
+        q->hash = hashes[k];
+        uint32_t wpos;
+        kvd_fetch *other = inflight_up(t, tp, hashes[k], &wpos);
+        if (kvd_pool_hold_hash(p->pool, tenant, hashes[k], &q->ref) == KV_OK) {
+            q->kind = P_T0;
+            q->have = 1;
+        } else if (other != NULL) {
+            q->kind = P_WAIT;
+            kv_err wrc = add_waiter(other, f);
+            if (wrc == KV_OK) {
+                f->pending++;
+            } else if (wrc != KV_EEXIST) {
+                rc = wrc;
+                break;
+            }
+        } else {
+            q->entry = kvd_tstore_find(&tp->st, hashes[k]);
+            if (q->entry == KVD_TNONE ||
+                (!kvd_tstore_in(&tp->st, q->entry, 1) && !kvd_tstore_in(&tp->st, q->entry, 2))) {
+                m = k; /* in T0 only and not holdable now (quota): the run ends here */
+                f->n = m;
+                break;
+            }
+            q->kind = P_UP;
+            nup++;
+        }
+    }
+    kvd_block_ref *blocks = NULL;
+    if (rc == KV_OK && nup > 0) {
+        blocks = malloc(sizeof(*blocks) * nup);
+        rc = blocks == NULL
+                 ? KV_ENOMEM
+                 : kvd_registry_allocate(t->reg, p, nup, KVD_TIERS_SESSION, tenant, blocks, msg);
+        if (rc != KV_OK) {
+            free(blocks);
+            blocks = NULL;
+        }
+    }
+    if (rc != KV_OK) {
+        /* Undo: what was held goes back; the fetches waited for forget this one. */
+        for (uint32_t k = 0; k < m; k++) {
+            if (pos[k].have) {
+                (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, tenant, &pos[k].ref, 1);
+            }
+        }
+        for (kvd_fetch *o = t->fetches; o != NULL; o = o->next) {
+            for (uint32_t k = 0; k < o->nwaiters; k++) {
+                if (o->waiters[k] == f) {
+                    o->waiters[k] = o->waiters[--o->nwaiters];
+                    break;
+                }
+            }
+        }
+        free(pos);
+        free(f);
+        return rc;
+    }
+    f->next = t->fetches;
+    t->fetches = f;
+    uint32_t b = 0;
+    for (uint32_t k = 0; k < m; k++) {
+        fpos *q = &pos[k];
+        if (q->kind != P_UP) {
+            continue;
+        }
+        q->ref = blocks[b++];
+        q->have = 1; /* the WRITING lease */
+        kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
+        uint32_t nruns = 0;
+        run *runs = block_runs(p->pool, q->ref.id, &nruns);
+        job *j = runs != NULL ? job_new(tp, J_UP) : NULL;
+        if (j == NULL) {
+            free(runs);
+            f->failed++;
+            f->code = KV_ENOMEM;
+            continue; /* q->ok stays 0: the run ends here, its block is freed at the finish */
+        }
+        j->entry = q->entry;
+        j->ref = q->ref;
+        j->runs = runs;
+        j->nruns = nruns;
+        j->f = f;
+        j->pos = k;
+        if (e->t1 != NULL) {
+            j->src_tier = 1;
+            j->src1 = e->t1;
+            j->len1 = e->len1;
+            j->fmt1 = e->fmt1;
+        } else {
+            j->src_tier = 2;
+            j->slot = e->slot2;
+            j->rec.hash = e->hash;
+        }
+        q->tier = (uint8_t)j->src_tier;
+        if (job_start(j) != KV_OK) {
+            free(runs);
+            free(j);
+            f->failed++;
+            f->code = KV_ESYS;
+            continue;
+        }
+        e->busy++;
+        f->pending++;
+    }
+    free(blocks);
+    if (nup > 0) {
+        t->c[TS_FETCHES]++;
+    }
+    if (f->pending == 0) {
+        /* Nothing in flight: finish on the loop's next turn, through the thread pool's
+         * completion queue like every other job (an empty work function). */
+        uv_work_t *w = calloc(1, sizeof(*w));
+        if (w == NULL || uv_queue_work(t->loop, w, on_idle_finish, after_idle_finish) != 0) {
+            free(w);
+            /* Cannot defer: undo as if refused. */
+            fetch_unlink(f);
+            for (uint32_t k = 0; k < m; k++) {
+                if (pos[k].have) {
+                    (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, tenant, &pos[k].ref, 1);
+                }
+            }
+            free(pos);
+            free(f);
+            return KV_ENOMEM;
+        }
+        w->data = f;
+        t->jobs++;
+        f->pending = 1;
+    }
+    *nrun = m;
+    return KV_OK;
+}
+
+void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session) {
+    if (t == NULL) {
+        return;
+    }
+    for (kvd_fetch *f = t->fetches; f != NULL; f = f->next) {
+        if (f->session == session) {
+            f->orphan = 1;
+        }
+    }
+}
+
+void kvd_tiers_count_short(kvd_tiers *t) {
+    if (t != NULL) {
+        t->c[TS_FETCH_SHORT]++;
+    }
+}
+
+void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
+    uint64_t v[TS_COUNT];
+    memset(v, 0, sizeof(v));
+    if (t != NULL) {
+        memcpy(v, t->c, sizeof(v));
+        v[TS_T1_BYTES] = t->used[0];
+        v[TS_T1_CAP] = t->cap[0];
+        v[TS_T2_BYTES] = t->used[1];
+        v[TS_T2_CAP] = t->cap[1];
+        uint64_t b1 = 0, b2 = 0;
+        for (uint32_t i = 0; i < t->reg->npools; i++) {
+            const tier_pool *tp = t->reg->pools[i].tiers;
+            if (tp != NULL) {
+                b1 += tp->st.count[0];
+                b2 += tp->st.count[1];
+            }
+        }
+        v[TS_T1_BLOCKS] = b1;
+        v[TS_T2_BLOCKS] = b2;
+        v[TS_JOBS] = t->jobs;
+    }
+    for (int i = 0; i < TS_COUNT; i++) {
+        sink(arg, tier_stats[i].name, v[i]);
+    }
+}
+
+const kv_stat_desc *kvd_tiers_stat_descs(size_t *n) {
+    *n = TS_COUNT;
+    return tier_stats;
+}
+
+const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
+    if (!kvd_tiers_on(t)) {
+        snprintf(buf, len, "off");
+        return buf;
+    }
+    snprintf(buf, len, "T1 %llu bytes, T2 %s, format %s, %s; last T2 error: %s",
+             (unsigned long long)t->cap[0], t->cap[1] > 0 ? t->cfg->tier2_path : "off",
+             kvd_tier_format_name(t->format), t->cfg->tier_write,
+             t->t2_error[0] != '\0' ? t->t2_error : "none");
+    return buf;
+}

@@ -1,0 +1,140 @@
+/* kvd_tiers: the tiers below each pool. T0 is the pool's own memory; T1 is host memory the
+ * daemon owns (`tier1-memory` over all pools); T2 is one file per pool on a local disk
+ * (`tier2-path`, `tier2-bytes`), which survives a restart. A cached block the pool evicts is
+ * not lost when a lower tier holds a copy of it; a Lookup reports how far the prefix continues
+ * in the lower tiers and a Fetch brings that run back into T0.
+ *
+ * Copies never run on the loop thread: every byte move is a job on libuv's thread pool
+ * (uv_queue_work) whose completion comes back on the loop thread, which alone owns every pool,
+ * entry and count. Ownership rule (docs/ARCHITECTURE.md, "Tiers"): while a job reads a T0
+ * block, the block carries a tier lease (kvd_pool_lease: nothing can evict or reuse it); while
+ * a job writes a T0 block, the block is WRITING, leased to the tiers' own session
+ * (KVD_TIERS_SESSION), so a client's death or Release cannot free it; while a job reads or
+ * writes a lower-tier entry, the entry is busy and no eviction takes it. Nothing a job touches
+ * is freed before its completion runs.
+ *
+ * Write-back (the default): when a pool's free blocks drop below `tier-clean-ahead`, the next
+ * victims of its eviction order are copied down ahead of eviction (then returned, cold, to the
+ * head of their queue); an eviction of a block with a copy is a demotion, of one without a drop
+ * (counted: dirty drops, e.g. a burst that outran the copies). Write-through: every committed
+ * block is copied down at once. Selective (`tier-min-hits`): only blocks Lookups found that
+ * often go down. A block that lands in T1 is written on to T2 at once (when there is a T2), so
+ * that T1 makes room without waiting for the disk; only the last tier drops.
+ *
+ * Lossless formats only (raw, lz4, zstd: kvd_codec). Not built yet (issue 14, unfinished):
+ * quantized lower-tier formats, per-pool tier options, pinned host memory and copy streams for
+ * GPU pools (a pool whose backend has no host mapping gets no tiers, logged once).
+ * Loop thread only.
+ */
+#ifndef KVD_TIERS_H
+#define KVD_TIERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+#include "daemon/config/config.h"
+#include "daemon/core/pool.h"
+#include "daemon/registry/registry.h"
+
+#define KVD_TIERS_SESSION UINT64_MAX /* the session id of blocks a Fetch is filling */
+
+typedef struct kvd_tiers kvd_tiers;
+typedef struct kvd_fetch kvd_fetch;
+
+/* Makes the tiers of the daemon: nothing when tier1-memory is 0 and tier2-path is empty (then
+ * every call below is a cheap no-op). Registers the registry's pool_gone hook. KV_ENOMEM; KV_ESYS
+ * when tier2-path cannot be made (msg says why). */
+kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
+                       char *msg, size_t msglen);
+
+/* Frees every pool's tier state (T1 memory, T2 files closed; they stay on disk). Call after the
+ * loop ran dry (no job in flight), after kvd_registry_fini. Accepts NULL. */
+void kvd_tiers_free(kvd_tiers *t);
+
+/* 1 when any lower tier is configured. */
+int kvd_tiers_on(const kvd_tiers *t);
+
+/* Gives pool p its lower tiers (once; later calls do nothing): its T1 entries, and its T2 file
+ * `<tier2-path>/<domain>/<model>-<layout>.t2`, whose records found by a scan become T2 entries
+ * (what survived a restart). domain: the pool's domain name. A pool that cannot have tiers (no
+ * host mapping, T2 unusable) is logged once and keeps working without them (or with T1 only).
+ * KV_ENOMEM. */
+kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain);
+
+/* Write-through: a block was just committed in p (a new canonical block): start its copy down.
+ * Write-back: nothing. */
+void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk);
+
+/* Write-back: after an Allocate in p, keep the next victims copied down while free blocks are
+ * few. Cheap when there is room. */
+void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p);
+
+/* How far a prefix continues below T0: hashes[0..n) is the part after the T0 hits; out gets the
+ * length of the leading run whose every block is in T0, T1 or T2 (`fetchable`) and how many of
+ * them are in T1 (`t1`) and only in T2 (`t2`). Counts the lower-tier hits. */
+typedef struct kvd_tier_run {
+    uint32_t fetchable;
+    uint32_t t1;
+    uint32_t t2;
+} kvd_tier_run;
+void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                     kvd_tier_run *out);
+
+/* A Fetch's outcome, given to its callback. refs[0..nok) are the run's blocks in T0, in prefix
+ * order, each with one reference charged to the fetch's tenant and owned by the fetch: the
+ * callback takes them (records them in its session's ledger; returns 1) or leaves them (returns
+ * 0: the session is gone; the tiers release them). */
+typedef struct kvd_fetch_result {
+    uint32_t pool_id;          /* the pool */
+    uint64_t session;          /* who asked */
+    const kvd_block_ref *refs; /* [nok] */
+    uint32_t nok;              /* blocks now in T0 for the caller, from the run's start */
+    uint32_t promoted;         /* of them, copied up from T1 or T2 by this fetch */
+    uint32_t shared;           /* of them, copied up by another fetch this one waited for */
+    uint32_t failed;           /* lower-tier copies that failed a check (the run ends there) */
+    kv_err code;               /* KV_OK, or why the run ends early (KV_ECORRUPT, KV_ESYS) */
+    int orphan;                /* the session closed while the fetch was in flight */
+} kvd_fetch_result;
+typedef int (*kvd_fetch_done)(void *arg, const kvd_fetch_result *r);
+
+/* Brings the run of hashes[0..n) (the prefix after the T0 hits, whose last hit is block
+ * parent_id, or KVD_NO_BLOCK when there is none) into T0 for session (tenant pays for the
+ * blocks): the run's leading blocks found in T0, T1 or T2 (as kvd_tiers_probe counts it). Blocks
+ * still in T0 are held at once; for the others T0 blocks are allocated (kvd_registry_allocate:
+ * quota and memory rules as Allocate) and filled by copy jobs; a block another fetch is already
+ * bringing up is waited for, not copied twice. done runs exactly once on the loop thread, after
+ * this call returns, when the bytes are in place (or at once, from the loop, when there was
+ * nothing to copy) — unless this call fails: KV_ENOSPC, KV_EQUOTA (msg says why: nothing held),
+ * KV_ENOMEM. *nrun gets the run's length (0: done runs with nok 0). */
+kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
+                       const kv_hash128 *hashes, size_t n, uint32_t parent_id, kvd_fetch_done done,
+                       void *arg, uint32_t *nrun, char *msg);
+
+/* Counts a Fetch refused as SHORT (its run under fetch-min-tokens). */
+void kvd_tiers_count_short(kvd_tiers *t);
+
+/* A session closed: its fetches in flight finish without it (their blocks become cached). */
+void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session);
+
+/* Copy jobs in flight (the daemon's stop waits for 0). */
+uint32_t kvd_tiers_inflight(const kvd_tiers *t);
+
+/* The tiers' counters over all pools through sink: tier1_bytes, tier1_blocks, tier1_capacity,
+ * tier2_bytes, tier2_blocks, tier2_capacity, tier_hits_t1, tier_hits_t2, demotions_t1,
+ * demotions_t2, dirty_drops, drops_t1, drops_t2, promotions_t1, promotions_t2, fetches,
+ * fetches_short, fetch_shared, corrupt_t2, write_errors_t2, copy_bytes_down_t1/_t2,
+ * copy_ns_down_t1/_t2, copy_bytes_up_t1/_t2, copy_ns_up_t1/_t2 (bytes moved and copy-thread
+ * time per direction and tier: their ratio is the copy bandwidth), jobs_inflight
+ * (kvd_tiers_stat_descs has the table). */
+void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg);
+const kv_stat_desc *kvd_tiers_stat_descs(size_t *n);
+
+/* One line on the state of the lower tiers for admin (`tiers`): "off", or what is configured and
+ * the last T2 error ("ok" when none). */
+const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len);
+
+#endif

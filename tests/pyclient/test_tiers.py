@@ -1,0 +1,362 @@
+"""Lower tiers (PROTOCOL.md §6 Fetch, docs/TIERS.md) against a real kvd: blocks evicted from a
+pool come back from tier 1 (host memory) and tier 2 (files) with their bytes intact, in every
+stored format; a restart finds tier 2 again; a corrupt or unwritable tier 2 is never served and
+never stops the daemon; another tenant never hits a block of someone else's tiers; a client that
+dies with a Fetch in flight leaks nothing."""
+
+import os
+import time
+
+import pytest
+
+import kvdwire as kw
+from conftest import UID_A, UID_B, Child, new_dir, wait_until
+from kvdwire import pb
+
+# 2 layers x 2 heads x 8 dims x 16 tokens fp16: 2048-byte blocks. segment-bytes 64K: 32 blocks
+# a segment; pool-memory 160K holds 2 segments (64 blocks) once metadata is counted.
+LAYOUT = kw.Layout(2, 2, 8, 16, pb.FP16, pb.LAYER_MAJOR)
+T = LAYOUT.tokens_per_block
+SMALL = {"pool_memory": "160K", "segment_bytes": "64K"}
+
+
+def _tiers(**extra):
+    o = dict(SMALL)
+    o.update({"tier1_memory": "4M", "fetch_min_tokens": "16"})
+    o.update(extra)
+    return o
+
+
+def connect(d):
+    return d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+
+
+def allocate(conn, pool, count):
+    r = conn.allocate(pool.pool_id, count)
+    pool.follow(r)
+    return kw.reply_blocks(r)
+
+
+def prefix(pool, nblocks, base):
+    toks = list(range(base, base + nblocks * T))
+    return kw.hash_chain(pool.hash_seed, toks, T, b"", pool.hash_algo)
+
+
+def write_commit_release(conn, pool, hashes, pats):
+    """Allocates, writes, commits and releases one chain (so its blocks are cached)."""
+    blocks = allocate(conn, pool, len(hashes))
+    for (bid, _), p in zip(blocks, pats):
+        pool.write_block(bid, p)
+    entries, parent = [], kw.NO_PARENT
+    for b, h in zip(blocks, hashes):
+        entries.append((b, h, parent))
+        parent = b[0]
+    canon = conn.commit(pool.pool_id, entries)
+    conn.release(pool.pool_id, canon)
+    return canon
+
+
+def patterns(pool, hashes):
+    return [kw.block_pattern(pool.layout, kw.hash_hex(h)) for h in hashes]
+
+
+def tier_stats(d):
+    return d.admin_result("stats")["tiers"]
+
+
+def flood(conn, pool, chains, nblocks, base):
+    """Commits `chains` chains of nblocks each (different tokens) to push older blocks out."""
+    for k in range(chains):
+        hs = prefix(pool, nblocks, base + k * 100000)
+        write_commit_release(conn, pool, hs, patterns(pool, hs))
+
+
+def fetch_all(conn, pool, hashes):
+    r = conn.fetch(pool.pool_id, hashes)
+    pool.follow(r)
+    return r, kw.reply_blocks(r)
+
+
+def check_bytes(pool, blocks, pats):
+    for (bid, _), p in zip(blocks, pats):
+        assert pool.read_block(bid) == p, "block %d: bytes differ after the round trip" % bid
+
+
+def settle(d, key="jobs_inflight"):
+    wait_until(lambda: tier_stats(d)[key] == 0, timeout=10)
+
+
+@pytest.mark.parametrize("fmt", ["raw", "lz4", "zstd"])
+@pytest.mark.parametrize("write", ["write-through", "write-back"])
+def test_demote_promote_round_trip_t1(kvd_factory, fmt, write):
+    """A chain evicted from T0 comes back from T1 with every byte as written."""
+    d = kvd_factory(**_tiers(tier_format=fmt, tier_write=write, tier_clean_ahead="16"))
+    c = connect(d)
+    assert c.hello_reply.features & kw.FEATURE_TIERS
+    pool = c.attach("m-t1", LAYOUT)
+    hs = prefix(pool, 8, 1)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    # Push the chain out of T0 a little at a time, so write-back's copies keep ahead.
+    for k in range(12):
+        flood(c, pool, 1, 8, 10 + k * 1000)
+        settle(d)
+    r = c.lookup(pool.pool_id, hs)
+    pool.follow(r)
+    t0 = kw.reply_blocks(r)
+    c.release(pool.pool_id, t0)
+    assert len(t0) < 8, "the flood should have evicted part of the chain from T0"
+    assert len(t0) + r.tier_fetchable == 8 and r.tier1_hits > 0, r
+    fr, blocks = fetch_all(c, pool, hs)
+    assert fr.status == pb.FETCH_DONE, fr
+    assert len(blocks) == 8 and fr.t0_hits == len(t0), fr
+    assert fr.promoted >= 1
+    check_bytes(pool, blocks, pats)
+    st = tier_stats(d)
+    assert st["promotions_t1"] >= fr.promoted and st["demotions_t1"] > 0, st
+    assert st["dirty_drops"] == 0 or write == "write-back", st
+    # The promoted blocks are ordinary hits now.
+    c.release(pool.pool_id, blocks)
+    assert len(kw.reply_blocks(c.lookup(pool.pool_id, hs))) == 8
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zstd"])
+def test_t2_round_trip_and_restart(kvd_factory, fmt):
+    """With T1 off, evicted blocks go to a T2 file; after the daemon is killed and restarted on
+    the same directory, a Fetch brings them back from T2 (new boot epoch, same bytes)."""
+    opts = dict(SMALL)
+    t2dir = os.path.join(new_dir(), "t2")
+    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
+                 "tier_format": fmt, "tier_write": "write-through", "fetch_min_tokens": "16"})
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-t2", LAYOUT)
+    hs = prefix(pool, 6, 7)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    st = tier_stats(d)
+    assert st["demotions_t2"] >= 6 and st["tier2_blocks"] >= 6, st
+    doms = os.listdir(t2dir)
+    assert len(doms) == 1 and os.stat(os.path.join(t2dir, doms[0])).st_mode & 0o777 == 0o700
+    d.kill()  # SIGKILL: what a crash leaves must be enough
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    assert c2.hello_reply.boot_epoch != c.hello_reply.boot_epoch
+    pool2 = c2.attach("m-t2", LAYOUT)
+    r = c2.lookup(pool2.pool_id, hs)
+    assert kw.reply_blocks(r) == [] and r.tier_fetchable == 6 and r.tier2_hits == 6, r
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == 6 and fr.promoted == 6, fr
+    check_bytes(pool2, blocks, pats)
+    assert tier_stats(d2)["promotions_t2"] == 6
+
+
+def test_t2_corrupt_record_never_served(kvd_factory):
+    """A T2 record whose bytes changed on disk fails its check: the Fetch returns the run up to
+    it (FETCH_PARTIAL, ECORRUPT), the record is dropped and counted, and the daemon serves on."""
+    opts = dict(SMALL)
+    t2dir = os.path.join(new_dir(), "t2")
+    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
+                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-bad", LAYOUT)
+    hs = prefix(pool, 4, 3)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    d.kill()
+    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
+    path = os.path.join(dom, os.listdir(dom)[0])
+    # Find the record of block 2 (its payload holds pats[2]) and flip one payload byte.
+    data = bytearray(open(path, "rb").read())
+    at = data.find(pats[2][:64])
+    assert at > 0
+    data[at + 100] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    pool2 = c2.attach("m-bad", LAYOUT)
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_PARTIAL and fr.failure == pb.ECORRUPT, fr
+    assert len(blocks) == 2, fr
+    check_bytes(pool2, blocks, pats[:2])
+    st = tier_stats(d2)
+    assert st["corrupt_t2"] == 1, st
+    c2.release(pool2.pool_id, blocks)
+    # The bad record is gone: the run now ends before it without a copy.
+    r = c2.lookup(pool2.pool_id, hs)
+    assert len(kw.reply_blocks(r)) == 2 and r.tier_fetchable == 0, r
+    assert c2.ping().nonce == 0
+
+
+def test_t2_unusable_keeps_serving(kvd_factory):
+    """A tier2-path kvd cannot make its domain directory under (a regular file): tier 2 is off
+    for the pool, the admin state says why, and the pool works as a single tier."""
+    def setup(tmp):
+        open(os.path.join(tmp, "t2"), "w").close()
+
+    opts = dict(SMALL)
+    opts.update({"tier1_memory": "0", "tier2_path": "{dir}/t2", "tier2_bytes": "64M",
+                 "tier_write": "write-through"})
+    d = kvd_factory(setup=setup, **opts)
+    c = connect(d)
+    pool = c.attach("m-ro", LAYOUT)
+    hs = prefix(pool, 3, 1)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    assert len(kw.reply_blocks(c.lookup(pool.pool_id, hs))) == 3
+    st = tier_stats(d)
+    assert "Not a directory" in st["state"] and st["tier2_blocks"] == 0, st
+
+
+def test_t2_disk_full_keeps_serving(kvd_factory):
+    """tier2-bytes smaller than one slot: nothing can go down, the pool keeps serving from T0,
+    and the evictions count as dirty drops."""
+    opts = dict(SMALL)
+    opts.update({"tier1_memory": "0", "tier2_path": "{dir}/t2", "tier2_bytes": "1K",
+                 "tier_write": "write-through"})
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-full", LAYOUT)
+    flood(c, pool, 12, 8, 1)
+    st = tier_stats(d)
+    assert st["tier2_blocks"] == 0 and st["dirty_drops"] > 0, st
+    hs = prefix(pool, 2, 99)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    assert len(kw.reply_blocks(c.lookup(pool.pool_id, hs))) == 2
+
+
+def test_fetch_short_is_not_fetched(kvd_factory):
+    """A lower-tier run under fetch-min-tokens is not copied: FETCH_SHORT, only T0 hits."""
+    d = kvd_factory(**_tiers(tier_write="write-through", fetch_min_tokens="256"))
+    c = connect(d)
+    pool = c.attach("m-short", LAYOUT)
+    hs = prefix(pool, 4, 5)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    flood(c, pool, 12, 8, 50)
+    fr, blocks = fetch_all(c, pool, hs)
+    assert fr.status == pb.FETCH_SHORT and fr.promoted == 0, fr
+    assert len(blocks) == fr.t0_hits < 4 and "min_tokens" in fr.message
+    # The request's own min_tokens overrides the daemon's.
+    c.release(pool.pool_id, blocks)
+    fr = c.fetch(pool.pool_id, hs, min_tokens=16)
+    assert fr.status == pb.FETCH_DONE and len(kw.reply_blocks(fr)) == 4, fr
+
+
+def test_concurrent_fetches_share_one_copy(kvd_factory):
+    """Two Fetches of one evicted chain pipelined back to back: both get all blocks, and the
+    copies up are made once (the second waits for the first's)."""
+    d = kvd_factory(**_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-share", LAYOUT)
+    hs = prefix(pool, 8, 2)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    flood(c, pool, 12, 8, 70)
+    r = c.lookup(pool.pool_id, hs)
+    n0 = len(kw.reply_blocks(r))
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    assert n0 < 8
+    a = c.send("fetch", c.fetch_msg(pool.pool_id, hs))
+    b = c.send("fetch", c.fetch_msg(pool.pool_id, hs))
+    p = c.send("ping", pb.Ping(nonce=5))
+    got = {}
+    for _ in range(3):
+        which, body, _ = c.recv()
+        got[body.DESCRIPTOR.name] = got.get(body.DESCRIPTOR.name, []) + [body]
+    assert len(got["FetchReply"]) == 2 and len(got["Pong"]) == 1
+    for fr in got["FetchReply"]:
+        pool.follow(fr)
+        assert fr.status == pb.FETCH_DONE and len(kw.reply_blocks(fr)) == 8, fr
+        check_bytes(pool, kw.reply_blocks(fr), pats)
+    st = tier_stats(d)
+    assert st["promotions_t1"] == 8 - n0, st  # each block copied up once
+    del a, b, p
+
+
+def test_fetch_client_dies_mid_flight_leaks_nothing(kvd_factory):
+    """A client that sends a Fetch and exits at once: the fetched blocks end up cached (no
+    reference, no WRITING block left), and the next client hits them in T0."""
+    d = kvd_factory(**_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-die", LAYOUT)
+    hs = prefix(pool, 8, 4)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    flood(c, pool, 12, 8, 90)
+
+    def dier(ready_w):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        p = k.attach("m-die", LAYOUT)
+        k.send("fetch", k.fetch_msg(p.pool_id, hs))
+        return 1  # the process exits with the Fetch unanswered: its connection closes
+
+    Child(dier).result()
+    settle(d)
+
+    def back():
+        s = c.stats(pool.pool_id)
+        return s["pool.blocks_writing"] == 0 and s["pool.blocks_committed"] == 0
+
+    wait_until(back, timeout=10)
+    r = c.lookup(pool.pool_id, hs)
+    pool.follow(r)
+    blocks = kw.reply_blocks(r)
+    assert len(blocks) == 8
+    check_bytes(pool, blocks, pats)
+
+
+def test_tiers_isolated_between_tenants(kvd_factory):
+    """Tenant B never sees tenant A's demoted blocks: B's Lookup reports no lower-tier run and
+    B's Fetch copies nothing, for the same model, layout and tokens."""
+    d = kvd_factory(tenants="tenant alice uid=%d\ntenant bob uid=%d\n" % (UID_A, UID_B),
+                    **_tiers(tier_write="write-through", tier2_path="{dir}/t2",
+                             tier2_bytes="64M"))
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run children as other uids")
+
+    def alice(ready_w, look):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        p = k.attach("m-iso", LAYOUT)
+        hs = prefix(p, 4, 1)
+        if not look:
+            write_commit_release(k, p, hs, patterns(p, hs))
+            return 0
+        r = k.lookup(p.pool_id, hs)
+        return len(kw.reply_blocks(r)), r.tier_fetchable
+
+    Child(alice, False, uid=UID_A).result()
+    settle(d)
+    assert d.admin_result("evict all")["evicted"] >= 4
+    assert Child(alice, True, uid=UID_A).result() == (0, 4)
+
+    def bob(ready_w):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        p = k.attach("m-iso", LAYOUT)
+        hs = prefix(p, 4, 1)
+        r = k.lookup(p.pool_id, hs)
+        fr = k.fetch(p.pool_id, hs, min_tokens=16)
+        return len(kw.reply_blocks(r)), r.tier_fetchable, fr.promoted, len(kw.reply_blocks(fr))
+
+    assert Child(bob, uid=UID_B).result() == (0, 0, 0, 0)
+
+
+def test_old_client_sees_t0_only(kvd_factory):
+    """A client that did not ask for FEATURE_TIERS gets Lookup replies without tier fields."""
+    d = kvd_factory(**_tiers(tier_write="write-through"))
+    c = d.connect()  # features = PACKED only
+    pool = c.attach("m-old", LAYOUT)
+    hs = prefix(pool, 4, 8)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    flood(c, pool, 12, 8, 300)
+    r = c.lookup(pool.pool_id, hs)
+    assert r.tier_fetchable == 0 and r.tier1_hits == 0
