@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "common/kv_log.h"
+#include "daemon/tiers/tiers.h"
 #include "common/kv_version.h"
 #include "daemon/core/pool.h"
 #include "daemon/ops/admin_cmds.h"
@@ -25,7 +26,7 @@
  * tenant's (daemon/ops/admin_cmds.h) and a pool's (daemon/core/pool.h). Rows of one family are
  * adjacent in their table; the first carries the family's HELP. */
 typedef struct section {
-    const char *name;                        /* "daemon", "pools" or "tenants" in the stats */
+    const char *name;                        /* "daemon", "pools", "tenants" or "tiers" */
     const kv_stat_desc *(*table)(size_t *n); /* its table */
 } section;
 
@@ -33,6 +34,7 @@ static const section sections[] = {
     {"daemon", kvd_admin_daemon_stats},
     {"pools", kvd_pool_stat_descs},
     {"tenants", kvd_admin_tenant_stats},
+    {"tiers", kvd_tiers_stat_descs},
 };
 
 /* Writes a label value with the exposition format's escapes (\\, \", \n). */
@@ -52,7 +54,7 @@ static void put_label(FILE *out, const char *v) {
 
 static void put_labels(FILE *out, const char *section, const json_t *obj, const kv_stat_desc *r) {
     int first = 1;
-    if (strcmp(section, "daemon") == 0 && r->label == NULL) {
+    if ((strcmp(section, "daemon") == 0 || strcmp(section, "tiers") == 0) && r->label == NULL) {
         return;
     }
     fputc('{', out);
@@ -103,8 +105,11 @@ kv_err kvd_metrics_render(const json_t *st, const char *version, FILE *out) {
         size_t nrows;
         const kv_stat_desc *rows = sections[q].table(&nrows);
         const char *sec = sections[q].name;
-        const json_t *objs = strcmp(sec, "daemon") == 0 ? NULL : json_object_get(st, sec);
-        size_t nobj = objs == NULL ? 1 : json_array_size(objs);
+        /* daemon and tiers are one object each; pools and tenants arrays of them. */
+        int single = strcmp(sec, "daemon") == 0 || strcmp(sec, "tiers") == 0;
+        const json_t *one = strcmp(sec, "tiers") == 0 ? json_object_get(st, "tiers") : daemon;
+        const json_t *objs = single ? NULL : json_object_get(st, sec);
+        size_t nobj = single ? (one != NULL ? 1 : 0) : json_array_size(objs);
         for (size_t i = 0; i < nrows;) {
             size_t end = i + 1;
             while (rows[i].family != NULL && end < nrows && rows[end].family != NULL &&
@@ -116,7 +121,7 @@ kv_err kvd_metrics_render(const json_t *st, const char *version, FILE *out) {
                         rows[i].family_help != NULL ? rows[i].family_help : rows[i].help,
                         rows[i].family, rows[i].type);
                 for (size_t k = 0; k < nobj; k++) {
-                    const json_t *o = objs == NULL ? daemon : json_array_get(objs, k);
+                    const json_t *o = objs == NULL ? one : json_array_get(objs, k);
                     for (size_t r = i; r < end; r++) {
                         fputs(rows[r].family, out);
                         put_labels(out, sec, o, &rows[r]);

@@ -26,11 +26,11 @@
 #include "daemon/tiers/store.h"
 
 enum {
-    TS_T1_BYTES,
-    TS_T1_BLOCKS,
-    TS_T1_CAP,
+    TS_T1_BYTES, /* rows of one Prometheus family stay adjacent (daemon/ops/metrics.c) */
     TS_T2_BYTES,
+    TS_T1_BLOCKS,
     TS_T2_BLOCKS,
+    TS_T1_CAP,
     TS_T2_CAP,
     TS_HITS_T1,
     TS_HITS_T2,
