@@ -47,7 +47,7 @@ for t in "${targets[@]}"; do
             # library minus its main and tests.
             mapfile -t srcs < <(ls daemon/*/*.c common/*.c kvctl/exit_codes.c 2>/dev/null \
                 | grep -vE '_test\.c$|/main\.c$|/kv_err\.c$|/kv_log\.c$|^daemon/testing/')
-            libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lmd -lpthread -ldl)
+            libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lmd -llz4 -lzstd -lpthread -ldl)
             ;;
         *) echo "build.sh: unknown target $t (${ALL[*]})" >&2; exit 2 ;;
     esac
