@@ -779,13 +779,15 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     int taken = 1;
     size_t n = w->nt0;
     kvd_block_ref *all = malloc(sizeof(*all) * (w->nt0 + r->nok + 1));
-    if (all != NULL && r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
+    if (all == NULL) {
+        taken = 0; /* no memory to hand them over: the tiers release them */
+    } else {
         memcpy(all, w->t0, sizeof(*all) * w->nt0);
-        memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
-        n += r->nok;
-    } else if (all != NULL) {
-        memcpy(all, w->t0, sizeof(*all) * w->nt0);
-        taken = r->nok == 0 ? 1 : 0; /* no memory to record them: the tiers release them */
+        /* On ENOMEM kvd_session_hold gave the pool references back itself: taken either way. */
+        if (r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
+            memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
+            n += r->nok;
+        }
     }
     kv_arena arena;
     kv_arena_init(&arena);
