@@ -40,6 +40,7 @@ typedef enum kvc__op_kind {
     KVC__OP_PING,
     KVC__OP_GOODBYE,
     KVC__OP_DETACH,
+    KVC__OP_FETCH,
 } kvc__op_kind;
 
 /* One request in flight: where its frame is, and where its reply's outputs go. The engine uses
@@ -63,6 +64,8 @@ typedef struct kvc__op {
     uint64_t nonce;      /* ping nonce */
     kvc_stat_fn stat_fn; /* stats callback */
     void *stat_arg;      /* its argument */
+    void *aux;           /* lookup: kvc_tier_hits * or NULL; fetch: kvc_fetch_result * */
+    int aux_fetch;       /* aux is a kvc_fetch_result (a fetch, maybe sent as a Lookup) */
 } kvc__op;
 
 /* Handles the reply envelope env (unpacked into the connection's arena: valid during the call

@@ -293,6 +293,51 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 note_block(op->pools != NULL ? op->pools[i] : op->pool, out[i].id);
             }
             *op->nout = n;
+            if (op->aux != NULL && op->aux_fetch) {
+                /* A fetch sent as a Lookup (no lower tiers): the T0 hits are the answer. */
+                kvc_fetch_result *fr = op->aux;
+                fr->nblocks = n;
+                fr->t0_hits = (uint32_t)n;
+                fr->status = KVC_FETCH_DONE;
+            } else if (op->aux != NULL) {
+                kvc_tier_hits *th = op->aux;
+                th->fetchable = r->tier_fetchable;
+                th->t1 = r->tier1_hits;
+                th->t2 = r->tier2_hits;
+            }
+            return KV_OK;
+        }
+        case KVC__OP_FETCH: {
+            if (env->body_case != KVD__ENVELOPE__BODY_FETCH_REPLY) {
+                break;
+            }
+            const Kvd__FetchReply *r = env->fetch_reply;
+            size_t n;
+            if (blocks_count(r->n_blocks, &r->blocks_packed, &n) != KV_OK) {
+                return bad_reply(c, "FetchReply blocks_packed is malformed");
+            }
+            if (n > op->count || r->t0_hits > n || r->promoted > n) {
+                return bad_reply(c, "FetchReply has more blocks than hashes");
+            }
+            note_new_segments(op->pool, r->new_segments_from);
+            blocks_out_any(op->out, r->blocks, r->n_blocks, &r->blocks_packed, n);
+            kvc_block *out = op->out;
+            for (size_t i = 0; i < n; i++) {
+                note_block(op->pool, out[i].id);
+            }
+            *op->nout = n;
+            kvc_fetch_result *fr = op->aux;
+            fr->nblocks = n;
+            fr->t0_hits = r->t0_hits;
+            fr->promoted = r->promoted;
+            fr->lower_run = r->lower_run;
+            fr->status = (int)r->status;
+            fr->failure =
+                (int)r->failure > 0 && (int)r->failure < KV_ERR_COUNT ? (kv_err)r->failure : KV_OK;
+            if (fr->status == KVC_FETCH_PARTIAL || fr->status == KVC_FETCH_SHORT) {
+                kvc__log(&c->diag, KVC_LOG_DEBUG, "KVC-FETCH", "request %llu: %s",
+                         (unsigned long long)op->id, r->message != NULL ? r->message : "");
+            }
             return KV_OK;
         }
         case KVC__OP_ALLOCATE: {
@@ -414,7 +459,9 @@ static kv_err hello(kvc_conn *c) {
     h.client_name = c->name;
     h.token.data = c->token;
     h.token.len = c->token_len;
-    h.features = KV_FEATURE_PACKED; /* we read packed block lists in replies */
+    /* We read packed block lists and LookupReply's tier fields, and match every reply by its
+     * id (a FetchReply may come after later replies). */
+    h.features = KV_FEATURE_PACKED | KV_FEATURE_TIERS;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_HELLO;
     env.hello = &h;
@@ -581,8 +628,11 @@ static kv_err q_ping(kvc_batch *b, const void *payload, size_t len, size_t *inde
     return KV_OK;
 }
 
-static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
-                       kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
+/* Lookup, or Fetch (fetch != NULL): one encoder for both lists of hashes. A daemon without
+ * lower tiers gets a Lookup for a fetch, and the result says FETCH_DONE with the T0 hits. */
+static kv_err q_hashes(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                       kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index,
+                       kvc_tier_hits *tiers, kvc_fetch_result *fetch, uint32_t min_tokens) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
@@ -594,17 +644,17 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     if (err != KV_OK) {
         return err;
     }
+    int as_fetch = fetch != NULL && (c->features & KV_FEATURE_TIERS);
     Kvd__Hash128 *m = NULL, **ptrs = NULL;
     uint8_t *packed = NULL;
-    Kvd__Lookup req = KVD__LOOKUP__INIT;
-    req.pool_id = p->pool_id;
-    req.search_domains = pools != NULL;
+    ProtobufCBinaryData hp = {0, NULL};
+    size_t nrep = 0;
     if (c->features & KV_FEATURE_PACKED) {
         /* 16 bytes a hash instead of a 20-byte submessage, and no unpacking in kvd. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         /* kv_hash128 {lo, hi} in memory is the packed layout already: encode from the
          * caller's array (kvc__batch_add copies it into the batch). */
-        req.hashes_packed.data = (uint8_t *)hashes;
+        hp.data = (uint8_t *)hashes;
 #else
         packed = malloc(n * KV_WIRE_HASH_BYTES + 1);
         if (packed == NULL) {
@@ -614,9 +664,9 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
         for (size_t i = 0; i < n; i++) {
             kv_wire_hash_put(packed, i, hashes[i].lo, hashes[i].hi);
         }
-        req.hashes_packed.data = packed;
+        hp.data = packed;
 #endif
-        req.hashes_packed.len = n * KV_WIRE_HASH_BYTES;
+        hp.len = n * KV_WIRE_HASH_BYTES;
     } else {
         m = malloc((n ? n : 1) * sizeof(*m));
         ptrs = malloc((n ? n : 1) * sizeof(*ptrs));
@@ -630,20 +680,44 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
             m[i].hi = hashes[i].hi;
             ptrs[i] = &m[i];
         }
-        req.n_hashes = n;
-        req.hashes = ptrs;
+        nrep = n;
     }
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
-    env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
-    env.lookup = &req;
+    Kvd__Lookup req = KVD__LOOKUP__INIT;
+    Kvd__Fetch freq = KVD__FETCH__INIT;
+    if (as_fetch) {
+        freq.pool_id = p->pool_id;
+        freq.hashes_packed = hp;
+        freq.n_hashes = nrep;
+        freq.hashes = ptrs;
+        freq.min_tokens = min_tokens;
+        env.body_case = KVD__ENVELOPE__BODY_FETCH;
+        env.fetch = &freq;
+    } else {
+        req.pool_id = p->pool_id;
+        req.search_domains = pools != NULL;
+        req.hashes_packed = hp;
+        req.n_hashes = nrep;
+        req.hashes = ptrs;
+        env.body_case = KVD__ENVELOPE__BODY_LOOKUP;
+        env.lookup = &req;
+    }
     kvc__op *op;
-    err = kvc__batch_add(b, KVC__OP_LOOKUP, &env, &op);
+    err = kvc__batch_add(b, as_fetch ? KVC__OP_FETCH : KVC__OP_LOOKUP, &env, &op);
     if (err == KV_OK) {
         op->pool = p;
         op->count = n;
         op->out = out;
         op->nout = nhit;
         op->pools = pools;
+        op->aux = fetch != NULL ? (void *)fetch : (void *)tiers;
+        op->aux_fetch = fetch != NULL;
+        if (fetch != NULL) {
+            memset(fetch, 0, sizeof(*fetch));
+        }
+        if (tiers != NULL) {
+            memset(tiers, 0, sizeof(*tiers));
+        }
         if (index != NULL) {
             *index = b->nops - 1;
         }
@@ -653,6 +727,11 @@ cleanup:
     free(ptrs);
     free(packed);
     return err;
+}
+
+static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                       kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
+    return q_hashes(b, p, hashes, n, out, pools, nhit, index, NULL, NULL, 0);
 }
 
 static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out, size_t *index) {
@@ -893,10 +972,10 @@ static kv_err check_addressable(kvc_conn *c, kvc__op *op) {
     if (op->status != KV_OK || op->out == NULL || op->pool == NULL) {
         return op->status;
     }
-    size_t n = op->kind == KVC__OP_LOOKUP     ? *op->nout
-               : op->kind == KVC__OP_ALLOCATE ? op->count
-               : op->kind == KVC__OP_COMMIT   ? op->count
-                                              : 0;
+    size_t n = op->kind == KVC__OP_LOOKUP || op->kind == KVC__OP_FETCH ? *op->nout
+               : op->kind == KVC__OP_ALLOCATE                          ? op->count
+               : op->kind == KVC__OP_COMMIT                            ? op->count
+                                                                       : 0;
     const kvc_block *out = op->out;
     for (size_t i = 0; i < n; i++) {
         const kvc_pool *p =
@@ -958,6 +1037,27 @@ kv_err kvc_ping(kvc_conn *c, const void *payload, size_t len) {
 
 kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out, size_t *nhit) {
     SYNC_CALL(p->conn, q_lookup(b, p, hashes, n, out, NULL, nhit, NULL));
+}
+
+int kvc_conn_has_tiers(const kvc_conn *c) {
+    return c != NULL && (c->features & KV_FEATURE_TIERS) != 0;
+}
+
+kv_err kvc_lookup_tiers(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                        size_t *nhit, kvc_tier_hits *tiers) {
+    if (tiers == NULL) {
+        return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL tiers output");
+    }
+    SYNC_CALL(p->conn, q_hashes(b, p, hashes, n, out, NULL, nhit, NULL, tiers, NULL, 0));
+}
+
+kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uint32_t min_tokens,
+                 kvc_block *out, kvc_fetch_result *res) {
+    if (res == NULL) {
+        return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL result output");
+    }
+    SYNC_CALL(p->conn,
+              q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, NULL, NULL, res, min_tokens));
 }
 
 kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
@@ -1236,6 +1336,15 @@ kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, siz
                         kvc_block *out, size_t *nhit, size_t *index) {
     BATCH_LIVE(b);
     return q_lookup(b, p, hashes, n, out, NULL, nhit, index);
+}
+
+kv_err kvc_batch_fetch(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                       uint32_t min_tokens, kvc_block *out, kvc_fetch_result *res, size_t *index) {
+    BATCH_LIVE(b);
+    if (res == NULL) {
+        return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL result output");
+    }
+    return q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, index, NULL, res, min_tokens);
 }
 
 kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,

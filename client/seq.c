@@ -39,6 +39,7 @@ struct kvc_seq {
     size_t nhashes;                   /* full blocks hashed */
     uint8_t extra[KV_HASH_MAX_EXTRA]; /* extra key mixed into every block hash */
     size_t extra_len;                 /* its bytes */
+    size_t promoted;                  /* blocks prefills fetched from lower tiers */
 };
 
 static uint32_t tpb(const kvc_seq *s) {
@@ -228,6 +229,16 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
         /* Without linked pools the plain lookup is the same search, minus pool_ids. */
         if (s->search_domains && s->pool->nlinked > 0) {
             err = kvc_lookup_domains(s->pool, s->hashes, want, s->blocks, s->bpool, &nhit);
+        } else if (kvc_conn_has_tiers(c)) {
+            /* Lower tiers: a Fetch is the lookup, plus the blocks below T0 copied up when their
+             * run is worth it (fetch-min-tokens); a shorter run is recomputed, as a miss. */
+            kvc_fetch_result fr;
+            err = kvc_fetch(s->pool, s->hashes, want, 0, s->blocks, &fr);
+            nhit = err == KV_OK ? fr.nblocks : 0;
+            s->promoted += err == KV_OK ? fr.promoted : 0;
+            for (size_t i = 0; err == KV_OK && i < nhit; i++) {
+                s->bpool[i] = s->pool;
+            }
         } else {
             err = kvc_lookup(s->pool, s->hashes, want, s->blocks, &nhit);
             for (size_t i = 0; err == KV_OK && i < nhit; i++) {
@@ -590,6 +601,10 @@ size_t kvc_seq_capacity(const kvc_seq *s) {
 
 size_t kvc_seq_length(const kvc_seq *s) {
     return s->len;
+}
+
+size_t kvc_seq_promoted(const kvc_seq *s) {
+    return s->promoted;
 }
 
 size_t kvc_seq_nblocks(const kvc_seq *s) {

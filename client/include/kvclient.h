@@ -304,6 +304,49 @@ KVC_EXTERN kv_err kvc_lookup(kvc_pool *p, const kv_hash128 *hashes, size_t n, kv
 KVC_EXTERN kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n,
                                      kvc_block *out, kvc_pool **pools, size_t *nhit);
 
+/* ---- Lower tiers (docs/TIERS.md; PROTOCOL.md §6 Fetch) ---------------------------------- */
+
+/* How far a prefix continues below the pool's own memory (T0) after the hits of a lookup: the
+ * daemon's tier 1 (host memory) and tier 2 (disk). All zero from a daemon without lower tiers
+ * (kvc_conn_has_tiers says which). */
+typedef struct kvc_tier_hits {
+    uint32_t fetchable; /* blocks after the hits that kvc_fetch could bring into T0 */
+    uint32_t t1;        /* of them, blocks in tier 1 */
+    uint32_t t2;        /* of them, blocks only in tier 2 */
+} kvc_tier_hits;
+
+/* 1 when the daemon has lower tiers (HelloReply.features TIERS), else 0. */
+KVC_EXTERN int kvc_conn_has_tiers(const kvc_conn *c);
+
+/* kvc_lookup that also reports the run below T0 in *tiers (not NULL). */
+KVC_EXTERN kv_err kvc_lookup_tiers(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                                   size_t *nhit, kvc_tier_hits *tiers);
+
+#define KVC_FETCH_DONE 0    /* every block of the run below T0 is in T0 now */
+#define KVC_FETCH_SHORT 1   /* the run below T0 was under min_tokens: only the T0 hits */
+#define KVC_FETCH_PARTIAL 2 /* the run ends early (failure says why); the blocks are good */
+
+/* What a fetch did. */
+typedef struct kvc_fetch_result {
+    size_t nblocks;     /* blocks in out: the prefix in T0 now, from its first block */
+    uint32_t t0_hits;   /* of them, blocks that were in T0 already */
+    uint32_t promoted;  /* of them, blocks copied up from tier 1 or 2 for this call */
+    uint32_t lower_run; /* blocks after the T0 hits found below T0 (what was asked up) */
+    int status;         /* KVC_FETCH_* */
+    kv_err failure;     /* KVC_FETCH_PARTIAL: why (KV_ENOSPC, KV_EQUOTA, KV_ECORRUPT, ...) */
+} kvc_fetch_result;
+
+/* Brings the prefix hashes[0..n) into T0 from the lower tiers and returns it as a lookup does:
+ * out[0..res->nblocks) (room for n) are the prefix's blocks from its first, each referenced by
+ * this session (release them). Blocks below T0 are copied up by the daemon's copy threads only
+ * when their run is at least min_tokens tokens (0: the daemon's fetch-min-tokens, default 256);
+ * otherwise res->status is KVC_FETCH_SHORT and out holds only the T0 hits: recompute the rest.
+ * The call returns when the bytes are in place. A daemon without lower tiers answers as a
+ * lookup. Errors as kvc_lookup (a FETCH_PARTIAL is not an error: res says why). In a batch, a
+ * fetch's reply may come after the replies to later requests; kvc_batch_wait matches them. */
+KVC_EXTERN kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uint32_t min_tokens,
+                            kvc_block *out, kvc_fetch_result *res);
+
 /* Leases count blocks in WRITING state to this session (all or none): out[0..count). The
  * daemon evicts cached blocks when needed; KV_ENOSPC when it cannot. New segments the daemon
  * grew are mapped before this returns. */
@@ -374,6 +417,9 @@ KVC_EXTERN kv_err kvc_batch_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *
 KVC_EXTERN kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes,
                                            size_t n, kvc_block *out, kvc_pool **pools, size_t *nhit,
                                            size_t *index);
+KVC_EXTERN kv_err kvc_batch_fetch(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
+                                  uint32_t min_tokens, kvc_block *out, kvc_fetch_result *res,
+                                  size_t *index);
 KVC_EXTERN kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
                                      size_t *index);
 KVC_EXTERN kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,
@@ -451,7 +497,10 @@ KVC_EXTERN void kvc_seq_set_search_domains(kvc_seq *s, int on);
 KVC_EXTERN void kvc_seq_free(kvc_seq *s);
 
 /* Starts an empty sequence with prompt tokens[0..n) (n >= 1): looks up the cached prefix of
- * its first n-1 tokens and allocates blocks for the rest. *cached_tokens gets how many leading
+ * its first n-1 tokens and allocates blocks for the rest. With a daemon that has lower tiers
+ * (kvc_conn_has_tiers) and no search of linked pools, the lookup is a kvc_fetch: blocks below T0
+ * come back when their run reaches the daemon's fetch-min-tokens, else they are recomputed
+ * (kvc_seq_promoted counts them). *cached_tokens gets how many leading
  * tokens already have K/V (a multiple of tokens_per_block). KV_ESTATE when the sequence is not
  * empty, KV_ETOOBIG beyond max_tokens, KV_ENOSPC when the pool cannot supply the blocks (the
  * looked-up prefix is released again then). */
@@ -520,6 +569,10 @@ KVC_EXTERN size_t kvc_seq_length(const kvc_seq *s);
 KVC_EXTERN size_t kvc_seq_nblocks(const kvc_seq *s);
 KVC_EXTERN size_t kvc_seq_ncommitted(const kvc_seq *s);
 KVC_EXTERN kvc_block kvc_seq_block(const kvc_seq *s, size_t i);
+
+/* Blocks this sequence's prefills got from the daemon's lower tiers (copied up by a fetch) over
+ * its life. */
+KVC_EXTERN size_t kvc_seq_promoted(const kvc_seq *s);
 
 /* The pool block i lives in (the sequence's pool or one of its linked pools; NULL past the held
  * blocks), and 1 when the table has blocks in more than one pool. */

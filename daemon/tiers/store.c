@@ -222,6 +222,21 @@ void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes) {
     }
 }
 
+uint8_t *kvd_tstore_take1(kvd_tstore *s, uint32_t i) {
+    kvd_tentry *e = &s->e[i];
+    KV_ASSERT(e->used && e->busy == 0 && e->t1 != NULL);
+    uint8_t *b = e->t1;
+    lru_unlink(s, i, 0);
+    s->count[0]--;
+    s->bytes[0] -= e->len1;
+    e->t1 = NULL;
+    e->len1 = 0;
+    if (!e->in2 && e->pending == 0) {
+        kvd_tstore_forget(s, i);
+    }
+    return b;
+}
+
 uint64_t kvd_tstore_unlink2(kvd_tstore *s, uint32_t i, uint64_t slot_bytes) {
     kvd_tentry *e = &s->e[i];
     KV_ASSERT(e->used && e->busy == 0 && e->in2);

@@ -96,6 +96,11 @@ void kvd_tstore_set2(kvd_tstore *s, uint32_t i, uint64_t slot, uint64_t len, uin
  * reused). The entry must not be busy. */
 void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes);
 
+/* Takes the entry out of T1 and returns its bytes (the caller owns them now: reuses or frees
+ * them). Frees the entry when it is then in neither tier and not pending. The entry must be in
+ * T1 and not busy. */
+uint8_t *kvd_tstore_take1(kvd_tstore *s, uint32_t i);
+
 /* Takes the entry out of T2 without giving its slot back (the caller zeroes the slot first and
  * then gives it back with kvd_tstore_slot2_back); returns the slot. The entry must be in T2 and
  * not busy. Frees the entry when it is then in neither tier and not pending. */

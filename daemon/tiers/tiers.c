@@ -54,6 +54,10 @@ enum {
     TS_COPY_NS_UP1,
     TS_COPY_BYTES_UP2,
     TS_COPY_NS_UP2,
+    TS_SPAN_DOWN1,
+    TS_SPAN_DOWN2,
+    TS_SPAN_UP1,
+    TS_SPAN_UP2,
     TS_JOBS,
     TS_COUNT
 };
@@ -128,10 +132,30 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                            "block bytes a Fetch read up from tier 2", NULL, NULL, NULL, NULL},
     [TS_COPY_NS_UP2] = {"copy_ns_up_t2", "counter", "ns", "copy-thread time of those reads", NULL,
                         NULL, NULL, NULL},
+    [TS_SPAN_DOWN1] = {"copy_busy_ns_down_t1", "counter", "ns",
+                       "wall time while a copy into tier 1 was in flight (bytes / this: throughput "
+                       "of the copy threads together)",
+                       NULL, NULL, NULL, NULL},
+    [TS_SPAN_DOWN2] = {"copy_busy_ns_down_t2", "counter", "ns",
+                       "wall time while a write to tier 2 was in flight", NULL, NULL, NULL, NULL},
+    [TS_SPAN_UP1] = {"copy_busy_ns_up_t1", "counter", "ns",
+                     "wall time while a copy up from tier 1 was in flight", NULL, NULL, NULL, NULL},
+    [TS_SPAN_UP2] = {"copy_busy_ns_up_t2", "counter", "ns",
+                     "wall time while a read up from tier 2 was in flight", NULL, NULL, NULL, NULL},
     [TS_JOBS] = {"jobs_inflight", "gauge", "jobs", "copy jobs in flight", NULL, NULL, NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
+
+/* T1 buffers of one size given back by dropped entries, reused by the next copies so a copy
+ * writes into memory whose pages are already there (a fresh malloc of a block faults every
+ * page in and has the kernel zero it: several times the copy itself). Loop thread only. */
+#define NBUFCLASS 8
+typedef struct bufclass {
+    uint64_t size; /* bytes of each buffer; 0: class unused */
+    uint8_t **v;   /* [cap] buffers */
+    uint32_t n, cap;
+} bufclass;
 
 struct kvd_tiers {
     uv_loop_t *loop;
@@ -140,6 +164,10 @@ struct kvd_tiers {
     uint64_t cap[2];        /* budgets: tier1-memory, tier2-bytes (0: tier off) */
     uint64_t used[2];       /* bytes in use over all pools (T1: entry bytes; T2: slots) */
     uint64_t reserved1;     /* T1 bytes of copies in flight */
+    uint64_t cached1;       /* T1 bytes of recycled buffers kept for the next copies */
+    bufclass bc[NBUFCLASS]; /* those buffers, by size */
+    uint32_t busy[4];       /* copies in flight per kind (span_kind) */
+    uint64_t busy_since[4]; /* when the kind's current busy period began (ns) */
     kvd_tier_format format; /* tier-format */
     int write_through;      /* tier-write */
     uint64_t seq;           /* next T2 record sequence number */
@@ -301,21 +329,55 @@ static void scatter(const run *r, uint32_t n, const uint8_t *src) {
 
 /* ---- the work functions (copy threads: only the job's own data) --------------------------- */
 
+/* Each copy thread keeps its scratch (a block image, an aligned disk slot) for the next job:
+ * a buffer malloc'd per job faults its pages in every time. They live as long as the thread
+ * (libuv's pool threads live as long as the process). */
+static __thread uint8_t *tls_img, *tls_slot;
+static __thread uint64_t tls_img_cap, tls_slot_cap;
+
+static uint8_t *scratch_img(uint64_t n) {
+    if (tls_img_cap < n) {
+        free(tls_img);
+        tls_img = malloc(n);
+        tls_img_cap = tls_img != NULL ? n : 0;
+    }
+    return tls_img;
+}
+
+static uint8_t *scratch_slot(uint64_t n) {
+    if (tls_slot_cap < n) {
+        free(tls_slot);
+        tls_slot = aligned_alloc(KVD_DISK_ALIGN, n);
+        tls_slot_cap = tls_slot != NULL ? n : 0;
+    }
+    return tls_slot;
+}
+
 static void work(uv_work_t *w) {
     job *j = w->data;
     uint64_t t0 = now_ns();
     j->rc = KV_OK;
     switch (j->kind) {
         case J_DOWN1: {
-            /* One gather into scratch, then the codec writes the stored form. A RAW block
-             * whose image is one run needs no scratch. */
+            /* Raw: one gather straight into the entry's buffer. Compressed: the image (the
+             * block itself when it is one run), then the codec writes the stored form. */
             size_t cap = kvd_codec_bound(j->format, j->block_bytes);
-            uint8_t *img = NULL;
-            const uint8_t *src;
-            if (j->nruns == 1) {
-                src = j->runs[0].p;
-            } else {
-                img = malloc(j->block_bytes);
+            if (j->out == NULL) {
+                j->out = malloc(j->format == KVD_TF_RAW ? j->block_bytes : cap);
+            }
+            if (j->out == NULL) {
+                j->rc = KV_ENOMEM;
+                break;
+            }
+            if (j->format == KVD_TF_RAW) {
+                gather(j->runs, j->nruns, j->out);
+                j->out_len = j->block_bytes;
+                j->out_fmt = KVD_TF_RAW;
+                break;
+            }
+            const uint8_t *src = j->runs[0].p;
+            if (j->nruns > 1) {
+                uint8_t *img = scratch_img(j->block_bytes);
                 if (img == NULL) {
                     j->rc = KV_ENOMEM;
                     break;
@@ -323,28 +385,22 @@ static void work(uv_work_t *w) {
                 gather(j->runs, j->nruns, img);
                 src = img;
             }
-            j->out = malloc(cap);
-            if (j->out == NULL) {
-                j->rc = KV_ENOMEM;
-            } else {
-                size_t len = 0;
-                kvd_tier_format used = KVD_TF_RAW;
-                j->rc = kvd_codec_encode(j->format, src, j->block_bytes, j->out, cap, &len, &used);
-                j->out_len = len;
-                j->out_fmt = (uint8_t)used;
-                if (j->rc == KV_OK && len < cap) {
-                    uint8_t *shrunk = realloc(j->out, len > 0 ? len : 1);
-                    if (shrunk != NULL) {
-                        j->out = shrunk;
-                    }
+            size_t len = 0;
+            kvd_tier_format used = KVD_TF_RAW;
+            j->rc = kvd_codec_encode(j->format, src, j->block_bytes, j->out, cap, &len, &used);
+            j->out_len = len;
+            j->out_fmt = (uint8_t)used;
+            if (j->rc == KV_OK && len < cap) {
+                uint8_t *shrunk = realloc(j->out, len > 0 ? len : 1);
+                if (shrunk != NULL) {
+                    j->out = shrunk;
                 }
             }
-            free(img);
             break;
         }
         case J_DOWN2: {
             uint64_t sb = kvd_disk_slot_bytes(j->disk);
-            uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
+            uint8_t *buf = scratch_slot(sb);
             if (buf == NULL) {
                 j->rc = KV_ENOMEM;
                 break;
@@ -352,16 +408,15 @@ static void work(uv_work_t *w) {
             uint8_t *payload = buf + KVD_DISK_REC_HDR;
             if (j->from_t0) {
                 size_t cap = kvd_codec_bound(j->format, j->block_bytes);
-                uint8_t *img = malloc(j->block_bytes);
+                uint8_t *img = j->format == KVD_TF_RAW ? payload : scratch_img(j->block_bytes);
                 uint8_t *enc = j->format == KVD_TF_RAW ? payload : malloc(cap);
                 if (img == NULL || enc == NULL) {
                     j->rc = KV_ENOMEM;
                 } else {
-                    gather(j->runs, j->nruns, img);
+                    gather(j->runs, j->nruns, img); /* raw: straight into the slot */
                     size_t len = 0;
                     kvd_tier_format used = KVD_TF_RAW;
                     if (j->format == KVD_TF_RAW) {
-                        memcpy(payload, img, j->block_bytes);
                         len = j->block_bytes;
                     } else {
                         j->rc =
@@ -376,7 +431,6 @@ static void work(uv_work_t *w) {
                     j->rec.len = (uint32_t)len;
                     j->rec.format = (uint32_t)used;
                 }
-                free(img);
                 if (enc != payload) {
                     free(enc);
                 }
@@ -388,7 +442,6 @@ static void work(uv_work_t *w) {
             if (j->rc == KV_OK) {
                 j->rc = kvd_disk_write(j->disk, j->slot, &j->rec, payload, buf, &j->sys_errno);
             }
-            free(buf);
             break;
         }
         case J_UP: {
@@ -397,7 +450,7 @@ static void work(uv_work_t *w) {
             uint8_t fmt = j->fmt1;
             uint8_t *buf = NULL;
             if (j->src_tier == 2) {
-                buf = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(j->disk));
+                buf = scratch_slot(kvd_disk_slot_bytes(j->disk));
                 if (buf == NULL) {
                     j->rc = KV_ENOMEM;
                     break;
@@ -409,10 +462,10 @@ static void work(uv_work_t *w) {
                 fmt = (uint8_t)j->rec.format;
             }
             if (j->rc == KV_OK) {
-                if (fmt == KVD_TF_RAW && j->nruns == 1 && len == j->block_bytes) {
-                    memcpy(j->runs[0].p, src, len);
+                if (fmt == KVD_TF_RAW && len == j->block_bytes) {
+                    scatter(j->runs, j->nruns, src);
                 } else {
-                    uint8_t *img = malloc(j->block_bytes);
+                    uint8_t *img = scratch_img(j->block_bytes);
                     if (img == NULL) {
                         j->rc = KV_ENOMEM;
                     } else {
@@ -421,17 +474,14 @@ static void work(uv_work_t *w) {
                         if (j->rc == KV_OK) {
                             scatter(j->runs, j->nruns, img);
                         }
-                        free(img);
                     }
                 }
             }
-            free(buf);
             break;
         }
         case J_CLEAR2: {
-            uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, kvd_disk_slot_bytes(j->disk));
+            uint8_t *buf = scratch_slot(kvd_disk_slot_bytes(j->disk));
             j->rc = buf == NULL ? KV_ENOMEM : kvd_disk_clear(j->disk, j->slot, buf);
-            free(buf);
             break;
         }
     }
@@ -470,14 +520,96 @@ static job *job_new(tier_pool *tp, job_kind kind) {
     return j;
 }
 
+/* Which busy period a job counts in (copy_busy_ns_*), or -1. */
+static int span_kind(const job *j) {
+    switch (j->kind) {
+        case J_DOWN1:
+            return 0;
+        case J_DOWN2:
+            return 1;
+        case J_UP:
+            return j->src_tier == 1 ? 2 : 3;
+        default:
+            return -1;
+    }
+}
+
 static kv_err job_start(job *j) {
     int rc = uv_queue_work(j->tp->t->loop, &j->work, work, after_work);
     if (rc != 0) {
         return KV_ESYS;
     }
+    kvd_tiers *t = j->tp->t;
+    int k = span_kind(j);
+    if (k >= 0 && t->busy[k]++ == 0) {
+        t->busy_since[k] = now_ns();
+    }
     j->tp->jobs++;
-    j->tp->t->jobs++;
+    t->jobs++;
     return KV_OK;
+}
+
+/* ---- recycled T1 buffers ---------------------------------------------------------------- */
+
+static uint8_t *buf_take(kvd_tiers *t, uint64_t size) {
+    for (int k = 0; k < NBUFCLASS; k++) {
+        bufclass *c = &t->bc[k];
+        if (c->size == size && c->n > 0) {
+            t->cached1 -= size;
+            return c->v[--c->n];
+        }
+    }
+    return NULL;
+}
+
+/* Frees one recycled buffer (the largest class first); 0 when there is none. */
+static int buf_shed(kvd_tiers *t) {
+    int best = -1;
+    for (int k = 0; k < NBUFCLASS; k++) {
+        if (t->bc[k].n > 0 && (best < 0 || t->bc[k].size > t->bc[best].size)) {
+            best = k;
+        }
+    }
+    if (best < 0) {
+        return 0;
+    }
+    bufclass *c = &t->bc[best];
+    free(c->v[--c->n]);
+    t->cached1 -= c->size;
+    return 1;
+}
+
+/* Keeps buffer b (size bytes, no longer an entry's) for the next copy of that size, when the
+ * budget has room for it; else frees it. */
+static void buf_give(kvd_tiers *t, uint8_t *b, uint64_t size) {
+    if (t->used[0] + t->reserved1 + t->cached1 + size <= t->cap[0]) {
+        bufclass *c = NULL;
+        for (int k = 0; k < NBUFCLASS && c == NULL; k++) {
+            if (t->bc[k].size == size) {
+                c = &t->bc[k];
+            }
+        }
+        for (int k = 0; k < NBUFCLASS && c == NULL; k++) {
+            if (t->bc[k].n == 0) {
+                t->bc[k].size = size; /* an empty class takes the new size */
+                c = &t->bc[k];
+            }
+        }
+        if (c != NULL && c->n == c->cap) {
+            uint32_t nc = c->cap == 0 ? 16 : c->cap * 2;
+            uint8_t **nv = realloc(c->v, sizeof(*nv) * nc);
+            if (nv != NULL) {
+                c->v = nv;
+                c->cap = nc;
+            }
+        }
+        if (c != NULL && c->n < c->cap) {
+            c->v[c->n++] = b;
+            t->cached1 += size;
+            return;
+        }
+    }
+    free(b);
 }
 
 static void t2_fail(kvd_tiers *t, tier_pool *tp, const char *what, int err) {
@@ -490,9 +622,21 @@ static void t2_fail(kvd_tiers *t, tier_pool *tp, const char *what, int err) {
     }
 }
 
-/* Drops entry i from tier (a budget's victim or a failed copy), keeping t->used true. */
+/* Drops entry i from tier (a budget's victim or a failed copy), keeping t->used true. A T1
+ * buffer goes to the recycled ones. */
 static void entry_drop(tier_pool *tp, uint32_t i, int tier) {
     kvd_tiers *t = tp->t;
+    if (tier == 1) {
+        uint64_t len = kvd_tstore_at(&tp->st, i)->len1;
+        uint8_t *b = kvd_tstore_take1(&tp->st, i);
+        t->used[0] -= len;
+        if (t->format == KVD_TF_RAW && len == tp->block_bytes) {
+            buf_give(t, b, len); /* the next raw copy of this block size reuses it */
+        } else {
+            free(b);
+        }
+        return;
+    }
     uint64_t before = tp->st.bytes[tier - 1];
     kvd_tstore_drop(&tp->st, i, tier, tp->slot_bytes);
     t->used[tier - 1] -= before - tp->st.bytes[tier - 1];
@@ -504,8 +648,14 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i);
  * the room is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
 static int make_room(tier_pool *tp, int tier, uint64_t need) {
     kvd_tiers *t = tp->t;
-    uint64_t extra = tier == 1 ? t->reserved1 : 0;
-    while (t->used[tier - 1] + extra + need > t->cap[tier - 1]) {
+    for (;;) {
+        uint64_t extra = tier == 1 ? t->reserved1 + t->cached1 : 0;
+        if (t->used[tier - 1] + extra + need <= t->cap[tier - 1]) {
+            break;
+        }
+        if (tier == 1 && buf_shed(t)) {
+            continue; /* recycled buffers go before entries */
+        }
         uint32_t v = kvd_tstore_oldest(&tp->st, tier);
         if (v == KVD_TNONE) {
             return 0;
@@ -570,7 +720,25 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
     if (!to1 && tp->disk == NULL) {
         return;
     }
-    if (to1 ? !make_room(tp, 1, tp->block_bytes) : !make_room(tp, 2, tp->slot_bytes)) {
+    /* A raw copy into T1 writes into a recycled buffer of the block's size when there is one,
+     * or one that an eviction of this pool's oldest T1 entry just gave back. */
+    uint8_t *buf = NULL;
+    if (to1 && t->format == KVD_TF_RAW) {
+        buf = buf_take(t, tp->block_bytes);
+        while (buf == NULL &&
+               t->used[0] + t->reserved1 + t->cached1 + tp->block_bytes > t->cap[0]) {
+            uint32_t v = kvd_tstore_oldest(&tp->st, 1);
+            if (v == KVD_TNONE) {
+                break;
+            }
+            int last = !kvd_tstore_in(&tp->st, v, 2);
+            entry_drop(tp, v, 1);
+            t->c[TS_DROPS_T1] += last;
+            buf = buf_take(t, tp->block_bytes);
+        }
+    }
+    if (buf == NULL &&
+        (to1 ? !make_room(tp, 1, tp->block_bytes) : !make_room(tp, 2, tp->slot_bytes))) {
         return;
     }
     uint32_t nruns = 0;
@@ -579,6 +747,9 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
     if (j == NULL || kvd_tstore_get(&tp->st, hash, parent, &i) != KV_OK) {
         free(runs);
         free(j);
+        if (buf != NULL) {
+            buf_give(t, buf, tp->block_bytes);
+        }
         return;
     }
     if (kvd_pool_lease(pool, ref) != KV_OK) {
@@ -588,8 +759,12 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         free(runs);
         free(j);
+        if (buf != NULL) {
+            buf_give(t, buf, tp->block_bytes);
+        }
         return;
     }
+    j->out = buf; /* NULL: the copy thread allocates */
     j->entry = i;
     j->ref = ref;
     j->runs = runs;
@@ -619,6 +794,9 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         if (e->pending == 0 && e->t1 == NULL && !e->in2) {
             kvd_tstore_forget(&tp->st, i);
         }
+        if (j->out != NULL) {
+            buf_give(t, j->out, tp->block_bytes);
+        }
         free(runs);
         free(j);
         return;
@@ -641,6 +819,10 @@ static void after_work(uv_work_t *w, int status) {
     kvd_pool *pool = pool_of(tp);
     tp->jobs--;
     t->jobs--;
+    int kind = span_kind(j);
+    if (kind >= 0 && --t->busy[kind] == 0) {
+        t->c[TS_SPAN_DOWN1 + kind] += now_ns() - t->busy_since[kind];
+    }
     if (tp->gone && j->kind != J_UP) {
         /* The pool was freed (only copies that hold no T0 block can outlive it): give the
          * reservations back and forget the result. */
@@ -869,6 +1051,11 @@ void kvd_tiers_free(kvd_tiers *t) {
         return;
     }
     KV_ASSERT(t->jobs == 0);
+    while (buf_shed(t)) {
+    }
+    for (int k = 0; k < NBUFCLASS; k++) {
+        free(t->bc[k].v);
+    }
     while (t->fetches != NULL) {
         kvd_fetch *f = t->fetches;
         t->fetches = f->next;
