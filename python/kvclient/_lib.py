@@ -49,11 +49,23 @@ class KvcCommitEntry(Structure):
     _fields_ = [("block", KvcBlock), ("hash", KvHash128), ("parent", c_uint32)]
 
 
+class KvcTierHits(Structure):
+    """kvc_tier_hits: how far a prefix continues below T0 (docs/TIERS.md)."""
+    _fields_ = [("fetchable", c_uint32), ("t1", c_uint32), ("t2", c_uint32)]
+
+
+class KvcFetchResult(Structure):
+    """kvc_fetch_result: what a fetch did."""
+    _fields_ = [("nblocks", c_size_t), ("t0_hits", c_uint32), ("promoted", c_uint32),
+                ("lower_run", c_uint32), ("status", c_int), ("failure", c_int)]
+
+
 NO_PARENT = 0xFFFFFFFF  # KVC_NO_PARENT
+FETCH_DONE, FETCH_SHORT, FETCH_PARTIAL = 0, 1, 2  # KVC_FETCH_*
 
 # The sizes the C compiler gives (x86-64 and aarch64 Linux); test_layout.py checks them.
 EXPECTED_SIZES = {"kvc_block": 8, "kv_hash128": 16, "kv_layout": 72, "kvc_options": 56,
-                  "kvc_commit_entry": 32}
+                  "kvc_commit_entry": 32, "kvc_tier_hits": 12, "kvc_fetch_result": 32}
 
 p = c_void_p  # opaque kvc_conn *, kvc_pool *, kvc_batch *, kvc_seq *
 _E = c_int    # kv_err
@@ -103,6 +115,11 @@ _PROTOS = {
     "kvc_pool_hash_next": (_E, [p, KvHash128, c_void_p, c_size_t, c_void_p,
                                 POINTER(KvHash128)]),
     "kvc_lookup": (_E, [p, c_void_p, c_size_t, c_void_p, POINTER(c_size_t)]),
+    "kvc_lookup_tiers": (_E, [p, c_void_p, c_size_t, c_void_p, POINTER(c_size_t),
+                              POINTER(KvcTierHits)]),
+    "kvc_fetch": (_E, [p, c_void_p, c_size_t, c_uint32, c_void_p, POINTER(KvcFetchResult)]),
+    "kvc_conn_has_tiers": (c_int, [p]),
+    "kvc_seq_promoted": (c_size_t, [p]),
     "kvc_lookup_domains": (_E, [p, c_void_p, c_size_t, c_void_p, c_void_p, POINTER(c_size_t)]),
     "kvc_allocate": (_E, [p, c_uint32, c_void_p]),
     "kvc_commit": (_E, [p, c_void_p, c_size_t, c_void_p]),
@@ -117,6 +134,8 @@ _PROTOS = {
     "kvc_batch_reset": (None, [p]),
     "kvc_batch_count": (c_size_t, [p]),
     "kvc_batch_ping": (_E, [p, c_void_p, c_size_t, c_void_p]),
+    "kvc_batch_fetch": (_E, [p, p, c_void_p, c_size_t, c_uint32, c_void_p,
+                             POINTER(KvcFetchResult), POINTER(c_size_t)]),
     "kvc_batch_lookup": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p]),
     "kvc_batch_lookup_domains": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p,
                                       c_void_p]),

@@ -213,6 +213,11 @@ class Connection:
         return lib.kvc_conn_boot_epoch(self._handle().ptr)
 
     @property
+    def has_tiers(self):
+        """True when the daemon keeps evicted blocks in lower tiers (docs/TIERS.md)."""
+        return bool(lib.kvc_conn_has_tiers(self._handle().ptr))
+
+    @property
     def fd(self):
         """The socket descriptor (for poll); -1 while disconnected."""
         return lib.kvc_conn_fd(self._handle().ptr)
@@ -699,6 +704,51 @@ class Pool:
         out.n = nhit.value
         out.pool = self
         return out
+
+    def lookup_tiers(self, hashes):
+        """kvc_lookup_tiers: lookup() plus how far the prefix continues below T0. Returns
+        (Blocks, {"fetchable": n, "t1": n, "t2": n})."""
+        p = self._p()
+        hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
+        n = hashes.n
+        out = Blocks(n, self)
+        nhit = c_size_t()
+        th = _lib.KvcTierHits()
+        h = self._h
+        with h.lock:
+            rc = lib.kvc_lookup_tiers(p, hashes._addr, n, out._addr, byref(nhit), byref(th))
+            if h.deferred:
+                h.exit_call()
+        if rc:
+            raise_for(rc, "lookup_tiers")
+        out.n = nhit.value
+        out.pool = self
+        return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}
+
+    def fetch(self, hashes, min_tokens=0):
+        """kvc_fetch: the prefix in T0 after bringing its blocks up from the lower tiers (when
+        their run reaches min_tokens; 0: the daemon's fetch-min-tokens). Returns (Blocks, info)
+        with info's keys t0_hits, promoted, lower_run, status ("done", "short", "partial") and
+        failure (an error name, or None)."""
+        p = self._p()
+        hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
+        n = hashes.n
+        out = Blocks(n, self)
+        fr = _lib.KvcFetchResult()
+        h = self._h
+        with h.lock:
+            rc = lib.kvc_fetch(p, hashes._addr, n, min_tokens, out._addr, byref(fr))
+            if h.deferred:
+                h.exit_call()
+        if rc:
+            raise_for(rc, "fetch")
+        out.n = fr.nblocks
+        out.pool = self
+        status = {_lib.FETCH_DONE: "done", _lib.FETCH_SHORT: "short",
+                  _lib.FETCH_PARTIAL: "partial"}.get(fr.status, str(fr.status))
+        failure = error_class(fr.failure).__name__ if fr.failure else None
+        return out, {"t0_hits": fr.t0_hits, "promoted": fr.promoted, "lower_run": fr.lower_run,
+                     "status": status, "failure": failure}
 
     def lookup_domains(self, hashes):
         """kvc_lookup_domains: the longest prefix over this pool, its groups and the commons.
@@ -1289,6 +1339,11 @@ class Sequence:
     @property
     def ncommitted(self):
         return lib.kvc_seq_ncommitted(self._s())
+
+    @property
+    def promoted(self):
+        """Blocks this sequence's prefills got from the daemon's lower tiers."""
+        return lib.kvc_seq_promoted(self._s())
 
     @property
     def mixed(self):

@@ -13,7 +13,8 @@ from conftest import REPO
 
 STRUCTS = {"kvc_block": _lib.KvcBlock, "kv_hash128": _lib.KvHash128,
            "kv_layout": _lib.KvLayout, "kvc_options": _lib.KvcOptions,
-           "kvc_commit_entry": _lib.KvcCommitEntry}
+           "kvc_commit_entry": _lib.KvcCommitEntry, "kvc_tier_hits": _lib.KvcTierHits,
+           "kvc_fetch_result": _lib.KvcFetchResult}
 
 
 def test_sizes_are_the_verified_ones():
@@ -64,7 +65,7 @@ def test_layout_against_the_c_compiler(tmp_path):
             assert int(got["%s.%s" % (name, field)]) == getattr(cls, field).offset, (name,
                                                                                        field)
     assert int(got["KVC_NO_PARENT"]) == _lib.NO_PARENT
-    assert int(got["KV_ERR_COUNT"]) == 23
+    assert int(got["KV_ERR_COUNT"]) == 24
 
 
 def test_every_header_function_is_declared():

@@ -1,0 +1,84 @@
+"""The binding's lower-tier calls (docs/TIERS.md) against a real kvd with tier 1: a prefix
+pushed out of the pool comes back through Pool.fetch with its values, Pool.lookup_tiers reports
+the run below T0, and Sequence.prefill fetches by itself."""
+
+import kvclient
+
+SHAPE = dict(layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16")
+
+
+def _publish(p, toks, fill):
+    h = p.hash_tokens(toks)
+    b = p.allocate(len(h))
+    for i in range(len(b)):
+        for layer in range(p.layout.layers):
+            p.k(b[i], layer)[:] = fill + i
+            p.v(b[i], layer)[:] = -(fill + i)
+    canon = p.commit(b, h)
+    p.release(canon)
+    return h
+
+
+def _tiers(kvd_factory):
+    # 256-byte blocks, 64 a segment: a 2-segment pool that 40 chains of 8 blocks overflow.
+    return kvd_factory(pool_memory="40K", segment_bytes="16K", tier1_memory="4M",
+                       tier_write="write-through", fetch_min_tokens="4")
+
+
+def _flood(kvd, p, n=40):
+    for k in range(n):
+        _publish(p, list(range(100000 * (k + 1), 100000 * (k + 1) + 32)), fill=7)
+    for _ in range(1000):
+        if kvd.admin("stats")["tiers"]["jobs_inflight"] == 0:
+            break
+
+
+def test_fetch_brings_back_an_evicted_prefix(kvd_factory):
+    d = _tiers(kvd_factory)
+    with d.connect() as c:
+        assert c.has_tiers
+        p = c.attach("tiers-py", **SHAPE)
+        toks = list(range(32))
+        h = _publish(p, toks, fill=1)
+        _flood(d, p)
+        t0, th = p.lookup_tiers(h)
+        n0 = len(t0)
+        p.release(t0)
+        assert n0 < 8 and n0 + th["fetchable"] == 8 and th["t1"] > 0, th
+        got, info = p.fetch(h)
+        assert info["status"] == "done" and len(got) == 8, info
+        assert info["t0_hits"] == n0 and info["promoted"] == 8 - n0 and info["failure"] is None
+        for i in range(8):
+            assert p.k(got[i], 1)[0, 0, 0] == 1 + i and p.v(got[i], 0)[0, 0, 0] == -(1 + i)
+        p.release(got)
+        # Too short to be worth it: the caller recomputes.
+        _flood(d, p)
+        got, info = p.fetch(h, min_tokens=10 ** 6)
+        assert info["status"] == "short" and len(got) == info["t0_hits"] < 8, info
+        p.release(got)
+        assert c.stat("session.refs_held") == 0
+
+
+def test_sequence_prefill_fetches(kvd_factory):
+    d = _tiers(kvd_factory)
+    with d.connect() as c:
+        p = c.attach("tiers-seq", **SHAPE)
+        toks = list(range(32))
+        _publish(p, toks, fill=3)
+        _flood(d, p)
+        s = p.sequence(max_tokens=64)
+        cached = s.prefill(toks + [5])
+        assert cached == 32 and s.promoted >= 1
+        for i in range(8):
+            assert p.k(s.block(i), 0)[0, 0, 0] == 3 + i
+        s.release()
+
+
+def test_no_tiers_fetch_is_a_lookup(kvd):
+    with kvd.connect() as c:
+        assert not c.has_tiers
+        p = c.attach("tiers-none", **SHAPE)
+        h = _publish(p, list(range(16)), fill=2)
+        got, info = p.fetch(h)
+        assert info["status"] == "done" and len(got) == 4 and info["promoted"] == 0
+        p.release(got)
