@@ -259,5 +259,183 @@ def main():
     print("memcpy into a freshly allocated buffer, same run: %s GB/s." % fmt(rows["memcpy_fresh"]))
 
 
+# ---- hit rate on a trace whose working set is 4x T0 ------------------------------------------
+
+TRACE_LAYOUT = kw.Layout(2, 2, 8, 16, pb.FP16, pb.LAYER_MAJOR)  # 2 KiB blocks
+DOCS, DOC_BLOCKS, REQUESTS = 64, 16, 3000  # 1024 distinct blocks
+
+
+def trace(seed):
+    """Requests as document numbers: a skewed popularity (a few hot documents, a long tail),
+    each request reading its document's whole prefix (RAG chunks, long system prompts)."""
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, DOCS + 1) ** 0.6
+    return rng.choice(DOCS, size=REQUESTS, p=w / w.sum())
+
+
+def replay(d, docs):
+    """Each request: Fetch its prefix (T0 hits + what comes up from below), compute and commit
+    the rest, release. Returns (hit blocks from T0, promoted blocks, requested blocks)."""
+    c = kw.Conn(d.sock)
+    c.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pool = c.attach("bench-trace", TRACE_LAYOUT)
+    t = TRACE_LAYOUT.tokens_per_block
+    chains = {}
+    t0 = up = asked = 0
+    for k, doc in enumerate(docs):
+        hs = chains.get(doc)
+        if hs is None:
+            toks = list(range(doc * 100000, doc * 100000 + DOC_BLOCKS * t))
+            hs = chains[doc] = kw.hash_chain(pool.hash_seed, toks, t, b"", pool.hash_algo)
+        fr = c.fetch(pool.pool_id, hs)
+        pool.follow(fr)
+        got = kw.reply_blocks(fr)
+        if k >= REQUESTS // 5:  # the first fifth warms the cache
+            t0 += fr.t0_hits
+            up += fr.promoted
+            asked += len(hs)
+        held = list(got)
+        if len(got) < len(hs):
+            r = c.allocate(pool.pool_id, len(hs) - len(got))
+            pool.follow(r)
+            new = kw.reply_blocks(r)
+            parent = got[-1][0] if got else kw.NO_PARENT
+            entries = []
+            for b, h in zip(new, hs[len(got):]):
+                entries.append((b, h, parent))
+                parent = b[0]
+            held += c.commit(pool.pool_id, entries)
+        c.release(pool.pool_id, held)
+    c.close()
+    return t0, up, asked
+
+
+def hit_rates(binary):
+    """T0 only, T0+T1, T0+T1+T2 (T1 too small for the working set), same trace each."""
+    rows = []
+    cap_t0 = 256  # blocks: a quarter of the working set
+    for name, extra in (("T0 only", {}),
+                        ("T0 + T1", {"tier1_memory": str(4 * cap_t0 * 2048)}),
+                        ("T0 + T1 + T2", {"tier1_memory": str(cap_t0 * 2048),
+                                          "tier2_bytes": "64M"})):
+        res = []
+        for run in range(3):
+            tmp = tempfile.mkdtemp(prefix="kvdtr.", dir="/tmp")
+            try:
+                opts = {"pool_memory": str(cap_t0 * (2048 + 64) + 8192),
+                        "segment_bytes": str(64 * 2048), "fetch_min_tokens": "16"}
+                opts.update(extra)
+                if "tier2_bytes" in opts:
+                    opts["tier2_path"] = os.path.join(tmp, "t2")
+                d = Kvd(binary, tmp, **opts)
+                try:
+                    t0, up, asked = replay(d, trace(100 + run))
+                    st = d.tiers()
+                finally:
+                    d.stop()
+                res.append((t0 / asked, (t0 + up) / asked, st["dirty_drops"]))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        rows.append((name, res))
+    return rows
+
+
+def ttft(binary):
+    """kve_run (examples/engine, model big, 1024-token prompt): TTFT of the prompt computed,
+    against the same prompt whose blocks were evicted from T0 and come back from T1 or T2."""
+    run_bin = os.path.join(os.path.dirname(os.path.dirname(binary)), "examples", "engine",
+                           "kve_run")
+    if not os.path.exists(run_bin):
+        return None
+    out = {"computed": [], "T1": [], "T2": []}
+    cached = {}
+    for rep in range(3):
+        for tier in ("T1", "T2"):
+            tmp = tempfile.mkdtemp(prefix="kvdtt.", dir="/tmp")
+            try:
+                opts = {"pool_memory": "2G", "segment_bytes": "64M", "tier_write": "write-through"}
+                if tier == "T1":
+                    opts["tier1_memory"] = "2G"
+                else:
+                    opts.update(tier1_memory="0", tier2_path=os.path.join(tmp, "t2"),
+                                tier2_bytes="4G")
+                d = Kvd(binary, tmp, **opts)
+                try:
+                    args = [run_bin, "--socket", d.sock, "--model", "big", "--threads", "2",
+                            "--prompt-len", "1024", "--prompt-seed", str(rep + 1), "--max-new",
+                            "1", "--budget", "256"]
+
+                    def stats(extra=()):
+                        o = subprocess.run(args + list(extra), capture_output=True, text=True,
+                                           check=True).stdout
+                        line = [x for x in o.splitlines() if x.startswith("STATS")][0]
+                        return dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+                    if tier == "T1":
+                        out["computed"].append(float(stats(["--no-cache"])["ttft_sum_ms"]))
+                    stats()  # computes and commits the prompt's blocks (copied down)
+                    d.settle()
+                    d.admin("evict all")
+                    st = stats()
+                    out[tier].append(float(st["ttft_sum_ms"]))
+                    cached[tier] = int(st["cached_tokens"])
+                finally:
+                    d.stop()
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out, cached
+
+
+def print_trace_and_ttft(binary):
+    print()
+    print("#### Hit rate on a trace whose working set is 4x T0")
+    print()
+    print("%d documents of %d blocks (2 KiB blocks; 1024 distinct blocks), T0 holds 256; %d "
+          "requests of a whole document each, popularity ~ 1/rank^0.6, the first fifth warming "
+          "up; T1 of 1024 blocks (T0 + T1), or T1 of 256 blocks and T2 of 64 MiB (T0 + T1 + T2); "
+          "write-back (the default); 3 traces (seeds 100-102), median (min-max)."
+          % (DOCS, DOC_BLOCKS, REQUESTS))
+    print()
+    rows = hit_rates(binary)
+    base = [r[0] for r in rows[0][1]]
+
+    def fmt(v):
+        v = sorted(v)
+        return "%.3f (%.3f-%.3f)" % (v[len(v) // 2], v[0], v[-1])
+    print("| tiers | hit rate in T0 | hit rate, T0 + fetched | x T0-only | dirty drops |")
+    print("|---|---|---|---|---|")
+    for name, res in rows:
+        total = [r[1] for r in res]
+        ratio = [a / b for a, b in zip(total, base)]
+        print("| %s | %s | %s | %s | %s |" % (name, fmt([r[0] for r in res]), fmt(total),
+                                               fmt(ratio), "/".join(str(r[2]) for r in res)))
+    worst = min(a / b for a, b in zip([r[1] for r in rows[1][1]], base))
+    print()
+    print("Target: at least 2x the T0-only hit rate: %s (worst trace %.2fx with T0 + T1)."
+          % ("met" if worst >= 2 else "not met", worst))
+    r = ttft(binary)
+    if r is None:
+        return
+    out, cached = r
+    print()
+    print("#### TTFT of a 1024-token prompt: recomputed vs fetched from T1 / T2 (example engine)")
+    print()
+    print("kve_run --model big --threads 2, the prompt computed and committed once, then "
+          "`evict all` (write-through copies are down), then the same prompt again; 3 prompts.")
+    print()
+    print("| prompt | cached tokens | TTFT ms, median (min-max) | computed / this |")
+    print("|---|---|---|---|")
+
+    def f2(v):
+        v = sorted(v)
+        return "%.1f (%.1f-%.1f)" % (v[len(v) // 2], v[0], v[-1])
+    print("| computed (no cache) | 0 | %s | 1 |" % f2(out["computed"]))
+    for tier in ("T1", "T2"):
+        rat = [a / b for a, b in zip(out["computed"], out[tier])]
+        print("| fetched from %s | %d | %s | %s |" % (tier, cached.get(tier, 0), f2(out[tier]),
+                                                    f2(rat)))
+
+
 if __name__ == "__main__":
     main()
+    if os.environ.get("TIERS_SKIP_TRACE") != "1":
+        print_trace_and_ttft(sys.argv[1])

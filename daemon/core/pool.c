@@ -59,6 +59,7 @@ enum {
 #define BLOCK_SHARED 0x02u  /* flags: PREFIX_LRU: prefix of two or more cached continuations */
 #define BLOCK_CORRUPT 0x04u /* flags: quarantined (out of the index; FREE at its last release) */
 #define BLOCK_HOME2 0x08u   /* flags: on LIST_INNER, belongs to the second queue (main, AFREQ) */
+#define BLOCK_LEASED 0x10u  /* flags: holds a tier lease (kvd_pool_lease; one at a time) */
 #define FREQ_MAX 3          /* S3-FIFO's two-bit access counter */
 #define ARC_STEPS 32        /* ADAPTIVE: ghost hits that move the bias across the age span */
 #define NQUEUE 3            /* eviction queues counted per tenant (evict_queue) */
@@ -1723,7 +1724,7 @@ kv_err kvd_pool_lease(kvd_pool *p, kvd_block_ref blk) {
         (b->flags & BLOCK_CORRUPT)) {
         return KV_ESTATE;
     }
-    if (b->refcount == UINT32_MAX) {
+    if (b->refcount == UINT32_MAX || (b->flags & BLOCK_LEASED)) {
         return KV_EBUSY;
     }
     /* take_ref without what makes it an access: no tenant is charged, and neither the reuse
@@ -1742,8 +1743,26 @@ kv_err kvd_pool_lease(kvd_pool *p, kvd_block_ref blk) {
         }
     }
     b->refcount++;
+    b->flags |= BLOCK_LEASED;
     p->n_leased++;
     return KV_OK;
+}
+
+/* 1 when block `anc` is an ancestor of b within `limit` steps of parents of b's own age: the
+ * blocks of one release share an age, and among them a child goes before its parents. */
+static int older_kin(const kvd_pool *p, const pool_block *b, uint32_t anc, int limit) {
+    const pool_block *x = b;
+    while (limit-- > 0 && x->parent != KVD_NO_BLOCK) {
+        if (x->parent == anc) {
+            return 1;
+        }
+        const pool_block *px = parent_of(p, x);
+        if (px == NULL || px->last_access != b->last_access) {
+            return 0;
+        }
+        x = px;
+    }
+    return 0;
 }
 
 kv_err kvd_pool_unlease(kvd_pool *p, kvd_block_ref blk, int cold) {
@@ -1752,30 +1771,43 @@ kv_err kvd_pool_unlease(kvd_pool *p, kvd_block_ref blk, int cold) {
     if (err != KV_OK) {
         return err;
     }
-    if (b->state != KVD_BLOCK_COMMITTED || b->refcount == 0 || p->n_leased == 0) {
+    if (b->state != KVD_BLOCK_COMMITTED || b->refcount == 0 || !(b->flags & BLOCK_LEASED)) {
         return KV_ESTATE;
     }
+    b->flags &= (uint8_t)~BLOCK_LEASED;
     p->n_leased--;
     if (--b->refcount != 0) {
         return KV_OK;
     }
     uint64_t age = b->last_access;
+    pool_segment *seg = seg_of(p, blk.id);
+    uint64_t seg_age = seg->last_access;
     block_to_cached(p, blk.id, b);
     if (!cold || b->state != KVD_BLOCK_CACHED) {
         return KV_OK;
     }
+    /* Nothing was used: the block and its segment keep the ages they had (park and the
+     * policies read them). */
+    b->last_access = age;
+    seg->last_access = seg_age;
     int which = b->list;
     if (which == LIST_LRU || which == LIST_PLRU || which == LIST_SMALL || which == LIST_MAIN ||
-        which == LIST_AREC || which == LIST_AFREQ) {
+        which == LIST_AREC || which == LIST_AFREQ || which == LIST_INNER) {
         /* Back where the lease took it from: among the oldest of its queue, before the first
-         * block younger than its old age (a copy ahead of eviction leases blocks near the head,
-         * so the walk is short), so copies do not reorder what eviction takes. */
+         * block younger than it or, of its own age, before its parents (a copy ahead of
+         * eviction leases blocks near the head, so the walk is short), so copies do not
+         * reorder what eviction takes. */
+        uint8_t home2 = b->flags & BLOCK_HOME2; /* an inner block keeps its queue */
         list_remove(p, blk.id, b);
-        b->last_access = age;
+        b->flags |= home2;
         pool_list *l = list_of(p, which, b);
         uint32_t at = l->head;
-        while (at != KVD_NO_BLOCK && blk_at(p, at)->last_access <= age) {
-            at = blk_at(p, at)->next;
+        while (at != KVD_NO_BLOCK) {
+            const pool_block *ab = blk_at(p, at);
+            if (ab->last_access > age || (ab->last_access == age && older_kin(p, b, at, 64))) {
+                break;
+            }
+            at = ab->next;
         }
         if (at == KVD_NO_BLOCK) {
             list_push_tail(p, which, blk.id, b);
@@ -2343,7 +2375,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     kv_err err = KV_OK;
     uint64_t by_state[4] = {0, 0, 0, 0};
     uint64_t by_list[LIST_ALL] = {0};
-    uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0;
+    uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0, leased = 0;
     uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
     uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
     uint32_t *tevict = calloc((size_t)p->ntcap * NQUEUE, sizeof(uint32_t));
@@ -2387,6 +2419,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             by_state[b->state]++;
             by_list[b->list]++;
             refs += b->refcount;
+            leased += (b->flags & BLOCK_LEASED) != 0;
             if (b->last_access > last) {
                 last = b->last_access;
             }
@@ -2522,6 +2555,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     }
     CHECK(held + p->n_leased == refs, "references %llu, tenants hold %llu, tier leases %llu",
           (unsigned long long)refs, (unsigned long long)held, (unsigned long long)p->n_leased);
+    CHECK(leased == p->n_leased, "%llu blocks leased, %llu leases counted",
+          (unsigned long long)leased, (unsigned long long)p->n_leased);
     CHECK(inner_home[0] == p->inner_home[0] && inner_home[1] == p->inner_home[1],
           "inner blocks %llu/%llu, counted %llu/%llu", (unsigned long long)inner_home[0],
           (unsigned long long)inner_home[1], (unsigned long long)p->inner_home[0],

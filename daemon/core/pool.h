@@ -262,7 +262,9 @@ kv_err kvd_pool_hold_hash(kvd_pool *pool, uint32_t tenant, kv_hash128 h, kvd_blo
  * The drop hook is told of every indexed block that leaves the pool: an eviction (reason
  * KVD_EVICT_CAPACITY, _ADMIN or _SHRINK; parking counts as _SHRINK) just before its record is
  * freed, and a quarantine (KVD_DROP_QUARANTINE, a CACHED or COMMITTED block whose bytes changed),
- * with the block's chain hash and its parent's (zero when it has none or the parent is gone).
+ * with the block's chain hash and, for an eviction, its parent's as a hint (zero when it has
+ * none or the parent record holds no committed block; a reused record may name another block);
+ * zero for a quarantine.
  * The hook must not call back into the pool. Freeing the pool tells it nothing. */
 #define KVD_DROP_QUARANTINE 100
 typedef void (*kvd_pool_drop_fn)(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 parent,
@@ -271,13 +273,15 @@ void kvd_pool_set_drop_hook(kvd_pool *pool, kvd_pool_drop_fn fn, void *arg);
 
 /* A tier lease: one reference on a COMMITTED or CACHED block, charged to no tenant and counted
  * as no access (its age and reuse count stay), so a copy thread may read the block's bytes
- * while nothing can evict or reuse it. KV_ENOENT/KV_ESTALE bad handle, KV_ESTATE a FREE, WRITING
- * or quarantined block, KV_EBUSY at the reference limit. */
+ * while nothing can evict or reuse it. One lease per block at a time. KV_ENOENT/KV_ESTALE bad
+ * handle, KV_ESTATE a FREE, WRITING or quarantined block, KV_EBUSY when it is leased already or
+ * at the reference limit. */
 kv_err kvd_pool_lease(kvd_pool *pool, kvd_block_ref blk);
 
-/* Drops a tier lease. When it was the last reference the block becomes CACHED; with cold, it
- * re-enters at the head of its eviction queue with the age it had (where a copy ahead of
- * eviction took it from) instead of as the newest. KV_ESTATE when no lease is held. */
+/* Drops the block's tier lease. When it was the last reference the block becomes CACHED; with
+ * cold, it re-enters its eviction queue where its age puts it (before younger blocks and, among
+ * blocks of its age, before its parents) and it and its segment keep their ages, as if the copy
+ * never happened, instead of entering as the newest. KV_ESTATE when the block holds no lease. */
 kv_err kvd_pool_unlease(kvd_pool *pool, kvd_block_ref blk, int cold);
 
 /* 1 when h is indexed in the pool (COMMITTED or CACHED), else 0. Takes no reference and counts

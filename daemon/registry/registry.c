@@ -210,7 +210,8 @@ static void reclaim_pools(kvd_registry *s) {
     }
     for (uint32_t i = 0; i < s->npools;) {
         kvd_reg_pool *p = &s->pools[i];
-        if (p->nsessions == 0 && !kvd_pool_in_use(p->pool)) {
+        if (p->nsessions == 0 && !kvd_pool_in_use(p->pool) &&
+            (s->pool_keep == NULL || !s->pool_keep(s->pool_gone_arg, p))) {
             KV_LOG(INFO, "KVD-POOL-FREE", "pool %u (model %s): no session and no block; freed",
                    p->pool_id, p->model_id);
             pool_close(s, p->pool_id); /* keeps the order; i now names the next */

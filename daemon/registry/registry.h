@@ -73,6 +73,9 @@ typedef struct kvd_registry {
     /* Told just before a pool is freed (idle reclaim, pool_close, fini), so a layer above that
      * keeps state per pool (daemon/tiers) lets it go; NULL: nobody. */
     void (*pool_gone)(void *arg, kvd_reg_pool *p);
+    /* Asked before an idle empty pool is freed: 1 keeps it (its lower tiers still hold blocks,
+     * which are a cache as much as T0's). NULL: free it. Same argument as pool_gone. */
+    int (*pool_keep)(void *arg, const kvd_reg_pool *p);
     void *pool_gone_arg;
 } kvd_registry;
 

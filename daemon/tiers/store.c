@@ -188,6 +188,11 @@ void kvd_tstore_forget(kvd_tstore *s, uint32_t i) {
 }
 
 void kvd_tstore_slot2_back(kvd_tstore *s, uint64_t slot) {
+    if (slot >= s->next_slot2) {
+        /* A slot no record counted yet (a restart's scan found an older duplicate there):
+         * the never-used run starts after it, so it is handed out once, from the list. */
+        s->next_slot2 = slot + 1;
+    }
     if (s->nfree2 == s->free2_cap) {
         uint64_t nc = s->free2_cap == 0 ? 64 : s->free2_cap * 2;
         uint64_t *nf = realloc(s->free2, (size_t)nc * sizeof(*nf));

@@ -63,8 +63,9 @@ typedef struct kvd_tstore {
     uint64_t next_slot2; /* next never-used T2 slot */
 } kvd_tstore;
 
-/* Zeroed storage is an empty store; init says so. fini frees every T1 buffer and the store's
- * arrays (nothing may be busy). Both accept zeroed memory. */
+/* init makes an empty store (call it before any other function: zeroed storage is not one).
+ * fini frees every T1 buffer and the store's arrays (nothing may be busy); it accepts NULL and
+ * zeroed memory. */
 void kvd_tstore_init(kvd_tstore *s);
 void kvd_tstore_fini(kvd_tstore *s);
 

@@ -1008,6 +1008,14 @@ static void on_pool_gone(void *arg, kvd_reg_pool *p) {
     }
 }
 
+/* An idle pool with no T0 block stays while its lower tiers hold blocks (their entries are its
+ * cache) or copies are in flight. */
+static int on_pool_keep(void *arg, const kvd_reg_pool *p) {
+    (void)arg;
+    const tier_pool *tp = p->tiers;
+    return tp != NULL && (tp->st.n > 0 || tp->jobs > 0);
+}
+
 kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
                        char *msg, size_t msglen) {
     kvd_tiers *t = calloc(1, sizeof(*t));
@@ -1032,6 +1040,7 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
         return KV_ESYS;
     }
     reg->pool_gone = on_pool_gone;
+    reg->pool_keep = on_pool_keep;
     reg->pool_gone_arg = t;
     if (kvd_tiers_on(t)) {
         KV_LOG(INFO, "KVD-TIERS",

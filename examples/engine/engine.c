@@ -11,6 +11,10 @@
  */
 #include "examples/engine/engine.h"
 
+/* kvd's default fetch-min-tokens (docs/TIERS.md): a shorter run below T0 is recomputed, so it
+ * does not count as cached when the first prefill chunk is sized. */
+#define KVE_FETCH_MIN_TOKENS 256
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -664,7 +668,7 @@ static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim) {
 /* Admits rs: looks its prompt up (a probe holds the hits while the sequence takes them over) and
  * allocates its first chunk. KV_ENOSPC when blocks are short (nothing held then). */
 static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
-    size_t n = rs->ntoks, nhit = 0, cached = 0;
+    size_t n = rs->ntoks, nhit = 0, cached = 0, lower = 0;
     kvc_block *probe = NULL;
     kv_hash128 *hashes = NULL;
     kv_err rc = KV_OK;
@@ -685,12 +689,18 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
         }
         size_t nh = 0;
         rc = kvc_pool_hash_tokens(e->pool, NULL, 0, rs->toks, n - 1, hashes, nb, &nh);
+        kvc_tier_hits th = {0, 0, 0};
         if (rc == KV_OK) {
-            rc = kvc_lookup(e->pool, hashes, nh, probe, &nhit);
+            rc = kvc_lookup_tiers(e->pool, hashes, nh, probe, &nhit, &th);
         }
         if (rc != KV_OK) {
             fail(e, rc, "lookup: %s", kvc_last_error(e->conn));
             goto cleanup;
+        }
+        /* A run below T0 that the prefill's fetch will bring up counts as cached for the first
+         * chunk's size (a run under the daemon's fetch-min-tokens is recomputed instead). */
+        if ((uint64_t)th.fetchable * e->tpb >= KVE_FETCH_MIN_TOKENS) {
+            lower = th.fetchable;
         }
     }
     size_t first = n;
@@ -702,7 +712,7 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
         }
         rs->reserved = resv;
     } else {
-        first = nhit * e->tpb + budget;
+        first = (nhit + lower) * e->tpb + budget;
         first = first > n ? n : first;
         if (e->o.block_budget != 0 &&
             held_blocks(e, s) + blocks_for(e, first) - nhit > e->o.block_budget) {
