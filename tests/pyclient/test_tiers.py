@@ -360,3 +360,22 @@ def test_old_client_sees_t0_only(kvd_factory):
     flood(c, pool, 12, 8, 300)
     r = c.lookup(pool.pool_id, hs)
     assert r.tier_fetchable == 0 and r.tier1_hits == 0
+
+
+def test_t1_outlives_the_sessions(kvd_factory):
+    """A pool whose T0 is empty and that no session uses stays while its tier 1 holds blocks
+    (they are its cache): the next session's Fetch finds them."""
+    d = kvd_factory(**_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-outlive", LAYOUT)
+    hs = prefix(pool, 4, 11)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    c.close()
+    assert d.admin_result("evict all")["evicted"] >= 4
+    c2 = connect(d)
+    pool2 = c2.attach("m-outlive", LAYOUT)
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_DONE and fr.promoted == 4, fr
+    check_bytes(pool2, blocks, pats)
