@@ -1315,7 +1315,7 @@ static kv_err on_stats(rpc *c, uint64_t id, const Kvd__Stats *st, char *msg) {
         }
     }
     stat_list l;
-    l.cap = 64;
+    l.cap = 128;
     l.n = 0;
     l.prefix = "";
     l.v = rpc_scratch(c, l.cap * sizeof(*l.v));
@@ -1335,6 +1335,11 @@ static kv_err on_stats(rpc *c, uint64_t id, const Kvd__Stats *st, char *msg) {
     stat_add(&l, "session.errors", c->sess->errors);
     stat_add(&l, "session.pools_attached", c->sess->npools);
     stat_add(&l, "session.refs_held", kvd_session_refs_held(c->sess));
+    if (kvd_tiers_on(c->ctx->tiers)) {
+        l.prefix = "tiers.";
+        kvd_tiers_stats(c->ctx->tiers, stat_add, &l);
+        l.prefix = "";
+    }
     if (sp != NULL) {
         stat_add(&l, "pool.id", sp->pool_id);
         l.prefix = "pool.";

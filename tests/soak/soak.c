@@ -27,7 +27,8 @@
 /* One worker slot's counters (written by the slot's current process, read by the parent after
  * waitpid). */
 typedef struct soak_counters {
-    uint64_t ops, requests, lookups, hit_blocks, allocated, committed, duplicates, rewinds, pins;
+    uint64_t ops, requests, lookups, hit_blocks, promoted, allocated, committed, duplicates;
+    uint64_t rewinds, pins;
     uint64_t enospc, verified, mismatched, unmapped, cross_domain, unexpected;
     uint32_t reported; /* mismatch lines printed by the slot's processes (capped) */
     int dying;         /* set just before the worker SIGKILLs itself */
@@ -162,6 +163,7 @@ typedef struct worker {
     kvc_pool *p;
     int tenant;
     int permille;
+    int tiers; /* Fetch instead of Lookup (soak_options.tiers) */
     uint64_t rng;
 } worker;
 
@@ -258,7 +260,21 @@ static void cycle(worker *w) {
     maybe_die(w);
     w->k->requests++;
     w->k->lookups++;
-    rc = kvc_lookup(w->p, h, nblocks, held, &nhit);
+    if (w->tiers) {
+        /* Every hit's bytes are checked below, whether they were in T0 or came up. */
+        kvc_fetch_result fr;
+        rc = kvc_fetch(w->p, h, nblocks, 0, held, &fr);
+        nhit = rc == KV_OK ? fr.nblocks : 0;
+        if (rc == KV_OK) {
+            w->k->promoted += fr.promoted;
+            if (fr.status == KVC_FETCH_PARTIAL && fr.failure != KV_ENOSPC &&
+                fr.failure != KV_ENOENT) {
+                unexpected(w, "fetch", fr.failure);
+            }
+        }
+    } else {
+        rc = kvc_lookup(w->p, h, nblocks, held, &nhit);
+    }
     if (rc != KV_OK) {
         unexpected(w, "lookup", rc);
         return;
@@ -387,6 +403,7 @@ static void worker_main(const soak_ctx *x, int slot) {
     w.k = &x->k[slot];
     w.tenant = slot % x->o->tenants;
     w.permille = x->o->death_permille;
+    w.tiers = x->o->tiers;
     w.rng = mix64((uint64_t)slot << 32 ^ (uint64_t)getpid() ^ now_ms() << 20);
     kvc_conn *c;
     char name[32];
@@ -475,6 +492,17 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = memflag;
     argv[n++] = segflag;
     argv[n++] = "--log-level=warn";
+    char t2flag[160];
+    if (x->o->tiers) {
+        /* T1 smaller than the pools, T2 larger: blocks go down, come up, and are dropped from
+         * T1 for room while T2 still has them. fetch-min-tokens 1: every run is fetched. */
+        snprintf(t2flag, sizeof(t2flag), "--tier2-path=%s/t2", x->dir);
+        argv[n++] = "--tier1-memory=4M";
+        argv[n++] = t2flag;
+        argv[n++] = "--tier2-bytes=256M";
+        argv[n++] = "--fetch-min-tokens=1";
+        argv[n++] = x->o->tiers == 2 ? "--tier-write=write-through" : "--tier-write=write-back";
+    }
     argv[n] = NULL;
     /* 60 s: valgrind starts slowly. A kvd still starting then is left running (x->kvd). */
     return kvd_harness_spawn(argv, x->sock, 60000, "soak", &x->kvd);
@@ -513,6 +541,15 @@ static int check_pools(soak_ctx *x, soak_result *r) {
         uint64_t sessions = 0;
         for (int i = 0; i < 2000; i++) {
             if (kvc_stat_get(c, 0, "daemon.sessions", &sessions) == KV_OK && sessions == 1) {
+                break;
+            }
+            kvd_harness_sleep_ms(10);
+        }
+        /* Copies the tiers still run (a Fetch of a dead worker, a write-back copy) hold blocks
+         * until they are done: wait for them. */
+        uint64_t jobs = 0;
+        for (int i = 0; x->o->tiers && i < 2000; i++) {
+            if (kvc_stat_get(c, 0, "tiers.jobs_inflight", &jobs) == KV_OK && jobs == 0) {
                 break;
             }
             kvd_harness_sleep_ms(10);
@@ -663,6 +700,7 @@ int soak_run(const soak_options *o, soak_result *r) {
         r->requests += k->requests;
         r->lookups += k->lookups;
         r->hit_blocks += k->hit_blocks;
+        r->promoted += k->promoted;
         r->allocated += k->allocated;
         r->committed += k->committed;
         r->duplicates += k->duplicates;
@@ -694,6 +732,14 @@ int soak_run(const soak_options *o, soak_result *r) {
     unlink(x.sock);
     snprintf(path, sizeof(path), "%s/admin.sock", x.dir);
     unlink(path);
+    if (o->tiers) {
+        /* The tier-2 files: one directory per domain under t2/. */
+        char cmd[300];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s/t2'", x.dir);
+        if (system(cmd) != 0) {
+            fprintf(stderr, "soak: could not remove %s/t2\n", x.dir);
+        }
+    }
     rmdir(x.dir);
 
     printf("soak: %d s, %d client processes over %d tenants, segments of %s, %d CPU burners, kvd "
@@ -708,6 +754,10 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->allocated, (unsigned long long)r->committed,
            (unsigned long long)r->duplicates, (unsigned long long)r->rewinds,
            (unsigned long long)r->pins, (unsigned long long)r->enospc);
+    if (o->tiers) {
+        printf("soak: tiers on (%s): %llu hit blocks came up from tier 1 or 2\n",
+               o->tiers == 2 ? "write-through" : "write-back", (unsigned long long)r->promoted);
+    }
     printf("soak: faults injected %llu (workers SIGKILLed at a random step)\n",
            (unsigned long long)r->deaths);
     printf("soak: blocks verified %llu: bytes mismatched %llu (of which unmapped %llu), "

@@ -25,6 +25,9 @@ typedef struct soak_options {
     const char *pool_mem; /* --pool-memory of kvd */
     const char *seg_size; /* --segment-bytes of kvd: small ones make many segments and gaps */
     int busy;             /* CPU-burning processes run beside the workers (load: races show) */
+    int tiers;            /* 1: kvd with tier 1 and tier 2 (write-back), workers Fetch instead of
+                             Lookup, so hits come from every tier (docs/TIERS.md); 2: the same,
+                             write-through */
     int verbose;          /* print per-tenant pool figures */
 } soak_options;
 
@@ -32,7 +35,8 @@ typedef struct soak_result {
     uint64_t ops;          /* worker cycles (lookup .. release), finished or not */
     uint64_t requests;     /* kvd requests made by workers */
     uint64_t lookups;      /* Lookup requests */
-    uint64_t hit_blocks;   /* blocks returned by Lookup */
+    uint64_t hit_blocks;   /* blocks returned by Lookup (or Fetch, with tiers) */
+    uint64_t promoted;     /* of them, blocks a Fetch copied up from tier 1 or 2 */
     uint64_t allocated;    /* blocks leased by Allocate */
     uint64_t committed;    /* blocks committed */
     uint64_t duplicates;   /* commits answered with another writer's canonical block */

@@ -1,7 +1,8 @@
 /* soak_main: `./dev soak [seconds]` (bazel run //tests/soak:soak -- [options] [seconds]).
  * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --segment-bytes=SIZE
- * --busy=N (CPU burners beside the workers) --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g.
- * valgrind) -v. Exit 0 when every invariant held. */
+ * --busy=N (CPU burners beside the workers) --tiers=1|2 (tier 1 and 2 on, write-back |
+ * write-through; workers Fetch) --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g. valgrind) -v. Exit
+ * 0 when every invariant held. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,8 @@ int main(int argc, char **argv) {
             o.seg_size = a + 16;
         } else if (strncmp(a, "--busy=", 7) == 0) {
             o.busy = atoi(a + 7);
+        } else if (strncmp(a, "--tiers=", 8) == 0) {
+            o.tiers = atoi(a + 8);
         } else if (strncmp(a, "--kvd=", 6) == 0) {
             o.kvd = a + 6;
         } else if (strncmp(a, "--wrap=", 7) == 0) {
@@ -35,7 +38,8 @@ int main(int argc, char **argv) {
             o.seconds = atoi(a);
         } else {
             fprintf(stderr, "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
-                            "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] [--kvd=PATH] "
+                            "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
+                            "[--tiers=0|1|2] [--kvd=PATH] "
                             "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }

@@ -51,10 +51,26 @@ static void test_soak_small_segments_busy(void **state) {
     check_soak(&o);
 }
 
+/* Tiers on (issue 14): the workers Fetch, so hits come from T0, T1 and T2 and every one's bytes
+ * are checked; the pools are small so blocks go down and come up all the time. */
+static void test_soak_tiers(void **state) {
+    (void)state;
+    soak_options o;
+    soak_options_init(&o);
+    o.seconds = 10;
+    o.pool_mem = "8M";
+    o.seg_size = "256K";
+    o.tiers = 1;
+    o.busy = 2;
+    o.verbose = 1;
+    check_soak(&o);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_soak_short),
         cmocka_unit_test(test_soak_small_segments_busy),
+        cmocka_unit_test(test_soak_tiers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
