@@ -549,20 +549,27 @@ static double ten_run(kvc_conn *conn, kvc_pool *pool, int pipelined) {
     return (double)ops / (t - t0);
 }
 
-/* One pair of fresh daemons (1 tenant; TEN_N token tenants with quotas, each with a session
- * and a pool): best of REPS interleaved runs per mode into one[2], many[2]. */
-static void tenancy_pair(const char *kvd, int pair, double one[2], double many[2]) {
-    char tenants[128], sock1[100], sockn[100], f1[160], fn[160], tf[200];
-    snprintf(tenants, sizeof(tenants), "%s/tenants", g_dir);
-    snprintf(sock1, sizeof(sock1), "%s/kvd-1t-%d.sock", g_dir, pair);
-    snprintf(sockn, sizeof(sockn), "%s/kvd-100t-%d.sock", g_dir, pair);
+/* One pair of fresh daemons, the second with the flags extra[0..2) (NULL entries: none):
+ * best of REPS interleaved runs per mode of one session of each into one[2], many[2]. With
+ * tenants, the second daemon gets TEN_N token tenants with quotas, each with a session and a
+ * pool, and the last one made is measured; else one session. */
+static void pair_run(const char *kvd, int pair, const char *tag, const char *const extra[2],
+                     int tenants, double one[2], double many[2]) {
+    char sock1[100], sockn[100], f1[160], fn[160];
+    snprintf(sock1, sizeof(sock1), "%s/kvd-a-%s-%d.sock", g_dir, tag, pair);
+    snprintf(sockn, sizeof(sockn), "%s/kvd-b-%s-%d.sock", g_dir, tag, pair);
     snprintf(f1, sizeof(f1), "--socket=%s", sock1);
     snprintf(fn, sizeof(fn), "--socket=%s", sockn);
-    snprintf(tf, sizeof(tf), "--tenants-file=%s", tenants);
     char *argv1[] = {(char *)kvd,        f1,  "--log-level=warn", "--segment-bytes=4M",
                      "--pool-memory=4G", NULL};
-    char *argvn[] = {(char *)kvd,        fn,  tf, "--log-level=warn", "--segment-bytes=4M",
-                     "--pool-memory=4G", NULL};
+    char *argvn[] = {
+        (char *)kvd, fn,  "--log-level=warn", "--segment-bytes=4M", "--pool-memory=4G", NULL,
+        NULL,        NULL};
+    for (int i = 0, at = 5; i < 2; i++) {
+        if (extra[i] != NULL) {
+            argvn[at++] = (char *)extra[i];
+        }
+    }
     /* Same placement for both daemons: they run on the last CPU (inherited from this process at
      * fork) and the measuring client on CPU 0. Unpinned, the scheduler's sticky choice of
      * sharing a core with the client or not moved one pair's sync ratio by 10-15%. */
@@ -598,8 +605,9 @@ static void tenancy_pair(const char *kvd, int pair, double one[2], double many[2
     kvc_conn *c1, *cn[TEN_N];
     kvc_pool *q1, *qn[TEN_N];
     ten_open(sock1, -1, &c1, &q1);
-    for (int i = 0; i < TEN_N; i++) {
-        ten_open(sockn, i, &cn[i], &qn[i]);
+    int nb = tenants ? TEN_N : 1;
+    for (int i = 0; i < nb; i++) {
+        ten_open(sockn, tenants ? i : -1, &cn[i], &qn[i]);
     }
     /* Interleaved, best of REPS, as the rows above; the measured tenant is the last one made.
      * Which daemon runs first alternates: on this machine the order alone moved the ratio by
@@ -612,9 +620,9 @@ static void tenancy_pair(const char *kvd, int pair, double one[2], double many[2
             double a, b;
             if ((rep + pair) % 2 == 0) {
                 a = ten_run(c1, q1, pl);
-                b = ten_run(cn[TEN_N - 1], qn[TEN_N - 1], pl);
+                b = ten_run(cn[nb - 1], qn[nb - 1], pl);
             } else {
-                b = ten_run(cn[TEN_N - 1], qn[TEN_N - 1], pl);
+                b = ten_run(cn[nb - 1], qn[nb - 1], pl);
                 a = ten_run(c1, q1, pl);
             }
             one[pl] = a > one[pl] ? a : one[pl];
@@ -622,13 +630,35 @@ static void tenancy_pair(const char *kvd, int pair, double one[2], double many[2
         }
     }
     kvc_conn_close(c1);
-    for (int i = 0; i < TEN_N; i++) {
+    for (int i = 0; i < nb; i++) {
         kvc_conn_close(cn[i]);
     }
     bench_stop(p1);
     bench_stop(pn);
     if (pinned) {
         sched_setaffinity(0, sizeof(all), &all);
+    }
+}
+
+/* TEN_PAIRS fresh pairs of daemons (pair_run): per mode, the medians over the pairs. */
+static void pairs_loop(const char *kvd, const char *tag, const char *const extra[2], int tenants,
+                       ten_result *t) {
+    double one[2][TEN_PAIRS], many[2][TEN_PAIRS];
+    for (int pair = 0; pair < TEN_PAIRS; pair++) {
+        double o[2], m[2];
+        pair_run(kvd, pair, tag, extra, tenants, o, m);
+        for (int pl = 0; pl < 2; pl++) {
+            one[pl][pair] = o[pl];
+            many[pl][pair] = m[pl];
+            t->pair_ratio[pl][pair] = m[pl] / o[pl];
+        }
+    }
+    for (int pl = 0; pl < 2; pl++) {
+        double r[TEN_PAIRS];
+        memcpy(r, t->pair_ratio[pl], sizeof(r));
+        t->ratio[pl] = bench_median(r, TEN_PAIRS);
+        t->one[pl] = bench_median(one[pl], TEN_PAIRS);
+        t->many[pl] = bench_median(many[pl], TEN_PAIRS);
     }
 }
 
@@ -655,23 +685,11 @@ static void tenancy_bench(const char *kvd, ten_result *t) {
         fprintf(f, "quota t%03d max-held=100000 guarantee=64 max-pinned=1000 max-sessions=16\n", i);
     }
     fclose(f);
-    double one[2][TEN_PAIRS], many[2][TEN_PAIRS];
-    for (int pair = 0; pair < TEN_PAIRS; pair++) {
-        double o[2], m[2];
-        tenancy_pair(kvd, pair, o, m);
-        for (int pl = 0; pl < 2; pl++) {
-            one[pl][pair] = o[pl];
-            many[pl][pair] = m[pl];
-            t->pair_ratio[pl][pair] = m[pl] / o[pl];
-        }
-    }
-    for (int pl = 0; pl < 2; pl++) {
-        double r[TEN_PAIRS];
-        memcpy(r, t->pair_ratio[pl], sizeof(r));
-        t->ratio[pl] = bench_median(r, TEN_PAIRS);
-        t->one[pl] = bench_median(one[pl], TEN_PAIRS);
-        t->many[pl] = bench_median(many[pl], TEN_PAIRS);
-    }
+    const char *tf_extra[2] = {NULL, NULL};
+    char tf[200];
+    snprintf(tf, sizeof(tf), "--tenants-file=%s", tenants);
+    tf_extra[0] = tf;
+    pairs_loop(kvd, "ten", tf_extra, 1, t);
 }
 
 static void tenancy_print(const ten_result *t) {
@@ -696,6 +714,38 @@ static void tenancy_print(const ten_result *t) {
     }
 }
 
+/* Lower tiers on (T1 and T2 configured, nothing demoted: the Lookups hit T0) against off: the
+ * cost the tiers add to the Lookup path (issue 14's target: within 3%). */
+static void tiers_rpc_bench(const char *kvd, ten_result *t) {
+    char t2[200];
+    snprintf(t2, sizeof(t2), "--tier2-path=%s/t2", g_dir);
+    const char *extra[2] = {"--tier1-memory=1G", t2};
+    pairs_loop(kvd, "tiers", extra, 0, t);
+}
+
+static void tiers_rpc_print(const ten_result *t) {
+    printf("\nLower tiers (Lookup-128 + Release on one session, 1 conn): tiers off vs T1 and T2 "
+           "on with nothing demoted (every Lookup hits T0). %d fresh pairs of daemons, each best "
+           "of %d interleaved runs; kops/s and the ratio are medians over the pairs.\n\n",
+           TEN_PAIRS, REPS);
+    printf("| mode | tiers off kops/s | tiers on kops/s | ratio | each pair's ratio | within 3%% "
+           "(worst pair) |\n");
+    printf("|---|---:|---:|---:|---|---|\n");
+    for (int pl = 0; pl < 2; pl++) {
+        char pairs[96];
+        size_t at = 0;
+        double worst = t->pair_ratio[pl][0];
+        for (int i = 0; i < TEN_PAIRS && at < sizeof(pairs); i++) {
+            worst = t->pair_ratio[pl][i] < worst ? t->pair_ratio[pl][i] : worst;
+            at += (size_t)snprintf(pairs + at, sizeof(pairs) - at, "%s%.3f", i ? ", " : "",
+                                   t->pair_ratio[pl][i]);
+        }
+        printf("| %s | %.1f | %.1f | %.3f | %s | %s |\n", pl ? "pipelined" : "sync",
+               t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs,
+               worst >= 0.97 ? "yes" : "no");
+    }
+}
+
 int main(int argc, char **argv) {
     const char *kvd = "bazel-bin/daemon/kvd";
     const char *redis = "redis-server";
@@ -711,7 +761,7 @@ int main(int argc, char **argv) {
             g_seconds = atof(argv[i + 1]);
         } else {
             bench_die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
-                      "kvd|echo|redis]");
+                      "kvd|echo|redis|tiers]");
         }
     }
     signal(SIGPIPE, SIG_IGN);
@@ -744,6 +794,21 @@ int main(int argc, char **argv) {
     bench_wait_socket(g_kvd_sock, kvd_pid);
     bench_wait_socket(g_redis_sock, redis_pid);
     kvd_prepare();
+    if (only != NULL && strcmp(only, "tiers") == 0) {
+        /* Only the tiers comparison (bench/tiers_bench.py records it in the tiers section). */
+        ten_result tiers;
+        tiers_rpc_bench(kvd, &tiers);
+        tiers_rpc_print(&tiers);
+        bench_stop(kvd_pid);
+        bench_stop(redis_pid);
+        bench_stop(echo_pid);
+        char rm[160];
+        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
+        if (system(rm) != 0) {
+            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+        }
+        return 0;
+    }
     redis_prepare();
 
     static const int conns[2] = {1, 8};
@@ -768,9 +833,10 @@ int main(int argc, char **argv) {
             }
         }
     }
-    ten_result ten; /* tenancy section (below the tables) */
+    ten_result ten, tiers; /* tenancy and tiers sections (below the tables) */
     if (only == NULL || strcmp(only, "kvd") == 0) {
         tenancy_bench(kvd, &ten);
+        tiers_rpc_bench(kvd, &tiers);
     }
     bench_stop(kvd_pid);
     bench_stop(redis_pid);
@@ -818,6 +884,7 @@ int main(int argc, char **argv) {
            tk.ops_per_s >= 2 * tr.ops_per_s ? "yes" : "no");
     if (only == NULL || strcmp(only, "kvd") == 0) {
         tenancy_print(&ten);
+        tiers_rpc_print(&tiers);
     }
     return 0;
 }

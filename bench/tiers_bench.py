@@ -93,6 +93,10 @@ def round_trip(d, tier, base):
     c = kw.Conn(d.sock)
     c.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
     pool = c.attach("bench-tiers", LAYOUT)
+    # The previous round's blocks leave T0, so this round writes into T0 blocks the daemon has
+    # touched before (a running daemon's steady state; a new segment's pages fault in once on
+    # the daemon's side too, which the cold round shows).
+    d.admin("evict all")
     r = c.allocate(pool.pool_id, NBLOCKS)
     pool.follow(r)
     blocks = kw.reply_blocks(r)
@@ -231,9 +235,10 @@ def main():
 
     print("%d runs; each moves %d blocks of %d KiB (layout 32x8x128x16 fp16 block-major, raw "
           "format) down (write-through at commit) and back up (one Fetch after `evict all`), "
-          "twice per daemon: *cold* is the first round (T1 buffers and copy-thread scratch "
-          "fault in), *warm* the second (T1 holds one round, so its copies recycle the first "
-          "round's buffers: a running daemon's steady state). GB/s as median (min-max). "
+          "twice per daemon: *cold* is the first round (new T0 segments, T1 buffers and copy-thread "
+          "scratch fault in on first touch), *warm* the second (T1 holds one round, so its copies "
+          "recycle the first round's buffers, and the round reuses T0 blocks the daemon touched "
+          "before: a running daemon's steady state). GB/s as median (min-max). "
           "Throughput = bytes / wall time while copies of that kind were in flight (libuv's 4 "
           "copy threads together, on %d cores); per copy = bytes / each job's own time."
           % (RUNS, NBLOCKS, BB // 1024, os.cpu_count()))
@@ -435,7 +440,20 @@ def print_trace_and_ttft(binary):
                                                     f2(rat)))
 
 
+def lookup_cost(binary):
+    """rpc_bench --only tiers: Lookup-128 + Release with tiers off vs on (nothing demoted)."""
+    rpc = os.path.join(os.path.dirname(os.path.dirname(binary)), "bench", "rpc_bench")
+    if not os.path.exists(rpc):
+        return
+    out = subprocess.run([rpc, "--kvd", binary, "--only", "tiers"], capture_output=True,
+                         text=True, check=True).stdout
+    print()
+    print("#### Cost on the Lookup path (bench/rpc_bench --only tiers)")
+    print(out.strip())
+
+
 if __name__ == "__main__":
     main()
     if os.environ.get("TIERS_SKIP_TRACE") != "1":
         print_trace_and_ttft(sys.argv[1])
+        lookup_cost(sys.argv[1])
