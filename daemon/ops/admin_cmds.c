@@ -1156,7 +1156,9 @@ static const kvd_admin_cmd cmds[] = {
     {"selftest isolation", "", "check that no tenant can reach another tenant's blocks",
      "Makes two throwaway tenants and proves on the live pools, index and session code that a "
      "block committed in one domain is a hit for the same domain only and that the other tenant "
-     "cannot reach its pool. Result: passed, checks (one line per check). EINTERNAL when "
+     "cannot reach its pool; with lower tiers, that the block copied into tier 1 and evicted is "
+     "found below T0 by its domain only, and that each domain's tier-2 file is its own. Result: "
+     "passed, checks (one line per check). EINTERNAL when "
      "isolation is broken (message names the first failing check); ENOSPC/EQUOTA/ESYS when it "
      "could not run.",
      cmd_selftest_isolation},

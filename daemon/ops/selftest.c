@@ -9,6 +9,7 @@
 
 #include "common/kv_log.h"
 #include "daemon/registry/registry.h"
+#include "daemon/tiers/tiers.h"
 
 #define ST_BLOCKS 2
 
@@ -169,6 +170,53 @@ kv_err kvd_selftest_isolation(kvd_ops *s, char *report, size_t len) {
     }
     note(&r, same, "same domain -> hit (selftest:a's second session got %zu of %d, same bytes)",
          nhit, ST_BLOCKS);
+    if (nhit > 0) {
+        (void)kvd_pool_release(poola, a2.id, ta, hit, nhit);
+        for (size_t i = 0; i < nhit; i++) {
+            (void)kvd_refs_sub(&spa2->refs, hit[i].id, 1);
+        }
+    }
+
+    /* Lower tiers: a's blocks copied into tier 1 and evicted from T0 are found below T0 by a,
+     * never by b; each domain's tier-2 file is its own. */
+    if (kvd_tiers_on(s->tiers)) {
+        kvd_reg_pool *rpa = kvd_registry_pool(s->reg, pa);
+        kv_err trc = KV_OK;
+        for (uint32_t i = 0; trc == KV_OK && i < ST_BLOCKS; i++) {
+            trc = kvd_tiers_selftest_put(s->tiers, rpa, canon[i], h[i]);
+        }
+        if (trc == KV_OK) {
+            (void)kvd_pool_release(poola, a1.id, ta, canon, ST_BLOCKS);
+            for (uint32_t i = 0; i < ST_BLOCKS; i++) {
+                (void)kvd_refs_sub(&spa1->refs, canon[i].id, 1);
+            }
+            size_t ne = 0;
+            (void)kvd_pool_evict(poola, ST_BLOCKS, -1, KVD_EVICT_ADMIN, 0, NULL, &ne);
+            kvd_tier_run ra, rb;
+            kvd_tiers_probe(s->tiers, rpa, h, ST_BLOCKS, &ra);
+            kvd_tiers_probe(s->tiers, kvd_registry_pool(s->reg, pb), h, ST_BLOCKS, &rb);
+            note(&r, ne == ST_BLOCKS && ra.t1 == ST_BLOCKS,
+                 "tier 1: selftest:a's evicted blocks are found below T0 by a (%u of %d)", ra.t1,
+                 ST_BLOCKS);
+            note(&r, rb.fetchable == 0,
+                 "tier 1: selftest:b's pool finds none of them (%u of %d below T0)", rb.fetchable,
+                 ST_BLOCKS);
+        } else if (trc == KV_ENOTSUP) {
+            note(&r, 1, "tier 1 is off: not checked");
+        } else {
+            note(&r, 0, "tier 1: cannot copy selftest:a's blocks: %s", kv_strerror(trc));
+        }
+        char fa[1400], fb[1400];
+        kvd_tiers_t2_file(s->tiers, rpa, "selftest:a", fa, sizeof(fa));
+        kvd_tiers_t2_file(s->tiers, kvd_registry_pool(s->reg, pb), "selftest:b", fb, sizeof(fb));
+        if (fa[0] != '\0') {
+            note(&r,
+                 strcmp(fa, fb) != 0 && strchr(fa + strlen(s->cfg->tier2_path) + 1, '/') != NULL,
+                 "tier 2: each domain has its own directory and file (%s, %s)", fa, fb);
+        } else {
+            note(&r, 1, "tier 2 is off: not checked");
+        }
+    }
     rc = r.failures == 0 ? KV_OK : KV_EINTERNAL;
 cleanup:
     kvd_session_fini(&a1);

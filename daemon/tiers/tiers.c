@@ -1133,7 +1133,35 @@ static void on_scan(void *arg, uint64_t slot, const kvd_disk_rec *rec) {
     sc->found++;
 }
 
+/* Where pool p's T2 file is: `<tier2-path>/<domain part>` and `<model part>-<shape>.t2`. File
+ * names stay under NAME_MAX: a long model id or domain is cut and keeps a hash of the whole (the
+ * file's header holds the whole key and is checked at open). */
+static void t2_location(const kvd_tiers *t, const kvd_reg_pool *p, const char *domain, char *dir,
+                        size_t dirlen, char *name, size_t namelen) {
+    char dpart[2 * KVD_DISK_KEY_MAX], mpart[2 * KVD_DISK_KEY_MAX];
+    name_part(domain, dpart, 100);
+    if (strlen(dpart) >= 95) {
+        snprintf(dpart + 80, sizeof(dpart) - 80, "-%016llx",
+                 (unsigned long long)XXH64(domain, strlen(domain), 0));
+    }
+    name_part(p->model_id, mpart, 120);
+    if (strlen(mpart) >= 115) {
+        snprintf(mpart + 100, sizeof(mpart) - 100, "-%016llx",
+                 (unsigned long long)XXH64(p->model_id, strlen(p->model_id), 0));
+    }
+    snprintf(dir, dirlen, "%s/%s", t->cfg->tier2_path, dpart);
+    snprintf(name, namelen, "%s-%ux%ux%ux%u-%s-%s.t2", mpart, p->layout.num_layers,
+             p->layout.num_kv_heads, p->layout.head_dim, p->layout.tokens_per_block,
+             kv_dtype_name(p->layout.dtype), kv_arrangement_name(p->layout.arrangement));
+}
+
+static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with_t2);
+
 kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
+    return attach(t, p, domain, 1);
+}
+
+static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with_t2) {
     if (!kvd_tiers_on(t) || p->tiers != NULL) {
         return KV_OK;
     }
@@ -1155,25 +1183,9 @@ kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
     tp->pool_id = p->pool_id;
     tp->block_bytes = p->layout.block_bytes;
     kvd_tstore_init(&tp->st);
-    if (t->cap[1] > 0) {
-        char dpart[2 * KVD_DISK_KEY_MAX], mpart[2 * KVD_DISK_KEY_MAX];
+    if (t->cap[1] > 0 && with_t2) {
         char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
-        /* File names stay under NAME_MAX: a long model id or domain is cut and keeps a hash of
-         * the whole (the file's header holds the whole key and is checked at open). */
-        name_part(domain, dpart, 100);
-        if (strlen(dpart) >= 95) {
-            snprintf(dpart + 80, sizeof(dpart) - 80, "-%016llx",
-                     (unsigned long long)XXH64(domain, strlen(domain), 0));
-        }
-        name_part(p->model_id, mpart, 120);
-        if (strlen(mpart) >= 115) {
-            snprintf(mpart + 100, sizeof(mpart) - 100, "-%016llx",
-                     (unsigned long long)XXH64(p->model_id, strlen(p->model_id), 0));
-        }
-        snprintf(dir, sizeof(dir), "%s/%s", t->cfg->tier2_path, dpart);
-        snprintf(name, sizeof(name), "%s-%ux%ux%ux%u-%s-%s.t2", mpart, p->layout.num_layers,
-                 p->layout.num_kv_heads, p->layout.head_dim, p->layout.tokens_per_block,
-                 kv_dtype_name(p->layout.dtype), kv_arrangement_name(p->layout.arrangement));
+        t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));
         kvd_disk_key key;
         memset(&key, 0, sizeof(key));
         snprintf(key.model, sizeof(key.model), "%s", p->model_id);
@@ -1667,4 +1679,45 @@ const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
              kvd_tier_format_name(t->format), t->cfg->tier_write,
              t->t2_error[0] != '\0' ? t->t2_error : "none");
     return buf;
+}
+
+void kvd_tiers_t2_file(const kvd_tiers *t, const kvd_reg_pool *p, const char *domain, char *buf,
+                       size_t len) {
+    if (t == NULL || t->cap[1] == 0) {
+        snprintf(buf, len, "%s", "");
+        return;
+    }
+    char dir[KVD_CONFIG_PATH_MAX + 600], name[700];
+    t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));
+    snprintf(buf, len, "%s/%s", dir, name);
+}
+
+kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, kv_hash128 hash) {
+    if (t == NULL || t->cap[0] == 0) {
+        return KV_ENOTSUP;
+    }
+    kv_err rc = attach(t, p, "selftest", 0);
+    tier_pool *tp = p->tiers;
+    if (rc != KV_OK || tp == NULL) {
+        return rc != KV_OK ? rc : KV_ENOTSUP;
+    }
+    uint32_t nruns = 0;
+    run *runs = block_runs(p->pool, blk.id, &nruns);
+    uint8_t *b = malloc(tp->block_bytes);
+    uint32_t i;
+    if (runs == NULL || b == NULL ||
+        kvd_tstore_get(&tp->st, hash, (kv_hash128){0, 0}, &i) != KV_OK) {
+        free(runs);
+        free(b);
+        return KV_ENOMEM;
+    }
+    gather(runs, nruns, b);
+    free(runs);
+    if (kvd_tstore_in(&tp->st, i, 1)) {
+        free(b);
+        return KV_OK;
+    }
+    kvd_tstore_set1(&tp->st, i, b, tp->block_bytes, KVD_TF_RAW);
+    t->used[0] += tp->block_bytes;
+    return KV_OK;
 }

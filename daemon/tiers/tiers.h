@@ -133,6 +133,15 @@ uint32_t kvd_tiers_inflight(const kvd_tiers *t);
 void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_tiers_stat_descs(size_t *n);
 
+/* For admin `selftest isolation` (loop thread, synchronous, not the copy path): copies block
+ * blk of pool p (its hash) into p's tier 1 at once, giving p T1-only tiers if it has none (no
+ * T2 file for a self-test pool). KV_ENOTSUP when tier 1 is off, KV_ENOMEM. */
+kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, kv_hash128 hash);
+
+/* The path pool p's T2 file has (or would have) for domain; "" when tier 2 is off. */
+void kvd_tiers_t2_file(const kvd_tiers *t, const kvd_reg_pool *p, const char *domain, char *buf,
+                       size_t len);
+
 /* One line on the state of the lower tiers for admin (`tiers`): "off", or what is configured and
  * the last T2 error ("ok" when none). */
 const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len);

@@ -379,3 +379,16 @@ def test_t1_outlives_the_sessions(kvd_factory):
     fr, blocks = fetch_all(c2, pool2, hs)
     assert fr.status == pb.FETCH_DONE and fr.promoted == 4, fr
     check_bytes(pool2, blocks, pats)
+
+
+def test_selftest_isolation_covers_tiers(kvd_factory):
+    """admin `selftest isolation` on a tiered daemon checks tier 1 and tier 2 too."""
+    d = kvd_factory(**_tiers(tier2_path=os.path.join(new_dir(), "t2"), tier2_bytes="64M"))
+    r = d.admin_result("selftest isolation")
+    assert r["passed"], r
+    lines = "\n".join(r["checks"])
+    assert "tier 1: selftest:a's evicted blocks are found below T0 by a (2 of 2)" in lines, lines
+    assert "tier 1: selftest:b's pool finds none of them (0 of 2 below T0)" in lines, lines
+    assert "tier 2: each domain has its own directory and file" in lines, lines
+    # The self-test's pools are gone again, and it made no tier-2 file.
+    assert tier_stats(d)["tier1_blocks"] == 0
