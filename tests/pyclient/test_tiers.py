@@ -392,3 +392,34 @@ def test_selftest_isolation_covers_tiers(kvd_factory):
     assert "tier 2: each domain has its own directory and file" in lines, lines
     # The self-test's pools are gone again, and it made no tier-2 file.
     assert tier_stats(d)["tier1_blocks"] == 0
+
+
+def test_sigterm_with_fetch_in_flight(kvd_factory):
+    """kvd stopped (SIGTERM) while Fetches of large blocks are copying: it exits 0 (the copies
+    finish or are dropped before the memory goes), and a restart on the same tier-2 files serves
+    only intact records."""
+    big = kw.Layout(16, 8, 128, 16, pb.FP16, pb.BLOCK_MAJOR)  # 1 MiB blocks
+    t2dir = os.path.join(new_dir(), "t2")
+    opts = {"pool_memory": "64M", "segment_bytes": "8M", "tier1_memory": "0",
+            "tier2_path": t2dir, "tier2_bytes": "256M", "tier_write": "write-through",
+            "fetch_min_tokens": "16", "tier2_direct": "false"}
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-term", big)
+    hs = prefix(pool, 24, 3)
+    pats = [kw.block_pattern(big, kw.hash_hex(h)) for h in hs]
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    d.admin_result("evict all")
+    for _ in range(3):
+        c.send("fetch", c.fetch_msg(pool.pool_id, hs))
+    time.sleep(0.002)
+    d.proc.send_signal(15)
+    assert d.proc.wait(timeout=20) == 0, d.read_log()[-2000:]
+    d.killed = True
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    pool2 = c2.attach("m-term", big)
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == 24, fr
+    check_bytes(pool2, blocks, pats)
