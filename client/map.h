@@ -48,6 +48,7 @@ struct kvc_pool {
     kvc_pool *next;                /* conn's list of pools */
     uint32_t pool_id;              /* daemon's id */
     kv_layout layout;              /* derived fields filled by kv_layout_init */
+    uint32_t attach_flags;         /* KVC_ATTACH_* it was attached with */
     uint32_t blocks_per_segment;   /* from AttachPoolReply */
     uint32_t max_segments;         /* capacity of segs[] and of the layer ranges */
     uint32_t budget_segments;      /* the daemon's limit at attach (AttachPoolReply.max_segments) */

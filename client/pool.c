@@ -17,6 +17,11 @@
 #include "client/rpc.h"
 
 kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout, kvc_pool **out) {
+    return kvc_pool_attach_ex(c, model_id, layout, 0, out);
+}
+
+kv_err kvc_pool_attach_ex(kvc_conn *c, const char *model_id, const kv_layout *layout,
+                          uint32_t flags, kvc_pool **out) {
     kv_err err = kvc__rpc_ready(c);
     if (err != KV_OK && err != KV_EEPOCH) {
         return err;
@@ -35,9 +40,14 @@ kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layou
     if (p == NULL) {
         return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a pool");
     }
+    if (flags & ~(uint32_t)KVC_ATTACH_LOSSY_TIERS) {
+        free(p);
+        return kvc__fail(&c->diag, KV_EINVAL, "unknown attach flags 0x%x", flags);
+    }
     p->conn = c;
     p->diag = &c->diag;
     p->gpu_ops = &kvc__gpu_mapper;
+    p->attach_flags = flags;
     err = kvc__rpc_attach(p, model_id, layout);
     if (err != KV_OK) {
         kvc__pool_destroy(p); /* not on the connection's list yet */

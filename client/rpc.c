@@ -1259,6 +1259,7 @@ kv_err kvc__rpc_attach(kvc_pool *p, const char *model_id, const kv_layout *layou
     l.tokens_per_block = layout->tokens_per_block;
     l.dtype = (Kvd__DType)layout->dtype;
     l.arrangement = (Kvd__Arrangement)layout->arrangement;
+    l.lossy_tiers = (p->attach_flags & KVC_ATTACH_LOSSY_TIERS) != 0;
     Kvd__AttachPool req = KVD__ATTACH_POOL__INIT;
     req.model_id = (char *)model_id;
     req.layout = &l;

@@ -172,6 +172,17 @@ KVC_EXTERN kv_err kvc_stat_get(kvc_conn *c, uint32_t pool_id, const char *name, 
 KVC_EXTERN kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout,
                                   kvc_pool **out);
 
+/* kvc_pool_attach with flags: KVC_ATTACH_LOSSY_TIERS lets the daemon's lower tiers keep this
+ * pool's blocks quantized (int8 or fp8 with per-head scales, its option tier-lossy-format): a
+ * block fetched back is close to, not equal to, what was committed (docs/TIERS.md gives the
+ * bound). The flag is part of the pool's identity: clients that attach without it get another
+ * pool, so a client never gets lossy bytes it did not ask for. Only fp16, bf16 and fp32 layouts
+ * are stored lossy; others stay lossless. KV_EINVAL for unknown flags; else as
+ * kvc_pool_attach. */
+#define KVC_ATTACH_LOSSY_TIERS 1u
+KVC_EXTERN kv_err kvc_pool_attach_ex(kvc_conn *c, const char *model_id, const kv_layout *layout,
+                                     uint32_t flags, kvc_pool **out);
+
 /* Ends the session's use of the pool: tells kvd (DetachPool: every reference the session holds
  * in it and its linked pools is released, WRITING leases freed), unmaps it and frees it.
  * Addresses from the pool become invalid; sequences made on it become empty shells (free them

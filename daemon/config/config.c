@@ -105,6 +105,10 @@ static const kvd_config_option options[] = {
     OPT("tier-format", KVD_OPT_STRING, tier_format, "raw", 0, 0,
         "how tiers 1 and 2 store a block: raw (as in the pool), lz4 or zstd (lossless; a block "
         "that does not shrink by 1/16 is stored raw)"),
+    OPT("tier-lossy-format", KVD_OPT_STRING, tier_lossy_format, "int8", 0, 0,
+        "how tiers 1 and 2 store the blocks of pools whose layout asked for lossy tiers "
+        "(Layout.lossy_tiers; fp16, bf16 and fp32 pools): int8 or fp8 (e4m3), with a float32 "
+        "scale per layer, K|V and head of each block; off: losslessly, as tier-format"),
     OPT("tier-write", KVD_OPT_STRING, tier_write, "write-back", 0, 0,
         "write-back: copy the next blocks to be evicted ahead of eviction (tier-clean-ahead); "
         "write-through: copy every committed block down at once"),
@@ -231,6 +235,11 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "tier-format") == 0 && strcmp(value, "raw") != 0 &&
                 strcmp(value, "lz4") != 0 && strcmp(value, "zstd") != 0) {
                 kvd_conf_err(err, errlen, "tier-format: '%s' is not raw, lz4 or zstd", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "tier-lossy-format") == 0 && strcmp(value, "int8") != 0 &&
+                strcmp(value, "fp8") != 0 && strcmp(value, "off") != 0) {
+                kvd_conf_err(err, errlen, "tier-lossy-format: '%s' is not int8, fp8 or off", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "tier-write") == 0 && strcmp(value, "write-back") != 0 &&

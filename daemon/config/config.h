@@ -54,6 +54,7 @@ typedef struct kvd_config {
     uint64_t tier2_bytes;                   /* T2 disk bytes over all pools */
     int tier2_direct;                       /* T2: O_DIRECT where the file system takes it */
     char tier_format[16];                   /* "raw", "lz4" or "zstd" */
+    char tier_lossy_format[16];             /* "int8", "fp8" or "off": pools that asked */
     char tier_write[16];                    /* "write-back" or "write-through" */
     uint64_t tier_min_hits;                 /* selective: lookups a block needs to go down */
     uint64_t tier_clean_ahead;              /* write-back: victims kept copied ahead */

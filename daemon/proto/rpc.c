@@ -311,6 +311,7 @@ static kv_err send_segments_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd
         lay.dtype = (Kvd__DType)l->dtype;
         lay.arrangement = (Kvd__Arrangement)l->arrangement;
         lay.block_bytes = l->block_bytes;
+        lay.lossy_tiers = (p->flags & KVD_POOL_LOSSY_TIERS) != 0;
         seed.lo = p->seed.lo;
         seed.hi = p->seed.hi;
         ar.pool_id = p->pool_id;
@@ -371,7 +372,9 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
     }
     uint32_t ids[KVD_MAX_DOMAINS_PER_TENANT + 1], nids = 0;
     int conflict = 0;
-    rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, ids, &nids, &conflict, msg);
+    uint32_t flags = a->layout != NULL && a->layout->lossy_tiers ? KVD_POOL_LOSSY_TIERS : 0;
+    rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, flags, ids, &nids, &conflict,
+                             msg);
     if (rc != KV_OK) {
         return rc;
     }

@@ -223,11 +223,11 @@ static void reclaim_pools(kvd_registry *s) {
 
 /* The pool of (model, layout) in domain, or NULL. */
 static kvd_reg_pool *pool_find(kvd_registry *s, const char *model_id, const kv_layout *l,
-                               uint32_t domain) {
+                               uint32_t flags, uint32_t domain) {
     for (uint32_t i = 0; i < s->npools; i++) {
         kvd_reg_pool *sp = &s->pools[i];
         if (sp->domain == domain && strcmp(sp->model_id, model_id) == 0 &&
-            same_shape(&sp->layout, l)) {
+            same_shape(&sp->layout, l) && sp->flags == flags) {
             return sp;
         }
     }
@@ -262,9 +262,9 @@ static kv_err pools_fit(kvd_registry *s, uint32_t creator, uint32_t more, char *
     return KV_OK;
 }
 
-static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *l, uint32_t domain,
-                        uint32_t creator, kvd_reg_pool **out, char *msg) {
-    kvd_reg_pool *found = pool_find(s, model_id, l, domain);
+static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *l, uint32_t flags,
+                        uint32_t domain, uint32_t creator, kvd_reg_pool **out, char *msg) {
+    kvd_reg_pool *found = pool_find(s, model_id, l, flags, domain);
     if (found != NULL) {
         *out = found;
         return KV_OK;
@@ -286,6 +286,7 @@ static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *
     memset(&sp, 0, sizeof(sp));
     snprintf(sp.model_id, sizeof(sp.model_id), "%s", model_id);
     sp.layout = *l;
+    sp.flags = flags;
     sp.domain = domain;
     sp.creator = creator;
     sp.seed = pool_seed(model_id, l);
@@ -560,8 +561,8 @@ static const kvd_reg_pool *layout_rival(const kvd_registry *s, const char *model
 }
 
 kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_id,
-                           const kv_layout *l, uint32_t *ids, uint32_t *n, int *conflict,
-                           char *msg) {
+                           const kv_layout *l, uint32_t flags, uint32_t *ids, uint32_t *n,
+                           int *conflict, char *msg) {
     const kvd_reg_pool *rival = layout_rival(s, model_id, l);
     *conflict = rival != NULL;
     if (rival != NULL) {
@@ -591,9 +592,9 @@ kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_i
      * max-pools and the quota all together, or none is made. */
     uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT], links[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t ndoms = kvd_tenants_domains(s->tenants, tenant, doms), nlinks = 0;
-    uint32_t missing = pool_find(s, model_id, l, tenant) == NULL;
+    uint32_t missing = pool_find(s, model_id, l, flags, tenant) == NULL;
     for (uint32_t i = 1; i < ndoms; i++) {
-        missing += pool_find(s, model_id, l, doms[i]) == NULL;
+        missing += pool_find(s, model_id, l, flags, doms[i]) == NULL;
     }
     if (missing > 0) {
         kv_err rc = pools_fit(s, tenant, missing, msg);
@@ -602,7 +603,7 @@ kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_i
         }
     }
     kvd_reg_pool *p;
-    kv_err rc = pool_open(s, model_id, l, tenant, tenant, &p, msg);
+    kv_err rc = pool_open(s, model_id, l, flags, tenant, tenant, &p, msg);
     if (rc != KV_OK) {
         return rc;
     }
@@ -614,7 +615,7 @@ kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_i
     for (uint32_t i = 1; i < ndoms; i++) {
         char lmsg[KVD_REG_MSG];
         kvd_reg_pool *lp;
-        if (pool_open(s, model_id, l, doms[i], tenant, &lp, lmsg) != KV_OK) {
+        if (pool_open(s, model_id, l, flags, doms[i], tenant, &lp, lmsg) != KV_OK) {
             KV_LOG(WARN, "KVD-POOL-LINK", "tenant %s: no pool in domain %u: %s",
                    kvd_tenants_name(s->tenants, tenant), doms[i], lmsg);
             continue;
@@ -646,7 +647,7 @@ kv_err kvd_registry_attach(kvd_registry *s, uint32_t tenant, const char *model_i
 kv_err kvd_registry_pool_open(kvd_registry *g, const char *model_id, const kv_layout *l,
                               uint32_t domain, uint32_t *pool_id, char *msg) {
     kvd_reg_pool *p;
-    kv_err rc = pool_open(g, model_id, l, domain, KVD_MAX_TENANTS, &p, msg);
+    kv_err rc = pool_open(g, model_id, l, 0, domain, KVD_MAX_TENANTS, &p, msg);
     if (rc == KV_OK) {
         *pool_id = p->pool_id;
     }

@@ -31,11 +31,15 @@
 
 #define KVD_MAX_BLOCKS_PER_SEGMENT 65536 /* caps metadata per segment for tiny blocks */
 
-/* One pool of the registry: key (model_id, layout shape, domain) -> kvd_pool. */
+/* Pool flags (part of a pool's key: pools that differ only by them share nothing). */
+#define KVD_POOL_LOSSY_TIERS 1u /* its layout asked for lossy lower tiers (docs/TIERS.md) */
+
+/* One pool of the registry: key (model_id, layout shape, flags, domain) -> kvd_pool. */
 typedef struct kvd_reg_pool {
     uint32_t pool_id;                           /* > 0, never reused */
     char model_id[KV_WIRE_MAX_MODEL_ID + 1];    /* NUL-terminated */
     kv_layout layout;                           /* shape (derived fields filled) */
+    uint32_t flags;                             /* KVD_POOL_*: part of the key */
     uint32_t domain;                            /* the owner's domain: a tenant id, a group, the
                                                    commons (daemon/tenancy/tenant.h) */
     uint64_t segment_bytes;                     /* bytes of one segment's memory */
@@ -105,8 +109,9 @@ kvd_reg_pool *kvd_registry_pool(kvd_registry *g, uint32_t pool_id);
 /* The pool with this id without touching its clock (reports); NULL when unknown. */
 const kvd_reg_pool *kvd_registry_peek(const kvd_registry *g, uint32_t pool_id);
 
-/* AttachPool for tenant: finds or makes its pool of (model_id, layout) and the same model's
- * pool in each of its other domains (groups, the commons), in lookup order. The pools it must
+/* AttachPool for tenant: finds or makes its pool of (model_id, layout, flags: KVD_POOL_*) and
+ * the same model's pool (same flags) in each of its other domains (groups, the commons), in
+ * lookup order. The pools it must
  * make fit max-pools (KV_ENOSPC) and the tenant's max-pools quota (KV_EQUOTA) all together or
  * none is made. A linked pool that cannot get its first segment (pool-memory spent) is left
  * out (logged). On success ids[0] is the tenant's pool and ids[1..*n) its links; each gets
@@ -114,8 +119,8 @@ const kvd_reg_pool *kvd_registry_peek(const kvd_registry *g, uint32_t pool_id);
  * pool of model_id has a different layout shape (logged at WARN; with strict-layouts the attach
  * is refused, KV_EINVAL). msg gets a sentence on error. */
 kv_err kvd_registry_attach(kvd_registry *g, uint32_t tenant, const char *model_id,
-                           const kv_layout *l, uint32_t *ids, uint32_t *n, int *conflict,
-                           char *msg);
+                           const kv_layout *l, uint32_t flags, uint32_t *ids, uint32_t *n,
+                           int *conflict, char *msg);
 
 /* A pool of (model_id, layout, domain) outside any attach (the isolation self-test): found or
  * made with no creator and no session. */

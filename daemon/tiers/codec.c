@@ -14,13 +14,15 @@
 #include <zstd.h>
 #include <zstd_errors.h>
 
+#include "common/kv_layout.h"
+#include "kernels/kvk.h"
+
 #define ZSTD_LEVEL 1
 
 /* Indexed by kvd_tier_format; the spellings of the `tier-format` option. */
 static const char *const format_names[KVD_TF_COUNT] = {
-    [KVD_TF_RAW] = "raw",
-    [KVD_TF_LZ4] = "lz4",
-    [KVD_TF_ZSTD] = "zstd",
+    [KVD_TF_RAW] = "raw",   [KVD_TF_LZ4] = "lz4", [KVD_TF_ZSTD] = "zstd",
+    [KVD_TF_INT8] = "int8", [KVD_TF_FP8] = "fp8",
 };
 
 const char *kvd_tier_format_name(kvd_tier_format f) {
@@ -77,8 +79,8 @@ static int codec_saves(size_t n, size_t clen) {
 
 kv_err kvd_codec_encode(kvd_tier_format f, const void *src, size_t n, void *dst, size_t cap,
                         size_t *len, kvd_tier_format *used) {
-    if ((unsigned)f >= KVD_TF_COUNT || len == NULL || used == NULL || cap < kvd_codec_bound(f, n) ||
-        (n > 0 && (src == NULL || dst == NULL))) {
+    if ((unsigned)f >= KVD_TF_COUNT || kvd_tier_format_lossy(f) || len == NULL || used == NULL ||
+        cap < kvd_codec_bound(f, n) || (n > 0 && (src == NULL || dst == NULL))) {
         return KV_EINVAL;
     }
     size_t clen = 0;
@@ -117,7 +119,7 @@ kv_err kvd_codec_encode(kvd_tier_format f, const void *src, size_t n, void *dst,
 }
 
 kv_err kvd_codec_decode(kvd_tier_format f, const void *src, size_t len, void *dst, size_t n) {
-    if ((unsigned)f >= KVD_TF_COUNT) {
+    if ((unsigned)f >= KVD_TF_COUNT || kvd_tier_format_lossy(f)) {
         return KV_EINVAL;
     }
     if ((len > 0 && src == NULL) || (n > 0 && dst == NULL)) {
@@ -152,4 +154,63 @@ kv_err kvd_codec_decode(kvd_tier_format f, const void *src, size_t len, void *ds
         default:
             return KV_EINVAL;
     }
+}
+
+/* ---- lossy: quantized blocks ----------------------------------------------------------- */
+
+int kvd_tier_format_lossy(kvd_tier_format f) {
+    return f == KVD_TF_INT8 || f == KVD_TF_FP8;
+}
+
+static int quantizable(const kv_layout *l) {
+    return l->dtype == KV_DTYPE_FP16 || l->dtype == KV_DTYPE_BF16 || l->dtype == KV_DTYPE_FP32;
+}
+
+/* Groups of the image (one per layer and K|V) and their elements. */
+static uint64_t q_groups(const kv_layout *l) {
+    return (uint64_t)l->num_layers * 2;
+}
+
+static uint64_t q_elems(const kv_layout *l) {
+    return q_groups(l) * l->tokens_per_block * l->num_kv_heads * l->head_dim;
+}
+
+/* Where the scales start: after the elements, 8-aligned (so the float32s are aligned). */
+static uint64_t q_scales_at(const kv_layout *l) {
+    return (q_elems(l) + 7) & ~(uint64_t)7;
+}
+
+size_t kvd_codec_quantized_bytes(kvd_tier_format f, const kv_layout *l) {
+    if (!kvd_tier_format_lossy(f) || !quantizable(l)) {
+        return 0;
+    }
+    return (size_t)(q_scales_at(l) + q_groups(l) * l->num_kv_heads * sizeof(float));
+}
+
+kv_err kvd_codec_quantize(kvd_tier_format f, const kv_layout *l, const void *img, void *dst) {
+    if (kvd_codec_quantized_bytes(f, l) == 0 || img == NULL || dst == NULL) {
+        return KV_EINVAL;
+    }
+    uint8_t *q = dst;
+    float *scales = (float *)(void *)(q + q_scales_at(l));
+    memset(q + q_elems(l), 0, (size_t)(q_scales_at(l) - q_elems(l)));
+    return kvk_quantize_blocks_cpu(l->dtype, img,
+                                   f == KVD_TF_INT8 ? KV_DTYPE_INT8 : KV_DTYPE_FP8_E4M3, q, scales,
+                                   q_groups(l), l->tokens_per_block, l->num_kv_heads, l->head_dim);
+}
+
+kv_err kvd_codec_dequantize(kvd_tier_format f, const kv_layout *l, const void *src, size_t len,
+                            void *img) {
+    size_t need = kvd_codec_quantized_bytes(f, l);
+    if (need == 0 || src == NULL || img == NULL) {
+        return KV_EINVAL;
+    }
+    if (len != need) {
+        return KV_ECORRUPT;
+    }
+    const uint8_t *q = src;
+    const float *scales = (const float *)(const void *)(q + q_scales_at(l));
+    return kvk_dequantize_blocks_cpu(f == KVD_TF_INT8 ? KV_DTYPE_INT8 : KV_DTYPE_FP8_E4M3, q,
+                                     scales, l->dtype, img, q_groups(l), l->tokens_per_block,
+                                     l->num_kv_heads, l->head_dim);
 }

@@ -9,7 +9,10 @@
 
 #include <cmocka.h>
 
+#include <math.h>
+
 #include "daemon/tiers/codec.h"
+#include "kernels/kvk_dtype.h"
 
 #define N (64 * 1024)
 
@@ -100,7 +103,7 @@ static void test_round_trip_floats(void **state) {
     assert_non_null(src);
     for (uint64_t seed = 1; seed <= 3; seed++) {
         fill_floats(src, N, seed);
-        for (int f = 0; f < KVD_TF_COUNT; f++) {
+        for (int f = 0; f <= KVD_TF_ZSTD; f++ /* the lossless ones */) {
             round_trip((kvd_tier_format)f, src, N);
             round_trip((kvd_tier_format)f, src, 1000 + (size_t)seed); /* odd sizes */
         }
@@ -159,7 +162,7 @@ static void test_bad_arguments(void **state) {
     assert_int_equal(kvd_codec_decode(KVD_TF_COUNT, src, sizeof(src), dst, sizeof(src)), KV_EINVAL);
     assert_int_equal(kvd_codec_decode((kvd_tier_format)7, src, sizeof(src), dst, sizeof(src)),
                      KV_EINVAL);
-    for (int f = 0; f < KVD_TF_COUNT; f++) {
+    for (int f = 0; f <= KVD_TF_ZSTD; f++ /* the lossless ones */) {
         assert_true(kvd_codec_bound((kvd_tier_format)f, 12345) >= 12345);
     }
     assert_int_equal(kvd_codec_bound(KVD_TF_RAW, 0), 0);
@@ -174,7 +177,7 @@ static void test_corrupt_input(void **state) {
     assert_non_null(src);
     assert_non_null(dec);
     fill_compressible(src, N);
-    for (int f = KVD_TF_LZ4; f < KVD_TF_COUNT; f++) {
+    for (int f = KVD_TF_LZ4; f <= KVD_TF_ZSTD; f++ /* the lossless ones */) {
         size_t cap = kvd_codec_bound((kvd_tier_format)f, N);
         uint8_t *enc = malloc(cap);
         assert_non_null(enc);
@@ -210,6 +213,97 @@ static void test_corrupt_input(void **state) {
     free(dec);
 }
 
+/* Lossy formats: every element comes back within the quantization step of its (layer, K|V,
+ * head) group: int8 half a step (absmax / 127 / 2), fp8-e4m3 one part in 16 of the value plus
+ * half its smallest step; then the pool dtype's own rounding. */
+static void lossy_case(kv_dtype dt, kv_arrangement arr, kvd_tier_format f) {
+    kv_layout l;
+    assert_int_equal(kv_layout_init(3, 2, 8, 4, dt, arr, &l), KV_OK);
+    size_t qb = kvd_codec_quantized_bytes(f, &l);
+    assert_true(qb > 0 && qb < l.block_bytes);
+    uint64_t n = l.block_bytes / l.elem_bytes;
+    uint8_t *img = malloc(l.block_bytes), *back = malloc(l.block_bytes), *q = malloc(qb);
+    assert_non_null(img);
+    assert_non_null(back);
+    assert_non_null(q);
+    uint64_t x = 12345;
+    for (uint64_t i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        float v = ((float)(x >> 40) / (float)(1u << 24) - 0.5f) * 8.0f;
+        if (dt == KV_DTYPE_FP16) {
+            ((uint16_t *)img)[i] = kvk_f32_to_fp16(v);
+        } else if (dt == KV_DTYPE_BF16) {
+            ((uint16_t *)img)[i] = kvk_f32_to_bf16(v);
+        } else {
+            ((float *)img)[i] = v;
+        }
+    }
+    assert_int_equal(kvd_codec_quantize(f, &l, img, q), KV_OK);
+    assert_int_equal(kvd_codec_dequantize(f, &l, q, qb, back), KV_OK);
+    /* The image is 2 * layers groups of [tokens][heads][dim]. */
+    uint32_t t = l.tokens_per_block, h = l.num_kv_heads, d = l.head_dim;
+    for (uint64_t g = 0; g < (uint64_t)l.num_layers * 2; g++) {
+        for (uint32_t hd = 0; hd < h; hd++) {
+            float amax = 0;
+            for (uint32_t tk = 0; tk < t; tk++) {
+                for (uint32_t e = 0; e < d; e++) {
+                    uint64_t i = ((g * t + tk) * h + hd) * d + e;
+                    float a = fabsf(kvk_load_f32(dt, img, i));
+                    amax = a > amax ? a : amax;
+                }
+            }
+            float step = amax / (f == KVD_TF_INT8 ? 127.0f : 448.0f);
+            for (uint32_t tk = 0; tk < t; tk++) {
+                for (uint32_t e = 0; e < d; e++) {
+                    uint64_t i = ((g * t + tk) * h + hd) * d + e;
+                    float a = kvk_load_f32(dt, img, i), b = kvk_load_f32(dt, back, i);
+                    float bound = f == KVD_TF_INT8 ? step * 0.5f : fabsf(a) / 16.0f + step;
+                    bound += fabsf(a) * (dt == KV_DTYPE_BF16 ? 1.0f / 128 : 1.0f / 1024) + 1e-6f;
+                    assert_true(fabsf(a - b) <= bound);
+                }
+            }
+        }
+    }
+    /* A payload of another size is refused, never decoded. */
+    assert_int_equal(kvd_codec_dequantize(f, &l, q, qb - 1, back), KV_ECORRUPT);
+    free(img);
+    free(back);
+    free(q);
+}
+
+static void test_lossy_round_trip_within_bound(void **state) {
+    (void)state;
+    const kv_dtype dts[] = {KV_DTYPE_FP16, KV_DTYPE_BF16, KV_DTYPE_FP32};
+    for (int i = 0; i < 3; i++) {
+        for (int a = 0; a < 2; a++) {
+            lossy_case(dts[i], a ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR, KVD_TF_INT8);
+            lossy_case(dts[i], a ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR, KVD_TF_FP8);
+        }
+    }
+}
+
+static void test_lossy_refusals(void **state) {
+    (void)state;
+    kv_layout l;
+    assert_int_equal(kv_layout_init(1, 1, 4, 2, KV_DTYPE_INT8, KV_LAYER_MAJOR, &l), KV_OK);
+    assert_int_equal(kvd_codec_quantized_bytes(KVD_TF_INT8, &l), 0); /* 8-bit pools stay */
+    uint8_t buf[256];
+    assert_int_equal(kvd_codec_quantize(KVD_TF_INT8, &l, buf, buf), KV_EINVAL);
+    assert_int_equal(kv_layout_init(1, 1, 4, 2, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
+    assert_int_equal(kvd_codec_quantized_bytes(KVD_TF_ZSTD, &l), 0);
+    assert_int_equal(kvd_codec_quantize(KVD_TF_RAW, &l, buf, buf), KV_EINVAL);
+    /* The lossless entry points refuse the lossy formats (they need the layout). */
+    size_t len;
+    kvd_tier_format used;
+    assert_int_equal(kvd_codec_encode(KVD_TF_INT8, buf, 16, buf + 64, 64, &len, &used), KV_EINVAL);
+    assert_int_equal(kvd_codec_decode(KVD_TF_FP8, buf, 16, buf + 64, 16), KV_EINVAL);
+    assert_true(kvd_tier_format_lossy(KVD_TF_INT8) && kvd_tier_format_lossy(KVD_TF_FP8));
+    assert_false(kvd_tier_format_lossy(KVD_TF_ZSTD));
+    kvd_tier_format f;
+    assert_int_equal(kvd_tier_format_parse("fp8", &f), KV_OK);
+    assert_int_equal(f, KVD_TF_FP8);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names),
@@ -218,6 +312,8 @@ int main(void) {
         cmocka_unit_test(test_incompressible_falls_back),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_corrupt_input),
+        cmocka_unit_test(test_lossy_round_trip_within_bound),
+        cmocka_unit_test(test_lossy_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -182,12 +182,14 @@ struct tier_pool {
     kvd_tiers *t;
     uint32_t pool_id;
     kvd_tstore st;
-    kvd_disk *disk;       /* NULL: no T2 for this pool */
-    uint64_t slot_bytes;  /* T2 slot size */
-    uint64_t block_bytes; /* layout.block_bytes */
-    uint32_t jobs;        /* in flight for this pool */
-    uint32_t cleaning;    /* write-back copies in flight */
-    int gone;             /* the pool was freed: free this when jobs reach 0 */
+    kvd_disk *disk;         /* NULL: no T2 for this pool */
+    uint64_t slot_bytes;    /* T2 slot size */
+    uint64_t block_bytes;   /* layout.block_bytes */
+    kv_layout layout;       /* the pool's layout (a copy: copy threads read it) */
+    kvd_tier_format format; /* how this pool's blocks are stored below T0 */
+    uint32_t jobs;          /* in flight for this pool */
+    uint32_t cleaning;      /* write-back copies in flight */
+    int gone;               /* the pool was freed: free this when jobs reach 0 */
 };
 
 typedef enum job_kind {
@@ -376,6 +378,21 @@ static void work(uv_work_t *w) {
                 break;
             }
             const uint8_t *src = j->runs[0].p;
+            if (kvd_tier_format_lossy(j->format)) {
+                if (j->nruns > 1) {
+                    uint8_t *img = scratch_img(j->block_bytes);
+                    if (img == NULL) {
+                        j->rc = KV_ENOMEM;
+                        break;
+                    }
+                    gather(j->runs, j->nruns, img);
+                    src = img;
+                }
+                j->rc = kvd_codec_quantize(j->format, &j->tp->layout, src, j->out);
+                j->out_len = kvd_codec_quantized_bytes(j->format, &j->tp->layout);
+                j->out_fmt = (uint8_t)j->format;
+                break;
+            }
             if (j->nruns > 1) {
                 uint8_t *img = scratch_img(j->block_bytes);
                 if (img == NULL) {
@@ -418,6 +435,10 @@ static void work(uv_work_t *w) {
                     kvd_tier_format used = KVD_TF_RAW;
                     if (j->format == KVD_TF_RAW) {
                         len = j->block_bytes;
+                    } else if (kvd_tier_format_lossy(j->format)) {
+                        j->rc = kvd_codec_quantize(j->format, &j->tp->layout, img, payload);
+                        len = kvd_codec_quantized_bytes(j->format, &j->tp->layout);
+                        used = j->format;
                     } else {
                         j->rc =
                             kvd_codec_encode(j->format, img, j->block_bytes, enc, cap, &len, &used);
@@ -468,6 +489,12 @@ static void work(uv_work_t *w) {
                     uint8_t *img = scratch_img(j->block_bytes);
                     if (img == NULL) {
                         j->rc = KV_ENOMEM;
+                    } else if (kvd_tier_format_lossy((kvd_tier_format)fmt)) {
+                        j->rc = kvd_codec_dequantize((kvd_tier_format)fmt, &j->tp->layout, src, len,
+                                                     img);
+                        if (j->rc == KV_OK) {
+                            scatter(j->runs, j->nruns, img);
+                        }
                     } else {
                         j->rc =
                             kvd_codec_decode((kvd_tier_format)fmt, src, len, img, j->block_bytes);
@@ -515,7 +542,7 @@ static job *job_new(tier_pool *tp, job_kind kind) {
         j->work.data = j;
         j->block_bytes = tp->block_bytes;
         j->disk = tp->disk;
-        j->format = tp->t->format;
+        j->format = tp->format;
     }
     return j;
 }
@@ -630,7 +657,7 @@ static void entry_drop(tier_pool *tp, uint32_t i, int tier) {
         uint64_t len = kvd_tstore_at(&tp->st, i)->len1;
         uint8_t *b = kvd_tstore_take1(&tp->st, i);
         t->used[0] -= len;
-        if (t->format == KVD_TF_RAW && len == tp->block_bytes) {
+        if (tp->format == KVD_TF_RAW && len == tp->block_bytes) {
             buf_give(t, b, len); /* the next raw copy of this block size reuses it */
         } else {
             free(b);
@@ -723,7 +750,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
     /* A raw copy into T1 writes into a recycled buffer of the block's size when there is one,
      * or one that an eviction of this pool's oldest T1 entry just gave back. */
     uint8_t *buf = NULL;
-    if (to1 && t->format == KVD_TF_RAW) {
+    if (to1 && tp->format == KVD_TF_RAW) {
         buf = buf_take(t, tp->block_bytes);
         while (buf == NULL &&
                t->used[0] + t->reserved1 + t->cached1 + tp->block_bytes > t->cap[0]) {
@@ -1182,10 +1209,22 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->t = t;
     tp->pool_id = p->pool_id;
     tp->block_bytes = p->layout.block_bytes;
+    tp->layout = p->layout;
+    tp->format = t->format;
+    kvd_tier_format lossy;
+    if ((p->flags & KVD_POOL_LOSSY_TIERS) &&
+        kvd_tier_format_parse(t->cfg->tier_lossy_format, &lossy) == KV_OK &&
+        kvd_codec_quantized_bytes(lossy, &p->layout) > 0) {
+        tp->format = lossy; /* the pool's layout asked: every client of it accepts this */
+    }
     kvd_tstore_init(&tp->st);
     if (t->cap[1] > 0 && with_t2) {
         char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
         t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));
+        if (p->flags & KVD_POOL_LOSSY_TIERS) {
+            /* Its own file: a pool of the same key without the flag is another pool. */
+            strncat(name, ".lossy", sizeof(name) - strlen(name) - 1);
+        }
         kvd_disk_key key;
         memset(&key, 0, sizeof(key));
         snprintf(key.model, sizeof(key.model), "%s", p->model_id);

@@ -21,8 +21,9 @@
  * often go down. A block that lands in T1 is written on to T2 at once (when there is a T2), so
  * that T1 makes room without waiting for the disk; only the last tier drops.
  *
- * Lossless formats only (raw, lz4, zstd: kvd_codec). Not built yet (issue 14, unfinished):
- * quantized lower-tier formats, per-pool tier options, pinned host memory and copy streams for
+ * Formats (kvd_codec): lossless raw, lz4, zstd (`tier-format`); lossy int8 / fp8 for pools whose
+ * layout asked (KVD_POOL_LOSSY_TIERS, `tier-lossy-format`). Not built yet (issue 14,
+ * unfinished): per-pool tier options, per-tier quotas, pinned host memory and copy streams for
  * GPU pools (a pool whose backend has no host mapping gets no tiers, logged once).
  * Loop thread only.
  */

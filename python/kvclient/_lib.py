@@ -86,6 +86,7 @@ _PROTOS = {
     "kvc_stats": (_E, [p, c_uint32, STAT_FN, c_void_p]),
     "kvc_stat_get": (_E, [p, c_uint32, c_char_p, POINTER(c_uint64)]),
     "kvc_pool_attach": (_E, [p, c_char_p, POINTER(KvLayout), POINTER(c_void_p)]),
+    "kvc_pool_attach_ex": (_E, [p, c_char_p, POINTER(KvLayout), c_uint32, POINTER(c_void_p)]),
     "kvc_pool_detach": (None, [p]),
     "kvc_pool_id": (c_uint32, [p]),
     "kvc_pool_layout": (POINTER(KvLayout), [p]),

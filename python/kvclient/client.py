@@ -277,17 +277,20 @@ class Connection:
         return v.value
 
     def attach(self, model_id, layers=None, kv_heads=None, head_dim=None, tokens_per_block=16,
-               dtype="fp16", arrangement="layer_major", layout=None):
+               dtype="fp16", arrangement="layer_major", layout=None, lossy_tiers=False):
         """Attaches the pool of (model_id, shape) and maps all of its memory (kvc_pool_attach).
         Give the shape as keywords or as layout=Layout(...). dtype: "fp16", "bf16", "fp32",
-        "fp8_e4m3", "int8"; arrangement: "layer_major" or "block_major"."""
+        "fp8_e4m3", "int8"; arrangement: "layer_major" or "block_major". lossy_tiers: the
+        daemon's lower tiers may keep this pool's blocks quantized (kvc_pool_attach_ex,
+        KVC_ATTACH_LOSSY_TIERS; another pool than the same shape without it)."""
         h = self._handle()
         if layout is None:
             layout = Layout(layers, kv_heads, head_dim, tokens_per_block, dtype, arrangement)
         c_layout = layout._c()
         out = c_void_p()
         with h.lock:
-            rc = lib.kvc_pool_attach(h.ptr, str(model_id).encode(), byref(c_layout), byref(out))
+            rc = lib.kvc_pool_attach_ex(h.ptr, str(model_id).encode(), byref(c_layout),
+                                        1 if lossy_tiers else 0, byref(out))
             h.exit_call()
         if rc:
             raise_for(rc, "attach " + str(model_id))

@@ -82,3 +82,22 @@ def test_no_tiers_fetch_is_a_lookup(kvd):
         got, info = p.fetch(h)
         assert info["status"] == "done" and len(got) == 4 and info["promoted"] == 0
         p.release(got)
+
+
+def test_lossy_tiers_pool(kvd_factory):
+    d = kvd_factory(pool_memory="40K", segment_bytes="16K", tier1_memory="4M",
+                    tier_write="write-through", fetch_min_tokens="4", tier_lossy_format="int8")
+    with d.connect() as c:
+        p = c.attach("tiers-lossy", lossy_tiers=True, **SHAPE)
+        q = c.attach("tiers-lossy", **SHAPE)
+        assert p.id != q.id  # the flag is part of the pool's identity
+        h = _publish(p, list(range(32)), fill=1)
+        d.admin("evict all")
+        got, info = p.fetch(h)
+        assert info["status"] == "done" and info["promoted"] == 8, info
+        for i in range(8):
+            # one value per block (fill + i): exact after int8 (it is the group's absmax)
+            assert p.k(got[i], 1)[0, 0, 0] == 1 + i
+        p.release(got)
+        got, info = q.fetch(h)
+        assert len(got) == 0 and info["lower_run"] == 0

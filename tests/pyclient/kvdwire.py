@@ -390,9 +390,12 @@ class Conn:
         self.packed_in = bool(features & FEATURE_PACKED)
         return r
 
-    def attach(self, model_id, layout):
-        """AttachPool; maps every segment sent; returns the Pool."""
-        r, fds = self.call("attach_pool", pb.AttachPool(model_id=model_id, layout=layout.to_pb()))
+    def attach(self, model_id, layout, lossy_tiers=False):
+        """AttachPool; maps every segment sent; returns the Pool. lossy_tiers: Layout's flag
+        (§6 Fetch: the lower tiers may keep the pool's blocks quantized)."""
+        lp = layout.to_pb()
+        lp.lossy_tiers = lossy_tiers
+        r, fds = self.call("attach_pool", pb.AttachPool(model_id=model_id, layout=lp))
         pool = self.pools.get(r.pool_id)
         if pool is None:
             pool = self.pools[r.pool_id] = Pool(self, r.pool_id, Layout.from_pb(r.layout),

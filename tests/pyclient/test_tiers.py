@@ -423,3 +423,51 @@ def test_sigterm_with_fetch_in_flight(kvd_factory):
     fr, blocks = fetch_all(c2, pool2, hs)
     assert fr.status == pb.FETCH_DONE and len(blocks) == 24, fr
     check_bytes(pool2, blocks, pats)
+
+
+def _fp16_pattern(lay, key):
+    """block_bytes of fp16 values in [-4, 4) from key (a quantization test needs numbers)."""
+    import numpy as np
+    rng = np.random.default_rng(abs(hash(key)) % (1 << 32))
+    return (rng.random(lay.block_bytes // 2, dtype=np.float32) * 8 - 4).astype(np.float16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_lossy_tiers_round_trip_within_bound(kvd_factory, fmt):
+    """A pool whose layout asked for lossy tiers gets its blocks back quantized: every element
+    within the format's step of its (layer, K|V, head) group; a client of the same model and
+    shape that did not ask has another pool and never sees them."""
+    import numpy as np
+    d = kvd_factory(**_tiers(tier_write="write-through", tier_lossy_format=fmt))
+    c = connect(d)
+    pool = c.attach("m-lossy", LAYOUT, lossy_tiers=True)
+    assert pool.attach_reply.layout.lossy_tiers
+    hs = prefix(pool, 6, 21)
+    vals = [_fp16_pattern(LAYOUT, kw.hash_hex(h)) for h in hs]
+    write_commit_release(c, pool, hs, [v.tobytes() for v in vals])
+    settle(d)
+    assert d.admin_result("evict all")["evicted"] >= 6
+    st = tier_stats(d)
+    assert st["tier1_bytes"] < 6 * LAYOUT.block_bytes, st  # stored smaller than the blocks
+    fr, blocks = fetch_all(c, pool, hs)
+    assert fr.status == pb.FETCH_DONE and fr.promoted == 6, fr
+    t, h, dim = LAYOUT.tokens_per_block, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    qmax = 127.0 if fmt == "int8" else 448.0
+    for (bid, _), v in zip(blocks, vals):
+        got = np.frombuffer(pool.read_block(bid), dtype=np.float16).astype(np.float32)
+        want = v.astype(np.float32)
+        assert not np.array_equal(got, want) or fmt == "fp8"  # lossy, yet close:
+        # block_runs order: per layer K then V, each [tokens][heads][dim]
+        g = want.reshape(LAYOUT.num_layers * 2, t, h, dim)
+        gg = got.reshape(g.shape)
+        amax = np.abs(g).max(axis=(1, 3), keepdims=True)
+        step = amax / qmax
+        bound = (step / 2 if fmt == "int8" else np.abs(g) / 16 + step) + np.abs(g) / 1024 + 1e-6
+        assert (np.abs(g - gg) <= bound).all(), float(np.abs(g - gg).max())
+    c.release(pool.pool_id, blocks)
+    # The same model and shape without the flag: another pool, nothing of the lossy one.
+    c2 = connect(d)
+    plain = c2.attach("m-lossy", LAYOUT)
+    assert plain.pool_id != pool.pool_id and not plain.attach_reply.layout.lossy_tiers
+    r = c2.lookup(plain.pool_id, hs)
+    assert kw.reply_blocks(r) == [] and r.tier_fetchable == 0, r
