@@ -386,6 +386,10 @@ static kv_err cmd_pools(kvd_ops *s, int argc, char **argv, json_t **out, char *m
             (int)pc->max_segments, "segment_bytes", u64(p->segment_bytes), "policy",
             kvd_evict_policy_name(pc->policy));
         kvd_pool_stats(p->pool, pool_sink, o);
+        json_t *lt = json_object(); /* this pool's lower tiers (docs/TIERS.md) */
+        kvd_tiers_pool_stats(p, pool_sink, lt);
+        json_object_set_new(lt, "lossy", json_boolean((p->flags & KVD_POOL_LOSSY_TIERS) != 0));
+        json_object_set_new(o, "tiers", lt);
         json_array_append_new(a, o);
     }
     *out = json_pack("{s:o}", "pools", a);
@@ -1092,7 +1096,9 @@ static const kvd_admin_cmd cmds[] = {
     {"pools", "", "pools: model, domain, layout, segments, policy",
      "Result: `pools`, per pool: id, model, domain, layout (layers, kv_heads, head_dim, "
      "tokens_per_block, dtype, arrangement, block_bytes), blocks_per_segment, max_segments, "
-     "segment_bytes, policy, and the pool counters as in `stats`.",
+     "segment_bytes, policy, the pool counters as in `stats`, and `tiers`: its lower tiers "
+     "(tier1_blocks, tier1_bytes, tier2_blocks, tier2_bytes, format: 0 raw, 1 lz4, 2 zstd, "
+     "3 int8, 4 fp8; lossy: whether its layout asked for lossy tiers).",
      cmd_pools},
     {"tenants", "", "tenants with their sessions, counters and blocks by state",
      "Result: `tenants`, the same objects as `stats` returns under `tenants`.", cmd_tenants},

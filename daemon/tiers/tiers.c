@@ -1760,3 +1760,12 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
     t->used[0] += tp->block_bytes;
     return KV_OK;
 }
+
+void kvd_tiers_pool_stats(const kvd_reg_pool *p, kvd_stat_sink sink, void *arg) {
+    const tier_pool *tp = p->tiers;
+    sink(arg, "tier1_blocks", tp != NULL ? tp->st.count[0] : 0);
+    sink(arg, "tier1_bytes", tp != NULL ? tp->st.bytes[0] : 0);
+    sink(arg, "tier2_blocks", tp != NULL ? tp->st.count[1] : 0);
+    sink(arg, "tier2_bytes", tp != NULL ? tp->st.bytes[1] : 0);
+    sink(arg, "format", tp != NULL ? (uint64_t)tp->format : 0);
+}

@@ -134,6 +134,11 @@ uint32_t kvd_tiers_inflight(const kvd_tiers *t);
 void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_tiers_stat_descs(size_t *n);
 
+/* One pool's lower tiers through sink (admin `pools`): tier1_blocks, tier1_bytes, tier2_blocks,
+ * tier2_bytes (all 0 for a pool without tiers), and format (the kvd_tier_format its blocks are
+ * stored in, as a number; 0 raw). */
+void kvd_tiers_pool_stats(const kvd_reg_pool *p, kvd_stat_sink sink, void *arg);
+
 /* For admin `selftest isolation` (loop thread, synchronous, not the copy path): copies block
  * blk of pool p (its hash) into p's tier 1 at once, giving p T1-only tiers if it has none (no
  * T2 file for a self-test pool). KV_ENOTSUP when tier 1 is off, KV_ENOMEM. */

@@ -471,3 +471,18 @@ def test_lossy_tiers_round_trip_within_bound(kvd_factory, fmt):
     assert plain.pool_id != pool.pool_id and not plain.attach_reply.layout.lossy_tiers
     r = c2.lookup(plain.pool_id, hs)
     assert kw.reply_blocks(r) == [] and r.tier_fetchable == 0, r
+
+
+def test_admin_pools_show_each_pool_tiers(kvd_factory):
+    """admin `pools` gives each pool's lower-tier blocks and bytes and its storage format."""
+    d = kvd_factory(**_tiers(tier_write="write-through", tier_format="zstd"))
+    c = connect(d)
+    pool = c.attach("m-adminp", LAYOUT)
+    lossy = c.attach("m-adminp", LAYOUT, lossy_tiers=True)
+    hs = prefix(pool, 3, 5)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    by_id = {p["id"]: p["tiers"] for p in d.admin_result("pools")["pools"]}
+    assert by_id[pool.pool_id]["tier1_blocks"] == 3 and by_id[pool.pool_id]["format"] == 2
+    assert by_id[pool.pool_id]["lossy"] is False
+    assert by_id[lossy.pool_id]["lossy"] is True and by_id[lossy.pool_id]["format"] == 3
