@@ -673,6 +673,52 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i);
 
 /* Makes room in tier for `need` more bytes by evicting this pool's oldest entries of it; 1 when
  * the room is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
+/* The entry a full tier gives up for pool tp: tp's own oldest while tp holds more than its fair
+ * share of the tier (the budget over the pools with tiers), else the oldest of the pool furthest
+ * over its share, so that one pool's flood cannot keep the others out (each pool is guaranteed
+ * its share); tp's own oldest when no pool is over. 0 when there is none. */
+static int pick_victim(tier_pool *tp, int tier, tier_pool **vtp, uint32_t *v) {
+    kvd_tiers *t = tp->t;
+    uint32_t npools = 0;
+    for (uint32_t i = 0; i < t->reg->npools; i++) {
+        npools += t->reg->pools[i].tiers != NULL;
+    }
+    uint64_t share = npools > 0 ? t->cap[tier - 1] / npools : t->cap[tier - 1];
+    if (tp->st.bytes[tier - 1] <= share) {
+        tier_pool *best = NULL;
+        uint64_t over = 0;
+        for (uint32_t i = 0; i < t->reg->npools; i++) {
+            tier_pool *o = t->reg->pools[i].tiers;
+            if (o != NULL && o != tp && o->st.bytes[tier - 1] > share &&
+                o->st.bytes[tier - 1] - share > over &&
+                kvd_tstore_oldest(&o->st, tier) != KVD_TNONE) {
+                best = o;
+                over = o->st.bytes[tier - 1] - share;
+            }
+        }
+        if (best != NULL) {
+            *vtp = best;
+            *v = kvd_tstore_oldest(&best->st, tier);
+            return 1;
+        }
+    }
+    *vtp = tp;
+    *v = kvd_tstore_oldest(&tp->st, tier);
+    return *v != KVD_TNONE;
+}
+
+/* Drops the victim pick_victim chose, counted as a drop when no lower tier keeps it. */
+static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
+    kvd_tiers *t = vtp->t;
+    int last = tier == 2 || !kvd_tstore_in(&vtp->st, v, 2);
+    entry_drop(vtp, v, tier);
+    if (last) {
+        t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
+    }
+}
+
+/* Makes room in tier for `need` more bytes by evicting entries (pick_victim); 1 when the room
+ * is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
 static int make_room(tier_pool *tp, int tier, uint64_t need) {
     kvd_tiers *t = tp->t;
     for (;;) {
@@ -683,15 +729,12 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
         if (tier == 1 && buf_shed(t)) {
             continue; /* recycled buffers go before entries */
         }
-        uint32_t v = kvd_tstore_oldest(&tp->st, tier);
-        if (v == KVD_TNONE) {
+        tier_pool *vtp;
+        uint32_t v;
+        if (!pick_victim(tp, tier, &vtp, &v)) {
             return 0;
         }
-        int last = tier == 2 || !kvd_tstore_in(&tp->st, v, 2);
-        entry_drop(tp, v, tier);
-        if (last) {
-            t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
-        }
+        drop_victim(vtp, tier, v);
     }
     return 1;
 }
@@ -754,13 +797,12 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         buf = buf_take(t, tp->block_bytes);
         while (buf == NULL &&
                t->used[0] + t->reserved1 + t->cached1 + tp->block_bytes > t->cap[0]) {
-            uint32_t v = kvd_tstore_oldest(&tp->st, 1);
-            if (v == KVD_TNONE) {
+            tier_pool *vtp;
+            uint32_t v;
+            if (!pick_victim(tp, 1, &vtp, &v)) {
                 break;
             }
-            int last = !kvd_tstore_in(&tp->st, v, 2);
-            entry_drop(tp, v, 1);
-            t->c[TS_DROPS_T1] += last;
+            drop_victim(vtp, 1, v);
             buf = buf_take(t, tp->block_bytes);
         }
     }

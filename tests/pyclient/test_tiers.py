@@ -486,3 +486,25 @@ def test_admin_pools_show_each_pool_tiers(kvd_factory):
     assert by_id[pool.pool_id]["tier1_blocks"] == 3 and by_id[pool.pool_id]["format"] == 2
     assert by_id[pool.pool_id]["lossy"] is False
     assert by_id[lossy.pool_id]["lossy"] is True and by_id[lossy.pool_id]["format"] == 3
+
+
+def test_tier1_fair_share_between_pools(kvd_factory):
+    """One pool filling tier 1 cannot keep another out: the second pool's blocks land in T1 by
+    taking the first pool's oldest entries while it is over its share (budget / pools)."""
+    d = kvd_factory(pool_memory="1M", segment_bytes="64K", tier1_memory=str(64 * 2048),
+                    tier_write="write-through", fetch_min_tokens="16")
+    c = connect(d)
+    a = c.attach("m-fair-a", LAYOUT)
+    b = c.attach("m-fair-b", LAYOUT)
+    for k in range(25):  # 200 blocks through a T1 of 64
+        hs = prefix(a, 8, 1000 * (k + 1))
+        write_commit_release(c, a, hs, patterns(a, hs))
+        settle(d)
+    tiers = {p["id"]: p["tiers"] for p in d.admin_result("pools")["pools"]}
+    assert tiers[a.pool_id]["tier1_blocks"] >= 60, tiers
+    hs = prefix(b, 10, 7)
+    write_commit_release(c, b, hs, patterns(b, hs))
+    settle(d)
+    tiers = {p["id"]: p["tiers"] for p in d.admin_result("pools")["pools"]}
+    assert tiers[b.pool_id]["tier1_blocks"] == 10, tiers
+    assert tiers[a.pool_id]["tier1_blocks"] <= 54, tiers
