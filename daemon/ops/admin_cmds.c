@@ -998,6 +998,80 @@ static kv_err cmd_events(kvd_ops *s, int argc, char **argv, json_t **out, char *
     return KV_OK;
 }
 
+/* -- tiers -- */
+
+/* One pool's tier policy and contents as JSON (the pool has tiers). */
+static json_t *tier_pool_json(kvd_ops *s, kvd_reg_pool *p) {
+    kvd_tier_policy pol;
+    if (kvd_tiers_pool_policy(s->tiers, p, &pol) != KV_OK) {
+        return NULL;
+    }
+    json_t *o =
+        json_pack("{s:i, s:o, s:s, s:o, s:o, s:s, s:b, s:b}", "pool", (int)p->pool_id, "model",
+                  text(p->model_id), "write", pol.write_through ? "write-through" : "write-back",
+                  "min_hits", u64(pol.min_hits), "clean_ahead", u64(pol.clean_ahead), "format",
+                  pol.format, "tier2", pol.has_t2, "own_settings", pol.own);
+    kvd_tiers_pool_stats(p, pool_sink, o);
+    return o;
+}
+
+static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    uint64_t pool = 0;
+    int nset = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *v = kv_arg(argv[i], "pool");
+        if (v != NULL) {
+            if (parse_num(v, &pool) != 0 || pool_by_id(s, pool) == NULL) {
+                FAIL(KV_ENOENT, "no pool '%.32s' (see pools)", v);
+            }
+        } else if (strchr(argv[i], '=') != NULL) {
+            nset++;
+        } else {
+            FAIL(KV_EINVAL, "bad argument '%.64s' (pool=ID, write=, min-hits=, clean-ahead=)",
+                 argv[i]);
+        }
+    }
+    if (nset > 0 && pool == 0) {
+        FAIL(KV_EINVAL, "settings need pool=ID (the daemon-wide ones are options: config set)");
+    }
+    if (nset > 0) {
+        kvd_reg_pool *p = pool_by_id(s, pool);
+        /* All or nothing: check every setting on a scratch copy first is overkill for three
+         * fields; they are applied in order and the first bad one stops (earlier ones stay,
+         * the message says which failed). */
+        for (int i = 0; i < argc; i++) {
+            if (kv_arg(argv[i], "pool") != NULL) {
+                continue;
+            }
+            char name[32];
+            const char *eq = strchr(argv[i], '=');
+            size_t n =
+                (size_t)(eq - argv[i]) < sizeof(name) ? (size_t)(eq - argv[i]) : sizeof(name) - 1;
+            memcpy(name, argv[i], n);
+            name[n] = '\0';
+            kv_err rc = kvd_tiers_pool_set(s->tiers, p, name, eq + 1, msg, KV_ERRMSG);
+            if (rc != KV_OK) {
+                return rc;
+            }
+        }
+    }
+    char state[1024];
+    json_t *pools = json_array();
+    for (uint32_t i = 0; i < s->reg->npools; i++) {
+        kvd_reg_pool *p = &s->reg->pools[i];
+        if (pool != 0 && p->pool_id != pool) {
+            continue;
+        }
+        json_t *o = tier_pool_json(s, p);
+        if (o != NULL) {
+            json_array_append_new(pools, o);
+        }
+    }
+    *out = json_pack("{s:s, s:o}", "state", kvd_tiers_state(s->tiers, state, sizeof(state)),
+                     "pools", pools);
+    return KV_OK;
+}
+
 /* -- selftest, drain, ready -- */
 
 static kv_err cmd_selftest_isolation(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
@@ -1159,6 +1233,17 @@ static const kvd_admin_cmd cmds[] = {
      "capacity (an allocation needed room), admin, shrink. Refusals: reason is the error code "
      "sent (ENOSPC, EQUOTA, EPERM, EDRAINING, EBUSY, EAUTH, ETOOBIG).",
      cmd_events},
+    {"tiers",
+     "[pool=ID] [write=write-back|write-through|default] [min-hits=N|default] "
+     "[clean-ahead=N|default]",
+     "the lower tiers: state, and each pool's tier policy and contents; set a pool's own",
+     "Shows what is configured (`state`, with the last tier-2 error) and, per pool with tiers, "
+     "its policy in force (write, min_hits, clean_ahead, format, tier2, own_settings) and its "
+     "tier1/tier2 blocks and bytes. With pool=ID and settings, that pool gets its own write "
+     "mode, selective min-hits or clean-ahead (runtime only; `default` goes back to the "
+     "daemon's option). ENOENT for an unknown pool or one without tiers, EINVAL for a bad "
+     "setting. docs/TIERS.md.",
+     cmd_tiers},
     {"selftest isolation", "", "check that no tenant can reach another tenant's blocks",
      "Makes two throwaway tenants and proves on the live pools, index and session code that a "
      "block committed in one domain is a hit for the same domain only and that the other tenant "

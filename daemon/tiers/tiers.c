@@ -187,6 +187,9 @@ struct tier_pool {
     uint64_t block_bytes;   /* layout.block_bytes */
     kv_layout layout;       /* the pool's layout (a copy: copy threads read it) */
     kvd_tier_format format; /* how this pool's blocks are stored below T0 */
+    int write_through;      /* admin `tiers pool=ID write=`: 1/0; -1: the daemon's tier-write */
+    int64_t min_hits;       /* admin `tiers ... min-hits=`; -1: tier-min-hits */
+    int64_t clean_ahead;    /* admin `tiers ... clean-ahead=`; -1: tier-clean-ahead */
     uint32_t jobs;          /* in flight for this pool */
     uint32_t cleaning;      /* write-back copies in flight */
     int gone;               /* the pool was freed: free this when jobs reach 0 */
@@ -1253,6 +1256,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->block_bytes = p->layout.block_bytes;
     tp->layout = p->layout;
     tp->format = t->format;
+    tp->write_through = tp->min_hits = tp->clean_ahead = -1;
     kvd_tier_format lossy;
     if ((p->flags & KVD_POOL_LOSSY_TIERS) &&
         kvd_tier_format_parse(t->cfg->tier_lossy_format, &lossy) == KV_OK &&
@@ -1308,7 +1312,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
 
 void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
     tier_pool *tp = p->tiers;
-    if (tp == NULL || !t->write_through) {
+    if (tp == NULL || !(tp->write_through >= 0 ? tp->write_through : t->write_through)) {
         return;
     }
     kvd_block_info bi;
@@ -1326,10 +1330,10 @@ void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
 
 void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
     tier_pool *tp = p->tiers;
-    if (tp == NULL || t->write_through) {
+    if (tp == NULL || (tp->write_through >= 0 ? tp->write_through : t->write_through)) {
         return;
     }
-    uint64_t ahead = t->cfg->tier_clean_ahead;
+    uint64_t ahead = tp->clean_ahead >= 0 ? (uint64_t)tp->clean_ahead : t->cfg->tier_clean_ahead;
     kvd_pool_counts pc = kvd_pool_counts_get(p->pool);
     if (pc.free >= ahead || pc.evictable == 0) {
         return;
@@ -1354,7 +1358,7 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
         if (kvd_pool_block_info(p->pool, refs[k].id, &bi) != KV_OK) {
             continue;
         }
-        if (bi.hits < t->cfg->tier_min_hits) {
+        if (bi.hits < (tp->min_hits >= 0 ? (uint64_t)tp->min_hits : t->cfg->tier_min_hits)) {
             continue; /* selective: not reused often enough to be worth a copy */
         }
         uint32_t i = kvd_tstore_find(&tp->st, bi.hash);
@@ -1676,6 +1680,7 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     free(blocks);
     if (nup > 0) {
         t->c[TS_FETCHES]++;
+        kvd_tiers_pressure(t, p); /* the fetch's blocks took free ones, as an Allocate does */
     }
     if (f->pending == 0) {
         /* Nothing in flight: finish on the loop's next turn, through the thread pool's
@@ -1810,4 +1815,59 @@ void kvd_tiers_pool_stats(const kvd_reg_pool *p, kvd_stat_sink sink, void *arg) 
     sink(arg, "tier2_blocks", tp != NULL ? tp->st.count[1] : 0);
     sink(arg, "tier2_bytes", tp != NULL ? tp->st.bytes[1] : 0);
     sink(arg, "format", tp != NULL ? (uint64_t)tp->format : 0);
+}
+
+kv_err kvd_tiers_pool_policy(kvd_tiers *t, const kvd_reg_pool *p, kvd_tier_policy *out) {
+    tier_pool *tp = p->tiers;
+    if (t == NULL || tp == NULL) {
+        return KV_ENOENT;
+    }
+    out->write_through = tp->write_through >= 0 ? tp->write_through : t->write_through;
+    out->min_hits = tp->min_hits >= 0 ? (uint64_t)tp->min_hits : t->cfg->tier_min_hits;
+    out->clean_ahead = tp->clean_ahead >= 0 ? (uint64_t)tp->clean_ahead : t->cfg->tier_clean_ahead;
+    out->format = kvd_tier_format_name(tp->format);
+    out->has_t2 = tp->disk != NULL;
+    out->own = tp->write_through >= 0 || tp->min_hits >= 0 || tp->clean_ahead >= 0;
+    return KV_OK;
+}
+
+kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const char *value,
+                          char *msg, size_t len) {
+    tier_pool *tp = p->tiers;
+    if (t == NULL || tp == NULL) {
+        snprintf(msg, len, "pool %u has no lower tiers", p->pool_id);
+        return KV_ENOENT;
+    }
+    char *end = NULL;
+    if (strcmp(name, "write") == 0) {
+        if (strcmp(value, "write-back") == 0 || strcmp(value, "write-through") == 0) {
+            tp->write_through = strcmp(value, "write-through") == 0;
+            return KV_OK;
+        }
+        if (strcmp(value, "default") == 0) {
+            tp->write_through = -1;
+            return KV_OK;
+        }
+        snprintf(msg, len, "write: '%.32s' is not write-back, write-through or default", value);
+        return KV_EINVAL;
+    }
+    int64_t *field = strcmp(name, "min-hits") == 0      ? &tp->min_hits
+                     : strcmp(name, "clean-ahead") == 0 ? &tp->clean_ahead
+                                                        : NULL;
+    if (field == NULL) {
+        snprintf(msg, len, "'%.32s' is not write, min-hits or clean-ahead", name);
+        return KV_EINVAL;
+    }
+    if (strcmp(value, "default") == 0) {
+        *field = -1;
+        return KV_OK;
+    }
+    unsigned long long v = strtoull(value, &end, 10);
+    if (value[0] == '\0' || *end != '\0' || v > (1u << 20) ||
+        (field == &tp->clean_ahead && v == 0)) {
+        snprintf(msg, len, "%s: '%.32s' is not a number in range (or default)", name, value);
+        return KV_EINVAL;
+    }
+    *field = (int64_t)v;
+    return KV_OK;
 }

@@ -148,6 +148,25 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
 void kvd_tiers_t2_file(const kvd_tiers *t, const kvd_reg_pool *p, const char *domain, char *buf,
                        size_t len);
 
+/* A pool's tier policy as it is in force: the daemon's options, or what admin `tiers pool=ID`
+ * set for this pool (own = 1). KV_ENOENT for a pool without tiers. */
+typedef struct kvd_tier_policy {
+    int write_through;    /* 1: write-through, 0: write-back */
+    uint64_t min_hits;    /* selective: lookups a block needs to go down (write-back) */
+    uint64_t clean_ahead; /* write-back: victims kept copied ahead */
+    const char *format;   /* how its blocks are stored below T0 (kvd_tier_format_name) */
+    int has_t2;           /* it has a tier-2 file */
+    int own;              /* some setting is the pool's own */
+} kvd_tier_policy;
+kv_err kvd_tiers_pool_policy(kvd_tiers *t, const kvd_reg_pool *p, kvd_tier_policy *out);
+
+/* Sets one of a pool's own tier settings (admin `tiers pool=ID NAME=VALUE`): write
+ * (write-back | write-through), min-hits, clean-ahead; VALUE `default` goes back to the daemon's
+ * option. Runtime only (a pool made again starts with the options). KV_ENOENT for a pool
+ * without tiers, KV_EINVAL for a bad name or value (msg says why). */
+kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const char *value,
+                          char *msg, size_t len);
+
 /* One line on the state of the lower tiers for admin (`tiers`): "off", or what is configured and
  * the last T2 error ("ok" when none). */
 const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len);

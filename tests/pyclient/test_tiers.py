@@ -508,3 +508,29 @@ def test_tier1_fair_share_between_pools(kvd_factory):
     tiers = {p["id"]: p["tiers"] for p in d.admin_result("pools")["pools"]}
     assert tiers[b.pool_id]["tier1_blocks"] == 10, tiers
     assert tiers[a.pool_id]["tier1_blocks"] <= 54, tiers
+
+
+def test_admin_tiers_per_pool_policy(kvd_factory):
+    """admin `tiers pool=ID write=write-through` gives one pool its own write mode (its commits
+    go down at once) while the other keeps the daemon's write-back; `default` undoes it; bad
+    settings and unknown pools are refused."""
+    d = kvd_factory(**_tiers(tier_write="write-back"))
+    c = connect(d)
+    a = c.attach("m-pol-a", LAYOUT)
+    b = c.attach("m-pol-b", LAYOUT)
+    r = d.admin_result("tiers pool=%d write=write-through" % a.pool_id)
+    assert r["pools"][0]["write"] == "write-through" and r["pools"][0]["own_settings"] is True
+    for p, base in ((a, 1), (b, 2)):
+        hs = prefix(p, 3, base)
+        write_commit_release(c, p, hs, patterns(p, hs))
+    settle(d)
+    tiers = {p["pool"]: p for p in d.admin_result("tiers")["pools"]}
+    assert tiers[a.pool_id]["tier1_blocks"] == 3, tiers  # written through
+    assert tiers[b.pool_id]["tier1_blocks"] == 0, tiers  # write-back: nothing under pressure
+    assert tiers[b.pool_id]["write"] == "write-back" and not tiers[b.pool_id]["own_settings"]
+    r = d.admin_result("tiers pool=%d write=default min-hits=2" % a.pool_id)
+    assert r["pools"][0]["write"] == "write-back" and r["pools"][0]["min_hits"] == 2
+    for bad in ("tiers pool=%d write=sideways" % a.pool_id, "tiers pool=%d speed=9" % a.pool_id,
+                "tiers pool=%d clean-ahead=0" % a.pool_id, "tiers write=write-back",
+                "tiers pool=999"):
+        assert not d.admin(bad)["ok"], bad
