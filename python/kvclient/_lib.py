@@ -136,7 +136,7 @@ _PROTOS = {
     "kvc_batch_count": (c_size_t, [p]),
     "kvc_batch_ping": (_E, [p, c_void_p, c_size_t, c_void_p]),
     "kvc_batch_fetch": (_E, [p, p, c_void_p, c_size_t, c_uint32, c_void_p,
-                             POINTER(KvcFetchResult), POINTER(c_size_t)]),
+                             POINTER(KvcFetchResult), c_void_p]),
     "kvc_batch_lookup": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p]),
     "kvc_batch_lookup_domains": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p,
                                       c_void_p]),

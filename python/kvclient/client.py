@@ -747,11 +747,7 @@ class Pool:
             raise_for(rc, "fetch")
         out.n = fr.nblocks
         out.pool = self
-        status = {_lib.FETCH_DONE: "done", _lib.FETCH_SHORT: "short",
-                  _lib.FETCH_PARTIAL: "partial"}.get(fr.status, str(fr.status))
-        failure = error_class(fr.failure).__name__ if fr.failure else None
-        return out, {"t0_hits": fr.t0_hits, "promoted": fr.promoted, "lower_run": fr.lower_run,
-                     "status": status, "failure": failure}
+        return out, _fetch_info(fr)
 
     def lookup_domains(self, hashes):
         """kvc_lookup_domains: the longest prefix over this pool, its groups and the commons.
@@ -962,6 +958,15 @@ def _indices(n):
 # ---- Batch --------------------------------------------------------------------------------
 
 
+def _fetch_info(fr):
+    """A kvc_fetch_result as Pool.fetch's info dict."""
+    status = {_lib.FETCH_DONE: "done", _lib.FETCH_SHORT: "short",
+              _lib.FETCH_PARTIAL: "partial"}.get(fr.status, str(fr.status))
+    failure = error_class(fr.failure).__name__ if fr.failure else None
+    return {"t0_hits": fr.t0_hits, "promoted": fr.promoted, "lower_run": fr.lower_run,
+            "status": status, "failure": failure}
+
+
 class BatchRequest:
     """One queued request of a Batch: .index, and after wait() .status (kv_err),
     .error (the KvdError or None) and .result() (its output, raising its error)."""
@@ -991,6 +996,10 @@ class BatchRequest:
         st = lib.kvc_batch_status(self.batch._ptr, self.index)
         if st:
             raise error_class(st)(st, None, "batch " + self.kind)
+        if self.kind == "fetch":
+            fr = self.nhit
+            self.out.n = fr.nblocks
+            return self.out, _fetch_info(fr)
         if self.kind in ("lookup", "lookup_domains"):
             self.out.n = self.nhit.value
             if self.kind == "lookup_domains":
@@ -1053,6 +1062,19 @@ class Batch:
         self._reqs.append(req)
         return req
 
+    def fetch(self, pool, hashes, min_tokens=0):
+        """Queues a fetch (kvc_batch_fetch); result(): (Blocks, info) as Pool.fetch. Its reply
+        may come after later requests' replies; wait() collects them all."""
+        p = pool._p()
+        hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
+        n = hashes.n
+        out = Blocks(n, pool)
+        fr = _lib.KvcFetchResult()
+        req = BatchRequest(self, "fetch", out, fr, pool, hashes)
+        rc = lib.kvc_batch_fetch(self._ptr, p, hashes._addr, n, min_tokens, out._addr, byref(fr),
+                                 ctypes.addressof(self._idx))
+        return self._queued(rc, req, "fetch")
+
     def lookup_many(self, pool, hashes, outs):
         """Queues one lookup per Blocks in outs, of hashes (one Hashes for all, or a list of
         one per out). The lean path for many requests: no BatchRequest objects; returns the
@@ -1114,7 +1136,9 @@ class Batch:
 
     def _fix(self):
         for r in self._reqs:
-            if r.nhit is not None:
+            if r.kind == "fetch":
+                r.out.n = r.nhit.nblocks
+            elif r.nhit is not None:
                 r.out.n = r.nhit.value
         for kind, first, outs, nh, _ in self._fixups:
             if kind == "lookup":

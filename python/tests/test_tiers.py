@@ -101,3 +101,21 @@ def test_lossy_tiers_pool(kvd_factory):
         p.release(got)
         got, info = q.fetch(h)
         assert len(got) == 0 and info["lower_run"] == 0
+
+
+def test_batch_fetch(kvd_factory):
+    d = _tiers(kvd_factory)
+    with d.connect() as c:
+        p = c.attach("tiers-batch", **SHAPE)
+        h = _publish(p, list(range(32)), fill=4)
+        _flood(d, p)
+        b = c.batch()
+        f = b.fetch(p, h)
+        ping = b.ping(b"x")
+        b.run()
+        got, info = f.result()
+        assert info["status"] == "done" and len(got) == 8, info
+        assert ping.status == 0
+        for i in range(8):
+            assert p.k(got[i], 0)[0, 0, 0] == 4 + i
+        p.release(got)
