@@ -2,6 +2,8 @@
 pushed out of the pool comes back through Pool.fetch with its values, Pool.lookup_tiers reports
 the run below T0, and Sequence.prefill fetches by itself."""
 
+import time
+
 import kvclient
 
 SHAPE = dict(layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16")
@@ -25,12 +27,20 @@ def _tiers(kvd_factory):
                        tier_write="write-through", fetch_min_tokens="4")
 
 
+def _settle(kvd):
+    """Waits for the daemon's copies in flight (a block being copied down is leased: neither
+    evictable nor in tier 1 yet)."""
+    for _ in range(2000):
+        if kvd.admin("stats")["tiers"]["jobs_inflight"] == 0:
+            return
+        time.sleep(0.005)
+    raise AssertionError("copies still in flight")
+
+
 def _flood(kvd, p, n=40):
     for k in range(n):
         _publish(p, list(range(100000 * (k + 1), 100000 * (k + 1) + 32)), fill=7)
-    for _ in range(1000):
-        if kvd.admin("stats")["tiers"]["jobs_inflight"] == 0:
-            break
+    _settle(kvd)
 
 
 def test_fetch_brings_back_an_evicted_prefix(kvd_factory):
@@ -92,6 +102,7 @@ def test_lossy_tiers_pool(kvd_factory):
         q = c.attach("tiers-lossy", **SHAPE)
         assert p.id != q.id  # the flag is part of the pool's identity
         h = _publish(p, list(range(32)), fill=1)
+        _settle(d)
         d.admin("evict all")
         got, info = p.fetch(h)
         assert info["status"] == "done" and info["promoted"] == 8, info
