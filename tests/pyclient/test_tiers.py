@@ -534,3 +534,37 @@ def test_admin_tiers_per_pool_policy(kvd_factory):
                 "tiers pool=%d clean-ahead=0" % a.pool_id, "tiers write=write-back",
                 "tiers pool=999"):
         assert not d.admin(bad)["ok"], bad
+
+
+def test_t2_file_truncated_under_the_daemon(kvd_factory):
+    """The tier-2 file cut short while kvd runs (a disk that lost data): every record past the
+    cut fails its read, is dropped and counted, the Fetch ends before it, and kvd keeps serving
+    and writing."""
+    t2dir = os.path.join(new_dir(), "t2")
+    opts = dict(SMALL)
+    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
+                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-trunc", LAYOUT)
+    hs = prefix(pool, 5, 13)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
+    path = os.path.join(dom, os.listdir(dom)[0])
+    os.truncate(path, 4096)  # the header only: every slot is gone
+    assert d.admin_result("evict all")["evicted"] >= 5
+    fr, blocks = fetch_all(c, pool, hs)
+    assert fr.status == pb.FETCH_PARTIAL and fr.failure == pb.ECORRUPT and blocks == [], fr
+    st = tier_stats(d)
+    assert st["corrupt_t2"] >= 1, st
+    # Still serving, and tier 2 takes new blocks again.
+    hs2 = prefix(pool, 3, 77)
+    pats2 = patterns(pool, hs2)
+    write_commit_release(c, pool, hs2, pats2)
+    settle(d)
+    assert d.admin_result("evict all")["evicted"] >= 3
+    fr, blocks = fetch_all(c, pool, hs2)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == 3, fr
+    check_bytes(pool, blocks, pats2)
