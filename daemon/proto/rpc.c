@@ -774,13 +774,35 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     fetch_wait *w = arg;
     kvd_session *sess =
         r->orphan || w->later == NULL ? NULL : w->later->find(w->later->arg, w->session);
-    kvd_session_pool *sp = sess != NULL ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    if (sess != NULL && sess->fetches > 0) {
+        sess->fetches--;
+    }
+    kvd_session_pool *sp =
+        sess != NULL && !r->detached ? kvd_session_find_pool(sess, w->pool_id) : NULL;
     if (sp == NULL) {
+        if (sess != NULL) {
+            /* The session detached the pool while its Fetch was in flight (its T0 hits went
+             * back with the DetachPool): the request still gets its answer. */
+            kv_arena arena;
+            kv_arena_init(&arena);
+            kvd_rpc_ctx x;
+            memset(&x, 0, sizeof(x));
+            x.reg = w->reg;
+            x.cfg = w->cfg;
+            x.boot_epoch = w->boot_epoch;
+            x.arena = &arena;
+            kvd_reply out;
+            kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
+                          "the pool was detached while this Fetch was in flight", &out);
+            w->later->send(w->later->arg, w->session, &out);
+            kv_arena_fini(&arena);
+        }
         free(w);
         return 0; /* the tiers release the run */
     }
     int taken = 1;
     size_t n = w->nt0;
+    kv_err failure = KV_OK;
     kvd_block_ref *all = malloc(sizeof(*all) * (w->nt0 + r->nok + 1));
     if (all == NULL) {
         taken = 0; /* no memory to hand them over: the tiers release them */
@@ -790,6 +812,8 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
         if (r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
             memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
             n += r->nok;
+        } else if (r->nok > 0) {
+            failure = KV_ENOMEM; /* the reply says the run ends at the T0 hits */
         }
     }
     kv_arena arena;
@@ -803,21 +827,22 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     kvd_reply out;
     memset(&out, 0, sizeof(out));
     rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
-    int partial = r->code != KV_OK || r->nok < w->lower_run;
+    kv_err code = failure != KV_OK ? failure : r->code;
+    uint32_t up = failure != KV_OK ? 0 : r->nok;
+    int partial = code != KV_OK || up < w->lower_run;
     char why[KV_ERRMSG];
     snprintf(why, sizeof(why), "%s", "");
     if (partial) {
-        snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", r->nok, w->lower_run,
-                 r->code != KV_OK ? kv_strerror(r->code) : "evicted or failed meanwhile");
+        snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", up, w->lower_run,
+                 code != KV_OK ? kv_strerror(code) : "evicted or failed meanwhile");
     }
-    kv_err rc =
-        all == NULL
-            ? KV_ENOMEM
-            : send_fetch_reply(&c, w->id, sp, all, n,
-                               partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
-                                       : KVD__FETCH_STATUS__FETCH_DONE,
-                               w->nt0, r->promoted, w->lower_run,
-                               partial ? (r->code != KV_OK ? r->code : KV_ENOENT) : KV_OK, why);
+    kv_err rc = all == NULL
+                    ? KV_ENOMEM
+                    : send_fetch_reply(&c, w->id, sp, all, n,
+                                       partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
+                                               : KVD__FETCH_STATUS__FETCH_DONE,
+                                       w->nt0, failure != KV_OK ? 0 : r->promoted, w->lower_run,
+                                       partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
     if (rc != KV_OK) {
         kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
     }
@@ -894,9 +919,32 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
             nhit = good;
         }
     }
+    /* The run below T0 takes references too: max-held caps it as it capped the T0 hits. */
+    size_t lower = n - nhit;
+    if (max_held != 0) {
+        uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess->tenant).held;
+        uint64_t left = held < max_held ? max_held - held : 0;
+        lower = left < lower ? (size_t)left : lower;
+    }
     kvd_tier_run tr = {0, 0, 0};
-    if (nhit < n && p->tiers != NULL) {
-        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, n - nhit, &tr);
+    if (lower > 0 && p->tiers != NULL) {
+        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, lower, &tr);
+    }
+    if (tr.fetchable > 0 &&
+        !kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+        /* A read-only pool (the commons) takes no blocks from a session, as Allocate says. */
+        char why[KV_ERRMSG];
+        snprintf(why, sizeof(why), "pool %u is read-only for this tenant: nothing is copied up",
+                 p->pool_id);
+        return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_PARTIAL,
+                                (uint32_t)nhit, 0, tr.fetchable, KV_EPERM, why);
+    }
+    if (tr.fetchable > 0 && c->sess->fetches >= c->cfg->max_inflight) {
+        char why[KV_ERRMSG];
+        snprintf(why, sizeof(why), "%u Fetches of this session are in flight (max-inflight)",
+                 c->sess->fetches);
+        return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_PARTIAL,
+                                (uint32_t)nhit, 0, tr.fetchable, KV_EBUSY, why);
     }
     uint32_t tpb = p->layout.tokens_per_block;
     uint64_t min_tokens = f->min_tokens != 0 ? f->min_tokens : c->cfg->fetch_min_tokens;
@@ -942,6 +990,7 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
                                 (uint32_t)nhit, 0, tr.fetchable, rc,
                                 why[0] != '\0' ? why : kv_strerror(rc));
     }
+    c->sess->fetches++;
     c->out->deferred = 1;
     return KV_OK;
 }
@@ -1397,6 +1446,7 @@ static kv_err on_detach(rpc *c, uint64_t id, const Kvd__DetachPool *d, char *msg
     }
     uint64_t released = 0;
     for (uint32_t i = 0; i < n; i++) {
+        kvd_tiers_pool_detached(c->ctx->tiers, c->sess->id, ids[i]); /* its Fetches in flight */
         released += kvd_session_drop_pool(c->sess, ids[i]);
     }
     kvd_registry_sessions_gone(c->reg, ids, n); /* p may be freed now */

@@ -266,6 +266,7 @@ struct kvd_fetch {
     kvd_fetch_done done;
     void *arg;
     int orphan;
+    int detached; /* the session detached the pool meanwhile */
     kv_err code;
     uint32_t failed;
     kvd_fetch *next;     /* t->fetches */
@@ -832,6 +833,9 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
             }
             drop_victim(vtp, 1, v);
             buf = buf_take(t, tp->block_bytes);
+            if (buf == NULL) {
+                buf_shed(t); /* a victim of another size: its buffer is room, not a buffer */
+            }
         }
     }
     if (buf == NULL &&
@@ -904,6 +908,47 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
     }
 }
 
+/* Zeroes T2 slot `slot` (a record that must not come back at a restart), then gives it back. */
+static void start_clear(tier_pool *tp, uint64_t slot) {
+    job *j = tp->disk != NULL ? job_new(tp, J_CLEAR2) : NULL;
+    if (j != NULL) {
+        j->slot = slot;
+        if (job_start(j) == KV_OK) {
+            return;
+        }
+        free(j);
+    }
+    KV_LOG(WARN, "KVD-TIER2-CLEAR",
+           "pool %u: tier-2 slot %llu of a quarantined block could not be cleared; a restart may "
+           "find it (its bytes are those of the quarantined block's commit)",
+           tp->pool_id, (unsigned long long)slot);
+    kvd_tstore_slot2_back(&tp->st, slot);
+}
+
+/* A quarantined entry (doomed) leaves every tier once no job uses it: its T1 bytes freed, its
+ * T2 record zeroed, the entry forgotten. Called when it is doomed and after each job on it. */
+static void doomed_finish(tier_pool *tp, uint32_t i) {
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (!e->used || !e->doomed || e->busy != 0 || e->pending != 0) {
+        return;
+    }
+    if (e->t1 != NULL) {
+        entry_drop(tp, i, 1);
+        e = kvd_tstore_at(&tp->st, i);
+        if (!e->used) {
+            return;
+        }
+    }
+    if (e->in2) {
+        /* Out of the store at once; the slot goes back only once it is zeroed. */
+        uint64_t slot = kvd_tstore_unlink2(&tp->st, i, tp->slot_bytes);
+        tp->t->used[1] -= tp->slot_bytes;
+        start_clear(tp, slot);
+        return;
+    }
+    kvd_tstore_forget(&tp->st, i);
+}
+
 static void fetch_finish(kvd_fetch *f);
 
 /* ---- completions (loop thread) ------------------------------------------------------------- */
@@ -960,6 +1005,8 @@ static void after_work(uv_work_t *w, int status) {
                 t->c[TS_COPY_NS_DOWN1] += j->ns;
                 j->out = NULL;
                 start_down2_from_t1(tp, j->entry);
+            } else if (e->doomed) {
+                doomed_finish(tp, j->entry);
             } else if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
                 kvd_tstore_forget(&tp->st, j->entry);
             }
@@ -989,23 +1036,29 @@ static void after_work(uv_work_t *w, int status) {
                 if (j->rc != KV_OK) {
                     t->c[TS_WERR_T2]++;
                     t2_fail(t, tp, "tier-2 write", j->sys_errno);
+                    kvd_tstore_slot2_back(&tp->st, j->slot);
+                } else {
+                    /* Quarantined while it was written: the record must not come back. */
+                    start_clear(tp, j->slot);
                 }
-                kvd_tstore_slot2_back(&tp->st, j->slot);
-                if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
+                if (e->doomed) {
+                    doomed_finish(tp, j->entry);
+                } else if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
                     kvd_tstore_forget(&tp->st, j->entry);
                 }
+                break;
             }
-            if (e->used && e->doomed && e->busy == 0) {
-                /* Quarantined while it was being written: nothing of it may stay. */
-                if (e->t1 != NULL) {
-                    entry_drop(tp, j->entry, 1);
-                }
+            if (e->doomed) {
+                doomed_finish(tp, j->entry);
             }
             break;
         }
         case J_UP: {
             e->busy--;
             fpos *p = &j->f->pos[j->pos];
+            if (j->rc == KV_OK && e->doomed) {
+                j->rc = KV_ECORRUPT; /* quarantined while it came up: not served */
+            }
             if (j->rc == KV_OK) {
                 p->ok = 1;
                 t->c[j->src_tier == 1 ? TS_PROMOTE_T1 : TS_PROMOTE_T2]++;
@@ -1014,15 +1067,20 @@ static void after_work(uv_work_t *w, int status) {
             } else {
                 j->f->failed++;
                 j->f->code = j->rc == KV_ECORRUPT ? KV_ECORRUPT : j->rc;
-                if (j->src_tier == 2) {
-                    t->c[TS_CORRUPT_T2] += j->rc == KV_ECORRUPT;
+                if (j->src_tier == 2 && j->rc == KV_ECORRUPT && !e->doomed) {
+                    /* Only a failed check drops the record; ENOMEM or an I/O error does not
+                     * say the bytes are bad. */
+                    t->c[TS_CORRUPT_T2]++;
                     KV_LOG(WARN, "KVD-TIER2-CORRUPT",
-                           "pool %u: tier-2 slot %llu failed its check (%s): dropped, not served",
-                           tp->pool_id, (unsigned long long)j->slot, kv_strerror(j->rc));
+                           "pool %u: tier-2 slot %llu failed its check: dropped, not served",
+                           tp->pool_id, (unsigned long long)j->slot);
                     if (e->busy == 0 && e->in2) {
                         entry_drop(tp, j->entry, 2);
                     }
                 }
+            }
+            if (e->used && e->doomed) {
+                doomed_finish(tp, j->entry);
             }
             kvd_fetch *f = j->f;
             if (--f->pending == 0) {
@@ -1065,30 +1123,8 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
         if (i == KVD_TNONE) {
             return;
         }
-        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
-        e->doomed = 1;
-        if (e->busy != 0) {
-            return; /* the job's completion finishes it */
-        }
-        if (e->t1 != NULL) {
-            entry_drop(tp, i, 1);
-        }
-        e = kvd_tstore_at(&tp->st, i);
-        if (e->used && e->in2 && tp->disk != NULL) {
-            job *j = job_new(tp, J_CLEAR2);
-            if (j != NULL) {
-                /* Out of the store at once; the slot goes back only once it is zeroed, so that
-                 * a restart cannot find the record. */
-                j->slot = kvd_tstore_unlink2(&tp->st, i, tp->slot_bytes);
-                t->used[1] -= tp->slot_bytes;
-                if (job_start(j) != KV_OK) {
-                    kvd_tstore_slot2_back(&tp->st, j->slot);
-                    free(j);
-                }
-            }
-        } else if (e->used && e->t1 == NULL && !e->in2 && e->pending == 0) {
-            kvd_tstore_forget(&tp->st, i);
-        }
+        kvd_tstore_at(&tp->st, i)->doomed = 1;
+        doomed_finish(tp, i); /* or the last job's completion does */
         return;
     }
     if (i != KVD_TNONE && (kvd_tstore_in(&tp->st, i, 1) || kvd_tstore_in(&tp->st, i, 2))) {
@@ -1331,9 +1367,12 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->format = t->format;
     tp->write_through = tp->min_hits = tp->clean_ahead = -1;
     kvd_tier_format lossy;
+    size_t qb = 0;
     if ((p->flags & KVD_POOL_LOSSY_TIERS) &&
         kvd_tier_format_parse(t->cfg->tier_lossy_format, &lossy) == KV_OK &&
-        kvd_codec_quantized_bytes(lossy, &p->layout) > 0) {
+        (qb = kvd_codec_quantized_bytes(lossy, &p->layout)) > 0 && qb <= p->layout.block_bytes) {
+        /* (A tiny block's scales can outweigh its elements: such a pool stays lossless, so a
+         * stored block never needs more room than the block itself.) */
         tp->format = lossy; /* the pool's layout asked: every client of it accepts this */
     }
     kvd_tstore_init(&tp->st);
@@ -1449,8 +1488,8 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
     }
 }
 
-void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
-                     kvd_tier_run *out) {
+static void probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                  kvd_tier_run *out, int count) {
     memset(out, 0, sizeof(*out));
     tier_pool *tp = p->tiers;
     if (tp == NULL) {
@@ -1469,8 +1508,15 @@ void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, si
         }
         out->fetchable++;
     }
-    t->c[TS_HITS_T1] += out->t1;
-    t->c[TS_HITS_T2] += out->t2;
+    if (count) {
+        t->c[TS_HITS_T1] += out->t1;
+        t->c[TS_HITS_T2] += out->t2;
+    }
+}
+
+void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                     kvd_tier_run *out) {
+    probe(t, p, hashes, n, out, 1);
 }
 
 /* The fetch in flight bringing hash h up, and which of its positions, or NULL. */
@@ -1535,9 +1581,10 @@ static void fetch_finish(kvd_fetch *f) {
                 kv_err rc =
                     kvd_pool_commit(pool, KVD_TIERS_SESSION, p->ref, p->hash, parent, &canon);
                 if (rc == KV_OK) {
+                    int fresh = canon.id == p->ref.id; /* not a duplicate of a block in T0 */
                     p->ref = canon;
                     p->have = 1;
-                    if (canon.id == p->ref.id) {
+                    if (fresh && t->cfg->verify_blocks) {
                         kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
                         if (rp != NULL) {
                             kvd_registry_verify_commit(t->reg, rp, canon);
@@ -1573,7 +1620,7 @@ static void fetch_finish(kvd_fetch *f) {
     t->c[TS_FETCH_SHARED] += shared;
     kvd_fetch_result r = {tp->pool_id, f->session, run,       pool != NULL ? nok : 0,
                           promoted,    shared,     f->failed, f->code,
-                          f->orphan};
+                          f->orphan,   f->detached};
     int taken = f->done(f->arg, &r);
     if (pool != NULL) {
         if (!taken && nok > 0) {
@@ -1588,6 +1635,7 @@ static void fetch_finish(kvd_fetch *f) {
     }
     free(run);
     fetch_unlink(f);
+    tp->jobs--;
     for (uint32_t k = 0; k < f->nwaiters; k++) {
         kvd_fetch *w = f->waiters[k];
         if (--w->pending == 0) {
@@ -1597,6 +1645,9 @@ static void fetch_finish(kvd_fetch *f) {
     free(f->waiters);
     free(f->pos);
     free(f);
+    if (tp->gone && tp->jobs == 0) {
+        tier_pool_free(tp);
+    }
 }
 
 /* A fetch with nothing to copy finishes from the loop (its callback never runs inside
@@ -1619,11 +1670,15 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
                        const kv_hash128 *hashes, size_t n, uint32_t parent_id, kvd_fetch_done done,
                        void *arg, uint32_t *nrun, char *msg) {
     tier_pool *tp = p->tiers;
-    kvd_tier_run probe = {0, 0, 0};
-    if (tp != NULL) {
-        kvd_tiers_probe(t, p, hashes, n, &probe);
+    if (tp == NULL) {
+        snprintf(msg, KV_ERRMSG, "pool %u has no lower tiers", p->pool_id);
+        return KV_ENOENT;
     }
-    uint32_t m = probe.fetchable;
+    kvd_tier_run run0 = {0, 0, 0};
+    if (tp != NULL) {
+        probe(t, p, hashes, n, &run0, 0); /* the caller's probe counted the hits */
+    }
+    uint32_t m = run0.fetchable;
     kvd_fetch *f = calloc(1, sizeof(*f));
     fpos *pos = calloc(m > 0 ? m : 1, sizeof(*pos));
     if (f == NULL || pos == NULL) {
@@ -1706,6 +1761,9 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     }
     f->next = t->fetches;
     t->fetches = f;
+    if (tp != NULL) {
+        tp->jobs++; /* the pool (and this state) outlives the fetch (on_pool_keep) */
+    }
     uint32_t b = 0;
     for (uint32_t k = 0; k < m; k++) {
         fpos *q = &pos[k];
@@ -1764,6 +1822,9 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
             free(w);
             /* Cannot defer: undo as if refused. */
             fetch_unlink(f);
+            if (tp != NULL) {
+                tp->jobs--;
+            }
             for (uint32_t k = 0; k < m; k++) {
                 if (pos[k].have) {
                     (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, tenant, &pos[k].ref, 1);
@@ -1779,6 +1840,17 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     }
     *nrun = m;
     return KV_OK;
+}
+
+void kvd_tiers_pool_detached(kvd_tiers *t, uint64_t session, uint32_t pool_id) {
+    if (t == NULL) {
+        return;
+    }
+    for (kvd_fetch *f = t->fetches; f != NULL; f = f->next) {
+        if (f->session == session && f->tp != NULL && f->tp->pool_id == pool_id) {
+            f->detached = 1;
+        }
+    }
 }
 
 void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session) {

@@ -99,6 +99,7 @@ typedef struct kvd_fetch_result {
     uint32_t failed;           /* lower-tier copies that failed a check (the run ends there) */
     kv_err code;               /* KV_OK, or why the run ends early (KV_ECORRUPT, KV_ESYS) */
     int orphan;                /* the session closed while the fetch was in flight */
+    int detached;              /* the session detached the pool meanwhile (refs: leave them) */
 } kvd_fetch_result;
 typedef int (*kvd_fetch_done)(void *arg, const kvd_fetch_result *r);
 
@@ -117,6 +118,10 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
 
 /* Counts a Fetch refused as SHORT (its run under fetch-min-tokens). */
 void kvd_tiers_count_short(kvd_tiers *t);
+
+/* A session detached pool_id: its fetches in flight there finish without it (done sees
+ * detached; their blocks become cached). */
+void kvd_tiers_pool_detached(kvd_tiers *t, uint64_t session, uint32_t pool_id);
 
 /* A session closed: its fetches in flight finish without it (their blocks become cached). */
 void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session);

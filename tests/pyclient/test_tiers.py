@@ -568,3 +568,93 @@ def test_t2_file_truncated_under_the_daemon(kvd_factory):
     fr, blocks = fetch_all(c, pool, hs2)
     assert fr.status == pb.FETCH_DONE and len(blocks) == 3, fr
     check_bytes(pool, blocks, pats2)
+
+
+def test_lossy_tiny_layout_stays_lossless(kvd_factory):
+    """A block so small that its scales would outweigh its elements is stored losslessly even
+    in a pool that asked for lossy tiers (nothing overruns its buffer)."""
+    tiny = kw.Layout(1, 1, 1, 1, pb.FP16, pb.LAYER_MAJOR)  # 4-byte blocks
+    d = kvd_factory(**_tiers(tier_write="write-through", fetch_min_tokens="1",
+                             segment_bytes="4K"))
+    c = connect(d)
+    pool = c.attach("m-tiny", tiny, lossy_tiers=True)
+    hs = kw.hash_chain(pool.hash_seed, list(range(6)), 1, b"", pool.hash_algo)
+    pats = [kw.block_pattern(tiny, kw.hash_hex(h)) for h in hs]
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    fmt = {p["id"]: p["tiers"]["format"] for p in d.admin_result("pools")["pools"]}
+    assert fmt[pool.pool_id] == 0, fmt  # raw
+    assert d.admin_result("evict all")["evicted"] >= 6
+    fr, blocks = fetch_all(c, pool, hs)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == 6, fr
+    check_bytes(pool, blocks, pats)
+
+
+def test_detach_with_fetch_in_flight(kvd_factory):
+    """DetachPool while the pool's Fetch is copying: the Fetch is still answered (its FetchReply
+    if it finished first, else Error ESTATE), the session holds nothing after, and the daemon
+    serves on."""
+    big = kw.Layout(16, 8, 128, 16, pb.FP16, pb.BLOCK_MAJOR)  # 1 MiB blocks
+    d = kvd_factory(pool_memory="64M", segment_bytes="8M", tier1_memory="64M",
+                    tier_write="write-through", fetch_min_tokens="16")
+    c = connect(d)
+    pool = c.attach("m-detach", big)
+    hs = prefix(pool, 16, 9)
+    pats = [kw.block_pattern(big, kw.hash_hex(h)) for h in hs]
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    d.admin_result("evict all")
+    fid = c.send("fetch", c.fetch_msg(pool.pool_id, hs))
+    did = c.send("detach_pool", pb.DetachPool(pool_id=pool.pool_id))
+    seen = {}
+    for _ in range(2):
+        try:
+            env, _fds = c.recv_frame()
+        except kw.KvdError as e:  # pragma: no cover (recv_frame raises only on EOF)
+            raise AssertionError(e)
+        seen[env.id] = env
+    assert set(seen) == {fid, did}
+    f = seen[fid]
+    assert f.WhichOneof("body") in ("fetch_reply", "error"), f
+    if f.WhichOneof("body") == "error":
+        assert f.error.code == pb.ESTATE, f
+    assert seen[did].WhichOneof("body") == "detach_pool_reply"
+    settle(d)
+    assert c.stats()["session.refs_held"] == 0
+    assert c.ping().nonce == 0
+
+
+def test_fetch_respects_max_held(kvd_factory):
+    """A tenant's max-held caps what a Fetch brings up, as it caps a Lookup's hits."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another uid")
+    d = kvd_factory(tenants="tenant alice uid=%d\nquota alice max-held=5\n" % UID_A,
+                    **_tiers(tier_write="write-through"))
+
+    def alice(ready_w):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        p = k.attach("m-quota", LAYOUT)
+        hs = prefix(p, 4, 1)
+        write_commit_release(k, p, hs, patterns(p, hs))
+        hs2 = prefix(p, 4, 500)
+        write_commit_release(k, p, hs2, patterns(p, hs2))
+        for _ in range(500):
+            if k.stats()["tiers.jobs_inflight"] == 0:
+                break
+            time.sleep(0.01)
+        return kw.hash_hex(hs[0])
+
+    Child(alice, uid=UID_A).result()
+    assert d.admin_result("evict all")["evicted"] >= 8
+
+    def alice2(ready_w):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        p = k.attach("m-quota", LAYOUT)
+        held = [kw.reply_blocks(k.fetch(p.pool_id, prefix(p, 4, 500), min_tokens=16))]
+        fr = k.fetch(p.pool_id, prefix(p, 4, 1), min_tokens=16)
+        return len(held[0]), len(kw.reply_blocks(fr)), k.stats()["session.refs_held"]
+
+    first, second, refs = Child(alice2, uid=UID_A).result()
+    assert first == 4 and second == 1 and refs == 5, (first, second, refs)
