@@ -92,6 +92,19 @@ class Daemon:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
+        # The admin socket is bound after the client socket and accepts from listen() on: wait
+        # until it does (a first admin command could land in between under load).
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.admin_sock)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            finally:
+                s.close()
 
     def read_log(self):
         with open(self.log_path, "rb") as f:

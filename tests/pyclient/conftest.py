@@ -138,6 +138,19 @@ class Daemon:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
+        # The file exists from bind(); it accepts from listen() on, a moment later: under load
+        # a test's first admin command landed in between (ECONNREFUSED). Wait until it accepts.
+        while self.admin_sock and os.path.exists(self.admin_sock):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.admin_sock)
+                break
+            except ConnectionRefusedError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            finally:
+                s.close()
 
     def read_log(self):
         with open(self.log_path, "rb") as f:
