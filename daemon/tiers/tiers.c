@@ -1413,6 +1413,30 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
                        (unsigned long long)sc.dup, (double)(now_ns() - t0) / 1e6,
                        kvd_disk_direct(tp->disk) ? ", O_DIRECT" : "");
             }
+            /* Slots of the file that hold no record (empty, bad, an older duplicate already
+             * given back) are reused before the file grows. */
+            uint64_t nslots = kvd_disk_slots(tp->disk);
+            uint8_t *taken = nslots > 0 ? calloc((size_t)(nslots + 7) / 8, 1) : NULL;
+            if (taken != NULL) {
+                for (uint32_t i = 0; i < tp->st.cap; i++) {
+                    const kvd_tentry *e = &tp->st.e[i];
+                    if (e->used && e->in2 && e->slot2 < nslots) {
+                        taken[e->slot2 / 8] |= (uint8_t)(1u << (e->slot2 % 8));
+                    }
+                }
+                for (uint64_t k = 0; k < tp->st.nfree2; k++) {
+                    uint64_t sl = tp->st.free2[k];
+                    if (sl < nslots) {
+                        taken[sl / 8] |= (uint8_t)(1u << (sl % 8)); /* on the list already */
+                    }
+                }
+                for (uint64_t sl = 0; sl < nslots; sl++) {
+                    if (!(taken[sl / 8] & (1u << (sl % 8)))) {
+                        kvd_tstore_slot2_back(&tp->st, sl);
+                    }
+                }
+                free(taken);
+            }
             /* Over the budget after a restart with a smaller tier2-bytes: the oldest go. */
             (void)make_room(tp, 2, 0);
         }
@@ -1607,6 +1631,7 @@ static void fetch_finish(kvd_fetch *f) {
         }
         if (!p->have) {
             chain = 0;
+            parent = KVD_NO_BLOCK; /* the next block's parent is not in T0 */
             continue;
         }
         parent = p->ref.id;

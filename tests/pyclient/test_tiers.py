@@ -658,3 +658,36 @@ def test_fetch_respects_max_held(kvd_factory):
 
     first, second, refs = Child(alice2, uid=UID_A).result()
     assert first == 4 and second == 1 and refs == 5, (first, second, refs)
+
+
+def test_t2_restart_reuses_bad_slots(kvd_factory):
+    """After a restart, a slot whose record failed its check is reused before the file grows
+    (a file with bad or empty slots does not grow at every restart)."""
+    t2dir = os.path.join(new_dir(), "t2")
+    opts = dict(SMALL)
+    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
+                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-holes", LAYOUT)
+    hs = prefix(pool, 4, 31)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    d.kill()
+    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
+    path = os.path.join(dom, os.listdir(dom)[0])
+    size = os.path.getsize(path)
+    slot = (size - 4096) // 4
+    with open(path, "r+b") as f:  # slot 1's record header: its checksum fails at the scan
+        f.seek(4096 + slot + 10)
+        b = f.read(1)
+        f.seek(4096 + slot + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    pool2 = c2.attach("m-holes", LAYOUT)
+    hs2 = prefix(pool2, 1, 900)
+    write_commit_release(c2, pool2, hs2, patterns(pool2, hs2))
+    settle(d2)
+    assert tier_stats(d2)["tier2_blocks"] == 4  # 3 survivors + the new one
+    assert os.path.getsize(path) == size  # the new record went into the bad slot
