@@ -11,7 +11,15 @@ SHAPE = dict(layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16")
 
 def _publish(p, toks, fill):
     h = p.hash_tokens(toks)
-    b = p.allocate(len(h))
+    deadline = time.monotonic() + 5
+    while True:  # blocks being copied down are leased until the copy lands: retry ENOSPC
+        try:
+            b = p.allocate(len(h))
+            break
+        except kvclient.KvdNoSpace:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     for i in range(len(b)):
         for layer in range(p.layout.layers):
             p.k(b[i], layer)[:] = fill + i

@@ -32,7 +32,17 @@ def connect(d):
 
 
 def allocate(conn, pool, count):
-    r = conn.allocate(pool.pool_id, count)
+    """Allocate, retrying ENOSPC for up to 5 s: blocks whose copies down are in flight are
+    leased (neither evictable nor free) until the copy lands (docs/TIERS.md)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            r = conn.allocate(pool.pool_id, count)
+            break
+        except kw.KvdError as e:
+            if e.code != pb.ENOSPC or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     pool.follow(r)
     return kw.reply_blocks(r)
 
