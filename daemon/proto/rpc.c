@@ -422,35 +422,51 @@ static kv_err on_map(rpc *c, uint64_t id, const Kvd__MapSegments *m, char *msg) 
 
 /* Queues a LookupReply (lookup) or AllocateReply with refs[0..n): as blocks_packed when the
  * client said it reads packed lists (Hello.features), else as BlockRef messages. */
+/* A reply's list of block handles refs[0..n), in the request arena: as *packed (the session
+ * reads packed lists, Hello.features; *nref 0) or as BlockRef messages (*pv, *nref = n). */
+static kv_err blocks_field(rpc *c, const kvd_block_ref *refs, size_t n, ProtobufCBinaryData *packed,
+                           Kvd__BlockRef ***pv, size_t *nref) {
+    packed->data = NULL;
+    packed->len = 0;
+    *pv = NULL;
+    *nref = 0;
+    if (c->sess->features & KV_FEATURE_PACKED) {
+        packed->data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES);
+        if (packed->data == NULL) {
+            return KV_ENOMEM;
+        }
+        packed->len = n * KV_WIRE_BLOCK_BYTES;
+        for (size_t i = 0; i < n; i++) {
+            kv_wire_block_put(packed->data, i, refs[i].id, refs[i].gen);
+        }
+        return KV_OK;
+    }
+    Kvd__BlockRef *v = rpc_scratch(c, n * sizeof(*v));
+    Kvd__BlockRef **p = rpc_scratch(c, n * sizeof(*p));
+    if (v == NULL || p == NULL) {
+        return KV_ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvd__block_ref__init(&v[i]);
+        v[i].id = refs[i].id;
+        v[i].gen = refs[i].gen;
+        p[i] = &v[i];
+    }
+    *pv = p;
+    *nref = n;
+    return KV_OK;
+}
+
 static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
                                 uint32_t nsf, int lookup, uint32_t *pool_ids,
                                 Kvd__SegmentNotice **notices, size_t nnotices,
                                 const kvd_tier_run *tr) {
-    Kvd__BlockRef *v = NULL, **pv = NULL;
-    ProtobufCBinaryData packed = {0, NULL};
-    if (c->sess->features & KV_FEATURE_PACKED) {
-        packed.data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES);
-        if (packed.data == NULL) {
-            return KV_ENOMEM;
-        }
-        packed.len = n * KV_WIRE_BLOCK_BYTES;
-        for (size_t i = 0; i < n; i++) {
-            kv_wire_block_put(packed.data, i, refs[i].id, refs[i].gen);
-        }
-    } else {
-        v = rpc_scratch(c, n * sizeof(*v));
-        pv = rpc_scratch(c, n * sizeof(*pv));
-        if (v == NULL || pv == NULL) {
-            return KV_ENOMEM;
-        }
-        for (size_t i = 0; i < n; i++) {
-            kvd__block_ref__init(&v[i]);
-            v[i].id = refs[i].id;
-            v[i].gen = refs[i].gen;
-            pv[i] = &v[i];
-        }
+    Kvd__BlockRef **pv;
+    ProtobufCBinaryData packed;
+    size_t nref;
+    if (blocks_field(c, refs, n, &packed, &pv, &nref) != KV_OK) {
+        return KV_ENOMEM;
     }
-    size_t nref = packed.data != NULL ? 0 : n;
     Kvd__Envelope env;
     env_init(c, &env, id);
     Kvd__LookupReply lr = KVD__LOOKUP_REPLY__INIT;
@@ -552,26 +568,23 @@ static size_t verify_hits(rpc *c, const kvd_block_ref *refs, const uint32_t *poo
     return good;
 }
 
-static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
-    kvd_session_pool *sp;
-    kvd_reg_pool *p;
-    kv_err rc = session_pool(c, l->pool_id, &sp, &p, msg);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    /* PROTOCOL.md §7 step 3: EINVAL, then ETOOBIG (either list too long), then EPROTO (a packed
-     * list that is not whole entries, or both forms at once). */
+/* A request's list of hashes, repeated or packed (Lookup's, Fetch's): checked in PROTOCOL.md
+ * §7's order (EINVAL, ETOOBIG for either list, EPROTO for a packed list that is not whole
+ * entries or comes with the repeated one), then the pool's segment 0 (ESTATE), then decoded
+ * into the request arena: *out (room for one more) and *nout. */
+static kv_err take_hashes(rpc *c, kvd_session_pool *sp, size_t nrep, Kvd__Hash128 *const *rep,
+                          const ProtobufCBinaryData *packed, kv_hash128 **out, size_t *nout,
+                          char *msg) {
     size_t n;
-    rc = kvd_validate_lookup(l, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    kv_err rc = kvd_validate_hashes(nrep, rep, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
     if (rc == KV_OK) {
-        rc = kvd_validate_list(l->hashes_packed.len / KV_WIRE_HASH_BYTES,
-                               c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
+        rc = kvd_validate_list(packed->len / KV_WIRE_HASH_BYTES, c->cfg->max_blocks_per_request,
+                               "hashes_packed", msg, KV_ERRMSG);
     }
-    if (rc == KV_OK &&
-        kv_wire_list_count(l->n_hashes, l->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
+    if (rc == KV_OK && kv_wire_list_count(nrep, packed->len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
         FAIL(KV_EPROTO,
              "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
-             l->hashes_packed.len, KV_WIRE_HASH_BYTES);
+             packed->len, KV_WIRE_HASH_BYTES);
     }
     if (rc == KV_OK) {
         rc = need_segment0(sp, msg);
@@ -579,21 +592,42 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     if (rc != KV_OK) {
         return rc;
     }
-    /* Scratch lives in the request arena: nothing to free. */
-    kv_hash128 *hashes = rpc_scratch(c, sizeof(*hashes) * n);
-    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
-    uint32_t *pool_of = rpc_scratch(c, sizeof(*pool_of) * n);
-    size_t nhit = 0;
-    if (hashes == NULL || refs == NULL || pool_of == NULL) {
+    kv_hash128 *h = rpc_scratch(c, sizeof(*h) * (n + 1));
+    if (h == NULL) {
         FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
     }
     for (size_t i = 0; i < n; i++) {
-        if (l->n_hashes > 0) {
-            hashes[i].lo = l->hashes[i]->lo;
-            hashes[i].hi = l->hashes[i]->hi;
+        if (nrep > 0) {
+            h[i].lo = rep[i]->lo;
+            h[i].hi = rep[i]->hi;
         } else {
-            kv_wire_hash_get(l->hashes_packed.data, i, &hashes[i].lo, &hashes[i].hi);
+            kv_wire_hash_get(packed->data, i, &h[i].lo, &h[i].hi);
         }
+    }
+    *out = h;
+    *nout = n;
+    return KV_OK;
+}
+
+static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, l->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t n;
+    kv_hash128 *hashes;
+    rc = take_hashes(c, sp, l->n_hashes, l->hashes, &l->hashes_packed, &hashes, &n, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    /* Scratch lives in the request arena: nothing to free. */
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
+    uint32_t *pool_of = rpc_scratch(c, sizeof(*pool_of) * n);
+    size_t nhit = 0;
+    if (refs == NULL || pool_of == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
     }
     /* Pools searched, in order: the named one, then with search_domains its links (the same
      * model in the tenant's groups and the commons). Each position takes the first pool that
@@ -729,30 +763,8 @@ static kv_err send_fetch_reply(rpc *c, uint64_t id, kvd_session_pool *sp, const 
                                size_t n, Kvd__FetchStatus st, uint32_t t0, uint32_t promoted,
                                uint32_t lower, kv_err failure, const char *why) {
     Kvd__FetchReply fr = KVD__FETCH_REPLY__INIT;
-    Kvd__BlockRef *v = NULL, **pv = NULL;
-    if (c->sess->features & KV_FEATURE_PACKED) {
-        fr.blocks_packed.data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES + 1);
-        if (fr.blocks_packed.data == NULL) {
-            return KV_ENOMEM;
-        }
-        fr.blocks_packed.len = n * KV_WIRE_BLOCK_BYTES;
-        for (size_t i = 0; i < n; i++) {
-            kv_wire_block_put(fr.blocks_packed.data, i, refs[i].id, refs[i].gen);
-        }
-    } else {
-        v = rpc_scratch(c, n * sizeof(*v) + 1);
-        pv = rpc_scratch(c, n * sizeof(*pv) + 1);
-        if (v == NULL || pv == NULL) {
-            return KV_ENOMEM;
-        }
-        for (size_t i = 0; i < n; i++) {
-            kvd__block_ref__init(&v[i]);
-            v[i].id = refs[i].id;
-            v[i].gen = refs[i].gen;
-            pv[i] = &v[i];
-        }
-        fr.n_blocks = n;
-        fr.blocks = pv;
+    if (blocks_field(c, refs, n, &fr.blocks_packed, &fr.blocks, &fr.n_blocks) != KV_OK) {
+        return KV_ENOMEM;
     }
     fr.new_segments_from = new_segments_from(sp);
     check_announced(sp, refs, n, fr.new_segments_from);
@@ -774,48 +786,14 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     fetch_wait *w = arg;
     kvd_session *sess =
         r->orphan || w->later == NULL ? NULL : w->later->find(w->later->arg, w->session);
-    if (sess != NULL && sess->fetches > 0) {
+    if (sess == NULL) {
+        free(w);
+        return 0; /* the session closed: the tiers release the run */
+    }
+    if (sess->fetches > 0) {
         sess->fetches--;
     }
-    kvd_session_pool *sp =
-        sess != NULL && !r->detached ? kvd_session_find_pool(sess, w->pool_id) : NULL;
-    if (sp == NULL) {
-        if (sess != NULL) {
-            /* The session detached the pool while its Fetch was in flight (its T0 hits went
-             * back with the DetachPool): the request still gets its answer. */
-            kv_arena arena;
-            kv_arena_init(&arena);
-            kvd_rpc_ctx x;
-            memset(&x, 0, sizeof(x));
-            x.reg = w->reg;
-            x.cfg = w->cfg;
-            x.boot_epoch = w->boot_epoch;
-            x.arena = &arena;
-            kvd_reply out;
-            kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
-                          "the pool was detached while this Fetch was in flight", &out);
-            w->later->send(w->later->arg, w->session, &out);
-            kv_arena_fini(&arena);
-        }
-        free(w);
-        return 0; /* the tiers release the run */
-    }
-    int taken = 1;
-    size_t n = w->nt0;
-    kv_err failure = KV_OK;
-    kvd_block_ref *all = malloc(sizeof(*all) * (w->nt0 + r->nok + 1));
-    if (all == NULL) {
-        taken = 0; /* no memory to hand them over: the tiers release them */
-    } else {
-        memcpy(all, w->t0, sizeof(*all) * w->nt0);
-        /* On ENOMEM kvd_session_hold gave the pool references back itself: taken either way. */
-        if (r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
-            memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
-            n += r->nok;
-        } else if (r->nok > 0) {
-            failure = KV_ENOMEM; /* the reply says the run ends at the T0 hits */
-        }
-    }
+    /* The reply is encoded here, outside any request: its own arena and context. */
     kv_arena arena;
     kv_arena_init(&arena);
     kvd_rpc_ctx x;
@@ -826,27 +804,52 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     x.arena = &arena;
     kvd_reply out;
     memset(&out, 0, sizeof(out));
-    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
-    kv_err code = failure != KV_OK ? failure : r->code;
-    uint32_t up = failure != KV_OK ? 0 : r->nok;
-    int partial = code != KV_OK || up < w->lower_run;
-    char why[KV_ERRMSG];
-    snprintf(why, sizeof(why), "%s", "");
-    if (partial) {
-        snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", up, w->lower_run,
-                 code != KV_OK ? kv_strerror(code) : "evicted or failed meanwhile");
+    kvd_session_pool *sp = !r->detached ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    int taken = 0; /* the tiers release what the session does not take */
+    kvd_block_ref *all = NULL;
+    kv_err rc = KV_OK;
+    if (sp == NULL) {
+        /* The session detached the pool while its Fetch was in flight (its T0 hits went back
+         * with the DetachPool): the request still gets its answer. */
+        kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
+                      "the pool was detached while this Fetch was in flight", &out);
+    } else {
+        size_t n = w->nt0;
+        kv_err failure = KV_OK;
+        all = malloc(sizeof(*all) * (w->nt0 + r->nok + 1));
+        if (all != NULL) {
+            taken = 1;
+            memcpy(all, w->t0, sizeof(*all) * w->nt0);
+            /* On ENOMEM kvd_session_hold gave the pool references back itself: taken. */
+            if (r->nok > 0 && kvd_session_hold(sess, sp, r->refs, r->nok) == KV_OK) {
+                memcpy(all + w->nt0, r->refs, sizeof(*all) * r->nok);
+                n += r->nok;
+            } else if (r->nok > 0) {
+                failure = KV_ENOMEM; /* the reply says the run ends at the T0 hits */
+            }
+        }
+        rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+        kv_err code = failure != KV_OK ? failure : r->code;
+        uint32_t up = failure != KV_OK ? 0 : r->nok;
+        int partial = code != KV_OK || up < w->lower_run;
+        char why[KV_ERRMSG];
+        snprintf(why, sizeof(why), "%s", "");
+        if (partial) {
+            snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", up, w->lower_run,
+                     code != KV_OK ? kv_strerror(code) : "evicted or failed meanwhile");
+        }
+        rc = all == NULL
+                 ? KV_ENOMEM
+                 : send_fetch_reply(&c, w->id, sp, all, n,
+                                    partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
+                                            : KVD__FETCH_STATUS__FETCH_DONE,
+                                    w->nt0, up > 0 ? r->promoted : 0, w->lower_run,
+                                    partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
+        if (rc != KV_OK) {
+            kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
+        }
+        out.code = KV_OK;
     }
-    kv_err rc = all == NULL
-                    ? KV_ENOMEM
-                    : send_fetch_reply(&c, w->id, sp, all, n,
-                                       partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
-                                               : KVD__FETCH_STATUS__FETCH_DONE,
-                                       w->nt0, failure != KV_OK ? 0 : r->promoted, w->lower_run,
-                                       partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
-    if (rc != KV_OK) {
-        kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
-    }
-    out.code = KV_OK;
     w->later->send(w->later->arg, w->session, &out);
     kv_arena_fini(&arena);
     free(all);
@@ -862,40 +865,14 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
         return rc;
     }
     size_t n;
-    rc = kvd_validate_list(f->n_hashes, c->cfg->max_blocks_per_request, "hashes", msg, KV_ERRMSG);
-    for (size_t i = 0; rc == KV_OK && i < f->n_hashes; i++) {
-        if (f->hashes[i] == NULL) {
-            FAIL(KV_EINVAL, "hashes[%zu] is empty", i);
-        }
-    }
-    if (rc == KV_OK) {
-        rc = kvd_validate_list(f->hashes_packed.len / KV_WIRE_HASH_BYTES,
-                               c->cfg->max_blocks_per_request, "hashes_packed", msg, KV_ERRMSG);
-    }
-    if (rc == KV_OK &&
-        kv_wire_list_count(f->n_hashes, f->hashes_packed.len, KV_WIRE_HASH_BYTES, &n) != KV_OK) {
-        FAIL(KV_EPROTO,
-             "hashes_packed of %zu bytes: not a multiple of %d, or sent together with hashes",
-             f->hashes_packed.len, KV_WIRE_HASH_BYTES);
-    }
-    if (rc == KV_OK) {
-        rc = need_segment0(sp, msg);
-    }
+    kv_hash128 *hashes;
+    rc = take_hashes(c, sp, f->n_hashes, f->hashes, &f->hashes_packed, &hashes, &n, msg);
     if (rc != KV_OK) {
         return rc;
     }
-    kv_hash128 *hashes = rpc_scratch(c, sizeof(*hashes) * n + 1);
     kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n + 1);
-    if (hashes == NULL || refs == NULL) {
+    if (refs == NULL) {
         FAIL(KV_ENOMEM, "no memory for %zu hashes", n);
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (f->n_hashes > 0) {
-            hashes[i].lo = f->hashes[i]->lo;
-            hashes[i].hi = f->hashes[i]->hi;
-        } else {
-            kv_wire_hash_get(f->hashes_packed.data, i, &hashes[i].lo, &hashes[i].hi);
-        }
     }
     /* The T0 run first, as a Lookup of this pool gives it (max-held caps it). */
     size_t m = n, nhit = 0;

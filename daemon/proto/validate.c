@@ -89,17 +89,22 @@ kv_err kvd_validate_commit(const Kvd__Commit *c, uint64_t max, char *msg, size_t
     return KV_OK;
 }
 
-kv_err kvd_validate_lookup(const Kvd__Lookup *l, uint64_t max, char *msg, size_t msglen) {
-    kv_err rc = kvd_validate_list(l->n_hashes, max, "hashes", msg, msglen);
+kv_err kvd_validate_hashes(size_t n, Kvd__Hash128 *const *hashes, uint64_t max, char *msg,
+                           size_t msglen) {
+    kv_err rc = kvd_validate_list(n, max, "hashes", msg, msglen);
     if (rc != KV_OK) {
         return rc;
     }
-    for (size_t i = 0; i < l->n_hashes; i++) {
-        if (l->hashes[i] == NULL) {
+    for (size_t i = 0; i < n; i++) {
+        if (hashes[i] == NULL) {
             return fail(KV_EINVAL, msg, msglen, "hashes[%zu] is empty", i);
         }
     }
     return KV_OK;
+}
+
+kv_err kvd_validate_lookup(const Kvd__Lookup *l, uint64_t max, char *msg, size_t msglen) {
+    return kvd_validate_hashes(l->n_hashes, l->hashes, max, msg, msglen);
 }
 
 kv_err kvd_validate_refs(size_t n, Kvd__BlockRef *const *refs, uint64_t max, char *msg,

@@ -31,6 +31,11 @@ kv_err kvd_validate_allocate(const Kvd__Allocate *a, uint64_t max, char *msg, si
 /* Commit: list length, every entry has a block and a hash (KV_EINVAL). */
 kv_err kvd_validate_commit(const Kvd__Commit *c, uint64_t max, char *msg, size_t msglen);
 
+/* A list of repeated hashes (Lookup's, Fetch's): its length (KV_ETOOBIG), every hash present
+ * (KV_EINVAL). */
+kv_err kvd_validate_hashes(size_t n, Kvd__Hash128 *const *hashes, uint64_t max, char *msg,
+                           size_t msglen);
+
 /* Lookup: list length, every hash present (KV_EINVAL). */
 kv_err kvd_validate_lookup(const Kvd__Lookup *l, uint64_t max, char *msg, size_t msglen);
 

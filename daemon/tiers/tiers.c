@@ -1447,6 +1447,17 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     return KV_OK;
 }
 
+/* The chain hash of block bi's parent, recorded with its lower-tier copy (zero for a first
+ * block or a parent no longer committed). */
+static kv_hash128 parent_hash(const kvd_pool *pool, const kvd_block_info *bi) {
+    kvd_block_info pi;
+    if (bi->parent != KVD_NO_BLOCK && kvd_pool_block_info(pool, bi->parent, &pi) == KV_OK &&
+        (pi.state == KVD_BLOCK_COMMITTED || pi.state == KVD_BLOCK_CACHED)) {
+        return pi.hash;
+    }
+    return (kv_hash128){0, 0};
+}
+
 void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
     tier_pool *tp = p->tiers;
     if (tp == NULL || !(tp->write_through >= 0 ? tp->write_through : t->write_through)) {
@@ -1456,13 +1467,7 @@ void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
     if (kvd_pool_block_info(p->pool, blk.id, &bi) != KV_OK || bi.gen != blk.gen) {
         return;
     }
-    kvd_block_info pi;
-    kv_hash128 parent = {0, 0};
-    if (bi.parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, bi.parent, &pi) == KV_OK &&
-        (pi.state == KVD_BLOCK_COMMITTED || pi.state == KVD_BLOCK_CACHED)) {
-        parent = pi.hash;
-    }
-    start_down(tp, p->pool, blk, bi.hash, parent, 0);
+    start_down(tp, p->pool, blk, bi.hash, parent_hash(p->pool, &bi), 0);
 }
 
 void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
@@ -1502,13 +1507,7 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
         if (i != KVD_TNONE) {
             continue; /* down already, or on its way */
         }
-        kvd_block_info pi;
-        kv_hash128 parent = {0, 0};
-        if (bi.parent != KVD_NO_BLOCK && kvd_pool_block_info(p->pool, bi.parent, &pi) == KV_OK &&
-            (pi.state == KVD_BLOCK_COMMITTED || pi.state == KVD_BLOCK_CACHED)) {
-            parent = pi.hash;
-        }
-        start_down(tp, p->pool, refs[k], bi.hash, parent, 1);
+        start_down(tp, p->pool, refs[k], bi.hash, parent_hash(p->pool, &bi), 1);
     }
 }
 

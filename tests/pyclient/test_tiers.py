@@ -27,6 +27,23 @@ def _tiers(**extra):
     return o
 
 
+def _t2_only(**extra):
+    """(t2 directory, options) of a daemon with T2 only (T1 off), write-through, in a directory
+    that outlives the daemon (restart tests)."""
+    t2dir = os.path.join(new_dir(), "t2")
+    opts = dict(SMALL)
+    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
+                 "tier_write": "write-through", "fetch_min_tokens": "16"})
+    opts.update(extra)
+    return t2dir, opts
+
+
+def _t2_file(t2dir):
+    """The one pool file under t2dir (one domain directory, one file)."""
+    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
+    return os.path.join(dom, os.listdir(dom)[0])
+
+
 def connect(d):
     return d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
 
@@ -135,10 +152,7 @@ def test_demote_promote_round_trip_t1(kvd_factory, fmt, write):
 def test_t2_round_trip_and_restart(kvd_factory, fmt):
     """With T1 off, evicted blocks go to a T2 file; after the daemon is killed and restarted on
     the same directory, a Fetch brings them back from T2 (new boot epoch, same bytes)."""
-    opts = dict(SMALL)
-    t2dir = os.path.join(new_dir(), "t2")
-    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
-                 "tier_format": fmt, "tier_write": "write-through", "fetch_min_tokens": "16"})
+    t2dir, opts = _t2_only(tier_format=fmt)
     d = kvd_factory(**opts)
     c = connect(d)
     pool = c.attach("m-t2", LAYOUT)
@@ -166,10 +180,7 @@ def test_t2_round_trip_and_restart(kvd_factory, fmt):
 def test_t2_corrupt_record_never_served(kvd_factory):
     """A T2 record whose bytes changed on disk fails its check: the Fetch returns the run up to
     it (FETCH_PARTIAL, ECORRUPT), the record is dropped and counted, and the daemon serves on."""
-    opts = dict(SMALL)
-    t2dir = os.path.join(new_dir(), "t2")
-    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
-                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    t2dir, opts = _t2_only(tier2_direct="false")
     d = kvd_factory(**opts)
     c = connect(d)
     pool = c.attach("m-bad", LAYOUT)
@@ -178,8 +189,7 @@ def test_t2_corrupt_record_never_served(kvd_factory):
     write_commit_release(c, pool, hs, pats)
     settle(d)
     d.kill()
-    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
-    path = os.path.join(dom, os.listdir(dom)[0])
+    path = _t2_file(t2dir)
     # Find the record of block 2 (its payload holds pats[2]) and flip one payload byte.
     data = bytearray(open(path, "rb").read())
     at = data.find(pats[2][:64])
@@ -550,10 +560,7 @@ def test_t2_file_truncated_under_the_daemon(kvd_factory):
     """The tier-2 file cut short while kvd runs (a disk that lost data): every record past the
     cut fails its read, is dropped and counted, the Fetch ends before it, and kvd keeps serving
     and writing."""
-    t2dir = os.path.join(new_dir(), "t2")
-    opts = dict(SMALL)
-    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
-                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    t2dir, opts = _t2_only(tier2_direct="false")
     d = kvd_factory(**opts)
     c = connect(d)
     pool = c.attach("m-trunc", LAYOUT)
@@ -561,8 +568,7 @@ def test_t2_file_truncated_under_the_daemon(kvd_factory):
     pats = patterns(pool, hs)
     write_commit_release(c, pool, hs, pats)
     settle(d)
-    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
-    path = os.path.join(dom, os.listdir(dom)[0])
+    path = _t2_file(t2dir)
     os.truncate(path, 4096)  # the header only: every slot is gone
     assert d.admin_result("evict all")["evicted"] >= 5
     fr, blocks = fetch_all(c, pool, hs)
@@ -673,10 +679,7 @@ def test_fetch_respects_max_held(kvd_factory):
 def test_t2_restart_reuses_bad_slots(kvd_factory):
     """After a restart, a slot whose record failed its check is reused before the file grows
     (a file with bad or empty slots does not grow at every restart)."""
-    t2dir = os.path.join(new_dir(), "t2")
-    opts = dict(SMALL)
-    opts.update({"tier1_memory": "0", "tier2_path": t2dir, "tier2_bytes": "64M",
-                 "tier_write": "write-through", "fetch_min_tokens": "16", "tier2_direct": "false"})
+    t2dir, opts = _t2_only(tier2_direct="false")
     d = kvd_factory(**opts)
     c = connect(d)
     pool = c.attach("m-holes", LAYOUT)
@@ -684,8 +687,7 @@ def test_t2_restart_reuses_bad_slots(kvd_factory):
     write_commit_release(c, pool, hs, patterns(pool, hs))
     settle(d)
     d.kill()
-    dom = os.path.join(t2dir, os.listdir(t2dir)[0])
-    path = os.path.join(dom, os.listdir(dom)[0])
+    path = _t2_file(t2dir)
     size = os.path.getsize(path)
     slot = (size - 4096) // 4
     with open(path, "r+b") as f:  # slot 1's record header: its checksum fails at the scan
