@@ -41,6 +41,7 @@ typedef enum kvc__op_kind {
     KVC__OP_GOODBYE,
     KVC__OP_DETACH,
     KVC__OP_FETCH,
+    KVC__OP_UNSHARE,
 } kvc__op_kind;
 
 /* One request in flight: where its frame is, and where its reply's outputs go. The engine uses

@@ -393,6 +393,11 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 break;
             }
             return KV_OK;
+        case KVC__OP_UNSHARE:
+            if (env->body_case != KVD__ENVELOPE__BODY_UNSHARE_REPLY) {
+                break;
+            }
+            return KV_OK;
         case KVC__OP_STATS: {
             if (env->body_case != KVD__ENVELOPE__BODY_STATS_REPLY) {
                 break;
@@ -734,11 +739,17 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     return q_hashes(b, p, hashes, n, out, pools, nhit, index, NULL, NULL, 0);
 }
 
-static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out, size_t *index) {
+static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, int priv, kvc_block *out,
+                         size_t *index) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK && (count == 0 || out == NULL)) {
         err = kvc__fail(&c->diag, KV_EINVAL, "allocate needs count >= 1 and an output array");
+    }
+    if (err == KV_OK && priv && !(c->features & KV_FEATURE_PRIVATE)) {
+        err = kvc__fail(
+            &c->diag, KV_ENOTSUP,
+            "the daemon has no private blocks (HelloReply.features PRIVATE): upgrade kvd");
     }
     if (err == KV_OK) {
         err = check_list(c, count, out);
@@ -749,6 +760,7 @@ static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *o
     Kvd__Allocate req = KVD__ALLOCATE__INIT;
     req.pool_id = p->pool_id;
     req.count = count;
+    req.private_blocks = priv != 0;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
     env.allocate = &req;
@@ -880,7 +892,7 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
     Kvd__BlockRef *m = NULL, **ptrs = NULL;
     ProtobufCBinaryData packed = {0, NULL};
     uint8_t *owned = NULL;
-    if (kind != KVC__OP_PIN && (c->features & KV_FEATURE_PACKED)) {
+    if (kind != KVC__OP_PIN && kind != KVC__OP_UNSHARE && (c->features & KV_FEATURE_PACKED)) {
         /* 8 bytes a block instead of a BlockRef submessage (Pin has no packed form). */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         /* kvc_block {id, gen} in memory is the packed record: encode from the caller's array
@@ -908,8 +920,15 @@ static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_b
     Kvd__Release rel = KVD__RELEASE__INIT;
     Kvd__Rewind rew = KVD__REWIND__INIT;
     Kvd__Pin pin = KVD__PIN__INIT;
+    Kvd__Unshare uns = KVD__UNSHARE__INIT;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
-    if (kind == KVC__OP_RELEASE) {
+    if (kind == KVC__OP_UNSHARE) {
+        uns.pool_id = p->pool_id;
+        uns.n_blocks = n;
+        uns.blocks = ptrs;
+        env.body_case = KVD__ENVELOPE__BODY_UNSHARE;
+        env.unshare = &uns;
+    } else if (kind == KVC__OP_RELEASE) {
         rel.pool_id = p->pool_id;
         rel.n_blocks = n;
         rel.blocks = ptrs;
@@ -1069,7 +1088,24 @@ kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_b
 }
 
 kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
-    SYNC_CALL(p->conn, q_allocate(b, p, count, out, NULL));
+    SYNC_CALL(p->conn, q_allocate(b, p, count, 0, out, NULL));
+}
+
+kv_err kvc_allocate_private(kvc_pool *p, uint32_t count, kvc_block *out) {
+    SYNC_CALL(p->conn, q_allocate(b, p, count, 1, out, NULL));
+}
+
+int kvc_conn_has_private(const kvc_conn *c) {
+    return c != NULL && (c->features & KV_FEATURE_PRIVATE) != 0;
+}
+
+kv_err kvc_unshare(kvc_pool *p, const kvc_block *blocks, size_t n) {
+    if (p != NULL && p->conn != NULL && !(p->conn->features & KV_FEATURE_PRIVATE)) {
+        return kvc__fail(
+            &p->conn->diag, KV_ENOTSUP,
+            "the daemon has no private blocks (HelloReply.features PRIVATE): upgrade kvd");
+    }
+    SYNC_CALL(p->conn, q_blocks(b, KVC__OP_UNSHARE, p, blocks, n, 0, 0, 0, NULL));
 }
 
 kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
@@ -1360,7 +1396,7 @@ kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *has
 kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
                           size_t *index) {
     BATCH_LIVE(b);
-    return q_allocate(b, p, count, out, index);
+    return q_allocate(b, p, count, 0, out, index);
 }
 
 kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,

@@ -13,6 +13,11 @@
  * group or commons pools (bpool[i]); blocks the sequence allocates are always in its own pool.
  * Each block goes back to the pool it lives in, and a commit's parent is only named when the
  * previous block is in the same pool (ids of other pools mean other blocks here).
+ *
+ * Compressed (Zipage): after kvc_seq_compact every block of the table is a private block of the
+ * own pool (never committed, never hashed: ncommitted = nhashes = 0 from then on), tokens[]
+ * holds the kept tokens in slot order, and `dropped` counts the tokens compaction removed, so
+ * the next token's position is len + dropped. A block budget caps nheld.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +45,9 @@ struct kvc_seq {
     uint8_t extra[KV_HASH_MAX_EXTRA]; /* extra key mixed into every block hash */
     size_t extra_len;                 /* its bytes */
     size_t promoted;                  /* blocks prefills fetched from lower tiers */
+    size_t budget;                    /* kvc_seq_set_block_budget: most blocks held; 0: none */
+    int compressed;                   /* kvc_seq_compact ran: private blocks, no hashes */
+    size_t dropped;                   /* tokens compaction removed (positions past len) */
 };
 
 static uint32_t tpb(const kvc_seq *s) {
@@ -55,7 +63,19 @@ static size_t blocks_for(const kvc_seq *s, size_t ntokens) {
 static void seq_orphan(void *user) {
     kvc_seq *s = user;
     s->pool = NULL;
-    s->len = s->nblocks = s->nheld = s->ncommitted = s->nhashes = 0;
+    s->len = s->nblocks = s->nheld = s->ncommitted = s->nhashes = s->dropped = 0;
+    s->compressed = 0;
+}
+
+/* KV_EQUOTA when growing to ntokens would take more blocks than the budget. */
+static kv_err check_budget(kvc_seq *s, size_t ntokens) {
+    if (s->budget == 0 || blocks_for(s, ntokens) <= s->budget) {
+        return KV_OK;
+    }
+    return kvc__fail(s->pool->diag, KV_EQUOTA,
+                     "sequence of %zu tokens would need %zu blocks; its block budget is %zu: "
+                     "compact it first (kvc_seq_compact)",
+                     ntokens, blocks_for(s, ntokens), s->budget);
 }
 
 kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t extra_len,
@@ -127,7 +147,7 @@ void kvc_seq_set_search_domains(kvc_seq *s, int on) {
 
 /* Hashes every full block not hashed yet. */
 static kv_err hash_full_blocks(kvc_seq *s) {
-    while ((s->nhashes + 1) * tpb(s) <= s->len) {
+    while (!s->compressed && (s->nhashes + 1) * tpb(s) <= s->len) {
         kv_hash128 parent = s->nhashes == 0 ? s->pool->seed : s->hashes[s->nhashes - 1];
         kv_err err = kvc_pool_hash_next(s->pool, parent, s->extra, s->extra_len,
                                         s->tokens + s->nhashes * tpb(s), &s->hashes[s->nhashes]);
@@ -145,7 +165,9 @@ static kv_err alloc_blocks(kvc_seq *s, size_t n) {
     size_t done = 0;
     while (done < n) {
         size_t k = n - done < limit ? n - done : limit;
-        kv_err err = kvc_allocate(s->pool, (uint32_t)k, s->blocks + s->nheld + done);
+        kv_err err = s->compressed
+                         ? kvc_allocate_private(s->pool, (uint32_t)k, s->blocks + s->nheld + done)
+                         : kvc_allocate(s->pool, (uint32_t)k, s->blocks + s->nheld + done);
         if (err != KV_OK) {
             if (done > 0) {
                 (void)kvc_release(s->pool, s->blocks + s->nheld, done);
@@ -170,7 +192,12 @@ static size_t held_target(const kvc_seq *s, size_t ntokens) {
     if (t > s->max_tokens) {
         t = s->max_tokens;
     }
-    return blocks_for(s, t);
+    size_t b = blocks_for(s, t);
+    size_t floor = blocks_for(s, ntokens);
+    if (s->budget != 0 && b > s->budget) {
+        b = s->budget > floor ? s->budget : floor;
+    }
+    return b;
 }
 
 /* Makes sure blocks for ntokens tokens (and the lookahead and reservation) are held. */
@@ -303,7 +330,11 @@ kv_err kvc_seq_append(kvc_seq *s, const uint32_t *tokens, size_t n) {
         return kvc__fail(&c->diag, KV_ETOOBIG, "sequence would exceed its %zu tokens",
                          s->max_tokens);
     }
-    kv_err err = ensure_held(s, s->len + n);
+    kv_err err = check_budget(s, s->len + n);
+    if (err != KV_OK) {
+        return err;
+    }
+    err = ensure_held(s, s->len + n);
     if (err != KV_OK) {
         return err;
     }
@@ -321,6 +352,13 @@ kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
     if (n_final > s->len) {
         return kvc__fail(&c->diag, KV_EINVAL, "commit of %zu tokens; the sequence has %zu", n_final,
                          s->len);
+    }
+    if (s->compressed) {
+        /* Compressed KV has no prefix identity: nothing is ever published. */
+        if (ncommitted != NULL) {
+            *ncommitted = 0;
+        }
+        return KV_OK;
     }
     size_t full = n_final / tpb(s);
     size_t limit = c->max_blocks;
@@ -472,6 +510,72 @@ kv_err kvc_seq_release(kvc_seq *s) {
     s->ncommitted = 0;
     s->nhashes = 0;
     s->reserve_tokens = 0;
+    s->compressed = 0;
+    s->dropped = 0;
+    return err;
+}
+
+kv_err kvc_seq_set_block_budget(kvc_seq *s, size_t nblocks) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    if (nblocks != 0 && nblocks < s->nblocks) {
+        return kvc__fail(s->pool->diag, KV_EQUOTA,
+                         "block budget %zu is below the %zu blocks the sequence uses: compact it "
+                         "first",
+                         nblocks, s->nblocks);
+    }
+    s->budget = nblocks;
+    return shrink_held(s, s->nblocks, held_target(s, s->len));
+}
+
+size_t kvc_seq_block_budget(const kvc_seq *s) {
+    return s->budget;
+}
+
+int kvc_seq_compressed(const kvc_seq *s) {
+    return s->compressed;
+}
+
+size_t kvc_seq_position(const kvc_seq *s) {
+    return s->len + s->dropped;
+}
+
+kv_err kvc_seq_compact(kvc_seq *s, const uint32_t *kept, size_t nkept, const kvc_block *fresh,
+                       size_t nfresh) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    kvc_conn *c = s->pool->conn;
+    if (nkept == 0 || nkept > s->len || kept == NULL || fresh == NULL) {
+        return kvc__fail(&c->diag, KV_EINVAL,
+                         "compact keeps 1..%zu tokens with their token ids and fresh blocks; got "
+                         "%zu",
+                         s->len, nkept);
+    }
+    if (nfresh != blocks_for(s, nkept) || nfresh > s->max_blocks) {
+        return kvc__fail(&c->diag, KV_EINVAL, "%zu kept tokens fill %zu blocks, not %zu", nkept,
+                         blocks_for(s, nkept), nfresh);
+    }
+    if (s->budget != 0 && nfresh > s->budget) {
+        return kvc__fail(&c->diag, KV_EQUOTA, "%zu fresh blocks exceed the block budget of %zu",
+                         nfresh, s->budget);
+    }
+    /* The old table (committed blocks shared with others are only de-referenced, never
+     * written) and every reserved block go back in one round trip; the fresh ones take their
+     * place whether or not that succeeds (the daemon frees a dead session's leases anyway). */
+    kv_err err = s->nheld > 0 ? drop_blocks(s, 0, s->nheld, 0) : KV_OK;
+    memcpy(s->blocks, fresh, nfresh * sizeof(*fresh));
+    for (size_t i = 0; i < nfresh; i++) {
+        s->bpool[i] = s->pool;
+    }
+    memmove(s->tokens, kept, nkept * sizeof(*kept));
+    s->dropped += s->len - nkept;
+    s->len = nkept;
+    s->nblocks = s->nheld = nfresh;
+    s->ncommitted = 0;
+    s->nhashes = 0;
+    s->compressed = 1;
     return err;
 }
 
@@ -518,6 +622,10 @@ kv_err kvc_seq_fork(kvc_seq *src, kvc_seq **out, int32_t *copy_src, int32_t *cop
         return kvc__fail(NULL, KV_ESTATE, "fork: the sequence's pool was detached");
     }
     kvc_conn *c = src->pool->conn;
+    if (src->compressed) {
+        return kvc__fail(&c->diag, KV_ENOTSUP,
+                         "fork of a compressed sequence: its private blocks cannot be shared");
+    }
     size_t nshare = src->ncommitted;
     size_t ncopy = src->nblocks - nshare;
     if (ncopy > 0 && (copy_src == NULL || copy_dst == NULL || max_copies < ncopy)) {
@@ -832,8 +940,18 @@ kv_err kvc_seq_append_many(kvc_seq *const *seqs, size_t nseqs, const uint32_t *c
                               i, s->max_tokens);
             continue;
         }
+        st[i] = check_budget(s, s->len + counts[i]);
+        if (st[i] != KV_OK) {
+            continue;
+        }
         size_t want = held_target(s, s->len + counts[i]);
         need[i] = want > s->nheld ? want - s->nheld : 0;
+        if (need[i] > 0 && s->compressed) {
+            /* Private blocks come from their own Allocate (at most one per tokens_per_block
+             * tokens of a compressed sequence). */
+            st[i] = alloc_blocks(s, need[i]);
+            need[i] = 0;
+        }
         if (need[i] == 0) {
             continue;
         }

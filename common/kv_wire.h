@@ -90,6 +90,9 @@ void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
 #define KV_FEATURE_TIERS                                                                           \
     2u /* lower tiers: the client reads LookupReply's tier fields and may get a FetchReply after   \
           replies to later requests (Hello); the daemon has lower tiers (HelloReply) */
+#define KV_FEATURE_PRIVATE                                                                         \
+    4u /* private blocks: the daemon honours Allocate.private and takes Unshare (HelloReply; a     \
+          client's bit means nothing) */
 
 /* Entries of a packed field of len bytes with unit-byte entries: KV_EPROTO when len is not a
  * multiple of unit (a malformed frame). Writes *n only on success. */

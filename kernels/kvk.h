@@ -255,6 +255,57 @@ kv_err kvk_dequantize_blocks_cuda(kv_dtype src_dtype, const void *src, const flo
                                   kv_dtype dst_dtype, void *dst, uint64_t n, uint32_t tokens,
                                   uint32_t heads, uint32_t dim, void *stream);
 
+/* ---- Zipage: token scores and compaction (docs/ZIPAGE.md) ------------------------------------ */
+
+typedef struct kvk_score_args {
+    const void *q;         /* [nq][num_qo_heads][head_dim] the sequence's last queries (RoPE'd) */
+    kv_dtype q_dtype;      /* fp16, bf16 or fp32 */
+    uint32_t nq;           /* queries (Zipage keeps the last 16), 1..KVK_SCORE_MAX_Q */
+    uint32_t num_qo_heads; /* multiple of the cache's num_kv_heads */
+    float sm_scale;        /* score = sm_scale * dot(q, k) */
+    int causal; /* 1: query j sees tokens 0 .. ntokens - nq + j (the queries are the last nq
+                   tokens' own, as in prefill's bottom-right mask); 0: every query sees all */
+} kvk_score_args;
+
+#define KVK_SCORE_MAX_Q 256
+
+/* Attention each cached token gets from a sequence's last queries, for token-level eviction:
+ * for every query j and query head h, the softmax over the tokens it sees of
+ * sm_scale * dot(q[j][h], k[t]) (query head h reads KV head h / (num_qo_heads / num_kv_heads)),
+ * averaged over the nq * num_qo_heads (query, head) pairs and ADDED to scores[t] for t <
+ * ntokens (so a caller sums layers by calling once per layer). The sequence's token t lives in
+ * page pages[t / tokens_per_block] at offset t % tokens_per_block of layer `layer`. Float32
+ * throughout; 8-bit keys are scaled. KV_EINVAL for bad shapes or dtypes, nq out of range,
+ * ntokens 0, or a page id out of range. */
+kv_err kvk_token_scores_cpu(const kvk_cache *cache, uint32_t layer, const int32_t *pages,
+                            uint32_t ntokens, const kvk_score_args *a, float *scores);
+
+/* GPU twin: pages, a->q and scores are device addresses. Workspace: device memory of
+ * kvk_token_scores_workspace_bytes(nq, num_qo_heads) bytes (two passes: each (query, head)'s
+ * max and sum, then one thread per token sums its probabilities in (query, head) order, so
+ * results are deterministic; they match the twin up to float summation order). */
+size_t kvk_token_scores_workspace_bytes(uint32_t nq, uint32_t num_qo_heads);
+kv_err kvk_token_scores_cuda(const kvk_cache *cache, uint32_t layer, const int32_t *pages,
+                             uint32_t ntokens, const kvk_score_args *a, float *scores,
+                             void *workspace, size_t workspace_bytes, void *stream);
+
+/* Gathers the kept token rows of one sequence into fresh blocks, every section (all layers, K
+ * and V): kept token i (i < nkept) is read at slot src_slots[i] of src (block = slot /
+ * tokens_per_block) and written at offset i % tokens_per_block of block dst_blocks[i /
+ * tokens_per_block] of dst, so the fresh blocks hold the kept tokens densely in list order
+ * (slots after the last kept token of the last block are left as they were). src and dst may be
+ * one cache; no dst block may be a block any src slot reads. 8-bit caches: each fresh block's
+ * scale per (section, head) is that of the block its first token comes from; a token from a
+ * block with another scale is requantized (x * s_src / s_dst, rounded, saturated), a token with
+ * the same scale is copied bit for bit (engines with fixed calibrated scales copy everything
+ * exactly). KV_EINVAL on a shape mismatch or an id out of range (nothing is written then). */
+kv_err kvk_compact_tokens_cpu(const kvk_cache *src, const kvk_cache *dst, const int64_t *src_slots,
+                              uint32_t nkept, const int32_t *dst_blocks);
+
+/* GPU twin: src_slots and dst_blocks are device arrays; out-of-range entries are skipped. */
+kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache *dst, const int64_t *src_slots,
+                               uint32_t nkept, const int32_t *dst_blocks, void *stream);
+
 /* ---- Device memory helpers (tests, benchmarks, the example engine) --------------------------- */
 
 typedef enum kvk_copy_kind {

@@ -679,6 +679,169 @@ kv_err launch_decode_t(const DecodeParams &p, uint32_t dim, uint32_t gmax, dim3 
                      dim);
 }
 
+// ---- Zipage: compact_tokens and token_scores ------------------------------------------------
+
+struct CompactParams {
+    const char *src;
+    char *dst;
+    int64_t src_bs, src_ss, dst_bs, dst_ss;
+    const char *src_sc;
+    char *dst_sc;
+    int64_t src_sbs, src_sss, dst_sbs, dst_sss;
+    uint32_t src_nb, dst_nb, tpb, heads, dim, ebytes;
+    kv_dtype dtype;
+    const int64_t *slots; // device: kept token i's src slot
+    const int32_t *dblk;  // device: fresh block per tokens_per_block kept tokens
+};
+
+__device__ __forceinline__ float load_scale(const char *base, int64_t bs, int64_t ss, uint32_t b,
+                                            uint32_t sec, uint32_t h) {
+    return reinterpret_cast<const float *>(base + (int64_t)b * bs + (int64_t)sec * ss)[h];
+}
+
+// grid (kept tokens, sections): one CTA copies one token's row of one section; for 8-bit
+// dtypes each head's elements are copied when its scale equals the fresh block's (the scale of
+// the block the fresh block's first token comes from) and requantized otherwise, as the twin.
+__global__ void __launch_bounds__(128) compact_kernel(CompactParams p) {
+    const uint32_t i = blockIdx.x, sec = blockIdx.y;
+    const int64_t slot = p.slots[i];
+    const int64_t first = p.slots[(i / p.tpb) * p.tpb];
+    const int32_t db = p.dblk[i / p.tpb];
+    const uint64_t smax = (uint64_t)p.src_nb * p.tpb;
+    if (slot < 0 || (uint64_t)slot >= smax || first < 0 || (uint64_t)first >= smax || db < 0 ||
+        (uint32_t)db >= p.dst_nb) {
+        return;
+    }
+    const uint32_t sb = (uint32_t)(slot / p.tpb), so = (uint32_t)(slot % p.tpb);
+    const uint32_t fb = (uint32_t)(first / p.tpb), dof = i % p.tpb;
+    const uint64_t row = (uint64_t)p.heads * p.dim * p.ebytes;
+    const char *from = p.src + (int64_t)sb * p.src_bs + (int64_t)sec * p.src_ss + so * row;
+    char *to = p.dst + (int64_t)db * p.dst_bs + (int64_t)sec * p.dst_ss + dof * row;
+    if (p.src_sc == nullptr) {
+        for (uint64_t b = threadIdx.x; b < row; b += blockDim.x) {
+            to[b] = from[b];
+        }
+        return;
+    }
+    const uint32_t n = p.heads * p.dim; // 8-bit: one byte per element
+    for (uint32_t e = threadIdx.x; e < n; e += blockDim.x) {
+        const uint32_t h = e / p.dim;
+        const float s_src = load_scale(p.src_sc, p.src_sbs, p.src_sss, sb, sec, h);
+        const float s_dst = load_scale(p.src_sc, p.src_sbs, p.src_sss, fb, sec, h);
+        if (__float_as_uint(s_src) == __float_as_uint(s_dst)) {
+            to[e] = from[e];
+        } else {
+            const float ratio = s_dst != 0.0f ? s_src / s_dst : 0.0f;
+            kvk_store_f32(p.dtype, to, e, kvk_load_f32(p.dtype, from, e) * ratio);
+        }
+    }
+    if (dof == 0) {
+        for (uint32_t h = threadIdx.x; h < p.heads; h += blockDim.x) {
+            reinterpret_cast<float *>(p.dst_sc + (int64_t)db * p.dst_sbs +
+                                      (int64_t)sec * p.dst_sss)[h] =
+                load_scale(p.src_sc, p.src_sbs, p.src_sss, fb, sec, h);
+        }
+    }
+}
+
+struct ScoreParams {
+    const char *data;
+    int64_t bs, ss;
+    const char *sc;
+    int64_t sbs, sss;
+    kv_dtype dtype;
+    uint32_t sec, tpb, kv_heads, dim, num_blocks;
+    const int32_t *pages;
+    uint32_t ntokens;
+    const void *q;
+    kv_dtype q_dtype;
+    uint32_t nq, qo_heads;
+    float sm_scale, w;
+    int causal;
+    float *ws;     // [nq * qo_heads][2]: max, sum of exp
+    float *scores; // [ntokens], accumulated
+};
+
+// The logit of query j, head h at token t, or -inf when t is not visible or its page is bad.
+__device__ float score_logit(const ScoreParams &p, uint32_t j, uint32_t h, uint32_t t) {
+    const int64_t visible = p.causal ? (int64_t)p.ntokens - p.nq + j + 1 : (int64_t)p.ntokens;
+    const int32_t blk = p.pages[t / p.tpb];
+    if ((int64_t)t >= visible || blk < 0 || (uint32_t)blk >= p.num_blocks) {
+        return -INFINITY;
+    }
+    const uint32_t g = h / (p.qo_heads / p.kv_heads);
+    const uint64_t ebytes = kvk_elem_bytes(p.dtype);
+    const char *row = p.data + (int64_t)blk * p.bs + (int64_t)p.sec * p.ss +
+                      (uint64_t)(t % p.tpb) * p.kv_heads * p.dim * ebytes;
+    const float s =
+        p.sc != nullptr ? load_scale(p.sc, p.sbs, p.sss, (uint32_t)blk, p.sec, g) : 1.0f;
+    const uint64_t qoff = ((uint64_t)j * p.qo_heads + h) * p.dim;
+    float d = 0.0f;
+    for (uint32_t e = 0; e < p.dim; e++) {
+        d += kvk_load_f32(p.q_dtype, p.q, qoff + e) *
+             (kvk_load_f32(p.dtype, row, (uint64_t)g * p.dim + e) * s);
+    }
+    return d * p.sm_scale;
+}
+
+// Pass 1, grid (nq, qo_heads): each (query, head)'s max and sum of exp over its visible tokens,
+// per thread in token order, then a fixed tree over the threads.
+__global__ void __launch_bounds__(256) score_stats_kernel(ScoreParams p) {
+    __shared__ float sm[256], sz[256];
+    const uint32_t j = blockIdx.x, h = blockIdx.y;
+    float m = -INFINITY, z = 0.0f;
+    for (uint32_t t = threadIdx.x; t < p.ntokens; t += blockDim.x) {
+        const float l = score_logit(p, j, h, t);
+        if (l == -INFINITY) {
+            continue;
+        }
+        if (l > m) {
+            z = z * expf(m - l) + 1.0f;
+            m = l;
+        } else {
+            z += expf(l - m);
+        }
+    }
+    sm[threadIdx.x] = m;
+    sz[threadIdx.x] = z;
+    __syncthreads();
+    for (uint32_t step = blockDim.x / 2; step > 0; step /= 2) {
+        if (threadIdx.x < step) {
+            const float m1 = sm[threadIdx.x], m2 = sm[threadIdx.x + step];
+            const float mm = m1 > m2 ? m1 : m2;
+            const float z1 = m1 == -INFINITY ? 0.0f : sz[threadIdx.x] * expf(m1 - mm);
+            const float z2 = m2 == -INFINITY ? 0.0f : sz[threadIdx.x + step] * expf(m2 - mm);
+            sm[threadIdx.x] = mm;
+            sz[threadIdx.x] = z1 + z2;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        p.ws[((uint64_t)j * p.qo_heads + h) * 2] = sm[0];
+        p.ws[((uint64_t)j * p.qo_heads + h) * 2 + 1] = sz[0];
+    }
+}
+
+// Pass 2, one thread per token: its probabilities summed in (query, head) order.
+__global__ void __launch_bounds__(128) score_sum_kernel(ScoreParams p) {
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= p.ntokens) {
+        return;
+    }
+    float acc = 0.0f;
+    for (uint32_t j = 0; j < p.nq; j++) {
+        for (uint32_t h = 0; h < p.qo_heads; h++) {
+            const float l = score_logit(p, j, h, t);
+            const float m = p.ws[((uint64_t)j * p.qo_heads + h) * 2];
+            const float z = p.ws[((uint64_t)j * p.qo_heads + h) * 2 + 1];
+            if (l != -INFINITY && z > 0.0f) {
+                acc += expf(l - m) / z;
+            }
+        }
+    }
+    p.scores[t] += acc * p.w;
+}
+
 } // namespace
 
 // ---- Launchers
@@ -1122,4 +1285,116 @@ extern "C" kv_err kvk_dev_info(int *num_sms, double *peak_gbps, char *name, size
     // Double data rate: two transfers per clock over bus_bits / 8 bytes.
     *peak_gbps = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
     return KV_OK;
+}
+
+extern "C" kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache *dst,
+                                          const int64_t *src_slots, uint32_t nkept,
+                                          const int32_t *dst_blocks, void *stream) {
+    kv_err rc = kvk__check_compact(src, dst, src_slots, nkept, dst_blocks);
+    if (rc != KV_OK || nkept == 0) {
+        return rc;
+    }
+    if (src->num_sections > 65535) {
+        return kvk__fail(KV_ENOTSUP, "compact_tokens_cuda: more than 65535 sections");
+    }
+    CompactParams p = {};
+    p.src = reinterpret_cast<const char *>(src->data);
+    p.dst = reinterpret_cast<char *>(dst->data);
+    p.src_bs = src->block_stride;
+    p.src_ss = src->section_stride;
+    p.dst_bs = dst->block_stride;
+    p.dst_ss = dst->section_stride;
+    if (kvk__is_scaled(src->dtype)) {
+        if (((src->scales | dst->scales | (uintptr_t)src->scale_block_stride |
+              (uintptr_t)src->scale_section_stride | (uintptr_t)dst->scale_block_stride |
+              (uintptr_t)dst->scale_section_stride) &
+             3u) != 0) {
+            return kvk__fail(KV_EINVAL,
+                             "compact_tokens_cuda: scales or scale strides not 4-byte aligned");
+        }
+        p.src_sc = reinterpret_cast<const char *>(src->scales);
+        p.dst_sc = reinterpret_cast<char *>(dst->scales);
+        p.src_sbs = src->scale_block_stride;
+        p.src_sss = src->scale_section_stride;
+        p.dst_sbs = dst->scale_block_stride;
+        p.dst_sss = dst->scale_section_stride;
+    }
+    p.src_nb = src->num_blocks;
+    p.dst_nb = dst->num_blocks;
+    p.tpb = src->tokens_per_block;
+    p.heads = src->num_kv_heads;
+    p.dim = src->head_dim;
+    p.ebytes = kvk_elem_bytes(src->dtype);
+    p.dtype = src->dtype;
+    p.slots = src_slots;
+    p.dblk = dst_blocks;
+    rc = pre_launch("compact_tokens");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    compact_kernel<<<dim3(nkept, src->num_sections), 128, 0, as_stream(stream)>>>(p);
+    return launched("compact_tokens");
+}
+
+extern "C" size_t kvk_token_scores_workspace_bytes(uint32_t nq, uint32_t num_qo_heads) {
+    return (size_t)nq * num_qo_heads * 2 * sizeof(float);
+}
+
+extern "C" kv_err kvk_token_scores_cuda(const kvk_cache *cache, uint32_t layer,
+                                        const int32_t *pages, uint32_t ntokens,
+                                        const kvk_score_args *a, float *scores, void *workspace,
+                                        size_t workspace_bytes, void *stream) {
+    kv_err rc = kvk__check_scores(cache, layer, pages, ntokens, a, scores);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (workspace == nullptr ||
+        workspace_bytes < kvk_token_scores_workspace_bytes(a->nq, a->num_qo_heads)) {
+        return kvk__fail(KV_EINVAL, "token_scores_cuda: workspace of %zu bytes; %zu needed",
+                         workspace_bytes, kvk_token_scores_workspace_bytes(a->nq, a->num_qo_heads));
+    }
+    if ((kvk__is_scaled(cache->dtype) && ((cache->scales | (uintptr_t)cache->scale_block_stride |
+                                           (uintptr_t)cache->scale_section_stride) &
+                                          3u) != 0) ||
+        ((uintptr_t)workspace & 3u) != 0 || ((uintptr_t)scores & 3u) != 0) {
+        return kvk__fail(KV_EINVAL, "token_scores_cuda: scales, workspace or scores misaligned");
+    }
+    ScoreParams p = {};
+    p.data = reinterpret_cast<const char *>(cache->data);
+    p.bs = cache->block_stride;
+    p.ss = cache->section_stride;
+    if (kvk__is_scaled(cache->dtype)) {
+        p.sc = reinterpret_cast<const char *>(cache->scales);
+        p.sbs = cache->scale_block_stride;
+        p.sss = cache->scale_section_stride;
+    }
+    p.dtype = cache->dtype;
+    p.sec = layer * 2;
+    p.tpb = cache->tokens_per_block;
+    p.kv_heads = cache->num_kv_heads;
+    p.dim = cache->head_dim;
+    p.num_blocks = cache->num_blocks;
+    p.pages = pages;
+    p.ntokens = ntokens;
+    p.q = a->q;
+    p.q_dtype = a->q_dtype;
+    p.nq = a->nq;
+    p.qo_heads = a->num_qo_heads;
+    p.sm_scale = a->sm_scale;
+    p.w = 1.0f / ((float)a->nq * (float)a->num_qo_heads);
+    p.causal = a->causal;
+    p.ws = static_cast<float *>(workspace);
+    p.scores = scores;
+    rc = pre_launch("token_scores");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    cudaStream_t st = as_stream(stream);
+    score_stats_kernel<<<dim3(a->nq, a->num_qo_heads), 256, 0, st>>>(p);
+    rc = launched("token_scores");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    score_sum_kernel<<<(ntokens + 127) / 128, 128, 0, st>>>(p);
+    return launched("token_scores");
 }

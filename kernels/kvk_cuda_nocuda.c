@@ -97,3 +97,21 @@ kv_err kvk_dev_info(int *num_sms, double *peak_gbps, char *name, size_t name_len
     (void)num_sms, (void)peak_gbps, (void)name, (void)name_len;
     return NO_CUDA("dev_info");
 }
+
+size_t kvk_token_scores_workspace_bytes(uint32_t nq, uint32_t num_qo_heads) {
+    return (size_t)nq * num_qo_heads * 2 * sizeof(float);
+}
+
+kv_err kvk_token_scores_cuda(const kvk_cache *cache, uint32_t layer, const int32_t *pages,
+                             uint32_t ntokens, const kvk_score_args *a, float *scores,
+                             void *workspace, size_t workspace_bytes, void *stream) {
+    (void)cache, (void)layer, (void)pages, (void)ntokens, (void)a, (void)scores;
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    return NO_CUDA("token_scores");
+}
+
+kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache *dst, const int64_t *src_slots,
+                               uint32_t nkept, const int32_t *dst_blocks, void *stream) {
+    (void)src, (void)dst, (void)src_slots, (void)nkept, (void)dst_blocks, (void)stream;
+    return NO_CUDA("compact_tokens");
+}

@@ -377,11 +377,98 @@ static void test_quantize_gpu(void **state) {
     kvk_dev_free(dback);
 }
 
+/* Zipage's compaction: byte for byte the twin's output (mixed scales requantize alike). */
+static void test_compact_tokens_gpu(void **state) {
+    (void)state;
+    if (!have_gpu()) {
+        skip();
+    }
+    const kv_dtype dts[] = {KV_DTYPE_FP16, KV_DTYPE_BF16, KV_DTYPE_FP32, KV_DTYPE_INT8,
+                            KV_DTYPE_FP8_E4M3};
+    for (int i = 0; i < 5; i++) {
+        tu_seg s;
+        tu_seg_init(&s, 3, 2, 64, 16, dts[i], i % 2 ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR, 10);
+        dev_seg d;
+        dev_seg_init(&d, &s);
+        int64_t slots[40];
+        for (int t = 0; t < 40; t++) {
+            slots[t] = (int64_t)(t * 2 + (t % 3)); /* blocks 0..5, skipping tokens */
+        }
+        const int32_t dst[] = {9, 7, 8};
+        int64_t *dsl = to_dev(slots, sizeof(slots));
+        int32_t *dd = to_dev(dst, sizeof(dst));
+        OK(kvk_compact_tokens_cpu(&s.c, &s.c, slots, 40, dst));
+        OK(kvk_compact_tokens_cuda(&d.c, &d.c, dsl, 40, dd, NULL));
+        OK(kvk_dev_sync());
+        dev_seg_check_equal(&d, &s);
+        kvk_dev_free(dsl);
+        kvk_dev_free(dd);
+        kvk_dev_free(d.mem);
+        tu_seg_fini(&s);
+    }
+}
+
+/* Token scores: within 1e-5 + 1e-3 relative of the twin, and bitwise-equal on a second run. */
+static void test_token_scores_gpu(void **state) {
+    (void)state;
+    if (!have_gpu()) {
+        skip();
+    }
+    const kv_dtype dts[] = {KV_DTYPE_FP16, KV_DTYPE_INT8};
+    for (int i = 0; i < 2; i++) {
+        for (int causal = 0; causal < 2; causal++) {
+            tu_seg s;
+            tu_seg_init(&s, 2, 2, 64, 16, dts[i], KV_LAYER_MAJOR, 12);
+            dev_seg d;
+            dev_seg_init(&d, &s);
+            const uint32_t n = 150, nq = 16, qh = 8;
+            int32_t pages[10] = {3, 1, 11, 0, 5, 6, 2, 9, 8, 10};
+            float *q = malloc(sizeof(float) * nq * qh * 64);
+            for (uint32_t k = 0; k < nq * qh * 64; k++) {
+                q[k] = tu_randf();
+            }
+            kvk_score_args a = {.q = q,
+                                .q_dtype = KV_DTYPE_FP32,
+                                .nq = nq,
+                                .num_qo_heads = qh,
+                                .sm_scale = 0.125f,
+                                .causal = causal};
+            float cpu[150] = {0}, gpu[150], gpu2[150];
+            OK(kvk_token_scores_cpu(&s.c, 1, pages, n, &a, cpu));
+            size_t wsb = kvk_token_scores_workspace_bytes(nq, qh);
+            void *ws = NULL;
+            OK(kvk_dev_alloc(wsb, &ws));
+            float zero[150] = {0};
+            int32_t *dp = to_dev(pages, sizeof(pages));
+            float *dsc = to_dev(zero, sizeof(zero));
+            kvk_score_args da = a;
+            da.q = to_dev(q, sizeof(float) * nq * qh * 64);
+            OK(kvk_token_scores_cuda(&d.c, 1, dp, n, &da, dsc, ws, wsb, NULL));
+            OK(kvk_dev_memcpy(gpu, dsc, sizeof(gpu), KVK_D2H));
+            OK(kvk_dev_memcpy(dsc, zero, sizeof(zero), KVK_H2D));
+            OK(kvk_token_scores_cuda(&d.c, 1, dp, n, &da, dsc, ws, wsb, NULL));
+            OK(kvk_dev_memcpy(gpu2, dsc, sizeof(gpu2), KVK_D2H));
+            for (uint32_t t = 0; t < n; t++) {
+                assert_true(fabsf(gpu[t] - cpu[t]) <= 1e-5f + 1e-3f * cpu[t]);
+            }
+            assert_memory_equal(gpu, gpu2, sizeof(gpu));
+            kvk_dev_free((void *)da.q);
+            kvk_dev_free(dp);
+            kvk_dev_free(dsc);
+            kvk_dev_free(ws);
+            kvk_dev_free(d.mem);
+            free(q);
+            tu_seg_fini(&s);
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_copy_blocks_gpu), cmocka_unit_test(test_reshape_and_cache_gpu),
-        cmocka_unit_test(test_decode_gpu),      cmocka_unit_test(test_merge_states_gpu),
-        cmocka_unit_test(test_quantize_gpu),
+        cmocka_unit_test(test_copy_blocks_gpu),  cmocka_unit_test(test_reshape_and_cache_gpu),
+        cmocka_unit_test(test_decode_gpu),       cmocka_unit_test(test_merge_states_gpu),
+        cmocka_unit_test(test_quantize_gpu),     cmocka_unit_test(test_compact_tokens_gpu),
+        cmocka_unit_test(test_token_scores_gpu),
     };
     return cmocka_run_group_tests_name("kvk_cuda", tests, NULL, NULL);
 }

@@ -33,6 +33,14 @@ kv_err kvk__check_decode(const kvk_cache *c, uint32_t layer, const kvk_page_tabl
 kv_err kvk__check_quant(kv_dtype wide, kv_dtype narrow, uint64_t n, uint32_t tokens, uint32_t heads,
                         uint32_t dim, int quant);
 
+/* Checks a compact_tokens call's host-side arguments (not the device lists). */
+kv_err kvk__check_compact(const kvk_cache *src, const kvk_cache *dst, const void *src_slots,
+                          uint32_t nkept, const void *dst_blocks);
+
+/* Checks a token_scores call's host-side arguments (not the device page list). */
+kv_err kvk__check_scores(const kvk_cache *c, uint32_t layer, const void *pages, uint32_t ntokens,
+                         const kvk_score_args *a, const void *scores);
+
 /* 1 for fp16, bf16, fp32 (the dtypes of activations: q, out, new K/V). */
 int kvk__is_wide(kv_dtype d);
 

@@ -363,6 +363,23 @@ KVC_EXTERN kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uin
  * grew are mapped before this returns. */
 KVC_EXTERN kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out);
 
+/* Private blocks (Zipage's compressed KV, any KV without a prefix identity): WRITING blocks
+ * the session keeps for a sequence's life and can never commit (kvc_commit: KV_EPERM). They
+ * count in the tenant's max-held and go back with kvc_release or when the session ends, like
+ * any lease. KV_ENOTSUP from a daemon without them (kvc_conn_has_private). */
+KVC_EXTERN kv_err kvc_allocate_private(kvc_pool *p, uint32_t count, kvc_block *out);
+
+/* 1 when the daemon has private blocks and Unshare (HelloReply.features PRIVATE), else 0. */
+KVC_EXTERN int kvc_conn_has_private(const kvc_conn *c);
+
+/* Turns committed blocks[0..n) that this session alone holds (one reference, its own) back into
+ * private blocks it may write: they leave the shared index first, so no other worker can find
+ * them. All or nothing. KV_EBUSY when another session holds one, a lower tier is copying it,
+ * it is pinned or other committed blocks continue its prefix (the message says which): copy
+ * such a block into a fresh private block instead. KV_ESTATE for a block that is not
+ * COMMITTED. */
+KVC_EXTERN kv_err kvc_unshare(kvc_pool *p, const kvc_block *blocks, size_t n);
+
 /* One block to commit: written, full and verified, with its chain hash and parent block id. */
 typedef struct kvc_commit_entry {
     kvc_block block; /* a WRITING block leased to this session */
@@ -571,6 +588,32 @@ KVC_EXTERN kv_err kvc_seq_append_many(kvc_seq *const *seqs, size_t nseqs,
  * forking to copy the least. */
 KVC_EXTERN kv_err kvc_seq_fork(kvc_seq *src, kvc_seq **out, int32_t *copy_src, int32_t *copy_dst,
                                size_t max_copies, size_t *ncopies);
+
+/* ---- Zipage: a fixed block budget per sequence, kept by compaction ----
+ * kvc_seq_set_block_budget(s, n) caps the blocks s holds at n (0: no cap, the default): an
+ * append that would need more fails with KV_EQUOTA and changes nothing, reserved and lookahead
+ * blocks are capped too. The engine then compacts: it chooses the tokens to keep, allocates
+ * fresh private blocks (kvc_allocate_private, ceil(nkept / tokens_per_block) of them), gathers
+ * the kept tokens' K/V rows into them (kvk_compact_tokens_cpu), and calls kvc_seq_compact, which
+ * releases every block the sequence held (blocks shared with other sequences are only
+ * de-referenced: nothing shared is ever written) and makes the fresh blocks its table. A
+ * compressed sequence publishes nothing (kvc_seq_commit commits 0 blocks), grows with private
+ * blocks, cannot be forked (KV_ENOTSUP), and its next token's RoPE position is
+ * kvc_seq_position (tokens appended in all), no longer its length (KV rows held).
+ * kvc_seq_release makes it an ordinary empty sequence again. */
+KVC_EXTERN kv_err kvc_seq_set_block_budget(kvc_seq *s, size_t nblocks);
+KVC_EXTERN size_t kvc_seq_block_budget(const kvc_seq *s);
+/* kept[0..nkept): the kept tokens' ids in their new slot order; fresh[0..nfresh): the private
+ * blocks holding their K/V, nfresh = ceil(nkept / tokens_per_block). KV_EINVAL for counts that
+ * do not match, KV_EQUOTA for more blocks than the budget; a transport error from the release
+ * is returned after the table was replaced. */
+KVC_EXTERN kv_err kvc_seq_compact(kvc_seq *s, const uint32_t *kept, size_t nkept,
+                                  const kvc_block *fresh, size_t nfresh);
+/* 1 once kvc_seq_compact ran (until kvc_seq_release), else 0. */
+KVC_EXTERN int kvc_seq_compressed(const kvc_seq *s);
+/* Tokens appended in all (the next token's position): kvc_seq_length plus the tokens
+ * compaction dropped. */
+KVC_EXTERN size_t kvc_seq_position(const kvc_seq *s);
 
 /* Tokens, blocks (ceil(length / tokens_per_block)), committed blocks, and block i's handle:
  * valid for every held block, i < kvc_seq_capacity / tokens_per_block, so the blocks of a

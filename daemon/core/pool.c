@@ -60,6 +60,7 @@ enum {
 #define BLOCK_CORRUPT 0x04u /* flags: quarantined (out of the index; FREE at its last release) */
 #define BLOCK_HOME2 0x08u   /* flags: on LIST_INNER, belongs to the second queue (main, AFREQ) */
 #define BLOCK_LEASED 0x10u  /* flags: holds a tier lease (kvd_pool_lease; one at a time) */
+#define BLOCK_PRIVATE 0x20u /* flags: WRITING and never committed (kvd_pool_make_private) */
 #define FREQ_MAX 3          /* S3-FIFO's two-bit access counter */
 #define ARC_STEPS 32        /* ADAPTIVE: ghost hits that move the bias across the age span */
 #define NQUEUE 3            /* eviction queues counted per tenant (evict_queue) */
@@ -166,6 +167,8 @@ struct kvd_pool {
     uint64_t verified;      /* hits verify-blocks checked (kvd_pool_count_verified) */
     uint64_t n_quarantined; /* of them, COMMITTED ones still held (BLOCK_CORRUPT) */
     uint64_t rewinds;       /* blocks given back by Rewind (kvd_pool_count_rewind) */
+    uint64_t n_private;     /* WRITING blocks marked private */
+    uint64_t unshares;      /* COMMITTED blocks turned back into private ones */
     uint64_t evictions[KVD_EVICT_REASONS];
 };
 
@@ -1573,7 +1576,7 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
     if (b->state != KVD_BLOCK_WRITING) {
         return KV_ESTATE;
     }
-    if (b->aux != session) {
+    if (b->aux != session || (b->flags & BLOCK_PRIVATE)) {
         return KV_EPERM;
     }
     if (parent != KVD_NO_BLOCK && (parent >= p->nslots * p->bps || parent == blk.id)) {
@@ -1866,6 +1869,89 @@ kv_err kvd_pool_quarantine(kvd_pool *p, kvd_block_ref blk) {
     return KV_OK;
 }
 
+kv_err kvd_pool_make_private(kvd_pool *p, uint64_t session, kvd_block_ref blk) {
+    pool_block *b;
+    kv_err err = get_block(p, blk, &b);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_WRITING) {
+        return KV_ESTATE;
+    }
+    if (b->aux != session) {
+        return KV_EPERM;
+    }
+    if (!(b->flags & BLOCK_PRIVATE)) {
+        b->flags |= BLOCK_PRIVATE;
+        p->n_private++;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unshare_check(const kvd_pool *p, kvd_block_ref blk, const char **why) {
+    const pool_block *b;
+    kv_err err = get_block((kvd_pool *)p, blk, (pool_block **)&b);
+    *why = NULL;
+    if (err != KV_OK) {
+        return err;
+    }
+    if (b->state != KVD_BLOCK_COMMITTED) {
+        *why = b->state == KVD_BLOCK_WRITING ? "is WRITING (private already)"
+                                             : "is not COMMITTED (nobody holds it)";
+        return KV_ESTATE;
+    }
+    if (b->refcount != 1) {
+        *why = b->flags & BLOCK_LEASED ? "is being copied to a lower tier"
+                                       : "is shared: other sessions hold it";
+        return KV_EBUSY;
+    }
+    if (b->flags & BLOCK_CORRUPT) {
+        *why = "is quarantined (its bytes changed after its commit)";
+        return KV_ESTATE;
+    }
+    if (b->flags & BLOCK_PINNED) {
+        *why = "is pinned (the pin promises it stays cached)";
+        return KV_EBUSY;
+    }
+    if (b->nchild > 0) {
+        *why = "has committed children (other prefixes continue from it)";
+        return KV_EBUSY;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_block_ref blk) {
+    const char *why;
+    kv_err err = kvd_pool_unshare_check(p, blk, &why);
+    if (err != KV_OK) {
+        return err;
+    }
+    if (tenant >= p->ntcap) {
+        return KV_EINVAL;
+    }
+    pool_block *b = blk_at(p, blk.id);
+    err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
+    KV_ASSERT(err == KV_OK);
+    child_removed(p, b);
+    /* The one reference stays the session's (charged to its tenant already); the block is
+     * WRITING again, owned by the session, and can never be committed. A lower tier's copy of
+     * the committed bytes stays valid: those bytes had that hash. */
+    b->state = KVD_BLOCK_WRITING;
+    b->aux = session;
+    b->tenant = (uint16_t)tenant;
+    b->hlo = b->hhi = 0;
+    b->parent = KVD_NO_BLOCK;
+    b->flags |= BLOCK_PRIVATE;
+    b->hits = 0;
+    b->freq = 0;
+    b->last_access = p->now;
+    p->n_committed--;
+    p->n_writing++;
+    p->n_private++;
+    p->unshares++;
+    return KV_OK;
+}
+
 kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
                         size_t n) {
     if (n == 0) {
@@ -1893,6 +1979,7 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
         if (--b->refcount == 0) {
             if (b->state == KVD_BLOCK_WRITING) {
                 p->n_writing--;
+                p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
                 block_to_free(p, blks[0].id, b);
             } else if (b->state == KVD_BLOCK_COMMITTED) {
                 block_to_cached(p, blks[0].id, b);
@@ -1935,6 +2022,7 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
         }
         if (b->state == KVD_BLOCK_WRITING) {
             p->n_writing--;
+            p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
             block_to_free(p, id, b);
         } else if (b->state == KVD_BLOCK_COMMITTED) {
             block_to_cached(p, id, b);
@@ -2156,6 +2244,7 @@ kv_err kvd_pool_block_info(const kvd_pool *p, uint32_t id, kvd_block_info *out) 
     info.parent = b->parent;
     info.hits = b->hits;
     info.pinned = (b->flags & BLOCK_PINNED) && b->aux > p->now;
+    info.is_private = (b->flags & BLOCK_PRIVATE) != 0;
     *out = info;
     return KV_OK;
 }
@@ -2178,6 +2267,7 @@ enum {
     PS_BLOCKS_TOTAL,
     PS_BLOCKS_FREE,
     PS_BLOCKS_WRITING,
+    PS_BLOCKS_PRIVATE,
     PS_BLOCKS_COMMITTED,
     PS_BLOCKS_CACHED,
     PS_BLOCKS_PINNED,
@@ -2197,6 +2287,7 @@ enum {
     PS_EVICTIONS_SHRINK,
     PS_VERIFIED,
     PS_QUARANTINES,
+    PS_UNSHARES,
     PS_COUNT
 };
 
@@ -2210,6 +2301,11 @@ static const kv_stat_desc pool_stats[PS_COUNT] = {
     [PS_BLOCKS_WRITING] = {"blocks_writing", "gauge", "blocks",
                            "WRITING blocks (leased to a session, not committed)", "kvd_pool_blocks",
                            NULL, "state", "writing"},
+    [PS_BLOCKS_PRIVATE] =
+        {"blocks_private", "gauge", "blocks",
+         "of the WRITING blocks, private ones (never committed: compressed KV)",
+         "kvd_pool_private_blocks",
+         "WRITING blocks that can never be committed (Allocate.private, Unshare).", NULL, NULL},
     [PS_BLOCKS_COMMITTED] = {"blocks_committed", "gauge", "blocks",
                              "COMMITTED blocks (indexed and referenced)", "kvd_pool_blocks", NULL,
                              "state", "committed"},
@@ -2276,6 +2372,11 @@ static const kv_stat_desc pool_stats[PS_COUNT] = {
                         "kvd_pool_quarantined_blocks_total",
                         "Committed blocks whose bytes changed after the commit (verify-blocks).",
                         NULL, NULL},
+    [PS_UNSHARES] = {"unshares", "counter", "blocks",
+                     "committed blocks its one holder turned back into private ones (Unshare)",
+                     "kvd_pool_unshared_blocks_total",
+                     "Committed blocks turned back into private ones by their one holder.", NULL,
+                     NULL},
 };
 
 void kvd_pool_count_rewind(kvd_pool *p, uint64_t blocks) {
@@ -2296,6 +2397,7 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     v[PS_BLOCKS_TOTAL] = (uint64_t)p->nsegs * p->bps;
     v[PS_BLOCKS_FREE] = p->lists[LIST_FREE].len;
     v[PS_BLOCKS_WRITING] = p->n_writing;
+    v[PS_BLOCKS_PRIVATE] = p->n_private;
     v[PS_BLOCKS_COMMITTED] = p->n_committed;
     v[PS_BLOCKS_CACHED] = p->n_cached;
     v[PS_BLOCKS_PINNED] = p->n_pinned;
@@ -2315,6 +2417,7 @@ void kvd_pool_stats(const kvd_pool *p, kvd_stat_sink sink, void *arg) {
     v[PS_EVICTIONS_SHRINK] = p->evictions[KVD_EVICT_SHRINK];
     v[PS_VERIFIED] = p->verified;
     v[PS_QUARANTINES] = p->quarantines;
+    v[PS_UNSHARES] = p->unshares;
     for (size_t i = 0; i < PS_COUNT; i++) {
         sink(arg, pool_stats[i].name, v[i]);
     }
@@ -2375,7 +2478,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
     kv_err err = KV_OK;
     uint64_t by_state[4] = {0, 0, 0, 0};
     uint64_t by_list[LIST_ALL] = {0};
-    uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0, leased = 0;
+    uint64_t pinned = 0, refs = 0, held = 0, quarantined = 0, leased = 0, nprivate = 0;
     uint64_t *cached_t = calloc(p->ntcap, sizeof(uint64_t));
     uint64_t *pinned_t = calloc(p->ntcap, sizeof(uint64_t));
     uint32_t *tevict = calloc((size_t)p->ntcap * NQUEUE, sizeof(uint32_t));
@@ -2450,6 +2553,7 @@ kv_err kvd_pool_check(const kvd_pool *p) {
                 case KVD_BLOCK_WRITING:
                     CHECK(b->refcount == 1 && b->list == LIST_NONE,
                           "block %u: WRITING with refcount %u list %u", id, b->refcount, b->list);
+                    nprivate += (b->flags & BLOCK_PRIVATE) != 0;
                     break;
                 case KVD_BLOCK_COMMITTED:
                     CHECK(b->refcount >= 1 &&
@@ -2534,6 +2638,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
               (unsigned long long)p->n_aside[q]);
     }
     CHECK(by_state[KVD_BLOCK_FREE] == p->lists[LIST_FREE].len, "free count");
+    CHECK(nprivate == p->n_private, "private count %llu vs %llu", (unsigned long long)nprivate,
+          (unsigned long long)p->n_private);
     CHECK(by_state[KVD_BLOCK_WRITING] == p->n_writing, "writing count %llu vs %llu",
           (unsigned long long)by_state[KVD_BLOCK_WRITING], (unsigned long long)p->n_writing);
     CHECK(by_state[KVD_BLOCK_COMMITTED] == p->n_committed, "committed count");

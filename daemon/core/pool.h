@@ -110,6 +110,7 @@ typedef struct kvd_block_info {
     uint32_t parent;        /* KVD_NO_BLOCK for the first block of a prefix */
     uint32_t hits;          /* lookups that returned it (saturating) */
     int pinned;             /* pinned and retention not expired */
+    int is_private;         /* WRITING and private (never committed) */
 } kvd_block_info;
 
 /* Per-tenant accounting for quotas (held = WRITING blocks + references on committed blocks). */
@@ -295,6 +296,27 @@ int kvd_pool_has(const kvd_pool *pool, kv_hash128 h);
  * in `quarantines`. Again on a quarantined block: KV_OK, nothing changes. KV_ENOENT,
  * KV_ESTALE for a bad handle, KV_ESTATE for a FREE or WRITING block. */
 kv_err kvd_pool_quarantine(kvd_pool *pool, kvd_block_ref blk);
+
+/* ---- private blocks (Zipage's compressed KV: held for a sequence's life, never indexed) ----
+ * A private block is a WRITING block that can never be committed (kvd_pool_commit: KV_EPERM);
+ * it counts in blocks_writing and in the tenant's held blocks, and Release (or the session's
+ * end) frees it like any WRITING block. */
+
+/* Marks a WRITING block leased to session private. KV_ESTATE not WRITING, KV_EPERM another
+ * session's lease; again on a private block: KV_OK. */
+kv_err kvd_pool_make_private(kvd_pool *pool, uint64_t session, kvd_block_ref blk);
+
+/* Whether kvd_pool_unshare would take blk, without changing anything: KV_OK, or the error and
+ * in *why a static phrase saying why not ("is shared: other sessions hold it", ...). The caller
+ * checks that the one reference is its own. */
+kv_err kvd_pool_unshare_check(const kvd_pool *pool, kvd_block_ref blk, const char **why);
+
+/* Turns a COMMITTED block whose one reference the caller's session holds back into a private
+ * WRITING block of session, charged to tenant: it leaves the index (a Lookup cannot find it
+ * again), so the session may write it. Refused when anyone else could read it: KV_EBUSY for a
+ * second reference (another session, or a tier copy running), a pin, or committed children;
+ * KV_ESTATE for a block not COMMITTED or quarantined; KV_ENOENT/KV_ESTALE a bad handle. */
+kv_err kvd_pool_unshare(kvd_pool *pool, uint64_t session, uint32_t tenant, kvd_block_ref blk);
 
 /* Drops one reference on each of blks[0..n) (a sequence's blocks, in prefix order), charged
  * back to tenant. Validates all first; on error nothing changes. A WRITING block is freed (it

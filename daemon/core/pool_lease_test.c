@@ -786,6 +786,67 @@ static void test_free_tells_nothing(void **state) {
     assert_int_equal(d.n, 0);
 }
 
+/* Private blocks (Zipage) and Unshare: a private block is never committed and counts as
+ * WRITING; Unshare takes a committed leaf held once out of the index (its cached parent goes
+ * back to being a leaf where the policy counts children) and refuses every block another
+ * reader could see; the invariants hold after each step under every policy. */
+static void test_private_and_unshare(void **state) {
+    fixture f;
+    kvd_evict_policy pol = policy_of(state);
+    kvd_pool *p = make_pool(&f, 8, 2, pol);
+    kvd_block_ref w, c;
+    assert_int_equal(kvd_pool_allocate(p, 1, SESSION, TENANT, &w), KV_OK);
+    assert_int_equal(kvd_pool_make_private(p, SESSION + 1, w), KV_EPERM);
+    assert_int_equal(kvd_pool_make_private(p, SESSION, w), KV_OK);
+    assert_int_equal(kvd_pool_make_private(p, SESSION, w), KV_OK); /* again: no double count */
+    assert_true(info_of(p, w.id).is_private);
+    assert_int_equal(kvd_pool_commit(p, SESSION, w, H(99), KVD_NO_BLOCK, &c), KV_EPERM);
+    CHECK_POOL(p);
+    assert_int_equal(kvd_pool_release(p, SESSION, TENANT, &w, 1), KV_OK);
+    CHECK_POOL(p);
+    /* A cached parent and a held child: unshare the child. */
+    kvd_block_ref parent = cached_one(p, 1, KVD_NO_BLOCK);
+    kvd_block_ref child = commit_one(p, 2, parent.id);
+    const char *why;
+    assert_int_equal(kvd_pool_unshare_check(p, parent, &why), KV_ESTATE); /* cached */
+    assert_int_equal(kvd_pool_hold(p, TENANT, child), KV_OK);
+    assert_int_equal(kvd_pool_unshare(p, SESSION, TENANT, child), KV_EBUSY); /* two refs */
+    assert_int_equal(kvd_pool_release(p, SESSION, TENANT, &child, 1), KV_OK);
+    assert_int_equal(kvd_pool_pin(p, child, 1000, 0, TENANT), KV_OK);
+    assert_int_equal(kvd_pool_unshare(p, SESSION, TENANT, child), KV_EBUSY); /* pinned */
+    assert_int_equal(kvd_pool_unpin(p, child), KV_OK);
+    assert_int_equal(kvd_pool_lease(p, child), KV_OK);
+    assert_int_equal(kvd_pool_unshare_check(p, child, &why), KV_EBUSY); /* a copy reads it */
+    assert_non_null(strstr(why, "lower tier"));
+    assert_int_equal(kvd_pool_unlease(p, child, 0), KV_OK);
+    CHECK_POOL(p);
+    assert_int_equal(kvd_pool_unshare(p, SESSION, TENANT, child), KV_OK);
+    CHECK_POOL(p);
+    kvd_block_info ci = info_of(p, child.id);
+    assert_int_equal(ci.state, KVD_BLOCK_WRITING);
+    assert_true(ci.is_private);
+    assert_int_equal(ci.owner_session, SESSION);
+    assert_int_equal(kvd_pool_has(p, H(2)), 0);
+    assert_int_equal(kvd_pool_has(p, H(1)), 1);
+    assert_int_equal(kvd_pool_commit(p, SESSION, child, H(2), parent.id, &c), KV_EPERM);
+    /* The parent can be evicted like any leaf now. */
+    size_t n = 0;
+    assert_int_equal(kvd_pool_evict(p, 8, -1, KVD_EVICT_ADMIN, 0, NULL, &n), KV_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(kvd_pool_has(p, H(1)), 0);
+    assert_int_equal(kvd_pool_release(p, SESSION, TENANT, &child, 1), KV_OK);
+    CHECK_POOL(p);
+    /* A committed parent with a committed child: refused where children are counted. */
+    kvd_block_ref a = commit_one(p, 5, KVD_NO_BLOCK);
+    kvd_block_ref b = commit_one(p, 6, a.id);
+    kv_err want = pol == KVD_EVICT_LRU ? KV_OK : KV_EBUSY;
+    assert_int_equal(kvd_pool_unshare(p, SESSION, TENANT, a), want);
+    CHECK_POOL(p);
+    kvd_block_ref both[2] = {a, b};
+    assert_int_equal(kvd_pool_release(p, SESSION, TENANT, both, 2), KV_OK);
+    drop(&f);
+}
+
 static kvd_evict_policy P_LRU = KVD_EVICT_LRU;
 static kvd_evict_policy P_PLRU = KVD_EVICT_PREFIX_LRU;
 static kvd_evict_policy P_S3 = KVD_EVICT_S3FIFO;
@@ -813,6 +874,7 @@ int main(void) {
         ALL_POLICIES(test_drop_hook_shrink),
         ALL_POLICIES(test_drop_hook_quarantine),
         ALL_POLICIES(test_free_tells_nothing),
+        ALL_POLICIES(test_private_and_unshare),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

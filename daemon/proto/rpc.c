@@ -239,7 +239,8 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     r.max_frame_bytes = (uint32_t)c->cfg->max_frame_bytes;
     r.max_inflight = (uint32_t)c->cfg->max_inflight;
     r.max_blocks_per_request = (uint32_t)c->cfg->max_blocks_per_request;
-    r.features = KV_FEATURE_PACKED | (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0);
+    r.features = KV_FEATURE_PACKED | KV_FEATURE_PRIVATE |
+                 (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0);
     env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
     env.hello_reply = &r;
     KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
@@ -538,6 +539,9 @@ static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg
     }
     if (kvd_session_hold(c->sess, sp, refs, a->count) != KV_OK) {
         FAIL(KV_ENOMEM, "no memory to record %u references", a->count);
+    }
+    for (uint32_t i = 0; i < a->count && a->private_blocks; i++) {
+        KV_ASSERT(kvd_pool_make_private(p->pool, c->sess->id, refs[i]) == KV_OK);
     }
     kvd_tiers_pressure(c->ctx->tiers, p);
     uint32_t nsf = new_segments_from(sp);
@@ -1047,6 +1051,14 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
             rc = KV_ESTATE;
             goto cleanup;
         }
+        if (info.is_private) {
+            snprintf(msg, KV_ERRMSG,
+                     "entries[%zu]: block %u is private (Allocate.private or Unshare): private "
+                     "blocks are never committed",
+                     i, r.id);
+            rc = KV_EPERM;
+            goto cleanup;
+        }
         if (kvd_refs_count(&seen, r.id, NULL) > 0) {
             snprintf(msg, KV_ERRMSG, "entries[%zu]: block %u is listed twice", i, r.id);
             rc = KV_ESTATE;
@@ -1252,6 +1264,63 @@ static kv_err on_release(rpc *c, uint64_t id, uint32_t pool_id, size_t nrep,
     rc = rpc_send(c, &env, NULL, 0);
 cleanup:
     return rc;
+}
+
+/* Unshare: every block must be COMMITTED and held once by this session and by nobody else;
+ * checked all first, then each leaves the index and becomes the session's private block. */
+static kv_err on_unshare(rpc *c, uint64_t id, const Kvd__Unshare *u, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, u->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    rc = kvd_validate_refs(u->n_blocks, u->blocks, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (!kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+        FAIL(KV_EPERM, "pool %u is read-only for tenant %s (only the daemon writes the commons)",
+             p->pool_id, kvd_tenants_name(c->reg->tenants, c->sess->tenant));
+    }
+    seen_tab seen;
+    if (seen_init(c, &seen, u->n_blocks) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory");
+    }
+    for (size_t i = 0; i < u->n_blocks; i++) {
+        kvd_block_ref r = {u->blocks[i]->id, u->blocks[i]->gen};
+        rc = check_held(sp, r, 1, "blocks", i, msg);
+        if (rc != KV_OK) {
+            return rc;
+        }
+        if (seen_add(&seen, r.id) > 1) {
+            FAIL(KV_ESTATE, "blocks[%zu]: block %u is listed twice", i, r.id);
+        }
+        if (kvd_refs_count(&sp->refs, r.id, NULL) > 1) {
+            FAIL(KV_EBUSY,
+                 "blocks[%zu]: block %u is held %u times by this session; a block is unshared "
+                 "only while its one reference is this session's",
+                 i, r.id, kvd_refs_count(&sp->refs, r.id, NULL));
+        }
+        const char *why;
+        rc = kvd_pool_unshare_check(p->pool, r, &why);
+        if (rc != KV_OK) {
+            FAIL(rc,
+                 "blocks[%zu]: block %u %s; a write lease exists only on a block this session "
+                 "alone holds (copy it into a fresh private block instead)",
+                 i, r.id, why != NULL ? why : kv_strerror(rc));
+        }
+    }
+    for (size_t i = 0; i < u->n_blocks; i++) {
+        kvd_block_ref r = {u->blocks[i]->id, u->blocks[i]->gen};
+        KV_ASSERT(kvd_pool_unshare(p->pool, c->sess->id, c->sess->tenant, r) == KV_OK);
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__UnshareReply ur = KVD__UNSHARE_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_UNSHARE_REPLY;
+    env.unshare_reply = &ur;
+    return rpc_send(c, &env, NULL, 0);
 }
 
 static kv_err on_pin(rpc *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
@@ -1492,6 +1561,9 @@ static kv_err h_detach(rpc *c, const Kvd__Envelope *e, char *msg) {
 static kv_err h_fetch(rpc *c, const Kvd__Envelope *e, char *msg) {
     return on_fetch(c, e->id, e->fetch, msg);
 }
+static kv_err h_unshare(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_unshare(c, e->id, e->unshare, msg);
+}
 static kv_err h_goodbye(rpc *c, const Kvd__Envelope *e, char *msg) {
     (void)msg;
     return on_goodbye(c, e->id);
@@ -1513,6 +1585,7 @@ static const handler_fn handlers[] = {
     [KVD__ENVELOPE__BODY_GOODBYE] = h_goodbye,
     [KVD__ENVELOPE__BODY_DETACH_POOL] = h_detach,
     [KVD__ENVELOPE__BODY_FETCH] = h_fetch,
+    [KVD__ENVELOPE__BODY_UNSHARE] = h_unshare,
 };
 
 /* The pool a request names (0: none), for the refusal's event. */
@@ -1538,6 +1611,8 @@ static uint32_t request_pool(const Kvd__Envelope *e) {
             return e->detach_pool->pool_id;
         case KVD__ENVELOPE__BODY_FETCH:
             return e->fetch->pool_id;
+        case KVD__ENVELOPE__BODY_UNSHARE:
+            return e->unshare->pool_id;
         default:
             return 0;
     }
