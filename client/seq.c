@@ -541,6 +541,38 @@ size_t kvc_seq_position(const kvc_seq *s) {
     return s->len + s->dropped;
 }
 
+kv_err kvc_seq_adopt(kvc_seq *s, const uint32_t *tokens, size_t ntokens, size_t position,
+                     const kvc_block *fresh, size_t nfresh) {
+    if (s->pool == NULL) {
+        return kvc__fail(NULL, KV_ESTATE, "the sequence's pool was detached");
+    }
+    kvc_conn *c = s->pool->conn;
+    if (s->len != 0 || s->nheld != 0) {
+        return kvc__fail(&c->diag, KV_ESTATE, "adopt into a sequence that is not empty");
+    }
+    if (ntokens == 0 || tokens == NULL || fresh == NULL || position < ntokens ||
+        ntokens > s->max_tokens || nfresh != blocks_for(s, ntokens) || nfresh > s->max_blocks) {
+        return kvc__fail(&c->diag, KV_EINVAL,
+                         "adopt of %zu tokens at position %zu into %zu blocks: counts do not match",
+                         ntokens, position, nfresh);
+    }
+    if (s->budget != 0 && nfresh > s->budget) {
+        return kvc__fail(&c->diag, KV_EQUOTA, "%zu blocks exceed the block budget of %zu", nfresh,
+                         s->budget);
+    }
+    memcpy(s->blocks, fresh, nfresh * sizeof(*fresh));
+    for (size_t i = 0; i < nfresh; i++) {
+        s->bpool[i] = s->pool;
+    }
+    memcpy(s->tokens, tokens, ntokens * sizeof(*tokens));
+    s->len = ntokens;
+    s->dropped = position - ntokens;
+    s->nblocks = s->nheld = nfresh;
+    s->ncommitted = s->nhashes = 0;
+    s->compressed = 1;
+    return KV_OK;
+}
+
 kv_err kvc_seq_compact(kvc_seq *s, const uint32_t *kept, size_t nkept, const kvc_block *fresh,
                        size_t nfresh) {
     if (s->pool == NULL) {

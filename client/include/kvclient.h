@@ -609,6 +609,12 @@ KVC_EXTERN size_t kvc_seq_block_budget(const kvc_seq *s);
  * is returned after the table was replaced. */
 KVC_EXTERN kv_err kvc_seq_compact(kvc_seq *s, const uint32_t *kept, size_t nkept,
                                   const kvc_block *fresh, size_t nfresh);
+/* Makes an empty sequence a compressed one again (a preempted compressed sequence swapped back
+ * in): fresh[0..nfresh) are private blocks the caller filled with the K/V of tokens[0..ntokens),
+ * and position is the next token's position (>= ntokens). KV_ESTATE when s is not empty,
+ * KV_EINVAL for counts that do not match, KV_EQUOTA above the budget. No round trip. */
+KVC_EXTERN kv_err kvc_seq_adopt(kvc_seq *s, const uint32_t *tokens, size_t ntokens, size_t position,
+                                const kvc_block *fresh, size_t nfresh);
 /* 1 once kvc_seq_compact ran (until kvc_seq_release), else 0. */
 KVC_EXTERN int kvc_seq_compressed(const kvc_seq *s);
 /* Tokens appended in all (the next token's position): kvc_seq_length plus the tokens

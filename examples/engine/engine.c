@@ -16,6 +16,7 @@
 #define KVE_FETCH_MIN_TOKENS 256
 
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +24,9 @@
 #include <time.h>
 
 #include "examples/engine/gemm.h"
+#include "examples/engine/zipage.h"
 #include "kernels/kvk.h"
+#include "kernels/kvk_dtype.h"
 #include "kvclient.h"
 
 typedef struct req_state {
@@ -42,14 +45,37 @@ typedef struct req_state {
     int spec;           /* speculating this step */
     size_t kdraft;      /* draft tokens proposed this step */
     uint32_t draft[65]; /* d_0..d_k of this step */
+    /* Zipage: */
+    size_t dropped;    /* tokens compressions removed: slot = position - dropped */
+    int zstate;        /* Z_* */
+    float *qring;      /* [zip_queries][layers][heads * head_dim] queries by position % nq */
+    size_t qvalid;     /* contiguous latest positions whose queries are in the ring */
+    size_t qlast;      /* position of the newest query in the ring */
+    uint32_t *slotpos; /* [cap] position of each slot */
+    float *gscore;     /* [cap] carried global score per slot */
+    size_t cap;        /* slots slotpos and gscore hold */
+    size_t zbase;      /* slots [0, zbase) have their positions in slotpos (the rest: + dropped) */
+    kvc_block *fresh;  /* a compression's private blocks */
+    size_t nfresh;
+    uint32_t *kept;  /* [keep] the slots a compression keeps */
+    float *gout;     /* [keep] their final scores */
+    int32_t *zpages; /* the table when the job was submitted */
+    size_t zslots;   /* slots when the job was submitted */
+    uint8_t *swap;   /* preempted compressed sequence: its blocks' bytes */
+    size_t swap_blocks;
+    size_t swap_slots;
+    uint64_t swapped_at; /* steps + 1 at the swap-out (0: none) */
 } req_state;
+
+enum { Z_NONE = 0, Z_PENDING = 1, Z_JOB = 2, Z_DONE = 3 };
 
 enum { PH_FUTURE = 0, PH_WAITING = 1, PH_RUNNING = 2, PH_DONE = 3 };
 
 /* One token row of a forward pass. */
 typedef struct row {
     req_state *rs; /* owner */
-    uint32_t pos;  /* position (also the K/V slot in rs->seq) */
+    uint32_t pos;  /* position (RoPE) */
+    uint32_t slot; /* K/V slot in rs->seq: pos, less what Zipage dropped */
     uint32_t tok;  /* input token */
     float *logits; /* where to put logits, or NULL */
 } row;
@@ -69,7 +95,24 @@ struct kve_engine {
     char model_id[64];   /* pool model id */
     char err[256];       /* last error */
     uint64_t next_order; /* admission counter */
+    /* Zipage's compression thread: one job (a batch of sequences) at a time. */
+    int zthread_on;       /* the thread runs */
+    pthread_t zthread;    /* it */
+    pthread_mutex_t zmu;  /* guards the fields below */
+    pthread_cond_t zcv;   /* signalled on a new job, a finished job and stop */
+    req_state **zjob;     /* the job's sequences (NULL: none) */
+    size_t nzjob;         /* their count */
+    int zjob_done;        /* the thread finished the job */
+    kv_err zjob_rc;       /* its result */
+    int zstop;            /* the thread must end */
+    kvk_cache zcache[64]; /* per layer: the cache view compression reads and writes */
+    uint32_t zlayer[64];  /* and the layer argument to pass with it */
+    char zerr[160];       /* the job's error */
+    size_t zkeep;         /* tokens a compression keeps (zip_keep or its default) */
+    size_t zwindow;       /* last tokens always kept (zip_window or zip_queries) */
 };
+
+static void *zip_main(void *arg);
 
 static double now_ms(void) {
     struct timespec ts;
@@ -94,6 +137,13 @@ void kve_options_init(kve_options *o) {
     o->max_batch = 64;
     o->draft_layers = 1;
     o->threads = 1;
+    o->zip_queries = 16;
+    o->zip_sinks = 4;
+    o->zip_pool = 5;
+    o->zip_decay = 0.8f;
+    o->zip_lambda = 0.2f;
+    o->zip_temp = 0.4f;
+    o->zip_batch_blocks = 600;
 }
 
 void kve_request_fini(kve_request *r) {
@@ -149,12 +199,49 @@ static kv_err calibrate(kve_engine *e) {
     return rc;
 }
 
+/* The Zipage options: "" when they make sense (or Zipage is off), else why not. */
+static const char *zip_check(const kve_model *m, const kve_options *o, size_t *keep,
+                             size_t *window) {
+    if (o->zip_budget == 0) {
+        return "";
+    }
+    size_t cap = (size_t)o->zip_budget * o->tokens_per_block;
+    *window = o->zip_window != 0 ? o->zip_window : o->zip_queries;
+    *keep = o->zip_keep != 0 ? o->zip_keep : cap - o->tokens_per_block;
+    if (o->spec_k > 0 || o->static_batching) {
+        return "Zipage runs without speculative decoding and static batching";
+    }
+    if (o->zip_budget < 2 || m->cfg.n_layers > 64) {
+        return "Zipage needs a budget of at least 2 blocks and at most 64 layers";
+    }
+    if (o->zip_queries == 0 || o->zip_queries > KVK_SCORE_MAX_Q || *window < o->zip_queries) {
+        return "zip-queries must be 1..256 and no more than the window";
+    }
+    if (*keep >= cap || *keep < o->zip_sinks + *window) {
+        return "zip-keep must be below budget * tokens_per_block and hold the sinks and window";
+    }
+    if (o->zip_temp <= 0.0f || o->zip_pool == 0) {
+        return "zip-temp must be positive and zip-pool at least 1";
+    }
+    size_t fresh = (*keep + o->tokens_per_block - 1) / o->tokens_per_block;
+    if (o->block_budget != 0 && o->block_budget < o->zip_budget + fresh) {
+        return "block-budget must hold one sequence at its zip budget and its compression's "
+               "fresh blocks (zip-budget + ceil(zip-keep / tokens_per_block))";
+    }
+    return "";
+}
+
 kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **out) {
     const kve_config *c = &m->cfg;
+    size_t zkeep = 0, zwindow = 0;
+    const char *zwhy = o->tokens_per_block == 0 ? "" : zip_check(m, o, &zkeep, &zwindow);
     if (o->tokens_per_block == 0 || o->token_budget == 0 || o->max_batch == 0 || o->spec_k < 0 ||
         o->spec_k > 64 ||
         (o->spec_k > 0 && (o->draft_layers < 1 || o->draft_layers > c->n_layers)) ||
-        o->threads < 1 || o->threads > 64) {
+        o->threads < 1 || o->threads > 64 || zwhy[0] != 0) {
+        if (zwhy[0] != 0) {
+            fprintf(stderr, "kve: open: %s\n", zwhy);
+        }
         return KV_EINVAL;
     }
     kve_engine *e = calloc(1, sizeof(*e));
@@ -169,6 +256,10 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     e->m = m;
     e->o = *o;
     e->tpb = o->tokens_per_block;
+    e->zkeep = zkeep;
+    e->zwindow = zwindow;
+    pthread_mutex_init(&e->zmu, NULL);
+    pthread_cond_init(&e->zcv, NULL);
     if (o->model_id != NULL) {
         snprintf(e->model_id, sizeof(e->model_id), "%s", o->model_id);
     } else {
@@ -208,6 +299,17 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
             goto fail_conn;
         }
     }
+    if (o->zip_budget != 0 && !kvc_conn_has_private(e->conn)) {
+        rc = fail(e, KV_ENOTSUP, "Zipage needs private blocks: this kvd has none");
+        goto fail_conn;
+    }
+    if (o->zip_budget != 0 && !o->zip_sync) {
+        if (pthread_create(&e->zthread, NULL, zip_main, e) != 0) {
+            rc = fail(e, KV_ENOMEM, "cannot start the compression thread");
+            goto fail_conn;
+        }
+        e->zthread_on = 1;
+    }
     *out = e;
     return KV_OK;
 fail_conn:
@@ -227,6 +329,15 @@ void kve_engine_close(kve_engine *e) {
     if (e == NULL) {
         return;
     }
+    if (e->zthread_on) {
+        pthread_mutex_lock(&e->zmu);
+        e->zstop = 1;
+        pthread_cond_broadcast(&e->zcv);
+        pthread_mutex_unlock(&e->zmu);
+        pthread_join(e->zthread, NULL);
+    }
+    pthread_mutex_destroy(&e->zmu);
+    pthread_cond_destroy(&e->zcv);
     kvc_pool_detach(e->pool);
     kvc_conn_close(e->conn);
     kve_gemm_free(e->gemm);
@@ -338,9 +449,9 @@ cleanup:
     return rc;
 }
 
-/* A row's full table: pages 0 .. pos / tpb, the last holding pos % tpb + 1 tokens. */
+/* A row's full table: pages 0 .. slot / tpb, the last holding slot % tpb + 1 tokens. */
 static span row_span(const kve_engine *e, const row *r) {
-    return (span){r->rs->seq, 0, r->pos / e->tpb + 1, (int32_t)(r->pos % e->tpb) + 1};
+    return (span){r->rs->seq, 0, r->slot / e->tpb + 1, (int32_t)(r->slot % e->tpb) + 1};
 }
 
 static int cmp_first_block(const void *a, const void *b, void *arg) {
@@ -381,13 +492,13 @@ static kv_err attend_cascade(kve_engine *e, const kvk_cache *c, uint32_t layer, 
         size_t j = i + 1;
         const row *r0 = &rows[order[i]];
         uint32_t b0 = kvc_seq_block(r0->rs->seq, 0).id;
-        uint32_t m = (r0->pos + 1) / e->tpb;
+        uint32_t m = (r0->slot + 1) / e->tpb;
         while (j < n && kvc_seq_block(rows[order[j]].rs->seq, 0).id == b0) {
             j++;
         }
         for (size_t k = i + 1; k < j && m > 0; k++) {
             const row *r = &rows[order[k]];
-            uint32_t lim = (r->pos + 1) / e->tpb;
+            uint32_t lim = (r->slot + 1) / e->tpb;
             m = lim < m ? lim : m;
             for (uint32_t p = 0; p < m; p++) {
                 if (kvc_seq_block(r->rs->seq, p).id != kvc_seq_block(r0->rs->seq, p).id) {
@@ -489,8 +600,8 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
     }
     for (size_t i = 0; i < n; i++) {
         memcpy(x + i * d, m->tok_emb + (size_t)rows[i].tok * d, (size_t)d * sizeof(float));
-        slots[i] = (int64_t)kvc_seq_block(rows[i].rs->seq, rows[i].pos / e->tpb).id * e->tpb +
-                   rows[i].pos % e->tpb;
+        slots[i] = (int64_t)kvc_seq_block(rows[i].rs->seq, rows[i].slot / e->tpb).id * e->tpb +
+                   rows[i].slot % e->tpb;
         sp[i] = row_span(e, &rows[i]);
         order[i] = (uint32_t)i;
     }
@@ -516,6 +627,19 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
         for (size_t i = 0; i < n; i++) {
             kve_rope(q + i * d, c->n_heads, hd, rows[i].pos);
             kve_rope(k + i * kvd, c->n_kv_heads, hd, rows[i].pos);
+            req_state *rs = rows[i].rs;
+            if (rs->qring != NULL && layers == c->n_layers) {
+                /* Zipage scores tokens with the latest queries: position % nq's ring entry. */
+                size_t nq = e->o.zip_queries;
+                memcpy(rs->qring + ((rows[i].pos % nq) * (size_t)c->n_layers + (size_t)l) * d,
+                       q + i * d, (size_t)d * sizeof(float));
+                if (l == 0) {
+                    rs->qvalid = rs->qvalid > 0 && rows[i].pos == rs->qlast + 1
+                                     ? (rs->qvalid < nq ? rs->qvalid + 1 : nq)
+                                     : 1;
+                    rs->qlast = rows[i].pos;
+                }
+            }
         }
         kvk_cache cache;
         uint32_t la = 0;
@@ -608,6 +732,7 @@ static size_t held_blocks(const kve_engine *e, const sched *s) {
     size_t h = 0;
     for (size_t i = 0; i < s->nrun; i++) {
         h += e->o.static_batching ? s->run[i]->reserved : kvc_seq_nblocks(s->run[i]->seq);
+        h += s->run[i]->zstate == Z_JOB ? s->run[i]->nfresh : 0; /* a compression's fresh blocks */
     }
     return h;
 }
@@ -615,16 +740,17 @@ static size_t held_blocks(const kve_engine *e, const sched *s) {
 /* Grows rs's sequence to `upto` tokens (toks must hold them), within the block budget. */
 static kv_err grow(kve_engine *e, sched *s, req_state *rs, size_t upto) {
     size_t len = kvc_seq_length(rs->seq);
-    if (upto <= len) {
+    size_t want = upto - rs->dropped; /* slots */
+    if (want <= len) {
         return KV_OK;
     }
     if (!e->o.static_batching && e->o.block_budget != 0) {
-        size_t need = blocks_for(e, upto) - kvc_seq_nblocks(rs->seq);
+        size_t need = blocks_for(e, want) - kvc_seq_nblocks(rs->seq);
         if (held_blocks(e, s) + need > e->o.block_budget) {
             return KV_ENOSPC;
         }
     }
-    return kvc_seq_append(rs->seq, rs->toks + len, upto - len);
+    return kvc_seq_append(rs->seq, rs->toks + len + rs->dropped, want - len);
 }
 
 static void remove_running(sched *s, req_state *rs) {
@@ -641,21 +767,469 @@ static void remove_running(sched *s, req_state *rs) {
 static kv_err retire(kve_engine *e, req_state *rs) {
     kv_err rc = KV_OK;
     if (e->o.prefix_cache && rs->done > 0) {
-        rc = kvc_seq_commit(rs->seq, rs->done, NULL);
+        rc = kvc_seq_commit(rs->seq, rs->done - rs->dropped, NULL);
     }
     kv_err rc2 = kvc_seq_release(rs->seq);
     return rc != KV_OK ? rc : rc2;
 }
 
-/* Preempts the newest running request: its blocks go back (the committed ones stay cached in
- * kvd), it goes to the front of the waiting queue and recomputes from its cached prefix. */
+/* ---- Zipage ----------------------------------------------------------------------------------
+ * A sequence that must grow past zip_budget blocks becomes Z_PENDING (it computes nothing). At
+ * the start of a step the pending ones (up to zip_batch_blocks blocks) get their fresh private
+ * blocks and form one job (Z_JOB); the compression thread scores their tokens, chooses the kept
+ * ones (zipage.h) and gathers them into the fresh blocks, while this thread goes on with the
+ * other sequences; a later step finishes the job here (kvc_seq_compact, which gives the old
+ * blocks back: shared ones are only de-referenced). A job's sequences are never preempted. */
+
+static size_t zcap(const kve_engine *e) {
+    return (size_t)e->o.zip_budget * e->tpb;
+}
+
+/* Zipage state of rs, allocated at its first admission. */
+static kv_err zip_init(kve_engine *e, req_state *rs) {
+    if (e->o.zip_budget == 0 || rs->qring != NULL) {
+        return KV_OK;
+    }
+    const kve_config *c = &e->m->cfg;
+    rs->cap = zcap(e) + 1;
+    rs->qring = calloc((size_t)e->o.zip_queries * c->n_layers * c->dim, sizeof(float));
+    rs->slotpos = calloc(rs->cap, sizeof(uint32_t));
+    rs->gscore = calloc(rs->cap, sizeof(float));
+    rs->kept = malloc(e->zkeep * sizeof(uint32_t));
+    rs->gout = malloc(e->zkeep * sizeof(float));
+    rs->zpages = malloc(((size_t)e->o.zip_budget + 1) * sizeof(int32_t));
+    rs->fresh = malloc(blocks_for(e, e->zkeep) * sizeof(kvc_block));
+    if (!rs->qring || !rs->slotpos || !rs->gscore || !rs->kept || !rs->gout || !rs->zpages ||
+        !rs->fresh) {
+        return fail(e, KV_ENOMEM, "no memory for Zipage state");
+    }
+    return KV_OK;
+}
+
+static void zip_fini(req_state *rs) {
+    free(rs->qring), free(rs->slotpos), free(rs->gscore), free(rs->kept), free(rs->gout);
+    free(rs->zpages), free(rs->fresh), free(rs->swap);
+    rs->qring = NULL;
+    rs->swap = NULL;
+}
+
+/* Records the positions of slots [zbase, n) (appended since the last compression). */
+static void zip_note_slots(req_state *rs, size_t n) {
+    for (size_t t = rs->zbase; t < n && t < rs->cap; t++) {
+        rs->slotpos[t] = (uint32_t)(t + rs->dropped);
+        rs->gscore[t] = 0.0f;
+    }
+    rs->zbase = n;
+}
+
+/* The compression thread's part for one sequence: scores, selection, gather. */
+static kv_err zip_compress(kve_engine *e, req_state *rs, char *err, size_t errlen) {
+    const kve_config *c = &e->m->cfg;
+    const uint32_t L = (uint32_t)c->n_layers, d = (uint32_t)c->dim;
+    const uint32_t hd = (uint32_t)kve_head_dim(c), KH = (uint32_t)c->n_kv_heads;
+    const size_t n = rs->zslots, nq = e->o.zip_queries;
+    size_t nqe = rs->qvalid < n ? rs->qvalid : n;
+    nqe = nqe == 0 ? 1 : nqe;
+    size_t keep = e->zkeep, nfresh = blocks_for(e, keep);
+    float *attn = calloc(n, sizeof(float));
+    float *qbuf = malloc(nqe * d * sizeof(float));
+    float *keys = e->o.zip_lambda > 0 ? malloc((size_t)KH * n * hd * sizeof(float)) : NULL;
+    float *red = e->o.zip_lambda > 0 ? malloc(n * sizeof(float)) : NULL;
+    int64_t *src = malloc(keep * sizeof(int64_t));
+    int32_t *dst = malloc(nfresh * sizeof(int32_t));
+    kv_err rc = KV_ENOMEM;
+    if (!attn || !qbuf || !src || !dst || (e->o.zip_lambda > 0 && (!keys || !red))) {
+        snprintf(err, errlen, "no memory to compress %zu tokens", n);
+        goto cleanup;
+    }
+    for (uint32_t l = 0; l < L; l++) {
+        for (size_t j = 0; j < nqe; j++) {
+            size_t pos = rs->qlast + 1 - nqe + j;
+            memcpy(qbuf + j * d, rs->qring + ((pos % nq) * L + l) * d, d * sizeof(float));
+        }
+        kvk_score_args a = {.q = qbuf,
+                            .q_dtype = KV_DTYPE_FP32,
+                            .nq = (uint32_t)nqe,
+                            .num_qo_heads = (uint32_t)c->n_heads,
+                            .sm_scale = 1.0f / sqrtf((float)hd),
+                            .causal = 1};
+        rc = kvk_token_scores_cpu(&e->zcache[l], e->zlayer[l], rs->zpages, (uint32_t)n, &a, attn);
+        if (rc != KV_OK) {
+            snprintf(err, errlen, "token scores: %s", kvk_last_error());
+            goto cleanup;
+        }
+    }
+    if (keys != NULL) {
+        /* The last layer's keys as floats, [kv head][token][dim]. */
+        const kvk_cache *kc = &e->zcache[L - 1];
+        uint32_t sec = e->zlayer[L - 1] * 2;
+        uint64_t eb = kvk_dtype_bytes(kc->dtype);
+        for (size_t t = 0; t < n; t++) {
+            uint32_t blk = (uint32_t)rs->zpages[t / e->tpb];
+            const char *row = (const char *)kc->data + (int64_t)blk * kc->block_stride +
+                              (int64_t)sec * kc->section_stride +
+                              (int64_t)((t % e->tpb) * KH * hd * eb);
+            for (uint32_t g = 0; g < KH; g++) {
+                float sc = 1.0f;
+                if (kc->scales != 0) {
+                    memcpy(&sc,
+                           (const char *)kc->scales + (int64_t)blk * kc->scale_block_stride +
+                               (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
+                           sizeof(float));
+                }
+                for (uint32_t x = 0; x < hd; x++) {
+                    keys[((size_t)g * n + t) * hd + x] =
+                        kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * sc;
+                }
+            }
+        }
+        rc = kve_zip_redundancy(keys, KH, n, hd, e->o.zip_temp, red);
+        if (rc != KV_OK) {
+            snprintf(err, errlen, "no memory for the redundancy of %zu tokens", n);
+            goto cleanup;
+        }
+    }
+    kve_zip_params prm = {.keep = keep,
+                          .sinks = e->o.zip_sinks,
+                          .window = e->zwindow,
+                          .pool = e->o.zip_pool,
+                          .decay = e->o.zip_decay,
+                          .lambda = e->o.zip_lambda};
+    rc = kve_zip_select(&prm, attn, e->o.zip_decay > 0 ? rs->gscore : NULL, red, n, rs->kept,
+                        rs->gout);
+    if (rc != KV_OK) {
+        snprintf(err, errlen, "selection of %zu of %zu tokens failed", keep, n);
+        goto cleanup;
+    }
+    for (size_t i = 0; i < keep; i++) {
+        src[i] = (int64_t)rs->zpages[rs->kept[i] / e->tpb] * e->tpb + rs->kept[i] % e->tpb;
+    }
+    for (size_t j = 0; j < nfresh; j++) {
+        dst[j] = (int32_t)rs->fresh[j].id;
+    }
+    /* Per-layer views (two sections each), or one view of every section (8-bit pools). */
+    uint32_t nviews = e->zcache[0].num_sections == 2 ? L : 1;
+    for (uint32_t l = 0; l < nviews; l++) {
+        rc = kvk_compact_tokens_cpu(&e->zcache[l], &e->zcache[l], src, (uint32_t)keep, dst);
+        if (rc != KV_OK) {
+            snprintf(err, errlen, "compaction: %s", kvk_last_error());
+            goto cleanup;
+        }
+    }
+    rc = KV_OK;
+cleanup:
+    free(attn), free(qbuf), free(keys), free(red), free(src), free(dst);
+    return rc;
+}
+
+static void *zip_main(void *arg) {
+    kve_engine *e = arg;
+    pthread_mutex_lock(&e->zmu);
+    for (;;) {
+        while (!e->zstop && (e->zjob == NULL || e->zjob_done)) {
+            pthread_cond_wait(&e->zcv, &e->zmu);
+        }
+        if (e->zstop) {
+            break;
+        }
+        req_state **job = e->zjob;
+        size_t n = e->nzjob;
+        pthread_mutex_unlock(&e->zmu);
+        double t0 = now_ms();
+        char err[160] = "";
+        kv_err rc = KV_OK;
+        for (size_t i = 0; i < n && rc == KV_OK; i++) {
+            rc = zip_compress(e, job[i], err, sizeof(err));
+        }
+        pthread_mutex_lock(&e->zmu);
+        e->st.zip_job_ms += now_ms() - t0;
+        e->zjob_rc = rc;
+        snprintf(e->zerr, sizeof(e->zerr), "%s", err);
+        e->zjob_done = 1;
+        pthread_cond_broadcast(&e->zcv);
+    }
+    pthread_mutex_unlock(&e->zmu);
+    return NULL;
+}
+
+/* Installs a finished compression of rs. */
+static kv_err zip_finish(kve_engine *e, req_state *rs) {
+    size_t keep = e->zkeep, nfresh = blocks_for(e, keep);
+    uint32_t *ids = malloc(keep * sizeof(uint32_t));
+    uint32_t *pos = malloc(keep * sizeof(uint32_t));
+    if (ids == NULL || pos == NULL) {
+        free(ids);
+        free(pos);
+        return fail(e, KV_ENOMEM, "no memory to finish a compression");
+    }
+    for (size_t i = 0; i < keep; i++) {
+        pos[i] = rs->slotpos[rs->kept[i]];
+        ids[i] = rs->toks[pos[i]];
+    }
+    kv_err rc = kvc_seq_compact(rs->seq, ids, keep, rs->fresh, nfresh);
+    for (size_t i = 0; i < keep; i++) {
+        rs->slotpos[i] = pos[i];
+        rs->gscore[i] = rs->gout[i];
+    }
+    free(ids);
+    free(pos);
+    e->st.compressions++;
+    e->st.zip_dropped += rs->zslots - keep;
+    rs->r->compressions++;
+    rs->dropped += rs->zslots - keep;
+    rs->zbase = keep;
+    rs->zstate = Z_NONE;
+    return rc != KV_OK ? fail(e, rc, "compact: %s", kvc_last_error(e->conn)) : KV_OK;
+}
+
+/* Finishes the job in flight when it is done (wait: waits for it). */
+static kv_err zip_poll(kve_engine *e, int wait) {
+    if (e->zjob == NULL) {
+        return KV_OK;
+    }
+    pthread_mutex_lock(&e->zmu);
+    double t0 = now_ms();
+    while (wait && !e->zjob_done) {
+        pthread_cond_wait(&e->zcv, &e->zmu);
+    }
+    if (wait) {
+        e->st.zip_wait_ms += now_ms() - t0;
+    }
+    int done = e->zjob_done;
+    kv_err rc = e->zjob_rc;
+    pthread_mutex_unlock(&e->zmu);
+    if (!done) {
+        return KV_OK;
+    }
+    req_state **job = e->zjob;
+    size_t n = e->nzjob;
+    e->zjob = NULL;
+    e->nzjob = 0;
+    e->zjob_done = 0;
+    kv_err first = rc != KV_OK ? fail(e, rc, "compression: %s", e->zerr) : KV_OK;
+    for (size_t i = 0; i < n; i++) {
+        kv_err r2 = rc == KV_OK ? zip_finish(e, job[i]) : KV_OK;
+        first = first == KV_OK ? r2 : first;
+    }
+    free(job);
+    return first;
+}
+
+static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim);
+
+/* Starts a job for the pending sequences (at most zip_batch_blocks blocks; at least one). */
+static kv_err zip_submit(kve_engine *e, sched *s) {
+    if (e->o.zip_budget == 0 || e->zjob != NULL) {
+        return KV_OK;
+    }
+    req_state **job = malloc((s->nrun + 1) * sizeof(*job));
+    if (job == NULL) {
+        return fail(e, KV_ENOMEM, "no memory for a compression job");
+    }
+    size_t nj = 0, blocks = 0, nfresh = blocks_for(e, e->zkeep);
+    for (size_t i = 0; i < s->nrun; i++) {
+        req_state *rs = s->run[i];
+        if (rs->zstate != Z_PENDING) {
+            continue;
+        }
+        size_t nb = kvc_seq_nblocks(rs->seq);
+        if (nj > 0 && blocks + nb > e->o.zip_batch_blocks) {
+            break;
+        }
+        if (e->o.block_budget != 0 && held_blocks(e, s) + nfresh > e->o.block_budget) {
+            /* The fresh blocks must fit the engine's budget too: make room as growth does. */
+            req_state *v = NULL;
+            kv_err pr = preempt_newest(e, s, &v);
+            if (pr == KV_EBUSY) {
+                break;
+            }
+            if (pr != KV_OK) {
+                free(job);
+                return fail(e, pr, "preempt: %s", kvc_last_error(e->conn));
+            }
+            i = (size_t)-1; /* the running list changed: scan it again */
+            continue;
+        }
+        kv_err rc = kvc_allocate_private(e->pool, (uint32_t)nfresh, rs->fresh);
+        if (rc == KV_ENOSPC) {
+            break; /* the next step tries again, once blocks came back */
+        }
+        if (rc != KV_OK) {
+            free(job);
+            return fail(e, rc, "allocate private: %s", kvc_last_error(e->conn));
+        }
+        rs->nfresh = nfresh;
+        rs->zslots = kvc_seq_length(rs->seq);
+        zip_note_slots(rs, rs->zslots);
+        for (size_t b = 0; b < nb; b++) {
+            rs->zpages[b] = (int32_t)kvc_seq_block(rs->seq, b).id;
+        }
+        rs->zstate = Z_JOB;
+        job[nj++] = rs;
+        blocks += nb;
+    }
+    if (nj == 0) {
+        free(job);
+        return KV_OK;
+    }
+    for (uint32_t l = 0; l < (uint32_t)e->m->cfg.n_layers; l++) {
+        kv_err rc = layer_cache(e, l, &e->zcache[l], &e->zlayer[l]);
+        if (rc != KV_OK) {
+            free(job);
+            return rc;
+        }
+    }
+    e->st.zip_jobs++;
+    e->zjob = job;
+    e->nzjob = nj;
+    if (!e->zthread_on) {
+        /* zip_sync: the same work on this thread. */
+        double t0 = now_ms();
+        kv_err rc = KV_OK;
+        for (size_t i = 0; i < nj && rc == KV_OK; i++) {
+            rc = zip_compress(e, job[i], e->zerr, sizeof(e->zerr));
+        }
+        e->st.zip_job_ms += now_ms() - t0;
+        e->zjob_rc = rc;
+        e->zjob_done = 1;
+        return zip_poll(e, 0);
+    }
+    pthread_mutex_lock(&e->zmu);
+    e->zjob_done = 0;
+    pthread_cond_broadcast(&e->zcv);
+    pthread_mutex_unlock(&e->zmu);
+    return KV_OK;
+}
+
+/* A compressed sequence that is preempted keeps its state: its blocks' bytes go to engine
+ * memory (bounded by the budget) and its blocks back to kvd; admission brings them back into
+ * fresh private blocks (zip_swap_in), so nothing is recomputed. */
+static size_t swap_block_bytes(const kve_engine *e) {
+    const kv_layout *l = &e->layout;
+    size_t per = (size_t)l->num_layers * 2 * l->kv_block_bytes;
+    return is_8bit(l->dtype) ? per + (size_t)l->num_layers * 2 * l->num_kv_heads * sizeof(float)
+                             : per;
+}
+
+static void swap_copy(kve_engine *e, uint32_t id, uint8_t *buf, int out) {
+    const kv_layout *l = &e->layout;
+    for (uint32_t y = 0; y < l->num_layers; y++) {
+        for (int kv = 0; kv < 2; kv++) {
+            uint8_t *p = kvc_pool_addr(e->pool, id, y, kv, 0, 0);
+            if (out) {
+                memcpy(buf, p, l->kv_block_bytes);
+            } else {
+                memcpy(p, buf, l->kv_block_bytes);
+            }
+            buf += l->kv_block_bytes;
+            for (uint32_t h = 0; is_8bit(l->dtype) && h < l->num_kv_heads; h++) {
+                float *sp = kvc_pool_scale_addr(e->pool, id, y, kv, h);
+                if (out) {
+                    memcpy(buf, sp, sizeof(float));
+                } else {
+                    memcpy(sp, buf, sizeof(float));
+                }
+                buf += sizeof(float);
+            }
+        }
+    }
+}
+
+static kv_err zip_swap_out(kve_engine *e, req_state *rs) {
+    size_t nb = kvc_seq_nblocks(rs->seq), per = swap_block_bytes(e);
+    rs->swap = malloc(nb * per + 1);
+    if (rs->swap == NULL) {
+        return fail(e, KV_ENOMEM, "no memory to swap out a compressed sequence");
+    }
+    for (size_t b = 0; b < nb; b++) {
+        swap_copy(e, kvc_seq_block(rs->seq, b).id, rs->swap + b * per, 1);
+    }
+    rs->swap_blocks = nb;
+    rs->swap_slots = kvc_seq_length(rs->seq);
+    zip_note_slots(rs, rs->swap_slots);
+    e->st.zip_swaps++;
+    return kvc_seq_release(rs->seq);
+}
+
+static kv_err zip_swap_in(kve_engine *e, sched *s, req_state *rs) {
+    size_t nb = rs->swap_blocks, per = swap_block_bytes(e);
+    /* Room for its blocks and for the one its next token opens (else it would be admitted and
+     * preempted again in the same step). */
+    size_t next = rs->swap_slots % e->tpb == 0 && rs->swap_slots < zcap(e) ? 1 : 0;
+    if (e->o.block_budget != 0 && held_blocks(e, s) + nb + next > e->o.block_budget) {
+        return KV_ENOSPC;
+    }
+    kvc_block *blk = malloc(nb * sizeof(*blk));
+    uint32_t *ids = malloc(rs->swap_slots * sizeof(uint32_t));
+    kv_err rc = KV_ENOMEM;
+    if (blk == NULL || ids == NULL) {
+        goto cleanup;
+    }
+    rc = kvc_allocate_private(e->pool, (uint32_t)nb, blk);
+    if (rc != KV_OK) {
+        if (rc != KV_ENOSPC) {
+            fail(e, rc, "swap in: %s", kvc_last_error(e->conn));
+        }
+        goto cleanup;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        swap_copy(e, blk[b].id, rs->swap + b * per, 0);
+    }
+    for (size_t i = 0; i < rs->swap_slots; i++) {
+        ids[i] = rs->toks[rs->slotpos[i]];
+    }
+    rc = kvc_seq_adopt(rs->seq, ids, rs->swap_slots, rs->swap_slots + rs->dropped, blk, nb);
+    if (rc != KV_OK) {
+        fail(e, rc, "adopt: %s", kvc_last_error(e->conn));
+        (void)kvc_release(e->pool, blk, nb);
+        goto cleanup;
+    }
+    free(rs->swap);
+    rs->swap = NULL;
+cleanup:
+    free(blk);
+    free(ids);
+    return rc;
+}
+
+/* Preempts the newest running request (not one a compression job holds): its blocks go back
+ * (the committed ones stay cached in kvd), it goes to the front of the waiting queue and
+ * recomputes from its cached prefix, or, compressed, is swapped out and back in unchanged.
+ * KV_EBUSY when every running request is in a compression job. */
 static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim) {
-    req_state *v = s->run[s->nrun - 1];
-    kv_err rc = retire(e, v);
+    size_t vi = 0;
+    /* Zipage: the newest compressed request first (a swap costs a copy of its few blocks; a
+     * recompute, its whole history), then the newest of the others. */
+    for (size_t i = s->nrun; i > 0 && e->o.zip_budget != 0 && vi == 0; i--) {
+        if (s->run[i - 1]->zstate != Z_JOB && kvc_seq_compressed(s->run[i - 1]->seq)) {
+            vi = i;
+        }
+    }
+    for (size_t i = s->nrun; i > 0 && vi == 0; i--) {
+        if (s->run[i - 1]->zstate != Z_JOB) {
+            vi = i;
+        }
+    }
+    if (vi == 0) {
+        return KV_EBUSY;
+    }
+    req_state *v = s->run[vi - 1];
+    memmove(&s->run[vi - 1], &s->run[vi], (s->nrun - vi) * sizeof(*s->run));
     s->nrun--;
-    v->done = 0;
+    v->zstate = Z_NONE;
+    kv_err rc;
+    if (kvc_seq_compressed(v->seq)) {
+        rc = zip_swap_out(e, v);
+    } else {
+        rc = retire(e, v);
+        v->done = 0;
+        v->dropped = 0;
+        v->zbase = 0;
+        v->qvalid = 0;
+    }
     v->reserved = 0;
     v->phase = PH_WAITING;
+    v->swapped_at = v->swap != NULL ? e->st.steps + 1 : 0;
     v->r->preemptions++;
     e->st.preemptions++;
     memmove(&s->wait[1], &s->wait[0], s->nwait * sizeof(*s->wait));
@@ -678,6 +1252,22 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
         if (rc != KV_OK) {
             return fail(e, rc, "seq_alloc: %s", kvc_last_error(e->conn));
         }
+        if (e->o.zip_budget != 0) {
+            rc = kvc_seq_set_block_budget(rs->seq, e->o.zip_budget);
+            rc = rc == KV_OK ? zip_init(e, rs) : rc;
+            if (rc != KV_OK) {
+                return rc;
+            }
+        }
+    }
+    if (rs->swap != NULL) {
+        /* A compressed sequence coming back: its blocks' bytes, not a recompute. */
+        rc = zip_swap_in(e, s, rs);
+        if (rc == KV_OK) {
+            rs->phase = PH_RUNNING;
+            rs->order = e->next_order++;
+        }
+        return rc;
     }
     if (e->o.prefix_cache && n > e->tpb) {
         size_t nb = (n - 1) / e->tpb;
@@ -714,6 +1304,9 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
     } else {
         first = (nhit + lower) * e->tpb + budget;
         first = first > n ? n : first;
+        if (e->o.zip_budget != 0 && first > zcap(e)) {
+            first = zcap(e); /* the rest of the prompt comes after a compression */
+        }
         if (e->o.block_budget != 0 &&
             held_blocks(e, s) + blocks_for(e, first) - nhit > e->o.block_budget) {
             rc = KV_ENOSPC;
@@ -758,6 +1351,9 @@ static void emit(kve_engine *e, req_state *rs, uint32_t t, const float *lg) {
     if (r->nout == 0) {
         r->ttft_ms = now_ms() - rs->arrive;
     }
+    if (r->forced != NULL) {
+        t = r->forced[r->nout]; /* teacher forcing: the given token, the model's logits */
+    }
     if (e->o.keep_logits && lg != NULL) {
         memcpy(r->logits + r->nout * (size_t)V, lg, (size_t)V * sizeof(float));
     }
@@ -772,6 +1368,9 @@ static void emit(kve_engine *e, req_state *rs, uint32_t t, const float *lg) {
 static kv_err plan(kve_engine *e, sched *s, req_state *rs, size_t *budget) {
     rs->nrows = 0;
     rs->spec = 0;
+    if (rs->zstate != Z_NONE) {
+        return KV_OK; /* waiting for (or in) a compression */
+    }
     size_t left = rs->ntoks - rs->done;
     size_t want;
     if (left == 1) {
@@ -783,6 +1382,17 @@ static kv_err plan(kve_engine *e, sched *s, req_state *rs, size_t *budget) {
     if (want == 0 || (!e->o.static_batching && *budget == 0)) {
         return KV_OK;
     }
+    if (e->o.zip_budget != 0) {
+        /* Zipage: at the budget, the sequence is compressed before it grows. */
+        size_t slots = rs->done - rs->dropped;
+        if (slots + want > zcap(e)) {
+            want = zcap(e) - slots;
+            if (want == 0) {
+                rs->zstate = Z_PENDING;
+                return KV_OK;
+            }
+        }
+    }
     for (;;) {
         kv_err rc = grow(e, s, rs, rs->done + want);
         if (rc == KV_OK) {
@@ -793,6 +1403,9 @@ static kv_err plan(kve_engine *e, sched *s, req_state *rs, size_t *budget) {
         }
         req_state *v = NULL;
         rc = preempt_newest(e, s, &v);
+        if (rc == KV_EBUSY) {
+            return KV_OK; /* every other request is being compressed: try next step */
+        }
         if (rc != KV_OK) {
             return fail(e, rc, "preempt: %s", kvc_last_error(e->conn));
         }
@@ -848,7 +1461,7 @@ static kv_err draft(kve_engine *e, sched *s, req_state **sp, size_t ns) {
                     }
                 }
             }
-            rows[nr] = (row){rs, (uint32_t)pos, rs->draft[j], lg + nr * (size_t)V};
+            rows[nr] = (row){rs, (uint32_t)pos, (uint32_t)pos, rs->draft[j], lg + nr * (size_t)V};
             nr++;
         }
         if (nr == 0) {
@@ -903,7 +1516,13 @@ static int cmp_arrival(const void *a, const void *b) {
 static kv_err step(kve_engine *e, sched *s, int *progress) {
     const int V = e->m->cfg.vocab_size;
     size_t budget = e->o.token_budget;
-    kv_err rc = KV_OK;
+    kv_err rc = zip_poll(e, 0);
+    if (rc == KV_OK) {
+        rc = zip_submit(e, s);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
     *progress = 0;
     for (size_t i = 0; i < s->nrun; i++) {
         s->run[i]->nrows = 0;
@@ -926,6 +1545,9 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
     while (may_admit && s->nwait > 0 && s->nrun < e->o.max_batch &&
            (budget > 0 || e->o.static_batching)) {
         req_state *rs = s->wait[0];
+        if (rs->swap != NULL && rs->swapped_at == e->st.steps + 1) {
+            break; /* swapped out in this very step: not back before the next */
+        }
         rc = admit(e, s, rs, budget);
         if (rc == KV_ENOSPC) {
             if (s->nrun == 0) {
@@ -987,13 +1609,17 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
             size_t pos = rs->done + j;
             uint32_t t = rs->spec ? rs->draft[j] : rs->toks[pos];
             int want = rs->spec || pos + 1 == rs->ntoks;
-            rows[k++] = (row){rs, (uint32_t)pos, t, want ? lg + k * (size_t)V : NULL};
+            rows[k++] = (row){rs, (uint32_t)pos, (uint32_t)(pos - rs->dropped), t,
+                              want ? lg + k * (size_t)V : NULL};
         }
     }
     /* Slot accounting for memory waste: what is held against what holds a token. */
     for (size_t i = 0; i < s->nrun; i++) {
         req_state *rs = s->run[i];
         size_t alloc = e->o.static_batching ? rs->reserved : kvc_seq_nblocks(rs->seq);
+        if (kvc_seq_nblocks(rs->seq) > rs->r->peak_blocks) {
+            rs->r->peak_blocks = kvc_seq_nblocks(rs->seq);
+        }
         e->st.slots_allocated += (double)alloc * e->tpb;
         e->st.slots_used += (double)kvc_seq_length(rs->seq);
     }
@@ -1044,7 +1670,7 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
             }
         }
         if (e->o.prefix_cache) {
-            rc = kvc_seq_commit(rs->seq, rs->done, NULL);
+            rc = kvc_seq_commit(rs->seq, rs->done - rs->dropped, NULL);
             if (rc != KV_OK) {
                 fail(e, rc, "commit: %s", kvc_last_error(e->conn));
                 goto cleanup;
@@ -1095,6 +1721,8 @@ kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n) {
         r->nout = 0;
         r->status = KV_EINVAL;
         r->preemptions = 0;
+        r->peak_blocks = 0;
+        r->compressions = 0;
         r->computed_tokens = 0;
         r->cached_tokens = 0;
         if (r->prompt_len == 0 || r->max_new == 0) {
@@ -1151,14 +1779,33 @@ kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n) {
             goto cleanup;
         }
         ndone += before - (s.nrun + s.nwait);
+        if (!progress && e->zjob != NULL) {
+            rc = zip_poll(e, 1); /* nothing else to run: wait for the compression */
+            if (rc != KV_OK) {
+                goto cleanup;
+            }
+        }
     }
 cleanup:
+    if (e->zjob != NULL) {
+        /* The thread may still read these requests' state: let it finish first. */
+        pthread_mutex_lock(&e->zmu);
+        while (!e->zjob_done) {
+            pthread_cond_wait(&e->zcv, &e->zmu);
+        }
+        pthread_mutex_unlock(&e->zmu);
+        free(e->zjob);
+        e->zjob = NULL;
+        e->nzjob = 0;
+        e->zjob_done = 0;
+    }
     e->st.elapsed_ms = now_ms() - t0;
     for (size_t i = 0; s.rs != NULL && i < n; i++) {
         if (s.rs[i].seq != NULL) {
             kvc_seq_free(s.rs[i].seq);
         }
         free(s.rs[i].toks);
+        zip_fini(&s.rs[i]);
     }
     free(future);
     free(s.wait);

@@ -10,7 +10,11 @@
  * verified, full blocks are committed. Options add speculative decoding (the draft is the
  * target's first layers, which writes the same K/V as the target in those layers, so it reads
  * and writes the target's own blocks), shared-prefix (cascade) attention merged by log-sum-exp,
- * and 8-bit (int8, fp8-e4m3) KV pools with calibrated per-(layer, head) scales.
+ * and 8-bit (int8, fp8-e4m3) KV pools with calibrated per-(layer, head) scales. The Zipage mode
+ * (zip_budget) keeps every sequence within a fixed number of blocks: at the block boundary a
+ * sequence at its budget is compressed (its kept tokens' K/V gathered into fresh private blocks,
+ * docs/ZIPAGE.md) on a worker thread while the other sequences decode, and a compressed sequence
+ * that is preempted is swapped out and requeued, never recomputed.
  *
  * K/V of new tokens are written with kvk_reshape_and_cache_cpu and read with
  * kvk_paged_decode_attention_cpu over the CSR block tables of kvc_seq (a prefill token is a
@@ -48,6 +52,19 @@ typedef struct kve_options {
     int cascade;               /* 1: shared-prefix attention once per group + merge_states */
     int keep_logits;           /* 1: keep every generated token's logits in its request */
     int threads;               /* matmul threads in all, the caller's included (1..64); 1 */
+    /* Zipage (docs/ZIPAGE.md); the paper's defaults where it has one. Not with spec_k or
+     * static_batching. */
+    uint32_t zip_budget;       /* blocks per sequence at most; 0: Zipage off (paper: 8) */
+    uint32_t zip_keep;         /* tokens a compression keeps; 0: (zip_budget - 1) blocks' worth */
+    uint32_t zip_queries;      /* last queries kept per sequence for scoring; 16 */
+    uint32_t zip_sinks;        /* first tokens always kept; 4 */
+    uint32_t zip_window;       /* last tokens always kept; 0: zip_queries */
+    uint32_t zip_pool;         /* max-pooling width of the scores; 5 */
+    float zip_decay;           /* weight of the carried (decayed) global score; 0.8 */
+    float zip_lambda;          /* weight of the redundancy term; 0.2 */
+    float zip_temp;            /* temperature of the redundancy softmax; 0.4 */
+    uint32_t zip_batch_blocks; /* blocks one compression job covers at most; 600 */
+    int zip_sync;              /* 1: compress on the scheduler thread (no overlap) */
 } kve_options;
 
 /* Fills o with the defaults above. */
@@ -59,6 +76,8 @@ typedef struct kve_request {
     const uint32_t *prompt; /* borrowed until kve_engine_run returns */
     size_t prompt_len;      /* >= 1 */
     uint32_t max_new;       /* tokens to generate (greedy); >= 1 */
+    const uint32_t *forced; /* NULL, or max_new tokens appended in place of the greedy choice
+                               (teacher forcing: perplexity with keep_logits); borrowed */
     /* Results, written by kve_engine_run (free with kve_request_fini): */
     uint32_t *out;          /* generated tokens [nout] */
     size_t nout;            /* generated so far */
@@ -66,6 +85,8 @@ typedef struct kve_request {
     size_t cached_tokens;   /* prompt tokens found in kvd at first admission */
     size_t computed_tokens; /* token rows computed for it (recomputes included) */
     uint32_t preemptions;   /* times it was preempted */
+    size_t peak_blocks;     /* most blocks its sequence held at once */
+    uint32_t compressions;  /* Zipage compressions of its sequence */
     double ttft_ms;         /* first token time minus arrival */
     double finish_ms;       /* last token time minus arrival */
     kv_err status;          /* KV_OK once finished */
@@ -86,6 +107,12 @@ typedef struct kve_stats {
     uint64_t spec_accepted;   /* draft tokens the target accepted */
     uint64_t draft_rows;      /* token rows through the draft */
     uint64_t cascade_groups;  /* shared-prefix groups attended once */
+    uint64_t compressions;    /* Zipage: sequences compressed */
+    uint64_t zip_jobs;        /* Zipage: compression jobs (a batch of sequences each) */
+    uint64_t zip_dropped;     /* Zipage: tokens compressions dropped */
+    uint64_t zip_swaps;       /* Zipage: compressed sequences preempted (swapped, not recomputed) */
+    double zip_job_ms;        /* Zipage: time compression jobs ran (on their thread) */
+    double zip_wait_ms;       /* Zipage: time the scheduler waited with nothing else to run */
     double slots_allocated;   /* sum over steps of slots held (blocks * tokens per block) */
     double slots_used;        /* sum over steps of slots holding a token */
     double elapsed_ms;        /* wall time of the last kve_engine_run */

@@ -6,6 +6,9 @@
  *           [--kv-dtype fp32|fp16|bf16|int8|fp8_e4m3] [--tpb 16] [--no-cache]
  *           [--budget 256] [--max-batch 64] [--block-budget B] [--static]
  *           [--spec K --draft-layers L] [--cascade] [--threads T] [--print-tokens]
+ *           [--zip-budget B [--zip-keep N] [--zip-queries 16] [--zip-sinks 4] [--zip-window W]
+ *            [--zip-pool 5] [--zip-decay 0.8] [--zip-lambda 0.2] [--zip-temp 0.4]
+ *            [--zip-batch-blocks 600] [--zip-sync]]
  *           (--workload FILE [--shard I/N] | --prompt-len N --prompt-seed S --max-new M)
  *   kve_run --print-gemm    (prints the matmul instruction set this CPU runs: avx2, scalar)
  */
@@ -41,7 +44,10 @@ static void usage(void) {
             "usage: kve_run --socket PATH [--model tiny|small|bench|big] [--seed S] "
             "[--checkpoint FILE] [--layers L] [--kv-dtype D] [--tpb T] [--no-cache] "
             "[--budget T] [--max-batch B] [--block-budget B] [--static] [--spec K] "
-            "[--draft-layers L] [--cascade] [--threads T] [--print-tokens] (--workload FILE "
+            "[--draft-layers L] [--cascade] [--threads T] [--print-tokens] [--zip-budget B "
+            "[--zip-keep N] [--zip-queries Q] [--zip-sinks S] [--zip-window W] [--zip-pool P] "
+            "[--zip-decay D] [--zip-lambda L] [--zip-temp T] [--zip-batch-blocks N] "
+            "[--zip-sync]] (--workload FILE "
             "[--shard I/N] | --prompt-len N [--prompt-seed S] [--max-new M])\n");
 }
 
@@ -71,6 +77,8 @@ int main(int argc, char **argv) {
             return 0;
         } else if (strcmp(a, "--print-tokens") == 0) {
             print_tokens = 1, used = 0;
+        } else if (strcmp(a, "--zip-sync") == 0) {
+            o.zip_sync = 1, used = 0;
         } else if (v == NULL) {
             usage();
             return 2;
@@ -106,6 +114,26 @@ int main(int argc, char **argv) {
             o.threads = atoi(v);
         } else if (strcmp(a, "--draft-layers") == 0) {
             o.draft_layers = atoi(v);
+        } else if (strcmp(a, "--zip-budget") == 0) {
+            o.zip_budget = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-keep") == 0) {
+            o.zip_keep = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-queries") == 0) {
+            o.zip_queries = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-sinks") == 0) {
+            o.zip_sinks = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-window") == 0) {
+            o.zip_window = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-pool") == 0) {
+            o.zip_pool = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--zip-decay") == 0) {
+            o.zip_decay = strtof(v, NULL);
+        } else if (strcmp(a, "--zip-lambda") == 0) {
+            o.zip_lambda = strtof(v, NULL);
+        } else if (strcmp(a, "--zip-temp") == 0) {
+            o.zip_temp = strtof(v, NULL);
+        } else if (strcmp(a, "--zip-batch-blocks") == 0) {
+            o.zip_batch_blocks = (uint32_t)strtoul(v, NULL, 10);
         } else if (strcmp(a, "--workload") == 0) {
             wl_path = v;
         } else if (strcmp(a, "--shard") == 0) {
@@ -180,9 +208,9 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < w.n; i++) {
         kve_request *r = &w.reqs[i];
         printf("REQ id=%u status=%s prompt=%zu cached=%zu computed=%zu preempted=%u "
-               "ttft_ms=%.3f finish_ms=%.3f",
+               "ttft_ms=%.3f finish_ms=%.3f peak_blocks=%zu compressions=%u",
                r->id, kv_err_name(r->status), r->prompt_len, r->cached_tokens, r->computed_tokens,
-               r->preemptions, r->ttft_ms, r->finish_ms);
+               r->preemptions, r->ttft_ms, r->finish_ms, r->peak_blocks, r->compressions);
         if (print_tokens) {
             printf(" tokens=");
             for (size_t j = 0; j < r->nout; j++) {
@@ -203,11 +231,13 @@ int main(int argc, char **argv) {
            " steps=%" PRIu64 " spec_proposed=%" PRIu64 " spec_accepted=%" PRIu64
            " draft_rows=%" PRIu64 " cascade_groups=%" PRIu64
            " slots_allocated=%.0f slots_used=%.0f elapsed_ms=%.3f ttft_sum_ms=%.3f"
-           " latency_sum_ms=%.3f bytes_per_token=%.1f\n",
+           " latency_sum_ms=%.3f bytes_per_token=%.1f compressions=%" PRIu64 " zip_jobs=%" PRIu64
+           " zip_dropped=%" PRIu64 " zip_swaps=%" PRIu64 " zip_job_ms=%.3f zip_wait_ms=%.3f\n",
            w.n, ok, st->prompt_tokens, st->cached_tokens, st->computed_tokens, st->generated,
            st->preemptions, st->steps, st->spec_proposed, st->spec_accepted, st->draft_rows,
            st->cascade_groups, st->slots_allocated, st->slots_used, st->elapsed_ms, ttft, lat,
-           (double)ly->block_bytes / ly->tokens_per_block);
+           (double)ly->block_bytes / ly->tokens_per_block, st->compressions, st->zip_jobs,
+           st->zip_dropped, st->zip_swaps, st->zip_job_ms, st->zip_wait_ms);
     status = ok == w.n ? 0 : 1;
 out:
     kve_engine_close(e);
