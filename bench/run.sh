@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core rpc host sched engine python tiers)
+ALL=(core rpc host sched engine python tiers compress)
 
 run_one() {
     case "$1" in
@@ -18,6 +18,16 @@ run_one() {
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
         tiers) /usr/bin/python3 bench/tiers_bench.py "$BIN_DIR/../daemon/kvd" ;;
+        compress)
+            # The held-out text by the training script's own rule (no torch needed for it).
+            local held
+            held=$(mktemp)
+            /usr/bin/python3 -c 'import sys; sys.path.insert(0, "examples/engine/train")
+import train_model; open(sys.argv[1], "wb").write(train_model.corpus(train_model.CORPUS)[1])' "$held"
+            "$BIN_DIR/compress_bench" --kvd "$BIN_DIR/../daemon/kvd" \
+                --checkpoint examples/engine/models/lic.bin --text "$held" --runs "${COMPRESS_RUNS:-3}"
+            rm -f "$held"
+            ;;
         python) /usr/bin/python3 bench/python_bench.py "$BIN_DIR/../daemon/kvd" \
                     "$BIN_DIR/../client/shared/libkvclient.so" "$BIN_DIR/python_c_baseline" ;;
         *)

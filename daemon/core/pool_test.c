@@ -901,7 +901,7 @@ static void test_stats_and_bad_config(void **state) {
     size_t ndesc;
     (void)kvd_pool_stat_descs(&ndesc);
     assert_int_equal(seen[2], ndesc); /* every statistic of the table, once */
-    assert_int_equal(ndesc, 22);
+    assert_int_equal(ndesc, 24);
     assert_true(kvd_pool_meta_bytes_per_block() <= 64);
     assert_int_equal(kvd_pool_release(p, 1, 0, r, 2), KV_OK);
     assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);

@@ -1571,6 +1571,9 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
             return rc;
         }
     }
+    if (s->nrun > e->st.peak_running) {
+        e->st.peak_running = s->nrun;
+    }
     /* 3: speculation, then one forward pass over every planned row. */
     req_state **spec = malloc((s->nrun + 1) * sizeof(*spec));
     size_t ns = 0, nrows = 0;

@@ -107,6 +107,7 @@ typedef struct kve_stats {
     uint64_t spec_accepted;   /* draft tokens the target accepted */
     uint64_t draft_rows;      /* token rows through the draft */
     uint64_t cascade_groups;  /* shared-prefix groups attended once */
+    uint64_t peak_running;    /* most requests running at once */
     uint64_t compressions;    /* Zipage: sequences compressed */
     uint64_t zip_jobs;        /* Zipage: compression jobs (a batch of sequences each) */
     uint64_t zip_dropped;     /* Zipage: tokens compressions dropped */

@@ -26,6 +26,8 @@ import struct
 import sys
 import time
 
+CORPUS = "/usr/share/common-licenses"
+
 
 def corpus(directory):
     """(train bytes, held-out bytes) by the rule in the module comment."""
@@ -49,7 +51,7 @@ def corpus(directory):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", default="/usr/share/common-licenses")
+    ap.add_argument("--corpus", default=CORPUS)
     ap.add_argument("--out", default="examples/engine/models/lic.bin")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=384)
