@@ -118,7 +118,7 @@ static void equal_memory(int runs) {
     printf("### Equal memory: %d requests of %d + %d tokens, engine block budget %d blocks\n\n", N,
            PLEN, NEW, BUDGET);
     double tf[16], tz[16], ratio[16];
-    uint64_t run_f = 0, run_z = 0, pre_f = 0, pre_z = 0, swaps = 0, comp = 0;
+    uint64_t pre_f = 0, pre_z = 0, swaps = 0, comp = 0;
     double job_ms = 0, wait_ms = 0;
     for (int r = 0; r < runs; r++) {
         kve_request rf[N], rz[N];
@@ -137,7 +137,6 @@ static void equal_memory(int runs) {
         tf[r] = (double)sf.generated / (sf.elapsed_ms / 1e3);
         tz[r] = (double)sz.generated / (sz.elapsed_ms / 1e3);
         ratio[r] = tz[r] / tf[r];
-        run_f = sf.peak_running, run_z = sz.peak_running;
         pre_f = sf.preemptions, pre_z = sz.preemptions, swaps = sz.zip_swaps;
         comp = sz.compressions, job_ms = sz.zip_job_ms, wait_ms = sz.zip_wait_ms;
         for (int i = 0; i < N; i++) {
@@ -158,8 +157,6 @@ static void equal_memory(int runs) {
     printf("| requests that fit the budget at full length | %zu | %zu (%zu while all compress) "
            "|\n",
            (size_t)BUDGET / full_blocks, (size_t)BUDGET / 8, (size_t)BUDGET / (8 + zip_fresh));
-    printf("| requests running at once (peak) | %llu | %llu |\n", (unsigned long long)run_f,
-           (unsigned long long)run_z);
     printf("| generated tokens/s, median (min-max) | %.0f (%.0f-%.0f) | %.0f (%.0f-%.0f) |\n", fmed,
            flo, fhi, zmed, zlo, zhi);
     printf("| preemptions (last run) | %llu | %llu (%llu swapped, not recomputed) |\n",

@@ -27,6 +27,7 @@ import train_model; open(sys.argv[1], "wb").write(train_model.corpus(train_model
             "$BIN_DIR/compress_bench" --kvd "$BIN_DIR/../daemon/kvd" \
                 --checkpoint examples/engine/models/lic.bin --text "$held" --runs "${COMPRESS_RUNS:-3}"
             rm -f "$held"
+            "$BIN_DIR/ice_bench"
             ;;
         python) /usr/bin/python3 bench/python_bench.py "$BIN_DIR/../daemon/kvd" \
                     "$BIN_DIR/../client/shared/libkvclient.so" "$BIN_DIR/python_c_baseline" ;;

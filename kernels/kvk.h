@@ -306,6 +306,58 @@ kv_err kvk_compact_tokens_cpu(const kvk_cache *src, const kvk_cache *dst, const 
 kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache *dst, const int64_t *src_slots,
                                uint32_t nkept, const int32_t *dst_blocks, void *stream);
 
+/* ---- IceCache: page summaries and top-k page selection (docs/ICECACHE.md) ------------------- */
+
+/* Floats of one block's summary: [layers][kv_heads][3][head_dim] (per channel, the keys' min,
+ * max and mean over the block's tokens). */
+#define KVK_SUMMARY_PARTS 3
+#define KVK_SUMMARY_FLOATS(layers, heads, dim)                                                     \
+    ((size_t)(layers) * (heads)*KVK_SUMMARY_PARTS * (dim))
+
+/* For i < n: the summary of block blocks[i] of cache (its first ntok[i] tokens, all of them when
+ * ntok is NULL; 0 tokens give min = +inf, max = -inf, mean = 0) into out + i *
+ * KVK_SUMMARY_FLOATS: per (layer, KV head, channel) the min, the max and the mean (a float sum
+ * in token order, divided by the count) over those tokens of the dequantized key.
+ * KV_EINVAL for a bad cache, a block id out of range or a token count above tokens_per_block. */
+kv_err kvk_page_summaries_cpu(const kvk_cache *cache, const int32_t *blocks, const uint32_t *ntok,
+                              uint32_t n, float *out);
+
+/* GPU twin: blocks, ntok and out are device arrays; out-of-range ids leave their summary
+ * unwritten. Byte-exact with the twin (min and max are exact; the mean is summed in the same
+ * order without fused operations). */
+kv_err kvk_page_summaries_cuda(const kvk_cache *cache, const int32_t *blocks, const uint32_t *ntok,
+                               uint32_t n, float *out, void *stream);
+
+typedef struct kvk_select_args {
+    const float *summaries; /* [npages] summaries (kvk_page_summaries layout) */
+    uint32_t npages;        /* candidate pages */
+    uint32_t num_layers;    /* layers of a summary */
+    uint32_t layer;         /* the layer scored */
+    uint32_t num_kv_heads;  /* KV heads of a summary */
+    uint32_t head_dim;      /* channels */
+    const float *q;         /* [num_qo_heads][head_dim] the step's query (float32) */
+    uint32_t num_qo_heads;  /* multiple of num_kv_heads */
+    uint32_t k;             /* pages kept per KV head (<= npages) */
+    int mode;               /* KVK_SELECT_BOUND or KVK_SELECT_CENTROID */
+} kvk_select_args;
+
+#define KVK_SELECT_BOUND 0    /* score: the upper bound from min and max (Quest's) */
+#define KVK_SELECT_CENTROID 1 /* score: q . mean (no bound; sharper on packed pages) */
+
+/* Top-k pages per KV head by a score of the attention logit. KVK_SELECT_BOUND: for KV head g,
+ * page p scores max over g's query heads h of sum_d max(q[h][d] * min[p][g][d], q[h][d] *
+ * max[p][g][d]), which is >= q . k for every key k the page holds; KVK_SELECT_CENTROID: max over
+ * h of sum_d q[h][d] * mean[p][g][d]. Both are exact when a page's keys are all equal. out
+ * [num_kv_heads][k]: each head's k best pages, in ascending page order (ties: the lower page
+ * first). score (may be NULL) [num_kv_heads][npages]: the bounds. KV_EINVAL for bad shapes or
+ * k > npages. */
+kv_err kvk_page_select_cpu(const kvk_select_args *a, int32_t *out, float *score);
+
+/* GPU twin: the arrays are device arrays and score is required (it is the kernel's workspace).
+ * The bounds are summed in the twin's channel order without fused multiply-adds, so they, and
+ * the pages chosen, equal the twin's. */
+kv_err kvk_page_select_cuda(const kvk_select_args *a, int32_t *out, float *score, void *stream);
+
 /* ---- Device memory helpers (tests, benchmarks, the example engine) --------------------------- */
 
 typedef enum kvk_copy_kind {

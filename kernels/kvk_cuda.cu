@@ -842,6 +842,145 @@ __global__ void __launch_bounds__(128) score_sum_kernel(ScoreParams p) {
     p.scores[t] += acc * p.w;
 }
 
+// ---- IceCache: page_summaries and page_select ----------------------------------------------
+
+struct SummParams {
+    const char *data;
+    int64_t bs, ss;
+    const char *sc;
+    int64_t sbs, sss;
+    kv_dtype dtype;
+    uint32_t layers, heads, dim, tpb, num_blocks, n;
+    const int32_t *blocks;
+    const uint32_t *ntok;
+    float *out;
+};
+
+// grid (n, layers * heads): threads over channels, each a min and max over the tokens.
+__global__ void __launch_bounds__(128) summ_kernel(SummParams p) {
+    const uint32_t i = blockIdx.x, lh = blockIdx.y, l = lh / p.heads, h = lh % p.heads;
+    const int32_t b = p.blocks[i];
+    const uint32_t nt = p.ntok != nullptr ? p.ntok[i] : p.tpb;
+    if (b < 0 || (uint32_t)b >= p.num_blocks || nt > p.tpb) {
+        return;
+    }
+    const uint64_t eb = kvk_elem_bytes(p.dtype), row = (uint64_t)p.heads * p.dim * eb;
+    const char *base = p.data + (int64_t)b * p.bs + (int64_t)(l * 2) * p.ss;
+    const float s = p.sc != nullptr ? load_scale(p.sc, p.sbs, p.sss, (uint32_t)b, l * 2, h) : 1.0f;
+    float *mn = p.out + (uint64_t)i * p.layers * p.heads * KVK_SUMMARY_PARTS * p.dim +
+                ((uint64_t)l * p.heads + h) * KVK_SUMMARY_PARTS * p.dim;
+    float *mx = mn + p.dim, *me = mx + p.dim;
+    for (uint32_t d = threadIdx.x; d < p.dim; d += blockDim.x) {
+        float lo = INFINITY, hi = -INFINITY, sum = 0.0f;
+        for (uint32_t t = 0; t < nt; t++) {
+            const float x =
+                __fmul_rn(kvk_load_f32(p.dtype, base + t * row, (uint64_t)h * p.dim + d), s);
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+            sum = __fadd_rn(sum, x);
+        }
+        mn[d] = lo;
+        mx[d] = hi;
+        me[d] = nt > 0 ? __fdiv_rn(sum, (float)nt) : 0.0f;
+    }
+}
+
+struct SelParams {
+    const float *summ;
+    uint32_t npages, layers, layer, heads, dim, qo_heads, k;
+    int mode;
+    const float *q;
+    int32_t *out;
+    float *score;
+};
+
+// The score of page pg for KV head g, in the twin's order without fused operations.
+__device__ float page_score(const SelParams &p, uint32_t pg, uint32_t g) {
+    const uint32_t G = p.qo_heads / p.heads;
+    const uint64_t per = (uint64_t)p.layers * p.heads * KVK_SUMMARY_PARTS * p.dim;
+    const float *mn =
+        p.summ + pg * per + ((uint64_t)p.layer * p.heads + g) * KVK_SUMMARY_PARTS * p.dim;
+    const float *mx = mn + p.dim, *me = mx + p.dim;
+    float best = -INFINITY;
+    for (uint32_t j = 0; j < G; j++) {
+        const float *q = p.q + (uint64_t)(g * G + j) * p.dim;
+        float s = 0.0f;
+        for (uint32_t d = 0; d < p.dim; d++) {
+            if (p.mode == KVK_SELECT_CENTROID) {
+                s = __fadd_rn(s, __fmul_rn(q[d], me[d]));
+            } else {
+                const float x = __fmul_rn(q[d], mn[d]), y = __fmul_rn(q[d], mx[d]);
+                s = __fadd_rn(s, x > y ? x : y);
+            }
+        }
+        best = s > best ? s : best;
+    }
+    return best;
+}
+
+// grid (heads): each CTA scores every page for its KV head (one thread per page, channels in
+// the twin's order, no fused multiply-add), then takes the k best in k rounds of a block-wide
+// argmax (lower page on ties), then writes them in page order.
+__global__ void __launch_bounds__(256) select_kernel(SelParams p) {
+    __shared__ float bv[256];
+    __shared__ uint32_t bi[256];
+    const uint32_t g = blockIdx.x;
+    float *sc = p.score + (uint64_t)g * p.npages;
+    for (uint32_t pg = threadIdx.x; pg < p.npages; pg += blockDim.x) {
+        sc[pg] = page_score(p, pg, g);
+    }
+    __syncthreads();
+    int32_t *o = p.out + (uint64_t)g * p.k;
+    for (uint32_t r = 0; r < p.k; r++) {
+        float v = -INFINITY;
+        uint32_t vi = UINT32_MAX;
+        for (uint32_t pg = threadIdx.x; pg < p.npages; pg += blockDim.x) {
+            if (!isnan(sc[pg]) && (vi == UINT32_MAX || sc[pg] > v)) {
+                v = sc[pg];
+                vi = pg;
+            }
+        }
+        bv[threadIdx.x] = v;
+        bi[threadIdx.x] = vi;
+        __syncthreads();
+        for (uint32_t step = blockDim.x / 2; step > 0; step /= 2) {
+            if (threadIdx.x < step) {
+                const float v2 = bv[threadIdx.x + step];
+                const uint32_t i2 = bi[threadIdx.x + step];
+                if (i2 != UINT32_MAX && (bi[threadIdx.x] == UINT32_MAX || v2 > bv[threadIdx.x] ||
+                                         (v2 == bv[threadIdx.x] && i2 < bi[threadIdx.x]))) {
+                    bv[threadIdx.x] = v2;
+                    bi[threadIdx.x] = i2;
+                }
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            o[r] = (int32_t)bi[0];
+            sc[bi[0]] = __int_as_float(0x7fc00000); // taken: NaN, skipped from now on
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        // Page order (k is small: insertion sort), then the bounds back for the caller.
+        for (uint32_t a = 1; a < p.k; a++) {
+            const int32_t x = o[a];
+            uint32_t b = a;
+            while (b > 0 && o[b - 1] > x) {
+                o[b] = o[b - 1];
+                b--;
+            }
+            o[b] = x;
+        }
+    }
+    __syncthreads();
+    // Restore the taken pages' bounds (recomputed, same order).
+    for (uint32_t r = threadIdx.x; r < p.k; r += blockDim.x) {
+        const uint32_t pg = (uint32_t)o[r];
+        sc[pg] = page_score(p, pg, g);
+    }
+}
+
 } // namespace
 
 // ---- Launchers
@@ -1397,4 +1536,71 @@ extern "C" kv_err kvk_token_scores_cuda(const kvk_cache *cache, uint32_t layer,
     }
     score_sum_kernel<<<(ntokens + 127) / 128, 128, 0, st>>>(p);
     return launched("token_scores");
+}
+
+extern "C" kv_err kvk_page_summaries_cuda(const kvk_cache *cache, const int32_t *blocks,
+                                          const uint32_t *ntok, uint32_t n, float *out,
+                                          void *stream) {
+    kv_err rc = kvk__check_summaries(cache, blocks, n, out);
+    if (rc != KV_OK || n == 0) {
+        return rc;
+    }
+    SummParams p = {};
+    p.data = reinterpret_cast<const char *>(cache->data);
+    p.bs = cache->block_stride;
+    p.ss = cache->section_stride;
+    if (kvk__is_scaled(cache->dtype)) {
+        p.sc = reinterpret_cast<const char *>(cache->scales);
+        p.sbs = cache->scale_block_stride;
+        p.sss = cache->scale_section_stride;
+    }
+    p.dtype = cache->dtype;
+    p.layers = cache->num_sections / 2;
+    p.heads = cache->num_kv_heads;
+    p.dim = cache->head_dim;
+    p.tpb = cache->tokens_per_block;
+    p.num_blocks = cache->num_blocks;
+    p.n = n;
+    p.blocks = blocks;
+    p.ntok = ntok;
+    p.out = out;
+    if ((uint64_t)p.layers * p.heads > 65535) {
+        return kvk__fail(KV_ENOTSUP, "page_summaries_cuda: more than 65535 (layer, head) pairs");
+    }
+    rc = pre_launch("page_summaries");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    summ_kernel<<<dim3(n, p.layers * p.heads), 128, 0, as_stream(stream)>>>(p);
+    return launched("page_summaries");
+}
+
+extern "C" kv_err kvk_page_select_cuda(const kvk_select_args *a, int32_t *out, float *score,
+                                       void *stream) {
+    kv_err rc = kvk__check_select(a, out);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (score == nullptr) {
+        return kvk__fail(KV_EINVAL, "page_select_cuda: score is the kernel's workspace");
+    }
+    SelParams p = {};
+    p.summ = a->summaries;
+    p.npages = a->npages;
+    p.layers = a->num_layers;
+    p.layer = a->layer;
+    p.heads = a->num_kv_heads;
+    p.dim = a->head_dim;
+    p.qo_heads = a->num_qo_heads;
+    p.k = a->k;
+    p.mode = a->mode;
+    p.q = a->q;
+    p.out = out;
+    p.score = score;
+    rc = pre_launch("page_select");
+    if (rc != KV_OK) {
+        return rc;
+    }
+    select_kernel<<<a->num_kv_heads, 256, 0, as_stream(stream)>>>(p);
+    return launched("page_select");
 }

@@ -115,3 +115,14 @@ kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache *dst, const
     (void)src, (void)dst, (void)src_slots, (void)nkept, (void)dst_blocks, (void)stream;
     return NO_CUDA("compact_tokens");
 }
+
+kv_err kvk_page_summaries_cuda(const kvk_cache *cache, const int32_t *blocks, const uint32_t *ntok,
+                               uint32_t n, float *out, void *stream) {
+    (void)cache, (void)blocks, (void)ntok, (void)n, (void)out, (void)stream;
+    return NO_CUDA("page_summaries");
+}
+
+kv_err kvk_page_select_cuda(const kvk_select_args *a, int32_t *out, float *score, void *stream) {
+    (void)a, (void)out, (void)score, (void)stream;
+    return NO_CUDA("page_select");
+}

@@ -463,12 +463,77 @@ static void test_token_scores_gpu(void **state) {
     }
 }
 
+/* IceCache: summaries byte for byte, and selection equal to the twin (same bounds, same pages). */
+static void test_ice_gpu(void **state) {
+    (void)state;
+    if (!have_gpu()) {
+        skip();
+    }
+    const kv_dtype dts[] = {KV_DTYPE_FP16, KV_DTYPE_INT8};
+    for (int i = 0; i < 2; i++) {
+        const uint32_t L = 3, H = 2, D = 64, NB = 300, QH = 8, K = 16;
+        tu_seg s;
+        tu_seg_init(&s, L, H, D, 16, dts[i], KV_LAYER_MAJOR, NB);
+        dev_seg d;
+        dev_seg_init(&d, &s);
+        int32_t *blocks = malloc(NB * sizeof(int32_t));
+        for (uint32_t b = 0; b < NB; b++) {
+            blocks[b] = (int32_t)((b * 7) % NB);
+        }
+        size_t sb = NB * KVK_SUMMARY_FLOATS(L, H, D) * sizeof(float);
+        float *cpu = malloc(sb), *gpu = malloc(sb);
+        OK(kvk_page_summaries_cpu(&s.c, blocks, NULL, NB, cpu));
+        int32_t *db = to_dev(blocks, NB * sizeof(int32_t));
+        float *ds = NULL;
+        OK(kvk_dev_alloc(sb, (void **)&ds));
+        OK(kvk_page_summaries_cuda(&d.c, db, NULL, NB, ds, NULL));
+        OK(kvk_dev_memcpy(gpu, ds, sb, KVK_D2H));
+        assert_memory_equal(gpu, cpu, sb);
+        float q[8 * 64];
+        for (uint32_t k = 0; k < QH * D; k++) {
+            q[k] = tu_randf();
+        }
+        float *dq = to_dev(q, sizeof(q));
+        kvk_select_args a = {.summaries = cpu,
+                             .npages = NB,
+                             .num_layers = L,
+                             .layer = 2,
+                             .num_kv_heads = H,
+                             .head_dim = D,
+                             .q = q,
+                             .num_qo_heads = QH,
+                             .k = K};
+        int32_t sel_c[2 * 16], sel_g[2 * 16];
+        float sc_c[2 * 300], sc_g[2 * 300];
+        int32_t *dsel = NULL;
+        float *dsc = NULL;
+        OK(kvk_dev_alloc(sizeof(sel_g), (void **)&dsel));
+        OK(kvk_dev_alloc(sizeof(sc_g), (void **)&dsc));
+        for (int mode = KVK_SELECT_BOUND; mode <= KVK_SELECT_CENTROID; mode++) {
+            a.mode = mode;
+            OK(kvk_page_select_cpu(&a, sel_c, sc_c));
+            kvk_select_args ga = a;
+            ga.summaries = ds;
+            ga.q = dq;
+            OK(kvk_page_select_cuda(&ga, dsel, dsc, NULL));
+            OK(kvk_dev_memcpy(sel_g, dsel, sizeof(sel_g), KVK_D2H));
+            OK(kvk_dev_memcpy(sc_g, dsc, sizeof(sc_g), KVK_D2H));
+            assert_memory_equal(sel_g, sel_c, sizeof(sel_c));
+            assert_memory_equal(sc_g, sc_c, sizeof(sc_c));
+        }
+        kvk_dev_free(db), kvk_dev_free(ds), kvk_dev_free(dq), kvk_dev_free(dsel);
+        kvk_dev_free(dsc), kvk_dev_free(d.mem);
+        free(blocks), free(cpu), free(gpu);
+        tu_seg_fini(&s);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_copy_blocks_gpu),  cmocka_unit_test(test_reshape_and_cache_gpu),
         cmocka_unit_test(test_decode_gpu),       cmocka_unit_test(test_merge_states_gpu),
         cmocka_unit_test(test_quantize_gpu),     cmocka_unit_test(test_compact_tokens_gpu),
-        cmocka_unit_test(test_token_scores_gpu),
+        cmocka_unit_test(test_token_scores_gpu), cmocka_unit_test(test_ice_gpu),
     };
     return cmocka_run_group_tests_name("kvk_cuda", tests, NULL, NULL);
 }

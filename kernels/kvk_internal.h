@@ -41,6 +41,12 @@ kv_err kvk__check_compact(const kvk_cache *src, const kvk_cache *dst, const void
 kv_err kvk__check_scores(const kvk_cache *c, uint32_t layer, const void *pages, uint32_t ntokens,
                          const kvk_score_args *a, const void *scores);
 
+/* Checks a page_summaries call's host-side arguments. */
+kv_err kvk__check_summaries(const kvk_cache *c, const void *blocks, uint32_t n, const void *out);
+
+/* Checks a page_select call's host-side arguments. */
+kv_err kvk__check_select(const kvk_select_args *a, const void *out);
+
 /* 1 for fp16, bf16, fp32 (the dtypes of activations: q, out, new K/V). */
 int kvk__is_wide(kv_dtype d);
 
