@@ -16,7 +16,9 @@ train, the last 10% are held out.
 
 Needs python3-torch (developer machine only; CI never runs this). Deterministic for a seed on
 one machine and thread count. Usage:
-  train_model.py [--out examples/engine/models/lic.bin] [--steps 1500] [--seed 1234]
+  train_model.py [--out examples/engine/models/lic.bin] [--steps 800] [--seed 1234]
+The committed checkpoint is this script's output with its defaults (36 minutes on one core of
+the development machine; held-out 2.07 bits per byte).
 """
 import argparse
 import hashlib
@@ -58,13 +60,13 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=512, help="training context (tokens)")
+    ap.add_argument("--ctx", type=int, default=256, help="training context (tokens)")
     ap.add_argument("--seq-len", type=int, default=4096, help="seq_len in the header")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
     import torch
