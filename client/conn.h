@@ -42,6 +42,7 @@ typedef enum kvc__op_kind {
     KVC__OP_DETACH,
     KVC__OP_FETCH,
     KVC__OP_UNSHARE,
+    KVC__OP_SUMMARIES,
 } kvc__op_kind;
 
 /* One request in flight: where its frame is, and where its reply's outputs go. The engine uses

@@ -40,7 +40,7 @@ kv_err kvc_pool_attach_ex(kvc_conn *c, const char *model_id, const kv_layout *la
     if (p == NULL) {
         return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for a pool");
     }
-    if (flags & ~(uint32_t)KVC_ATTACH_LOSSY_TIERS) {
+    if (flags & ~(uint32_t)(KVC_ATTACH_LOSSY_TIERS | KVC_ATTACH_SUMMARIES)) {
         free(p);
         return kvc__fail(&c->diag, KV_EINVAL, "unknown attach flags 0x%x", flags);
     }

@@ -398,6 +398,30 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 break;
             }
             return KV_OK;
+        case KVC__OP_SUMMARIES: {
+            if (env->body_case != KVD__ENVELOPE__BODY_SUMMARIES_REPLY) {
+                break;
+            }
+            const Kvd__SummariesReply *r = env->summaries_reply;
+            const kv_layout *l = &op->pool->layout;
+            size_t per = (size_t)l->num_layers * l->num_kv_heads * 3 * l->head_dim;
+            if (r->n_summaries != op->count) {
+                return bad_reply(c, "summaries returned a different count");
+            }
+            for (size_t i = 0; i < r->n_summaries; i++) {
+                size_t len = r->summaries[i].len;
+                if (len != 0 && len != per * sizeof(float)) {
+                    return bad_reply(c, "a summary of the wrong size");
+                }
+                if (len != 0) {
+                    memcpy((float *)op->out + i * per, r->summaries[i].data, len);
+                }
+                if (op->aux != NULL) {
+                    ((uint8_t *)op->aux)[i] = len != 0;
+                }
+            }
+            return KV_OK;
+        }
         case KVC__OP_STATS: {
             if (env->body_case != KVD__ENVELOPE__BODY_STATS_REPLY) {
                 break;
@@ -1091,6 +1115,53 @@ kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out) {
     SYNC_CALL(p->conn, q_allocate(b, p, count, 0, out, NULL));
 }
 
+static kv_err q_summaries(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out,
+                          uint8_t *found) {
+    kvc_conn *c = b->conn;
+    kv_err err = check_pool(c, p);
+    if (err == KV_OK && n > 0 && (hashes == NULL || out == NULL)) {
+        err = kvc__fail(&c->diag, KV_EINVAL, "summaries needs hashes and an output array");
+    }
+    if (err == KV_OK) {
+        err = check_list(c, n, hashes);
+    }
+    if (err == KV_OK && !(p->attach_flags & KVC_ATTACH_SUMMARIES)) {
+        err = kvc__fail(&c->diag, KV_ENOTSUP, "pool %u was attached without KVC_ATTACH_SUMMARIES",
+                        p->pool_id);
+    }
+    if (err != KV_OK) {
+        return err;
+    }
+    uint8_t *packed = malloc(n * KV_WIRE_HASH_BYTES + 1);
+    if (packed == NULL) {
+        return kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu hashes", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_hash_put(packed, i, hashes[i].lo, hashes[i].hi);
+    }
+    Kvd__Summaries req = KVD__SUMMARIES__INIT;
+    req.pool_id = p->pool_id;
+    req.hashes_packed.data = packed;
+    req.hashes_packed.len = n * KV_WIRE_HASH_BYTES;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_SUMMARIES;
+    env.summaries = &req;
+    kvc__op *op;
+    err = kvc__batch_add(b, KVC__OP_SUMMARIES, &env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = n;
+        op->out = out;
+        op->aux = found;
+    }
+    free(packed);
+    return err;
+}
+
+kv_err kvc_summaries(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out, uint8_t *found) {
+    SYNC_CALL(p->conn, q_summaries(b, p, hashes, n, out, found));
+}
+
 kv_err kvc_allocate_private(kvc_pool *p, uint32_t count, kvc_block *out) {
     SYNC_CALL(p->conn, q_allocate(b, p, count, 1, out, NULL));
 }
@@ -1296,6 +1367,7 @@ kv_err kvc__rpc_attach(kvc_pool *p, const char *model_id, const kv_layout *layou
     l.dtype = (Kvd__DType)layout->dtype;
     l.arrangement = (Kvd__Arrangement)layout->arrangement;
     l.lossy_tiers = (p->attach_flags & KVC_ATTACH_LOSSY_TIERS) != 0;
+    l.summaries = (p->attach_flags & KVC_ATTACH_SUMMARIES) != 0;
     Kvd__AttachPool req = KVD__ATTACH_POOL__INIT;
     req.model_id = (char *)model_id;
     req.layout = &l;

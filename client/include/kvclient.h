@@ -180,6 +180,9 @@ KVC_EXTERN kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_la
  * are stored lossy; others stay lossless. KV_EINVAL for unknown flags; else as
  * kvc_pool_attach. */
 #define KVC_ATTACH_LOSSY_TIERS 1u
+/* KVC_ATTACH_SUMMARIES: the daemon keeps a page summary beside every committed block of the pool
+ * (IceCache, docs/ICECACHE.md; kvc_summaries reads them). Part of the pool's identity too. */
+#define KVC_ATTACH_SUMMARIES 2u
 KVC_EXTERN kv_err kvc_pool_attach_ex(kvc_conn *c, const char *model_id, const kv_layout *layout,
                                      uint32_t flags, kvc_pool **out);
 
@@ -362,6 +365,17 @@ KVC_EXTERN kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uin
  * daemon evicts cached blocks when needed; KV_ENOSPC when it cannot. New segments the daemon
  * grew are mapped before this returns. */
 KVC_EXTERN kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out);
+
+/* Page summaries (IceCache) of the blocks of hashes[0..n) in this pool (attached with
+ * KVC_ATTACH_SUMMARIES), wherever they are (T0 or a lower tier): out (room for n *
+ * KVK_SUMMARY_FLOATS(layers, kv_heads, head_dim) floats, kernels/kvk.h) gets hash i's summary
+ * at i * that many floats: per (layer, KV head) the per-channel min, max and mean of its keys,
+ * computed by the daemon from the committed bytes; found[i] (may be NULL) 1 when the pool has the
+ * hash, else 0 (its summary left untouched). Only this pool is searched: another domain's blocks
+ * are never visible. KV_ENOTSUP for a pool attached without the flag; KV_ETOOBIG above the
+ * list limit; transport errors. */
+KVC_EXTERN kv_err kvc_summaries(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out,
+                                uint8_t *found);
 
 /* Private blocks (Zipage's compressed KV, any KV without a prefix identity): WRITING blocks
  * the session keeps for a sequence's life and can never commit (kvc_commit: KV_EPERM). They

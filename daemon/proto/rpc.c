@@ -313,6 +313,7 @@ static kv_err send_segments_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd
         lay.arrangement = (Kvd__Arrangement)l->arrangement;
         lay.block_bytes = l->block_bytes;
         lay.lossy_tiers = (p->flags & KVD_POOL_LOSSY_TIERS) != 0;
+        lay.summaries = (p->flags & KVD_POOL_SUMMARIES) != 0;
         seed.lo = p->seed.lo;
         seed.hi = p->seed.hi;
         ar.pool_id = p->pool_id;
@@ -374,6 +375,7 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
     uint32_t ids[KVD_MAX_DOMAINS_PER_TENANT + 1], nids = 0;
     int conflict = 0;
     uint32_t flags = a->layout != NULL && a->layout->lossy_tiers ? KVD_POOL_LOSSY_TIERS : 0;
+    flags |= a->layout != NULL && a->layout->summaries ? KVD_POOL_SUMMARIES : 0;
     rc = kvd_registry_attach(c->reg, c->sess->tenant, a->model_id, &l, flags, ids, &nids, &conflict,
                              msg);
     if (rc != KV_OK) {
@@ -1117,6 +1119,15 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
         if (canon[i].id == r.id && c->cfg->verify_blocks) {
             kvd_registry_verify_commit(c->reg, p, canon[i]);
         }
+        if (canon[i].id == r.id && (p->flags & KVD_POOL_SUMMARIES)) {
+            /* Before the tiers see it: a copy down takes the summary with it. */
+            kv_err src =
+                kvd_summaries_set(&p->summ, c->reg->be, c->reg->be_ctx, p->pool, canon[i], NULL);
+            if (src != KV_OK) {
+                KV_LOG(WARN, "KVD-SUMMARY", "pool %u block %u: no page summary: %s", p->pool_id,
+                       canon[i].id, kv_strerror(src));
+            }
+        }
         if (canon[i].id == r.id) {
             kvd_tiers_committed(c->ctx->tiers, p, canon[i]);
         }
@@ -1264,6 +1275,56 @@ static kv_err on_release(rpc *c, uint64_t id, uint32_t pool_id, size_t nrep,
     rc = rpc_send(c, &env, NULL, 0);
 cleanup:
     return rc;
+}
+
+/* Summaries: per hash, the page summary of its block in this pool's T0 or lower tiers. Only
+ * the session's own pool is searched, so another domain's summaries are never visible. */
+static kv_err on_summaries(rpc *c, uint64_t id, const Kvd__Summaries *m, char *msg) {
+    kvd_session_pool *sp;
+    kvd_reg_pool *p;
+    kv_err rc = session_pool(c, m->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (!(p->flags & KVD_POOL_SUMMARIES)) {
+        FAIL(KV_ENOTSUP,
+             "pool %u was attached without Layout.summaries: kvd keeps no page summaries of it",
+             p->pool_id);
+    }
+    kv_hash128 *h;
+    size_t n;
+    rc = take_hashes(c, sp, 0, NULL, &m->hashes_packed, &h, &n, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    size_t per = kvd_summary_floats(&p->layout);
+    ProtobufCBinaryData *v = rpc_scratch(c, (n + 1) * sizeof(*v));
+    if (v == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %zu summaries", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        const float *s = NULL;
+        uint64_t packed;
+        if (kvd_index_find(c->reg->index, p->pool_id, h[i], &packed) == KV_OK) {
+            kvd_block_ref r = {(uint32_t)packed, (uint32_t)(packed >> 32)};
+            s = kvd_summaries_get(&p->summ, r);
+        }
+        if (s == NULL) {
+            s = kvd_tiers_summary(c->ctx->tiers, p, h[i]);
+        }
+        /* float32 on the wire as the host has it: little-endian (kvd builds for x86-64 and
+         * arm64 little-endian only). */
+        v[i].data = s != NULL ? (uint8_t *)(uintptr_t)s : NULL;
+        v[i].len = s != NULL ? per * sizeof(float) : 0;
+    }
+    Kvd__Envelope env;
+    env_init(c, &env, id);
+    Kvd__SummariesReply sr = KVD__SUMMARIES_REPLY__INIT;
+    sr.n_summaries = n;
+    sr.summaries = v;
+    env.body_case = KVD__ENVELOPE__BODY_SUMMARIES_REPLY;
+    env.summaries_reply = &sr;
+    return rpc_send(c, &env, NULL, 0);
 }
 
 /* Unshare: every block must be COMMITTED and held once by this session and by nobody else;
@@ -1561,6 +1622,9 @@ static kv_err h_detach(rpc *c, const Kvd__Envelope *e, char *msg) {
 static kv_err h_fetch(rpc *c, const Kvd__Envelope *e, char *msg) {
     return on_fetch(c, e->id, e->fetch, msg);
 }
+static kv_err h_summaries(rpc *c, const Kvd__Envelope *e, char *msg) {
+    return on_summaries(c, e->id, e->summaries, msg);
+}
 static kv_err h_unshare(rpc *c, const Kvd__Envelope *e, char *msg) {
     return on_unshare(c, e->id, e->unshare, msg);
 }
@@ -1586,6 +1650,7 @@ static const handler_fn handlers[] = {
     [KVD__ENVELOPE__BODY_DETACH_POOL] = h_detach,
     [KVD__ENVELOPE__BODY_FETCH] = h_fetch,
     [KVD__ENVELOPE__BODY_UNSHARE] = h_unshare,
+    [KVD__ENVELOPE__BODY_SUMMARIES] = h_summaries,
 };
 
 /* The pool a request names (0: none), for the refusal's event. */
@@ -1613,6 +1678,8 @@ static uint32_t request_pool(const Kvd__Envelope *e) {
             return e->fetch->pool_id;
         case KVD__ENVELOPE__BODY_UNSHARE:
             return e->unshare->pool_id;
+        case KVD__ENVELOPE__BODY_SUMMARIES:
+            return e->summaries->pool_id;
         default:
             return 0;
     }

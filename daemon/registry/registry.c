@@ -478,6 +478,7 @@ static void pool_close(kvd_registry *s, uint32_t pool_id) {
     }
     kvd_pool_free(p->pool);
     kvd_verify_free(&p->verify);
+    kvd_summaries_free(&p->summ);
     memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
     s->npools--;
 }
@@ -515,6 +516,7 @@ void kvd_registry_fini(kvd_registry *g) {
         }
         kvd_pool_free(g->pools[i].pool);
         kvd_verify_free(&g->pools[i].verify);
+        kvd_summaries_free(&g->pools[i].summ);
     }
     free(g->pools);
     g->pools = NULL;

@@ -25,6 +25,7 @@
 #include "daemon/core/index.h"
 #include "daemon/core/pool.h"
 #include "daemon/mem/backend_cuda.h"
+#include "daemon/registry/summary.h"
 #include "daemon/registry/verify.h"
 #include "daemon/tenancy/quota.h"
 #include "daemon/tenancy/tenant.h"
@@ -33,6 +34,7 @@
 
 /* Pool flags (part of a pool's key: pools that differ only by them share nothing). */
 #define KVD_POOL_LOSSY_TIERS 1u /* its layout asked for lossy lower tiers (docs/TIERS.md) */
+#define KVD_POOL_SUMMARIES 2u   /* its layout asked for page summaries (docs/ICECACHE.md) */
 
 /* One pool of the registry: key (model_id, layout shape, flags, domain) -> kvd_pool. */
 typedef struct kvd_reg_pool {
@@ -54,6 +56,7 @@ typedef struct kvd_reg_pool {
     uint32_t creator;                           /* tenant whose attach created it (max-pools) */
     uint32_t nsessions;                         /* sessions that attached it (or it as a link) */
     kvd_verify verify;                          /* verify-blocks: checksums of its blocks */
+    kvd_summaries summ;                         /* KVD_POOL_SUMMARIES: its blocks' summaries */
     void *tiers; /* the tiers layer's state of this pool (daemon/tiers), or NULL */
 } kvd_reg_pool;
 

@@ -24,6 +24,7 @@ void kvd_tstore_fini(kvd_tstore *s) {
     }
     for (uint32_t i = 0; i < s->cap; i++) {
         free(s->e[i].t1);
+        free(s->e[i].summ);
     }
     free(s->e);
     free(s->buckets);
@@ -181,6 +182,8 @@ void kvd_tstore_forget(kvd_tstore *s, uint32_t i) {
         pp = &s->e[*pp].hnext;
     }
     *pp = e->hnext;
+    free(e->summ);
+    e->summ = NULL;
     e->used = 0;
     e->hnext = s->free_head;
     s->free_head = i;

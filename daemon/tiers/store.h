@@ -28,6 +28,8 @@ typedef struct kvd_tentry {
     kv_hash128 hash;   /* the block's chain hash */
     kv_hash128 parent; /* its parent's chain hash (zero for a first block or unknown) */
     uint8_t *t1;       /* T1: the block's bytes in format fmt1 (malloc'd), NULL when absent */
+    float *summ;       /* the block's page summary (summaries pools; malloc'd) or NULL: it goes
+                          with the block to every tier and is freed with the entry */
     uint64_t len1;     /* bytes at t1 */
     uint64_t slot2;    /* T2: slot of the pool's file, valid when in2 */
     uint64_t len2;     /* T2: payload bytes of that slot */

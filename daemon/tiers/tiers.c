@@ -865,6 +865,17 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         return;
     }
+    kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
+    kvd_tentry *se = kvd_tstore_at(&tp->st, i);
+    const float *sum =
+        rp != NULL && (rp->flags & KVD_POOL_SUMMARIES) ? kvd_summaries_get(&rp->summ, ref) : NULL;
+    if (sum != NULL && se->summ == NULL) {
+        /* The summary goes down with the block (a failed copy forgets the entry, and it). */
+        se->summ = malloc(rp->summ.per * sizeof(float));
+        if (se->summ != NULL) {
+            memcpy(se->summ, sum, rp->summ.per * sizeof(float));
+        }
+    }
     j->out = buf; /* NULL: the copy thread allocates */
     j->entry = i;
     j->ref = ref;
@@ -1607,13 +1618,18 @@ static void fetch_finish(kvd_fetch *f) {
                     int fresh = canon.id == p->ref.id; /* not a duplicate of a block in T0 */
                     p->ref = canon;
                     p->have = 1;
-                    if (fresh && t->cfg->verify_blocks) {
-                        kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
-                        if (rp != NULL) {
-                            kvd_registry_verify_commit(t->reg, rp, canon);
-                        }
+                    kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
+                    if (fresh && t->cfg->verify_blocks && rp != NULL) {
+                        kvd_registry_verify_commit(t->reg, rp, canon);
                     }
                     uint32_t i = kvd_tstore_find(&tp->st, p->hash);
+                    if (fresh && rp != NULL && (rp->flags & KVD_POOL_SUMMARIES)) {
+                        /* The summary that went down with it; computed again from the bytes
+                         * only for a record a restart found (its entry has none). */
+                        const float *sum = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i)->summ : NULL;
+                        (void)kvd_summaries_set(&rp->summ, t->reg->be, t->reg->be_ctx, pool, canon,
+                                                sum);
+                    }
                     if (i != KVD_TNONE) {
                         kvd_tstore_touch(&tp->st, i);
                     }
@@ -2040,4 +2056,18 @@ kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const
     }
     *field = (int64_t)v;
     return KV_OK;
+}
+
+const float *kvd_tiers_summary(const kvd_tiers *t, const kvd_reg_pool *p, kv_hash128 hash) {
+    (void)t;
+    const tier_pool *tp = p->tiers;
+    if (tp == NULL) {
+        return NULL;
+    }
+    uint32_t i = kvd_tstore_find(&tp->st, hash);
+    if (i == KVD_TNONE) {
+        return NULL;
+    }
+    const kvd_tentry *e = &tp->st.e[i];
+    return e->doomed || (e->t1 == NULL && !e->in2) ? NULL : e->summ;
 }

@@ -147,6 +147,10 @@ void kvd_tiers_pool_stats(const kvd_reg_pool *p, kvd_stat_sink sink, void *arg);
 /* For admin `selftest isolation` (loop thread, synchronous, not the copy path): copies block
  * blk of pool p (its hash) into p's tier 1 at once, giving p T1-only tiers if it has none (no
  * T2 file for a self-test pool). KV_ENOTSUP when tier 1 is off, KV_ENOMEM. */
+/* The page summary a lower tier of pool p keeps with the block of hash (summaries pools), or
+ * NULL when no tier holds it (or none with a summary). Loop thread. */
+const float *kvd_tiers_summary(const kvd_tiers *t, const kvd_reg_pool *p, kv_hash128 hash);
+
 kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, kv_hash128 hash);
 
 /* The path pool p's T2 file has (or would have) for domain; "" when tier 2 is off. */

@@ -65,7 +65,7 @@ REPLY_OF = {
     "allocate": "allocate_reply", "commit": "commit_reply", "release": "release_reply",
     "rewind": "rewind_reply", "pin": "pin_reply", "stats": "stats_reply", "ping": "pong",
     "fetch": "fetch_reply",
-    "unshare": "unshare_reply",
+    "unshare": "unshare_reply", "summaries": "summaries_reply",
     "goodbye": "goodbye_reply", "map_segments": "map_segments_reply",
     "detach_pool": "detach_pool_reply",
 }
