@@ -22,8 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "examples/engine/gemm.h"
+#include "examples/engine/icecache.h"
 #include "examples/engine/zipage.h"
 #include "kernels/kvk.h"
 #include "kernels/kvk_dtype.h"
@@ -65,6 +67,13 @@ typedef struct req_state {
     size_t swap_blocks;
     size_t swap_slots;
     uint64_t swapped_at; /* steps + 1 at the swap-out (0: none) */
+    /* IceCache: */
+    int ice_on;           /* its middle was offloaded: the table holds sinks and window only */
+    size_t ice_n;         /* offloaded pages */
+    size_t ice_cap;       /* room of ice_hash and ice_summ */
+    kv_hash128 *ice_hash; /* [ice_n] the offloaded pages' hashes */
+    float *ice_summ;      /* [ice_n] their summaries (kvc_summaries) */
+    uint32_t ice_serial;  /* pages offloaded so far (their hashes' counter) */
 } req_state;
 
 enum { Z_NONE = 0, Z_PENDING = 1, Z_JOB = 2, Z_DONE = 3 };
@@ -108,6 +117,7 @@ struct kve_engine {
     kvk_cache zcache[64]; /* per layer: the cache view compression reads and writes */
     uint32_t zlayer[64];  /* and the layer argument to pass with it */
     char zerr[160];       /* the job's error */
+    uint64_t nonce;       /* IceCache: makes this engine's page hashes its own */
     size_t zkeep;         /* tokens a compression keeps (zip_keep or its default) */
     size_t zwindow;       /* last tokens always kept (zip_window or zip_queries) */
 };
@@ -144,6 +154,9 @@ void kve_options_init(kve_options *o) {
     o->zip_lambda = 0.2f;
     o->zip_temp = 0.4f;
     o->zip_batch_blocks = 600;
+    o->ice_sinks = 2;
+    o->ice_window = 2;
+    o->ice_reuse = 1;
 }
 
 void kve_request_fini(kve_request *r) {
@@ -202,6 +215,16 @@ static kv_err calibrate(kve_engine *e) {
 /* The Zipage options: "" when they make sense (or Zipage is off), else why not. */
 static const char *zip_check(const kve_model *m, const kve_options *o, size_t *keep,
                              size_t *window) {
+    if (o->ice_budget != 0) {
+        if (o->spec_k > 0 || o->static_batching || o->cascade || o->zip_budget != 0) {
+            return "IceCache runs without speculative decoding, static batching, cascade and "
+                   "Zipage";
+        }
+        if (o->ice_window == 0 || o->ice_reuse == 0) {
+            return "ice-window and ice-reuse must be at least 1";
+        }
+        return "";
+    }
     if (o->zip_budget == 0) {
         return "";
     }
@@ -287,7 +310,8 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
                       .tokens_per_block = e->tpb,
                       .dtype = o->kv_dtype,
                       .arrangement = KV_LAYER_MAJOR};
-    rc = kvc_pool_attach(e->conn, e->model_id, &want, &e->pool);
+    rc = kvc_pool_attach_ex(e->conn, e->model_id, &want,
+                            o->ice_budget != 0 ? KVC_ATTACH_SUMMARIES : 0, &e->pool);
     if (rc != KV_OK) {
         fail(e, rc, "attach: %s", kvc_last_error(e->conn));
         goto fail_conn;
@@ -299,7 +323,8 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
             goto fail_conn;
         }
     }
-    if (o->zip_budget != 0 && !kvc_conn_has_private(e->conn)) {
+    e->nonce = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(now_ms() * 1e3);
+    if ((o->zip_budget != 0 || o->ice_budget != 0) && !kvc_conn_has_private(e->conn)) {
         rc = fail(e, KV_ENOTSUP, "Zipage needs private blocks: this kvd has none");
         goto fail_conn;
     }
@@ -381,6 +406,9 @@ typedef struct span {
     const kvc_seq *seq; /* whose blocks */
     uint32_t p0, p1;    /* page range */
     int32_t last;       /* tokens in page p1 - 1 */
+    const int32_t *ins; /* IceCache: fetched pages (block ids) to attend to before page ins_at */
+    uint32_t nins;      /* their count */
+    uint32_t ins_at;    /* a page index in [p0, p1) */
 } span;
 
 /* Builds a CSR page table over spans; *indices is malloc'd (free it). */
@@ -388,7 +416,7 @@ static kv_err build_table(const span *sp, size_t n, int32_t *indptr, int32_t *la
                           int32_t **indices, uint32_t seg_limit, kve_engine *e) {
     size_t tot = 0;
     for (size_t i = 0; i < n; i++) {
-        tot += sp[i].p1 - sp[i].p0;
+        tot += sp[i].p1 - sp[i].p0 + sp[i].nins;
     }
     int32_t *ix = malloc((tot + 1) * sizeof(int32_t));
     if (ix == NULL) {
@@ -398,6 +426,13 @@ static kv_err build_table(const span *sp, size_t n, int32_t *indptr, int32_t *la
     indptr[0] = 0;
     for (size_t i = 0; i < n; i++) {
         for (uint32_t p = sp[i].p0; p < sp[i].p1; p++) {
+            for (uint32_t j = 0; p == sp[i].ins_at && j < sp[i].nins; j++) {
+                if (seg_limit != 0 && (uint32_t)sp[i].ins[j] >= seg_limit) {
+                    free(ix);
+                    return fail(e, KV_ENOTSUP, "8-bit pools must fit one segment");
+                }
+                ix[k++] = sp[i].ins[j]; /* full pages: they go before the partial last one */
+            }
             uint32_t id = kvc_seq_block(sp[i].seq, p).id;
             if (seg_limit != 0 && id >= seg_limit) {
                 free(ix);
@@ -451,7 +486,10 @@ cleanup:
 
 /* A row's full table: pages 0 .. slot / tpb, the last holding slot % tpb + 1 tokens. */
 static span row_span(const kve_engine *e, const row *r) {
-    return (span){r->rs->seq, 0, r->slot / e->tpb + 1, (int32_t)(r->slot % e->tpb) + 1};
+    return (span){.seq = r->rs->seq,
+                  .p0 = 0,
+                  .p1 = r->slot / e->tpb + 1,
+                  .last = (int32_t)(r->slot % e->tpb) + 1};
 }
 
 static int cmp_first_block(const void *a, const void *b, void *arg) {
@@ -530,7 +568,7 @@ static kv_err attend_cascade(kve_engine *e, const kvk_cache *c, uint32_t layer, 
                 memcpy(pq + dst * hd, qr + (size_t)h * hd, hd * sizeof(float));
             }
         }
-        sp[0] = (span){r0->rs->seq, 0, m, (int32_t)e->tpb};
+        sp[0] = (span){.seq = r0->rs->seq, .p0 = 0, .p1 = m, .last = (int32_t)e->tpb};
         rc = attend(e, c, layer, sp, 1, pq, po, pl, (uint32_t)G * H);
         if (rc != KV_OK) {
             goto cleanup;
@@ -573,6 +611,108 @@ cleanup:
     return rc;
 }
 
+/* ---- IceCache: the per-layer selection and fetch of a decode row (docs/ICECACHE.md) ------
+ * The row's query picks, per KV head, the top-k offloaded pages from their summaries; the union
+ * is fetched in one round trip (pages still in T0 are hits, the others come up from kvd's lower
+ * tiers) and held until the forward pass ends; the row attends to its sinks, those pages and
+ * its window. */
+typedef struct ice_row {
+    kvc_block *held; /* pages fetched for the row in this pass (released at its end) */
+    size_t nheld, cap;
+    int32_t *ins; /* the current layer group's pages, block ids */
+    uint32_t nins;
+} ice_row;
+
+static kv_err ice_select_fetch(kve_engine *e, req_state *rs, uint32_t layer, const float *q,
+                               ice_row *ir) {
+    const kve_config *c = &e->m->cfg;
+    uint32_t KH = (uint32_t)c->n_kv_heads, hd = (uint32_t)kve_head_dim(c);
+    uint32_t k = e->o.ice_budget < rs->ice_n ? e->o.ice_budget : (uint32_t)rs->ice_n;
+    double t0 = now_ms();
+    ir->nins = 0;
+    if (k == 0) {
+        return KV_OK;
+    }
+    int32_t *sel = malloc((size_t)KH * k * sizeof(int32_t));
+    uint8_t *mark = calloc(rs->ice_n, 1);
+    uint32_t *pages = malloc(rs->ice_n * sizeof(uint32_t));
+    kvc_block *out = malloc(rs->ice_n * sizeof(kvc_block));
+    kvc_fetch_result *res = malloc(rs->ice_n * sizeof(kvc_fetch_result));
+    size_t *idx = malloc(rs->ice_n * sizeof(size_t));
+    kvc_batch *b = NULL;
+    kv_err rc = KV_ENOMEM;
+    if (!sel || !mark || !pages || !out || !res || !idx) {
+        goto cleanup;
+    }
+    kvk_select_args a = {.summaries = rs->ice_summ,
+                         .npages = (uint32_t)rs->ice_n,
+                         .num_layers = (uint32_t)c->n_layers,
+                         .layer = layer,
+                         .num_kv_heads = KH,
+                         .head_dim = hd,
+                         .q = q,
+                         .num_qo_heads = (uint32_t)c->n_heads,
+                         .k = k,
+                         .mode = e->o.ice_centroid ? KVK_SELECT_CENTROID : KVK_SELECT_BOUND};
+    rc = kvk_page_select_cpu(&a, sel, NULL);
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "page select: %s", kvk_last_error());
+        goto cleanup;
+    }
+    uint32_t nu = 0;
+    for (size_t i = 0; i < (size_t)KH * k; i++) {
+        if (!mark[sel[i]]) {
+            mark[sel[i]] = 1;
+        }
+    }
+    for (uint32_t p = 0; p < rs->ice_n; p++) {
+        if (mark[p]) {
+            pages[nu++] = p;
+        }
+    }
+    rc = kvc_batch_alloc(e->conn, &b);
+    for (uint32_t j = 0; j < nu && rc == KV_OK; j++) {
+        rc = kvc_batch_fetch(b, e->pool, &rs->ice_hash[pages[j]], 1, 1, &out[j], &res[j], &idx[j]);
+    }
+    if (rc == KV_OK) {
+        rc = kvc_batch_run(b);
+    }
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "ice fetch: %s", kvc_last_error(e->conn));
+        goto cleanup;
+    }
+    if (ir->nheld + nu > ir->cap) {
+        size_t nc = (ir->nheld + nu) * 2;
+        kvc_block *nh = realloc(ir->held, nc * sizeof(kvc_block));
+        int32_t *ni = realloc(ir->ins, nc * sizeof(int32_t));
+        if (nh == NULL || ni == NULL) {
+            free(nh == ir->held ? NULL : nh);
+            rc = KV_ENOMEM;
+            goto cleanup;
+        }
+        ir->held = nh;
+        ir->ins = ni;
+        ir->cap = nc;
+    }
+    for (uint32_t j = 0; j < nu; j++) {
+        if (kvc_batch_status(b, idx[j]) == KV_OK && res[j].nblocks == 1) {
+            ir->held[ir->nheld++] = out[j];
+            ir->ins[ir->nins++] = (int32_t)out[j].id;
+            e->st.ice_pages_fetched++;
+            e->st.ice_pages_promoted += res[j].promoted;
+        } else {
+            e->st.ice_pages_missing++; /* gone from every tier: attended without it */
+        }
+    }
+    e->st.ice_selections++;
+    rc = KV_OK;
+cleanup:
+    kvc_batch_free(b);
+    free(sel), free(mark), free(pages), free(out), free(res), free(idx);
+    e->st.ice_step_ms += now_ms() - t0;
+    return rc;
+}
+
 /* One forward pass of rows through the first `layers` layers (then the final norm and the
  * classifier for rows that want logits). Writes each row's K/V into its slot first, layer by
  * layer, so a row attends to earlier rows of the same pass. */
@@ -595,7 +735,9 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
     int64_t *slots = malloc(n * sizeof(int64_t));
     span *sp = malloc(n * sizeof(span));
     uint32_t *order = malloc(n * sizeof(uint32_t));
-    if (!x || !xb || !q || !k || !v || !att || !hb || !hb2 || !slots || !sp || !order) {
+    ice_row *ice = e->o.ice_budget != 0 ? calloc(n, sizeof(ice_row)) : NULL;
+    if (!x || !xb || !q || !k || !v || !att || !hb || !hb2 || !slots || !sp || !order ||
+        (e->o.ice_budget != 0 && ice == NULL)) {
         goto cleanup;
     }
     for (size_t i = 0; i < n; i++) {
@@ -658,6 +800,21 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
             fail(e, rc, "reshape_and_cache: %s", kvk_last_error());
             goto cleanup;
         }
+        for (size_t i = 0; ice != NULL && i < n; i++) {
+            req_state *rs = rows[i].rs;
+            if (!rs->ice_on || layers != c->n_layers || rows[i].pos + 1 != rs->ntoks) {
+                continue; /* full attention: not offloaded, or a draft pass */
+            }
+            if ((uint32_t)l % e->o.ice_reuse == 0) {
+                rc = ice_select_fetch(e, rs, (uint32_t)l, q + i * d, &ice[i]);
+                if (rc != KV_OK) {
+                    goto cleanup;
+                }
+            }
+            sp[i].ins = ice[i].ins;
+            sp[i].nins = ice[i].nins;
+            sp[i].ins_at = e->o.ice_sinks;
+        }
         if (e->o.cascade) {
             rc = attend_cascade(e, &cache, la, rows, n, q, att, order);
         } else {
@@ -707,6 +864,15 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
     }
     rc = KV_OK;
 cleanup:
+    for (size_t i = 0; ice != NULL && i < n; i++) {
+        if (ice[i].nheld > 0) {
+            kv_err r2 = kvc_release(e->pool, ice[i].held, ice[i].nheld);
+            rc = rc == KV_OK ? r2 : rc;
+        }
+        free(ice[i].held);
+        free(ice[i].ins);
+    }
+    free(ice);
     free(x), free(xb), free(q), free(k), free(v), free(att), free(hb), free(hb2);
     free(slots), free(sp), free(order);
     return rc;
@@ -809,6 +975,9 @@ static kv_err zip_init(kve_engine *e, req_state *rs) {
 static void zip_fini(req_state *rs) {
     free(rs->qring), free(rs->slotpos), free(rs->gscore), free(rs->kept), free(rs->gout);
     free(rs->zpages), free(rs->fresh), free(rs->swap);
+    free(rs->ice_hash), free(rs->ice_summ);
+    rs->ice_hash = NULL;
+    rs->ice_summ = NULL;
     rs->qring = NULL;
     rs->swap = NULL;
 }
@@ -1190,6 +1359,257 @@ cleanup:
     free(blk);
     free(ids);
     return rc;
+}
+
+/* ---- IceCache: offload ---------------------------------------------------------------------
+ * A decoding sequence keeps its first ice_sinks pages and its last ice_window pages in its
+ * table. The first time the rest outgrows the budget, the middle pages' tokens are packed by key
+ * similarity (icecache.h; token order with ice_no_pack), gathered into fresh blocks that are
+ * committed under hashes of this engine's own (so kvd may demote them to its lower tiers, and
+ * keeps their summaries), and given back; later, each window page that leaves the window is
+ * offloaded the same way in token order (the index updated at decode). The table itself is then
+ * rebuilt from the sinks and the window (kvc_seq_compact into private blocks). */
+
+static size_t ice_pos(const kve_engine *e, const req_state *rs, size_t slot) {
+    return slot < (size_t)e->o.ice_sinks * e->tpb ? slot : slot + rs->dropped;
+}
+
+static kv_err ice_init(kve_engine *e, req_state *rs) {
+    if (rs->slotpos != NULL) {
+        return KV_OK;
+    }
+    rs->cap = ((size_t)e->o.ice_sinks + e->o.ice_window + 2) * e->tpb;
+    rs->slotpos = calloc(rs->cap, sizeof(uint32_t));
+    rs->gscore = calloc(rs->cap, sizeof(float));
+    return rs->slotpos != NULL && rs->gscore != NULL ? KV_OK
+                                                     : fail(e, KV_ENOMEM, "no IceCache state");
+}
+
+/* Offloads the sequence's pages [p0, p1) (full ones) and rebuilds its table without them. */
+static kv_err ice_offload(kve_engine *e, req_state *rs, size_t p0, size_t p1, int pack) {
+    const kve_config *c = &e->m->cfg;
+    const uint32_t L = (uint32_t)c->n_layers, KH = (uint32_t)c->n_kv_heads;
+    const uint32_t hd = (uint32_t)kve_head_dim(c), tpb = e->tpb;
+    const size_t len = kvc_seq_length(rs->seq), np = p1 - p0, ntok = np * tpb;
+    const size_t nkept = len - ntok, nfresh = blocks_for(e, nkept);
+    const size_t per = KVK_SUMMARY_FLOATS(L, KH, hd), width = (size_t)L * KH * hd;
+    double t0 = now_ms();
+    kv_err rc = ice_init(e, rs);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    uint32_t *order = malloc(ntok * sizeof(uint32_t));
+    float *keys = pack ? malloc(ntok * width * sizeof(float)) : NULL;
+    int64_t *src = malloc((ntok > nkept ? ntok : nkept) * sizeof(int64_t));
+    int32_t *dst = malloc((np > nfresh ? np : nfresh) * sizeof(int32_t));
+    kvc_block *blk = malloc(np * sizeof(kvc_block)), *fresh = malloc(nfresh * sizeof(kvc_block));
+    kvc_commit_entry *ent = malloc(np * sizeof(kvc_commit_entry));
+    kvc_block *canon = malloc(np * sizeof(kvc_block));
+    uint32_t *ids = malloc((tpb > nkept ? tpb : nkept) * sizeof(uint32_t));
+    uint32_t *pos = malloc(nkept * sizeof(uint32_t));
+    kvk_cache cache[64];
+    uint32_t la[64];
+    int got_blocks = 0, got_fresh = 0;
+    rc = KV_ENOMEM;
+    if (!order || (pack && !keys) || !src || !dst || !blk || !fresh || !ent || !canon || !ids ||
+        !pos) {
+        goto cleanup;
+    }
+    for (uint32_t l = 0; l < L; l++) {
+        rc = layer_cache(e, l, &cache[l], &la[l]);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+    }
+    for (size_t i = 0; i < ntok; i++) {
+        order[i] = (uint32_t)i;
+    }
+    if (pack) {
+        /* Every layer's keys side by side: one packing for all layers (a block holds them). */
+        for (size_t i = 0; i < ntok; i++) {
+            size_t slot = p0 * tpb + i;
+            uint32_t b = kvc_seq_block(rs->seq, slot / tpb).id;
+            for (uint32_t l = 0; l < L; l++) {
+                const kvk_cache *kc = &cache[l];
+                uint32_t sec = la[l] * 2;
+                const char *row = (const char *)kc->data + (int64_t)b * kc->block_stride +
+                                  (int64_t)sec * kc->section_stride +
+                                  (int64_t)((slot % tpb) * KH * hd * kvk_dtype_bytes(kc->dtype));
+                for (uint32_t g = 0; g < KH; g++) {
+                    float s = 1.0f;
+                    if (kc->scales != 0) {
+                        memcpy(&s,
+                               (const char *)kc->scales + (int64_t)b * kc->scale_block_stride +
+                                   (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
+                               sizeof(float));
+                    }
+                    for (uint32_t x = 0; x < hd; x++) {
+                        keys[i * width + ((size_t)l * KH + g) * hd + x] =
+                            kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * s;
+                    }
+                }
+            }
+        }
+        rc = kve_ice_pack(keys, ntok, width, tpb, order);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+    }
+    /* The pages to offload: fresh blocks, gathered, committed under this engine's hashes. */
+    rc = kvc_allocate(e->pool, (uint32_t)np, blk);
+    if (rc == KV_ENOSPC) {
+        rc = KV_OK; /* no room now: the next step tries again */
+        goto cleanup;
+    }
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "ice allocate: %s", kvc_last_error(e->conn));
+        goto cleanup;
+    }
+    got_blocks = 1;
+    for (size_t i = 0; i < ntok; i++) {
+        size_t slot = p0 * tpb + order[i];
+        src[i] = (int64_t)kvc_seq_block(rs->seq, slot / tpb).id * tpb + slot % tpb;
+    }
+    for (size_t j = 0; j < np; j++) {
+        dst[j] = (int32_t)blk[j].id;
+    }
+    uint32_t nviews = cache[0].num_sections == 2 ? L : 1;
+    for (uint32_t l = 0; l < nviews; l++) {
+        rc = kvk_compact_tokens_cpu(&cache[l], &cache[l], src, (uint32_t)ntok, dst);
+        if (rc != KV_OK) {
+            rc = fail(e, rc, "ice gather: %s", kvk_last_error());
+            goto cleanup;
+        }
+    }
+    if (rs->ice_n + np > rs->ice_cap) {
+        size_t nc = (rs->ice_n + np) * 2;
+        kv_hash128 *nh = realloc(rs->ice_hash, nc * sizeof(kv_hash128));
+        if (nh == NULL) {
+            goto cleanup;
+        }
+        rs->ice_hash = nh;
+        float *ns = realloc(rs->ice_summ, nc * per * sizeof(float));
+        if (ns == NULL) {
+            goto cleanup;
+        }
+        rs->ice_summ = ns;
+        rs->ice_cap = nc;
+    }
+    for (size_t j = 0; j < np; j++) {
+        uint32_t extra[4] = {(uint32_t)e->nonce, (uint32_t)(e->nonce >> 32), rs->r->id,
+                             rs->ice_serial++};
+        for (uint32_t t = 0; t < tpb; t++) {
+            ids[t] = rs->toks[ice_pos(e, rs, p0 * tpb + order[j * tpb + t])];
+        }
+        size_t nh = 0;
+        rc = kvc_pool_hash_tokens(e->pool, extra, sizeof(extra), ids, tpb,
+                                  &rs->ice_hash[rs->ice_n + j], 1, &nh);
+        if (rc != KV_OK) {
+            goto cleanup;
+        }
+        ent[j] = (kvc_commit_entry){blk[j], rs->ice_hash[rs->ice_n + j], KVC_NO_PARENT};
+    }
+    rc = kvc_commit(e->pool, ent, np, canon);
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "ice commit: %s", kvc_last_error(e->conn));
+        goto cleanup;
+    }
+    got_blocks = 0;
+    rc = kvc_release(e->pool, canon, np); /* cached in T0, demoted below as kvd decides */
+    uint8_t *found = malloc(np);
+    if (rc == KV_OK && found != NULL) {
+        rc = kvc_summaries(e->pool, rs->ice_hash + rs->ice_n, np, rs->ice_summ + rs->ice_n * per,
+                           found);
+        for (size_t j = 0; rc == KV_OK && j < np; j++) {
+            if (!found[j]) {
+                rc = fail(e, KV_EINTERNAL, "no summary of a page just committed");
+            }
+        }
+    }
+    free(found);
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "ice summaries: %s", kvc_last_error(e->conn));
+        goto cleanup;
+    }
+    rs->ice_n += np;
+    e->st.ice_pages_out += np;
+    /* The table without them: sinks and window, into private blocks. */
+    size_t k = 0;
+    for (size_t s = 0; s < len; s++) {
+        if (s >= p0 * tpb && s < p1 * tpb) {
+            continue;
+        }
+        src[k] = (int64_t)kvc_seq_block(rs->seq, s / tpb).id * tpb + s % tpb;
+        pos[k] = (uint32_t)ice_pos(e, rs, s);
+        ids[k] = rs->toks[pos[k]];
+        k++;
+    }
+    rc = kvc_allocate_private(e->pool, (uint32_t)nfresh, fresh);
+    if (rc != KV_OK) {
+        rc = rc == KV_ENOSPC ? KV_OK : fail(e, rc, "ice allocate: %s", kvc_last_error(e->conn));
+        /* The pages are offloaded twice until the table can be rebuilt: harmless, and rare. */
+        rs->ice_n -= np;
+        goto cleanup;
+    }
+    got_fresh = 1;
+    for (size_t j = 0; j < nfresh; j++) {
+        dst[j] = (int32_t)fresh[j].id;
+    }
+    for (uint32_t l = 0; l < nviews; l++) {
+        rc = kvk_compact_tokens_cpu(&cache[l], &cache[l], src, (uint32_t)nkept, dst);
+        if (rc != KV_OK) {
+            rc = fail(e, rc, "ice rebuild: %s", kvk_last_error());
+            goto cleanup;
+        }
+    }
+    rc = kvc_seq_compact(rs->seq, ids, nkept, fresh, nfresh);
+    got_fresh = 0;
+    if (rc != KV_OK) {
+        rc = fail(e, rc, "ice compact: %s", kvc_last_error(e->conn));
+        goto cleanup;
+    }
+    rs->dropped += ntok;
+    for (size_t i = 0; i < nkept && i < rs->cap; i++) {
+        rs->slotpos[i] = pos[i];
+    }
+    rs->zbase = nkept;
+    if (!rs->ice_on) {
+        e->st.ice_offloads++;
+    }
+    rs->ice_on = 1;
+cleanup:
+    if (got_blocks) {
+        (void)kvc_release(e->pool, blk, np);
+    }
+    if (got_fresh) {
+        (void)kvc_release(e->pool, fresh, nfresh);
+    }
+    free(order), free(keys), free(src), free(dst), free(blk), free(fresh), free(ent);
+    free(canon), free(ids), free(pos);
+    e->st.ice_pack_ms += now_ms() - t0;
+    return rc;
+}
+
+/* After a step: offloads what left the resident pages of each decoding IceCache sequence. */
+static kv_err ice_maintain(kve_engine *e, sched *s) {
+    for (size_t i = 0; e->o.ice_budget != 0 && i < s->nrun; i++) {
+        req_state *rs = s->run[i];
+        if (rs->zstate != Z_NONE || rs->done + 1 != rs->ntoks) {
+            continue; /* still prefilling */
+        }
+        size_t npages = kvc_seq_nblocks(rs->seq), S = e->o.ice_sinks, W = e->o.ice_window;
+        kv_err rc = KV_OK;
+        size_t at = e->o.ice_offload_min != 0 ? e->o.ice_offload_min : e->o.ice_budget;
+        if (!rs->ice_on && npages > S + W + at) {
+            rc = ice_offload(e, rs, S, npages - W, !e->o.ice_no_pack);
+        } else if (rs->ice_on && npages > S + W) {
+            rc = ice_offload(e, rs, S, npages - W, 0);
+        }
+        if (rc != KV_OK) {
+            return rc;
+        }
+    }
+    return KV_OK;
 }
 
 /* Preempts the newest running request (not one a compression job holds): its blocks go back
@@ -1696,6 +2116,7 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
         }
         i++;
     }
+    rc = ice_maintain(e, s);
 cleanup:
     free(rows);
     free(lg);

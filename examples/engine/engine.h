@@ -14,7 +14,11 @@
  * (zip_budget) keeps every sequence within a fixed number of blocks: at the block boundary a
  * sequence at its budget is compressed (its kept tokens' K/V gathered into fresh private blocks,
  * docs/ZIPAGE.md) on a worker thread while the other sequences decode, and a compressed sequence
- * that is preempted is swapped out and requeued, never recomputed.
+ * that is preempted is swapped out and requeued, never recomputed. The IceCache mode
+ * (ice_budget) keeps only sink and window pages of a decoding sequence in its table: the rest
+ * is packed by key similarity into pages committed to kvd (and so demoted to its lower tiers)
+ * with daemon-kept summaries, and each decode step fetches, per layer, the top-k pages for the
+ * step's query (docs/ICECACHE.md).
  *
  * K/V of new tokens are written with kvk_reshape_and_cache_cpu and read with
  * kvk_paged_decode_attention_cpu over the CSR block tables of kvc_seq (a prefill token is a
@@ -65,6 +69,15 @@ typedef struct kve_options {
     float zip_temp;            /* temperature of the redundancy softmax; 0.4 */
     uint32_t zip_batch_blocks; /* blocks one compression job covers at most; 600 */
     int zip_sync;              /* 1: compress on the scheduler thread (no overlap) */
+    /* IceCache (docs/ICECACHE.md); the paper's defaults. Not with spec_k, static_batching,
+     * cascade or Zipage. */
+    uint32_t ice_budget; /* pages selected per layer and KV head; 0: IceCache off (paper: 16) */
+    uint32_t ice_sinks;  /* first pages kept resident; 2 */
+    uint32_t ice_window; /* last pages kept resident; 2 */
+    uint32_t ice_reuse;  /* layers that share the selection of the first of them; 1 */
+    int ice_centroid;    /* 1: pages scored by q . centroid; 0: by the upper bound (default) */
+    int ice_no_pack;     /* 1: offload pages in token order (the benchmark's baseline) */
+    uint32_t ice_offload_min; /* offload once the middle holds more pages; 0: ice_budget */
 } kve_options;
 
 /* Fills o with the defaults above. */
@@ -114,9 +127,17 @@ typedef struct kve_stats {
     uint64_t zip_swaps;       /* Zipage: compressed sequences preempted (swapped, not recomputed) */
     double zip_job_ms;        /* Zipage: time compression jobs ran (on their thread) */
     double zip_wait_ms;       /* Zipage: time the scheduler waited with nothing else to run */
-    double slots_allocated;   /* sum over steps of slots held (blocks * tokens per block) */
-    double slots_used;        /* sum over steps of slots holding a token */
-    double elapsed_ms;        /* wall time of the last kve_engine_run */
+    uint64_t ice_offloads;    /* IceCache: sequences whose middle was packed and offloaded */
+    uint64_t ice_pages_out;   /* IceCache: pages committed to kvd for offload */
+    uint64_t ice_selections;  /* IceCache: (row, layer) selections */
+    uint64_t ice_pages_fetched;  /* IceCache: pages fetched for attention (T0 hits included) */
+    uint64_t ice_pages_promoted; /* IceCache: of them, copied up from a lower tier */
+    uint64_t ice_pages_missing;  /* IceCache: selected pages kvd no longer had (skipped) */
+    double ice_pack_ms;          /* IceCache: packing and offload time (prefill indexing) */
+    double ice_step_ms;          /* IceCache: selection and fetch time */
+    double slots_allocated;      /* sum over steps of slots held (blocks * tokens per block) */
+    double slots_used;           /* sum over steps of slots holding a token */
+    double elapsed_ms;           /* wall time of the last kve_engine_run */
 } kve_stats;
 
 /* Connects to kvd, attaches the pool for m's KV shape and (8-bit dtypes) calibrates scales. m is

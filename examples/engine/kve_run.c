@@ -9,6 +9,8 @@
  *           [--zip-budget B [--zip-keep N] [--zip-queries 16] [--zip-sinks 4] [--zip-window W]
  *            [--zip-pool 5] [--zip-decay 0.8] [--zip-lambda 0.2] [--zip-temp 0.4]
  *            [--zip-batch-blocks 600] [--zip-sync]]
+ *           [--ice-budget K [--ice-sinks 2] [--ice-window 2] [--ice-reuse 1] [--ice-centroid]
+ *            [--ice-no-pack]]
  *           (--workload FILE [--shard I/N] | --prompt-len N --prompt-seed S --max-new M)
  *   kve_run --print-gemm    (prints the matmul instruction set this CPU runs: avx2, scalar)
  */
@@ -47,7 +49,8 @@ static void usage(void) {
             "[--draft-layers L] [--cascade] [--threads T] [--print-tokens] [--zip-budget B "
             "[--zip-keep N] [--zip-queries Q] [--zip-sinks S] [--zip-window W] [--zip-pool P] "
             "[--zip-decay D] [--zip-lambda L] [--zip-temp T] [--zip-batch-blocks N] "
-            "[--zip-sync]] (--workload FILE "
+            "[--zip-sync]] [--ice-budget K [--ice-sinks S] [--ice-window W] [--ice-reuse N] "
+            "[--ice-centroid] [--ice-no-pack]] (--workload FILE "
             "[--shard I/N] | --prompt-len N [--prompt-seed S] [--max-new M])\n");
 }
 
@@ -79,6 +82,10 @@ int main(int argc, char **argv) {
             print_tokens = 1, used = 0;
         } else if (strcmp(a, "--zip-sync") == 0) {
             o.zip_sync = 1, used = 0;
+        } else if (strcmp(a, "--ice-centroid") == 0) {
+            o.ice_centroid = 1, used = 0;
+        } else if (strcmp(a, "--ice-no-pack") == 0) {
+            o.ice_no_pack = 1, used = 0;
         } else if (v == NULL) {
             usage();
             return 2;
@@ -134,6 +141,16 @@ int main(int argc, char **argv) {
             o.zip_temp = strtof(v, NULL);
         } else if (strcmp(a, "--zip-batch-blocks") == 0) {
             o.zip_batch_blocks = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--ice-budget") == 0) {
+            o.ice_budget = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--ice-sinks") == 0) {
+            o.ice_sinks = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--ice-window") == 0) {
+            o.ice_window = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--ice-offload-min") == 0) {
+            o.ice_offload_min = (uint32_t)strtoul(v, NULL, 10);
+        } else if (strcmp(a, "--ice-reuse") == 0) {
+            o.ice_reuse = (uint32_t)strtoul(v, NULL, 10);
         } else if (strcmp(a, "--workload") == 0) {
             wl_path = v;
         } else if (strcmp(a, "--shard") == 0) {
@@ -232,12 +249,17 @@ int main(int argc, char **argv) {
            " draft_rows=%" PRIu64 " cascade_groups=%" PRIu64
            " slots_allocated=%.0f slots_used=%.0f elapsed_ms=%.3f ttft_sum_ms=%.3f"
            " latency_sum_ms=%.3f bytes_per_token=%.1f compressions=%" PRIu64 " zip_jobs=%" PRIu64
-           " zip_dropped=%" PRIu64 " zip_swaps=%" PRIu64 " zip_job_ms=%.3f zip_wait_ms=%.3f\n",
+           " zip_dropped=%" PRIu64 " zip_swaps=%" PRIu64 " zip_job_ms=%.3f zip_wait_ms=%.3f"
+           " ice_offloads=%" PRIu64 " ice_pages_out=%" PRIu64 " ice_selections=%" PRIu64
+           " ice_pages_fetched=%" PRIu64 " ice_pages_promoted=%" PRIu64
+           " ice_pages_missing=%" PRIu64 " ice_pack_ms=%.3f ice_step_ms=%.3f\n",
            w.n, ok, st->prompt_tokens, st->cached_tokens, st->computed_tokens, st->generated,
            st->preemptions, st->steps, st->spec_proposed, st->spec_accepted, st->draft_rows,
            st->cascade_groups, st->slots_allocated, st->slots_used, st->elapsed_ms, ttft, lat,
            (double)ly->block_bytes / ly->tokens_per_block, st->compressions, st->zip_jobs,
-           st->zip_dropped, st->zip_swaps, st->zip_job_ms, st->zip_wait_ms);
+           st->zip_dropped, st->zip_swaps, st->zip_job_ms, st->zip_wait_ms, st->ice_offloads,
+           st->ice_pages_out, st->ice_selections, st->ice_pages_fetched, st->ice_pages_promoted,
+           st->ice_pages_missing, st->ice_pack_ms, st->ice_step_ms);
     status = ok == w.n ? 0 : 1;
 out:
     kve_engine_close(e);
