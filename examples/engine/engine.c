@@ -1166,15 +1166,17 @@ static kv_err zip_poll(kve_engine *e, int wait) {
     }
     int done = e->zjob_done;
     kv_err rc = e->zjob_rc;
+    req_state **job = e->zjob;
+    size_t n = e->nzjob;
+    if (done) {
+        e->zjob = NULL;
+        e->nzjob = 0;
+        e->zjob_done = 0;
+    }
     pthread_mutex_unlock(&e->zmu);
     if (!done) {
         return KV_OK;
     }
-    req_state **job = e->zjob;
-    size_t n = e->nzjob;
-    e->zjob = NULL;
-    e->nzjob = 0;
-    e->zjob_done = 0;
     kv_err first = rc != KV_OK ? fail(e, rc, "compression: %s", e->zerr) : KV_OK;
     for (size_t i = 0; i < n; i++) {
         kv_err r2 = rc == KV_OK ? zip_finish(e, job[i]) : KV_OK;
@@ -1249,9 +1251,9 @@ static kv_err zip_submit(kve_engine *e, sched *s) {
         }
     }
     e->st.zip_jobs++;
-    e->zjob = job;
-    e->nzjob = nj;
     if (!e->zthread_on) {
+        e->zjob = job;
+        e->nzjob = nj;
         /* zip_sync: the same work on this thread. */
         double t0 = now_ms();
         kv_err rc = KV_OK;
@@ -1263,7 +1265,10 @@ static kv_err zip_submit(kve_engine *e, sched *s) {
         e->zjob_done = 1;
         return zip_poll(e, 0);
     }
+    /* The job's fields are the thread's to read from here on: set under its mutex. */
     pthread_mutex_lock(&e->zmu);
+    e->zjob = job;
+    e->nzjob = nj;
     e->zjob_done = 0;
     pthread_cond_broadcast(&e->zcv);
     pthread_mutex_unlock(&e->zmu);
@@ -2217,11 +2222,11 @@ cleanup:
         while (!e->zjob_done) {
             pthread_cond_wait(&e->zcv, &e->zmu);
         }
-        pthread_mutex_unlock(&e->zmu);
         free(e->zjob);
         e->zjob = NULL;
         e->nzjob = 0;
         e->zjob_done = 0;
+        pthread_mutex_unlock(&e->zmu);
     }
     e->st.elapsed_ms = now_ms() - t0;
     for (size_t i = 0; s.rs != NULL && i < n; i++) {
