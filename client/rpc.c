@@ -1158,8 +1158,38 @@ static kv_err q_summaries(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, s
     return err;
 }
 
-kv_err kvc_summaries(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out, uint8_t *found) {
+static kv_err summaries_one(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out,
+                            uint8_t *found) {
     SYNC_CALL(p->conn, q_summaries(b, p, hashes, n, out, found));
+}
+
+kv_err kvc_summaries(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out, uint8_t *found) {
+    if (p == NULL || p->conn == NULL) {
+        return kvc__fail(NULL, KV_EINVAL, "summaries: NULL pool");
+    }
+    /* One reply frame holds what the daemon's frame limit leaves (a quarter for headers). */
+    const kv_layout *l = &p->layout;
+    size_t per = (size_t)l->num_layers * l->num_kv_heads * 3 * l->head_dim;
+    size_t room = p->conn->max_frame - p->conn->max_frame / 4;
+    size_t chunk = room / (per * sizeof(float));
+    chunk = chunk < p->conn->max_blocks ? chunk : p->conn->max_blocks;
+    if (n > 0 && chunk == 0) {
+        return kvc__fail(&p->conn->diag, KV_ETOOBIG,
+                         "one summary (%zu bytes) does not fit the daemon's frame of %u bytes",
+                         per * sizeof(float), p->conn->max_frame);
+    }
+    if (n == 0) {
+        return summaries_one(p, hashes, 0, out, found);
+    }
+    for (size_t i = 0; i < n; i += chunk) {
+        size_t k = n - i < chunk ? n - i : chunk;
+        kv_err err =
+            summaries_one(p, hashes + i, k, out + i * per, found != NULL ? found + i : NULL);
+        if (err != KV_OK) {
+            return err;
+        }
+    }
+    return KV_OK;
 }
 
 kv_err kvc_allocate_private(kvc_pool *p, uint32_t count, kvc_block *out) {

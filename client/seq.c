@@ -224,6 +224,9 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     if (n == 0 || tokens == NULL) {
         return kvc__fail(&c->diag, KV_EINVAL, "prefill needs at least one token");
     }
+    /* An empty sequence is an ordinary one again, even one rewound to 0 after a compaction. */
+    s->compressed = 0;
+    s->dropped = 0;
     if (n > s->max_tokens) {
         return kvc__fail(&c->diag, KV_ETOOBIG, "prompt of %zu tokens exceeds the sequence's %zu", n,
                          s->max_tokens);

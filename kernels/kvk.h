@@ -347,7 +347,10 @@ typedef struct kvk_select_args {
 /* Top-k pages per KV head by a score of the attention logit. KVK_SELECT_BOUND: for KV head g,
  * page p scores max over g's query heads h of sum_d max(q[h][d] * min[p][g][d], q[h][d] *
  * max[p][g][d]), which is >= q . k for every key k the page holds; KVK_SELECT_CENTROID: max over
- * h of sum_d q[h][d] * mean[p][g][d]. Both are exact when a page's keys are all equal. out
+ * h of sum_d q[h][d] * mean[p][g][d]. Both are exact when a page's keys are all equal. An empty
+ * page (summarised over 0 tokens) scores -inf, a channel where q is 0 adds 0 (whatever the key,
+ * infinite ones included), and a query head whose sum is NaN (inf - inf) does not count, so
+ * every score is a number, +inf or -inf. out
  * [num_kv_heads][k]: each head's k best pages, in ascending page order (ties: the lower page
  * first). score (may be NULL) [num_kv_heads][npages]: the bounds. KV_EINVAL for bad shapes or
  * k > npages. */

@@ -902,10 +902,16 @@ __device__ float page_score(const SelParams &p, uint32_t pg, uint32_t g) {
         p.summ + pg * per + ((uint64_t)p.layer * p.heads + g) * KVK_SUMMARY_PARTS * p.dim;
     const float *mx = mn + p.dim, *me = mx + p.dim;
     float best = -INFINITY;
+    if (mn[0] > mx[0]) {
+        return -INFINITY; // an empty page, as the twin
+    }
     for (uint32_t j = 0; j < G; j++) {
         const float *q = p.q + (uint64_t)(g * G + j) * p.dim;
         float s = 0.0f;
         for (uint32_t d = 0; d < p.dim; d++) {
+            if (q[d] == 0.0f) {
+                continue; // contributes 0 whatever the key, as the twin
+            }
             if (p.mode == KVK_SELECT_CENTROID) {
                 s = __fadd_rn(s, __fmul_rn(q[d], me[d]));
             } else {
@@ -956,8 +962,12 @@ __global__ void __launch_bounds__(256) select_kernel(SelParams p) {
             __syncthreads();
         }
         if (threadIdx.x == 0) {
-            o[r] = (int32_t)bi[0];
-            sc[bi[0]] = __int_as_float(0x7fc00000); // taken: NaN, skipped from now on
+            // Scores are numbers or -inf (page_score) and k <= npages, so an untaken page is
+            // always found; the guard only keeps a broken invariant inside the arrays.
+            o[r] = bi[0] != UINT32_MAX ? (int32_t)bi[0] : 0;
+            if (bi[0] != UINT32_MAX) {
+                sc[bi[0]] = __int_as_float(0x7fc00000); // taken: NaN, skipped from now on
+            }
         }
         __syncthreads();
     }

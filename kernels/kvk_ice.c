@@ -103,10 +103,16 @@ static float bound(const kvk_select_args *a, uint32_t p, uint32_t g) {
                       ((size_t)a->layer * a->num_kv_heads + g) * KVK_SUMMARY_PARTS * D;
     const float *mx = mn + D, *me = mx + D;
     float best = -INFINITY;
+    if (mn[0] > mx[0]) {
+        return -INFINITY; /* an empty page (no token summarised): never better than any */
+    }
     for (uint32_t j = 0; j < G; j++) {
         const float *q = a->q + (size_t)(g * G + j) * D;
         float s = 0.0f;
         for (uint32_t d = 0; d < D; d++) {
+            if (q[d] == 0.0f) {
+                continue; /* contributes 0 whatever the key (never 0 * inf) */
+            }
             if (a->mode == KVK_SELECT_CENTROID) {
                 s = s + q[d] * me[d];
             } else {
@@ -114,7 +120,7 @@ static float bound(const kvk_select_args *a, uint32_t p, uint32_t g) {
                 s = s + (x > y ? x : y);
             }
         }
-        best = s > best ? s : best;
+        best = s > best ? s : best; /* a NaN (0 * inf) never wins here */
     }
     return best;
 }

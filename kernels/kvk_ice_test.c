@@ -173,6 +173,51 @@ static void test_exact_topk(void **state) {
     tu_seg_fini(&s);
 }
 
+/* An empty page (0 tokens: min +inf, max -inf) scores -inf in both modes and is taken only when
+ * nothing else is left; an infinite key never makes a score NaN. */
+static void test_empty_and_infinite_pages(void **state) {
+    (void)state;
+    const uint32_t D = 4, NP = 5;
+    float summ[5 * 3 * 4];
+    for (uint32_t p = 0; p < NP; p++) {
+        for (uint32_t d = 0; d < D; d++) {
+            float v = (float)p + 1.0f;
+            summ[p * 12 + d] = p == 1 ? INFINITY : v;      /* min */
+            summ[p * 12 + 4 + d] = p == 1 ? -INFINITY : v; /* max */
+            summ[p * 12 + 8 + d] = p == 1 ? 0.0f : v;      /* mean */
+        }
+    }
+    summ[3 * 12 + 4 + 2] = INFINITY; /* page 3: an infinite max in channel 2 */
+    float q[4] = {1.0f, 0.5f, 0.0f, 0.25f};
+    kvk_select_args a = {.summaries = summ,
+                         .npages = NP,
+                         .num_layers = 1,
+                         .layer = 0,
+                         .num_kv_heads = 1,
+                         .head_dim = D,
+                         .q = q,
+                         .num_qo_heads = 1,
+                         .k = 4};
+    int32_t out[5];
+    float sc[5];
+    for (a.mode = KVK_SELECT_BOUND; a.mode <= KVK_SELECT_CENTROID; a.mode++) {
+        assert_int_equal(kvk_page_select_cpu(&a, out, sc), KV_OK);
+        assert_true(sc[1] == -INFINITY);
+        for (uint32_t p = 0; p < NP; p++) {
+            assert_false(isnan(sc[p]));
+        }
+        /* The four real pages, not the empty one (page 3's infinite channel meets q = 0). */
+        assert_int_equal(out[0], 0);
+        assert_int_equal(out[1], 2);
+        assert_int_equal(out[2], 3);
+        assert_int_equal(out[3], 4);
+    }
+    a.k = 5;
+    a.mode = KVK_SELECT_BOUND;
+    assert_int_equal(kvk_page_select_cpu(&a, out, sc), KV_OK);
+    assert_int_equal(out[1], 1); /* taken last, when nothing else is left */
+}
+
 static void test_refusals(void **state) {
     (void)state;
     tu_seg s;
@@ -210,9 +255,8 @@ static void test_refusals(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_summaries_naive),
-        cmocka_unit_test(test_bound_holds),
-        cmocka_unit_test(test_exact_topk),
+        cmocka_unit_test(test_summaries_naive), cmocka_unit_test(test_bound_holds),
+        cmocka_unit_test(test_exact_topk),      cmocka_unit_test(test_empty_and_infinite_pages),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

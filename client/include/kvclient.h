@@ -372,8 +372,9 @@ KVC_EXTERN kv_err kvc_allocate(kvc_pool *p, uint32_t count, kvc_block *out);
  * at i * that many floats: per (layer, KV head) the per-channel min, max and mean of its keys,
  * computed by the daemon from the committed bytes; found[i] (may be NULL) 1 when the pool has the
  * hash, else 0 (its summary left untouched). Only this pool is searched: another domain's blocks
- * are never visible. KV_ENOTSUP for a pool attached without the flag; KV_ETOOBIG above the
- * list limit; transport errors. */
+ * are never visible. Long lists go as several requests, each reply within the daemon's frame
+ * limit. KV_ENOTSUP for a pool attached without the flag; KV_ETOOBIG when one summary alone
+ * exceeds the frame limit; transport errors. */
 KVC_EXTERN kv_err kvc_summaries(kvc_pool *p, const kv_hash128 *hashes, size_t n, float *out,
                                 uint8_t *found);
 

@@ -1298,6 +1298,16 @@ static kv_err on_summaries(rpc *c, uint64_t id, const Kvd__Summaries *m, char *m
         return rc;
     }
     size_t per = kvd_summary_floats(&p->layout);
+    /* The reply must fit one frame: its envelope and per-entry headers take little, so a
+     * quarter of the frame is kept for them. */
+    size_t room = c->cfg->max_frame_bytes - c->cfg->max_frame_bytes / 4;
+    if (n > 0 && n * per * sizeof(float) > room) {
+        FAIL(KV_ETOOBIG,
+             "%zu summaries of %zu bytes do not fit one reply frame (max-frame-bytes %llu): ask "
+             "at most %zu hashes per request",
+             n, per * sizeof(float), (unsigned long long)c->cfg->max_frame_bytes,
+             room / (per * sizeof(float)));
+    }
     ProtobufCBinaryData *v = rpc_scratch(c, (n + 1) * sizeof(*v));
     if (v == NULL) {
         FAIL(KV_ENOMEM, "no memory for %zu summaries", n);

@@ -1626,7 +1626,9 @@ static void fetch_finish(kvd_fetch *f) {
                     if (fresh && rp != NULL && (rp->flags & KVD_POOL_SUMMARIES)) {
                         /* The summary that went down with it; computed again from the bytes
                          * only for a record a restart found (its entry has none). */
-                        const float *sum = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i)->summ : NULL;
+                        const float *sum = i != KVD_TNONE && !(rp->flags & KVD_POOL_LOSSY_TIERS)
+                                               ? kvd_tstore_at(&tp->st, i)->summ
+                                               : NULL; /* lossy: of the bytes that came up */
                         (void)kvd_summaries_set(&rp->summ, t->reg->be, t->reg->be_ctx, pool, canon,
                                                 sum);
                     }

@@ -223,6 +223,9 @@ static const char *zip_check(const kve_model *m, const kve_options *o, size_t *k
         if (o->ice_window == 0 || o->ice_reuse == 0) {
             return "ice-window and ice-reuse must be at least 1";
         }
+        if (m->cfg.n_layers > 64) {
+            return "IceCache runs models of at most 64 layers";
+        }
         return "";
     }
     if (o->zip_budget == 0) {
@@ -684,14 +687,23 @@ static kv_err ice_select_fetch(kve_engine *e, req_state *rs, uint32_t layer, con
     if (ir->nheld + nu > ir->cap) {
         size_t nc = (ir->nheld + nu) * 2;
         kvc_block *nh = realloc(ir->held, nc * sizeof(kvc_block));
-        int32_t *ni = realloc(ir->ins, nc * sizeof(int32_t));
+        if (nh != NULL) {
+            ir->held = nh; /* kept at once: the old buffer is gone */
+        }
+        int32_t *ni = nh != NULL ? realloc(ir->ins, nc * sizeof(int32_t)) : NULL;
+        if (ni != NULL) {
+            ir->ins = ni;
+        }
         if (nh == NULL || ni == NULL) {
-            free(nh == ir->held ? NULL : nh);
+            /* Give back what this fetch got: nothing else holds it. */
+            for (uint32_t j = 0; j < nu; j++) {
+                if (kvc_batch_status(b, idx[j]) == KV_OK && res[j].nblocks == 1) {
+                    (void)kvc_release(e->pool, &out[j], 1);
+                }
+            }
             rc = KV_ENOMEM;
             goto cleanup;
         }
-        ir->held = nh;
-        ir->ins = ni;
         ir->cap = nc;
     }
     for (uint32_t j = 0; j < nu; j++) {
@@ -865,10 +877,16 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
     rc = KV_OK;
 cleanup:
     for (size_t i = 0; ice != NULL && i < n; i++) {
+        /* In runs within the daemon's list limit (kvc_release_multi splits them). */
+        kvc_pool **pp = ice[i].nheld > 0 ? malloc(ice[i].nheld * sizeof(*pp)) : NULL;
+        for (size_t j = 0; pp != NULL && j < ice[i].nheld; j++) {
+            pp[j] = e->pool;
+        }
         if (ice[i].nheld > 0) {
-            kv_err r2 = kvc_release(e->pool, ice[i].held, ice[i].nheld);
+            kv_err r2 = pp != NULL ? kvc_release_multi(pp, ice[i].held, ice[i].nheld) : KV_ENOMEM;
             rc = rc == KV_OK ? r2 : rc;
         }
+        free(pp);
         free(ice[i].held);
         free(ice[i].ins);
     }
@@ -1179,7 +1197,14 @@ static kv_err zip_poll(kve_engine *e, int wait) {
     }
     kv_err first = rc != KV_OK ? fail(e, rc, "compression: %s", e->zerr) : KV_OK;
     for (size_t i = 0; i < n; i++) {
-        kv_err r2 = rc == KV_OK ? zip_finish(e, job[i]) : KV_OK;
+        kv_err r2 = KV_OK;
+        if (rc == KV_OK) {
+            r2 = zip_finish(e, job[i]);
+        } else {
+            /* A failed job: its fresh private blocks belong to no sequence. */
+            (void)kvc_release(e->pool, job[i]->fresh, job[i]->nfresh);
+            job[i]->zstate = Z_NONE;
+        }
         first = first == KV_OK ? r2 : first;
     }
     free(job);
@@ -1519,19 +1544,20 @@ static kv_err ice_offload(kve_engine *e, req_state *rs, size_t p0, size_t p1, in
         rc = fail(e, rc, "ice commit: %s", kvc_last_error(e->conn));
         goto cleanup;
     }
-    got_blocks = 0;
-    rc = kvc_release(e->pool, canon, np); /* cached in T0, demoted below as kvd decides */
+    /* The summaries while the pages are still held (nothing can evict them yet), then the
+     * pages go back: cached in T0, demoted below as kvd decides. */
     uint8_t *found = malloc(np);
-    if (rc == KV_OK && found != NULL) {
-        rc = kvc_summaries(e->pool, rs->ice_hash + rs->ice_n, np, rs->ice_summ + rs->ice_n * per,
-                           found);
-        for (size_t j = 0; rc == KV_OK && j < np; j++) {
-            if (!found[j]) {
-                rc = fail(e, KV_EINTERNAL, "no summary of a page just committed");
-            }
+    rc = found == NULL ? KV_ENOMEM
+                       : kvc_summaries(e->pool, rs->ice_hash + rs->ice_n, np,
+                                       rs->ice_summ + rs->ice_n * per, found);
+    for (size_t j = 0; rc == KV_OK && j < np; j++) {
+        if (!found[j]) {
+            rc = fail(e, KV_EINTERNAL, "no summary of a page just committed");
         }
     }
     free(found);
+    kv_err rrc = kvc_release(e->pool, canon, np);
+    rc = rc == KV_OK ? rrc : rc;
     if (rc != KV_OK) {
         rc = fail(e, rc, "ice summaries: %s", kvc_last_error(e->conn));
         goto cleanup;
@@ -2221,6 +2247,10 @@ cleanup:
         pthread_mutex_lock(&e->zmu);
         while (!e->zjob_done) {
             pthread_cond_wait(&e->zcv, &e->zmu);
+        }
+        for (size_t i = 0; i < e->nzjob; i++) {
+            (void)kvc_release(e->pool, e->zjob[i]->fresh, e->zjob[i]->nfresh);
+            e->zjob[i]->zstate = Z_NONE;
         }
         free(e->zjob);
         e->zjob = NULL;

@@ -220,6 +220,13 @@ static void test_budget_compact_shared_prefix(void **state) {
     int32_t cs[8], cd[8];
     size_t ncp;
     assert_int_equal(kvc_seq_fork(b, &f, cs, cd, 8, &ncp), KV_ENOTSUP);
+    /* Rewound to nothing and prefilled again, it is an ordinary sequence: its prompt's hashes
+     * find A's prefix again. */
+    assert_int_equal(kvc_seq_rewind(b, 0, NULL), KV_OK);
+    assert_int_equal(kvc_seq_prefill(b, t, 66, &cached), KV_OK);
+    assert_int_equal(cached, 64);
+    assert_false(kvc_seq_compressed(b));
+    assert_int_equal(kvc_seq_position(b), kvc_seq_length(b));
     /* Unshare: a block two sequences of this session hold (A and b2 share it) is refused; the
      * other-session case is tests/pyclient/test_private.py's. */
     kvc_block last = kvc_seq_block(a, 3);

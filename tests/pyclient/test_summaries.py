@@ -99,6 +99,20 @@ def test_summaries_of_committed_blocks(kvd):
     assert e.value.name == "ENOTSUP" and "Layout.summaries" in e.value.message
 
 
+def test_summaries_reply_fits_a_frame(kvd_factory):
+    """More summaries than one reply frame can hold: ETOOBIG saying how many fit."""
+    d = kvd_factory(max_frame_bytes="65536", max_blocks_per_request="1024")
+    c = d.connect()
+    pool = attach(c, "m-sum-frame")
+    per = LAYOUT.num_layers * LAYOUT.num_kv_heads * 3 * LAYOUT.head_dim * 4
+    fit = (65536 - 65536 // 4) // per
+    hashes = [(i + 1, 7) for i in range(fit + 1)]
+    with pytest.raises(kw.KvdError) as e:
+        summaries(c, pool, hashes)
+    assert e.value.name == "ETOOBIG" and "at most %d hashes" % fit in e.value.message
+    assert len(summaries(c, pool, hashes[:fit])) == fit
+
+
 def test_summaries_survive_demotion_and_promotion(kvd_factory):
     d = kvd_factory(**dict(SMALL, tier1_memory="4M", tier_write="write-through",
                            fetch_min_tokens="16"))
