@@ -10,6 +10,7 @@
  * K/V are in its blocks); the next row to compute is always toks[done].
  */
 #include "examples/engine/engine.h"
+#include "examples/engine/engine_int.h"
 
 /* kvd's default fetch-min-tokens (docs/TIERS.md): a shorter run below T0 is recomputed, so it
  * does not count as cached when the first prefill chunk is sized. */
@@ -25,112 +26,17 @@
 #include <unistd.h>
 
 #include "examples/engine/gemm.h"
-#include "examples/engine/icecache.h"
-#include "examples/engine/zipage.h"
 #include "kernels/kvk.h"
 #include "kernels/kvk_dtype.h"
 #include "kvclient.h"
 
-typedef struct req_state {
-    kve_request *r;  /* the caller's request */
-    uint32_t *toks;  /* prompt then generated tokens */
-    size_t ntoks;    /* tokens in toks */
-    size_t done;     /* tokens whose K/V are written in seq's blocks */
-    kvc_seq *seq;    /* its blocks while running */
-    int phase;       /* PH_* */
-    int admitted;    /* admitted at least once (cached_tokens recorded) */
-    double arrive;   /* absolute arrival, ms on the engine clock */
-    uint64_t order;  /* admission order; the largest running one is preempted first */
-    size_t reserved; /* static batching: blocks reserved */
-    /* Work of the current step: */
-    size_t nrows;       /* rows planned from toks[done] on */
-    int spec;           /* speculating this step */
-    size_t kdraft;      /* draft tokens proposed this step */
-    uint32_t draft[65]; /* d_0..d_k of this step */
-    /* Zipage: */
-    size_t dropped;    /* tokens compressions removed: slot = position - dropped */
-    int zstate;        /* Z_* */
-    float *qring;      /* [zip_queries][layers][heads * head_dim] queries by position % nq */
-    size_t qvalid;     /* contiguous latest positions whose queries are in the ring */
-    size_t qlast;      /* position of the newest query in the ring */
-    uint32_t *slotpos; /* [cap] position of each slot */
-    float *gscore;     /* [cap] carried global score per slot */
-    size_t cap;        /* slots slotpos and gscore hold */
-    size_t zbase;      /* slots [0, zbase) have their positions in slotpos (the rest: + dropped) */
-    kvc_block *fresh;  /* a compression's private blocks */
-    size_t nfresh;
-    uint32_t *kept;  /* [keep] the slots a compression keeps */
-    float *gout;     /* [keep] their final scores */
-    int32_t *zpages; /* the table when the job was submitted */
-    size_t zslots;   /* slots when the job was submitted */
-    uint8_t *swap;   /* preempted compressed sequence: its blocks' bytes */
-    size_t swap_blocks;
-    size_t swap_slots;
-    uint64_t swapped_at; /* steps + 1 at the swap-out (0: none) */
-    /* IceCache: */
-    int ice_on;           /* its middle was offloaded: the table holds sinks and window only */
-    size_t ice_n;         /* offloaded pages */
-    size_t ice_cap;       /* room of ice_hash and ice_summ */
-    kv_hash128 *ice_hash; /* [ice_n] the offloaded pages' hashes */
-    float *ice_summ;      /* [ice_n] their summaries (kvc_summaries) */
-    uint32_t ice_serial;  /* pages offloaded so far (their hashes' counter) */
-} req_state;
-
-enum { Z_NONE = 0, Z_PENDING = 1, Z_JOB = 2, Z_DONE = 3 };
-
-enum { PH_FUTURE = 0, PH_WAITING = 1, PH_RUNNING = 2, PH_DONE = 3 };
-
-/* One token row of a forward pass. */
-typedef struct row {
-    req_state *rs; /* owner */
-    uint32_t pos;  /* position (RoPE) */
-    uint32_t slot; /* K/V slot in rs->seq: pos, less what Zipage dropped */
-    uint32_t tok;  /* input token */
-    float *logits; /* where to put logits, or NULL */
-} row;
-
-struct kve_engine {
-    const kve_model *m;  /* borrowed weights */
-    kve_options o;       /* options (strings borrowed) */
-    kvc_conn *conn;      /* connection to kvd */
-    kvc_pool *pool;      /* the model's pool */
-    kve_gemm *gemm;      /* matmul threads (o.threads in all) */
-    kv_layout layout;    /* pool layout */
-    uint32_t tpb;        /* tokens per block */
-    float *kscale;       /* 8-bit pools: [layers][kv_heads] K scales */
-    float *vscale;       /* same for V */
-    kve_stats st;        /* counters */
-    double t0;           /* engine clock origin (ms) */
-    char model_id[64];   /* pool model id */
-    char err[256];       /* last error */
-    uint64_t next_order; /* admission counter */
-    /* Zipage's compression thread: one job (a batch of sequences) at a time. */
-    int zthread_on;       /* the thread runs */
-    pthread_t zthread;    /* it */
-    pthread_mutex_t zmu;  /* guards the fields below */
-    pthread_cond_t zcv;   /* signalled on a new job, a finished job and stop */
-    req_state **zjob;     /* the job's sequences (NULL: none) */
-    size_t nzjob;         /* their count */
-    int zjob_done;        /* the thread finished the job */
-    kv_err zjob_rc;       /* its result */
-    int zstop;            /* the thread must end */
-    kvk_cache zcache[64]; /* per layer: the cache view compression reads and writes */
-    uint32_t zlayer[64];  /* and the layer argument to pass with it */
-    char zerr[160];       /* the job's error */
-    uint64_t nonce;       /* IceCache: makes this engine's page hashes its own */
-    size_t zkeep;         /* tokens a compression keeps (zip_keep or its default) */
-    size_t zwindow;       /* last tokens always kept (zip_window or zip_queries) */
-};
-
-static void *zip_main(void *arg);
-
-static double now_ms(void) {
+double kve__now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static kv_err fail(kve_engine *e, kv_err err, const char *fmt, ...) {
+kv_err kve__fail(kve_engine *e, kv_err err, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(e->err, sizeof(e->err), fmt, ap);
@@ -181,7 +87,7 @@ const char *kve_engine_error(const kve_engine *e) {
     return e->err;
 }
 
-static int is_8bit(kv_dtype d) {
+int kve__is_8bit(kv_dtype d) {
     return d == KV_DTYPE_INT8 || d == KV_DTYPE_FP8_E4M3;
 }
 
@@ -276,7 +182,7 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     }
     kv_err rc = kve_gemm_alloc(o->threads, KVE_GEMM_AUTO, &e->gemm);
     if (rc != KV_OK) {
-        fail(e, rc, "cannot start %d matmul threads", o->threads);
+        kve__fail(e, rc, "cannot start %d matmul threads", o->threads);
         goto fail_free;
     }
     e->m = m;
@@ -304,7 +210,7 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     co.client_name = "kve-engine";
     rc = kvc_conn_open(&co, &e->conn);
     if (rc != KV_OK) {
-        fail(e, rc, "cannot connect to kvd");
+        kve__fail(e, rc, "cannot connect to kvd");
         goto fail_free;
     }
     kv_layout want = {.num_layers = (uint32_t)c->n_layers,
@@ -316,24 +222,24 @@ kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **ou
     rc = kvc_pool_attach_ex(e->conn, e->model_id, &want,
                             o->ice_budget != 0 ? KVC_ATTACH_SUMMARIES : 0, &e->pool);
     if (rc != KV_OK) {
-        fail(e, rc, "attach: %s", kvc_last_error(e->conn));
+        kve__fail(e, rc, "attach: %s", kvc_last_error(e->conn));
         goto fail_conn;
     }
     e->layout = *kvc_pool_layout(e->pool);
-    if (is_8bit(o->kv_dtype)) {
+    if (kve__is_8bit(o->kv_dtype)) {
         rc = calibrate(e);
         if (rc != KV_OK) {
             goto fail_conn;
         }
     }
-    e->nonce = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(now_ms() * 1e3);
+    e->nonce = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)(kve__now_ms() * 1e3);
     if ((o->zip_budget != 0 || o->ice_budget != 0) && !kvc_conn_has_private(e->conn)) {
-        rc = fail(e, KV_ENOTSUP, "Zipage needs private blocks: this kvd has none");
+        rc = kve__fail(e, KV_ENOTSUP, "Zipage needs private blocks: this kvd has none");
         goto fail_conn;
     }
     if (o->zip_budget != 0 && !o->zip_sync) {
-        if (pthread_create(&e->zthread, NULL, zip_main, e) != 0) {
-            rc = fail(e, KV_ENOMEM, "cannot start the compression thread");
+        if (pthread_create(&e->zthread, NULL, kve__zip_main, e) != 0) {
+            rc = kve__fail(e, KV_ENOMEM, "cannot start the compression thread");
             goto fail_conn;
         }
         e->zthread_on = 1;
@@ -377,11 +283,11 @@ void kve_engine_close(kve_engine *e) {
 /* The kvk descriptor of layer l and the layer index to pass with it. Per-layer tensors of the
  * client's contiguous view when it has them (any number of segments); else (8-bit pools, whose
  * scales sit per segment, or unaligned sections) segment 0 alone, where every block id must lie. */
-static kv_err layer_cache(kve_engine *e, uint32_t l, kvk_cache *c, uint32_t *layer_arg) {
+kv_err kve__layer_cache(kve_engine *e, uint32_t l, kvk_cache *c, uint32_t *layer_arg) {
     const kv_layout *ly = &e->layout;
     uint8_t *kb = kvc_pool_layer_base(e->pool, l, KV_K);
     uint8_t *vb = kvc_pool_layer_base(e->pool, l, KV_V);
-    if (!is_8bit(ly->dtype) && kb != NULL && vb != NULL) {
+    if (!kve__is_8bit(ly->dtype) && kb != NULL && vb != NULL) {
         *c = (kvk_cache){.data = (uintptr_t)kb,
                          .block_stride = (int64_t)ly->kv_block_bytes,
                          .section_stride = (int64_t)(vb - kb),
@@ -398,22 +304,13 @@ static kv_err layer_cache(kve_engine *e, uint32_t l, kvk_cache *c, uint32_t *lay
     uint32_t nb = 0;
     void *base = kvc_pool_segment_base(e->pool, 0, &nb);
     if (base == NULL) {
-        return fail(e, KV_ENOTSUP, "segment 0 is not mapped");
+        return kve__fail(e, KV_ENOTSUP, "segment 0 is not mapped");
     }
     *layer_arg = l;
     return kvk_cache_from_segment(ly, (uintptr_t)base, nb, c);
 }
 
 /* Pages [p0, p1) of a row's table (the last holding `last` tokens). */
-typedef struct span {
-    const kvc_seq *seq; /* whose blocks */
-    uint32_t p0, p1;    /* page range */
-    int32_t last;       /* tokens in page p1 - 1 */
-    const int32_t *ins; /* IceCache: fetched pages (block ids) to attend to before page ins_at */
-    uint32_t nins;      /* their count */
-    uint32_t ins_at;    /* a page index in [p0, p1) */
-} span;
-
 /* Builds a CSR page table over spans; *indices is malloc'd (free it). */
 static kv_err build_table(const span *sp, size_t n, int32_t *indptr, int32_t *last,
                           int32_t **indices, uint32_t seg_limit, kve_engine *e) {
@@ -432,17 +329,17 @@ static kv_err build_table(const span *sp, size_t n, int32_t *indptr, int32_t *la
             for (uint32_t j = 0; p == sp[i].ins_at && j < sp[i].nins; j++) {
                 if (seg_limit != 0 && (uint32_t)sp[i].ins[j] >= seg_limit) {
                     free(ix);
-                    return fail(e, KV_ENOTSUP, "8-bit pools must fit one segment");
+                    return kve__fail(e, KV_ENOTSUP, "8-bit pools must fit one segment");
                 }
                 ix[k++] = sp[i].ins[j]; /* full pages: they go before the partial last one */
             }
             uint32_t id = kvc_seq_block(sp[i].seq, p).id;
             if (seg_limit != 0 && id >= seg_limit) {
                 free(ix);
-                return fail(e, KV_ENOTSUP,
-                            "8-bit pools must fit one segment (block %u beyond %u): start kvd "
-                            "with --segment-bytes >= the pool size",
-                            id, seg_limit);
+                return kve__fail(e, KV_ENOTSUP,
+                                 "8-bit pools must fit one segment (block %u beyond %u): start kvd "
+                                 "with --segment-bytes >= the pool size",
+                                 id, seg_limit);
             }
             ix[k++] = (int32_t)id;
         }
@@ -478,7 +375,7 @@ static kv_err attend(kve_engine *e, const kvk_cache *c, uint32_t layer, const sp
                          .sm_scale = 1.0f / sqrtf((float)c->head_dim)};
     rc = kvk_paged_decode_attention_cpu(c, layer, &pt, &a);
     if (rc != KV_OK) {
-        fail(e, rc, "attention: %s", kvk_last_error());
+        kve__fail(e, rc, "attention: %s", kvk_last_error());
     }
 cleanup:
     free(ix);
@@ -614,117 +511,6 @@ cleanup:
     return rc;
 }
 
-/* ---- IceCache: the per-layer selection and fetch of a decode row (docs/ICECACHE.md) ------
- * The row's query picks, per KV head, the top-k offloaded pages from their summaries; the union
- * is fetched in one round trip (pages still in T0 are hits, the others come up from kvd's lower
- * tiers) and held until the forward pass ends; the row attends to its sinks, those pages and
- * its window. */
-typedef struct ice_row {
-    kvc_block *held; /* pages fetched for the row in this pass (released at its end) */
-    size_t nheld, cap;
-    int32_t *ins; /* the current layer group's pages, block ids */
-    uint32_t nins;
-} ice_row;
-
-static kv_err ice_select_fetch(kve_engine *e, req_state *rs, uint32_t layer, const float *q,
-                               ice_row *ir) {
-    const kve_config *c = &e->m->cfg;
-    uint32_t KH = (uint32_t)c->n_kv_heads, hd = (uint32_t)kve_head_dim(c);
-    uint32_t k = e->o.ice_budget < rs->ice_n ? e->o.ice_budget : (uint32_t)rs->ice_n;
-    double t0 = now_ms();
-    ir->nins = 0;
-    if (k == 0) {
-        return KV_OK;
-    }
-    int32_t *sel = malloc((size_t)KH * k * sizeof(int32_t));
-    uint8_t *mark = calloc(rs->ice_n, 1);
-    uint32_t *pages = malloc(rs->ice_n * sizeof(uint32_t));
-    kvc_block *out = malloc(rs->ice_n * sizeof(kvc_block));
-    kvc_fetch_result *res = malloc(rs->ice_n * sizeof(kvc_fetch_result));
-    size_t *idx = malloc(rs->ice_n * sizeof(size_t));
-    kvc_batch *b = NULL;
-    kv_err rc = KV_ENOMEM;
-    if (!sel || !mark || !pages || !out || !res || !idx) {
-        goto cleanup;
-    }
-    kvk_select_args a = {.summaries = rs->ice_summ,
-                         .npages = (uint32_t)rs->ice_n,
-                         .num_layers = (uint32_t)c->n_layers,
-                         .layer = layer,
-                         .num_kv_heads = KH,
-                         .head_dim = hd,
-                         .q = q,
-                         .num_qo_heads = (uint32_t)c->n_heads,
-                         .k = k,
-                         .mode = e->o.ice_centroid ? KVK_SELECT_CENTROID : KVK_SELECT_BOUND};
-    rc = kvk_page_select_cpu(&a, sel, NULL);
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "page select: %s", kvk_last_error());
-        goto cleanup;
-    }
-    uint32_t nu = 0;
-    for (size_t i = 0; i < (size_t)KH * k; i++) {
-        if (!mark[sel[i]]) {
-            mark[sel[i]] = 1;
-        }
-    }
-    for (uint32_t p = 0; p < rs->ice_n; p++) {
-        if (mark[p]) {
-            pages[nu++] = p;
-        }
-    }
-    rc = kvc_batch_alloc(e->conn, &b);
-    for (uint32_t j = 0; j < nu && rc == KV_OK; j++) {
-        rc = kvc_batch_fetch(b, e->pool, &rs->ice_hash[pages[j]], 1, 1, &out[j], &res[j], &idx[j]);
-    }
-    if (rc == KV_OK) {
-        rc = kvc_batch_run(b);
-    }
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "ice fetch: %s", kvc_last_error(e->conn));
-        goto cleanup;
-    }
-    if (ir->nheld + nu > ir->cap) {
-        size_t nc = (ir->nheld + nu) * 2;
-        kvc_block *nh = realloc(ir->held, nc * sizeof(kvc_block));
-        if (nh != NULL) {
-            ir->held = nh; /* kept at once: the old buffer is gone */
-        }
-        int32_t *ni = nh != NULL ? realloc(ir->ins, nc * sizeof(int32_t)) : NULL;
-        if (ni != NULL) {
-            ir->ins = ni;
-        }
-        if (nh == NULL || ni == NULL) {
-            /* Give back what this fetch got: nothing else holds it. */
-            for (uint32_t j = 0; j < nu; j++) {
-                if (kvc_batch_status(b, idx[j]) == KV_OK && res[j].nblocks == 1) {
-                    (void)kvc_release(e->pool, &out[j], 1);
-                }
-            }
-            rc = KV_ENOMEM;
-            goto cleanup;
-        }
-        ir->cap = nc;
-    }
-    for (uint32_t j = 0; j < nu; j++) {
-        if (kvc_batch_status(b, idx[j]) == KV_OK && res[j].nblocks == 1) {
-            ir->held[ir->nheld++] = out[j];
-            ir->ins[ir->nins++] = (int32_t)out[j].id;
-            e->st.ice_pages_fetched++;
-            e->st.ice_pages_promoted += res[j].promoted;
-        } else {
-            e->st.ice_pages_missing++; /* gone from every tier: attended without it */
-        }
-    }
-    e->st.ice_selections++;
-    rc = KV_OK;
-cleanup:
-    kvc_batch_free(b);
-    free(sel), free(mark), free(pages), free(out), free(res), free(idx);
-    e->st.ice_step_ms += now_ms() - t0;
-    return rc;
-}
-
 /* One forward pass of rows through the first `layers` layers (then the final norm and the
  * classifier for rows that want logits). Writes each row's K/V into its slot first, layer by
  * layer, so a row attends to earlier rows of the same pass. */
@@ -797,7 +583,7 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
         }
         kvk_cache cache;
         uint32_t la = 0;
-        rc = layer_cache(e, (uint32_t)l, &cache, &la);
+        rc = kve__layer_cache(e, (uint32_t)l, &cache, &la);
         if (rc != KV_OK) {
             goto cleanup;
         }
@@ -809,7 +595,7 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
                         .v_scale = e->vscale ? e->vscale + (size_t)l * c->n_kv_heads : NULL};
         rc = kvk_reshape_and_cache_cpu(&cache, la, &t, slots, (uint32_t)n);
         if (rc != KV_OK) {
-            fail(e, rc, "reshape_and_cache: %s", kvk_last_error());
+            kve__fail(e, rc, "reshape_and_cache: %s", kvk_last_error());
             goto cleanup;
         }
         for (size_t i = 0; ice != NULL && i < n; i++) {
@@ -818,7 +604,7 @@ static kv_err forward(kve_engine *e, row *rows, size_t n, int layers) {
                 continue; /* full attention: not offloaded, or a draft pass */
             }
             if ((uint32_t)l % e->o.ice_reuse == 0) {
-                rc = ice_select_fetch(e, rs, (uint32_t)l, q + i * d, &ice[i]);
+                rc = kve__ice_select_fetch(e, rs, (uint32_t)l, q + i * d, &ice[i]);
                 if (rc != KV_OK) {
                     goto cleanup;
                 }
@@ -898,21 +684,12 @@ cleanup:
 
 /* ---- Scheduler ---------------------------------------------------------------------------- */
 
-typedef struct sched {
-    req_state *rs;    /* all requests */
-    size_t n;         /* count */
-    req_state **run;  /* running, in admission order */
-    size_t nrun;      /* running count */
-    req_state **wait; /* waiting, front first */
-    size_t nwait;     /* waiting count */
-} sched;
-
-static size_t blocks_for(const kve_engine *e, size_t tokens) {
+size_t kve__blocks_for(const kve_engine *e, size_t tokens) {
     return (tokens + e->tpb - 1) / e->tpb;
 }
 
 /* Blocks the running requests hold (static batching: what they reserved). */
-static size_t held_blocks(const kve_engine *e, const sched *s) {
+size_t kve__held_blocks(const kve_engine *e, const sched *s) {
     size_t h = 0;
     for (size_t i = 0; i < s->nrun; i++) {
         h += e->o.static_batching ? s->run[i]->reserved : kvc_seq_nblocks(s->run[i]->seq);
@@ -929,8 +706,8 @@ static kv_err grow(kve_engine *e, sched *s, req_state *rs, size_t upto) {
         return KV_OK;
     }
     if (!e->o.static_batching && e->o.block_budget != 0) {
-        size_t need = blocks_for(e, want) - kvc_seq_nblocks(rs->seq);
-        if (held_blocks(e, s) + need > e->o.block_budget) {
+        size_t need = kve__blocks_for(e, want) - kvc_seq_nblocks(rs->seq);
+        if (kve__held_blocks(e, s) + need > e->o.block_budget) {
             return KV_ENOSPC;
         }
     }
@@ -957,697 +734,11 @@ static kv_err retire(kve_engine *e, req_state *rs) {
     return rc != KV_OK ? rc : rc2;
 }
 
-/* ---- Zipage ----------------------------------------------------------------------------------
- * A sequence that must grow past zip_budget blocks becomes Z_PENDING (it computes nothing). At
- * the start of a step the pending ones (up to zip_batch_blocks blocks) get their fresh private
- * blocks and form one job (Z_JOB); the compression thread scores their tokens, chooses the kept
- * ones (zipage.h) and gathers them into the fresh blocks, while this thread goes on with the
- * other sequences; a later step finishes the job here (kvc_seq_compact, which gives the old
- * blocks back: shared ones are only de-referenced). A job's sequences are never preempted. */
-
-static size_t zcap(const kve_engine *e) {
-    return (size_t)e->o.zip_budget * e->tpb;
-}
-
-/* Zipage state of rs, allocated at its first admission. */
-static kv_err zip_init(kve_engine *e, req_state *rs) {
-    if (e->o.zip_budget == 0 || rs->qring != NULL) {
-        return KV_OK;
-    }
-    const kve_config *c = &e->m->cfg;
-    rs->cap = zcap(e) + 1;
-    rs->qring = calloc((size_t)e->o.zip_queries * c->n_layers * c->dim, sizeof(float));
-    rs->slotpos = calloc(rs->cap, sizeof(uint32_t));
-    rs->gscore = calloc(rs->cap, sizeof(float));
-    rs->kept = malloc(e->zkeep * sizeof(uint32_t));
-    rs->gout = malloc(e->zkeep * sizeof(float));
-    rs->zpages = malloc(((size_t)e->o.zip_budget + 1) * sizeof(int32_t));
-    rs->fresh = malloc(blocks_for(e, e->zkeep) * sizeof(kvc_block));
-    if (!rs->qring || !rs->slotpos || !rs->gscore || !rs->kept || !rs->gout || !rs->zpages ||
-        !rs->fresh) {
-        return fail(e, KV_ENOMEM, "no memory for Zipage state");
-    }
-    return KV_OK;
-}
-
-static void zip_fini(req_state *rs) {
-    free(rs->qring), free(rs->slotpos), free(rs->gscore), free(rs->kept), free(rs->gout);
-    free(rs->zpages), free(rs->fresh), free(rs->swap);
-    free(rs->ice_hash), free(rs->ice_summ);
-    rs->ice_hash = NULL;
-    rs->ice_summ = NULL;
-    rs->qring = NULL;
-    rs->swap = NULL;
-}
-
-/* Records the positions of slots [zbase, n) (appended since the last compression). */
-static void zip_note_slots(req_state *rs, size_t n) {
-    for (size_t t = rs->zbase; t < n && t < rs->cap; t++) {
-        rs->slotpos[t] = (uint32_t)(t + rs->dropped);
-        rs->gscore[t] = 0.0f;
-    }
-    rs->zbase = n;
-}
-
-/* The compression thread's part for one sequence: scores, selection, gather. */
-static kv_err zip_compress(kve_engine *e, req_state *rs, char *err, size_t errlen) {
-    const kve_config *c = &e->m->cfg;
-    const uint32_t L = (uint32_t)c->n_layers, d = (uint32_t)c->dim;
-    const uint32_t hd = (uint32_t)kve_head_dim(c), KH = (uint32_t)c->n_kv_heads;
-    const size_t n = rs->zslots, nq = e->o.zip_queries;
-    size_t nqe = rs->qvalid < n ? rs->qvalid : n;
-    nqe = nqe == 0 ? 1 : nqe;
-    size_t keep = e->zkeep, nfresh = blocks_for(e, keep);
-    float *attn = calloc(n, sizeof(float));
-    float *qbuf = malloc(nqe * d * sizeof(float));
-    float *keys = e->o.zip_lambda > 0 ? malloc((size_t)KH * n * hd * sizeof(float)) : NULL;
-    float *red = e->o.zip_lambda > 0 ? malloc(n * sizeof(float)) : NULL;
-    int64_t *src = malloc(keep * sizeof(int64_t));
-    int32_t *dst = malloc(nfresh * sizeof(int32_t));
-    kv_err rc = KV_ENOMEM;
-    if (!attn || !qbuf || !src || !dst || (e->o.zip_lambda > 0 && (!keys || !red))) {
-        snprintf(err, errlen, "no memory to compress %zu tokens", n);
-        goto cleanup;
-    }
-    for (uint32_t l = 0; l < L; l++) {
-        for (size_t j = 0; j < nqe; j++) {
-            size_t pos = rs->qlast + 1 - nqe + j;
-            memcpy(qbuf + j * d, rs->qring + ((pos % nq) * L + l) * d, d * sizeof(float));
-        }
-        kvk_score_args a = {.q = qbuf,
-                            .q_dtype = KV_DTYPE_FP32,
-                            .nq = (uint32_t)nqe,
-                            .num_qo_heads = (uint32_t)c->n_heads,
-                            .sm_scale = 1.0f / sqrtf((float)hd),
-                            .causal = 1};
-        rc = kvk_token_scores_cpu(&e->zcache[l], e->zlayer[l], rs->zpages, (uint32_t)n, &a, attn);
-        if (rc != KV_OK) {
-            snprintf(err, errlen, "token scores: %s", kvk_last_error());
-            goto cleanup;
-        }
-    }
-    if (keys != NULL) {
-        /* The last layer's keys as floats, [kv head][token][dim]. */
-        const kvk_cache *kc = &e->zcache[L - 1];
-        uint32_t sec = e->zlayer[L - 1] * 2;
-        uint64_t eb = kvk_dtype_bytes(kc->dtype);
-        for (size_t t = 0; t < n; t++) {
-            uint32_t blk = (uint32_t)rs->zpages[t / e->tpb];
-            const char *row = (const char *)kc->data + (int64_t)blk * kc->block_stride +
-                              (int64_t)sec * kc->section_stride +
-                              (int64_t)((t % e->tpb) * KH * hd * eb);
-            for (uint32_t g = 0; g < KH; g++) {
-                float sc = 1.0f;
-                if (kc->scales != 0) {
-                    memcpy(&sc,
-                           (const char *)kc->scales + (int64_t)blk * kc->scale_block_stride +
-                               (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
-                           sizeof(float));
-                }
-                for (uint32_t x = 0; x < hd; x++) {
-                    keys[((size_t)g * n + t) * hd + x] =
-                        kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * sc;
-                }
-            }
-        }
-        rc = kve_zip_redundancy(keys, KH, n, hd, e->o.zip_temp, red);
-        if (rc != KV_OK) {
-            snprintf(err, errlen, "no memory for the redundancy of %zu tokens", n);
-            goto cleanup;
-        }
-    }
-    kve_zip_params prm = {.keep = keep,
-                          .sinks = e->o.zip_sinks,
-                          .window = e->zwindow,
-                          .pool = e->o.zip_pool,
-                          .decay = e->o.zip_decay,
-                          .lambda = e->o.zip_lambda};
-    rc = kve_zip_select(&prm, attn, e->o.zip_decay > 0 ? rs->gscore : NULL, red, n, rs->kept,
-                        rs->gout);
-    if (rc != KV_OK) {
-        snprintf(err, errlen, "selection of %zu of %zu tokens failed", keep, n);
-        goto cleanup;
-    }
-    for (size_t i = 0; i < keep; i++) {
-        src[i] = (int64_t)rs->zpages[rs->kept[i] / e->tpb] * e->tpb + rs->kept[i] % e->tpb;
-    }
-    for (size_t j = 0; j < nfresh; j++) {
-        dst[j] = (int32_t)rs->fresh[j].id;
-    }
-    /* Per-layer views (two sections each), or one view of every section (8-bit pools). */
-    uint32_t nviews = e->zcache[0].num_sections == 2 ? L : 1;
-    for (uint32_t l = 0; l < nviews; l++) {
-        rc = kvk_compact_tokens_cpu(&e->zcache[l], &e->zcache[l], src, (uint32_t)keep, dst);
-        if (rc != KV_OK) {
-            snprintf(err, errlen, "compaction: %s", kvk_last_error());
-            goto cleanup;
-        }
-    }
-    rc = KV_OK;
-cleanup:
-    free(attn), free(qbuf), free(keys), free(red), free(src), free(dst);
-    return rc;
-}
-
-static void *zip_main(void *arg) {
-    kve_engine *e = arg;
-    pthread_mutex_lock(&e->zmu);
-    for (;;) {
-        while (!e->zstop && (e->zjob == NULL || e->zjob_done)) {
-            pthread_cond_wait(&e->zcv, &e->zmu);
-        }
-        if (e->zstop) {
-            break;
-        }
-        req_state **job = e->zjob;
-        size_t n = e->nzjob;
-        pthread_mutex_unlock(&e->zmu);
-        double t0 = now_ms();
-        char err[160] = "";
-        kv_err rc = KV_OK;
-        for (size_t i = 0; i < n && rc == KV_OK; i++) {
-            rc = zip_compress(e, job[i], err, sizeof(err));
-        }
-        pthread_mutex_lock(&e->zmu);
-        e->st.zip_job_ms += now_ms() - t0;
-        e->zjob_rc = rc;
-        snprintf(e->zerr, sizeof(e->zerr), "%s", err);
-        e->zjob_done = 1;
-        pthread_cond_broadcast(&e->zcv);
-    }
-    pthread_mutex_unlock(&e->zmu);
-    return NULL;
-}
-
-/* Installs a finished compression of rs. */
-static kv_err zip_finish(kve_engine *e, req_state *rs) {
-    size_t keep = e->zkeep, nfresh = blocks_for(e, keep);
-    uint32_t *ids = malloc(keep * sizeof(uint32_t));
-    uint32_t *pos = malloc(keep * sizeof(uint32_t));
-    if (ids == NULL || pos == NULL) {
-        free(ids);
-        free(pos);
-        return fail(e, KV_ENOMEM, "no memory to finish a compression");
-    }
-    for (size_t i = 0; i < keep; i++) {
-        pos[i] = rs->slotpos[rs->kept[i]];
-        ids[i] = rs->toks[pos[i]];
-    }
-    kv_err rc = kvc_seq_compact(rs->seq, ids, keep, rs->fresh, nfresh);
-    for (size_t i = 0; i < keep; i++) {
-        rs->slotpos[i] = pos[i];
-        rs->gscore[i] = rs->gout[i];
-    }
-    free(ids);
-    free(pos);
-    e->st.compressions++;
-    e->st.zip_dropped += rs->zslots - keep;
-    rs->r->compressions++;
-    rs->dropped += rs->zslots - keep;
-    rs->zbase = keep;
-    rs->zstate = Z_NONE;
-    return rc != KV_OK ? fail(e, rc, "compact: %s", kvc_last_error(e->conn)) : KV_OK;
-}
-
-/* Finishes the job in flight when it is done (wait: waits for it). */
-static kv_err zip_poll(kve_engine *e, int wait) {
-    if (e->zjob == NULL) {
-        return KV_OK;
-    }
-    pthread_mutex_lock(&e->zmu);
-    double t0 = now_ms();
-    while (wait && !e->zjob_done) {
-        pthread_cond_wait(&e->zcv, &e->zmu);
-    }
-    if (wait) {
-        e->st.zip_wait_ms += now_ms() - t0;
-    }
-    int done = e->zjob_done;
-    kv_err rc = e->zjob_rc;
-    req_state **job = e->zjob;
-    size_t n = e->nzjob;
-    if (done) {
-        e->zjob = NULL;
-        e->nzjob = 0;
-        e->zjob_done = 0;
-    }
-    pthread_mutex_unlock(&e->zmu);
-    if (!done) {
-        return KV_OK;
-    }
-    kv_err first = rc != KV_OK ? fail(e, rc, "compression: %s", e->zerr) : KV_OK;
-    for (size_t i = 0; i < n; i++) {
-        kv_err r2 = KV_OK;
-        if (rc == KV_OK) {
-            r2 = zip_finish(e, job[i]);
-        } else {
-            /* A failed job: its fresh private blocks belong to no sequence. */
-            (void)kvc_release(e->pool, job[i]->fresh, job[i]->nfresh);
-            job[i]->zstate = Z_NONE;
-        }
-        first = first == KV_OK ? r2 : first;
-    }
-    free(job);
-    return first;
-}
-
-static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim);
-
-/* Starts a job for the pending sequences (at most zip_batch_blocks blocks; at least one). */
-static kv_err zip_submit(kve_engine *e, sched *s) {
-    if (e->o.zip_budget == 0 || e->zjob != NULL) {
-        return KV_OK;
-    }
-    req_state **job = malloc((s->nrun + 1) * sizeof(*job));
-    if (job == NULL) {
-        return fail(e, KV_ENOMEM, "no memory for a compression job");
-    }
-    size_t nj = 0, blocks = 0, nfresh = blocks_for(e, e->zkeep);
-    for (size_t i = 0; i < s->nrun; i++) {
-        req_state *rs = s->run[i];
-        if (rs->zstate != Z_PENDING) {
-            continue;
-        }
-        size_t nb = kvc_seq_nblocks(rs->seq);
-        if (nj > 0 && blocks + nb > e->o.zip_batch_blocks) {
-            break;
-        }
-        if (e->o.block_budget != 0 && held_blocks(e, s) + nfresh > e->o.block_budget) {
-            /* The fresh blocks must fit the engine's budget too: make room as growth does. */
-            req_state *v = NULL;
-            kv_err pr = preempt_newest(e, s, &v);
-            if (pr == KV_EBUSY) {
-                break;
-            }
-            if (pr != KV_OK) {
-                free(job);
-                return fail(e, pr, "preempt: %s", kvc_last_error(e->conn));
-            }
-            i = (size_t)-1; /* the running list changed: scan it again */
-            continue;
-        }
-        kv_err rc = kvc_allocate_private(e->pool, (uint32_t)nfresh, rs->fresh);
-        if (rc == KV_ENOSPC) {
-            break; /* the next step tries again, once blocks came back */
-        }
-        if (rc != KV_OK) {
-            free(job);
-            return fail(e, rc, "allocate private: %s", kvc_last_error(e->conn));
-        }
-        rs->nfresh = nfresh;
-        rs->zslots = kvc_seq_length(rs->seq);
-        zip_note_slots(rs, rs->zslots);
-        for (size_t b = 0; b < nb; b++) {
-            rs->zpages[b] = (int32_t)kvc_seq_block(rs->seq, b).id;
-        }
-        rs->zstate = Z_JOB;
-        job[nj++] = rs;
-        blocks += nb;
-    }
-    if (nj == 0) {
-        free(job);
-        return KV_OK;
-    }
-    for (uint32_t l = 0; l < (uint32_t)e->m->cfg.n_layers; l++) {
-        kv_err rc = layer_cache(e, l, &e->zcache[l], &e->zlayer[l]);
-        if (rc != KV_OK) {
-            free(job);
-            return rc;
-        }
-    }
-    e->st.zip_jobs++;
-    if (!e->zthread_on) {
-        e->zjob = job;
-        e->nzjob = nj;
-        /* zip_sync: the same work on this thread. */
-        double t0 = now_ms();
-        kv_err rc = KV_OK;
-        for (size_t i = 0; i < nj && rc == KV_OK; i++) {
-            rc = zip_compress(e, job[i], e->zerr, sizeof(e->zerr));
-        }
-        e->st.zip_job_ms += now_ms() - t0;
-        e->zjob_rc = rc;
-        e->zjob_done = 1;
-        return zip_poll(e, 0);
-    }
-    /* The job's fields are the thread's to read from here on: set under its mutex. */
-    pthread_mutex_lock(&e->zmu);
-    e->zjob = job;
-    e->nzjob = nj;
-    e->zjob_done = 0;
-    pthread_cond_broadcast(&e->zcv);
-    pthread_mutex_unlock(&e->zmu);
-    return KV_OK;
-}
-
-/* A compressed sequence that is preempted keeps its state: its blocks' bytes go to engine
- * memory (bounded by the budget) and its blocks back to kvd; admission brings them back into
- * fresh private blocks (zip_swap_in), so nothing is recomputed. */
-static size_t swap_block_bytes(const kve_engine *e) {
-    const kv_layout *l = &e->layout;
-    size_t per = (size_t)l->num_layers * 2 * l->kv_block_bytes;
-    return is_8bit(l->dtype) ? per + (size_t)l->num_layers * 2 * l->num_kv_heads * sizeof(float)
-                             : per;
-}
-
-static void swap_copy(kve_engine *e, uint32_t id, uint8_t *buf, int out) {
-    const kv_layout *l = &e->layout;
-    for (uint32_t y = 0; y < l->num_layers; y++) {
-        for (int kv = 0; kv < 2; kv++) {
-            uint8_t *p = kvc_pool_addr(e->pool, id, y, kv, 0, 0);
-            if (out) {
-                memcpy(buf, p, l->kv_block_bytes);
-            } else {
-                memcpy(p, buf, l->kv_block_bytes);
-            }
-            buf += l->kv_block_bytes;
-            for (uint32_t h = 0; is_8bit(l->dtype) && h < l->num_kv_heads; h++) {
-                float *sp = kvc_pool_scale_addr(e->pool, id, y, kv, h);
-                if (out) {
-                    memcpy(buf, sp, sizeof(float));
-                } else {
-                    memcpy(sp, buf, sizeof(float));
-                }
-                buf += sizeof(float);
-            }
-        }
-    }
-}
-
-static kv_err zip_swap_out(kve_engine *e, req_state *rs) {
-    size_t nb = kvc_seq_nblocks(rs->seq), per = swap_block_bytes(e);
-    rs->swap = malloc(nb * per + 1);
-    if (rs->swap == NULL) {
-        return fail(e, KV_ENOMEM, "no memory to swap out a compressed sequence");
-    }
-    for (size_t b = 0; b < nb; b++) {
-        swap_copy(e, kvc_seq_block(rs->seq, b).id, rs->swap + b * per, 1);
-    }
-    rs->swap_blocks = nb;
-    rs->swap_slots = kvc_seq_length(rs->seq);
-    zip_note_slots(rs, rs->swap_slots);
-    e->st.zip_swaps++;
-    return kvc_seq_release(rs->seq);
-}
-
-static kv_err zip_swap_in(kve_engine *e, sched *s, req_state *rs) {
-    size_t nb = rs->swap_blocks, per = swap_block_bytes(e);
-    /* Room for its blocks and for the one its next token opens (else it would be admitted and
-     * preempted again in the same step). */
-    size_t next = rs->swap_slots % e->tpb == 0 && rs->swap_slots < zcap(e) ? 1 : 0;
-    if (e->o.block_budget != 0 && held_blocks(e, s) + nb + next > e->o.block_budget) {
-        return KV_ENOSPC;
-    }
-    kvc_block *blk = malloc(nb * sizeof(*blk));
-    uint32_t *ids = malloc(rs->swap_slots * sizeof(uint32_t));
-    kv_err rc = KV_ENOMEM;
-    if (blk == NULL || ids == NULL) {
-        goto cleanup;
-    }
-    rc = kvc_allocate_private(e->pool, (uint32_t)nb, blk);
-    if (rc != KV_OK) {
-        if (rc != KV_ENOSPC) {
-            fail(e, rc, "swap in: %s", kvc_last_error(e->conn));
-        }
-        goto cleanup;
-    }
-    for (size_t b = 0; b < nb; b++) {
-        swap_copy(e, blk[b].id, rs->swap + b * per, 0);
-    }
-    for (size_t i = 0; i < rs->swap_slots; i++) {
-        ids[i] = rs->toks[rs->slotpos[i]];
-    }
-    rc = kvc_seq_adopt(rs->seq, ids, rs->swap_slots, rs->swap_slots + rs->dropped, blk, nb);
-    if (rc != KV_OK) {
-        fail(e, rc, "adopt: %s", kvc_last_error(e->conn));
-        (void)kvc_release(e->pool, blk, nb);
-        goto cleanup;
-    }
-    free(rs->swap);
-    rs->swap = NULL;
-cleanup:
-    free(blk);
-    free(ids);
-    return rc;
-}
-
-/* ---- IceCache: offload ---------------------------------------------------------------------
- * A decoding sequence keeps its first ice_sinks pages and its last ice_window pages in its
- * table. The first time the rest outgrows the budget, the middle pages' tokens are packed by key
- * similarity (icecache.h; token order with ice_no_pack), gathered into fresh blocks that are
- * committed under hashes of this engine's own (so kvd may demote them to its lower tiers, and
- * keeps their summaries), and given back; later, each window page that leaves the window is
- * offloaded the same way in token order (the index updated at decode). The table itself is then
- * rebuilt from the sinks and the window (kvc_seq_compact into private blocks). */
-
-static size_t ice_pos(const kve_engine *e, const req_state *rs, size_t slot) {
-    return slot < (size_t)e->o.ice_sinks * e->tpb ? slot : slot + rs->dropped;
-}
-
-static kv_err ice_init(kve_engine *e, req_state *rs) {
-    if (rs->slotpos != NULL) {
-        return KV_OK;
-    }
-    rs->cap = ((size_t)e->o.ice_sinks + e->o.ice_window + 2) * e->tpb;
-    rs->slotpos = calloc(rs->cap, sizeof(uint32_t));
-    rs->gscore = calloc(rs->cap, sizeof(float));
-    return rs->slotpos != NULL && rs->gscore != NULL ? KV_OK
-                                                     : fail(e, KV_ENOMEM, "no IceCache state");
-}
-
-/* Offloads the sequence's pages [p0, p1) (full ones) and rebuilds its table without them. */
-static kv_err ice_offload(kve_engine *e, req_state *rs, size_t p0, size_t p1, int pack) {
-    const kve_config *c = &e->m->cfg;
-    const uint32_t L = (uint32_t)c->n_layers, KH = (uint32_t)c->n_kv_heads;
-    const uint32_t hd = (uint32_t)kve_head_dim(c), tpb = e->tpb;
-    const size_t len = kvc_seq_length(rs->seq), np = p1 - p0, ntok = np * tpb;
-    const size_t nkept = len - ntok, nfresh = blocks_for(e, nkept);
-    const size_t per = KVK_SUMMARY_FLOATS(L, KH, hd), width = (size_t)L * KH * hd;
-    double t0 = now_ms();
-    kv_err rc = ice_init(e, rs);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    uint32_t *order = malloc(ntok * sizeof(uint32_t));
-    float *keys = pack ? malloc(ntok * width * sizeof(float)) : NULL;
-    int64_t *src = malloc((ntok > nkept ? ntok : nkept) * sizeof(int64_t));
-    int32_t *dst = malloc((np > nfresh ? np : nfresh) * sizeof(int32_t));
-    kvc_block *blk = malloc(np * sizeof(kvc_block)), *fresh = malloc(nfresh * sizeof(kvc_block));
-    kvc_commit_entry *ent = malloc(np * sizeof(kvc_commit_entry));
-    kvc_block *canon = malloc(np * sizeof(kvc_block));
-    uint32_t *ids = malloc((tpb > nkept ? tpb : nkept) * sizeof(uint32_t));
-    uint32_t *pos = malloc(nkept * sizeof(uint32_t));
-    kvk_cache cache[64];
-    uint32_t la[64];
-    int got_blocks = 0, got_fresh = 0;
-    rc = KV_ENOMEM;
-    if (!order || (pack && !keys) || !src || !dst || !blk || !fresh || !ent || !canon || !ids ||
-        !pos) {
-        goto cleanup;
-    }
-    for (uint32_t l = 0; l < L; l++) {
-        rc = layer_cache(e, l, &cache[l], &la[l]);
-        if (rc != KV_OK) {
-            goto cleanup;
-        }
-    }
-    for (size_t i = 0; i < ntok; i++) {
-        order[i] = (uint32_t)i;
-    }
-    if (pack) {
-        /* Every layer's keys side by side: one packing for all layers (a block holds them). */
-        for (size_t i = 0; i < ntok; i++) {
-            size_t slot = p0 * tpb + i;
-            uint32_t b = kvc_seq_block(rs->seq, slot / tpb).id;
-            for (uint32_t l = 0; l < L; l++) {
-                const kvk_cache *kc = &cache[l];
-                uint32_t sec = la[l] * 2;
-                const char *row = (const char *)kc->data + (int64_t)b * kc->block_stride +
-                                  (int64_t)sec * kc->section_stride +
-                                  (int64_t)((slot % tpb) * KH * hd * kvk_dtype_bytes(kc->dtype));
-                for (uint32_t g = 0; g < KH; g++) {
-                    float s = 1.0f;
-                    if (kc->scales != 0) {
-                        memcpy(&s,
-                               (const char *)kc->scales + (int64_t)b * kc->scale_block_stride +
-                                   (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
-                               sizeof(float));
-                    }
-                    for (uint32_t x = 0; x < hd; x++) {
-                        keys[i * width + ((size_t)l * KH + g) * hd + x] =
-                            kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * s;
-                    }
-                }
-            }
-        }
-        rc = kve_ice_pack(keys, ntok, width, tpb, order);
-        if (rc != KV_OK) {
-            goto cleanup;
-        }
-    }
-    /* The pages to offload: fresh blocks, gathered, committed under this engine's hashes. */
-    rc = kvc_allocate(e->pool, (uint32_t)np, blk);
-    if (rc == KV_ENOSPC) {
-        rc = KV_OK; /* no room now: the next step tries again */
-        goto cleanup;
-    }
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "ice allocate: %s", kvc_last_error(e->conn));
-        goto cleanup;
-    }
-    got_blocks = 1;
-    for (size_t i = 0; i < ntok; i++) {
-        size_t slot = p0 * tpb + order[i];
-        src[i] = (int64_t)kvc_seq_block(rs->seq, slot / tpb).id * tpb + slot % tpb;
-    }
-    for (size_t j = 0; j < np; j++) {
-        dst[j] = (int32_t)blk[j].id;
-    }
-    uint32_t nviews = cache[0].num_sections == 2 ? L : 1;
-    for (uint32_t l = 0; l < nviews; l++) {
-        rc = kvk_compact_tokens_cpu(&cache[l], &cache[l], src, (uint32_t)ntok, dst);
-        if (rc != KV_OK) {
-            rc = fail(e, rc, "ice gather: %s", kvk_last_error());
-            goto cleanup;
-        }
-    }
-    if (rs->ice_n + np > rs->ice_cap) {
-        size_t nc = (rs->ice_n + np) * 2;
-        kv_hash128 *nh = realloc(rs->ice_hash, nc * sizeof(kv_hash128));
-        if (nh == NULL) {
-            goto cleanup;
-        }
-        rs->ice_hash = nh;
-        float *ns = realloc(rs->ice_summ, nc * per * sizeof(float));
-        if (ns == NULL) {
-            goto cleanup;
-        }
-        rs->ice_summ = ns;
-        rs->ice_cap = nc;
-    }
-    for (size_t j = 0; j < np; j++) {
-        uint32_t extra[4] = {(uint32_t)e->nonce, (uint32_t)(e->nonce >> 32), rs->r->id,
-                             rs->ice_serial++};
-        for (uint32_t t = 0; t < tpb; t++) {
-            ids[t] = rs->toks[ice_pos(e, rs, p0 * tpb + order[j * tpb + t])];
-        }
-        size_t nh = 0;
-        rc = kvc_pool_hash_tokens(e->pool, extra, sizeof(extra), ids, tpb,
-                                  &rs->ice_hash[rs->ice_n + j], 1, &nh);
-        if (rc != KV_OK) {
-            goto cleanup;
-        }
-        ent[j] = (kvc_commit_entry){blk[j], rs->ice_hash[rs->ice_n + j], KVC_NO_PARENT};
-    }
-    rc = kvc_commit(e->pool, ent, np, canon);
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "ice commit: %s", kvc_last_error(e->conn));
-        goto cleanup;
-    }
-    /* The summaries while the pages are still held (nothing can evict them yet), then the
-     * pages go back: cached in T0, demoted below as kvd decides. */
-    uint8_t *found = malloc(np);
-    rc = found == NULL ? KV_ENOMEM
-                       : kvc_summaries(e->pool, rs->ice_hash + rs->ice_n, np,
-                                       rs->ice_summ + rs->ice_n * per, found);
-    for (size_t j = 0; rc == KV_OK && j < np; j++) {
-        if (!found[j]) {
-            rc = fail(e, KV_EINTERNAL, "no summary of a page just committed");
-        }
-    }
-    free(found);
-    kv_err rrc = kvc_release(e->pool, canon, np);
-    rc = rc == KV_OK ? rrc : rc;
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "ice summaries: %s", kvc_last_error(e->conn));
-        goto cleanup;
-    }
-    rs->ice_n += np;
-    e->st.ice_pages_out += np;
-    /* The table without them: sinks and window, into private blocks. */
-    size_t k = 0;
-    for (size_t s = 0; s < len; s++) {
-        if (s >= p0 * tpb && s < p1 * tpb) {
-            continue;
-        }
-        src[k] = (int64_t)kvc_seq_block(rs->seq, s / tpb).id * tpb + s % tpb;
-        pos[k] = (uint32_t)ice_pos(e, rs, s);
-        ids[k] = rs->toks[pos[k]];
-        k++;
-    }
-    rc = kvc_allocate_private(e->pool, (uint32_t)nfresh, fresh);
-    if (rc != KV_OK) {
-        rc = rc == KV_ENOSPC ? KV_OK : fail(e, rc, "ice allocate: %s", kvc_last_error(e->conn));
-        /* The pages are offloaded twice until the table can be rebuilt: harmless, and rare. */
-        rs->ice_n -= np;
-        goto cleanup;
-    }
-    got_fresh = 1;
-    for (size_t j = 0; j < nfresh; j++) {
-        dst[j] = (int32_t)fresh[j].id;
-    }
-    for (uint32_t l = 0; l < nviews; l++) {
-        rc = kvk_compact_tokens_cpu(&cache[l], &cache[l], src, (uint32_t)nkept, dst);
-        if (rc != KV_OK) {
-            rc = fail(e, rc, "ice rebuild: %s", kvk_last_error());
-            goto cleanup;
-        }
-    }
-    rc = kvc_seq_compact(rs->seq, ids, nkept, fresh, nfresh);
-    got_fresh = 0;
-    if (rc != KV_OK) {
-        rc = fail(e, rc, "ice compact: %s", kvc_last_error(e->conn));
-        goto cleanup;
-    }
-    rs->dropped += ntok;
-    for (size_t i = 0; i < nkept && i < rs->cap; i++) {
-        rs->slotpos[i] = pos[i];
-    }
-    rs->zbase = nkept;
-    if (!rs->ice_on) {
-        e->st.ice_offloads++;
-    }
-    rs->ice_on = 1;
-cleanup:
-    if (got_blocks) {
-        (void)kvc_release(e->pool, blk, np);
-    }
-    if (got_fresh) {
-        (void)kvc_release(e->pool, fresh, nfresh);
-    }
-    free(order), free(keys), free(src), free(dst), free(blk), free(fresh), free(ent);
-    free(canon), free(ids), free(pos);
-    e->st.ice_pack_ms += now_ms() - t0;
-    return rc;
-}
-
-/* After a step: offloads what left the resident pages of each decoding IceCache sequence. */
-static kv_err ice_maintain(kve_engine *e, sched *s) {
-    for (size_t i = 0; e->o.ice_budget != 0 && i < s->nrun; i++) {
-        req_state *rs = s->run[i];
-        if (rs->zstate != Z_NONE || rs->done + 1 != rs->ntoks) {
-            continue; /* still prefilling */
-        }
-        size_t npages = kvc_seq_nblocks(rs->seq), S = e->o.ice_sinks, W = e->o.ice_window;
-        kv_err rc = KV_OK;
-        size_t at = e->o.ice_offload_min != 0 ? e->o.ice_offload_min : e->o.ice_budget;
-        if (!rs->ice_on && npages > S + W + at) {
-            rc = ice_offload(e, rs, S, npages - W, !e->o.ice_no_pack);
-        } else if (rs->ice_on && npages > S + W) {
-            rc = ice_offload(e, rs, S, npages - W, 0);
-        }
-        if (rc != KV_OK) {
-            return rc;
-        }
-    }
-    return KV_OK;
-}
-
 /* Preempts the newest running request (not one a compression job holds): its blocks go back
  * (the committed ones stay cached in kvd), it goes to the front of the waiting queue and
  * recomputes from its cached prefix, or, compressed, is swapped out and back in unchanged.
  * KV_EBUSY when every running request is in a compression job. */
-static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim) {
+kv_err kve__preempt_newest(kve_engine *e, sched *s, req_state **victim) {
     size_t vi = 0;
     /* Zipage: the newest compressed request first (a swap costs a copy of its few blocks; a
      * recompute, its whole history), then the newest of the others. */
@@ -1670,7 +761,7 @@ static kv_err preempt_newest(kve_engine *e, sched *s, req_state **victim) {
     v->zstate = Z_NONE;
     kv_err rc;
     if (kvc_seq_compressed(v->seq)) {
-        rc = zip_swap_out(e, v);
+        rc = kve__zip_swap_out(e, v);
     } else {
         rc = retire(e, v);
         v->done = 0;
@@ -1701,11 +792,11 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
         rc = kvc_seq_alloc(e->pool, rs->r->prompt_len + rs->r->max_new + (size_t)e->o.spec_k + 1,
                            NULL, 0, &rs->seq);
         if (rc != KV_OK) {
-            return fail(e, rc, "seq_alloc: %s", kvc_last_error(e->conn));
+            return kve__fail(e, rc, "seq_alloc: %s", kvc_last_error(e->conn));
         }
         if (e->o.zip_budget != 0) {
             rc = kvc_seq_set_block_budget(rs->seq, e->o.zip_budget);
-            rc = rc == KV_OK ? zip_init(e, rs) : rc;
+            rc = rc == KV_OK ? kve__zip_init(e, rs) : rc;
             if (rc != KV_OK) {
                 return rc;
             }
@@ -1713,7 +804,7 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
     }
     if (rs->swap != NULL) {
         /* A compressed sequence coming back: its blocks' bytes, not a recompute. */
-        rc = zip_swap_in(e, s, rs);
+        rc = kve__zip_swap_in(e, s, rs);
         if (rc == KV_OK) {
             rs->phase = PH_RUNNING;
             rs->order = e->next_order++;
@@ -1735,7 +826,7 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
             rc = kvc_lookup_tiers(e->pool, hashes, nh, probe, &nhit, &th);
         }
         if (rc != KV_OK) {
-            fail(e, rc, "lookup: %s", kvc_last_error(e->conn));
+            kve__fail(e, rc, "lookup: %s", kvc_last_error(e->conn));
             goto cleanup;
         }
         /* A run below T0 that the prefill's fetch will bring up counts as cached for the first
@@ -1746,8 +837,8 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
     }
     size_t first = n;
     if (e->o.static_batching) {
-        size_t resv = blocks_for(e, rs->r->prompt_len + rs->r->max_new);
-        if (e->o.block_budget != 0 && held_blocks(e, s) + resv > e->o.block_budget) {
+        size_t resv = kve__blocks_for(e, rs->r->prompt_len + rs->r->max_new);
+        if (e->o.block_budget != 0 && kve__held_blocks(e, s) + resv > e->o.block_budget) {
             rc = KV_ENOSPC;
             goto release_probe;
         }
@@ -1755,11 +846,11 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
     } else {
         first = (nhit + lower) * e->tpb + budget;
         first = first > n ? n : first;
-        if (e->o.zip_budget != 0 && first > zcap(e)) {
-            first = zcap(e); /* the rest of the prompt comes after a compression */
+        if (e->o.zip_budget != 0 && first > kve__zcap(e)) {
+            first = kve__zcap(e); /* the rest of the prompt comes after a compression */
         }
         if (e->o.block_budget != 0 &&
-            held_blocks(e, s) + blocks_for(e, first) - nhit > e->o.block_budget) {
+            kve__held_blocks(e, s) + kve__blocks_for(e, first) - nhit > e->o.block_budget) {
             rc = KV_ENOSPC;
             goto release_probe;
         }
@@ -1772,7 +863,7 @@ static kv_err admit(kve_engine *e, sched *s, req_state *rs, size_t budget) {
     if (rc == KV_ENOSPC) {
         rs->reserved = 0;
     } else if (rc != KV_OK) {
-        fail(e, rc, "prefill: %s", kvc_last_error(e->conn));
+        kve__fail(e, rc, "prefill: %s", kvc_last_error(e->conn));
     }
 release_probe:
     if (nhit > 0) {
@@ -1800,7 +891,7 @@ static void emit(kve_engine *e, req_state *rs, uint32_t t, const float *lg) {
     kve_request *r = rs->r;
     int V = e->m->cfg.vocab_size;
     if (r->nout == 0) {
-        r->ttft_ms = now_ms() - rs->arrive;
+        r->ttft_ms = kve__now_ms() - rs->arrive;
     }
     if (r->forced != NULL) {
         t = r->forced[r->nout]; /* teacher forcing: the given token, the model's logits */
@@ -1836,8 +927,8 @@ static kv_err plan(kve_engine *e, sched *s, req_state *rs, size_t *budget) {
     if (e->o.zip_budget != 0) {
         /* Zipage: at the budget, the sequence is compressed before it grows. */
         size_t slots = rs->done - rs->dropped;
-        if (slots + want > zcap(e)) {
-            want = zcap(e) - slots;
+        if (slots + want > kve__zcap(e)) {
+            want = kve__zcap(e) - slots;
             if (want == 0) {
                 rs->zstate = Z_PENDING;
                 return KV_OK;
@@ -1850,15 +941,15 @@ static kv_err plan(kve_engine *e, sched *s, req_state *rs, size_t *budget) {
             break;
         }
         if (rc != KV_ENOSPC) {
-            return fail(e, rc, "grow: %s", kvc_last_error(e->conn));
+            return kve__fail(e, rc, "grow: %s", kvc_last_error(e->conn));
         }
         req_state *v = NULL;
-        rc = preempt_newest(e, s, &v);
+        rc = kve__preempt_newest(e, s, &v);
         if (rc == KV_EBUSY) {
             return KV_OK; /* every other request is being compressed: try next step */
         }
         if (rc != KV_OK) {
-            return fail(e, rc, "preempt: %s", kvc_last_error(e->conn));
+            return kve__fail(e, rc, "preempt: %s", kvc_last_error(e->conn));
         }
         if (v == rs) {
             return KV_OK;
@@ -1898,8 +989,8 @@ static kv_err draft(kve_engine *e, sched *s, req_state **sp, size_t ns) {
                 size_t len = kvc_seq_length(rs->seq);
                 if (pos >= len) {
                     if (e->o.block_budget != 0 &&
-                        blocks_for(e, pos + 1) > kvc_seq_nblocks(rs->seq) &&
-                        held_blocks(e, s) + 1 > e->o.block_budget) {
+                        kve__blocks_for(e, pos + 1) > kvc_seq_nblocks(rs->seq) &&
+                        kve__held_blocks(e, s) + 1 > e->o.block_budget) {
                         continue;
                     }
                     kv_err r2 = kvc_seq_append(rs->seq, &rs->draft[j], 1);
@@ -1907,7 +998,7 @@ static kv_err draft(kve_engine *e, sched *s, req_state **sp, size_t ns) {
                         continue;
                     }
                     if (r2 != KV_OK) {
-                        rc = fail(e, r2, "draft append: %s", kvc_last_error(e->conn));
+                        rc = kve__fail(e, r2, "draft append: %s", kvc_last_error(e->conn));
                         goto cleanup;
                     }
                 }
@@ -1938,14 +1029,14 @@ static kv_err draft(kve_engine *e, sched *s, req_state **sp, size_t ns) {
                 break;
             }
             int fits = e->o.block_budget == 0 ||
-                       blocks_for(e, pos + 1) <= kvc_seq_nblocks(rs->seq) ||
-                       held_blocks(e, s) + 1 <= e->o.block_budget;
+                       kve__blocks_for(e, pos + 1) <= kvc_seq_nblocks(rs->seq) ||
+                       kve__held_blocks(e, s) + 1 <= e->o.block_budget;
             kv_err r2 = fits ? kvc_seq_append(rs->seq, &rs->draft[rs->kdraft], 1) : KV_ENOSPC;
             if (r2 == KV_OK) {
                 break;
             }
             if (r2 != KV_ENOSPC) {
-                rc = fail(e, r2, "draft append: %s", kvc_last_error(e->conn));
+                rc = kve__fail(e, r2, "draft append: %s", kvc_last_error(e->conn));
                 goto cleanup;
             }
             rs->kdraft--;
@@ -1967,9 +1058,9 @@ static int cmp_arrival(const void *a, const void *b) {
 static kv_err step(kve_engine *e, sched *s, int *progress) {
     const int V = e->m->cfg.vocab_size;
     size_t budget = e->o.token_budget;
-    kv_err rc = zip_poll(e, 0);
+    kv_err rc = kve__zip_poll(e, 0);
     if (rc == KV_OK) {
-        rc = zip_submit(e, s);
+        rc = kve__zip_submit(e, s);
     }
     if (rc != KV_OK) {
         return rc;
@@ -2006,7 +1097,7 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
                 rs->phase = PH_DONE;
                 memmove(&s->wait[0], &s->wait[1], (s->nwait - 1) * sizeof(*s->wait));
                 s->nwait--;
-                fail(e, KV_ENOSPC, "request %u does not fit the block budget", rs->r->id);
+                kve__fail(e, KV_ENOSPC, "request %u does not fit the block budget", rs->r->id);
                 continue;
             }
             break;
@@ -2112,8 +1203,8 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
             size_t valid = 0;
             rc = kvc_seq_rewind(rs->seq, rs->done, &valid);
             if (rc != KV_OK || valid != rs->done) {
-                rc = fail(e, rc != KV_OK ? rc : KV_EINTERNAL, "rewind to %zu: %s", rs->done,
-                          kvc_last_error(e->conn));
+                rc = kve__fail(e, rc != KV_OK ? rc : KV_EINTERNAL, "rewind to %zu: %s", rs->done,
+                               kvc_last_error(e->conn));
                 goto cleanup;
             }
         } else {
@@ -2126,7 +1217,7 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
         if (e->o.prefix_cache) {
             rc = kvc_seq_commit(rs->seq, rs->done - rs->dropped, NULL);
             if (rc != KV_OK) {
-                fail(e, rc, "commit: %s", kvc_last_error(e->conn));
+                kve__fail(e, rc, "commit: %s", kvc_last_error(e->conn));
                 goto cleanup;
             }
         }
@@ -2134,12 +1225,12 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
     for (size_t i = 0; i < s->nrun;) {
         req_state *rs = s->run[i];
         if (rs->r->nout >= rs->r->max_new) {
-            rs->r->finish_ms = now_ms() - rs->arrive;
+            rs->r->finish_ms = kve__now_ms() - rs->arrive;
             rs->r->status = KV_OK;
             rs->phase = PH_DONE;
             rc = retire(e, rs);
             if (rc != KV_OK) {
-                fail(e, rc, "release: %s", kvc_last_error(e->conn));
+                kve__fail(e, rc, "release: %s", kvc_last_error(e->conn));
                 goto cleanup;
             }
             remove_running(s, rs);
@@ -2147,7 +1238,7 @@ static kv_err step(kve_engine *e, sched *s, int *progress) {
         }
         i++;
     }
-    rc = ice_maintain(e, s);
+    rc = kve__ice_maintain(e, s);
 cleanup:
     free(rows);
     free(lg);
@@ -2165,7 +1256,7 @@ kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n) {
     s.wait = calloc(n + 1, sizeof(req_state *));
     req_state **future = calloc(n + 1, sizeof(req_state *));
     size_t nfut = 0, fut_i = 0, ndone = 0;
-    double t0 = now_ms();
+    double t0 = kve__now_ms();
     if (s.rs == NULL || s.run == NULL || s.wait == NULL || future == NULL) {
         goto cleanup;
     }
@@ -2213,7 +1304,7 @@ kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n) {
     qsort(future, nfut, sizeof(*future), cmp_arrival);
     rc = KV_OK;
     while (ndone < n) {
-        double now = now_ms();
+        double now = kve__now_ms();
         while (fut_i < nfut && future[fut_i]->arrive <= now) {
             future[fut_i]->phase = PH_WAITING;
             s.wait[s.nwait++] = future[fut_i++];
@@ -2235,7 +1326,7 @@ kv_err kve_engine_run(kve_engine *e, kve_request *reqs, size_t n) {
         }
         ndone += before - (s.nrun + s.nwait);
         if (!progress && e->zjob != NULL) {
-            rc = zip_poll(e, 1); /* nothing else to run: wait for the compression */
+            rc = kve__zip_poll(e, 1); /* nothing else to run: wait for the compression */
             if (rc != KV_OK) {
                 goto cleanup;
             }
@@ -2258,13 +1349,13 @@ cleanup:
         e->zjob_done = 0;
         pthread_mutex_unlock(&e->zmu);
     }
-    e->st.elapsed_ms = now_ms() - t0;
+    e->st.elapsed_ms = kve__now_ms() - t0;
     for (size_t i = 0; s.rs != NULL && i < n; i++) {
         if (s.rs[i].seq != NULL) {
             kvc_seq_free(s.rs[i].seq);
         }
         free(s.rs[i].toks);
-        zip_fini(&s.rs[i]);
+        kve__zip_fini(&s.rs[i]);
     }
     free(future);
     free(s.wait);

@@ -47,10 +47,11 @@ for t in "${targets[@]}"; do
             # library minus its main and tests.
             mapfile -t srcs < <(ls daemon/*/*.c common/*.c kvctl/exit_codes.c 2>/dev/null \
                 | grep -vE '_test\.c$|/main\.c$|/kv_err\.c$|/kv_log\.c$|^daemon/testing/')
-            # Plus the CPU kernels the lossy lower tiers quantize with (daemon/tiers/codec.c),
+            # Plus the CPU kernels the lossy lower tiers quantize with (daemon/tiers/codec.c) and
+            # the page summaries are computed with (daemon/registry/summary.c),
             # built by gcc as Bazel builds them (their SIMD bodies use GCC's target pragmas) and
             # linked uninstrumented: no input reaches them from the admin line parser.
-            for k in attn base cache cpu quant simd_avx2 simd_avx512; do
+            for k in attn base cache cpu ice quant simd_avx2 simd_avx512; do
                 gcc -std=c11 -D_GNU_SOURCE -O2 -fPIC -I. -c "kernels/kvk_$k.c" -o "$OUT/kvk_$k.o"
                 srcs+=("$OUT/kvk_$k.o")
             done
