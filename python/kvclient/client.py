@@ -218,6 +218,11 @@ class Connection:
         return bool(lib.kvc_conn_has_tiers(self._handle().ptr))
 
     @property
+    def has_private(self):
+        """True when the daemon has private blocks and Unshare (docs/ZIPAGE.md)."""
+        return bool(lib.kvc_conn_has_private(self._handle().ptr))
+
+    @property
     def fd(self):
         """The socket descriptor (for poll); -1 while disconnected."""
         return lib.kvc_conn_fd(self._handle().ptr)
@@ -277,20 +282,24 @@ class Connection:
         return v.value
 
     def attach(self, model_id, layers=None, kv_heads=None, head_dim=None, tokens_per_block=16,
-               dtype="fp16", arrangement="layer_major", layout=None, lossy_tiers=False):
+               dtype="fp16", arrangement="layer_major", layout=None, lossy_tiers=False,
+               summaries=False):
         """Attaches the pool of (model_id, shape) and maps all of its memory (kvc_pool_attach).
         Give the shape as keywords or as layout=Layout(...). dtype: "fp16", "bf16", "fp32",
         "fp8_e4m3", "int8"; arrangement: "layer_major" or "block_major". lossy_tiers: the
         daemon's lower tiers may keep this pool's blocks quantized (kvc_pool_attach_ex,
-        KVC_ATTACH_LOSSY_TIERS; another pool than the same shape without it)."""
+        KVC_ATTACH_LOSSY_TIERS; another pool than the same shape without it). summaries: kvd
+        keeps a page summary of every committed block (KVC_ATTACH_SUMMARIES; Pool.summaries,
+        docs/ICECACHE.md); part of the pool's identity too."""
         h = self._handle()
         if layout is None:
             layout = Layout(layers, kv_heads, head_dim, tokens_per_block, dtype, arrangement)
         c_layout = layout._c()
         out = c_void_p()
         with h.lock:
-            rc = lib.kvc_pool_attach_ex(h.ptr, str(model_id).encode(), byref(c_layout),
-                                        1 if lossy_tiers else 0, byref(out))
+            flags = (1 if lossy_tiers else 0) | (2 if summaries else 0)
+            rc = lib.kvc_pool_attach_ex(h.ptr, str(model_id).encode(), byref(c_layout), flags,
+                                        byref(out))
             h.exit_call()
         if rc:
             raise_for(rc, "attach " + str(model_id))
@@ -783,6 +792,44 @@ class Pool:
             raise_for(rc, "allocate")
         out.n = int(count)
         return out
+
+    def allocate_private(self, count):
+        """Leases count private blocks: WRITING blocks that can never be committed (compressed
+        KV, docs/ZIPAGE.md); released like any lease."""
+        p = self._p()
+        out = Blocks(count, self)
+        h = self._h
+        with h.lock:
+            rc = lib.kvc_allocate_private(p, int(count), out._addr)
+            h.exit_call()
+        if rc:
+            raise_for(rc, "allocate_private")
+        out.n = int(count)
+        return out
+
+    def unshare(self, blocks):
+        """Turns committed blocks this session alone holds back into private ones it may write
+        (KvdBusy when anyone else could read one: copy it into a fresh block instead)."""
+        self._refcall(lib.kvc_unshare, "unshare", blocks)
+
+    def summaries(self, hashes):
+        """Page summaries (a pool attached with summaries=True) of the blocks of hashes, in T0
+        or a lower tier: (array [n][layers][kv_heads][3][head_dim] float32 of per-channel key
+        min, max and mean, found [n] bool). Rows of hashes not found are zeros."""
+        p = self._p()
+        hashes = _hashes_arg(hashes)
+        n = hashes.n
+        lay = self.layout
+        out = np.zeros((max(n, 1), lay.layers, lay.kv_heads, 3, lay.head_dim), np.float32)
+        found = np.zeros(max(n, 1), np.uint8)
+        h = self._h
+        with h.lock:
+            rc = lib.kvc_summaries(p, hashes._addr, n, out.ctypes.data, found.ctypes.data)
+            if h.deferred:
+                h.exit_call()
+        if rc:
+            raise_for(rc, "summaries")
+        return out[:n], found[:n].astype(bool)
 
     def commit(self, blocks, hashes, parent=NO_PARENT, parents=None):
         """Commits written, full blocks with their chain hashes: each becomes immutable and
@@ -1371,6 +1418,33 @@ class Sequence:
     def promoted(self):
         """Blocks this sequence's prefills got from the daemon's lower tiers."""
         return lib.kvc_seq_promoted(self._s())
+
+    def set_block_budget(self, nblocks):
+        """Caps the blocks the sequence holds (0: no cap); growing past it raises
+        KvdQuotaExceeded (docs/ZIPAGE.md)."""
+        self._call("set_block_budget", lib.kvc_seq_set_block_budget, int(nblocks))
+
+    @property
+    def block_budget(self):
+        return lib.kvc_seq_block_budget(self._s())
+
+    def compact(self, kept_tokens, fresh):
+        """Zipage's compaction: fresh (private Blocks holding the kept tokens' K/V densely,
+        ceil(len(kept_tokens) / tokens_per_block) of them) becomes the table and every block
+        held before goes back (shared ones are only de-referenced). From then on the sequence
+        publishes nothing and its next position is .position."""
+        ptr, n, keep = _u32_tokens(kept_tokens)
+        addr, nf, keep2 = _blocks_arg(fresh)
+        self._call("compact", lib.kvc_seq_compact, ptr, n, addr, nf)
+
+    @property
+    def compressed(self):
+        return bool(lib.kvc_seq_compressed(self._s()))
+
+    @property
+    def position(self):
+        """Tokens appended in all: the next token's RoPE position (length + tokens dropped)."""
+        return lib.kvc_seq_position(self._s())
 
     @property
     def mixed(self):
