@@ -1072,6 +1072,49 @@ static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *m
     return KV_OK;
 }
 
+/* -- prefix-score: what a router asks a node -- */
+
+static kv_err cmd_prefix_score(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    uint64_t pool = 0;
+    size_t n = 0;
+    kv_hash128 *h = calloc((size_t)(argc > 0 ? argc : 1), sizeof(*h));
+    if (h == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %d hashes", argc);
+    }
+    for (int i = 0; i < argc; i++) {
+        const char *v = kv_arg(argv[i], "pool");
+        if (v != NULL) {
+            if (parse_num(v, &pool) != 0 || pool_by_id(s, pool) == NULL) {
+                free(h);
+                FAIL(KV_ENOENT, "no pool '%.32s' (see pools)", v);
+            }
+        } else if (kv_hash_parse(argv[i], &h[n]) == KV_OK) {
+            n++;
+        } else {
+            free(h);
+            FAIL(KV_EINVAL, "bad argument '%.64s' (pool=ID, then block hashes as 32 hex digits)",
+                 argv[i]);
+        }
+    }
+    if (pool == 0 || n == 0) {
+        free(h);
+        FAIL(KV_EINVAL, "prefix-score needs pool=ID and at least one block hash");
+    }
+    kvd_reg_pool *p = pool_by_id(s, pool);
+    size_t t0 = 0;
+    while (t0 < n && kvd_pool_has(p->pool, h[t0])) {
+        t0++;
+    }
+    kvd_tier_run below;
+    kvd_tiers_probe_quiet(s->tiers, p, h + t0, n - t0, &below);
+    free(h);
+    *out = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "pool", (json_int_t)pool, "asked",
+                     (json_int_t)n, "t0", (json_int_t)t0, "below", (json_int_t)below.fetchable,
+                     "t1", (json_int_t)below.t1, "t2", (json_int_t)below.t2, "prefix",
+                     (json_int_t)(t0 + below.fetchable));
+    return KV_OK;
+}
+
 /* -- selftest, drain, ready -- */
 
 static kv_err cmd_selftest_isolation(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
@@ -1244,6 +1287,14 @@ static const kvd_admin_cmd cmds[] = {
      "daemon's option). ENOENT for an unknown pool or one without tiers, EINVAL for a bad "
      "setting. docs/TIERS.md.",
      cmd_tiers},
+    {"prefix-score", "pool=ID HASH...",
+     "how many leading blocks of a prefix this node holds, per tier (a router's question)",
+     "HASH: the prefix's block hashes in order, 32 hex digits each (kvctl's form, docs/HASH.md). "
+     "Result: pool, asked, t0 (leading blocks in the pool's own memory), below (how far the "
+     "prefix goes on after them in the lower tiers), t1 and t2 (of those, blocks in tier 1 and "
+     "in tier 2 only), prefix (t0 + below: what a Fetch of the prefix would return). Takes no "
+     "reference and counts no lookup. ENOENT for an unknown pool, EINVAL for a bad hash.",
+     cmd_prefix_score},
     {"selftest isolation", "", "check that no tenant can reach another tenant's blocks",
      "Makes two throwaway tenants and proves on the live pools, index and session code that a "
      "block committed in one domain is a hit for the same domain only and that the other tenant "

@@ -1553,6 +1553,11 @@ void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, si
     probe(t, p, hashes, n, out, 1);
 }
 
+void kvd_tiers_probe_quiet(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                           kvd_tier_run *out) {
+    probe(t, p, hashes, n, out, 0);
+}
+
 /* The fetch in flight bringing hash h up, and which of its positions, or NULL. */
 static kvd_fetch *inflight_up(kvd_tiers *t, const tier_pool *tp, kv_hash128 h, uint32_t *pos) {
     for (kvd_fetch *f = t->fetches; f != NULL; f = f->next) {

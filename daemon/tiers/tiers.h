@@ -84,6 +84,9 @@ typedef struct kvd_tier_run {
 } kvd_tier_run;
 void kvd_tiers_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
                      kvd_tier_run *out);
+/* The same, counted as no lookup (admin prefix-score, a router's question). */
+void kvd_tiers_probe_quiet(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                           kvd_tier_run *out);
 
 /* A Fetch's outcome, given to its callback. refs[0..nok) are the run's blocks in T0, in prefix
  * order, each with one reference charged to the fetch's tenant and owned by the fetch: the

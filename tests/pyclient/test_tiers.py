@@ -703,3 +703,31 @@ def test_t2_restart_reuses_bad_slots(kvd_factory):
     settle(d2)
     assert tier_stats(d2)["tier2_blocks"] == 4  # 3 survivors + the new one
     assert os.path.getsize(path) == size  # the new record went into the bad slot
+
+
+def test_prefix_score(kvd_factory):
+    """Admin prefix-score (a router's question): per tier how many leading blocks of a prefix
+    the node holds, without counting a lookup; a hash nobody has ends the prefix."""
+    d = kvd_factory(**_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-score", LAYOUT)
+    hs = prefix(pool, 6, 3)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    hexes = " ".join(kw.hash_hex(h) for h in hs)
+    queries = c.stats(pool.pool_id)["pool.queries"]
+    r = d.admin_result("prefix-score pool=%d %s" % (pool.pool_id, hexes))
+    assert (r["t0"], r["below"], r["prefix"], r["asked"]) == (6, 0, 6, 6)
+    assert d.admin_result("evict all")["evicted"] >= 6
+    r = d.admin_result("prefix-score pool=%d %s" % (pool.pool_id, hexes))
+    assert (r["t0"], r["below"], r["t1"], r["prefix"]) == (0, 6, 6, 6)
+    # A hash nobody has, third: the prefix ends before it.
+    other = kw.hash_hex(prefix(pool, 1, 999)[0])
+    mixed = " ".join([kw.hash_hex(hs[0]), kw.hash_hex(hs[1]), other, kw.hash_hex(hs[3])])
+    r = d.admin_result("prefix-score pool=%d %s" % (pool.pool_id, mixed))
+    assert r["prefix"] == 2
+    assert c.stats(pool.pool_id)["pool.queries"] == queries  # no lookup counted
+    for bad in ("prefix-score pool=%d zz" % pool.pool_id, "prefix-score pool=99999 " + other,
+                "prefix-score pool=%d" % pool.pool_id):
+        r = d.admin(bad)
+        assert not r["ok"], r
