@@ -4,6 +4,7 @@
  * into fused multiply-adds, whatever the target), which the GPU twin repeats exactly.
  */
 #pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,6 +126,46 @@ static float bound(const kvk_select_args *a, uint32_t p, uint32_t g) {
     return best;
 }
 
+/* bound() for pages p .. p+7 at once (AVX2; no FMA): each lane does exactly bound()'s
+ * operations in bound()'s order (_mm256_max_ps(x, y) is x > y ? x : y, NaN included), so the
+ * scores are bitwise the scalar ones. */
+__attribute__((target("avx2"))) static void bound8(const kvk_select_args *a, uint32_t p, uint32_t g,
+                                                   float *out) {
+    const uint32_t D = a->head_dim, G = a->num_qo_heads / a->num_kv_heads;
+    const size_t per = KVK_SUMMARY_FLOATS(a->num_layers, a->num_kv_heads, D);
+    const float *mn = a->summaries + (size_t)p * per +
+                      ((size_t)a->layer * a->num_kv_heads + g) * KVK_SUMMARY_PARTS * D;
+    const __m256i idx =
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)per));
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (uint32_t j = 0; j < G; j++) {
+        const float *q = a->q + (size_t)(g * G + j) * D;
+        __m256 s = _mm256_setzero_ps();
+        for (uint32_t d = 0; d < D; d++) {
+            if (q[d] == 0.0f) {
+                continue;
+            }
+            __m256 qd = _mm256_set1_ps(q[d]);
+            if (a->mode == KVK_SELECT_CENTROID) {
+                __m256 me = _mm256_i32gather_ps(mn + 2 * D + d, idx, 4);
+                s = _mm256_add_ps(s, _mm256_mul_ps(qd, me));
+            } else {
+                __m256 x = _mm256_mul_ps(qd, _mm256_i32gather_ps(mn + d, idx, 4));
+                __m256 y = _mm256_mul_ps(qd, _mm256_i32gather_ps(mn + D + d, idx, 4));
+                s = _mm256_add_ps(s, _mm256_max_ps(x, y));
+            }
+        }
+        best = _mm256_max_ps(s, best);
+    }
+    _mm256_storeu_ps(out, best);
+    for (uint32_t l = 0; l < 8; l++) {
+        const float *m = mn + (size_t)l * per;
+        if (m[0] > m[D]) {
+            out[l] = -INFINITY; /* an empty page */
+        }
+    }
+}
+
 kv_err kvk_page_select_cpu(const kvk_select_args *a, int32_t *out, float *score) {
     kv_err rc = kvk__check_select(a, out);
     if (rc != KV_OK) {
@@ -141,7 +182,14 @@ kv_err kvk_page_select_cpu(const kvk_select_args *a, int32_t *out, float *score)
     }
     for (uint32_t g = 0; g < a->num_kv_heads; g++) {
         float *s = sc + (size_t)g * a->npages;
-        for (uint32_t p = 0; p < a->npages; p++) {
+        uint32_t p = 0;
+        size_t per = KVK_SUMMARY_FLOATS(a->num_layers, a->num_kv_heads, a->head_dim);
+        if (kvk__ops() != NULL && per * 8 < (size_t)INT32_MAX) {
+            for (; p + 8 <= a->npages; p += 8) {
+                bound8(a, p, g, s + p); /* AVX2 is there when kvk__ops() is (kvk_cpu.c) */
+            }
+        }
+        for (; p < a->npages; p++) {
             s[p] = bound(a, p, g);
         }
         /* k rounds of "the best page not taken" (the lower page on ties), then page order. */

@@ -9,6 +9,7 @@
 
 #include <cmocka.h>
 
+#include "kernels/kvk_internal.h"
 #include "kernels/kvk_testutil.h"
 
 static const kv_dtype dtypes[] = {KV_DTYPE_FP32, KV_DTYPE_FP16, KV_DTYPE_BF16, KV_DTYPE_INT8,
@@ -218,6 +219,52 @@ static void test_empty_and_infinite_pages(void **state) {
     assert_int_equal(out[1], 1); /* taken last, when nothing else is left */
 }
 
+/* The vectorised scoring (8 pages at once) gives the scalar scores bit for bit: random pages,
+ * a count that is not a multiple of 8, empty pages and infinite keys among them. */
+static void test_simd_equals_scalar(void **state) {
+    (void)state;
+    const uint32_t L = 2, H = 4, D = 32, NP = 45, QH = 8;
+    size_t per = KVK_SUMMARY_FLOATS(L, H, D);
+    float *summ = malloc(NP * per * sizeof(float));
+    for (size_t i = 0; i < NP * per; i++) {
+        summ[i] = tu_randf() * 3.0f;
+    }
+    for (uint32_t p = 0; p < NP; p += 7) { /* every 7th page empty in (layer 1, head 2) */
+        float *m = summ + p * per + ((size_t)1 * H + 2) * 3 * D;
+        m[0] = INFINITY;
+        m[D] = -INFINITY;
+    }
+    summ[9 * per + 5] = INFINITY;
+    float q[8 * 32];
+    for (int i = 0; i < 8 * 32; i++) {
+        q[i] = i % 5 == 0 ? 0.0f : tu_randf();
+    }
+    float vec[4 * 45], sca[4 * 45];
+    int32_t ov[4 * 6], os[4 * 6];
+    for (int mode = KVK_SELECT_BOUND; mode <= KVK_SELECT_CENTROID; mode++) {
+        for (uint32_t layer = 0; layer < L; layer++) {
+            kvk_select_args a = {.summaries = summ,
+                                 .npages = NP,
+                                 .num_layers = L,
+                                 .layer = layer,
+                                 .num_kv_heads = H,
+                                 .head_dim = D,
+                                 .q = q,
+                                 .num_qo_heads = QH,
+                                 .k = 6,
+                                 .mode = mode};
+            int level = kvk__simd_force(KVK__SIMD_AVX512); /* capped at what the CPU has */
+            assert_int_equal(kvk_page_select_cpu(&a, ov, vec), KV_OK);
+            kvk__simd_force(KVK__SIMD_SCALAR);
+            assert_int_equal(kvk_page_select_cpu(&a, os, sca), KV_OK);
+            kvk__simd_force(level);
+            assert_memory_equal(vec, sca, sizeof(vec));
+            assert_memory_equal(ov, os, sizeof(ov));
+        }
+    }
+    free(summ);
+}
+
 static void test_refusals(void **state) {
     (void)state;
     tu_seg s;
@@ -255,9 +302,9 @@ static void test_refusals(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_summaries_naive), cmocka_unit_test(test_bound_holds),
-        cmocka_unit_test(test_exact_topk),      cmocka_unit_test(test_empty_and_infinite_pages),
-        cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_summaries_naive),    cmocka_unit_test(test_bound_holds),
+        cmocka_unit_test(test_exact_topk),         cmocka_unit_test(test_empty_and_infinite_pages),
+        cmocka_unit_test(test_simd_equals_scalar), cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
