@@ -409,10 +409,12 @@ kv_err kve__zip_swap_out(kve_engine *e, req_state *rs) {
 
 kv_err kve__zip_swap_in(kve_engine *e, sched *s, req_state *rs) {
     size_t nb = rs->swap_blocks, per = swap_block_bytes(e);
-    /* Room for its blocks and for the one its next token opens (else it would be admitted and
-     * preempted again in the same step). */
-    size_t next = rs->swap_slots % e->tpb == 0 && rs->swap_slots < kve__zcap(e) ? 1 : 0;
-    if (e->o.block_budget != 0 && kve__held_blocks(e, s) + nb + next > e->o.block_budget) {
+    /* Room for its blocks and for what it takes before it can give any back: the blocks up to
+     * its budget and its next compression's fresh ones. Less, and it would soon be the victim
+     * again (a swap costs a copy of its blocks each way). */
+    size_t grow = e->o.zip_budget > nb ? e->o.zip_budget - nb : 0;
+    size_t need = nb + grow + kve__blocks_for(e, e->zkeep);
+    if (e->o.block_budget != 0 && kve__held_blocks(e, s) + need > e->o.block_budget) {
         return KV_ENOSPC;
     }
     kvc_block *blk = malloc(nb * sizeof(*blk));
