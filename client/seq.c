@@ -544,6 +544,23 @@ size_t kvc_seq_position(const kvc_seq *s) {
     return s->len + s->dropped;
 }
 
+/* Makes fresh[0..nfresh) (private blocks holding tokens[0..ntokens)) the whole table of a
+ * compressed sequence whose positions run `dropped` ahead of its length. tokens may alias
+ * s->tokens. */
+static void install_compressed(kvc_seq *s, const uint32_t *tokens, size_t ntokens, size_t dropped,
+                               const kvc_block *fresh, size_t nfresh) {
+    memcpy(s->blocks, fresh, nfresh * sizeof(*fresh));
+    for (size_t i = 0; i < nfresh; i++) {
+        s->bpool[i] = s->pool;
+    }
+    memmove(s->tokens, tokens, ntokens * sizeof(*tokens));
+    s->len = ntokens;
+    s->dropped = dropped;
+    s->nblocks = s->nheld = nfresh;
+    s->ncommitted = s->nhashes = 0;
+    s->compressed = 1;
+}
+
 kv_err kvc_seq_adopt(kvc_seq *s, const uint32_t *tokens, size_t ntokens, size_t position,
                      const kvc_block *fresh, size_t nfresh) {
     if (s->pool == NULL) {
@@ -563,16 +580,7 @@ kv_err kvc_seq_adopt(kvc_seq *s, const uint32_t *tokens, size_t ntokens, size_t 
         return kvc__fail(&c->diag, KV_EQUOTA, "%zu blocks exceed the block budget of %zu", nfresh,
                          s->budget);
     }
-    memcpy(s->blocks, fresh, nfresh * sizeof(*fresh));
-    for (size_t i = 0; i < nfresh; i++) {
-        s->bpool[i] = s->pool;
-    }
-    memcpy(s->tokens, tokens, ntokens * sizeof(*tokens));
-    s->len = ntokens;
-    s->dropped = position - ntokens;
-    s->nblocks = s->nheld = nfresh;
-    s->ncommitted = s->nhashes = 0;
-    s->compressed = 1;
+    install_compressed(s, tokens, ntokens, position - ntokens, fresh, nfresh);
     return KV_OK;
 }
 
@@ -600,17 +608,7 @@ kv_err kvc_seq_compact(kvc_seq *s, const uint32_t *kept, size_t nkept, const kvc
      * written) and every reserved block go back in one round trip; the fresh ones take their
      * place whether or not that succeeds (the daemon frees a dead session's leases anyway). */
     kv_err err = s->nheld > 0 ? drop_blocks(s, 0, s->nheld, 0) : KV_OK;
-    memcpy(s->blocks, fresh, nfresh * sizeof(*fresh));
-    for (size_t i = 0; i < nfresh; i++) {
-        s->bpool[i] = s->pool;
-    }
-    memmove(s->tokens, kept, nkept * sizeof(*kept));
-    s->dropped += s->len - nkept;
-    s->len = nkept;
-    s->nblocks = s->nheld = nfresh;
-    s->ncommitted = 0;
-    s->nhashes = 0;
-    s->compressed = 1;
+    install_compressed(s, kept, nkept, s->dropped + s->len - nkept, fresh, nfresh);
     return err;
 }
 

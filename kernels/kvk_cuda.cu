@@ -86,6 +86,14 @@ cudaStream_t as_stream(void *s) {
     return static_cast<cudaStream_t>(s);
 }
 
+// Scales are read and written as floats: an 8-bit cache's scales and scale strides must be
+// 4-byte aligned (a misaligned access would kill the caller's context). True for other dtypes.
+bool scales_aligned(const kvk_cache *c) {
+    return !kvk__is_scaled(c->dtype) ||
+           ((c->scales | (uintptr_t)c->scale_block_stride | (uintptr_t)c->scale_section_stride) &
+            3u) == 0;
+}
+
 // ---- copy_blocks -------------------------------------------------------------------------------
 
 struct CopyParams {
@@ -1036,11 +1044,7 @@ extern "C" kv_err kvk_copy_blocks_cuda(const kvk_cache *src, const kvk_cache *ds
     p.db = dst_blocks;
     // Element stores are done bytewise where an address or length is not 16-aligned, but scale
     // copies are float loads and stores: a misaligned one would kill the caller's context.
-    if (kvk__is_scaled(src->dtype) &&
-        ((src->scales | dst->scales | (uintptr_t)src->scale_block_stride |
-          (uintptr_t)src->scale_section_stride | (uintptr_t)dst->scale_block_stride |
-          (uintptr_t)dst->scale_section_stride) &
-         3u) != 0) {
+    if (!scales_aligned(src) || !scales_aligned(dst)) {
         return kvk__fail(KV_EINVAL, "copy_blocks_cuda: scales or scale strides not 4-byte aligned");
     }
     rc = pre_launch("copy_blocks");
@@ -1454,10 +1458,7 @@ extern "C" kv_err kvk_compact_tokens_cuda(const kvk_cache *src, const kvk_cache 
     p.dst_bs = dst->block_stride;
     p.dst_ss = dst->section_stride;
     if (kvk__is_scaled(src->dtype)) {
-        if (((src->scales | dst->scales | (uintptr_t)src->scale_block_stride |
-              (uintptr_t)src->scale_section_stride | (uintptr_t)dst->scale_block_stride |
-              (uintptr_t)dst->scale_section_stride) &
-             3u) != 0) {
+        if (!scales_aligned(src) || !scales_aligned(dst)) {
             return kvk__fail(KV_EINVAL,
                              "compact_tokens_cuda: scales or scale strides not 4-byte aligned");
         }
@@ -1502,10 +1503,8 @@ extern "C" kv_err kvk_token_scores_cuda(const kvk_cache *cache, uint32_t layer,
         return kvk__fail(KV_EINVAL, "token_scores_cuda: workspace of %zu bytes; %zu needed",
                          workspace_bytes, kvk_token_scores_workspace_bytes(a->nq, a->num_qo_heads));
     }
-    if ((kvk__is_scaled(cache->dtype) && ((cache->scales | (uintptr_t)cache->scale_block_stride |
-                                           (uintptr_t)cache->scale_section_stride) &
-                                          3u) != 0) ||
-        ((uintptr_t)workspace & 3u) != 0 || ((uintptr_t)scores & 3u) != 0) {
+    if (!scales_aligned(cache) || ((uintptr_t)workspace & 3u) != 0 ||
+        ((uintptr_t)scores & 3u) != 0) {
         return kvk__fail(KV_EINVAL, "token_scores_cuda: scales, workspace or scores misaligned");
     }
     ScoreParams p = {};

@@ -118,9 +118,10 @@ static kv_err calibrate(kve_engine *e) {
     return rc;
 }
 
-/* The Zipage options: "" when they make sense (or Zipage is off), else why not. */
-static const char *zip_check(const kve_model *m, const kve_options *o, size_t *keep,
-                             size_t *window) {
+/* The Zipage and IceCache options: "" when they make sense (or the modes are off), else why
+ * not; for Zipage also the effective keep and window. */
+static const char *mode_check(const kve_model *m, const kve_options *o, size_t *keep,
+                              size_t *window) {
     if (o->ice_budget != 0) {
         if (o->spec_k > 0 || o->static_batching || o->cascade || o->zip_budget != 0) {
             return "IceCache runs without speculative decoding, static batching, cascade and "
@@ -166,7 +167,7 @@ static const char *zip_check(const kve_model *m, const kve_options *o, size_t *k
 kv_err kve_engine_open(const kve_model *m, const kve_options *o, kve_engine **out) {
     const kve_config *c = &m->cfg;
     size_t zkeep = 0, zwindow = 0;
-    const char *zwhy = o->tokens_per_block == 0 ? "" : zip_check(m, o, &zkeep, &zwindow);
+    const char *zwhy = o->tokens_per_block == 0 ? "" : mode_check(m, o, &zkeep, &zwindow);
     if (o->tokens_per_block == 0 || o->token_budget == 0 || o->max_batch == 0 || o->spec_k < 0 ||
         o->spec_k > 64 ||
         (o->spec_k > 0 && (o->draft_layers < 1 || o->draft_layers > c->n_layers)) ||
@@ -683,6 +684,24 @@ cleanup:
 }
 
 /* ---- Scheduler ---------------------------------------------------------------------------- */
+
+void kve__load_key(const kvk_cache *kc, uint32_t la, uint32_t blk, uint32_t off, uint32_t head,
+                   float *out) {
+    const uint32_t sec = la * 2, hd = kc->head_dim;
+    const char *row = (const char *)kc->data + (int64_t)blk * kc->block_stride +
+                      (int64_t)sec * kc->section_stride +
+                      (int64_t)((uint64_t)off * kc->num_kv_heads * hd * kvk_dtype_bytes(kc->dtype));
+    float s = 1.0f;
+    if (kc->scales != 0) {
+        memcpy(&s,
+               (const char *)kc->scales + (int64_t)blk * kc->scale_block_stride +
+                   (int64_t)sec * kc->scale_section_stride + head * sizeof(float),
+               sizeof(float));
+    }
+    for (uint32_t x = 0; x < hd; x++) {
+        out[x] = kvk_load_f32(kc->dtype, row, (uint64_t)head * hd + x) * s;
+    }
+}
 
 size_t kve__blocks_for(const kve_engine *e, size_t tokens) {
     return (tokens + e->tpb - 1) / e->tpb;

@@ -181,23 +181,9 @@ static kv_err ice_offload(kve_engine *e, req_state *rs, size_t p0, size_t p1, in
             size_t slot = p0 * tpb + i;
             uint32_t b = kvc_seq_block(rs->seq, slot / tpb).id;
             for (uint32_t l = 0; l < L; l++) {
-                const kvk_cache *kc = &cache[l];
-                uint32_t sec = la[l] * 2;
-                const char *row = (const char *)kc->data + (int64_t)b * kc->block_stride +
-                                  (int64_t)sec * kc->section_stride +
-                                  (int64_t)((slot % tpb) * KH * hd * kvk_dtype_bytes(kc->dtype));
                 for (uint32_t g = 0; g < KH; g++) {
-                    float s = 1.0f;
-                    if (kc->scales != 0) {
-                        memcpy(&s,
-                               (const char *)kc->scales + (int64_t)b * kc->scale_block_stride +
-                                   (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
-                               sizeof(float));
-                    }
-                    for (uint32_t x = 0; x < hd; x++) {
-                        keys[i * width + ((size_t)l * KH + g) * hd + x] =
-                            kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * s;
-                    }
+                    kve__load_key(&cache[l], la[l], b, (uint32_t)(slot % tpb), g,
+                                  keys + i * width + ((size_t)l * KH + g) * hd);
                 }
             }
         }

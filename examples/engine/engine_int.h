@@ -62,7 +62,7 @@ typedef struct req_state {
     uint32_t ice_serial;  /* pages offloaded so far (their hashes' counter) */
 } req_state;
 
-enum { Z_NONE = 0, Z_PENDING = 1, Z_JOB = 2, Z_DONE = 3 };
+enum { Z_NONE = 0, Z_PENDING = 1, Z_JOB = 2 };
 
 enum { PH_FUTURE = 0, PH_WAITING = 1, PH_RUNNING = 2, PH_DONE = 3 };
 
@@ -142,6 +142,10 @@ int kve__is_8bit(kv_dtype d);
 /* The kvk descriptor of layer l and the layer index to pass with it. */
 kv_err kve__layer_cache(kve_engine *e, uint32_t l, kvk_cache *c, uint32_t *layer_arg);
 size_t kve__blocks_for(const kve_engine *e, size_t tokens);
+/* The dequantized key of KV head `head` at offset `off` of block `blk` in cache view kc (layer
+ * argument la, as kve__layer_cache gives them): head_dim floats into out. */
+void kve__load_key(const kvk_cache *kc, uint32_t la, uint32_t blk, uint32_t off, uint32_t head,
+                   float *out);
 /* Blocks the running requests hold (a compression's fresh blocks included). */
 size_t kve__held_blocks(const kve_engine *e, const sched *s);
 /* Preempts the newest running request not in a compression job; KV_EBUSY when none. */

@@ -106,26 +106,11 @@ static kv_err zip_compress(kve_engine *e, req_state *rs, char *err, size_t errle
     }
     if (keys != NULL) {
         /* The last layer's keys as floats, [kv head][token][dim]. */
-        const kvk_cache *kc = &e->zcache[L - 1];
-        uint32_t sec = e->zlayer[L - 1] * 2;
-        uint64_t eb = kvk_dtype_bytes(kc->dtype);
         for (size_t t = 0; t < n; t++) {
             uint32_t blk = (uint32_t)rs->zpages[t / e->tpb];
-            const char *row = (const char *)kc->data + (int64_t)blk * kc->block_stride +
-                              (int64_t)sec * kc->section_stride +
-                              (int64_t)((t % e->tpb) * KH * hd * eb);
             for (uint32_t g = 0; g < KH; g++) {
-                float sc = 1.0f;
-                if (kc->scales != 0) {
-                    memcpy(&sc,
-                           (const char *)kc->scales + (int64_t)blk * kc->scale_block_stride +
-                               (int64_t)sec * kc->scale_section_stride + g * sizeof(float),
-                           sizeof(float));
-                }
-                for (uint32_t x = 0; x < hd; x++) {
-                    keys[((size_t)g * n + t) * hd + x] =
-                        kvk_load_f32(kc->dtype, row, (uint64_t)g * hd + x) * sc;
-                }
+                kve__load_key(&e->zcache[L - 1], e->zlayer[L - 1], blk, (uint32_t)(t % e->tpb), g,
+                              keys + ((size_t)g * n + t) * hd);
             }
         }
         rc = kve_zip_redundancy(keys, KH, n, hd, e->o.zip_temp, red);

@@ -780,32 +780,26 @@ class Pool:
             out.pool = where[0]
         return out, where
 
-    def allocate(self, count):
-        """Leases count WRITING blocks (all or none; KvdNoSpace when the pool cannot)."""
+    def _allocate(self, fn, name, count):
         p = self._p()
         out = Blocks(count, self)
         h = self._h
         with h.lock:
-            rc = lib.kvc_allocate(p, int(count), out._addr)
+            rc = fn(p, int(count), out._addr)
             h.exit_call()
         if rc:
-            raise_for(rc, "allocate")
+            raise_for(rc, name)
         out.n = int(count)
         return out
+
+    def allocate(self, count):
+        """Leases count WRITING blocks (all or none; KvdNoSpace when the pool cannot)."""
+        return self._allocate(lib.kvc_allocate, "allocate", count)
 
     def allocate_private(self, count):
         """Leases count private blocks: WRITING blocks that can never be committed (compressed
         KV, docs/ZIPAGE.md); released like any lease."""
-        p = self._p()
-        out = Blocks(count, self)
-        h = self._h
-        with h.lock:
-            rc = lib.kvc_allocate_private(p, int(count), out._addr)
-            h.exit_call()
-        if rc:
-            raise_for(rc, "allocate_private")
-        out.n = int(count)
-        return out
+        return self._allocate(lib.kvc_allocate_private, "allocate_private", count)
 
     def unshare(self, blocks):
         """Turns committed blocks this session alone holds back into private ones it may write
