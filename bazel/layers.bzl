@@ -2,7 +2,7 @@
 layers above it and to test-only code, never to a layer below: Bazel refuses such a dependency.
 tests/layering/check_layers.py checks the same order over includes and linked symbols."""
 
-DAEMON_LAYERS = ["core", "mem", "config", "tenancy", "session", "registry", "tiers", "proto", "net", "ops", "app"]
+DAEMON_LAYERS = ["core", "mem", "config", "tenancy", "session", "registry", "tiers", "kvevents", "proto", "net", "ops", "app"]
 
 # Test-only code and test suites outside the daemon that may use any layer.
 _TEST_USERS = [

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core rpc host sched engine python tiers compress)
+ALL=(core rpc host sched engine python tiers compress cluster)
 
 run_one() {
     case "$1" in
@@ -18,6 +18,7 @@ run_one() {
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
         tiers) /usr/bin/python3 bench/tiers_bench.py "$BIN_DIR/../daemon/kvd" ;;
+        cluster) "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}" ;;
         compress)
             # The held-out text by the training script's own rule (no torch needed for it).
             local held

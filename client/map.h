@@ -62,6 +62,7 @@ struct kvc_pool {
                                       so old addresses stay valid), unmapped at detach */
     kv_hash128 seed;               /* hash chain seed */
     int hash_algo;                 /* kv_hash_algo */
+    uint8_t none_hash[32];         /* KV_HASH_VLLM: vLLM's NONE_HASH (the chain's start) */
     uint64_t epoch;                /* boot epoch it was attached under */
     uint64_t session;              /* session it was attached in; its references die with it */
     int need_map;                  /* a reply announced segments we lack, or handed us a block in

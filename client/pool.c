@@ -15,6 +15,7 @@
 #include "client/gpu_map.h"
 #include "client/map.h"
 #include "client/rpc.h"
+#include "common/kv_vllm_hash.h"
 
 kv_err kvc_pool_attach(kvc_conn *c, const char *model_id, const kv_layout *layout, kvc_pool **out) {
     return kvc_pool_attach_ex(c, model_id, layout, 0, out);
@@ -248,9 +249,95 @@ int kvc_pool_hash_algo(const kvc_pool *p) {
     return p->hash_algo;
 }
 
+/* A vLLM pool's extra keys from kvd's extra bytes: none, or one text key (a LoRA name or a cache
+ * salt) of at most KV_VLLM_MAX_KEY_BYTES. */
+static kv_err vllm_key(const void *extra, size_t extra_len, char *buf, const char **keys,
+                       size_t *nkeys) {
+    *nkeys = 0;
+    if (extra_len == 0) {
+        return KV_OK;
+    }
+    if (extra == NULL || extra_len > KV_VLLM_MAX_KEY_BYTES || memchr(extra, 0, extra_len) != NULL) {
+        return KV_EINVAL;
+    }
+    memcpy(buf, extra, extra_len);
+    buf[extra_len] = '\0';
+    keys[0] = buf;
+    *nkeys = 1;
+    return KV_OK;
+}
+
+kv_err kvc_pool_vllm_none_hash(const kvc_pool *p, uint8_t out[32]) {
+    if (p->hash_algo != KV_HASH_VLLM) {
+        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
+                         p->pool_id);
+    }
+    memcpy(out, p->none_hash, 32);
+    return KV_OK;
+}
+
+kv_err kvc_pool_vllm_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
+                                 const uint32_t *tokens, size_t ntokens, uint8_t (*full)[32],
+                                 size_t max_out, size_t *nout) {
+    if (p->hash_algo != KV_HASH_VLLM) {
+        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
+                         p->pool_id);
+    }
+    char kbuf[KV_VLLM_MAX_KEY_BYTES + 1];
+    const char *keys[1];
+    size_t nkeys;
+    kv_err rc = vllm_key(extra, extra_len, kbuf, keys, &nkeys);
+    if (rc == KV_OK) {
+        rc = kv_vllm_hash_chain(p->none_hash, tokens, ntokens, p->layout.tokens_per_block, keys,
+                                nkeys, full, max_out, nout);
+    }
+    if (rc != KV_OK) {
+        return kvc__fail(p->diag, rc,
+                         "vLLM-hashing %zu tokens: %s (extra: one UTF-8 key of at most %d bytes "
+                         "without NUL)",
+                         ntokens, kv_strerror(rc), KV_VLLM_MAX_KEY_BYTES);
+    }
+    return KV_OK;
+}
+
+kv_err kvc_pool_vllm_hash_next(const kvc_pool *p, const uint8_t *parent, const void *extra,
+                               size_t extra_len, const uint32_t *tokens, uint8_t out[32]) {
+    if (p->hash_algo != KV_HASH_VLLM) {
+        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
+                         p->pool_id);
+    }
+    char kbuf[KV_VLLM_MAX_KEY_BYTES + 1];
+    const char *keys[1];
+    size_t nkeys;
+    kv_err rc = vllm_key(extra, extra_len, kbuf, keys, &nkeys);
+    if (rc == KV_OK) {
+        rc = kv_vllm_hash_block(parent != NULL ? parent : p->none_hash, tokens,
+                                p->layout.tokens_per_block, keys, nkeys, out);
+    }
+    if (rc != KV_OK) {
+        return kvc__fail(p->diag, rc, "vLLM-hashing a block: %s", kv_strerror(rc));
+    }
+    return KV_OK;
+}
+
 kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
                             const uint32_t *tokens, size_t ntokens, kv_hash128 *out, size_t max_out,
                             size_t *nout) {
+    if (p->hash_algo == KV_HASH_VLLM) {
+        /* The chain runs over full digests; the keys are their first 16 bytes. */
+        size_t nb = ntokens / p->layout.tokens_per_block;
+        nb = nb < max_out ? nb : max_out;
+        uint8_t(*full)[32] = malloc((nb > 0 ? nb : 1) * 32);
+        if (full == NULL) {
+            return kvc__fail(p->diag, KV_ENOMEM, "no memory to hash %zu blocks", nb);
+        }
+        kv_err rc = kvc_pool_vllm_hash_tokens(p, extra, extra_len, tokens, ntokens, full, nb, nout);
+        for (size_t i = 0; rc == KV_OK && i < *nout; i++) {
+            out[i] = kv_vllm_hash_key(full[i]);
+        }
+        free(full);
+        return rc;
+    }
     kv_err rc = kv_hash_chain((kv_hash_algo)p->hash_algo, p->seed, extra, extra_len, tokens,
                               ntokens, p->layout.tokens_per_block, out, max_out, nout);
     if (rc != KV_OK) {
@@ -264,6 +351,12 @@ kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_l
 
 kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const void *extra, size_t extra_len,
                           const uint32_t *tokens, kv_hash128 *out) {
+    if (p->hash_algo == KV_HASH_VLLM) {
+        return kvc__fail(p->diag, KV_ENOTSUP,
+                         "pool %u hashes with vLLM's sha256_cbor, whose chain needs the parent's "
+                         "32-byte digest: use kvc_pool_vllm_hash_next",
+                         p->pool_id);
+    }
     kv_err rc = kv_hash_block((kv_hash_algo)p->hash_algo, parent, extra, extra_len, tokens,
                               p->layout.tokens_per_block, out);
     if (rc != KV_OK) {

@@ -135,6 +135,7 @@ static kv_err link_pools(kvc_conn *c, kvc_pool *p, const Kvd__AttachPoolReply *r
         }
         lp->hash_algo = p->hash_algo;
         lp->seed = p->seed;
+        memcpy(lp->none_hash, p->none_hash, sizeof(lp->none_hash));
         lp->epoch = p->epoch;
         lp->session = p->session;
     }
@@ -172,6 +173,15 @@ static kv_err complete_attach(kvc_conn *c, kvc__op *op, const Kvd__AttachPoolRep
     }
     p->pool_id = r->pool_id;
     p->hash_algo = r->hash_algo ? (int)r->hash_algo : KV_HASH_XXH3_128;
+    if (p->hash_algo == KV_HASH_VLLM) {
+        if (r->none_hash.len != sizeof(p->none_hash)) {
+            return kvc__fail(&c->diag, KV_EPROTO,
+                             "AttachPoolReply: hash_algo 3 (vLLM) with a %zu-byte none_hash (32 "
+                             "expected)",
+                             r->none_hash.len);
+        }
+        memcpy(p->none_hash, r->none_hash.data, sizeof(p->none_hash));
+    }
     if (r->hash_seed != NULL) {
         p->seed.lo = r->hash_seed->lo;
         p->seed.hi = r->hash_seed->hi;
@@ -843,7 +853,8 @@ static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *en
 }
 
 static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
-                       kvc_block *canonical, size_t *index) {
+                       const uint8_t (*full)[32], const uint32_t *tokens, kvc_block *canonical,
+                       size_t *index) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
@@ -874,6 +885,14 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
         e[i].block = &r[i];
         e[i].hash = &h[i];
         e[i].parent = entries[i].parent;
+        if (full != NULL) {
+            e[i].hash_full.data = (uint8_t *)full[i];
+            e[i].hash_full.len = 32;
+        }
+        if (tokens != NULL) {
+            e[i].n_token_ids = p->layout.tokens_per_block;
+            e[i].token_ids = (uint32_t *)tokens + i * p->layout.tokens_per_block;
+        }
         ep[i] = &e[i];
     }
     Kvd__Commit req = KVD__COMMIT__INIT;
@@ -1210,6 +1229,11 @@ kv_err kvc_unshare(kvc_pool *p, const kvc_block *blocks, size_t n) {
 }
 
 kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
+    return kvc_commit_ex(p, entries, n, NULL, NULL, canonical);
+}
+
+kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                     const uint8_t (*full)[32], const uint32_t *tokens, kvc_block *canonical) {
     kvc_conn *c = p->conn;
     kv_err err = kvc__rpc_ready(c);
     if (err != KV_OK) {
@@ -1218,7 +1242,7 @@ kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_bl
     (void)map_pending(c); /* a mapping that failed earlier may work now */
     kvc_batch b;
     kvc__batch_init(&b, c);
-    err = q_commit(&b, p, entries, n, canonical, NULL);
+    err = q_commit(&b, p, entries, n, full, tokens, canonical, NULL);
     if (err == KV_ESTATE && b.nops == 1 && b.ops[0].kind == KVC__OP_RELEASE) {
         /* The guard refused and queued the leases' Release: send it, keep the guard's error. */
         char why[sizeof(c->diag.err)];
@@ -1504,7 +1528,7 @@ kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *
 kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                         kvc_block *canonical, size_t *index) {
     BATCH_LIVE(b);
-    return q_commit(b, p, entries, n, canonical, index);
+    return q_commit(b, p, entries, n, NULL, NULL, canonical, index);
 }
 
 kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,

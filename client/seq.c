@@ -25,6 +25,7 @@
 #include "client/conn.h"
 #include "client/diag.h"
 #include "client/map.h"
+#include "common/kv_vllm_hash.h"
 
 struct kvc_seq {
     kvc_pool *pool;                   /* pool the blocks live in */
@@ -41,6 +42,7 @@ struct kvc_seq {
     size_t lookahead;                 /* kvc_seq_set_lookahead: slots kept past the length */
     size_t ncommitted;                /* leading committed blocks */
     kv_hash128 *hashes;               /* [max_blocks] chain hashes of full blocks */
+    uint8_t (*full)[32];              /* KVC_HASH_VLLM pools: [max_blocks] their digests */
     size_t nhashes;                   /* full blocks hashed */
     uint8_t extra[KV_HASH_MAX_EXTRA]; /* extra key mixed into every block hash */
     size_t extra_len;                 /* its bytes */
@@ -97,7 +99,12 @@ kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t e
     s->blocks = malloc(s->max_blocks * sizeof(*s->blocks));
     s->hashes = malloc(s->max_blocks * sizeof(*s->hashes));
     s->bpool = malloc(s->max_blocks * sizeof(*s->bpool));
-    if (s->tokens == NULL || s->blocks == NULL || s->hashes == NULL || s->bpool == NULL) {
+    if (p->hash_algo == KVC_HASH_VLLM) {
+        s->full = malloc(s->max_blocks * sizeof(*s->full));
+    }
+    if (s->tokens == NULL || s->blocks == NULL || s->hashes == NULL || s->bpool == NULL ||
+        (p->hash_algo == KVC_HASH_VLLM && s->full == NULL)) {
+        free(s->full);
         free(s->tokens);
         free(s->blocks);
         free(s->hashes);
@@ -108,6 +115,7 @@ kv_err kvc_seq_alloc(kvc_pool *p, size_t max_tokens, const void *extra, size_t e
     }
     s->search_domains = 0; /* one page table per sequence unless asked (kvclient.h) */
     if (kvc__pool_add_user(p, s, seq_orphan) != KV_OK) {
+        free(s->full);
         free(s->tokens);
         free(s->blocks);
         free(s->hashes);
@@ -133,6 +141,7 @@ void kvc_seq_free(kvc_seq *s) {
         }
         kvc__pool_forget_user(s->pool, s);
     }
+    free(s->full);
     free(s->tokens);
     free(s->blocks);
     free(s->hashes);
@@ -148,9 +157,19 @@ void kvc_seq_set_search_domains(kvc_seq *s, int on) {
 /* Hashes every full block not hashed yet. */
 static kv_err hash_full_blocks(kvc_seq *s) {
     while (!s->compressed && (s->nhashes + 1) * tpb(s) <= s->len) {
-        kv_hash128 parent = s->nhashes == 0 ? s->pool->seed : s->hashes[s->nhashes - 1];
-        kv_err err = kvc_pool_hash_next(s->pool, parent, s->extra, s->extra_len,
-                                        s->tokens + s->nhashes * tpb(s), &s->hashes[s->nhashes]);
+        kv_err err;
+        if (s->full != NULL) {
+            err = kvc_pool_vllm_hash_next(s->pool, s->nhashes == 0 ? NULL : s->full[s->nhashes - 1],
+                                          s->extra, s->extra_len, s->tokens + s->nhashes * tpb(s),
+                                          s->full[s->nhashes]);
+            if (err == KV_OK) {
+                s->hashes[s->nhashes] = kv_vllm_hash_key(s->full[s->nhashes]);
+            }
+        } else {
+            kv_hash128 parent = s->nhashes == 0 ? s->pool->seed : s->hashes[s->nhashes - 1];
+            err = kvc_pool_hash_next(s->pool, parent, s->extra, s->extra_len,
+                                     s->tokens + s->nhashes * tpb(s), &s->hashes[s->nhashes]);
+        }
         if (err != KV_OK) {
             return err;
         }
@@ -391,7 +410,10 @@ kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
             e[i].parent =
                 b == 0 || s->bpool[b - 1] != s->pool ? KVC_NO_PARENT : s->blocks[b - 1].id;
         }
-        err = kvc_commit(s->pool, e, k, canon);
+        /* vLLM pools send each digest, and the tokens for the KV events' BlockStored. */
+        err = s->full != NULL
+                  ? kvc_commit_ex(s->pool, e, k, s->full + first, s->tokens + first * tpb(s), canon)
+                  : kvc_commit(s->pool, e, k, canon);
         if (err != KV_OK) {
             goto cleanup;
         }
@@ -675,6 +697,9 @@ kv_err kvc_seq_fork(kvc_seq *src, kvc_seq **out, int32_t *copy_src, int32_t *cop
     d->lookahead = src->lookahead;
     memcpy(d->tokens, src->tokens, src->len * sizeof(*src->tokens));
     memcpy(d->hashes, src->hashes, src->nhashes * sizeof(*src->hashes));
+    if (src->full != NULL) {
+        memcpy(d->full, src->full, src->nhashes * sizeof(*src->full));
+    }
     d->nhashes = src->nhashes;
     /* Shared blocks: one more reference on each committed block, taken by looking their hashes
      * up (the source holds them, so each is found, and found as the same block). */

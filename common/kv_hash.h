@@ -27,6 +27,8 @@ typedef struct kv_hash128 {
 typedef enum kv_hash_algo {
     KV_HASH_XXH3_128 = 1,   /* XXH3_128bits, seed 0 */
     KV_HASH_SHA256_128 = 2, /* first 16 bytes of SHA-256 (libmd), for crafted-collision fears */
+    KV_HASH_VLLM = 3, /* vLLM's sha256_cbor, chained over 32-byte digests: common/kv_vllm_hash.h
+                         (kv_hash_block and kv_hash_chain refuse it with KV_EINVAL) */
 } kv_hash_algo;
 
 /* Largest extra key accepted per block (adapter id, multimodal hash, ...), in bytes. */
@@ -36,7 +38,7 @@ typedef enum kv_hash_algo {
  * NULL when extra_len is 0; tokens may be NULL when ntokens is 0. Returns KV_EINVAL for an
  * unknown algo, extra_len above KV_HASH_MAX_EXTRA, a NULL pointer with a non-zero length, or
  * ntokens above UINT32_MAX; KV_ENOMEM when a block of more than 1024 tokens cannot get its heap
- * buffer; KV_EINTERNAL if OpenSSL fails. Writes *out only on success. */
+ * buffer; KV_EINTERNAL if the digest fails. Writes *out only on success. */
 kv_err kv_hash_block(kv_hash_algo algo, kv_hash128 parent, const void *extra, size_t extra_len,
                      const uint32_t *tokens, size_t ntokens, kv_hash128 *out);
 

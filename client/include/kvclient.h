@@ -303,6 +303,25 @@ KVC_EXTERN kv_err kvc_pool_hash_tokens(const kvc_pool *p, const void *extra, siz
 KVC_EXTERN kv_err kvc_pool_hash_next(const kvc_pool *p, kv_hash128 parent, const void *extra,
                                      size_t extra_len, const uint32_t *tokens, kv_hash128 *out);
 
+/* Pools whose kvc_pool_hash_algo is KVC_HASH_VLLM (the daemon's hash-mode vllm, docs/HASH.md)
+ * hash as vLLM's sha256_cbor: the chain runs over 32-byte digests, and a block's key (what
+ * Lookup and Commit name it by, kvc_pool_hash_tokens' output) is its digest's first 16 bytes.
+ * kvc_pool_hash_next cannot extend such a chain from a key (KV_ENOTSUP): use the calls below,
+ * and commit with kvc_commit_ex, which sends each block's digest. extra is none or one UTF-8
+ * key without NUL of at most 256 bytes (a LoRA name or cache salt, vLLM's extra_keys of one
+ * string). KV_ENOTSUP on other pools. */
+#define KVC_HASH_VLLM 3
+/* The chain's start: vLLM's NONE_HASH (from the daemon's vllm-hash-seed). */
+KVC_EXTERN kv_err kvc_pool_vllm_none_hash(const kvc_pool *p, uint8_t out[32]);
+/* Digests of the full blocks of tokens[0..ntokens), at most max_out, into full; *nout the count. */
+KVC_EXTERN kv_err kvc_pool_vllm_hash_tokens(const kvc_pool *p, const void *extra, size_t extra_len,
+                                            const uint32_t *tokens, size_t ntokens,
+                                            uint8_t (*full)[32], size_t max_out, size_t *nout);
+/* One more block's digest after parent (a 32-byte digest; NULL for the chain's first block). */
+KVC_EXTERN kv_err kvc_pool_vllm_hash_next(const kvc_pool *p, const uint8_t *parent,
+                                          const void *extra, size_t extra_len,
+                                          const uint32_t *tokens, uint8_t out[32]);
+
 /* ---- Synchronous block calls (one round trip each) ------------------------------------ */
 
 /* Finds the longest cached prefix of hashes[0..n): *nhit leading blocks are cached and out[0..
@@ -410,6 +429,14 @@ typedef struct kvc_commit_entry {
  * KV_ENOENT, KV_ESTALE, KV_ESTATE (not WRITING), KV_EPERM (another session's lease). */
 KVC_EXTERN kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                              kvc_block *canonical);
+
+/* kvc_commit with what the daemon's KV events publish (docs/EVENTS.md): full[i] is the 32-byte
+ * vLLM digest of entries[i] (required on a KVC_HASH_VLLM pool, whose Commit is KV_EINVAL
+ * without it; NULL on others), tokens (NULL: none) holds n * tokens_per_block token ids, entry
+ * i's at i * tokens_per_block, which BlockStored events carry where the operator opted in. */
+KVC_EXTERN kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                                const uint8_t (*full)[32], const uint32_t *tokens,
+                                kvc_block *canonical);
 
 /* Drops the session's references on blocks[0..n) (a sequence's blocks in prefix order; WRITING
  * blocks are freed). kvc_rewind is the same for blocks past a sequence's accepted length

@@ -11,6 +11,7 @@
 #include "common/kv_log.h"
 #include "daemon/mem/backend_cuda.h"
 #include "daemon/mem/backend_host.h"
+#include "daemon/kvevents/kvevents.h"
 #include "daemon/tiers/tiers.h"
 #include "daemon/ops/admin.h"
 #include "daemon/ops/metrics.h"
@@ -28,6 +29,7 @@ struct kvd_daemon {
     int reg_open;                /* reg initialised */
     kvd_server *srv;             /* the client socket and its connections */
     kvd_tiers *tiers;            /* lower tiers of the pools (T1 host memory, T2 disk) */
+    kvd_kvevents *kvevents;      /* KV-event publishers (vLLM's format), NULL: none */
     kvd_ops ops;                 /* what the admin and metrics see */
     uv_signal_t sigterm, sigint; /* stop on SIGTERM/SIGINT */
     int signals_active;          /* signal handles initialised and not closed */
@@ -44,6 +46,7 @@ static void on_server_stopped(void *arg) {
     kvd_daemon *d = arg;
     kvd_metrics_stop(&d->ops);
     kvd_admin_stop(&d->ops);
+    kvd_kvevents_close(d->kvevents);
     if (d->signals_active) {
         d->signals_active = 0;
         uv_close((uv_handle_t *)&d->sigterm, NULL);
@@ -121,7 +124,15 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
         KV_LOG(ERROR, "KVD-START", "tiers: %s", terr[0] != '\0' ? terr : kv_strerror(rc));
         goto fail;
     }
-    kvd_server_deps sd = {&d->cfg, loop, &d->reg, d->boot_epoch, on_server_stopped, d, d->tiers};
+    char eerr[512] = "";
+    rc = kvd_kvevents_alloc(loop, &d->cfg, d->tenants, d->sel.cuda != NULL ? "GPU" : "CPU",
+                            &d->kvevents, eerr, sizeof(eerr));
+    if (rc != KV_OK) {
+        KV_LOG(ERROR, "KVD-START", "%s", eerr[0] != '\0' ? eerr : kv_strerror(rc));
+        goto fail;
+    }
+    kvd_server_deps sd = {&d->cfg,           loop, &d->reg,  d->boot_epoch,
+                          on_server_stopped, d,    d->tiers, d->kvevents};
     rc = kvd_server_alloc(&sd, &d->srv);
     if (rc != KV_OK) {
         goto fail;
@@ -133,6 +144,7 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
     d->ops.reg = &d->reg;
     d->ops.srv = d->srv;
     d->ops.tiers = d->tiers;
+    d->ops.kvevents = d->kvevents;
     d->ops.boot_epoch = d->boot_epoch;
     d->ops.start_unix_ms = (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
     d->ops.start_loop_ms = uv_now(loop);
@@ -196,6 +208,7 @@ void kvd_daemon_free(kvd_daemon *d) {
         kvd_registry_fini(&d->reg); /* every pool, before the backend goes */
     }
     kvd_tiers_free(d->tiers); /* after the pools: the loop ran dry, no copy is in flight */
+    kvd_kvevents_free(d->kvevents);
     if (d->sel_open) {
         kvd_backend_sel_fini(&d->sel);
     }

@@ -121,6 +121,34 @@ static const kvd_config_option options[] = {
     OPT_RT("fetch-min-tokens", KVD_OPT_U64, fetch_min_tokens, "256", 0, 1u << 30,
            "a lower-tier hit of fewer tokens is not worth a Fetch (the reply says SHORT; the "
            "client recomputes); HiCache's threshold"),
+    OPT("hash-mode", KVD_OPT_STRING, hash_mode, "xxh3", 0, 0,
+        "block hashes clients compute: xxh3 (XXH3-128, fastest) or vllm (vLLM's sha256_cbor, "
+        "so that published and stored keys are the ones a vLLM-aware router computes; "
+        "docs/HASH.md)"),
+    OPT("vllm-hash-seed", KVD_OPT_STRING, vllm_hash_seed, "", 0, 0,
+        "hash-mode vllm: the PYTHONHASHSEED the vLLM side uses (NONE_HASH = sha256(cbor(seed))); "
+        "empty: a random NONE_HASH per run, as vLLM without PYTHONHASHSEED (no hit survives a "
+        "restart then)"),
+    OPT("kv-events-endpoint", KVD_OPT_STRING, kv_events_endpoint, "", 0, 0,
+        "ZMQ endpoint (bound, e.g. tcp://127.0.0.1:5557 or ipc://PATH) publishing KV events in "
+        "vLLM's format for every domain that no tenants-file `events` line names "
+        "(docs/EVENTS.md); empty: off"),
+    OPT("kv-events-replay", KVD_OPT_STRING, kv_events_replay, "", 0, 0,
+        "ZMQ endpoint (ROUTER, bound) that replays the kv-events-endpoint's buffered batches "
+        "from a sequence number; empty: no replay"),
+    OPT("kv-events-topic", KVD_OPT_STRING, kv_events_topic, "", 0, 0,
+        "topic frame of every KV-event message (vLLM's default is empty)"),
+    OPT("kv-events-token-ids", KVD_OPT_BOOL, kv_events_token_ids, "false", 0, 1,
+        "BlockStored events carry the blocks' token ids (a prompt's text, in effect: only for a "
+        "router every tenant trusts); false: token_ids is empty"),
+    OPT("kv-events-hash-form", KVD_OPT_STRING, kv_events_hash_form, "int", 0, 0,
+        "how events name a block: int (vLLM's default: the digest's last 8 bytes, big-endian) "
+        "or bytes (the whole digest: 32 bytes in vllm mode, 16 in xxh3 mode)"),
+    OPT("kv-events-buffer", KVD_OPT_U64, kv_events_buffer, "10000", 1, 1u << 24,
+        "batches each publisher keeps for replay (vLLM's buffer_steps)"),
+    OPT("kv-events-flush-ms", KVD_OPT_U64, kv_events_flush_ms, "1", 0, 10000,
+        "a KV-event batch collects the events of this many ms after its first (one send, not "
+        "one per request, on a busy Commit path); 0: each loop iteration's events are a batch"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))
@@ -246,6 +274,16 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
                 strcmp(value, "write-through") != 0) {
                 kvd_conf_err(err, errlen, "tier-write: '%s' is not write-back or write-through",
                              value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "hash-mode") == 0 && strcmp(value, "xxh3") != 0 &&
+                strcmp(value, "vllm") != 0) {
+                kvd_conf_err(err, errlen, "hash-mode: '%s' is not xxh3 or vllm", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "kv-events-hash-form") == 0 && strcmp(value, "int") != 0 &&
+                strcmp(value, "bytes") != 0) {
+                kvd_conf_err(err, errlen, "kv-events-hash-form: '%s' is not int or bytes", value);
                 return KV_EINVAL;
             }
             memcpy(field, value, n + 1);

@@ -59,6 +59,15 @@ typedef struct kvd_config {
     uint64_t tier_min_hits;                 /* selective: lookups a block needs to go down */
     uint64_t tier_clean_ahead;              /* write-back: victims kept copied ahead */
     uint64_t fetch_min_tokens;              /* a shorter lower-tier hit is not fetched */
+    char hash_mode[16];                     /* "xxh3" or "vllm" (sha256_cbor, docs/HASH.md) */
+    char vllm_hash_seed[256];               /* vllm mode: PYTHONHASHSEED; "" = random per run */
+    char kv_events_endpoint[256];           /* ZMQ PUB of vLLM KV events; "" = off */
+    char kv_events_replay[256];             /* ZMQ ROUTER answering replays; "" = none */
+    char kv_events_topic[128];              /* topic frame of every message */
+    int kv_events_token_ids;                /* BlockStored carries the token ids */
+    char kv_events_hash_form[8];            /* "int" (vLLM's u64) or "bytes" */
+    uint64_t kv_events_buffer;              /* batches kept for replay */
+    uint64_t kv_events_flush_ms;            /* a batch collects this long; 0: one iteration */
 } kvd_config;
 
 typedef enum kvd_opt_type {

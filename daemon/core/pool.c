@@ -140,28 +140,28 @@ struct kvd_pool {
                                   per queue, in the order they reached the head (pick_victim) */
     uint64_t n_aside[NQUEUE];  /* blocks on the aside lists, per queue */
     uint32_t ntcap;            /* tenant ids the arrays cover */
-    kvd_pool_drop_fn drop_fn;  /* told of every indexed block that leaves the pool (tiers) */
-    void *drop_arg;            /* drop_fn's argument */
-    uint64_t n_leased;         /* tier leases: references charged to no tenant */
-    uint32_t nguarantee;       /* tenants with a guarantee */
-    uint64_t *ghost;           /* S3-FIFO ghost: tag << 32 | eviction sequence */
-    size_t ghost_mask;         /* ghost slots - 1 */
-    uint32_t ghost_seq;        /* evictions recorded in the ghost so far (wraps) */
-    uint64_t inner_home[2];    /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
-    int defer_leaves;          /* an admin walk runs: child_removed leaves inner blocks be */
-    uint64_t arc_p;            /* ADAPTIVE: unused (ARC's target size; see adaptive_admit) */
-    int64_t arc_bias;          /* ADAPTIVE: clock units added to the recency side's ages */
-    uint8_t pending_rule;      /* ADAPTIVE: rule that chose the victim being evicted (0: both
-                                  rules agreed, 1: LRU's, 2: the biased one) */
-    uint64_t rule_n[2];        /* ADAPTIVE: victims chosen by the LRU rule / the biased rule
-                                  where the two disagreed (decayed) */
-    uint64_t rule_back[2];     /* ADAPTIVE: of them, committed again within the ghost's reach */
-    uint64_t ghost_n[2];       /* ADAPTIVE: recent evictions by side, decayed (ARC's |B1|, |B2|) */
-    uint64_t ghost_hits[2];    /* ADAPTIVE: commits of a hash in the ghost, by side it left */
-    uint64_t queries;          /* lookups */
-    uint64_t query_blocks;     /* hashes asked */
-    uint64_t hit_blocks;       /* hashes found */
-    uint64_t commits;          /* commits, duplicates included */
+    kvd_pool_drop_fn drop_fn[KVD_DROP_HOOKS]; /* told of every indexed block that leaves */
+    void *drop_arg[KVD_DROP_HOOKS];           /* drop_fn's arguments */
+    uint64_t n_leased;                        /* tier leases: references charged to no tenant */
+    uint32_t nguarantee;                      /* tenants with a guarantee */
+    uint64_t *ghost;                          /* S3-FIFO ghost: tag << 32 | eviction sequence */
+    size_t ghost_mask;                        /* ghost slots - 1 */
+    uint32_t ghost_seq;                       /* evictions recorded in the ghost so far (wraps) */
+    uint64_t inner_home[2]; /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
+    int defer_leaves;       /* an admin walk runs: child_removed leaves inner blocks be */
+    uint64_t arc_p;         /* ADAPTIVE: unused (ARC's target size; see adaptive_admit) */
+    int64_t arc_bias;       /* ADAPTIVE: clock units added to the recency side's ages */
+    uint8_t pending_rule;   /* ADAPTIVE: rule that chose the victim being evicted (0: both
+                               rules agreed, 1: LRU's, 2: the biased one) */
+    uint64_t rule_n[2];     /* ADAPTIVE: victims chosen by the LRU rule / the biased rule
+                               where the two disagreed (decayed) */
+    uint64_t rule_back[2];  /* ADAPTIVE: of them, committed again within the ghost's reach */
+    uint64_t ghost_n[2];    /* ADAPTIVE: recent evictions by side, decayed (ARC's |B1|, |B2|) */
+    uint64_t ghost_hits[2]; /* ADAPTIVE: commits of a hash in the ghost, by side it left */
+    uint64_t queries;       /* lookups */
+    uint64_t query_blocks;  /* hashes asked */
+    uint64_t hit_blocks;    /* hashes found */
+    uint64_t commits;       /* commits, duplicates included */
     uint64_t commits_duplicate;
     uint64_t quarantines;   /* blocks kvd_pool_quarantine took out of the index */
     uint64_t verified;      /* hits verify-blocks checked (kvd_pool_count_verified) */
@@ -770,12 +770,20 @@ static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     block_to_free(p, id, b);
 }
 
+/* Tells the drop hooks, in slot order. */
+static void drop_tell(kvd_pool *p, kv_hash128 h, kv_hash128 parent, int reason) {
+    for (int i = 0; i < KVD_DROP_HOOKS; i++) {
+        if (p->drop_fn[i] != NULL) {
+            p->drop_fn[i](p->drop_arg[i], p, h, parent, reason);
+        }
+    }
+}
+
 /* Evicts a CACHED unpinned block (drop_cached), counted under reason. */
 static void evict_block(kvd_pool *p, uint32_t id, pool_block *b, kvd_evict_reason reason) {
-    if (p->drop_fn != NULL) {
+    if (p->drop_fn[0] != NULL || p->drop_fn[1] != NULL) {
         const pool_block *pb = parent_of(p, b);
-        p->drop_fn(p->drop_arg, p, blk_hash(b), pb != NULL ? blk_hash(pb) : (kv_hash128){0, 0},
-                   (int)reason);
+        drop_tell(p, blk_hash(b), pb != NULL ? blk_hash(pb) : (kv_hash128){0, 0}, (int)reason);
     }
     drop_cached(p, id, b);
     p->evictions[reason]++;
@@ -1712,9 +1720,10 @@ kv_err kvd_pool_hold_hash(kvd_pool *p, uint32_t tenant, kv_hash128 h, kvd_block_
     return err;
 }
 
-void kvd_pool_set_drop_hook(kvd_pool *p, kvd_pool_drop_fn fn, void *arg) {
-    p->drop_fn = fn;
-    p->drop_arg = arg;
+void kvd_pool_set_drop_hook(kvd_pool *p, int slot, kvd_pool_drop_fn fn, void *arg) {
+    KV_ASSERT(slot >= 0 && slot < KVD_DROP_HOOKS);
+    p->drop_fn[slot] = fn;
+    p->drop_arg[slot] = arg;
 }
 
 kv_err kvd_pool_lease(kvd_pool *p, kvd_block_ref blk) {
@@ -1849,10 +1858,8 @@ kv_err kvd_pool_quarantine(kvd_pool *p, kvd_block_ref blk) {
         return KV_OK;
     }
     p->quarantines++;
-    if (p->drop_fn != NULL) {
-        /* Before it leaves the index: a lower tier's copy of these bytes must go too. */
-        p->drop_fn(p->drop_arg, p, blk_hash(b), (kv_hash128){0, 0}, KVD_DROP_QUARANTINE);
-    }
+    /* Before it leaves the index: a lower tier's copy of these bytes must go too. */
+    drop_tell(p, blk_hash(b), (kv_hash128){0, 0}, KVD_DROP_QUARANTINE);
     if (b->state == KVD_BLOCK_CACHED) {
         /* Nobody holds it: it goes at once, like an eviction that is not counted as one. */
         if (b->flags & BLOCK_PINNED) {
@@ -1930,6 +1937,7 @@ kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_bloc
         return KV_EINVAL;
     }
     pool_block *b = blk_at(p, blk.id);
+    drop_tell(p, blk_hash(b), (kv_hash128){0, 0}, KVD_DROP_UNSHARE);
     err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
     KV_ASSERT(err == KV_OK);
     child_removed(p, b);

@@ -259,18 +259,24 @@ kv_err kvd_pool_hold(kvd_pool *pool, uint32_t tenant, kvd_block_ref blk);
  * when h is not indexed here. */
 kv_err kvd_pool_hold_hash(kvd_pool *pool, uint32_t tenant, kv_hash128 h, kvd_block_ref *out);
 
-/* ---- what the tiers (daemon/tiers) use ----
- * The drop hook is told of every indexed block that leaves the pool: an eviction (reason
+/* ---- what the tiers (daemon/tiers) and KV events (daemon/kvevents) use ----
+ * A drop hook is told of every indexed block that leaves the pool: an eviction (reason
  * KVD_EVICT_CAPACITY, _ADMIN or _SHRINK; parking counts as _SHRINK) just before its record is
- * freed, and a quarantine (KVD_DROP_QUARANTINE, a CACHED or COMMITTED block whose bytes changed),
+ * freed, a quarantine (KVD_DROP_QUARANTINE, a CACHED or COMMITTED block whose bytes changed)
+ * and an Unshare (KVD_DROP_UNSHARE: the block is a private one now; its bytes had the hash),
  * with the block's chain hash and, for an eviction, its parent's as a hint (zero when it has
  * none or the parent record holds no committed block; a reused record may name another block);
- * zero for a quarantine.
- * The hook must not call back into the pool. Freeing the pool tells it nothing. */
+ * zero for a quarantine or an unshare. A pool has one hook per slot (KVD_DROP_HOOK_TIERS,
+ * KVD_DROP_HOOK_EVENTS), called in slot order; fn NULL clears a slot.
+ * A hook must not call back into the pool. Freeing the pool tells it nothing. */
 #define KVD_DROP_QUARANTINE 100
+#define KVD_DROP_UNSHARE 101
+#define KVD_DROP_HOOK_TIERS 0
+#define KVD_DROP_HOOK_EVENTS 1
+#define KVD_DROP_HOOKS 2
 typedef void (*kvd_pool_drop_fn)(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 parent,
                                  int reason);
-void kvd_pool_set_drop_hook(kvd_pool *pool, kvd_pool_drop_fn fn, void *arg);
+void kvd_pool_set_drop_hook(kvd_pool *pool, int slot, kvd_pool_drop_fn fn, void *arg);
 
 /* A tier lease: one reference on a COMMITTED or CACHED block, charged to no tenant and counted
  * as no access (its age and reuse count stay), so a copy thread may read the block's bytes

@@ -578,7 +578,7 @@ static void test_drop_hook_evictions(void **state) {
     drops d;
     memset(&d, 0, sizeof(d));
     d.pool = p;
-    kvd_pool_set_drop_hook(p, on_drop, &d);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, on_drop, &d);
     /* A chain 100 <- 101 <- 102 and five first blocks: the pool is full. */
     const uint64_t keys[8] = {100, 101, 102, 200, 201, 202, 203, 204};
     const uint64_t pkeys[8] = {UINT64_MAX, 100,        101,        UINT64_MAX,
@@ -651,7 +651,7 @@ static void test_drop_hook_parent(void **state) {
     drops d;
     memset(&d, 0, sizeof(d));
     d.pool = p;
-    kvd_pool_set_drop_hook(p, on_drop, &d);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, on_drop, &d);
     kvd_block_ref c[3];
     cached_chain(p, 1, 3, c);
     /* The tail goes alone first (the tenant-filtered walk takes the eviction order as it
@@ -671,7 +671,7 @@ static void test_drop_hook_parent(void **state) {
     assert_true(kv_hash_eq(d.hash[2], H(1)));
     assert_true(kv_hash_eq(d.parent[2], ZERO));
     /* No hook: evictions go on, nobody told. */
-    kvd_pool_set_drop_hook(p, NULL, NULL);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, NULL, NULL);
     (void)cached_one(p, 9, KVD_NO_BLOCK);
     assert_int_equal(evict_all(p, KVD_EVICT_ADMIN), 1);
     assert_int_equal(d.n, 3);
@@ -684,7 +684,7 @@ static void test_drop_hook_shrink(void **state) {
     drops d;
     memset(&d, 0, sizeof(d));
     d.pool = p;
-    kvd_pool_set_drop_hook(p, on_drop, &d);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, on_drop, &d);
     kvd_block_ref w[4];
     assert_int_equal(kvd_pool_allocate(p, 4, SESSION, TENANT, w), KV_OK); /* segment 0 */
     CHECK_POOL(p);
@@ -711,7 +711,7 @@ static void test_drop_hook_quarantine(void **state) {
     drops d;
     memset(&d, 0, sizeof(d));
     d.pool = p;
-    kvd_pool_set_drop_hook(p, on_drop, &d);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, on_drop, &d);
     kvd_block_ref c[2];
     cached_chain(p, 1, 2, c);
     kvd_block_ref held = commit_one(p, 5, KVD_NO_BLOCK);
@@ -772,7 +772,7 @@ static void test_free_tells_nothing(void **state) {
     drops d;
     memset(&d, 0, sizeof(d));
     d.pool = p;
-    kvd_pool_set_drop_hook(p, on_drop, &d);
+    kvd_pool_set_drop_hook(p, KVD_DROP_HOOK_TIERS, on_drop, &d);
     kvd_block_ref c[3];
     cached_chain(p, 1, 3, c);
     kvd_block_ref held = commit_one(p, 10, KVD_NO_BLOCK);

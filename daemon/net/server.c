@@ -196,7 +196,7 @@ static uint8_t *reserve_reply(void *arg, size_t len) {
 /* What the handlers get for a request on c (conn NULL: no in-place replies). */
 static kvd_rpc_ctx rpc_ctx(kvd_server *s, kvd_conn *c) {
     kvd_rpc_ctx x = {s->reg,        s->cfg, s->boot_epoch, s->draining, &s->req_arena, &s->counts,
-                     reserve_reply, c,      s->tiers,      &s->later};
+                     reserve_reply, c,      s->tiers,      s->kvevents, &s->later};
     if (c == NULL) {
         x.reserve = NULL;
     }
@@ -842,6 +842,7 @@ kv_err kvd_server_alloc(const kvd_server_deps *d, kvd_server **out) {
     s->on_stopped = d->on_stopped;
     s->on_stopped_arg = d->on_stopped_arg;
     s->tiers = d->tiers;
+    s->kvevents = d->kvevents;
     s->later.find = later_find;
     s->later.send = later_send;
     s->later.arg = s;

@@ -33,7 +33,8 @@ typedef struct kvd_server_deps {
     void (*on_stopped)(void *arg); /* called once when the server has stopped (after the
                                       cuda-ipc wait); may be NULL */
     void *on_stopped_arg;
-    kvd_tiers *tiers; /* the lower tiers for the handlers; NULL: none */
+    kvd_tiers *tiers;       /* the lower tiers for the handlers; NULL: none */
+    kvd_kvevents *kvevents; /* KV-event publishers for the handlers; NULL: none */
 } kvd_server_deps;
 
 /* KV_ENOMEM. */

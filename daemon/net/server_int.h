@@ -73,6 +73,7 @@ struct kvd_server {
     uint64_t log_suppressed;  /* protocol errors not logged since the last one */
     kv_arena req_arena;       /* the request being handled is unpacked here; reset after it */
     kvd_tiers *tiers;         /* lower tiers (NULL: none) */
+    kvd_kvevents *kvevents;   /* KV-event publishers (NULL: none) */
     kvd_rpc_later later;      /* how a Fetch's reply finds its connection later */
 };
 

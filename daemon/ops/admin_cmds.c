@@ -301,8 +301,11 @@ json_t *kvd_admin_stats(kvd_ops *s) {
     kvd_tiers_stats(s->tiers, pool_sink, tiers);
     char state[1024];
     json_object_set_new(tiers, "state", text(kvd_tiers_state(s->tiers, state, sizeof(state))));
-    return json_pack("{s:o, s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants", tenants,
-                     "tiers", tiers);
+    /* KV events (daemon/kvevents; zeros without publishers). */
+    json_t *kvev = json_object();
+    kvd_kvevents_stats(s->kvevents, pool_sink, kvev);
+    return json_pack("{s:o, s:o, s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants",
+                     tenants, "tiers", tiers, "kv_events", kvev);
 }
 
 /* ---- commands -------------------------------------------------------------------------- */

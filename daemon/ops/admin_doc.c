@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "daemon/core/pool.h"
+#include "daemon/kvevents/kvevents.h"
 #include "daemon/ops/admin_cmds.h"
 #include "kvctl/exit_codes.h"
 
@@ -71,6 +72,11 @@ void kvd_admin_write_doc(FILE *f) {
     stats_table(f, "daemon", ds, nd);
     stats_table(f, "pools[] (each also has id, model, domain, tokens_per_block, hit_rate)", ps, np);
     stats_table(f, "tenants[] (each also has id, name, hit_rate)", ts, nt);
+    size_t nti, nke;
+    const kv_stat_desc *tis = kvd_tiers_stat_descs(&nti);
+    const kv_stat_desc *kes = kvd_kvevents_stat_descs(&nke);
+    stats_table(f, "tiers (also state: one line on the lower tiers; docs/TIERS.md)", tis, nti);
+    stats_table(f, "kv_events (docs/EVENTS.md)", kes, nke);
     fputs("\n## kvctl\n\n"
           "`kvctl [--socket=PATH] [--json] [--watch[=SECONDS]] COMMAND [ARGS...]` sends one "
           "command and prints the reply: human tables by default, the raw JSON line with "

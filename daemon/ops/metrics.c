@@ -26,15 +26,14 @@
  * tenant's (daemon/ops/admin_cmds.h) and a pool's (daemon/core/pool.h). Rows of one family are
  * adjacent in their table; the first carries the family's HELP. */
 typedef struct section {
-    const char *name;                        /* "daemon", "pools", "tenants" or "tiers" */
+    const char *name; /* "daemon", "pools", "tenants", "tiers" or "kv_events" */
     const kv_stat_desc *(*table)(size_t *n); /* its table */
 } section;
 
 static const section sections[] = {
-    {"daemon", kvd_admin_daemon_stats},
-    {"pools", kvd_pool_stat_descs},
-    {"tenants", kvd_admin_tenant_stats},
-    {"tiers", kvd_tiers_stat_descs},
+    {"daemon", kvd_admin_daemon_stats},     {"pools", kvd_pool_stat_descs},
+    {"tenants", kvd_admin_tenant_stats},    {"tiers", kvd_tiers_stat_descs},
+    {"kv_events", kvd_kvevents_stat_descs},
 };
 
 /* Writes a label value with the exposition format's escapes (\\, \", \n). */
@@ -54,7 +53,9 @@ static void put_label(FILE *out, const char *v) {
 
 static void put_labels(FILE *out, const char *section, const json_t *obj, const kv_stat_desc *r) {
     int first = 1;
-    if ((strcmp(section, "daemon") == 0 || strcmp(section, "tiers") == 0) && r->label == NULL) {
+    if ((strcmp(section, "daemon") == 0 || strcmp(section, "tiers") == 0 ||
+         strcmp(section, "kv_events") == 0) &&
+        r->label == NULL) {
         return;
     }
     fputc('{', out);
@@ -105,9 +106,10 @@ kv_err kvd_metrics_render(const json_t *st, const char *version, FILE *out) {
         size_t nrows;
         const kv_stat_desc *rows = sections[q].table(&nrows);
         const char *sec = sections[q].name;
-        /* daemon and tiers are one object each; pools and tenants arrays of them. */
-        int single = strcmp(sec, "daemon") == 0 || strcmp(sec, "tiers") == 0;
-        const json_t *one = strcmp(sec, "tiers") == 0 ? json_object_get(st, "tiers") : daemon;
+        /* daemon, tiers and kv_events are one object each; pools and tenants arrays of them. */
+        int single = strcmp(sec, "daemon") == 0 || strcmp(sec, "tiers") == 0 ||
+                     strcmp(sec, "kv_events") == 0;
+        const json_t *one = strcmp(sec, "daemon") == 0 ? daemon : json_object_get(st, sec);
         const json_t *objs = single ? NULL : json_object_get(st, sec);
         size_t nobj = single ? (one != NULL ? 1 : 0) : json_array_size(objs);
         for (size_t i = 0; i < nrows;) {

@@ -11,6 +11,7 @@
 
 #include "daemon/config/config.h"
 #include "daemon/net/server.h"
+#include "daemon/kvevents/kvevents.h"
 #include "daemon/registry/registry.h"
 
 typedef struct kvd_ops {
@@ -19,6 +20,7 @@ typedef struct kvd_ops {
     kvd_registry *reg;           /* pools, tenants, quotas, events */
     kvd_server *srv;             /* connections, sessions, draining */
     kvd_tiers *tiers;            /* the pools' lower tiers (stats; NULL: none) */
+    kvd_kvevents *kvevents;      /* KV-event publishers (stats; NULL: none) */
     uint64_t boot_epoch;         /* this run's */
     uint64_t start_unix_ms;      /* wall clock at start */
     uint64_t start_loop_ms;      /* loop clock at start (uptime base) */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/kv_log.h"
+#include "common/kv_vllm_hash.h"
 #include "common/kv_wire.h"
 #include "daemon/mem/backend_host.h"
 #include "daemon/proto/validate.h"
@@ -322,7 +323,11 @@ static kv_err send_segments_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd
         ar.n_segments = n;
         ar.segments = ptrs;
         ar.hash_seed = &seed;
-        ar.hash_algo = 1;
+        ar.hash_algo = c->reg->vllm ? 3 : 1;
+        if (c->reg->vllm) {
+            ar.none_hash.data = c->reg->none_hash;
+            ar.none_hash.len = sizeof(c->reg->none_hash);
+        }
         /* The pool's own limit is 0 while all its segments are parked and the budget is
          * spent (it may not grow now), but the client sizes its address space by this and
          * takes 0 for a malformed reply; parked segments keep their slots. So: at least the
@@ -402,6 +407,7 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
                 FAIL(KV_ENOMEM, "no memory for the pool's lower tiers");
             }
         }
+        kvd_kvevents_attach(c->ctx->kvevents, lp);
         if (i == 0) {
             sp = lsp;
         }
@@ -1007,6 +1013,75 @@ static kv_err check_held(kvd_session_pool *sp, kvd_block_ref r, uint32_t times, 
     return KV_OK;
 }
 
+/* hash_full and token_ids of one Commit entry: in hash-mode vllm the 32-byte digest whose first
+ * 16 bytes are the key (a router names the block by it), else none; token ids, when sent, are
+ * exactly the block's. */
+static kv_err check_entry_hashes(rpc *c, const kvd_reg_pool *p, const Kvd__CommitEntry *e, size_t i,
+                                 char *msg) {
+    if (c->reg->vllm) {
+        if (e->hash_full.len != KV_VLLM_HASH_BYTES) {
+            FAIL(KV_EINVAL,
+                 "entries[%zu]: hash_full has %zu bytes; hash-mode vllm needs the block's 32-byte "
+                 "sha256_cbor digest (docs/HASH.md)",
+                 i, e->hash_full.len);
+        }
+        kv_hash128 k = kv_vllm_hash_key(e->hash_full.data);
+        if (k.lo != e->hash->lo || k.hi != e->hash->hi) {
+            FAIL(KV_EINVAL, "entries[%zu]: hash is not the first 16 bytes of hash_full", i);
+        }
+    } else if (e->hash_full.len != 0) {
+        FAIL(KV_EINVAL,
+             "entries[%zu]: hash_full is only for hash-mode vllm (this daemon hashes "
+             "with xxh3)",
+             i);
+    }
+    if (e->n_token_ids != 0 && e->n_token_ids != p->layout.tokens_per_block) {
+        FAIL(KV_EINVAL, "entries[%zu]: %zu token_ids; a block has %u (or send none)", i,
+             e->n_token_ids, p->layout.tokens_per_block);
+    }
+    return KV_OK;
+}
+
+/* After a Commit: BlockStored events for its new canonical blocks, one per chained run. */
+static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
+                           const kvd_block_ref *canon, const uint32_t *parents) {
+    kvd_kvevents *ev = c->ctx->kvevents;
+    if (ev == NULL || !kvd_kvevents_publishes(ev, p)) {
+        return;
+    }
+    size_t n = cm->n_entries;
+    kvd_kvevent_block *b = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*b));
+    if (b == NULL) {
+        return;
+    }
+    size_t i = 0;
+    while (i < n) {
+        if (canon[i].id != cm->entries[i]->block->id) {
+            i++; /* a duplicate: the block was stored before */
+            continue;
+        }
+        kv_hash128 pk;
+        const kv_hash128 *parent = NULL;
+        kvd_block_info pinfo;
+        if (parents[i] != KVD_NO_BLOCK &&
+            kvd_pool_block_info(p->pool, parents[i], &pinfo) == KV_OK) {
+            pk = pinfo.hash;
+            parent = &pk;
+        }
+        size_t m = 0;
+        do {
+            const Kvd__CommitEntry *e = cm->entries[i];
+            b[m].key = (kv_hash128){e->hash->lo, e->hash->hi};
+            b[m].full = e->hash_full.len == KV_VLLM_HASH_BYTES ? e->hash_full.data : NULL;
+            b[m].tokens = e->n_token_ids > 0 ? e->token_ids : NULL;
+            m++;
+            i++;
+        } while (i < n && canon[i].id == cm->entries[i]->block->id &&
+                 parents[i] == canon[i - 1].id);
+        kvd_kvevents_stored(ev, p, b, m, parent);
+    }
+}
+
 static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
@@ -1030,9 +1105,10 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
     kvd_refs seen;
     kvd_refs_init(&seen);
     kvd_block_ref *canon = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*canon));
+    uint32_t *parents = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*parents));
     Kvd__BlockRef *v = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*v));
     Kvd__BlockRef **pv = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*pv));
-    if (canon == NULL || v == NULL || pv == NULL) {
+    if (canon == NULL || parents == NULL || v == NULL || pv == NULL) {
         snprintf(msg, KV_ERRMSG, "no memory for %zu entries", n);
         rc = KV_ENOMEM;
         goto cleanup;
@@ -1059,6 +1135,10 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
                      "blocks are never committed",
                      i, r.id);
             rc = KV_EPERM;
+            goto cleanup;
+        }
+        rc = check_entry_hashes(c, p, e, i, msg);
+        if (rc != KV_OK) {
             goto cleanup;
         }
         if (kvd_refs_count(&seen, r.id, NULL) > 0) {
@@ -1107,6 +1187,7 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
                 break;
             }
         }
+        parents[i] = parent;
         rc = kvd_pool_commit(p->pool, c->sess->id, r, h, parent, &canon[i]);
         if (rc != KV_OK) {
             KV_LOG(ERROR, "KVD-COMMIT", "session %llu: commit of checked block %u failed: %s",
@@ -1154,6 +1235,7 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
     env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
     env.commit_reply = &cr;
     rc = rpc_send(c, &env, NULL, 0);
+    publish_stored(c, p, cm, canon, parents);
     /* After the reply is queued: a promotion into the commons changes no state of this
      * session, and its failure (budget) is not this request's. */
     for (size_t i = 0; i < n && p->commons_id != 0; i++) {

@@ -17,6 +17,7 @@
 #include "daemon/config/config.h"
 #include "daemon/registry/registry.h"
 #include "daemon/session/session.h"
+#include "daemon/kvevents/kvevents.h"
 #include "daemon/tiers/tiers.h"
 #include "proto/kvd.pb-c.h"
 
@@ -52,6 +53,7 @@ typedef struct kvd_rpc_ctx {
     uint8_t *(*reserve)(void *arg, size_t len);
     void *reserve_arg;
     kvd_tiers *tiers;           /* the lower tiers (NULL: none) */
+    kvd_kvevents *kvevents;     /* KV-event publishers (NULL: none) */
     const kvd_rpc_later *later; /* for replies sent later (NULL: Fetch replies at once) */
 } kvd_rpc_ctx;
 

@@ -3,12 +3,14 @@
 #include "daemon/registry/registry.h"
 
 #include <stdio.h>
+#include <sys/random.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include "common/kv_log.h"
+#include "common/kv_vllm_hash.h"
 #include "common/kv_wire.h"
 
 #define FAIL(rc, ...)                                                                              \
@@ -289,7 +291,7 @@ static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *
     sp.flags = flags;
     sp.domain = domain;
     sp.creator = creator;
-    sp.seed = pool_seed(model_id, l);
+    sp.seed = s->vllm ? kv_vllm_hash_key(s->none_hash) : pool_seed(model_id, l);
     kvd_pool_config pc;
     memset(&pc, 0, sizeof(pc));
     pc.pool_id = s->next_pool_id;
@@ -493,6 +495,24 @@ kv_err kvd_registry_init(kvd_registry *g, const kvd_registry_deps *d) {
     g->clock = d->clock;
     g->clock_arg = d->clock_arg;
     g->next_pool_id = 1;
+    g->vllm = strcmp(d->cfg->hash_mode, "vllm") == 0;
+    if (g->vllm) {
+        const char *seed = d->cfg->vllm_hash_seed;
+        if (seed[0] != '\0') {
+            if (kv_vllm_none_hash(seed, strlen(seed), g->none_hash) != KV_OK) {
+                KV_LOG(ERROR, "KVD-HASH", "vllm-hash-seed is not a string vLLM can hash (UTF-8)");
+                return KV_EINVAL;
+            }
+        } else {
+            /* vLLM without PYTHONHASHSEED: os.urandom(32). */
+            if (getrandom(g->none_hash, sizeof(g->none_hash), 0) != (ssize_t)sizeof(g->none_hash)) {
+                return KV_ESYS;
+            }
+            KV_LOG(WARN, "KVD-HASH",
+                   "hash-mode vllm without vllm-hash-seed: NONE_HASH is random for this run, so "
+                   "no vLLM-aware router can compute these keys and no hit survives a restart");
+        }
+    }
     kv_err rc = kvd_index_alloc(d->cfg->index_entries, &g->index);
     if (rc != KV_OK) {
         return rc;

@@ -84,6 +84,8 @@ typedef struct kvd_registry {
      * which are a cache as much as T0's). NULL: free it. Same argument as pool_gone. */
     int (*pool_keep)(void *arg, const kvd_reg_pool *p);
     void *pool_gone_arg;
+    int vllm;              /* hash-mode vllm: clients hash with vLLM's sha256_cbor */
+    uint8_t none_hash[32]; /* vllm: NONE_HASH (vllm-hash-seed, or random per run) */
 } kvd_registry;
 
 /* What kvd_registry_init needs; the registry keeps the pointers. */
@@ -96,7 +98,9 @@ typedef struct kvd_registry_deps {
     void *clock_arg;
 } kvd_registry_deps;
 
-/* Makes the index (index-entries) and the event ring (events). KV_ENOMEM. */
+/* Makes the index (index-entries) and the event ring (events), and in hash-mode vllm the
+ * NONE_HASH every pool's chain starts from (every pool's seed is its key). KV_ENOMEM; KV_EINVAL
+ * for a vllm-hash-seed vLLM could not hash (not UTF-8). */
 kv_err kvd_registry_init(kvd_registry *g, const kvd_registry_deps *d);
 
 /* Frees every pool, the index, the commons counters and the event ring. Idempotent. */

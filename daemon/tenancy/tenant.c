@@ -39,6 +39,8 @@ struct kvd_tenants {
     uint32_t ngroups;   /* used entries of groups */
     uint32_t commons_k; /* min-tenants of the commons; 0 = none */
     kvd_quota def;      /* quota of tenants without their own */
+    kvd_events_line ev[KVD_MAX_EVENT_LINES]; /* `events` lines */
+    uint32_t nev;
 };
 
 kv_err kvd_tenants_alloc(kvd_tenants **out) {
@@ -329,6 +331,140 @@ static kv_err parse_quota(kvd_tenants *t, char **save, const char *source, unsig
     return KV_OK;
 }
 
+/* One domain name of an events line: a tenant or group defined above, or commons. */
+static int event_domain(const kvd_tenants *t, const char *name, uint32_t *out) {
+    if (strcmp(name, "commons") == 0) {
+        *out = KVD_DOMAIN_COMMONS;
+        return 0;
+    }
+    if (strncmp(name, "group:", 6) == 0) {
+        for (uint32_t g = 0; g < t->ngroups; g++) {
+            if (strcmp(t->groups[g].name, name + 6) == 0) {
+                *out = KVD_DOMAIN_GROUP0 + g;
+                return 0;
+            }
+        }
+        return -1;
+    }
+    int id = find_name(t, name);
+    if (id < 0 || !t->v[id].from_file) {
+        return -1;
+    }
+    *out = (uint32_t)id;
+    return 0;
+}
+
+static int on_off(const char *v, int *out) {
+    if (strcmp(v, "on") == 0 || strcmp(v, "yes") == 0 || strcmp(v, "true") == 0) {
+        *out = 1;
+        return 0;
+    }
+    if (strcmp(v, "off") == 0 || strcmp(v, "no") == 0 || strcmp(v, "false") == 0) {
+        *out = 0;
+        return 0;
+    }
+    return -1;
+}
+
+static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsigned lineno,
+                           char *err, size_t errlen) {
+    if (t->nev == KVD_MAX_EVENT_LINES) {
+        kvd_conf_err(err, errlen, "%s:%u: more than %d events lines", source, lineno,
+                     KVD_MAX_EVENT_LINES);
+        return KV_EQUOTA;
+    }
+    kvd_events_line l;
+    memset(&l, 0, sizeof(l));
+    l.buffer = 10000;
+    l.lineno = lineno;
+    char *kv;
+    while ((kv = strtok_r(NULL, " \t\r", save)) != NULL) {
+        char *eq = strchr(kv, '=');
+        if (eq == NULL) {
+            kvd_conf_err(err, errlen, "%s:%u: events: '%s' is not NAME=VALUE", source, lineno, kv);
+            return KV_EINVAL;
+        }
+        *eq = '\0';
+        const char *v = eq + 1;
+        int bad = 0;
+        if (strcmp(kv, "endpoint") == 0 || strcmp(kv, "replay") == 0 || strcmp(kv, "topic") == 0) {
+            char *dst = kv[0] == 'e' ? l.endpoint : kv[0] == 'r' ? l.replay : l.topic;
+            size_t cap = kv[0] == 't' ? sizeof(l.topic) : sizeof(l.endpoint);
+            bad = strlen(v) >= cap;
+            if (!bad) {
+                snprintf(dst, cap, "%s", v);
+            }
+        } else if (strcmp(kv, "token-ids") == 0) {
+            bad = on_off(v, &l.token_ids) != 0;
+        } else if (strcmp(kv, "hash-form") == 0) {
+            bad = strcmp(v, "int") != 0 && strcmp(v, "bytes") != 0;
+            l.hash_bytes = strcmp(v, "bytes") == 0;
+        } else if (strcmp(kv, "buffer") == 0) {
+            char *end;
+            errno = 0;
+            unsigned long long b = strtoull(v, &end, 10);
+            bad = *v == '\0' || *end != '\0' || errno != 0 || b < 1 || b > (1u << 24);
+            l.buffer = b;
+        } else if (strcmp(kv, "domains") == 0) {
+            char *dsave = NULL;
+            char *list = (char *)v;
+            for (char *d = strtok_r(list, ",", &dsave); d != NULL;
+                 d = strtok_r(NULL, ",", &dsave)) {
+                uint32_t dom;
+                if (event_domain(t, d, &dom) != 0) {
+                    kvd_conf_err(err, errlen,
+                                 "%s:%u: events: domain '%s' is not a tenant or group:NAME "
+                                 "defined above, or commons",
+                                 source, lineno, d);
+                    return KV_EINVAL;
+                }
+                for (uint32_t i = 0; i < t->nev; i++) {
+                    for (uint32_t j = 0; j < t->ev[i].ndomains; j++) {
+                        if (t->ev[i].domains[j] == dom) {
+                            kvd_conf_err(err, errlen,
+                                         "%s:%u: events: domain '%s' is already on the events "
+                                         "line of line %u",
+                                         source, lineno, d, t->ev[i].lineno);
+                            return KV_EINVAL;
+                        }
+                    }
+                }
+                if (l.ndomains == KVD_EVENT_LINE_DOMAINS) {
+                    kvd_conf_err(err, errlen, "%s:%u: events: more than %d domains", source, lineno,
+                                 KVD_EVENT_LINE_DOMAINS);
+                    return KV_EINVAL;
+                }
+                l.domains[l.ndomains++] = dom;
+            }
+        } else {
+            kvd_conf_err(err, errlen,
+                         "%s:%u: events: unknown '%s' (endpoint, replay, topic, token-ids, "
+                         "hash-form, buffer, domains)",
+                         source, lineno, kv);
+            return KV_EINVAL;
+        }
+        if (bad) {
+            kvd_conf_err(err, errlen, "%s:%u: events: bad value '%s' for %s", source, lineno, v,
+                         kv);
+            return KV_EINVAL;
+        }
+    }
+    if (l.endpoint[0] == '\0' || l.ndomains == 0) {
+        kvd_conf_err(err, errlen,
+                     "%s:%u: expected 'events endpoint=URL [replay=URL] [topic=T] "
+                     "[token-ids=on|off] [hash-form=int|bytes] [buffer=N] domains=NAME,...'",
+                     source, lineno);
+        return KV_EINVAL;
+    }
+    t->ev[t->nev++] = l;
+    return KV_OK;
+}
+
+uint32_t kvd_tenants_event_lines(const kvd_tenants *t, const kvd_events_line **out) {
+    *out = t->ev;
+    return t->nev;
+}
+
 static kv_err parse_line(kvd_tenants *t, char *line, const char *source, unsigned lineno, char *err,
                          size_t errlen) {
     char *save = NULL;
@@ -348,8 +484,11 @@ static kv_err parse_line(kvd_tenants *t, char *line, const char *source, unsigne
     if (strcmp(word, "quota") == 0) {
         return parse_quota(t, &save, source, lineno, err, errlen);
     }
-    kvd_conf_err(err, errlen, "%s:%u: expected a tenant, group, commons or quota line", source,
-                 lineno);
+    if (strcmp(word, "events") == 0) {
+        return parse_events(t, &save, source, lineno, err, errlen);
+    }
+    kvd_conf_err(err, errlen, "%s:%u: expected a tenant, group, commons, quota or events line",
+                 source, lineno);
     return KV_EINVAL;
 }
 

@@ -6,6 +6,8 @@
  *     group NAME members=TENANT,TENANT...
  *     commons [min-tenants=K]
  *     quota NAME|default [max-held=N] [guarantee=N] [max-pinned=N] [max-sessions=N]
+ *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
+ *            [buffer=N] domains=NAME,group:NAME,commons
  * (a tenant needs at least one of uid=, gid=, token-file=; NAME is 1..63 of [A-Za-z0-9._-], not
  * "uid-N", "commons" or "default"). Without a token a peer gets the first token-less line whose
  * uid list holds its uid, else the first token-less line whose gid list holds its gid, else the
@@ -42,6 +44,23 @@
 #define KVD_COMMONS_MAX_K 16                      /* largest min-tenants */
 
 typedef struct kvd_tenants kvd_tenants;
+
+/* One `events` line: a KV-event publisher (docs/EVENTS.md) of its own, carrying only the listed
+ * domains (tenants and groups defined above it, or commons). A domain is on one line at most;
+ * the daemon's kv-events-* options make the publisher of every domain no line names. */
+#define KVD_MAX_EVENT_LINES 16
+#define KVD_EVENT_LINE_DOMAINS 64
+typedef struct kvd_events_line {
+    char endpoint[256]; /* ZMQ PUB endpoint, bound */
+    char replay[256];   /* ZMQ ROUTER endpoint for replays; "" = none */
+    char topic[128];    /* topic frame */
+    int token_ids;      /* BlockStored carries token ids */
+    int hash_bytes;     /* hashes as the digest's bytes (else vLLM's u64 form) */
+    uint64_t buffer;    /* batches kept for replay */
+    uint32_t domains[KVD_EVENT_LINE_DOMAINS];
+    uint32_t ndomains;
+    unsigned lineno; /* for messages */
+} kvd_events_line;
 
 /* An empty map (every uid its own tenant). KV_ENOMEM. */
 kv_err kvd_tenants_alloc(kvd_tenants **out);
@@ -95,6 +114,9 @@ void kvd_tenants_set_quota(kvd_tenants *t, uint32_t id, const kvd_quota *q);
 
 /* The tenant's name; "?" for an id never handed out. */
 const char *kvd_tenants_name(const kvd_tenants *t, uint32_t id);
+
+/* The `events` lines, in file order, into *out; returns how many. */
+uint32_t kvd_tenants_event_lines(const kvd_tenants *t, const kvd_events_line **out);
 
 /* Number of tenants known. */
 uint32_t kvd_tenants_count(const kvd_tenants *t);

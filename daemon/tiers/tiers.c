@@ -1130,6 +1130,9 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     tier_pool *tp = arg;
     kvd_tiers *t = tp->t;
     uint32_t i = kvd_tstore_find(&tp->st, hash);
+    if (reason == KVD_DROP_UNSHARE) {
+        return; /* the copy below had these bytes under this hash: it stays valid */
+    }
     if (reason == KVD_DROP_QUARANTINE) {
         if (i == KVD_TNONE) {
             return;
@@ -1155,7 +1158,7 @@ static void on_pool_gone(void *arg, kvd_reg_pool *p) {
         return;
     }
     p->tiers = NULL;
-    kvd_pool_set_drop_hook(p->pool, NULL, NULL);
+    kvd_pool_set_drop_hook(p->pool, KVD_DROP_HOOK_TIERS, NULL, NULL);
     tp->gone = 1;
     kvd_tiers *t = tp->t;
     t->used[0] -= tp->st.bytes[0];
@@ -1453,7 +1456,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         }
     }
     p->tiers = tp;
-    kvd_pool_set_drop_hook(p->pool, on_drop, tp);
+    kvd_pool_set_drop_hook(p->pool, KVD_DROP_HOOK_TIERS, on_drop, tp);
     prefault(tp);
     return KV_OK;
 }

@@ -55,8 +55,8 @@ for t in "${targets[@]}"; do
                 gcc -std=c11 -D_GNU_SOURCE -O2 -fPIC -I. -c "kernels/kvk_$k.c" -o "$OUT/kvk_$k.o"
                 srcs+=("$OUT/kvk_$k.o")
             done
-            libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lmd -llz4 -lzstd -lpthread -ldl
-                  -lm)
+            libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lmd -llz4 -lzstd -lzmq
+                  -lmsgpackc -lcbor -lpthread -ldl -lm)
             ;;
         *) echo "build.sh: unknown target $t (${ALL[*]})" >&2; exit 2 ;;
     esac

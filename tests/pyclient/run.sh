@@ -4,7 +4,8 @@
 # KVD_BIN defaults to $KVD_BIN, else bazel-bin/daemon/kvd under the repository root. Under Bazel
 # (tests/pyclient/BUILD, sh_test) it gets the kvd path relative to the runfiles directory it runs
 # in, and proto/kvd.proto is found there too (kvdwire.REPO_ROOT, or $KVDWIRE_PROTO_DIR).
-# Needs the Debian packages python3-protobuf, protobuf-compiler, python3-pytest, python3-xxhash.
+# Needs the Debian packages python3-protobuf, protobuf-compiler, python3-pytest, python3-xxhash,
+# python3-zmq, python3-msgpack and python3-cbor2 (the KV-event tests).
 # Tests that setuid children to other uids (tenancy) need root and are skipped otherwise.
 # Daemon sockets live under a short, world-traversable directory in /tmp (not $TEST_TMPDIR /
 # $TMPDIR: too long for sun_path under Bazel, and below a 0700 home that setuid children cannot
@@ -38,7 +39,8 @@ if [[ -z "${KVDWIRE_PROTO_DIR:-}" && ! -f "$root/proto/kvd.proto" ]]; then
 fi
 missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
-for mod in google.protobuf:python3-protobuf pytest:python3-pytest xxhash:python3-xxhash; do
+for mod in google.protobuf:python3-protobuf pytest:python3-pytest xxhash:python3-xxhash \
+        zmq:python3-zmq msgpack:python3-msgpack cbor2:python3-cbor2; do
     /usr/bin/python3 -c "import ${mod%%:*}" 2>/dev/null || missing+=("${mod##*:}")
 done
 if (( ${#missing[@]} )); then

@@ -1,0 +1,292 @@
+/* cluster_bench: what kvd costs beyond one node (issue 17). Today: the price of publishing KV
+ * events in vLLM's format on the Commit path.
+ *
+ * Two daemons run side by side, both in hash-mode vllm: one without events, one publishing every
+ * BlockStored and BlockRemoved (token ids on, the costliest form) to a ZMQ SUB that a thread of
+ * this process drains. One client loop per daemon does what an engine does after a prefill:
+ * Allocate 32 blocks, Commit them as one chain with their vLLM digests and token ids
+ * (kvc_commit_ex), Release them; every chain is new, so every Commit stores 32 blocks and, once
+ * the pool is full, every Allocate evicts 32 (BlockRemoved). The two loops alternate, RUNS times,
+ * so both see the same machine (daemons on the last CPU, client and subscriber on the first); the
+ * ratio of their rates is the figure (>= 0.95 is the target). Prints markdown (bench/run.sh records
+ * it under "cluster" in bench/RESULTS.md).
+ *
+ *   cluster_bench --kvd bazel-bin/daemon/kvd [--runs 5] [--chains 1500]
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "bench/benchutil.h"
+#include "common/kv_vllm_hash.h"
+#include "kvclient.h"
+
+#define CHAIN 32 /* blocks per Commit */
+#define TPB 16
+
+typedef struct node {
+    char sock[160];
+    pid_t pid;
+} node;
+
+static const char *g_kvd;
+static char g_dir[64];
+static volatile int g_sub_stop;
+static unsigned long g_sub_msgs;
+
+static void start(node *d, const char *name, const char *events) {
+    snprintf(d->sock, sizeof(d->sock), "%s/%s.sock", g_dir, name);
+    char sockopt[200], evopt[200];
+    snprintf(sockopt, sizeof(sockopt), "--socket=%s", d->sock);
+    snprintf(evopt, sizeof(evopt), "--kv-events-endpoint=%s", events != NULL ? events : "");
+    /* The daemons on the last CPU, this process (client loop, subscriber) on the first: the
+     * same placement for both, whatever the scheduler would do with the events' threads. */
+    char cpu[24];
+    snprintf(cpu, sizeof(cpu), "%ld", sysconf(_SC_NPROCESSORS_ONLN) - 1);
+    char *argv[] = {"taskset",
+                    "-c",
+                    cpu,
+                    (char *)g_kvd,
+                    "--backend=host",
+                    sockopt,
+                    "--pool-memory=32M",
+                    "--segment-bytes=1M",
+                    "--log-level=error",
+                    "--hash-mode=vllm",
+                    "--vllm-hash-seed=0",
+                    "--kv-events-token-ids=true",
+                    evopt,
+                    NULL};
+    d->pid = bench_spawn(argv);
+    bench_wait_socket(d->sock, d->pid);
+}
+
+static void *subscriber(void *arg) {
+    void *sub = zmq_socket(arg, ZMQ_SUB);
+    zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "", 0);
+    int to = 50;
+    zmq_setsockopt(sub, ZMQ_RCVTIMEO, &to, sizeof(to));
+    char ep[128];
+    snprintf(ep, sizeof(ep), "ipc://%s/ev", g_dir);
+    zmq_connect(sub, ep);
+    char buf[1 << 16];
+    while (!g_sub_stop) {
+        if (zmq_recv(sub, buf, sizeof(buf), 0) >= 0) {
+            int more = 0;
+            size_t ml = sizeof(more);
+            zmq_getsockopt(sub, ZMQ_RCVMORE, &more, &ml);
+            if (!more) {
+                g_sub_msgs++;
+            }
+        }
+    }
+    zmq_close(sub);
+    return NULL;
+}
+
+typedef struct work {
+    uint32_t *tokens;    /* [chains * CHAIN * TPB] */
+    uint8_t (*full)[32]; /* [chains * CHAIN] */
+    kv_hash128 *keys;
+    size_t chains;
+} work;
+
+/* Unique chains for one run on one daemon (salt keeps every run's blocks new). */
+static void make_work(work *w, size_t chains, uint32_t salt) {
+    size_t nb = chains * CHAIN;
+    w->chains = chains;
+    w->tokens = malloc(nb * TPB * sizeof(uint32_t));
+    w->full = malloc(nb * 32);
+    w->keys = malloc(nb * sizeof(kv_hash128));
+    if (w->tokens == NULL || w->full == NULL || w->keys == NULL) {
+        bench_die("out of memory");
+    }
+    uint8_t none[32];
+    kv_vllm_none_hash("0", 1, none);
+    for (size_t c = 0; c < chains; c++) {
+        uint32_t *t = w->tokens + c * CHAIN * TPB;
+        t[0] = salt;
+        t[1] = (uint32_t)c;
+        for (size_t i = 2; i < CHAIN * TPB; i++) {
+            t[i] = (uint32_t)(i * 2654435761u) % 128000;
+        }
+        size_t n;
+        if (kv_vllm_hash_chain(none, t, CHAIN * TPB, TPB, NULL, 0, w->full + c * CHAIN, CHAIN,
+                               &n) != KV_OK) {
+            bench_die("hashing failed");
+        }
+        for (size_t i = 0; i < CHAIN; i++) {
+            w->keys[c * CHAIN + i] = kv_vllm_hash_key(w->full[c * CHAIN + i]);
+        }
+    }
+}
+
+static void free_work(work *w) {
+    free(w->tokens);
+    free(w->full);
+    free(w->keys);
+}
+
+/* Commits every chain of w through d; returns blocks committed per second. */
+static double run(node *d, const work *w) {
+    kvc_conn *c;
+    kvc_pool *p;
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = d->sock;
+    o.client_name = "cluster_bench";
+    if (kvc_conn_open(&o, &c) != KV_OK) {
+        bench_die("connect %s failed: %s", d->sock, kvc_last_error(NULL));
+    }
+    kv_layout lay = {.num_layers = 2,
+                     .num_kv_heads = 2,
+                     .head_dim = 64,
+                     .tokens_per_block = TPB,
+                     .dtype = KV_DTYPE_FP16,
+                     .arrangement = KV_LAYER_MAJOR};
+    if (kvc_pool_attach(c, "bench-model", &lay, &p) != KV_OK) {
+        bench_die("attach failed: %s", kvc_last_error(c));
+    }
+    kvc_block b[CHAIN], canon[CHAIN];
+    kvc_commit_entry e[CHAIN];
+    double t0 = bench_now_s();
+    for (size_t ch = 0; ch < w->chains; ch++) {
+        if (kvc_allocate(p, CHAIN, b) != KV_OK) {
+            bench_die("allocate failed: %s", kvc_last_error(c));
+        }
+        for (int i = 0; i < CHAIN; i++) {
+            e[i].block = b[i];
+            e[i].hash = w->keys[ch * CHAIN + i];
+            e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
+        }
+        if (kvc_commit_ex(p, e, CHAIN, w->full + ch * CHAIN, w->tokens + ch * CHAIN * TPB, canon) !=
+                KV_OK ||
+            kvc_release(p, canon, CHAIN) != KV_OK) {
+            bench_die("commit failed: %s", kvc_last_error(c));
+        }
+    }
+    double dt = bench_now_s() - t0;
+    kvc_conn_close(c);
+    return (double)(w->chains * CHAIN) / dt;
+}
+
+/* Alternated runs of both daemons; prints one table. with_sub: a SUB in this process (on the
+ * client's CPU) drains the events, as a router on the same node would; without one, ZMQ drops
+ * each batch at once and the figure is kvd's own encoding cost. */
+static void measure(node *off, node *on, void *zctx, int with_sub, int runs, size_t chains,
+                    uint32_t salt) {
+    pthread_t th;
+    g_sub_stop = 0;
+    g_sub_msgs = 0;
+    if (with_sub) {
+        pthread_create(&th, NULL, subscriber, zctx);
+        usleep(200000); /* the SUB joins before the first event */
+    }
+    double r_off[64] = {0}, r_on[64] = {0}, ratio[64] = {0};
+    for (int r = 0; r < runs; r++) {
+        work w1, w2;
+        make_work(&w1, chains, salt * 1000u + 2u * (uint32_t)r);
+        make_work(&w2, chains, salt * 1000u + 2u * (uint32_t)r + 1u);
+        /* Alternate which goes first, so neither always gets the warmer machine. */
+        if (r % 2 == 0) {
+            r_off[r] = run(off, &w1);
+            r_on[r] = run(on, &w2);
+        } else {
+            r_on[r] = run(on, &w2);
+            r_off[r] = run(off, &w1);
+        }
+        ratio[r] = r_on[r] / r_off[r];
+        free_work(&w1);
+        free_work(&w2);
+    }
+    if (with_sub) {
+        usleep(200000);
+        g_sub_stop = 1;
+        pthread_join(th, NULL);
+    }
+    double worst = ratio[0];
+    for (int r = 1; r < runs; r++) {
+        worst = ratio[r] < worst ? ratio[r] : worst;
+    }
+    double sorted[64];
+    memcpy(sorted, ratio, sizeof(double) * (size_t)runs);
+    double med = bench_median(sorted, (size_t)runs);
+    printf("%s\n\n", with_sub ? "With a subscriber draining the stream (this process):"
+                              : "Without a subscriber (ZMQ drops each batch; kvd's own cost):");
+    printf("| run | blocks/s, events off | blocks/s, events on | on / off |\n");
+    printf("|---:|---:|---:|---:|\n");
+    for (int r = 0; r < runs; r++) {
+        printf("| %d | %.0f | %.0f | %.3f |\n", r + 1, r_off[r], r_on[r], ratio[r]);
+    }
+    printf("\nMedian on / off %.3f, worst %.3f (target: worst >= 0.95); %lu batches received.\n\n",
+           med, worst, g_sub_msgs);
+}
+
+int main(int argc, char **argv) {
+    int runs = 5;
+    size_t chains = 1500;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--kvd") == 0 && i + 1 < argc) {
+            g_kvd = argv[++i];
+        } else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc) {
+            runs = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--chains") == 0 && i + 1 < argc) {
+            chains = (size_t)atol(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: cluster_bench --kvd PATH [--runs N] [--chains N]\n");
+            return 2;
+        }
+    }
+    if (g_kvd == NULL || runs < 1 || runs > 64 || chains < 1) {
+        fprintf(stderr, "cluster_bench: --kvd is required; runs 1..64, chains >= 1\n");
+        return 2;
+    }
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(0, &set);
+    sched_setaffinity(0, sizeof(set), &set); /* threads made later inherit it */
+    snprintf(g_dir, sizeof(g_dir), "/tmp/kvclb.XXXXXX");
+    if (mkdtemp(g_dir) == NULL) {
+        bench_die("mkdtemp: %s", strerror(errno));
+    }
+    node off, on;
+    char ep[128];
+    snprintf(ep, sizeof(ep), "ipc://%s/ev", g_dir);
+    start(&off, "off", NULL);
+    start(&on, "on", ep);
+    void *zctx = zmq_ctx_new();
+    /* One uncounted run each: the pools grow their segments and fill. */
+    {
+        work w1, w2;
+        make_work(&w1, chains, 7u);
+        make_work(&w2, chains, 8u);
+        (void)run(&off, &w1);
+        (void)run(&on, &w2);
+        free_work(&w1);
+        free_work(&w2);
+    }
+    printf("### KV events on the Commit path (hash-mode vllm, token ids on)\n\n");
+    printf("Allocate(%d) + Commit(%d, digests and token ids) + Release per chain, %zu new chains "
+           "per run; the pool (32 MiB, 16 KiB blocks) is full, so every Allocate evicts and "
+           "publishes BlockRemoved too. kv-events-flush-ms 1 (the default). Events off vs on, "
+           "alternated %d times; the daemons on the last CPU, the client on the first.\n\n",
+           CHAIN, CHAIN, chains, runs);
+    measure(&off, &on, zctx, 1, runs, chains, 100);
+    measure(&off, &on, zctx, 0, runs, chains, 200);
+    zmq_ctx_term(zctx);
+    bench_stop(off.pid);
+    bench_stop(on.pid);
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "cluster_bench: could not remove %s\n", g_dir);
+    }
+    return 0;
+}

@@ -1,0 +1,94 @@
+/* kvd_kvevents: KV events in vLLM's format (docs/EVENTS.md), so that a cluster router built for
+ * vLLM (NVIDIA Dynamo's KV router, llm-d's KV-cache indexer) sees which prefixes this node holds.
+ *
+ * A publisher is one ZMQ PUB socket (and optionally one ROUTER answering replays) that carries
+ * some domains: one per tenants-file `events` line (its domains only), and the daemon options'
+ * (kv-events-endpoint) for every domain no line names. A domain no publisher carries publishes
+ * nothing. Each publisher numbers its batches 0, 1, ... (vLLM's sequence) and keeps the last
+ * `buffer` of them (and at most KVD_KVEVENTS_RING_BYTES) for replay.
+ *
+ * Messages are vLLM's: multipart [topic, seq (8 bytes big-endian), payload], payload the msgpack
+ * of the array-like batch [ts, [event...], data_parallel_rank = 0] with tagged array-like events
+ *   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+ *    lora_name]
+ *   ["BlockRemoved", block_hashes, medium]
+ *   ["AllBlocksCleared"]
+ * A block is named by vLLM's int form (the digest's last 8 bytes, big-endian) or by the digest's
+ * bytes (hash-form): in hash-mode vllm the 32-byte sha256_cbor digest the Commit carried, else
+ * kvd's 16-byte key. token_ids is empty unless the publisher opted in (token-ids). The events of
+ * kv-events-flush-ms (a timer armed by a batch's first event; 0: of one loop iteration, a
+ * uv_check handle) go out as one batch, so a Commit's events are never split. Every publisher's
+ * first batch (seq 0, at start) is [AllBlocksCleared]: a router that knew this node's previous run
+ * forgets it.
+ *
+ * What is published: a Commit's new canonical blocks (BlockStored, one event per chained run,
+ * medium "GPU" for CUDA pools and "CPU" for host pools) and every indexed block that leaves T0
+ * (BlockRemoved: eviction, parking, quarantine, Unshare). Not yet (issue 17, unfinished): the
+ * lower tiers' own events (medium CPU/DISK for T1/T2), blocks a Fetch promotes back into T0 and
+ * blocks the daemon promotes into the commons.
+ *
+ * Nothing here blocks the loop thread: sends are non-blocking (PUB drops past its high-water mark,
+ * counted), replays are answered from the ring. Loop thread only.
+ */
+#ifndef KVD_KVEVENTS_H
+#define KVD_KVEVENTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+#include "common/kv_stat.h"
+#include "daemon/config/config.h"
+#include "daemon/registry/registry.h"
+#include "daemon/tenancy/tenant.h"
+
+#define KVD_KVEVENTS_RING_BYTES (64u << 20) /* replay buffer bytes per publisher, at most */
+
+typedef struct kvd_kvevents kvd_kvevents;
+
+/* Makes and binds every publisher the options and the tenants' `events` lines ask for, and
+ * queues each one's AllBlocksCleared. *out is NULL (and every call below a cheap no-op) when
+ * none is configured. medium_t0: "GPU" or "CPU", what T0 is. KV_ESYS with msg when an endpoint
+ * cannot be bound (in use, bad URL), KV_ENOMEM. */
+kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tenants *tenants,
+                          const char *medium_t0, kvd_kvevents **out, char *msg, size_t len);
+
+/* Flushes what is pending, closes the replay handles (the loop runs their close callbacks) and
+ * the sockets. Call once, at stop. Accepts NULL. */
+void kvd_kvevents_close(kvd_kvevents *e);
+
+/* Frees everything (after close and after the loop ran its close callbacks). Accepts NULL. */
+void kvd_kvevents_free(kvd_kvevents *e);
+
+/* 1 when pool p's domain is published (its events go somewhere). */
+int kvd_kvevents_publishes(const kvd_kvevents *e, const kvd_reg_pool *p);
+
+/* Pool p starts publishing its removals (the pool's KVD_DROP_HOOK_EVENTS slot) when its domain
+ * is published; nothing otherwise. Idempotent. */
+void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p);
+
+/* One new canonical block of a Commit, as the handler knows it. */
+typedef struct kvd_kvevent_block {
+    kv_hash128 key;         /* the index key */
+    const uint8_t *full;    /* hash-mode vllm: its 32-byte digest; else NULL */
+    const uint32_t *tokens; /* its tokens_per_block token ids, or NULL (not sent) */
+} kvd_kvevent_block;
+
+/* Blocks b[0..n) of pool p were stored, each the parent of the next; parent is the key of the
+ * first one's parent (NULL: a prefix's first block). Queues one BlockStored for the batch of
+ * this loop iteration, and remembers vllm digests until their blocks are removed (the int and
+ * bytes forms of a later BlockRemoved or child's parent need them). KV_ENOMEM leaves a gap
+ * (counted); never fails otherwise. */
+void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *b,
+                         size_t n, const kv_hash128 *parent);
+
+/* Counters over all publishers through sink: kv_events_publishers, kv_events_batches,
+ * kv_events_events, kv_events_send_drops, kv_events_gaps, kv_events_replays,
+ * kv_events_replay_bad, kv_events_digests (vllm digests remembered). */
+void kvd_kvevents_stats(const kvd_kvevents *e, kvd_stat_sink sink, void *arg);
+const kv_stat_desc *kvd_kvevents_stat_descs(size_t *n);
+
+#endif

@@ -1,0 +1,848 @@
+"""KV events in vLLM's wire format, and vLLM-compatible block hashes, against a real kvd.
+
+A router that understands vLLM's KV events (ZMQ PUB, msgpack batches, a ROUTER socket for
+replay) should be able to follow kvd the way it follows a vLLM engine. Each test starts its own
+daemon (conftest.py) with a publisher on free loopback ports and reads it with real pyzmq SUB /
+DEALER sockets; every frame is decoded with msgpack (raw=False) and checked by hand against
+vLLM's schema (vllm/distributed/kv_events.py: array_like tagged structs), since msgspec is not
+available here. Block hashes come from the independent reference tests/vllm/vllm_hash_ref.py
+(vllm mode) or from kvdwire's hash_chain (xxh3 mode), never from kvd's code.
+
+What it checks:
+- vllm mode: AttachPoolReply has hash_algo 3, NONE_HASH = sha256(cbor2("0")) and its key as
+  hash_seed; a committed chain is one BlockStored per run of chained entries, with vLLM's u64
+  hashes (or the 32-byte digests with hash-form bytes), parent None for a chain's first block,
+  token_ids [] unless token ids are on (then every block's tokens concatenated), block_size,
+  medium "CPU", lora fields None; the next commit's parent is the u64 of its parent block;
+- admin evict and capacity eviction publish BlockRemoved naming exactly the blocks that left;
+- a duplicate commit publishes nothing;
+- frames are [topic, seq (8 bytes big-endian, per publisher from 0), payload]; seq 0 is
+  [ts, [["AllBlocksCleared"]], 0]; a DEALER replay returns every buffered batch from the asked
+  seq on, byte for byte what the PUB sent, then the end marker; a malformed replay request gets
+  no answer and the next good one is served;
+- hash_full / token_ids that do not fit, or a vllm commit without hash_full, are EINVAL and
+  publish nothing, and the daemon keeps serving;
+- xxh3 mode: events carry kvd's own 128-bit hashes (int form: the key's last 8 bytes, big-endian);
+- tenants-file `events` lines give each domain its own publisher: a tenant's blocks appear on
+  its endpoint only, and the option publisher carries the domains no line names;
+- bad event options are refused at start.
+"""
+
+import os
+import socket
+import struct
+import sys
+import time
+from collections import namedtuple
+
+import msgpack
+import pytest
+import zmq
+
+import kvdwire as kw
+from conftest import run_kvd_expecting_refusal, wait_until
+from kvdwire import pb
+
+sys.path.insert(0, os.path.join(kw.REPO_ROOT, "tests", "vllm"))
+import vllm_hash_ref as ref  # noqa: E402  (independent vLLM hash reference)
+
+# The daemon options of the one option-configured publisher (daemon/config/config.c; the
+# conftest turns the underscores into dashes: --kv-events-endpoint=...).
+OPT_ENDPOINT = "kv_events_endpoint"
+OPT_REPLAY = "kv_events_replay"
+OPT_TOPIC = "kv_events_topic"
+OPT_TOKEN_IDS = "kv_events_token_ids"
+OPT_HASH_FORM = "kv_events_hash_form"
+OPT_BUFFER = "kv_events_buffer"
+OPT_FLUSH = "kv_events_flush_ms"
+
+LAYOUT = kw.Layout(2, 2, 8, 16, pb.FP16, pb.LAYER_MAJOR)
+T = LAYOUT.tokens_per_block
+SEED = "0"  # PYTHONHASHSEED of the vLLM side
+HASH_ALGO_VLLM = 3
+END_SEQ = b"\xff" * 8  # vLLM's END_SEQ: (-1).to_bytes(8, "big", signed=True)
+MEDIUM = "CPU"  # the tests use host pools
+WAIT = 5.0  # seconds to wait for a batch that must come
+QUIET = 0.5  # seconds of silence that stand for "no answer"
+SETTLE = 0.3  # ZMQ slow joiner: a SUB's subscription needs a moment to reach the PUB
+U64 = 1 << 64
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's event structs as plain tuples (field order = msgspec array_like encoding order)
+
+BlockStored = namedtuple("BlockStored", "block_hashes parent_block_hash token_ids block_size "
+                                        "lora_id medium lora_name")
+BlockRemoved = namedtuple("BlockRemoved", "block_hashes medium")
+AllBlocksCleared = namedtuple("AllBlocksCleared", "")
+# vLLM's later, defaulted BlockStored fields (kv_events.py); a decoder accepts them if present.
+STORED_OPTIONAL = ("extra_keys", "group_idx", "kv_cache_spec_kind",
+                   "kv_cache_spec_sliding_window")
+
+Batch = namedtuple("Batch", "seq topic payload ts events rank")
+
+
+def stored(hashes, parent=None, tokens=(), block_size=T, medium=MEDIUM):
+    """The BlockStored the tests expect (lora_id and lora_name None: kvd has no LoRA)."""
+    return BlockStored(list(hashes), parent, list(tokens), block_size, None, medium, None)
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Schema:
+    """How one publisher names blocks: 'int' (vLLM's u64) or 'bytes' of hash_len bytes."""
+
+    def __init__(self, form="int", hash_len=32):
+        assert form in ("int", "bytes")
+        self.form, self.hash_len = form, hash_len
+
+    def check_hash(self, h, where):
+        if self.form == "int":
+            assert _is_int(h) and 0 <= h < U64, (
+                "%s: %r is not an unsigned 64-bit int (hash-form int)" % (where, h))
+        else:
+            assert isinstance(h, bytes) and len(h) == self.hash_len, (
+                "%s: %r is not %d bytes of msgpack bin (hash-form bytes)"
+                % (where, h, self.hash_len))
+
+
+def decode_event(ev, schema, where):
+    """One KVCacheEvent: a msgpack array [tag, fields...] (msgspec array_like + tag=True)."""
+    assert isinstance(ev, list) and ev and isinstance(ev[0], str), (
+        "%s: an event must be an array [tag, ...] (vLLM array_like tagged struct), got %r"
+        % (where, ev))
+    tag, f = ev[0], ev[1:]
+    where = "%s %s" % (where, tag)
+    if tag == "BlockStored":
+        # vLLM requires the first 7 fields; later defaulted ones may follow (the contract: none).
+        assert len(f) >= 7, "%s: %d fields, vLLM needs 7: %r" % (where, len(f), ev)
+        assert len(f) == 7, "%s: trailing fields %r beyond the 7 of the contract" % (where, f[7:])
+        hashes, parent, tokens, bs, lora_id, medium, lora_name = f[:7]
+        assert isinstance(hashes, list) and hashes, "%s: block_hashes %r" % (where, hashes)
+        for h in hashes:
+            schema.check_hash(h, where + " block_hashes")
+        if parent is not None:
+            schema.check_hash(parent, where + " parent_block_hash")
+        assert isinstance(tokens, list) and all(_is_int(t) and 0 <= t < 1 << 32 for t in tokens), (
+            "%s: token_ids %r" % (where, tokens))
+        assert _is_int(bs) and bs > 0, "%s: block_size %r" % (where, bs)
+        assert lora_id is None or _is_int(lora_id), "%s: lora_id %r" % (where, lora_id)
+        assert medium is None or isinstance(medium, str), "%s: medium %r" % (where, medium)
+        assert lora_name is None or isinstance(lora_name, str), (
+            "%s: lora_name %r" % (where, lora_name))
+        return BlockStored(hashes, parent, tokens, bs, lora_id, medium, lora_name)
+    if tag == "BlockRemoved":
+        assert len(f) >= 2, "%s: %d fields, vLLM needs 2: %r" % (where, len(f), ev)
+        assert len(f) == 2, "%s: trailing fields %r beyond the 2 of the contract" % (where, f[2:])
+        hashes, medium = f
+        assert isinstance(hashes, list) and hashes, "%s: block_hashes %r" % (where, hashes)
+        for h in hashes:
+            schema.check_hash(h, where + " block_hashes")
+        assert medium is None or isinstance(medium, str), "%s: medium %r" % (where, medium)
+        return BlockRemoved(hashes, medium)
+    if tag == "AllBlocksCleared":
+        assert not f, "%s: has fields %r" % (where, f)
+        return AllBlocksCleared()
+    raise AssertionError("%s: unknown event tag (vLLM knows BlockStored, BlockRemoved, "
+                         "AllBlocksCleared): %r" % (where, ev))
+
+
+def decode_batch(seq, topic, payload, schema, where="batch"):
+    """A KVEventBatch payload: msgpack array [ts (float), [events...], data_parallel_rank]."""
+    where = "%s seq %d" % (where, seq)
+    try:
+        obj = msgpack.unpackb(payload, raw=False)
+    except Exception as e:  # ExtraData, UnicodeDecodeError (a str that should be bin), ...
+        raise AssertionError("%s: payload is not one msgpack object (%r): %s"
+                             % (where, e, payload[:64].hex())) from None
+    assert isinstance(obj, list), (
+        "%s: EventBatch is array_like: expected a msgpack array, got %r" % (where, type(obj)))
+    assert len(obj) == 3, "%s: expected [ts, events, data_parallel_rank], got %r" % (where, obj)
+    ts, events, rank = obj
+    assert isinstance(ts, float), "%s: ts %r is not a msgpack float" % (where, ts)
+    assert abs(ts - time.time()) < 3600, "%s: ts %r is not time.time() seconds" % (where, ts)
+    assert isinstance(events, list), "%s: events %r is not an array" % (where, events)
+    assert rank == 0 and _is_int(rank), "%s: data_parallel_rank %r, expected 0" % (where, rank)
+    evs = [decode_event(e, schema, "%s event %d" % (where, i)) for i, e in enumerate(events)]
+    return Batch(seq, topic, payload, ts, evs, rank)
+
+
+def check_first_batch(b):
+    assert b.events == [AllBlocksCleared()], (
+        "seq 0 must be the start-up [ts, [[\"AllBlocksCleared\"]], 0], got %r" % (b.events,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sockets
+
+def free_ports(n):
+    """n distinct free TCP ports on 127.0.0.1 (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tcp_endpoints(n):
+    return ["tcp://127.0.0.1:%d" % p for p in free_ports(n)]
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+class Sub:
+    """A SUB on one publisher. Checks every frame it reads (3 frames, the topic, seqs
+    contiguous, seq 0 is AllBlocksCleared) and keeps every batch in `batches`."""
+
+    def __init__(self, ctx, endpoint, topic=b"", schema=None, name="SUB"):
+        self.endpoint, self.topic, self.name = endpoint, topic, name
+        self.schema = schema or Schema()
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.connect(endpoint)
+        self.batches = []
+        time.sleep(SETTLE)
+
+    def close(self):
+        self.sock.close(0)
+
+    def recv(self, timeout):
+        """The next batch, or None after timeout seconds."""
+        if not self.sock.poll(max(0, int(timeout * 1000))):
+            return None
+        frames = self.sock.recv_multipart()
+        where = "%s %s" % (self.name, self.endpoint)
+        assert len(frames) == 3, "%s: expected [topic, seq, payload], got %d frames: %r" % (
+            where, len(frames), frames)
+        topic, seq8, payload = frames
+        assert topic == self.topic, "%s: topic frame %r, expected %r" % (where, topic, self.topic)
+        assert len(seq8) == 8, "%s: seq frame %r is not 8 bytes" % (where, seq8)
+        seq = int.from_bytes(seq8, "big")
+        if self.batches:
+            assert seq == self.batches[-1].seq + 1, "%s: seq %d after %d (a gap or reorder)" % (
+                where, seq, self.batches[-1].seq)
+        b = decode_batch(seq, topic, payload, self.schema, where)
+        if seq == 0:
+            check_first_batch(b)
+        self.batches.append(b)
+        return b
+
+    def next_batch(self, what, timeout=WAIT):
+        """The next batch other than the start-up seq 0 (which a SUB usually misses)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            b = self.recv(deadline - time.monotonic())
+            if b is None:
+                pytest.fail("%s: no KV-event batch on %s within %.1f s (waiting for %s; "
+                            "received: %r)" % (self.name, self.endpoint, timeout, what,
+                                               [(x.seq, x.events) for x in self.batches]))
+            if b.seq != 0:
+                return b
+
+    def until(self, what, pred, timeout=WAIT):
+        """Reads batches until pred(batch) holds; returns the batches read (seq 0 left out)."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while True:
+            b = self.recv(deadline - time.monotonic())
+            if b is None:
+                pytest.fail("%s: %s did not come on %s within %.1f s (received: %r)"
+                            % (self.name, what, self.endpoint, timeout,
+                               [(x.seq, x.events) for x in got]))
+            if b.seq == 0:
+                continue
+            got.append(b)
+            if pred(b):
+                return got
+
+
+def replay(ctx, endpoint, start, timeout=WAIT):
+    """A DEALER replay from seq `start`: [(seq, payload)] up to the end marker (checked)."""
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(endpoint)
+    try:
+        d.send_multipart([b"", start.to_bytes(8, "big")])
+        return read_replay(d, endpoint, timeout)
+    finally:
+        d.close(0)
+
+
+def read_replay(d, endpoint, timeout=WAIT):
+    out = []
+    deadline = time.monotonic() + timeout
+    while True:
+        if not d.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            pytest.fail("replay on %s: no end marker within %.1f s (got seqs %r)"
+                        % (endpoint, timeout, [s for s, _ in out]))
+        frames = d.recv_multipart()
+        assert len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8, (
+            "replay on %s: expected [b'', seq8, payload], got %r" % (endpoint, frames))
+        if frames[1] == END_SEQ:
+            assert frames[2] == b"", "replay end marker with a payload: %r" % frames
+            return out
+        out.append((int.from_bytes(frames[1], "big"), frames[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools, commits, hashes
+
+def key_of(digest):
+    """kvd's 128-bit key of a vLLM digest: (lo, hi) = bytes 0..7, 8..15, little-endian."""
+    return struct.unpack("<QQ", digest[:16])
+
+
+def key_bytes(h):
+    """A (lo, hi) key as the 16 bytes lo LE || hi LE."""
+    return struct.pack("<QQ", *h)
+
+
+def vllm_form(digest, schema):
+    return ref.to_u64(digest) if schema.form == "int" else digest
+
+
+def xxh3_form(h, schema):
+    return int.from_bytes(key_bytes(h)[8:], "big") if schema.form == "int" else key_bytes(h)
+
+
+def allocate(conn, pool, count):
+    r = conn.allocate(pool.pool_id, count)
+    pool.follow(r)
+    blocks = kw.reply_blocks(r)
+    assert len(blocks) == count
+    return blocks
+
+
+_FULL = object()  # entry(): hash_full = the digest itself
+
+
+def entry(block, digest, parent=kw.NO_PARENT, hash_full=_FULL, token_ids=None, key=None):
+    """A vllm-pool CommitEntry: hash = key of digest (or `key`), hash_full (None: left out),
+    token_ids (None: left out)."""
+    lo, hi = key_of(digest) if key is None else key
+    e = pb.CommitEntry(block=pb.BlockRef(id=block[0], gen=block[1]),
+                       hash=pb.Hash128(lo=lo, hi=hi), parent=parent)
+    hf = digest if hash_full is _FULL else hash_full
+    if hf is not None:
+        e.hash_full = hf
+    if token_ids is not None:
+        e.token_ids.extend(token_ids)
+    return e
+
+
+def commit_entries(conn, pool, entries):
+    r, _ = conn.call("commit", pb.Commit(pool_id=pool.pool_id, entries=entries))
+    pool.follow(r)
+    return [(c.id, c.gen) for c in r.canonical]
+
+
+def toks(nblocks, base):
+    return list(range(base, base + nblocks * T))
+
+
+def vllm_commit(conn, pool, tokens, parent_digest=None, parent_block=kw.NO_PARENT,
+                send_tokens=False):
+    """Allocates, writes and commits the full blocks of `tokens` as one chain continuing
+    parent_digest (NONE_HASH if None) at parent_block; returns (canonical blocks, digests)."""
+    first = ref.none_hash(SEED) if parent_digest is None else parent_digest
+    digests = ref.hash_chain(first, tokens, T)
+    blocks = allocate(conn, pool, len(digests))
+    entries, parent = [], parent_block
+    for i, (b, dg) in enumerate(zip(blocks, digests)):
+        pool.write_block(b[0], kw.block_pattern(pool.layout, dg.hex()))
+        entries.append(entry(b, dg, parent,
+                             token_ids=tokens[i * T:(i + 1) * T] if send_tokens else None))
+        parent = b[0]
+    return commit_entries(conn, pool, entries), digests
+
+
+def xxh3_commit(conn, pool, tokens, parent_hash=None, parent_block=kw.NO_PARENT):
+    """As vllm_commit for an xxh3 pool (kvdwire's hash chain); returns (canonical, hashes)."""
+    hashes = kw.hash_chain(pool.hash_seed if parent_hash is None else parent_hash, tokens, T,
+                           b"", pool.hash_algo)
+    blocks = allocate(conn, pool, len(hashes))
+    entries, parent = [], parent_block
+    for b, h in zip(blocks, hashes):
+        pool.write_block(b[0], kw.block_pattern(pool.layout, kw.hash_hex(h)))
+        entries.append((b, h, parent))
+        parent = b[0]
+    return conn.commit(pool.pool_id, entries), hashes
+
+
+def start(kvd_factory, vllm=True, replay_ep=True, **opts):
+    """A daemon with a publisher on free ports (d.pub, d.replay); vllm: hash-mode vllm. Each loop
+    iteration's events are one batch (flush-ms 0) unless a test asks for the default window."""
+    pub, rep = tcp_endpoints(2)
+    o = {OPT_ENDPOINT: pub, OPT_FLUSH: "0"}
+    if replay_ep:
+        o[OPT_REPLAY] = rep
+    if vllm:
+        o.update(hash_mode="vllm", vllm_hash_seed=SEED)
+    o.update(opts)
+    d = kvd_factory(**o)
+    d.pub, d.replay = pub, rep if replay_ep else None
+    return d
+
+
+def expect_error(code, fn, *args, contains=None):
+    with pytest.raises(kw.KvdError) as e:
+        fn(*args)
+    assert e.value.name == kw.ERR_NAMES[code], str(e.value)
+    assert e.value.message.strip(), "%s without a message" % e.value.name
+    if contains is not None:
+        assert contains in e.value.message, e.value.message
+    return e.value
+
+
+def pool_stat(conn, pool, name):
+    return conn.stats(pool.pool_id)["pool." + name]
+
+
+def removed_hashes(batches):
+    """The hashes all BlockRemoved events of batches name; fails on any other event."""
+    out = []
+    for b in batches:
+        for ev in b.events:
+            assert isinstance(ev, BlockRemoved), "seq %d: expected only BlockRemoved, got %r" % (
+                b.seq, ev)
+            assert ev.medium == MEDIUM, "BlockRemoved medium %r, expected %r" % (ev.medium,
+                                                                                 MEDIUM)
+            out += ev.block_hashes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm mode: hashes and BlockStored
+
+def test_vllm_attach_and_block_stored_chain(kvd_factory, zctx):
+    """AttachPoolReply of a vllm pool; a 4-block chain is one BlockStored with vLLM's u64
+    hashes, parent None, no token ids; a 2-block extension names the chain's last block as its
+    parent; Lookup finds the blocks under the digests' 128-bit keys."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    r = pool.attach_reply
+    none = ref.none_hash(SEED)
+    assert r.hash_algo == HASH_ALGO_VLLM, r
+    assert r.none_hash == none, "none_hash %s, vLLM's NONE_HASH for seed %r is %s" % (
+        r.none_hash.hex(), SEED, none.hex())
+    assert (r.hash_seed.lo, r.hash_seed.hi) == key_of(none), "hash_seed is not NONE_HASH's key"
+
+    tokens = toks(4, 1)
+    canon, chain = vllm_commit(c, pool, tokens)
+    b = sub.next_batch("the 4-block chain's BlockStored")
+    assert b.topic == b""
+    assert b.events == [stored([ref.to_u64(h) for h in chain])], (
+        "one commit of a 4-block chain: one BlockStored, vLLM u64 hashes, parent None")
+
+    hits = kw.reply_blocks(c.lookup(pool.pool_id, [key_of(h) for h in chain]))
+    assert hits == canon, "Lookup by the digests' keys"
+    c.release(pool.pool_id, hits)
+
+    more = toks(2, 1000)
+    _, ext = vllm_commit(c, pool, more, parent_digest=chain[3], parent_block=canon[3][0])
+    assert ext == ref.hash_chain(none, tokens + more, T)[4:]
+    b = sub.next_batch("the extension's BlockStored")
+    assert b.events == [stored([ref.to_u64(h) for h in ext], parent=ref.to_u64(chain[3]))], (
+        "the extension's parent_block_hash is the u64 of the chain's last block")
+
+
+def test_vllm_token_ids_on(kvd_factory, zctx):
+    """With token ids on, token_ids is every committed block's tokens concatenated (one
+    cache_full_blocks call in vLLM); topic frames carry the configured topic."""
+    d = start(kvd_factory, **{OPT_TOKEN_IDS: "1", OPT_TOPIC: "kv-events"})
+    sub = Sub(zctx, d.pub, topic=b"kv-events")
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    tokens = toks(3, 7)
+    canon, chain = vllm_commit(c, pool, tokens, send_tokens=True)
+    b = sub.next_batch("BlockStored with token ids")
+    assert b.topic == b"kv-events"
+    assert b.events == [stored([ref.to_u64(h) for h in chain], tokens=tokens)]
+    more = [4294967295, 0, 65536] + list(range(100, 100 + T - 3))  # full uint32 range
+    _, ext = vllm_commit(c, pool, more, parent_digest=chain[2], parent_block=canon[2][0],
+                         send_tokens=True)
+    b = sub.next_batch("the extension's BlockStored")
+    assert b.events == [stored([ref.to_u64(ext[0])], parent=ref.to_u64(chain[2]), tokens=more)]
+
+
+def test_vllm_hash_form_bytes(kvd_factory, zctx):
+    """hash-form bytes: block and parent hashes are the whole 32-byte digests (msgpack bin)."""
+    d = start(kvd_factory, **{OPT_HASH_FORM: "bytes"})
+    sub = Sub(zctx, d.pub, schema=Schema("bytes", 32))
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(2, 3))
+    assert sub.next_batch("BlockStored").events == [stored(chain)]
+    _, ext = vllm_commit(c, pool, toks(1, 500), parent_digest=chain[1], parent_block=canon[1][0])
+    assert sub.next_batch("the extension's BlockStored").events == [stored(ext, parent=chain[1])]
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockRemoved
+
+def collect_removed(sub, expected, what):
+    """Reads batches until their BlockRemoved events named every hash of `expected`; checks
+    they named nothing else, no hash twice, and carried no other event."""
+    want = set(expected)
+    names = []
+
+    def done(b):
+        names.extend(removed_hashes([b]))
+        return want <= set(names)
+
+    sub.until(what, done)
+    assert len(names) == len(set(names)), "a hash removed twice: %r" % names
+    assert set(names) == want, "BlockRemoved named %r, expected exactly %r" % (names, want)
+
+
+def test_admin_evict_publishes_block_removed(kvd_factory, zctx):
+    """admin `evict pool=ID` of released (CACHED) blocks: BlockRemoved naming exactly them."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(4, 1))
+    sub.next_batch("BlockStored")
+    c.release(pool.pool_id, canon)
+    res = d.admin_result("evict pool=%d" % pool.pool_id)
+    assert res["evicted"] == 4, res
+    collect_removed(sub, [ref.to_u64(h) for h in chain], "BlockRemoved after admin evict")
+    assert kw.reply_blocks(c.lookup(pool.pool_id, [key_of(h) for h in chain])) == []
+
+
+def test_capacity_eviction_publishes_block_removed(kvd_factory, zctx):
+    """Allocations that need room evict CACHED blocks: each one is published as removed."""
+    d = start(kvd_factory, pool_memory="2M")
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(4, 1))
+    sub.next_batch("BlockStored")
+    c.release(pool.pool_id, canon)
+    # Hold ever more fresh blocks until the pool had to evict all 4 cached ones.
+    chunk, held = 32, 0
+    while pool_stat(c, pool, "evictions_capacity") < 4:
+        assert held < 100000, "no capacity eviction after %d blocks" % held
+        try:
+            c.allocate(pool.pool_id, chunk)  # segments not mapped: nothing is written
+            held += chunk
+        except kw.KvdError as e:
+            assert e.code in (kw.ENOSPC, kw.EQUOTA), str(e)
+            assert chunk > 1, "pool full with %d evictions: %s" % (
+                pool_stat(c, pool, "evictions_capacity"), e)
+            chunk = 1
+    assert pool_stat(c, pool, "evictions_capacity") == 4
+    collect_removed(sub, [ref.to_u64(h) for h in chain], "BlockRemoved after capacity eviction")
+
+
+# ---------------------------------------------------------------------------------------------
+# Duplicates
+
+def test_duplicate_commit_publishes_nothing(kvd_factory, zctx):
+    """A second session committing the same chain gets the first session's canonical blocks
+    and no BlockStored: the next batch is the one of a later, different commit."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    a, b = d.connect(), d.connect()
+    pa, pb_ = a.attach("m", LAYOUT), b.attach("m", LAYOUT)
+    assert pa.pool_id == pb_.pool_id
+    tokens = toks(4, 1)
+    canon, chain = vllm_commit(a, pa, tokens)
+    assert sub.next_batch("BlockStored").events == [stored([ref.to_u64(h) for h in chain])]
+    canon_b, chain_b = vllm_commit(b, pb_, tokens)
+    assert chain_b == chain and canon_b == canon, "the duplicate's canonical blocks"
+    assert pool_stat(b, pb_, "commits_duplicate") == 4
+    # A sentinel: different tokens, so a new block. Its batch must be the next one.
+    _, sentinel = vllm_commit(b, pb_, toks(1, 9000))
+    nxt = sub.next_batch("the sentinel's BlockStored")
+    assert nxt.events == [stored([ref.to_u64(sentinel[0])])], (
+        "the duplicate commit published something: %r" % (nxt.events,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+
+def test_replay(kvd_factory, zctx):
+    """DEALER replay: every buffered batch from seq 0 in order (0 is AllBlocksCleared), the same
+    bytes the PUB sent, seqs contiguous, then the end marker; from a later seq only the rest;
+    from beyond the last only the end marker; malformed requests get no answer."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    chains = []
+    for k in range(2):
+        chains.append(vllm_commit(c, pool, toks(2, 100 * k + 1))[1])
+        sub.next_batch("BlockStored %d" % k)
+    sub.close()
+    for k in range(2, 4):  # nobody listens: only the replay buffer has these
+        chains.append(vllm_commit(c, pool, toks(2, 100 * k + 1))[1])
+    schema = Schema()
+
+    def batches_settled():
+        return len(replay(zctx, d.replay, 0)) == 5
+
+    assert wait_until(batches_settled, timeout=WAIT), "replay never held 5 batches: %r" % (
+        [s for s, _ in replay(zctx, d.replay, 0)],)
+    got = replay(zctx, d.replay, 0)
+    assert [s for s, _ in got] == list(range(5)), "replay from 0: seqs"
+    decoded = [decode_batch(s, b"", p, schema, "replay") for s, p in got]
+    check_first_batch(decoded[0])
+    for k, b in enumerate(decoded[1:]):
+        assert b.events == [stored([ref.to_u64(h) for h in chains[k]])], "replayed batch %d" % k
+    for b in sub.batches:  # what the SUB saw, byte for byte
+        assert got[b.seq][1] == b.payload, "seq %d: replay differs from the PUB" % b.seq
+
+    assert replay(zctx, d.replay, 3) == got[3:], "replay from 3"
+    assert replay(zctx, d.replay, 5) == [], "replay from beyond the last: just the end marker"
+    assert replay(zctx, d.replay, U64 - 2) == []
+
+    # Malformed requests (the ROUTER sees other than [id, b"", seq8]) get no answer ...
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(d.replay)
+    zero = (0).to_bytes(8, "big")
+    dealer.send_multipart([b"", zero, b"junk"])  # 4 frames
+    dealer.send_multipart([zero])  # 2 frames, no delimiter
+    dealer.send_multipart([b""])  # 2 frames, no seq
+    dealer.send_multipart([b"", zero, b"", zero])  # 5 frames
+    # ... and the daemon keeps serving: a good request from beyond the last seq is answered
+    # with just the end marker (an answer to a malformed one would start with seq 0 first).
+    dealer.send_multipart([b"", (5).to_bytes(8, "big")])
+    assert read_replay(dealer, d.replay) == [], "malformed replay requests were answered"
+    assert not dealer.poll(int(QUIET * 1000)), "unexpected frames: %r" % (
+        dealer.recv_multipart(),)
+    dealer.send_multipart([b"", zero])
+    assert read_replay(dealer, d.replay) == got
+    dealer.close(0)
+    assert d.alive()
+
+    # vLLM's example subscriber uses REQ: it gets the first reply frame (here: the end marker).
+    req = zctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(d.replay)
+    req.send((5).to_bytes(8, "big"))
+    assert req.poll(int(WAIT * 1000)), "REQ replay got no answer"
+    assert req.recv_multipart() == [END_SEQ, b""]
+    req.close(0)
+
+    # What an operator sees: admin stats kv_events (the same table drives the metrics).
+    ev = d.admin_result("stats")["kv_events"]
+    assert ev["kv_events_publishers"] == 1
+    assert ev["kv_events_batches"] >= len(got), ev
+    assert ev["kv_events_replays"] >= 3 and ev["kv_events_replay_bad"] == 4, ev
+    assert ev["kv_events_digests"] > 0, ev
+
+
+def test_replay_buffer_keeps_the_latest_batches(kvd_factory, zctx):
+    """kv-events-buffer=N keeps the last N batches (vLLM's buffer_steps deque): a replay from 0
+    starts at the oldest one kept."""
+    d = start(kvd_factory, **{OPT_BUFFER: "3"})
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    for k in range(4):  # seq 1..4
+        vllm_commit(c, pool, toks(1, 100 * k + 1))
+    assert wait_until(lambda: [s for s, _ in replay(zctx, d.replay, 0)] == [2, 3, 4],
+                      timeout=WAIT), [s for s, _ in replay(zctx, d.replay, 0)]
+
+
+def test_flush_window_coalesces_commits(kvd_factory, zctx):
+    """kv-events-flush-ms > 0 (the default is 1): the Commits of one window go out as one batch
+    (one send on a busy Commit path), each still its own BlockStored, in order."""
+    d = start(kvd_factory, **{OPT_FLUSH: "400"})
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    chains = [vllm_commit(c, pool, toks(2, 1000 * k + 1))[1] for k in range(3)]
+    b = sub.next_batch("the window's batch")
+    assert b.events == [stored([ref.to_u64(h) for h in ch]) for ch in chains], (
+        "3 commits within one 400 ms window: one batch of 3 BlockStored in commit order")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+BAD_COMMITS = {
+    "hash_full_31_bytes": dict(hash_full=lambda dg: dg[:31]),
+    "hash_full_33_bytes": dict(hash_full=lambda dg: dg + b"\0"),
+    "hash_full_not_the_key": dict(hash_full=lambda dg: bytes([dg[0] ^ 1]) + dg[1:]),
+    "hash_full_missing": dict(hash_full=lambda dg: None),
+    "token_ids_short": dict(token_ids=lambda tk: tk[:-1]),
+    "token_ids_long": dict(token_ids=lambda tk: tk + [0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COMMITS))
+def test_vllm_bad_commit_is_einval(kvd_factory, zctx, case):
+    """A vllm-pool entry whose hash_full is not the 32-byte digest of its hash, or is missing,
+    or whose token_ids are not tokens_per_block ids, is EINVAL with a message and publishes
+    nothing; the same session's good commit of the same block works afterwards."""
+    d = start(kvd_factory, **{OPT_TOKEN_IDS: "1"})
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    tokens = toks(1, 42)
+    dg = ref.hash_chain(ref.none_hash(SEED), tokens, T)[0]
+    blk = allocate(c, pool, 1)[0]
+    bad = BAD_COMMITS[case]
+    kwargs = {"token_ids": tokens}
+    if "hash_full" in bad:
+        kwargs["hash_full"] = bad["hash_full"](dg)
+    if "token_ids" in bad:
+        kwargs["token_ids"] = bad["token_ids"](tokens)
+    expect_error(pb.EINVAL, commit_entries, c, pool, [entry(blk, dg, **kwargs)])
+    c.ping()
+    assert kw.reply_blocks(c.lookup(pool.pool_id, [key_of(dg)])) == [], "bad entry was indexed"
+    assert commit_entries(c, pool, [entry(blk, dg, token_ids=tokens)]) == [blk]
+    assert sub.next_batch("the good commit's BlockStored").events == [
+        stored([ref.to_u64(dg)], tokens=tokens)], (
+        "the next batch must be the good commit's BlockStored (a refused commit publishes nothing)")
+
+
+def test_vllm_bad_entry_in_a_chain(kvd_factory, zctx):
+    """A bad hash_full in the middle of a chain is EINVAL for the whole request (PROTOCOL.md
+    Commit: an error reply means nothing was committed): nothing is indexed or published, and
+    the same blocks then commit as one chain with one BlockStored."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    chain = ref.hash_chain(ref.none_hash(SEED), toks(3, 5), T)
+    blocks = allocate(c, pool, 3)
+
+    def entries(bad):
+        return [entry(blocks[0], chain[0]),
+                entry(blocks[1], chain[1], blocks[0][0],
+                      hash_full=chain[1][:31] if bad else chain[1]),
+                entry(blocks[2], chain[2], blocks[1][0])]
+
+    expect_error(pb.EINVAL, commit_entries, c, pool, entries(True))
+    other = d.connect()
+    po = other.attach("m", LAYOUT)
+    assert kw.reply_blocks(other.lookup(po.pool_id, [key_of(h) for h in chain])) == [], (
+        "a refused Commit indexed some of its entries")
+    assert commit_entries(c, pool, entries(False)) == blocks
+    assert sub.next_batch("the good commit's BlockStored").events == [
+        stored([ref.to_u64(h) for h in chain])], (
+        "the next batch must be the good commit's BlockStored (a refused commit publishes nothing)")
+
+
+# ---------------------------------------------------------------------------------------------
+# xxh3 mode
+
+@pytest.mark.parametrize("form", ["int", "bytes"])
+def test_xxh3_mode_events(kvd_factory, zctx, form):
+    """Default hash mode with events on: hashes are kvd's 128-bit keys, as the last 8 bytes of
+    lo LE || hi LE read big-endian (int) or those 16 bytes (bytes); parents likewise; admin evict
+    publishes BlockRemoved in the same form."""
+    d = start(kvd_factory, vllm=False, **{OPT_HASH_FORM: form})
+    schema = Schema(form, 16)
+    sub = Sub(zctx, d.pub, schema=schema)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    assert pool.hash_algo == kw.HASH_XXH3_128 and pool.attach_reply.none_hash == b""
+    canon, hs = xxh3_commit(c, pool, toks(3, 1))
+    assert sub.next_batch("BlockStored").events == [stored([xxh3_form(h, schema) for h in hs])]
+    ext_canon, ext = xxh3_commit(c, pool, toks(1, 900), parent_hash=hs[2],
+                                 parent_block=canon[2][0])
+    assert sub.next_batch("the extension's BlockStored").events == [
+        stored([xxh3_form(ext[0], schema)], parent=xxh3_form(hs[2], schema))]
+    c.release(pool.pool_id, canon + ext_canon)
+    assert d.admin_result("evict pool=%d" % pool.pool_id)["evicted"] == 4
+    collect_removed(sub, [xxh3_form(h, schema) for h in hs + ext], "BlockRemoved")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-domain publishers (tenants file `events` lines)
+
+TOKENS = {"a.tok": b"token-of-tenant-a-0123456789", "b.tok": b"token-of-tenant-b-0123456789"}
+
+
+def test_per_domain_publishers(kvd_factory, zctx):
+    """Two token tenants (this test's own uid, no root needed) with an `events` line each, and
+    the option publisher for the rest (a token-less session's tenant uid-N): each tenant's
+    blocks appear on its own endpoint only, with that line's topic, hash form and token ids, and
+    each publisher counts its own seqs from 0."""
+    me = os.geteuid()
+    pub_a, pub_b, rep_b = tcp_endpoints(3)
+    tenants = ("tenant ta uid=%d token-file={dir}/a.tok\n"
+               "tenant tb uid=%d token-file={dir}/b.tok\n"
+               "events endpoint=%s domains=ta\n"
+               "events endpoint=%s replay=%s topic=tb token-ids=on hash-form=bytes domains=tb\n"
+               % (me, me, pub_a, pub_b, rep_b))
+    d = start(kvd_factory, files=TOKENS, tenants=tenants)
+    subs = {"ta": Sub(zctx, pub_a, name="SUB ta"),
+            "tb": Sub(zctx, pub_b, topic=b"tb", schema=Schema("bytes", 32), name="SUB tb"),
+            "other": Sub(zctx, d.pub, name="SUB option publisher")}
+    conns = {"ta": d.connect(token=TOKENS["a.tok"]), "tb": d.connect(token=TOKENS["b.tok"]),
+             "other": d.connect()}
+    assert conns["ta"].hello_reply.tenant == "ta" and conns["tb"].hello_reply.tenant == "tb"
+    assert conns["other"].hello_reply.tenant == "uid-%d" % me
+    pools = {n: c.attach("m", LAYOUT) for n, c in conns.items()}
+
+    def form(n, dg):
+        return dg if n == "tb" else ref.to_u64(dg)
+
+    # Round 1: each commits a chain (different tokens per tenant); round 2: each a sentinel.
+    # A block published on the wrong endpoint would come there before that endpoint's sentinel.
+    bases = {"ta": 1, "tb": 10001, "other": 20001}
+    chains, sentinels = {}, {}
+    for n in subs:
+        chains[n] = vllm_commit(conns[n], pools[n], toks(2, bases[n]), send_tokens=True)[1]
+    for n in subs:
+        sentinels[n] = vllm_commit(conns[n], pools[n], toks(1, bases[n] + 5000),
+                                   send_tokens=True)[1]
+    for n, sub in subs.items():
+        want = form(n, sentinels[n][0])
+        got = sub.until("%s's sentinel" % n,
+                        lambda b: any(want in getattr(e, "block_hashes", ()) for e in b.events))
+        tok = (lambda k: k) if n == "tb" else (lambda k: [])
+        events = [e for b in got for e in b.events]
+        assert events == [stored([form(n, h) for h in chains[n]], tokens=tok(toks(2, bases[n]))),
+                          stored([want], tokens=tok(toks(1, bases[n] + 5000)))], (
+            "%s's endpoint carried other domains' blocks (or lost its own)" % n)
+        assert got[0].seq == 1, "%s: each publisher counts its own seqs from 0" % n
+    rb = replay(zctx, rep_b, 0)
+    assert [s for s, _ in rb] == [0, 1, 2], "tb's replay: its own batches only"
+    check_first_batch(decode_batch(0, b"tb", rb[0][1], Schema("bytes", 32), "tb replay"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration refused
+
+BAD_CONFIGS = {
+    "hash_mode": ({"hash_mode": "md5"}, "hash-mode"),
+    "hash_form": ({OPT_ENDPOINT: "{free}", OPT_HASH_FORM: "hex"}, "hash-form"),
+    "events_line_domain": ({"tenants_file": "{dir}/tenants"}, "nosuchtenant"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_event_config_is_refused(case):
+    """A bad hash mode, hash form or `events` line (an unknown domain) stops kvd at start,
+    naming what is wrong."""
+    opts, contains = BAD_CONFIGS[case]
+    free = tcp_endpoints(1)[0]
+    opts = {k: v.replace("{free}", free) for k, v in opts.items()}
+
+    def setup(tmp):
+        with open(os.path.join(tmp, "tenants"), "w") as f:
+            f.write("events endpoint=%s domains=nosuchtenant\n" % free)
+    rc, out = run_kvd_expecting_refusal(opts, setup=setup)
+    assert rc not in (None, 0), "kvd served with %r: %s" % (opts, out)
+    assert contains in out, out
