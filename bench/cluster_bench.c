@@ -166,8 +166,8 @@ static double run(node *d, const work *w) {
             e[i].hash = w->keys[ch * CHAIN + i];
             e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
         }
-        if (kvc_commit_ex(p, e, CHAIN, w->full + ch * CHAIN, w->tokens + ch * CHAIN * TPB, canon) !=
-                KV_OK ||
+        if (kvc_commit_ex(p, e, CHAIN, w->full + ch * CHAIN, NULL, w->tokens + ch * CHAIN * TPB,
+                          canon) != KV_OK ||
             kvc_release(p, canon, CHAIN) != KV_OK) {
             bench_die("commit failed: %s", kvc_last_error(c));
         }

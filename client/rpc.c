@@ -853,8 +853,8 @@ static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *en
 }
 
 static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
-                       const uint8_t (*full)[32], const uint32_t *tokens, kvc_block *canonical,
-                       size_t *index) {
+                       const uint8_t (*full)[32], const uint8_t *parent_full,
+                       const uint32_t *tokens, kvc_block *canonical, size_t *index) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
@@ -888,6 +888,10 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
         if (full != NULL) {
             e[i].hash_full.data = (uint8_t *)full[i];
             e[i].hash_full.len = 32;
+        }
+        if (i == 0 && parent_full != NULL) {
+            e[i].parent_hash_full.data = (uint8_t *)parent_full;
+            e[i].parent_hash_full.len = 32;
         }
         if (tokens != NULL) {
             e[i].n_token_ids = p->layout.tokens_per_block;
@@ -1229,11 +1233,12 @@ kv_err kvc_unshare(kvc_pool *p, const kvc_block *blocks, size_t n) {
 }
 
 kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_t n, kvc_block *canonical) {
-    return kvc_commit_ex(p, entries, n, NULL, NULL, canonical);
+    return kvc_commit_ex(p, entries, n, NULL, NULL, NULL, canonical);
 }
 
 kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
-                     const uint8_t (*full)[32], const uint32_t *tokens, kvc_block *canonical) {
+                     const uint8_t (*full)[32], const uint8_t *parent_full, const uint32_t *tokens,
+                     kvc_block *canonical) {
     kvc_conn *c = p->conn;
     kv_err err = kvc__rpc_ready(c);
     if (err != KV_OK) {
@@ -1242,7 +1247,7 @@ kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
     (void)map_pending(c); /* a mapping that failed earlier may work now */
     kvc_batch b;
     kvc__batch_init(&b, c);
-    err = q_commit(&b, p, entries, n, full, tokens, canonical, NULL);
+    err = q_commit(&b, p, entries, n, full, parent_full, tokens, canonical, NULL);
     if (err == KV_ESTATE && b.nops == 1 && b.ops[0].kind == KVC__OP_RELEASE) {
         /* The guard refused and queued the leases' Release: send it, keep the guard's error. */
         char why[sizeof(c->diag.err)];
@@ -1528,7 +1533,7 @@ kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *
 kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                         kvc_block *canonical, size_t *index) {
     BATCH_LIVE(b);
-    return q_commit(b, p, entries, n, NULL, NULL, canonical, index);
+    return q_commit(b, p, entries, n, NULL, NULL, NULL, canonical, index);
 }
 
 kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,

@@ -411,9 +411,10 @@ kv_err kvc_seq_commit(kvc_seq *s, size_t n_final, size_t *ncommitted) {
                 b == 0 || s->bpool[b - 1] != s->pool ? KVC_NO_PARENT : s->blocks[b - 1].id;
         }
         /* vLLM pools send each digest, and the tokens for the KV events' BlockStored. */
-        err = s->full != NULL
-                  ? kvc_commit_ex(s->pool, e, k, s->full + first, s->tokens + first * tpb(s), canon)
-                  : kvc_commit(s->pool, e, k, canon);
+        err = s->full != NULL ? kvc_commit_ex(s->pool, e, k, s->full + first,
+                                              first > 0 ? s->full[first - 1] : NULL,
+                                              s->tokens + first * tpb(s), canon)
+                              : kvc_commit(s->pool, e, k, canon);
         if (err != KV_OK) {
             goto cleanup;
         }

@@ -432,11 +432,13 @@ KVC_EXTERN kv_err kvc_commit(kvc_pool *p, const kvc_commit_entry *entries, size_
 
 /* kvc_commit with what the daemon's KV events publish (docs/EVENTS.md): full[i] is the 32-byte
  * vLLM digest of entries[i] (required on a KVC_HASH_VLLM pool, whose Commit is KV_EINVAL
- * without it; NULL on others), tokens (NULL: none) holds n * tokens_per_block token ids, entry
- * i's at i * tokens_per_block, which BlockStored events carry where the operator opted in. */
+ * without it; NULL on others); parent_full (NULL: none) the digest of entries[0]'s parent when
+ * that block is not in this pool (a group or commons hit: the event names it as the parent);
+ * tokens (NULL: none) holds n * tokens_per_block token ids, entry i's at i * tokens_per_block,
+ * which BlockStored events carry where the operator opted in. */
 KVC_EXTERN kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
-                                const uint8_t (*full)[32], const uint32_t *tokens,
-                                kvc_block *canonical);
+                                const uint8_t (*full)[32], const uint8_t *parent_full,
+                                const uint32_t *tokens, kvc_block *canonical);
 
 /* Drops the session's references on blocks[0..n) (a sequence's blocks in prefix order; WRITING
  * blocks are freed). kvc_rewind is the same for blocks past a sequence's accepted length

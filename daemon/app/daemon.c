@@ -47,6 +47,7 @@ static void on_server_stopped(void *arg) {
     kvd_metrics_stop(&d->ops);
     kvd_admin_stop(&d->ops);
     kvd_kvevents_close(d->kvevents);
+    kvd_tiers_close(d->tiers);
     if (d->signals_active) {
         d->signals_active = 0;
         uv_close((uv_handle_t *)&d->sigterm, NULL);
@@ -180,6 +181,15 @@ kv_err kvd_daemon_start(kvd_daemon *d, int handle_signals) {
         uv_signal_start(&d->sigint, on_signal, SIGINT);
     }
     kv_err rc = kvd_server_start(d->srv);
+    if (rc == KV_OK) {
+        /* After the client socket is ours: a second daemon started by mistake stops at it and
+         * never takes the first one's event endpoints (a second ipc bind would). */
+        char eerr[512] = "";
+        rc = kvd_kvevents_start(d->kvevents, eerr, sizeof(eerr));
+        if (rc != KV_OK) {
+            KV_LOG(ERROR, "KVD-START", "%s", eerr);
+        }
+    }
     if (rc == KV_OK) {
         rc = kvd_admin_start(&d->ops); /* beside the client socket by default */
     }

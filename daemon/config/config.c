@@ -144,11 +144,36 @@ static const kvd_config_option options[] = {
     OPT("kv-events-hash-form", KVD_OPT_STRING, kv_events_hash_form, "int", 0, 0,
         "how events name a block: int (vLLM's default: the digest's last 8 bytes, big-endian) "
         "or bytes (the whole digest: 32 bytes in vllm mode, 16 in xxh3 mode)"),
+    OPT("kv-events-format", KVD_OPT_STRING, kv_events_format, "array", 0, 0,
+        "how events are encoded: array (vLLM's array-like tagged structs, read by decoders of "
+        "vLLM up to its switch to maps) or map (the newer schema: maps with \"type\" first)"),
     OPT("kv-events-buffer", KVD_OPT_U64, kv_events_buffer, "10000", 1, 1u << 24,
         "batches each publisher keeps for replay (vLLM's buffer_steps)"),
     OPT("kv-events-flush-ms", KVD_OPT_U64, kv_events_flush_ms, "1", 0, 10000,
         "a KV-event batch collects the events of this many ms after its first (one send, not "
         "one per request, on a busy Commit path); 0: each loop iteration's events are a batch"),
+    OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,
+        "the remote tier below T1/T2: HOST:PORT[,HOST:PORT...] of one Redis server or seed "
+        "nodes of a Redis Cluster (found by CLUSTER SLOTS); every block that lands in tier 1 "
+        "is also written there, and a Fetch asks it for the blocks past the local tiers' run; "
+        "needs tier1-memory (docs/TIERS.md); empty: off"),
+    OPT("remote-key-prefix", KVD_OPT_STRING, remote_key_prefix, "kvd", 0, 0,
+        "first part of every remote key (PREFIX:DOMAIN:LAYOUT:HASH): one per deployment"),
+    OPT("remote-password-file", KVD_OPT_STRING, remote_password_file, "", 0, 0,
+        "file holding the Redis AUTH password (read at start, trailing whitespace cut; never "
+        "on the command line); empty: no AUTH"),
+    OPT("remote-ttl-s", KVD_OPT_U64, remote_ttl_s, "0", 0, 1ull << 31,
+        "seconds a remote value lives (SET ... EX); 0: until Redis's own maxmemory policy "
+        "evicts it"),
+    OPT("remote-timeout-ms", KVD_OPT_U64, remote_timeout_ms, "200", 1, 60000,
+        "connect and command timeout of the remote tier; a Fetch waits at most about this "
+        "long for Redis"),
+    OPT_RT("remote-fetch-max", KVD_OPT_U64, remote_fetch_max, "256", 0, 4096,
+           "blocks past the local tiers' run a Fetch asks the remote tier for (one pipelined "
+           "round trip per node); 0: the remote tier is only written"),
+    OPT("remote-queue-bytes", KVD_OPT_U64, remote_queue_bytes, "256M", 1 << 20, 1ull << 40,
+        "block bytes of remote writes queued at most; more are dropped (counted) while Redis "
+        "is slow or down"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))
@@ -279,6 +304,11 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "hash-mode") == 0 && strcmp(value, "xxh3") != 0 &&
                 strcmp(value, "vllm") != 0) {
                 kvd_conf_err(err, errlen, "hash-mode: '%s' is not xxh3 or vllm", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "kv-events-format") == 0 && strcmp(value, "array") != 0 &&
+                strcmp(value, "map") != 0) {
+                kvd_conf_err(err, errlen, "kv-events-format: '%s' is not array or map", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "kv-events-hash-form") == 0 && strcmp(value, "int") != 0 &&

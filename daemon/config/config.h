@@ -66,8 +66,16 @@ typedef struct kvd_config {
     char kv_events_topic[128];              /* topic frame of every message */
     int kv_events_token_ids;                /* BlockStored carries the token ids */
     char kv_events_hash_form[8];            /* "int" (vLLM's u64) or "bytes" */
+    char kv_events_format[8];               /* "array" (vLLM's array-like) or "map" */
     uint64_t kv_events_buffer;              /* batches kept for replay */
     uint64_t kv_events_flush_ms;            /* a batch collects this long; 0: one iteration */
+    char remote_redis[1024];                /* remote tier seeds HOST:PORT,...; "" = off */
+    char remote_key_prefix[64];             /* first part of every remote key */
+    char remote_password_file[KVD_CONFIG_PATH_MAX]; /* AUTH password file; "" = none */
+    uint64_t remote_ttl_s;                          /* EX of every SET; 0 = none */
+    uint64_t remote_timeout_ms;                     /* connect and command timeout */
+    uint64_t remote_fetch_max;                      /* blocks past the local run a Fetch asks for */
+    uint64_t remote_queue_bytes;                    /* puts queued at most */
 } kvd_config;
 
 typedef enum kvd_opt_type {

@@ -1,6 +1,7 @@
 /* kvd_kvevents: vLLM-format KV events over ZMQ (kvevents.h has the contract). */
 #include "daemon/kvevents/kvevents.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,24 +14,60 @@
 
 #define MAX_PUBS (KVD_MAX_EVENT_LINES + 1)
 #define NO_PUB 0xFFu
+#define LOG_EVERY_MS 10000 /* malformed replay requests: one warning per publisher this often */
 
-/* One batch kept for replay. */
+/* A batch's bytes, shared by the live send, the replay buffer and replays in flight (ZMQ frees
+ * its references on its own I/O thread: the count is atomic). */
+typedef struct sbuf {
+    atomic_int refs;
+    size_t len;
+    uint8_t data[];
+} sbuf;
+
+static void sbuf_unref(sbuf *b) {
+    if (atomic_fetch_sub(&b->refs, 1) == 1) {
+        free(b);
+    }
+}
+
+static void on_zmq_free(void *data, void *hint) {
+    (void)data;
+    sbuf_unref(hint);
+}
+
+/* Sends b as one frame without copying; 0 when ZMQ took it. */
+static int send_sbuf(void *sock, sbuf *b, int flags) {
+    zmq_msg_t m;
+    atomic_fetch_add(&b->refs, 1);
+    if (zmq_msg_init_data(&m, b->data, b->len, on_zmq_free, b) != 0) {
+        sbuf_unref(b);
+        return -1;
+    }
+    if (zmq_msg_send(&m, sock, flags | ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&m); /* gives the reference back */
+        return -1;
+    }
+    return 0;
+}
+
 typedef struct kept {
     uint64_t seq;
-    uint8_t *data; /* payload (malloc'd) */
-    size_t len;
+    sbuf *buf;
 } kept;
 
 typedef struct pub {
     struct kvd_kvevents *e;
+    uint32_t index;
     void *sock;   /* PUB */
     void *router; /* ROUTER for replays, or NULL */
     uv_poll_t poll;
-    int polling; /* poll initialised (closed at close) */
+    int polling;        /* poll initialised (closed at close) */
+    char endpoint[256]; /* PUB endpoint */
+    char replay[256];   /* ROUTER endpoint, "" none */
     char topic[128];
-    char endpoint[256];
     int token_ids;
     int hash_bytes;
+    int map;               /* events as maps (vLLM's newer schema) */
     uint64_t seq;          /* of the next batch */
     msgpack_sbuffer evbuf; /* events of the batch being built */
     msgpack_packer pk;
@@ -39,25 +76,31 @@ typedef struct pub {
     size_t cap;     /* batches kept at most */
     size_t head, n; /* oldest kept, count */
     size_t bytes;   /* payload bytes kept */
+    uint64_t last_warn_ms;
 } pub;
 
-/* A remembered vllm digest: (pool, key) -> its last 16 bytes. Open addressing, linear probing,
- * deletion by backward shift. */
-typedef struct tail_ent {
+/* One record of the advertised-hash table. ns 1: (pool id, key) = pool a holds the key in T0 and
+ * it was counted; ns 2: (publisher index + 1, key) = refs counted blocks of the publisher's pools
+ * hold it, tail the digest's last 16 bytes (hash-mode vllm). Open addressing, linear probing,
+ * deletion by backward shift; a = 0 marks a free slot. */
+typedef struct adv {
     kv_hash128 key;
-    uint32_t pool_id; /* 0: empty slot */
+    uint32_t a;
+    uint8_t ns;
+    uint8_t has_tail;
+    uint32_t refs;
     uint8_t tail[16];
-} tail_ent;
+} adv;
 
 enum {
     KS_PUBLISHERS,
     KS_BATCHES,
     KS_EVENTS,
-    KS_SEND_DROPS,
+    KS_SEND_ERRORS,
     KS_GAPS,
     KS_REPLAYS,
     KS_REPLAY_BAD,
-    KS_DIGESTS,
+    KS_BLOCKS,
     KS_COUNT
 };
 
@@ -69,21 +112,21 @@ static const kv_stat_desc ks_stats[KS_COUNT] = {
     [KS_EVENTS] = {"kv_events_events", "counter", "events",
                    "KV events (BlockStored, BlockRemoved, AllBlocksCleared) published",
                    "kvd_kv_events_total", "KV events published.", NULL, NULL},
-    [KS_SEND_DROPS] = {"kv_events_send_drops", "counter", "batches",
-                       "batches ZMQ refused at once (high-water mark): subscribers miss them "
-                       "until they replay",
-                       "kvd_kv_events_send_drops_total", "KV-event batches ZMQ refused.", NULL,
-                       NULL},
+    [KS_SEND_ERRORS] = {"kv_events_send_errors", "counter", "batches",
+                        "batches ZMQ refused to queue (a PUB drops silently for a subscriber past "
+                        "its high-water mark: that subscriber sees the gap and replays)",
+                        NULL, NULL, NULL, NULL},
     [KS_GAPS] = {"kv_events_gaps", "counter", "events",
-                 "events not published for want of memory (a router's view is stale until the "
-                 "block goes)",
+                 "events not published (no memory; a parent whose vLLM digest is unknown went "
+                 "out as nil)",
                  NULL, NULL, NULL, NULL},
     [KS_REPLAYS] = {"kv_events_replays", "counter", "requests", "replay requests answered", NULL,
                     NULL, NULL, NULL},
     [KS_REPLAY_BAD] = {"kv_events_replay_bad", "counter", "requests",
                        "malformed replay requests (ignored)", NULL, NULL, NULL, NULL},
-    [KS_DIGESTS] = {"kv_events_digests", "gauge", "blocks",
-                    "vllm digests remembered for blocks still in T0", NULL, NULL, NULL, NULL},
+    [KS_BLOCKS] = {"kv_events_blocks", "gauge", "blocks",
+                   "block hashes advertised now (stored and not removed), over all publishers",
+                   NULL, NULL, NULL, NULL},
 };
 
 struct kvd_kvevents {
@@ -96,51 +139,55 @@ struct kvd_kvevents {
     uint8_t commons;
     uint8_t dflt; /* the options' publisher, NO_PUB none */
     const char *medium;
-    uv_check_t check; /* flush-ms 0: flushes the batches of one loop iteration */
-    uv_timer_t timer; /* flush-ms > 0: flushes that long after a batch's first event */
+    int vllm;         /* hash-mode vllm: blocks are named by digests */
+    uv_check_t check; /* flush-ms 0, and the start-up batches */
+    uv_timer_t timer; /* flush-ms > 0 */
+    uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
-    int check_open, check_on, closed;
-    tail_ent *tails;
-    size_t tcap, tn; /* slots (a power of two), used */
+    int handles, armed, started, closed;
+    adv *tab;
+    size_t tcap, tn;  /* slots (a power of two), used */
+    uint64_t nblocks; /* ns-2 records: hashes advertised */
     uint64_t c[KS_COUNT];
 };
 
-/* ---- vllm digests ------------------------------------------------------------------------- */
+/* ---- the advertised-hash table --------------------------------------------------------- */
 
-static size_t tail_slot(const kvd_kvevents *e, uint32_t pool_id, kv_hash128 k) {
-    uint64_t h = (k.lo ^ (k.hi * 0x9E3779B97F4A7C15ull)) + pool_id * 0xC2B2AE3D27D4EB4Full;
+static size_t adv_slot(const kvd_kvevents *e, uint8_t ns, uint32_t a, kv_hash128 k) {
+    uint64_t h =
+        (k.lo ^ (k.hi * 0x9E3779B97F4A7C15ull)) + ((uint64_t)ns << 32 | a) * 0xC2B2AE3D27D4EB4Full;
     return (size_t)(h ^ (h >> 29)) & (e->tcap - 1);
 }
 
-static tail_ent *tail_find(kvd_kvevents *e, uint32_t pool_id, kv_hash128 k) {
+static adv *adv_find(kvd_kvevents *e, uint8_t ns, uint32_t a, kv_hash128 k) {
     if (e->tcap == 0) {
         return NULL;
     }
-    for (size_t i = tail_slot(e, pool_id, k);; i = (i + 1) & (e->tcap - 1)) {
-        tail_ent *t = &e->tails[i];
-        if (t->pool_id == 0) {
+    for (size_t i = adv_slot(e, ns, a, k);; i = (i + 1) & (e->tcap - 1)) {
+        adv *t = &e->tab[i];
+        if (t->a == 0) {
             return NULL;
         }
-        if (t->pool_id == pool_id && kv_hash_eq(t->key, k)) {
+        if (t->a == a && t->ns == ns && kv_hash_eq(t->key, k)) {
             return t;
         }
     }
 }
 
-static int tail_grow(kvd_kvevents *e) {
+static int adv_grow(kvd_kvevents *e) {
     size_t ncap = e->tcap == 0 ? 1024 : e->tcap * 2;
-    tail_ent *nt = calloc(ncap, sizeof(*nt));
+    adv *nt = calloc(ncap, sizeof(*nt));
     if (nt == NULL) {
         return -1;
     }
-    tail_ent *old = e->tails;
+    adv *old = e->tab;
     size_t ocap = e->tcap;
-    e->tails = nt;
+    e->tab = nt;
     e->tcap = ncap;
     for (size_t i = 0; i < ocap; i++) {
-        if (old[i].pool_id != 0) {
-            size_t j = tail_slot(e, old[i].pool_id, old[i].key);
-            while (nt[j].pool_id != 0) {
+        if (old[i].a != 0) {
+            size_t j = adv_slot(e, old[i].ns, old[i].a, old[i].key);
+            while (nt[j].a != 0) {
                 j = (j + 1) & (ncap - 1);
             }
             nt[j] = old[i];
@@ -150,37 +197,40 @@ static int tail_grow(kvd_kvevents *e) {
     return 0;
 }
 
-static int tail_put(kvd_kvevents *e, uint32_t pool_id, kv_hash128 k, const uint8_t *full) {
-    tail_ent *t = tail_find(e, pool_id, k);
-    if (t == NULL) {
-        if ((e->tn + 1) * 2 > e->tcap && tail_grow(e) != 0) {
-            return -1;
-        }
-        size_t i = tail_slot(e, pool_id, k);
-        while (e->tails[i].pool_id != 0) {
-            i = (i + 1) & (e->tcap - 1);
-        }
-        t = &e->tails[i];
-        t->pool_id = pool_id;
-        t->key = k;
-        e->tn++;
+/* The record of (ns, a, k), made (zeroed) when absent; NULL for want of memory. Pointers into
+ * the table are valid until the next adv_get or adv_del. */
+static adv *adv_get(kvd_kvevents *e, uint8_t ns, uint32_t a, kv_hash128 k) {
+    adv *t = adv_find(e, ns, a, k);
+    if (t != NULL) {
+        return t;
     }
-    memcpy(t->tail, full + 16, 16);
-    return 0;
+    if ((e->tn + 1) * 2 > e->tcap && adv_grow(e) != 0) {
+        return NULL;
+    }
+    size_t i = adv_slot(e, ns, a, k);
+    while (e->tab[i].a != 0) {
+        i = (i + 1) & (e->tcap - 1);
+    }
+    t = &e->tab[i];
+    memset(t, 0, sizeof(*t));
+    t->a = a;
+    t->ns = ns;
+    t->key = k;
+    e->tn++;
+    return t;
 }
 
-static void tail_del(kvd_kvevents *e, tail_ent *t) {
-    size_t i = (size_t)(t - e->tails);
-    e->tails[i].pool_id = 0;
+static void adv_del(kvd_kvevents *e, adv *t) {
+    size_t i = (size_t)(t - e->tab);
+    e->tab[i].a = 0;
     e->tn--;
     /* Backward shift: move up every later entry of the run whose home is not between. */
-    for (size_t j = (i + 1) & (e->tcap - 1); e->tails[j].pool_id != 0;
-         j = (j + 1) & (e->tcap - 1)) {
-        size_t home = tail_slot(e, e->tails[j].pool_id, e->tails[j].key);
+    for (size_t j = (i + 1) & (e->tcap - 1); e->tab[j].a != 0; j = (j + 1) & (e->tcap - 1)) {
+        size_t home = adv_slot(e, e->tab[j].ns, e->tab[j].a, e->tab[j].key);
         int between = i <= j ? (home > i && home <= j) : (home > i || home <= j);
         if (!between) {
-            e->tails[i] = e->tails[j];
-            e->tails[j].pool_id = 0;
+            e->tab[i] = e->tab[j];
+            e->tab[j].a = 0;
             i = j;
         }
     }
@@ -194,8 +244,14 @@ static void put_u64le(uint8_t *p, uint64_t v) {
     }
 }
 
-/* Packs one block's name: the digest bytes (32 for vllm, 16 for a key) or vLLM's int form (the
- * digest's last 8 bytes, big-endian). full: 32 bytes or NULL. */
+static void pack_str(msgpack_packer *pk, const char *s) {
+    size_t n = strlen(s);
+    msgpack_pack_str(pk, n);
+    msgpack_pack_str_body(pk, s, n);
+}
+
+/* Packs one block's name: the digest bytes (full: 32, else the 16 of the key) or vLLM's int
+ * form (the digest's last 8 bytes, big-endian). */
 static void pack_hash(pub *b, kv_hash128 key, const uint8_t *full) {
     uint8_t d[32];
     size_t n = 16;
@@ -217,46 +273,40 @@ static void pack_hash(pub *b, kv_hash128 key, const uint8_t *full) {
     msgpack_pack_uint64(&b->pk, v);
 }
 
-static void pack_str(msgpack_packer *pk, const char *s) {
-    size_t n = strlen(s);
-    msgpack_pack_str(pk, n);
-    msgpack_pack_str_body(pk, s, n);
+/* An event's head: the tag (array form) or the map with "type" first. */
+static void pack_head(pub *b, const char *tag, uint32_t nfields) {
+    if (b->map) {
+        msgpack_pack_map(&b->pk, nfields + 1);
+        pack_str(&b->pk, "type");
+    } else {
+        msgpack_pack_array(&b->pk, nfields + 1);
+    }
+    pack_str(&b->pk, tag);
 }
 
-/* The packed digest of (pool, key): its remembered tail, when known. */
-static const uint8_t *full_of(kvd_kvevents *e, uint32_t pool_id, kv_hash128 key, uint8_t buf[32]) {
-    tail_ent *t = tail_find(e, pool_id, key);
-    if (t == NULL) {
-        return NULL;
+static void pack_field(pub *b, const char *name) {
+    if (b->map) {
+        pack_str(&b->pk, name);
     }
-    put_u64le(buf, key.lo);
-    put_u64le(buf + 8, key.hi);
-    memcpy(buf + 16, t->tail, 16);
-    return buf;
 }
 
 /* ---- publishing -------------------------------------------------------------------------- */
 
-static void keep(pub *b, uint64_t seq, const uint8_t *data, size_t len) {
-    uint8_t *copy = malloc(len > 0 ? len : 1);
-    if (copy == NULL) {
-        return; /* not replayable; the live subscribers have it */
-    }
-    memcpy(copy, data, len);
-    while (b->n > 0 && (b->n == b->cap || b->bytes + len > KVD_KVEVENTS_RING_BYTES)) {
+static void keep(pub *b, uint64_t seq, sbuf *buf) {
+    while (b->n > 0 && (b->n == b->cap || b->bytes + buf->len > KVD_KVEVENTS_RING_BYTES)) {
         kept *old = &b->ring[b->head];
-        b->bytes -= old->len;
-        free(old->data);
-        old->data = NULL;
+        b->bytes -= old->buf->len;
+        sbuf_unref(old->buf);
+        old->buf = NULL;
         b->head = (b->head + 1) % b->cap;
         b->n--;
     }
+    atomic_fetch_add(&buf->refs, 1);
     kept *k = &b->ring[(b->head + b->n) % b->cap];
     k->seq = seq;
-    k->data = copy;
-    k->len = len;
+    k->buf = buf;
     b->n++;
-    b->bytes += len;
+    b->bytes += buf->len;
 }
 
 static void seq_bytes(uint64_t seq, uint8_t out[8]) {
@@ -266,36 +316,58 @@ static void seq_bytes(uint64_t seq, uint8_t out[8]) {
 }
 
 static void flush_pub(kvd_kvevents *e, pub *b) {
-    if (b->nev == 0) {
+    if (b->nev == 0 || b->sock == NULL) {
         return;
     }
-    msgpack_sbuffer out;
-    msgpack_sbuffer_init(&out);
-    msgpack_packer pk;
-    msgpack_packer_init(&pk, &out, msgpack_sbuffer_write);
+    /* The batch head is at most 1 + 9 + 5 bytes: packed into a small buffer first. */
+    uint8_t head[32];
+    size_t hn = 0;
+    head[hn++] = 0x93; /* array of 3 */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    msgpack_pack_array(&pk, 3);
-    msgpack_pack_double(&pk, (double)ts.tv_sec + (double)ts.tv_nsec / 1e9);
-    msgpack_pack_array(&pk, b->nev);
-    msgpack_sbuffer_write(&out, b->evbuf.data, b->evbuf.size);
-    msgpack_pack_uint32(&pk, 0); /* data_parallel_rank */
+    double t = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    uint64_t tb;
+    memcpy(&tb, &t, sizeof(tb));
+    head[hn++] = 0xcb; /* float 64, big-endian */
+    for (int i = 7; i >= 0; i--) {
+        head[hn++] = (uint8_t)(tb >> (8 * i));
+    }
+    if (b->nev < 16) {
+        head[hn++] = (uint8_t)(0x90 | b->nev);
+    } else if (b->nev < 65536) {
+        head[hn++] = 0xdc;
+        head[hn++] = (uint8_t)(b->nev >> 8);
+        head[hn++] = (uint8_t)b->nev;
+    } else {
+        head[hn++] = 0xdd;
+        for (int i = 3; i >= 0; i--) {
+            head[hn++] = (uint8_t)(b->nev >> (8 * i));
+        }
+    }
+    size_t len = hn + b->evbuf.size + 1;
+    sbuf *buf = malloc(sizeof(*buf) + len);
     uint64_t seq = b->seq++;
-    uint8_t sb[8];
-    seq_bytes(seq, sb);
-    int ok = out.data != NULL &&
-             zmq_send(b->sock, b->topic, strlen(b->topic), ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
-             zmq_send(b->sock, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
-             zmq_send(b->sock, out.data, out.size, ZMQ_DONTWAIT) >= 0;
-    if (!ok) {
-        e->c[KS_SEND_DROPS]++;
+    if (buf == NULL) {
+        e->c[KS_GAPS] += b->nev; /* the sequence has a hole: subscribers replay and miss it */
+    } else {
+        atomic_init(&buf->refs, 1);
+        buf->len = len;
+        memcpy(buf->data, head, hn);
+        memcpy(buf->data + hn, b->evbuf.data, b->evbuf.size);
+        buf->data[len - 1] = 0x00; /* data_parallel_rank 0 */
+        uint8_t sb[8];
+        seq_bytes(seq, sb);
+        int ok = zmq_send(b->sock, b->topic, strlen(b->topic), ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+                 zmq_send(b->sock, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0 &&
+                 send_sbuf(b->sock, buf, 0) == 0;
+        if (!ok) {
+            e->c[KS_SEND_ERRORS]++;
+        }
+        keep(b, seq, buf);
+        sbuf_unref(buf);
+        e->c[KS_BATCHES]++;
+        e->c[KS_EVENTS] += b->nev;
     }
-    if (out.data != NULL) {
-        keep(b, seq, (const uint8_t *)out.data, out.size);
-    }
-    e->c[KS_BATCHES]++;
-    e->c[KS_EVENTS] += b->nev;
-    msgpack_sbuffer_destroy(&out);
     msgpack_sbuffer_clear(&b->evbuf);
     b->nev = 0;
 }
@@ -304,7 +376,7 @@ static void flush_all(kvd_kvevents *e) {
     for (uint32_t i = 0; i < e->npubs; i++) {
         flush_pub(e, &e->pubs[i]);
     }
-    e->check_on = 0;
+    e->armed = 0;
 }
 
 static void on_check(uv_check_t *h) {
@@ -321,7 +393,7 @@ static void on_timer(uv_timer_t *h) {
  * after this first event (one batch then carries every event of that window: fewer sends and
  * I/O-thread wake-ups on a busy Commit path). */
 static void arm(kvd_kvevents *e) {
-    if (e->check_on || !e->check_open || e->closed) {
+    if (e->armed || !e->handles || e->closed) {
         return;
     }
     if (e->flush_ms > 0) {
@@ -329,7 +401,7 @@ static void arm(kvd_kvevents *e) {
     } else {
         uv_check_start(&e->check, on_check);
     }
-    e->check_on = 1;
+    e->armed = 1;
 }
 
 static void queued(kvd_kvevents *e, pub *b) {
@@ -354,79 +426,171 @@ static pub *pub_of(const kvd_kvevents *e, uint32_t domain) {
 }
 
 int kvd_kvevents_publishes(const kvd_kvevents *e, const kvd_reg_pool *p) {
-    return e != NULL && pub_of(e, p->domain) != NULL;
+    return e != NULL && e->started && !e->closed && pub_of(e, p->domain) != NULL;
 }
 
-void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
-                         size_t n, const kv_hash128 *parent) {
-    if (e == NULL || n == 0 || e->closed) {
-        return;
+void kvd_kvevents_gap(kvd_kvevents *e) {
+    if (e != NULL) {
+        e->c[KS_GAPS]++;
     }
-    pub *b = pub_of(e, p->domain);
-    if (b == NULL) {
-        return;
+}
+
+/* The digest of key as publisher b recorded it, into buf; NULL when it holds none. */
+static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uint8_t buf[32]) {
+    adv *t = adv_find(e, 2, b->index + 1, key);
+    if (t == NULL || !t->has_tail) {
+        return NULL;
     }
-    for (size_t i = 0; i < n; i++) {
-        if (blk[i].full != NULL && tail_put(e, p->pool_id, blk[i].key, blk[i].full) != 0) {
-            e->c[KS_GAPS]++;
-        }
-    }
+    put_u64le(buf, key.lo);
+    put_u64le(buf + 8, key.hi);
+    memcpy(buf + 16, t->tail, 16);
+    return buf;
+}
+
+/* One BlockStored of blk[0..n), all new to the publisher. */
+static void pack_stored(kvd_kvevents *e, pub *b, const kvd_reg_pool *p,
+                        const kvd_kvevent_block *blk, size_t n, const kv_hash128 *parent,
+                        const uint8_t *parent_full) {
     msgpack_packer *pk = &b->pk;
-    msgpack_pack_array(pk, 8);
-    pack_str(pk, "BlockStored");
+    pack_head(b, "BlockStored", 7);
+    pack_field(b, "block_hashes");
     msgpack_pack_array(pk, n);
     for (size_t i = 0; i < n; i++) {
         pack_hash(b, blk[i].key, blk[i].full);
     }
+    pack_field(b, "parent_block_hash");
     uint8_t pbuf[32];
-    if (parent == NULL) {
+    const uint8_t *pf = parent_full;
+    if (parent != NULL && pf == NULL && e->vllm) {
+        pf = recorded_full(e, b, *parent, pbuf);
+    }
+    if (parent == NULL || (e->vllm && pf == NULL)) {
+        if (parent != NULL) {
+            e->c[KS_GAPS]++; /* a vLLM name cannot be made from a key */
+        }
         msgpack_pack_nil(pk);
     } else {
-        pack_hash(b, *parent, full_of(e, p->pool_id, *parent, pbuf));
+        pack_hash(b, *parent, pf);
     }
     uint32_t tpb = p->layout.tokens_per_block;
     int with_tokens = b->token_ids;
     for (size_t i = 0; i < n && with_tokens; i++) {
         with_tokens = blk[i].tokens != NULL;
     }
+    pack_field(b, "token_ids");
     msgpack_pack_array(pk, with_tokens ? n * tpb : 0);
     for (size_t i = 0; i < n && with_tokens; i++) {
         for (uint32_t t = 0; t < tpb; t++) {
             msgpack_pack_uint32(pk, blk[i].tokens[t]);
         }
     }
+    pack_field(b, "block_size");
     msgpack_pack_uint32(pk, tpb);
-    msgpack_pack_nil(pk); /* lora_id */
+    pack_field(b, "lora_id");
+    msgpack_pack_nil(pk);
+    pack_field(b, "medium");
     pack_str(pk, e->medium);
-    msgpack_pack_nil(pk); /* lora_name */
+    pack_field(b, "lora_name");
+    msgpack_pack_nil(pk);
     queued(e, b);
 }
 
-/* The pool's drop hook (KVD_DROP_HOOK_EVENTS): the block left T0. */
+void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
+                         size_t n, const kv_hash128 *parent, const uint8_t *parent_full) {
+    if (!kvd_kvevents_publishes(e, p) || n == 0) {
+        return;
+    }
+    pub *b = pub_of(e, p->domain);
+    uint8_t *fresh = malloc(n);
+    if (fresh == NULL) {
+        e->c[KS_GAPS] += n;
+        return;
+    }
+    /* Count: the pool holds each block now; the publisher advertises those it did not. */
+    for (size_t i = 0; i < n; i++) {
+        fresh[i] = 0;
+        adv *pa = adv_get(e, 1, p->pool_id, blk[i].key);
+        if (pa == NULL) {
+            e->c[KS_GAPS]++;
+            continue;
+        }
+        if (pa->refs != 0) {
+            continue; /* counted already */
+        }
+        pa->refs = 1;
+        adv *pb = adv_get(e, 2, b->index + 1, blk[i].key);
+        if (pb == NULL) {
+            adv_del(e, adv_find(e, 1, p->pool_id, blk[i].key));
+            e->c[KS_GAPS]++;
+            continue;
+        }
+        if (blk[i].full != NULL && !pb->has_tail) {
+            memcpy(pb->tail, blk[i].full + 16, 16);
+            pb->has_tail = 1;
+        }
+        fresh[i] = ++pb->refs == 1;
+        e->nblocks += fresh[i];
+    }
+    /* One BlockStored per run of fresh blocks; a block advertised already splits the chain
+     * (the next run's parent). */
+    const kv_hash128 *par = parent;
+    const uint8_t *parf = parent_full;
+    size_t i = 0;
+    while (i < n) {
+        if (!fresh[i]) {
+            par = &blk[i].key;
+            parf = blk[i].full;
+            i++;
+            continue;
+        }
+        size_t j = i;
+        while (j < n && fresh[j]) {
+            j++;
+        }
+        pack_stored(e, b, p, blk + i, j - i, par, parf);
+        par = &blk[j - 1].key;
+        parf = blk[j - 1].full;
+        i = j;
+    }
+    free(fresh);
+}
+
+/* The pool's drop hook (KVD_DROP_HOOK_EVENTS): a block left T0. */
 static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 parent, int reason) {
     (void)parent;
     (void)reason;
     kvd_kvevents *e = arg;
-    if (e->closed) {
+    if (e->closed || !e->started) {
         return;
     }
     const kvd_pool_config *pc = kvd_pool_config_get(pool);
     pub *b = pub_of(e, pc->domain);
-    if (b == NULL) {
-        return;
+    adv *pa = b != NULL ? adv_find(e, 1, pc->pool_id, hash) : NULL;
+    if (pa == NULL) {
+        return; /* never advertised (a Fetch's or the commons' block) */
+    }
+    adv_del(e, pa);
+    adv *pb = adv_find(e, 2, b->index + 1, hash);
+    if (pb == NULL || --pb->refs > 0) {
+        return; /* another pool of the publisher still holds it */
     }
     uint8_t fbuf[32];
-    const uint8_t *full = full_of(e, pc->pool_id, hash, fbuf);
-    msgpack_packer *pk = &b->pk;
-    msgpack_pack_array(pk, 3);
-    pack_str(pk, "BlockRemoved");
-    msgpack_pack_array(pk, 1);
-    pack_hash(b, hash, full);
-    pack_str(pk, e->medium);
-    queued(e, b);
-    if (full != NULL) {
-        tail_del(e, tail_find(e, pc->pool_id, hash));
+    const uint8_t *full = NULL;
+    if (pb->has_tail) {
+        put_u64le(fbuf, hash.lo);
+        put_u64le(fbuf + 8, hash.hi);
+        memcpy(fbuf + 16, pb->tail, 16);
+        full = fbuf;
     }
+    adv_del(e, pb);
+    e->nblocks--;
+    pack_head(b, "BlockRemoved", 2);
+    pack_field(b, "block_hashes");
+    msgpack_pack_array(&b->pk, 1);
+    pack_hash(b, hash, full);
+    pack_field(b, "medium");
+    pack_str(&b->pk, e->medium);
+    queued(e, b);
 }
 
 void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p) {
@@ -439,8 +603,8 @@ void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p) {
 /* ---- replay ------------------------------------------------------------------------------ */
 
 static void replay_one(kvd_kvevents *e, pub *b) {
-    zmq_msg_t parts[4];
-    int nparts = 0, more = 1;
+    zmq_msg_t parts[3];
+    int nparts = 0, more = 1, total = 0;
     while (more) {
         zmq_msg_t m;
         zmq_msg_init(&m);
@@ -449,31 +613,24 @@ static void replay_one(kvd_kvevents *e, pub *b) {
             break;
         }
         more = zmq_msg_more(&m);
-        if (nparts < 4) {
-            parts[nparts++] = m;
-        } else {
-            zmq_msg_close(&m);
-            nparts = 5; /* too many: bad */
+        total++;
+        if (nparts < 3) {
+            zmq_msg_init(&parts[nparts]);
+            zmq_msg_move(&parts[nparts++], &m);
         }
-        if (nparts == 5) {
-            while (more) { /* drain the rest of it */
-                zmq_msg_init(&m);
-                if (zmq_msg_recv(&m, b->router, ZMQ_DONTWAIT) < 0) {
-                    zmq_msg_close(&m);
-                    break;
-                }
-                more = zmq_msg_more(&m);
-                zmq_msg_close(&m);
-            }
-        }
+        zmq_msg_close(&m);
     }
-    int good = nparts == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[2]) == 8;
+    int good = total == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[2]) == 8;
     if (!good) {
         e->c[KS_REPLAY_BAD]++;
-        KV_LOG(WARN, "KVD-EVENTS",
-               "%s: malformed replay request (%d frames; expected "
-               "[identity, empty, 8-byte start seq])",
-               b->endpoint, nparts > 4 ? 4 : nparts);
+        uint64_t now = uv_now(e->loop);
+        if (b->last_warn_ms == 0 || now - b->last_warn_ms >= LOG_EVERY_MS) {
+            b->last_warn_ms = now;
+            KV_LOG(WARN, "KVD-EVENTS",
+                   "%s: malformed replay request (%d frames; expected [identity, empty, 8-byte "
+                   "start seq]); ignored (%llu so far)",
+                   b->replay, total, (unsigned long long)e->c[KS_REPLAY_BAD]);
+        }
     } else {
         const uint8_t *s = zmq_msg_data(&parts[2]);
         uint64_t start = 0;
@@ -489,10 +646,12 @@ static void replay_one(kvd_kvevents *e, pub *b) {
             }
             uint8_t sb[8];
             seq_bytes(k->seq, sb);
-            zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(b->router, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(b->router, k->data, k->len, ZMQ_DONTWAIT);
+            if (zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+                zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+                zmq_send(b->router, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+                send_sbuf(b->router, k->buf, 0) != 0) {
+                break; /* the peer's queue is full: it gets the end marker, and asks again */
+            }
         }
         static const uint8_t end[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
         zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT);
@@ -501,8 +660,33 @@ static void replay_one(kvd_kvevents *e, pub *b) {
         zmq_send(b->router, "", 0, ZMQ_DONTWAIT);
         e->c[KS_REPLAYS]++;
     }
-    for (int i = 0; i < (nparts > 4 ? 4 : nparts); i++) {
+    for (int i = 0; i < nparts; i++) {
         zmq_msg_close(&parts[i]);
+    }
+}
+
+/* Answers up to KVD_KVEVENTS_REPLAYS_PER_WAKE queued requests of b; 1 when more are waiting. */
+static int replay_some(kvd_kvevents *e, pub *b) {
+    for (int k = 0; k < KVD_KVEVENTS_REPLAYS_PER_WAKE; k++) {
+        int zev = 0;
+        size_t zl = sizeof(zev);
+        if (b->router == NULL || zmq_getsockopt(b->router, ZMQ_EVENTS, &zev, &zl) != 0 ||
+            !(zev & ZMQ_POLLIN)) {
+            return 0;
+        }
+        replay_one(e, b);
+    }
+    return 1;
+}
+
+static void on_again(uv_timer_t *h) {
+    kvd_kvevents *e = h->data;
+    int more = 0;
+    for (uint32_t i = 0; i < e->npubs; i++) {
+        more |= replay_some(e, &e->pubs[i]);
+    }
+    if (more && !e->closed) {
+        uv_timer_start(&e->again, on_again, 0, 0); /* after the loop's other work */
     }
 }
 
@@ -510,28 +694,44 @@ static void on_router(uv_poll_t *h, int status, int events) {
     (void)status;
     (void)events;
     pub *b = h->data;
-    /* ZMQ_FD signals edges: read every queued request, then look again. */
-    for (;;) {
-        int zev = 0;
-        size_t zl = sizeof(zev);
-        if (zmq_getsockopt(b->router, ZMQ_EVENTS, &zev, &zl) != 0 || !(zev & ZMQ_POLLIN)) {
-            return;
-        }
-        replay_one(b->e, b);
+    /* ZMQ_FD signals edges: read what is queued (a bounded number per wake-up; the rest on a
+     * zero timer, so one flooding peer cannot hold the loop). */
+    if (replay_some(b->e, b) && !b->e->closed) {
+        uv_timer_start(&b->e->again, on_again, 0, 0);
     }
 }
 
 /* ---- lifetime ---------------------------------------------------------------------------- */
 
-static kv_err open_pub(kvd_kvevents *e, const char *endpoint, const char *replay, const char *topic,
-                       int token_ids, int hash_bytes, uint64_t buffer, char *msg, size_t len) {
+static kv_err add_pub(kvd_kvevents *e, const char *endpoint, const char *replay, const char *topic,
+                      int token_ids, int hash_bytes, int map, uint64_t buffer, char *msg,
+                      size_t len) {
+    /* One endpoint per socket: ZMQ would let a second bind of an ipc path take it silently. */
+    for (uint32_t i = 0; i < e->npubs; i++) {
+        const pub *o = &e->pubs[i];
+        const char *mine[2] = {endpoint, replay};
+        for (int k = 0; k < 2; k++) {
+            if (mine[k][0] != '\0' &&
+                (strcmp(mine[k], o->endpoint) == 0 || strcmp(mine[k], o->replay) == 0)) {
+                snprintf(msg, len, "kv events: endpoint %s is given to two publishers", mine[k]);
+                return KV_EINVAL;
+            }
+        }
+    }
+    if (replay[0] != '\0' && strcmp(replay, endpoint) == 0) {
+        snprintf(msg, len, "kv events: %s is both the PUB and the replay endpoint", endpoint);
+        return KV_EINVAL;
+    }
     pub *b = &e->pubs[e->npubs];
     memset(b, 0, sizeof(*b));
     b->e = e;
+    b->index = e->npubs;
     snprintf(b->endpoint, sizeof(b->endpoint), "%s", endpoint);
+    snprintf(b->replay, sizeof(b->replay), "%s", replay);
     snprintf(b->topic, sizeof(b->topic), "%s", topic);
     b->token_ids = token_ids;
     b->hash_bytes = hash_bytes;
+    b->map = map;
     b->cap = buffer;
     b->ring = calloc(buffer, sizeof(kept));
     if (b->ring == NULL) {
@@ -539,57 +739,8 @@ static kv_err open_pub(kvd_kvevents *e, const char *endpoint, const char *replay
     }
     msgpack_sbuffer_init(&b->evbuf);
     msgpack_packer_init(&b->pk, &b->evbuf, msgpack_sbuffer_write);
-    e->npubs++; /* from here close frees it */
-    int hwm = 100000, linger = 0;
-    b->sock = zmq_socket(e->ctx, ZMQ_PUB);
-    if (b->sock == NULL) {
-        snprintf(msg, len, "kv events: zmq_socket: %s", zmq_strerror(zmq_errno()));
-        return KV_ESYS;
-    }
-    zmq_setsockopt(b->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-    zmq_setsockopt(b->sock, ZMQ_LINGER, &linger, sizeof(linger));
-    if (zmq_bind(b->sock, endpoint) != 0) {
-        snprintf(msg, len, "kv events: cannot bind %s: %s", endpoint, zmq_strerror(zmq_errno()));
-        return KV_ESYS;
-    }
-    if (replay[0] != '\0') {
-        b->router = zmq_socket(e->ctx, ZMQ_ROUTER);
-        if (b->router == NULL) {
-            snprintf(msg, len, "kv events: zmq_socket: %s", zmq_strerror(zmq_errno()));
-            return KV_ESYS;
-        }
-        /* Room for a whole replay of the ring (4 frames a batch) per peer. */
-        int rhwm = buffer * 4 + 8 > 1u << 30 ? 1 << 30 : (int)(buffer * 4 + 8);
-        zmq_setsockopt(b->router, ZMQ_SNDHWM, &rhwm, sizeof(rhwm));
-        zmq_setsockopt(b->router, ZMQ_LINGER, &linger, sizeof(linger));
-        if (zmq_bind(b->router, replay) != 0) {
-            snprintf(msg, len, "kv events: cannot bind replay %s: %s", replay,
-                     zmq_strerror(zmq_errno()));
-            return KV_ESYS;
-        }
-    }
-    /* seq 0: whatever a router knew of this node's previous run is gone. */
-    msgpack_pack_array(&b->pk, 1);
-    pack_str(&b->pk, "AllBlocksCleared");
-    queued(e, b);
-    KV_LOG(INFO, "KVD-EVENTS", "publishing KV events on %s%s%s (token ids %s, hashes as %s)",
-           endpoint, replay[0] != '\0' ? ", replays on " : "", replay, token_ids ? "on" : "off",
-           hash_bytes ? "bytes" : "int");
+    e->npubs++;
     return KV_OK;
-}
-
-static void close_sockets(kvd_kvevents *e) {
-    for (uint32_t i = 0; i < e->npubs; i++) {
-        pub *b = &e->pubs[i];
-        if (b->router != NULL) {
-            zmq_close(b->router);
-            b->router = NULL;
-        }
-        if (b->sock != NULL) {
-            zmq_close(b->sock);
-            b->sock = NULL;
-        }
-    }
 }
 
 kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tenants *tenants,
@@ -598,6 +749,9 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     const kvd_events_line *lines;
     uint32_t nl = kvd_tenants_event_lines(tenants, &lines);
     if (nl == 0 && cfg->kv_events_endpoint[0] == '\0') {
+        if (cfg->kv_events_replay[0] != '\0') {
+            KV_LOG(WARN, "KVD-EVENTS", "kv-events-replay without kv-events-endpoint: no events");
+        }
         return KV_OK;
     }
     kvd_kvevents *e = calloc(1, sizeof(*e));
@@ -606,18 +760,16 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     }
     e->loop = loop;
     e->medium = medium_t0;
+    e->vllm = strcmp(cfg->hash_mode, "vllm") == 0;
+    e->flush_ms = cfg->kv_events_flush_ms;
     memset(e->by_tenant, NO_PUB, sizeof(e->by_tenant));
     memset(e->by_group, NO_PUB, sizeof(e->by_group));
     e->commons = e->dflt = NO_PUB;
-    e->ctx = zmq_ctx_new();
-    kv_err rc = e->ctx != NULL ? KV_OK : KV_ESYS;
-    if (rc != KV_OK) {
-        snprintf(msg, len, "kv events: zmq_ctx_new failed");
-    }
+    kv_err rc = KV_OK;
     for (uint32_t i = 0; i < nl && rc == KV_OK; i++) {
         const kvd_events_line *l = &lines[i];
-        rc = open_pub(e, l->endpoint, l->replay, l->topic, l->token_ids, l->hash_bytes, l->buffer,
-                      msg, len);
+        rc = add_pub(e, l->endpoint, l->replay, l->topic, l->token_ids, l->hash_bytes, l->map,
+                     l->buffer, msg, len);
         for (uint32_t j = 0; j < l->ndomains && rc == KV_OK; j++) {
             uint32_t d = l->domains[j];
             if (d == KVD_DOMAIN_COMMONS) {
@@ -631,16 +783,94 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     }
     if (rc == KV_OK && cfg->kv_events_endpoint[0] != '\0') {
         e->dflt = (uint8_t)e->npubs;
-        rc = open_pub(e, cfg->kv_events_endpoint, cfg->kv_events_replay, cfg->kv_events_topic,
-                      cfg->kv_events_token_ids, strcmp(cfg->kv_events_hash_form, "bytes") == 0,
-                      cfg->kv_events_buffer, msg, len);
+        rc = add_pub(e, cfg->kv_events_endpoint, cfg->kv_events_replay, cfg->kv_events_topic,
+                     cfg->kv_events_token_ids, strcmp(cfg->kv_events_hash_form, "bytes") == 0,
+                     strcmp(cfg->kv_events_format, "map") == 0, cfg->kv_events_buffer, msg, len);
+        if (rc == KV_OK && cfg->kv_events_token_ids && nl > 0) {
+            KV_LOG(WARN, "KVD-EVENTS",
+                   "kv-events-token-ids: the prompts of every domain that no events line names "
+                   "(groups and the commons too) go to %s",
+                   cfg->kv_events_endpoint);
+        }
     }
     if (rc != KV_OK) {
-        close_sockets(e); /* no loop handle was made yet: free at once */
         kvd_kvevents_free(e);
         return rc;
     }
-    /* The loop's handles last, once every socket is bound. */
+    e->c[KS_PUBLISHERS] = e->npubs;
+    *out = e;
+    return KV_OK;
+}
+
+static void close_sockets(kvd_kvevents *e) {
+    for (uint32_t i = 0; i < e->npubs; i++) {
+        pub *b = &e->pubs[i];
+        if (b->router != NULL) {
+            zmq_close(b->router);
+            b->router = NULL;
+        }
+        if (b->sock != NULL) {
+            int linger = 100; /* the last batch still leaves */
+            zmq_setsockopt(b->sock, ZMQ_LINGER, &linger, sizeof(linger));
+            zmq_close(b->sock);
+            b->sock = NULL;
+        }
+    }
+}
+
+kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
+    if (e == NULL || e->started) {
+        return KV_OK;
+    }
+    e->ctx = zmq_ctx_new();
+    if (e->ctx == NULL) {
+        snprintf(msg, len, "kv events: zmq_ctx_new failed");
+        return KV_ESYS;
+    }
+    kv_err rc = KV_OK;
+    for (uint32_t i = 0; i < e->npubs && rc == KV_OK; i++) {
+        pub *b = &e->pubs[i];
+        int hwm = 100000, linger = 0;
+        b->sock = zmq_socket(e->ctx, ZMQ_PUB);
+        if (b->sock == NULL) {
+            snprintf(msg, len, "kv events: zmq_socket: %s", zmq_strerror(zmq_errno()));
+            rc = KV_ESYS;
+            break;
+        }
+        zmq_setsockopt(b->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+        zmq_setsockopt(b->sock, ZMQ_LINGER, &linger, sizeof(linger));
+        if (zmq_bind(b->sock, b->endpoint) != 0) {
+            snprintf(msg, len, "kv events: cannot bind %s: %s", b->endpoint,
+                     zmq_strerror(zmq_errno()));
+            rc = KV_ESYS;
+            break;
+        }
+        if (b->replay[0] == '\0') {
+            continue;
+        }
+        b->router = zmq_socket(e->ctx, ZMQ_ROUTER);
+        if (b->router == NULL) {
+            snprintf(msg, len, "kv events: zmq_socket: %s", zmq_strerror(zmq_errno()));
+            rc = KV_ESYS;
+            break;
+        }
+        /* Room for one whole replay per peer; requests are 3 small frames. */
+        int rhwm = b->cap + 8 > (1u << 30) ? 1 << 30 : (int)(b->cap + 8);
+        int64_t maxmsg = 64;
+        zmq_setsockopt(b->router, ZMQ_SNDHWM, &rhwm, sizeof(rhwm));
+        zmq_setsockopt(b->router, ZMQ_LINGER, &linger, sizeof(linger));
+        zmq_setsockopt(b->router, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+        if (zmq_bind(b->router, b->replay) != 0) {
+            snprintf(msg, len, "kv events: cannot bind replay %s: %s", b->replay,
+                     zmq_strerror(zmq_errno()));
+            rc = KV_ESYS;
+        }
+    }
+    if (rc != KV_OK) {
+        close_sockets(e);
+        return rc;
+    }
+    /* The loop's handles once every socket is bound: a failure above leaves none. */
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
         int fd;
@@ -649,9 +879,8 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
             continue;
         }
         if (zmq_getsockopt(b->router, ZMQ_FD, &fd, &fl) != 0 ||
-            uv_poll_init(loop, &b->poll, fd) != 0) {
-            KV_LOG(WARN, "KVD-EVENTS", "%s: cannot watch the replay socket; no replays",
-                   b->endpoint);
+            uv_poll_init(e->loop, &b->poll, fd) != 0) {
+            KV_LOG(WARN, "KVD-EVENTS", "%s: cannot watch the replay socket; no replays", b->replay);
             zmq_close(b->router);
             b->router = NULL;
             continue;
@@ -660,17 +889,25 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
         b->polling = 1;
         uv_poll_start(&b->poll, UV_READABLE, on_router);
     }
-    uv_check_init(loop, &e->check);
-    uv_timer_init(loop, &e->timer);
-    e->check.data = e;
-    e->timer.data = e;
-    e->check_open = 1;
-    e->flush_ms = cfg->kv_events_flush_ms;
+    uv_check_init(e->loop, &e->check);
+    uv_timer_init(e->loop, &e->timer);
+    uv_timer_init(e->loop, &e->again);
+    e->check.data = e->timer.data = e->again.data = e;
+    e->handles = 1;
+    e->started = 1;
+    for (uint32_t i = 0; i < e->npubs; i++) {
+        pub *b = &e->pubs[i];
+        pack_head(b, "AllBlocksCleared", 0);
+        b->nev = 1;
+        KV_LOG(INFO, "KVD-EVENTS",
+               "publishing KV events on %s%s%s (token ids %s, hashes as %s, %s events)",
+               b->endpoint, b->replay[0] != '\0' ? ", replays on " : "", b->replay,
+               b->token_ids ? "on" : "off", b->hash_bytes ? "bytes" : "int",
+               b->map ? "map" : "array");
+    }
     /* The AllBlocksCleared batches go alone, at the first loop iteration, whatever flush-ms. */
     uv_check_start(&e->check, on_check);
-    e->check_on = 1;
-    e->c[KS_PUBLISHERS] = e->npubs;
-    *out = e;
+    e->armed = 1;
     return KV_OK;
 }
 
@@ -678,21 +915,22 @@ void kvd_kvevents_close(kvd_kvevents *e) {
     if (e == NULL || e->closed) {
         return;
     }
-    for (uint32_t i = 0; i < e->npubs; i++) {
-        flush_pub(e, &e->pubs[i]);
-    }
+    flush_all(e);
     e->closed = 1;
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
         if (b->polling) {
             uv_poll_stop(&b->poll);
             uv_close((uv_handle_t *)&b->poll, NULL);
+            b->polling = 0;
         }
     }
     close_sockets(e);
-    if (e->check_open) {
+    if (e->handles) {
         uv_close((uv_handle_t *)&e->check, NULL);
         uv_close((uv_handle_t *)&e->timer, NULL);
+        uv_close((uv_handle_t *)&e->again, NULL);
+        e->handles = 0;
     }
 }
 
@@ -700,26 +938,27 @@ void kvd_kvevents_free(kvd_kvevents *e) {
     if (e == NULL) {
         return;
     }
+    close_sockets(e); /* when close never ran */
+    if (e->ctx != NULL) {
+        zmq_ctx_term(e->ctx); /* every socket is closed: returns after their linger */
+    }
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
         for (size_t k = 0; k < b->n; k++) {
-            free(b->ring[(b->head + k) % b->cap].data);
+            sbuf_unref(b->ring[(b->head + k) % b->cap].buf);
         }
         free(b->ring);
         msgpack_sbuffer_destroy(&b->evbuf);
     }
-    if (e->ctx != NULL) {
-        zmq_ctx_term(e->ctx);
-    }
-    free(e->tails);
+    free(e->tab);
     free(e);
 }
 
 void kvd_kvevents_stats(const kvd_kvevents *e, kvd_stat_sink sink, void *arg) {
     for (int i = 0; i < KS_COUNT; i++) {
         uint64_t v = e == NULL ? 0 : e->c[i];
-        if (i == KS_DIGESTS && e != NULL) {
-            v = e->tn;
+        if (i == KS_BLOCKS) {
+            v = e == NULL ? 0 : e->nblocks;
         }
         sink(arg, ks_stats[i].name, v);
     }

@@ -7,28 +7,36 @@
  * nothing. Each publisher numbers its batches 0, 1, ... (vLLM's sequence) and keeps the last
  * `buffer` of them (and at most KVD_KVEVENTS_RING_BYTES) for replay.
  *
+ * A publisher is one vLLM worker to its router: a set of block hashes. Several pools may feed
+ * it (a tenant's private pool and its groups' on the default publisher; two models whose hashes
+ * meet in hash-mode vllm), so it counts, per hash, the T0 blocks of its pools that hold it:
+ * BlockStored goes out when the count leaves 0, BlockRemoved when it returns to 0.
+ *
  * Messages are vLLM's: multipart [topic, seq (8 bytes big-endian), payload], payload the msgpack
- * of the array-like batch [ts, [event...], data_parallel_rank = 0] with tagged array-like events
+ * of the array-like batch [ts, [event...], data_parallel_rank = 0] whose events are vLLM's tagged
+ * structs, array-like (kv-events-format array, vLLM up to its map switch):
  *   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
  *    lora_name]
  *   ["BlockRemoved", block_hashes, medium]
  *   ["AllBlocksCleared"]
- * A block is named by vLLM's int form (the digest's last 8 bytes, big-endian) or by the digest's
+ * or maps with the same fields and "type" first (kv-events-format map, vLLM's newer schema). A
+ * block is named by vLLM's int form (the digest's last 8 bytes, big-endian) or by the digest's
  * bytes (hash-form): in hash-mode vllm the 32-byte sha256_cbor digest the Commit carried, else
  * kvd's 16-byte key. token_ids is empty unless the publisher opted in (token-ids). The events of
  * kv-events-flush-ms (a timer armed by a batch's first event; 0: of one loop iteration, a
  * uv_check handle) go out as one batch, so a Commit's events are never split. Every publisher's
- * first batch (seq 0, at start) is [AllBlocksCleared]: a router that knew this node's previous run
- * forgets it.
+ * first batch (seq 0, at start) is [AllBlocksCleared] alone: a router that knew this node's
+ * previous run forgets it.
  *
  * What is published: a Commit's new canonical blocks (BlockStored, one event per chained run,
- * medium "GPU" for CUDA pools and "CPU" for host pools) and every indexed block that leaves T0
+ * medium "GPU" for CUDA pools and "CPU" for host pools) and every published block that leaves T0
  * (BlockRemoved: eviction, parking, quarantine, Unshare). Not yet (issue 17, unfinished): the
  * lower tiers' own events (medium CPU/DISK for T1/T2), blocks a Fetch promotes back into T0 and
- * blocks the daemon promotes into the commons.
+ * blocks the daemon promotes into the commons (they are neither stored nor removed to routers).
  *
- * Nothing here blocks the loop thread: sends are non-blocking (PUB drops past its high-water mark,
- * counted), replays are answered from the ring. Loop thread only.
+ * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
+ * shared by the live send, the replay buffer and every replay, counted), replays are answered
+ * from the buffer, at most KVD_KVEVENTS_REPLAYS_PER_WAKE requests per wake-up. Loop thread only.
  */
 #ifndef KVD_KVEVENTS_H
 #define KVD_KVEVENTS_H
@@ -46,21 +54,27 @@
 #include "daemon/tenancy/tenant.h"
 
 #define KVD_KVEVENTS_RING_BYTES (64u << 20) /* replay buffer bytes per publisher, at most */
+#define KVD_KVEVENTS_REPLAYS_PER_WAKE 16    /* replay requests answered per loop wake-up */
 
 typedef struct kvd_kvevents kvd_kvevents;
 
-/* Makes and binds every publisher the options and the tenants' `events` lines ask for, and
- * queues each one's AllBlocksCleared. *out is NULL (and every call below a cheap no-op) when
- * none is configured. medium_t0: "GPU" or "CPU", what T0 is. KV_ESYS with msg when an endpoint
- * cannot be bound (in use, bad URL), KV_ENOMEM. */
+/* Makes the publishers the options and the tenants' `events` lines ask for (nothing bound yet).
+ * *out is NULL (and every call below a cheap no-op) when none is configured. medium_t0: "GPU"
+ * or "CPU", what T0 is. KV_EINVAL with msg for two publishers on one endpoint, KV_ENOMEM. */
 kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tenants *tenants,
                           const char *medium_t0, kvd_kvevents **out, char *msg, size_t len);
 
-/* Flushes what is pending, closes the replay handles (the loop runs their close callbacks) and
- * the sockets. Call once, at stop. Accepts NULL. */
+/* Binds every publisher's sockets (call once the daemon holds its client socket, so a second
+ * daemon started by mistake never takes the first one's endpoints), starts the replay watchers
+ * and queues each one's AllBlocksCleared. KV_ESYS with msg when an endpoint cannot be bound. */
+kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len);
+
+/* Flushes what is pending, closes the loop handles (the loop runs their close callbacks) and
+ * the sockets (a PUB lingers 100 ms for its last batch). Once, at stop. Accepts NULL. */
 void kvd_kvevents_close(kvd_kvevents *e);
 
-/* Frees everything (after close and after the loop ran its close callbacks). Accepts NULL. */
+/* Frees everything; closes the sockets if close never ran (a daemon freed without a stop
+ * started no handle then). Accepts NULL. */
 void kvd_kvevents_free(kvd_kvevents *e);
 
 /* 1 when pool p's domain is published (its events go somewhere). */
@@ -77,17 +91,20 @@ typedef struct kvd_kvevent_block {
     const uint32_t *tokens; /* its tokens_per_block token ids, or NULL (not sent) */
 } kvd_kvevent_block;
 
-/* Blocks b[0..n) of pool p were stored, each the parent of the next; parent is the key of the
- * first one's parent (NULL: a prefix's first block). Queues one BlockStored for the batch of
- * this loop iteration, and remembers vllm digests until their blocks are removed (the int and
- * bytes forms of a later BlockRemoved or child's parent need them). KV_ENOMEM leaves a gap
- * (counted); never fails otherwise. */
+/* Blocks b[0..n) of pool p were stored, each the parent of the next. parent: the key of the
+ * first one's parent (NULL: a prefix's first block, or unknown); parent_full its digest when
+ * the handler knows it (hash-mode vllm; else the publisher's own record of it, if any). Queues
+ * BlockStored for the blocks this publisher did not hold yet (split where a block it holds
+ * already sits in the chain) in the batch being built. */
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *b,
-                         size_t n, const kv_hash128 *parent);
+                         size_t n, const kv_hash128 *parent, const uint8_t *parent_full);
+
+/* An event that could not be published for want of memory (the handler's): counted. */
+void kvd_kvevents_gap(kvd_kvevents *e);
 
 /* Counters over all publishers through sink: kv_events_publishers, kv_events_batches,
- * kv_events_events, kv_events_send_drops, kv_events_gaps, kv_events_replays,
- * kv_events_replay_bad, kv_events_digests (vllm digests remembered). */
+ * kv_events_events, kv_events_send_errors, kv_events_gaps, kv_events_replays,
+ * kv_events_replay_bad, kv_events_blocks (hashes advertised now). */
 void kvd_kvevents_stats(const kvd_kvevents *e, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_kvevents_stat_descs(size_t *n);
 

@@ -796,6 +796,9 @@ static kv_err send_fetch_reply(rpc *c, uint64_t id, kvd_session_pool *sp, const 
 /* The tiers finished a Fetch: the session takes the run's blocks and gets its reply. */
 static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     fetch_wait *w = arg;
+    if (r->nok > w->lower_run) {
+        w->lower_run = r->nok; /* the remote tier extended the run */
+    }
     kvd_session *sess =
         r->orphan || w->later == NULL ? NULL : w->later->find(w->later->arg, w->session);
     if (sess == NULL) {
@@ -919,8 +922,13 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
     if (lower > 0 && p->tiers != NULL) {
         kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, lower, &tr);
     }
-    if (tr.fetchable > 0 &&
-        !kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+    /* With a remote tier, the rest of the prefix past the local run is asked of Redis. */
+    int writable = kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain);
+    size_t more = lower > tr.fetchable && writable && c->ctx->later != NULL &&
+                          kvd_tiers_remote_on(c->ctx->tiers, p)
+                      ? lower - tr.fetchable
+                      : 0;
+    if (tr.fetchable > 0 && !writable) {
         /* A read-only pool (the commons) takes no blocks from a session, as Allocate says. */
         char why[KV_ERRMSG];
         snprintf(why, sizeof(why), "pool %u is read-only for this tenant: nothing is copied up",
@@ -928,7 +936,7 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
         return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_PARTIAL,
                                 (uint32_t)nhit, 0, tr.fetchable, KV_EPERM, why);
     }
-    if (tr.fetchable > 0 && c->sess->fetches >= c->cfg->max_inflight) {
+    if ((tr.fetchable > 0 || more > 0) && c->sess->fetches >= c->cfg->max_inflight) {
         char why[KV_ERRMSG];
         snprintf(why, sizeof(why), "%u Fetches of this session are in flight (max-inflight)",
                  c->sess->fetches);
@@ -937,11 +945,11 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
     }
     uint32_t tpb = p->layout.tokens_per_block;
     uint64_t min_tokens = f->min_tokens != 0 ? f->min_tokens : c->cfg->fetch_min_tokens;
-    if (tr.fetchable == 0) {
+    if (tr.fetchable == 0 && more == 0) {
         return send_fetch_reply(c, id, sp, refs, nhit, KVD__FETCH_STATUS__FETCH_DONE,
                                 (uint32_t)nhit, 0, 0, KV_OK, NULL);
     }
-    if ((uint64_t)tr.fetchable * tpb < min_tokens || c->ctx->later == NULL) {
+    if (more == 0 && ((uint64_t)tr.fetchable * tpb < min_tokens || c->ctx->later == NULL)) {
         char why[KV_ERRMSG];
         snprintf(why, sizeof(why),
                  "%u blocks (%llu tokens) below T0: under min_tokens %llu, recompute them",
@@ -971,7 +979,7 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
     char why[KV_ERRMSG];
     why[0] = '\0';
     rc = kvd_tiers_fetch(c->ctx->tiers, p, c->sess->id, c->sess->tenant, hashes + nhit,
-                         tr.fetchable, parent, on_fetch_done, w, &nrun, why);
+                         tr.fetchable, more, parent, on_fetch_done, w, &nrun, why);
     if (rc != KV_OK) {
         /* No room or quota for the blocks: the T0 hits are still a good answer. */
         free(w);
@@ -1029,11 +1037,15 @@ static kv_err check_entry_hashes(rpc *c, const kvd_reg_pool *p, const Kvd__Commi
         if (k.lo != e->hash->lo || k.hi != e->hash->hi) {
             FAIL(KV_EINVAL, "entries[%zu]: hash is not the first 16 bytes of hash_full", i);
         }
-    } else if (e->hash_full.len != 0) {
+    } else if (e->hash_full.len != 0 || e->parent_hash_full.len != 0) {
         FAIL(KV_EINVAL,
-             "entries[%zu]: hash_full is only for hash-mode vllm (this daemon hashes "
-             "with xxh3)",
+             "entries[%zu]: hash_full and parent_hash_full are only for hash-mode vllm (this "
+             "daemon hashes with xxh3)",
              i);
+    }
+    if (e->parent_hash_full.len != 0 && e->parent_hash_full.len != KV_VLLM_HASH_BYTES) {
+        FAIL(KV_EINVAL, "entries[%zu]: parent_hash_full has %zu bytes (32, or none)", i,
+             e->parent_hash_full.len);
     }
     if (e->n_token_ids != 0 && e->n_token_ids != p->layout.tokens_per_block) {
         FAIL(KV_EINVAL, "entries[%zu]: %zu token_ids; a block has %u (or send none)", i,
@@ -1052,6 +1064,7 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
     size_t n = cm->n_entries;
     kvd_kvevent_block *b = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*b));
     if (b == NULL) {
+        kvd_kvevents_gap(ev);
         return;
     }
     size_t i = 0;
@@ -1062,11 +1075,25 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
         }
         kv_hash128 pk;
         const kv_hash128 *parent = NULL;
+        const uint8_t *parent_full = NULL;
         kvd_block_info pinfo;
-        if (parents[i] != KVD_NO_BLOCK &&
-            kvd_pool_block_info(p->pool, parents[i], &pinfo) == KV_OK) {
+        if (i > 0 && parents[i] == canon[i - 1].id) {
+            /* After a duplicate: the previous entry, whose digest the request carries. */
+            const Kvd__CommitEntry *pe = cm->entries[i - 1];
+            pk = (kv_hash128){pe->hash->lo, pe->hash->hi};
+            parent = &pk;
+            parent_full = pe->hash_full.len == KV_VLLM_HASH_BYTES ? pe->hash_full.data : NULL;
+        } else if (parents[i] != KVD_NO_BLOCK &&
+                   kvd_pool_block_info(p->pool, parents[i], &pinfo) == KV_OK) {
             pk = pinfo.hash;
             parent = &pk;
+        }
+        const Kvd__CommitEntry *first = cm->entries[i];
+        if (first->parent_hash_full.len == KV_VLLM_HASH_BYTES) {
+            /* The client's word for a parent in another pool (or one this daemon forgot). */
+            pk = kv_vllm_hash_key(first->parent_hash_full.data);
+            parent = &pk;
+            parent_full = first->parent_hash_full.data;
         }
         size_t m = 0;
         do {
@@ -1078,7 +1105,7 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
             i++;
         } while (i < n && canon[i].id == cm->entries[i]->block->id &&
                  parents[i] == canon[i - 1].id);
-        kvd_kvevents_stored(ev, p, b, m, parent);
+        kvd_kvevents_stored(ev, p, b, m, parent, parent_full);
     }
 }
 

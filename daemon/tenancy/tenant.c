@@ -377,6 +377,7 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
     memset(&l, 0, sizeof(l));
     l.buffer = 10000;
     l.lineno = lineno;
+    unsigned seen = 0;
     char *kv;
     while ((kv = strtok_r(NULL, " \t\r", save)) != NULL) {
         char *eq = strchr(kv, '=');
@@ -387,6 +388,16 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
         *eq = '\0';
         const char *v = eq + 1;
         int bad = 0;
+        static const char *const keys[] = {"endpoint",  "replay", "topic",  "token-ids",
+                                           "hash-form", "format", "buffer", "domains"};
+        for (unsigned k = 0; k < sizeof(keys) / sizeof(keys[0]); k++) {
+            if (strcmp(kv, keys[k]) == 0 && (seen & (1u << k))) {
+                kvd_conf_err(err, errlen, "%s:%u: events: %s given twice", source, lineno, kv);
+                return KV_EINVAL;
+            } else if (strcmp(kv, keys[k]) == 0) {
+                seen |= 1u << k;
+            }
+        }
         if (strcmp(kv, "endpoint") == 0 || strcmp(kv, "replay") == 0 || strcmp(kv, "topic") == 0) {
             char *dst = kv[0] == 'e' ? l.endpoint : kv[0] == 'r' ? l.replay : l.topic;
             size_t cap = kv[0] == 't' ? sizeof(l.topic) : sizeof(l.endpoint);
@@ -399,6 +410,9 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
         } else if (strcmp(kv, "hash-form") == 0) {
             bad = strcmp(v, "int") != 0 && strcmp(v, "bytes") != 0;
             l.hash_bytes = strcmp(v, "bytes") == 0;
+        } else if (strcmp(kv, "format") == 0) {
+            bad = strcmp(v, "array") != 0 && strcmp(v, "map") != 0;
+            l.map = strcmp(v, "map") == 0;
         } else if (strcmp(kv, "buffer") == 0) {
             char *end;
             errno = 0;
@@ -417,6 +431,13 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
                                  "defined above, or commons",
                                  source, lineno, d);
                     return KV_EINVAL;
+                }
+                for (uint32_t j = 0; j < l.ndomains; j++) {
+                    if (l.domains[j] == dom) {
+                        kvd_conf_err(err, errlen, "%s:%u: events: domain '%s' listed twice", source,
+                                     lineno, d);
+                        return KV_EINVAL;
+                    }
                 }
                 for (uint32_t i = 0; i < t->nev; i++) {
                     for (uint32_t j = 0; j < t->ev[i].ndomains; j++) {
@@ -439,7 +460,7 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
         } else {
             kvd_conf_err(err, errlen,
                          "%s:%u: events: unknown '%s' (endpoint, replay, topic, token-ids, "
-                         "hash-form, buffer, domains)",
+                         "hash-form, format, buffer, domains)",
                          source, lineno, kv);
             return KV_EINVAL;
         }
@@ -452,7 +473,8 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
     if (l.endpoint[0] == '\0' || l.ndomains == 0) {
         kvd_conf_err(err, errlen,
                      "%s:%u: expected 'events endpoint=URL [replay=URL] [topic=T] "
-                     "[token-ids=on|off] [hash-form=int|bytes] [buffer=N] domains=NAME,...'",
+                     "[token-ids=on|off] [hash-form=int|bytes] [format=array|map] [buffer=N] "
+                     "domains=NAME,...'",
                      source, lineno);
         return KV_EINVAL;
     }

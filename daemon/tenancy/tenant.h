@@ -7,7 +7,7 @@
  *     commons [min-tenants=K]
  *     quota NAME|default [max-held=N] [guarantee=N] [max-pinned=N] [max-sessions=N]
  *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
- *            [buffer=N] domains=NAME,group:NAME,commons
+ *            [format=array|map] [buffer=N] domains=NAME,group:NAME,commons
  * (a tenant needs at least one of uid=, gid=, token-file=; NAME is 1..63 of [A-Za-z0-9._-], not
  * "uid-N", "commons" or "default"). Without a token a peer gets the first token-less line whose
  * uid list holds its uid, else the first token-less line whose gid list holds its gid, else the
@@ -56,6 +56,7 @@ typedef struct kvd_events_line {
     char topic[128];    /* topic frame */
     int token_ids;      /* BlockStored carries token ids */
     int hash_bytes;     /* hashes as the digest's bytes (else vLLM's u64 form) */
+    int map;            /* events as maps (vLLM's newer schema), else array-like */
     uint64_t buffer;    /* batches kept for replay */
     uint32_t domains[KVD_EVENT_LINE_DOMAINS];
     uint32_t ndomains;

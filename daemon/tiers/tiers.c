@@ -26,6 +26,7 @@
 #include "common/kv_log.h"
 #include "daemon/tiers/codec.h"
 #include "daemon/tiers/disk.h"
+#include "daemon/tiers/remote.h"
 #include "daemon/tiers/store.h"
 
 enum {
@@ -62,6 +63,19 @@ enum {
     TS_SPAN_UP1,
     TS_SPAN_UP2,
     TS_JOBS,
+    TS_REMOTE_STATE, /* the remote tier's (kvd_remote_stats) */
+    TS_REMOTE_PUTS,
+    TS_REMOTE_PUT_BYTES,
+    TS_REMOTE_PUT_ERRORS,
+    TS_REMOTE_PUT_DROPS,
+    TS_REMOTE_GETS,
+    TS_REMOTE_HITS,
+    TS_REMOTE_MISSES,
+    TS_REMOTE_BAD,
+    TS_REMOTE_ERRORS,
+    TS_REMOTE_RECONNECTS,
+    TS_REMOTE_REDIRECTS,
+    TS_REMOTE_PROMOTED,
     TS_COUNT
 };
 
@@ -146,6 +160,43 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_SPAN_UP2] = {"copy_busy_ns_up_t2", "counter", "ns",
                      "wall time while a read up from tier 2 was in flight", NULL, NULL, NULL, NULL},
     [TS_JOBS] = {"jobs_inflight", "gauge", "jobs", "copy jobs in flight", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_STATE] = {"remote_state", "gauge", "state",
+                         "remote tier: 0 off, 1 up (a node answers), 2 down", "kvd_remote_state",
+                         "Remote tier state: 0 off, 1 up, 2 down.", NULL, NULL},
+    [TS_REMOTE_PUTS] = {"remote_puts", "counter", "blocks", "blocks written to the remote tier",
+                        "kvd_remote_puts_total", "Blocks written to the remote tier.", NULL, NULL},
+    [TS_REMOTE_PUT_BYTES] = {"remote_put_bytes", "counter", "bytes",
+                             "value bytes written to the remote tier", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_PUT_ERRORS] = {"remote_put_errors", "counter", "blocks",
+                              "remote writes that failed (Redis full: OOM, timeout, down)",
+                              "kvd_remote_put_errors_total", "Remote writes that failed.", NULL,
+                              NULL},
+    [TS_REMOTE_PUT_DROPS] = {"remote_put_drops", "counter", "blocks",
+                             "remote writes not even queued (remote-queue-bytes full)", NULL, NULL,
+                             NULL, NULL},
+    [TS_REMOTE_GETS] = {"remote_gets", "counter", "blocks",
+                        "keys Fetches asked the remote tier for", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_HITS] = {"remote_hits", "counter", "blocks",
+                        "of them, values that passed every check", "kvd_remote_hits_total",
+                        "Remote values found and checked.", NULL, NULL},
+    [TS_REMOTE_MISSES] = {"remote_misses", "counter", "blocks",
+                          "of them, missing keys (never written, expired, evicted by Redis)", NULL,
+                          NULL, NULL, NULL},
+    [TS_REMOTE_BAD] = {"remote_bad", "counter", "blocks",
+                       "remote values that failed a check (never served)", "kvd_remote_bad_total",
+                       "Remote values that failed a check.", NULL, NULL},
+    [TS_REMOTE_ERRORS] = {"remote_errors", "counter", "errors",
+                          "remote tier errors: timeouts, connections lost or refused, Redis errors",
+                          "kvd_remote_errors_total", "Remote tier errors.", NULL, NULL},
+    [TS_REMOTE_RECONNECTS] = {"remote_reconnects", "counter", "connections",
+                              "connections to a node made again after it failed", NULL, NULL, NULL,
+                              NULL},
+    [TS_REMOTE_REDIRECTS] = {"remote_redirects", "counter", "requests",
+                             "Redis Cluster MOVED and ASK redirections followed", NULL, NULL, NULL,
+                             NULL},
+    [TS_REMOTE_PROMOTED] = {"remote_promoted", "counter", "blocks",
+                            "remote values a Fetch put into tier 1 on their way to T0", NULL, NULL,
+                            NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -179,6 +230,7 @@ struct kvd_tiers {
     kvd_fetch *fetches;     /* fetches in flight */
     char t2_error[640];     /* the last T2 error ("" none) */
     uint64_t t2_error_ms;   /* when it was logged (rate limit) */
+    kvd_remote *remote;     /* the remote tier (remote-redis), or NULL */
 };
 
 struct tier_pool {
@@ -196,6 +248,8 @@ struct tier_pool {
     uint32_t jobs;          /* in flight for this pool */
     uint32_t cleaning;      /* write-back copies in flight */
     int gone;               /* the pool was freed: free this when jobs reach 0 */
+    kv_hash128 layout_key;  /* model, layout and flags: remote values of other pools never match */
+    char domain[KVD_TENANT_NAME_MAX + 8]; /* the domain's name (remote keys) */
 };
 
 typedef enum job_kind {
@@ -768,6 +822,76 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
     return 1;
 }
 
+static void doomed_finish(tier_pool *tp, uint32_t i);
+
+/* ---- the remote tier (remote-redis) ------------------------------------------------------ */
+
+/* PREFIX:DOMAIN:LAYOUT:HASH: the domain is the pool's, named by the daemon from the proven
+ * identity, so two tenants never meet in Redis; the layout key keeps models and shapes apart. */
+static void remote_key(const tier_pool *tp, kv_hash128 h, char *buf, size_t len) {
+    char lk[33], hh[33];
+    kv_hash_hex(tp->layout_key, lk);
+    kv_hash_hex(h, hh);
+    snprintf(buf, len, "%s:%s:%s:%s", tp->t->cfg->remote_key_prefix, tp->domain, lk, hh);
+}
+
+typedef struct rput {
+    tier_pool *tp;
+    uint32_t entry;
+    char key[256];
+} rput;
+
+/* An entry the remote tier held busy is free again: what a finished copy job would do. */
+static void remote_release(tier_pool *tp, uint32_t i) {
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    e->busy--;
+    if (e->busy > 0) {
+        return;
+    }
+    if (e->doomed) {
+        doomed_finish(tp, i);
+    } else if (e->t1 == NULL && !e->in2 && e->pending == 0) {
+        kvd_tstore_forget(&tp->st, i);
+    }
+}
+
+static void on_remote_put(void *arg, kv_err rc) {
+    (void)rc; /* counted by kvd_remote */
+    rput *q = arg;
+    tier_pool *tp = q->tp;
+    tp->jobs--;
+    if (!tp->gone) {
+        remote_release(tp, q->entry);
+    } else if (tp->jobs == 0) {
+        tier_pool_free(tp);
+    }
+    free(q);
+}
+
+/* Entry i just landed in T1: write it to the remote tier too (its T1 bytes are immutable while
+ * it is busy, so the remote thread reads them in place). */
+static void start_remote_put(tier_pool *tp, uint32_t i) {
+    kvd_tiers *t = tp->t;
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (t->remote == NULL || e->t1 == NULL || e->doomed) {
+        return;
+    }
+    rput *q = malloc(sizeof(*q));
+    if (q == NULL) {
+        return;
+    }
+    q->tp = tp;
+    q->entry = i;
+    remote_key(tp, e->hash, q->key, sizeof(q->key));
+    kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1};
+    if (kvd_remote_put(t->remote, q->key, &m, e->t1, e->len1, on_remote_put, q) != KV_OK) {
+        free(q); /* counted as a drop */
+        return;
+    }
+    e->busy++;
+    tp->jobs++;
+}
+
 /* Starts writing entry i's T1 bytes to T2 (when the pool has a T2 and it lacks the copy). */
 static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
@@ -1016,6 +1140,7 @@ static void after_work(uv_work_t *w, int status) {
                 t->c[TS_COPY_NS_DOWN1] += j->ns;
                 j->out = NULL;
                 start_down2_from_t1(tp, j->entry);
+                start_remote_put(tp, j->entry);
             } else if (e->doomed) {
                 doomed_finish(tp, j->entry);
             } else if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
@@ -1176,6 +1301,58 @@ static int on_pool_keep(void *arg, const kvd_reg_pool *p) {
     return tp != NULL && (tp->st.n > 0 || tp->jobs > 0);
 }
 
+/* The remote tier: its seeds, the AUTH password from its file, its thread. */
+static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t msglen) {
+    if (cfg->tier1_memory == 0) {
+        snprintf(msg, msglen,
+                 "remote-redis needs tier1-memory: values go to Redis from tier 1 and come "
+                 "back through it");
+        return KV_EINVAL;
+    }
+    char pw[512] = "";
+    if (cfg->remote_password_file[0] != '\0') {
+        FILE *f = fopen(cfg->remote_password_file, "r");
+        size_t n = f != NULL ? fread(pw, 1, sizeof(pw) - 1, f) : 0;
+        int err = f == NULL ? errno : 0;
+        if (f != NULL) {
+            fclose(f);
+        }
+        if (f == NULL || n == 0) {
+            snprintf(msg, msglen, "remote-password-file %s: %s", cfg->remote_password_file,
+                     f == NULL ? strerror(err) : "empty");
+            return KV_ESYS;
+        }
+        pw[n] = '\0';
+        while (n > 0 &&
+               (pw[n - 1] == '\n' || pw[n - 1] == '\r' || pw[n - 1] == ' ' || pw[n - 1] == '\t')) {
+            pw[--n] = '\0';
+        }
+    }
+    kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_ttl_s,
+                         cfg->remote_queue_bytes};
+    kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
+    memset(pw, 0, sizeof(pw));
+    if (e != KV_OK) {
+        if (t->remote != NULL) {
+            kvd_remote_close(t->remote); /* the thread never started: closes the handle */
+            t->remote = NULL;            /* (its memory is left: a start that fails exits) */
+        }
+        return e;
+    }
+    KV_LOG(INFO, "KVD-REMOTE",
+           "remote tier: redis %s, key prefix %s, ttl %llu s, timeout %llu ms%s", cfg->remote_redis,
+           cfg->remote_key_prefix, (unsigned long long)cfg->remote_ttl_s,
+           (unsigned long long)cfg->remote_timeout_ms,
+           cfg->remote_password_file[0] != '\0' ? ", AUTH from the password file" : "");
+    return KV_OK;
+}
+
+void kvd_tiers_close(kvd_tiers *t) {
+    if (t != NULL && t->remote != NULL) {
+        kvd_remote_close(t->remote); /* its last callbacks run here */
+    }
+}
+
 kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
                        char *msg, size_t msglen) {
     kvd_tiers *t = calloc(1, sizeof(*t));
@@ -1198,6 +1375,13 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
         }
         free(t);
         return KV_ESYS;
+    }
+    if (cfg->remote_redis[0] != '\0') {
+        kv_err rrc = remote_open(t, cfg, msg, msglen);
+        if (rrc != KV_OK) {
+            free(t);
+            return rrc;
+        }
     }
     reg->pool_gone = on_pool_gone;
     reg->pool_keep = on_pool_keep;
@@ -1232,6 +1416,7 @@ void kvd_tiers_free(kvd_tiers *t) {
         free(f->waiters);
         free(f);
     }
+    kvd_remote_free(t->remote);
     free(t);
 }
 
@@ -1380,6 +1565,28 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->layout = p->layout;
     tp->format = t->format;
     tp->write_through = tp->min_hits = tp->clean_ahead = -1;
+    snprintf(tp->domain, sizeof(tp->domain), "%s", domain);
+    {
+        /* The remote tier's layout key: model, shape and flags (not the hash seed, which
+         * hash-mode vllm makes the same for every model). */
+        uint8_t kb[KV_WIRE_MAX_MODEL_ID + 32];
+        size_t kn = strlen(p->model_id);
+        memcpy(kb, p->model_id, kn);
+        uint32_t f[7] = {p->layout.num_layers,
+                         p->layout.num_kv_heads,
+                         p->layout.head_dim,
+                         p->layout.tokens_per_block,
+                         (uint32_t)p->layout.dtype,
+                         (uint32_t)p->layout.arrangement,
+                         p->flags};
+        for (int i = 0; i < 7; i++) {
+            for (int b = 0; b < 4; b++) {
+                kb[kn++] = (uint8_t)(f[i] >> (8 * b));
+            }
+        }
+        XXH128_hash_t lk = XXH3_128bits(kb, kn);
+        tp->layout_key = (kv_hash128){lk.low64, lk.high64};
+    }
     kvd_tier_format lossy;
     size_t qb = 0;
     if ((p->flags & KVD_POOL_LOSSY_TIERS) &&
@@ -1716,9 +1923,169 @@ static void after_idle_finish(uv_work_t *w, int status) {
     }
 }
 
+/* A Fetch waiting for the remote tier: what it needs to start once Redis answered. */
+typedef struct rfetch {
+    kvd_tiers *t;
+    tier_pool *tp;
+    uint64_t session;
+    uint32_t tenant;
+    uint32_t parent_id;
+    kvd_fetch_done done;
+    void *arg;
+    size_t n;              /* local run: hashes[0..n) */
+    size_t k;              /* asked of Redis: hashes[n..n+k) */
+    kv_hash128 *hashes;    /* [n + k] */
+    char (*keys)[256];     /* [k] */
+    const char **keyp;     /* [k] */
+    kvd_remote_meta *want; /* [k] */
+} rfetch;
+
+static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
+                          const kv_hash128 *hashes, size_t n, uint32_t parent_id,
+                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg);
+
+static void rfetch_free(rfetch *rf) {
+    free(rf->hashes);
+    free(rf->keys);
+    free(rf->keyp);
+    free(rf->want);
+    free(rf);
+}
+
+/* Answers a fetch that cannot start: no block, the reason in code. */
+static void fetch_fail(rfetch *rf, kv_err code) {
+    kvd_fetch_result r = {rf->tp->pool_id, rf->session, NULL, 0, 0, 0, 0, code, 0, 0};
+    (void)rf->done(rf->arg, &r);
+}
+
+/* Which formats a value may come in for this pool: lossless always, lossy only where the
+ * pool's layout asked for lossy tiers (its blocks are stored so locally too). */
+static int format_ok(const tier_pool *tp, uint8_t f) {
+    if (f == KVD_TF_RAW || f == KVD_TF_LZ4 || f == KVD_TF_ZSTD) {
+        return 1;
+    }
+    return (f == KVD_TF_INT8 || f == KVD_TF_FP8) && kvd_tier_format_lossy(tp->format);
+}
+
+static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv) {
+    (void)rc; /* a failed node's keys are misses */
+    rfetch *rf = arg;
+    tier_pool *tp = rf->tp;
+    kvd_tiers *t = rf->t;
+    tp->jobs--;
+    kvd_reg_pool *p = tp->gone ? NULL : kvd_registry_pool(t->reg, tp->pool_id);
+    if (p == NULL) {
+        fetch_fail(rf, KV_ENOENT);
+        if (tp->gone && tp->jobs == 0) {
+            tier_pool_free(tp);
+        }
+        rfetch_free(rf);
+        return;
+    }
+    /* The leading run of good values goes into T1, from where the fetch copies it up as any
+     * T1 hit (on the copy threads); the run ends at the first miss or bad value. */
+    size_t got = 0;
+    for (size_t i = 0; i < nv && i < rf->k; i++) {
+        kvd_remote_val *v = &vals[i];
+        kv_hash128 h = rf->hashes[rf->n + i];
+        if (v->status != KVD_REMOTE_HIT) {
+            break;
+        }
+        if (!format_ok(tp, v->format)) {
+            t->c[TS_REMOTE_BAD]++;
+            KV_LOG(WARN, "KVD-REMOTE",
+                   "pool %u: a remote value in format %u, which this pool "
+                   "does not store: not served",
+                   tp->pool_id, v->format);
+            break;
+        }
+        uint32_t ei = kvd_tstore_find(&tp->st, h);
+        if (ei != KVD_TNONE && (kvd_tstore_in(&tp->st, ei, 1) || kvd_tstore_in(&tp->st, ei, 2))) {
+            got++; /* came down locally meanwhile */
+            continue;
+        }
+        if (ei != KVD_TNONE && kvd_tstore_at(&tp->st, ei)->pending != 0) {
+            break; /* a copy into T1 is landing: the next Fetch finds it */
+        }
+        if (!make_room(tp, 1, v->len)) {
+            break;
+        }
+        uint8_t *b = malloc(v->len > 0 ? v->len : 1);
+        kv_hash128 parent = i > 0 || rf->n > 0 ? rf->hashes[rf->n + i - 1] : (kv_hash128){0, 0};
+        if (b == NULL || kvd_tstore_get(&tp->st, h, parent, &ei) != KV_OK) {
+            free(b);
+            break;
+        }
+        memcpy(b, v->data + v->off, v->len);
+        kvd_tstore_set1(&tp->st, ei, b, v->len, v->format);
+        t->used[0] += v->len;
+        t->c[TS_REMOTE_PROMOTED]++;
+        got++;
+    }
+    uint32_t nrun = 0;
+    char msg[KV_ERRMSG];
+    msg[0] = '\0';
+    kv_err src = fetch_start(t, p, rf->session, rf->tenant, rf->hashes, rf->n + got, rf->parent_id,
+                             rf->done, rf->arg, &nrun, msg);
+    if (src != KV_OK) {
+        fetch_fail(rf, src);
+    }
+    rfetch_free(rf);
+}
+
+int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
+    return t != NULL && t->remote != NULL && p->tiers != NULL && t->cfg->remote_fetch_max > 0;
+}
+
 kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
-                       const kv_hash128 *hashes, size_t n, uint32_t parent_id, kvd_fetch_done done,
-                       void *arg, uint32_t *nrun, char *msg) {
+                       const kv_hash128 *hashes, size_t n, size_t n_more, uint32_t parent_id,
+                       kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg) {
+    tier_pool *tp = p->tiers;
+    if (tp == NULL || !kvd_tiers_remote_on(t, p) || n_more == 0) {
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+    }
+    size_t k = n_more < t->cfg->remote_fetch_max ? n_more : (size_t)t->cfg->remote_fetch_max;
+    rfetch *rf = calloc(1, sizeof(*rf));
+    if (rf != NULL) {
+        rf->hashes = malloc(sizeof(*rf->hashes) * (n + k));
+        rf->keys = malloc(sizeof(*rf->keys) * k);
+        rf->keyp = malloc(sizeof(*rf->keyp) * k);
+        rf->want = malloc(sizeof(*rf->want) * k);
+    }
+    if (rf == NULL || rf->hashes == NULL || rf->keys == NULL || rf->keyp == NULL ||
+        rf->want == NULL) {
+        if (rf != NULL) {
+            rfetch_free(rf);
+        }
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+    }
+    rf->t = t;
+    rf->tp = tp;
+    rf->session = session;
+    rf->tenant = tenant;
+    rf->parent_id = parent_id;
+    rf->done = done;
+    rf->arg = arg;
+    rf->n = n;
+    rf->k = k;
+    memcpy(rf->hashes, hashes, sizeof(*hashes) * (n + k));
+    for (size_t i = 0; i < k; i++) {
+        remote_key(tp, hashes[n + i], rf->keys[i], sizeof(rf->keys[i]));
+        rf->keyp[i] = rf->keys[i];
+        rf->want[i] = (kvd_remote_meta){tp->layout_key, hashes[n + i], 0};
+    }
+    if (kvd_remote_get(t->remote, rf->keyp, rf->want, k, on_remote_get, rf) != KV_OK) {
+        rfetch_free(rf);
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+    }
+    tp->jobs++; /* the pool's tier state outlives the wait */
+    *nrun = (uint32_t)n;
+    return KV_OK;
+}
+
+static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
+                          const kv_hash128 *hashes, size_t n, uint32_t parent_id,
+                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg) {
     tier_pool *tp = p->tiers;
     if (tp == NULL) {
         snprintf(msg, KV_ERRMSG, "pool %u has no lower tiers", p->pool_id);
@@ -1940,6 +2307,22 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
         v[TS_T1_BLOCKS] = b1;
         v[TS_T2_BLOCKS] = b2;
         v[TS_JOBS] = t->jobs;
+        if (t->remote != NULL) {
+            kvd_remote_stats rs;
+            kvd_remote_get_stats(t->remote, &rs);
+            v[TS_REMOTE_STATE] = rs.state;
+            v[TS_REMOTE_PUTS] = rs.puts;
+            v[TS_REMOTE_PUT_BYTES] = rs.put_bytes;
+            v[TS_REMOTE_PUT_ERRORS] = rs.put_errors;
+            v[TS_REMOTE_PUT_DROPS] = rs.put_drops;
+            v[TS_REMOTE_GETS] = rs.gets;
+            v[TS_REMOTE_HITS] = rs.hits;
+            v[TS_REMOTE_MISSES] = rs.misses;
+            v[TS_REMOTE_BAD] = rs.bad + t->c[TS_REMOTE_BAD];
+            v[TS_REMOTE_ERRORS] = rs.errors;
+            v[TS_REMOTE_RECONNECTS] = rs.reconnects;
+            v[TS_REMOTE_REDIRECTS] = rs.redirects;
+        }
     }
     for (int i = 0; i < TS_COUNT; i++) {
         sink(arg, tier_stats[i].name, v[i]);
@@ -1956,10 +2339,22 @@ const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
         snprintf(buf, len, "off");
         return buf;
     }
-    snprintf(buf, len, "T1 %llu bytes, T2 %s, format %s, %s; last T2 error: %s",
-             (unsigned long long)t->cap[0], t->cap[1] > 0 ? t->cfg->tier2_path : "off",
-             kvd_tier_format_name(t->format), t->cfg->tier_write,
-             t->t2_error[0] != '\0' ? t->t2_error : "none");
+    int n = snprintf(buf, len, "T1 %llu bytes, T2 %s, format %s, %s; last T2 error: %s",
+                     (unsigned long long)t->cap[0], t->cap[1] > 0 ? t->cfg->tier2_path : "off",
+                     kvd_tier_format_name(t->format), t->cfg->tier_write,
+                     t->t2_error[0] != '\0' ? t->t2_error : "none");
+    if (n < 0 || (size_t)n >= len) {
+        return buf;
+    }
+    if (t->remote == NULL) {
+        snprintf(buf + n, len - (size_t)n, "; remote off");
+        return buf;
+    }
+    kvd_remote_stats rs;
+    kvd_remote_get_stats(t->remote, &rs);
+    snprintf(buf + n, len - (size_t)n, "; remote redis %s: %s%s, %d nodes; last remote error: %s",
+             t->cfg->remote_redis, rs.state == 1 ? "up" : "down", rs.cluster ? " (cluster)" : "",
+             rs.nnodes, rs.last_error[0] != '\0' ? rs.last_error : "none");
     return buf;
 }
 

@@ -21,6 +21,9 @@
  * often go down. A block that lands in T1 is written on to T2 at once (when there is a T2), so
  * that T1 makes room without waiting for the disk; only the last tier drops.
  *
+ * Remote tier (remote-redis, kvd_remote): below T1 and T2, shared by every node that names the
+ * same Redis: each block landing in T1 is also written there (the entry is busy while the remote
+ * thread reads its bytes), and a Fetch asks it for the blocks past the local run (above).
  * Formats (kvd_codec): lossless raw, lz4, zstd (`tier-format`); lossy int8 / fp8 for pools whose
  * layout asked (KVD_POOL_LOSSY_TIERS, `tier-lossy-format`). Not built yet (issue 14,
  * unfinished): per-pool tier options, per-tier quotas, pinned host memory and copy streams for
@@ -116,8 +119,21 @@ typedef int (*kvd_fetch_done)(void *arg, const kvd_fetch_result *r);
  * nothing to copy) — unless this call fails: KV_ENOSPC, KV_EQUOTA (msg says why: nothing held),
  * KV_ENOMEM. *nrun gets the run's length (0: done runs with nok 0). */
 kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
-                       const kv_hash128 *hashes, size_t n, uint32_t parent_id, kvd_fetch_done done,
-                       void *arg, uint32_t *nrun, char *msg);
+                       const kv_hash128 *hashes, size_t n, size_t n_more, uint32_t parent_id,
+                       kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg);
+
+/* The remote tier (remote-redis): n_more above is how many hashes follow hashes[0..n) (the rest
+ * of the prefix, past the local tiers' run). With a remote tier and n_more > 0 the fetch first
+ * asks Redis for up to remote-fetch-max of them (on the remote thread); the leading run of
+ * values that pass every check lands in T1 and the fetch then runs over hashes[0..n + run) as
+ * above (done sees the longer run; *nrun is n). A fetch that cannot start then (ENOSPC, the pool
+ * gone) reaches done with nok 0 and the code. kvd_tiers_remote_on: 1 when Fetches of pool p ask
+ * the remote tier (Lookups never do: they answer at once from the local tiers). */
+int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
+
+/* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in
+ * flight, at most about remote-timeout-ms) and completes what it had queued. */
+void kvd_tiers_close(kvd_tiers *t);
 
 /* Counts a Fetch refused as SHORT (its run under fetch-min-tokens). */
 void kvd_tiers_count_short(kvd_tiers *t);

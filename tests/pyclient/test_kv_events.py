@@ -31,6 +31,7 @@ What it checks:
 import os
 import socket
 import struct
+import subprocess
 import sys
 import time
 from collections import namedtuple
@@ -108,8 +109,22 @@ class Schema:
                 % (where, h, self.hash_len))
 
 
+MAP_FIELDS = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size",
+                               "lora_id", "medium", "lora_name"],
+              "BlockRemoved": ["block_hashes", "medium"], "AllBlocksCleared": []}
+
+
 def decode_event(ev, schema, where):
-    """One KVCacheEvent: a msgpack array [tag, fields...] (msgspec array_like + tag=True)."""
+    """One KVCacheEvent: a msgpack array [tag, fields...] (msgspec array_like + tag=True), or
+    with kv-events-format map a map {"type": tag, field: value...} (vLLM's newer schema)."""
+    if isinstance(ev, dict):
+        keys = list(ev)
+        assert keys and keys[0] == "type", "%s: a map event starts with \"type\": %r" % (
+            where, ev)
+        fields = MAP_FIELDS.get(ev["type"])
+        assert fields is not None, "%s: unknown type %r" % (where, ev)
+        assert keys[1:] == fields, "%s: fields %r, vLLM's are %r" % (where, keys[1:], fields)
+        ev = [ev["type"]] + [ev[k] for k in fields]
     assert isinstance(ev, list) and ev and isinstance(ev[0], str), (
         "%s: an event must be an array [tag, ...] (vLLM array_like tagged struct), got %r"
         % (where, ev))
@@ -329,9 +344,10 @@ def allocate(conn, pool, count):
 _FULL = object()  # entry(): hash_full = the digest itself
 
 
-def entry(block, digest, parent=kw.NO_PARENT, hash_full=_FULL, token_ids=None, key=None):
+def entry(block, digest, parent=kw.NO_PARENT, hash_full=_FULL, token_ids=None, key=None,
+          parent_full=None):
     """A vllm-pool CommitEntry: hash = key of digest (or `key`), hash_full (None: left out),
-    token_ids (None: left out)."""
+    token_ids (None: left out), parent_hash_full (None: left out)."""
     lo, hi = key_of(digest) if key is None else key
     e = pb.CommitEntry(block=pb.BlockRef(id=block[0], gen=block[1]),
                        hash=pb.Hash128(lo=lo, hi=hi), parent=parent)
@@ -340,6 +356,8 @@ def entry(block, digest, parent=kw.NO_PARENT, hash_full=_FULL, token_ids=None, k
         e.hash_full = hf
     if token_ids is not None:
         e.token_ids.extend(token_ids)
+    if parent_full is not None:
+        e.parent_hash_full = parent_full
     return e
 
 
@@ -646,7 +664,7 @@ def test_replay(kvd_factory, zctx):
     assert ev["kv_events_publishers"] == 1
     assert ev["kv_events_batches"] >= len(got), ev
     assert ev["kv_events_replays"] >= 3 and ev["kv_events_replay_bad"] == 4, ev
-    assert ev["kv_events_digests"] > 0, ev
+    assert ev["kv_events_blocks"] > 0, ev
 
 
 def test_replay_buffer_keeps_the_latest_batches(kvd_factory, zctx):
@@ -823,10 +841,115 @@ def test_per_domain_publishers(kvd_factory, zctx):
 
 
 # ---------------------------------------------------------------------------------------------
+# One publisher, many pools; parents
+
+def test_one_publisher_counts_pools(kvd_factory, zctx):
+    """Two models' pools on one publisher hold the same vLLM digests (same tokens, same
+    NONE_HASH): the router hears BlockStored once and BlockRemoved only when the last pool
+    lets the block go; kv_events_blocks counts what is advertised."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    p1, p2 = c.attach("m1", LAYOUT), c.attach("m2", LAYOUT)
+    can1, chain = vllm_commit(c, p1, toks(3, 1))
+    assert sub.next_batch("m1's chain").events == [stored([ref.to_u64(h) for h in chain])]
+    can2, chain2 = vllm_commit(c, p2, toks(3, 1))
+    assert chain2 == chain
+    _, sent = vllm_commit(c, p2, toks(1, 9000))  # a sentinel: the batch after must be its own
+    assert sub.next_batch("the sentinel").events == [stored([ref.to_u64(sent[0])])], (
+        "m2's identical chain was advertised again")
+    assert d.admin_result("stats")["kv_events"]["kv_events_blocks"] == 4
+    c.release(p1.pool_id, can1)
+    assert d.admin_result("evict pool=%d" % p1.pool_id)["evicted"] == 3
+    c.release(p2.pool_id, can2)
+    assert d.admin_result("evict pool=%d" % p2.pool_id)["evicted"] >= 3
+    got = sub.until("BlockRemoved of the chain", lambda b: any(
+        isinstance(e, BlockRemoved) and ref.to_u64(chain[0]) in e.block_hashes
+        for e in b.events))
+    removed = [h for b in got for e in b.events if isinstance(e, BlockRemoved)
+               for h in e.block_hashes]
+    assert sorted(removed) == sorted(ref.to_u64(h) for h in chain), (
+        "each hash removed once, after the second pool's eviction: %r" % removed)
+    assert d.admin_result("stats")["kv_events"]["kv_events_blocks"] == 1  # the held sentinel
+
+
+def test_parent_after_duplicates_and_from_the_client(kvd_factory, zctx):
+    """A Commit whose first entries are duplicates publishes the new tail with the last
+    duplicate's digest as its parent; a chain whose parent is in no pool of the request names
+    it through parent_hash_full."""
+    d = start(kvd_factory)
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    tokens = toks(4, 1)
+    _, chain = vllm_commit(c, pool, tokens[:2 * T])
+    sub.next_batch("the first 2 blocks")
+    c2 = d.connect()
+    p2 = c2.attach("m", LAYOUT)
+    full = ref.hash_chain(ref.none_hash(SEED), tokens, T)
+    blocks = allocate(c2, p2, 4)
+    entries, parent = [], kw.NO_PARENT
+    for b, dg in zip(blocks, full):
+        p2.write_block(b[0], kw.block_pattern(p2.layout, dg.hex()))
+        entries.append(entry(b, dg, parent))
+        parent = b[0]
+    commit_entries(c2, p2, entries)
+    assert sub.next_batch("the new tail").events == [
+        stored([ref.to_u64(h) for h in full[2:]], parent=ref.to_u64(full[1]))]
+    more = toks(1, 5000)
+    nxt = ref.hash_chain(full[3], more, T)
+    b = allocate(c2, p2, 1)[0]
+    p2.write_block(b[0], kw.block_pattern(p2.layout, nxt[0].hex()))
+    commit_entries(c2, p2, [entry(b, nxt[0], kw.NO_PARENT, parent_full=full[3])])
+    assert sub.next_batch("a block whose parent only the client names").events == [
+        stored([ref.to_u64(nxt[0])], parent=ref.to_u64(full[3]))]
+    e = expect_error(pb.EINVAL, commit_entries, c2, p2,
+                     [entry(allocate(c2, p2, 1)[0], nxt[0], parent_full=full[3][:31])],
+                     contains="parent_hash_full")
+    assert e.message
+
+
+def test_map_format(kvd_factory, zctx):
+    """kv-events-format map: vLLM's newer schema, maps with "type" first, same fields."""
+    d = start(kvd_factory, kv_events_format="map")
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(2, 1))
+    assert sub.next_batch("BlockStored").events == [stored([ref.to_u64(h) for h in chain])]
+    c.release(pool.pool_id, canon)
+    d.admin_result("evict pool=%d" % pool.pool_id)
+    collect_removed(sub, [ref.to_u64(h) for h in chain], "map BlockRemoved")
+    raw = replay(zctx, d.replay, 0)
+    first = msgpack.unpackb(raw[0][1], raw=False)
+    assert first[1] == [{"type": "AllBlocksCleared"}], first
+
+
+def test_second_daemon_keeps_off_the_endpoints(kvd_factory, zctx, tmp_path):
+    """A second kvd started on the same socket stops at it before it binds any event endpoint:
+    the first one's subscribers keep receiving (ZMQ would let an ipc path be taken)."""
+    ep = "ipc://%s/ev" % tmp_path
+    d = kvd_factory(**{OPT_ENDPOINT: ep, OPT_FLUSH: "0", "hash_mode": "vllm",
+                       "vllm_hash_seed": SEED})
+    sub = Sub(zctx, ep)
+    argv = [os.environ["KVD_BIN"], "--backend=host", "--socket=%s" % d.sock,
+            "--kv-events-endpoint=%s" % ep, "--log-level=warn"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    assert p.returncode != 0, "a second kvd served on a live socket: %s" % p.stderr
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    _, chain = vllm_commit(c, pool, toks(1, 1))
+    assert sub.next_batch("after the second daemon gave up").events == [
+        stored([ref.to_u64(chain[0])])]
+
+
+# ---------------------------------------------------------------------------------------------
 # Configuration refused
 
 BAD_CONFIGS = {
     "hash_mode": ({"hash_mode": "md5"}, "hash-mode"),
+    "format": ({OPT_ENDPOINT: "{free}", "kv_events_format": "json"}, "kv-events-format"),
+    "same_endpoint": ({OPT_ENDPOINT: "{free}", OPT_REPLAY: "{free}"}, "both the PUB and"),
     "hash_form": ({OPT_ENDPOINT: "{free}", OPT_HASH_FORM: "hex"}, "hash-form"),
     "events_line_domain": ({"tenants_file": "{dir}/tenants"}, "nosuchtenant"),
 }

@@ -1,0 +1,875 @@
+/* kvd_remote: the remote tier's Redis client (remote.h has the contract). */
+#include "daemon/tiers/remote.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/time.h>
+#include <time.h>
+
+#include <hiredis/hiredis.h>
+#include <xxhash.h>
+
+#include "common/kv_log.h"
+
+#define MAX_NODES 64
+#define NSLOTS 16384
+#define PUT_BATCH 64
+#define BACKOFF_MIN_MS 100
+#define BACKOFF_MAX_MS 5000
+
+enum { OP_PUT = 1, OP_GET = 2 };
+
+typedef struct op {
+    int kind;
+    struct op *next;
+    kv_err rc;
+    /* put */
+    const char *key;
+    kvd_remote_meta meta;
+    const uint8_t *payload;
+    size_t plen;
+    kvd_remote_put_done put_done;
+    /* get */
+    const char *const *keys;
+    const kvd_remote_meta *want;
+    size_t n;
+    kvd_remote_val *vals;
+    kvd_remote_get_done get_done;
+    void *arg;
+} op;
+
+typedef struct node {
+    char host[64];
+    int port;
+    redisContext *c;
+    uint64_t down_until; /* ms; 0: may try now */
+    uint32_t fails;
+} node;
+
+struct kvd_remote {
+    uv_loop_t *loop;
+    uv_async_t async;
+    int async_open;
+    pthread_t th;
+    int th_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stop;
+    op *gets, **gets_tail; /* queued gets (FIFO) */
+    op *puts, **puts_tail; /* queued puts (FIFO) */
+    op *done, **done_tail; /* finished, for the loop */
+    uint64_t queued_bytes;
+    uint64_t queue_cap;
+    char *password;
+    uint64_t timeout_ms, ttl_s;
+    /* The thread's own (no lock): */
+    node nodes[MAX_NODES];
+    int nnodes, nseeds;
+    int cluster;      /* slot map in use */
+    int need_refresh; /* read CLUSTER SLOTS again before the next request */
+    int probed;       /* single vs cluster decided */
+    int16_t *slots;   /* [NSLOTS] node index, -1 unknown */
+    /* Shared (under mu): */
+    kvd_remote_stats st;
+};
+
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- CRC16 (XMODEM), the Cluster's key hash ---------------------------------------------- */
+
+static uint16_t crc16(const char *buf, size_t len) {
+    uint16_t crc = 0;
+    for (size_t i = 0; i < len; i++) {
+        crc ^= (uint16_t)((uint8_t)buf[i] << 8);
+        for (int b = 0; b < 8; b++) {
+            crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+        }
+    }
+    return crc;
+}
+
+uint32_t kvd_remote_slot(const char *key, size_t len) {
+    /* Redis Cluster's rule: a non-empty {tag} hashes alone. */
+    const char *open = memchr(key, '{', len);
+    if (open != NULL) {
+        size_t o = (size_t)(open - key);
+        const char *close = memchr(open + 1, '}', len - o - 1);
+        if (close != NULL && close > open + 1) {
+            return crc16(open + 1, (size_t)(close - open - 1)) & (NSLOTS - 1);
+        }
+    }
+    return crc16(key, len) & (NSLOTS - 1);
+}
+
+/* ---- stats (the lock) ---------------------------------------------------------------------- */
+
+static void note_error(kvd_remote *r, const char *fmt, const char *a, int port, const char *b) {
+    pthread_mutex_lock(&r->mu);
+    r->st.errors++;
+    snprintf(r->st.last_error, sizeof(r->st.last_error), fmt, a, port, b);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void count(kvd_remote *r, uint64_t *field, uint64_t v) {
+    pthread_mutex_lock(&r->mu);
+    *field += v;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- nodes ------------------------------------------------------------------------------- */
+
+static void node_fail(kvd_remote *r, node *nd, const char *why) {
+    note_error(r, "%s:%d: %s", nd->host, nd->port, why);
+    if (nd->c != NULL) {
+        redisFree(nd->c);
+        nd->c = NULL;
+    }
+    uint64_t back = (uint64_t)BACKOFF_MIN_MS << (nd->fails < 6 ? nd->fails : 6);
+    nd->down_until = now_ms() + (back < BACKOFF_MAX_MS ? back : BACKOFF_MAX_MS);
+    nd->fails++;
+    if (r->cluster) {
+        r->need_refresh = 1; /* a failover may have moved its slots */
+    }
+}
+
+/* A connected context for nd, or NULL (down, or the connect failed now). */
+static redisContext *node_ctx(kvd_remote *r, node *nd) {
+    if (nd->c != NULL) {
+        return nd->c;
+    }
+    if (nd->down_until != 0 && now_ms() < nd->down_until) {
+        return NULL;
+    }
+    struct timeval tv = {(time_t)(r->timeout_ms / 1000),
+                         (suseconds_t)(r->timeout_ms % 1000) * 1000};
+    redisContext *c = redisConnectWithTimeout(nd->host, nd->port, tv);
+    if (c == NULL || c->err) {
+        const char *why = c != NULL ? c->errstr : "out of memory";
+        char buf[160];
+        snprintf(buf, sizeof(buf), "connect: %s", why);
+        if (c != NULL) {
+            redisFree(c);
+        }
+        node_fail(r, nd, buf);
+        return NULL;
+    }
+    redisSetTimeout(c, tv);
+    if (r->password[0] != '\0') {
+        redisReply *rep = redisCommand(c, "AUTH %s", r->password);
+        int ok = rep != NULL && rep->type == REDIS_REPLY_STATUS;
+        char buf[128];
+        snprintf(buf, sizeof(buf), "AUTH refused: %s",
+                 rep != NULL && rep->type == REDIS_REPLY_ERROR ? rep->str : "no reply");
+        if (rep != NULL) {
+            freeReplyObject(rep);
+        }
+        if (!ok) {
+            redisFree(c);
+            node_fail(r, nd, buf);
+            return NULL;
+        }
+    }
+    if (nd->fails > 0) {
+        count(r, &r->st.reconnects, 1);
+    }
+    nd->c = c;
+    nd->fails = 0;
+    nd->down_until = 0;
+    return c;
+}
+
+static int node_find_or_add(kvd_remote *r, const char *host, int port) {
+    for (int i = 0; i < r->nnodes; i++) {
+        if (r->nodes[i].port == port && strcmp(r->nodes[i].host, host) == 0) {
+            return i;
+        }
+    }
+    if (r->nnodes == MAX_NODES) {
+        return -1;
+    }
+    node *nd = &r->nodes[r->nnodes];
+    memset(nd, 0, sizeof(*nd));
+    snprintf(nd->host, sizeof(nd->host), "%s", host);
+    nd->port = port;
+    return r->nnodes++;
+}
+
+/* Reads CLUSTER SLOTS from the first node that answers: the slot map (cluster mode), or the
+ * answer that this is one server (cluster support disabled). 0 when some node answered. */
+static int refresh(kvd_remote *r) {
+    for (int i = 0; i < r->nnodes; i++) {
+        node *nd = &r->nodes[i];
+        redisContext *c = node_ctx(r, nd);
+        if (c == NULL) {
+            continue;
+        }
+        redisReply *rep = redisCommand(c, "CLUSTER SLOTS");
+        if (rep == NULL) {
+            node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "CLUSTER SLOTS: no reply");
+            continue;
+        }
+        if (rep->type == REDIS_REPLY_ERROR) {
+            /* "ERR This instance has cluster support disabled": one server. */
+            freeReplyObject(rep);
+            r->cluster = 0;
+            r->probed = 1;
+            r->need_refresh = 0;
+            return 0;
+        }
+        if (rep->type == REDIS_REPLY_ARRAY) {
+            for (int s = 0; s < NSLOTS; s++) {
+                r->slots[s] = -1;
+            }
+            for (size_t k = 0; k < rep->elements; k++) {
+                redisReply *e = rep->element[k];
+                if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+                    e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2) {
+                    continue;
+                }
+                long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+                redisReply *m = e->element[2];
+                const char *host = m->element[0]->str;
+                int port = (int)m->element[1]->integer;
+                int ni =
+                    node_find_or_add(r, host != NULL && host[0] != '\0' ? host : nd->host, port);
+                for (long long s = lo; s <= hi && s < NSLOTS && ni >= 0; s++) {
+                    r->slots[s] = (int16_t)ni;
+                }
+            }
+            r->cluster = 1;
+            r->probed = 1;
+            r->need_refresh = 0;
+            freeReplyObject(rep);
+            pthread_mutex_lock(&r->mu);
+            r->st.cluster = 1;
+            r->st.nnodes = r->nnodes;
+            pthread_mutex_unlock(&r->mu);
+            return 0;
+        }
+        freeReplyObject(rep);
+    }
+    return -1;
+}
+
+/* The node a key goes to: the slot's master in cluster mode, else the first seed that is not
+ * down. -1: none. */
+static int node_of(kvd_remote *r, const char *key) {
+    if (r->cluster) {
+        int s = r->slots[kvd_remote_slot(key, strlen(key))];
+        return s >= 0 ? s : 0;
+    }
+    for (int i = 0; i < r->nseeds; i++) {
+        if (r->nodes[i].c != NULL || r->nodes[i].down_until == 0 ||
+            now_ms() >= r->nodes[i].down_until) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node it names (added if new), or -1. */
+static int redirect_target(kvd_remote *r, const char *err, int *ask, uint32_t *slot) {
+    *ask = strncmp(err, "ASK ", 4) == 0;
+    if (!*ask && strncmp(err, "MOVED ", 6) != 0) {
+        return -1;
+    }
+    const char *p = strchr(err, ' ');
+    char *end;
+    unsigned long s = strtoul(p + 1, &end, 10);
+    if (*end != ' ') {
+        return -1;
+    }
+    const char *hp = end + 1;
+    const char *colon = strrchr(hp, ':');
+    if (colon == NULL || colon - hp >= 64) {
+        return -1;
+    }
+    char host[64];
+    memcpy(host, hp, (size_t)(colon - hp));
+    host[colon - hp] = '\0';
+    *slot = (uint32_t)s;
+    return node_find_or_add(r, host, atoi(colon + 1));
+}
+
+/* ---- values ------------------------------------------------------------------------------ */
+
+static void put_u64le(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        p[i] = (uint8_t)(v >> (8 * i));
+    }
+}
+
+static uint64_t get_u64le(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) {
+        v = (v << 8) | p[i];
+    }
+    return v;
+}
+
+static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
+                        const uint8_t *payload, size_t plen) {
+    memcpy(h, "KVDR", 4);
+    h[4] = KVD_REMOTE_VERSION & 0xff;
+    h[5] = KVD_REMOTE_VERSION >> 8;
+    h[6] = m->format;
+    h[7] = 0;
+    put_u64le(h + 8, m->layout_key.lo);
+    put_u64le(h + 16, m->layout_key.hi);
+    put_u64le(h + 24, m->hash.lo);
+    put_u64le(h + 32, m->hash.hi);
+    put_u64le(h + 40, plen);
+    put_u64le(h + 48, XXH3_64bits(payload, plen));
+}
+
+/* Checks a value against what the caller expects; fills v. */
+static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote_val *v) {
+    const uint8_t *d = (const uint8_t *)rep->str;
+    size_t n = rep->len;
+    const char *why = NULL;
+    if (n < KVD_REMOTE_HEADER) {
+        why = "shorter than the header";
+    } else if (memcmp(d, "KVDR", 4) != 0) {
+        why = "not a kvd value (magic)";
+    } else if ((d[4] | d[5] << 8) != KVD_REMOTE_VERSION) {
+        why = "another value version";
+    } else if (get_u64le(d + 8) != want->layout_key.lo ||
+               get_u64le(d + 16) != want->layout_key.hi) {
+        why = "another model or layout";
+    } else if (get_u64le(d + 24) != want->hash.lo || get_u64le(d + 32) != want->hash.hi) {
+        why = "another block's hash";
+    } else if (get_u64le(d + 40) != n - KVD_REMOTE_HEADER) {
+        why = "payload length differs";
+    } else if (get_u64le(d + 48) != XXH3_64bits(d + KVD_REMOTE_HEADER, n - KVD_REMOTE_HEADER)) {
+        why = "checksum differs";
+    }
+    if (why != NULL) {
+        v->status = KVD_REMOTE_BAD;
+        v->why = why;
+        return;
+    }
+    v->data = malloc(n);
+    if (v->data == NULL) {
+        v->status = KVD_REMOTE_MISS;
+        return;
+    }
+    memcpy(v->data, d, n);
+    v->status = KVD_REMOTE_HIT;
+    v->off = KVD_REMOTE_HEADER;
+    v->len = n - KVD_REMOTE_HEADER;
+    v->format = d[6];
+}
+
+/* ---- requests on the thread -------------------------------------------------------------- */
+
+/* One GET (or SET) sent alone to node ni, following one redirection. Returns the reply (caller
+ * frees) or NULL (failed: counted). */
+static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **argv,
+                               const size_t *lens) {
+    for (int tries = 0; tries < 3 && ni >= 0; tries++) {
+        node *nd = &r->nodes[ni];
+        redisContext *c = node_ctx(r, nd);
+        if (c == NULL) {
+            return NULL;
+        }
+        redisReply *rep = redisCommandArgv(c, argc, argv, lens);
+        if (rep == NULL) {
+            node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
+            return NULL;
+        }
+        int ask;
+        uint32_t slot;
+        int to = rep->type == REDIS_REPLY_ERROR ? redirect_target(r, rep->str, &ask, &slot) : -1;
+        if (to < 0) {
+            return rep;
+        }
+        freeReplyObject(rep);
+        count(r, &r->st.redirects, 1);
+        if (!ask) {
+            r->slots[slot] = (int16_t)to;
+            r->need_refresh = 1;
+        } else {
+            redisContext *tc = node_ctx(r, &r->nodes[to]);
+            redisReply *a = tc != NULL ? redisCommand(tc, "ASKING") : NULL;
+            if (a != NULL) {
+                freeReplyObject(a);
+            }
+        }
+        ni = to;
+    }
+    return NULL;
+}
+
+static void do_get(kvd_remote *r, op *o) {
+    o->vals = calloc(o->n > 0 ? o->n : 1, sizeof(*o->vals));
+    if (o->vals == NULL) {
+        o->rc = KV_ENOMEM;
+        return;
+    }
+    int *dest = calloc(o->n > 0 ? o->n : 1, sizeof(int));
+    if (dest == NULL) {
+        o->rc = KV_ENOMEM;
+        return;
+    }
+    uint64_t hits = 0, misses = 0, bad = 0;
+    for (size_t i = 0; i < o->n; i++) {
+        dest[i] = node_of(r, o->keys[i]);
+        if (dest[i] < 0) {
+            o->rc = KV_ESYS; /* every node is down: a miss */
+        }
+    }
+    /* One pipeline per node: append every key of the node, then read the replies. */
+    for (int ni = 0; ni < r->nnodes; ni++) {
+        size_t cnt = 0;
+        for (size_t i = 0; i < o->n; i++) {
+            cnt += dest[i] == ni;
+        }
+        if (cnt == 0) {
+            continue;
+        }
+        redisContext *c = node_ctx(r, &r->nodes[ni]);
+        if (c == NULL) {
+            o->rc = KV_ESYS;
+            continue; /* misses */
+        }
+        for (size_t i = 0; i < o->n; i++) {
+            if (dest[i] == ni) {
+                redisAppendCommand(c, "GET %s", o->keys[i]);
+            }
+        }
+        for (size_t i = 0; i < o->n; i++) {
+            if (dest[i] != ni) {
+                continue;
+            }
+            void *vrep = NULL;
+            if (r->nodes[ni].c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
+                if (r->nodes[ni].c != NULL) {
+                    node_fail(r, &r->nodes[ni], c->errstr[0] != '\0' ? c->errstr : "no reply");
+                }
+                o->rc = KV_ESYS;
+                continue;
+            }
+            redisReply *rep = vrep;
+            int ask;
+            uint32_t slot;
+            if (rep->type == REDIS_REPLY_ERROR && redirect_target(r, rep->str, &ask, &slot) >= 0) {
+                /* Sent again alone below, to where the cluster says. */
+                freeReplyObject(rep);
+                const char *argv[2] = {"GET", o->keys[i]};
+                size_t lens[2] = {3, strlen(o->keys[i])};
+                rep = command_one(r, ni, 2, argv, lens);
+                if (rep == NULL) {
+                    o->rc = KV_ESYS;
+                    continue;
+                }
+            }
+            if (rep->type == REDIS_REPLY_STRING) {
+                check_value(rep, &o->want[i], &o->vals[i]);
+            } else if (rep->type == REDIS_REPLY_ERROR) {
+                note_error(r, "%s:%d: GET: %s", r->nodes[ni].host, r->nodes[ni].port, rep->str);
+                o->rc = KV_ESYS;
+            }
+            freeReplyObject(rep);
+        }
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        hits += o->vals[i].status == KVD_REMOTE_HIT;
+        bad += o->vals[i].status == KVD_REMOTE_BAD;
+        misses += o->vals[i].status == KVD_REMOTE_MISS;
+    }
+    free(dest);
+    pthread_mutex_lock(&r->mu);
+    r->st.gets += o->n;
+    r->st.hits += hits;
+    r->st.misses += misses;
+    r->st.bad += bad;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void do_puts(kvd_remote *r, op **ops, size_t n) {
+    uint8_t(*hdr)[KVD_REMOTE_HEADER] = malloc((n > 0 ? n : 1) * KVD_REMOTE_HEADER);
+    uint8_t **vals = calloc(n > 0 ? n : 1, sizeof(*vals));
+    int *dest = calloc(n > 0 ? n : 1, sizeof(int));
+    if (hdr == NULL || vals == NULL || dest == NULL) {
+        for (size_t i = 0; i < n; i++) {
+            ops[i]->rc = KV_ENOMEM;
+        }
+        free(hdr);
+        free(vals);
+        free(dest);
+        return;
+    }
+    char ttl[24];
+    snprintf(ttl, sizeof(ttl), "%llu", (unsigned long long)r->ttl_s);
+    for (size_t i = 0; i < n; i++) {
+        op *o = ops[i];
+        make_header(hdr[i], &o->meta, o->payload, o->plen);
+        vals[i] = malloc(KVD_REMOTE_HEADER + o->plen);
+        if (vals[i] != NULL) {
+            memcpy(vals[i], hdr[i], KVD_REMOTE_HEADER);
+            memcpy(vals[i] + KVD_REMOTE_HEADER, o->payload, o->plen);
+        }
+        dest[i] = node_of(r, o->key);
+        o->rc = vals[i] != NULL ? KV_OK : KV_ENOMEM;
+    }
+    for (int ni = 0; ni < r->nnodes; ni++) {
+        size_t cnt = 0;
+        for (size_t i = 0; i < n; i++) {
+            cnt += dest[i] == ni && ops[i]->rc == KV_OK;
+        }
+        if (cnt == 0) {
+            continue;
+        }
+        redisContext *c = node_ctx(r, &r->nodes[ni]);
+        for (size_t i = 0; i < n && c != NULL; i++) {
+            if (dest[i] != ni || ops[i]->rc != KV_OK) {
+                continue;
+            }
+            const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
+            size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2,
+                              strlen(ttl)};
+            redisAppendCommandArgv(c, r->ttl_s > 0 ? 5 : 3, argv, lens);
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (dest[i] != ni || ops[i]->rc != KV_OK) {
+                continue;
+            }
+            void *vrep = NULL;
+            if (c == NULL || r->nodes[ni].c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
+                if (c != NULL && r->nodes[ni].c != NULL) {
+                    node_fail(r, &r->nodes[ni], c->errstr[0] != '\0' ? c->errstr : "no reply");
+                }
+                ops[i]->rc = KV_ESYS;
+                continue;
+            }
+            redisReply *rep = vrep;
+            int ask;
+            uint32_t slot;
+            if (rep->type == REDIS_REPLY_ERROR && redirect_target(r, rep->str, &ask, &slot) >= 0) {
+                freeReplyObject(rep);
+                const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
+                size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2,
+                                  strlen(ttl)};
+                rep = command_one(r, ni, r->ttl_s > 0 ? 5 : 3, argv, lens);
+                if (rep == NULL) {
+                    ops[i]->rc = KV_ESYS;
+                    continue;
+                }
+            }
+            if (rep->type == REDIS_REPLY_ERROR) {
+                /* "OOM command not allowed when used memory > 'maxmemory'": full. */
+                ops[i]->rc = strncmp(rep->str, "OOM", 3) == 0 ? KV_EQUOTA : KV_ESYS;
+                note_error(r, "%s:%d: SET: %s", r->nodes[ni].host, r->nodes[ni].port, rep->str);
+            }
+            freeReplyObject(rep);
+        }
+        if (c == NULL) {
+            for (size_t i = 0; i < n; i++) {
+                if (dest[i] == ni && ops[i]->rc == KV_OK) {
+                    ops[i]->rc = KV_ESYS;
+                }
+            }
+        }
+    }
+    uint64_t ok = 0, bytes = 0, errs = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (dest[i] < 0 && ops[i]->rc == KV_OK) {
+            ops[i]->rc = KV_ESYS; /* no node to send it to */
+        }
+        ok += ops[i]->rc == KV_OK;
+        bytes += ops[i]->rc == KV_OK ? KVD_REMOTE_HEADER + ops[i]->plen : 0;
+        errs += ops[i]->rc != KV_OK;
+        free(vals[i]);
+    }
+    free(hdr);
+    free(vals);
+    free(dest);
+    pthread_mutex_lock(&r->mu);
+    r->st.puts += ok;
+    r->st.put_bytes += bytes;
+    r->st.put_errors += errs;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Whether any node answers (for the state). */
+static int any_up(const kvd_remote *r) {
+    for (int i = 0; i < r->nnodes; i++) {
+        if (r->nodes[i].c != NULL) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void finish(kvd_remote *r, op *o) {
+    o->next = NULL;
+    pthread_mutex_lock(&r->mu);
+    *r->done_tail = o;
+    r->done_tail = &o->next;
+    if (o->kind == OP_PUT) {
+        r->queued_bytes -= o->plen;
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void *thread_main(void *arg) {
+    kvd_remote *r = arg;
+    for (;;) {
+        pthread_mutex_lock(&r->mu);
+        while (!r->stop && r->gets == NULL && r->puts == NULL) {
+            pthread_cond_wait(&r->cv, &r->mu);
+        }
+        if (r->stop) {
+            pthread_mutex_unlock(&r->mu);
+            break;
+        }
+        op *g = r->gets;
+        op *batch[PUT_BATCH];
+        size_t nb = 0;
+        if (g != NULL) { /* gets first: a Fetch waits for them */
+            r->gets = g->next;
+            if (r->gets == NULL) {
+                r->gets_tail = &r->gets;
+            }
+        } else {
+            while (r->puts != NULL && nb < PUT_BATCH) {
+                batch[nb++] = r->puts;
+                r->puts = r->puts->next;
+            }
+            if (r->puts == NULL) {
+                r->puts_tail = &r->puts;
+            }
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (!r->probed || r->need_refresh) {
+            (void)refresh(r);
+        }
+        if (g != NULL) {
+            do_get(r, g);
+            finish(r, g);
+        } else {
+            do_puts(r, batch, nb);
+            for (size_t i = 0; i < nb; i++) {
+                finish(r, batch[i]);
+            }
+        }
+        pthread_mutex_lock(&r->mu);
+        r->st.state = any_up(r) ? 1 : 2;
+        pthread_mutex_unlock(&r->mu);
+        uv_async_send(&r->async);
+    }
+    for (int i = 0; i < r->nnodes; i++) {
+        if (r->nodes[i].c != NULL) {
+            redisFree(r->nodes[i].c);
+            r->nodes[i].c = NULL;
+        }
+    }
+    return NULL;
+}
+
+/* ---- the loop side ----------------------------------------------------------------------- */
+
+static void run_done(op *o) {
+    if (o->kind == OP_PUT) {
+        o->put_done(o->arg, o->rc);
+    } else {
+        o->get_done(o->arg, o->rc, o->vals, o->vals != NULL ? o->n : 0);
+        for (size_t i = 0; o->vals != NULL && i < o->n; i++) {
+            free(o->vals[i].data);
+        }
+        free(o->vals);
+    }
+    free(o);
+}
+
+static void on_async(uv_async_t *h) {
+    kvd_remote *r = h->data;
+    pthread_mutex_lock(&r->mu);
+    op *list = r->done;
+    r->done = NULL;
+    r->done_tail = &r->done;
+    pthread_mutex_unlock(&r->mu);
+    while (list != NULL) {
+        op *next = list->next;
+        run_done(list);
+        list = next;
+    }
+}
+
+kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote **out, char *msg,
+                        size_t len) {
+    kvd_remote *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        return KV_ENOMEM;
+    }
+    r->slots = malloc(NSLOTS * sizeof(*r->slots));
+    r->password = strdup(cfg->password != NULL ? cfg->password : "");
+    if (r->slots == NULL || r->password == NULL) {
+        free(r->slots);
+        free(r->password);
+        free(r);
+        return KV_ENOMEM;
+    }
+    for (int s = 0; s < NSLOTS; s++) {
+        r->slots[s] = -1;
+    }
+    /* Seeds: HOST:PORT, comma separated. */
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", cfg->seeds);
+    char *save = NULL;
+    for (char *s = strtok_r(buf, ",", &save); s != NULL; s = strtok_r(NULL, ",", &save)) {
+        char *colon = strrchr(s, ':');
+        char *end = NULL;
+        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
+        if (colon == NULL || colon == s || colon - s >= 64 || *end != '\0' || port < 1 ||
+            port > 65535 || r->nnodes == MAX_NODES) {
+            snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
+            free(r->slots);
+            free(r->password);
+            free(r);
+            return KV_EINVAL;
+        }
+        *colon = '\0';
+        (void)node_find_or_add(r, s, (int)port);
+    }
+    if (r->nnodes == 0) {
+        snprintf(msg, len, "remote-redis: no HOST:PORT given");
+        free(r->slots);
+        free(r->password);
+        free(r);
+        return KV_EINVAL;
+    }
+    r->nseeds = r->nnodes;
+    r->loop = loop;
+    r->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;
+    r->ttl_s = cfg->ttl_s;
+    r->queue_cap = cfg->queue_bytes;
+    r->gets_tail = &r->gets;
+    r->puts_tail = &r->puts;
+    r->done_tail = &r->done;
+    r->st.state = 2;
+    r->st.nnodes = r->nnodes;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    uv_async_init(loop, &r->async, on_async);
+    r->async.data = r;
+    r->async_open = 1;
+    if (pthread_create(&r->th, NULL, thread_main, r) != 0) {
+        snprintf(msg, len, "remote tier: cannot start its thread");
+        uv_close((uv_handle_t *)&r->async, NULL);
+        r->async_open = 0;
+        *out = r; /* freed by the caller after the loop closed the handle */
+        return KV_ESYS;
+    }
+    r->th_started = 1;
+    *out = r;
+    return KV_OK;
+}
+
+kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
+                      const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg) {
+    pthread_mutex_lock(&r->mu);
+    if (r->stop || r->queued_bytes + plen > r->queue_cap) {
+        r->st.put_drops++;
+        pthread_mutex_unlock(&r->mu);
+        return KV_EBUSY;
+    }
+    op *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        pthread_mutex_unlock(&r->mu);
+        return KV_ENOMEM;
+    }
+    o->kind = OP_PUT;
+    o->key = key;
+    o->meta = *meta;
+    o->payload = payload;
+    o->plen = plen;
+    o->put_done = done;
+    o->arg = arg;
+    *r->puts_tail = o;
+    r->puts_tail = &o->next;
+    r->queued_bytes += plen;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return KV_OK;
+}
+
+kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want, size_t n,
+                      kvd_remote_get_done done, void *arg) {
+    op *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        return KV_ENOMEM;
+    }
+    o->kind = OP_GET;
+    o->keys = keys;
+    o->want = want;
+    o->n = n;
+    o->get_done = done;
+    o->arg = arg;
+    pthread_mutex_lock(&r->mu);
+    if (r->stop) {
+        pthread_mutex_unlock(&r->mu);
+        free(o);
+        return KV_EBUSY;
+    }
+    *r->gets_tail = o;
+    r->gets_tail = &o->next;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return KV_OK;
+}
+
+void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out) {
+    pthread_mutex_lock(&r->mu);
+    *out = r->st;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void kvd_remote_close(kvd_remote *r) {
+    if (r == NULL || !r->async_open) {
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (r->th_started) {
+        pthread_join(r->th, NULL);
+        r->th_started = 0;
+    }
+    on_async(&r->async); /* what finished before the stop */
+    /* What never ran: cancelled. */
+    op *lists[2] = {r->gets, r->puts};
+    r->gets = r->puts = NULL;
+    r->gets_tail = &r->gets;
+    r->puts_tail = &r->puts;
+    for (int k = 0; k < 2; k++) {
+        for (op *o = lists[k]; o != NULL;) {
+            op *next = o->next;
+            o->rc = KV_ECLOSED;
+            run_done(o);
+            o = next;
+        }
+    }
+    uv_close((uv_handle_t *)&r->async, NULL);
+    r->async_open = 0;
+}
+
+void kvd_remote_free(kvd_remote *r) {
+    if (r == NULL) {
+        return;
+    }
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r->slots);
+    free(r->password);
+    free(r);
+}

@@ -1,0 +1,111 @@
+/* kvd_remote: the remote tier's Redis client (docs/TIERS.md, "Remote tier"). One Redis server or
+ * a Redis Cluster (slot map from CLUSTER SLOTS, MOVED and ASK followed, the map read again after
+ * a connection fails or a redirection), spoken to by one thread of its own through Debian's
+ * libhiredis, so that the loop thread never waits on Redis: it queues requests and gets their
+ * completions back on the loop (a uv_async), in order per kind.
+ *
+ * A value is the block's bytes behind a 56-byte header (all integers little-endian):
+ *   "KVDR" | version u16 (1) | format u8 (kvd_tier_format) | 0 u8 | layout key (16) |
+ *   block hash (16: lo, hi) | payload length u64 | XXH3-64 of the payload u64 | payload
+ * The thread builds the header of a put and checks every field of a value it gets against what
+ * the caller expects (the layout key and hash): a value that fails a check is reported BAD and
+ * never handed on. A key that is missing (never written, TTL expired, evicted by Redis's own
+ * maxmemory policy) is a miss.
+ *
+ * Faults: connect and command timeouts (timeout_ms), a node that fails is closed and retried
+ * after a backoff (100 ms doubling to 5 s); while every node is down a request fails at once.
+ * Nothing here ever blocks the loop thread. The password comes from the caller (a file the
+ * daemon read); TLS is not offered (Debian's libhiredis 0.14 has none).
+ */
+#ifndef KVD_REMOTE_H
+#define KVD_REMOTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/kv_err.h"
+#include "common/kv_hash.h"
+
+#define KVD_REMOTE_HEADER 56
+#define KVD_REMOTE_VERSION 1
+
+typedef struct kvd_remote kvd_remote;
+
+typedef struct kvd_remote_cfg {
+    const char *seeds;    /* "HOST:PORT[,HOST:PORT...]" */
+    const char *password; /* AUTH password, or "" */
+    uint64_t timeout_ms;  /* connect and command timeout */
+    uint64_t ttl_s;       /* SET ... EX ttl_s; 0: no TTL */
+    uint64_t queue_bytes; /* bytes of puts queued at most (more are refused: KV_EBUSY) */
+} kvd_remote_cfg;
+
+/* Parses the seeds and starts the thread (which connects on its own: alloc never waits on the
+ * network). KV_EINVAL with msg for a bad seed list; KV_ENOMEM; KV_ESYS (thread). */
+kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote **out, char *msg,
+                        size_t len);
+
+/* Stops the thread (waits for the request it is on: at most about timeout_ms), completes every
+ * queued request with KV_ECLOSED (callbacks run here), and closes the loop handle. Loop
+ * thread; once. Accepts NULL. */
+void kvd_remote_close(kvd_remote *r);
+
+/* Frees everything (after close, after the loop ran its close callbacks). Accepts NULL. */
+void kvd_remote_free(kvd_remote *r);
+
+/* What a value says about its block. */
+typedef struct kvd_remote_meta {
+    kv_hash128 layout_key; /* the pool's model and layout (two pools share values only if equal) */
+    kv_hash128 hash;       /* the block's chain hash */
+    uint8_t format;        /* kvd_tier_format of the payload */
+} kvd_remote_meta;
+
+/* SET key (header, payload) [EX ttl]. key and payload are borrowed until done runs (on the loop
+ * thread; rc KV_OK, KV_EQUOTA when Redis refused it (OOM: full), KV_ESYS when it failed
+ * (timeout, connection), KV_ECLOSED at close). KV_EBUSY (done never runs) when the queue is
+ * full or every node is down. */
+typedef void (*kvd_remote_put_done)(void *arg, kv_err rc);
+kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
+                      const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg);
+
+/* One key's answer to a get. */
+typedef enum kvd_remote_status {
+    KVD_REMOTE_MISS = 0, /* no such key (or the request failed: rc says) */
+    KVD_REMOTE_HIT = 1,  /* data[off..off+len) is the payload, format its format */
+    KVD_REMOTE_BAD = 2,  /* a value that failed a check (why: a static string) */
+} kvd_remote_status;
+
+typedef struct kvd_remote_val {
+    kvd_remote_status status;
+    uint8_t *data;   /* HIT: the whole value (malloc'd; the callback may take it: set NULL) */
+    size_t off, len; /* HIT: where the payload is */
+    uint8_t format;  /* HIT: kvd_tier_format */
+    const char *why; /* BAD: which check failed */
+} kvd_remote_val;
+
+/* GET of keys[0..n) (pipelined per node), each checked against want[i] (layout key and hash;
+ * the format is not compared). keys and want are borrowed until done runs on the loop thread
+ * with vals[0..n) (owned by kvd_remote; data not taken is freed after the callback) and rc:
+ * KV_OK, or KV_ESYS when some node failed (its keys are misses), KV_ECLOSED at close.
+ * KV_EBUSY (done never runs) when every node is down. */
+typedef void (*kvd_remote_get_done)(void *arg, kv_err rc, kvd_remote_val *vals, size_t n);
+kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want, size_t n,
+                      kvd_remote_get_done done, void *arg);
+
+/* Counters and state (loop thread; read under the thread's lock). */
+typedef struct kvd_remote_stats {
+    uint64_t state; /* 1 up (some node answers), 2 down (none does, or none tried yet) */
+    uint64_t puts, put_bytes, put_errors, put_drops;
+    uint64_t gets, hits, misses, bad;
+    uint64_t errors, reconnects, redirects;
+    int cluster; /* a Redis Cluster was found */
+    int nnodes;  /* nodes known */
+    char last_error[160];
+} kvd_remote_stats;
+void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out);
+
+/* The Redis Cluster key slot of key (CRC16/XMODEM of the key or of its {hash tag}, mod 16384). */
+uint32_t kvd_remote_slot(const char *key, size_t len);
+
+#endif

@@ -1,0 +1,1274 @@
+"""The remote tier on Redis (`remote-redis`, docs/TIERS.md) against a real kvd and a real
+redis-server (a single server, or a 3-master + 3-replica Redis Cluster, all on loopback).
+
+Redis is read and written by a tiny RESP client in this file (no redis-py), so every key and
+value is checked independently of kvd's code: keys are `<prefix>:<domain>:<layout key, 32 hex>:
+<block hash, 32 hex>`, values a 56-byte header (b"KVDR", version 1, format, reserved, layout key,
+block hash lo LE / hi LE, payload length, XXH3-64 of the payload) then the payload.
+
+What it checks:
+- `remote-redis` without `tier1-memory` is refused at start, naming both options;
+- write-through from tier 1: a chain node A commits lands in Redis under A's domain (`uid-N` with
+  no tenants file), with well-formed values (raw and zstd tier formats); node B (another kvd,
+  same uid) Fetches the chain from Redis and reads back A's bytes; the remote counters and the
+  admin `tiers` state say so; `remote-key-prefix` names the namespace; `remote-fetch-max` caps
+  what one Fetch asks Redis for;
+- another domain (a tenants file naming the same uid as tenant `other`) never hits A's keys;
+- planted bad values (truncated, wrong magic / version / format / layout key / hash / length /
+  checksum, corrupted payload, another block's value, a key of the wrong type) and a missing key
+  end the served run right before them, are never served, are counted, and kvd keeps serving;
+- Redis killed, SIGSTOPped, not there at start, full (maxmemory + noeviction), AUTH with a good
+  or a wrong password (read from remote-password-file, never on the command line): kvd keeps
+  answering promptly (Ping latency measured while a Fetch waits on a stopped Redis), a Fetch is
+  bounded by about remote-timeout-ms, the state and error counters say what happened, and it
+  reconnects and writes again once Redis is back;
+- remote-ttl-s: keys expire and a Fetch then misses;
+- Redis Cluster: blocks spread over the masters' slots, served with equal bytes; after a master
+  is SIGKILLed and its replica takes over, nothing served is ever wrong and new writes land.
+
+Redis helpers start every redis-server with PR_SET_PDEATHSIG and kill them (SIGCONT first, then
+SIGKILL) at the end of each test. Needs redis-server and redis-cli (skipped otherwise).
+"""
+
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+
+import pytest
+import xxhash
+
+import kvdwire as kw
+from conftest import _die_with_parent, run_kvd_expecting_refusal, wait_until
+from kvdwire import pb
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+pytestmark = pytest.mark.skipif(
+    not (os.access(REDIS_SERVER, os.X_OK) and os.access(REDIS_CLI, os.X_OK)),
+    reason="needs redis-server and redis-cli")
+
+# 2 layers x 2 heads x 8 dims x 16 tokens fp16: 2048-byte blocks (as test_tiers.py).
+LAYOUT = kw.Layout(2, 2, 8, 16, pb.FP16, pb.LAYER_MAJOR)
+T = LAYOUT.tokens_per_block
+MODEL = "m-remote"
+
+HEADER = 56
+MAGIC = b"KVDR"
+# Header fields: (offset, struct format)
+F_MAGIC, F_VERSION, F_FORMAT, F_RESERVED = 0, 4, 6, 7
+F_LAYOUT, F_HASH, F_LEN, F_SUM = 8, 24, 40, 48
+
+# Daemon options (the conftest turns underscores into dashes: --remote-redis=...).
+OPT_REDIS = "remote_redis"
+OPT_PREFIX = "remote_key_prefix"
+OPT_PASSWORD_FILE = "remote_password_file"
+OPT_TTL = "remote_ttl_s"
+OPT_TIMEOUT = "remote_timeout_ms"
+OPT_FETCH_MAX = "remote_fetch_max"
+
+STATE_OFF, STATE_UP, STATE_DOWN = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny RESP2 client
+
+class RespError(Exception):
+    """An error reply (-ERR ..., -MOVED ..., -OOM ...)."""
+
+
+class Redis:
+    """One connection to one redis-server. `pipeline` returns error replies as RespError
+    values; `call` raises them."""
+
+    def __init__(self, port, host="127.0.0.1", password=None, timeout=5.0):
+        self.addr = (host, port)
+        self.sock = socket.create_connection(self.addr, timeout=timeout)
+        self.buf = bytearray()
+        if password is not None:
+            self.call("AUTH", password)
+
+    def close(self):
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @staticmethod
+    def encode(args):
+        out = [b"*%d\r\n" % len(args)]
+        for a in args:
+            if isinstance(a, str):
+                a = a.encode()
+            elif isinstance(a, int):
+                a = str(a).encode()
+            out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        return b"".join(out)
+
+    def _fill(self):
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("redis at %s:%d closed the connection" % self.addr)
+        self.buf += data
+
+    def _line(self):
+        while True:
+            i = self.buf.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self.buf[:i])
+                del self.buf[:i + 2]
+                return line
+            self._fill()
+
+    def _exact(self, n):
+        while len(self.buf) < n + 2:
+            self._fill()
+        data = bytes(self.buf[:n])
+        del self.buf[:n + 2]
+        return data
+
+    def _reply(self):
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            return RespError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self._exact(n)
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._reply() for _ in range(n)]
+        raise ConnectionError("not RESP: %r" % line[:80])
+
+    def pipeline(self, cmds):
+        self.sock.sendall(b"".join(self.encode(c) for c in cmds))
+        return [self._reply() for _ in cmds]
+
+    def call(self, *args):
+        r = self.pipeline([args])[0]
+        if isinstance(r, RespError):
+            raise r
+        return r
+
+    # conveniences (single server)
+    def keys(self, pattern):
+        return sorted(k.decode() for k in self.call("KEYS", pattern))
+
+    def get(self, key):
+        return self.call("GET", key)
+
+    def set(self, key, value):
+        return self.call("SET", key, value)
+
+    def exists_many(self, keys):
+        return [r == 1 for r in self.pipeline([("EXISTS", k) for k in keys])]
+
+
+def crc16_xmodem(data):
+    crc = 0
+    for b in data:
+        crc ^= b << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def key_slot(key):
+    """Redis Cluster's slot of a key (CRC16/XMODEM mod 16384, with {hash tags})."""
+    k = key.encode() if isinstance(key, str) else key
+    s = k.find(b"{")
+    if s >= 0:
+        e = k.find(b"}", s + 1)
+        if e > s + 1:
+            k = k[s + 1:e]
+    return crc16_xmodem(k) & 16383
+
+
+class ClusterClient:
+    """Routes single-key commands by slot (CLUSTER SLOTS), follows MOVED / ASK, refreshes its
+    map when a node is unreachable."""
+
+    def __init__(self, ports, password=None):
+        self.ports = list(ports)
+        self.password = password
+        self.conns = {}
+        self.table = []  # (first slot, last slot, master port)
+        self.refresh()
+
+    def close(self):
+        for c in self.conns.values():
+            c.close()
+        self.conns = {}
+
+    def conn(self, port):
+        c = self.conns.get(port)
+        if c is None:
+            c = self.conns[port] = Redis(port, password=self.password, timeout=2.0)
+        return c
+
+    def drop(self, port):
+        c = self.conns.pop(port, None)
+        if c is not None:
+            c.close()
+
+    def refresh(self):
+        last = None
+        for port in self.ports:
+            try:
+                slots = self.conn(port).call("CLUSTER", "SLOTS")
+            except (OSError, RespError) as e:
+                self.drop(port)
+                last = e
+                continue
+            self.table = sorted((int(s[0]), int(s[1]), int(s[2][1])) for s in slots)
+            return
+        raise ConnectionError("no cluster node answered CLUSTER SLOTS: %r" % last)
+
+    def master_of(self, key):
+        slot = key_slot(key)
+        for first, last, port in self.table:
+            if first <= slot <= last:
+                return port
+        return None
+
+    def masters(self):
+        return sorted({port for _, _, port in self.table})
+
+    def call(self, key, *args):
+        port = self.master_of(key)
+        for _ in range(8):
+            if port is None:
+                self.refresh()
+                port = self.master_of(key)
+                if port is None:
+                    time.sleep(0.2)
+                    continue
+            try:
+                r = self.conn(port).pipeline([args])[0]
+            except OSError:
+                self.drop(port)
+                time.sleep(0.2)
+                try:
+                    self.refresh()
+                except ConnectionError:
+                    pass
+                port = self.master_of(key)
+                continue
+            if isinstance(r, RespError):
+                msg = str(r)
+                if msg.startswith("MOVED "):
+                    port = int(msg.split()[2].rsplit(":", 1)[1])
+                    try:
+                        self.refresh()
+                    except ConnectionError:
+                        pass
+                    continue
+                if msg.startswith("ASK "):
+                    p = int(msg.split()[2].rsplit(":", 1)[1])
+                    r = self.conn(p).pipeline([("ASKING",), args])[1]
+                    if isinstance(r, RespError):
+                        raise r
+                    return r
+                if msg.startswith(("TRYAGAIN", "CLUSTERDOWN")):
+                    time.sleep(0.2)
+                    continue
+                raise r
+            return r
+        raise ConnectionError("cluster command %r on %r did not settle" % (args[0], key))
+
+    def keys(self, pattern):
+        out = set()
+        for port in self.masters():
+            try:
+                out.update(k.decode() for k in self.conn(port).call("KEYS", pattern))
+            except OSError:
+                self.drop(port)
+        return sorted(out)
+
+    def get(self, key):
+        return self.call(key, "GET", key)
+
+    def set(self, key, value):
+        return self.call(key, "SET", key, value)
+
+    def exists_many(self, keys):
+        return [self.call(k, "EXISTS", k) == 1 for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------
+# redis-server processes
+
+_USED_PORTS = set()
+
+
+def _port_free(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_port(cluster=False):
+    """A loopback port nothing listens on (for a cluster node: port + 10000 too, its bus)."""
+    for _ in range(500):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        if port in _USED_PORTS:
+            continue
+        if cluster and (port + 10000 > 65535 or not _port_free(port + 10000)):
+            continue
+        _USED_PORTS.add(port)
+        if cluster:
+            _USED_PORTS.add(port + 10000)
+        return port
+    raise RuntimeError("no free loopback port")
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1:port, in the foreground, without persistence."""
+
+    def __init__(self, port, workdir, args=(), password=None):
+        self.port, self.dir, self.args, self.password = port, workdir, list(args), password
+        self.proc = None
+        self.stopped = False
+        self.log_path = os.path.join(workdir, "redis-%d.log" % port)
+        self.start()
+
+    @property
+    def addr(self):
+        return "127.0.0.1:%d" % self.port
+
+    def start(self):
+        """Starts (or restarts, on the same port) and waits until it answers PING."""
+        assert self.proc is None or self.proc.poll() is not None
+        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--daemonize", "no", "--dir", self.dir] + self.args
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.stopped = False
+        deadline = time.monotonic() + 10
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("redis-server exited with %s: %s" % (self.proc.returncode,
+                                                                        self.read_log()[-2000:]))
+            try:
+                with Redis(self.port, timeout=1.0) as r:
+                    pong = r.pipeline([("PING",)])[0]
+                if pong == "PONG" or (isinstance(pong, RespError) and "NOAUTH" in str(pong)):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server on %d never answered PING" % self.port)
+            time.sleep(0.02)
+
+    def read_log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def client(self, password=None, timeout=5.0):
+        return Redis(self.port, password=password or self.password, timeout=timeout)
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def sigstop(self):
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def sigcont(self):
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+    def kill(self):
+        """SIGKILL (SIGCONT first, so that a stopped server can go); waits for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.stopped = False
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+            self.log = None
+
+
+@pytest.fixture
+def redis_factory():
+    """start(args=(), password=None, port=None) -> RedisServer; all killed afterwards."""
+    workdir = tempfile.mkdtemp(prefix="kvdredis.", dir="/tmp")
+    started = []
+
+    def start(args=(), password=None, port=None):
+        args = list(args)
+        if password is not None:
+            args += ["--requirepass", password]
+        srv = RedisServer(port or free_port(), workdir, args, password)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis(redis_factory):
+    return redis_factory()
+
+
+def cluster_info(port):
+    with Redis(port, timeout=1.0) as r:
+        text = r.call("CLUSTER", "INFO").decode()
+    return dict(line.split(":", 1) for line in text.split("\r\n") if ":" in line)
+
+
+class RedisCluster:
+    """Six redis-servers made one cluster of 3 masters, each with one replica."""
+
+    def __init__(self, workdir):
+        self.dir = workdir
+        self.nodes = {}
+        self.client = None
+
+    def start(self):
+        for _ in range(6):
+            port = free_port(cluster=True)
+            self.nodes[port] = RedisServer(
+                port, self.dir, ["--cluster-enabled", "yes", "--cluster-config-file",
+                                 os.path.join(self.dir, "nodes-%d.conf" % port),
+                                 "--cluster-node-timeout", "1000"])
+        self.ports = sorted(self.nodes)
+        out = subprocess.run([REDIS_CLI, "--cluster", "create"]
+                             + ["127.0.0.1:%d" % p for p in self.ports]
+                             + ["--cluster-replicas", "1", "--cluster-yes"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, timeout=60)
+        assert out.returncode == 0, out.stdout.decode(errors="replace")[-3000:]
+        assert self.wait_ok(timeout=30), "cluster never became ok"
+        self.client = ClusterClient(self.ports)
+        assert len(self.client.masters()) == 3, self.client.table
+        assert self.wait_replicas(timeout=20), "replicas never came in sync"
+        return self
+
+    @property
+    def seeds(self):
+        return ",".join("127.0.0.1:%d" % p for p in self.ports)
+
+    def alive_ports(self):
+        return [p for p, n in self.nodes.items() if n.alive()]
+
+    def ok_everywhere(self, ports=None):
+        """cluster_state:ok on every (live) node, all 16384 slots served by live masters."""
+        ports = self.alive_ports() if ports is None else ports
+        live = set(self.alive_ports())
+        try:
+            for p in ports:
+                info = cluster_info(p)
+                if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384":
+                    return False
+                with Redis(p, timeout=1.0) as r:
+                    slots = r.call("CLUSTER", "SLOTS")
+                covered = 0
+                for s in slots:
+                    if int(s[2][1]) not in live:
+                        return False
+                    covered += int(s[1]) - int(s[0]) + 1
+                if covered != 16384:
+                    return False
+        except (OSError, RespError):
+            return False
+        return True
+
+    def wait_ok(self, timeout):
+        return wait_until(self.ok_everywhere, timeout=timeout, step=0.1)
+
+    def replicas_in_sync(self):
+        try:
+            for p in self.alive_ports():
+                with Redis(p, timeout=1.0) as r:
+                    text = r.call("INFO", "replication").decode()
+                info = dict(l.split(":", 1) for l in text.split("\r\n") if ":" in l)
+                if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                    return False
+                if info.get("role") == "master" and info.get("connected_slaves") != "1":
+                    return False
+        except (OSError, RespError):
+            return False
+        return True
+
+    def wait_replicas(self, timeout):
+        return wait_until(self.replicas_in_sync, timeout=timeout, step=0.1)
+
+    def replication_caught_up(self):
+        """Every live master's replica has its offset (replicas have what masters have)."""
+        try:
+            for p in self.alive_ports():
+                with Redis(p, timeout=1.0) as r:
+                    text = r.call("INFO", "replication").decode()
+                info = dict(l.split(":", 1) for l in text.split("\r\n") if ":" in l)
+                if info.get("role") != "master":
+                    continue
+                off = int(info["master_repl_offset"])
+                for k, v in info.items():
+                    if k.startswith("slave") and "offset=" in v:
+                        fields = dict(f.split("=", 1) for f in v.split(","))
+                        if int(fields["offset"]) < off:
+                            return False
+        except (OSError, RespError, KeyError, ValueError):
+            return False
+        return True
+
+    def kill_node(self, port):
+        self.nodes[port].kill()
+        self.client.drop(port)
+
+    def close(self):
+        if self.client is not None:
+            self.client.close()
+        for n in self.nodes.values():
+            n.kill()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A started RedisCluster; every node killed (SIGCONT, SIGKILL) afterwards."""
+    workdir = tempfile.mkdtemp(prefix="kvdcluster.", dir="/tmp")
+    cluster = RedisCluster(workdir)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# kvd side
+
+def node_opts(redis_addr, writer=True, **extra):
+    """Options of a kvd with a remote tier. writer: tier-write write-through (every commit goes
+    to T1 at once, hence soon to Redis)."""
+    o = {"pool_memory": "1M", "segment_bytes": "64K", "tier1_memory": "8M",
+         "fetch_min_tokens": "0", OPT_REDIS: redis_addr}
+    if writer:
+        o["tier_write"] = "write-through"
+    o.update(extra)
+    return o
+
+
+def connect(d):
+    return d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+
+
+def allocate(conn, pool, count):
+    """Allocate, retrying ENOSPC for up to 5 s (blocks being copied down are leased)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            r = conn.allocate(pool.pool_id, count)
+            break
+        except kw.KvdError as e:
+            if e.code != pb.ENOSPC or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    pool.follow(r)
+    return kw.reply_blocks(r)
+
+
+def chain(pool, nblocks, base):
+    toks = list(range(base, base + nblocks * T))
+    return kw.hash_chain(pool.hash_seed, toks, T, b"", pool.hash_algo)
+
+
+def patterns(layout, hashes, compressible=False):
+    out = []
+    for h in hashes:
+        p = kw.block_pattern(layout, kw.hash_hex(h))
+        if compressible:  # mostly zeros: an encoder that saves bytes keeps its format
+            p = p[:128] + bytes(layout.block_bytes - 128)
+        out.append(p)
+    return out
+
+
+def commit_chain(conn, pool, nblocks, base, compressible=False):
+    """Allocates, writes, commits and releases a chain of nblocks (at most 32 a request; a
+    part's first entry has no parent, which is only an eviction hint); returns (hashes,
+    patterns)."""
+    hashes = chain(pool, nblocks, base)
+    pats = patterns(pool.layout, hashes, compressible)
+    for done in range(0, nblocks, 32):
+        part = min(32, nblocks - done)
+        blocks = allocate(conn, pool, part)
+        entries, parent = [], kw.NO_PARENT
+        for b, h, p in zip(blocks, hashes[done:done + part], pats[done:done + part]):
+            pool.write_block(b[0], p)
+            entries.append((b, h, parent))
+            parent = b[0]
+        conn.release(pool.pool_id, conn.commit(pool.pool_id, entries))
+    return hashes, pats
+
+
+def fetch(conn, pool, hashes):
+    """One Fetch; returns (FetchReply, blocks) (the blocks stay referenced: release them)."""
+    r = conn.fetch(pool.pool_id, hashes)
+    pool.follow(r)
+    blocks = kw.reply_blocks(r)
+    return r, blocks
+
+
+def check_prefix(pool, blocks, pats, what=""):
+    """blocks is a prefix of the chain whose patterns are pats: every block has its bytes."""
+    assert len(blocks) <= len(pats), (what, len(blocks), len(pats))
+    for i, (bid, _) in enumerate(blocks):
+        assert pool.read_block(bid) == pats[i], "%s: block %d of the chain has wrong bytes" % (
+            what, i)
+
+
+def fetch_checked(conn, pool, hashes, pats, what=""):
+    """Fetch, check every served block's bytes, release; returns (reply, number served)."""
+    r, blocks = fetch(conn, pool, hashes)
+    check_prefix(pool, blocks, pats, what)
+    if blocks:
+        conn.release(pool.pool_id, blocks)
+    return r, len(blocks)
+
+
+def tiers(d):
+    return d.admin_result("stats")["tiers"]
+
+
+def rstat(d, name):
+    return tiers(d)["remote_" + name]
+
+
+def domain_of(d, pool_id):
+    for p in d.admin_result("pools")["pools"]:
+        if p["id"] == pool_id:
+            return p["domain"]
+    raise AssertionError("pool %d not in admin pools" % pool_id)
+
+
+def log_tail(d, n=3000):
+    return d.read_log()[-n:]
+
+
+def ping_ms(conn, nonce=7):
+    t = time.perf_counter()
+    assert conn.ping(nonce=nonce).nonce == nonce
+    return (time.perf_counter() - t) * 1000
+
+
+class Namespace:
+    """Where one domain's blocks live in Redis: `<prefix>:<domain>:<layout key>:<hash>`."""
+
+    def __init__(self, client, prefix, domain):
+        self.client, self.prefix, self.domain = client, prefix, domain
+        self.layout_key = None  # 32 hex, learned from the first key seen
+
+    def pattern(self):
+        return "%s:%s:*" % (self.prefix, self.domain)
+
+    def present(self, hashes):
+        """{hash index: full key} of the chain's keys in Redis (any layout key)."""
+        want = {kw.hash_hex(h): i for i, h in enumerate(hashes)}
+        out = {}
+        for k in self.client.keys(self.pattern()):
+            parts = k.split(":")
+            if len(parts) == 4 and parts[3] in want:
+                out[want[parts[3]]] = k
+        return out
+
+    def wait_landed(self, hashes, timeout=10.0):
+        """Waits until every hash of the chain has its key; learns the layout key."""
+        got = wait_until(lambda: len(self.present(hashes)) == len(hashes) and True,
+                         timeout=timeout, step=0.05)
+        if not got:
+            return False
+        keys = self.present(hashes)
+        lks = {k.split(":")[2] for k in keys.values()}
+        assert len(lks) == 1, "one pool, one layout key: %r" % lks
+        lk = lks.pop()
+        assert len(lk) == 32 and all(c in "0123456789abcdef" for c in lk), lk
+        if self.layout_key is None:
+            self.layout_key = lk
+        assert self.layout_key == lk
+        return True
+
+    def key(self, h):
+        assert self.layout_key is not None
+        return "%s:%s:%s:%s" % (self.prefix, self.domain, self.layout_key, kw.hash_hex(h))
+
+
+def parse_value(v):
+    """The header fields of a remote value as a dict, and its payload."""
+    assert len(v) >= HEADER, len(v)
+    ver, = struct.unpack_from("<H", v, F_VERSION)
+    plen, csum = struct.unpack_from("<QQ", v, F_LEN)
+    return {"magic": v[:4], "version": ver, "format": v[F_FORMAT], "reserved": v[F_RESERVED],
+            "layout_key": v[F_LAYOUT:F_LAYOUT + 16], "hash": v[F_HASH:F_HASH + 16],
+            "payload_len": plen, "checksum": csum}, v[HEADER:]
+
+
+def check_value(v, h, layout_key_hex, block_bytes, raw_pattern=None):
+    """A value as the contract writes it, for block hash h of the pool with that layout key."""
+    f, payload = parse_value(v)
+    assert f["magic"] == MAGIC and f["version"] == 1, f
+    assert f["layout_key"].hex() == layout_key_hex, (f["layout_key"].hex(), layout_key_hex)
+    assert f["hash"] == struct.pack("<QQ", h[0], h[1]), f
+    assert f["payload_len"] == len(payload), (f, len(payload))
+    assert f["checksum"] == xxhash.xxh3_64_intdigest(payload), f
+    if raw_pattern is not None:
+        assert f["format"] == 0 and payload == raw_pattern, f
+    if f["format"] == 0:
+        assert len(payload) == block_bytes, f
+    return f
+
+
+def commit_until_landed(conn, pool, ns, nblocks, base, timeout=20.0, per_try=2.0):
+    """Commits fresh chains (bases base, base+1M, ...) until one chain's keys all appear in
+    Redis: a kvd that just reconnected may have dropped what it had queued while Redis was
+    away. Returns (hashes, patterns) of the chain that landed."""
+    deadline = time.monotonic() + timeout
+    k = 0
+    while True:
+        hs, pats = commit_chain(conn, pool, nblocks, base + k * 1000000)
+        if ns.wait_landed(hs, timeout=per_try):
+            return hs, pats
+        k += 1
+        assert time.monotonic() < deadline, "nothing kvd wrote after the fault reached Redis"
+
+
+def fetch_until(conn, pool, hashes, pats, want, timeout=15.0, what=""):
+    """Fetches (checking every served block) until `want` blocks are served or the timeout;
+    returns the last count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, n = fetch_checked(conn, pool, hashes, pats, what)
+        if n >= want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
+
+
+def two_nodes(kvd_factory, redis_addr, b_extra=None, **a_extra):
+    """Node A (writer) and node B (reader) on one Redis, both attached to MODEL."""
+    a = kvd_factory(**node_opts(redis_addr, **a_extra))
+    b = kvd_factory(**node_opts(redis_addr, writer=False, **(b_extra or {})))
+    ca, cb = connect(a), connect(b)
+    pa, pb_ = ca.attach(MODEL, LAYOUT), cb.attach(MODEL, LAYOUT)
+    assert pa.hash_seed == pb_.hash_seed  # same model and layout: same chain on both nodes
+    return a, b, ca, cb, pa, pb_
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+def test_remote_needs_tier1():
+    """remote-redis with tier1-memory 0: kvd refuses to start, naming both options."""
+    rc, out = run_kvd_expecting_refusal({"tier1_memory": "0", OPT_REDIS: "127.0.0.1:1"})
+    assert rc not in (None, 0), out
+    assert "remote-redis" in out and "tier1-memory" in out, out
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zstd"])
+def test_write_through_and_fetch_from_other_node(kvd_factory, redis, fmt):
+    """A commits a 16-block chain: it lands in Redis under `kvd:uid-N:<layout key>:<hash>` with
+    well-formed values; B (another kvd, same uid) Fetches it and reads A's bytes."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, tier_format=fmt)
+    dom = domain_of(a, pa.pool_id)
+    assert dom == "uid-%d" % os.geteuid(), dom
+    assert domain_of(b, pb_.pool_id) == dom
+
+    hs, pats = commit_chain(ca, pa, 16, 1, compressible=(fmt != "raw"))
+    assert wait_until(lambda: rstat(a, "puts") >= 16, timeout=10), (tiers(a), log_tail(a))
+    st = tiers(a)
+    assert st["remote_state"] == STATE_UP, st  # (a kvd may connect on first use only)
+    assert "remote" in a.admin_result("tiers")["state"]
+    assert st["remote_put_errors"] == 0 and st["remote_put_drops"] == 0, st
+    assert st["remote_put_bytes"] >= 16 * HEADER, st
+
+    r = redis.client()
+    ns = Namespace(r, "kvd", dom)
+    assert ns.wait_landed(hs, timeout=5), r.keys("*")[:20]
+    assert len(r.keys(ns.pattern())) == 16
+    formats = set()
+    for h, p in zip(hs, pats):
+        v = r.get(ns.key(h))
+        f = check_value(v, h, ns.layout_key, LAYOUT.block_bytes,
+                        raw_pattern=p if fmt == "raw" else None)
+        formats.add(f["format"])
+        assert r.call("PTTL", ns.key(h)) == -1  # remote-ttl-s 0: no TTL
+    if fmt == "zstd":
+        assert formats == {2}, formats  # mostly-zero blocks compress: the zstd format byte
+
+    # B has nothing locally: its Fetch goes to Redis and returns A's bytes.
+    assert len(kw.reply_blocks(cb.lookup(pb_.pool_id, hs))) == 0
+    fr, blocks = fetch(cb, pb_, hs)
+    assert len(blocks) == 16 and fr.t0_hits == 0, (fr, tiers(b), log_tail(b))
+    assert fr.status == pb.FETCH_DONE, fr
+    check_prefix(pb_, blocks, pats, "B's fetch")
+    st = tiers(b)
+    assert st["remote_hits"] == 16 and st["remote_gets"] >= 16, st
+    assert st["remote_bad"] == 0 and st["remote_errors"] == 0, st
+    cb.release(pb_.pool_id, blocks)
+    # Now they are ordinary T0 hits on B.
+    r2 = cb.lookup(pb_.pool_id, hs)
+    assert len(kw.reply_blocks(r2)) == 16
+    assert a.alive() and b.alive()
+
+
+def test_other_domain_never_hits(kvd_factory, redis):
+    """B's tenants file makes our uid tenant `other`: B's pool is in domain `other`, it gets no
+    hit from A's `uid-N` keys, and what B writes lands under `kvd:other:`."""
+    uid = os.geteuid()
+    a = kvd_factory(**node_opts(redis.addr))
+    b = kvd_factory(tenants="tenant other uid=%d\n" % uid, **node_opts(redis.addr))
+    ca, cb = connect(a), connect(b)
+    pa, pb_ = ca.attach(MODEL, LAYOUT), cb.attach(MODEL, LAYOUT)
+    assert domain_of(b, pb_.pool_id) == "other"
+    assert domain_of(a, pa.pool_id) == "uid-%d" % uid
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    r = redis.client()
+    ns_a = Namespace(r, "kvd", "uid-%d" % uid)
+    assert ns_a.wait_landed(hs)
+    fr, blocks = fetch(cb, pb_, hs)
+    assert blocks == [], fr
+    st = tiers(b)
+    assert st["remote_hits"] == 0, st
+    # B's own writes go to its own domain; A does not hit them.
+    hs2, pats2 = commit_chain(cb, pb_, 4, 5000)
+    ns_b = Namespace(r, "kvd", "other")
+    assert ns_b.wait_landed(hs2)
+    assert not Namespace(r, "kvd", "uid-%d" % uid).present(hs2)
+    fr, blocks = fetch(ca, pa, hs2)
+    assert blocks == [], fr
+    assert rstat(a, "hits") == 0
+
+
+def test_key_prefix_is_the_namespace(kvd_factory, redis):
+    """remote-key-prefix names the keys' first part; a node with another prefix never hits them,
+    a node with the same prefix does."""
+    a = kvd_factory(**node_opts(redis.addr, **{OPT_PREFIX: "kvdtest"}))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, pats = commit_chain(ca, pa, 6, 1)
+    r = redis.client()
+    dom = domain_of(a, pa.pool_id)
+    assert Namespace(r, "kvdtest", dom).wait_landed(hs)
+    assert not r.keys("kvd:*")
+    other = kvd_factory(**node_opts(redis.addr, writer=False))  # default prefix "kvd"
+    co = connect(other)
+    po = co.attach(MODEL, LAYOUT)
+    _, n = fetch_checked(co, po, hs, pats, "default-prefix node")
+    assert n == 0
+    same = kvd_factory(**node_opts(redis.addr, writer=False, **{OPT_PREFIX: "kvdtest"}))
+    cs = connect(same)
+    ps = cs.attach(MODEL, LAYOUT)
+    _, n = fetch_checked(cs, ps, hs, pats, "same-prefix node")
+    assert n == 6
+
+
+def test_fetch_max_caps_one_fetch(kvd_factory, redis):
+    """remote-fetch-max 4: a Fetch of a 16-block chain held only in Redis brings 4 blocks; the
+    next Fetch brings 4 more after the 4 T0 hits."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, b_extra={OPT_FETCH_MAX: "4"})
+    hs, pats = commit_chain(ca, pa, 16, 1)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "first fetch")
+    assert n == 4, (fr, tiers(b))
+    assert rstat(b, "gets") <= 4, tiers(b)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "second fetch")
+    assert n == 8 and fr.t0_hits == 4, fr
+
+
+BAD_KINDS = ["empty", "short10", "header_only", "magic", "version2", "format200",
+             "layout_key", "hash_other", "value_other", "len_plus1", "len_minus1", "checksum",
+             "payload_flip", "trailing_byte"]
+
+
+def bad_value(kind, good, other):
+    """A corrupt variant of `good` (the value at the planted position); `other` is the value of
+    another block of the same chain."""
+    v = bytearray(good)
+    if kind == "empty":
+        return b""
+    if kind == "short10":
+        return bytes(good[:10])
+    if kind == "header_only":
+        return bytes(good[:HEADER])
+    if kind == "magic":
+        v[0:4] = b"KVDX"
+    elif kind == "version2":
+        struct.pack_into("<H", v, F_VERSION, 2)
+    elif kind == "format200":
+        v[F_FORMAT] = 200
+    elif kind == "layout_key":
+        v[F_LAYOUT] ^= 0xFF
+    elif kind == "hash_other":  # the header names another block (payload and checksum intact)
+        v[F_HASH:F_HASH + 16] = other[F_HASH:F_HASH + 16]
+    elif kind == "value_other":  # another block's whole, well-formed value
+        return bytes(other)
+    elif kind == "len_plus1":
+        struct.pack_into("<Q", v, F_LEN, struct.unpack_from("<Q", v, F_LEN)[0] + 1)
+    elif kind == "len_minus1":
+        struct.pack_into("<Q", v, F_LEN, struct.unpack_from("<Q", v, F_LEN)[0] - 1)
+    elif kind == "checksum":
+        v[F_SUM] ^= 0x01
+    elif kind == "payload_flip":  # payload changed, checksum not
+        v[HEADER + 100] ^= 0xFF
+    elif kind == "trailing_byte":  # one byte more than the header's payload length
+        v += b"\0"
+    else:
+        raise AssertionError(kind)
+    return bytes(v)
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_planted_bad_value_never_served(kvd_factory, redis, kind):
+    """The value of chain position 4 replaced by a bad one: B's Fetch returns positions 0..3
+    with A's bytes and never position 4 (or later), remote_bad counts it, kvd keeps serving."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    assert wait_until(lambda: rstat(a, "puts") >= 8)
+    good, other = r.get(ns.key(hs[4])), r.get(ns.key(hs[5]))
+    check_value(good, hs[4], ns.layout_key, LAYOUT.block_bytes, raw_pattern=pats[4])
+    r.set(ns.key(hs[4]), bad_value(kind, good, other))
+    bad0 = rstat(b, "bad")
+    fr, blocks = fetch(cb, pb_, hs)
+    assert len(blocks) == 4, (kind, fr, tiers(b))
+    check_prefix(pb_, blocks, pats, kind)
+    cb.release(pb_.pool_id, blocks)
+    st = tiers(b)
+    assert st["remote_bad"] > bad0, (kind, st)
+    # (remote_hits may count the good values past the bad one too: asked, found, not served)
+    assert st["remote_hits"] <= st["remote_gets"], (kind, st)
+    # Again: now 4 T0 hits, and the bad value is still not served.
+    fr, n = fetch_checked(cb, pb_, hs, pats, kind + " (again)")
+    assert n == 4 and fr.t0_hits == 4, (kind, fr)
+    assert ping_ms(cb) < 1000 and b.alive()
+    assert len(kw.reply_blocks(cb.lookup(pb_.pool_id, hs))) == 4
+
+
+def test_missing_key_ends_the_run(kvd_factory, redis):
+    """A chain position whose key is gone: the Fetch returns the blocks before it (a miss)."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    assert r.call("DEL", ns.key(hs[3])) == 1
+    fr, n = fetch_checked(cb, pb_, hs, pats, "missing key")
+    assert n == 3, (fr, tiers(b))
+    st = tiers(b)
+    assert st["remote_misses"] >= 1 and st["remote_hits"] >= 3 and st["remote_bad"] == 0, st
+
+
+def test_wrong_type_key_never_served(kvd_factory, redis):
+    """A chain position whose key holds a list (GET answers WRONGTYPE): never served, the run
+    ends before it, kvd keeps serving and counts it somewhere."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    r.call("DEL", ns.key(hs[2]))
+    r.call("RPUSH", ns.key(hs[2]), "x")
+    before = tiers(b)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "wrong type")
+    assert n == 2, (fr, tiers(b))
+    after = tiers(b)
+    assert sum(after["remote_" + k] - before["remote_" + k]
+               for k in ("bad", "errors", "misses")) >= 1, after
+    assert ping_ms(cb) < 1000
+
+
+def test_redis_killed_then_back(kvd_factory, redis):
+    """Redis SIGKILLed: B's Fetch completes at once with nothing from Redis, Pings answer, the
+    state or the error counter says so; Redis restarted on the same port (empty): kvd
+    reconnects and new puts land."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    before_a, before_b = tiers(a), tiers(b)
+    redis.kill()
+    t = time.monotonic()
+    fr, blocks = fetch(cb, pb_, hs)
+    took = time.monotonic() - t
+    assert blocks == [], fr
+    assert took < 1.0, "a Fetch with Redis dead took %.2f s" % took
+    assert ping_ms(cb) < 100 and ping_ms(ca) < 100
+
+    def noticed(d, before):
+        s = tiers(d)
+        return s["remote_state"] == STATE_DOWN or s["remote_errors"] > before["remote_errors"]
+
+    assert wait_until(lambda: noticed(b, before_b), timeout=3), tiers(b)
+    # A writes while Redis is gone: it keeps serving (the puts are dropped or fail).
+    hs_down, _ = commit_chain(ca, pa, 4, 50000)
+    assert ping_ms(ca) < 100
+    assert wait_until(lambda: noticed(a, before_a), timeout=3), tiers(a)
+
+    redis.start()  # same port, empty
+    ns = Namespace(redis.client(), "kvd", ns.domain)
+    hs3, pats3 = commit_until_landed(ca, pa, ns, 4, 100000, timeout=20)
+    st = tiers(a)
+    assert st["remote_reconnects"] > before_a["remote_reconnects"], st
+    assert st["remote_puts"] > before_a["remote_puts"], st
+    assert wait_until(lambda: rstat(a, "state") == STATE_UP, timeout=5), tiers(a)
+    # B reconnects too and serves what A wrote after the restart.
+    n = fetch_until(cb, pb_, hs3, pats3, 4, timeout=15, what="after restart")
+    assert n == 4, tiers(b)
+    assert rstat(b, "reconnects") > before_b["remote_reconnects"], tiers(b)
+
+
+def test_redis_absent_at_start(kvd_factory, redis_factory):
+    """remote-redis names a port nothing listens on: kvd starts and serves (state down); once a
+    redis-server starts there, kvd connects (backoff at most about 5 s) and puts land."""
+    port = free_port()
+    a = kvd_factory(**node_opts("127.0.0.1:%d" % port))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    commit_chain(ca, pa, 2, 1)
+    assert ping_ms(ca) < 100
+    assert wait_until(lambda: rstat(a, "state") == STATE_DOWN, timeout=3), tiers(a)
+    srv = redis_factory(port=port)
+    ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+    commit_until_landed(ca, pa, ns, 2, 1000, timeout=20)
+    assert rstat(a, "state") == STATE_UP
+
+
+def test_redis_stopped_never_stalls_the_loop(kvd_factory, redis):
+    """Redis SIGSTOPped (connections accept, nothing answers): while B's Fetch waits on it, 50
+    Pings to B each come back within 50 ms; the Fetch completes within remote-timeout-ms * 3 +
+    1 s; A's commits are prompt. After SIGCONT both nodes work with Redis again."""
+    timeout_ms = 200
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr,
+                                      b_extra={OPT_TIMEOUT: str(timeout_ms)},
+                                      **{OPT_TIMEOUT: str(timeout_ms)})
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    redis.sigstop()
+    try:
+        t_fetch = time.monotonic()
+        fid = cb.send("fetch", cb.fetch_msg(pb_.pool_id, hs))
+        fetch_reply, fetch_took, lat = None, None, []
+        for i in range(50):
+            t = time.perf_counter()
+            cb.send("ping", pb.Ping(nonce=i + 1))
+            while True:
+                try:
+                    which, body, _ = cb.recv()
+                except kw.KvdError as e:  # an Error reply to the Fetch also completes it
+                    assert e.req_id == fid, e
+                    fetch_reply, fetch_took = e, time.monotonic() - t_fetch
+                    continue
+                if which == "pong":
+                    assert body.nonce == i + 1
+                    break
+                assert which == "fetch_reply", which
+                fetch_reply, fetch_took = body, time.monotonic() - t_fetch
+            lat.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.01)
+        assert max(lat) < 50, "Ping latency while Redis is stopped: max %.1f ms" % max(lat)
+        limit = timeout_ms * 3 / 1000 + 1
+        if fetch_reply is None:
+            cb.sock.settimeout(limit + 1)
+            try:
+                which, body, _ = cb.recv(fid)
+                fetch_reply = body
+            except kw.KvdError as e:
+                fetch_reply = e
+            fetch_took = time.monotonic() - t_fetch
+        assert fetch_took <= limit, "Fetch with Redis stopped took %.2f s" % fetch_took
+        if not isinstance(fetch_reply, kw.KvdError):
+            pb_.follow(fetch_reply)
+            blocks = kw.reply_blocks(fetch_reply)
+            check_prefix(pb_, blocks, pats, "fetch while stopped")
+            if blocks:
+                cb.release(pb_.pool_id, blocks)
+        # A commits while Redis is stopped: prompt, and A keeps answering.
+        t = time.monotonic()
+        commit_chain(ca, pa, 8, 7000)
+        assert time.monotonic() - t < 1.0, "a commit took %.2f s" % (time.monotonic() - t)
+        assert max(ping_ms(ca, nonce=k + 1) for k in range(20)) < 50
+        assert ping_ms(cb) < 50
+    finally:
+        redis.sigcont()
+    # Redis answers again: A's new writes land and B serves them and the first chain.
+    hs2, pats2 = commit_until_landed(ca, pa, ns, 4, 300000, timeout=20)
+    assert fetch_until(cb, pb_, hs2, pats2, 4, timeout=15, what="after SIGCONT") == 4, tiers(b)
+    assert fetch_until(cb, pb_, hs, pats, 8, timeout=15, what="first chain") == 8, tiers(b)
+    assert a.alive() and b.alive()
+
+
+def test_redis_full_keeps_serving(kvd_factory, redis_factory):
+    """Redis at maxmemory with noeviction refuses writes (OOM): remote_put_errors counts them,
+    A keeps committing and answering, nothing crashes."""
+    srv = redis_factory(args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+    a = kvd_factory(**node_opts(srv.addr, tier1_memory="16M"))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    deadline = time.monotonic() + 60
+    k = 0
+    while rstat(a, "put_errors") == 0:  # ~2 KiB values: some hundreds fill 2 MB
+        assert time.monotonic() < deadline, tiers(a)
+        commit_chain(ca, pa, 32, 1 + k * 10000)
+        k += 1
+        if k % 8 == 0:
+            wait_until(lambda: rstat(a, "put_errors") > 0, timeout=1)
+        assert k < 400, ("2 MB of Redis never filled", tiers(a), srv.read_log()[-1000:])
+    st = tiers(a)
+    assert st["remote_put_errors"] > 0 and st["remote_puts"] > 0, st
+    with srv.client() as r:
+        info = r.call("INFO", "memory").decode()
+    assert "maxmemory:2097152" in info
+    # Still serving: a fresh chain commits and is a T0 hit; Pings are prompt.
+    hs, _ = commit_chain(ca, pa, 4, 9999999)
+    assert len(kw.reply_blocks(ca.lookup(pa.pool_id, hs))) == 4
+    assert ping_ms(ca) < 100 and a.alive()
+
+
+def test_ttl_expires_keys(kvd_factory, redis):
+    """remote-ttl-s 1: a written key has a TTL of at most 1 s, is gone after ~2.5 s, and B's
+    Fetch then misses."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, **{OPT_TTL: "1"})
+    r = redis.client()
+    hs, pats = commit_chain(ca, pa, 4, 1)
+    t0 = time.monotonic()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    ttls = [r.call("PTTL", ns.key(h)) for h in hs]
+    assert all(0 < t <= 1000 for t in ttls), ttls
+    time.sleep(max(0, t0 + 2.5 - time.monotonic()))
+    assert r.exists_many([ns.key(h) for h in hs]) == [False] * 4
+    fr, n = fetch_checked(cb, pb_, hs, pats, "after expiry")
+    assert n == 0, fr
+    st = tiers(b)
+    assert st["remote_hits"] == 0 and st["remote_misses"] >= 1, st
+
+
+def _cmdline(d):
+    with open("/proc/%d/cmdline" % d.proc.pid, "rb") as f:
+        return f.read()
+
+
+def test_auth_password_file(kvd_factory, redis_factory):
+    """Redis with requirepass: kvd with remote-password-file holding the password writes and
+    reads; the password is nowhere on kvd's command line (nor in its log)."""
+    srv = redis_factory(password="secret")
+    files = {"pw": b"secret\n"}
+    a = kvd_factory(files=files, **node_opts(srv.addr, **{OPT_PASSWORD_FILE: "{dir}/pw"}))
+    b = kvd_factory(files=files, **node_opts(srv.addr, writer=False,
+                                             **{OPT_PASSWORD_FILE: "{dir}/pw"}))
+    for d in (a, b):
+        assert b"secret" not in _cmdline(d), _cmdline(d)
+    ca, cb = connect(a), connect(b)
+    pa, pb_ = ca.attach(MODEL, LAYOUT), cb.attach(MODEL, LAYOUT)
+    hs, pats = commit_chain(ca, pa, 6, 1)
+    assert wait_until(lambda: rstat(a, "puts") >= 6, timeout=10), (tiers(a), log_tail(a))
+    ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    _, n = fetch_checked(cb, pb_, hs, pats, "with AUTH")
+    assert n == 6, tiers(b)
+    for d in (a, b):
+        assert "secret" not in d.read_log()
+
+
+def test_auth_wrong_password(kvd_factory, redis_factory):
+    """A wrong password in remote-password-file: puts fail (counted), nothing lands in Redis,
+    kvd keeps serving; the password is not on its command line."""
+    srv = redis_factory(password="secret")
+    a = kvd_factory(files={"pw": b"wrong-one\n"},
+                    **node_opts(srv.addr, **{OPT_PASSWORD_FILE: "{dir}/pw"}))
+    assert b"wrong-one" not in _cmdline(a) and b"secret" not in _cmdline(a)
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, _ = commit_chain(ca, pa, 4, 1)
+
+    def failed():
+        s = tiers(a)
+        return s["remote_errors"] + s["remote_put_errors"] > 0
+
+    assert wait_until(failed, timeout=8), tiers(a)
+    st = tiers(a)
+    assert st["remote_puts"] == 0 and st["remote_state"] != STATE_UP, st
+    with srv.client() as r:
+        assert r.keys("kvd:*") == []
+    assert len(kw.reply_blocks(ca.lookup(pa.pool_id, hs))) == 4
+    assert ping_ms(ca) < 100 and a.alive()
+
+
+def test_cluster_spread_failover_and_writes(kvd_factory, redis_cluster):
+    """A Redis Cluster (3 masters + 3 replicas): A's 64 blocks spread over the masters and B
+    fetches all 64 with A's bytes. A master SIGKILLed and its replica promoted: a fresh node C
+    serves the chain's leading run that still exists, never a wrong byte; A's 32 new blocks
+    land after the failover and B fetches (most of) them."""
+    cl = redis_cluster
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, cl.seeds)
+    hs, pats = commit_chain(ca, pa, 64, 1)
+    assert wait_until(lambda: rstat(a, "puts") >= 64, timeout=15), (tiers(a), log_tail(a))
+    ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    owners = {}
+    for h in hs:
+        owners.setdefault(cl.client.master_of(ns.key(h)), []).append(h)
+    assert len(owners) == 3, {p: len(v) for p, v in owners.items()}
+    for h, p in zip(hs, pats):  # each key readable from its slot's master, well-formed
+        check_value(cl.client.get(ns.key(h)), h, ns.layout_key, LAYOUT.block_bytes, p)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "cluster fetch")
+    assert n == 64, (fr, tiers(b), log_tail(b))
+    assert rstat(b, "hits") == 64
+
+    # Kill the master holding the chain's earliest block (so the failover matters at once).
+    wait_until(cl.replication_caught_up, timeout=5)
+    victim = cl.client.master_of(ns.key(hs[0]))
+    cl.kill_node(victim)
+    assert wait_until(lambda: cl.ok_everywhere(), timeout=30, step=0.2), "no failover"
+    cl.client.refresh()
+    assert victim not in cl.client.masters()
+    exists = cl.client.exists_many([ns.key(h) for h in hs])
+    lead = next((i for i, e in enumerate(exists) if not e), len(hs))
+
+    c = kvd_factory(**node_opts(cl.seeds, writer=False))
+    cc = connect(c)
+    pc = cc.attach(MODEL, LAYOUT)
+    n = fetch_until(cc, pc, hs, pats, lead, timeout=15, what="after failover")
+    assert n == lead, (n, lead, tiers(c))
+
+    # A writes 32 new blocks after the failover: they land (A follows the new topology).
+    puts0 = rstat(a, "puts")
+    hs2, pats2 = commit_until_landed(ca, pa, ns, 32, 500000, timeout=30, per_try=5)
+    assert rstat(a, "puts") - puts0 >= 32, tiers(a)
+    assert len({cl.client.master_of(ns.key(h)) for h in hs2}) >= 2
+    n = fetch_until(cb, pb_, hs2, pats2, 32, timeout=15, what="new blocks")
+    assert n >= 24, (n, tiers(b))
+    for d in (a, b, c):
+        assert d.alive() and ping_ms(d.connect()) < 100
