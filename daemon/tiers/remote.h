@@ -78,7 +78,8 @@ typedef enum kvd_remote_status {
 
 typedef struct kvd_remote_val {
     kvd_remote_status status;
-    uint8_t *data;   /* HIT: the whole value (malloc'd; the callback may take it: set NULL) */
+    uint8_t *data;   /* HIT: the payload at data + off (malloc'd; the callback may take it:
+                        set NULL; off is 0) */
     size_t off, len; /* HIT: where the payload is */
     uint8_t format;  /* HIT: kvd_tier_format */
     const char *why; /* BAD: which check failed */

@@ -2010,14 +2010,12 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (!make_room(tp, 1, v->len)) {
             break;
         }
-        uint8_t *b = malloc(v->len > 0 ? v->len : 1);
         kv_hash128 parent = i > 0 || rf->n > 0 ? rf->hashes[rf->n + i - 1] : (kv_hash128){0, 0};
-        if (b == NULL || kvd_tstore_get(&tp->st, h, parent, &ei) != KV_OK) {
-            free(b);
+        if (v->off != 0 || kvd_tstore_get(&tp->st, h, parent, &ei) != KV_OK) {
             break;
         }
-        memcpy(b, v->data + v->off, v->len);
-        kvd_tstore_set1(&tp->st, ei, b, v->len, v->format);
+        kvd_tstore_set1(&tp->st, ei, v->data, v->len, v->format); /* the value's buffer */
+        v->data = NULL;
         t->used[0] += v->len;
         t->c[TS_REMOTE_PROMOTED]++;
         got++;
