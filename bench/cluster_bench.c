@@ -60,10 +60,18 @@ static void start_remote_node(node *d, const char *name, int port) {
     char sockopt[200], redis[64];
     snprintf(sockopt, sizeof(sockopt), "--socket=%s", d->sock);
     snprintf(redis, sizeof(redis), "--remote-redis=127.0.0.1:%d", port);
-    char *argv[] = {(char *)g_kvd,         "--backend=host",     sockopt,
-                    "--pool-memory=256M",  "--segment-bytes=16M", "--tier1-memory=512M",
-                    "--tier-write=write-through", "--fetch-min-tokens=0", "--log-level=error",
-                    "--remote-timeout-ms=2000", redis,            NULL};
+    char *argv[] = {(char *)g_kvd,
+                    "--backend=host",
+                    sockopt,
+                    "--pool-memory=256M",
+                    "--segment-bytes=16M",
+                    "--tier1-memory=512M",
+                    "--tier-write=write-through",
+                    "--fetch-min-tokens=0",
+                    "--log-level=error",
+                    "--remote-timeout-ms=2000",
+                    redis,
+                    NULL};
     d->pid = bench_spawn(argv);
     bench_wait_socket(d->sock, d->pid);
 }
@@ -121,8 +129,8 @@ static void bench_remote(int runs) {
     int port = 20000 + (int)(getpid() % 20000);
     snprintf(port_s, sizeof(port_s), "%d", port);
     snprintf(dir_s, sizeof(dir_s), "%s", g_dir);
-    char *rargv[] = {"redis-server", "--port", port_s, "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", dir_s, NULL};
+    char *rargv[] = {"redis-server", "--port", port_s,  "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no",     "--dir", dir_s,    NULL};
     pid_t rpid = bench_spawn(rargv);
     redisContext *rc = NULL;
     for (int i = 0; i < 100 && (rc == NULL || rc->err); i++) {

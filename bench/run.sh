@@ -18,7 +18,10 @@ run_one() {
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
         tiers) /usr/bin/python3 bench/tiers_bench.py "$BIN_DIR/../daemon/kvd" ;;
-        cluster) "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}" ;;
+        cluster)
+            "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}"
+            bash bench/cluster_ttft.sh "$BIN_DIR/.."
+            ;;
         compress)
             # The held-out text by the training script's own rule (no torch needed for it).
             local held

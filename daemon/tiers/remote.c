@@ -621,6 +621,11 @@ static void finish(kvd_remote *r, op *o) {
 
 static void *thread_main(void *arg) {
     kvd_remote *r = arg;
+    /* Connect at once, so that the state says up or down before the first request. */
+    (void)refresh(r);
+    pthread_mutex_lock(&r->mu);
+    r->st.state = any_up(r) ? 1 : 2;
+    pthread_mutex_unlock(&r->mu);
     for (;;) {
         pthread_mutex_lock(&r->mu);
         while (!r->stop && r->gets == NULL && r->puts == NULL) {
@@ -653,9 +658,33 @@ static void *thread_main(void *arg) {
         }
         if (g != NULL) {
             do_get(r, g);
+            if (g->rc == KV_ESYS && r->cluster && r->need_refresh && refresh(r) == 0) {
+                /* A master failed: once more over the new map (a replica took its slots). */
+                for (size_t i = 0; i < g->n; i++) {
+                    free(g->vals[i].data);
+                }
+                free(g->vals);
+                g->vals = NULL;
+                g->rc = KV_OK;
+                do_get(r, g);
+            }
             finish(r, g);
         } else {
             do_puts(r, batch, nb);
+            op *again[PUT_BATCH];
+            size_t na = 0;
+            for (size_t i = 0; i < nb; i++) {
+                if (batch[i]->rc == KV_ESYS && r->cluster) {
+                    again[na++] = batch[i];
+                }
+            }
+            if (na > 0 && r->need_refresh && refresh(r) == 0) {
+                /* Counted as errors the first time: uncount what the second try lands. */
+                pthread_mutex_lock(&r->mu);
+                r->st.put_errors -= na;
+                pthread_mutex_unlock(&r->mu);
+                do_puts(r, again, na);
+            }
             for (size_t i = 0; i < nb; i++) {
                 finish(r, batch[i]);
             }
