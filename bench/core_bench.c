@@ -4,8 +4,9 @@
  * Each figure stands beside a baseline measured in the same run on the same machine (memcpy of
  * the same bytes, malloc+free, a cache-resident index, Belady's optimum), because the machines
  * are shared and absolute numbers move from run to run; the ratios move much less.
- * Usage: core_bench [--quick] [--traces] [--seed N] [--trace-file FILE]
- *   --quick: smaller sizes, for a smoke run; --traces: the eviction tables only; --seed: the
+ * Usage: core_bench [--quick] [--traces] [--hash] [--seed N] [--trace-file FILE]
+ *   --quick: smaller sizes, for a smoke run; --traces: the eviction tables only; --hash: the
+ *   hashing table only (XXH3, SHA-256/128 and vLLM's sha256_cbor against memcpy); --seed: the
  *   traces' base seed (default 20240601, the one recorded; tune on others); --trace-file: replay
  *   a user's trace (evict_trace.h's text format) at 0.3/1/3% with every policy and Belady.
  */
@@ -611,12 +612,15 @@ int main(int argc, char **argv) {
             quick = 1;
         } else if (strcmp(argv[i], "--traces") == 0) {
             traces_only = 1;
+        } else if (strcmp(argv[i], "--hash") == 0) {
+            bench_hash(quick);
+            return 0;
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             seed = strtoull(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--trace-file") == 0 && i + 1 < argc) {
             file = argv[++i];
         } else {
-            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--seed N] "
+            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--hash] [--seed N] "
                             "[--trace-file FILE]\n");
             return 2;
         }

@@ -116,7 +116,9 @@ for tool in bash env mkdir cat date uname timeout tail; do
     copy_prog "$tool" || { bad "no $tool here"; finish; }
 done
 cp -L /lib64/ld-linux-x86-64.so.2 "$C/lib64/"
-for l in libc.so.6 libm.so.6 libstdc++.so.6 libgcc_s.so.1; do
+# The C/C++ runtime the bundle leaves out (every glibc system has it: libpthread, libdl and
+# librt are glibc's too, and libraries such as libzmq still name them).
+for l in libc.so.6 libm.so.6 libstdc++.so.6 libgcc_s.so.1 libpthread.so.0 libdl.so.2 librt.so.1; do
     cp -L "/lib/x86_64-linux-gnu/$l" "$C/lib/x86_64-linux-gnu/"
 done
 cp -L "$R/tests/gpu/bundle/libdummycuda.so" "$C/lib/x86_64-linux-gnu/libcuda.so.1"
