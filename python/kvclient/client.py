@@ -692,6 +692,46 @@ class Pool:
             raise_for(rc, "hash_next")
         return (out.lo, out.hi)
 
+    # -- vLLM's sha256_cbor hashes (a daemon with hash-mode vllm: hash_algo 3, docs/HASH.md)
+
+    def vllm_none_hash(self):
+        """vLLM's NONE_HASH (32 bytes), the parent of a chain's first block."""
+        out = ctypes.create_string_buffer(32)
+        rc = lib.kvc_pool_vllm_none_hash(self._p(), out)
+        if rc:
+            raise_for(rc, "vllm_none_hash")
+        return out.raw
+
+    def vllm_hash_tokens(self, tokens, extra=None):
+        """The 32-byte vLLM digests of the full blocks of tokens (a list of bytes); hash_tokens
+        gives their keys (the first 16 bytes). extra: one text key (a LoRA name, a cache salt)."""
+        p = self._p()
+        ptr, n, keep = _u32_tokens(tokens)
+        nfull = n // self._tpb
+        out = ctypes.create_string_buffer(32 * max(nfull, 1))
+        nout = c_size_t()
+        e, elen = _raw(extra)
+        rc = lib.kvc_pool_vllm_hash_tokens(p, e, elen, ptr, n, out, nfull, byref(nout))
+        if rc:
+            raise_for(rc, "vllm_hash_tokens")
+        return [out.raw[32 * i:32 * i + 32] for i in range(nout.value)]
+
+    def vllm_hash_next(self, parent, tokens, extra=None):
+        """The vLLM digest of one more block after parent (32 bytes; None for the first)."""
+        p = self._p()
+        ptr, n, keep = _u32_tokens(tokens)
+        if n != self._tpb:
+            raise ValueError("vllm_hash_next takes one block of %d tokens, not %d"
+                             % (self._tpb, n))
+        if parent is not None and len(parent) != 32:
+            raise ValueError("a vLLM digest has 32 bytes, not %d" % len(parent))
+        e, elen = _raw(extra)
+        out = ctypes.create_string_buffer(32)
+        rc = lib.kvc_pool_vllm_hash_next(p, parent, e, elen, ptr, out)
+        if rc:
+            raise_for(rc, "vllm_hash_next")
+        return out.raw
+
     # -- synchronous block calls (one round trip each)
 
     def lookup(self, hashes, out=None):
@@ -825,11 +865,17 @@ class Pool:
             raise_for(rc, "summaries")
         return out[:n], found[:n].astype(bool)
 
-    def commit(self, blocks, hashes, parent=NO_PARENT, parents=None):
+    def commit(self, blocks, hashes, parent=NO_PARENT, parents=None, digests=None,
+               parent_digest=None, tokens=None):
         """Commits written, full blocks with their chain hashes: each becomes immutable and
         indexed. parents: one parent id per block; default: a chain (block i's parent is
         block i-1, the first one's `parent`). Returns the canonical Blocks: the same ones, or
-        already cached blocks with the same hashes (use those from now on)."""
+        already cached blocks with the same hashes (use those from now on).
+        For the daemon's KV events (kvc_commit_ex, docs/EVENTS.md): digests, the blocks' 32-byte
+        vLLM digests (required by a hash-mode vllm daemon); parent_digest, the first block's
+        parent digest when that block is in another pool; tokens, the blocks' token ids
+        (len(blocks) * tokens_per_block), which BlockStored carries where the operator opted
+        in."""
         p = self._p()
         addr, n, keep = _blocks_arg(blocks)
         hashes = _hashes_arg(hashes)
@@ -847,9 +893,26 @@ class Pool:
             else:
                 e.parent = int(parent) if i == 0 else src_b[i - 1].id
         canon = Blocks(n, self)
+        full = pfull = tok = None
+        if digests is not None:
+            if len(digests) != n or any(len(d) != 32 for d in digests):
+                raise ValueError("digests: one 32-byte digest per block")
+            full = ctypes.create_string_buffer(b"".join(digests), 32 * max(n, 1))
+        if parent_digest is not None:
+            if len(parent_digest) != 32:
+                raise ValueError("parent_digest has 32 bytes")
+            pfull = ctypes.create_string_buffer(bytes(parent_digest), 32)
+        if tokens is not None:
+            tptr, tn, tkeep = _u32_tokens(tokens)
+            if tn != n * self._tpb:
+                raise ValueError("tokens: %d ids for %d blocks of %d" % (tn, n, self._tpb))
+            tok = tptr
         h = self._h
         with h.lock:
-            rc = lib.kvc_commit(p, entries, n, canon._addr)
+            if full is None and pfull is None and tok is None:
+                rc = lib.kvc_commit(p, entries, n, canon._addr)
+            else:
+                rc = lib.kvc_commit_ex(p, entries, n, full, pfull, tok, canon._addr)
             h.exit_call()
         if rc:
             raise_for(rc, "commit")
