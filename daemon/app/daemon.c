@@ -132,6 +132,9 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
         KV_LOG(ERROR, "KVD-START", "%s", eerr[0] != '\0' ? eerr : kv_strerror(rc));
         goto fail;
     }
+    if (d->kvevents != NULL) {
+        kvd_tiers_set_event_hook(d->tiers, kvd_kvevents_tier_change, d->kvevents);
+    }
     kvd_server_deps sd = {&d->cfg,           loop, &d->reg,  d->boot_epoch,
                           on_server_stopped, d,    d->tiers, d->kvevents};
     rc = kvd_server_alloc(&sd, &d->srv);

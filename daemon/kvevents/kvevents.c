@@ -164,6 +164,12 @@ struct kvd_kvevents {
 
 /* ---- the advertised-hash table --------------------------------------------------------- */
 
+/* Media: 0 T0 (GPU or CPU, the pool's memory), 1 tier 1 (CPU), 2 tier 2 (DISK). A pool's
+ * record of a medium has namespace POOL_NS(m), a publisher's PUB_NS(m). */
+#define NMEDIA 3
+#define POOL_NS(m) ((uint8_t)(1 + 2 * (m)))
+#define PUB_NS(m) ((uint8_t)(2 + 2 * (m)))
+
 static size_t adv_slot(const kvd_kvevents *e, uint8_t ns, uint32_t a, kv_hash128 k) {
     uint64_t h =
         (k.lo ^ (k.hi * 0x9E3779B97F4A7C15ull)) + ((uint64_t)ns << 32 | a) * 0xC2B2AE3D27D4EB4Full;
@@ -448,7 +454,10 @@ void kvd_kvevents_gap(kvd_kvevents *e) {
 
 /* The digest of key as publisher b recorded it, into buf; NULL when it holds none. */
 static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uint8_t buf[32]) {
-    adv *t = adv_find(e, 2, b->index + 1, key);
+    adv *t = NULL;
+    for (uint8_t m = 0; m < NMEDIA && (t == NULL || !t->has_tail); m++) {
+        t = adv_find(e, PUB_NS(m), b->index + 1, key);
+    }
     if (t == NULL || !t->has_tail) {
         return NULL;
     }
@@ -459,7 +468,7 @@ static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uin
 }
 
 /* One BlockStored of blk[0..n), all new to the publisher. */
-static void pack_stored(kvd_kvevents *e, pub *b, const kvd_reg_pool *p,
+static void pack_stored(kvd_kvevents *e, pub *b, uint32_t tpb, const char *medium,
                         const kvd_kvevent_block *blk, size_t n, const kv_hash128 *parent,
                         const uint8_t *parent_full) {
     msgpack_packer *pk = &b->pk;
@@ -483,7 +492,6 @@ static void pack_stored(kvd_kvevents *e, pub *b, const kvd_reg_pool *p,
     } else {
         pack_hash(b, *parent, pf);
     }
-    uint32_t tpb = p->layout.tokens_per_block;
     int with_tokens = b->token_ids;
     for (size_t i = 0; i < n && with_tokens; i++) {
         with_tokens = blk[i].tokens != NULL;
@@ -500,10 +508,122 @@ static void pack_stored(kvd_kvevents *e, pub *b, const kvd_reg_pool *p,
     pack_field(b, "lora_id");
     msgpack_pack_nil(pk);
     pack_field(b, "medium");
-    pack_str(pk, e->medium);
+    pack_str(pk, medium);
     pack_field(b, "lora_name");
     msgpack_pack_nil(pk);
     queued(e, b);
+}
+
+/* Pool pool_id holds key in its tier pm now, which the publisher advertises as medium m (tier 1
+ * of a host pool is the same medium as its T0: CPU memory): 1 when the publisher did not hold it
+ * there (it is to be advertised), 0 when it did or the pool's tier was counted already, -1 for
+ * want of memory. */
+static int adv_hold(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key, uint8_t pm,
+                    uint8_t m, const uint8_t *full) {
+    adv *pa = adv_get(e, POOL_NS(pm), pool_id, key);
+    if (pa == NULL) {
+        return -1;
+    }
+    if (pa->refs != 0) {
+        return 0;
+    }
+    pa->refs = 1;
+    adv *pb = adv_get(e, PUB_NS(m), b->index + 1, key);
+    if (pb == NULL) {
+        adv_del(e, adv_find(e, POOL_NS(pm), pool_id, key));
+        return -1;
+    }
+    if (full != NULL && !pb->has_tail) {
+        memcpy(pb->tail, full + 16, 16);
+        pb->has_tail = 1;
+    }
+    if (++pb->refs == 1) {
+        e->nblocks++;
+        return 1;
+    }
+    return 0;
+}
+
+/* Pool pool_id no longer holds key in its tier pm (medium m): 1 when the publisher's last holder
+ * went (to be removed; *full then names the digest when known, in buf), else 0. */
+static int adv_let_go(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key, uint8_t pm,
+                      uint8_t m, uint8_t buf[32], const uint8_t **full) {
+    *full = NULL;
+    adv *pa = adv_find(e, POOL_NS(pm), pool_id, key);
+    if (pa == NULL) {
+        return 0; /* never counted */
+    }
+    adv_del(e, pa);
+    adv *pb = adv_find(e, PUB_NS(m), b->index + 1, key);
+    if (pb == NULL || --pb->refs > 0) {
+        return 0;
+    }
+    if (pb->has_tail) {
+        put_u64le(buf, key.lo);
+        put_u64le(buf + 8, key.hi);
+        memcpy(buf + 16, pb->tail, 16);
+        *full = buf;
+    }
+    adv_del(e, pb);
+    e->nblocks--;
+    if (*full == NULL && e->vllm) {
+        *full = recorded_full(e, b, key, buf); /* another medium's record of the digest */
+    }
+    return 1;
+}
+
+static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t *full,
+                         const char *medium) {
+    pack_head(b, "BlockRemoved", 2);
+    pack_field(b, "block_hashes");
+    msgpack_pack_array(&b->pk, 1);
+    pack_hash(b, key, full);
+    pack_field(b, "medium");
+    pack_str(&b->pk, medium);
+    queued(e, b);
+}
+
+void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
+                              kv_hash128 hash, int tier, int present) {
+    kvd_kvevents *e = arg;
+    if (e == NULL || !e->started || e->closed || tier < 1 || tier > 2) {
+        return;
+    }
+    pub *b = pub_of(e, domain);
+    if (b == NULL) {
+        return;
+    }
+    /* A host pool's T0 and tier 1 are both CPU memory: one medium, counted once. */
+    uint8_t pm = (uint8_t)tier;
+    uint8_t m = tier == 1 && strcmp(e->medium, "CPU") == 0 ? 0 : pm;
+    const char *medium = tier == 1 ? "CPU" : "DISK";
+    uint8_t buf[32];
+    if (!present) {
+        const uint8_t *full;
+        if (adv_let_go(e, b, pool_id, hash, pm, m, buf, &full) == 1) {
+            if (e->vllm && full == NULL) {
+                e->c[KS_GAPS]++; /* no vLLM name for it */
+                return;
+            }
+            pack_removed(e, b, hash, full, medium);
+        }
+        return;
+    }
+    /* In hash-mode vllm a block is named by its digest: known while any medium of the
+     * publisher records it (its T0 copy, usually), else the event cannot be made. */
+    const uint8_t *full = e->vllm ? recorded_full(e, b, hash, buf) : NULL;
+    if (e->vllm && full == NULL) {
+        e->c[KS_GAPS]++;
+        return;
+    }
+    int rc = adv_hold(e, b, pool_id, hash, pm, m, full);
+    if (rc < 0) {
+        e->c[KS_GAPS]++;
+    } else if (rc == 1) {
+        /* As vLLM's offloading connector reports its CPU copies: no parent, no tokens. */
+        kvd_kvevent_block one = {hash, full, NULL};
+        pack_stored(e, b, block_size, medium, &one, 1, NULL, NULL);
+    }
 }
 
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
@@ -519,28 +639,11 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
     }
     /* Count: the pool holds each block now; the publisher advertises those it did not. */
     for (size_t i = 0; i < n; i++) {
-        fresh[i] = 0;
-        adv *pa = adv_get(e, 1, p->pool_id, blk[i].key);
-        if (pa == NULL) {
+        int rc = adv_hold(e, b, p->pool_id, blk[i].key, 0, 0, blk[i].full);
+        fresh[i] = rc == 1;
+        if (rc < 0) {
             e->c[KS_GAPS]++;
-            continue;
         }
-        if (pa->refs != 0) {
-            continue; /* counted already */
-        }
-        pa->refs = 1;
-        adv *pb = adv_get(e, 2, b->index + 1, blk[i].key);
-        if (pb == NULL) {
-            adv_del(e, adv_find(e, 1, p->pool_id, blk[i].key));
-            e->c[KS_GAPS]++;
-            continue;
-        }
-        if (blk[i].full != NULL && !pb->has_tail) {
-            memcpy(pb->tail, blk[i].full + 16, 16);
-            pb->has_tail = 1;
-        }
-        fresh[i] = ++pb->refs == 1;
-        e->nblocks += fresh[i];
     }
     /* One BlockStored per run of fresh blocks; a block advertised already splits the chain
      * (the next run's parent). */
@@ -558,7 +661,7 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
         while (j < n && fresh[j]) {
             j++;
         }
-        pack_stored(e, b, p, blk + i, j - i, par, parf);
+        pack_stored(e, b, p->layout.tokens_per_block, e->medium, blk + i, j - i, par, parf);
         par = &blk[j - 1].key;
         parf = blk[j - 1].full;
         i = j;
@@ -576,32 +679,11 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     }
     const kvd_pool_config *pc = kvd_pool_config_get(pool);
     pub *b = pub_of(e, pc->domain);
-    adv *pa = b != NULL ? adv_find(e, 1, pc->pool_id, hash) : NULL;
-    if (pa == NULL) {
-        return; /* never advertised (a Fetch's or the commons' block) */
-    }
-    adv_del(e, pa);
-    adv *pb = adv_find(e, 2, b->index + 1, hash);
-    if (pb == NULL || --pb->refs > 0) {
-        return; /* another pool of the publisher still holds it */
-    }
     uint8_t fbuf[32];
-    const uint8_t *full = NULL;
-    if (pb->has_tail) {
-        put_u64le(fbuf, hash.lo);
-        put_u64le(fbuf + 8, hash.hi);
-        memcpy(fbuf + 16, pb->tail, 16);
-        full = fbuf;
+    const uint8_t *full;
+    if (b != NULL && adv_let_go(e, b, pc->pool_id, hash, 0, 0, fbuf, &full) == 1) {
+        pack_removed(e, b, hash, full, e->medium);
     }
-    adv_del(e, pb);
-    e->nblocks--;
-    pack_head(b, "BlockRemoved", 2);
-    pack_field(b, "block_hashes");
-    msgpack_pack_array(&b->pk, 1);
-    pack_hash(b, hash, full);
-    pack_field(b, "medium");
-    pack_str(&b->pk, e->medium);
-    queued(e, b);
 }
 
 void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p) {

@@ -29,10 +29,11 @@
  * previous run forgets it.
  *
  * What is published: a Commit's new canonical blocks (BlockStored, one event per chained run,
- * medium "GPU" for CUDA pools and "CPU" for host pools) and every published block that leaves T0
- * (BlockRemoved: eviction, parking, quarantine, Unshare). Not yet (issue 17, unfinished): the
- * lower tiers' own events (medium CPU/DISK for T1/T2), blocks a Fetch promotes back into T0 and
- * blocks the daemon promotes into the commons (they are neither stored nor removed to routers).
+ * medium "GPU" for CUDA pools and "CPU" for host pools), every published block that leaves T0
+ * (BlockRemoved: eviction, parking, quarantine, Unshare), and the lower tiers' copies (medium
+ * "CPU" for tier 1, "DISK" for tier 2: kvd_kvevents_tier_change). Not yet (issue 17,
+ * unfinished): blocks a Fetch promotes back into T0, blocks the daemon promotes into the commons
+ * (neither stored nor removed to routers in T0), and the remote tier (medium REMOTE).
  *
  * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
  * shared by the live send, the replay buffer and every replay, counted), replays are answered
@@ -98,6 +99,16 @@ typedef struct kvd_kvevent_block {
  * already sits in the chain) in the batch being built. */
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *b,
                          size_t n, const kv_hash128 *parent, const uint8_t *parent_full);
+
+/* The tiers' event hook (kvd_tiers_set_event_hook; arg: the kvd_kvevents): a block of pool
+ * pool_id entered (present 1) or left (0) tier 1 (medium "CPU") or tier 2 ("DISK"). Counted per
+ * publisher and medium as T0 is; BlockStored without parent or tokens, as vLLM's offloading
+ * connector reports its copies. In hash-mode vllm an event needs the block's digest, which the
+ * publisher knows while some medium of it records the block (its T0 copy, when it went down
+ * from there): a block it never saw (one a restart found in T2, or one a Fetch brought from
+ * Redis) is not published (counted as a gap). */
+void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
+                              kv_hash128 hash, int tier, int present);
 
 /* An event that could not be published for want of memory (the handler's): counted. */
 void kvd_kvevents_gap(kvd_kvevents *e);

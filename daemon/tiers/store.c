@@ -144,6 +144,12 @@ static void lru_push(kvd_tstore *s, uint32_t i, int t) {
     s->tail[t] = i;
 }
 
+static void tell(kvd_tstore *s, const kvd_tentry *e, int tier, int present) {
+    if (s->on_tier != NULL) {
+        s->on_tier(s->on_tier_arg, e, tier, present);
+    }
+}
+
 void kvd_tstore_set1(kvd_tstore *s, uint32_t i, uint8_t *bytes, uint64_t len, uint8_t fmt) {
     kvd_tentry *e = &s->e[i];
     KV_ASSERT(e->used && e->t1 == NULL && bytes != NULL);
@@ -153,6 +159,7 @@ void kvd_tstore_set1(kvd_tstore *s, uint32_t i, uint8_t *bytes, uint64_t len, ui
     lru_push(s, i, 0);
     s->count[0]++;
     s->bytes[0] += len;
+    tell(s, e, 1, 1);
 }
 
 void kvd_tstore_set2(kvd_tstore *s, uint32_t i, uint64_t slot, uint64_t len, uint8_t fmt,
@@ -170,6 +177,7 @@ void kvd_tstore_set2(kvd_tstore *s, uint32_t i, uint64_t slot, uint64_t len, uin
     if (slot >= s->next_slot2) {
         s->next_slot2 = slot + 1; /* a record found by a restart's scan */
     }
+    tell(s, e, 2, 1);
 }
 
 void kvd_tstore_forget(kvd_tstore *s, uint32_t i) {
@@ -218,12 +226,14 @@ void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes) {
         free(e->t1);
         e->t1 = NULL;
         e->len1 = 0;
+        tell(s, e, 1, 0);
     } else if (tier == 2 && e->in2) {
         lru_unlink(s, i, 1);
         s->count[1]--;
         s->bytes[1] -= slot_bytes;
         e->in2 = 0;
         kvd_tstore_slot2_back(s, e->slot2);
+        tell(s, e, 2, 0);
     }
     if (e->t1 == NULL && !e->in2 && e->pending == 0) {
         kvd_tstore_forget(s, i);
@@ -239,6 +249,7 @@ uint8_t *kvd_tstore_take1(kvd_tstore *s, uint32_t i) {
     s->bytes[0] -= e->len1;
     e->t1 = NULL;
     e->len1 = 0;
+    tell(s, e, 1, 0);
     if (!e->in2 && e->pending == 0) {
         kvd_tstore_forget(s, i);
     }
@@ -253,6 +264,7 @@ uint64_t kvd_tstore_unlink2(kvd_tstore *s, uint32_t i, uint64_t slot_bytes) {
     s->bytes[1] -= slot_bytes;
     e->in2 = 0;
     uint64_t slot = e->slot2;
+    tell(s, e, 2, 0);
     if (e->t1 == NULL && e->pending == 0) {
         kvd_tstore_forget(s, i);
     }

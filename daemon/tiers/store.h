@@ -63,6 +63,10 @@ typedef struct kvd_tstore {
     uint64_t *free2;    /* T2 slots given back, reused first */
     uint64_t nfree2, free2_cap;
     uint64_t next_slot2; /* next never-used T2 slot */
+    /* Told when an entry enters (present 1) or leaves (0) tier 1 or 2: set1/set2 and
+     * drop/take1/unlink2 (not fini). NULL: nobody (init). */
+    void (*on_tier)(void *arg, const kvd_tentry *e, int tier, int present);
+    void *on_tier_arg;
 } kvd_tstore;
 
 /* init makes an empty store (call it before any other function: zeroed storage is not one).

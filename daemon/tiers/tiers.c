@@ -215,22 +215,24 @@ struct kvd_tiers {
     uv_loop_t *loop;
     kvd_registry *reg;
     const kvd_config *cfg;
-    uint64_t cap[2];        /* budgets: tier1-memory, tier2-bytes (0: tier off) */
-    uint64_t used[2];       /* bytes in use over all pools (T1: entry bytes; T2: slots) */
-    uint64_t reserved1;     /* T1 bytes of copies in flight */
-    uint64_t cached1;       /* T1 bytes of recycled buffers kept for the next copies */
-    bufclass bc[NBUFCLASS]; /* those buffers, by size */
-    uint32_t busy[4];       /* copies in flight per kind (span_kind) */
-    uint64_t busy_since[4]; /* when the kind's current busy period began (ns) */
-    kvd_tier_format format; /* tier-format */
-    int write_through;      /* tier-write */
-    uint64_t seq;           /* next T2 record sequence number */
-    uint32_t jobs;          /* in flight over all pools */
-    uint64_t c[TS_COUNT];   /* counters (the gauges are computed) */
-    kvd_fetch *fetches;     /* fetches in flight */
-    char t2_error[640];     /* the last T2 error ("" none) */
-    uint64_t t2_error_ms;   /* when it was logged (rate limit) */
-    kvd_remote *remote;     /* the remote tier (remote-redis), or NULL */
+    uint64_t cap[2];          /* budgets: tier1-memory, tier2-bytes (0: tier off) */
+    uint64_t used[2];         /* bytes in use over all pools (T1: entry bytes; T2: slots) */
+    uint64_t reserved1;       /* T1 bytes of copies in flight */
+    uint64_t cached1;         /* T1 bytes of recycled buffers kept for the next copies */
+    bufclass bc[NBUFCLASS];   /* those buffers, by size */
+    uint32_t busy[4];         /* copies in flight per kind (span_kind) */
+    uint64_t busy_since[4];   /* when the kind's current busy period began (ns) */
+    kvd_tier_format format;   /* tier-format */
+    int write_through;        /* tier-write */
+    uint64_t seq;             /* next T2 record sequence number */
+    uint32_t jobs;            /* in flight over all pools */
+    uint64_t c[TS_COUNT];     /* counters (the gauges are computed) */
+    kvd_fetch *fetches;       /* fetches in flight */
+    char t2_error[640];       /* the last T2 error ("" none) */
+    uint64_t t2_error_ms;     /* when it was logged (rate limit) */
+    kvd_remote *remote;       /* the remote tier (remote-redis), or NULL */
+    kvd_tiers_event_fn ev_fn; /* KV events of T1/T2 (kvd_tiers_set_event_hook) */
+    void *ev_arg;
 };
 
 struct tier_pool {
@@ -249,6 +251,7 @@ struct tier_pool {
     uint32_t cleaning;      /* write-back copies in flight */
     int gone;               /* the pool was freed: free this when jobs reach 0 */
     kv_hash128 layout_key;  /* model, layout and flags: remote values of other pools never match */
+    uint32_t domain_id;     /* the pool's domain (KV events) */
     char domain[KVD_TENANT_NAME_MAX + 8]; /* the domain's name (remote keys) */
 };
 
@@ -1541,6 +1544,21 @@ kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
     return attach(t, p, domain, 1);
 }
 
+static void on_tier_change(void *arg, const kvd_tentry *e, int tier, int present) {
+    tier_pool *tp = arg;
+    if (tp->t->ev_fn != NULL && !tp->gone) {
+        tp->t->ev_fn(tp->t->ev_arg, tp->pool_id, tp->domain_id, tp->layout.tokens_per_block,
+                     e->hash, tier, present);
+    }
+}
+
+void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg) {
+    if (t != NULL) {
+        t->ev_fn = fn;
+        t->ev_arg = arg;
+    }
+}
+
 static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with_t2) {
     if (!kvd_tiers_on(t) || p->tiers != NULL) {
         return KV_OK;
@@ -1597,6 +1615,9 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         tp->format = lossy; /* the pool's layout asked: every client of it accepts this */
     }
     kvd_tstore_init(&tp->st);
+    tp->domain_id = p->domain;
+    tp->st.on_tier = on_tier_change;
+    tp->st.on_tier_arg = tp;
     if (t->cap[1] > 0 && with_t2) {
         char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
         t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));

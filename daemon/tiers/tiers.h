@@ -131,6 +131,12 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
  * the remote tier (Lookups never do: they answer at once from the local tiers). */
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
 
+/* Told whenever a block of a pool enters (present 1) or leaves (0) tier 1 or 2 (KV events:
+ * daemon/kvevents). One hook; fn NULL clears it. Loop thread. */
+typedef void (*kvd_tiers_event_fn)(void *arg, uint32_t pool_id, uint32_t domain,
+                                   uint32_t block_size, kv_hash128 hash, int tier, int present);
+void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg);
+
 /* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in
  * flight, at most about remote-timeout-ms) and completes what it had queued. */
 void kvd_tiers_close(kvd_tiers *t);

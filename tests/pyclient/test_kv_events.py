@@ -943,6 +943,37 @@ def test_second_daemon_keeps_off_the_endpoints(kvd_factory, zctx, tmp_path):
         stored([ref.to_u64(chain[0])])]
 
 
+def test_lower_tiers_publish_their_media(kvd_factory, zctx):
+    """Tier copies are events too: tier 2 as medium DISK (BlockStored without parent or tokens,
+    as vLLM's offloading connector reports copies); a host pool's tier 1 is the same medium as
+    its T0 (CPU): no second BlockStored for it, and no BlockRemoved while tier 1 still holds
+    the block after T0 let it go."""
+    d = start(kvd_factory, tier1_memory="8M", tier2_path="{dir}/t2", tier2_bytes="64M",
+              tier_write="write-through")
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(2, 1))
+    want = {ref.to_u64(h) for h in chain}
+    got = sub.until("the DISK copies", lambda b: want <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == "DISK" for h in e.block_hashes})
+    events = [e for b in got for e in b.events]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM]
+    disk = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert cpu == [stored([ref.to_u64(h) for h in chain])], events
+    assert sorted(h for e in disk for h in e.block_hashes) == sorted(want), events
+    for e in disk:
+        assert e.parent_block_hash is None and e.token_ids == [], e
+    c.release(pool.pool_id, canon)
+    assert d.admin_result("evict pool=%d" % pool.pool_id)["evicted"] == 2
+    _, sent = vllm_commit(c, pool, toks(1, 7000))  # a sentinel after the eviction
+    b = sub.until("the sentinel", lambda b: any(
+        ref.to_u64(sent[0]) in getattr(e, "block_hashes", ()) for e in b.events))
+    removed = [e for x in b for e in x.events if isinstance(e, BlockRemoved)]
+    assert not removed, "T0 let go, tier 1 (also CPU memory) holds them: %r" % removed
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration refused
 
