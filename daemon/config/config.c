@@ -306,6 +306,14 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
                 kvd_conf_err(err, errlen, "hash-mode: '%s' is not xxh3 or vllm", value);
                 return KV_EINVAL;
             }
+            if (strcmp(o->name, "remote-key-prefix") == 0 &&
+                (strchr(value, ':') != NULL || value[0] == '\0')) {
+                kvd_conf_err(err, errlen,
+                             "remote-key-prefix: '%s' must be non-empty and without ':' (keys are "
+                             "PREFIX:DOMAIN:LAYOUT:HASH)",
+                             value);
+                return KV_EINVAL;
+            }
             if (strcmp(o->name, "kv-events-format") == 0 && strcmp(value, "array") != 0 &&
                 strcmp(value, "map") != 0) {
                 kvd_conf_err(err, errlen, "kv-events-format: '%s' is not array or map", value);

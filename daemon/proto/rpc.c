@@ -844,22 +844,32 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
             }
         }
         rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
-        kv_err code = failure != KV_OK ? failure : r->code;
-        uint32_t up = failure != KV_OK ? 0 : r->nok;
-        int partial = code != KV_OK || up < w->lower_run;
-        char why[KV_ERRMSG];
-        snprintf(why, sizeof(why), "%s", "");
-        if (partial) {
-            snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", up, w->lower_run,
-                     code != KV_OK ? kv_strerror(code) : "evicted or failed meanwhile");
+        if (r->short_run && all != NULL) {
+            char why[KV_ERRMSG];
+            snprintf(why, sizeof(why),
+                     "%u blocks below T0 and none in the remote tier: under min_tokens, recompute "
+                     "them",
+                     w->lower_run);
+            rc = send_fetch_reply(&c, w->id, sp, all, w->nt0, KVD__FETCH_STATUS__FETCH_SHORT,
+                                  w->nt0, 0, w->lower_run, KV_OK, why);
+        } else {
+            kv_err code = failure != KV_OK ? failure : r->code;
+            uint32_t up = failure != KV_OK ? 0 : r->nok;
+            int partial = code != KV_OK || up < w->lower_run;
+            char why[KV_ERRMSG];
+            snprintf(why, sizeof(why), "%s", "");
+            if (partial) {
+                snprintf(why, sizeof(why), "%u of %u blocks below T0 came up: %s", up, w->lower_run,
+                         code != KV_OK ? kv_strerror(code) : "evicted or failed meanwhile");
+            }
+            rc = all == NULL
+                     ? KV_ENOMEM
+                     : send_fetch_reply(&c, w->id, sp, all, n,
+                                        partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
+                                                : KVD__FETCH_STATUS__FETCH_DONE,
+                                        w->nt0, up > 0 ? r->promoted : 0, w->lower_run,
+                                        partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
         }
-        rc = all == NULL
-                 ? KV_ENOMEM
-                 : send_fetch_reply(&c, w->id, sp, all, n,
-                                    partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
-                                            : KVD__FETCH_STATUS__FETCH_DONE,
-                                    w->nt0, up > 0 ? r->promoted : 0, w->lower_run,
-                                    partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
         if (rc != KV_OK) {
             kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
         }
@@ -979,7 +989,7 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
     char why[KV_ERRMSG];
     why[0] = '\0';
     rc = kvd_tiers_fetch(c->ctx->tiers, p, c->sess->id, c->sess->tenant, hashes + nhit,
-                         tr.fetchable, more, parent, on_fetch_done, w, &nrun, why);
+                         tr.fetchable, more, min_tokens, parent, on_fetch_done, w, &nrun, why);
     if (rc != KV_OK) {
         /* No room or quota for the blocks: the T0 hits are still a good answer. */
         free(w);

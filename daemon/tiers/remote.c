@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,14 +22,15 @@
 #define BACKOFF_MIN_MS 100
 #define BACKOFF_MAX_MS 5000
 
-enum { OP_PUT = 1, OP_GET = 2 };
+enum { OP_PUT = 1, OP_GET = 2, OP_DEL = 3 };
 
 typedef struct op {
     int kind;
     struct op *next;
     kv_err rc;
-    /* put */
+    /* put, del */
     const char *key;
+    char *owned_key; /* del: its own copy */
     kvd_remote_meta meta;
     const uint8_t *payload;
     size_t plen;
@@ -43,7 +45,7 @@ typedef struct op {
 } op;
 
 typedef struct node {
-    char host[64];
+    char host[256];
     int port;
     redisContext *c;
     uint64_t down_until; /* ms; 0: may try now */
@@ -181,8 +183,8 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
         count(r, &r->st.reconnects, 1);
     }
     nd->c = c;
-    nd->fails = 0;
-    nd->down_until = 0;
+    nd->down_until = 0; /* fails is reset by a command that succeeds: a paused Redis accepts
+                           connections and answers nothing, and must not reset the backoff */
     return c;
 }
 
@@ -216,13 +218,18 @@ static int refresh(kvd_remote *r) {
             node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "CLUSTER SLOTS: no reply");
             continue;
         }
-        if (rep->type == REDIS_REPLY_ERROR) {
+        if (rep->type == REDIS_REPLY_ERROR && strstr(rep->str, "cluster support disabled")) {
             /* "ERR This instance has cluster support disabled": one server. */
             freeReplyObject(rep);
             r->cluster = 0;
             r->probed = 1;
             r->need_refresh = 0;
             return 0;
+        }
+        if (rep->type == REDIS_REPLY_ERROR) { /* LOADING, NOAUTH, ...: ask again later */
+            note_error(r, "%s:%d: CLUSTER SLOTS: %s", nd->host, nd->port, rep->str);
+            freeReplyObject(rep);
+            continue;
         }
         if (rep->type == REDIS_REPLY_ARRAY) {
             for (int s = 0; s < NSLOTS; s++) {
@@ -231,10 +238,17 @@ static int refresh(kvd_remote *r) {
             for (size_t k = 0; k < rep->elements; k++) {
                 redisReply *e = rep->element[k];
                 if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
-                    e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2) {
+                    e->element[0]->type != REDIS_REPLY_INTEGER ||
+                    e->element[1]->type != REDIS_REPLY_INTEGER ||
+                    e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
+                    e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+                    e->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
                     continue;
                 }
                 long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+                if (lo < 0 || hi < lo || hi >= NSLOTS) {
+                    continue;
+                }
                 redisReply *m = e->element[2];
                 const char *host = m->element[0]->str;
                 int port = (int)m->element[1]->integer;
@@ -284,15 +298,15 @@ static int redirect_target(kvd_remote *r, const char *err, int *ask, uint32_t *s
     const char *p = strchr(err, ' ');
     char *end;
     unsigned long s = strtoul(p + 1, &end, 10);
-    if (*end != ' ') {
+    if (*end != ' ' || s >= NSLOTS) {
         return -1;
     }
     const char *hp = end + 1;
     const char *colon = strrchr(hp, ':');
-    if (colon == NULL || colon - hp >= 64) {
+    if (colon == NULL || colon - hp >= 256) {
         return -1;
     }
-    char host[64];
+    char host[256];
     memcpy(host, hp, (size_t)(colon - hp));
     host[colon - hp] = '\0';
     *slot = (uint32_t)s;
@@ -407,6 +421,51 @@ static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **arg
     return NULL;
 }
 
+/* A command sent alone where a redirection said: after ASKING for an ASK. */
+static redisReply *command_at(kvd_remote *r, int to, int ask, int argc, const char **argv,
+                              const size_t *lens) {
+    if (!ask) {
+        return command_one(r, to, argc, argv, lens);
+    }
+    node *nd = &r->nodes[to];
+    redisContext *c = node_ctx(r, nd);
+    if (c == NULL) {
+        return NULL;
+    }
+    redisAppendCommand(c, "ASKING");
+    redisAppendCommandArgv(c, argc, argv, lens);
+    void *a = NULL, *rep = NULL;
+    if (redisGetReply(c, &a) != REDIS_OK || redisGetReply(c, &rep) != REDIS_OK) {
+        if (a != NULL) {
+            freeReplyObject(a);
+        }
+        node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
+        return NULL;
+    }
+    freeReplyObject(a);
+    count(r, &r->st.redirects, 1);
+    return rep;
+}
+
+/* A redirection in a pipelined reply: where to send the key again once the pipeline is read
+ * (a command sent now on the same connection would read the next pipelined reply). */
+static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) {
+    int a;
+    uint32_t slot;
+    int t = rep->type == REDIS_REPLY_ERROR ? redirect_target(r, rep->str, &a, &slot) : -1;
+    if (t < 0) {
+        return 0;
+    }
+    if (!a) {
+        r->slots[slot] = (int16_t)t;
+        r->need_refresh = 1;
+        count(r, &r->st.redirects, 1);
+    }
+    *to = t;
+    *ask = (uint8_t)a;
+    return 1;
+}
+
 static void do_get(kvd_remote *r, op *o) {
     o->vals = calloc(o->n > 0 ? o->n : 1, sizeof(*o->vals));
     if (o->vals == NULL) {
@@ -414,9 +473,17 @@ static void do_get(kvd_remote *r, op *o) {
         return;
     }
     int *dest = calloc(o->n > 0 ? o->n : 1, sizeof(int));
-    if (dest == NULL) {
+    int *rto = malloc((o->n > 0 ? o->n : 1) * sizeof(int));
+    uint8_t *rask = calloc(o->n > 0 ? o->n : 1, 1);
+    if (dest == NULL || rto == NULL || rask == NULL) {
+        free(dest);
+        free(rto);
+        free(rask);
         o->rc = KV_ENOMEM;
         return;
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        rto[i] = -1;
     }
     uint64_t hits = 0, misses = 0, bad = 0;
     for (size_t i = 0; i < o->n; i++) {
@@ -457,18 +524,10 @@ static void do_get(kvd_remote *r, op *o) {
                 continue;
             }
             redisReply *rep = vrep;
-            int ask;
-            uint32_t slot;
-            if (rep->type == REDIS_REPLY_ERROR && redirect_target(r, rep->str, &ask, &slot) >= 0) {
-                /* Sent again alone below, to where the cluster says. */
-                freeReplyObject(rep);
-                const char *argv[2] = {"GET", o->keys[i]};
-                size_t lens[2] = {3, strlen(o->keys[i])};
-                rep = command_one(r, ni, 2, argv, lens);
-                if (rep == NULL) {
-                    o->rc = KV_ESYS;
-                    continue;
-                }
+            r->nodes[ni].fails = 0; /* it answers */
+            if (note_redirect(r, rep, &rto[i], &rask[i])) {
+                freeReplyObject(rep); /* sent again below, once this pipeline is read */
+                continue;
             }
             if (rep->type == REDIS_REPLY_STRING) {
                 check_value(rep, &o->want[i], &o->vals[i]);
@@ -479,6 +538,26 @@ static void do_get(kvd_remote *r, op *o) {
             freeReplyObject(rep);
         }
     }
+    for (size_t i = 0; i < o->n; i++) {
+        if (rto[i] < 0) {
+            continue;
+        }
+        const char *argv[2] = {"GET", o->keys[i]};
+        size_t lens[2] = {3, strlen(o->keys[i])};
+        redisReply *rep = command_at(r, rto[i], rask[i], 2, argv, lens);
+        if (rep == NULL) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        if (rep->type == REDIS_REPLY_STRING) {
+            check_value(rep, &o->want[i], &o->vals[i]);
+        } else if (rep->type == REDIS_REPLY_ERROR) {
+            o->rc = KV_ESYS;
+        }
+        freeReplyObject(rep);
+    }
+    free(rto);
+    free(rask);
     for (size_t i = 0; i < o->n; i++) {
         hits += o->vals[i].status == KVD_REMOTE_HIT;
         bad += o->vals[i].status == KVD_REMOTE_BAD;
@@ -497,7 +576,11 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
     uint8_t(*hdr)[KVD_REMOTE_HEADER] = malloc((n > 0 ? n : 1) * KVD_REMOTE_HEADER);
     uint8_t **vals = calloc(n > 0 ? n : 1, sizeof(*vals));
     int *dest = calloc(n > 0 ? n : 1, sizeof(int));
-    if (hdr == NULL || vals == NULL || dest == NULL) {
+    int *rto = malloc((n > 0 ? n : 1) * sizeof(int));
+    uint8_t *rask = calloc(n > 0 ? n : 1, 1);
+    if (hdr == NULL || vals == NULL || dest == NULL || rto == NULL || rask == NULL) {
+        free(rto);
+        free(rask);
         for (size_t i = 0; i < n; i++) {
             ops[i]->rc = KV_ENOMEM;
         }
@@ -508,6 +591,9 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
     }
     char ttl[24];
     snprintf(ttl, sizeof(ttl), "%llu", (unsigned long long)r->ttl_s);
+    for (size_t i = 0; i < n; i++) {
+        rto[i] = -1;
+    }
     for (size_t i = 0; i < n; i++) {
         op *o = ops[i];
         make_header(hdr[i], &o->meta, o->payload, o->plen);
@@ -550,18 +636,10 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
                 continue;
             }
             redisReply *rep = vrep;
-            int ask;
-            uint32_t slot;
-            if (rep->type == REDIS_REPLY_ERROR && redirect_target(r, rep->str, &ask, &slot) >= 0) {
-                freeReplyObject(rep);
-                const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
-                size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2,
-                                  strlen(ttl)};
-                rep = command_one(r, ni, r->ttl_s > 0 ? 5 : 3, argv, lens);
-                if (rep == NULL) {
-                    ops[i]->rc = KV_ESYS;
-                    continue;
-                }
+            r->nodes[ni].fails = 0; /* it answers */
+            if (note_redirect(r, rep, &rto[i], &rask[i])) {
+                freeReplyObject(rep); /* sent again below, once this pipeline is read */
+                continue;
             }
             if (rep->type == REDIS_REPLY_ERROR) {
                 /* "OOM command not allowed when used memory > 'maxmemory'": full. */
@@ -578,6 +656,22 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
             }
         }
     }
+    for (size_t i = 0; i < n; i++) {
+        if (rto[i] < 0 || ops[i]->rc != KV_OK) {
+            continue;
+        }
+        const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
+        size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2, strlen(ttl)};
+        redisReply *rep = command_at(r, rto[i], rask[i], r->ttl_s > 0 ? 5 : 3, argv, lens);
+        if (rep == NULL || rep->type == REDIS_REPLY_ERROR) {
+            ops[i]->rc = rep != NULL && strncmp(rep->str, "OOM", 3) == 0 ? KV_EQUOTA : KV_ESYS;
+        }
+        if (rep != NULL) {
+            freeReplyObject(rep);
+        }
+    }
+    free(rto);
+    free(rask);
     uint64_t ok = 0, bytes = 0, errs = 0;
     for (size_t i = 0; i < n; i++) {
         if (dest[i] < 0 && ops[i]->rc == KV_OK) {
@@ -621,6 +715,12 @@ static void finish(kvd_remote *r, op *o) {
 
 static void *thread_main(void *arg) {
     kvd_remote *r = arg;
+    /* libhiredis writes with write(): a connection Redis closed must give EPIPE here, not a
+     * SIGPIPE that ends the daemon. */
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe, NULL);
     /* Connect at once, so that the state says up or down before the first request. */
     (void)refresh(r);
     pthread_mutex_lock(&r->mu);
@@ -670,6 +770,25 @@ static void *thread_main(void *arg) {
             }
             finish(r, g);
         } else {
+            /* Deletes (a quarantined block) go one by one; the rest is one pipeline. */
+            size_t np = 0;
+            for (size_t i = 0; i < nb; i++) {
+                if (batch[i]->kind == OP_DEL) {
+                    const char *argv[2] = {"DEL", batch[i]->key};
+                    size_t lens[2] = {3, strlen(batch[i]->key)};
+                    int ni = node_of(r, batch[i]->key);
+                    redisReply *rep = ni >= 0 ? command_one(r, ni, 2, argv, lens) : NULL;
+                    batch[i]->rc =
+                        rep != NULL && rep->type == REDIS_REPLY_INTEGER ? KV_OK : KV_ESYS;
+                    if (rep != NULL) {
+                        freeReplyObject(rep);
+                    }
+                    finish(r, batch[i]);
+                } else {
+                    batch[np++] = batch[i];
+                }
+            }
+            nb = np;
             do_puts(r, batch, nb);
             op *again[PUT_BATCH];
             size_t na = 0;
@@ -706,7 +825,9 @@ static void *thread_main(void *arg) {
 /* ---- the loop side ----------------------------------------------------------------------- */
 
 static void run_done(op *o) {
-    if (o->kind == OP_PUT) {
+    if (o->kind == OP_DEL) {
+        free(o->owned_key);
+    } else if (o->kind == OP_PUT) {
         o->put_done(o->arg, o->rc);
     } else {
         o->get_done(o->arg, o->rc, o->vals, o->vals != NULL ? o->n : 0);
@@ -757,7 +878,7 @@ kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote *
         char *colon = strrchr(s, ':');
         char *end = NULL;
         long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
-        if (colon == NULL || colon == s || colon - s >= 64 || *end != '\0' || port < 1 ||
+        if (colon == NULL || colon == s || colon - s >= 256 || *end != '\0' || port < 1 ||
             port > 65535 || r->nnodes == MAX_NODES) {
             snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
             free(r->slots);
@@ -825,6 +946,31 @@ kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *met
     *r->puts_tail = o;
     r->puts_tail = &o->next;
     r->queued_bytes += plen;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return KV_OK;
+}
+
+kv_err kvd_remote_del(kvd_remote *r, const char *key) {
+    op *o = calloc(1, sizeof(*o));
+    char *k = strdup(key);
+    if (o == NULL || k == NULL) {
+        free(o);
+        free(k);
+        return KV_ENOMEM;
+    }
+    o->kind = OP_DEL;
+    o->owned_key = k;
+    o->key = k;
+    pthread_mutex_lock(&r->mu);
+    if (r->stop) {
+        pthread_mutex_unlock(&r->mu);
+        free(k);
+        free(o);
+        return KV_EBUSY;
+    }
+    *r->puts_tail = o; /* after the puts queued before it: a put of it in flight goes first */
+    r->puts_tail = &o->next;
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
     return KV_OK;

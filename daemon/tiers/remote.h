@@ -69,6 +69,10 @@ typedef void (*kvd_remote_put_done)(void *arg, kv_err rc);
 kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
                       const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg);
 
+/* DEL key, queued after the puts queued before it (a block that was quarantined: its value must
+ * not be served by any node). No completion; KV_EBUSY at stop, KV_ENOMEM. */
+kv_err kvd_remote_del(kvd_remote *r, const char *key);
+
 /* One key's answer to a get. */
 typedef enum kvd_remote_status {
     KVD_REMOTE_MISS = 0, /* no such key (or the request failed: rc says) */
@@ -102,7 +106,7 @@ typedef struct kvd_remote_stats {
     uint64_t errors, reconnects, redirects;
     int cluster; /* a Redis Cluster was found */
     int nnodes;  /* nodes known */
-    char last_error[160];
+    char last_error[600];
 } kvd_remote_stats;
 void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out);
 

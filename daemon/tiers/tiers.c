@@ -231,6 +231,7 @@ struct kvd_tiers {
     char t2_error[640];       /* the last T2 error ("" none) */
     uint64_t t2_error_ms;     /* when it was logged (rate limit) */
     kvd_remote *remote;       /* the remote tier (remote-redis), or NULL */
+    struct rfetch *rfetches;  /* Fetches waiting for the remote tier */
     kvd_tiers_event_fn ev_fn; /* KV events of T1/T2 (kvd_tiers_set_event_hook) */
     void *ev_arg;
 };
@@ -1206,6 +1207,13 @@ static void after_work(uv_work_t *w, int status) {
             } else {
                 j->f->failed++;
                 j->f->code = j->rc == KV_ECORRUPT ? KV_ECORRUPT : j->rc;
+                if (j->src_tier == 1 && j->rc == KV_ECORRUPT && !e->doomed && e->busy == 0 &&
+                    e->t1 != NULL) {
+                    /* Bytes that do not decode (a remote value that passed its header): gone. */
+                    t->c[TS_REMOTE_BAD]++;
+                    entry_drop(tp, j->entry, 1);
+                    e = kvd_tstore_at(&tp->st, j->entry);
+                }
                 if (j->src_tier == 2 && j->rc == KV_ECORRUPT && !e->doomed) {
                     /* Only a failed check drops the record; ENOMEM or an I/O error does not
                      * say the bytes are bad. */
@@ -1260,6 +1268,12 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     uint32_t i = kvd_tstore_find(&tp->st, hash);
     if (reason == KVD_DROP_UNSHARE) {
         return; /* the copy below had these bytes under this hash: it stays valid */
+    }
+    if (reason == KVD_DROP_QUARANTINE && t->remote != NULL) {
+        /* Its bytes changed after commit: no node may be served them from Redis either. */
+        char key[256];
+        remote_key(tp, hash, key, sizeof(key));
+        (void)kvd_remote_del(t->remote, key);
     }
     if (reason == KVD_DROP_QUARANTINE) {
         if (i == KVD_TNONE) {
@@ -1331,8 +1345,10 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
             pw[--n] = '\0';
         }
     }
-    kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_ttl_s,
-                         cfg->remote_queue_bytes};
+    /* Queued puts keep their T1 entries busy: at most a quarter of tier 1 waits on Redis. */
+    uint64_t qb = cfg->remote_queue_bytes < cfg->tier1_memory / 4 ? cfg->remote_queue_bytes
+                                                                  : cfg->tier1_memory / 4;
+    kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_ttl_s, qb};
     kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
     memset(pw, 0, sizeof(pw));
     if (e != KV_OK) {
@@ -1896,9 +1912,9 @@ static void fetch_finish(kvd_fetch *f) {
         }
     }
     t->c[TS_FETCH_SHARED] += shared;
-    kvd_fetch_result r = {tp->pool_id, f->session, run,       pool != NULL ? nok : 0,
-                          promoted,    shared,     f->failed, f->code,
-                          f->orphan,   f->detached};
+    kvd_fetch_result r = {tp->pool_id, f->session,  run,       pool != NULL ? nok : 0,
+                          promoted,    shared,      f->failed, f->code,
+                          f->orphan,   f->detached, 0};
     int taken = f->done(f->arg, &r);
     if (pool != NULL) {
         if (!taken && nok > 0) {
@@ -1948,6 +1964,11 @@ static void after_idle_finish(uv_work_t *w, int status) {
 typedef struct rfetch {
     kvd_tiers *t;
     tier_pool *tp;
+    struct rfetch *next; /* t->rfetches */
+    int orphan;          /* the session closed meanwhile */
+    int detached;        /* the session detached the pool meanwhile */
+    int short_run;       /* nothing came from Redis and the local run is under min_tokens */
+    uint64_t min_tokens;
     uint64_t session;
     uint32_t tenant;
     uint32_t parent_id;
@@ -1966,6 +1987,12 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
                           kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg);
 
 static void rfetch_free(rfetch *rf) {
+    for (rfetch **pp = &rf->t->rfetches; *pp != NULL; pp = &(*pp)->next) {
+        if (*pp == rf) {
+            *pp = rf->next;
+            break;
+        }
+    }
     free(rf->hashes);
     free(rf->keys);
     free(rf->keyp);
@@ -1975,7 +2002,8 @@ static void rfetch_free(rfetch *rf) {
 
 /* Answers a fetch that cannot start: no block, the reason in code. */
 static void fetch_fail(rfetch *rf, kv_err code) {
-    kvd_fetch_result r = {rf->tp->pool_id, rf->session, NULL, 0, 0, 0, 0, code, 0, 0};
+    kvd_fetch_result r = {rf->tp->pool_id, rf->session,  NULL,         0, 0, 0, 0, code,
+                          rf->orphan,      rf->detached, rf->short_run};
     (void)rf->done(rf->arg, &r);
 }
 
@@ -2012,6 +2040,20 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (v->status != KVD_REMOTE_HIT) {
             break;
         }
+        uint64_t qb = kvd_tier_format_lossy((kvd_tier_format)v->format)
+                          ? kvd_codec_quantized_bytes((kvd_tier_format)v->format, &tp->layout)
+                          : 0;
+        int len_ok = v->format == KVD_TF_RAW                             ? v->len == tp->block_bytes
+                     : kvd_tier_format_lossy((kvd_tier_format)v->format) ? v->len == qb
+                                                                         : v->len < tp->block_bytes;
+        if (!len_ok && format_ok(tp, v->format)) {
+            t->c[TS_REMOTE_BAD]++;
+            KV_LOG(WARN, "KVD-REMOTE",
+                   "pool %u: a remote value of %zu bytes cannot be a block of this pool in "
+                   "format %u: not served",
+                   tp->pool_id, v->len, v->format);
+            break;
+        }
         if (!format_ok(tp, v->format)) {
             t->c[TS_REMOTE_BAD]++;
             KV_LOG(WARN, "KVD-REMOTE",
@@ -2041,6 +2083,17 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         t->c[TS_REMOTE_PROMOTED]++;
         got++;
     }
+    if (rf->orphan || (got == 0 && rf->n * tp->layout.tokens_per_block < rf->min_tokens)) {
+        /* Redis had nothing and the local run is not worth a copy (fetch-min-tokens), or the
+         * session is gone: answered without copying (the client recomputes). */
+        rf->short_run = !rf->orphan;
+        if (rf->short_run) {
+            kvd_tiers_count_short(t);
+        }
+        fetch_fail(rf, KV_OK);
+        rfetch_free(rf);
+        return;
+    }
     uint32_t nrun = 0;
     char msg[KV_ERRMSG];
     msg[0] = '\0';
@@ -2048,6 +2101,9 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
                              rf->done, rf->arg, &nrun, msg);
     if (src != KV_OK) {
         fetch_fail(rf, src);
+    } else if (t->fetches != NULL && t->fetches->session == rf->session) {
+        /* fetch_start put its fetch first on the list: it inherits what happened meanwhile. */
+        t->fetches->detached |= rf->detached;
     }
     rfetch_free(rf);
 }
@@ -2057,8 +2113,9 @@ int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
 }
 
 kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
-                       const kv_hash128 *hashes, size_t n, size_t n_more, uint32_t parent_id,
-                       kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg) {
+                       const kv_hash128 *hashes, size_t n, size_t n_more, uint64_t min_tokens,
+                       uint32_t parent_id, kvd_fetch_done done, void *arg, uint32_t *nrun,
+                       char *msg) {
     tier_pool *tp = p->tiers;
     if (tp == NULL || !kvd_tiers_remote_on(t, p) || n_more == 0) {
         return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
@@ -2087,6 +2144,7 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     rf->arg = arg;
     rf->n = n;
     rf->k = k;
+    rf->min_tokens = min_tokens;
     memcpy(rf->hashes, hashes, sizeof(*hashes) * (n + k));
     for (size_t i = 0; i < k; i++) {
         remote_key(tp, hashes[n + i], rf->keys[i], sizeof(rf->keys[i]));
@@ -2098,6 +2156,8 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
         return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
     }
     tp->jobs++; /* the pool's tier state outlives the wait */
+    rf->next = t->rfetches;
+    t->rfetches = rf;
     *nrun = (uint32_t)n;
     return KV_OK;
 }
@@ -2287,6 +2347,11 @@ void kvd_tiers_pool_detached(kvd_tiers *t, uint64_t session, uint32_t pool_id) {
             f->detached = 1;
         }
     }
+    for (rfetch *rf = t->rfetches; rf != NULL; rf = rf->next) {
+        if (rf->session == session && rf->tp->pool_id == pool_id) {
+            rf->detached = 1;
+        }
+    }
 }
 
 void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session) {
@@ -2296,6 +2361,11 @@ void kvd_tiers_session_gone(kvd_tiers *t, uint64_t session) {
     for (kvd_fetch *f = t->fetches; f != NULL; f = f->next) {
         if (f->session == session) {
             f->orphan = 1;
+        }
+    }
+    for (rfetch *rf = t->rfetches; rf != NULL; rf = rf->next) {
+        if (rf->session == session) {
+            rf->orphan = 1;
         }
     }
 }

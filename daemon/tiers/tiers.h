@@ -106,6 +106,8 @@ typedef struct kvd_fetch_result {
     kv_err code;               /* KV_OK, or why the run ends early (KV_ECORRUPT, KV_ESYS) */
     int orphan;                /* the session closed while the fetch was in flight */
     int detached;              /* the session detached the pool meanwhile (refs: leave them) */
+    int short_run;             /* nothing copied: the run (Redis had none of it) is under
+                                  min_tokens; answer as FETCH_SHORT */
 } kvd_fetch_result;
 typedef int (*kvd_fetch_done)(void *arg, const kvd_fetch_result *r);
 
@@ -119,16 +121,19 @@ typedef int (*kvd_fetch_done)(void *arg, const kvd_fetch_result *r);
  * nothing to copy) — unless this call fails: KV_ENOSPC, KV_EQUOTA (msg says why: nothing held),
  * KV_ENOMEM. *nrun gets the run's length (0: done runs with nok 0). */
 kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
-                       const kv_hash128 *hashes, size_t n, size_t n_more, uint32_t parent_id,
-                       kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg);
+                       const kv_hash128 *hashes, size_t n, size_t n_more, uint64_t min_tokens,
+                       uint32_t parent_id, kvd_fetch_done done, void *arg, uint32_t *nrun,
+                       char *msg);
 
 /* The remote tier (remote-redis): n_more above is how many hashes follow hashes[0..n) (the rest
  * of the prefix, past the local tiers' run). With a remote tier and n_more > 0 the fetch first
  * asks Redis for up to remote-fetch-max of them (on the remote thread); the leading run of
  * values that pass every check lands in T1 and the fetch then runs over hashes[0..n + run) as
- * above (done sees the longer run; *nrun is n). A fetch that cannot start then (ENOSPC, the pool
- * gone) reaches done with nok 0 and the code. kvd_tiers_remote_on: 1 when Fetches of pool p ask
- * the remote tier (Lookups never do: they answer at once from the local tiers). */
+ * above (done sees the longer run; *nrun is n); when Redis had none of them and the local run
+ * is under min_tokens tokens, nothing is copied (done sees short_run). A fetch that cannot start
+ * then (ENOSPC, the pool gone) reaches done with nok 0 and the code. kvd_tiers_remote_on: 1 when
+ * Fetches of pool p ask the remote tier (Lookups never do: they answer at once from the local
+ * tiers). */
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
 
 /* Told whenever a block of a pool enters (present 1) or leaves (0) tier 1 or 2 (KV events:

@@ -807,6 +807,27 @@ def test_remote_needs_tier1():
     assert "remote-redis" in out and "tier1-memory" in out, out
 
 
+def test_remote_key_prefix_without_colon():
+    """remote-key-prefix with ':' could meet a domain's keys: refused, naming the rule."""
+    rc, out = run_kvd_expecting_refusal({OPT_REDIS: "127.0.0.1:1", "tier1_memory": "1M",
+                                         "remote_key_prefix": "kvd:a"})
+    assert rc not in (None, 0), out
+    assert "remote-key-prefix" in out, out
+
+
+def test_short_run_with_nothing_in_redis(kvd_factory, redis):
+    """fetch-min-tokens still holds with a remote tier: a prefix Redis has none of, whose local
+    run is shorter, is answered FETCH_SHORT without copying (the client recomputes)."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr,
+                                      b_extra={"fetch_min_tokens": "100000"})
+    hs, pats = commit_chain(ca, pa, 4, 777000)
+    missing = kw.hash_chain(pb_.hash_seed, list(range(5000, 5000 + 4 * LAYOUT.tokens_per_block)),
+                            LAYOUT.tokens_per_block, b"", pb_.hash_algo)
+    fr = cb.fetch(pb_.pool_id, missing)
+    assert fr.status == pb.FETCH_SHORT, fr
+    assert kw.reply_blocks(fr) == []
+
+
 @pytest.mark.parametrize("fmt", ["raw", "zstd"])
 def test_write_through_and_fetch_from_other_node(kvd_factory, redis, fmt):
     """A commits a 16-block chain: it lands in Redis under `kvd:uid-N:<layout key>:<hash>` with
@@ -921,7 +942,7 @@ def test_fetch_max_caps_one_fetch(kvd_factory, redis):
 
 BAD_KINDS = ["empty", "short10", "header_only", "magic", "version2", "format200",
              "layout_key", "hash_other", "value_other", "len_plus1", "len_minus1", "checksum",
-             "payload_flip", "trailing_byte"]
+             "payload_flip", "trailing_byte", "short_consistent"]
 
 
 def bad_value(kind, good, other):
@@ -956,6 +977,11 @@ def bad_value(kind, good, other):
         v[HEADER + 100] ^= 0xFF
     elif kind == "trailing_byte":  # one byte more than the header's payload length
         v += b"\0"
+    elif kind == "short_consistent":  # a whole, self-consistent value of the wrong size
+        payload = bytes(v[HEADER:-8])
+        v = v[:HEADER] + payload
+        struct.pack_into("<Q", v, F_LEN, len(payload))
+        struct.pack_into("<Q", v, F_SUM, xxhash.xxh3_64_intdigest(payload))
     else:
         raise AssertionError(kind)
     return bytes(v)
