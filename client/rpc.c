@@ -1536,6 +1536,13 @@ kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entri
     return q_commit(b, p, entries, n, NULL, NULL, NULL, canonical, index);
 }
 
+kv_err kvc_batch_commit_ex(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                           const uint8_t (*full)[32], const uint8_t *parent_full,
+                           const uint32_t *tokens, kvc_block *canonical, size_t *index) {
+    BATCH_LIVE(b);
+    return q_commit(b, p, entries, n, full, parent_full, tokens, canonical, index);
+}
+
 kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
                          size_t *index) {
     BATCH_LIVE(b);

@@ -496,6 +496,11 @@ KVC_EXTERN kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, 
                                      size_t *index);
 KVC_EXTERN kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,
                                    size_t n, kvc_block *canonical, size_t *index);
+/* kvc_commit_ex in a batch (the digests, parent digest and tokens are encoded at once). */
+KVC_EXTERN kv_err kvc_batch_commit_ex(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,
+                                      size_t n, const uint8_t (*full)[32],
+                                      const uint8_t *parent_full, const uint32_t *tokens,
+                                      kvc_block *canonical, size_t *index);
 KVC_EXTERN kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
                                     size_t *index);
 KVC_EXTERN kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,

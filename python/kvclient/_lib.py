@@ -139,6 +139,8 @@ _PROTOS = {
     "kvc_allocate": (_E, [p, c_uint32, c_void_p]),
     "kvc_commit": (_E, [p, c_void_p, c_size_t, c_void_p]),
     "kvc_commit_ex": (_E, [p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p, c_void_p]),
+    "kvc_batch_commit_ex": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p,
+                                 c_void_p, POINTER(c_size_t)]),
     "kvc_release": (_E, [p, c_void_p, c_size_t]),
     "kvc_rewind": (_E, [p, c_void_p, c_size_t]),
     "kvc_pin": (_E, [p, c_void_p, c_size_t, c_uint64, c_uint8, c_int]),

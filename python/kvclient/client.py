@@ -1268,7 +1268,10 @@ class Batch:
                                     byref(self._idx))
         return self._queued(rc, req, "allocate")
 
-    def commit(self, pool, blocks, hashes, parent=NO_PARENT):
+    def commit(self, pool, blocks, hashes, parent=NO_PARENT, digests=None, parent_digest=None,
+               tokens=None):
+        """Queues a Commit (Pool.commit's arguments; digests, parent_digest and tokens as
+        there: kvc_batch_commit_ex)."""
         addr, n, keep = _blocks_arg(blocks)
         hashes = _hashes_arg(hashes)
         if hashes.n != n:
@@ -1282,8 +1285,27 @@ class Batch:
             entries[i].parent = int(parent) if i == 0 else src_b[i - 1].id
         canon = Blocks(n, pool, n=n)
         req = BatchRequest(self, "commit", canon, pool=pool, keep=(entries, keep))
-        rc = lib.kvc_batch_commit(self._ptr, pool._p(), entries, n, canon._addr,
-                                  byref(self._idx))
+        if digests is None and parent_digest is None and tokens is None:
+            rc = lib.kvc_batch_commit(self._ptr, pool._p(), entries, n, canon._addr,
+                                      byref(self._idx))
+            return self._queued(rc, req, "commit")
+        full = pfull = tok = None
+        if digests is not None:
+            if len(digests) != n or any(len(d) != 32 for d in digests):
+                raise ValueError("digests: one 32-byte digest per block")
+            full = ctypes.create_string_buffer(b"".join(digests), 32 * max(n, 1))
+        if parent_digest is not None:
+            if len(parent_digest) != 32:
+                raise ValueError("parent_digest has 32 bytes")
+            pfull = ctypes.create_string_buffer(bytes(parent_digest), 32)
+        tkeep = None
+        if tokens is not None:
+            tok, tn, tkeep = _u32_tokens(tokens)
+            if tn != n * pool.layout.tokens_per_block:
+                raise ValueError("tokens: %d ids for %d blocks" % (tn, n))
+        rc = lib.kvc_batch_commit_ex(self._ptr, pool._p(), entries, n, full, pfull, tok,
+                                     canon._addr, byref(self._idx))
+        del tkeep  # encoded at once (kvc_batch_commit_ex)
         return self._queued(rc, req, "commit")
 
     def release(self, pool, blocks):

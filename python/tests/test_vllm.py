@@ -52,6 +52,16 @@ def test_vllm_pool_hashes_like_the_reference(kvd_factory):
         p.release(canon)
         with pytest.raises(ValueError):
             p.commit(p.allocate(1), keys[:1], digests=[b"x" * 31])
+        # A batch commit takes the digests as well.
+        more = list(range(100, 108))
+        dg2 = p.vllm_hash_tokens(more)
+        k2 = p.hash_tokens(more)
+        b2 = p.allocate(2)
+        bt = c.batch()
+        req = bt.commit(p, b2, k2, digests=dg2)
+        bt.run()
+        assert len(req.result()) == 2
+        bt.free()
 
 
 def test_vllm_sequence(kvd_factory):

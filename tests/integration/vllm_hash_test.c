@@ -96,7 +96,19 @@ static void test_pool_hashes_like_vllm(void **state) {
     kvc_commit_entry e[2] = {{b[0], keys[0], KVC_NO_PARENT}, {b[1], keys[1], b[0].id}};
     assert_int_equal(kvc_commit(p, e, 2, canon), KV_EINVAL);
     assert_non_null(strstr(kvc_last_error(c), "hash_full"));
-    assert_int_equal(kvc_commit_ex(p, e, 2, full, NULL, tok, canon), KV_OK);
+    /* A batch commit without the digests is refused as well; with them it goes through. */
+    kvc_batch *bt;
+    size_t ix;
+    assert_int_equal(kvc_batch_alloc(c, &bt), KV_OK);
+    assert_int_equal(kvc_batch_commit(bt, p, e, 2, canon, &ix), KV_OK);
+    assert_int_equal(kvc_batch_run(bt), KV_OK);
+    assert_int_equal(kvc_batch_status(bt, ix), KV_EINVAL);
+    kvc_batch_free(bt);
+    assert_int_equal(kvc_batch_alloc(c, &bt), KV_OK);
+    assert_int_equal(kvc_batch_commit_ex(bt, p, e, 2, full, NULL, tok, canon, &ix), KV_OK);
+    assert_int_equal(kvc_batch_run(bt), KV_OK);
+    assert_int_equal(kvc_batch_status(bt, ix), KV_OK);
+    kvc_batch_free(bt);
     size_t nhit;
     assert_int_equal(kvc_lookup(p, keys, 2, hit, &nhit), KV_OK);
     assert_int_equal(nhit, 2);
