@@ -759,10 +759,21 @@ static void *thread_main(void *arg) {
         if (g != NULL) {
             do_get(r, g);
             if (g->rc == KV_ESYS && r->cluster && r->need_refresh && refresh(r) == 0) {
-                /* A master failed: once more over the new map (a replica took its slots). */
+                /* A master failed: once more over the new map (a replica took its slots); the
+                 * first try's counts are taken back, so each key is counted once. */
+                uint64_t h1 = 0, b1 = 0, m1 = 0;
                 for (size_t i = 0; i < g->n; i++) {
+                    h1 += g->vals[i].status == KVD_REMOTE_HIT;
+                    b1 += g->vals[i].status == KVD_REMOTE_BAD;
+                    m1 += g->vals[i].status == KVD_REMOTE_MISS;
                     free(g->vals[i].data);
                 }
+                pthread_mutex_lock(&r->mu);
+                r->st.gets -= g->n;
+                r->st.hits -= h1;
+                r->st.bad -= b1;
+                r->st.misses -= m1;
+                pthread_mutex_unlock(&r->mu);
                 free(g->vals);
                 g->vals = NULL;
                 g->rc = KV_OK;
