@@ -79,20 +79,27 @@ static void start_remote_node(node *d, const char *name, int port, const char *p
     bench_wait_socket(d->sock, d->pid);
 }
 
-static void open_pool(const char *sock, kvc_conn **c, kvc_pool **p) {
+/* A session on sock with pool model of layout lay (fp16, TPB tokens a block) attached. */
+static void open_pool(const char *sock, const char *model, uint32_t layers, uint32_t heads,
+                      uint32_t dim, kv_arrangement arr, kvc_conn **c, kvc_pool **p) {
     kvc_options o;
     kvc_options_init(&o);
     o.socket_path = sock;
     o.client_name = "cluster_bench";
-    kv_layout lay = {.num_layers = RBLK_LAYERS,
-                     .num_kv_heads = 8,
-                     .head_dim = 128,
+    kv_layout lay = {.num_layers = layers,
+                     .num_kv_heads = heads,
+                     .head_dim = dim,
                      .tokens_per_block = TPB,
                      .dtype = KV_DTYPE_FP16,
-                     .arrangement = KV_BLOCK_MAJOR}; /* a block is one contiguous run */
-    if (kvc_conn_open(&o, c) != KV_OK || kvc_pool_attach(*c, "remote-model", &lay, p) != KV_OK) {
+                     .arrangement = arr};
+    if (kvc_conn_open(&o, c) != KV_OK || kvc_pool_attach(*c, model, &lay, p) != KV_OK) {
         bench_die("cannot open a session on %s: %s", sock, kvc_last_error(NULL));
     }
+}
+
+/* The remote tier's pools: 256 KiB blocks, block-major (a block is one contiguous run). */
+static void open_remote_pool(const char *sock, kvc_conn **c, kvc_pool **p) {
+    open_pool(sock, "remote-model", RBLK_LAYERS, 8, 128, KV_BLOCK_MAJOR, c, p);
 }
 
 /* The keys node A wrote, in Redis (KEYS: a benchmark's own server). */
@@ -153,8 +160,8 @@ static void bench_remote(int runs) {
     start_remote_node(&b, "rb", port, "64M", "32M");
     kvc_conn *ca, *cb;
     kvc_pool *pa, *pb;
-    open_pool(a.sock, &ca, &pa);
-    open_pool(b.sock, &cb, &pb);
+    open_remote_pool(a.sock, &ca, &pa);
+    open_remote_pool(b.sock, &cb, &pb);
     size_t bb = kvc_pool_layout(pa)->block_bytes;
     /* Node A: runs chains of each size, every block new (its own tokens). */
     enum { WARM = 8 }; /* chains of 64 blocks B Fetches first, unmeasured */
@@ -379,22 +386,7 @@ static void free_work(work *w) {
 static double run(node *d, const work *w) {
     kvc_conn *c;
     kvc_pool *p;
-    kvc_options o;
-    kvc_options_init(&o);
-    o.socket_path = d->sock;
-    o.client_name = "cluster_bench";
-    if (kvc_conn_open(&o, &c) != KV_OK) {
-        bench_die("connect %s failed: %s", d->sock, kvc_last_error(NULL));
-    }
-    kv_layout lay = {.num_layers = 2,
-                     .num_kv_heads = 2,
-                     .head_dim = 64,
-                     .tokens_per_block = TPB,
-                     .dtype = KV_DTYPE_FP16,
-                     .arrangement = KV_LAYER_MAJOR};
-    if (kvc_pool_attach(c, "bench-model", &lay, &p) != KV_OK) {
-        bench_die("attach failed: %s", kvc_last_error(c));
-    }
+    open_pool(d->sock, "bench-model", 2, 2, 64, KV_LAYER_MAJOR, &c, &p);
     kvc_block b[CHAIN], canon[CHAIN];
     kvc_commit_entry e[CHAIN];
     double t0 = bench_now_s();

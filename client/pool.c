@@ -267,10 +267,14 @@ static kv_err vllm_key(const void *extra, size_t extra_len, char *buf, const cha
     return KV_OK;
 }
 
+static kv_err not_vllm(const kvc_pool *p) {
+    return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
+                     p->pool_id);
+}
+
 kv_err kvc_pool_vllm_none_hash(const kvc_pool *p, uint8_t out[32]) {
     if (p->hash_algo != KV_HASH_VLLM) {
-        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
-                         p->pool_id);
+        return not_vllm(p);
     }
     memcpy(out, p->none_hash, 32);
     return KV_OK;
@@ -280,8 +284,7 @@ kv_err kvc_pool_vllm_hash_tokens(const kvc_pool *p, const void *extra, size_t ex
                                  const uint32_t *tokens, size_t ntokens, uint8_t (*full)[32],
                                  size_t max_out, size_t *nout) {
     if (p->hash_algo != KV_HASH_VLLM) {
-        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
-                         p->pool_id);
+        return not_vllm(p);
     }
     char kbuf[KV_VLLM_MAX_KEY_BYTES + 1];
     const char *keys[1];
@@ -303,8 +306,7 @@ kv_err kvc_pool_vllm_hash_tokens(const kvc_pool *p, const void *extra, size_t ex
 kv_err kvc_pool_vllm_hash_next(const kvc_pool *p, const uint8_t *parent, const void *extra,
                                size_t extra_len, const uint32_t *tokens, uint8_t out[32]) {
     if (p->hash_algo != KV_HASH_VLLM) {
-        return kvc__fail(p->diag, KV_ENOTSUP, "pool %u does not hash with vLLM's sha256_cbor",
-                         p->pool_id);
+        return not_vllm(p);
     }
     char kbuf[KV_VLLM_MAX_KEY_BYTES + 1];
     const char *keys[1];

@@ -632,41 +632,28 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
         return;
     }
     pub *b = pub_of(e, p->domain);
-    uint8_t *fresh = malloc(n);
-    if (fresh == NULL) {
-        e->c[KS_GAPS] += n;
-        return;
-    }
-    /* Count: the pool holds each block now; the publisher advertises those it did not. */
-    for (size_t i = 0; i < n; i++) {
-        int rc = adv_hold(e, b, p->pool_id, blk[i].key, 0, 0, blk[i].full);
-        fresh[i] = rc == 1;
-        if (rc < 0) {
-            e->c[KS_GAPS]++;
+    /* The pool holds each block now; the publisher advertises those it did not hold: one
+     * BlockStored per run of them, a block advertised already splits the chain (it is the
+     * next run's parent). */
+    size_t start = 0;
+    int in_run = 0;
+    for (size_t i = 0; i <= n; i++) {
+        int fresh = 0;
+        if (i < n) {
+            int rc = adv_hold(e, b, p->pool_id, blk[i].key, 0, 0, blk[i].full);
+            fresh = rc == 1;
+            e->c[KS_GAPS] += rc < 0;
+        }
+        if (fresh && !in_run) {
+            start = i;
+            in_run = 1;
+        } else if (!fresh && in_run) {
+            pack_stored(e, b, p->layout.tokens_per_block, e->medium, blk + start, i - start,
+                        start == 0 ? parent : &blk[start - 1].key,
+                        start == 0 ? parent_full : blk[start - 1].full);
+            in_run = 0;
         }
     }
-    /* One BlockStored per run of fresh blocks; a block advertised already splits the chain
-     * (the next run's parent). */
-    const kv_hash128 *par = parent;
-    const uint8_t *parf = parent_full;
-    size_t i = 0;
-    while (i < n) {
-        if (!fresh[i]) {
-            par = &blk[i].key;
-            parf = blk[i].full;
-            i++;
-            continue;
-        }
-        size_t j = i;
-        while (j < n && fresh[j]) {
-            j++;
-        }
-        pack_stored(e, b, p->layout.tokens_per_block, e->medium, blk + i, j - i, par, parf);
-        par = &blk[j - 1].key;
-        parf = blk[j - 1].full;
-        i = j;
-    }
-    free(fresh);
 }
 
 /* The pool's drop hook (KVD_DROP_HOOK_EVENTS): a block left T0. */

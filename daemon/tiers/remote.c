@@ -934,17 +934,28 @@ kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote *
     return KV_OK;
 }
 
-kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
-                      const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg) {
+/* Queues a made op at the tail of its queue (gets, or puts and deletes) and wakes the thread;
+ * KV_EBUSY (nothing queued, the op is the caller's) at stop or, for a put, past queue_cap. */
+static kv_err enqueue(kvd_remote *r, op *o) {
     pthread_mutex_lock(&r->mu);
-    if (r->stop || r->queued_bytes + plen > r->queue_cap) {
-        r->st.put_drops++;
+    if (r->stop || (o->kind == OP_PUT && r->queued_bytes + o->plen > r->queue_cap)) {
+        r->st.put_drops += o->kind == OP_PUT;
         pthread_mutex_unlock(&r->mu);
         return KV_EBUSY;
     }
+    op ***tail = o->kind == OP_GET ? &r->gets_tail : &r->puts_tail;
+    **tail = o;
+    *tail = &o->next;
+    r->queued_bytes += o->kind == OP_PUT ? o->plen : 0;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return KV_OK;
+}
+
+kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
+                      const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg) {
     op *o = calloc(1, sizeof(*o));
     if (o == NULL) {
-        pthread_mutex_unlock(&r->mu);
         return KV_ENOMEM;
     }
     o->kind = OP_PUT;
@@ -954,12 +965,11 @@ kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *met
     o->plen = plen;
     o->put_done = done;
     o->arg = arg;
-    *r->puts_tail = o;
-    r->puts_tail = &o->next;
-    r->queued_bytes += plen;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    return KV_OK;
+    kv_err rc = enqueue(r, o);
+    if (rc != KV_OK) {
+        free(o);
+    }
+    return rc;
 }
 
 kv_err kvd_remote_del(kvd_remote *r, const char *key) {
@@ -973,18 +983,13 @@ kv_err kvd_remote_del(kvd_remote *r, const char *key) {
     o->kind = OP_DEL;
     o->owned_key = k;
     o->key = k;
-    pthread_mutex_lock(&r->mu);
-    if (r->stop) {
-        pthread_mutex_unlock(&r->mu);
+    /* Behind the puts queued before it: a put of the same key in flight goes first. */
+    kv_err rc = enqueue(r, o);
+    if (rc != KV_OK) {
         free(k);
         free(o);
-        return KV_EBUSY;
     }
-    *r->puts_tail = o; /* after the puts queued before it: a put of it in flight goes first */
-    r->puts_tail = &o->next;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    return KV_OK;
+    return rc;
 }
 
 kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want, size_t n,
@@ -999,17 +1004,11 @@ kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_m
     o->n = n;
     o->get_done = done;
     o->arg = arg;
-    pthread_mutex_lock(&r->mu);
-    if (r->stop) {
-        pthread_mutex_unlock(&r->mu);
+    kv_err rc = enqueue(r, o);
+    if (rc != KV_OK) {
         free(o);
-        return KV_EBUSY;
     }
-    *r->gets_tail = o;
-    r->gets_tail = &o->next;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    return KV_OK;
+    return rc;
 }
 
 void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out) {

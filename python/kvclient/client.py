@@ -514,6 +514,25 @@ def _blocks_arg(blocks):
     return b._addr, b.n, b
 
 
+def _commit_extras(n, tpb, digests, parent_digest, tokens):
+    """kvc_commit_ex's extra arguments for n blocks of tpb tokens, checked: (digests buffer,
+    parent digest buffer, token pointer, what keeps the tokens alive); None where not given."""
+    full = pfull = tok = keep = None
+    if digests is not None:
+        if len(digests) != n or any(len(d) != 32 for d in digests):
+            raise ValueError("digests: one 32-byte digest per block")
+        full = ctypes.create_string_buffer(b"".join(digests), 32 * max(n, 1))
+    if parent_digest is not None:
+        if len(parent_digest) != 32:
+            raise ValueError("parent_digest has 32 bytes")
+        pfull = ctypes.create_string_buffer(bytes(parent_digest), 32)
+    if tokens is not None:
+        tok, tn, keep = _u32_tokens(tokens)
+        if tn != n * tpb:
+            raise ValueError("tokens: %d ids for %d blocks of %d" % (tn, n, tpb))
+    return full, pfull, tok, keep
+
+
 def _hashes_arg(hashes):
     if isinstance(hashes, Hashes):
         return hashes
@@ -893,20 +912,7 @@ class Pool:
             else:
                 e.parent = int(parent) if i == 0 else src_b[i - 1].id
         canon = Blocks(n, self)
-        full = pfull = tok = None
-        if digests is not None:
-            if len(digests) != n or any(len(d) != 32 for d in digests):
-                raise ValueError("digests: one 32-byte digest per block")
-            full = ctypes.create_string_buffer(b"".join(digests), 32 * max(n, 1))
-        if parent_digest is not None:
-            if len(parent_digest) != 32:
-                raise ValueError("parent_digest has 32 bytes")
-            pfull = ctypes.create_string_buffer(bytes(parent_digest), 32)
-        if tokens is not None:
-            tptr, tn, tkeep = _u32_tokens(tokens)
-            if tn != n * self._tpb:
-                raise ValueError("tokens: %d ids for %d blocks of %d" % (tn, n, self._tpb))
-            tok = tptr
+        full, pfull, tok, tkeep = _commit_extras(n, self._tpb, digests, parent_digest, tokens)
         h = self._h
         with h.lock:
             if full is None and pfull is None and tok is None:
@@ -1289,20 +1295,8 @@ class Batch:
             rc = lib.kvc_batch_commit(self._ptr, pool._p(), entries, n, canon._addr,
                                       byref(self._idx))
             return self._queued(rc, req, "commit")
-        full = pfull = tok = None
-        if digests is not None:
-            if len(digests) != n or any(len(d) != 32 for d in digests):
-                raise ValueError("digests: one 32-byte digest per block")
-            full = ctypes.create_string_buffer(b"".join(digests), 32 * max(n, 1))
-        if parent_digest is not None:
-            if len(parent_digest) != 32:
-                raise ValueError("parent_digest has 32 bytes")
-            pfull = ctypes.create_string_buffer(bytes(parent_digest), 32)
-        tkeep = None
-        if tokens is not None:
-            tok, tn, tkeep = _u32_tokens(tokens)
-            if tn != n * pool.layout.tokens_per_block:
-                raise ValueError("tokens: %d ids for %d blocks" % (tn, n))
+        full, pfull, tok, tkeep = _commit_extras(n, pool.layout.tokens_per_block, digests,
+                                                 parent_digest, tokens)
         rc = lib.kvc_batch_commit_ex(self._ptr, pool._p(), entries, n, full, pfull, tok,
                                      canon._addr, byref(self._idx))
         del tkeep  # encoded at once (kvc_batch_commit_ex)

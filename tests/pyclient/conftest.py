@@ -346,6 +346,30 @@ def signal_ready(ready_w, value=None):
     os.write(ready_w, len(data).to_bytes(4, "little") + data)
 
 
+def allocate_blocks(conn, pool, count, retry_s=5.0):
+    """Allocate of count blocks, retrying ENOSPC for up to retry_s: blocks whose copies down to
+    a lower tier are in flight are leased (neither evictable nor free) until the copy lands
+    (docs/TIERS.md). Returns the (id, gen) pairs; the pool follows the reply's segments."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            r = conn.allocate(pool.pool_id, count)
+            break
+        except kvdwire.KvdError as e:
+            if e.code != kvdwire.pb.ENOSPC or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    pool.follow(r)
+    return kvdwire.reply_blocks(r)
+
+
+def token_chain(pool, nblocks, base):
+    """The pool's block hashes of tokens base, base + 1, ... (nblocks full blocks)."""
+    t = pool.layout.tokens_per_block
+    toks = list(range(base, base + nblocks * t))
+    return kvdwire.hash_chain(pool.hash_seed, toks, t, b"", pool.hash_algo)
+
+
 def wait_until(pred, timeout=5.0, step=0.01):
     """Polls pred() until true; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -45,7 +45,8 @@ import pytest
 import xxhash
 
 import kvdwire as kw
-from conftest import _die_with_parent, run_kvd_expecting_refusal, wait_until
+from conftest import (allocate_blocks as allocate, token_chain as chain, _die_with_parent,
+                      run_kvd_expecting_refusal, wait_until)
 from kvdwire import pb
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -583,26 +584,6 @@ def node_opts(redis_addr, writer=True, **extra):
 
 def connect(d):
     return d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
-
-
-def allocate(conn, pool, count):
-    """Allocate, retrying ENOSPC for up to 5 s (blocks being copied down are leased)."""
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            r = conn.allocate(pool.pool_id, count)
-            break
-        except kw.KvdError as e:
-            if e.code != pb.ENOSPC or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    pool.follow(r)
-    return kw.reply_blocks(r)
-
-
-def chain(pool, nblocks, base):
-    toks = list(range(base, base + nblocks * T))
-    return kw.hash_chain(pool.hash_seed, toks, T, b"", pool.hash_algo)
 
 
 def patterns(layout, hashes, compressible=False):

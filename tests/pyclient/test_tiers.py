@@ -10,7 +10,8 @@ import time
 import pytest
 
 import kvdwire as kw
-from conftest import UID_A, UID_B, Child, new_dir, wait_until
+from conftest import (allocate_blocks as allocate, token_chain as prefix, UID_A,
+                      UID_B, Child, new_dir, wait_until)
 from kvdwire import pb
 
 # 2 layers x 2 heads x 8 dims x 16 tokens fp16: 2048-byte blocks. segment-bytes 64K: 32 blocks
@@ -46,27 +47,6 @@ def _t2_file(t2dir):
 
 def connect(d):
     return d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
-
-
-def allocate(conn, pool, count):
-    """Allocate, retrying ENOSPC for up to 5 s: blocks whose copies down are in flight are
-    leased (neither evictable nor free) until the copy lands (docs/TIERS.md)."""
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            r = conn.allocate(pool.pool_id, count)
-            break
-        except kw.KvdError as e:
-            if e.code != pb.ENOSPC or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    pool.follow(r)
-    return kw.reply_blocks(r)
-
-
-def prefix(pool, nblocks, base):
-    toks = list(range(base, base + nblocks * T))
-    return kw.hash_chain(pool.hash_seed, toks, T, b"", pool.hash_algo)
 
 
 def write_commit_release(conn, pool, hashes, pats):
