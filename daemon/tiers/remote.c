@@ -126,6 +126,8 @@ static void count(kvd_remote *r, uint64_t *field, uint64_t v) {
     pthread_mutex_unlock(&r->mu);
 }
 
+static int any_up(const kvd_remote *r);
+
 /* ---- nodes ------------------------------------------------------------------------------- */
 
 static void node_fail(kvd_remote *r, node *nd, const char *why) {
@@ -565,6 +567,7 @@ static void do_get(kvd_remote *r, op *o) {
     }
     free(dest);
     pthread_mutex_lock(&r->mu);
+    r->st.state = any_up(r) ? 1 : 2; /* with the counts: a reader sees them agree */
     r->st.gets += o->n;
     r->st.hits += hits;
     r->st.misses += misses;
@@ -686,6 +689,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
     free(vals);
     free(dest);
     pthread_mutex_lock(&r->mu);
+    r->st.state = any_up(r) ? 1 : 2; /* with the counts: a reader sees them agree */
     r->st.puts += ok;
     r->st.put_bytes += bytes;
     r->st.put_errors += errs;
