@@ -79,6 +79,52 @@ struct kvd_remote {
     kvd_remote_stats st;
 };
 
+/* ---- the reply reader ---------------------------------------------------------------------
+ * libhiredis copies each bulk string out of its read buffer into a malloc'd buffer of its own
+ * (its createString). A value of ours is rearranged during that copy: the payload first, the
+ * header moved behind it, so a value that passes its checks is handed on (T1 adopts the buffer)
+ * without the 256 KiB memmove a header in front would cost. Only top-level strings that start
+ * with the magic are rearranged, marked by integer = TAIL_MARK (a string reply's integer is
+ * otherwise 0); every other reply (CLUSTER SLOTS, errors, foreign values) is libhiredis's own. */
+#define TAIL_MARK 0x4b56445254 /* "KVDRT" */
+
+static redisReplyObjectFunctions g_default_fns, g_fns;
+static pthread_once_t g_fns_once = PTHREAD_ONCE_INIT;
+
+static void *create_string(const redisReadTask *task, char *str, size_t len) {
+    if (task->parent != NULL || task->type != REDIS_REPLY_STRING || len < KVD_REMOTE_HEADER ||
+        memcmp(str, "KVDR", 4) != 0) {
+        return g_default_fns.createString(task, str, len);
+    }
+    redisReply *rep = calloc(1, sizeof(*rep)); /* freed by freeReplyObject, as its own */
+    char *buf = malloc(len + 1);
+    if (rep == NULL || buf == NULL) {
+        free(rep);
+        free(buf);
+        return NULL; /* libhiredis reports out of memory */
+    }
+    memcpy(buf, str + KVD_REMOTE_HEADER, len - KVD_REMOTE_HEADER);
+    memcpy(buf + len - KVD_REMOTE_HEADER, str, KVD_REMOTE_HEADER);
+    buf[len] = '\0';
+    rep->type = REDIS_REPLY_STRING;
+    rep->str = buf;
+    rep->len = len;
+    rep->integer = TAIL_MARK;
+    return rep;
+}
+
+static void fns_init(void) {
+    redisReader *rd = redisReaderCreate();
+    if (rd != NULL) {
+        g_default_fns = *rd->fn;
+        redisReaderFree(rd);
+    }
+    g_fns = g_default_fns;
+    if (g_default_fns.createString != NULL) {
+        g_fns.createString = create_string;
+    }
+}
+
 static uint64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -166,6 +212,10 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
         return NULL;
     }
     redisSetTimeout(c, tv);
+    pthread_once(&g_fns_once, fns_init);
+    c->reader->fn = &g_fns;
+    c->reader->maxbuf = 0; /* keep the read buffer between replies: a value's 256 KiB are not
+                              allocated (and page-faulted in) again for every GET */
     if (r->password[0] != '\0') {
         redisReply *rep = redisCommand(c, "AUTH %s", r->password);
         int ok = rep != NULL && rep->type == REDIS_REPLY_STATUS;
@@ -346,25 +396,28 @@ static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
     put_u64le(h + 48, XXH3_64bits(payload, plen));
 }
 
-/* Checks a value against what the caller expects; fills v. */
+/* Checks a value against what the caller expects; fills v. A value that arrived with the magic
+ * in front was rearranged by create_string (payload first, header behind); any other fails. */
 static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote_val *v) {
     const uint8_t *d = (const uint8_t *)rep->str;
     size_t n = rep->len;
+    const uint8_t *h = d + (n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0);
+    size_t plen = n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0;
     const char *why = NULL;
     if (n < KVD_REMOTE_HEADER) {
         why = "shorter than the header";
-    } else if (memcmp(d, "KVDR", 4) != 0) {
+    } else if (rep->integer != TAIL_MARK || memcmp(h, "KVDR", 4) != 0) {
         why = "not a kvd value (magic)";
-    } else if ((d[4] | d[5] << 8) != KVD_REMOTE_VERSION) {
+    } else if ((h[4] | h[5] << 8) != KVD_REMOTE_VERSION) {
         why = "another value version";
-    } else if (get_u64le(d + 8) != want->layout_key.lo ||
-               get_u64le(d + 16) != want->layout_key.hi) {
+    } else if (get_u64le(h + 8) != want->layout_key.lo ||
+               get_u64le(h + 16) != want->layout_key.hi) {
         why = "another model or layout";
-    } else if (get_u64le(d + 24) != want->hash.lo || get_u64le(d + 32) != want->hash.hi) {
+    } else if (get_u64le(h + 24) != want->hash.lo || get_u64le(h + 32) != want->hash.hi) {
         why = "another block's hash";
-    } else if (get_u64le(d + 40) != n - KVD_REMOTE_HEADER) {
+    } else if (get_u64le(h + 40) != plen) {
         why = "payload length differs";
-    } else if (get_u64le(d + 48) != XXH3_64bits(d + KVD_REMOTE_HEADER, n - KVD_REMOTE_HEADER)) {
+    } else if (get_u64le(h + 48) != XXH3_64bits(d, plen)) {
         why = "checksum differs";
     }
     if (why != NULL) {
@@ -372,13 +425,12 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
         v->why = why;
         return;
     }
-    /* The reply's own buffer (libhiredis allocates it with malloc) becomes the payload's: the
-     * header is moved out of the way here, on this thread, so the loop copies nothing. */
-    v->format = d[6];
+    /* The reply's own buffer (malloc'd by create_string) becomes the payload's: the loop copies
+     * nothing, and nothing is moved here either. */
+    v->format = h[6];
     v->data = (uint8_t *)rep->str;
     rep->str = NULL;
-    v->len = n - KVD_REMOTE_HEADER;
-    memmove(v->data, v->data + KVD_REMOTE_HEADER, v->len);
+    v->len = plen;
     v->off = 0;
     v->status = KVD_REMOTE_HIT;
 }
