@@ -584,20 +584,37 @@ static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t 
 }
 
 void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
-                              kv_hash128 hash, int tier, int present) {
+                              kv_hash128 hash, const kv_hash128 *parent, int tier, int present) {
     kvd_kvevents *e = arg;
-    if (e == NULL || !e->started || e->closed || tier < 1 || tier > 2) {
+    if (e == NULL || !e->started || e->closed || tier < KVD_KVEV_T0 || tier > KVD_KVEV_REMOTE) {
         return;
     }
     pub *b = pub_of(e, domain);
     if (b == NULL) {
         return;
     }
+    uint8_t buf[32];
+    if (tier == KVD_KVEV_REMOTE) {
+        /* Not counted: Redis forgets keys on its own (TTL, maxmemory) and says nothing, so a
+         * count would only grow. Each write that landed is a BlockStored, each DEL a
+         * BlockRemoved; a router keeps what it heard of REMOTE idempotently. */
+        const uint8_t *full = e->vllm ? recorded_full(e, b, hash, buf) : NULL;
+        if (e->vllm && full == NULL) {
+            e->c[KS_GAPS]++;
+            return;
+        }
+        if (present) {
+            kvd_kvevent_block one = {hash, full, NULL};
+            pack_stored(e, b, block_size, "REMOTE", &one, 1, NULL, NULL);
+        } else {
+            pack_removed(e, b, hash, full, "REMOTE");
+        }
+        return;
+    }
     /* A host pool's T0 and tier 1 are both CPU memory: one medium, counted once. */
     uint8_t pm = (uint8_t)tier;
     uint8_t m = tier == 1 && strcmp(e->medium, "CPU") == 0 ? 0 : pm;
-    const char *medium = tier == 1 ? "CPU" : "DISK";
-    uint8_t buf[32];
+    const char *medium = m == 0 ? e->medium : tier == 1 ? "CPU" : "DISK";
     if (!present) {
         const uint8_t *full;
         if (adv_let_go(e, b, pool_id, hash, pm, m, buf, &full) == 1) {
@@ -620,9 +637,11 @@ void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint
     if (rc < 0) {
         e->c[KS_GAPS]++;
     } else if (rc == 1) {
-        /* As vLLM's offloading connector reports its CPU copies: no parent, no tokens. */
+        /* On T0's medium (a Fetch's block, or a host pool's tier 1) with its parent where
+         * known, as a Commit's; a copy on another medium as vLLM's offloading connector
+         * reports its copies: no parent, no tokens. */
         kvd_kvevent_block one = {hash, full, NULL};
-        pack_stored(e, b, block_size, medium, &one, 1, NULL, NULL);
+        pack_stored(e, b, block_size, medium, &one, 1, m == 0 ? parent : NULL, NULL);
     }
 }
 

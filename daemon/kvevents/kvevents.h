@@ -30,10 +30,10 @@
  *
  * What is published: a Commit's new canonical blocks (BlockStored, one event per chained run,
  * medium "GPU" for CUDA pools and "CPU" for host pools), every published block that leaves T0
- * (BlockRemoved: eviction, parking, quarantine, Unshare), and the lower tiers' copies (medium
- * "CPU" for tier 1, "DISK" for tier 2: kvd_kvevents_tier_change). Not yet (issue 17,
- * unfinished): blocks a Fetch promotes back into T0, blocks the daemon promotes into the commons
- * (neither stored nor removed to routers in T0), and the remote tier (medium REMOTE).
+ * (BlockRemoved: eviction, parking, quarantine, Unshare), the blocks a Fetch brings into T0,
+ * the lower tiers' copies (medium "CPU" for tier 1, "DISK" for tier 2) and the remote tier's
+ * writes ("REMOTE"): kvd_kvevents_tier_change. Not yet (issue 17, unfinished): blocks the daemon
+ * promotes into the commons (neither stored nor removed to routers in T0).
  *
  * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
  * shared by the live send, the replay buffer and every replay, counted), replays are answered
@@ -101,14 +101,22 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
                          size_t n, const kv_hash128 *parent, const uint8_t *parent_full);
 
 /* The tiers' event hook (kvd_tiers_set_event_hook; arg: the kvd_kvevents): a block of pool
- * pool_id entered (present 1) or left (0) tier 1 (medium "CPU") or tier 2 ("DISK"). Counted per
- * publisher and medium as T0 is; BlockStored without parent or tokens, as vLLM's offloading
- * connector reports its copies. In hash-mode vllm an event needs the block's digest, which the
- * publisher knows while some medium of it records the block (its T0 copy, when it went down
- * from there): a block it never saw (one a restart found in T2, or one a Fetch brought from
- * Redis) is not published (counted as a gap). */
+ * pool_id entered (present 1) or left (0) tier `tier`:
+ *   KVD_KVEV_T0: T0, by a Fetch (a block brought up from a lower tier or from Redis); its
+ *     medium is the pool's (GPU / CPU), counted with the Commits' blocks;
+ *   1: tier 1 (medium "CPU"; for a host pool the same medium as T0, counted with it);
+ *   2: tier 2 ("DISK");
+ *   KVD_KVEV_REMOTE: the remote tier (a write Redis acknowledged, or the DEL of a quarantined
+ *     block): "REMOTE", not counted (Redis drops keys by TTL and maxmemory without a word).
+ * parent (NULL: none or unknown) is published only on T0's medium (vLLM's offloading connector
+ * reports its copies without parent or tokens). In hash-mode vllm an event needs the block's
+ * digest, which the publisher knows while some medium of it records the block (its T0 copy,
+ * when it went down from there): a block it never saw (one a restart found in T2, or one a
+ * Fetch brought from Redis) is not published (counted as a gap). */
+#define KVD_KVEV_T0 0
+#define KVD_KVEV_REMOTE 3
 void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
-                              kv_hash128 hash, int tier, int present);
+                              kv_hash128 hash, const kv_hash128 *parent, int tier, int present);
 
 /* An event that could not be published for want of memory (the handler's): counted. */
 void kvd_kvevents_gap(kvd_kvevents *e);

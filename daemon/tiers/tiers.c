@@ -232,7 +232,7 @@ struct kvd_tiers {
     uint64_t t2_error_ms;     /* when it was logged (rate limit) */
     kvd_remote *remote;       /* the remote tier (remote-redis), or NULL */
     struct rfetch *rfetches;  /* Fetches waiting for the remote tier */
-    kvd_tiers_event_fn ev_fn; /* KV events of T1/T2 (kvd_tiers_set_event_hook) */
+    kvd_tiers_event_fn ev_fn; /* KV events of the tiers (kvd_tiers_set_event_hook) */
     void *ev_arg;
 };
 
@@ -828,6 +828,15 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
 
 static void doomed_finish(tier_pool *tp, uint32_t i);
 
+/* Tells the KV events hook (kvd_tiers_set_event_hook) that hash entered or left tier. */
+static void tier_event(tier_pool *tp, kv_hash128 hash, const kv_hash128 *parent, int tier,
+                       int present) {
+    if (tp->t->ev_fn != NULL && !tp->gone) {
+        tp->t->ev_fn(tp->t->ev_arg, tp->pool_id, tp->domain_id, tp->layout.tokens_per_block, hash,
+                     parent, tier, present);
+    }
+}
+
 /* ---- the remote tier (remote-redis) ------------------------------------------------------ */
 
 /* PREFIX:DOMAIN:LAYOUT:HASH: the domain is the pool's, named by the daemon from the proven
@@ -860,11 +869,14 @@ static void remote_release(tier_pool *tp, uint32_t i) {
 }
 
 static void on_remote_put(void *arg, kv_err rc) {
-    (void)rc; /* counted by kvd_remote */
-    rput *q = arg;
+    rput *q = arg; /* rc is counted by kvd_remote */
     tier_pool *tp = q->tp;
     tp->jobs--;
     if (!tp->gone) {
+        kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
+        if (rc == KV_OK && !e->doomed) {
+            tier_event(tp, e->hash, NULL, 3, 1); /* in Redis now: any node can fetch it */
+        }
         remote_release(tp, q->entry);
     } else if (tp->jobs == 0) {
         tier_pool_free(tp);
@@ -1273,7 +1285,9 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
         /* Its bytes changed after commit: no node may be served them from Redis either. */
         char key[256];
         remote_key(tp, hash, key, sizeof(key));
-        (void)kvd_remote_del(t->remote, key);
+        if (kvd_remote_del(t->remote, key) == KV_OK) {
+            tier_event(tp, hash, NULL, 3, 0);
+        }
     }
     if (reason == KVD_DROP_QUARANTINE) {
         if (i == KVD_TNONE) {
@@ -1562,10 +1576,8 @@ kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
 
 static void on_tier_change(void *arg, const kvd_tentry *e, int tier, int present) {
     tier_pool *tp = arg;
-    if (tp->t->ev_fn != NULL && !tp->gone) {
-        tp->t->ev_fn(tp->t->ev_arg, tp->pool_id, tp->domain_id, tp->layout.tokens_per_block,
-                     e->hash, tier, present);
-    }
+    int has_parent = e->parent.lo != 0 || e->parent.hi != 0;
+    tier_event(tp, e->hash, has_parent ? &e->parent : NULL, tier, present);
 }
 
 void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg) {
@@ -1886,6 +1898,16 @@ static void fetch_finish(kvd_fetch *f) {
                     }
                     if (i != KVD_TNONE) {
                         kvd_tstore_touch(&tp->st, i);
+                    }
+                    if (fresh) {
+                        /* In T0 again: routers hear of it on T0's medium, with its parent
+                         * (the chain's previous block, else what the tier recorded). */
+                        const kv_hash128 *ph = k > 0 ? &f->pos[k - 1].hash : NULL;
+                        if (ph == NULL && i != KVD_TNONE) {
+                            const kvd_tentry *te = kvd_tstore_at(&tp->st, i);
+                            ph = te->parent.lo != 0 || te->parent.hi != 0 ? &te->parent : NULL;
+                        }
+                        tier_event(tp, p->hash, ph, 0, 1);
                     }
                 } else {
                     (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &p->ref, 1);

@@ -136,10 +136,14 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
  * tiers). */
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
 
-/* Told whenever a block of a pool enters (present 1) or leaves (0) tier 1 or 2 (KV events:
- * daemon/kvevents). One hook; fn NULL clears it. Loop thread. */
+/* Told whenever a block of a pool enters (present 1) or leaves (0) a tier (KV events:
+ * daemon/kvevents): tier 0 when a Fetch commits a block it brought up into T0 (present only: T0
+ * departures are the pool's drop hook), 1 and 2 for the lower tiers' copies, 3 for the remote
+ * tier (a write Redis acknowledged; the DEL of a quarantined block). parent: the block's parent
+ * hash where the tier knows it, else NULL. One hook; fn NULL clears it. Loop thread. */
 typedef void (*kvd_tiers_event_fn)(void *arg, uint32_t pool_id, uint32_t domain,
-                                   uint32_t block_size, kv_hash128 hash, int tier, int present);
+                                   uint32_t block_size, kv_hash128 hash, const kv_hash128 *parent,
+                                   int tier, int present);
 void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg);
 
 /* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in

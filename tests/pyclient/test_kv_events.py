@@ -25,6 +25,8 @@ What it checks:
 - xxh3 mode: events carry kvd's own 128-bit hashes (int form: the key's last 8 bytes, big-endian);
 - tenants-file `events` lines give each domain its own publisher: a tenant's blocks appear on
   its endpoint only, and the option publisher carries the domains no line names;
+- a Fetch that brings blocks back into T0 from a lower tier publishes them on T0's medium as a
+  chain (the remote tier's REMOTE events are in test_remote.py);
 - bad event options are refused at start.
 """
 
@@ -972,6 +974,65 @@ def test_lower_tiers_publish_their_media(kvd_factory, zctx):
         ref.to_u64(sent[0]) in getattr(e, "block_hashes", ()) for e in b.events))
     removed = [e for x in b for e in x.events if isinstance(e, BlockRemoved)]
     assert not removed, "T0 let go, tier 1 (also CPU memory) holds them: %r" % removed
+
+
+def test_fetch_into_t0_publishes_the_chain(kvd_factory, zctx):
+    """A Fetch that brings blocks back into T0 from a lower tier publishes them on T0's medium
+    as a chain (each one's parent the previous block, the first's None), after the BlockRemoved
+    that told the router T0 had let them go; a second Fetch of blocks T0 holds says nothing."""
+    d = start(kvd_factory, tier1_memory="0", tier2_path="{dir}/t2", tier2_bytes="64M",
+              tier_write="write-through", fetch_min_tokens="0")
+    sub = Sub(zctx, d.pub)
+    c = d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(3, 1))
+    want = [ref.to_u64(h) for h in chain]
+    sub.until("the DISK copies", lambda b: set(want) <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == "DISK" for h in e.block_hashes})
+    c.release(pool.pool_id, canon)
+    assert d.admin_result("evict pool=%d" % pool.pool_id)["evicted"] == 3
+    got = sub.until("the BlockRemoved of T0", lambda b: set(want) <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockRemoved)
+        and e.medium == MEDIUM for h in e.block_hashes})
+    n0 = len(sub.batches)
+
+    r = c.fetch(pool.pool_id, [key_of(h) for h in chain])
+    pool.follow(r)
+    blocks = kw.reply_blocks(r)
+    assert len(blocks) == 3, r
+    got = sub.until("the fetched chain on %s" % MEDIUM, lambda b: set(want) <= {
+        h for b2 in sub.batches[n0:] for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == MEDIUM for h in e.block_hashes})
+    stored_ev = [e for b in got for e in b.events
+                 if isinstance(e, BlockStored) and e.medium == MEDIUM]
+    order = [h for e in stored_ev for h in e.block_hashes]
+    assert order == want, stored_ev
+    parents = {}
+    for e in stored_ev:  # one event per block or per run: parents along the chain
+        prev = e.parent_block_hash
+        for h in e.block_hashes:
+            parents[h] = prev
+            prev = h
+    assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, stored_ev
+    for e in stored_ev:
+        assert e.token_ids == [] and e.block_size == T, e
+    st = d.admin_result("stats")["kv_events"]
+    assert st["kv_events_gaps"] == 0, st
+
+    # Held in T0 now: fetching again publishes nothing (a sentinel commit marks the end).
+    c.release(pool.pool_id, blocks)
+    r = c.fetch(pool.pool_id, [key_of(h) for h in chain])
+    pool.follow(r)
+    assert len(kw.reply_blocks(r)) == 3
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    n1 = len(sub.batches)
+    _, sent = vllm_commit(c, pool, toks(1, 9000))
+    sub.until("the sentinel", lambda b: any(
+        ref.to_u64(sent[0]) in getattr(e, "block_hashes", ()) for e in b.events))
+    again = [e for b in sub.batches[n1:] for e in b.events if isinstance(e, BlockStored)
+             and set(e.block_hashes) & set(want) and e.medium == MEDIUM]
+    assert not again, again
 
 
 # ---------------------------------------------------------------------------------------------

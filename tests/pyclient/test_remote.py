@@ -14,6 +14,8 @@ What it checks:
   admin `tiers` state say so; `remote-key-prefix` names the namespace; `remote-fetch-max` caps
   what one Fetch asks Redis for;
 - another domain (a tenants file naming the same uid as tenant `other`) never hits A's keys;
+- KV events: A's puts that landed are BlockStored on medium REMOTE, a quarantined block's DEL a
+  BlockRemoved on REMOTE; B's Fetch from Redis publishes the chain on B's medium with parents;
 - planted bad values (truncated, wrong magic / version / format / layout key / hash / length /
   checksum, corrupted payload, another block's value, a key of the wrong type) and a missing key
   end the served run right before them, are never served, are counted, and kvd keeps serving;
@@ -854,6 +856,76 @@ def test_write_through_and_fetch_from_other_node(kvd_factory, redis, fmt):
     r2 = cb.lookup(pb_.pool_id, hs)
     assert len(kw.reply_blocks(r2)) == 16
     assert a.alive() and b.alive()
+
+
+def test_events_name_the_remote_medium(kvd_factory, redis):
+    """KV events with a remote tier: each block A's write-through put landed in Redis is a
+    BlockStored on medium REMOTE (no parent, no tokens: a copy), a quarantined block's DEL a
+    BlockRemoved on REMOTE; B's Fetch from Redis publishes the chain on B's own medium (CPU),
+    each block's parent the previous one, as a Commit's chain."""
+    import zmq
+    from test_kv_events import BlockRemoved, BlockStored, Schema, Sub, tcp_endpoints, xxh3_form
+    ctx = zmq.Context()
+    try:
+        ea, eb = tcp_endpoints(2)
+        ev = {"kv_events_flush_ms": "0"}
+        a, b, ca, cb, pa, pb_ = two_nodes(
+            kvd_factory, redis.addr, b_extra=dict(ev, kv_events_endpoint=eb),
+            kv_events_endpoint=ea, verify_blocks="true", **ev)
+        sa, sb = Sub(ctx, ea, name="A"), Sub(ctx, eb, name="B")
+        hs = chain(pa, 3, 424200)
+        pats = patterns(pa.layout, hs)
+        blocks = allocate(ca, pa, 3)
+        entries, parent = [], kw.NO_PARENT
+        for bl, h, p in zip(blocks, hs, pats):
+            pa.write_block(bl[0], p)
+            entries.append((bl, h, parent))
+            parent = bl[0]
+        canon = ca.commit(pa.pool_id, entries)
+        ca.release(pa.pool_id, canon)
+        want = [xxh3_form(h, Schema()) for h in hs]
+
+        def on(sub, cls, medium, start=0):
+            return [e for x in sub.batches[start:] for e in x.events
+                    if isinstance(e, cls) and e.medium == medium]
+        sa.until("REMOTE for the chain", lambda x: set(want) <= {
+            h for e in on(sa, BlockStored, "REMOTE") for h in e.block_hashes}, timeout=10)
+        for e in on(sa, BlockStored, "REMOTE"):
+            assert e.parent_block_hash is None and e.token_ids == [], e
+
+        fr, got = fetch(cb, pb_, hs)
+        assert len(got) == 3 and fr.status == pb.FETCH_DONE, msg(fr, rem(b))
+        cb.release(pb_.pool_id, got)
+        sb.until("B's chain on CPU", lambda x: set(want) <= {
+            h for e in on(sb, BlockStored, "CPU") for h in e.block_hashes})
+        parents = {}
+        for e in on(sb, BlockStored, "CPU"):
+            prev = e.parent_block_hash
+            for h in e.block_hashes:
+                parents[h] = prev
+                prev = h
+        assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, on(
+            sb, BlockStored, "CPU")
+        assert not on(sb, BlockStored, "REMOTE"), "B wrote nothing to Redis"
+
+        # A's block 1 changes after its commit: quarantined, deleted from Redis, and said so.
+        n0 = len(sa.batches)
+        bad = bytearray(pats[1])
+        bad[0] ^= 0xFF
+        pa.write_block(canon[1][0], bytes(bad))
+        assert len(kw.reply_blocks(ca.lookup(pa.pool_id, hs))) == 1
+        sa.until("BlockRemoved on REMOTE", lambda x: any(
+            want[1] in e.block_hashes for e in on(sa, BlockRemoved, "REMOTE", n0)))
+        assert [h for e in on(sa, BlockRemoved, "REMOTE", n0) for h in e.block_hashes] == [
+            want[1]]
+        r = redis.client()
+        ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+        assert wait_until(lambda: 1 not in ns.present(hs), timeout=5), ns.present(hs)
+        assert a.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
+        sa.close()
+        sb.close()
+    finally:
+        ctx.destroy(0)
 
 
 def test_other_domain_never_hits(kvd_factory, redis):
