@@ -32,8 +32,8 @@
  * medium "GPU" for CUDA pools and "CPU" for host pools), every published block that leaves T0
  * (BlockRemoved: eviction, parking, quarantine, Unshare), the blocks a Fetch brings into T0,
  * the lower tiers' copies (medium "CPU" for tier 1, "DISK" for tier 2) and the remote tier's
- * writes ("REMOTE"): kvd_kvevents_tier_change. Not yet (issue 17, unfinished): blocks the daemon
- * promotes into the commons (neither stored nor removed to routers in T0).
+ * writes ("REMOTE"): kvd_kvevents_tier_change; and the blocks the daemon promotes into the
+ * commons (kvd_kvevents_stored on the commons pool, from the Commit handler).
  *
  * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
  * shared by the live send, the replay buffer and every replay, counted), replays are answered

@@ -1276,8 +1276,24 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
     /* After the reply is queued: a promotion into the commons changes no state of this
      * session, and its failure (budget) is not this request's. */
     for (size_t i = 0; i < n && p->commons_id != 0; i++) {
-        kv_hash128 h = {cm->entries[i]->hash->lo, cm->entries[i]->hash->hi};
-        kvd_commons_count_commit(c->reg, cm->pool_id, c->sess->tenant, canon[i], h);
+        const Kvd__CommitEntry *e = cm->entries[i];
+        kv_hash128 h = {e->hash->lo, e->hash->hi}, ph;
+        int has_parent;
+        kvd_reg_pool *com = kvd_commons_count_commit(c->reg, cm->pool_id, c->sess->tenant, canon[i],
+                                                     h, &ph, &has_parent);
+        if (com != NULL && c->ctx->kvevents != NULL) {
+            /* In the commons now: its publisher says so, chained to the commons parent. */
+            kvd_kvevent_block one = {
+                h, e->hash_full.len == KV_VLLM_HASH_BYTES ? e->hash_full.data : NULL,
+                e->n_token_ids > 0 ? e->token_ids : NULL};
+            const uint8_t *pf = NULL;
+            if (has_parent && i > 0 && cm->entries[i - 1]->hash->lo == ph.lo &&
+                cm->entries[i - 1]->hash->hi == ph.hi &&
+                cm->entries[i - 1]->hash_full.len == KV_VLLM_HASH_BYTES) {
+                pf = cm->entries[i - 1]->hash_full.data;
+            }
+            kvd_kvevents_stored(c->ctx->kvevents, com, &one, 1, has_parent ? &ph : NULL, pf);
+        }
     }
 cleanup:
     kvd_refs_fini(&seen);

@@ -103,18 +103,21 @@ static kv_err promote_copy(kvd_registry *s, const kvd_pool *a, uint32_t src, kvd
     return rc != KV_OK ? rc : sync;
 }
 
-static void promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_block_ref blk,
-                    kv_hash128 h) {
+/* 1 when h entered the commons now (a new block; *ph, *has_parent: its commons parent). */
+static int promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_block_ref blk,
+                   kv_hash128 h, kv_hash128 *ph, int *has_parent) {
+    int entered = 0;
+    *has_parent = 0;
     if (kvd_pool_has(com->pool, h)) {
-        return; /* already in the commons */
+        return 0; /* already in the commons */
     }
     kvd_block_info info;
     if (kvd_pool_block_info(src->pool, blk.id, &info) != KV_OK || info.gen != blk.gen ||
         (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
-        return;
+        return 0;
     }
     if (s->cfg->verify_blocks && kvd_registry_verify_hits(s, src, &blk, 1) == 0) {
-        return; /* its bytes changed since the commit: quarantined, not promoted */
+        return 0; /* its bytes changed since the commit: quarantined, not promoted */
     }
     /* The commons copy of the parent is held for the promotion: otherwise the Allocate below
      * could evict it and reuse its slot, and the new block would name a stranger as parent. The
@@ -152,6 +155,11 @@ static void promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_b
     if (s->cfg->verify_blocks && canon.id == nb.id) {
         kvd_registry_verify_commit(s, com, canon);
     }
+    entered = canon.id == nb.id;
+    if (entered && parent.id != KVD_NO_BLOCK) {
+        *ph = pinfo.hash;
+        *has_parent = 1;
+    }
     (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &canon, 1);
     KV_LOG(DEBUG, "KVD-COMMONS", "pool %u: block %u entered the commons from pool %u", com->pool_id,
            canon.id, src->pool_id);
@@ -159,25 +167,28 @@ done:
     if (parent.id != KVD_NO_BLOCK) {
         (void)kvd_pool_release(com->pool, 0, KVD_COMMONS_TENANT, &parent, 1);
     }
+    return entered;
 }
 
-void kvd_commons_count_commit(kvd_registry *s, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,
-                              kv_hash128 h) {
+kvd_reg_pool *kvd_commons_count_commit(kvd_registry *s, uint32_t pool_id, uint32_t tenant,
+                                       kvd_block_ref blk, kv_hash128 h, kv_hash128 *parent,
+                                       int *has_parent) {
+    *has_parent = 0;
     uint32_t k = kvd_tenants_commons_k(s->tenants);
     kvd_reg_pool *src = kvd_registry_pool(s, pool_id);
     if (k == 0 || src == NULL || src->commons_id == 0 || tenant >= KVD_MAX_TENANTS) {
-        return;
+        return NULL;
     }
     if (s->commons == NULL) {
         s->commons = calloc(1, sizeof(*s->commons));
         if (s->commons == NULL) {
-            return;
+            return NULL;
         }
         s->commons->slots = calloc(COMMONS_SLOTS, sizeof(commons_slot));
         if (s->commons->slots == NULL) {
             free(s->commons);
             s->commons = NULL;
-            return;
+            return NULL;
         }
         s->commons_free = commons_free;
     }
@@ -200,10 +211,8 @@ void kvd_commons_count_commit(kvd_registry *s, uint32_t pool_id, uint32_t tenant
         e->tenants[e->n++] = (uint16_t)tenant;
     }
     if (e->n < k) {
-        return;
+        return NULL;
     }
     kvd_reg_pool *com = kvd_registry_pool(s, cid);
-    if (com != NULL) {
-        promote(s, src, com, blk, h);
-    }
+    return com != NULL && promote(s, src, com, blk, h, parent, has_parent) ? com : NULL;
 }

@@ -17,8 +17,11 @@
  * block into the commons (memcpy for host pools; cuMemcpyDtoD and a synchronize for GPU pools)
  * and caches it there. Failures (no memory in the budget) only skip the promotion. Counting is
  * lossy (a fixed table; a colliding hash restarts the count), which can only delay a promotion,
- * never make one early. */
-void kvd_commons_count_commit(kvd_registry *g, uint32_t pool_id, uint32_t tenant, kvd_block_ref blk,
-                              kv_hash128 h);
+ * never make one early. Returns the commons pool when h entered it now (KV events publish it),
+ * with *parent set to the hash of the commons block it was chained to (*has_parent 0: none);
+ * else NULL. */
+kvd_reg_pool *kvd_commons_count_commit(kvd_registry *g, uint32_t pool_id, uint32_t tenant,
+                                       kvd_block_ref blk, kv_hash128 h, kv_hash128 *parent,
+                                       int *has_parent);
 
 #endif

@@ -1900,10 +1900,13 @@ static void fetch_finish(kvd_fetch *f) {
                         kvd_tstore_touch(&tp->st, i);
                     }
                     if (fresh) {
-                        /* In T0 again: routers hear of it on T0's medium, with its parent
-                         * (the chain's previous block, else what the tier recorded). */
-                        const kv_hash128 *ph = k > 0 ? &f->pos[k - 1].hash : NULL;
-                        if (ph == NULL && i != KVD_TNONE) {
+                        /* In T0 again: routers hear of it on T0's medium, with its parent when
+                         * T0 holds that (the chain's previous block, or the client's parent
+                         * block, whose hash the tier recorded). */
+                        const kv_hash128 *ph = NULL;
+                        if (parent != KVD_NO_BLOCK && k > 0) {
+                            ph = &f->pos[k - 1].hash;
+                        } else if (parent != KVD_NO_BLOCK && i != KVD_TNONE) {
                             const kvd_tentry *te = kvd_tstore_at(&tp->st, i);
                             ph = te->parent.lo != 0 || te->parent.hi != 0 ? &te->parent : NULL;
                         }

@@ -26,7 +26,8 @@ What it checks:
 - tenants-file `events` lines give each domain its own publisher: a tenant's blocks appear on
   its endpoint only, and the option publisher carries the domains no line names;
 - a Fetch that brings blocks back into T0 from a lower tier publishes them on T0's medium as a
-  chain (the remote tier's REMOTE events are in test_remote.py);
+  chain (the remote tier's REMOTE events are in test_remote.py); a block the daemon promotes
+  into the commons is a BlockStored on the commons' publisher, its eviction a BlockRemoved;
 - bad event options are refused at start.
 """
 
@@ -840,6 +841,55 @@ def test_per_domain_publishers(kvd_factory, zctx):
     rb = replay(zctx, rep_b, 0)
     assert [s for s, _ in rb] == [0, 1, 2], "tb's replay: its own batches only"
     check_first_batch(decode_batch(0, b"tb", rb[0][1], Schema("bytes", 32), "tb replay"))
+
+
+def test_commons_promotion_is_published(kvd_factory, zctx):
+    """`commons min-tenants=2` and an events line for the commons: once the second tenant
+    commits a chain the first one did, the daemon copies it into the commons, and the commons'
+    publisher says BlockStored for it, chained as in the commons (the first block's parent None,
+    the next one's the first); its eviction from the commons is a BlockRemoved there. The
+    tenants' own blocks stay on the option publisher."""
+    me = os.geteuid()
+    pub_c, = tcp_endpoints(1)
+    tenants = ("tenant ta uid=%d token-file={dir}/a.tok\n"
+               "tenant tb uid=%d token-file={dir}/b.tok\n"
+               "commons min-tenants=2\n"
+               "events endpoint=%s domains=commons\n" % (me, me, pub_c))
+    d = start(kvd_factory, files=TOKENS, tenants=tenants)
+    sub = Sub(zctx, pub_c, name="SUB commons")
+    own = Sub(zctx, d.pub, name="SUB option publisher")
+    ca, cb = d.connect(token=TOKENS["a.tok"]), d.connect(token=TOKENS["b.tok"])
+    pa, pb_ = ca.attach("m", LAYOUT), cb.attach("m", LAYOUT)
+    canon_a, chain = vllm_commit(ca, pa, toks(2, 1))
+    canon_b, chain_b = vllm_commit(cb, pb_, toks(2, 1))
+    assert chain_b == chain
+    want = [ref.to_u64(h) for h in chain]
+    got = sub.until("the commons' BlockStored", lambda b: set(want) <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
+        for h in e.block_hashes})
+    events = [e for b in got for e in b.events if isinstance(e, BlockStored)]
+    parents = {}
+    for e in events:
+        prev = e.parent_block_hash
+        for h in e.block_hashes:
+            parents[h] = prev
+            prev = h
+    assert parents == {want[0]: None, want[1]: want[0]}, events
+    assert all(e.medium == MEDIUM for e in events), events
+    # The tenants' pools publish on the option publisher: the chain once (counted per
+    # publisher), never the commons' copy.
+    got = own.until("the tenants' chain", lambda b: any(
+        isinstance(e, BlockStored) for e in b.events))
+    assert [e for b in got for e in b.events] == [stored(want)], got
+    # Out of the commons: BlockRemoved on its publisher.
+    ca.release(pa.pool_id, canon_a)
+    cb.release(pb_.pool_id, canon_b)
+    com = [p for p in d.admin_result("pools")["pools"] if p["domain"] == "commons"]
+    assert len(com) == 1, com
+    assert d.admin_result("evict pool=%d" % com[0]["id"])["evicted"] == 2
+    sub.until("the commons' BlockRemoved", lambda b: set(want) <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockRemoved)
+        for h in e.block_hashes})
 
 
 # ---------------------------------------------------------------------------------------------
