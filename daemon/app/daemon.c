@@ -134,6 +134,7 @@ kv_err kvd_daemon_alloc(const kvd_config *cfg, uv_loop_t *loop, kvd_daemon **out
     }
     if (d->kvevents != NULL) {
         kvd_tiers_set_event_hook(d->tiers, kvd_kvevents_tier_change, d->kvevents);
+        kvd_tiers_set_digest_fn(d->tiers, kvd_kvevents_digest_tail, d->kvevents);
     }
     kvd_server_deps sd = {&d->cfg,           loop, &d->reg,  d->boot_epoch,
                           on_server_stopped, d,    d->tiers, d->kvevents};

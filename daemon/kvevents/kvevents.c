@@ -583,8 +583,33 @@ static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t 
     queued(e, b);
 }
 
+/* The digest of key: the publisher's record of it, else key || tail (a remote value's). */
+static const uint8_t *full_of(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t *tail,
+                              uint8_t buf[32]) {
+    const uint8_t *f = recorded_full(e, b, key, buf);
+    if (f == NULL && tail != NULL) {
+        put_u64le(buf, key.lo);
+        put_u64le(buf + 8, key.hi);
+        memcpy(buf + 16, tail, 16);
+        f = buf;
+    }
+    return f;
+}
+
+int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]) {
+    kvd_kvevents *e = arg;
+    pub *b = e != NULL && e->vllm ? pub_of(e, domain) : NULL;
+    uint8_t buf[32];
+    if (b == NULL || recorded_full(e, b, hash, buf) == NULL) {
+        return 0;
+    }
+    memcpy(tail, buf + 16, 16);
+    return 1;
+}
+
 void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
-                              kv_hash128 hash, const kv_hash128 *parent, int tier, int present) {
+                              kv_hash128 hash, const kv_hash128 *parent, const uint8_t *tail,
+                              int tier, int present) {
     kvd_kvevents *e = arg;
     if (e == NULL || !e->started || e->closed || tier < KVD_KVEV_T0 || tier > KVD_KVEV_REMOTE) {
         return;
@@ -598,7 +623,7 @@ void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint
         /* Not counted: Redis forgets keys on its own (TTL, maxmemory) and says nothing, so a
          * count would only grow. Each write that landed is a BlockStored, each DEL a
          * BlockRemoved; a router keeps what it heard of REMOTE idempotently. */
-        const uint8_t *full = e->vllm ? recorded_full(e, b, hash, buf) : NULL;
+        const uint8_t *full = e->vllm ? full_of(e, b, hash, tail, buf) : NULL;
         if (e->vllm && full == NULL) {
             e->c[KS_GAPS]++;
             return;
@@ -628,7 +653,7 @@ void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint
     }
     /* In hash-mode vllm a block is named by its digest: known while any medium of the
      * publisher records it (its T0 copy, usually), else the event cannot be made. */
-    const uint8_t *full = e->vllm ? recorded_full(e, b, hash, buf) : NULL;
+    const uint8_t *full = e->vllm ? full_of(e, b, hash, tail, buf) : NULL;
     if (e->vllm && full == NULL) {
         e->c[KS_GAPS]++;
         return;

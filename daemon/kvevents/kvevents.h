@@ -111,12 +111,18 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
  * parent (NULL: none or unknown) is published only on T0's medium (vLLM's offloading connector
  * reports its copies without parent or tokens). In hash-mode vllm an event needs the block's
  * digest, which the publisher knows while some medium of it records the block (its T0 copy,
- * when it went down from there): a block it never saw (one a restart found in T2, or one a
- * Fetch brought from Redis) is not published (counted as a gap). */
+ * when it went down from there), or from tail (the digest's last 16 bytes, which a remote value
+ * carries when its writer knew them): a block it never saw otherwise (one a restart found in
+ * T2, one from a writer without KV events) is not published (counted as a gap). */
 #define KVD_KVEV_T0 0
 #define KVD_KVEV_REMOTE 3
 void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
-                              kv_hash128 hash, const kv_hash128 *parent, int tier, int present);
+                              kv_hash128 hash, const kv_hash128 *parent, const uint8_t *tail,
+                              int tier, int present);
+
+/* The tiers' digest hook (kvd_tiers_set_digest_fn; arg: the kvd_kvevents): in hash-mode vllm,
+ * the last 16 bytes of hash's digest as domain's publisher records it (1), else 0. */
+int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]);
 
 /* An event that could not be published for want of memory (the handler's): counted. */
 void kvd_kvevents_gap(kvd_kvevents *e);

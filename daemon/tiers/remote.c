@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include <hiredis/hiredis.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 #include "common/kv_log.h"
@@ -32,6 +33,7 @@ typedef struct op {
     const char *key;
     char *owned_key; /* del: its own copy */
     kvd_remote_meta meta;
+    uint8_t tail[KVD_REMOTE_TAIL]; /* put: meta.tail points here */
     const uint8_t *payload;
     size_t plen;
     kvd_remote_put_done put_done;
@@ -81,11 +83,12 @@ struct kvd_remote {
 
 /* ---- the reply reader ---------------------------------------------------------------------
  * libhiredis copies each bulk string out of its read buffer into a malloc'd buffer of its own
- * (its createString). A value of ours is rearranged during that copy: the payload first, the
- * header moved behind it, so a value that passes its checks is handed on (T1 adopts the buffer)
- * without the 256 KiB memmove a header in front would cost. Only top-level strings that start
- * with the magic are rearranged, marked by integer = TAIL_MARK (a string reply's integer is
- * otherwise 0); every other reply (CLUSTER SLOTS, errors, foreign values) is libhiredis's own. */
+ * (its createString). A value of ours is rearranged during that copy: the payload first, then
+ * the digest tail if the value has one, the header behind them, so a value that passes its checks
+ * is handed on (T1 adopts the buffer) without the 256 KiB memmove a header in front would cost.
+ * Only top-level strings that start with the magic are rearranged, marked by integer = TAIL_MARK (a
+ * string reply's integer is otherwise 0); every other reply (CLUSTER SLOTS, errors, foreign values)
+ * is libhiredis's own. */
 #define TAIL_MARK 0x4b56445254 /* "KVDRT" */
 
 static redisReplyObjectFunctions g_default_fns, g_fns;
@@ -103,8 +106,16 @@ static void *create_string(const redisReadTask *task, char *str, size_t len) {
         free(buf);
         return NULL; /* libhiredis reports out of memory */
     }
-    memcpy(buf, str + KVD_REMOTE_HEADER, len - KVD_REMOTE_HEADER);
-    memcpy(buf + len - KVD_REMOTE_HEADER, str, KVD_REMOTE_HEADER);
+    size_t body = len - KVD_REMOTE_HEADER;
+    if ((str[7] & KVD_REMOTE_F_TAIL) && body >= KVD_REMOTE_TAIL) {
+        /* payload | tail | header */
+        size_t pl = body - KVD_REMOTE_TAIL;
+        memcpy(buf, str + KVD_REMOTE_HEADER + KVD_REMOTE_TAIL, pl);
+        memcpy(buf + pl, str + KVD_REMOTE_HEADER, KVD_REMOTE_TAIL);
+    } else {
+        memcpy(buf, str + KVD_REMOTE_HEADER, body); /* payload | header */
+    }
+    memcpy(buf + body, str, KVD_REMOTE_HEADER);
     buf[len] = '\0';
     rep->type = REDIS_REPLY_STRING;
     rep->str = buf;
@@ -381,19 +392,31 @@ static uint64_t get_u64le(const uint8_t *p) {
     return v;
 }
 
+/* XXH3-64 of a body: the tail (NULL: none), then the payload. */
+static uint64_t body_sum(const uint8_t *tail, const uint8_t *payload, size_t plen) {
+    if (tail == NULL) {
+        return XXH3_64bits(payload, plen);
+    }
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, tail, KVD_REMOTE_TAIL);
+    XXH3_64bits_update(&st, payload, plen);
+    return XXH3_64bits_digest(&st);
+}
+
 static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
                         const uint8_t *payload, size_t plen) {
     memcpy(h, "KVDR", 4);
     h[4] = KVD_REMOTE_VERSION & 0xff;
     h[5] = KVD_REMOTE_VERSION >> 8;
     h[6] = m->format;
-    h[7] = 0;
+    h[7] = m->tail != NULL ? KVD_REMOTE_F_TAIL : 0;
     put_u64le(h + 8, m->layout_key.lo);
     put_u64le(h + 16, m->layout_key.hi);
     put_u64le(h + 24, m->hash.lo);
     put_u64le(h + 32, m->hash.hi);
-    put_u64le(h + 40, plen);
-    put_u64le(h + 48, XXH3_64bits(payload, plen));
+    put_u64le(h + 40, plen + (m->tail != NULL ? KVD_REMOTE_TAIL : 0));
+    put_u64le(h + 48, body_sum(m->tail, payload, plen));
 }
 
 /* Checks a value against what the caller expects; fills v. A value that arrived with the magic
@@ -402,7 +425,9 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
     const uint8_t *d = (const uint8_t *)rep->str;
     size_t n = rep->len;
     const uint8_t *h = d + (n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0);
-    size_t plen = n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0;
+    size_t body = n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0;
+    int tail = n >= KVD_REMOTE_HEADER && (h[7] & KVD_REMOTE_F_TAIL);
+    size_t plen = tail && body >= KVD_REMOTE_TAIL ? body - KVD_REMOTE_TAIL : body;
     const char *why = NULL;
     if (n < KVD_REMOTE_HEADER) {
         why = "shorter than the header";
@@ -410,14 +435,16 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
         why = "not a kvd value (magic)";
     } else if ((h[4] | h[5] << 8) != KVD_REMOTE_VERSION) {
         why = "another value version";
+    } else if ((h[7] & ~KVD_REMOTE_F_TAIL) != 0) {
+        why = "unknown flags";
     } else if (get_u64le(h + 8) != want->layout_key.lo ||
                get_u64le(h + 16) != want->layout_key.hi) {
         why = "another model or layout";
     } else if (get_u64le(h + 24) != want->hash.lo || get_u64le(h + 32) != want->hash.hi) {
         why = "another block's hash";
-    } else if (get_u64le(h + 40) != plen) {
+    } else if (get_u64le(h + 40) != body || (tail && body < KVD_REMOTE_TAIL)) {
         why = "payload length differs";
-    } else if (get_u64le(h + 48) != XXH3_64bits(d, plen)) {
+    } else if (get_u64le(h + 48) != body_sum(tail ? d + plen : NULL, d, plen)) {
         why = "checksum differs";
     }
     if (why != NULL) {
@@ -428,6 +455,10 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
     /* The reply's own buffer (malloc'd by create_string) becomes the payload's: the loop copies
      * nothing, and nothing is moved here either. */
     v->format = h[6];
+    v->has_tail = tail;
+    if (tail) {
+        memcpy(v->tail, d + plen, KVD_REMOTE_TAIL);
+    }
     v->data = (uint8_t *)rep->str;
     rep->str = NULL;
     v->len = plen;
@@ -627,6 +658,11 @@ static void do_get(kvd_remote *r, op *o) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* Bytes of a put's value: header, tail, payload. */
+static size_t value_len(const op *o) {
+    return KVD_REMOTE_HEADER + (o->meta.tail != NULL ? KVD_REMOTE_TAIL : 0) + o->plen;
+}
+
 static void do_puts(kvd_remote *r, op **ops, size_t n) {
     uint8_t(*hdr)[KVD_REMOTE_HEADER] = malloc((n > 0 ? n : 1) * KVD_REMOTE_HEADER);
     uint8_t **vals = calloc(n > 0 ? n : 1, sizeof(*vals));
@@ -652,10 +688,14 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
     for (size_t i = 0; i < n; i++) {
         op *o = ops[i];
         make_header(hdr[i], &o->meta, o->payload, o->plen);
-        vals[i] = malloc(KVD_REMOTE_HEADER + o->plen);
+        size_t tl = o->meta.tail != NULL ? KVD_REMOTE_TAIL : 0;
+        vals[i] = malloc(value_len(o));
         if (vals[i] != NULL) {
             memcpy(vals[i], hdr[i], KVD_REMOTE_HEADER);
-            memcpy(vals[i] + KVD_REMOTE_HEADER, o->payload, o->plen);
+            if (tl != 0) {
+                memcpy(vals[i] + KVD_REMOTE_HEADER, o->meta.tail, tl);
+            }
+            memcpy(vals[i] + KVD_REMOTE_HEADER + tl, o->payload, o->plen);
         }
         dest[i] = node_of(r, o->key);
         o->rc = vals[i] != NULL ? KV_OK : KV_ENOMEM;
@@ -674,8 +714,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
                 continue;
             }
             const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
-            size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2,
-                              strlen(ttl)};
+            size_t lens[5] = {3, strlen(ops[i]->key), value_len(ops[i]), 2, strlen(ttl)};
             redisAppendCommandArgv(c, r->ttl_s > 0 ? 5 : 3, argv, lens);
         }
         for (size_t i = 0; i < n; i++) {
@@ -716,7 +755,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
             continue;
         }
         const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
-        size_t lens[5] = {3, strlen(ops[i]->key), KVD_REMOTE_HEADER + ops[i]->plen, 2, strlen(ttl)};
+        size_t lens[5] = {3, strlen(ops[i]->key), value_len(ops[i]), 2, strlen(ttl)};
         redisReply *rep = command_at(r, rto[i], rask[i], r->ttl_s > 0 ? 5 : 3, argv, lens);
         if (rep == NULL || rep->type == REDIS_REPLY_ERROR) {
             ops[i]->rc = rep != NULL && strncmp(rep->str, "OOM", 3) == 0 ? KV_EQUOTA : KV_ESYS;
@@ -733,7 +772,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
             ops[i]->rc = KV_ESYS; /* no node to send it to */
         }
         ok += ops[i]->rc == KV_OK;
-        bytes += ops[i]->rc == KV_OK ? KVD_REMOTE_HEADER + ops[i]->plen : 0;
+        bytes += ops[i]->rc == KV_OK ? value_len(ops[i]) : 0;
         errs += ops[i]->rc != KV_OK;
         free(vals[i]);
     }
@@ -1017,6 +1056,10 @@ kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *met
     o->kind = OP_PUT;
     o->key = key;
     o->meta = *meta;
+    if (meta->tail != NULL) {
+        memcpy(o->tail, meta->tail, KVD_REMOTE_TAIL); /* the caller's copy may move */
+        o->meta.tail = o->tail;
+    }
     o->payload = payload;
     o->plen = plen;
     o->put_done = done;

@@ -5,8 +5,10 @@
  * completions back on the loop (a uv_async), in order per kind.
  *
  * A value is the block's bytes behind a 56-byte header (all integers little-endian):
- *   "KVDR" | version u16 (1) | format u8 (kvd_tier_format) | 0 u8 | layout key (16) |
- *   block hash (16: lo, hi) | payload length u64 | XXH3-64 of the payload u64 | payload
+ *   "KVDR" | version u16 (1) | format u8 (kvd_tier_format) | flags u8 | layout key (16) |
+ *   block hash (16: lo, hi) | body length u64 | XXH3-64 of the body u64 | body
+ * where the body is the payload, or with flag KVD_REMOTE_F_TAIL (hash-mode vllm) the last 16
+ * bytes of the block's 32-byte vLLM digest (the first 16 are the hash) and then the payload.
  * The thread builds the header of a put and checks every field of a value it gets against what
  * the caller expects (the layout key and hash): a value that fails a check is reported BAD and
  * never handed on. A key that is missing (never written, TTL expired, evicted by Redis's own
@@ -30,6 +32,8 @@
 
 #define KVD_REMOTE_HEADER 56
 #define KVD_REMOTE_VERSION 1
+#define KVD_REMOTE_F_TAIL 0x01 /* flags: a 16-byte digest tail opens the body */
+#define KVD_REMOTE_TAIL 16
 
 typedef struct kvd_remote kvd_remote;
 
@@ -59,6 +63,7 @@ typedef struct kvd_remote_meta {
     kv_hash128 layout_key; /* the pool's model and layout (two pools share values only if equal) */
     kv_hash128 hash;       /* the block's chain hash */
     uint8_t format;        /* kvd_tier_format of the payload */
+    const uint8_t *tail;   /* put: the digest's last 16 bytes (copied at once), or NULL */
 } kvd_remote_meta;
 
 /* SET key (header, payload) [EX ttl]. key and payload are borrowed until done runs (on the loop
@@ -87,6 +92,8 @@ typedef struct kvd_remote_val {
     size_t off, len; /* HIT: where the payload is */
     uint8_t format;  /* HIT: kvd_tier_format */
     const char *why; /* BAD: which check failed */
+    int has_tail;    /* HIT: the value carried the digest's tail */
+    uint8_t tail[KVD_REMOTE_TAIL];
 } kvd_remote_val;
 
 /* GET of keys[0..n) (pipelined per node), each checked against want[i] (layout key and hash;

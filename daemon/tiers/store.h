@@ -42,8 +42,11 @@ typedef struct kvd_tentry {
     uint8_t pending;   /* a copy into T1 or T2 is in flight (KVD_TPEND_* bits) */
     uint8_t doomed;    /* must go when no longer busy (quarantined) */
     uint8_t used;      /* the record is an entry (not on the free list) */
-    uint32_t hnext;    /* hash chain */
-    uint32_t prev[2];  /* LRU links, per tier (index 0: T1, 1: T2) */
+    uint8_t has_tail;  /* hash-mode vllm: tail holds the digest's last 16 bytes (the first 16
+                          are the hash), so the remote tier and KV events can name the block */
+    uint8_t tail[16];
+    uint32_t hnext;   /* hash chain */
+    uint32_t prev[2]; /* LRU links, per tier (index 0: T1, 1: T2) */
     uint32_t next[2];
 } kvd_tentry;
 

@@ -215,24 +215,26 @@ struct kvd_tiers {
     uv_loop_t *loop;
     kvd_registry *reg;
     const kvd_config *cfg;
-    uint64_t cap[2];          /* budgets: tier1-memory, tier2-bytes (0: tier off) */
-    uint64_t used[2];         /* bytes in use over all pools (T1: entry bytes; T2: slots) */
-    uint64_t reserved1;       /* T1 bytes of copies in flight */
-    uint64_t cached1;         /* T1 bytes of recycled buffers kept for the next copies */
-    bufclass bc[NBUFCLASS];   /* those buffers, by size */
-    uint32_t busy[4];         /* copies in flight per kind (span_kind) */
-    uint64_t busy_since[4];   /* when the kind's current busy period began (ns) */
-    kvd_tier_format format;   /* tier-format */
-    int write_through;        /* tier-write */
-    uint64_t seq;             /* next T2 record sequence number */
-    uint32_t jobs;            /* in flight over all pools */
-    uint64_t c[TS_COUNT];     /* counters (the gauges are computed) */
-    kvd_fetch *fetches;       /* fetches in flight */
-    char t2_error[640];       /* the last T2 error ("" none) */
-    uint64_t t2_error_ms;     /* when it was logged (rate limit) */
-    kvd_remote *remote;       /* the remote tier (remote-redis), or NULL */
-    struct rfetch *rfetches;  /* Fetches waiting for the remote tier */
-    kvd_tiers_event_fn ev_fn; /* KV events of the tiers (kvd_tiers_set_event_hook) */
+    uint64_t cap[2];           /* budgets: tier1-memory, tier2-bytes (0: tier off) */
+    uint64_t used[2];          /* bytes in use over all pools (T1: entry bytes; T2: slots) */
+    uint64_t reserved1;        /* T1 bytes of copies in flight */
+    uint64_t cached1;          /* T1 bytes of recycled buffers kept for the next copies */
+    bufclass bc[NBUFCLASS];    /* those buffers, by size */
+    uint32_t busy[4];          /* copies in flight per kind (span_kind) */
+    uint64_t busy_since[4];    /* when the kind's current busy period began (ns) */
+    kvd_tier_format format;    /* tier-format */
+    int write_through;         /* tier-write */
+    uint64_t seq;              /* next T2 record sequence number */
+    uint32_t jobs;             /* in flight over all pools */
+    uint64_t c[TS_COUNT];      /* counters (the gauges are computed) */
+    kvd_fetch *fetches;        /* fetches in flight */
+    char t2_error[640];        /* the last T2 error ("" none) */
+    uint64_t t2_error_ms;      /* when it was logged (rate limit) */
+    kvd_remote *remote;        /* the remote tier (remote-redis), or NULL */
+    struct rfetch *rfetches;   /* Fetches waiting for the remote tier */
+    kvd_tiers_event_fn ev_fn;  /* KV events of the tiers (kvd_tiers_set_event_hook) */
+    kvd_tiers_digest_fn dg_fn; /* digests of blocks going down (kvd_tiers_set_digest_fn) */
+    void *dg_arg;
     void *ev_arg;
 };
 
@@ -829,11 +831,20 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
 static void doomed_finish(tier_pool *tp, uint32_t i);
 
 /* Tells the KV events hook (kvd_tiers_set_event_hook) that hash entered or left tier. */
-static void tier_event(tier_pool *tp, kv_hash128 hash, const kv_hash128 *parent, int tier,
-                       int present) {
+static void tier_event(tier_pool *tp, kv_hash128 hash, const kv_hash128 *parent,
+                       const uint8_t *tail, int tier, int present) {
     if (tp->t->ev_fn != NULL && !tp->gone) {
         tp->t->ev_fn(tp->t->ev_arg, tp->pool_id, tp->domain_id, tp->layout.tokens_per_block, hash,
-                     parent, tier, present);
+                     parent, tail, tier, present);
+    }
+}
+
+/* Entry i's digest tail from the digest hook, when it has none yet. */
+static void learn_tail(tier_pool *tp, uint32_t i) {
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (!e->has_tail && tp->t->dg_fn != NULL &&
+        tp->t->dg_fn(tp->t->dg_arg, tp->domain_id, e->hash, e->tail)) {
+        e->has_tail = 1;
     }
 }
 
@@ -875,7 +886,8 @@ static void on_remote_put(void *arg, kv_err rc) {
     if (!tp->gone) {
         kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
         if (rc == KV_OK && !e->doomed) {
-            tier_event(tp, e->hash, NULL, 3, 1); /* in Redis now: any node can fetch it */
+            tier_event(tp, e->hash, NULL, e->has_tail ? e->tail : NULL, 3, 1); /* any node
+                                                                                  can fetch it */
         }
         remote_release(tp, q->entry);
     } else if (tp->jobs == 0) {
@@ -898,8 +910,9 @@ static void start_remote_put(tier_pool *tp, uint32_t i) {
     }
     q->tp = tp;
     q->entry = i;
+    learn_tail(tp, i); /* write-through: the Commit's events were recorded after the copy began */
     remote_key(tp, e->hash, q->key, sizeof(q->key));
-    kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1};
+    kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1, e->has_tail ? e->tail : NULL};
     if (kvd_remote_put(t->remote, q->key, &m, e->t1, e->len1, on_remote_put, q) != KV_OK) {
         free(q); /* counted as a drop */
         return;
@@ -993,6 +1006,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         return;
     }
+    learn_tail(tp, i); /* while T0 holds it, its digest is known */
     if (kvd_pool_lease(pool, ref) != KV_OK) {
         if (kvd_tstore_at(&tp->st, i)->pending == 0 && !kvd_tstore_in(&tp->st, i, 1) &&
             !kvd_tstore_in(&tp->st, i, 2)) {
@@ -1286,7 +1300,8 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
         char key[256];
         remote_key(tp, hash, key, sizeof(key));
         if (kvd_remote_del(t->remote, key) == KV_OK) {
-            tier_event(tp, hash, NULL, 3, 0);
+            const kvd_tentry *qe = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i) : NULL;
+            tier_event(tp, hash, NULL, qe != NULL && qe->has_tail ? qe->tail : NULL, 3, 0);
         }
     }
     if (reason == KVD_DROP_QUARANTINE) {
@@ -1577,13 +1592,21 @@ kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain) {
 static void on_tier_change(void *arg, const kvd_tentry *e, int tier, int present) {
     tier_pool *tp = arg;
     int has_parent = e->parent.lo != 0 || e->parent.hi != 0;
-    tier_event(tp, e->hash, has_parent ? &e->parent : NULL, tier, present);
+    tier_event(tp, e->hash, has_parent ? &e->parent : NULL, e->has_tail ? e->tail : NULL, tier,
+               present);
 }
 
 void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg) {
     if (t != NULL) {
         t->ev_fn = fn;
         t->ev_arg = arg;
+    }
+}
+
+void kvd_tiers_set_digest_fn(kvd_tiers *t, kvd_tiers_digest_fn fn, void *arg) {
+    if (t != NULL) {
+        t->dg_fn = fn;
+        t->dg_arg = arg;
     }
 }
 
@@ -1910,7 +1933,9 @@ static void fetch_finish(kvd_fetch *f) {
                             const kvd_tentry *te = kvd_tstore_at(&tp->st, i);
                             ph = te->parent.lo != 0 || te->parent.hi != 0 ? &te->parent : NULL;
                         }
-                        tier_event(tp, p->hash, ph, 0, 1);
+                        const kvd_tentry *te = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i) : NULL;
+                        tier_event(tp, p->hash, ph, te != NULL && te->has_tail ? te->tail : NULL, 0,
+                                   1);
                     }
                 } else {
                     (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &p->ref, 1);
@@ -2102,6 +2127,11 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (v->off != 0 || kvd_tstore_get(&tp->st, h, parent, &ei) != KV_OK) {
             break;
         }
+        kvd_tentry *ne = kvd_tstore_at(&tp->st, ei);
+        if (v->has_tail && !ne->has_tail) {
+            memcpy(ne->tail, v->tail, sizeof(ne->tail)); /* before set1 tells the events */
+            ne->has_tail = 1;
+        }
         kvd_tstore_set1(&tp->st, ei, v->data, v->len, v->format); /* the value's buffer */
         v->data = NULL;
         t->used[0] += v->len;
@@ -2174,7 +2204,7 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     for (size_t i = 0; i < k; i++) {
         remote_key(tp, hashes[n + i], rf->keys[i], sizeof(rf->keys[i]));
         rf->keyp[i] = rf->keys[i];
-        rf->want[i] = (kvd_remote_meta){tp->layout_key, hashes[n + i], 0};
+        rf->want[i] = (kvd_remote_meta){tp->layout_key, hashes[n + i], 0, NULL};
     }
     if (kvd_remote_get(t->remote, rf->keyp, rf->want, k, on_remote_get, rf) != KV_OK) {
         rfetch_free(rf);

@@ -140,11 +140,20 @@ int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
  * daemon/kvevents): tier 0 when a Fetch commits a block it brought up into T0 (present only: T0
  * departures are the pool's drop hook), 1 and 2 for the lower tiers' copies, 3 for the remote
  * tier (a write Redis acknowledged; the DEL of a quarantined block). parent: the block's parent
- * hash where the tier knows it, else NULL. One hook; fn NULL clears it. Loop thread. */
+ * hash where the tier knows it, else NULL; tail: the block's digest tail where the tier has it
+ * (kvd_tiers_set_digest_fn, or a remote value that carried it), else NULL. One hook; fn NULL
+ * clears it. Loop thread. */
 typedef void (*kvd_tiers_event_fn)(void *arg, uint32_t pool_id, uint32_t domain,
                                    uint32_t block_size, kv_hash128 hash, const kv_hash128 *parent,
-                                   int tier, int present);
+                                   const uint8_t *tail, int tier, int present);
 void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg);
+
+/* Hash-mode vllm: where a block's 32-byte digest can be had when it goes down from T0 (the KV
+ * events' record of it), so the tier keeps its last 16 bytes (tail; the first 16 are the hash)
+ * and writes them into its remote value: a node that fetches it from Redis can then name it to
+ * routers too. fn returns 1 and fills tail when it knows the digest. fn NULL clears it. */
+typedef int (*kvd_tiers_digest_fn)(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]);
+void kvd_tiers_set_digest_fn(kvd_tiers *t, kvd_tiers_digest_fn fn, void *arg);
 
 /* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in
  * flight, at most about remote-timeout-ms) and completes what it had queued. */

@@ -3,8 +3,9 @@ redis-server (a single server, or a 3-master + 3-replica Redis Cluster, all on l
 
 Redis is read and written by a tiny RESP client in this file (no redis-py), so every key and
 value is checked independently of kvd's code: keys are `<prefix>:<domain>:<layout key, 32 hex>:
-<block hash, 32 hex>`, values a 56-byte header (b"KVDR", version 1, format, reserved, layout key,
-block hash lo LE / hi LE, payload length, XXH3-64 of the payload) then the payload.
+<block hash, 32 hex>`, values a 56-byte header (b"KVDR", version 1, format, flags, layout key,
+block hash lo LE / hi LE, body length, XXH3-64 of the body) then the body: the payload, or with
+flag 1 (hash-mode vllm) the vLLM digest's last 16 bytes and then the payload.
 
 What it checks:
 - `remote-redis` without `tier1-memory` is refused at start, naming both options;
@@ -16,7 +17,9 @@ What it checks:
 - another domain (a tenants file naming the same uid as tenant `other`) never hits A's keys;
 - KV events: A's puts that landed are BlockStored on medium REMOTE, a quarantined block's DEL a
   BlockRemoved on REMOTE; B's Fetch from Redis publishes the chain on B's medium with parents;
-- planted bad values (truncated, wrong magic / version / format / layout key / hash / length /
+- hash-mode vllm with KV events on both nodes: A's values carry the digest tail, and B's Fetch
+  from Redis publishes the chain with vLLM's hashes (no gaps);
+- planted bad values (truncated, wrong magic / version / format / flags / layout key / hash / length /
   checksum, corrupted payload, another block's value, a key of the wrong type) and a missing key
   end the served run right before them, are never served, are counted, and kvd keeps serving;
 - Redis killed, SIGSTOPped, not there at start, full (maxmemory + noeviction), AUTH with a good
@@ -66,7 +69,9 @@ MODEL = "m-remote"
 HEADER = 56
 MAGIC = b"KVDR"
 # Header fields: (offset, struct format)
-F_MAGIC, F_VERSION, F_FORMAT, F_RESERVED = 0, 4, 6, 7
+F_MAGIC, F_VERSION, F_FORMAT, F_FLAGS = 0, 4, 6, 7
+FLAG_TAIL = 0x01  # the body opens with the vLLM digest's last 16 bytes (hash-mode vllm)
+TAIL = 16
 F_LAYOUT, F_HASH, F_LEN, F_SUM = 8, 24, 40, 48
 
 # Daemon options (the conftest turns underscores into dashes: --remote-redis=...).
@@ -721,27 +726,32 @@ class Namespace:
 
 
 def parse_value(v):
-    """The header fields of a remote value as a dict, and its payload."""
+    """The header fields of a remote value as a dict (with the digest tail, or None), and its
+    payload."""
     assert len(v) >= HEADER, len(v)
     ver, = struct.unpack_from("<H", v, F_VERSION)
-    plen, csum = struct.unpack_from("<QQ", v, F_LEN)
-    return {"magic": v[:4], "version": ver, "format": v[F_FORMAT], "reserved": v[F_RESERVED],
+    blen, csum = struct.unpack_from("<QQ", v, F_LEN)
+    body = v[HEADER:]
+    tail = body[:TAIL] if v[F_FLAGS] & FLAG_TAIL else None
+    return {"magic": v[:4], "version": ver, "format": v[F_FORMAT], "flags": v[F_FLAGS],
             "layout_key": v[F_LAYOUT:F_LAYOUT + 16], "hash": v[F_HASH:F_HASH + 16],
-            "payload_len": plen, "checksum": csum}, v[HEADER:]
+            "body_len": blen, "checksum": csum, "body": body,
+            "tail": tail}, body[TAIL:] if tail is not None else body
 
 
 def check_value(v, h, layout_key_hex, block_bytes, raw_pattern=None):
     """A value as the contract writes it, for block hash h of the pool with that layout key."""
     f, payload = parse_value(v)
     assert f["magic"] == MAGIC and f["version"] == 1, f
+    assert f["flags"] & ~FLAG_TAIL == 0, f
     assert f["layout_key"].hex() == layout_key_hex, (f["layout_key"].hex(), layout_key_hex)
     assert f["hash"] == struct.pack("<QQ", h[0], h[1]), f
-    assert f["payload_len"] == len(payload), (f, len(payload))
-    assert f["checksum"] == xxhash.xxh3_64_intdigest(payload), f
+    assert f["body_len"] == len(f["body"]), (f["body_len"], len(f["body"]))
+    assert f["checksum"] == xxhash.xxh3_64_intdigest(f["body"]), f["checksum"]
     if raw_pattern is not None:
-        assert f["format"] == 0 and payload == raw_pattern, f
+        assert f["format"] == 0 and payload == raw_pattern, f["format"]
     if f["format"] == 0:
-        assert len(payload) == block_bytes, f
+        assert len(payload) == block_bytes, len(payload)
     return f
 
 
@@ -928,6 +938,51 @@ def test_events_name_the_remote_medium(kvd_factory, redis):
         ctx.destroy(0)
 
 
+def test_vllm_digest_travels_through_redis(kvd_factory, redis):
+    """hash-mode vllm, KV events on both nodes: A's value of each block carries the last 16
+    bytes of its vLLM digest (flag 1; the first 16 are the key), so B, which never saw the
+    tokens, publishes the chain it fetched from Redis with vLLM's hashes and parents, and counts
+    no gap."""
+    import zmq
+    from test_kv_events import (BlockStored, SEED, Sub, key_of, tcp_endpoints, vllm_commit,
+                                toks, ref)
+    ctx = zmq.Context()
+    try:
+        ea, eb = tcp_endpoints(2)
+        ev = {"kv_events_flush_ms": "0", "hash_mode": "vllm", "vllm_hash_seed": SEED}
+        a, b, ca, cb, pa, pb_ = two_nodes(
+            kvd_factory, redis.addr, b_extra=dict(ev, kv_events_endpoint=eb),
+            kv_events_endpoint=ea, **ev)
+        sb = Sub(ctx, eb, name="B")
+        _, digests = vllm_commit(ca, pa, toks(3, 5))
+        keys = [key_of(dg) for dg in digests]
+        r = redis.client()
+        ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(keys), r.keys("*")[:10]
+        for k, dg in zip(keys, digests):
+            f = check_value(r.get(ns.key(k)), k, ns.layout_key, LAYOUT.block_bytes)
+            assert f["flags"] == FLAG_TAIL and f["tail"] == dg[16:], f["flags"]
+        fr, got = fetch(cb, pb_, keys)
+        assert len(got) == 3, msg(fr, rem(b))
+        cb.release(pb_.pool_id, got)
+        want = [ref.to_u64(dg) for dg in digests]
+        evs = sb.until("B's chain", lambda x: set(want) <= {
+            h for b2 in sb.batches for e in b2.events if isinstance(e, BlockStored)
+            for h in e.block_hashes})
+        stored_ev = [e for x in evs for e in x.events if isinstance(e, BlockStored)]
+        parents = {}
+        for e in stored_ev:
+            prev = e.parent_block_hash
+            for h in e.block_hashes:
+                parents[h] = prev
+                prev = h
+        assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, stored_ev
+        assert b.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
+        sb.close()
+    finally:
+        ctx.destroy(0)
+
+
 def test_other_domain_never_hits(kvd_factory, redis):
     """B's tenants file makes our uid tenant `other`: B's pool is in domain `other`, it gets no
     hit from A's `uid-N` keys, and what B writes lands under `kvd:other:`."""
@@ -993,7 +1048,8 @@ def test_fetch_max_caps_one_fetch(kvd_factory, redis):
     assert n == 8 and fr.t0_hits == 4, fr
 
 
-BAD_KINDS = ["empty", "short10", "header_only", "magic", "version2", "format200",
+BAD_KINDS = ["empty", "short10", "header_only", "magic", "version2", "format200", "flags2",
+             "tail_flag",
              "layout_key", "hash_other", "value_other", "len_plus1", "len_minus1", "checksum",
              "payload_flip", "trailing_byte", "short_consistent"]
 
@@ -1014,6 +1070,10 @@ def bad_value(kind, good, other):
         struct.pack_into("<H", v, F_VERSION, 2)
     elif kind == "format200":
         v[F_FORMAT] = 200
+    elif kind == "flags2":  # a flag this version does not know
+        v[F_FLAGS] |= 0x02
+    elif kind == "tail_flag":  # says a digest tail opens the body: its bytes are the payload's
+        v[F_FLAGS] |= FLAG_TAIL
     elif kind == "layout_key":
         v[F_LAYOUT] ^= 0xFF
     elif kind == "hash_other":  # the header names another block (payload and checksum intact)
