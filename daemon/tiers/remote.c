@@ -43,6 +43,7 @@ typedef struct op {
     size_t n;
     kvd_remote_val *vals;
     kvd_remote_get_done get_done;
+    uint64_t deadline; /* get: ms by which it is answered (one timeout for all its work) */
     void *arg;
 } op;
 
@@ -201,6 +202,12 @@ static void node_fail(kvd_remote *r, node *nd, const char *why) {
     }
 }
 
+/* The connection's send and receive timeout. */
+static void set_timeout(redisContext *c, uint64_t ms) {
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)(ms % 1000) * 1000};
+    (void)redisSetTimeout(c, tv);
+}
+
 /* A connected context for nd, or NULL (down, or the connect failed now). */
 static redisContext *node_ctx(kvd_remote *r, node *nd) {
     if (nd->c != NULL) {
@@ -269,14 +276,28 @@ static int node_find_or_add(kvd_remote *r, const char *host, int port) {
 
 /* Reads CLUSTER SLOTS from the first node that answers: the slot map (cluster mode), or the
  * answer that this is one server (cluster support disabled). 0 when some node answered. */
-static int refresh(kvd_remote *r) {
+/* Reads the slot map from the first node that gives it (or learns there is no cluster).
+ * deadline (ms, 0: none): no node is asked after it, and one asked late waits only what is
+ * left. 0 when done, -1 when no node answered. */
+static int refresh(kvd_remote *r, uint64_t deadline) {
     for (int i = 0; i < r->nnodes; i++) {
         node *nd = &r->nodes[i];
+        uint64_t now = now_ms();
+        if (deadline != 0 && now >= deadline) {
+            return -1;
+        }
         redisContext *c = node_ctx(r, nd);
         if (c == NULL) {
             continue;
         }
+        int shortened = deadline != 0 && deadline - now < r->timeout_ms;
+        if (shortened) {
+            set_timeout(c, deadline - now);
+        }
         redisReply *rep = redisCommand(c, "CLUSTER SLOTS");
+        if (shortened && nd->c != NULL) {
+            set_timeout(c, r->timeout_ms);
+        }
         if (rep == NULL) {
             node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "CLUSTER SLOTS: no reply");
             continue;
@@ -571,6 +592,9 @@ static void do_get(kvd_remote *r, op *o) {
         rto[i] = -1;
     }
     uint64_t hits = 0, misses = 0, bad = 0;
+    /* One timeout for the whole get, however many nodes its keys are on: a node asked late
+     * gets what is left of it, and none is asked once it is spent (its keys are misses). */
+    const uint64_t deadline = o->deadline;
     for (size_t i = 0; i < o->n; i++) {
         dest[i] = node_of(r, o->keys[i]);
         if (dest[i] < 0) {
@@ -586,10 +610,15 @@ static void do_get(kvd_remote *r, op *o) {
         if (cnt == 0) {
             continue;
         }
-        redisContext *c = node_ctx(r, &r->nodes[ni]);
+        uint64_t now = now_ms();
+        redisContext *c = now < deadline ? node_ctx(r, &r->nodes[ni]) : NULL;
         if (c == NULL) {
             o->rc = KV_ESYS;
             continue; /* misses */
+        }
+        int shortened = deadline - now < r->timeout_ms;
+        if (shortened) {
+            set_timeout(c, deadline - now);
         }
         for (size_t i = 0; i < o->n; i++) {
             if (dest[i] == ni) {
@@ -622,9 +651,16 @@ static void do_get(kvd_remote *r, op *o) {
             }
             freeReplyObject(rep);
         }
+        if (shortened && r->nodes[ni].c != NULL) {
+            set_timeout(c, r->timeout_ms);
+        }
     }
     for (size_t i = 0; i < o->n; i++) {
         if (rto[i] < 0) {
+            continue;
+        }
+        if (now_ms() >= deadline) {
+            o->rc = KV_ESYS; /* the get's time is spent: a miss */
             continue;
         }
         const char *argv[2] = {"GET", o->keys[i]};
@@ -817,7 +853,7 @@ static void *thread_main(void *arg) {
     sigaddset(&pipe, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe, NULL);
     /* Connect at once, so that the state says up or down before the first request. */
-    (void)refresh(r);
+    (void)refresh(r, 0);
     pthread_mutex_lock(&r->mu);
     r->st.state = any_up(r) ? 1 : 2;
     pthread_mutex_unlock(&r->mu);
@@ -848,12 +884,16 @@ static void *thread_main(void *arg) {
             }
         }
         pthread_mutex_unlock(&r->mu);
+        if (g != NULL) {
+            g->deadline = now_ms() + r->timeout_ms;
+        }
         if (!r->probed || r->need_refresh) {
-            (void)refresh(r);
+            (void)refresh(r, g != NULL ? g->deadline : 0);
         }
         if (g != NULL) {
             do_get(r, g);
-            if (g->rc == KV_ESYS && r->cluster && r->need_refresh && refresh(r) == 0) {
+            if (g->rc == KV_ESYS && r->cluster && r->need_refresh && now_ms() < g->deadline &&
+                refresh(r, g->deadline) == 0) {
                 /* A master failed: once more over the new map (a replica took its slots); the
                  * first try's counts are taken back, so each key is counted once. */
                 uint64_t h1 = 0, b1 = 0, m1 = 0;
@@ -903,7 +943,7 @@ static void *thread_main(void *arg) {
                     again[na++] = batch[i];
                 }
             }
-            if (na > 0 && r->need_refresh && refresh(r) == 0) {
+            if (na > 0 && r->need_refresh && refresh(r, 0) == 0) {
                 /* Counted as errors the first time: uncount what the second try lands. */
                 pthread_mutex_lock(&r->mu);
                 r->st.put_errors -= na;

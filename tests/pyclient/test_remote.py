@@ -29,7 +29,9 @@ What it checks:
   while Redis is known down are drops), it retries with a backoff capped at about 5 s, and it
   reconnects and writes again once Redis is back;
 - remote-ttl-s: keys expire and a Fetch then misses;
-- Redis Cluster: blocks spread over the masters' slots, served with equal bytes; after a master
+- Redis Cluster: a Fetch whose keys are on three SIGSTOPped masters is answered within about
+  one remote-timeout-ms (the request's, not one per node or per map refresh);
+  blocks spread over the masters' slots, served with equal bytes; after a master
   is SIGKILLed, a Fetch during the failover is bounded and nothing served is ever wrong; after
   the replica took over, every block written lands and is served.
 
@@ -1422,6 +1424,41 @@ def test_auth_wrong_password(kvd_factory, redis_factory):
         assert r.keys("kvd:*") == []
     assert len(kw.reply_blocks(ca.lookup(pa.pool_id, hs))) == 4
     assert ping_ms(ca) < 100 and a.alive()
+
+
+def test_cluster_fetch_has_one_timeout(kvd_factory, redis_cluster):
+    """Every master of a Redis Cluster SIGSTOPped: a Fetch whose keys are on all three is
+    answered within about one remote-timeout-ms (the whole request's, not one per node: three
+    would be 1.5 s here), serves nothing wrong, and kvd answers Pings meanwhile; after SIGCONT
+    the chain is fetched whole."""
+    timeout_ms = 500
+    cl = redis_cluster
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, cl.seeds,
+                                      b_extra={OPT_TIMEOUT: str(timeout_ms)})
+    hs, pats = commit_chain(ca, pa, 24, 1)
+    ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    owners = {cl.client.master_of(ns.key(h)) for h in hs}
+    assert len(owners) == 3, owners
+    # B learns the slot map (one Fetch of a chain Redis lacks), then every master stops.
+    missing = kw.hash_chain(pb_.hash_seed, list(range(9000, 9000 + 2 * T)), T, b"",
+                            pb_.hash_algo)
+    fetch_checked(cb, pb_, missing, [b""] * 2, "warm-up")
+    masters = [cl.nodes[p] for p in owners]
+    for m in masters:
+        m.sigstop()
+    try:
+        t = time.monotonic()
+        fr, n = fetch_checked(cb, pb_, hs, pats, "masters stopped")
+        took = time.monotonic() - t
+        assert n == 0, n
+        assert took < 2 * timeout_ms / 1000 + 0.2, "Fetch with 3 masters stopped: %.2f s" % took
+        assert ping_ms(cb) < 100 and b.alive()
+    finally:
+        for m in masters:
+            m.sigcont()
+    n = fetch_until(cb, pb_, hs, pats, 24, timeout=15, what="after SIGCONT")
+    assert n == 24, msg(n, rem(b))
 
 
 def test_cluster_spread_failover_and_writes(kvd_factory, redis_cluster):
