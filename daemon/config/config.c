@@ -44,7 +44,8 @@ static const kvd_config_option options[] = {
         "target bytes per segment; a segment holds at least one block"),
     OPT("index-entries", KVD_OPT_U64, index_entries, "1M", 1024, 1ull << 32,
         "initial capacity of the prefix index in blocks over all pools; it grows with the pools so "
-        "every block can be indexed"),
+        "every block can be indexed (32 bytes a slot at load 0.7: 1M takes 64 MiB, faulted in at "
+        "start up to 256 MiB of table so no request pays for it)"),
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
         "eviction order of cached blocks: lru, s3fifo, prefix-lru or adaptive"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
