@@ -615,12 +615,15 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--hash") == 0) {
             bench_hash(quick);
             return 0;
+        } else if (strcmp(argv[i], "--index") == 0) {
+            bench_index(quick);
+            return 0;
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             seed = strtoull(argv[++i], NULL, 10);
         } else if (strcmp(argv[i], "--trace-file") == 0 && i + 1 < argc) {
             file = argv[++i];
         } else {
-            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--hash] [--seed N] "
+            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--hash] [--index] [--seed N] "
                             "[--trace-file FILE]\n");
             return 2;
         }
