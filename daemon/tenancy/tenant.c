@@ -41,6 +41,8 @@ struct kvd_tenants {
     kvd_quota def;      /* quota of tenants without their own */
     kvd_events_line ev[KVD_MAX_EVENT_LINES]; /* `events` lines */
     uint32_t nev;
+    kvd_tiers_line *tl; /* `tiers` lines (KVD_MAX_TIERS_LINES, allocated at the first) */
+    uint32_t ntl;
 };
 
 kv_err kvd_tenants_alloc(kvd_tenants **out) {
@@ -67,6 +69,7 @@ void kvd_tenants_free(kvd_tenants *t) {
     }
     free(t->v);
     free(t->groups);
+    free(t->tl);
     free(t);
 }
 
@@ -482,6 +485,122 @@ static kv_err parse_events(kvd_tenants *t, char **save, const char *source, unsi
     return KV_OK;
 }
 
+/* A `tiers` line (tenant.h has its meaning). */
+static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsigned lineno,
+                          char *err, size_t errlen) {
+    if (t->ntl == KVD_MAX_TIERS_LINES) {
+        kvd_conf_err(err, errlen, "%s:%u: more than %d tiers lines", source, lineno,
+                     KVD_MAX_TIERS_LINES);
+        return KV_EQUOTA;
+    }
+    if (t->tl == NULL && (t->tl = calloc(KVD_MAX_TIERS_LINES, sizeof(*t->tl))) == NULL) {
+        return KV_ENOMEM;
+    }
+    kvd_tiers_line l;
+    memset(&l, 0, sizeof(l));
+    l.write_through = -1;
+    l.min_hits = l.clean_ahead = -1;
+    l.lineno = lineno;
+    unsigned seen = 0, nset = 0;
+    char *kv;
+    while ((kv = strtok_r(NULL, " \t\r", save)) != NULL) {
+        char *eq = strchr(kv, '=');
+        if (eq == NULL) {
+            kvd_conf_err(err, errlen, "%s:%u: tiers: '%s' is not NAME=VALUE", source, lineno, kv);
+            return KV_EINVAL;
+        }
+        *eq = '\0';
+        const char *v = eq + 1;
+        static const char *const keys[] = {"model", "domains", "write", "min-hits", "clean-ahead"};
+        int k = -1;
+        for (int i = 0; i < (int)(sizeof(keys) / sizeof(keys[0])); i++) {
+            k = strcmp(kv, keys[i]) == 0 ? i : k;
+        }
+        if (k < 0) {
+            kvd_conf_err(err, errlen,
+                         "%s:%u: tiers: unknown '%s' (model, domains, write, min-hits, "
+                         "clean-ahead)",
+                         source, lineno, kv);
+            return KV_EINVAL;
+        }
+        if (seen & (1u << k)) {
+            kvd_conf_err(err, errlen, "%s:%u: tiers: %s given twice", source, lineno, kv);
+            return KV_EINVAL;
+        }
+        seen |= 1u << k;
+        int bad = 0;
+        if (k == 0) {
+            bad = v[0] == '\0' || strlen(v) > KV_WIRE_MAX_MODEL_ID;
+            if (!bad) {
+                snprintf(l.model, sizeof(l.model), "%s", v);
+            }
+        } else if (k == 1) {
+            char *dsave = NULL;
+            for (char *d = strtok_r((char *)v, ",", &dsave); d != NULL;
+                 d = strtok_r(NULL, ",", &dsave)) {
+                uint32_t dom;
+                if (event_domain(t, d, &dom) != 0) {
+                    kvd_conf_err(err, errlen,
+                                 "%s:%u: tiers: domain '%s' is not a tenant or group:NAME "
+                                 "defined above, or commons",
+                                 source, lineno, d);
+                    return KV_EINVAL;
+                }
+                if (l.ndomains == KVD_EVENT_LINE_DOMAINS) {
+                    kvd_conf_err(err, errlen, "%s:%u: tiers: more than %d domains", source, lineno,
+                                 KVD_EVENT_LINE_DOMAINS);
+                    return KV_EINVAL;
+                }
+                l.domains[l.ndomains++] = dom;
+            }
+            bad = l.ndomains == 0;
+        } else if (k == 2) {
+            bad = strcmp(v, "write-back") != 0 && strcmp(v, "write-through") != 0;
+            l.write_through = strcmp(v, "write-through") == 0;
+            nset++;
+        } else {
+            char *end;
+            errno = 0;
+            unsigned long long n = strtoull(v, &end, 10);
+            bad = *v == '\0' || *end != '\0' || errno != 0 || n > (1u << 20) || (k == 4 && n == 0);
+            *(k == 3 ? &l.min_hits : &l.clean_ahead) = (int64_t)n;
+            nset++;
+        }
+        if (bad) {
+            kvd_conf_err(err, errlen, "%s:%u: tiers: bad value '%s' for %s", source, lineno, v, kv);
+            return KV_EINVAL;
+        }
+    }
+    if (nset == 0) {
+        kvd_conf_err(err, errlen,
+                     "%s:%u: expected 'tiers [model=M] [domains=NAME,...] "
+                     "[write=write-back|write-through] [min-hits=N] [clean-ahead=N]' with at "
+                     "least one setting",
+                     source, lineno);
+        return KV_EINVAL;
+    }
+    t->tl[t->ntl++] = l;
+    return KV_OK;
+}
+
+const kvd_tiers_line *kvd_tenants_tiers_rule(const kvd_tenants *t, const char *model,
+                                             uint32_t domain) {
+    for (uint32_t i = 0; t != NULL && i < t->ntl; i++) {
+        const kvd_tiers_line *l = &t->tl[i];
+        if (l->model[0] != '\0' && strcmp(l->model, model) != 0) {
+            continue;
+        }
+        int in = l->ndomains == 0;
+        for (uint32_t j = 0; j < l->ndomains && !in; j++) {
+            in = l->domains[j] == domain;
+        }
+        if (in) {
+            return l;
+        }
+    }
+    return NULL;
+}
+
 uint32_t kvd_tenants_event_lines(const kvd_tenants *t, const kvd_events_line **out) {
     *out = t->ev;
     return t->nev;
@@ -509,8 +628,12 @@ static kv_err parse_line(kvd_tenants *t, char *line, const char *source, unsigne
     if (strcmp(word, "events") == 0) {
         return parse_events(t, &save, source, lineno, err, errlen);
     }
-    kvd_conf_err(err, errlen, "%s:%u: expected a tenant, group, commons, quota or events line",
-                 source, lineno);
+    if (strcmp(word, "tiers") == 0) {
+        return parse_tiers(t, &save, source, lineno, err, errlen);
+    }
+    kvd_conf_err(err, errlen,
+                 "%s:%u: expected a tenant, group, commons, quota, events or tiers line", source,
+                 lineno);
     return KV_EINVAL;
 }
 

@@ -8,6 +8,8 @@
  *     quota NAME|default [max-held=N] [guarantee=N] [max-pinned=N] [max-sessions=N]
  *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
  *            [format=array|map] [buffer=N] domains=NAME,group:NAME,commons
+ *     tiers [model=M] [domains=NAME,group:NAME,commons] [write=write-back|write-through]
+ *           [min-hits=N] [clean-ahead=N]
  * (a tenant needs at least one of uid=, gid=, token-file=; NAME is 1..63 of [A-Za-z0-9._-], not
  * "uid-N", "commons" or "default"). Without a token a peer gets the first token-less line whose
  * uid list holds its uid, else the first token-less line whose gid list holds its gid, else the
@@ -62,6 +64,21 @@ typedef struct kvd_events_line {
     uint32_t ndomains;
     unsigned lineno; /* for messages */
 } kvd_events_line;
+
+/* One `tiers` line: the lower-tier policy of the pools it matches (docs/TIERS.md, "Per pool"),
+ * applied when such a pool is made, as admin `tiers pool=ID ...` would. A pool matches when its
+ * model id is model (or the line names none) and its domain is listed (or the line lists none);
+ * the first matching line in file order wins. A setting left out stays the daemon's option. */
+#define KVD_MAX_TIERS_LINES 64
+typedef struct kvd_tiers_line {
+    char model[KV_WIRE_MAX_MODEL_ID + 1]; /* "" = any model */
+    uint32_t domains[KVD_EVENT_LINE_DOMAINS];
+    uint32_t ndomains; /* 0 = any domain */
+    int write_through; /* 1 write-through, 0 write-back, -1 not set */
+    int64_t min_hits;  /* -1 not set */
+    int64_t clean_ahead;
+    unsigned lineno;
+} kvd_tiers_line;
 
 /* An empty map (every uid its own tenant). KV_ENOMEM. */
 kv_err kvd_tenants_alloc(kvd_tenants **out);
@@ -118,6 +135,10 @@ const char *kvd_tenants_name(const kvd_tenants *t, uint32_t id);
 
 /* The `events` lines, in file order, into *out; returns how many. */
 uint32_t kvd_tenants_event_lines(const kvd_tenants *t, const kvd_events_line **out);
+
+/* The first `tiers` line that matches a pool of model in domain, or NULL. */
+const kvd_tiers_line *kvd_tenants_tiers_rule(const kvd_tenants *t, const char *model,
+                                             uint32_t domain);
 
 /* Number of tenants known. */
 uint32_t kvd_tenants_count(const kvd_tenants *t);

@@ -56,10 +56,20 @@ static void test_file_mapping(void **state) {
 static void test_bad_lines(void **state) {
     (void)state;
     const char *bad[] = {
-        "tenent x uid=1\n",       "tenant\n",           "tenant x\n",
-        "tenant x uid=\n",        "tenant x uid=a\n",   "tenant x uid=1 foo=2\n",
-        "tenant uid-5 uid=5\n",   "tenant a/b uid=1\n", "tenant x uid=1\ntenant x uid=2\n",
-        "tenant x uid=1 uid=2\n", "tenant x gid=1,\n",
+        "tenent x uid=1\n",
+        "tenant\n",
+        "tenant x\n",
+        "tenant x uid=\n",
+        "tenant x uid=a\n",
+        "tenant x uid=1 foo=2\n",
+        "tenant uid-5 uid=5\n",
+        "tenant a/b uid=1\n",
+        "tenant x uid=1\ntenant x uid=2\n",
+        "tenant x uid=1 uid=2\n",
+        "tenant x gid=1,\n",
+        "tiers model=m\n",
+        "tiers write=up\n",
+        "tiers domains=zz write=write-back\n",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         kvd_tenants *t;
@@ -75,6 +85,42 @@ static void test_bad_lines(void **state) {
     assert_int_equal(kvd_tenants_alloc(&t), KV_OK);
     char err[256];
     assert_int_equal(kvd_tenants_load(t, "/nonexistent/tenants", err, sizeof(err)), KV_ESYS);
+    kvd_tenants_free(t);
+}
+
+static void test_tiers_lines(void **state) {
+    (void)state;
+    kvd_tenants *t;
+    assert_int_equal(kvd_tenants_alloc(&t), KV_OK);
+    char err[256];
+    const char *text = "tenant a uid=1\n"
+                       "tenant b uid=2\n"
+                       "group g members=a,b\n"
+                       "tiers model=sys domains=a,group:g write=write-through\n"
+                       "tiers domains=b min-hits=3 clean-ahead=5\n"
+                       "tiers model=sys write=write-back\n";
+    assert_int_equal(kvd_tenants_parse(t, text, "tenants", err, sizeof(err)), KV_OK);
+    uint32_t a, b;
+    assert_int_equal(kvd_tenants_find(t, "a", &a), KV_OK);
+    assert_int_equal(kvd_tenants_find(t, "b", &b), KV_OK);
+    uint32_t doms[KVD_MAX_DOMAINS_PER_TENANT];
+    assert_int_equal(kvd_tenants_domains(t, a, doms), 2);
+    uint32_t g = doms[1];
+    const kvd_tiers_line *l = kvd_tenants_tiers_rule(t, "sys", a);
+    assert_non_null(l);
+    assert_int_equal(l->write_through, 1);
+    assert_int_equal(l->min_hits, -1);
+    assert_int_equal(l->lineno, 4);
+    assert_int_equal(kvd_tenants_tiers_rule(t, "sys", g)->lineno, 4);
+    /* b: its own line first for any model, then the model line for others' domains. */
+    l = kvd_tenants_tiers_rule(t, "sys", b);
+    assert_int_equal(l->lineno, 5);
+    assert_int_equal(l->min_hits, 3);
+    assert_int_equal(l->clean_ahead, 5);
+    assert_int_equal(l->write_through, -1);
+    assert_int_equal(kvd_tenants_tiers_rule(t, "sys", 4242)->lineno, 6);
+    assert_null(kvd_tenants_tiers_rule(t, "other", a));
+    assert_int_equal(kvd_tenants_tiers_rule(t, "other", b)->lineno, 5);
     kvd_tenants_free(t);
 }
 
@@ -95,9 +141,8 @@ static void test_table_full(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_default_uid_tenants),
-        cmocka_unit_test(test_file_mapping),
-        cmocka_unit_test(test_bad_lines),
+        cmocka_unit_test(test_default_uid_tenants), cmocka_unit_test(test_file_mapping),
+        cmocka_unit_test(test_bad_lines),           cmocka_unit_test(test_tiers_lines),
         cmocka_unit_test(test_table_full),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

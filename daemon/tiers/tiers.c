@@ -24,6 +24,7 @@
 
 #include "common/kv_layout.h"
 #include "common/kv_log.h"
+#include "daemon/tenancy/tenant.h"
 #include "daemon/tiers/codec.h"
 #include "daemon/tiers/disk.h"
 #include "daemon/tiers/remote.h"
@@ -1634,6 +1635,16 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->layout = p->layout;
     tp->format = t->format;
     tp->write_through = tp->min_hits = tp->clean_ahead = -1;
+    /* The tenants file's `tiers` line for this model and domain, if any: as if an operator had
+     * said `tiers pool=ID ...` at once (kept each time the pool is made again). */
+    const kvd_tiers_line *rule = kvd_tenants_tiers_rule(t->reg->tenants, p->model_id, p->domain);
+    if (rule != NULL) {
+        tp->write_through = rule->write_through;
+        tp->min_hits = rule->min_hits;
+        tp->clean_ahead = rule->clean_ahead;
+        KV_LOG(INFO, "KVD-TIERS-RULE", "pool %u (model %s, domain %s): tiers line %u applies",
+               p->pool_id, p->model_id, domain, rule->lineno);
+    }
     snprintf(tp->domain, sizeof(tp->domain), "%s", domain);
     {
         /* The remote tier's layout key: model, shape and flags (not the hash seed, which

@@ -11,7 +11,7 @@ import pytest
 
 import kvdwire as kw
 from conftest import (allocate_blocks as allocate, token_chain as prefix, UID_A,
-                      UID_B, Child, new_dir, wait_until)
+                      UID_B, Child, new_dir, run_kvd_expecting_refusal, wait_until)
 from kvdwire import pb
 
 # 2 layers x 2 heads x 8 dims x 16 tokens fp16: 2048-byte blocks. segment-bytes 64K: 32 blocks
@@ -534,6 +534,58 @@ def test_admin_tiers_per_pool_policy(kvd_factory):
                 "tiers pool=%d clean-ahead=0" % a.pool_id, "tiers write=write-back",
                 "tiers pool=999"):
         assert not d.admin(bad)["ok"], bad
+
+
+def test_tenants_file_tiers_lines(kvd_factory):
+    """`tiers` lines of the tenants file give the pools they match their own policy when the
+    pool is made: the first matching line wins (model m-rule-a: write-through, its commits go
+    down at once; any other model of tenant `me`: clean-ahead 7, still write-back); admin shows
+    them as the pool's own settings, and `default` still goes back to the daemon's option."""
+    me = os.geteuid()
+    tenants = ("tenant me uid=%d\n"
+               "tiers model=m-rule-a domains=me write=write-through min-hits=0\n"
+               "tiers domains=me clean-ahead=7\n"
+               "tiers model=m-rule-a clean-ahead=9\n" % me)
+    d = kvd_factory(tenants=tenants, **_tiers(tier_write="write-back"))
+    c = connect(d)
+    a = c.attach("m-rule-a", LAYOUT)
+    b = c.attach("m-rule-b", LAYOUT)
+    for p, base in ((a, 1), (b, 2)):
+        hs = prefix(p, 3, base)
+        write_commit_release(c, p, hs, patterns(p, hs))
+    settle(d)
+    tiers = {p["pool"]: p for p in d.admin_result("tiers")["pools"]}
+    ta, tb = tiers[a.pool_id], tiers[b.pool_id]
+    assert ta["write"] == "write-through" and ta["min_hits"] == 0 and ta["own_settings"], ta
+    assert ta["tier1_blocks"] == 3, ta  # written through
+    assert tb["write"] == "write-back" and tb["clean_ahead"] == 7 and tb["own_settings"], tb
+    assert tb["tier1_blocks"] == 0, tb
+    r = d.admin_result("tiers pool=%d write=default" % a.pool_id)
+    assert r["pools"][0]["write"] == "write-back", r
+
+
+BAD_TIERS_LINES = {
+    "no_setting": ("tiers model=m\n", "at least one setting"),
+    "bad_write": ("tiers write=sideways\n", "bad value 'sideways' for write"),
+    "unknown_domain": ("tiers domains=nosuch write=write-back\n", "domain 'nosuch'"),
+    "zero_clean_ahead": ("tiers clean-ahead=0\n", "bad value '0' for clean-ahead"),
+    "unknown_key": ("tiers speed=9\n", "unknown 'speed'"),
+    "twice": ("tiers min-hits=1 min-hits=2\n", "min-hits given twice"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TIERS_LINES))
+def test_bad_tiers_line_is_refused(case):
+    """A bad `tiers` line stops kvd at start, naming the line and what is wrong."""
+    text, contains = BAD_TIERS_LINES[case]
+
+    def setup(tmp):
+        with open(os.path.join(tmp, "tenants"), "w") as f:
+            f.write(text)
+    rc, out = run_kvd_expecting_refusal({"tenants_file": "{dir}/tenants", "tier1_memory": "4M"},
+                                        setup=setup)
+    assert rc not in (None, 0), "kvd served with %r: %s" % (text, out)
+    assert contains in out and "tenants:1" in out, out
 
 
 def test_t2_file_truncated_under_the_daemon(kvd_factory):
