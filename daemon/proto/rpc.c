@@ -508,6 +508,139 @@ static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, 
 }
 
 /* Records n new references of the session; on ENOMEM gives them back to the pool. */
+/* max-held: whether tenant may hold count more blocks in pool p (msg says why not). */
+static kv_err check_max_held(const rpc *c, const kvd_reg_pool *p, uint32_t count, char *msg) {
+    uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
+    uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess->tenant).held;
+    if (max_held != 0 && held + count > max_held) {
+        FAIL(KV_EQUOTA,
+             "tenant %s: quota max-held is %llu blocks per pool; pool %u holds %llu, asked %u",
+             kvd_tenants_name(c->reg->tenants, c->sess->tenant), (unsigned long long)max_held,
+             p->pool_id, (unsigned long long)held, count);
+    }
+    return KV_OK;
+}
+
+/* Allocates count blocks of pool p for the session and queues the reply. KV_ENOSPC (msg) when
+ * the pool has no room now, and nothing changed. */
+static kv_err allocate_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd_reg_pool *p,
+                             uint32_t count, int private_blocks, char *msg) {
+    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * count);
+    if (refs == NULL) {
+        FAIL(KV_ENOMEM, "no memory for %u handles", count);
+    }
+    /* The registry decides first (a refused Allocate changes nothing), then parks, grows and
+     * allocates. */
+    kv_err rc = kvd_registry_allocate(c->reg, p, count, c->sess->id, c->sess->tenant, refs, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kvd_session_hold(c->sess, sp, refs, count) != KV_OK) {
+        FAIL(KV_ENOMEM, "no memory to record %u references", count);
+    }
+    for (uint32_t i = 0; i < count && private_blocks; i++) {
+        KV_ASSERT(kvd_pool_make_private(p->pool, c->sess->id, refs[i]) == KV_OK);
+    }
+    kvd_tiers_pressure(c->ctx->tiers, p);
+    uint32_t nsf = new_segments_from(sp);
+    check_announced(sp, refs, count, nsf);
+    return send_blocks_reply(c, id, refs, count, nsf, 0, NULL, NULL, 0, NULL);
+}
+
+/* An Allocate that waits for copies down to give back blocks of its pool (docs/TIERS.md). */
+typedef struct alloc_wait {
+    kvd_registry *reg;
+    const kvd_config *cfg;
+    uint64_t boot_epoch;
+    const kvd_rpc_later *later;
+    kvd_tiers *tiers;
+    uint64_t id, session;
+    uint32_t pool_id, count;
+    int private_blocks;
+    char why[KV_ERRMSG]; /* the ENOSPC it met first */
+} alloc_wait;
+
+static void on_room(void *arg, kv_err why);
+
+/* Waits (at the back of the pool's queue) instead of answering ENOSPC, when copies hold blocks
+ * of the pool and the session has room in max-inflight. 1 when it waits (no reply now). */
+static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Allocate *a,
+                         const char *why) {
+    if (c->ctx->later == NULL || c->ctx->tiers == NULL || kvd_tiers_leased(c->ctx->tiers, p) == 0 ||
+        c->sess->fetches >= c->cfg->max_inflight) {
+        return 0;
+    }
+    alloc_wait *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        return 0;
+    }
+    *w = (alloc_wait){c->reg, c->cfg,      c->ctx->boot_epoch, c->ctx->later, c->ctx->tiers,
+                      id,     c->sess->id, p->pool_id,         a->count,      a->private_blocks,
+                      ""};
+    snprintf(w->why, sizeof(w->why), "%s", why);
+    if (kvd_tiers_wait_room(c->ctx->tiers, p, on_room, w) != KV_OK) {
+        free(w);
+        return 0;
+    }
+    c->sess->fetches++;
+    c->out->deferred = 1; /* the reply comes from on_room */
+    return 1;
+}
+
+/* A copy gave a block of the waiting Allocate's pool back (or the pool went, or kvd stops). */
+static void on_room(void *arg, kv_err why) {
+    alloc_wait *w = arg;
+    kvd_session *sess = why == KV_ECLOSED ? NULL : w->later->find(w->later->arg, w->session);
+    if (sess == NULL) {
+        free(w); /* the session closed, or kvd stops: nobody to answer */
+        return;
+    }
+    if (sess->fetches > 0) {
+        sess->fetches--;
+    }
+    kv_arena arena;
+    kv_arena_init(&arena);
+    kvd_rpc_ctx x;
+    memset(&x, 0, sizeof(x));
+    x.reg = w->reg;
+    x.cfg = w->cfg;
+    x.boot_epoch = w->boot_epoch;
+    x.arena = &arena;
+    x.tiers = w->tiers;
+    x.later = w->later;
+    kvd_reply out;
+    memset(&out, 0, sizeof(out));
+    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+    char msg[KV_ERRMSG];
+    msg[0] = '\0';
+    kvd_reg_pool *p = kvd_registry_pool(w->reg, w->pool_id);
+    kvd_session_pool *sp = p != NULL ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    kv_err rc;
+    if (sp == NULL) {
+        rc = KV_ESTATE;
+        snprintf(msg, sizeof(msg), "pool %u was detached while this Allocate waited for room",
+                 w->pool_id);
+    } else if ((rc = check_max_held(&c, p, w->count, msg)) == KV_OK) {
+        rc = allocate_reply(&c, w->id, sp, p, w->count, w->private_blocks, msg);
+        if (rc == KV_ENOSPC && kvd_tiers_wait_room(w->tiers, p, on_room, w) == KV_OK) {
+            sess->fetches++; /* still copies in flight: wait for the next one */
+            kv_arena_fini(&arena);
+            return;
+        }
+        if (rc == KV_ENOSPC) {
+            snprintf(msg, sizeof(msg), "%.190s (waited for the copies to lower tiers in flight)",
+                     w->why);
+        }
+    }
+    if (rc != KV_OK) {
+        kvd_rpc_error(&x, sess, w->id, rc, msg, &out);
+    }
+    out.code = KV_OK;
+    w->later->send(w->later->arg, w->session, &out);
+    kv_arena_fini(&arena);
+    free(w);
+}
+
 static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
@@ -527,34 +660,21 @@ static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg
     if (rc != KV_OK) {
         return rc;
     }
-    uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
-    uint64_t held = kvd_pool_tenant_usage(p->pool, c->sess->tenant).held;
-    if (max_held != 0 && held + a->count > max_held) {
-        FAIL(KV_EQUOTA,
-             "tenant %s: quota max-held is %llu blocks per pool; pool %u holds %llu, asked %u",
-             kvd_tenants_name(c->reg->tenants, c->sess->tenant), (unsigned long long)max_held,
-             p->pool_id, (unsigned long long)held, a->count);
-    }
-    kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * a->count);
-    if (refs == NULL) {
-        FAIL(KV_ENOMEM, "no memory for %u handles", a->count);
-    }
-    /* The registry decides first (a refused Allocate changes nothing), then parks, grows and
-     * allocates. */
-    rc = kvd_registry_allocate(c->reg, p, a->count, c->sess->id, c->sess->tenant, refs, msg);
+    rc = check_max_held(c, p, a->count, msg);
     if (rc != KV_OK) {
         return rc;
     }
-    if (kvd_session_hold(c->sess, sp, refs, a->count) != KV_OK) {
-        FAIL(KV_ENOMEM, "no memory to record %u references", a->count);
+    /* Allocates that wait for copies to give blocks back are answered in order: a new one
+     * queues behind them rather than take what they wait for. */
+    if (kvd_tiers_room_waited(c->ctx->tiers, p) &&
+        allocate_wait(c, id, p, a, "no room in the pool")) {
+        return KV_OK;
     }
-    for (uint32_t i = 0; i < a->count && a->private_blocks; i++) {
-        KV_ASSERT(kvd_pool_make_private(p->pool, c->sess->id, refs[i]) == KV_OK);
+    rc = allocate_reply(c, id, sp, p, a->count, a->private_blocks, msg);
+    if (rc == KV_ENOSPC && allocate_wait(c, id, p, a, msg)) {
+        return KV_OK; /* answered when a copy gives a block back */
     }
-    kvd_tiers_pressure(c->ctx->tiers, p);
-    uint32_t nsf = new_segments_from(sp);
-    check_announced(sp, refs, a->count, nsf);
-    return send_blocks_reply(c, id, refs, a->count, nsf, 0, NULL, NULL, 0, NULL);
+    return rc;
 }
 
 /* verify-blocks: checks the hits (runs per pool, in order) and ends the list before the first

@@ -90,7 +90,8 @@ typedef struct kvd_session {
     uint32_t npools, cap;    /* used and allocated entries of pools */
     uint64_t requests;       /* requests handled */
     uint64_t errors;         /* Error replies sent */
-    uint32_t fetches;        /* Fetches whose reply is still to come (max-inflight caps them) */
+    uint32_t fetches; /* Fetches and waiting Allocates whose reply is still to come (max-inflight
+                         caps them) */
 } kvd_session;
 
 /* Caller's storage. */

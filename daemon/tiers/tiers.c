@@ -49,6 +49,7 @@ enum {
     TS_FETCHES,
     TS_FETCH_SHORT,
     TS_FETCH_SHARED,
+    TS_ALLOC_WAITS,
     TS_CORRUPT_T2,
     TS_WERR_T2,
     TS_COPY_BYTES_DOWN1,
@@ -126,6 +127,12 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_FETCH_SHARED] = {"fetch_shared", "counter", "blocks",
                          "Fetch positions served by another fetch's copy in flight", NULL, NULL,
                          NULL, NULL},
+    [TS_ALLOC_WAITS] = {"alloc_waits", "counter", "requests",
+                        "Allocate waits for copies down to give leased blocks back (instead of "
+                        "ENOSPC)",
+                        "kvd_tier_alloc_waits_total",
+                        "Allocates that waited for copies to lower tiers instead of failing.", NULL,
+                        NULL},
     [TS_CORRUPT_T2] = {"corrupt_t2", "counter", "blocks",
                        "tier-2 records that failed a check (never served; dropped)",
                        "kvd_tier_corrupt_total", "Lower-tier copies that failed a check.", NULL,
@@ -237,7 +244,16 @@ struct kvd_tiers {
     kvd_tiers_digest_fn dg_fn; /* digests of blocks going down (kvd_tiers_set_digest_fn) */
     void *dg_arg;
     void *ev_arg;
+    struct room_wait *waits; /* Allocates waiting for copies to free T0 blocks (FIFO) */
 };
+
+/* An Allocate that met ENOSPC while copies held some of its pool's blocks (kvd_tiers_wait_room). */
+typedef struct room_wait {
+    uint32_t pool_id;
+    kvd_tiers_room_fn fn;
+    void *arg;
+    struct room_wait *next;
+} room_wait;
 
 struct tier_pool {
     kvd_tiers *t;
@@ -253,6 +269,7 @@ struct tier_pool {
     int64_t clean_ahead;    /* admin `tiers ... clean-ahead=`; -1: tier-clean-ahead */
     uint32_t jobs;          /* in flight for this pool */
     uint32_t cleaning;      /* write-back copies in flight */
+    uint32_t leased;        /* T0 blocks copies down hold leased (neither free nor evictable) */
     int gone;               /* the pool was freed: free this when jobs reach 0 */
     kv_hash128 layout_key;  /* model, layout and flags: remote values of other pools never match */
     uint32_t domain_id;     /* the pool's domain (KV events) */
@@ -831,6 +848,40 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
 
 static void doomed_finish(tier_pool *tp, uint32_t i);
 
+/* Runs the waits of pool_id (every pool: UINT32_MAX) with rc, in the order they came; a wait
+ * that waits again (from its callback) goes to the back for the next wake-up. */
+static void room_wake(kvd_tiers *t, uint32_t pool_id, kv_err rc) {
+    room_wait *mine = NULL, **mt = &mine;
+    for (room_wait **pp = &t->waits; *pp != NULL;) {
+        room_wait *w = *pp;
+        if (pool_id == UINT32_MAX || w->pool_id == pool_id) {
+            *pp = w->next;
+            w->next = NULL;
+            *mt = w;
+            mt = &w->next;
+        } else {
+            pp = &w->next;
+        }
+    }
+    while (mine != NULL) {
+        room_wait *w = mine;
+        mine = w->next;
+        kvd_tiers_room_fn fn = w->fn;
+        void *arg = w->arg;
+        free(w);
+        fn(arg, rc);
+    }
+}
+
+/* A copy down gave its T0 block back: the Allocates waiting on the pool try again. */
+static void unleased(tier_pool *tp) {
+    KV_ASSERT(tp->leased > 0);
+    tp->leased--;
+    if (tp->t->waits != NULL) {
+        room_wake(tp->t, tp->pool_id, KV_OK);
+    }
+}
+
 /* Tells the KV events hook (kvd_tiers_set_event_hook) that hash entered or left tier. */
 static void tier_event(tier_pool *tp, kv_hash128 hash, const kv_hash128 *parent,
                        const uint8_t *tail, int tier, int present) {
@@ -1020,6 +1071,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         return;
     }
+    tp->leased++;
     kvd_reg_pool *rp = kvd_registry_pool(t->reg, tp->pool_id);
     kvd_tentry *se = kvd_tstore_at(&tp->st, i);
     const float *sum =
@@ -1057,6 +1109,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
             kvd_tstore_slot2_back(&tp->st, j->slot);
         }
         (void)kvd_pool_unlease(pool, ref, cold);
+        unleased(tp);
         kvd_tentry *e = kvd_tstore_at(&tp->st, i);
         if (e->pending == 0 && e->t1 == NULL && !e->in2) {
             kvd_tstore_forget(&tp->st, i);
@@ -1162,6 +1215,7 @@ static void after_work(uv_work_t *w, int status) {
             if (pool != NULL) {
                 (void)kvd_pool_unlease(pool, j->ref, j->cold);
             }
+            unleased(tp);
             e->pending &= (uint8_t)~KVD_TPEND_T1;
             if (j->rc == KV_OK && !e->doomed && e->t1 == NULL && make_room(tp, 1, j->out_len)) {
                 kvd_tstore_set1(&tp->st, j->entry, j->out, j->out_len, j->out_fmt);
@@ -1187,6 +1241,7 @@ static void after_work(uv_work_t *w, int status) {
                 if (pool != NULL) {
                     (void)kvd_pool_unlease(pool, j->ref, j->cold);
                 }
+                unleased(tp);
             } else {
                 e->busy--;
             }
@@ -1332,6 +1387,7 @@ static void on_pool_gone(void *arg, kvd_reg_pool *p) {
     p->tiers = NULL;
     kvd_pool_set_drop_hook(p->pool, KVD_DROP_HOOK_TIERS, NULL, NULL);
     tp->gone = 1;
+    room_wake(tp->t, tp->pool_id, KV_ENOENT);
     kvd_tiers *t = tp->t;
     t->used[0] -= tp->st.bytes[0];
     t->used[1] -= tp->st.bytes[1];
@@ -1397,9 +1453,45 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
 }
 
 void kvd_tiers_close(kvd_tiers *t) {
+    if (t != NULL) {
+        room_wake(t, UINT32_MAX, KV_ECLOSED);
+    }
     if (t != NULL && t->remote != NULL) {
         kvd_remote_close(t->remote); /* its last callbacks run here */
     }
+}
+
+uint32_t kvd_tiers_leased(const kvd_tiers *t, const kvd_reg_pool *p) {
+    return t != NULL && p->tiers != NULL ? ((const tier_pool *)p->tiers)->leased : 0;
+}
+
+int kvd_tiers_room_waited(const kvd_tiers *t, const kvd_reg_pool *p) {
+    for (const room_wait *w = t != NULL ? t->waits : NULL; w != NULL; w = w->next) {
+        if (w->pool_id == p->pool_id) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+kv_err kvd_tiers_wait_room(kvd_tiers *t, const kvd_reg_pool *p, kvd_tiers_room_fn fn, void *arg) {
+    if (kvd_tiers_leased(t, p) == 0) {
+        return KV_ENOENT; /* nothing would wake it */
+    }
+    room_wait *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        return KV_ENOMEM;
+    }
+    w->pool_id = p->pool_id;
+    w->fn = fn;
+    w->arg = arg;
+    t->c[TS_ALLOC_WAITS]++;
+    room_wait **pp = &t->waits;
+    while (*pp != NULL) {
+        pp = &(*pp)->next;
+    }
+    *pp = w;
+    return KV_OK;
 }
 
 kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,

@@ -136,6 +136,18 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
  * tiers). */
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
 
+/* Copies down lease the T0 blocks they read (neither free nor evictable until the copy lands),
+ * so an Allocate in a nearly full pool can meet ENOSPC that the copies in flight will end.
+ * kvd_tiers_leased: how many of pool p's blocks copies hold now. kvd_tiers_wait_room: fn(arg,
+ * KV_OK) runs on the loop thread when one of them is given back (waits run in the order they
+ * came; fn may wait again), fn(arg, KV_ENOENT) when the pool goes, fn(arg, KV_ECLOSED) at
+ * kvd_tiers_close; KV_ENOENT at once (fn never runs) when no copy holds a block of p.
+ * kvd_tiers_room_waited: 1 while some Allocate waits on p (a new one queues behind it). */
+typedef void (*kvd_tiers_room_fn)(void *arg, kv_err rc);
+uint32_t kvd_tiers_leased(const kvd_tiers *t, const kvd_reg_pool *p);
+kv_err kvd_tiers_wait_room(kvd_tiers *t, const kvd_reg_pool *p, kvd_tiers_room_fn fn, void *arg);
+int kvd_tiers_room_waited(const kvd_tiers *t, const kvd_reg_pool *p);
+
 /* Told whenever a block of a pool enters (present 1) or leaves (0) a tier (KV events:
  * daemon/kvevents): tier 0 when a Fetch commits a block it brought up into T0 (present only: T0
  * departures are the pool's drop hook), 1 and 2 for the lower tiers' copies, 3 for the remote

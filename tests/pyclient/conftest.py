@@ -346,19 +346,11 @@ def signal_ready(ready_w, value=None):
     os.write(ready_w, len(data).to_bytes(4, "little") + data)
 
 
-def allocate_blocks(conn, pool, count, retry_s=5.0):
-    """Allocate of count blocks, retrying ENOSPC for up to retry_s: blocks whose copies down to
-    a lower tier are in flight are leased (neither evictable nor free) until the copy lands
-    (docs/TIERS.md). Returns the (id, gen) pairs; the pool follows the reply's segments."""
-    deadline = time.monotonic() + retry_s
-    while True:
-        try:
-            r = conn.allocate(pool.pool_id, count)
-            break
-        except kvdwire.KvdError as e:
-            if e.code != kvdwire.pb.ENOSPC or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+def allocate_blocks(conn, pool, count):
+    """Allocate of count blocks; returns the (id, gen) pairs; the pool follows the reply's
+    segments. (Blocks whose copies down to a lower tier are in flight are leased until the copy
+    lands; an Allocate that meets them waits for the copies rather than fail: no retry here.)"""
+    r = conn.allocate(pool.pool_id, count)
     pool.follow(r)
     return kvdwire.reply_blocks(r)
 

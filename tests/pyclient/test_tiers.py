@@ -588,6 +588,104 @@ def test_bad_tiers_line_is_refused(case):
     assert contains in out and "tenants:1" in out, out
 
 
+BIG = kw.Layout(32, 8, 128, 16, pb.FP16, pb.BLOCK_MAJOR)  # 2 MiB blocks: copies take a while
+
+
+def _wait_daemon(kvd_factory):
+    """A daemon whose pool of BIG blocks is one 16-block segment, write-through to T1."""
+    return kvd_factory(pool_memory="40M", segment_bytes="32M", tier1_memory="256M",
+                       tier_write="write-through", fetch_min_tokens="16")
+
+
+def _commit_all(c, pool, blocks, base):
+    hs = prefix(pool, len(blocks), base)
+    entries, parent = [], kw.NO_PARENT
+    for b, h in zip(blocks, hs):
+        entries.append((b, h, parent))
+        parent = b[0]
+    return c.commit(pool.pool_id, entries)
+
+
+def test_allocate_waits_for_copies_down(kvd_factory):
+    """write-through in a full pool: the blocks whose copies down are in flight are leased
+    (neither free nor evictable), so an Allocate of the whole pool right after a burst of
+    commits used to meet ENOSPC until the copies landed (tests retried it). Now it waits for
+    them and gets its blocks: 8 rounds of Allocate(all) + Commit + Release, no retry, every
+    Allocate answered with the blocks; alloc_waits counts the ones that waited."""
+    d = _wait_daemon(kvd_factory)
+    c = connect(d)
+    pool = c.attach("m-wait", BIG)
+    r = c.allocate(pool.pool_id, 1)
+    pool.follow(r)
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
+        "blocks_total"]
+    assert n >= 8, n
+    for k in range(8):
+        r = c.allocate(pool.pool_id, n)  # no retry: ENOSPC here is the bug
+        pool.follow(r)
+        blocks = kw.reply_blocks(r)
+        assert len(blocks) == n
+        canon = _commit_all(c, pool, blocks, 1000 * (k + 1))
+        c.release(pool.pool_id, canon)
+    st = tier_stats(d)
+    assert st["alloc_waits"] >= 1, st  # at least one of them met the copies in flight
+    assert st["demotions_t1"] >= 8 * n - n, st
+    assert d.alive()
+
+
+def test_waiting_allocate_gives_up_when_copies_end(kvd_factory):
+    """The pool full of blocks the session itself holds: an Allocate that waits for the copies
+    in flight gets ENOSPC once they landed (saying it waited), and kvd keeps serving."""
+    d = _wait_daemon(kvd_factory)
+    c = connect(d)
+    pool = c.attach("m-wait-full", BIG)
+    r = c.allocate(pool.pool_id, 1)
+    pool.follow(r)
+    first = kw.reply_blocks(r)
+    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
+        "blocks_total"]
+    r = c.allocate(pool.pool_id, n - 1)
+    pool.follow(r)
+    held = first + kw.reply_blocks(r)
+    _commit_all(c, pool, held, 5000)  # the session keeps holding all of them
+    t = time.monotonic()
+    with pytest.raises(kw.KvdError) as e:
+        c.allocate(pool.pool_id, 1)
+    assert e.value.code == pb.ENOSPC, e.value
+    assert time.monotonic() - t < 5.0
+    assert c.ping(nonce=3).nonce == 3
+
+
+def test_session_dies_while_its_allocate_waits(kvd_factory):
+    """A session that closes while its Allocate waits for copies: kvd drops the wait, loses
+    no block (the pool's blocks are all free or cached again) and keeps serving."""
+    d = _wait_daemon(kvd_factory)
+    c = connect(d)
+    pool = c.attach("m-wait-die", BIG)
+    r = c.allocate(pool.pool_id, 1)
+    pool.follow(r)
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
+        "blocks_total"]
+    for k in range(4):
+        c2 = connect(d)
+        p2 = c2.attach("m-wait-die", BIG)
+        r = c2.allocate(p2.pool_id, n)
+        p2.follow(r)
+        canon = _commit_all(c2, p2, kw.reply_blocks(r), 7000 * (k + 1))
+        c2.release(p2.pool_id, canon)
+        c2.send("allocate", pb.Allocate(pool_id=p2.pool_id, count=n))
+        c2.close()  # gone before (or while) the Allocate waits
+    settle(d)
+    assert wait_until(lambda: [p for p in d.admin_result("pools")["pools"]
+                               if p["id"] == pool.pool_id][0]["blocks_writing"] == 0)
+    r = c.allocate(pool.pool_id, n)
+    pool.follow(r)
+    assert len(kw.reply_blocks(r)) == n
+    assert d.alive()
+
+
 def test_t2_file_truncated_under_the_daemon(kvd_factory):
     """The tier-2 file cut short while kvd runs (a disk that lost data): every record past the
     cut fails its read, is dropped and counted, the Fetch ends before it, and kvd keeps serving
