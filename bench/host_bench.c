@@ -8,8 +8,10 @@
  *  3. CPU decode attention near memory speed (issue 19): kvk_paged_decode_attention_cpu per KV
  *     dtype (fp32, fp16, bf16, int8, fp8) and 1 and 2 threads over 1 GiB of K/V in the worker's
  *     own memory (twice this CPU's 480 MiB L3, so every row comes from DRAM), against memcpy of
- *     the same 1 GiB interleaved in the same run; then the other CPU kernels (prefill attention,
- *     reshape_and_cache, quantize, dequantize) against their scalar twins.
+ *     the same 1 GiB interleaved in the same run, and against the arithmetic bound of one
+ *     thread (its FMA instructions per second, measured in the same run, over the FMAs a token
+ *     costs); then the other CPU kernels (prefill attention, reshape_and_cache, quantize,
+ *     dequantize) against their scalar twins.
  *  2. Zero-copy: attention over daemon blocks as fast as over memory the worker allocated
  *     itself (DESIGN.md; target within 3%). kvk_paged_decode_attention_cpu over the layer's
  *     blocks as mapped from kvd's memfd segments, and over the worker's malloc'd copy of the same
@@ -23,6 +25,7 @@
  *   host_bench --kvd bazel-bin/daemon/kvd [--reps 9]
  */
 #include <errno.h>
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -208,6 +211,56 @@ static kvk_page_table kb_table(uint32_t nblocks, uint32_t batch, int32_t **indpt
     return pt;
 }
 
+/* FMA instructions per second one thread issues (12 independent chains, so latency never
+ * limits it): the 512-bit kind when the kernels run AVX-512, else 256-bit. What the vector
+ * decode kernel can do at most: every K and V element is one lane of an FMA per query head of
+ * its group, whatever its dtype. */
+__attribute__((target("avx512f"))) static double fma_rate_512(long n) {
+    __m512 a[12];
+    for (int i = 0; i < 12; i++) {
+        a[i] = _mm512_set1_ps((float)i * 0.001f);
+    }
+    __m512 b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
+    double t0 = bench_now_s();
+    for (long k = 0; k < n; k++) {
+        for (int i = 0; i < 12; i++) {
+            a[i] = _mm512_fmadd_ps(a[i], b, c);
+        }
+    }
+    double t = bench_now_s() - t0;
+    __m512 sum = a[0];
+    for (int i = 1; i < 12; i++) {
+        sum = _mm512_add_ps(sum, a[i]);
+    }
+    volatile float sink = _mm512_reduce_add_ps(sum);
+    (void)sink;
+    return 12.0 * (double)n / t;
+}
+
+__attribute__((target("avx2,fma"))) static double fma_rate_256(long n) {
+    __m256 a[12];
+    for (int i = 0; i < 12; i++) {
+        a[i] = _mm256_set1_ps((float)i * 0.001f);
+    }
+    __m256 b = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(0.0001f);
+    double t0 = bench_now_s();
+    for (long k = 0; k < n; k++) {
+        for (int i = 0; i < 12; i++) {
+            a[i] = _mm256_fmadd_ps(a[i], b, c);
+        }
+    }
+    double t = bench_now_s() - t0;
+    float o[8];
+    __m256 sum = a[0];
+    for (int i = 1; i < 12; i++) {
+        sum = _mm256_add_ps(sum, a[i]);
+    }
+    _mm256_storeu_ps(o, sum);
+    volatile float sink = o[0];
+    (void)sink;
+    return 12.0 * (double)n / t;
+}
+
 static double time_decode(const kvk_cache *c, const kvk_page_table *pt, kvk_decode_args *a) {
     double t0 = bench_now_s();
     check(kvk_paged_decode_attention_cpu(c, 0, pt, a), "attention");
@@ -245,6 +298,7 @@ static void bench_kernels(int reps) {
            "memcpy | M tokens/s (x fp32) |\n|---|---:|---:|---:|---:|---:|---:|\n");
     double fp32_tok[2] = {0, 0};
     double worst1 = 1e9, worst1_lo = 1e9;
+    double att1[NDT], mc1[NDT]; /* 1 thread: attention GB/s, memcpy GB/s (medians) */
     double scalar_gbps[MAX_REPS];
     for (int d = 0; d < NDT; d++) {
         uint64_t chunk = (uint64_t)PAGE * KV_HEADS * HEAD_DIM * kvk_dtype_bytes(dts[d]);
@@ -291,6 +345,8 @@ static void bench_kernels(int reps) {
             if (th == 0) {
                 worst1 = fmin(worst1, x.med);
                 worst1_lo = fmin(worst1_lo, x.lo);
+                att1[d] = g.med;
+                mc1[d] = m.med;
             }
             printf("| %s | %llu | %d | %.2f [%.2f-%.2f] | %.2f [%.2f-%.2f] | %.2f [%.2f-%.2f] | "
                    "%.1f (%.2f) |\n",
@@ -311,6 +367,30 @@ static void bench_kernels(int reps) {
     printf("\nTarget: >= 0.5x memcpy on one thread for every dtype. Worst dtype: %.2fx median, "
            "%.2fx its worst repetition (%s).\n",
            worst1, worst1_lo, worst1 >= 0.5 ? "met" : "not met");
+    /* The arithmetic bound: each K and V element is one FMA lane per query head of its group. */
+    int w512 = simd == KVK__SIMD_AVX512;
+    double fr[5];
+    for (int r = 0; r < 5; r++) {
+        fr[r] = w512 ? fma_rate_512(20000000) : fma_rate_256(20000000);
+    }
+    spread f = spread_of(fr, 5);
+    double lanes = w512 ? 16 : 8, per_th = 2.0 * (QO_HEADS / KV_HEADS) * HEAD_DIM / lanes;
+    printf("\nThe arithmetic bound of one thread (same run): %u-bit FMA instructions per second "
+           "on this core, %.2f G [%.2f-%.2f] (12 independent chains, 5 runs). A token of one "
+           "KV head costs %.0f of them (K and V, %u dims, %u query heads per KV head, %.0f lanes), "
+           "whatever the dtype, so the kernel can read at most FMA/s / %.0f tokens of a head per "
+           "second: bytes per token-head x that.\n\n",
+           w512 ? 512u : 256u, f.med / 1e9, f.lo / 1e9, f.hi / 1e9, per_th, HEAD_DIM,
+           QO_HEADS / KV_HEADS, lanes, per_th);
+    printf(
+        "| KV dtype | bytes per token-head | FMA bound GB/s | attention GB/s, 1 thread | x bound "
+        "| 0.5x memcpy GB/s | bound / (0.5x memcpy) |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    for (int d = 0; d < NDT; d++) {
+        double tb = 2.0 * HEAD_DIM * kvk_dtype_bytes(dts[d]);
+        double bound = f.med / per_th * tb / 1e9;
+        printf("| %s | %.0f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", kv_dtype_name(dts[d]), tb,
+               bound, att1[d], att1[d] / bound, 0.5 * mc1[d], bound / (0.5 * mc1[d]));
+    }
     free(mc_src);
     free(mc_dst);
 
