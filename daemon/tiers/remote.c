@@ -10,6 +10,7 @@
 #include <strings.h>
 #include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <hiredis/hiredis.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
@@ -53,6 +54,9 @@ typedef struct node {
     redisContext *c;
     uint64_t down_until; /* ms; 0: may try now */
     uint32_t fails;
+    /* The get path's own read buffer (read_get_reply): bytes of c's socket not yet parsed. */
+    uint8_t *rb;
+    size_t rb_pos, rb_len;
 } node;
 
 struct kvd_remote {
@@ -194,6 +198,7 @@ static void node_fail(kvd_remote *r, node *nd, const char *why) {
         redisFree(nd->c);
         nd->c = NULL;
     }
+    nd->rb_pos = nd->rb_len = 0; /* the closed connection's bytes */
     uint64_t back = (uint64_t)BACKOFF_MIN_MS << (nd->fails < 6 ? nd->fails : 6);
     nd->down_until = now_ms() + (back < BACKOFF_MAX_MS ? back : BACKOFF_MAX_MS);
     nd->fails++;
@@ -440,19 +445,15 @@ static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
     put_u64le(h + 48, body_sum(m->tail, payload, plen));
 }
 
-/* Checks a value against what the caller expects; fills v. A value that arrived with the magic
- * in front was rearranged by create_string (payload first, header behind); any other fails. */
-static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote_val *v) {
-    const uint8_t *d = (const uint8_t *)rep->str;
-    size_t n = rep->len;
-    const uint8_t *h = d + (n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0);
-    size_t body = n >= KVD_REMOTE_HEADER ? n - KVD_REMOTE_HEADER : 0;
-    int tail = n >= KVD_REMOTE_HEADER && (h[7] & KVD_REMOTE_F_TAIL);
-    size_t plen = tail && body >= KVD_REMOTE_TAIL ? body - KVD_REMOTE_TAIL : body;
+/* Checks a value's parts against what the caller expects; fills v (a good payload becomes
+ * v->data: the caller gives it up; a bad one stays the caller's). h: its 56-byte header; body:
+ * the bytes after the header; tail: the 16 bytes that open the body when the header says so
+ * (else NULL); payload[0..plen): the rest. */
+static void check_parts(const uint8_t *h, const uint8_t *tail, uint8_t *payload, size_t plen,
+                        size_t body, const kvd_remote_meta *want, kvd_remote_val *v) {
+    int flagged = (h[7] & KVD_REMOTE_F_TAIL) != 0;
     const char *why = NULL;
-    if (n < KVD_REMOTE_HEADER) {
-        why = "shorter than the header";
-    } else if (rep->integer != TAIL_MARK || memcmp(h, "KVDR", 4) != 0) {
+    if (memcmp(h, "KVDR", 4) != 0) {
         why = "not a kvd value (magic)";
     } else if ((h[4] | h[5] << 8) != KVD_REMOTE_VERSION) {
         why = "another value version";
@@ -463,9 +464,9 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
         why = "another model or layout";
     } else if (get_u64le(h + 24) != want->hash.lo || get_u64le(h + 32) != want->hash.hi) {
         why = "another block's hash";
-    } else if (get_u64le(h + 40) != body || (tail && body < KVD_REMOTE_TAIL)) {
+    } else if (get_u64le(h + 40) != body || flagged != (tail != NULL)) {
         why = "payload length differs";
-    } else if (get_u64le(h + 48) != body_sum(tail ? d + plen : NULL, d, plen)) {
+    } else if (get_u64le(h + 48) != body_sum(tail, payload, plen)) {
         why = "checksum differs";
     }
     if (why != NULL) {
@@ -473,18 +474,195 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
         v->why = why;
         return;
     }
-    /* The reply's own buffer (malloc'd by create_string) becomes the payload's: the loop copies
-     * nothing, and nothing is moved here either. */
     v->format = h[6];
-    v->has_tail = tail;
-    if (tail) {
-        memcpy(v->tail, d + plen, KVD_REMOTE_TAIL);
+    v->has_tail = tail != NULL;
+    if (tail != NULL) {
+        memcpy(v->tail, tail, KVD_REMOTE_TAIL);
     }
-    v->data = (uint8_t *)rep->str;
-    rep->str = NULL;
+    v->data = payload;
     v->len = plen;
     v->off = 0;
     v->status = KVD_REMOTE_HIT;
+}
+
+/* A value libhiredis read (create_string rearranged it: payload, tail, header). */
+static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote_val *v) {
+    uint8_t *d = (uint8_t *)rep->str;
+    size_t n = rep->len;
+    if (n < KVD_REMOTE_HEADER || rep->integer != TAIL_MARK) {
+        v->status = KVD_REMOTE_BAD;
+        v->why = n < KVD_REMOTE_HEADER ? "shorter than the header" : "not a kvd value (magic)";
+        return;
+    }
+    const uint8_t *h = d + n - KVD_REMOTE_HEADER;
+    size_t body = n - KVD_REMOTE_HEADER;
+    int tail = (h[7] & KVD_REMOTE_F_TAIL) && body >= KVD_REMOTE_TAIL;
+    size_t plen = tail ? body - KVD_REMOTE_TAIL : body;
+    check_parts(h, tail ? d + plen : NULL, d, plen, body, want, v);
+    if (v->status == KVD_REMOTE_HIT) {
+        rep->str = NULL; /* the payload's buffer now (the bytes behind it are not read) */
+    }
+}
+
+/* ---- the get path's own reader --------------------------------------------------------------
+ * libhiredis reads a reply 16 KiB at a time into its buffer, appends that to its reader's buffer
+ * and copies the value out again: two copies of every byte after the kernel's. A get pipeline's
+ * replies (bulk strings, nil, or errors) are read here instead, straight from the socket: the
+ * header and tail into small buffers, the payload into the buffer that becomes the T1 entry.
+ * Only while libhiredis's reader holds no byte of the connection (always, between requests:
+ * every reply it read was consumed), and the buffer here is empty again at the end of each
+ * pipeline (else the connection is closed). */
+#define RB_CAP (64u << 10)
+#define VALUE_MAX ((size_t)1 << 30) /* larger than any block: not read into memory */
+
+static int rb_fill(node *nd) {
+    if (nd->rb == NULL && (nd->rb = malloc(RB_CAP)) == NULL) {
+        return -1;
+    }
+    if (nd->rb_pos > 0) {
+        memmove(nd->rb, nd->rb + nd->rb_pos, nd->rb_len - nd->rb_pos);
+        nd->rb_len -= nd->rb_pos;
+        nd->rb_pos = 0;
+    }
+    if (nd->rb_len == RB_CAP) {
+        return -1; /* a line longer than the buffer: not a GET reply */
+    }
+    ssize_t k;
+    do {
+        k = read(nd->c->fd, nd->rb + nd->rb_len, RB_CAP - nd->rb_len);
+    } while (k < 0 && errno == EINTR);
+    if (k <= 0) {
+        return -1; /* closed, or the timeout (SO_RCVTIMEO) passed */
+    }
+    nd->rb_len += (size_t)k;
+    return 0;
+}
+
+/* The next line without its CRLF into line[cap]. */
+static int rb_line(node *nd, char *line, size_t cap) {
+    for (;;) {
+        const uint8_t *p = nd->rb + nd->rb_pos;
+        size_t avail = nd->rb_len - nd->rb_pos;
+        const uint8_t *nl = avail > 0 ? memchr(p, '\n', avail) : NULL;
+        if (nl != NULL) {
+            size_t n = (size_t)(nl - p);
+            if (n == 0 || p[n - 1] != '\r' || n - 1 >= cap) {
+                return -1;
+            }
+            memcpy(line, p, n - 1);
+            line[n - 1] = '\0';
+            nd->rb_pos += n + 1;
+            return 0;
+        }
+        if (rb_fill(nd) != 0) {
+            return -1;
+        }
+    }
+}
+
+/* Exactly n bytes into dst (NULL: dropped): the buffer's first, then the socket's straight in. */
+static int rb_read(node *nd, uint8_t *dst, size_t n) {
+    for (;;) {
+        size_t avail = nd->rb_len - nd->rb_pos;
+        size_t take = avail < n ? avail : n;
+        if (take > 0 && dst != NULL) {
+            memcpy(dst, nd->rb + nd->rb_pos, take);
+            dst += take;
+        }
+        nd->rb_pos += take;
+        n -= take;
+        if (n == 0) {
+            return 0;
+        }
+        if (dst == NULL || n < 4096) {
+            if (rb_fill(nd) != 0) {
+                return -1;
+            }
+            continue;
+        }
+        ssize_t k;
+        do {
+            k = read(nd->c->fd, dst, n);
+        } while (k < 0 && errno == EINTR);
+        if (k <= 0) {
+            return -1;
+        }
+        dst += k;
+        n -= (size_t)k;
+    }
+}
+
+/* One reply of a get pipeline: 0 read (v filled: a hit, a miss, a bad value; or *to set: a
+ * redirection to send it again to), 1 an error reply (noted in errbuf), -1 the connection
+ * failed or said something that is no GET reply. */
+static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, kvd_remote_val *v,
+                          int *to, uint8_t *ask, char *errbuf, size_t errlen) {
+    char line[512];
+    if (rb_line(nd, line, sizeof(line)) != 0) {
+        return -1;
+    }
+    if (line[0] == '-') {
+        int a;
+        uint32_t slot;
+        int t = redirect_target(r, line + 1, &a, &slot);
+        if (t < 0) {
+            snprintf(errbuf, errlen, "%.200s", line + 1);
+            return 1;
+        }
+        if (!a) {
+            r->slots[slot] = (int16_t)t;
+            r->need_refresh = 1;
+            count(r, &r->st.redirects, 1);
+        }
+        *to = t;
+        *ask = (uint8_t)a;
+        return 0;
+    }
+    if (line[0] != '$') {
+        return -1;
+    }
+    char *end;
+    errno = 0;
+    long long n = strtoll(line + 1, &end, 10);
+    if (*end != '\0' || errno != 0 || n < -1) {
+        return -1;
+    }
+    if (n == -1) {
+        return 0; /* no such key: a miss */
+    }
+    size_t len = (size_t)n;
+    uint8_t h[KVD_REMOTE_HEADER], tb[KVD_REMOTE_TAIL], crlf[2];
+    if (len < KVD_REMOTE_HEADER || len - KVD_REMOTE_HEADER > VALUE_MAX) {
+        v->status = KVD_REMOTE_BAD;
+        v->why = len < KVD_REMOTE_HEADER ? "shorter than the header" : "longer than any block";
+        return rb_read(nd, NULL, len) == 0 && rb_read(nd, crlf, 2) == 0 && crlf[0] == '\r' &&
+                       crlf[1] == '\n'
+                   ? 0
+                   : -1;
+    }
+    if (rb_read(nd, h, KVD_REMOTE_HEADER) != 0) {
+        return -1;
+    }
+    size_t body = len - KVD_REMOTE_HEADER;
+    int tail = (h[7] & KVD_REMOTE_F_TAIL) && body >= KVD_REMOTE_TAIL;
+    if (tail && rb_read(nd, tb, KVD_REMOTE_TAIL) != 0) {
+        return -1;
+    }
+    size_t plen = tail ? body - KVD_REMOTE_TAIL : body;
+    uint8_t *payload = malloc(plen > 0 ? plen : 1);
+    if (rb_read(nd, payload, plen) != 0 || rb_read(nd, crlf, 2) != 0 || crlf[0] != '\r' ||
+        crlf[1] != '\n') {
+        free(payload);
+        return -1;
+    }
+    if (payload == NULL) {
+        return 0; /* no memory for it: a miss (its bytes were read past) */
+    }
+    check_parts(h, tail ? tb : NULL, payload, plen, body, want, v);
+    if (v->status != KVD_REMOTE_HIT) {
+        free(payload);
+    }
+    return 0;
 }
 
 /* ---- requests on the thread -------------------------------------------------------------- */
@@ -624,6 +802,41 @@ static void do_get(kvd_remote *r, op *o) {
             if (dest[i] == ni) {
                 redisAppendCommand(c, "GET %s", o->keys[i]);
             }
+        }
+        node *nd = &r->nodes[ni];
+        if (c->reader->len == c->reader->pos && nd->rb_len == nd->rb_pos) {
+            /* The replies are read here, not by libhiredis (read_get_reply). */
+            int wdone = 0, failed = 0;
+            while (!wdone && !failed) {
+                failed = redisBufferWrite(c, &wdone) != REDIS_OK;
+            }
+            for (size_t i = 0; i < o->n && !failed; i++) {
+                if (dest[i] != ni) {
+                    continue;
+                }
+                char eb[256];
+                int got = read_get_reply(r, nd, &o->want[i], &o->vals[i], &rto[i], &rask[i], eb,
+                                         sizeof(eb));
+                if (got < 0) {
+                    failed = 1;
+                } else if (got == 1) {
+                    note_error(r, "%s:%d: GET: %s", nd->host, nd->port, eb);
+                    o->rc = KV_ESYS;
+                }
+            }
+            if (!failed && nd->rb_len != nd->rb_pos) {
+                failed = 1; /* bytes past the last reply: the connection is out of step */
+            }
+            if (failed) {
+                node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "GET: no reply (or not one)");
+                o->rc = KV_ESYS; /* the keys not read are misses */
+            } else {
+                nd->fails = 0; /* it answers */
+                if (shortened) {
+                    set_timeout(c, r->timeout_ms);
+                }
+            }
+            continue;
         }
         for (size_t i = 0; i < o->n; i++) {
             if (dest[i] != ni) {
@@ -964,6 +1177,8 @@ static void *thread_main(void *arg) {
             redisFree(r->nodes[i].c);
             r->nodes[i].c = NULL;
         }
+        free(r->nodes[i].rb);
+        r->nodes[i].rb = NULL;
     }
     return NULL;
 }

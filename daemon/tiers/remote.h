@@ -14,6 +14,10 @@
  * never handed on. A key that is missing (never written, TTL expired, evicted by Redis's own
  * maxmemory policy) is a miss.
  *
+ * A get pipeline's replies are read by this module itself, straight from the socket into the
+ * buffers that become T1 entries (libhiredis's reader would copy every byte twice more); every
+ * other command and reply goes through libhiredis.
+ *
  * Faults: connect and command timeouts (timeout_ms), a node that fails is closed and retried
  * after a backoff (100 ms doubling to 5 s); while every node is down a request fails at once.
  * Nothing here ever blocks the loop thread. The password comes from the caller (a file the
