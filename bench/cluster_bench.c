@@ -248,9 +248,10 @@ static void bench_remote(int runs) {
            "(loopback TCP); node B (64 MiB of T0, 32 MiB of T1, warmed by %d unmeasured 64-block "
            "Fetches that recycle all of it) Fetches each chain once into its T0 (libkvclient "
            "kvc_fetch: pipelined GETs, value checks, T1, copy into T0, commit, reply). Raw: a "
-           "libhiredis pipeline of GETs of as many keys of the same size. Raw and kvd alternate "
-           "fetch by fetch; a sample is 32 fetches of 1 block, 4 of 8, 1 of 64 (each key once); "
-           "%d samples per size, the ratio taken per sample.\n\n",
+           "libhiredis pipeline of GETs of as many keys of the same size. redis-server (and "
+           "node A) on the last CPU, node B and this process (both clients) on the first. Raw "
+           "and kvd alternate fetch by fetch; a sample is 32 fetches of 1 block, 4 of 8, 1 of 64 "
+           "(each key once); %d samples per size, the ratio taken per sample.\n\n",
            total, bb >> 10, (int)WARM, runs);
     printf("| prefix blocks | raw GET MB/s (median) | kvd Fetch MB/s (median) | kvd / raw (median) "
            "| worst | Fetch ms (median) |\n|---:|---:|---:|---:|---:|---:|\n");
