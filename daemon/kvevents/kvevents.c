@@ -82,7 +82,13 @@ typedef struct pub {
     uint64_t seq;          /* of the next batch */
     msgpack_sbuffer evbuf; /* events of the batch being built */
     msgpack_packer pk;
-    uint32_t nev;   /* events in evbuf */
+    uint32_t nev; /* events in evbuf */
+    /* The last event of evbuf when it is a BlockRemoved left open (rm_open): its hashes are
+     * packed, their count (array16 at rm_hdr) patched as hashes join, its medium not yet. */
+    int rm_open;
+    const char *rm_medium;
+    size_t rm_hdr, rm_end;
+    uint32_t rm_count;
     kept *ring;     /* [cap] */
     size_t cap;     /* batches kept at most */
     size_t head, n; /* oldest kept, count */
@@ -263,6 +269,13 @@ static void put_u64le(uint8_t *p, uint64_t v) {
 
 static void pack_str(msgpack_packer *pk, const char *s) {
     size_t n = strlen(s);
+    if (n < 32) { /* fixstr, as msgpack_pack_str writes it, in one append */
+        char buf[33];
+        buf[0] = (char)(0xa0 | n);
+        memcpy(buf + 1, s, n);
+        (void)pk->callback(pk->data, buf, n + 1);
+        return;
+    }
     msgpack_pack_str(pk, n);
     msgpack_pack_str_body(pk, s, n);
 }
@@ -270,28 +283,37 @@ static void pack_str(msgpack_packer *pk, const char *s) {
 /* Packs one block's name: the digest bytes (full: 32, else the 16 of the key) or vLLM's int
  * form (the digest's last 8 bytes, big-endian). */
 static void pack_hash(pub *b, kv_hash128 key, const uint8_t *full) {
-    uint8_t d[32];
-    size_t n = 16;
-    put_u64le(d, key.lo);
-    put_u64le(d + 8, key.hi);
-    if (full != NULL) {
-        memcpy(d, full, 32);
-        n = 32;
-    }
     if (b->hash_bytes) {
-        msgpack_pack_bin(&b->pk, n);
-        msgpack_pack_bin_body(&b->pk, d, n);
+        uint8_t d[34];
+        size_t n = full != NULL ? 32 : 16;
+        d[0] = 0xc4; /* bin 8, as msgpack_pack_bin writes it */
+        d[1] = (uint8_t)n;
+        if (full != NULL) {
+            memcpy(d + 2, full, 32);
+        } else {
+            put_u64le(d + 2, key.lo);
+            put_u64le(d + 10, key.hi);
+        }
+        (void)b->pk.callback(b->pk.data, (const char *)d, n + 2);
         return;
     }
-    uint64_t v = 0;
-    for (size_t i = n - 8; i < n; i++) {
-        v = (v << 8) | d[i];
+    /* The last 8 bytes of the name, big-endian: the key's hi half (little-endian) or the
+     * digest's bytes 24..31. */
+    uint64_t v = key.hi;
+    if (full != NULL) {
+        memcpy(&v, full + 24, 8);
+        v = __builtin_bswap64(v);
+    } else {
+        v = __builtin_bswap64(v);
     }
     msgpack_pack_uint64(&b->pk, v);
 }
 
+static void close_removed(pub *b);
+
 /* An event's head: the tag (array form) or the map with "type" first. */
 static void pack_head(pub *b, const char *tag, uint32_t nfields) {
+    close_removed(b); /* an open BlockRemoved before it gets its medium */
     if (b->map) {
         msgpack_pack_map(&b->pk, nfields + 1);
         pack_str(&b->pk, "type");
@@ -336,6 +358,7 @@ static void flush_pub(kvd_kvevents *e, pub *b) {
     if (b->nev == 0 || b->sock == NULL) {
         return;
     }
+    close_removed(b);
     /* The batch head is at most 1 + 9 + 5 bytes: packed into a small buffer first. */
     uint8_t head[32];
     size_t hn = 0;
@@ -467,6 +490,40 @@ static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uin
     return buf;
 }
 
+/* Token ids as msgpack_pack_uint32 writes each (the shortest of positive fixint, uint 8, 16, 32),
+ * a block's worth per append instead of one library call and buffer append per token: the
+ * Commit path's events cost is mostly per token when token ids are on. */
+static void pack_tokens(msgpack_packer *pk, const uint32_t *tok, uint32_t n) {
+    uint8_t buf[5 * 64];
+    size_t len = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        uint32_t v = tok[t];
+        if (len + 5 > sizeof(buf)) {
+            (void)pk->callback(pk->data, (const char *)buf, len);
+            len = 0;
+        }
+        if (v < 128) {
+            buf[len++] = (uint8_t)v;
+        } else if (v < 256) {
+            buf[len++] = 0xcc;
+            buf[len++] = (uint8_t)v;
+        } else if (v < 65536) {
+            buf[len++] = 0xcd;
+            buf[len++] = (uint8_t)(v >> 8);
+            buf[len++] = (uint8_t)v;
+        } else {
+            buf[len++] = 0xce;
+            buf[len++] = (uint8_t)(v >> 24);
+            buf[len++] = (uint8_t)(v >> 16);
+            buf[len++] = (uint8_t)(v >> 8);
+            buf[len++] = (uint8_t)v;
+        }
+    }
+    if (len > 0) {
+        (void)pk->callback(pk->data, (const char *)buf, len);
+    }
+}
+
 /* One BlockStored of blk[0..n), all new to the publisher. */
 static void pack_stored(kvd_kvevents *e, pub *b, uint32_t tpb, const char *medium,
                         const kvd_kvevent_block *blk, size_t n, const kv_hash128 *parent,
@@ -499,9 +556,7 @@ static void pack_stored(kvd_kvevents *e, pub *b, uint32_t tpb, const char *mediu
     pack_field(b, "token_ids");
     msgpack_pack_array(pk, with_tokens ? n * tpb : 0);
     for (size_t i = 0; i < n && with_tokens; i++) {
-        for (uint32_t t = 0; t < tpb; t++) {
-            msgpack_pack_uint32(pk, blk[i].tokens[t]);
-        }
+        pack_tokens(pk, blk[i].tokens, tpb);
     }
     pack_field(b, "block_size");
     msgpack_pack_uint32(pk, tpb);
@@ -572,14 +627,40 @@ static int adv_let_go(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key,
     return 1;
 }
 
+/* Gives the open BlockRemoved (if any) its medium: it is whole. */
+static void close_removed(pub *b) {
+    if (!b->rm_open) {
+        return;
+    }
+    b->rm_open = 0;
+    pack_field(b, "medium");
+    pack_str(&b->pk, b->rm_medium);
+}
+
+/* BlockRemoved of one block. Removals in a row on one medium (an Allocate's evictions) share one
+ * event, as vLLM's BlockRemoved lists its blocks: the hash joins the open event (its list's
+ * count is patched in place) when nothing was packed since. */
 static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t *full,
                          const char *medium) {
+    if (b->rm_open && b->evbuf.size == b->rm_end && b->rm_count < 0xffff &&
+        strcmp(b->rm_medium, medium) == 0) {
+        pack_hash(b, key, full);
+        b->rm_count++;
+        b->evbuf.data[b->rm_hdr + 1] = (char)(b->rm_count >> 8);
+        b->evbuf.data[b->rm_hdr + 2] = (char)(b->rm_count & 0xff);
+        b->rm_end = b->evbuf.size;
+        return;
+    }
     pack_head(b, "BlockRemoved", 2);
     pack_field(b, "block_hashes");
-    msgpack_pack_array(&b->pk, 1);
+    b->rm_hdr = b->evbuf.size;
+    const char a16[3] = {(char)0xdc, 0, 1}; /* array 16: its count grows in place */
+    (void)b->pk.callback(b->pk.data, a16, sizeof(a16));
     pack_hash(b, key, full);
-    pack_field(b, "medium");
-    pack_str(&b->pk, medium);
+    b->rm_open = 1;
+    b->rm_medium = medium;
+    b->rm_count = 1;
+    b->rm_end = b->evbuf.size;
     queued(e, b);
 }
 

@@ -30,7 +30,8 @@
  *
  * What is published: a Commit's new canonical blocks (BlockStored, one event per chained run,
  * medium "GPU" for CUDA pools and "CPU" for host pools), every published block that leaves T0
- * (BlockRemoved: eviction, parking, quarantine, Unshare), the blocks a Fetch brings into T0,
+ * (BlockRemoved: eviction, parking, quarantine, Unshare; removals in a row on one medium share
+ * one event), the blocks a Fetch brings into T0,
  * the lower tiers' copies (medium "CPU" for tier 1, "DISK" for tier 2) and the remote tier's
  * writes ("REMOTE"): kvd_kvevents_tier_change; and the blocks the daemon promotes into the
  * commons (kvd_kvevents_stored on the commons pool, from the Commit handler).

@@ -571,6 +571,25 @@ def test_capacity_eviction_publishes_block_removed(kvd_factory, zctx):
     collect_removed(sub, [ref.to_u64(h) for h in chain], "BlockRemoved after capacity eviction")
 
 
+def test_admin_evict_is_one_block_removed(kvd_factory, zctx):
+    """Removals in a row on one medium share one BlockRemoved (vLLM's event lists its blocks):
+    an admin evict of 5 cached blocks is a single event naming the 5, in both formats."""
+    for fmt in ("array", "map"):
+        d = start(kvd_factory, kv_events_format=fmt)
+        sub = Sub(zctx, d.pub, schema=Schema())
+        c = d.connect()
+        pool = c.attach("m", LAYOUT)
+        canon, chain = vllm_commit(c, pool, toks(5, 1))
+        sub.next_batch("BlockStored")
+        c.release(pool.pool_id, canon)
+        assert d.admin_result("evict pool=%d" % pool.pool_id)["evicted"] == 5
+        b = sub.next_batch("BlockRemoved")
+        assert len(b.events) == 1 and isinstance(b.events[0], BlockRemoved), b.events
+        assert sorted(b.events[0].block_hashes) == sorted(ref.to_u64(h) for h in chain), b
+        assert b.events[0].medium == MEDIUM
+        sub.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Duplicates
 
