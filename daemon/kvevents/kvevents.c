@@ -494,30 +494,23 @@ static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uin
  * a block's worth per append instead of one library call and buffer append per token: the
  * Commit path's events cost is mostly per token when token ids are on. */
 static void pack_tokens(msgpack_packer *pk, const uint32_t *tok, uint32_t n) {
-    uint8_t buf[5 * 64];
+    static const uint8_t width[4] = {1, 2, 3, 5};
+    uint8_t buf[5 * 64 + 8]; /* 8 bytes of slack: every token is stored as 8 */
     size_t len = 0;
     for (uint32_t t = 0; t < n; t++) {
-        uint32_t v = tok[t];
-        if (len + 5 > sizeof(buf)) {
+        if (len > 5 * 64) {
             (void)pk->callback(pk->data, (const char *)buf, len);
             len = 0;
         }
-        if (v < 128) {
-            buf[len++] = (uint8_t)v;
-        } else if (v < 256) {
-            buf[len++] = 0xcc;
-            buf[len++] = (uint8_t)v;
-        } else if (v < 65536) {
-            buf[len++] = 0xcd;
-            buf[len++] = (uint8_t)(v >> 8);
-            buf[len++] = (uint8_t)v;
-        } else {
-            buf[len++] = 0xce;
-            buf[len++] = (uint8_t)(v >> 24);
-            buf[len++] = (uint8_t)(v >> 16);
-            buf[len++] = (uint8_t)(v >> 8);
-            buf[len++] = (uint8_t)v;
-        }
+        uint32_t v = tok[t];
+        /* The four forms as little-endian words; the width class picks one without a branch
+         * (random token ids make a branch per token a guess). */
+        uint64_t w[4] = {v, 0xccu | (uint64_t)(v & 0xff) << 8,
+                         0xcdu | (uint64_t)__builtin_bswap16((uint16_t)v) << 8,
+                         0xceu | (uint64_t)__builtin_bswap32(v) << 8};
+        unsigned k = (unsigned)(v >= 128) + (unsigned)(v >= 256) + (unsigned)(v >= 65536);
+        memcpy(buf + len, &w[k], 8);
+        len += width[k];
     }
     if (len > 0) {
         (void)pk->callback(pk->data, (const char *)buf, len);

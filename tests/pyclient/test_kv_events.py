@@ -494,7 +494,8 @@ def test_vllm_token_ids_on(kvd_factory, zctx):
     b = sub.next_batch("BlockStored with token ids")
     assert b.topic == b"kv-events"
     assert b.events == [stored([ref.to_u64(h) for h in chain], tokens=tokens)]
-    more = [4294967295, 0, 65536] + list(range(100, 100 + T - 3))  # full uint32 range
+    # every msgpack width of a uint32: fixint, uint 8, uint 16, uint 32, and their edges
+    more = [4294967295, 0, 65536, 127, 128, 255, 256, 65535] + list(range(100, 100 + T - 8))
     _, ext = vllm_commit(c, pool, more, parent_digest=chain[2], parent_block=canon[2][0],
                          send_tokens=True)
     b = sub.next_batch("the extension's BlockStored")
