@@ -113,8 +113,8 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
  * reports its copies without parent or tokens). In hash-mode vllm an event needs the block's
  * digest, which the publisher knows while some medium of it records the block (its T0 copy,
  * when it went down from there), or from tail (the digest's last 16 bytes, which a remote value
- * carries when its writer knew them): a block it never saw otherwise (one a restart found in
- * T2, one from a writer without KV events) is not published (counted as a gap). */
+ * carries when its writer knew them, or a tier-2 record keeps): a block whose digest nobody gave
+ * kvd is not published (counted as a gap). */
 #define KVD_KVEV_T0 0
 #define KVD_KVEV_REMOTE 3
 void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,

@@ -1367,7 +1367,10 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
             }
         }
         if (canon[i].id == r.id) {
-            kvd_tiers_committed(c->ctx->tiers, p, canon[i]);
+            const Kvd__CommitEntry *ce = cm->entries[i];
+            kvd_tiers_committed(c->ctx->tiers, p, canon[i],
+                                ce->hash_full.len == KV_VLLM_HASH_BYTES ? ce->hash_full.data
+                                                                        : NULL);
         }
         if (canon[i].id != r.id && kvd_session_move_ref(c->sess, sp, r.id, canon[i]) != KV_OK) {
             /* Our block was freed; the reference lives on the canonical one, or nowhere. */

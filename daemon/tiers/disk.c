@@ -27,7 +27,7 @@
  * Record header, the first 64 bytes of a slot (slot i at 4096 + i * slot_bytes):
  *     0  2  u16 magic 0x524B ("KR")
  *     2  1  u8  record version (1)
- *     3  1  u8  kvd_tier_format of the payload
+ *     3  1  u8  kvd_tier_format of the payload; bit 7: a 16-byte digest tail precedes it
  *     4  4  u32 payload bytes
  *     8  8  u64 hash lo
  *    16  8  u64 hash hi
@@ -36,7 +36,9 @@
  *    40  8  u64 seq
  *    48  8  u64 XXH3_64bits of the payload
  *    56  8  u64 XXH3_64bits of bytes [0, 56)
- * then the payload at byte 64 and zeros to the end of the slot. A slot whose first 64 bytes are
+ * then the payload at byte 64 (with bit 7: the tail at 64, the payload at 80; the payload bytes
+ * and checksum count only the payload, the checksum covers tail and payload) and zeros to the
+ * end of the slot. A slot whose first 64 bytes are
  * all zero is empty. The magic is short so that both checksums keep all 64 bits; the header
  * checksum is what rejects garbage.
  *
@@ -536,6 +538,7 @@ static int rec_is_empty(const uint8_t *p) {
 
 /* Parses and checks a record header (all but the payload checksum); 0 when valid. */
 static int rec_parse(const kvd_disk *d, const uint8_t *p, kvd_disk_rec *rec, uint64_t *psum) {
+    memset(rec, 0, sizeof(*rec));
     if (get_u16(p) != REC_MAGIC || p[2] != REC_VERSION) {
         return -1;
     }
@@ -543,11 +546,16 @@ static int rec_parse(const kvd_disk *d, const uint8_t *p, kvd_disk_rec *rec, uin
         return -1;
     }
     uint32_t len = get_u32(p + 4);
-    if (p[3] >= KVD_TF_COUNT || len > kvd_disk_payload_max(d)) {
+    uint32_t fmt = p[3] & 0x7fu, tail = (p[3] & 0x80u) != 0;
+    if (fmt >= KVD_TF_COUNT || len + (tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d)) {
         return -1;
     }
-    rec->format = p[3];
+    rec->format = fmt;
     rec->len = len;
+    rec->has_tail = tail;
+    if (tail) {
+        memcpy(rec->tail, p + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
     rec->hash.lo = get_u64(p + 8);
     rec->hash.hi = get_u64(p + 16);
     rec->parent.lo = get_u64(p + 24);
@@ -599,7 +607,8 @@ cleanup_buf:
 
 kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
                       uint8_t *buf, int *sys_errno) {
-    if (rec == NULL || buf == NULL || rec->len > kvd_disk_payload_max(d) ||
+    if (rec == NULL || buf == NULL ||
+        rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d) ||
         rec->format >= KVD_TF_COUNT || (rec->len > 0 && payload == NULL)) {
         return KV_EINVAL;
     }
@@ -610,22 +619,27 @@ kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const
         }
         return KV_ESYS;
     }
-    uint8_t *pl = buf + KVD_DISK_REC_HDR;
+    uint8_t *pl = buf + kvd_disk_payload_off(rec);
     /* Move first: payload may overlap the header bytes about to be written. */
     if (payload != pl && rec->len > 0) {
         memmove(pl, payload, rec->len);
     }
-    memset(pl + rec->len, 0, d->slot_bytes - KVD_DISK_REC_HDR - rec->len);
+    uint8_t *body = buf + KVD_DISK_REC_HDR; /* tail and payload */
+    size_t blen = rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0);
+    if (rec->has_tail) {
+        memcpy(body, rec->tail, KVD_DISK_TAIL);
+    }
+    memset(body + blen, 0, d->slot_bytes - KVD_DISK_REC_HDR - blen);
     put_u16(buf, REC_MAGIC);
     buf[2] = REC_VERSION;
-    buf[3] = (uint8_t)rec->format;
+    buf[3] = (uint8_t)(rec->format | (rec->has_tail ? 0x80u : 0u));
     put_u32(buf + 4, rec->len);
     put_u64(buf + 8, rec->hash.lo);
     put_u64(buf + 16, rec->hash.hi);
     put_u64(buf + 24, rec->parent.lo);
     put_u64(buf + 32, rec->parent.hi);
     put_u64(buf + 40, rec->seq);
-    put_u64(buf + 48, XXH3_64bits(pl, rec->len));
+    put_u64(buf + 48, XXH3_64bits(body, blen));
     put_u64(buf + REC_SUM_OFF, XXH3_64bits(buf, REC_SUM_OFF));
     size_t done = 0;
     if (disk_io(d, 1, buf, d->slot_bytes, off, &done) != 0) {
@@ -663,7 +677,7 @@ kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_d
     if (expect != NULL && !kv_hash_eq(r.hash, *expect)) {
         return KV_ECORRUPT;
     }
-    if (XXH3_64bits(buf + KVD_DISK_REC_HDR, r.len) != psum) {
+    if (XXH3_64bits(buf + KVD_DISK_REC_HDR, r.len + (r.has_tail ? KVD_DISK_TAIL : 0)) != psum) {
         return KV_ECORRUPT;
     }
     *rec = r;

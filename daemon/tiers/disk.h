@@ -51,8 +51,16 @@ typedef struct kvd_disk_rec {
     kv_hash128 parent; /* its parent's chain hash (zero for a first block) */
     uint64_t seq;      /* caller's sequence number (newest wins when a hash is in two slots) */
     uint32_t format;   /* kvd_tier_format of the payload */
-    uint32_t len;      /* payload bytes (at most the slot's payload room) */
+    uint32_t len;      /* payload bytes (at most the slot's payload room, less the tail's) */
+    uint32_t has_tail; /* hash-mode vllm: tail holds the digest's last 16 bytes */
+    uint8_t tail[16];
 } kvd_disk_rec;
+
+/* With a tail the record's payload starts KVD_DISK_TAIL bytes later in the slot (the tail sits
+ * between header and payload, inside the payload checksum, so a scan reads it with the header).
+ * kvd_disk_payload_off: where rec's payload starts in a slot buffer. */
+#define KVD_DISK_TAIL 16u
+#define kvd_disk_payload_off(rec) (KVD_DISK_REC_HDR + ((rec)->has_tail ? KVD_DISK_TAIL : 0u))
 
 /* Opens (or creates) file `name` in directory dir (created 0700 with its parents if missing;
  * an existing directory is used as it is) for key. direct: try O_DIRECT first (falls back to
@@ -86,15 +94,16 @@ kv_err kvd_disk_scan(kvd_disk *d, kvd_disk_scan_fn fn, void *arg, uint64_t *bad)
 
 /* Writes record rec with payload[0..rec->len) into slot (any slot number; the file grows).
  * buf: caller scratch of kvd_disk_slot_bytes(d) bytes aligned to KVD_DISK_ALIGN (O_DIRECT needs
- * it); payload may point into buf at offset KVD_DISK_REC_HDR to save a copy. KV_EINVAL for
- * len > payload_max; KV_ESYS (ENOSPC, EIO...) with errno kept in *sys_errno (may be NULL).
- * Any thread. */
+ * it); payload may point into buf at kvd_disk_payload_off(rec) to save a copy. KV_EINVAL for
+ * len (plus the tail) > payload_max; KV_ESYS (ENOSPC, EIO...) with errno kept in *sys_errno (may be
+ * NULL). Any thread. */
 kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
                       uint8_t *buf, int *sys_errno);
 
 /* Reads slot into buf (kvd_disk_slot_bytes(d) bytes, KVD_DISK_ALIGN-aligned) and checks it: the
  * header's magic and checksum, its hash equal to *expect (when not NULL), and the payload's
- * checksum. On success *rec gets the header and the payload is at buf + KVD_DISK_REC_HDR.
+ * checksum. On success *rec gets the header (and tail) and the payload is at buf +
+ * kvd_disk_payload_off(rec).
  * KV_ECORRUPT for any failed check or a short read (a slot past the end), KV_ESYS for an I/O
  * error. Any thread. */
 kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,

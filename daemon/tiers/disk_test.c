@@ -377,6 +377,65 @@ static void test_round_trip_and_scan(void **state) {
     kvd_disk_close(d);
 }
 
+/* A record with a digest tail: the tail sits at 64 and the payload at 80, both inside the
+ * payload checksum; scan and read give the tail back; a tail that does not fit beside the
+ * payload is refused; a flipped tail byte fails the read. */
+static void test_tail(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 0);
+    uint8_t *buf = slot_buf(d);
+    uint32_t len = 3000;
+    fill_payload(buf + KVD_DISK_REC_HDR + KVD_DISK_TAIL, len, 7);
+    kvd_disk_rec r = rec_of(7, len);
+    r.has_tail = 1;
+    for (int i = 0; i < 16; i++) {
+        r.tail[i] = (uint8_t)(0xA0 + i);
+    }
+    assert_int_equal(kvd_disk_write(d, 3, &r, buf + KVD_DISK_REC_HDR + KVD_DISK_TAIL, buf, NULL),
+                     KV_OK);
+    memset(buf, 0, kvd_disk_slot_bytes(d));
+    kvd_disk_rec got;
+    kv_hash128 h = hash_of(7);
+    assert_int_equal(kvd_disk_read(d, 3, &h, &got, buf), KV_OK);
+    check_rec(&got, 7, len);
+    assert_int_equal(got.has_tail, 1);
+    assert_memory_equal(got.tail, r.tail, 16);
+    assert_memory_equal(buf + KVD_DISK_REC_HDR, r.tail, 16);
+    uint8_t *want = malloc(len);
+    assert_non_null(want);
+    fill_payload(want, len, 7);
+    assert_memory_equal(buf + kvd_disk_payload_off(&got), want, len);
+    free(want);
+    /* A record without one, beside it: no tail. */
+    write_rec(d, 4, 8, 100);
+    scan_log sl;
+    uint64_t bad;
+    do_scan(d, &sl, &bad);
+    assert_int_equal(sl.n, 2);
+    assert_int_equal(bad, 0);
+    assert_int_equal(sl.rec[0].has_tail, 1);
+    assert_memory_equal(sl.rec[0].tail, r.tail, 16);
+    assert_int_equal(sl.rec[1].has_tail, 0);
+    /* No room for the tail beside a full-size payload. */
+    kvd_disk_rec big = rec_of(9, (uint32_t)kvd_disk_payload_max(d) - 8);
+    big.has_tail = 1;
+    assert_int_equal(kvd_disk_write(d, 5, &big, buf, buf, NULL), KV_EINVAL);
+    /* The tail is checked: one byte of it flipped on disk fails the read. */
+    int fd = open(fx->path, O_RDWR);
+    assert_true(fd >= 0);
+    uint8_t b;
+    off_t at = (off_t)(4096 + 3 * kvd_disk_slot_bytes(d) + KVD_DISK_REC_HDR + 5);
+    assert_int_equal(pread(fd, &b, 1, at), 1);
+    b ^= 0xFF;
+    assert_int_equal(pwrite(fd, &b, 1, at), 1);
+    close(fd);
+    assert_int_equal(kvd_disk_read(d, 3, &h, &got, buf), KV_ECORRUPT);
+    free(buf);
+    kvd_disk_close(d);
+}
+
 static void test_corruption_and_clear(void **state) {
     fixture *fx = *state;
     kvd_disk_key k;
@@ -700,6 +759,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_open_creates, setup, teardown),
         cmocka_unit_test_setup_teardown(test_open_bad_args, setup, teardown),
         cmocka_unit_test_setup_teardown(test_round_trip_and_scan, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tail, setup, teardown),
         cmocka_unit_test_setup_teardown(test_corruption_and_clear, setup, teardown),
         cmocka_unit_test_setup_teardown(test_foreign_key_renamed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_damaged_header_renamed, setup, teardown),

@@ -519,7 +519,15 @@ static void work(uv_work_t *w) {
                 j->rc = KV_ENOMEM;
                 break;
             }
-            uint8_t *payload = buf + KVD_DISK_REC_HDR;
+            /* The digest tail goes with the record when it fits beside the payload. */
+            uint64_t room = kvd_disk_payload_max(j->disk);
+            if (j->rec.has_tail &&
+                (j->from_t0 ? kvd_codec_bound(j->format, j->block_bytes) : j->len1) +
+                        KVD_DISK_TAIL >
+                    room) {
+                j->rec.has_tail = 0;
+            }
+            uint8_t *payload = buf + kvd_disk_payload_off(&j->rec);
             if (j->from_t0) {
                 size_t cap = kvd_codec_bound(j->format, j->block_bytes);
                 uint8_t *img = j->format == KVD_TF_RAW ? payload : scratch_img(j->block_bytes);
@@ -539,7 +547,8 @@ static void work(uv_work_t *w) {
                     } else {
                         j->rc =
                             kvd_codec_encode(j->format, img, j->block_bytes, enc, cap, &len, &used);
-                        if (j->rc == KV_OK && len > kvd_disk_payload_max(j->disk)) {
+                        if (j->rc == KV_OK && len + (j->rec.has_tail ? KVD_DISK_TAIL : 0) >
+                                                  kvd_disk_payload_max(j->disk)) {
                             j->rc = KV_EINTERNAL;
                         }
                         if (j->rc == KV_OK) {
@@ -575,7 +584,7 @@ static void work(uv_work_t *w) {
                 }
                 kv_hash128 want = j->rec.hash;
                 j->rc = kvd_disk_read(j->disk, j->slot, &want, &j->rec, buf);
-                src = buf + KVD_DISK_REC_HDR;
+                src = buf + kvd_disk_payload_off(&j->rec);
                 len = j->rec.len;
                 fmt = (uint8_t)j->rec.format;
             }
@@ -997,6 +1006,10 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
     j->rec.hash = e->hash;
     j->rec.parent = e->parent;
     j->rec.seq = tp->t->seq++;
+    if (e->has_tail) {
+        j->rec.has_tail = 1;
+        memcpy(j->rec.tail, e->tail, KVD_DISK_TAIL);
+    }
     tp->t->used[1] += tp->slot_bytes; /* reserved now, so concurrent writes fit the budget */
     if (job_start(j) != KV_OK) {
         tp->t->used[1] -= tp->slot_bytes;
@@ -1011,7 +1024,7 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
 /* Starts copying T0 block ref (hash, parent) down: to T1 when there is one, else to T2.
  * cold: a write-back copy. */
 static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash128 hash,
-                       kv_hash128 parent, int cold) {
+                       kv_hash128 parent, int cold, const uint8_t *tail) {
     kvd_tiers *t = tp->t;
     uint32_t i = kvd_tstore_find(&tp->st, hash);
     if (i != KVD_TNONE) {
@@ -1058,7 +1071,12 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         return;
     }
-    learn_tail(tp, i); /* while T0 holds it, its digest is known */
+    kvd_tentry *te0 = kvd_tstore_at(&tp->st, i);
+    if (tail != NULL && !te0->has_tail) {
+        memcpy(te0->tail, tail, sizeof(te0->tail)); /* the Commit's own digest */
+        te0->has_tail = 1;
+    }
+    learn_tail(tp, i); /* else the events' record of it, while T0 holds it */
     if (kvd_pool_lease(pool, ref) != KV_OK) {
         if (kvd_tstore_at(&tp->st, i)->pending == 0 && !kvd_tstore_in(&tp->st, i, 1) &&
             !kvd_tstore_in(&tp->st, i, 2)) {
@@ -1097,6 +1115,11 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         j->rec.hash = hash;
         j->rec.parent = parent;
         j->rec.seq = t->seq++;
+        const kvd_tentry *te = kvd_tstore_at(&tp->st, i);
+        if (te->has_tail) {
+            j->rec.has_tail = 1;
+            memcpy(j->rec.tail, te->tail, KVD_DISK_TAIL);
+        }
         t->used[1] += tp->slot_bytes;
     } else {
         t->reserved1 += tp->block_bytes;
@@ -1611,6 +1634,11 @@ static void on_scan(void *arg, uint64_t slot, const kvd_disk_rec *rec) {
             return;
         }
     }
+    kvd_tentry *ne = kvd_tstore_at(&tp->st, i);
+    if (rec->has_tail && !ne->has_tail) {
+        memcpy(ne->tail, rec->tail, sizeof(ne->tail)); /* before set2 tells the events */
+        ne->has_tail = 1;
+    }
     kvd_tstore_set2(&tp->st, i, slot, rec->len, (uint8_t)rec->format, rec->seq, tp->slot_bytes);
     tp->t->used[1] += tp->slot_bytes;
     if (rec->seq >= tp->t->seq) {
@@ -1854,7 +1882,7 @@ static kv_hash128 parent_hash(const kvd_pool *pool, const kvd_block_info *bi) {
     return (kv_hash128){0, 0};
 }
 
-void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
+void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, const uint8_t *full) {
     tier_pool *tp = p->tiers;
     if (tp == NULL || !(tp->write_through >= 0 ? tp->write_through : t->write_through)) {
         return;
@@ -1863,7 +1891,8 @@ void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk) {
     if (kvd_pool_block_info(p->pool, blk.id, &bi) != KV_OK || bi.gen != blk.gen) {
         return;
     }
-    start_down(tp, p->pool, blk, bi.hash, parent_hash(p->pool, &bi), 0);
+    start_down(tp, p->pool, blk, bi.hash, parent_hash(p->pool, &bi), 0,
+               full != NULL ? full + 16 : NULL);
 }
 
 void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
@@ -1903,7 +1932,7 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
         if (i != KVD_TNONE) {
             continue; /* down already, or on its way */
         }
-        start_down(tp, p->pool, refs[k], bi.hash, parent_hash(p->pool, &bi), 1);
+        start_down(tp, p->pool, refs[k], bi.hash, parent_hash(p->pool, &bi), 1, NULL);
     }
 }
 

@@ -70,8 +70,9 @@ int kvd_tiers_on(const kvd_tiers *t);
 kv_err kvd_tiers_attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain);
 
 /* Write-through: a block was just committed in p (a new canonical block): start its copy down.
- * Write-back: nothing. */
-void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk);
+ * Write-back: nothing. full: the Commit's 32-byte vLLM digest of it (hash-mode vllm), or NULL:
+ * its last 16 bytes go with the copies (tier-2 records, remote values). */
+void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, const uint8_t *full);
 
 /* Write-back: after an Allocate in p, keep the next victims copied down while free blocks are
  * few. Cheap when there is room. */

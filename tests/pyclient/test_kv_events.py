@@ -44,7 +44,7 @@ import pytest
 import zmq
 
 import kvdwire as kw
-from conftest import run_kvd_expecting_refusal, wait_until
+from conftest import new_dir, run_kvd_expecting_refusal, wait_until
 from kvdwire import pb
 
 sys.path.insert(0, os.path.join(kw.REPO_ROOT, "tests", "vllm"))
@@ -1044,6 +1044,44 @@ def test_lower_tiers_publish_their_media(kvd_factory, zctx):
         ref.to_u64(sent[0]) in getattr(e, "block_hashes", ()) for e in b.events))
     removed = [e for x in b for e in x.events if isinstance(e, BlockRemoved)]
     assert not removed, "T0 let go, tier 1 (also CPU memory) holds them: %r" % removed
+
+
+def test_t2_records_keep_the_vllm_name_across_a_restart(kvd_factory, zctx):
+    """hash-mode vllm: a tier-2 record carries the digest's last 16 bytes, so after a restart
+    (SIGKILL) the blocks the scan finds in T2 are published on DISK with vLLM's hashes (no gap),
+    and a Fetch of them publishes the chain on T0's medium."""
+    t2 = os.path.join(new_dir(), "t2")
+    opts = dict(tier1_memory="0", tier2_path=t2, tier2_bytes="64M", tier_write="write-through",
+                fetch_min_tokens="0")
+    d = start(kvd_factory, **opts)
+    sub = Sub(zctx, d.pub)
+    c = d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pool = c.attach("m", LAYOUT)
+    canon, chain = vllm_commit(c, pool, toks(3, 11))
+    want = [ref.to_u64(h) for h in chain]
+    sub.until("the DISK copies", lambda b: set(want) <= {
+        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == "DISK" for h in e.block_hashes})
+    d.kill()
+    sub.close()
+
+    d2 = start(kvd_factory, **opts)
+    sub2 = Sub(zctx, d2.pub)
+    c2 = d2.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pool2 = c2.attach("m", LAYOUT)  # the first attach scans the tier-2 file
+    got = sub2.until("DISK after the restart", lambda b: set(want) <= {
+        h for b2 in sub2.batches for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == "DISK" for h in e.block_hashes})
+    assert d2.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
+    r = c2.fetch(pool2.pool_id, [key_of(h) for h in chain])
+    pool2.follow(r)
+    assert len(kw.reply_blocks(r)) == 3, r
+    n0 = len(sub2.batches)
+    sub2.until("the fetched chain", lambda b: set(want) <= {
+        h for b2 in sub2.batches[n0:] for e in b2.events if isinstance(e, BlockStored)
+        and e.medium == MEDIUM for h in e.block_hashes})
+    assert d2.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
+    del got
 
 
 def test_fetch_into_t0_publishes_the_chain(kvd_factory, zctx):
