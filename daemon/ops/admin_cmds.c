@@ -11,6 +11,7 @@
 #include "common/kv_util.h"
 #include "common/kv_version.h"
 #include "daemon/ops/admin_cmds.h"
+#include "daemon/registry/reqtrace.h"
 
 #include "daemon/tenancy/quota.h"
 #include "daemon/ops/selftest.h"
@@ -1075,6 +1076,66 @@ static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *m
     return KV_OK;
 }
 
+/* -- trace: a request trace of this daemon's traffic (daemon/registry/reqtrace.h) -- */
+
+static json_t *trace_json(const kvd_reqtrace_stats *st, int active) {
+    return json_pack("{s:b, s:o, s:o, s:o, s:o, s:b}", "active", active, "path", text(st->path),
+                     "requests", u64(st->requests), "bytes", u64(st->bytes), "max_bytes",
+                     u64(st->max_bytes), "full", st->full);
+}
+
+static kv_err cmd_trace(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    kvd_reqtrace_stats st;
+    if (argc == 0) {
+        kvd_reqtrace_stats_get(s->reg->reqtrace, &st);
+        *out = trace_json(&st, s->reg->reqtrace != NULL);
+        return KV_OK;
+    }
+    if (strcmp(argv[0], "stop") == 0 && argc == 1) {
+        if (s->reg->reqtrace == NULL) {
+            FAIL(KV_ESTATE, "no trace is running (trace start path=PATH)");
+        }
+        kv_err rc = kvd_reqtrace_stop(s->reg->reqtrace, &st);
+        s->reg->reqtrace = NULL;
+        if (rc != KV_OK) {
+            FAIL(rc, "trace %.180s: writing it failed (disk full?)", st.path);
+        }
+        *out = trace_json(&st, 0);
+        return KV_OK;
+    }
+    if (strcmp(argv[0], "start") != 0) {
+        FAIL(KV_EINVAL, "trace: start path=PATH [max-bytes=N], stop, or nothing (the state)");
+    }
+    const char *path = NULL;
+    uint64_t max = 1ull << 30;
+    for (int i = 1; i < argc; i++) {
+        const char *v;
+        if ((v = kv_arg(argv[i], "path")) != NULL) {
+            path = v;
+        } else if ((v = kv_arg(argv[i], "max-bytes")) != NULL) {
+            if (parse_num(v, &max) != 0 || max == 0) {
+                FAIL(KV_EINVAL, "trace: max-bytes '%.32s' is not a positive number", v);
+            }
+        } else {
+            FAIL(KV_EINVAL, "trace start: unknown '%.64s' (path=PATH [max-bytes=N])", argv[i]);
+        }
+    }
+    if (path == NULL) {
+        FAIL(KV_EINVAL, "trace start needs path=PATH (a file that does not exist yet)");
+    }
+    if (s->reg->reqtrace != NULL) {
+        kvd_reqtrace_stats_get(s->reg->reqtrace, &st);
+        FAIL(KV_EBUSY, "a trace is running already (%.180s): trace stop first", st.path);
+    }
+    kv_err rc = kvd_reqtrace_start(path, max, &s->reg->reqtrace, msg, KVD_ADMIN_MSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kvd_reqtrace_stats_get(s->reg->reqtrace, &st);
+    *out = trace_json(&st, 1);
+    return KV_OK;
+}
+
 /* -- prefix-score: what a router asks a node -- */
 
 static kv_err cmd_prefix_score(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
@@ -1290,6 +1351,16 @@ static const kvd_admin_cmd cmds[] = {
      "daemon's option). ENOENT for an unknown pool or one without tiers, EINVAL for a bad "
      "setting. docs/TIERS.md.",
      cmd_tiers},
+    {"trace", "[start path=PATH [max-bytes=N] | stop]",
+     "record this daemon's requests as a trace file (eviction policies against Belady on it)",
+     "start: creates PATH (it must not exist; mode 0600) and from then on writes one line per "
+     "Lookup and Fetch: the request's block hashes in prefix order, 32 hex digits each, the pool "
+     "id folded into each so two pools' blocks never meet (no tokens, no tenant names). Stops "
+     "writing once max-bytes (default 1 GiB) is reached (full). stop: flushes and closes it. "
+     "Without arguments: the state. Result: active, path, requests, bytes, max_bytes, full. "
+     "Replay it with `core_bench --trace-file PATH` (every policy and Belady's optimum on it). "
+     "EBUSY when one runs already, ESTATE for stop without one, ESYS when PATH cannot be made.",
+     cmd_trace},
     {"prefix-score", "pool=ID HASH...",
      "how many leading blocks of a prefix this node holds, per tier (a router's question)",
      "HASH: the prefix's block hashes in order, 32 hex digits each (kvctl's form, docs/HASH.md). "

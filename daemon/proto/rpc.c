@@ -17,6 +17,7 @@
 #include "daemon/mem/backend_host.h"
 #include "daemon/proto/validate.h"
 #include "daemon/registry/commons.h"
+#include "daemon/registry/reqtrace.h"
 
 #define FAIL(rc, ...)                                                                              \
     do {                                                                                           \
@@ -754,6 +755,9 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     if (rc != KV_OK) {
         return rc;
     }
+    if (c->reg->reqtrace != NULL && n > 0) {
+        kvd_reqtrace_record(c->reg->reqtrace, p->pool_id, hashes, n);
+    }
     /* Scratch lives in the request arena: nothing to free. */
     kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
     uint32_t *pool_of = rpc_scratch(c, sizeof(*pool_of) * n);
@@ -1014,6 +1018,9 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
     rc = take_hashes(c, sp, f->n_hashes, f->hashes, &f->hashes_packed, &hashes, &n, msg);
     if (rc != KV_OK) {
         return rc;
+    }
+    if (c->reg->reqtrace != NULL && n > 0) {
+        kvd_reqtrace_record(c->reg->reqtrace, f->pool_id, hashes, n);
     }
     kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n + 1);
     if (refs == NULL) {

@@ -11,6 +11,7 @@
 
 #include "common/kv_log.h"
 #include "common/kv_vllm_hash.h"
+#include "daemon/registry/reqtrace.h"
 #include "common/kv_wire.h"
 
 #define FAIL(rc, ...)                                                                              \
@@ -526,6 +527,8 @@ kv_err kvd_registry_init(kvd_registry *g, const kvd_registry_deps *d) {
 }
 
 void kvd_registry_fini(kvd_registry *g) {
+    (void)kvd_reqtrace_stop(g->reqtrace, NULL); /* a trace left running is flushed and kept */
+    g->reqtrace = NULL;
     if (g->commons != NULL && g->commons_free != NULL) {
         g->commons_free(g->commons);
     }

@@ -84,8 +84,9 @@ typedef struct kvd_registry {
      * which are a cache as much as T0's). NULL: free it. Same argument as pool_gone. */
     int (*pool_keep)(void *arg, const kvd_reg_pool *p);
     void *pool_gone_arg;
-    int vllm;              /* hash-mode vllm: clients hash with vLLM's sha256_cbor */
-    uint8_t none_hash[32]; /* vllm: NONE_HASH (vllm-hash-seed, or random per run) */
+    int vllm;                      /* hash-mode vllm: clients hash with vLLM's sha256_cbor */
+    uint8_t none_hash[32];         /* vllm: NONE_HASH (vllm-hash-seed, or random per run) */
+    struct kvd_reqtrace *reqtrace; /* admin `trace start`: the request trace (reqtrace.h) */
 } kvd_registry;
 
 /* What kvd_registry_init needs; the registry keeps the pointers. */

@@ -42,7 +42,8 @@ typedef struct kvd_trace {
  * unknown kind or nreq 0, KV_ENOMEM. Free with kvd_trace_fini. */
 kv_err kvd_trace_gen(kvd_trace_kind kind, uint64_t seed, uint32_t nreq, kvd_trace *out);
 
-/* Trace files (a user's production trace, or one converted from kvd's events): text, one
+/* Trace files (a user's production trace, or one kvd recorded itself: admin `trace start
+ * path=P`, daemon/registry/reqtrace.h, which names each block by its pool and hash): text, one
  * request per line, the request's block chain hashes in prefix order as hex strings (32 hex
  * digits for kvd's 128-bit hashes; any length is accepted, compared exactly, case-insensitive)
  * separated by spaces or tabs. Blank lines and anything from a '#' to the end of a line are

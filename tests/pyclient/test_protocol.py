@@ -2921,6 +2921,60 @@ def test_binary_client_on_admin_socket_is_told(kvd):
     assert "client socket" in r["error"]["message"]
 
 
+def test_admin_trace_records_lookups(kvd_factory):
+    """admin `trace start path=P` writes one line per Lookup and Fetch: the request's hashes in
+    prefix order as 32 hex digits, the pool id folded into the low half so two pools' blocks
+    never meet; `trace stop` closes it with the counts; max-bytes stops the writing (full); a
+    second start is EBUSY, a stop without one ESTATE, an existing path ESYS; nothing leaks into
+    the file but hashes."""
+    d = kvd_factory()
+    path = os.path.join(d.dir, "req.trace")
+    r = d.admin_result("trace start path=%s" % path)
+    assert r["active"] is True and r["requests"] == 0, r
+    assert not d.admin("trace start path=%s.2" % path)["ok"]  # EBUSY
+    a = d.connect()
+    pa = a.attach("m", LAYOUT)
+    pb_ = a.attach("m2", LAYOUT)
+    canon, hashes, pats = write_commit(a, pa, 3)
+    a.release(pa.pool_id, canon)
+    for k in (3, 2):
+        a.release(pa.pool_id, lookup(a, pa, hashes[:k]))
+    a.release(pb_.pool_id, lookup(a, pb_, hashes[:2]))  # another pool, the same hashes
+    r = d.admin_result("trace")
+    assert r["active"] and r["requests"] == 3, r
+    r = d.admin_result("trace stop")
+    assert r["active"] is False and r["requests"] == 3 and not r["full"], r
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    lines = [l.split() for l in open(path) if l.strip() and not l.startswith("#")]
+    assert [len(l) for l in lines] == [3, 2, 2], lines
+    for l in lines:
+        for w in l:
+            assert len(w) == 32 and all(ch in "0123456789abcdef" for ch in w), w
+
+    def name(pool_id, h):
+        lo = (h[0] ^ (pool_id * 0x9E3779B97F4A7C15)) & ((1 << 64) - 1)
+        return struct.pack("<QQ", lo, h[1]).hex()
+    assert lines[0] == [name(pa.pool_id, h) for h in hashes[:3]]
+    assert lines[1] == lines[0][:2]
+    assert lines[2] == [name(pb_.pool_id, h) for h in hashes[:2]] and lines[2] != lines[1]
+    assert not d.admin("trace stop")["ok"]  # ESTATE: none running
+    assert not d.admin("trace start path=%s" % path)["ok"]  # exists: never overwritten
+    # max-bytes: a request that would pass it is not written, nor anything after it.
+    small = path + ".small"
+    r = d.admin_result("trace start path=%s max-bytes=300" % small)
+    at, written, full = r["bytes"], 0, False  # the header's bytes
+    for k in (1, 3, 1, 1):
+        a.release(pa.pool_id, lookup(a, pa, hashes[:k]))
+        if not full and at + 33 * k > 300:
+            full = True
+        elif not full:
+            at, written = at + 33 * k, written + 1
+    r = d.admin_result("trace stop")
+    assert full and r["full"] and r["requests"] == written and r["bytes"] == at, (r, written, at)
+    assert os.path.getsize(small) == at
+    assert d.alive()
+
+
 def test_verify_blocks_catches_a_write_after_release(kvd_factory):
     """kvd --help verify-blocks: a worker that writes into a block after releasing it changes
     what others read as a hit. With the option, the next Lookup ends before that block, the
