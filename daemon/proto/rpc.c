@@ -509,6 +509,20 @@ static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, 
 }
 
 /* Records n new references of the session; on ENOMEM gives them back to the pool. */
+/* A reply encoded outside any request (a Fetch's, a waiting Allocate's, sent later): its own
+ * arena (kv_arena_fini it after the send) and context. */
+static void later_ctx(kvd_rpc_ctx *x, kv_arena *arena, kvd_reply *out, kvd_registry *reg,
+                      const kvd_config *cfg, uint64_t boot_epoch, kvd_tiers *tiers) {
+    kv_arena_init(arena);
+    memset(x, 0, sizeof(*x));
+    x->reg = reg;
+    x->cfg = cfg;
+    x->boot_epoch = boot_epoch;
+    x->arena = arena;
+    x->tiers = tiers;
+    memset(out, 0, sizeof(*out));
+}
+
 /* max-held: whether tenant may hold count more blocks in pool p (msg says why not). */
 static kv_err check_max_held(const rpc *c, const kvd_reg_pool *p, uint32_t count, char *msg) {
     uint64_t max_held = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_held;
@@ -600,17 +614,9 @@ static void on_room(void *arg, kv_err why) {
         sess->fetches--;
     }
     kv_arena arena;
-    kv_arena_init(&arena);
     kvd_rpc_ctx x;
-    memset(&x, 0, sizeof(x));
-    x.reg = w->reg;
-    x.cfg = w->cfg;
-    x.boot_epoch = w->boot_epoch;
-    x.arena = &arena;
-    x.tiers = w->tiers;
-    x.later = w->later;
     kvd_reply out;
-    memset(&out, 0, sizeof(out));
+    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, w->tiers);
     rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
     char msg[KV_ERRMSG];
     msg[0] = '\0';
@@ -932,17 +938,10 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     if (sess->fetches > 0) {
         sess->fetches--;
     }
-    /* The reply is encoded here, outside any request: its own arena and context. */
     kv_arena arena;
-    kv_arena_init(&arena);
     kvd_rpc_ctx x;
-    memset(&x, 0, sizeof(x));
-    x.reg = w->reg;
-    x.cfg = w->cfg;
-    x.boot_epoch = w->boot_epoch;
-    x.arena = &arena;
     kvd_reply out;
-    memset(&out, 0, sizeof(out));
+    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, NULL);
     kvd_session_pool *sp = !r->detached ? kvd_session_find_pool(sess, w->pool_id) : NULL;
     int taken = 0; /* the tiers release what the session does not take */
     kvd_block_ref *all = NULL;

@@ -237,8 +237,6 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
     redisSetTimeout(c, tv);
     pthread_once(&g_fns_once, fns_init);
     c->reader->fn = &g_fns;
-    c->reader->maxbuf = 0; /* keep the read buffer between replies: a value's 256 KiB are not
-                              allocated (and page-faulted in) again for every GET */
     if (r->password[0] != '\0') {
         redisReply *rep = redisCommand(c, "AUTH %s", r->password);
         int ok = rep != NULL && rep->type == REDIS_REPLY_STATUS;
@@ -595,6 +593,8 @@ static int rb_read(node *nd, uint8_t *dst, size_t n) {
 /* One reply of a get pipeline: 0 read (v filled: a hit, a miss, a bad value; or *to set: a
  * redirection to send it again to), 1 an error reply (noted in errbuf), -1 the connection
  * failed or said something that is no GET reply. */
+static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *ask);
+
 static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, kvd_remote_val *v,
                           int *to, uint8_t *ask, char *errbuf, size_t errlen) {
     char line[512];
@@ -602,21 +602,11 @@ static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, 
         return -1;
     }
     if (line[0] == '-') {
-        int a;
-        uint32_t slot;
-        int t = redirect_target(r, line + 1, &a, &slot);
-        if (t < 0) {
-            snprintf(errbuf, errlen, "%.200s", line + 1);
-            return 1;
+        if (note_redirect_err(r, line + 1, to, ask)) {
+            return 0;
         }
-        if (!a) {
-            r->slots[slot] = (int16_t)t;
-            r->need_refresh = 1;
-            count(r, &r->st.redirects, 1);
-        }
-        *to = t;
-        *ask = (uint8_t)a;
-        return 0;
+        snprintf(errbuf, errlen, "%.200s", line + 1);
+        return 1;
     }
     if (line[0] != '$') {
         return -1;
@@ -733,10 +723,10 @@ static redisReply *command_at(kvd_remote *r, int to, int ask, int argc, const ch
 
 /* A redirection in a pipelined reply: where to send the key again once the pipeline is read
  * (a command sent now on the same connection would read the next pipelined reply). */
-static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) {
+static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *ask) {
     int a;
     uint32_t slot;
-    int t = rep->type == REDIS_REPLY_ERROR ? redirect_target(r, rep->str, &a, &slot) : -1;
+    int t = redirect_target(r, err, &a, &slot);
     if (t < 0) {
         return 0;
     }
@@ -748,6 +738,11 @@ static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) 
     *to = t;
     *ask = (uint8_t)a;
     return 1;
+}
+
+/* The same, for a reply libhiredis read. */
+static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) {
+    return rep->type == REDIS_REPLY_ERROR && note_redirect_err(r, rep->str, to, ask);
 }
 
 static void do_get(kvd_remote *r, op *o) {

@@ -971,7 +971,6 @@ static void start_remote_put(tier_pool *tp, uint32_t i) {
     }
     q->tp = tp;
     q->entry = i;
-    learn_tail(tp, i); /* write-through: the Commit's events were recorded after the copy began */
     remote_key(tp, e->hash, q->key, sizeof(q->key));
     kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1, e->has_tail ? e->tail : NULL};
     if (kvd_remote_put(t->remote, q->key, &m, e->t1, e->len1, on_remote_put, q) != KV_OK) {

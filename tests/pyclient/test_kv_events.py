@@ -270,6 +270,13 @@ class Sub:
             if b.seq != 0:
                 return b
 
+    def stored(self, medium=None, start=0):
+        """The hashes BlockStored events of the batches read (from batch `start` on) named, on
+        `medium` (None: any)."""
+        return {h for b in self.batches[start:] for e in b.events
+                if isinstance(e, BlockStored) and medium in (None, e.medium)
+                for h in e.block_hashes}
+
     def until(self, what, pred, timeout=WAIT):
         """Reads batches until pred(batch) holds; returns the batches read (seq 0 left out)."""
         got = []
@@ -443,6 +450,18 @@ def removed_hashes(batches):
                                                                                  MEDIUM)
             out += ev.block_hashes
     return out
+
+
+def chain_parents(events):
+    """{hash: its parent} of BlockStored events: a run's first block's parent is the event's
+    parent_block_hash, each next one's the block before it."""
+    parents = {}
+    for e in events:
+        prev = e.parent_block_hash
+        for h in e.block_hashes:
+            parents[h] = prev
+            prev = h
+    return parents
 
 
 # ---------------------------------------------------------------------------------------------
@@ -884,17 +903,9 @@ def test_commons_promotion_is_published(kvd_factory, zctx):
     canon_b, chain_b = vllm_commit(cb, pb_, toks(2, 1))
     assert chain_b == chain
     want = [ref.to_u64(h) for h in chain]
-    got = sub.until("the commons' BlockStored", lambda b: set(want) <= {
-        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
-        for h in e.block_hashes})
+    got = sub.until("the commons' BlockStored", lambda b: set(want) <= sub.stored())
     events = [e for b in got for e in b.events if isinstance(e, BlockStored)]
-    parents = {}
-    for e in events:
-        prev = e.parent_block_hash
-        for h in e.block_hashes:
-            parents[h] = prev
-            prev = h
-    assert parents == {want[0]: None, want[1]: want[0]}, events
+    assert chain_parents(events) == {want[0]: None, want[1]: want[0]}, events
     assert all(e.medium == MEDIUM for e in events), events
     # The tenants' pools publish on the option publisher: the chain once (counted per
     # publisher), never the commons' copy.
@@ -1059,9 +1070,7 @@ def test_t2_records_keep_the_vllm_name_across_a_restart(kvd_factory, zctx):
     pool = c.attach("m", LAYOUT)
     canon, chain = vllm_commit(c, pool, toks(3, 11))
     want = [ref.to_u64(h) for h in chain]
-    sub.until("the DISK copies", lambda b: set(want) <= {
-        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
-        and e.medium == "DISK" for h in e.block_hashes})
+    sub.until("the DISK copies", lambda b: set(want) <= sub.stored("DISK"))
     d.kill()
     sub.close()
 
@@ -1069,17 +1078,13 @@ def test_t2_records_keep_the_vllm_name_across_a_restart(kvd_factory, zctx):
     sub2 = Sub(zctx, d2.pub)
     c2 = d2.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
     pool2 = c2.attach("m", LAYOUT)  # the first attach scans the tier-2 file
-    got = sub2.until("DISK after the restart", lambda b: set(want) <= {
-        h for b2 in sub2.batches for e in b2.events if isinstance(e, BlockStored)
-        and e.medium == "DISK" for h in e.block_hashes})
+    got = sub2.until("DISK after the restart", lambda b: set(want) <= sub2.stored("DISK"))
     assert d2.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
     r = c2.fetch(pool2.pool_id, [key_of(h) for h in chain])
     pool2.follow(r)
     assert len(kw.reply_blocks(r)) == 3, r
     n0 = len(sub2.batches)
-    sub2.until("the fetched chain", lambda b: set(want) <= {
-        h for b2 in sub2.batches[n0:] for e in b2.events if isinstance(e, BlockStored)
-        and e.medium == MEDIUM for h in e.block_hashes})
+    sub2.until("the fetched chain", lambda b: set(want) <= sub2.stored(MEDIUM, n0))
     assert d2.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
     del got
 
@@ -1095,9 +1100,7 @@ def test_fetch_into_t0_publishes_the_chain(kvd_factory, zctx):
     pool = c.attach("m", LAYOUT)
     canon, chain = vllm_commit(c, pool, toks(3, 1))
     want = [ref.to_u64(h) for h in chain]
-    sub.until("the DISK copies", lambda b: set(want) <= {
-        h for b2 in sub.batches for e in b2.events if isinstance(e, BlockStored)
-        and e.medium == "DISK" for h in e.block_hashes})
+    sub.until("the DISK copies", lambda b: set(want) <= sub.stored("DISK"))
     c.release(pool.pool_id, canon)
     assert d.admin_result("evict pool=%d" % pool.pool_id)["evicted"] == 3
     got = sub.until("the BlockRemoved of T0", lambda b: set(want) <= {
@@ -1109,20 +1112,14 @@ def test_fetch_into_t0_publishes_the_chain(kvd_factory, zctx):
     pool.follow(r)
     blocks = kw.reply_blocks(r)
     assert len(blocks) == 3, r
-    got = sub.until("the fetched chain on %s" % MEDIUM, lambda b: set(want) <= {
-        h for b2 in sub.batches[n0:] for e in b2.events if isinstance(e, BlockStored)
-        and e.medium == MEDIUM for h in e.block_hashes})
+    got = sub.until("the fetched chain on %s" % MEDIUM, lambda b: set(want) <= sub.stored(MEDIUM, n0))
     stored_ev = [e for b in got for e in b.events
                  if isinstance(e, BlockStored) and e.medium == MEDIUM]
     order = [h for e in stored_ev for h in e.block_hashes]
     assert order == want, stored_ev
-    parents = {}
-    for e in stored_ev:  # one event per block or per run: parents along the chain
-        prev = e.parent_block_hash
-        for h in e.block_hashes:
-            parents[h] = prev
-            prev = h
-    assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, stored_ev
+    # one event per block or per run: parents along the chain
+    assert chain_parents(stored_ev) == {want[0]: None, want[1]: want[0], want[2]: want[1]}, (
+        stored_ev)
     for e in stored_ev:
         assert e.token_ids == [] and e.block_size == T, e
     st = d.admin_result("stats")["kv_events"]

@@ -876,7 +876,8 @@ def test_events_name_the_remote_medium(kvd_factory, redis):
     BlockRemoved on REMOTE; B's Fetch from Redis publishes the chain on B's own medium (CPU),
     each block's parent the previous one, as a Commit's chain."""
     import zmq
-    from test_kv_events import BlockRemoved, BlockStored, Schema, Sub, tcp_endpoints, xxh3_form
+    from test_kv_events import (BlockRemoved, BlockStored, Schema, Sub, chain_parents,
+                                tcp_endpoints, xxh3_form)
     ctx = zmq.Context()
     try:
         ea, eb = tcp_endpoints(2)
@@ -900,24 +901,16 @@ def test_events_name_the_remote_medium(kvd_factory, redis):
         def on(sub, cls, medium, start=0):
             return [e for x in sub.batches[start:] for e in x.events
                     if isinstance(e, cls) and e.medium == medium]
-        sa.until("REMOTE for the chain", lambda x: set(want) <= {
-            h for e in on(sa, BlockStored, "REMOTE") for h in e.block_hashes}, timeout=10)
+        sa.until("REMOTE for the chain", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
         for e in on(sa, BlockStored, "REMOTE"):
             assert e.parent_block_hash is None and e.token_ids == [], e
 
         fr, got = fetch(cb, pb_, hs)
         assert len(got) == 3 and fr.status == pb.FETCH_DONE, msg(fr, rem(b))
         cb.release(pb_.pool_id, got)
-        sb.until("B's chain on CPU", lambda x: set(want) <= {
-            h for e in on(sb, BlockStored, "CPU") for h in e.block_hashes})
-        parents = {}
-        for e in on(sb, BlockStored, "CPU"):
-            prev = e.parent_block_hash
-            for h in e.block_hashes:
-                parents[h] = prev
-                prev = h
-        assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, on(
-            sb, BlockStored, "CPU")
+        sb.until("B's chain on CPU", lambda x: set(want) <= sb.stored("CPU"))
+        assert chain_parents(on(sb, BlockStored, "CPU")) == {
+            want[0]: None, want[1]: want[0], want[2]: want[1]}, on(sb, BlockStored, "CPU")
         assert not on(sb, BlockStored, "REMOTE"), "B wrote nothing to Redis"
 
         # A's block 1 changes after its commit: quarantined, deleted from Redis, and said so.
@@ -946,8 +939,8 @@ def test_vllm_digest_travels_through_redis(kvd_factory, redis):
     tokens, publishes the chain it fetched from Redis with vLLM's hashes and parents, and counts
     no gap."""
     import zmq
-    from test_kv_events import (BlockStored, SEED, Sub, key_of, tcp_endpoints, vllm_commit,
-                                toks, ref)
+    from test_kv_events import (BlockStored, SEED, Sub, chain_parents, key_of, ref,
+                                tcp_endpoints, toks, vllm_commit)
     ctx = zmq.Context()
     try:
         ea, eb = tcp_endpoints(2)
@@ -968,17 +961,10 @@ def test_vllm_digest_travels_through_redis(kvd_factory, redis):
         assert len(got) == 3, msg(fr, rem(b))
         cb.release(pb_.pool_id, got)
         want = [ref.to_u64(dg) for dg in digests]
-        evs = sb.until("B's chain", lambda x: set(want) <= {
-            h for b2 in sb.batches for e in b2.events if isinstance(e, BlockStored)
-            for h in e.block_hashes})
+        evs = sb.until("B's chain", lambda x: set(want) <= sb.stored())
         stored_ev = [e for x in evs for e in x.events if isinstance(e, BlockStored)]
-        parents = {}
-        for e in stored_ev:
-            prev = e.parent_block_hash
-            for h in e.block_hashes:
-                parents[h] = prev
-                prev = h
-        assert parents == {want[0]: None, want[1]: want[0], want[2]: want[1]}, stored_ev
+        assert chain_parents(stored_ev) == {want[0]: None, want[1]: want[0], want[2]: want[1]}, (
+            stored_ev)
         assert b.admin_result("stats")["kv_events"]["kv_events_gaps"] == 0
         sb.close()
     finally:

@@ -597,6 +597,15 @@ def _wait_daemon(kvd_factory):
                        tier_write="write-through", fetch_min_tokens="16")
 
 
+def _blocks_total(d, c, pool):
+    """The pool's blocks once its first segment is there (an Allocate of 1 makes it; released)."""
+    r = c.allocate(pool.pool_id, 1)
+    pool.follow(r)
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    return [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
+        "blocks_total"]
+
+
 def _commit_all(c, pool, blocks, base):
     hs = prefix(pool, len(blocks), base)
     entries, parent = [], kw.NO_PARENT
@@ -615,11 +624,7 @@ def test_allocate_waits_for_copies_down(kvd_factory):
     d = _wait_daemon(kvd_factory)
     c = connect(d)
     pool = c.attach("m-wait", BIG)
-    r = c.allocate(pool.pool_id, 1)
-    pool.follow(r)
-    c.release(pool.pool_id, kw.reply_blocks(r))
-    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
-        "blocks_total"]
+    n = _blocks_total(d, c, pool)
     assert n >= 8, n
     for k in range(8):
         r = c.allocate(pool.pool_id, n)  # no retry: ENOSPC here is the bug
@@ -635,19 +640,16 @@ def test_allocate_waits_for_copies_down(kvd_factory):
 
 
 def test_waiting_allocate_gives_up_when_copies_end(kvd_factory):
-    """The pool full of blocks the session itself holds: an Allocate that waits for the copies
-    in flight gets ENOSPC once they landed (saying it waited), and kvd keeps serving."""
+    """The pool full of blocks the session itself holds: an Allocate right after their commit
+    (whose copies may still be in flight: then it waits for them) gets ENOSPC within seconds,
+    and kvd keeps serving."""
     d = _wait_daemon(kvd_factory)
     c = connect(d)
     pool = c.attach("m-wait-full", BIG)
-    r = c.allocate(pool.pool_id, 1)
+    n = _blocks_total(d, c, pool)
+    r = c.allocate(pool.pool_id, n)
     pool.follow(r)
-    first = kw.reply_blocks(r)
-    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
-        "blocks_total"]
-    r = c.allocate(pool.pool_id, n - 1)
-    pool.follow(r)
-    held = first + kw.reply_blocks(r)
+    held = kw.reply_blocks(r)
     _commit_all(c, pool, held, 5000)  # the session keeps holding all of them
     t = time.monotonic()
     with pytest.raises(kw.KvdError) as e:
@@ -663,11 +665,7 @@ def test_session_dies_while_its_allocate_waits(kvd_factory):
     d = _wait_daemon(kvd_factory)
     c = connect(d)
     pool = c.attach("m-wait-die", BIG)
-    r = c.allocate(pool.pool_id, 1)
-    pool.follow(r)
-    c.release(pool.pool_id, kw.reply_blocks(r))
-    n = [p for p in d.admin_result("pools")["pools"] if p["id"] == pool.pool_id][0][
-        "blocks_total"]
+    n = _blocks_total(d, c, pool)
     for k in range(4):
         c2 = connect(d)
         p2 = c2.attach("m-wait-die", BIG)
