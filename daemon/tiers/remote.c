@@ -41,6 +41,7 @@ typedef struct op {
     /* get */
     const char *const *keys;
     const kvd_remote_meta *want;
+    const kvd_remote_dst *dst; /* NULL or [n] */
     size_t n;
     kvd_remote_val *vals;
     kvd_remote_get_done get_done;
@@ -428,6 +429,19 @@ static uint64_t body_sum(const uint8_t *tail, const uint8_t *payload, size_t ple
     return XXH3_64bits_digest(&st);
 }
 
+/* The same over a tail and a payload in runs. */
+static uint64_t body_sum_iov(const uint8_t *tail, const struct iovec *iov, int niov) {
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    if (tail != NULL) {
+        XXH3_64bits_update(&st, tail, KVD_REMOTE_TAIL);
+    }
+    for (int i = 0; i < niov; i++) {
+        XXH3_64bits_update(&st, iov[i].iov_base, iov[i].iov_len);
+    }
+    return XXH3_64bits_digest(&st);
+}
+
 static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
                         const uint8_t *payload, size_t plen) {
     memcpy(h, "KVDR", 4);
@@ -446,9 +460,11 @@ static void make_header(uint8_t h[KVD_REMOTE_HEADER], const kvd_remote_meta *m,
 /* Checks a value's parts against what the caller expects; fills v (a good payload becomes
  * v->data: the caller gives it up; a bad one stays the caller's). h: its 56-byte header; body:
  * the bytes after the header; tail: the 16 bytes that open the body when the header says so
- * (else NULL); payload[0..plen): the rest. */
+ * (else NULL); payload[0..plen): the rest, or with payload NULL in v's destination, iov[0..niov)
+ * (v->direct). */
 static void check_parts(const uint8_t *h, const uint8_t *tail, uint8_t *payload, size_t plen,
-                        size_t body, const kvd_remote_meta *want, kvd_remote_val *v) {
+                        const struct iovec *iov, int niov, size_t body, const kvd_remote_meta *want,
+                        kvd_remote_val *v) {
     int flagged = (h[7] & KVD_REMOTE_F_TAIL) != 0;
     const char *why = NULL;
     if (memcmp(h, "KVDR", 4) != 0) {
@@ -464,7 +480,8 @@ static void check_parts(const uint8_t *h, const uint8_t *tail, uint8_t *payload,
         why = "another block's hash";
     } else if (get_u64le(h + 40) != body || flagged != (tail != NULL)) {
         why = "payload length differs";
-    } else if (get_u64le(h + 48) != body_sum(tail, payload, plen)) {
+    } else if (get_u64le(h + 48) !=
+               (payload != NULL ? body_sum(tail, payload, plen) : body_sum_iov(tail, iov, niov))) {
         why = "checksum differs";
     }
     if (why != NULL) {
@@ -478,6 +495,7 @@ static void check_parts(const uint8_t *h, const uint8_t *tail, uint8_t *payload,
         memcpy(v->tail, tail, KVD_REMOTE_TAIL);
     }
     v->data = payload;
+    v->direct = payload == NULL;
     v->len = plen;
     v->off = 0;
     v->status = KVD_REMOTE_HIT;
@@ -496,7 +514,7 @@ static void check_value(redisReply *rep, const kvd_remote_meta *want, kvd_remote
     size_t body = n - KVD_REMOTE_HEADER;
     int tail = (h[7] & KVD_REMOTE_F_TAIL) && body >= KVD_REMOTE_TAIL;
     size_t plen = tail ? body - KVD_REMOTE_TAIL : body;
-    check_parts(h, tail ? d + plen : NULL, d, plen, body, want, v);
+    check_parts(h, tail ? d + plen : NULL, d, plen, NULL, 0, body, want, v);
     if (v->status == KVD_REMOTE_HIT) {
         rep->str = NULL; /* the payload's buffer now (the bytes behind it are not read) */
     }
@@ -590,13 +608,24 @@ static int rb_read(node *nd, uint8_t *dst, size_t n) {
     }
 }
 
+/* Exactly the bytes of iov[0..niov) from the buffer and the socket, in order. */
+static int rb_readv(node *nd, const struct iovec *iov, int niov) {
+    for (int i = 0; i < niov; i++) {
+        if (rb_read(nd, iov[i].iov_base, iov[i].iov_len) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* One reply of a get pipeline: 0 read (v filled: a hit, a miss, a bad value; or *to set: a
  * redirection to send it again to), 1 an error reply (noted in errbuf), -1 the connection
  * failed or said something that is no GET reply. */
 static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *ask);
 
-static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, kvd_remote_val *v,
-                          int *to, uint8_t *ask, char *errbuf, size_t errlen) {
+static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want,
+                          const kvd_remote_dst *dst, kvd_remote_val *v, int *to, uint8_t *ask,
+                          char *errbuf, size_t errlen) {
     char line[512];
     if (rb_line(nd, line, sizeof(line)) != 0) {
         return -1;
@@ -639,6 +668,15 @@ static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, 
         return -1;
     }
     size_t plen = tail ? body - KVD_REMOTE_TAIL : body;
+    if (dst != NULL && dst->iov != NULL && h[6] == dst->format && plen == dst->bytes) {
+        /* The direct path: into the caller's block (the check reads it there, cache-warm). */
+        if (rb_readv(nd, dst->iov, dst->niov) != 0 || rb_read(nd, crlf, 2) != 0 ||
+            crlf[0] != '\r' || crlf[1] != '\n') {
+            return -1;
+        }
+        check_parts(h, tail ? tb : NULL, NULL, plen, dst->iov, dst->niov, body, want, v);
+        return 0;
+    }
     uint8_t *payload = malloc(plen > 0 ? plen : 1);
     if (rb_read(nd, payload, plen) != 0 || rb_read(nd, crlf, 2) != 0 || crlf[0] != '\r' ||
         crlf[1] != '\n') {
@@ -648,7 +686,7 @@ static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want, 
     if (payload == NULL) {
         return 0; /* no memory for it: a miss (its bytes were read past) */
     }
-    check_parts(h, tail ? tb : NULL, payload, plen, body, want, v);
+    check_parts(h, tail ? tb : NULL, payload, plen, NULL, 0, body, want, v);
     if (v->status != KVD_REMOTE_HIT) {
         free(payload);
     }
@@ -810,8 +848,8 @@ static void do_get(kvd_remote *r, op *o) {
                     continue;
                 }
                 char eb[256];
-                int got = read_get_reply(r, nd, &o->want[i], &o->vals[i], &rto[i], &rask[i], eb,
-                                         sizeof(eb));
+                int got = read_get_reply(r, nd, &o->want[i], o->dst != NULL ? &o->dst[i] : NULL,
+                                         &o->vals[i], &rto[i], &rask[i], eb, sizeof(eb));
                 if (got < 0) {
                     failed = 1;
                 } else if (got == 1) {
@@ -1341,8 +1379,8 @@ kv_err kvd_remote_del(kvd_remote *r, const char *key) {
     return rc;
 }
 
-kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want, size_t n,
-                      kvd_remote_get_done done, void *arg) {
+kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want,
+                      const kvd_remote_dst *dst, size_t n, kvd_remote_get_done done, void *arg) {
     op *o = calloc(1, sizeof(*o));
     if (o == NULL) {
         return KV_ENOMEM;
@@ -1350,6 +1388,7 @@ kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_m
     o->kind = OP_GET;
     o->keys = keys;
     o->want = want;
+    o->dst = dst;
     o->n = n;
     o->get_done = done;
     o->arg = arg;

@@ -15,8 +15,9 @@
  * maxmemory policy) is a miss.
  *
  * A get pipeline's replies are read by this module itself, straight from the socket into the
- * buffers that become T1 entries (libhiredis's reader would copy every byte twice more); every
- * other command and reply goes through libhiredis.
+ * caller's destinations (T0 blocks: kvd_remote_dst) or into buffers of their own (libhiredis's
+ * reader would copy every byte twice more); every other command and reply goes through
+ * libhiredis.
  *
  * Faults: connect and command timeouts (timeout_ms), a node that fails is closed and retried
  * after a backoff (100 ms doubling to 5 s); while every node is down a request fails at once.
@@ -28,6 +29,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include <uv.h>
 
@@ -89,8 +91,23 @@ typedef enum kvd_remote_status {
     KVD_REMOTE_BAD = 2,  /* a value that failed a check (why: a static string) */
 } kvd_remote_status;
 
+/* Where a get may put one key's payload itself (the direct path): memory the caller owns and
+ * does not touch until done runs — the runs of a T0 block, in the block's stored order. A value
+ * whose header says format `format` and whose payload is exactly `bytes` long is read from the
+ * socket straight into iov[0..niov) and checked there; any other value (another format, another
+ * length, one read through a redirection) comes in a buffer of its own as without a
+ * destination. Bytes written into a destination by a value that then fails a check are left
+ * there (the caller never serves them: its status is BAD). */
+typedef struct kvd_remote_dst {
+    const struct iovec *iov; /* NULL: none for this key */
+    int niov;
+    size_t bytes;   /* the sum of iov[].iov_len */
+    uint8_t format; /* the one format it takes (kvd_tier_format) */
+} kvd_remote_dst;
+
 typedef struct kvd_remote_val {
     kvd_remote_status status;
+    int direct;      /* HIT: the payload is in the key's destination (data is NULL) */
     uint8_t *data;   /* HIT: the payload at data + off (malloc'd; the callback may take it:
                         set NULL; off is 0) */
     size_t off, len; /* HIT: where the payload is */
@@ -101,13 +118,14 @@ typedef struct kvd_remote_val {
 } kvd_remote_val;
 
 /* GET of keys[0..n) (pipelined per node), each checked against want[i] (layout key and hash;
- * the format is not compared). keys and want are borrowed until done runs on the loop thread
+ * the format is not compared); dst: NULL, or [n] destinations (kvd_remote_dst; an entry with
+ * iov NULL has none). keys, want and dst are borrowed until done runs on the loop thread
  * with vals[0..n) (owned by kvd_remote; data not taken is freed after the callback) and rc:
  * KV_OK, or KV_ESYS when some node failed (its keys are misses), KV_ECLOSED at close.
  * KV_EBUSY (done never runs) when every node is down. */
 typedef void (*kvd_remote_get_done)(void *arg, kv_err rc, kvd_remote_val *vals, size_t n);
-kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want, size_t n,
-                      kvd_remote_get_done done, void *arg);
+kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want,
+                      const kvd_remote_dst *dst, size_t n, kvd_remote_get_done done, void *arg);
 
 /* Counters and state (loop thread; read under the thread's lock). */
 typedef struct kvd_remote_stats {

@@ -78,6 +78,7 @@ enum {
     TS_REMOTE_RECONNECTS,
     TS_REMOTE_REDIRECTS,
     TS_REMOTE_PROMOTED,
+    TS_REMOTE_DIRECT,
     TS_COUNT
 };
 
@@ -205,6 +206,9 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_REMOTE_PROMOTED] = {"remote_promoted", "counter", "blocks",
                             "remote values a Fetch put into tier 1 on their way to T0", NULL, NULL,
                             NULL, NULL},
+    [TS_REMOTE_DIRECT] = {"remote_direct", "counter", "blocks",
+                          "remote values a Fetch read from the socket straight into T0 blocks",
+                          NULL, NULL, NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -327,7 +331,10 @@ typedef struct fpos {
     uint8_t kind;      /* P_T0, P_UP, P_WAIT */
     uint8_t ok;        /* UP: the copy landed */
     uint8_t have;      /* ref is a reference the fetch owns */
-    uint8_t tier;      /* UP: the source tier */
+    uint8_t tier;      /* UP: the source tier (3: the remote tier, read in directly) */
+    uint8_t direct;    /* UP: the bytes came in with ref (a remote value read into it) */
+    uint8_t has_tail;  /* direct: the value carried the digest's tail */
+    uint8_t tail[KVD_REMOTE_TAIL];
 } fpos;
 
 enum { P_T0 = 1, P_UP = 2, P_WAIT = 3 };
@@ -1935,6 +1942,18 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
     }
 }
 
+/* Whether block h can be part of a fetch's run: in T1 or T2 (*tier: 1 or 2), or in T0 (0). */
+static int fetchable(tier_pool *tp, kvd_reg_pool *p, kv_hash128 h, int *tier) {
+    uint32_t i = kvd_tstore_find(&tp->st, h);
+    int ok = i != KVD_TNONE && !kvd_tstore_at(&tp->st, i)->doomed;
+    int in1 = ok && kvd_tstore_in(&tp->st, i, 1);
+    int in2 = ok && kvd_tstore_in(&tp->st, i, 2);
+    if (tier != NULL) {
+        *tier = in1 ? 1 : in2 ? 2 : 0;
+    }
+    return in1 || in2 || kvd_pool_has(p->pool, h);
+}
+
 static void probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
                   kvd_tier_run *out, int count) {
     memset(out, 0, sizeof(*out));
@@ -1943,16 +1962,12 @@ static void probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_
         return;
     }
     for (size_t k = 0; k < n; k++) {
-        uint32_t i = kvd_tstore_find(&tp->st, hashes[k]);
-        int ok = i != KVD_TNONE && !kvd_tstore_at(&tp->st, i)->doomed;
-        int in1 = ok && kvd_tstore_in(&tp->st, i, 1);
-        int in2 = ok && kvd_tstore_in(&tp->st, i, 2);
-        if (in1 || in2) {
-            out->t1 += in1;
-            out->t2 += !in1;
-        } else if (!kvd_pool_has(p->pool, hashes[k])) {
+        int tier = 0;
+        if (!fetchable(tp, p, hashes[k], &tier)) {
             break;
         }
+        out->t1 += tier == 1;
+        out->t2 += tier == 2;
         out->fetchable++;
     }
     if (count) {
@@ -2065,8 +2080,10 @@ static void fetch_finish(kvd_fetch *f) {
                             ph = te->parent.lo != 0 || te->parent.hi != 0 ? &te->parent : NULL;
                         }
                         const kvd_tentry *te = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i) : NULL;
-                        tier_event(tp, p->hash, ph, te != NULL && te->has_tail ? te->tail : NULL, 0,
-                                   1);
+                        const uint8_t *tail = te != NULL && te->has_tail ? te->tail
+                                              : p->has_tail              ? p->tail
+                                                                         : NULL;
+                        tier_event(tp, p->hash, ph, tail, 0, 1);
                     }
                 } else {
                     (void)kvd_pool_release(pool, KVD_TIERS_SESSION, f->tenant, &p->ref, 1);
@@ -2161,11 +2178,39 @@ typedef struct rfetch {
     char (*keys)[256];     /* [k] */
     const char **keyp;     /* [k] */
     kvd_remote_meta *want; /* [k] */
+    /* The direct path: T0 blocks allocated before the get, which the remote thread reads the
+     * values into (NULL: none, every value comes through T1). */
+    struct rdirect *d;   /* [k] */
+    kvd_remote_dst *dst; /* [k] */
+    struct iovec *iov;   /* [k * nruns]: the blocks' runs */
 } rfetch;
+
+/* One direct destination's state. */
+enum { D_EMPTY = 1, D_FILLED = 2, D_TAKEN = 3 }; /* 0: no block */
+typedef struct rdirect {
+    kvd_block_ref ref;
+    uint8_t state;
+    uint8_t has_tail;
+    uint8_t tail[KVD_REMOTE_TAIL];
+} rdirect;
 
 static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
                           const kv_hash128 *hashes, size_t n, uint32_t parent_id,
-                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg);
+                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg, rfetch *rf);
+
+/* The direct blocks the fetch did not take go back (free: never committed). p: the pool, or
+ * NULL when it is gone (its blocks with it). */
+static void rfetch_release_direct(rfetch *rf, kvd_reg_pool *p) {
+    if (rf->d == NULL) {
+        return;
+    }
+    for (size_t i = 0; i < rf->k; i++) {
+        if (p != NULL && (rf->d[i].state == D_EMPTY || rf->d[i].state == D_FILLED)) {
+            (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, rf->tenant, &rf->d[i].ref, 1);
+        }
+        rf->d[i].state = 0;
+    }
+}
 
 static void rfetch_free(rfetch *rf) {
     for (rfetch **pp = &rf->t->rfetches; *pp != NULL; pp = &(*pp)->next) {
@@ -2178,6 +2223,9 @@ static void rfetch_free(rfetch *rf) {
     free(rf->keys);
     free(rf->keyp);
     free(rf->want);
+    free(rf->d);
+    free(rf->dst);
+    free(rf->iov);
     free(rf);
 }
 
@@ -2205,6 +2253,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
     tp->jobs--;
     kvd_reg_pool *p = tp->gone ? NULL : kvd_registry_pool(t->reg, tp->pool_id);
     if (p == NULL) {
+        rfetch_release_direct(rf, NULL);
         fetch_fail(rf, KV_ENOENT);
         if (tp->gone && tp->jobs == 0) {
             tier_pool_free(tp);
@@ -2212,14 +2261,24 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         rfetch_free(rf);
         return;
     }
-    /* The leading run of good values goes into T1, from where the fetch copies it up as any
-     * T1 hit (on the copy threads); the run ends at the first miss or bad value. */
+    /* The leading run of good values: those read straight into their T0 blocks are in place;
+     * the others go into T1, from where the fetch copies them up as any T1 hit (on the copy
+     * threads). The run ends at the first miss or bad value. */
     size_t got = 0;
     for (size_t i = 0; i < nv && i < rf->k; i++) {
         kvd_remote_val *v = &vals[i];
         kv_hash128 h = rf->hashes[rf->n + i];
         if (v->status != KVD_REMOTE_HIT) {
             break;
+        }
+        if (v->direct && rf->d != NULL && rf->d[i].state == D_EMPTY) {
+            rdirect *d = &rf->d[i];
+            d->state = D_FILLED;
+            d->has_tail = (uint8_t)v->has_tail;
+            memcpy(d->tail, v->tail, sizeof(d->tail));
+            t->c[TS_REMOTE_DIRECT]++;
+            got++;
+            continue;
         }
         uint64_t qb = kvd_tier_format_lossy((kvd_tier_format)v->format)
                           ? kvd_codec_quantized_bytes((kvd_tier_format)v->format, &tp->layout)
@@ -2276,6 +2335,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (rf->short_run) {
             kvd_tiers_count_short(t);
         }
+        rfetch_release_direct(rf, p);
         fetch_fail(rf, KV_OK);
         rfetch_free(rf);
         return;
@@ -2284,14 +2344,64 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
     char msg[KV_ERRMSG];
     msg[0] = '\0';
     kv_err src = fetch_start(t, p, rf->session, rf->tenant, rf->hashes, rf->n + got, rf->parent_id,
-                             rf->done, rf->arg, &nrun, msg);
+                             rf->done, rf->arg, &nrun, msg, rf);
+    rfetch_release_direct(rf, p); /* what the fetch did not take (it releases what it took) */
     if (src != KV_OK) {
         fetch_fail(rf, src);
-    } else if (t->fetches != NULL && t->fetches->session == rf->session) {
-        /* fetch_start put its fetch first on the list: it inherits what happened meanwhile. */
-        t->fetches->detached |= rf->detached;
     }
     rfetch_free(rf);
+}
+
+/* The direct path: T0 blocks for every key asked of Redis, allocated now (quota and memory
+ * rules as any Allocate; the evictions are the ones the client's own Allocate for these blocks
+ * would make after a miss), so that the remote thread reads each raw value straight into its
+ * block: no T1 landing and no copy up. Where they cannot be had (no room or quota, memory the
+ * daemon does not map) every value comes through T1 as before. */
+static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
+    size_t k = rf->k;
+    kvd_block_ref *blocks = malloc(sizeof(*blocks) * k);
+    rf->d = calloc(k, sizeof(*rf->d));
+    rf->dst = calloc(k, sizeof(*rf->dst));
+    char amsg[KV_ERRMSG];
+    if (blocks == NULL || rf->d == NULL || rf->dst == NULL ||
+        kvd_registry_allocate(t->reg, p, (uint32_t)k, KVD_TIERS_SESSION, rf->tenant, blocks,
+                              amsg) != KV_OK) {
+        free(blocks);
+        free(rf->d);
+        free(rf->dst);
+        rf->d = NULL;
+        rf->dst = NULL;
+        return;
+    }
+    for (size_t i = 0; i < k; i++) {
+        rf->d[i].ref = blocks[i];
+        rf->d[i].state = D_EMPTY;
+    }
+    free(blocks);
+    kvd_tiers_pressure(t, p); /* the blocks took free ones, as an Allocate does */
+    for (size_t i = 0; i < k; i++) {
+        uint32_t nruns = 0;
+        run *runs = block_runs(p->pool, rf->d[i].ref.id, &nruns);
+        if (runs != NULL && rf->iov == NULL) {
+            rf->iov = malloc(sizeof(*rf->iov) * k * nruns);
+        }
+        if (runs == NULL || rf->iov == NULL) {
+            free(runs);
+            rfetch_release_direct(rf, p);
+            free(rf->d);
+            free(rf->dst);
+            rf->d = NULL;
+            rf->dst = NULL; /* not memory the daemon maps: through T1 */
+            return;
+        }
+        struct iovec *iov = rf->iov + i * nruns;
+        for (uint32_t r = 0; r < nruns; r++) {
+            iov[r].iov_base = runs[r].p;
+            iov[r].iov_len = runs[r].n;
+        }
+        free(runs);
+        rf->dst[i] = (kvd_remote_dst){iov, (int)nruns, rf->tp->block_bytes, KVD_TF_RAW};
+    }
 }
 
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
@@ -2304,7 +2414,7 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
                        char *msg) {
     tier_pool *tp = p->tiers;
     if (tp == NULL || !kvd_tiers_remote_on(t, p) || n_more == 0) {
-        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg, NULL);
     }
     size_t k = n_more < t->cfg->remote_fetch_max ? n_more : (size_t)t->cfg->remote_fetch_max;
     rfetch *rf = calloc(1, sizeof(*rf));
@@ -2319,7 +2429,7 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
         if (rf != NULL) {
             rfetch_free(rf);
         }
-        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg, NULL);
     }
     rf->t = t;
     rf->tp = tp;
@@ -2337,9 +2447,11 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
         rf->keyp[i] = rf->keys[i];
         rf->want[i] = (kvd_remote_meta){tp->layout_key, hashes[n + i], 0, NULL};
     }
-    if (kvd_remote_get(t->remote, rf->keyp, rf->want, k, on_remote_get, rf) != KV_OK) {
+    direct_prepare(t, p, rf);
+    if (kvd_remote_get(t->remote, rf->keyp, rf->want, rf->dst, k, on_remote_get, rf) != KV_OK) {
+        rfetch_release_direct(rf, p);
         rfetch_free(rf);
-        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg);
+        return fetch_start(t, p, session, tenant, hashes, n, parent_id, done, arg, nrun, msg, NULL);
     }
     tp->jobs++; /* the pool's tier state outlives the wait */
     rf->next = t->rfetches;
@@ -2348,19 +2460,29 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
     return KV_OK;
 }
 
+/* Whether hash h of rf's prefix position k came in directly (its bytes in a T0 block). */
+static rdirect *direct_at(rfetch *rf, size_t k) {
+    if (rf == NULL || rf->d == NULL || k < rf->n || k - rf->n >= rf->k) {
+        return NULL;
+    }
+    rdirect *d = &rf->d[k - rf->n];
+    return d->state == D_FILLED ? d : NULL;
+}
+
 static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
                           const kv_hash128 *hashes, size_t n, uint32_t parent_id,
-                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg) {
+                          kvd_fetch_done done, void *arg, uint32_t *nrun, char *msg, rfetch *rf) {
     tier_pool *tp = p->tiers;
     if (tp == NULL) {
         snprintf(msg, KV_ERRMSG, "pool %u has no lower tiers", p->pool_id);
         return KV_ENOENT;
     }
-    kvd_tier_run run0 = {0, 0, 0};
-    if (tp != NULL) {
-        probe(t, p, hashes, n, &run0, 0); /* the caller's probe counted the hits */
+    /* The run: the leading blocks in some tier (as the caller's probe counted them), or in T0
+     * blocks of their own (read in directly from the remote tier). */
+    uint32_t m = 0;
+    while (m < n && (direct_at(rf, m) != NULL || fetchable(tp, p, hashes[m], NULL))) {
+        m++;
     }
-    uint32_t m = run0.fetchable;
     kvd_fetch *f = calloc(1, sizeof(*f));
     fpos *pos = calloc(m > 0 ? m : 1, sizeof(*pos));
     if (f == NULL || pos == NULL) {
@@ -2378,9 +2500,10 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
     f->done = done;
     f->arg = arg;
     f->code = KV_OK;
+    f->detached = rf != NULL && rf->detached; /* what happened while Redis was asked */
     /* Plan: in T0 now -> hold at once (an allocation below could evict it otherwise); being
      * brought up by another fetch -> wait for it; else copy up. */
-    uint32_t nup = 0;
+    uint32_t nup = 0, ndirect = 0;
     kv_err rc = KV_OK;
     for (uint32_t k = 0; k < m; k++) {
         fpos *q = &pos[k];
@@ -2399,6 +2522,19 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
                 rc = wrc;
                 break;
             }
+        } else if (direct_at(rf, k) != NULL) {
+            rdirect *d = direct_at(rf, k);
+            q->kind = P_UP;
+            q->direct = 1;
+            q->ok = 1;
+            q->have = 1; /* the fetch's now: it commits or releases it */
+            q->ref = d->ref;
+            q->entry = KVD_TNONE;
+            q->tier = 3;
+            q->has_tail = d->has_tail;
+            memcpy(q->tail, d->tail, sizeof(q->tail));
+            d->state = D_TAKEN;
+            ndirect++;
         } else {
             q->entry = kvd_tstore_find(&tp->st, hashes[k]);
             if (q->entry == KVD_TNONE ||
@@ -2449,7 +2585,7 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
     uint32_t b = 0;
     for (uint32_t k = 0; k < m; k++) {
         fpos *q = &pos[k];
-        if (q->kind != P_UP) {
+        if (q->kind != P_UP || q->direct) {
             continue;
         }
         q->ref = blocks[b++];
@@ -2492,9 +2628,16 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
         f->pending++;
     }
     free(blocks);
-    if (nup > 0) {
+    if (nup > 0 || ndirect > 0) {
         t->c[TS_FETCHES]++;
         kvd_tiers_pressure(t, p); /* the fetch's blocks took free ones, as an Allocate does */
+    }
+    if (f->pending == 0 && rf != NULL) {
+        /* Nothing to copy (the remote values came in directly) and called from the remote
+         * tier's completion, not from kvd_tiers_fetch: finish now. */
+        *nrun = m;
+        fetch_finish(f);
+        return KV_OK;
     }
     if (f->pending == 0) {
         /* Nothing in flight: finish on the loop's next turn, through the thread pool's

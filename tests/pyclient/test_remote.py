@@ -669,6 +669,12 @@ def rstat(d, name):
     return tiers(d)["remote_" + name]
 
 
+def idle(conn, pool):
+    """No block of the pool is WRITING or referenced: nothing a Fetch allocated is left over."""
+    s = conn.stats(pool.pool_id)
+    return s["pool.blocks_writing"] == 0 and s["pool.blocks_committed"] == 0
+
+
 def domain_of(d, pool_id):
     for p in d.admin_result("pools")["pools"]:
         if p["id"] == pool_id:
@@ -863,7 +869,13 @@ def test_write_through_and_fetch_from_other_node(kvd_factory, redis, fmt):
     st = tiers(b)
     assert st["remote_hits"] == 16 and st["remote_gets"] >= 16, rem(st)
     assert st["remote_bad"] == 0 and st["remote_errors"] == 0, rem(st)
+    # Raw values are read straight into their T0 blocks; compressed ones come through T1.
+    if fmt == "raw":
+        assert st["remote_direct"] == 16 and st["remote_promoted"] == 0, rem(st)
+    else:
+        assert st["remote_direct"] == 0 and st["remote_promoted"] == 16, rem(st)
     cb.release(pb_.pool_id, blocks)
+    assert idle(cb, pb_), cb.stats(pb_.pool_id)
     # Now they are ordinary T0 hits on B.
     r2 = cb.lookup(pb_.pool_id, hs)
     assert len(kw.reply_blocks(r2)) == 16
@@ -1106,6 +1118,9 @@ def test_planted_bad_value_never_served(kvd_factory, redis, kind):
     assert len(blocks) == 4, msg(kind, fr, rem(b))
     check_prefix(pb_, blocks, pats, kind)
     cb.release(pb_.pool_id, blocks)
+    # The blocks the bad value and those after it were read into went back, uncommitted.
+    assert idle(cb, pb_), msg(kind, cb.stats(pb_.pool_id))
+    assert len(kw.reply_blocks(cb.lookup(pb_.pool_id, hs))) == 4
     st = tiers(b)
     assert st["remote_bad"] > bad0, msg(kind, rem(st))
     # (remote_hits may count the good values past the bad one too: asked, found, not served)
@@ -1115,6 +1130,66 @@ def test_planted_bad_value_never_served(kvd_factory, redis, kind):
     assert n == 4 and fr.t0_hits == 4, (kind, fr)
     assert ping_ms(cb) < 1000 and b.alive()
     assert len(kw.reply_blocks(cb.lookup(pb_.pool_id, hs))) == 4
+
+
+def test_fetch_without_room_for_every_key_comes_through_t1(kvd_factory, redis):
+    """B's pool (32 blocks) cannot take a T0 block for each of the 48 keys its Fetch asks Redis
+    for, so none is read in directly: the 8 that Redis holds come through T1 (remote_promoted)
+    with A's bytes, and nothing is left allocated."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr,
+                                      b_extra={"pool_memory": "80K", "segment_bytes": "64K"})
+    hs = chain(pa, 48, 5)
+    h8, pats = commit_chain(ca, pa, 8, 5)
+    assert h8 == hs[:8]
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(h8)
+    fr, blocks = fetch(cb, pb_, hs)
+    assert len(blocks) == 8, msg(fr, rem(b), log_tail(b))
+    check_prefix(pb_, blocks, pats, "through T1")
+    st = tiers(b)
+    assert st["remote_direct"] == 0 and st["remote_promoted"] == 8, rem(st)
+    cb.release(pb_.pool_id, blocks)
+    assert idle(cb, pb_), cb.stats(pb_.pool_id)
+    assert b.alive()
+
+
+def test_session_dies_while_its_direct_fetch_waits(kvd_factory, redis):
+    """Redis stopped while B's Fetch waits on it (its T0 blocks allocated for the values to be
+    read into); the client dies. After SIGCONT the blocks are back (none WRITING, none
+    referenced), another client Fetches A's bytes; then a Fetch in flight at SIGTERM: kvd
+    exits 0."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, b_extra={OPT_TIMEOUT: "2000"})
+    hs, pats = commit_chain(ca, pa, 8, 9)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    redis.sigstop()
+    try:
+        k = connect(b)
+        kp = k.attach(MODEL, LAYOUT)
+        k.send("fetch", k.fetch_msg(kp.pool_id, hs))
+        assert wait_until(lambda: cb.stats(pb_.pool_id)["pool.blocks_writing"] == 8, timeout=5), \
+            cb.stats(pb_.pool_id)
+        k.sock.close()  # dies with its Fetch unanswered
+        time.sleep(0.1)
+    finally:
+        redis.sigcont()
+    assert wait_until(lambda: idle(cb, pb_), timeout=10), cb.stats(pb_.pool_id)
+    assert ping_ms(cb) < 1000
+    assert fetch_until(cb, pb_, hs, pats, 8, timeout=10, what="after the death") == 8, rem(b)
+    assert idle(cb, pb_), cb.stats(pb_.pool_id)
+    # SIGTERM with a direct Fetch waiting on a stopped Redis: a clean exit.
+    hs2, _ = commit_chain(ca, pa, 8, 19)
+    assert ns.wait_landed(hs2)
+    redis.sigstop()
+    try:
+        cb.send("fetch", cb.fetch_msg(pb_.pool_id, hs2))
+        assert wait_until(lambda: cb.stats(pb_.pool_id)["pool.blocks_writing"] == 8, timeout=5)
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.proc.wait(timeout=20) == 0, log_tail(b)
+        b.killed = True
+    finally:
+        redis.sigcont()
+    assert a.alive()
 
 
 def test_missing_key_ends_the_run(kvd_factory, redis):
