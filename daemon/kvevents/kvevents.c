@@ -96,16 +96,20 @@ typedef struct pub {
     uint64_t last_warn_ms;
 } pub;
 
-/* One record of the advertised-hash table. ns 1: (pool id, key) = pool a holds the key in T0 and
- * it was counted; ns 2: (publisher index + 1, key) = refs counted blocks of the publisher's pools
- * hold it, tail the digest's last 16 bytes (hash-mode vllm). Open addressing, linear probing,
+/* One record of the advertised-hash table. ns PUB_NS(m): (publisher index + 1, key) = refs
+ * holders (a pool's tier whose medium is m) hold the key, tail the digest's last 16 bytes
+ * (hash-mode vllm); the first holder is kept inline (hpool, hpm; hpool 0: none now), so the
+ * usual key held by one pool is one record. ns POOL_NS(pm): (pool id, key) = pool a's tier pm
+ * is a further holder, counted in its publisher's record. Open addressing, linear probing,
  * deletion by backward shift; a = 0 marks a free slot. */
 typedef struct adv {
     kv_hash128 key;
     uint32_t a;
     uint8_t ns;
     uint8_t has_tail;
+    uint8_t hpm;
     uint32_t refs;
+    uint32_t hpool;
     uint8_t tail[16];
 } adv;
 
@@ -493,26 +497,43 @@ static const uint8_t *recorded_full(kvd_kvevents *e, pub *b, kv_hash128 key, uin
 /* Token ids as msgpack_pack_uint32 writes each (the shortest of positive fixint, uint 8, 16, 32),
  * a block's worth per append instead of one library call and buffer append per token: the
  * Commit path's events cost is mostly per token when token ids are on. */
+typedef struct tok_form {
+    uint8_t down;   /* the id's big-endian bytes shifted down to its width */
+    uint8_t up;     /* moved up past the marker byte */
+    uint8_t marker; /* or'ed into the first byte */
+    uint8_t bytes;  /* bytes written */
+} tok_form;
+
+/* The form of an id by its count of leading zero bits (of id | 1): positive fixint (7 bits or
+ * fewer), uint 8, uint 16, uint 32. */
+#define TF_FIX                                                                                     \
+    { 24, 0, 0x00, 1 }
+#define TF_U8                                                                                      \
+    { 24, 8, 0xcc, 2 }
+#define TF_U16                                                                                     \
+    { 16, 8, 0xcd, 3 }
+#define TF_U32                                                                                     \
+    { 0, 8, 0xce, 5 }
+static const tok_form tok_forms[32] = {
+    TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U32,
+    TF_U32, TF_U32, TF_U32, TF_U32, TF_U32, TF_U16, TF_U16, TF_U16, TF_U16, TF_U16, TF_U16,
+    TF_U16, TF_U16, TF_U8,  TF_FIX, TF_FIX, TF_FIX, TF_FIX, TF_FIX, TF_FIX, TF_FIX,
+};
+
 static void pack_tokens(msgpack_packer *pk, const uint32_t *tok, uint32_t n) {
-    static const uint8_t width[4] = {1, 2, 3, 5};
     uint8_t buf[5 * 64 + 8]; /* 8 bytes of slack: every token is stored as 8 */
-    size_t len = 0;
-    for (uint32_t t = 0; t < n; t++) {
-        if (len > 5 * 64) {
-            (void)pk->callback(pk->data, (const char *)buf, len);
-            len = 0;
+    for (uint32_t t = 0; t < n;) {
+        uint32_t end = n - t > 64 ? t + 64 : n;
+        size_t len = 0;
+        for (; t < end; t++) {
+            /* No branch per token (random ids make one a guess): the form comes from a table
+             * indexed by the id's leading zeros, and is stored as one little-endian word. */
+            uint32_t v = tok[t];
+            const tok_form *f = &tok_forms[__builtin_clz(v | 1)];
+            uint64_t w = ((uint64_t)__builtin_bswap32(v) >> f->down) << f->up | f->marker;
+            memcpy(buf + len, &w, 8);
+            len += f->bytes;
         }
-        uint32_t v = tok[t];
-        /* The four forms as little-endian words; the width class picks one without a branch
-         * (random token ids make a branch per token a guess). */
-        uint64_t w[4] = {v, 0xccu | (uint64_t)(v & 0xff) << 8,
-                         0xcdu | (uint64_t)__builtin_bswap16((uint16_t)v) << 8,
-                         0xceu | (uint64_t)__builtin_bswap32(v) << 8};
-        unsigned k = (unsigned)(v >= 128) + (unsigned)(v >= 256) + (unsigned)(v >= 65536);
-        memcpy(buf + len, &w[k], 8);
-        len += width[k];
-    }
-    if (len > 0) {
         (void)pk->callback(pk->data, (const char *)buf, len);
     }
 }
@@ -568,27 +589,34 @@ static void pack_stored(kvd_kvevents *e, pub *b, uint32_t tpb, const char *mediu
  * want of memory. */
 static int adv_hold(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key, uint8_t pm,
                     uint8_t m, const uint8_t *full) {
-    adv *pa = adv_get(e, POOL_NS(pm), pool_id, key);
-    if (pa == NULL) {
-        return -1;
-    }
-    if (pa->refs != 0) {
-        return 0;
-    }
-    pa->refs = 1;
     adv *pb = adv_get(e, PUB_NS(m), b->index + 1, key);
     if (pb == NULL) {
-        adv_del(e, adv_find(e, POOL_NS(pm), pool_id, key));
         return -1;
     }
     if (full != NULL && !pb->has_tail) {
         memcpy(pb->tail, full + 16, 16);
         pb->has_tail = 1;
     }
-    if (++pb->refs == 1) {
+    if (pb->refs == 0) { /* new to the publisher on this medium */
+        pb->refs = 1;
+        pb->hpool = pool_id;
+        pb->hpm = pm;
         e->nblocks++;
         return 1;
     }
+    if ((pb->hpool == pool_id && pb->hpm == pm) || adv_find(e, POOL_NS(pm), pool_id, key) != NULL) {
+        return 0; /* this pool's tier is counted already */
+    }
+    if (pb->hpool == 0) {
+        pb->hpool = pool_id;
+        pb->hpm = pm;
+        pb->refs++;
+        return 0;
+    }
+    if (adv_get(e, POOL_NS(pm), pool_id, key) == NULL) {
+        return -1;
+    }
+    adv_find(e, PUB_NS(m), b->index + 1, key)->refs++; /* (adv_get may have moved it) */
     return 0;
 }
 
@@ -597,13 +625,21 @@ static int adv_hold(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key, u
 static int adv_let_go(kvd_kvevents *e, pub *b, uint32_t pool_id, kv_hash128 key, uint8_t pm,
                       uint8_t m, uint8_t buf[32], const uint8_t **full) {
     *full = NULL;
-    adv *pa = adv_find(e, POOL_NS(pm), pool_id, key);
-    if (pa == NULL) {
+    adv *pb = adv_find(e, PUB_NS(m), b->index + 1, key);
+    if (pb == NULL) {
         return 0; /* never counted */
     }
-    adv_del(e, pa);
-    adv *pb = adv_find(e, PUB_NS(m), b->index + 1, key);
-    if (pb == NULL || --pb->refs > 0) {
+    if (pb->hpool == pool_id && pb->hpm == pm) {
+        pb->hpool = 0;
+    } else {
+        adv *pa = adv_find(e, POOL_NS(pm), pool_id, key);
+        if (pa == NULL) {
+            return 0; /* never counted */
+        }
+        adv_del(e, pa);
+        pb = adv_find(e, PUB_NS(m), b->index + 1, key); /* (the deletion may have moved it) */
+    }
+    if (--pb->refs > 0) {
         return 0;
     }
     if (pb->has_tail) {
