@@ -48,6 +48,7 @@ typedef struct node {
 static const char *g_kvd;
 static char g_dir[64];
 static volatile int g_sub_stop;
+static const char *g_sub_ep; /* the endpoint the subscriber drains */
 static unsigned long g_sub_msgs;
 
 /* ---- remote tier ------------------------------------------------------------------------ */
@@ -328,7 +329,7 @@ static void bench_remote(int runs) {
     bench_stop(rpid);
 }
 
-static void start(node *d, const char *name, const char *events) {
+static void start(node *d, const char *name, const char *events, int token_ids) {
     snprintf(d->sock, sizeof(d->sock), "%s/%s.sock", g_dir, name);
     char sockopt[200], evopt[200];
     snprintf(sockopt, sizeof(sockopt), "--socket=%s", d->sock);
@@ -348,7 +349,7 @@ static void start(node *d, const char *name, const char *events) {
                     "--log-level=error",
                     "--hash-mode=vllm",
                     "--vllm-hash-seed=0",
-                    "--kv-events-token-ids=true",
+                    token_ids ? "--kv-events-token-ids=true" : "--kv-events-token-ids=false",
                     evopt,
                     NULL};
     d->pid = bench_spawn(argv);
@@ -360,9 +361,7 @@ static void *subscriber(void *arg) {
     zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "", 0);
     int to = 50;
     zmq_setsockopt(sub, ZMQ_RCVTIMEO, &to, sizeof(to));
-    char ep[128];
-    snprintf(ep, sizeof(ep), "ipc://%s/ev", g_dir);
-    zmq_connect(sub, ep);
+    zmq_connect(sub, g_sub_ep);
     char buf[1 << 16];
     while (!g_sub_stop) {
         if (zmq_recv(sub, buf, sizeof(buf), 0) >= 0) {
@@ -493,7 +492,7 @@ static void run_pair(node *off, node *on, const work *w1, const work *w2, double
  * client's CPU) drains the events, as a router on the same node would; without one, ZMQ drops
  * each batch at once and the figure is kvd's own encoding cost. */
 static void measure(node *off, node *on, void *zctx, int with_sub, int runs, size_t chains,
-                    uint32_t salt) {
+                    uint32_t salt, const char *title) {
     pthread_t th;
     g_sub_stop = 0;
     g_sub_msgs = 0;
@@ -523,8 +522,7 @@ static void measure(node *off, node *on, void *zctx, int with_sub, int runs, siz
     double sorted[64];
     memcpy(sorted, ratio, sizeof(double) * (size_t)runs);
     double med = bench_median(sorted, (size_t)runs);
-    printf("%s\n\n", with_sub ? "With a subscriber draining the stream (this process):"
-                              : "Without a subscriber (ZMQ drops each batch; kvd's own cost):");
+    printf("%s\n\n", title);
     printf("| run | blocks/s, events off | blocks/s, events on | on / off |\n");
     printf("|---:|---:|---:|---:|\n");
     for (int r = 0; r < runs; r++) {
@@ -567,11 +565,14 @@ int main(int argc, char **argv) {
     CPU_ZERO(&set);
     CPU_SET(0, &set);
     sched_setaffinity(0, sizeof(set), &set); /* the events part; threads made later inherit it */
-    node off, on;
-    char ep[128];
+    node off, on, nt;
+    char ep[128], ep2[128];
     snprintf(ep, sizeof(ep), "ipc://%s/ev", g_dir);
-    start(&off, "off", NULL);
-    start(&on, "on", ep);
+    snprintf(ep2, sizeof(ep2), "ipc://%s/ev2", g_dir);
+    start(&off, "off", NULL, 1);
+    start(&on, "on", ep, 1);
+    start(&nt, "nt", ep2, 0);
+    g_sub_ep = ep;
     void *zctx = zmq_ctx_new();
     /* One uncounted run each: the pools grow their segments and fill. */
     {
@@ -582,19 +583,33 @@ int main(int argc, char **argv) {
         run_pair(&off, &on, &w1, &w2, &x, &y);
         free_work(&w1);
         free_work(&w2);
+        make_work(&w1, chains, 9u);
+        make_work(&w2, chains, 10u);
+        run_pair(&off, &nt, &w1, &w2, &x, &y);
+        free_work(&w1);
+        free_work(&w2);
     }
-    printf("### KV events on the Commit path (hash-mode vllm, token ids on)\n\n");
+    printf("### KV events on the Commit path (hash-mode vllm)\n\n");
     printf("Allocate(%d) + Commit(%d, digests and token ids) + Release per chain, %zu new chains "
            "per run; the pool (32 MiB, 16 KiB blocks) is full, so every Allocate evicts and "
            "publishes BlockRemoved too. kv-events-flush-ms 1 (the default). Events off vs on: "
            "%d runs, each alternating the two daemons every 50 chains; the daemons on the last "
-           "CPU, the client on the first.\n\n",
+           "CPU, the client on the first. Every daemon gets the same Commits (token ids "
+           "included); the events-on daemon publishes them with token ids "
+           "(kv-events-token-ids, opt-in), a third one without (the default).\n\n",
            CHAIN, CHAIN, chains, runs);
-    measure(&off, &on, zctx, 1, runs, chains, 100);
-    measure(&off, &on, zctx, 0, runs, chains, 200);
+    measure(&off, &on, zctx, 1, runs, chains, 100,
+            "Token ids on, with a subscriber draining the stream (this process):");
+    measure(&off, &on, zctx, 0, runs, chains, 200,
+            "Token ids on, without a subscriber (ZMQ drops each batch; kvd's own cost):");
+    g_sub_ep = ep2;
+    measure(&off, &nt, zctx, 1, runs, chains, 300,
+            "Token ids off (kv-events-token-ids' default: no prompt text leaves the node), with a "
+            "subscriber:");
     zmq_ctx_term(zctx);
     bench_stop(off.pid);
     bench_stop(on.pid);
+    bench_stop(nt.pid);
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
     if (system(cmd) != 0) {

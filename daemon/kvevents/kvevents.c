@@ -227,18 +227,18 @@ static int adv_grow(kvd_kvevents *e) {
 /* The record of (ns, a, k), made (zeroed) when absent; NULL for want of memory. Pointers into
  * the table are valid until the next adv_get or adv_del. */
 static adv *adv_get(kvd_kvevents *e, uint8_t ns, uint32_t a, kv_hash128 k) {
-    adv *t = adv_find(e, ns, a, k);
-    if (t != NULL) {
-        return t;
-    }
     if ((e->tn + 1) * 2 > e->tcap && adv_grow(e) != 0) {
-        return NULL;
+        return adv_find(e, ns, a, k); /* no room for more: only one that is there */
     }
+    /* One probe: the record, or the free slot that ends its run (where it goes). */
     size_t i = adv_slot(e, ns, a, k);
-    while (e->tab[i].a != 0) {
-        i = (i + 1) & (e->tcap - 1);
+    for (; e->tab[i].a != 0; i = (i + 1) & (e->tcap - 1)) {
+        adv *t = &e->tab[i];
+        if (t->a == a && t->ns == ns && kv_hash_eq(t->key, k)) {
+            return t;
+        }
     }
-    t = &e->tab[i];
+    adv *t = &e->tab[i];
     memset(t, 0, sizeof(*t));
     t->a = a;
     t->ns = ns;
@@ -266,9 +266,13 @@ static void adv_del(kvd_kvevents *e, adv *t) {
 /* ---- encoding ---------------------------------------------------------------------------- */
 
 static void put_u64le(uint8_t *p, uint64_t v) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(p, &v, 8); /* one store (the loop below was not made one) */
+#else
     for (int i = 0; i < 8; i++) {
         p[i] = (uint8_t)(v >> (8 * i));
     }
+#endif
 }
 
 static void pack_str(msgpack_packer *pk, const char *s) {
@@ -672,7 +676,7 @@ static void close_removed(pub *b) {
 static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t *full,
                          const char *medium) {
     if (b->rm_open && b->evbuf.size == b->rm_end && b->rm_count < 0xffff &&
-        strcmp(b->rm_medium, medium) == 0) {
+        (b->rm_medium == medium || strcmp(b->rm_medium, medium) == 0)) {
         pack_hash(b, key, full);
         b->rm_count++;
         b->evbuf.data[b->rm_hdr + 1] = (char)(b->rm_count >> 8);
