@@ -354,6 +354,7 @@ static void test_ping_by_hand(void **state) {
                     check_decoders_agree(mut, n);
                     checked++;
                 }
+                free(ref);
             }
         }
     }
