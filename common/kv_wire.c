@@ -365,7 +365,10 @@ static ProtobufCMessage *ping_unpack(const ProtobufCMessageDescriptor *d, Protob
             }
             have_nonce = 1;
         } else if (tag == (2 << 3 | 2) && !have_pay) {
-            if (!read_varint(&p, end, &plen) || plen > (uint64_t)(end - p)) {
+            /* A length of at most 4 varint bytes: protobuf-c reads 5 and cuts the value to 32
+             * bits, longer ones it refuses; those go to it. */
+            const uint8_t *at = p;
+            if (!read_varint(&p, end, &plen) || p - at > 4 || plen > (uint64_t)(end - p)) {
                 return NULL;
             }
             pay = p;
