@@ -838,8 +838,15 @@ static kv_err quota_one(kvd_ops *s, const char *tenant, json_t **out, char *msg)
     json_t *limits = json_object();
     kvd_quota_report(&q, quota_sink, limits);
     json_t *usage = json_object();
+    uint32_t id;
     if (strcmp(tenant, "default") != 0) {
         (void)kvd_registry_quota_usage(s->reg, tenant, quota_sink, usage);
+    }
+    if (strcmp(tenant, "default") != 0 && kvd_tenants_find(s->reg->tenants, tenant, &id) == KV_OK) {
+        uint64_t t1, t2;
+        kvd_tiers_tenant_usage(s->tiers, id, &t1, &t2);
+        quota_sink(usage, "tier1", t1);
+        quota_sink(usage, "tier2", t2);
     }
     *out = json_pack("{s:s, s:o, s:o}", "tenant", tenant, "quota", limits, "usage", usage);
     return KV_OK;
@@ -1313,10 +1320,9 @@ static const kvd_admin_cmd cmds[] = {
     {"unpin", "HASH [pool=ID]", "remove a pin", "Result: pool, block. ENOENT for an unknown hash.",
      cmd_unpin},
     {"quota get", "[TENANT]", "a tenant's quota and usage (all tenants without TENANT)",
-     "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools}, usage: "
-     "{sessions, "
-     "held, cached, pinned}}, or `quotas`, a list of those (the `default` entry first). 0 means "
-     "unlimited.",
+     "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools, "
+     "tier-max, tier-guarantee}, usage: {sessions, held, cached, pinned, tier1, tier2}}, or "
+     "`quotas`, a list of those (the `default` entry first). 0 means unlimited.",
      cmd_quota_get},
     {"quota set", "TENANT NAME VALUE", "change one limit of a tenant's quota, live",
      "NAME is one of " KVD_QUOTA_NAMES "; TENANT `default` changes the "

@@ -22,6 +22,8 @@ static const struct {
     {"max-pinned", offsetof(kvd_quota, max_pinned)},
     {"max-sessions", offsetof(kvd_quota, max_sessions)},
     {"max-pools", offsetof(kvd_quota, max_pools)},
+    {"tier-max", offsetof(kvd_quota, tier_max)},
+    {"tier-guarantee", offsetof(kvd_quota, tier_guarantee)},
 };
 
 #define NFIELDS (sizeof(fields) / sizeof(fields[0]))

@@ -1,6 +1,6 @@
 /* kvd_quota: per-tenant limits, read and changed at run time (admin `quota get|set`).
  *
- * A tenant's quota has five limits. The block limits apply per pool (each (model, layout,
+ * A tenant's quota has seven limits. The block limits apply per pool (each (model, layout,
  * domain) pool counts the tenant's blocks separately, as kvd_pool_tenant_usage does); the
  * session limit applies to the whole daemon. 0 means "no limit" (for guarantee: "no share").
  *   max-held     blocks the tenant holds in one pool: WRITING leases + references on committed
@@ -11,6 +11,11 @@
  *   max-sessions open sessions of the tenant; a Hello past it is KV_EQUOTA.
  *   max-pools    live pools the tenant's AttachPool requests created (a new model or layout, with
  *                its linked pools); an attach that would create one more is KV_EQUOTA.
+ *   tier-max     blocks charged to the tenant in each lower tier (T1, T2) of one pool: a block
+ *                of the tenant's that goes down past it takes the place of the tenant's own
+ *                oldest block of that tier (docs/TIERS.md, "Tenants in the lower tiers").
+ *   tier-guarantee  blocks of the tenant in each lower tier of one pool that other tenants'
+ *                blocks coming down do not evict while the tenant is at or under it.
  * Tenants without a `quota` line in the tenants file get the `quota default` line (or no limits).
  * This module is the limits and their names; the registry applies a change (guarantees into
  * every pool) and reports usage.
@@ -25,15 +30,18 @@
 #include "daemon/core/pool.h"
 
 typedef struct kvd_quota {
-    uint64_t max_held;     /* blocks held per pool (WRITING + referenced); 0 = unlimited */
-    uint64_t guarantee;    /* cached blocks per pool protected from others' eviction; 0 = none */
-    uint64_t max_pinned;   /* pinned blocks per pool; 0 = unlimited */
-    uint64_t max_sessions; /* open sessions in the daemon; 0 = unlimited */
-    uint64_t max_pools;    /* pools the tenant's attaches created and that live; 0 = unlimited */
+    uint64_t max_held;       /* blocks held per pool (WRITING + referenced); 0 = unlimited */
+    uint64_t guarantee;      /* cached blocks per pool protected from others' eviction; 0 = none */
+    uint64_t max_pinned;     /* pinned blocks per pool; 0 = unlimited */
+    uint64_t max_sessions;   /* open sessions in the daemon; 0 = unlimited */
+    uint64_t max_pools;      /* pools the tenant's attaches created and that live; 0 = unlimited */
+    uint64_t tier_max;       /* blocks per lower tier per pool; 0 = unlimited */
+    uint64_t tier_guarantee; /* blocks per lower tier per pool protected from others; 0 = none */
 } kvd_quota;
 
 /* Names of the limits as the tenants file and the admin command spell them. */
-#define KVD_QUOTA_NAMES "max-held, guarantee, max-pinned, max-sessions, max-pools"
+#define KVD_QUOTA_NAMES                                                                            \
+    "max-held, guarantee, max-pinned, max-sessions, max-pools, tier-max, tier-guarantee"
 
 /* Sets one limit of q by name (KVD_QUOTA_NAMES) from a
  * decimal text value. KV_ENOENT unknown name, KV_EINVAL bad number. Pure; any thread. */

@@ -29,6 +29,7 @@ void kvd_tstore_fini(kvd_tstore *s) {
     free(s->e);
     free(s->buckets);
     free(s->free2);
+    free(s->own);
     kvd_tstore_init(s);
 }
 
@@ -101,8 +102,10 @@ kv_err kvd_tstore_get(kvd_tstore *s, kv_hash128 h, kv_hash128 parent, uint32_t *
     e->hash = h;
     e->parent = parent;
     e->used = 1;
+    e->owner = KVD_TNOOWNER;
     for (int t = 0; t < 2; t++) {
         e->prev[t] = e->next[t] = KVD_TNONE;
+        e->oprev[t] = e->onext[t] = KVD_TNONE;
     }
     uint32_t k = bucket_of(s, h);
     e->hnext = s->buckets[k];
@@ -117,7 +120,46 @@ int kvd_tstore_in(const kvd_tstore *s, uint32_t i, int tier) {
     return tier == 1 ? e->t1 != NULL : e->in2 != 0;
 }
 
+/* The owner's list of tier t (an entry with an owner is on it while present in t). */
+static void own_unlink(kvd_tstore *s, uint32_t i, int t) {
+    kvd_tentry *e = &s->e[i];
+    if (e->owner == KVD_TNOOWNER) {
+        return;
+    }
+    kvd_towner *o = &s->own[e->owner];
+    if (e->oprev[t] != KVD_TNONE) {
+        s->e[e->oprev[t]].onext[t] = e->onext[t];
+    } else {
+        o->head[t] = e->onext[t];
+    }
+    if (e->onext[t] != KVD_TNONE) {
+        s->e[e->onext[t]].oprev[t] = e->oprev[t];
+    } else {
+        o->tail[t] = e->oprev[t];
+    }
+    e->oprev[t] = e->onext[t] = KVD_TNONE;
+    o->count[t]--;
+}
+
+static void own_push(kvd_tstore *s, uint32_t i, int t) {
+    kvd_tentry *e = &s->e[i];
+    if (e->owner == KVD_TNOOWNER) {
+        return;
+    }
+    kvd_towner *o = &s->own[e->owner];
+    e->onext[t] = KVD_TNONE;
+    e->oprev[t] = o->tail[t];
+    if (o->tail[t] != KVD_TNONE) {
+        s->e[o->tail[t]].onext[t] = i;
+    } else {
+        o->head[t] = i;
+    }
+    o->tail[t] = i;
+    o->count[t]++;
+}
+
 static void lru_unlink(kvd_tstore *s, uint32_t i, int t) {
+    own_unlink(s, i, t);
     kvd_tentry *e = &s->e[i];
     if (e->prev[t] != KVD_TNONE) {
         s->e[e->prev[t]].next[t] = e->next[t];
@@ -142,6 +184,7 @@ static void lru_push(kvd_tstore *s, uint32_t i, int t) {
         s->head[t] = i;
     }
     s->tail[t] = i;
+    own_push(s, i, t);
 }
 
 static void tell(kvd_tstore *s, const kvd_tentry *e, int tier, int present) {
@@ -303,4 +346,65 @@ kv_err kvd_tstore_slot2(kvd_tstore *s, uint64_t *slot) {
     }
     *slot = s->next_slot2++;
     return KV_OK;
+}
+
+static const kvd_towner *owner_of(const kvd_tstore *s, uint32_t tenant) {
+    for (uint32_t k = 0; k < s->nown; k++) {
+        if (s->own[k].tenant == tenant) {
+            return &s->own[k];
+        }
+    }
+    return NULL;
+}
+
+kv_err kvd_tstore_own(kvd_tstore *s, uint32_t i, uint32_t tenant) {
+    kvd_tentry *e = &s->e[i];
+    if (e->t1 != NULL || e->in2) {
+        return KV_OK; /* present: keeps its owner (and its place on that owner's lists) */
+    }
+    const kvd_towner *o = owner_of(s, tenant);
+    if (o == NULL) {
+        if (s->nown == KVD_TNOOWNER) {
+            e->owner = KVD_TNOOWNER;
+            return KV_ENOMEM;
+        }
+        if (s->nown == s->own_cap) {
+            uint32_t nc = s->own_cap == 0 ? 4 : s->own_cap * 2;
+            kvd_towner *no = realloc(s->own, (size_t)nc * sizeof(*no));
+            if (no == NULL) {
+                e->owner = KVD_TNOOWNER;
+                return KV_ENOMEM;
+            }
+            s->own = no;
+            s->own_cap = nc;
+        }
+        kvd_towner *n = &s->own[s->nown++];
+        n->tenant = tenant;
+        n->head[0] = n->head[1] = n->tail[0] = n->tail[1] = KVD_TNONE;
+        n->count[0] = n->count[1] = 0;
+        o = n;
+    }
+    e->owner = (uint16_t)(o - s->own);
+    return KV_OK;
+}
+
+uint32_t kvd_tstore_owner(const kvd_tstore *s, uint32_t i) {
+    const kvd_tentry *e = &s->e[i];
+    return e->owner == KVD_TNOOWNER ? UINT32_MAX : s->own[e->owner].tenant;
+}
+
+uint64_t kvd_tstore_owned(const kvd_tstore *s, uint32_t tenant, int tier) {
+    const kvd_towner *o = owner_of(s, tenant);
+    return o != NULL ? o->count[tier - 1] : 0;
+}
+
+uint32_t kvd_tstore_oldest_of(const kvd_tstore *s, uint32_t tenant, int tier) {
+    const kvd_towner *o = owner_of(s, tenant);
+    int t = tier - 1;
+    for (uint32_t i = o != NULL ? o->head[t] : KVD_TNONE; i != KVD_TNONE; i = s->e[i].onext[t]) {
+        if (s->e[i].busy == 0) {
+            return i;
+        }
+    }
+    return KVD_TNONE;
 }

@@ -4,11 +4,14 @@
  *
  * Entries live in one array with a free list and a chained hash table keyed by the block's
  * chain hash; each tier keeps an intrusive LRU list of its present entries (a Lookup or Fetch
- * that finds an entry makes it newest). An entry is copied to or from by copy threads only while
- * it is busy (a count the tiers layer raises before it hands the entry's bytes to a job and drops
- * when the job is back on the loop thread); eviction never takes a busy entry. Sizes are
- * counted here; what the budgets allow is the caller's decision. The domain is the pool's, so a
- * store never holds two domains' blocks.
+ * that finds an entry makes it newest). An entry may be charged to a tenant, its owner (the
+ * tenant the block's T0 copy was charged to, kvd_tstore_own): each owner has its own LRU list
+ * and count per tier, so that per-tenant limits and guarantees can pick among its entries in
+ * O(1) (daemon/tenancy/quota.h: tier-max, tier-guarantee). An entry is copied to or from by copy
+ * threads only while it is busy (a count the tiers layer raises before it hands the entry's bytes
+ * to a job and drops when the job is back on the loop thread); eviction never takes a busy entry.
+ * Sizes are counted here; what the budgets allow is the caller's decision. The domain is the
+ * pool's, so a store never holds two domains' blocks.
  *
  * Loop thread only; the bytes of a present T1 entry are immutable until it leaves T1, so a job
  * may read them while the entry is busy.
@@ -23,6 +26,7 @@
 #include "common/kv_hash.h"
 
 #define KVD_TNONE UINT32_MAX /* "no entry" */
+#define KVD_TNOOWNER 0xffffu /* kvd_tentry.owner: charged to no tenant */
 
 typedef struct kvd_tentry {
     kv_hash128 hash;   /* the block's chain hash */
@@ -45,10 +49,20 @@ typedef struct kvd_tentry {
     uint8_t has_tail;  /* hash-mode vllm: tail holds the digest's last 16 bytes (the first 16
                           are the hash), so the remote tier and KV events can name the block */
     uint8_t tail[16];
+    uint16_t owner;   /* index into the store's owners, or KVD_TNOOWNER */
     uint32_t hnext;   /* hash chain */
     uint32_t prev[2]; /* LRU links, per tier (index 0: T1, 1: T2) */
     uint32_t next[2];
+    uint32_t oprev[2]; /* the owner's LRU links, per tier */
+    uint32_t onext[2];
 } kvd_tentry;
+
+/* A tenant the store holds entries of: its oldest and newest entry and its count, per tier. */
+typedef struct kvd_towner {
+    uint32_t tenant;
+    uint32_t head[2], tail[2];
+    uint64_t count[2];
+} kvd_towner;
 
 #define KVD_TPEND_T1 0x01u /* a copy into T1 is in flight */
 #define KVD_TPEND_T2 0x02u /* a write into T2 is in flight */
@@ -66,6 +80,8 @@ typedef struct kvd_tstore {
     uint64_t *free2;    /* T2 slots given back, reused first */
     uint64_t nfree2, free2_cap;
     uint64_t next_slot2; /* next never-used T2 slot */
+    kvd_towner *own;     /* [nown] the owners seen (never removed: at most the tenants) */
+    uint32_t nown, own_cap;
     /* Told when an entry enters (present 1) or leaves (0) tier 1 or 2: set1/set2 and
      * drop/take1/unlink2 (not fini). NULL: nobody (init). */
     void (*on_tier)(void *arg, const kvd_tentry *e, int tier, int present);
@@ -125,6 +141,19 @@ void kvd_tstore_touch(kvd_tstore *s, uint32_t i);
 /* The oldest entry of tier that is not busy, or KVD_TNONE. Walks past busy ones (few: copies in
  * flight). */
 uint32_t kvd_tstore_oldest(const kvd_tstore *s, int tier);
+
+/* Charges entry i to tenant from now on. Only an entry in neither tier changes owner (one in a
+ * tier keeps the one it has); KV_ENOMEM leaves it unowned. */
+kv_err kvd_tstore_own(kvd_tstore *s, uint32_t i, uint32_t tenant);
+
+/* The tenant entry i is charged to, or UINT32_MAX for none. */
+uint32_t kvd_tstore_owner(const kvd_tstore *s, uint32_t i);
+
+/* Present entries of tenant in tier (1 or 2). */
+uint64_t kvd_tstore_owned(const kvd_tstore *s, uint32_t tenant, int tier);
+
+/* The oldest entry of tenant in tier that is not busy, or KVD_TNONE. */
+uint32_t kvd_tstore_oldest_of(const kvd_tstore *s, uint32_t tenant, int tier);
 
 /* A T2 slot for a new record: one given back, else the next never used. KV_ENOMEM. */
 kv_err kvd_tstore_slot2(kvd_tstore *s, uint64_t *slot);

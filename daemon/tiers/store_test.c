@@ -600,6 +600,68 @@ static void test_set2_moves_next_slot2(void **state) {
     kvd_tstore_fini(&s);
 }
 
+/* Owners: each tenant's entries are counted and ordered per tier apart from the others; an
+ * entry in a tier keeps its owner; busy entries are skipped; the owner table grows. */
+static void test_owners(void **state) {
+    (void)state;
+    kvd_tstore s;
+    kvd_tstore_init(&s);
+    uint32_t a = get(&s, 1), b = get(&s, 2), c = get(&s, 3), d = get(&s, 4);
+    assert_int_equal(kvd_tstore_owner(&s, a), UINT32_MAX); /* none until charged */
+    assert_int_equal(kvd_tstore_own(&s, a, 7), KV_OK);
+    assert_int_equal(kvd_tstore_own(&s, b, 7), KV_OK);
+    assert_int_equal(kvd_tstore_own(&s, c, 9), KV_OK);
+    kvd_tstore_set1(&s, a, buf(1), 1, 0);
+    kvd_tstore_set1(&s, c, buf(1), 1, 0);
+    kvd_tstore_set1(&s, b, buf(1), 1, 0);
+    kvd_tstore_set1(&s, d, buf(1), 1, 0);
+    assert_int_equal(kvd_tstore_owner(&s, a), 7);
+    assert_int_equal(kvd_tstore_owner(&s, c), 9);
+    assert_int_equal(kvd_tstore_owner(&s, d), UINT32_MAX);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 1), 2);
+    assert_int_equal(kvd_tstore_owned(&s, 9, 1), 1);
+    assert_int_equal(kvd_tstore_owned(&s, 5, 1), 0);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 2), 0);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 1), a);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 9, 1), c);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 5, 1), KVD_TNONE);
+    /* A present entry keeps its owner. */
+    assert_int_equal(kvd_tstore_own(&s, c, 7), KV_OK);
+    assert_int_equal(kvd_tstore_owner(&s, c), 9);
+    /* Touch moves it to its owner's newest too; busy ones are skipped. */
+    kvd_tstore_touch(&s, a);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 1), b);
+    kvd_tstore_at(&s, b)->busy = 1;
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 1), a);
+    kvd_tstore_at(&s, b)->busy = 0;
+    /* T2 is counted apart; leaving T1 keeps the T2 count. */
+    kvd_tstore_set2(&s, a, 0, 1, 0, 1, SLOT_BYTES);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 2), 1);
+    free(kvd_tstore_take1(&s, a));
+    assert_int_equal(kvd_tstore_owned(&s, 7, 1), 1);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 2), 1);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 2), a);
+    assert_int_equal(kvd_tstore_unlink2(&s, a, SLOT_BYTES), 0);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 2), 0);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 2), KVD_TNONE);
+    kvd_tstore_drop(&s, b, 1, SLOT_BYTES);
+    assert_int_equal(kvd_tstore_owned(&s, 7, 1), 0);
+    assert_int_equal(kvd_tstore_oldest_of(&s, 7, 1), KVD_TNONE);
+    /* Many owners: the table grows, each keeps its entries. */
+    uint32_t many[40];
+    for (uint32_t k = 0; k < 40; k++) {
+        many[k] = get(&s, 100 + k);
+        assert_int_equal(kvd_tstore_own(&s, many[k], 1000 + k % 20), KV_OK);
+        kvd_tstore_set1(&s, many[k], buf(1), 1, 0);
+    }
+    for (uint32_t k = 0; k < 20; k++) {
+        assert_int_equal(kvd_tstore_owned(&s, 1000 + k, 1), 2);
+        assert_int_equal(kvd_tstore_oldest_of(&s, 1000 + k, 1), many[k]);
+    }
+    assert_int_equal(kvd_tstore_owned(&s, 9, 1), 1);
+    kvd_tstore_fini(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_empty),
@@ -613,6 +675,7 @@ int main(void) {
         cmocka_unit_test(test_oldest_skips_busy),
         cmocka_unit_test(test_unlink2_keeps_slot),
         cmocka_unit_test(test_forget),
+        cmocka_unit_test(test_owners),
         cmocka_unit_test(test_set2_moves_next_slot2),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

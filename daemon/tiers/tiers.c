@@ -79,6 +79,7 @@ enum {
     TS_REMOTE_REDIRECTS,
     TS_REMOTE_PROMOTED,
     TS_REMOTE_DIRECT,
+    TS_QUOTA_DROPS,
     TS_COUNT
 };
 
@@ -206,6 +207,9 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_REMOTE_PROMOTED] = {"remote_promoted", "counter", "blocks",
                             "remote values a Fetch put into tier 1 on their way to T0", NULL, NULL,
                             NULL, NULL},
+    [TS_QUOTA_DROPS] = {"tier_quota_drops", "counter", "blocks",
+                        "lower-tier blocks a tenant's tier-max pushed out (its own oldest)", NULL,
+                        NULL, NULL, NULL},
     [TS_REMOTE_DIRECT] = {"remote_direct", "counter", "blocks",
                           "remote values a Fetch read from the socket straight into T0 blocks",
                           NULL, NULL, NULL, NULL},
@@ -800,7 +804,65 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i);
  * share of the tier (the budget over the pools with tiers), else the oldest of the pool furthest
  * over its share, so that one pool's flood cannot keep the others out (each pool is guaranteed
  * its share); tp's own oldest when no pool is over. 0 when there is none. */
-static int pick_victim(tier_pool *tp, int tier, tier_pool **vtp, uint32_t *v) {
+/* ---- tenants in the lower tiers (quota tier-max, tier-guarantee; docs/TIERS.md) ------------ */
+
+static const kvd_quota *quota_of(const kvd_tiers *t, uint32_t tenant) {
+    return tenant < KVD_MAX_TENANTS ? kvd_tenants_quota(t->reg->tenants, tenant) : NULL;
+}
+
+/* Whether entry v of tp's tier may go to make room for tenant `for` (UINT32_MAX: nobody's):
+ * an entry of nobody or of `for` itself always, another tenant's only while that tenant is
+ * over its tier-guarantee there. */
+static int evictable_for(const tier_pool *tp, int tier, uint32_t v, uint32_t for_tenant) {
+    uint32_t o = kvd_tstore_owner(&tp->st, v);
+    if (o == UINT32_MAX || o == for_tenant) {
+        return 1;
+    }
+    const kvd_quota *q = quota_of(tp->t, o);
+    return q == NULL || q->tier_guarantee == 0 ||
+           kvd_tstore_owned(&tp->st, o, tier) > q->tier_guarantee;
+}
+
+#define VICTIM_WALK 64 /* unowned entries looked for past the protected oldest, at most */
+
+/* The entry of tp's tier to evict for tenant `for`: the oldest when it may go (always, without
+ * guarantees); else the oldest of the tenant furthest over its guarantee, else `for`'s own
+ * oldest, else an unowned one among the next VICTIM_WALK; KVD_TNONE when all are protected. */
+static uint32_t victim_in(const tier_pool *tp, int tier, uint32_t for_tenant) {
+    uint32_t v = kvd_tstore_oldest(&tp->st, tier);
+    if (v == KVD_TNONE || evictable_for(tp, tier, v, for_tenant)) {
+        return v;
+    }
+    uint32_t best = UINT32_MAX;
+    uint64_t over = 0;
+    for (uint32_t k = 0; k < tp->st.nown; k++) {
+        const kvd_towner *o = &tp->st.own[k];
+        const kvd_quota *q = quota_of(tp->t, o->tenant);
+        uint64_t g = q != NULL ? q->tier_guarantee : 0, c = o->count[tier - 1];
+        if (o->tenant != for_tenant && c > g && c - g > over &&
+            kvd_tstore_oldest_of(&tp->st, o->tenant, tier) != KVD_TNONE) {
+            best = o->tenant;
+            over = c - g;
+        }
+    }
+    if (best == UINT32_MAX && for_tenant != UINT32_MAX &&
+        kvd_tstore_oldest_of(&tp->st, for_tenant, tier) != KVD_TNONE) {
+        best = for_tenant;
+    }
+    if (best != UINT32_MAX) {
+        return kvd_tstore_oldest_of(&tp->st, best, tier);
+    }
+    int t = tier - 1, n = 0;
+    for (uint32_t i = tp->st.head[t]; i != KVD_TNONE && n < VICTIM_WALK; i = tp->st.e[i].next[t]) {
+        if (tp->st.e[i].busy == 0 && kvd_tstore_owner(&tp->st, i) == UINT32_MAX) {
+            return i;
+        }
+        n++;
+    }
+    return KVD_TNONE;
+}
+
+static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool **vtp, uint32_t *v) {
     kvd_tiers *t = tp->t;
     uint32_t npools = 0;
     for (uint32_t i = 0; i < t->reg->npools; i++) {
@@ -819,14 +881,13 @@ static int pick_victim(tier_pool *tp, int tier, tier_pool **vtp, uint32_t *v) {
                 over = o->st.bytes[tier - 1] - share;
             }
         }
-        if (best != NULL) {
+        if (best != NULL && (*v = victim_in(best, tier, for_tenant)) != KVD_TNONE) {
             *vtp = best;
-            *v = kvd_tstore_oldest(&best->st, tier);
             return 1;
         }
     }
     *vtp = tp;
-    *v = kvd_tstore_oldest(&tp->st, tier);
+    *v = victim_in(tp, tier, for_tenant);
     return *v != KVD_TNONE;
 }
 
@@ -842,7 +903,7 @@ static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
 
 /* Makes room in tier for `need` more bytes by evicting entries (pick_victim); 1 when the room
  * is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
-static int make_room(tier_pool *tp, int tier, uint64_t need) {
+static int make_room(tier_pool *tp, int tier, uint64_t need, uint32_t for_tenant) {
     kvd_tiers *t = tp->t;
     for (;;) {
         uint64_t extra = tier == 1 ? t->reserved1 + t->cached1 : 0;
@@ -854,12 +915,45 @@ static int make_room(tier_pool *tp, int tier, uint64_t need) {
         }
         tier_pool *vtp;
         uint32_t v;
-        if (!pick_victim(tp, tier, &vtp, &v)) {
+        if (!pick_victim(tp, tier, for_tenant, &vtp, &v)) {
             return 0;
         }
         drop_victim(vtp, tier, v);
     }
     return 1;
+}
+
+/* Tenant (an entry's owner) is to have one more block in tp's tier: while it holds its
+ * tier-max there, its own oldest goes first. 0 when none of them can go (all busy). */
+static int tier_admit(tier_pool *tp, int tier, uint32_t tenant) {
+    const kvd_quota *q = quota_of(tp->t, tenant);
+    if (q == NULL || q->tier_max == 0) {
+        return 1;
+    }
+    while (kvd_tstore_owned(&tp->st, tenant, tier) >= q->tier_max) {
+        uint32_t v = kvd_tstore_oldest_of(&tp->st, tenant, tier);
+        if (v == KVD_TNONE) {
+            return 0;
+        }
+        drop_victim(tp, tier, v);
+        tp->t->c[TS_QUOTA_DROPS]++;
+    }
+    return 1;
+}
+
+/* After entry i landed in tp's tier: its owner back to its tier-max (copies that were in flight
+ * together may have passed it), the oldest first. */
+static void tier_trim(tier_pool *tp, int tier, uint32_t i) {
+    uint32_t tenant = kvd_tstore_owner(&tp->st, i);
+    const kvd_quota *q = quota_of(tp->t, tenant);
+    while (q != NULL && q->tier_max != 0 && kvd_tstore_owned(&tp->st, tenant, tier) > q->tier_max) {
+        uint32_t v = kvd_tstore_oldest_of(&tp->st, tenant, tier);
+        if (v == KVD_TNONE || v == i) {
+            return;
+        }
+        drop_victim(tp, tier, v);
+        tp->t->c[TS_QUOTA_DROPS]++;
+    }
 }
 
 static void doomed_finish(tier_pool *tp, uint32_t i);
@@ -994,7 +1088,8 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
     if (tp->disk == NULL || e->in2 || (e->pending & KVD_TPEND_T2) || e->t1 == NULL || e->doomed) {
         return;
     }
-    if (!make_room(tp, 2, tp->slot_bytes)) {
+    uint32_t owner = kvd_tstore_owner(&tp->st, i);
+    if (!tier_admit(tp, 2, owner) || !make_room(tp, 2, tp->slot_bytes, owner)) {
         return;
     }
     job *j = job_new(tp, J_DOWN2);
@@ -1027,10 +1122,10 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
     e->pending |= KVD_TPEND_T2;
 }
 
-/* Starts copying T0 block ref (hash, parent) down: to T1 when there is one, else to T2.
- * cold: a write-back copy. */
+/* Starts copying T0 block ref (hash, parent; charged to tenant) down: to T1 when there is one,
+ * else to T2. cold: a write-back copy. */
 static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash128 hash,
-                       kv_hash128 parent, int cold, const uint8_t *tail) {
+                       kv_hash128 parent, int cold, const uint8_t *tail, uint32_t tenant) {
     kvd_tiers *t = tp->t;
     uint32_t i = kvd_tstore_find(&tp->st, hash);
     if (i != KVD_TNONE) {
@@ -1040,7 +1135,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
     }
     int to1 = t->cap[0] > 0;
-    if (!to1 && tp->disk == NULL) {
+    if ((!to1 && tp->disk == NULL) || !tier_admit(tp, to1 ? 1 : 2, tenant)) {
         return;
     }
     /* A raw copy into T1 writes into a recycled buffer of the block's size when there is one,
@@ -1052,7 +1147,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
                t->used[0] + t->reserved1 + t->cached1 + tp->block_bytes > t->cap[0]) {
             tier_pool *vtp;
             uint32_t v;
-            if (!pick_victim(tp, 1, &vtp, &v)) {
+            if (!pick_victim(tp, 1, tenant, &vtp, &v)) {
                 break;
             }
             drop_victim(vtp, 1, v);
@@ -1062,8 +1157,8 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
             }
         }
     }
-    if (buf == NULL &&
-        (to1 ? !make_room(tp, 1, tp->block_bytes) : !make_room(tp, 2, tp->slot_bytes))) {
+    if (buf == NULL && (to1 ? !make_room(tp, 1, tp->block_bytes, tenant)
+                            : !make_room(tp, 2, tp->slot_bytes, tenant))) {
         return;
     }
     uint32_t nruns = 0;
@@ -1077,6 +1172,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         return;
     }
+    (void)kvd_tstore_own(&tp->st, i, tenant); /* no memory for it: charged to nobody */
     kvd_tentry *te0 = kvd_tstore_at(&tp->st, i);
     if (tail != NULL && !te0->has_tail) {
         memcpy(te0->tail, tail, sizeof(te0->tail)); /* the Commit's own digest */
@@ -1246,8 +1342,10 @@ static void after_work(uv_work_t *w, int status) {
             }
             unleased(tp);
             e->pending &= (uint8_t)~KVD_TPEND_T1;
-            if (j->rc == KV_OK && !e->doomed && e->t1 == NULL && make_room(tp, 1, j->out_len)) {
+            if (j->rc == KV_OK && !e->doomed && e->t1 == NULL &&
+                make_room(tp, 1, j->out_len, kvd_tstore_owner(&tp->st, j->entry))) {
                 kvd_tstore_set1(&tp->st, j->entry, j->out, j->out_len, j->out_fmt);
+                tier_trim(tp, 1, j->entry);
                 t->used[0] += j->out_len;
                 t->c[TS_DEMOTE_T1]++;
                 t->c[TS_COPY_BYTES_DOWN1] += tp->block_bytes;
@@ -1280,6 +1378,7 @@ static void after_work(uv_work_t *w, int status) {
                 kvd_tstore_set2(&tp->st, j->entry, j->slot, j->rec.len, (uint8_t)j->rec.format,
                                 j->rec.seq, tp->slot_bytes);
                 t->used[1] += tp->slot_bytes;
+                tier_trim(tp, 2, j->entry);
                 t->c[TS_DEMOTE_T2]++;
                 t->c[TS_COPY_BYTES_DOWN2] += j->rec.len;
                 t->c[TS_COPY_NS_DOWN2] += j->ns;
@@ -1868,7 +1967,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
                 free(taken);
             }
             /* Over the budget after a restart with a smaller tier2-bytes: the oldest go. */
-            (void)make_room(tp, 2, 0);
+            (void)make_room(tp, 2, 0, UINT32_MAX);
         }
     }
     p->tiers = tp;
@@ -1898,7 +1997,7 @@ void kvd_tiers_committed(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, const
         return;
     }
     start_down(tp, p->pool, blk, bi.hash, parent_hash(p->pool, &bi), 0,
-               full != NULL ? full + 16 : NULL);
+               full != NULL ? full + 16 : NULL, bi.tenant);
 }
 
 void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
@@ -1938,7 +2037,7 @@ void kvd_tiers_pressure(kvd_tiers *t, kvd_reg_pool *p) {
         if (i != KVD_TNONE) {
             continue; /* down already, or on its way */
         }
-        start_down(tp, p->pool, refs[k], bi.hash, parent_hash(p->pool, &bi), 1, NULL);
+        start_down(tp, p->pool, refs[k], bi.hash, parent_hash(p->pool, &bi), 1, NULL, bi.tenant);
     }
 }
 
@@ -2310,13 +2409,14 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (ei != KVD_TNONE && kvd_tstore_at(&tp->st, ei)->pending != 0) {
             break; /* a copy into T1 is landing: the next Fetch finds it */
         }
-        if (!make_room(tp, 1, v->len)) {
+        if (!tier_admit(tp, 1, rf->tenant) || !make_room(tp, 1, v->len, rf->tenant)) {
             break;
         }
         kv_hash128 parent = i > 0 || rf->n > 0 ? rf->hashes[rf->n + i - 1] : (kv_hash128){0, 0};
         if (v->off != 0 || kvd_tstore_get(&tp->st, h, parent, &ei) != KV_OK) {
             break;
         }
+        (void)kvd_tstore_own(&tp->st, ei, rf->tenant);
         kvd_tentry *ne = kvd_tstore_at(&tp->st, ei);
         if (v->has_tail && !ne->has_tail) {
             memcpy(ne->tail, v->tail, sizeof(ne->tail)); /* before set1 tells the events */
@@ -2340,12 +2440,22 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         rfetch_free(rf);
         return;
     }
-    uint32_t nrun = 0;
+    /* The blocks of misses, bad values and what follows them go back before the fetch
+     * allocates its own (the tenant is charged for none of them then). */
+    for (size_t i = 0; rf->d != NULL && i < rf->k; i++) {
+        if (rf->d[i].state == D_EMPTY || (i >= got && rf->d[i].state == D_FILLED)) {
+            (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, rf->tenant, &rf->d[i].ref, 1);
+            rf->d[i].state = 0;
+        }
+    }
+    uint32_t nrun = 0, pool_id = p->pool_id;
     char msg[KV_ERRMSG];
     msg[0] = '\0';
     kv_err src = fetch_start(t, p, rf->session, rf->tenant, rf->hashes, rf->n + got, rf->parent_id,
                              rf->done, rf->arg, &nrun, msg, rf);
-    rfetch_release_direct(rf, p); /* what the fetch did not take (it releases what it took) */
+    /* What the fetch did not take (it releases what it took); the pool looked up again: the
+     * fetch may have finished, and its reply run, meanwhile. */
+    rfetch_release_direct(rf, kvd_registry_pool(t->reg, pool_id));
     if (src != KV_OK) {
         fetch_fail(rf, src);
     }
@@ -2359,13 +2469,27 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
  * daemon does not map) every value comes through T1 as before. */
 static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
     size_t k = rf->k;
-    kvd_block_ref *blocks = malloc(sizeof(*blocks) * k);
+    kvd_block_ref *blocks = malloc(sizeof(*blocks) * (k + rf->n));
     rf->d = calloc(k, sizeof(*rf->d));
     rf->dst = calloc(k, sizeof(*rf->dst));
     char amsg[KV_ERRMSG];
-    if (blocks == NULL || rf->d == NULL || rf->dst == NULL ||
-        kvd_registry_allocate(t->reg, p, (uint32_t)k, KVD_TIERS_SESSION, rf->tenant, blocks,
-                              amsg) != KV_OK) {
+    /* The local run's blocks that are in T0 are held while the allocation evicts, so that it
+     * takes none of them (the fetch holds them again itself). */
+    kvd_block_ref *held = blocks != NULL ? blocks + k : NULL;
+    uint32_t nheld = 0;
+    for (size_t i = 0; held != NULL && i < rf->n; i++) {
+        if (kvd_pool_hold_hash(p->pool, rf->tenant, rf->hashes[i], &held[nheld]) == KV_OK) {
+            nheld++;
+        }
+    }
+    kv_err arc = blocks == NULL || rf->d == NULL || rf->dst == NULL
+                     ? KV_ENOMEM
+                     : kvd_registry_allocate(t->reg, p, (uint32_t)k, KVD_TIERS_SESSION, rf->tenant,
+                                             blocks, amsg);
+    if (nheld > 0) {
+        (void)kvd_pool_release(p->pool, KVD_TIERS_SESSION, rf->tenant, held, nheld);
+    }
+    if (arc != KV_OK) {
         free(blocks);
         free(rf->d);
         free(rf->dst);
@@ -2815,6 +2939,17 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
     kvd_tstore_set1(&tp->st, i, b, tp->block_bytes, KVD_TF_RAW);
     t->used[0] += tp->block_bytes;
     return KV_OK;
+}
+
+void kvd_tiers_tenant_usage(const kvd_tiers *t, uint32_t tenant, uint64_t *t1, uint64_t *t2) {
+    *t1 = *t2 = 0;
+    for (uint32_t i = 0; t != NULL && i < t->reg->npools; i++) {
+        const tier_pool *tp = t->reg->pools[i].tiers;
+        if (tp != NULL) {
+            *t1 += kvd_tstore_owned(&tp->st, tenant, 1);
+            *t2 += kvd_tstore_owned(&tp->st, tenant, 2);
+        }
+    }
 }
 
 void kvd_tiers_pool_stats(const kvd_reg_pool *p, kvd_stat_sink sink, void *arg) {

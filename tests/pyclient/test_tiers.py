@@ -859,3 +859,90 @@ def test_prefix_score(kvd_factory):
                 "prefix-score pool=%d" % pool.pool_id):
         r = d.admin(bad)
         assert not r["ok"], r
+
+
+def _quota_usage(d, tenant):
+    return d.admin_result("quota get %s" % tenant)["usage"]
+
+
+def test_tier_max_keeps_a_tenants_newest(kvd_factory):
+    """quota tier-max=4: a tenant's blocks coming down past 4 in a pool's tier 1 take the place
+    of its own oldest there (tier_quota_drops counts them; age in a tier counts from arrival,
+    and the 10 copies run on 4 threads); the 4 left come back with their bytes; `quota get`
+    shows the usage; set live to 0 (no limit), the tenant's tier 1 grows again."""
+    d = kvd_factory(tenants="quota default tier-max=4\n", **_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-tmax", LAYOUT)
+    hs = prefix(pool, 10, 21)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    st = tier_stats(d)
+    assert st["tier1_blocks"] == 4 and st["tier_quota_drops"] == 6, st
+    tenant = "uid-%d" % os.geteuid()
+    assert _quota_usage(d, tenant)["tier1"] == 4
+    assert d.admin_result("quota get %s" % tenant)["quota"]["tier-max"] == 4
+    # T0 evicted: exactly four of the blocks are found below it, each with its bytes.
+    assert d.admin_result("evict all")["evicted"] >= 10
+    kept = [i for i in range(10) if c.lookup(pool.pool_id, [hs[i]]).tier1_hits == 1]
+    assert len(kept) == 4, kept
+    for i in kept:
+        fr, blocks = fetch_all(c, pool, [hs[i]])
+        assert len(blocks) == 1 and fr.promoted == 1, fr
+        check_bytes(pool, blocks, [pats[i]])
+        c.release(pool.pool_id, blocks)
+    d.admin_result("quota set default tier-max 0")
+    hs2 = prefix(pool, 10, 22)
+    write_commit_release(c, pool, hs2, patterns(pool, hs2))
+    settle(d)
+    assert tier_stats(d)["tier1_blocks"] == 14, tier_stats(d)
+    assert _quota_usage(d, tenant)["tier1"] == 14
+
+
+def test_tier_guarantee_holds_in_a_group_pool(kvd_factory):
+    """Two tenants write one group pool whose tier 1 holds 32 blocks: alice's 8 blocks stay in
+    tier 1 under her tier-guarantee=8 while bob's 64 come down through it (his own oldest make
+    the room); with the guarantee set to 0 live, bob's next 64 push hers out (LRU again)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run children as other uids")
+    d = kvd_factory(tenants="tenant alice uid=%d\ntenant bob uid=%d\n"
+                            "group team members=alice,bob\nquota alice tier-guarantee=8\n"
+                            % (UID_A, UID_B),
+                    **_tiers(tier_write="write-through", tier1_memory="64K"))
+
+    def member(ready_w, n, base):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        mine = k.attach("m-tg", LAYOUT)
+        group = k.linked_pool(mine, mine.attach_reply.linked[0])
+        for part in range(0, n, 32):
+            hs = prefix(group, min(32, n - part), base + part * 1000)
+            write_commit_release(k, group, hs, patterns(group, hs))
+        return 0
+
+    Child(member, 8, 1, uid=UID_A).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 8
+    Child(member, 64, 2, uid=UID_B).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 8, tier_stats(d)
+    assert _quota_usage(d, "bob")["tier1"] == 24, tier_stats(d)  # the rest of the 32
+    d.admin_result("quota set alice tier-guarantee 0")
+    Child(member, 64, 3, uid=UID_B).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 0, tier_stats(d)
+    assert _quota_usage(d, "bob")["tier1"] == 32, tier_stats(d)
+
+
+def test_tier_max_holds_in_tier_2(kvd_factory):
+    """The same limit in tier 2 (T1 off): 10 blocks down, 4 records kept, 6 counted."""
+    _, opts = _t2_only()
+    d = kvd_factory(tenants="quota default tier-max=4\n", **opts)
+    c = connect(d)
+    pool = c.attach("m-tmax2", LAYOUT)
+    hs = prefix(pool, 10, 23)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    st = tier_stats(d)
+    assert st["tier2_blocks"] == 4 and st["tier_quota_drops"] == 6, st
+    assert _quota_usage(d, "uid-%d" % os.geteuid())["tier2"] == 4
