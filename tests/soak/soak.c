@@ -5,11 +5,15 @@
  * can check it without talking to the writer. */
 #include "tests/soak/soak.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -43,6 +47,8 @@ typedef struct soak_ctx {
     soak_counters *k;                  /* shared mapping, one per slot */
     uint64_t deadline_ms;              /* workers stop starting cycles after this */
     pid_t kvd;                         /* kvd's pid */
+    pid_t redis;                       /* the redis-server's pid (options.redis), or 0 */
+    int redis_port;
 } soak_ctx;
 
 static uint64_t now_ms(void) {
@@ -450,6 +456,69 @@ static int write_text(const char *path, const char *text) {
     return fclose(f);
 }
 
+/* A loopback TCP port free now (the kernel's pick), or -1. */
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    int port = -1;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0) {
+        port = ntohs(a.sin_port);
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
+    return port;
+}
+
+/* Starts options.redis on a free loopback port and waits until it accepts connections. */
+static int start_redis(soak_ctx *x) {
+    x->redis_port = free_port();
+    if (x->redis_port < 0) {
+        return -1;
+    }
+    char port[16];
+    snprintf(port, sizeof(port), "%d", x->redis_port);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        if (null >= 0) { /* its start-up warnings are not the soak's output */
+            dup2(null, 1);
+            dup2(null, 2);
+        }
+        execl(x->o->redis, x->o->redis, "--port", port, "--bind", "127.0.0.1", "--save", "",
+              "--appendonly", "no", "--dir", x->dir, "--loglevel", "warning", (char *)NULL);
+        _exit(127);
+    }
+    if (pid < 0) {
+        return -1;
+    }
+    x->redis = pid;
+    for (int i = 0; i < 500; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof(a));
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)x->redis_port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+        if (fd >= 0) {
+            close(fd);
+        }
+        if (ok) {
+            return 0;
+        }
+        kvd_harness_sleep_ms(10);
+    }
+    fprintf(stderr, "soak: redis-server (%s) did not start on port %d\n", x->o->redis,
+            x->redis_port);
+    return -1;
+}
+
 static int start_kvd(soak_ctx *x) {
     if (kvd_harness_make_dir(x->dir, sizeof(x->dir), "kvd-soak", 50) != 0) {
         return -1;
@@ -492,8 +561,19 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = memflag;
     argv[n++] = segflag;
     argv[n++] = "--log-level=warn";
-    char t2flag[160];
-    if (x->o->tiers) {
+    char t2flag[160], rflag[64];
+    if (x->o->tiers && x->o->redis != NULL) {
+        /* T1 smaller than the pools and no T2: what T0 and T1 let go comes back from Redis. */
+        if (start_redis(x) != 0) {
+            return -1;
+        }
+        snprintf(rflag, sizeof(rflag), "--remote-redis=127.0.0.1:%d", x->redis_port);
+        argv[n++] = "--tier1-memory=4M";
+        argv[n++] = rflag;
+        argv[n++] = "--remote-timeout-ms=2000";
+        argv[n++] = "--fetch-min-tokens=1";
+        argv[n++] = "--tier-write=write-through";
+    } else if (x->o->tiers) {
         /* T1 smaller than the pools, T2 larger: blocks go down, come up, and are dropped from
          * T1 for room while T2 still has them. fetch-min-tokens 1: every run is fetched. */
         snprintf(t2flag, sizeof(t2flag), "--tier2-path=%s/t2", x->dir);
@@ -553,6 +633,10 @@ static int check_pools(soak_ctx *x, soak_result *r) {
                 break;
             }
             kvd_harness_sleep_ms(10);
+        }
+        if (t == 0 && x->o->redis != NULL) {
+            (void)kvc_stat_get(c, 0, "tiers.remote_direct", &r->remote_direct);
+            (void)kvc_stat_get(c, 0, "tiers.remote_bad", &r->remote_bad);
         }
         uint32_t id = kvc_pool_id(p);
         uint64_t total = 0, fr = 0, cached = 0, parked = 0, writing = 0, committed = 0, refs = 0;
@@ -721,6 +805,10 @@ int soak_run(const soak_options *o, soak_result *r) {
     } else {
         r->check_failed = 1;
     }
+    if (x.redis > 0) {
+        kill(x.redis, SIGKILL);
+        waitpid(x.redis, NULL, 0);
+    }
     munmap(x.k, sizeof(soak_counters) * SOAK_MAX_CLIENTS);
     char path[256];
     for (int t = 0; t < o->tenants; t++) {
@@ -754,7 +842,12 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->allocated, (unsigned long long)r->committed,
            (unsigned long long)r->duplicates, (unsigned long long)r->rewinds,
            (unsigned long long)r->pins, (unsigned long long)r->enospc);
-    if (o->tiers) {
+    if (o->tiers && o->redis != NULL) {
+        printf("soak: tiers on with a remote tier (write-through, redis-server on port %d): %llu "
+               "hit blocks came up, %llu remote values read straight into T0, %llu bad\n",
+               x.redis_port, (unsigned long long)r->promoted, (unsigned long long)r->remote_direct,
+               (unsigned long long)r->remote_bad);
+    } else if (o->tiers) {
         printf("soak: tiers on (%s): %llu hit blocks came up from tier 1 or 2\n",
                o->tiers == 2 ? "write-through" : "write-back", (unsigned long long)r->promoted);
     }

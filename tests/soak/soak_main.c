@@ -1,8 +1,9 @@
 /* soak_main: `./dev soak [seconds]` (bazel run //tests/soak:soak -- [options] [seconds]).
  * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --segment-bytes=SIZE
  * --busy=N (CPU burners beside the workers) --tiers=1|2 (tier 1 and 2 on, write-back |
- * write-through; workers Fetch) --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g. valgrind) -v. Exit
- * 0 when every invariant held. */
+ * write-through; workers Fetch) --redis=PATH (with --tiers: a redis-server as kvd's remote tier)
+ * --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g. valgrind) -v. Exit 0 when every invariant
+ * held. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,8 @@ int main(int argc, char **argv) {
             o.busy = atoi(a + 7);
         } else if (strncmp(a, "--tiers=", 8) == 0) {
             o.tiers = atoi(a + 8);
+        } else if (strncmp(a, "--redis=", 8) == 0) {
+            o.redis = a + 8;
         } else if (strncmp(a, "--kvd=", 6) == 0) {
             o.kvd = a + 6;
         } else if (strncmp(a, "--wrap=", 7) == 0) {
@@ -39,7 +42,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr, "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
                             "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
-                            "[--tiers=0|1|2] [--kvd=PATH] "
+                            "[--tiers=0|1|2] [--redis=PATH] [--kvd=PATH] "
                             "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }
