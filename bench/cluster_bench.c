@@ -1,11 +1,11 @@
 /* cluster_bench: what kvd costs beyond one node (issue 17).
  *
- * Remote tier: node A (a kvd) writes chains of 256 KiB blocks through its tier 1 into one
- * redis-server; node B (another kvd, same tenant) Fetches each chain (1, 8, 64 blocks) from
- * Redis into its T0 through libkvclient. The baseline, same run, same server: a raw libhiredis
- * client doing a pipelined GET of the same keys (the same value sizes). B's rate / raw rate is
- * the figure (target >= 0.8 on the worse runs); kvd's includes the value checks (XXH3-64), the
- * copy into T0 on the copy threads, the commit and the reply.
+ * Remote tier: node A (a kvd) writes chains of 256 KiB blocks (--block-layers 32: 2 MiB) through
+ * its tier 1 into one redis-server; node B (another kvd, same tenant) Fetches each chain (1, 8,
+ * 64 blocks) from Redis into its T0 through libkvclient. The baseline, same run, same server: a
+ * raw libhiredis client doing a pipelined GET of the same keys (the same value sizes). B's rate /
+ * raw rate is the figure (target >= 0.8 on the worse runs); kvd's includes the request to kvd,
+ * the T0 allocation, the value checks (XXH3-64), the commit and the reply.
  *
  * KV events: the price of publishing KV events in vLLM's format on the Commit path.
  *
@@ -19,7 +19,7 @@
  * ratio of their rates is the figure (>= 0.95 is the target). Prints markdown (bench/run.sh records
  * it under "cluster" in bench/RESULTS.md).
  *
- *   cluster_bench --kvd bazel-bin/daemon/kvd [--runs 5] [--chains 1500]
+ *   cluster_bench --kvd bazel-bin/daemon/kvd [--runs 5] [--chains 1500] [--block-layers 4]
  */
 #include <errno.h>
 #include <pthread.h>
@@ -53,7 +53,9 @@ static unsigned long g_sub_msgs;
 
 /* ---- remote tier ------------------------------------------------------------------------ */
 
-#define RBLK_LAYERS 4 /* 4 layers x 8 heads x 128 dim x 16 tokens, fp16: 256 KiB a block */
+/* Layers of the remote pools' blocks (--block-layers): x 8 heads x 128 dim x 16 tokens, fp16,
+ * 64 KiB a layer; 4 (256 KiB a block) by default, 32 a Llama-3-8B-sized block (2 MiB). */
+static uint32_t g_layers = 4;
 static const size_t g_rsizes[3] = {1, 8, 64};
 
 static void start_remote_node(node *d, const char *name, int port, const char *pool_mem,
@@ -103,7 +105,7 @@ static void open_pool(const char *sock, const char *model, uint32_t layers, uint
 
 /* The remote tier's pools: 256 KiB blocks, block-major (a block is one contiguous run). */
 static void open_remote_pool(const char *sock, kvc_conn **c, kvc_pool **p) {
-    open_pool(sock, "remote-model", RBLK_LAYERS, 8, 128, KV_BLOCK_MAJOR, c, p);
+    open_pool(sock, "remote-model", g_layers, 8, 128, KV_BLOCK_MAJOR, c, p);
 }
 
 /* The keys node A wrote, in Redis (KEYS: a benchmark's own server). */
@@ -191,10 +193,17 @@ static void bench_remote(int runs) {
         bench_die("cannot reach redis-server on port %d", port);
     }
     node a, b;
-    /* B is small (64 MiB of T0, 32 MiB of T1): its warm-up Fetches recycle every block and T1
+    /* B is small (T0 four 64-block Fetches' worth, T1 two): its warm-up Fetches recycle every
      * buffer, so the measured ones run on memory a busy node has touched already. */
-    start_remote_node(&a, "ra", port, "256M", "512M", last);
-    start_remote_node(&b, "rb", port, "64M", "32M", "0");
+    uint64_t blk_kib = 64u * g_layers; /* a block */
+    char a0[32], b0[32], b1[32];
+    /* A: T0 for 256 blocks, T1 1 GiB (its write-through queue to Redis: 256 MiB, paced below
+     * at 64 MiB); B: T0 for 256 blocks, T1 for 128. */
+    snprintf(a0, sizeof(a0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
+    snprintf(b0, sizeof(b0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
+    snprintf(b1, sizeof(b1), "%lluM", (unsigned long long)(blk_kib * 128 / 1024));
+    start_remote_node(&a, "ra", port, a0, "1024M", last);
+    start_remote_node(&b, "rb", port, b0, b1, "0");
     kvc_conn *ca, *cb;
     kvc_pool *pa, *pb;
     open_remote_pool(a.sock, &ca, &pa);
@@ -232,7 +241,7 @@ static void bench_remote(int runs) {
                 bench_die("node A commit: %s", kvc_last_error(ca));
             }
             at += n;
-            if (at - paced >= 256) { /* A's write-through queue holds 512 blocks: never full */
+            if ((at - paced) * bb >= (64u << 20)) { /* A's queue holds 256 MiB: never full */
                 wait_dbsize(rc, at);
                 paced = at;
             }
@@ -244,9 +253,11 @@ static void bench_remote(int runs) {
     if (nkeys < total) {
         bench_die("only %zu of %zu blocks reached Redis", nkeys, total);
     }
-    printf("### Remote tier: Fetch from Redis vs a raw hiredis GET of the same bytes\n\n");
+    printf("### Remote tier, %zu KiB blocks: Fetch from Redis vs a raw hiredis GET of the same "
+           "bytes\n\n",
+           bb >> 10);
     printf("Node A wrote %zu blocks of %zu KiB through its tier 1 into one redis-server "
-           "(loopback TCP); node B (64 MiB of T0, 32 MiB of T1, warmed by %d unmeasured 64-block "
+           "(loopback TCP); node B (T0 of 256 blocks, T1 of 128, warmed by %d unmeasured 64-block "
            "Fetches that recycle all of it) Fetches each chain once into its T0 (libkvclient "
            "kvc_fetch: T0 blocks allocated, pipelined GETs read straight into them, value checks, "
            "commit, reply). Raw: a "
@@ -540,15 +551,19 @@ int main(int argc, char **argv) {
             g_kvd = argv[++i];
         } else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc) {
             runs = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--block-layers") == 0 && i + 1 < argc) {
+            g_layers = (uint32_t)atoi(argv[++i]);
         } else if (strcmp(argv[i], "--chains") == 0 && i + 1 < argc) {
             chains = (size_t)atol(argv[++i]);
         } else {
-            fprintf(stderr, "usage: cluster_bench --kvd PATH [--runs N] [--chains N]\n");
+            fprintf(stderr, "usage: cluster_bench --kvd PATH [--runs N] [--chains N] "
+                            "[--block-layers N]\n");
             return 2;
         }
     }
-    if (g_kvd == NULL || runs < 1 || runs > 64 || chains < 1) {
-        fprintf(stderr, "cluster_bench: --kvd is required; runs 1..64, chains >= 1\n");
+    if (g_kvd == NULL || runs < 1 || runs > 64 || chains < 1 || g_layers < 1 || g_layers > 64) {
+        fprintf(stderr,
+                "cluster_bench: --kvd is required; runs 1..64, chains >= 1, block-layers 1..64\n");
         return 2;
     }
     snprintf(g_dir, sizeof(g_dir), "/tmp/kvclb.XXXXXX");
