@@ -283,6 +283,43 @@ static int node_find_or_add(kvd_remote *r, const char *host, int port) {
 /* Reads the slot map from the first node that gives it (or learns there is no cluster).
  * deadline (ms, 0: none): no node is asked after it, and one asked late waits only what is
  * left. 0 when done, -1 when no node answered. */
+/* After a new slot map: the nodes neither a seed nor a master of it are forgotten (their
+ * connections closed), so that nodes that left (failed over, moved, a pod's new address) do not
+ * pile up until no new one fits (MAX_NODES). Between requests only: indices change. */
+static void prune_nodes(kvd_remote *r) {
+    uint8_t used[MAX_NODES] = {0};
+    int16_t map[MAX_NODES];
+    for (int i = 0; i < r->nseeds; i++) {
+        used[i] = 1;
+    }
+    for (int sl = 0; sl < NSLOTS; sl++) {
+        if (r->slots[sl] >= 0) {
+            used[r->slots[sl]] = 1;
+        }
+    }
+    int n = 0;
+    for (int i = 0; i < r->nnodes; i++) {
+        if (!used[i]) {
+            if (r->nodes[i].c != NULL) {
+                redisFree(r->nodes[i].c);
+            }
+            free(r->nodes[i].rb);
+            map[i] = -1;
+            continue;
+        }
+        if (n != i) {
+            r->nodes[n] = r->nodes[i];
+        }
+        map[i] = (int16_t)n++;
+    }
+    for (int sl = 0; sl < NSLOTS; sl++) {
+        if (r->slots[sl] >= 0) {
+            r->slots[sl] = map[r->slots[sl]];
+        }
+    }
+    r->nnodes = n;
+}
+
 static int refresh(kvd_remote *r, uint64_t deadline) {
     for (int i = 0; i < r->nnodes; i++) {
         node *nd = &r->nodes[i];
@@ -350,6 +387,7 @@ static int refresh(kvd_remote *r, uint64_t deadline) {
             r->probed = 1;
             r->need_refresh = 0;
             freeReplyObject(rep);
+            prune_nodes(r);
             pthread_mutex_lock(&r->mu);
             r->st.cluster = 1;
             r->st.nnodes = r->nnodes;

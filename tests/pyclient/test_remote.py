@@ -1585,3 +1585,37 @@ def test_cluster_spread_failover_and_writes(kvd_factory, redis_cluster):
     assert n >= 24, msg(n, rem(b))
     for node in (a, b, c, d):
         assert node.alive() and ping_ms(node.connect()) < 100
+
+
+def _nodes_known(d):
+    """The node count in the tiers state line ("... (cluster), N nodes; ...")."""
+    import re
+    m = re.search(r"(\d+) nodes;", tiers(d)["state"])
+    assert m, tiers(d)["state"]
+    return int(m.group(1))
+
+
+def test_cluster_forgets_nodes_that_left(kvd_factory, redis_cluster):
+    """One seed only: kvd learns the three masters from CLUSTER SLOTS. A master (not the seed)
+    SIGKILLed and failed over: once kvd reads the map again it knows the seed and the current
+    masters only (the dead one is forgotten, not kept as a fourth entry), and its writes land."""
+    cl = redis_cluster
+    seed = cl.ports[0]
+    a = kvd_factory(**node_opts("127.0.0.1:%d" % seed))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, _ = commit_chain(ca, pa, 32, 3)
+    assert wait_until(lambda: rstat(a, "puts") >= 32, timeout=15), msg(rem(a), log_tail(a))
+    want = len(set(cl.client.masters()) | {seed})
+    assert _nodes_known(a) == want, tiers(a)["state"]
+    wait_until(cl.replication_caught_up, timeout=5)
+    victim = next(p for p in cl.client.masters() if p != seed)
+    cl.kill_node(victim)
+    assert wait_until(lambda: cl.ok_everywhere(), timeout=30, step=0.2), "no failover"
+    cl.client.refresh()
+    assert victim not in cl.client.masters()
+    ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+    hs2, _ = commit_until_landed(ca, pa, ns, 32, 700000, timeout=30, per_try=5.0)
+    want = len(set(cl.client.masters()) | {seed})
+    assert wait_until(lambda: _nodes_known(a) == want, timeout=10), (want, tiers(a)["state"])
+    assert a.alive() and ping_ms(ca) < 100
