@@ -196,14 +196,13 @@ static void bench_remote(int runs) {
     /* B is small (T0 four 64-block Fetches' worth, T1 two): its warm-up Fetches recycle every
      * buffer, so the measured ones run on memory a busy node has touched already. */
     uint64_t blk_kib = 64u * g_layers; /* a block */
-    char a0[32], b0[32], b1[32];
-    /* A: T0 for 256 blocks, T1 1 GiB (its write-through queue to Redis: 256 MiB, paced below
-     * at 64 MiB); B: T0 for 256 blocks, T1 for 128. */
-    snprintf(a0, sizeof(a0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
-    snprintf(b0, sizeof(b0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
+    char t0[32], b1[32];
+    /* Both: T0 for 256 blocks. A: T1 1 GiB (its write-through queue to Redis: 256 MiB, paced
+     * below at 64 MiB); B: T1 for 128 blocks. */
+    snprintf(t0, sizeof(t0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
     snprintf(b1, sizeof(b1), "%lluM", (unsigned long long)(blk_kib * 128 / 1024));
-    start_remote_node(&a, "ra", port, a0, "1024M", last);
-    start_remote_node(&b, "rb", port, b0, b1, "0");
+    start_remote_node(&a, "ra", port, t0, "1024M", last);
+    start_remote_node(&b, "rb", port, t0, b1, "0");
     kvc_conn *ca, *cb;
     kvc_pool *pa, *pb;
     open_remote_pool(a.sock, &ca, &pa);

@@ -2467,6 +2467,17 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
  * would make after a miss), so that the remote thread reads each raw value straight into its
  * block: no T1 landing and no copy up. Where they cannot be had (no room or quota, memory the
  * daemon does not map) every value comes through T1 as before. */
+/* No direct path for rf after all: its blocks go back, every value comes through T1. */
+static void direct_off(rfetch *rf, kvd_reg_pool *p) {
+    rfetch_release_direct(rf, p);
+    free(rf->d);
+    free(rf->dst);
+    free(rf->iov);
+    rf->d = NULL;
+    rf->dst = NULL;
+    rf->iov = NULL;
+}
+
 static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
     size_t k = rf->k;
     kvd_block_ref *blocks = malloc(sizeof(*blocks) * (k + rf->n));
@@ -2491,10 +2502,7 @@ static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
     }
     if (arc != KV_OK) {
         free(blocks);
-        free(rf->d);
-        free(rf->dst);
-        rf->d = NULL;
-        rf->dst = NULL;
+        direct_off(rf, p); /* no block was taken */
         return;
     }
     for (size_t i = 0; i < k; i++) {
@@ -2511,11 +2519,7 @@ static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
         }
         if (runs == NULL || rf->iov == NULL) {
             free(runs);
-            rfetch_release_direct(rf, p);
-            free(rf->d);
-            free(rf->dst);
-            rf->d = NULL;
-            rf->dst = NULL; /* not memory the daemon maps: through T1 */
+            direct_off(rf, p); /* not memory the daemon maps */
             return;
         }
         struct iovec *iov = rf->iov + i * nruns;
