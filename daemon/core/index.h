@@ -7,7 +7,9 @@
  * one entry per block slot they own before they own it (kvd_index_reserve), and the table grows
  * (a rehash) when the reservations would pass its load limit, so an insert for a pool's block
  * never finds the index full: a Commit cannot fail half way for want of index room. Batched
- * probes prefetch every home slot first so a long prompt costs parallel cache misses.
+ * probes prefetch ahead so a long prompt costs parallel cache misses; in a table larger than
+ * the caches they interleave, a probe whose run goes on into another cache line yielding to
+ * the others while that line arrives.
  * Loop thread only; no locks.
  */
 #ifndef KVD_INDEX_H

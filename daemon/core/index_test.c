@@ -121,6 +121,59 @@ static void test_probe_prefix(void **state) {
     kvd_index_free(idx);
 }
 
+/* kvd_index_probe_prefix against kvd_index_find hash by hash, in a table that fits the caches
+ * (probed in order) and in one of 32 MiB (probed interleaved, INDEX_WIDE_BYTES), each near its
+ * load limit with two namespaces mixed in its runs and a third of the entries removed (shifted
+ * runs): random prefixes of present keys, of 0-300 hashes, some with an absent or other-namespace
+ * key planted, give the same count and values. */
+static void test_probe_prefix_matches_find(void **state) {
+    (void)state;
+    size_t sizes[2] = {4096, 400000};
+    for (int t = 0; t < 2; t++) {
+        kvd_index *idx;
+        assert_int_equal(kvd_index_alloc(sizes[t], &idx), KV_OK);
+        size_t cap = kvd_index_capacity(idx);
+        assert_true(t == 0 ? kvd_index_bytes(idx) < ((size_t)16 << 20)
+                           : kvd_index_bytes(idx) >= ((size_t)16 << 20));
+        size_t n = cap * 6 / 10; /* keys 0..n: even in namespace 9, odd in 8 */
+        for (uint64_t k = 0; k < n; k++) {
+            assert_int_equal(kvd_index_insert(idx, 9 - (uint32_t)(k & 1), hash_of(k), k, NULL),
+                             KV_OK);
+        }
+        for (uint64_t k = 0; k < n; k += 3) {
+            assert_int_equal(kvd_index_remove(idx, 9 - (uint32_t)(k & 1), hash_of(k)), KV_OK);
+        }
+        uint64_t r = 42 + (uint64_t)t;
+        kv_hash128 hs[300];
+        uint64_t got[300], want[300];
+        for (int q = 0; q < 3000; q++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            size_t len = (size_t)(r >> 33) % 301;
+            for (size_t i = 0; i < len; i++) {
+                r = r * 6364136223846793005ull + 1442695040888963407ull;
+                uint64_t k = ((r >> 20) % (n / 6)) * 6 + 2; /* even, not a multiple of 3 */
+                if (q % 4 == 1 && i == len / 2) {
+                    k = n + (r >> 40); /* never inserted */
+                } else if (q % 4 == 2 && i == len / 3) {
+                    k += 1; /* odd: lives in namespace 8 */
+                } else if (q % 4 == 3 && i == len / 4) {
+                    k = ((r >> 20) % (n / 3)) * 3; /* removed */
+                }
+                hs[i] = hash_of(k);
+            }
+            size_t expect = 0;
+            while (expect < len && kvd_index_find(idx, 9, hs[expect], &want[expect]) == KV_OK) {
+                expect++;
+            }
+            assert_int_equal(kvd_index_probe_prefix(idx, 9, hs, len, got), expect);
+            for (size_t i = 0; i < expect; i++) {
+                assert_int_equal(got[i], want[i]);
+            }
+        }
+        kvd_index_free(idx);
+    }
+}
+
 /* Reservations grow the table: every reserved entry fits, entries survive the rehash, and an
  * insert beyond the reservations of an index at its load limit is refused. */
 static void test_reserve_grows(void **state) {
@@ -161,7 +214,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_insert_find_remove), cmocka_unit_test(test_full_table_churn),
         cmocka_unit_test(test_probe_prefix),       cmocka_unit_test(test_reserve_grows),
-        cmocka_unit_test(test_bad_size),
+        cmocka_unit_test(test_bad_size),           cmocka_unit_test(test_probe_prefix_matches_find),
     };
     return cmocka_run_group_tests_name("kvd_index", tests, NULL, NULL);
 }
