@@ -49,25 +49,26 @@ typedef enum kvc__op_kind {
  * the fields up to status; the rest belong to the layer that queued the op (client/rpc.c), and
  * conn neither reads nor writes them (pools are opaque here). */
 typedef struct kvc__op {
-    uint64_t id;         /* envelope id */
-    kvc__op_kind kind;   /* expected reply */
-    size_t frame_off;    /* offset of its frame in the batch's output buffer */
-    size_t frame_len;    /* bytes of its frame */
-    int sent;            /* frame fully written */
-    int done;            /* reply handled */
-    kv_err status;       /* result once done */
-    kvc_pool *pool;      /* pool the request is about, or NULL */
-    size_t count;        /* list length sent (hashes, blocks, entries) */
-    void *out;           /* caller's output array (kvc_block[], ...) */
-    size_t *nout;        /* lookup: hit count; map: segments in the reply */
-    kvc_pool **pools;    /* lookup with search_domains: the pool of each hit, else NULL */
-    const void *expect;  /* ping: payload to compare */
-    size_t expect_len;   /* ping: payload bytes */
-    uint64_t nonce;      /* ping nonce */
-    kvc_stat_fn stat_fn; /* stats callback */
-    void *stat_arg;      /* its argument */
-    void *aux;           /* lookup: kvc_tier_hits * or NULL; fetch: kvc_fetch_result * */
-    int aux_fetch;       /* aux is a kvc_fetch_result (a fetch, maybe sent as a Lookup) */
+    uint64_t id;             /* envelope id */
+    kvc__op_kind kind;       /* expected reply */
+    size_t frame_off;        /* offset of its frame in the batch's output buffer */
+    size_t frame_len;        /* bytes of its frame */
+    int sent;                /* frame fully written */
+    int done;                /* reply handled */
+    kv_err status;           /* result once done */
+    kvc_pool *pool;          /* pool the request is about, or NULL */
+    size_t count;            /* list length sent (hashes, blocks, entries) */
+    void *out;               /* caller's output array (kvc_block[], ...) */
+    size_t *nout;            /* lookup: hit count; map: segments in the reply */
+    kvc_pool **pools;        /* lookup with search_domains: the pool of each hit, else NULL */
+    const void *expect;      /* ping: payload to compare */
+    size_t expect_len;       /* ping: payload bytes */
+    uint64_t nonce;          /* ping nonce */
+    kvc_stat_fn stat_fn;     /* stats callback */
+    void *stat_arg;          /* its argument */
+    void *aux;               /* lookup: kvc_tier_hits * or NULL; fetch: kvc_fetch_result * */
+    int aux_fetch;           /* aux is a kvc_fetch_result (a fetch, maybe sent as a Lookup) */
+    kvc_remote_hits *remote; /* lookup with Lookup.remote: its answer, else NULL */
 } kvc__op;
 
 /* Handles the reply envelope env (unpacked into the connection's arena: valid during the call

@@ -315,6 +315,10 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 th->t1 = r->tier1_hits;
                 th->t2 = r->tier2_hits;
             }
+            if (op->remote != NULL) {
+                op->remote->blocks = r->remote_hits;
+                op->remote->failure = (kv_err)r->remote_failure;
+            }
             return KV_OK;
         }
         case KVC__OP_FETCH: {
@@ -671,7 +675,8 @@ static kv_err q_ping(kvc_batch *b, const void *payload, size_t len, size_t *inde
  * lower tiers gets a Lookup for a fetch, and the result says FETCH_DONE with the T0 hits. */
 static kv_err q_hashes(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                        kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index,
-                       kvc_tier_hits *tiers, kvc_fetch_result *fetch, uint32_t min_tokens) {
+                       kvc_tier_hits *tiers, kvc_fetch_result *fetch, uint32_t min_tokens,
+                       kvc_remote_hits *remote) {
     kvc_conn *c = b->conn;
     kv_err err = check_pool(c, p);
     if (err == KV_OK) {
@@ -735,6 +740,7 @@ static kv_err q_hashes(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     } else {
         req.pool_id = p->pool_id;
         req.search_domains = pools != NULL;
+        req.remote = remote != NULL;
         req.hashes_packed = hp;
         req.n_hashes = nrep;
         req.hashes = ptrs;
@@ -757,6 +763,10 @@ static kv_err q_hashes(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
         if (tiers != NULL) {
             memset(tiers, 0, sizeof(*tiers));
         }
+        op->remote = remote;
+        if (remote != NULL) {
+            memset(remote, 0, sizeof(*remote));
+        }
         if (index != NULL) {
             *index = b->nops - 1;
         }
@@ -770,7 +780,7 @@ cleanup:
 
 static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                        kvc_block *out, kvc_pool **pools, size_t *nhit, size_t *index) {
-    return q_hashes(b, p, hashes, n, out, pools, nhit, index, NULL, NULL, 0);
+    return q_hashes(b, p, hashes, n, out, pools, nhit, index, NULL, NULL, 0, NULL);
 }
 
 static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, int priv, kvc_block *out,
@@ -1114,7 +1124,23 @@ kv_err kvc_lookup_tiers(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_blo
     if (tiers == NULL) {
         return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL tiers output");
     }
-    SYNC_CALL(p->conn, q_hashes(b, p, hashes, n, out, NULL, nhit, NULL, tiers, NULL, 0));
+    SYNC_CALL(p->conn, q_hashes(b, p, hashes, n, out, NULL, nhit, NULL, tiers, NULL, 0, NULL));
+}
+
+int kvc_conn_has_remote(const kvc_conn *c) {
+    return c != NULL && (c->features & KV_FEATURE_REMOTE) != 0;
+}
+
+kv_err kvc_lookup_remote(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                         size_t *nhit, kvc_tier_hits *tiers, kvc_remote_hits *remote) {
+    if (tiers == NULL || remote == NULL) {
+        return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL tiers or remote output");
+    }
+    if (!kvc_conn_has_remote(p->conn)) {
+        return kvc__fail(&p->conn->diag, KV_ENOTSUP,
+                         "the daemon has no remote tier (HelloReply.features REMOTE)");
+    }
+    SYNC_CALL(p->conn, q_hashes(b, p, hashes, n, out, NULL, nhit, NULL, tiers, NULL, 0, remote));
 }
 
 kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uint32_t min_tokens,
@@ -1122,8 +1148,8 @@ kv_err kvc_fetch(kvc_pool *p, const kv_hash128 *hashes, size_t n, uint32_t min_t
     if (res == NULL) {
         return kvc__fail(&p->conn->diag, KV_EINVAL, "NULL result output");
     }
-    SYNC_CALL(p->conn,
-              q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, NULL, NULL, res, min_tokens));
+    SYNC_CALL(p->conn, q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, NULL, NULL, res,
+                                min_tokens, NULL));
 }
 
 kv_err kvc_lookup_domains(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
@@ -1512,7 +1538,7 @@ kv_err kvc_batch_fetch(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     if (res == NULL) {
         return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL result output");
     }
-    return q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, index, NULL, res, min_tokens);
+    return q_hashes(b, p, hashes, n, out, NULL, &res->nblocks, index, NULL, res, min_tokens, NULL);
 }
 
 kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,

@@ -93,6 +93,9 @@ void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
 #define KV_FEATURE_PRIVATE                                                                         \
     4u /* private blocks: the daemon honours Allocate.private and takes Unshare (HelloReply; a     \
           client's bit means nothing) */
+#define KV_FEATURE_REMOTE                                                                          \
+    8u /* a remote tier: the daemon answers Lookup.remote (HelloReply; a client's bit means        \
+          nothing) */
 
 /* Entries of a packed field of len bytes with unit-byte entries: KV_EPROTO when len is not a
  * multiple of unit (a malformed frame). Writes *n only on success. */

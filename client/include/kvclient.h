@@ -355,6 +355,29 @@ KVC_EXTERN int kvc_conn_has_tiers(const kvc_conn *c);
 KVC_EXTERN kv_err kvc_lookup_tiers(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
                                    size_t *nhit, kvc_tier_hits *tiers);
 
+/* What the daemon's remote tier (its remote-redis, shared by nodes) holds of a prefix past its
+ * local tiers. */
+typedef struct kvc_remote_hits {
+    uint32_t blocks; /* leading blocks after the local run (the hits, then tiers->fetchable)
+                        that Redis holds: kvc_fetch brings them (it checks each value; one that
+                        fails a check ends its run there) */
+    kv_err failure;  /* KV_OK: Redis answered for every key asked; KV_ESYS: Redis down or too
+                        slow (blocks may be short); KV_EPERM: the pool is read-only for this
+                        tenant; KV_EBUSY: too many of this session's replies are still to come */
+} kvc_remote_hits;
+
+/* 1 when the daemon has a remote tier (HelloReply.features REMOTE), else 0. */
+KVC_EXTERN int kvc_conn_has_remote(const kvc_conn *c);
+
+/* kvc_lookup_tiers that also asks the daemon's remote tier (Lookup.remote) how far the prefix
+ * goes on there: *remote (not NULL) gets it. Redis is asked only when the local run ends before
+ * n, and then the call takes a round trip to Redis more (at most the daemon's
+ * remote-timeout-ms): ask where a prefix missing locally would be recomputed otherwise. The
+ * hits are referenced as kvc_lookup's. KV_ENOTSUP (nothing sent) when the daemon has no remote
+ * tier (kvc_conn_has_remote); other errors as kvc_lookup. */
+KVC_EXTERN kv_err kvc_lookup_remote(kvc_pool *p, const kv_hash128 *hashes, size_t n, kvc_block *out,
+                                    size_t *nhit, kvc_tier_hits *tiers, kvc_remote_hits *remote);
+
 #define KVC_FETCH_DONE 0    /* every block of the run below T0 is in T0 now */
 #define KVC_FETCH_SHORT 1   /* the run below T0 was under min_tokens: only the T0 hits */
 #define KVC_FETCH_PARTIAL 2 /* the run ends early (failure says why); the blocks are good */

@@ -242,7 +242,8 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     r.max_inflight = (uint32_t)c->cfg->max_inflight;
     r.max_blocks_per_request = (uint32_t)c->cfg->max_blocks_per_request;
     r.features = KV_FEATURE_PACKED | KV_FEATURE_PRIVATE |
-                 (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0);
+                 (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0) |
+                 (kvd_tiers_remote_any(c->ctx->tiers) ? KV_FEATURE_REMOTE : 0);
     env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
     env.hello_reply = &r;
     KV_LOG(INFO, "KVD-HELLO", "session %llu: client '%s' pid %d is tenant %s",
@@ -467,10 +468,28 @@ static kv_err blocks_field(rpc *c, const kvd_block_ref *refs, size_t n, Protobuf
     return KV_OK;
 }
 
+/* What a LookupReply says of the remote tier (Lookup.remote). */
+typedef struct remote_answer {
+    uint32_t hits;
+    kv_err failure;
+} remote_answer;
+
+static kv_err send_blocks_reply_r(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
+                                  uint32_t nsf, int lookup, uint32_t *pool_ids,
+                                  Kvd__SegmentNotice **notices, size_t nnotices,
+                                  const kvd_tier_run *tr, const remote_answer *ra);
+
 static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
                                 uint32_t nsf, int lookup, uint32_t *pool_ids,
                                 Kvd__SegmentNotice **notices, size_t nnotices,
                                 const kvd_tier_run *tr) {
+    return send_blocks_reply_r(c, id, refs, n, nsf, lookup, pool_ids, notices, nnotices, tr, NULL);
+}
+
+static kv_err send_blocks_reply_r(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
+                                  uint32_t nsf, int lookup, uint32_t *pool_ids,
+                                  Kvd__SegmentNotice **notices, size_t nnotices,
+                                  const kvd_tier_run *tr, const remote_answer *ra) {
     Kvd__BlockRef **pv;
     ProtobufCBinaryData packed;
     size_t nref;
@@ -494,6 +513,10 @@ static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, 
             lr.tier_fetchable = tr->fetchable;
             lr.tier1_hits = tr->t1;
             lr.tier2_hits = tr->t2;
+        }
+        if (ra != NULL) {
+            lr.remote_hits = ra->hits;
+            lr.remote_failure = (Kvd__ErrorCode)ra->failure;
         }
         env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
         env.lookup_reply = &lr;
@@ -748,6 +771,140 @@ static kv_err take_hashes(rpc *c, kvd_session_pool *sp, size_t nrep, Kvd__Hash12
     return KV_OK;
 }
 
+/* The notices of a Lookup's linked pools sp[0..n): the segments each has that this session was
+ * not sent (a hit may lie in one). Returns how many went into notice/notices. */
+static size_t linked_notices(kvd_session_pool *const *sp, uint32_t n, Kvd__SegmentNotice *notice,
+                             Kvd__SegmentNotice **notices) {
+    size_t nn = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t h = kvd_session_pool_first_unsent(sp[k]);
+        if (h != KVD_NO_SEGMENT) {
+            kvd__segment_notice__init(&notice[nn]);
+            notice[nn].pool_id = sp[k]->pool_id;
+            notice[nn].first_index = h;
+            notices[nn] = &notice[nn];
+            nn++;
+        }
+    }
+    return nn;
+}
+
+/* A Lookup waiting for the remote tier (Lookup.remote): its answer so far. The session holds the
+ * hits meanwhile (a DetachPool or the session's end gives them back, as any). */
+typedef struct lookup_wait {
+    kvd_registry *reg;
+    const kvd_config *cfg;
+    uint64_t boot_epoch;
+    const kvd_rpc_later *later;
+    uint64_t id;
+    uint64_t session;
+    uint32_t pool_id;
+    uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* the linked pools searched, in order */
+    uint32_t nlinks;
+    int with_pools; /* search_domains: the reply names each block's pool */
+    kvd_tier_run tr;
+    uint32_t nhit;
+    kvd_block_ref *refs; /* [nhit] */
+    uint32_t *pool_of;   /* [nhit] */
+} lookup_wait;
+
+static void lookup_wait_free(lookup_wait *w) {
+    free(w->refs);
+    free(w->pool_of);
+    free(w);
+}
+
+/* Redis answered a waiting Lookup (or it failed, or the daemon stops): the reply goes out now,
+ * with what the session holds of its hits. */
+static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
+    lookup_wait *w = arg;
+    kvd_session *sess = w->later != NULL ? w->later->find(w->later->arg, w->session) : NULL;
+    if (sess == NULL) {
+        lookup_wait_free(w); /* the session closed: its references went with it */
+        return;
+    }
+    if (sess->fetches > 0) {
+        sess->fetches--;
+    }
+    kv_arena arena;
+    kvd_rpc_ctx x;
+    kvd_reply out;
+    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, NULL);
+    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+    kvd_session_pool *sp = kvd_session_find_pool(sess, w->pool_id);
+    kvd_session_pool *linked[KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t nlinked = 0;
+    int all_there = sp != NULL;
+    for (uint32_t k = 0; k < w->nlinks && all_there; k++) {
+        linked[nlinked] = kvd_session_find_pool(sess, w->links[k]);
+        all_there = linked[nlinked++] != NULL;
+    }
+    kv_err e = KV_OK;
+    if (!all_there) {
+        /* A searched pool was detached meanwhile: its hits went back with the DetachPool. */
+        kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
+                      "a pool was detached while this Lookup waited for the remote tier", &out);
+    } else {
+        Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
+        size_t nnotices = linked_notices(linked, nlinked, notice, notices);
+        remote_answer ra = {run, rc == KV_OK ? KV_OK : rc == KV_ECLOSED ? KV_ECLOSED : KV_ESYS};
+        e = send_blocks_reply_r(&c, w->id, w->refs, w->nhit, new_segments_from(sp), 1,
+                                w->with_pools ? w->pool_of : NULL, notices, nnotices, &w->tr, &ra);
+        if (e != KV_OK) {
+            kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the LookupReply", &out);
+        }
+        out.code = KV_OK;
+    }
+    w->later->send(w->later->arg, w->session, &out);
+    kv_arena_fini(&arena);
+    lookup_wait_free(w);
+}
+
+/* Defers the LookupReply of refs[0..nhit) (held by the session) until the remote tier says how
+ * far hashes[0..nrest) (the prefix past the local tiers' run) goes on there. KV_OK: the reply
+ * is on its way (c->out->deferred); else nothing changed. */
+static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_pool *sp,
+                           kvd_session_pool *const *order, uint32_t norder,
+                           const kvd_block_ref *refs, const uint32_t *pool_of, size_t nhit,
+                           const kvd_tier_run *tr, const kv_hash128 *rest, size_t nrest) {
+    lookup_wait *w = calloc(1, sizeof(*w));
+    if (w != NULL) {
+        w->refs = malloc(sizeof(*refs) * (nhit + 1));
+        w->pool_of = malloc(sizeof(*pool_of) * (nhit + 1));
+    }
+    if (w == NULL || w->refs == NULL || w->pool_of == NULL) {
+        if (w != NULL) {
+            lookup_wait_free(w);
+        }
+        return KV_ENOMEM;
+    }
+    w->reg = c->reg;
+    w->cfg = c->cfg;
+    w->boot_epoch = c->ctx->boot_epoch;
+    w->later = c->ctx->later;
+    w->id = id;
+    w->session = c->sess->id;
+    w->pool_id = sp->pool_id;
+    for (uint32_t k = 1; k < norder; k++) {
+        w->links[w->nlinks++] = order[k]->pool_id;
+    }
+    w->with_pools = pool_of != NULL;
+    w->tr = *tr;
+    w->nhit = (uint32_t)nhit;
+    memcpy(w->refs, refs, sizeof(*refs) * nhit);
+    if (pool_of != NULL) {
+        memcpy(w->pool_of, pool_of, sizeof(*pool_of) * nhit);
+    }
+    kv_err rc = kvd_tiers_remote_probe(c->ctx->tiers, p, rest, nrest, on_lookup_remote, w);
+    if (rc != KV_OK) {
+        lookup_wait_free(w);
+        return rc;
+    }
+    c->sess->fetches++;
+    c->out->deferred = 1;
+    return KV_OK;
+}
+
 static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
@@ -843,21 +1000,36 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     tc->query_blocks += n;
     tc->hit_blocks += nhit;
     tc->hit_tokens += (uint64_t)nhit * p->layout.tokens_per_block;
+    /* How far the prefix goes on below T0, for a client that reads it (Hello.features). */
+    kvd_tier_run tr = {0, 0, 0};
+    if ((c->sess->features & KV_FEATURE_TIERS) && nhit < n && p->tiers != NULL) {
+        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, n - nhit, &tr);
+    }
+    /* Lookup.remote: past the local tiers' run, ask Redis (the reply waits for it). */
+    remote_answer ra = {0, KV_OK};
+    if (l->remote && (c->sess->features & KV_FEATURE_TIERS)) {
+        size_t past = nhit + tr.fetchable;
+        if (p->tiers == NULL || !kvd_tiers_remote_on(c->ctx->tiers, p) || c->ctx->later == NULL) {
+            ra.failure = KV_ENOTSUP;
+        } else if (!kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
+            ra.failure = KV_EPERM; /* a Fetch would bring nothing into a read-only pool */
+        } else if (past < n && c->sess->fetches >= c->cfg->max_inflight) {
+            ra.failure = KV_EBUSY;
+        } else if (past < n) {
+            kv_err e =
+                lookup_later(c, id, p, sp, order, norder, refs, l->search_domains ? pool_of : NULL,
+                             nhit, &tr, hashes + past, n - past);
+            if (e == KV_OK) {
+                return KV_OK;
+            }
+            ra.failure = e == KV_ENOMEM ? KV_ENOMEM : KV_ESYS;
+        }
+    }
     /* Announce, per searched pool, the segments this session was not sent: a hit may lie in
      * one (PROTOCOL.md §6, Segments a reply hands out). */
     uint32_t nsf = new_segments_from(sp);
     Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
-    size_t nnotices = 0;
-    for (uint32_t k = 1; k < norder; k++) {
-        uint32_t h = kvd_session_pool_first_unsent(order[k]);
-        if (h != KVD_NO_SEGMENT) {
-            kvd__segment_notice__init(&notice[nnotices]);
-            notice[nnotices].pool_id = order[k]->pool_id;
-            notice[nnotices].first_index = h;
-            notices[nnotices] = &notice[nnotices];
-            nnotices++;
-        }
-    }
+    size_t nnotices = linked_notices(order + 1, norder - 1, notice, notices);
 #ifndef NDEBUG
     for (size_t j = 0; j < nhit; j++) {
         if (pool_of[j] == sp->pool_id) {
@@ -873,13 +1045,8 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
         }
     }
 #endif
-    /* How far the prefix goes on below T0, for a client that reads it (Hello.features). */
-    kvd_tier_run tr = {0, 0, 0};
-    if ((c->sess->features & KV_FEATURE_TIERS) && nhit < n && p->tiers != NULL) {
-        kvd_tiers_probe(c->ctx->tiers, p, hashes + nhit, n - nhit, &tr);
-    }
-    rc = send_blocks_reply(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
-                           nnotices, &tr);
+    rc = send_blocks_reply_r(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
+                             nnotices, &tr, l->remote ? &ra : NULL);
 cleanup:
     return rc;
 }

@@ -24,7 +24,7 @@
 #define BACKOFF_MIN_MS 100
 #define BACKOFF_MAX_MS 5000
 
-enum { OP_PUT = 1, OP_GET = 2, OP_DEL = 3 };
+enum { OP_PUT = 1, OP_GET = 2, OP_DEL = 3, OP_PROBE = 4 };
 
 typedef struct op {
     int kind;
@@ -45,6 +45,9 @@ typedef struct op {
     size_t n;
     kvd_remote_val *vals;
     kvd_remote_get_done get_done;
+    /* probe (keys, n as a get's) */
+    uint8_t *present;
+    kvd_remote_probe_done probe_done;
     uint64_t deadline; /* get: ms by which it is answered (one timeout for all its work) */
     void *arg;
 } op;
@@ -978,6 +981,119 @@ static void do_get(kvd_remote *r, op *o) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* One key's STRLEN reply: 1 when it names a value longer than a header. */
+static int probe_reply(const redisReply *rep) {
+    return rep->type == REDIS_REPLY_INTEGER && rep->integer > (long long)KVD_REMOTE_HEADER;
+}
+
+/* A probe: STRLEN of every key, one pipeline per node (libhiredis reads the replies), then the
+ * keys a node redirected, one by one, as do_get. */
+static void do_probe(kvd_remote *r, op *o) {
+    size_t n = o->n > 0 ? o->n : 1;
+    if (o->present == NULL) {
+        o->present = calloc(n, 1);
+    } else {
+        memset(o->present, 0, n);
+    }
+    int *dest = malloc(n * sizeof(int));
+    int *rto = malloc(n * sizeof(int));
+    uint8_t *rask = calloc(n, 1);
+    if (o->present == NULL || dest == NULL || rto == NULL || rask == NULL) {
+        free(dest);
+        free(rto);
+        free(rask);
+        o->rc = KV_ENOMEM;
+        return;
+    }
+    const uint64_t deadline = o->deadline;
+    for (size_t i = 0; i < o->n; i++) {
+        rto[i] = -1;
+        dest[i] = node_of(r, o->keys[i]);
+        if (dest[i] < 0) {
+            o->rc = KV_ESYS; /* every node is down */
+        }
+    }
+    for (int ni = 0; ni < r->nnodes; ni++) {
+        size_t cnt = 0;
+        for (size_t i = 0; i < o->n; i++) {
+            cnt += dest[i] == ni;
+        }
+        if (cnt == 0) {
+            continue;
+        }
+        uint64_t now = now_ms();
+        node *nd = &r->nodes[ni];
+        redisContext *c = now < deadline ? node_ctx(r, nd) : NULL;
+        if (c == NULL) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        if (nd->rb_len != nd->rb_pos) {
+            node_fail(r, nd, "STRLEN: the connection is out of step");
+            o->rc = KV_ESYS;
+            continue;
+        }
+        int shortened = deadline - now < r->timeout_ms;
+        if (shortened) {
+            set_timeout(c, deadline - now);
+        }
+        for (size_t i = 0; i < o->n; i++) {
+            if (dest[i] == ni) {
+                redisAppendCommand(c, "STRLEN %s", o->keys[i]);
+            }
+        }
+        for (size_t i = 0; i < o->n; i++) {
+            if (dest[i] != ni) {
+                continue;
+            }
+            void *vrep = NULL;
+            if (nd->c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
+                if (nd->c != NULL) {
+                    node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
+                }
+                o->rc = KV_ESYS; /* the keys not read are not there */
+                continue;
+            }
+            redisReply *rep = vrep;
+            nd->fails = 0; /* it answers */
+            if (note_redirect(r, rep, &rto[i], &rask[i])) {
+                freeReplyObject(rep);
+                continue;
+            }
+            if (rep->type == REDIS_REPLY_ERROR) {
+                note_error(r, "%s:%d: STRLEN: %s", nd->host, nd->port, rep->str);
+                o->rc = KV_ESYS;
+            }
+            o->present[i] = (uint8_t)probe_reply(rep);
+            freeReplyObject(rep);
+        }
+        if (shortened && nd->c != NULL) {
+            set_timeout(c, r->timeout_ms);
+        }
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        if (rto[i] < 0) {
+            continue;
+        }
+        if (now_ms() >= deadline) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        const char *argv[2] = {"STRLEN", o->keys[i]};
+        size_t lens[2] = {6, strlen(o->keys[i])};
+        redisReply *rep = command_at(r, rto[i], rask[i], 2, argv, lens);
+        if (rep == NULL) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        o->present[i] = (uint8_t)probe_reply(rep);
+        freeReplyObject(rep);
+    }
+    free(dest);
+    free(rto);
+    free(rask);
+}
+
 /* Bytes of a put's value: header, tail, payload. */
 static size_t value_len(const op *o) {
     return KVD_REMOTE_HEADER + (o->meta.tail != NULL ? KVD_REMOTE_TAIL : 0) + o->plen;
@@ -1174,7 +1290,23 @@ static void *thread_main(void *arg) {
         if (!r->probed || r->need_refresh) {
             (void)refresh(r, g != NULL ? g->deadline : 0);
         }
-        if (g != NULL) {
+        if (g != NULL && g->kind == OP_PROBE) {
+            do_probe(r, g);
+            if (g->rc == KV_ESYS && r->cluster && r->need_refresh && now_ms() < g->deadline &&
+                refresh(r, g->deadline) == 0) {
+                g->rc = KV_OK; /* a master failed: once more over the new map */
+                do_probe(r, g);
+            }
+            uint64_t found = 0;
+            for (size_t i = 0; g->present != NULL && i < g->n; i++) {
+                found += g->present[i];
+            }
+            pthread_mutex_lock(&r->mu);
+            r->st.probes += g->n;
+            r->st.probe_hits += found;
+            pthread_mutex_unlock(&r->mu);
+            finish(r, g);
+        } else if (g != NULL) {
             do_get(r, g);
             if (g->rc == KV_ESYS && r->cluster && r->need_refresh && now_ms() < g->deadline &&
                 refresh(r, g->deadline) == 0) {
@@ -1261,6 +1393,10 @@ static void run_done(op *o) {
         free(o->owned_key);
     } else if (o->kind == OP_PUT) {
         o->put_done(o->arg, o->rc);
+    } else if (o->kind == OP_PROBE) {
+        kv_err rc = o->present == NULL && o->rc == KV_OK ? KV_ENOMEM : o->rc;
+        o->probe_done(o->arg, rc, o->present, o->present != NULL ? o->n : 0);
+        free(o->present);
     } else {
         o->get_done(o->arg, o->rc, o->vals, o->vals != NULL ? o->n : 0);
         for (size_t i = 0; o->vals != NULL && i < o->n; i++) {
@@ -1364,7 +1500,7 @@ static kv_err enqueue(kvd_remote *r, op *o) {
         pthread_mutex_unlock(&r->mu);
         return KV_EBUSY;
     }
-    op ***tail = o->kind == OP_GET ? &r->gets_tail : &r->puts_tail;
+    op ***tail = o->kind == OP_GET || o->kind == OP_PROBE ? &r->gets_tail : &r->puts_tail;
     **tail = o;
     *tail = &o->next;
     r->queued_bytes += o->kind == OP_PUT ? o->plen : 0;
@@ -1429,6 +1565,24 @@ kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_m
     o->dst = dst;
     o->n = n;
     o->get_done = done;
+    o->arg = arg;
+    kv_err rc = enqueue(r, o);
+    if (rc != KV_OK) {
+        free(o);
+    }
+    return rc;
+}
+
+kv_err kvd_remote_probe(kvd_remote *r, const char *const *keys, size_t n,
+                        kvd_remote_probe_done done, void *arg) {
+    op *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        return KV_ENOMEM;
+    }
+    o->kind = OP_PROBE;
+    o->keys = keys;
+    o->n = n;
+    o->probe_done = done;
     o->arg = arg;
     kv_err rc = enqueue(r, o);
     if (rc != KV_OK) {

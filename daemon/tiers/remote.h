@@ -127,11 +127,24 @@ typedef void (*kvd_remote_get_done)(void *arg, kv_err rc, kvd_remote_val *vals, 
 kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want,
                       const kvd_remote_dst *dst, size_t n, kvd_remote_get_done done, void *arg);
 
+/* Whether keys[0..n) hold values (pipelined per node, queued with the gets and served as one:
+ * one timeout for all its nodes, the map read again once after a failover): STRLEN of each key,
+ * a key counting as there when its value is longer than a header. No value is read, so a value
+ * that is there but fails a check when a get reads it counts here (a Fetch finds that out, and
+ * serves nothing of it). keys are borrowed until done runs on the loop thread with present[0..n)
+ * (1: there, 0: no such key or not asked) and rc: KV_OK, KV_ESYS when some node failed or the
+ * time ran out (its keys are 0), KV_ECLOSED at close. KV_EBUSY (done never runs) at stop;
+ * KV_ENOMEM. */
+typedef void (*kvd_remote_probe_done)(void *arg, kv_err rc, const uint8_t *present, size_t n);
+kv_err kvd_remote_probe(kvd_remote *r, const char *const *keys, size_t n,
+                        kvd_remote_probe_done done, void *arg);
+
 /* Counters and state (loop thread; read under the thread's lock). */
 typedef struct kvd_remote_stats {
     uint64_t state; /* 1 up (some node answers), 2 down (none does, or none tried yet) */
     uint64_t puts, put_bytes, put_errors, put_drops;
     uint64_t gets, hits, misses, bad;
+    uint64_t probes, probe_hits; /* keys asked by kvd_remote_probe, and found there */
     uint64_t errors, reconnects, redirects;
     int cluster; /* a Redis Cluster was found */
     int nnodes;  /* nodes known */

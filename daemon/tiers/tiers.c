@@ -79,6 +79,8 @@ enum {
     TS_REMOTE_REDIRECTS,
     TS_REMOTE_PROMOTED,
     TS_REMOTE_DIRECT,
+    TS_REMOTE_PROBES,
+    TS_REMOTE_PROBE_HITS,
     TS_QUOTA_DROPS,
     TS_COUNT
 };
@@ -213,6 +215,11 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_REMOTE_DIRECT] = {"remote_direct", "counter", "blocks",
                           "remote values a Fetch read from the socket straight into T0 blocks",
                           NULL, NULL, NULL, NULL},
+    [TS_REMOTE_PROBES] = {"remote_probes", "counter", "blocks",
+                          "keys Lookups (Lookup.remote) asked the remote tier about", NULL, NULL,
+                          NULL, NULL},
+    [TS_REMOTE_PROBE_HITS] = {"remote_probe_hits", "counter", "blocks",
+                              "of them, keys Redis held a value for", NULL, NULL, NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -1693,6 +1700,10 @@ int kvd_tiers_on(const kvd_tiers *t) {
     return t != NULL && (t->cap[0] > 0 || t->cap[1] > 0);
 }
 
+int kvd_tiers_remote_any(const kvd_tiers *t) {
+    return t != NULL && t->remote != NULL && t->cfg->remote_fetch_max > 0;
+}
+
 uint32_t kvd_tiers_inflight(const kvd_tiers *t) {
     return t != NULL ? t->jobs : 0;
 }
@@ -2536,6 +2547,60 @@ int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
     return t != NULL && t->remote != NULL && p->tiers != NULL && t->cfg->remote_fetch_max > 0;
 }
 
+/* A Lookup's remote probe in flight: its keys (borrowed by the remote thread) and whom to tell. */
+typedef struct rprobe {
+    kvd_tiers_rprobe_fn done;
+    void *arg;
+    char (*keys)[256]; /* [n] */
+    const char **keyp; /* [n] */
+} rprobe;
+
+static void on_remote_probe(void *arg, kv_err rc, const uint8_t *present, size_t n) {
+    rprobe *q = arg;
+    uint32_t run = 0;
+    while (run < n && present[run]) {
+        run++;
+    }
+    q->done(q->arg, rc, run);
+    free(q->keys);
+    free(q->keyp);
+    free(q);
+}
+
+kv_err kvd_tiers_remote_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                              kvd_tiers_rprobe_fn done, void *arg) {
+    if (!kvd_tiers_remote_on(t, p)) {
+        return KV_ENOTSUP;
+    }
+    size_t k = n < t->cfg->remote_fetch_max ? n : (size_t)t->cfg->remote_fetch_max;
+    rprobe *q = calloc(1, sizeof(*q));
+    if (q != NULL) {
+        q->keys = malloc(sizeof(*q->keys) * (k > 0 ? k : 1));
+        q->keyp = malloc(sizeof(*q->keyp) * (k > 0 ? k : 1));
+    }
+    if (q == NULL || q->keys == NULL || q->keyp == NULL) {
+        if (q != NULL) {
+            free(q->keys);
+            free(q->keyp);
+            free(q);
+        }
+        return KV_ENOMEM;
+    }
+    q->done = done;
+    q->arg = arg;
+    for (size_t i = 0; i < k; i++) {
+        remote_key(p->tiers, hashes[i], q->keys[i], sizeof(q->keys[i]));
+        q->keyp[i] = q->keys[i];
+    }
+    kv_err rc = kvd_remote_probe(t->remote, q->keyp, k, on_remote_probe, q);
+    if (rc != KV_OK) {
+        free(q->keys);
+        free(q->keyp);
+        free(q);
+    }
+    return rc;
+}
+
 kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t tenant,
                        const kv_hash128 *hashes, size_t n, size_t n_more, uint64_t min_tokens,
                        uint32_t parent_id, kvd_fetch_done done, void *arg, uint32_t *nrun,
@@ -2868,6 +2933,8 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_REMOTE_ERRORS] = rs.errors;
             v[TS_REMOTE_RECONNECTS] = rs.reconnects;
             v[TS_REMOTE_REDIRECTS] = rs.redirects;
+            v[TS_REMOTE_PROBES] = rs.probes;
+            v[TS_REMOTE_PROBE_HITS] = rs.probe_hits;
         }
     }
     for (int i = 0; i < TS_COUNT; i++) {

@@ -62,6 +62,10 @@ void kvd_tiers_free(kvd_tiers *t);
 /* 1 when any lower tier is configured. */
 int kvd_tiers_on(const kvd_tiers *t);
 
+/* 1 when a remote tier is configured (remote-redis, remote-fetch-max > 0): HelloReply's
+ * KV_FEATURE_REMOTE. */
+int kvd_tiers_remote_any(const kvd_tiers *t);
+
 /* Gives pool p its lower tiers (once; later calls do nothing): its T1 entries, and its T2 file
  * `<tier2-path>/<domain>/<model>-<layout>.t2`, whose records found by a scan become T2 entries
  * (what survived a restart). domain: the pool's domain name. A pool that cannot have tiers (no
@@ -133,9 +137,19 @@ kv_err kvd_tiers_fetch(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint32_t
  * above (done sees the longer run; *nrun is n); when Redis had none of them and the local run
  * is under min_tokens tokens, nothing is copied (done sees short_run). A fetch that cannot start
  * then (ENOSPC, the pool gone) reaches done with nok 0 and the code. kvd_tiers_remote_on: 1 when
- * Fetches of pool p ask the remote tier (Lookups never do: they answer at once from the local
- * tiers). */
+ * Fetches of pool p ask the remote tier (a Lookup only when it asks: kvd_tiers_remote_probe). */
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
+
+/* A Lookup's question to the remote tier (Lookup.remote): hashes[0..n) follow the local tiers'
+ * run of pool p (at most remote-fetch-max of them are asked, as a Fetch would). done(arg, rc,
+ * run) runs once on the loop thread, after this call returns, with the length of the leading
+ * run of keys Redis holds (kvd_remote_probe: a value is there; it is not read, so a Fetch may
+ * still find one bad) and rc: KV_OK, KV_ESYS (a node down or the time spent: the run may be
+ * short), KV_ECLOSED (the daemon stops). Unless this call fails: KV_ENOTSUP (no remote tier
+ * for p), KV_EBUSY (the remote thread stops), KV_ENOMEM. Nothing of p is held meanwhile. */
+typedef void (*kvd_tiers_rprobe_fn)(void *arg, kv_err rc, uint32_t run);
+kv_err kvd_tiers_remote_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
+                              kvd_tiers_rprobe_fn done, void *arg);
 
 /* Copies down lease the T0 blocks they read (neither free nor evictable until the copy lands),
  * so an Allocate in a nearly full pool can meet ENOSPC that the copies in flight will end.

@@ -54,6 +54,11 @@ class KvcTierHits(Structure):
     _fields_ = [("fetchable", c_uint32), ("t1", c_uint32), ("t2", c_uint32)]
 
 
+class KvcRemoteHits(Structure):
+    """kvc_remote_hits: what the remote tier holds past the local run."""
+    _fields_ = [("blocks", c_uint32), ("failure", c_int)]
+
+
 class KvcFetchResult(Structure):
     """kvc_fetch_result: what a fetch did."""
     _fields_ = [("nblocks", c_size_t), ("t0_hits", c_uint32), ("promoted", c_uint32),
@@ -124,6 +129,9 @@ _PROTOS = {
                               POINTER(KvcTierHits)]),
     "kvc_fetch": (_E, [p, c_void_p, c_size_t, c_uint32, c_void_p, POINTER(KvcFetchResult)]),
     "kvc_conn_has_tiers": (c_int, [p]),
+    "kvc_conn_has_remote": (c_int, [p]),
+    "kvc_lookup_remote": (_E, [p, c_void_p, c_size_t, c_void_p, POINTER(c_size_t),
+                               POINTER(KvcTierHits), POINTER(KvcRemoteHits)]),
     "kvc_conn_has_private": (c_int, [p]),
     "kvc_allocate_private": (_E, [p, c_uint32, c_void_p]),
     "kvc_unshare": (_E, [p, c_void_p, c_size_t]),

@@ -218,6 +218,11 @@ class Connection:
         return bool(lib.kvc_conn_has_tiers(self._handle().ptr))
 
     @property
+    def has_remote(self):
+        """True when the daemon has a remote tier (remote-redis; docs/TIERS.md)."""
+        return bool(lib.kvc_conn_has_remote(self._handle().ptr))
+
+    @property
     def has_private(self):
         """True when the daemon has private blocks and Unshare (docs/ZIPAGE.md)."""
         return bool(lib.kvc_conn_has_private(self._handle().ptr))
@@ -795,6 +800,31 @@ class Pool:
         out.n = nhit.value
         out.pool = self
         return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}
+
+    def lookup_remote(self, hashes):
+        """kvc_lookup_remote: lookup_tiers() plus how far the prefix goes on in the daemon's
+        remote tier (the call waits for Redis). Returns (Blocks, tiers, {"blocks": n,
+        "failure": an error name, or None when Redis answered})."""
+        p = self._p()
+        hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
+        n = hashes.n
+        out = Blocks(n, self)
+        nhit = c_size_t()
+        th = _lib.KvcTierHits()
+        rh = _lib.KvcRemoteHits()
+        h = self._h
+        with h.lock:
+            rc = lib.kvc_lookup_remote(p, hashes._addr, n, out._addr, byref(nhit), byref(th),
+                                       byref(rh))
+            if h.deferred:
+                h.exit_call()
+        if rc:
+            raise_for(rc, "lookup_remote")
+        out.n = nhit.value
+        out.pool = self
+        failure = error_class(rh.failure).__name__ if rh.failure else None
+        return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}, {
+            "blocks": rh.blocks, "failure": failure}
 
     def fetch(self, hashes, min_tokens=0):
         """kvc_fetch: the prefix in T0 after bringing its blocks up from the lower tiers (when

@@ -1,8 +1,13 @@
 """The binding's lower-tier calls (docs/TIERS.md) against a real kvd with tier 1: a prefix
 pushed out of the pool comes back through Pool.fetch with its values, Pool.lookup_tiers reports
-the run below T0, and Sequence.prefill fetches by itself."""
+the run below T0, Sequence.prefill fetches by itself, and Pool.lookup_remote sees what another
+daemon put in a real redis-server."""
 
+import socket
+import subprocess
 import time
+
+import pytest
 
 import kvclient
 
@@ -138,3 +143,59 @@ def test_batch_fetch(kvd_factory):
         for i in range(8):
             assert p.k(got[i], 0)[0, 0, 0] == 4 + i
         p.release(got)
+
+
+def _redis_server():
+    """A redis-server on a free loopback port (no persistence); returns (process, "host:port")."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(500):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, "127.0.0.1:%d" % port
+        except OSError:
+            time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("redis-server did not start")
+
+
+def test_lookup_remote_sees_another_nodes_prefix(kvd_factory):
+    """Two daemons on one redis-server: B's lookup_remote says Redis holds the 8 blocks A
+    published; fetch then brings A's bytes; a daemon without a remote tier says ENOTSUP."""
+    proc, addr = _redis_server()
+    try:
+        opts = dict(pool_memory="40K", segment_bytes="16K", tier1_memory="4M",
+                    fetch_min_tokens="4", remote_redis=addr)
+        a = kvd_factory(tier_write="write-through", **opts)
+        b = kvd_factory(**opts)
+        with a.connect() as ca, b.connect() as cb:
+            assert cb.has_remote and cb.has_tiers
+            pa = ca.attach("tiers-remote", **SHAPE)
+            pb = cb.attach("tiers-remote", **SHAPE)
+            h = _publish(pa, list(range(32)), fill=5)
+            for _ in range(500):
+                t0, th, rh = pb.lookup_remote(h)
+                pb.release(t0)
+                if rh["blocks"] == 8:
+                    break
+                time.sleep(0.02)
+            assert len(t0) == 0 and th["fetchable"] == 0 and rh == {"blocks": 8, "failure": None}
+            got, info = pb.fetch(h)
+            assert info["status"] == "done" and len(got) == 8, info
+            for i in range(8):
+                assert pb.k(got[i], 1)[0, 0, 0] == 5 + i
+            pb.release(got)
+            assert cb.stat("session.refs_held") == 0
+        with kvd_factory(pool_memory="40K", segment_bytes="16K", tier1_memory="4M").connect() as c:
+            assert not c.has_remote
+            p = c.attach("tiers-remote", **SHAPE)
+            with pytest.raises(kvclient.KvdNotSupported):
+                p.lookup_remote(h)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -425,17 +425,20 @@ class Conn:
     def map_segments(self, pool_id, first_index):
         return self.call("map_segments", pb.MapSegments(pool_id=pool_id, first_index=first_index))
 
-    def lookup_msg(self, pool_id, hashes, search_domains=False, packed=None):
+    def lookup_msg(self, pool_id, hashes, search_domains=False, packed=None, remote=False):
         packed = self.packed_out if packed is None else packed
-        m = pb.Lookup(pool_id=pool_id, search_domains=search_domains)
+        m = pb.Lookup(pool_id=pool_id, search_domains=search_domains, remote=remote)
         if packed:
             m.hashes_packed = pack_hashes(hashes)
         else:
             m.hashes.extend(pb.Hash128(lo=lo, hi=hi) for lo, hi in hashes)
         return m
 
-    def lookup(self, pool_id, hashes, search_domains=False, packed=None):
-        r, _ = self.call("lookup", self.lookup_msg(pool_id, hashes, search_domains, packed))
+    def lookup(self, pool_id, hashes, search_domains=False, packed=None, remote=False):
+        """Lookup (§6); remote: also ask the remote tier (the reply may come after later
+        requests' replies)."""
+        r, _ = self.call("lookup", self.lookup_msg(pool_id, hashes, search_domains, packed,
+                                                   remote))
         return r
 
     def fetch_msg(self, pool_id, hashes, min_tokens=0, packed=None):

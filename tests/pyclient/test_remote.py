@@ -997,6 +997,8 @@ def test_other_domain_never_hits(kvd_factory, redis):
     r = redis.client()
     ns_a = Namespace(r, "kvd", "uid-%d" % uid)
     assert ns_a.wait_landed(hs)
+    lr = cb.lookup(pb_.pool_id, hs, remote=True)
+    assert lr.remote_hits == 0 and lr.remote_failure == pb.OK, lr  # asked, under B's domain
     fr, blocks = fetch(cb, pb_, hs)
     assert blocks == [], fr
     st = tiers(b)
@@ -1390,6 +1392,119 @@ def test_redis_stopped_never_stalls_the_loop(kvd_factory, redis):
     assert a.alive() and b.alive()
 
 
+def test_lookup_asks_remote_when_told(kvd_factory, redis):
+    """Lookup.remote: past the local tiers' run B asks Redis (STRLEN, nothing read) and the
+    reply says how many leading blocks Redis holds; without the flag a Lookup never asks. A key
+    deleted in Redis ends the run there; blocks B holds locally are not asked about; a daemon
+    without a remote tier answers ENOTSUP at once."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
+    hs, pats = commit_chain(ca, pa, 16, 1)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    plain = cb.lookup(pb_.pool_id, hs)
+    assert plain.remote_hits == 0 and rstat(b, "probes") == 0, msg(plain, rem(b))
+    extra = kw.hash_chain(pb_.hash_seed, list(range(9000, 9000 + 4 * LAYOUT.tokens_per_block)),
+                          LAYOUT.tokens_per_block, b"", pb_.hash_algo)
+    lr = cb.lookup(pb_.pool_id, hs + extra, remote=True)
+    assert kw.reply_blocks(lr) == [] and lr.tier_fetchable == 0, lr
+    assert lr.remote_hits == 16 and lr.remote_failure == pb.OK, msg(lr, rem(b))
+    st = tiers(b)
+    assert st["remote_probes"] == 20 and st["remote_probe_hits"] == 16, rem(st)
+    assert st["remote_gets"] == 0, rem(st)  # a probe reads no value
+    # B brings the first 8 into T0: a Lookup holds them and asks Redis about the other 8.
+    assert fetch_checked(cb, pb_, hs[:8], pats[:8], "first half")[1] == 8
+    lr = cb.lookup(pb_.pool_id, hs, remote=True)
+    pb_.follow(lr)
+    held = kw.reply_blocks(lr)
+    assert len(held) == 8 and lr.remote_hits == 8, msg(lr, rem(b))
+    check_prefix(pb_, held, pats, "held while Redis was asked")
+    cb.release(pb_.pool_id, held)
+    # A key gone from Redis ends the run.
+    r.call("DEL", ns.key(hs[12]))
+    lr = cb.lookup(pb_.pool_id, hs, remote=True)
+    pb_.follow(lr)
+    assert len(kw.reply_blocks(lr)) == 8 and lr.remote_hits == 4, lr
+    cb.release(pb_.pool_id, kw.reply_blocks(lr))
+    # A prefix wholly in T0: nothing to ask.
+    before = rstat(b, "probes")
+    lr = cb.lookup(pb_.pool_id, hs[:8], remote=True)
+    pb_.follow(lr)
+    assert len(kw.reply_blocks(lr)) == 8 and lr.remote_hits == 0, lr
+    assert lr.remote_failure == pb.OK and rstat(b, "probes") == before
+    cb.release(pb_.pool_id, kw.reply_blocks(lr))
+    assert idle(cb, pb_)
+    # No remote tier: ENOTSUP in the reply, at once.
+    c = kvd_factory(pool_memory="1M", segment_bytes="64K", tier1_memory="8M")
+    cc = connect(c)
+    pc = cc.attach(MODEL, LAYOUT)
+    lr = cc.lookup(pc.pool_id, hs, remote=True)
+    assert lr.remote_failure == pb.ENOTSUP and lr.remote_hits == 0, lr
+
+
+def test_lookup_remote_with_redis_stopped(kvd_factory, redis):
+    """Redis SIGSTOPped: a Lookup.remote is answered within remote-timeout-ms * 3 + 1 s with
+    ESYS and no remote hits (its T0 hits good), Pings meanwhile within 50 ms; a session that
+    closes while its Lookup waits leaves nothing held; after SIGCONT the answer is whole."""
+    timeout_ms = 200
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr,
+                                      b_extra={OPT_TIMEOUT: str(timeout_ms)},
+                                      **{OPT_TIMEOUT: str(timeout_ms)})
+    hs, pats = commit_chain(ca, pa, 8, 1)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    assert fetch_checked(cb, pb_, hs[:2], pats[:2], "two local")[1] == 2
+    redis.sigstop()
+    try:
+        # A second session asks and goes away before the answer.
+        gone = connect(b)
+        pg = gone.attach(MODEL, LAYOUT)
+        gone.send("lookup", gone.lookup_msg(pg.pool_id, hs, remote=True))
+        time.sleep(0.05)
+        gone.close()
+        t = time.monotonic()
+        lid = cb.send("lookup", cb.lookup_msg(pb_.pool_id, hs, remote=True))
+        lat, reply = [], None
+        for i in range(20):
+            t1 = time.perf_counter()
+            cb.send("ping", pb.Ping(nonce=i + 1))
+            while True:
+                which, body, _ = cb.recv()
+                if which == "pong":
+                    assert body.nonce == i + 1
+                    break
+                assert which == "lookup_reply", which
+                reply, took = body, time.monotonic() - t
+            lat.append((time.perf_counter() - t1) * 1000)
+            time.sleep(0.01)
+        assert max(lat) < 50, "Ping latency while a Lookup waits on Redis: max %.1f ms" % max(lat)
+        limit = timeout_ms * 3 / 1000 + 1
+        if reply is None:
+            cb.sock.settimeout(limit + 1)
+            _, reply, _ = cb.recv(lid)
+            took = time.monotonic() - t
+        assert took <= limit, "Lookup.remote with Redis stopped took %.2f s" % took
+        pb_.follow(reply)
+        held = kw.reply_blocks(reply)
+        assert len(held) == 2 and reply.remote_hits == 0, reply
+        assert reply.remote_failure == pb.ESYS, reply
+        check_prefix(pb_, held, pats, "T0 hits while Redis is stopped")
+        cb.release(pb_.pool_id, held)
+    finally:
+        redis.sigcont()
+    deadline = time.monotonic() + 15
+    while True:
+        lr = cb.lookup(pb_.pool_id, hs, remote=True)
+        pb_.follow(lr)
+        cb.release(pb_.pool_id, kw.reply_blocks(lr))
+        if lr.remote_hits == 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert lr.remote_hits == 6 and lr.remote_failure == pb.OK, msg(lr, rem(b))
+    assert wait_until(lambda: idle(cb, pb_), timeout=5), cb.stats(pb_.pool_id)
+    assert b.alive()
+
+
 def test_redis_full_keeps_serving(kvd_factory, redis_factory):
     """Redis at maxmemory with noeviction refuses writes (OOM): remote_put_errors counts them,
     A keeps committing and answering, nothing crashes."""
@@ -1540,6 +1655,8 @@ def test_cluster_spread_failover_and_writes(kvd_factory, redis_cluster):
     assert len(owners) == 3, {p: len(v) for p, v in owners.items()}
     for h, p in zip(hs, pats):  # each key readable from its slot's master, well-formed
         check_value(cl.client.get(ns.key(h)), h, ns.layout_key, LAYOUT.block_bytes, p)
+    lr = cb.lookup(pb_.pool_id, hs, remote=True)  # one STRLEN pipeline per master
+    assert lr.remote_hits == 64 and lr.remote_failure == pb.OK, msg(lr, rem(b))
     fr, n = fetch_checked(cb, pb_, hs, pats, "cluster fetch")
     assert n == 64, msg(fr, rem(b), log_tail(b))
     assert rstat(b, "hits") == 64

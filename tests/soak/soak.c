@@ -32,6 +32,7 @@
  * waitpid). */
 typedef struct soak_counters {
     uint64_t ops, requests, lookups, hit_blocks, promoted, allocated, committed, duplicates;
+    uint64_t remote_lookups, remote_lookup_hits;
     uint64_t rewinds, pins;
     uint64_t enospc, verified, mismatched, unmapped, cross_domain, unexpected;
     uint32_t reported; /* mismatch lines printed by the slot's processes (capped) */
@@ -169,7 +170,8 @@ typedef struct worker {
     kvc_pool *p;
     int tenant;
     int permille;
-    int tiers; /* Fetch instead of Lookup (soak_options.tiers) */
+    int tiers;  /* Fetch instead of Lookup (soak_options.tiers) */
+    int remote; /* a remote tier: a quarter of the cycles ask it with kvc_lookup_remote */
     uint64_t rng;
 } worker;
 
@@ -266,7 +268,22 @@ static void cycle(worker *w) {
     maybe_die(w);
     w->k->requests++;
     w->k->lookups++;
-    if (w->tiers) {
+    if (w->remote && rng_next(&w->rng) % 4 == 0) {
+        /* Ask Redis how far the prefix goes on past the local tiers (the hits are T0's). */
+        kvc_tier_hits th;
+        kvc_remote_hits rh;
+        w->k->remote_lookups++;
+        rc = kvc_lookup_remote(w->p, h, nblocks, held, &nhit, &th, &rh);
+        if (rc == KV_OK) {
+            w->k->remote_lookup_hits += rh.blocks;
+            if (rh.failure != KV_OK && rh.failure != KV_ESYS && rh.failure != KV_EBUSY) {
+                unexpected(w, "lookup remote (failure)", rh.failure);
+            }
+            if (nhit + th.fetchable + rh.blocks > nblocks) {
+                unexpected(w, "lookup remote (more hits than blocks)", KV_EINTERNAL);
+            }
+        }
+    } else if (w->tiers) {
         /* Every hit's bytes are checked below, whether they were in T0 or came up. */
         kvc_fetch_result fr;
         rc = kvc_fetch(w->p, h, nblocks, 0, held, &fr);
@@ -410,6 +427,7 @@ static void worker_main(const soak_ctx *x, int slot) {
     w.tenant = slot % x->o->tenants;
     w.permille = x->o->death_permille;
     w.tiers = x->o->tiers;
+    w.remote = x->o->tiers && x->o->redis != NULL;
     w.rng = mix64((uint64_t)slot << 32 ^ (uint64_t)getpid() ^ now_ms() << 20);
     kvc_conn *c;
     char name[32];
@@ -783,6 +801,8 @@ int soak_run(const soak_options *o, soak_result *r) {
         r->ops += k->ops;
         r->requests += k->requests;
         r->lookups += k->lookups;
+        r->remote_lookups += k->remote_lookups;
+        r->remote_lookup_hits += k->remote_lookup_hits;
         r->hit_blocks += k->hit_blocks;
         r->promoted += k->promoted;
         r->allocated += k->allocated;
@@ -844,9 +864,11 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->pins, (unsigned long long)r->enospc);
     if (o->tiers && o->redis != NULL) {
         printf("soak: tiers on with a remote tier (write-through, redis-server on port %d): %llu "
-               "hit blocks came up, %llu remote values read straight into T0, %llu bad\n",
+               "hit blocks came up, %llu remote values read straight into T0, %llu bad; %llu "
+               "Lookups asked Redis, which held %llu blocks past their local runs\n",
                x.redis_port, (unsigned long long)r->promoted, (unsigned long long)r->remote_direct,
-               (unsigned long long)r->remote_bad);
+               (unsigned long long)r->remote_bad, (unsigned long long)r->remote_lookups,
+               (unsigned long long)r->remote_lookup_hits);
     } else if (o->tiers) {
         printf("soak: tiers on (%s): %llu hit blocks came up from tier 1 or 2\n",
                o->tiers == 2 ? "write-through" : "write-back", (unsigned long long)r->promoted);

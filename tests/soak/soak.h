@@ -36,35 +36,37 @@ typedef struct soak_options {
 } soak_options;
 
 typedef struct soak_result {
-    uint64_t ops;           /* worker cycles (lookup .. release), finished or not */
-    uint64_t requests;      /* kvd requests made by workers */
-    uint64_t lookups;       /* Lookup requests */
-    uint64_t hit_blocks;    /* blocks returned by Lookup (or Fetch, with tiers) */
-    uint64_t promoted;      /* of them, blocks a Fetch copied up from tier 1 or 2 */
-    uint64_t remote_direct; /* remote values read straight into T0 blocks (kvd's count) */
-    uint64_t remote_bad;    /* remote values that failed a check (kvd's count; 0 expected) */
-    uint64_t allocated;     /* blocks leased by Allocate */
-    uint64_t committed;     /* blocks committed */
-    uint64_t duplicates;    /* commits answered with another writer's canonical block */
-    uint64_t rewinds;       /* Rewind requests (drafts thrown away) */
-    uint64_t pins;          /* Pin requests */
-    uint64_t enospc;        /* Allocate refused with ENOSPC (expected under memory pressure) */
-    uint64_t verified;      /* blocks whose bytes were checked after a hit or a commit */
-    uint64_t mismatched;    /* blocks whose bytes differed from what their writer wrote */
-    uint64_t unmapped;      /* of those: kvc_pool_addr gave NULL (segment not mapped) */
-    uint64_t cross_domain;  /* hits holding another tenant's bytes */
-    uint64_t unexpected;    /* requests that failed with an error no scenario explains */
-    uint64_t deaths;        /* workers that SIGKILLed themselves (faults injected) */
-    uint64_t crashes;       /* workers that died any other way, or could not start */
-    uint64_t leaked;        /* blocks neither free nor cached after every worker was gone */
-    uint64_t blocks_total;  /* blocks of all pools at the end */
-    uint64_t rss_start_kb;  /* kvd VmRSS after start (idle) */
-    uint64_t rss_warm_kb;   /* kvd VmRSS after a quarter of the run */
-    uint64_t rss_end_kb;    /* kvd VmRSS at the end, every worker gone */
-    uint64_t anon_warm_kb;  /* kvd RssAnon after a quarter of the run */
-    uint64_t anon_end_kb;   /* kvd RssAnon at the end */
-    int kvd_status;         /* kvd's exit status after SIGTERM (0 expected), -1 if killed */
-    int check_failed;       /* the end-of-run checker could not run */
+    uint64_t ops;                /* worker cycles (lookup .. release), finished or not */
+    uint64_t requests;           /* kvd requests made by workers */
+    uint64_t lookups;            /* Lookup requests */
+    uint64_t hit_blocks;         /* blocks returned by Lookup (or Fetch, with tiers) */
+    uint64_t promoted;           /* of them, blocks a Fetch copied up from tier 1 or 2 */
+    uint64_t remote_direct;      /* remote values read straight into T0 blocks (kvd's count) */
+    uint64_t remote_bad;         /* remote values that failed a check (kvd's count; 0 expected) */
+    uint64_t remote_lookups;     /* kvc_lookup_remote calls (with redis: a quarter of the cycles) */
+    uint64_t remote_lookup_hits; /* blocks they said Redis holds past the local tiers */
+    uint64_t allocated;          /* blocks leased by Allocate */
+    uint64_t committed;          /* blocks committed */
+    uint64_t duplicates;         /* commits answered with another writer's canonical block */
+    uint64_t rewinds;            /* Rewind requests (drafts thrown away) */
+    uint64_t pins;               /* Pin requests */
+    uint64_t enospc;             /* Allocate refused with ENOSPC (expected under memory pressure) */
+    uint64_t verified;           /* blocks whose bytes were checked after a hit or a commit */
+    uint64_t mismatched;         /* blocks whose bytes differed from what their writer wrote */
+    uint64_t unmapped;           /* of those: kvc_pool_addr gave NULL (segment not mapped) */
+    uint64_t cross_domain;       /* hits holding another tenant's bytes */
+    uint64_t unexpected;         /* requests that failed with an error no scenario explains */
+    uint64_t deaths;             /* workers that SIGKILLed themselves (faults injected) */
+    uint64_t crashes;            /* workers that died any other way, or could not start */
+    uint64_t leaked;             /* blocks neither free nor cached after every worker was gone */
+    uint64_t blocks_total;       /* blocks of all pools at the end */
+    uint64_t rss_start_kb;       /* kvd VmRSS after start (idle) */
+    uint64_t rss_warm_kb;        /* kvd VmRSS after a quarter of the run */
+    uint64_t rss_end_kb;         /* kvd VmRSS at the end, every worker gone */
+    uint64_t anon_warm_kb;       /* kvd RssAnon after a quarter of the run */
+    uint64_t anon_end_kb;        /* kvd RssAnon at the end */
+    int kvd_status;              /* kvd's exit status after SIGTERM (0 expected), -1 if killed */
+    int check_failed;            /* the end-of-run checker could not run */
 } soak_result;
 
 /* Fills o with the defaults: 60 s, 64 clients, 4 tenants, 2 permille deaths, kvd at the runfile

@@ -93,6 +93,8 @@ static void test_soak_remote(void **state) {
     check_soak(&o, &r);
     assert_int_equal(r.remote_bad, 0);
     assert_true(r.remote_direct > 0);
+    assert_true(r.remote_lookups > 0);
+    assert_true(r.remote_lookup_hits > 0); /* Lookups saw Redis hold what T0 and T1 let go */
 }
 
 int main(void) {
