@@ -363,7 +363,10 @@ typedef struct kvc_remote_hits {
                         fails a check ends its run there) */
     kv_err failure;  /* KV_OK: Redis answered for every key asked; KV_ESYS: Redis down or too
                         slow (blocks may be short); KV_EPERM: the pool is read-only for this
-                        tenant; KV_EBUSY: too many of this session's replies are still to come */
+                        tenant; KV_EBUSY: too many of this session's replies are still to come;
+                        KV_ENOTSUP: this pool has no lower tiers; KV_ENOMEM; KV_ECLOSED: the
+                        daemon stops. blocks is 0 unless KV_OK or KV_ESYS. Not capped by the
+                        tenant's max-held (a fetch is) */
 } kvc_remote_hits;
 
 /* 1 when the daemon has a remote tier (HelloReply.features REMOTE), else 0. */

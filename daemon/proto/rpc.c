@@ -799,7 +799,9 @@ typedef struct lookup_wait {
     uint64_t id;
     uint64_t session;
     uint32_t pool_id;
+    uint64_t serial;                            /* the attach of pool_id (kvd_session_pool) */
     uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* the linked pools searched, in order */
+    uint64_t link_serials[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t nlinks;
     int with_pools; /* search_domains: the reply names each block's pool */
     kvd_tier_run tr;
@@ -812,6 +814,12 @@ static void lookup_wait_free(lookup_wait *w) {
     free(w->refs);
     free(w->pool_of);
     free(w);
+}
+
+/* The session's pool pool_id when it is still the attach of that serial, else NULL. */
+static kvd_session_pool *same_attach(kvd_session *sess, uint32_t pool_id, uint64_t serial) {
+    kvd_session_pool *sp = kvd_session_find_pool(sess, pool_id);
+    return sp != NULL && sp->serial == serial ? sp : NULL;
 }
 
 /* Redis answered a waiting Lookup (or it failed, or the daemon stops): the reply goes out now,
@@ -831,17 +839,30 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
     kvd_reply out;
     later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, NULL);
     rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
-    kvd_session_pool *sp = kvd_session_find_pool(sess, w->pool_id);
+    kvd_session_pool *sp = same_attach(sess, w->pool_id, w->serial);
     kvd_session_pool *linked[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t nlinked = 0;
     int all_there = sp != NULL;
-    for (uint32_t k = 0; k < w->nlinks && all_there; k++) {
-        linked[nlinked] = kvd_session_find_pool(sess, w->links[k]);
-        all_there = linked[nlinked++] != NULL;
+    for (uint32_t k = 0; k < w->nlinks; k++) {
+        linked[nlinked] = same_attach(sess, w->links[k], w->link_serials[k]);
+        all_there &= linked[nlinked++] != NULL;
     }
     kv_err e = KV_OK;
     if (!all_there) {
-        /* A searched pool was detached meanwhile: its hits went back with the DetachPool. */
+        /* A searched pool was detached meanwhile (maybe attached again): its hits went back
+         * with the DetachPool. Those in the pools still attached as they were go back now, so
+         * the session holds nothing the client was not told of. */
+        for (uint32_t j = 0; j < w->nhit; j++) {
+            uint32_t pid = w->with_pools ? w->pool_of[j] : w->pool_id;
+            uint64_t serial = w->serial;
+            for (uint32_t k = 0; k < w->nlinks; k++) {
+                serial = w->links[k] == pid ? w->link_serials[k] : serial;
+            }
+            kvd_session_pool *q = same_attach(sess, pid, serial);
+            if (q != NULL) {
+                kvd_session_unhold(sess, q, &w->refs[j], 1);
+            }
+        }
         kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
                       "a pool was detached while this Lookup waited for the remote tier", &out);
     } else {
@@ -885,7 +906,9 @@ static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_poo
     w->id = id;
     w->session = c->sess->id;
     w->pool_id = sp->pool_id;
+    w->serial = sp->serial;
     for (uint32_t k = 1; k < norder; k++) {
+        w->link_serials[w->nlinks] = order[k]->serial;
         w->links[w->nlinks++] = order[k]->pool_id;
     }
     w->with_pools = pool_of != NULL;
@@ -1007,7 +1030,9 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     }
     /* Lookup.remote: past the local tiers' run, ask Redis (the reply waits for it). */
     remote_answer ra = {0, KV_OK};
-    if (l->remote && (c->sess->features & KV_FEATURE_TIERS)) {
+    if (l->remote && !(c->sess->features & KV_FEATURE_TIERS)) {
+        ra.failure = KV_ENOTSUP; /* the session did not say it reads the tier fields */
+    } else if (l->remote) {
         size_t past = nhit + tr.fetchable;
         if (p->tiers == NULL || !kvd_tiers_remote_on(c->ctx->tiers, p) || c->ctx->later == NULL) {
             ra.failure = KV_ENOTSUP;

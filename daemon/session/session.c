@@ -209,6 +209,7 @@ kv_err kvd_session_add_pool(kvd_session *s, uint32_t pool_id, kvd_pool *pool,
     memset(sp, 0, sizeof(*sp));
     sp->pool_id = pool_id;
     sp->pool = pool;
+    sp->serial = ++s->attaches;
     kvd_refs_init(&sp->refs);
     *out = sp;
     return KV_OK;

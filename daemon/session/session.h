@@ -58,6 +58,8 @@ typedef struct kvd_session_pool {
     uint32_t hole;        /* every live slot below it was sent (hint, see hole_reuses) */
     uint32_t hole_reuses; /* kvd_pool_slot_reuses when hole was computed */
     kvd_refs refs;        /* references this session holds in the pool */
+    uint64_t serial;      /* which attach this is (kvd_session.attaches): a reply that waited
+                             knows whether the pool was detached and attached again meanwhile */
 } kvd_session_pool;
 
 /* Makes room to record segment slots [0, slots) of sp: called before a reply is queued, so that
@@ -90,8 +92,9 @@ typedef struct kvd_session {
     uint32_t npools, cap;    /* used and allocated entries of pools */
     uint64_t requests;       /* requests handled */
     uint64_t errors;         /* Error replies sent */
-    uint32_t fetches; /* Fetches and waiting Allocates whose reply is still to come (max-inflight
-                         caps them) */
+    uint32_t fetches;  /* Fetches, waiting Allocates and Lookups waiting for the remote tier whose
+                          reply is still to come (max-inflight caps them) */
+    uint64_t attaches; /* pools attached so far (kvd_session_pool.serial) */
 } kvd_session;
 
 /* Caller's storage. */

@@ -1086,6 +1086,9 @@ static void do_probe(kvd_remote *r, op *o) {
             o->rc = KV_ESYS;
             continue;
         }
+        if (rep->type == REDIS_REPLY_ERROR) {
+            o->rc = KV_ESYS; /* TRYAGAIN, CLUSTERDOWN, one redirection too many */
+        }
         o->present[i] = (uint8_t)probe_reply(rep);
         freeReplyObject(rep);
     }

@@ -133,8 +133,8 @@ kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_m
  * that is there but fails a check when a get reads it counts here (a Fetch finds that out, and
  * serves nothing of it). keys are borrowed until done runs on the loop thread with present[0..n)
  * (1: there, 0: no such key or not asked) and rc: KV_OK, KV_ESYS when some node failed or the
- * time ran out (its keys are 0), KV_ECLOSED at close. KV_EBUSY (done never runs) at stop;
- * KV_ENOMEM. */
+ * time ran out (its keys are 0), KV_ECLOSED at close, KV_ENOMEM (present NULL, n 0). KV_EBUSY (done
+ * never runs) at stop; KV_ENOMEM. */
 typedef void (*kvd_remote_probe_done)(void *arg, kv_err rc, const uint8_t *present, size_t n);
 kv_err kvd_remote_probe(kvd_remote *r, const char *const *keys, size_t n,
                         kvd_remote_probe_done done, void *arg);

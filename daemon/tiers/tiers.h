@@ -145,8 +145,9 @@ int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p);
  * run) runs once on the loop thread, after this call returns, with the length of the leading
  * run of keys Redis holds (kvd_remote_probe: a value is there; it is not read, so a Fetch may
  * still find one bad) and rc: KV_OK, KV_ESYS (a node down or the time spent: the run may be
- * short), KV_ECLOSED (the daemon stops). Unless this call fails: KV_ENOTSUP (no remote tier
- * for p), KV_EBUSY (the remote thread stops), KV_ENOMEM. Nothing of p is held meanwhile. */
+ * short), KV_ECLOSED (the daemon stops), KV_ENOMEM (run 0). Unless this call fails: KV_ENOTSUP (no
+ * remote tier for p), KV_EBUSY (the remote thread stops), KV_ENOMEM. Nothing of p is held
+ * meanwhile. */
 typedef void (*kvd_tiers_rprobe_fn)(void *arg, kv_err rc, uint32_t run);
 kv_err kvd_tiers_remote_probe(kvd_tiers *t, kvd_reg_pool *p, const kv_hash128 *hashes, size_t n,
                               kvd_tiers_rprobe_fn done, void *arg);

@@ -1490,6 +1490,28 @@ def test_lookup_remote_with_redis_stopped(kvd_factory, redis):
         assert reply.remote_failure == pb.ESYS, reply
         check_prefix(pb_, held, pats, "T0 hits while Redis is stopped")
         cb.release(pb_.pool_id, held)
+        # Detached and attached again while a Lookup waits: the Lookup gets ESTATE (its hits
+        # went with the detach) and the new attach holds nothing of it.
+        c3 = connect(b)
+        p3 = c3.attach(MODEL, LAYOUT)
+        lid3 = c3.send("lookup", c3.lookup_msg(p3.pool_id, hs, remote=True))
+        did = c3.send("detach_pool", pb.DetachPool(pool_id=p3.pool_id))
+        aid = c3.send("attach_pool", pb.AttachPool(model_id=MODEL, layout=LAYOUT.to_pb()))
+        got = {}
+        c3.sock.settimeout(limit + 1)
+        while len(got) < 3:
+            try:
+                which, body, fds = c3.recv()
+                for fd in fds:
+                    os.close(fd)
+                got[which] = body
+            except kw.KvdError as e:
+                assert e.req_id == lid3, e
+                got["lookup"] = e
+        assert isinstance(got["lookup"], kw.KvdError) and got["lookup"].code == pb.ESTATE, got
+        assert "detach_pool_reply" in got and "attach_pool_reply" in got, got
+        assert c3.stats()["session.refs_held"] == 0, c3.stats()
+        c3.close()
     finally:
         redis.sigcont()
     deadline = time.monotonic() + 15
