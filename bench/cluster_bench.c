@@ -161,6 +161,82 @@ static size_t reps_of(size_t n) {
     return n >= 32 ? 1 : 32 / n;
 }
 
+/* A raw pipeline of STRLENs of keys[0..n): seconds. */
+static double raw_strlen(redisContext *rc, char **keys, size_t n) {
+    double t0 = bench_now_s();
+    for (size_t i = 0; i < n; i++) {
+        redisAppendCommand(rc, "STRLEN %s", keys[i]);
+    }
+    for (size_t i = 0; i < n; i++) {
+        void *rep;
+        if (redisGetReply(rc, &rep) != REDIS_OK) {
+            bench_die("raw STRLEN failed");
+        }
+        freeReplyObject(rep);
+    }
+    return bench_now_s() - t0;
+}
+
+/* Lookup.remote (kvc_lookup_remote) of prefixes node B holds nowhere locally (the warm-up
+ * chains, long evicted) against a plain Lookup of the same prefix plus a raw STRLEN pipeline of
+ * as many keys: what asking Redis at Lookup time adds to a Lookup. */
+static void lookup_remote_table(redisContext *rc, kvc_pool *pb, kvc_conn *cb,
+                                const kv_hash128 *hashes, char **keys, int runs) {
+    printf("#### Lookup.remote: how far a prefix goes on in Redis, asked at Lookup time\n\n");
+    printf("Node B asks about prefixes of the warm-up chains (in Redis, no longer in B's T0 or "
+           "T1): kvc_lookup_remote (one pipelined STRLEN per key on the remote thread, the reply "
+           "deferred until Redis answers) vs a plain kvc_lookup of the same prefix and a raw "
+           "hiredis STRLEN pipeline of as many keys, alternating; a sample is the median of 32 "
+           "calls; %d samples.\n\n",
+           runs);
+    printf("| prefix blocks | Lookup.remote us | plain Lookup us | raw STRLEN pipeline us | "
+           "remote / (plain + raw) (median) | worst |\n|---:|---:|---:|---:|---:|---:|\n");
+    kvc_block blk[64];
+    for (int s = 0; s < 3; s++) {
+        size_t n = g_rsizes[s];
+        double lr[64], lp[64], lw[64], ratio[64];
+        for (int r = 0; r < runs; r++) {
+            double a[32], b[32], c[32];
+            for (int q = 0; q < 32; q++) {
+                const kv_hash128 *h = hashes + 64 * (size_t)((r * 32 + q) % 8);
+                size_t nhit = 0;
+                kvc_tier_hits th;
+                kvc_remote_hits rh;
+                double t0 = bench_now_s();
+                kv_err err = kvc_lookup_remote(pb, h, n, blk, &nhit, &th, &rh);
+                a[q] = bench_now_s() - t0;
+                if (err != KV_OK || nhit != 0 || th.fetchable != 0 || rh.blocks != n ||
+                    rh.failure != KV_OK) {
+                    bench_die("Lookup.remote of %zu blocks: %s (hits %zu, below %u, remote %u, "
+                              "%s)",
+                              n, kv_strerror(err), nhit, th.fetchable, rh.blocks,
+                              kv_strerror(rh.failure));
+                }
+                t0 = bench_now_s();
+                err = kvc_lookup(pb, h, n, blk, &nhit);
+                b[q] = bench_now_s() - t0;
+                if (err != KV_OK || nhit != 0) {
+                    bench_die("plain Lookup: %s", kvc_last_error(cb));
+                }
+                c[q] = raw_strlen(rc, keys, n);
+            }
+            lr[r] = bench_median(a, 32) * 1e6;
+            lp[r] = bench_median(b, 32) * 1e6;
+            lw[r] = bench_median(c, 32) * 1e6;
+            ratio[r] = lr[r] / (lp[r] + lw[r]);
+        }
+        double worst = ratio[0];
+        for (int r = 1; r < runs; r++) {
+            worst = ratio[r] > worst ? ratio[r] : worst;
+        }
+        printf("| %zu | %.1f | %.1f | %.1f | %.2f | %.2f |\n", n, bench_median(lr, (size_t)runs),
+               bench_median(lp, (size_t)runs), bench_median(lw, (size_t)runs),
+               bench_median(ratio, (size_t)runs), worst);
+    }
+    printf("\nNo target in the issue; 1.0 would be a Lookup and a Redis round trip back to back "
+           "with nothing between them (the remote thread's hand-offs are what is above it).\n\n");
+}
+
 static void bench_remote(int runs) {
     char port_s[16], dir_s[128];
     int port = 20000 + (int)(getpid() % 20000);
@@ -325,6 +401,7 @@ static void bench_remote(int runs) {
            "for its Redis L2 client on its own hardware (a different machine: not comparable "
            "with these loopback figures).\n\n",
            worst_all);
+    lookup_remote_table(rc, pb, cb, hashes, keys, runs);
     for (size_t i = 0; i < nkeys; i++) {
         free(keys[i]);
     }
