@@ -585,15 +585,26 @@ static kv_err allocate_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd_reg_
     return send_blocks_reply(c, id, refs, count, nsf, 0, NULL, NULL, 0, NULL);
 }
 
-/* An Allocate that waits for copies down to give back blocks of its pool (docs/TIERS.md). */
-typedef struct alloc_wait {
+/* What a reply sent later needs of its request (a waiting Allocate, Fetch or Lookup). */
+typedef struct later_req {
     kvd_registry *reg;
     const kvd_config *cfg;
     uint64_t boot_epoch;
     const kvd_rpc_later *later;
+    uint64_t id;      /* the request's id */
+    uint64_t session; /* who asked */
+    uint32_t pool_id; /* the pool */
+} later_req;
+
+static void later_req_init(later_req *q, const rpc *c, uint64_t id, uint32_t pool_id) {
+    *q = (later_req){c->reg, c->cfg, c->ctx->boot_epoch, c->ctx->later, id, c->sess->id, pool_id};
+}
+
+/* An Allocate that waits for copies down to give back blocks of its pool (docs/TIERS.md). */
+typedef struct alloc_wait {
+    later_req q;
     kvd_tiers *tiers;
-    uint64_t id, session;
-    uint32_t pool_id, count;
+    uint32_t count;
     int private_blocks;
     char why[KV_ERRMSG]; /* the ENOSPC it met first */
 } alloc_wait;
@@ -612,9 +623,10 @@ static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Alloca
     if (w == NULL) {
         return 0;
     }
-    *w = (alloc_wait){c->reg, c->cfg,      c->ctx->boot_epoch, c->ctx->later, c->ctx->tiers,
-                      id,     c->sess->id, p->pool_id,         a->count,      a->private_blocks,
-                      ""};
+    later_req_init(&w->q, c, id, p->pool_id);
+    w->tiers = c->ctx->tiers;
+    w->count = a->count;
+    w->private_blocks = a->private_blocks;
     snprintf(w->why, sizeof(w->why), "%s", why);
     if (kvd_tiers_wait_room(c->ctx->tiers, p, on_room, w) != KV_OK) {
         free(w);
@@ -628,7 +640,7 @@ static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Alloca
 /* A copy gave a block of the waiting Allocate's pool back (or the pool went, or kvd stops). */
 static void on_room(void *arg, kv_err why) {
     alloc_wait *w = arg;
-    kvd_session *sess = why == KV_ECLOSED ? NULL : w->later->find(w->later->arg, w->session);
+    kvd_session *sess = why == KV_ECLOSED ? NULL : w->q.later->find(w->q.later->arg, w->q.session);
     if (sess == NULL) {
         free(w); /* the session closed, or kvd stops: nobody to answer */
         return;
@@ -639,19 +651,19 @@ static void on_room(void *arg, kv_err why) {
     kv_arena arena;
     kvd_rpc_ctx x;
     kvd_reply out;
-    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, w->tiers);
-    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+    later_ctx(&x, &arena, &out, w->q.reg, w->q.cfg, w->q.boot_epoch, w->tiers);
+    rpc c = {&x, w->q.reg, w->q.cfg, sess, &out, 0};
     char msg[KV_ERRMSG];
     msg[0] = '\0';
-    kvd_reg_pool *p = kvd_registry_pool(w->reg, w->pool_id);
-    kvd_session_pool *sp = p != NULL ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    kvd_reg_pool *p = kvd_registry_pool(w->q.reg, w->q.pool_id);
+    kvd_session_pool *sp = p != NULL ? kvd_session_find_pool(sess, w->q.pool_id) : NULL;
     kv_err rc;
     if (sp == NULL) {
         rc = KV_ESTATE;
         snprintf(msg, sizeof(msg), "pool %u was detached while this Allocate waited for room",
-                 w->pool_id);
+                 w->q.pool_id);
     } else if ((rc = check_max_held(&c, p, w->count, msg)) == KV_OK) {
-        rc = allocate_reply(&c, w->id, sp, p, w->count, w->private_blocks, msg);
+        rc = allocate_reply(&c, w->q.id, sp, p, w->count, w->private_blocks, msg);
         if (rc == KV_ENOSPC && kvd_tiers_wait_room(w->tiers, p, on_room, w) == KV_OK) {
             sess->fetches++; /* still copies in flight: wait for the next one */
             kv_arena_fini(&arena);
@@ -663,10 +675,10 @@ static void on_room(void *arg, kv_err why) {
         }
     }
     if (rc != KV_OK) {
-        kvd_rpc_error(&x, sess, w->id, rc, msg, &out);
+        kvd_rpc_error(&x, sess, w->q.id, rc, msg, &out);
     }
     out.code = KV_OK;
-    w->later->send(w->later->arg, w->session, &out);
+    w->q.later->send(w->q.later->arg, w->q.session, &out);
     kv_arena_fini(&arena);
     free(w);
 }
@@ -792,13 +804,7 @@ static size_t linked_notices(kvd_session_pool *const *sp, uint32_t n, Kvd__Segme
 /* A Lookup waiting for the remote tier (Lookup.remote): its answer so far. The session holds the
  * hits meanwhile (a DetachPool or the session's end gives them back, as any). */
 typedef struct lookup_wait {
-    kvd_registry *reg;
-    const kvd_config *cfg;
-    uint64_t boot_epoch;
-    const kvd_rpc_later *later;
-    uint64_t id;
-    uint64_t session;
-    uint32_t pool_id;
+    later_req q;
     uint64_t serial;                            /* the attach of pool_id (kvd_session_pool) */
     uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* the linked pools searched, in order */
     uint64_t link_serials[KVD_MAX_DOMAINS_PER_TENANT];
@@ -826,7 +832,7 @@ static kvd_session_pool *same_attach(kvd_session *sess, uint32_t pool_id, uint64
  * with what the session holds of its hits. */
 static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
     lookup_wait *w = arg;
-    kvd_session *sess = w->later != NULL ? w->later->find(w->later->arg, w->session) : NULL;
+    kvd_session *sess = w->q.later != NULL ? w->q.later->find(w->q.later->arg, w->q.session) : NULL;
     if (sess == NULL) {
         lookup_wait_free(w); /* the session closed: its references went with it */
         return;
@@ -837,9 +843,9 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
     kv_arena arena;
     kvd_rpc_ctx x;
     kvd_reply out;
-    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, NULL);
-    rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
-    kvd_session_pool *sp = same_attach(sess, w->pool_id, w->serial);
+    later_ctx(&x, &arena, &out, w->q.reg, w->q.cfg, w->q.boot_epoch, NULL);
+    rpc c = {&x, w->q.reg, w->q.cfg, sess, &out, 0};
+    kvd_session_pool *sp = same_attach(sess, w->q.pool_id, w->serial);
     kvd_session_pool *linked[KVD_MAX_DOMAINS_PER_TENANT];
     uint32_t nlinked = 0;
     int all_there = sp != NULL;
@@ -853,7 +859,7 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
          * with the DetachPool. Those in the pools still attached as they were go back now, so
          * the session holds nothing the client was not told of. */
         for (uint32_t j = 0; j < w->nhit; j++) {
-            uint32_t pid = w->with_pools ? w->pool_of[j] : w->pool_id;
+            uint32_t pid = w->with_pools ? w->pool_of[j] : w->q.pool_id;
             uint64_t serial = w->serial;
             for (uint32_t k = 0; k < w->nlinks; k++) {
                 serial = w->links[k] == pid ? w->link_serials[k] : serial;
@@ -863,20 +869,20 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
                 kvd_session_unhold(sess, q, &w->refs[j], 1);
             }
         }
-        kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
+        kvd_rpc_error(&x, sess, w->q.id, KV_ESTATE,
                       "a pool was detached while this Lookup waited for the remote tier", &out);
     } else {
         Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
         size_t nnotices = linked_notices(linked, nlinked, notice, notices);
         remote_answer ra = {run, rc == KV_OK ? KV_OK : rc == KV_ECLOSED ? KV_ECLOSED : KV_ESYS};
-        e = send_blocks_reply_r(&c, w->id, w->refs, w->nhit, new_segments_from(sp), 1,
+        e = send_blocks_reply_r(&c, w->q.id, w->refs, w->nhit, new_segments_from(sp), 1,
                                 w->with_pools ? w->pool_of : NULL, notices, nnotices, &w->tr, &ra);
         if (e != KV_OK) {
-            kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the LookupReply", &out);
+            kvd_rpc_error(&x, sess, w->q.id, KV_ENOMEM, "no memory for the LookupReply", &out);
         }
         out.code = KV_OK;
     }
-    w->later->send(w->later->arg, w->session, &out);
+    w->q.later->send(w->q.later->arg, w->q.session, &out);
     kv_arena_fini(&arena);
     lookup_wait_free(w);
 }
@@ -899,13 +905,7 @@ static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_poo
         }
         return KV_ENOMEM;
     }
-    w->reg = c->reg;
-    w->cfg = c->cfg;
-    w->boot_epoch = c->ctx->boot_epoch;
-    w->later = c->ctx->later;
-    w->id = id;
-    w->session = c->sess->id;
-    w->pool_id = sp->pool_id;
+    later_req_init(&w->q, c, id, sp->pool_id);
     w->serial = sp->serial;
     for (uint32_t k = 1; k < norder; k++) {
         w->link_serials[w->nlinks] = order[k]->serial;
@@ -1080,13 +1080,7 @@ cleanup:
 
 /* A Fetch in flight: what its reply needs once the copies are done. */
 typedef struct fetch_wait {
-    kvd_registry *reg;
-    const kvd_config *cfg;
-    uint64_t boot_epoch;
-    const kvd_rpc_later *later;
-    uint64_t id;        /* the request's id */
-    uint64_t session;   /* who asked */
-    uint32_t pool_id;   /* the pool */
+    later_req q;
     uint32_t lower_run; /* the run found below T0 */
     uint32_t nt0;       /* T0 hits held for the session at the request */
     kvd_block_ref t0[]; /* [nt0] */
@@ -1122,7 +1116,7 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
         w->lower_run = r->nok; /* the remote tier extended the run */
     }
     kvd_session *sess =
-        r->orphan || w->later == NULL ? NULL : w->later->find(w->later->arg, w->session);
+        r->orphan || w->q.later == NULL ? NULL : w->q.later->find(w->q.later->arg, w->q.session);
     if (sess == NULL) {
         free(w);
         return 0; /* the session closed: the tiers release the run */
@@ -1133,15 +1127,15 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     kv_arena arena;
     kvd_rpc_ctx x;
     kvd_reply out;
-    later_ctx(&x, &arena, &out, w->reg, w->cfg, w->boot_epoch, NULL);
-    kvd_session_pool *sp = !r->detached ? kvd_session_find_pool(sess, w->pool_id) : NULL;
+    later_ctx(&x, &arena, &out, w->q.reg, w->q.cfg, w->q.boot_epoch, NULL);
+    kvd_session_pool *sp = !r->detached ? kvd_session_find_pool(sess, w->q.pool_id) : NULL;
     int taken = 0; /* the tiers release what the session does not take */
     kvd_block_ref *all = NULL;
     kv_err rc = KV_OK;
     if (sp == NULL) {
         /* The session detached the pool while its Fetch was in flight (its T0 hits went back
          * with the DetachPool): the request still gets its answer. */
-        kvd_rpc_error(&x, sess, w->id, KV_ESTATE,
+        kvd_rpc_error(&x, sess, w->q.id, KV_ESTATE,
                       "the pool was detached while this Fetch was in flight", &out);
     } else {
         size_t n = w->nt0;
@@ -1158,14 +1152,14 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
                 failure = KV_ENOMEM; /* the reply says the run ends at the T0 hits */
             }
         }
-        rpc c = {&x, w->reg, w->cfg, sess, &out, 0};
+        rpc c = {&x, w->q.reg, w->q.cfg, sess, &out, 0};
         if (r->short_run && all != NULL) {
             char why[KV_ERRMSG];
             snprintf(why, sizeof(why),
                      "%u blocks below T0 and none in the remote tier: under min_tokens, recompute "
                      "them",
                      w->lower_run);
-            rc = send_fetch_reply(&c, w->id, sp, all, w->nt0, KVD__FETCH_STATUS__FETCH_SHORT,
+            rc = send_fetch_reply(&c, w->q.id, sp, all, w->nt0, KVD__FETCH_STATUS__FETCH_SHORT,
                                   w->nt0, 0, w->lower_run, KV_OK, why);
         } else {
             kv_err code = failure != KV_OK ? failure : r->code;
@@ -1179,18 +1173,18 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
             }
             rc = all == NULL
                      ? KV_ENOMEM
-                     : send_fetch_reply(&c, w->id, sp, all, n,
+                     : send_fetch_reply(&c, w->q.id, sp, all, n,
                                         partial ? KVD__FETCH_STATUS__FETCH_PARTIAL
                                                 : KVD__FETCH_STATUS__FETCH_DONE,
                                         w->nt0, up > 0 ? r->promoted : 0, w->lower_run,
                                         partial ? (code != KV_OK ? code : KV_ENOENT) : KV_OK, why);
         }
         if (rc != KV_OK) {
-            kvd_rpc_error(&x, sess, w->id, KV_ENOMEM, "no memory for the FetchReply", &out);
+            kvd_rpc_error(&x, sess, w->q.id, KV_ENOMEM, "no memory for the FetchReply", &out);
         }
         out.code = KV_OK;
     }
-    w->later->send(w->later->arg, w->session, &out);
+    w->q.later->send(w->q.later->arg, w->q.session, &out);
     kv_arena_fini(&arena);
     free(all);
     free(w);
@@ -1292,13 +1286,7 @@ static kv_err on_fetch(rpc *c, uint64_t id, const Kvd__Fetch *f, char *msg) {
         kvd_session_unhold(c->sess, sp, refs, nhit);
         FAIL(KV_ENOMEM, "no memory for a Fetch");
     }
-    w->reg = c->reg;
-    w->cfg = c->cfg;
-    w->boot_epoch = c->ctx->boot_epoch;
-    w->later = c->ctx->later;
-    w->id = id;
-    w->session = c->sess->id;
-    w->pool_id = p->pool_id;
+    later_req_init(&w->q, c, id, p->pool_id);
     w->lower_run = tr.fetchable;
     w->nt0 = (uint32_t)nhit;
     memcpy(w->t0, refs, sizeof(*refs) * nhit);

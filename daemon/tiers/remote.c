@@ -1556,42 +1556,37 @@ kv_err kvd_remote_del(kvd_remote *r, const char *key) {
     return rc;
 }
 
-kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want,
-                      const kvd_remote_dst *dst, size_t n, kvd_remote_get_done done, void *arg) {
-    op *o = calloc(1, sizeof(*o));
-    if (o == NULL) {
+/* Queues a copy of *o (a get or a probe, made on the caller's stack): KV_ENOMEM, or what
+ * enqueue says. */
+static kv_err enqueue_copy(kvd_remote *r, const op *o) {
+    op *c = malloc(sizeof(*c));
+    if (c == NULL) {
         return KV_ENOMEM;
     }
-    o->kind = OP_GET;
-    o->keys = keys;
-    o->want = want;
-    o->dst = dst;
-    o->n = n;
-    o->get_done = done;
-    o->arg = arg;
-    kv_err rc = enqueue(r, o);
+    *c = *o;
+    kv_err rc = enqueue(r, c);
     if (rc != KV_OK) {
-        free(o);
+        free(c);
     }
     return rc;
 }
 
+kv_err kvd_remote_get(kvd_remote *r, const char *const *keys, const kvd_remote_meta *want,
+                      const kvd_remote_dst *dst, size_t n, kvd_remote_get_done done, void *arg) {
+    op o = {.kind = OP_GET,
+            .keys = keys,
+            .want = want,
+            .dst = dst,
+            .n = n,
+            .get_done = done,
+            .arg = arg};
+    return enqueue_copy(r, &o);
+}
+
 kv_err kvd_remote_probe(kvd_remote *r, const char *const *keys, size_t n,
                         kvd_remote_probe_done done, void *arg) {
-    op *o = calloc(1, sizeof(*o));
-    if (o == NULL) {
-        return KV_ENOMEM;
-    }
-    o->kind = OP_PROBE;
-    o->keys = keys;
-    o->n = n;
-    o->probe_done = done;
-    o->arg = arg;
-    kv_err rc = enqueue(r, o);
-    if (rc != KV_OK) {
-        free(o);
-    }
-    return rc;
+    op o = {.kind = OP_PROBE, .keys = keys, .n = n, .probe_done = done, .arg = arg};
+    return enqueue_copy(r, &o);
 }
 
 void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out) {

@@ -784,27 +784,18 @@ class Pool:
     def lookup_tiers(self, hashes):
         """kvc_lookup_tiers: lookup() plus how far the prefix continues below T0. Returns
         (Blocks, {"fetchable": n, "t1": n, "t2": n})."""
-        p = self._p()
-        hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
-        n = hashes.n
-        out = Blocks(n, self)
-        nhit = c_size_t()
-        th = _lib.KvcTierHits()
-        h = self._h
-        with h.lock:
-            rc = lib.kvc_lookup_tiers(p, hashes._addr, n, out._addr, byref(nhit), byref(th))
-            if h.deferred:
-                h.exit_call()
-        if rc:
-            raise_for(rc, "lookup_tiers")
-        out.n = nhit.value
-        out.pool = self
-        return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}
+        out, tiers, _ = self._lookup_below(hashes, remote=False)
+        return out, tiers
 
     def lookup_remote(self, hashes):
         """kvc_lookup_remote: lookup_tiers() plus how far the prefix goes on in the daemon's
         remote tier (the call waits for Redis). Returns (Blocks, tiers, {"blocks": n,
         "failure": an error name, or None when Redis answered})."""
+        out, tiers, rh = self._lookup_below(hashes, remote=True)
+        failure = error_class(rh.failure).__name__ if rh.failure else None
+        return out, tiers, {"blocks": rh.blocks, "failure": failure}
+
+    def _lookup_below(self, hashes, remote):
         p = self._p()
         hashes = _hashes_arg(hashes) if not isinstance(hashes, Hashes) else hashes
         n = hashes.n
@@ -814,17 +805,18 @@ class Pool:
         rh = _lib.KvcRemoteHits()
         h = self._h
         with h.lock:
-            rc = lib.kvc_lookup_remote(p, hashes._addr, n, out._addr, byref(nhit), byref(th),
-                                       byref(rh))
+            if remote:
+                rc = lib.kvc_lookup_remote(p, hashes._addr, n, out._addr, byref(nhit), byref(th),
+                                           byref(rh))
+            else:
+                rc = lib.kvc_lookup_tiers(p, hashes._addr, n, out._addr, byref(nhit), byref(th))
             if h.deferred:
                 h.exit_call()
         if rc:
-            raise_for(rc, "lookup_remote")
+            raise_for(rc, "lookup_remote" if remote else "lookup_tiers")
         out.n = nhit.value
         out.pool = self
-        failure = error_class(rh.failure).__name__ if rh.failure else None
-        return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}, {
-            "blocks": rh.blocks, "failure": failure}
+        return out, {"fetchable": th.fetchable, "t1": th.t1, "t2": th.t2}, rh
 
     def fetch(self, hashes, min_tokens=0):
         """kvc_fetch: the prefix in T0 after bringing its blocks up from the lower tiers (when
