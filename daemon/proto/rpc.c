@@ -600,6 +600,16 @@ static void later_req_init(later_req *q, const rpc *c, uint64_t id, uint32_t poo
     *q = (later_req){c->reg, c->cfg, c->ctx->boot_epoch, c->ctx->later, id, c->sess->id, pool_id};
 }
 
+/* The session a later reply goes to, its reply no longer counted among those to come; NULL
+ * when it closed (or gone: the daemon stops, the request was orphaned). */
+static kvd_session *later_session(const later_req *q, int gone) {
+    kvd_session *sess = gone || q->later == NULL ? NULL : q->later->find(q->later->arg, q->session);
+    if (sess != NULL && sess->fetches > 0) {
+        sess->fetches--;
+    }
+    return sess;
+}
+
 /* An Allocate that waits for copies down to give back blocks of its pool (docs/TIERS.md). */
 typedef struct alloc_wait {
     later_req q;
@@ -640,13 +650,10 @@ static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Alloca
 /* A copy gave a block of the waiting Allocate's pool back (or the pool went, or kvd stops). */
 static void on_room(void *arg, kv_err why) {
     alloc_wait *w = arg;
-    kvd_session *sess = why == KV_ECLOSED ? NULL : w->q.later->find(w->q.later->arg, w->q.session);
+    kvd_session *sess = later_session(&w->q, why == KV_ECLOSED);
     if (sess == NULL) {
         free(w); /* the session closed, or kvd stops: nobody to answer */
         return;
-    }
-    if (sess->fetches > 0) {
-        sess->fetches--;
     }
     kv_arena arena;
     kvd_rpc_ctx x;
@@ -832,13 +839,10 @@ static kvd_session_pool *same_attach(kvd_session *sess, uint32_t pool_id, uint64
  * with what the session holds of its hits. */
 static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
     lookup_wait *w = arg;
-    kvd_session *sess = w->q.later != NULL ? w->q.later->find(w->q.later->arg, w->q.session) : NULL;
+    kvd_session *sess = later_session(&w->q, 0);
     if (sess == NULL) {
         lookup_wait_free(w); /* the session closed: its references went with it */
         return;
-    }
-    if (sess->fetches > 0) {
-        sess->fetches--;
     }
     kv_arena arena;
     kvd_rpc_ctx x;
@@ -1115,14 +1119,10 @@ static int on_fetch_done(void *arg, const kvd_fetch_result *r) {
     if (r->nok > w->lower_run) {
         w->lower_run = r->nok; /* the remote tier extended the run */
     }
-    kvd_session *sess =
-        r->orphan || w->q.later == NULL ? NULL : w->q.later->find(w->q.later->arg, w->q.session);
+    kvd_session *sess = later_session(&w->q, r->orphan);
     if (sess == NULL) {
         free(w);
         return 0; /* the session closed: the tiers release the run */
-    }
-    if (sess->fetches > 0) {
-        sess->fetches--;
     }
     kv_arena arena;
     kvd_rpc_ctx x;
