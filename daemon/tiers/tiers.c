@@ -2439,9 +2439,11 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         t->c[TS_REMOTE_PROMOTED]++;
         got++;
     }
-    if (rf->orphan || (got == 0 && rf->n * tp->layout.tokens_per_block < rf->min_tokens)) {
+    if (got == 0 && (rf->orphan || rf->n * tp->layout.tokens_per_block < rf->min_tokens)) {
         /* Redis had nothing and the local run is not worth a copy (fetch-min-tokens), or the
-         * session is gone: answered without copying (the client recomputes). */
+         * session is gone (its local run stays where it is): answered without copying (the
+         * client recomputes). A session gone with values come in: the fetch goes on, and what
+         * it brings into T0 is left cached, as for a session that closes while its copies run. */
         rf->short_run = !rf->orphan;
         if (rf->short_run) {
             kvd_tiers_count_short(t);
@@ -2694,6 +2696,7 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
     f->arg = arg;
     f->code = KV_OK;
     f->detached = rf != NULL && rf->detached; /* what happened while Redis was asked */
+    f->orphan = rf != NULL && rf->orphan;
     /* Plan: in T0 now -> hold at once (an allocation below could evict it otherwise); being
      * brought up by another fetch -> wait for it; else copy up. */
     uint32_t nup = 0, ndirect = 0;
