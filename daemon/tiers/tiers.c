@@ -81,6 +81,7 @@ enum {
     TS_REMOTE_DIRECT,
     TS_REMOTE_PROBES,
     TS_REMOTE_PROBE_HITS,
+    TS_REMOTE_PUT_SKIPS,
     TS_QUOTA_DROPS,
     TS_COUNT
 };
@@ -220,6 +221,10 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                           NULL, NULL},
     [TS_REMOTE_PROBE_HITS] = {"remote_probe_hits", "counter", "blocks",
                               "of them, keys Redis held a value for", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_PUT_SKIPS] = {"remote_put_skips", "counter", "blocks",
+                             "blocks not written to Redis again on their way down: read from "
+                             "there straight into T0 (remote-ttl-s 0)",
+                             NULL, NULL, NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -289,7 +294,14 @@ struct tier_pool {
     kv_hash128 layout_key;  /* model, layout and flags: remote values of other pools never match */
     uint32_t domain_id;     /* the pool's domain (KV events) */
     char domain[KVD_TENANT_NAME_MAX + 8]; /* the domain's name (remote keys) */
+    /* Hashes read from Redis straight into T0 (the direct path), direct-mapped by the hash's
+     * low bits (a newer one overwrites, so some are forgotten): when such a block goes down to
+     * T1, Redis has its value already and it is not written again (remote-ttl-s 0 only: with a
+     * TTL the write refreshes it). NULL until the first direct read. */
+    kv_hash128 *from_remote;
 };
+
+#define FROM_REMOTE_SLOTS 4096u /* 64 KiB a pool that read from Redis */
 
 typedef enum job_kind {
     J_DOWN1 = 1,   /* T0 block (leased) -> T1 bytes */
@@ -656,6 +668,7 @@ static void after_work(uv_work_t *w, int status);
 static void tier_pool_free(tier_pool *tp) {
     kvd_tstore_fini(&tp->st);
     kvd_disk_close(tp->disk);
+    free(tp->from_remote);
     free(tp);
 }
 
@@ -1028,6 +1041,31 @@ static void remote_key(const tier_pool *tp, kv_hash128 h, char *buf, size_t len)
     snprintf(buf, len, "%s:%s:%s:%s", tp->t->cfg->remote_key_prefix, tp->domain, lk, hh);
 }
 
+/* Remembers that h's value came from Redis into T0 (from_remote). */
+static void from_remote_note(tier_pool *tp, kv_hash128 h) {
+    if (tp->t->cfg->remote_ttl_s != 0) {
+        return;
+    }
+    if (tp->from_remote == NULL) {
+        tp->from_remote = calloc(FROM_REMOTE_SLOTS, sizeof(*tp->from_remote));
+        if (tp->from_remote == NULL) {
+            return; /* then every such block is written again, as before */
+        }
+    }
+    tp->from_remote[h.lo & (FROM_REMOTE_SLOTS - 1)] = h;
+}
+
+/* 1 when h was noted (and forgets it: the next copy down writes again); 0 otherwise. */
+static int from_remote_take(tier_pool *tp, kv_hash128 h) {
+    kv_hash128 *s =
+        tp->from_remote != NULL ? &tp->from_remote[h.lo & (FROM_REMOTE_SLOTS - 1)] : NULL;
+    if (s == NULL || !kv_hash_eq(*s, h) || (h.lo == 0 && h.hi == 0)) {
+        return 0;
+    }
+    *s = (kv_hash128){0, 0};
+    return 1;
+}
+
 typedef struct rput {
     tier_pool *tp;
     uint32_t entry;
@@ -1071,6 +1109,10 @@ static void start_remote_put(tier_pool *tp, uint32_t i) {
     kvd_tiers *t = tp->t;
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
     if (t->remote == NULL || e->t1 == NULL || e->doomed) {
+        return;
+    }
+    if (from_remote_take(tp, e->hash)) {
+        t->c[TS_REMOTE_PUT_SKIPS]++; /* Redis has this value: it came from there */
         return;
     }
     rput *q = malloc(sizeof(*q));
@@ -1488,6 +1530,7 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     }
     if (reason == KVD_DROP_QUARANTINE && t->remote != NULL) {
         /* Its bytes changed after commit: no node may be served them from Redis either. */
+        (void)from_remote_take(tp, hash); /* a block committed again is written again */
         char key[256];
         remote_key(tp, hash, key, sizeof(key));
         if (kvd_remote_del(t->remote, key) == KV_OK) {
@@ -2386,6 +2429,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
             d->state = D_FILLED;
             d->has_tail = (uint8_t)v->has_tail;
             memcpy(d->tail, v->tail, sizeof(d->tail));
+            from_remote_note(tp, h);
             t->c[TS_REMOTE_DIRECT]++;
             got++;
             continue;

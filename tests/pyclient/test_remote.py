@@ -1229,6 +1229,38 @@ def test_session_dies_while_its_direct_fetch_waits(kvd_factory, redis):
     assert a.alive()
 
 
+@pytest.mark.parametrize("ttl", [0, 3600])
+def test_block_from_redis_not_written_back(kvd_factory, redis, ttl):
+    """B reads A's 8 blocks from Redis straight into T0, then its own commits push them out
+    (write-back: they go down to T1 first). With remote-ttl-s 0 Redis has their values already:
+    B writes none of them again (remote_put_skips 8, every other block that lands in T1 is
+    written); with a TTL B writes them again (the write refreshes it)."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, b_extra={OPT_TTL: str(ttl)},
+                                      **{OPT_TTL: str(ttl)})
+    hs, pats = commit_chain(ca, pa, 8, 31)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "from Redis")
+    assert n == 8 and rstat(b, "direct") == 8, msg(fr, rem(b))
+    blocks = cb.stats(pb_.pool_id)["pool.blocks_total"]
+    commit_chain(cb, pb_, blocks + 64, 77000)  # more than the pool: the 8 go down and out
+
+    def settled():
+        st = tiers(b)
+        return st["jobs_inflight"] == 0 and st["remote_puts"] + st["remote_put_errors"] + \
+            st["remote_put_drops"] + st["remote_put_skips"] >= st["demotions_t1"]
+    assert wait_until(settled, timeout=15), msg(tiers(b))
+    st = tiers(b)
+    assert st["demotions_t1"] > 8, msg(st)
+    assert st["remote_put_skips"] == (8 if ttl == 0 else 0), rem(st)
+    assert st["remote_puts"] == st["demotions_t1"] - st["remote_put_skips"], msg(st)
+    # Redis still serves the 8 to another node, with A's bytes.
+    c = kvd_factory(**node_opts(redis.addr, writer=False))
+    cc = connect(c)
+    pc = cc.attach(MODEL, LAYOUT)
+    assert fetch_checked(cc, pc, hs, pats, "a third node")[1] == 8, rem(c)
+
+
 def test_missing_key_ends_the_run(kvd_factory, redis):
     """A chain position whose key is gone: the Fetch returns the blocks before it (a miss)."""
     a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
