@@ -21,7 +21,8 @@ run_one() {
         cluster)
             "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}"
             # The remote rows again with Llama-3-8B-sized blocks (32 layers: 2 MiB).
-            CLUSTER_NO_EVENTS=1 "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" \
+            CLUSTER_NO_EVENTS=1 CLUSTER_NO_LOOKUP=1 "$BIN_DIR/cluster_bench" \
+                --kvd "$BIN_DIR/../daemon/kvd" \
                 --runs "${CLUSTER_RUNS:-7}" --block-layers 32
             bash bench/cluster_ttft.sh "$BIN_DIR/.."
             ;;

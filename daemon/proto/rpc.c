@@ -474,22 +474,10 @@ typedef struct remote_answer {
     kv_err failure;
 } remote_answer;
 
-static kv_err send_blocks_reply_r(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
-                                  uint32_t nsf, int lookup, uint32_t *pool_ids,
-                                  Kvd__SegmentNotice **notices, size_t nnotices,
-                                  const kvd_tier_run *tr, const remote_answer *ra);
-
 static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
                                 uint32_t nsf, int lookup, uint32_t *pool_ids,
                                 Kvd__SegmentNotice **notices, size_t nnotices,
-                                const kvd_tier_run *tr) {
-    return send_blocks_reply_r(c, id, refs, n, nsf, lookup, pool_ids, notices, nnotices, tr, NULL);
-}
-
-static kv_err send_blocks_reply_r(rpc *c, uint64_t id, const kvd_block_ref *refs, size_t n,
-                                  uint32_t nsf, int lookup, uint32_t *pool_ids,
-                                  Kvd__SegmentNotice **notices, size_t nnotices,
-                                  const kvd_tier_run *tr, const remote_answer *ra) {
+                                const kvd_tier_run *tr, const remote_answer *ra) {
     Kvd__BlockRef **pv;
     ProtobufCBinaryData packed;
     size_t nref;
@@ -582,7 +570,7 @@ static kv_err allocate_reply(rpc *c, uint64_t id, kvd_session_pool *sp, kvd_reg_
     kvd_tiers_pressure(c->ctx->tiers, p);
     uint32_t nsf = new_segments_from(sp);
     check_announced(sp, refs, count, nsf);
-    return send_blocks_reply(c, id, refs, count, nsf, 0, NULL, NULL, 0, NULL);
+    return send_blocks_reply(c, id, refs, count, nsf, 0, NULL, NULL, 0, NULL, NULL);
 }
 
 /* What a reply sent later needs of its request (a waiting Allocate, Fetch or Lookup). */
@@ -812,10 +800,11 @@ static size_t linked_notices(kvd_session_pool *const *sp, uint32_t n, Kvd__Segme
  * hits meanwhile (a DetachPool or the session's end gives them back, as any). */
 typedef struct lookup_wait {
     later_req q;
-    uint64_t serial;                            /* the attach of pool_id (kvd_session_pool) */
-    uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* the linked pools searched, in order */
-    uint64_t link_serials[KVD_MAX_DOMAINS_PER_TENANT];
-    uint32_t nlinks;
+    /* The pools searched, in order (the named one first), and which attach of each it was
+     * (kvd_session_pool.serial). */
+    uint32_t pools[1 + KVD_MAX_DOMAINS_PER_TENANT];
+    uint64_t serials[1 + KVD_MAX_DOMAINS_PER_TENANT];
+    uint32_t npools;
     int with_pools; /* search_domains: the reply names each block's pool */
     kvd_tier_run tr;
     uint32_t nhit;
@@ -849,13 +838,11 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
     kvd_reply out;
     later_ctx(&x, &arena, &out, w->q.reg, w->q.cfg, w->q.boot_epoch, NULL);
     rpc c = {&x, w->q.reg, w->q.cfg, sess, &out, 0};
-    kvd_session_pool *sp = same_attach(sess, w->q.pool_id, w->serial);
-    kvd_session_pool *linked[KVD_MAX_DOMAINS_PER_TENANT];
-    uint32_t nlinked = 0;
-    int all_there = sp != NULL;
-    for (uint32_t k = 0; k < w->nlinks; k++) {
-        linked[nlinked] = same_attach(sess, w->links[k], w->link_serials[k]);
-        all_there &= linked[nlinked++] != NULL;
+    kvd_session_pool *sps[1 + KVD_MAX_DOMAINS_PER_TENANT];
+    int all_there = 1;
+    for (uint32_t k = 0; k < w->npools; k++) {
+        sps[k] = same_attach(sess, w->pools[k], w->serials[k]);
+        all_there &= sps[k] != NULL;
     }
     kv_err e = KV_OK;
     if (!all_there) {
@@ -863,24 +850,21 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
          * with the DetachPool. Those in the pools still attached as they were go back now, so
          * the session holds nothing the client was not told of. */
         for (uint32_t j = 0; j < w->nhit; j++) {
-            uint32_t pid = w->with_pools ? w->pool_of[j] : w->q.pool_id;
-            uint64_t serial = w->serial;
-            for (uint32_t k = 0; k < w->nlinks; k++) {
-                serial = w->links[k] == pid ? w->link_serials[k] : serial;
-            }
-            kvd_session_pool *q = same_attach(sess, pid, serial);
-            if (q != NULL) {
-                kvd_session_unhold(sess, q, &w->refs[j], 1);
+            uint32_t pid = w->with_pools ? w->pool_of[j] : w->pools[0];
+            for (uint32_t k = 0; k < w->npools; k++) {
+                if (w->pools[k] == pid && sps[k] != NULL) {
+                    kvd_session_unhold(sess, sps[k], &w->refs[j], 1);
+                }
             }
         }
         kvd_rpc_error(&x, sess, w->q.id, KV_ESTATE,
                       "a pool was detached while this Lookup waited for the remote tier", &out);
     } else {
         Kvd__SegmentNotice notice[KVD_MAX_DOMAINS_PER_TENANT], *notices[KVD_MAX_DOMAINS_PER_TENANT];
-        size_t nnotices = linked_notices(linked, nlinked, notice, notices);
+        size_t nnotices = linked_notices(sps + 1, w->npools - 1, notice, notices);
         remote_answer ra = {run, rc == KV_OK ? KV_OK : rc == KV_ECLOSED ? KV_ECLOSED : KV_ESYS};
-        e = send_blocks_reply_r(&c, w->q.id, w->refs, w->nhit, new_segments_from(sp), 1,
-                                w->with_pools ? w->pool_of : NULL, notices, nnotices, &w->tr, &ra);
+        e = send_blocks_reply(&c, w->q.id, w->refs, w->nhit, new_segments_from(sps[0]), 1,
+                              w->with_pools ? w->pool_of : NULL, notices, nnotices, &w->tr, &ra);
         if (e != KV_OK) {
             kvd_rpc_error(&x, sess, w->q.id, KV_ENOMEM, "no memory for the LookupReply", &out);
         }
@@ -892,12 +876,13 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
 }
 
 /* Defers the LookupReply of refs[0..nhit) (held by the session) until the remote tier says how
- * far hashes[0..nrest) (the prefix past the local tiers' run) goes on there. KV_OK: the reply
- * is on its way (c->out->deferred); else nothing changed. */
-static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_pool *sp,
-                           kvd_session_pool *const *order, uint32_t norder,
-                           const kvd_block_ref *refs, const uint32_t *pool_of, size_t nhit,
-                           const kvd_tier_run *tr, const kv_hash128 *rest, size_t nrest) {
+ * far hashes[0..nrest) (the prefix past the local tiers' run) goes on there. order[0..norder):
+ * the pools searched, pool p's first. KV_OK: the reply is on its way (c->out->deferred); else
+ * nothing changed. */
+static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_pool *const *order,
+                           uint32_t norder, const kvd_block_ref *refs, const uint32_t *pool_of,
+                           size_t nhit, const kvd_tier_run *tr, const kv_hash128 *rest,
+                           size_t nrest) {
     lookup_wait *w = calloc(1, sizeof(*w));
     if (w != NULL) {
         w->refs = malloc(sizeof(*refs) * (nhit + 1));
@@ -909,12 +894,12 @@ static kv_err lookup_later(rpc *c, uint64_t id, kvd_reg_pool *p, kvd_session_poo
         }
         return KV_ENOMEM;
     }
-    later_req_init(&w->q, c, id, sp->pool_id);
-    w->serial = sp->serial;
-    for (uint32_t k = 1; k < norder; k++) {
-        w->link_serials[w->nlinks] = order[k]->serial;
-        w->links[w->nlinks++] = order[k]->pool_id;
+    later_req_init(&w->q, c, id, p->pool_id);
+    for (uint32_t k = 0; k < norder; k++) {
+        w->pools[k] = order[k]->pool_id;
+        w->serials[k] = order[k]->serial;
     }
+    w->npools = norder;
     w->with_pools = pool_of != NULL;
     w->tr = *tr;
     w->nhit = (uint32_t)nhit;
@@ -1038,7 +1023,7 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
         ra.failure = KV_ENOTSUP; /* the session did not say it reads the tier fields */
     } else if (l->remote) {
         size_t past = nhit + tr.fetchable;
-        if (p->tiers == NULL || !kvd_tiers_remote_on(c->ctx->tiers, p) || c->ctx->later == NULL) {
+        if (!kvd_tiers_remote_on(c->ctx->tiers, p) || c->ctx->later == NULL) {
             ra.failure = KV_ENOTSUP;
         } else if (!kvd_tenants_domain_writable(c->reg->tenants, c->sess->tenant, p->domain)) {
             ra.failure = KV_EPERM; /* a Fetch would bring nothing into a read-only pool */
@@ -1046,7 +1031,7 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
             ra.failure = KV_EBUSY;
         } else if (past < n) {
             kv_err e =
-                lookup_later(c, id, p, sp, order, norder, refs, l->search_domains ? pool_of : NULL,
+                lookup_later(c, id, p, order, norder, refs, l->search_domains ? pool_of : NULL,
                              nhit, &tr, hashes + past, n - past);
             if (e == KV_OK) {
                 return KV_OK;
@@ -1074,8 +1059,8 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
         }
     }
 #endif
-    rc = send_blocks_reply_r(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
-                             nnotices, &tr, l->remote ? &ra : NULL);
+    rc = send_blocks_reply(c, id, refs, nhit, nsf, 1, l->search_domains ? pool_of : NULL, notices,
+                           nnotices, &tr, l->remote ? &ra : NULL);
 cleanup:
     return rc;
 }

@@ -824,58 +824,164 @@ static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) 
     return rep->type == REDIS_REPLY_ERROR && note_redirect_err(r, rep->str, to, ask);
 }
 
+/* Where each key of a get or a probe goes: dest[i] its node (-1: every node is down), and
+ * where a redirection sent it (rto[i] >= 0; rask[i] 1 for an ASK) to be sent again once its
+ * node's pipeline is read (a command sent at once on that connection would read the next
+ * pipelined reply). */
+typedef struct route {
+    int *dest;
+    int *rto;
+    uint8_t *rask;
+} route;
+
+static void route_free(route *rt) {
+    free(rt->dest);
+    free(rt->rto);
+    free(rt->rask);
+}
+
+/* Routes o's keys (o->rc KV_ESYS when a key has no node up). -1 (o->rc KV_ENOMEM) for want of
+ * memory. */
+static int route_init(kvd_remote *r, op *o, route *rt) {
+    size_t n = o->n > 0 ? o->n : 1;
+    rt->dest = malloc(n * sizeof(int));
+    rt->rto = malloc(n * sizeof(int));
+    rt->rask = calloc(n, 1);
+    if (rt->dest == NULL || rt->rto == NULL || rt->rask == NULL) {
+        route_free(rt);
+        o->rc = KV_ENOMEM;
+        return -1;
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        rt->rto[i] = -1;
+        rt->dest[i] = node_of(r, o->keys[i]);
+        if (rt->dest[i] < 0) {
+            o->rc = KV_ESYS; /* every node is down: its keys are misses */
+        }
+    }
+    return 0;
+}
+
+/* Appends `cmd KEY` for each of node ni's keys to its connection: the context, or NULL when
+ * the node has no key or none of its keys is asked (o->rc KV_ESYS: no connection, or the op's
+ * one timeout is spent). *shortened: the node's timeout was cut to what is left of the op's
+ * (pipeline_end puts it back). */
+static redisContext *pipeline_begin(kvd_remote *r, op *o, const route *rt, int ni, const char *cmd,
+                                    int *shortened) {
+    size_t cnt = 0;
+    for (size_t i = 0; i < o->n; i++) {
+        cnt += rt->dest[i] == ni;
+    }
+    if (cnt == 0) {
+        return NULL;
+    }
+    uint64_t now = now_ms();
+    redisContext *c = now < o->deadline ? node_ctx(r, &r->nodes[ni]) : NULL;
+    if (c == NULL) {
+        o->rc = KV_ESYS;
+        return NULL;
+    }
+    *shortened = o->deadline - now < r->timeout_ms;
+    if (*shortened) {
+        set_timeout(c, o->deadline - now);
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        if (rt->dest[i] == ni) {
+            const char *argv[2] = {cmd, o->keys[i]};
+            size_t lens[2] = {strlen(cmd), strlen(o->keys[i])};
+            redisAppendCommandArgv(c, 2, argv, lens);
+        }
+    }
+    return c;
+}
+
+static void pipeline_end(kvd_remote *r, int ni, redisContext *c, int shortened) {
+    if (shortened && r->nodes[ni].c != NULL) {
+        set_timeout(c, r->timeout_ms);
+    }
+}
+
+/* What a get or a probe makes of one key's reply (not a redirection). */
+typedef void (*reply_fn)(kvd_remote *r, op *o, size_t i, const node *nd, redisReply *rep);
+
+/* Reads node ni's pipelined replies with libhiredis's reader, in key order: fn for each, a
+ * redirection noted in rt for resend_redirected. A node that fails: its keys not read are
+ * misses (o->rc KV_ESYS). */
+static void pipeline_read(kvd_remote *r, op *o, route *rt, int ni, redisContext *c, reply_fn fn) {
+    node *nd = &r->nodes[ni];
+    for (size_t i = 0; i < o->n; i++) {
+        if (rt->dest[i] != ni) {
+            continue;
+        }
+        void *vrep = NULL;
+        if (nd->c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
+            if (nd->c != NULL) {
+                node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
+            }
+            o->rc = KV_ESYS;
+            continue;
+        }
+        redisReply *rep = vrep;
+        nd->fails = 0; /* it answers */
+        if (!note_redirect(r, rep, &rt->rto[i], &rt->rask[i])) {
+            fn(r, o, i, nd, rep);
+        }
+        freeReplyObject(rep);
+    }
+}
+
+/* Sends `cmd KEY` again, one key at a time, where a redirection said (within the op's one
+ * timeout: past it the key is a miss, o->rc KV_ESYS). */
+static void resend_redirected(kvd_remote *r, op *o, const route *rt, const char *cmd, reply_fn fn) {
+    for (size_t i = 0; i < o->n; i++) {
+        if (rt->rto[i] < 0) {
+            continue;
+        }
+        if (now_ms() >= o->deadline) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        const char *argv[2] = {cmd, o->keys[i]};
+        size_t lens[2] = {strlen(cmd), strlen(o->keys[i])};
+        redisReply *rep = command_at(r, rt->rto[i], rt->rask[i], 2, argv, lens);
+        if (rep == NULL) {
+            o->rc = KV_ESYS;
+            continue;
+        }
+        fn(r, o, i, &r->nodes[rt->rto[i]], rep);
+        freeReplyObject(rep);
+    }
+}
+
+/* A get's reply through libhiredis: a value is checked; an error (TRYAGAIN, CLUSTERDOWN, one
+ * redirection too many, ...) makes the key a miss. */
+static void get_reply(kvd_remote *r, op *o, size_t i, const node *nd, redisReply *rep) {
+    if (rep->type == REDIS_REPLY_STRING) {
+        check_value(rep, &o->want[i], &o->vals[i]);
+    } else if (rep->type == REDIS_REPLY_ERROR) {
+        note_error(r, "%s:%d: GET: %s", nd->host, nd->port, rep->str);
+        o->rc = KV_ESYS;
+    }
+}
+
 static void do_get(kvd_remote *r, op *o) {
     o->vals = calloc(o->n > 0 ? o->n : 1, sizeof(*o->vals));
+    route rt;
     if (o->vals == NULL) {
         o->rc = KV_ENOMEM;
         return;
     }
-    int *dest = calloc(o->n > 0 ? o->n : 1, sizeof(int));
-    int *rto = malloc((o->n > 0 ? o->n : 1) * sizeof(int));
-    uint8_t *rask = calloc(o->n > 0 ? o->n : 1, 1);
-    if (dest == NULL || rto == NULL || rask == NULL) {
-        free(dest);
-        free(rto);
-        free(rask);
-        o->rc = KV_ENOMEM;
-        return;
-    }
-    for (size_t i = 0; i < o->n; i++) {
-        rto[i] = -1;
-    }
-    uint64_t hits = 0, misses = 0, bad = 0;
     /* One timeout for the whole get, however many nodes its keys are on: a node asked late
      * gets what is left of it, and none is asked once it is spent (its keys are misses). */
-    const uint64_t deadline = o->deadline;
-    for (size_t i = 0; i < o->n; i++) {
-        dest[i] = node_of(r, o->keys[i]);
-        if (dest[i] < 0) {
-            o->rc = KV_ESYS; /* every node is down: a miss */
-        }
+    if (route_init(r, o, &rt) != 0) {
+        return;
     }
     /* One pipeline per node: append every key of the node, then read the replies. */
     for (int ni = 0; ni < r->nnodes; ni++) {
-        size_t cnt = 0;
-        for (size_t i = 0; i < o->n; i++) {
-            cnt += dest[i] == ni;
-        }
-        if (cnt == 0) {
-            continue;
-        }
-        uint64_t now = now_ms();
-        redisContext *c = now < deadline ? node_ctx(r, &r->nodes[ni]) : NULL;
+        int shortened = 0;
+        redisContext *c = pipeline_begin(r, o, &rt, ni, "GET", &shortened);
         if (c == NULL) {
-            o->rc = KV_ESYS;
-            continue; /* misses */
-        }
-        int shortened = deadline - now < r->timeout_ms;
-        if (shortened) {
-            set_timeout(c, deadline - now);
-        }
-        for (size_t i = 0; i < o->n; i++) {
-            if (dest[i] == ni) {
-                redisAppendCommand(c, "GET %s", o->keys[i]);
-            }
+            continue;
         }
         node *nd = &r->nodes[ni];
         if (c->reader->len == c->reader->pos && nd->rb_len == nd->rb_pos) {
@@ -885,12 +991,12 @@ static void do_get(kvd_remote *r, op *o) {
                 failed = redisBufferWrite(c, &wdone) != REDIS_OK;
             }
             for (size_t i = 0; i < o->n && !failed; i++) {
-                if (dest[i] != ni) {
+                if (rt.dest[i] != ni) {
                     continue;
                 }
                 char eb[256];
                 int got = read_get_reply(r, nd, &o->want[i], o->dst != NULL ? &o->dst[i] : NULL,
-                                         &o->vals[i], &rto[i], &rask[i], eb, sizeof(eb));
+                                         &o->vals[i], &rt.rto[i], &rt.rask[i], eb, sizeof(eb));
                 if (got < 0) {
                     failed = 1;
                 } else if (got == 1) {
@@ -906,72 +1012,20 @@ static void do_get(kvd_remote *r, op *o) {
                 o->rc = KV_ESYS; /* the keys not read are misses */
             } else {
                 nd->fails = 0; /* it answers */
-                if (shortened) {
-                    set_timeout(c, r->timeout_ms);
-                }
             }
-            continue;
+        } else {
+            pipeline_read(r, o, &rt, ni, c, get_reply);
         }
-        for (size_t i = 0; i < o->n; i++) {
-            if (dest[i] != ni) {
-                continue;
-            }
-            void *vrep = NULL;
-            if (r->nodes[ni].c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
-                if (r->nodes[ni].c != NULL) {
-                    node_fail(r, &r->nodes[ni], c->errstr[0] != '\0' ? c->errstr : "no reply");
-                }
-                o->rc = KV_ESYS;
-                continue;
-            }
-            redisReply *rep = vrep;
-            r->nodes[ni].fails = 0; /* it answers */
-            if (note_redirect(r, rep, &rto[i], &rask[i])) {
-                freeReplyObject(rep); /* sent again below, once this pipeline is read */
-                continue;
-            }
-            if (rep->type == REDIS_REPLY_STRING) {
-                check_value(rep, &o->want[i], &o->vals[i]);
-            } else if (rep->type == REDIS_REPLY_ERROR) {
-                note_error(r, "%s:%d: GET: %s", r->nodes[ni].host, r->nodes[ni].port, rep->str);
-                o->rc = KV_ESYS;
-            }
-            freeReplyObject(rep);
-        }
-        if (shortened && r->nodes[ni].c != NULL) {
-            set_timeout(c, r->timeout_ms);
-        }
+        pipeline_end(r, ni, c, shortened);
     }
-    for (size_t i = 0; i < o->n; i++) {
-        if (rto[i] < 0) {
-            continue;
-        }
-        if (now_ms() >= deadline) {
-            o->rc = KV_ESYS; /* the get's time is spent: a miss */
-            continue;
-        }
-        const char *argv[2] = {"GET", o->keys[i]};
-        size_t lens[2] = {3, strlen(o->keys[i])};
-        redisReply *rep = command_at(r, rto[i], rask[i], 2, argv, lens);
-        if (rep == NULL) {
-            o->rc = KV_ESYS;
-            continue;
-        }
-        if (rep->type == REDIS_REPLY_STRING) {
-            check_value(rep, &o->want[i], &o->vals[i]);
-        } else if (rep->type == REDIS_REPLY_ERROR) {
-            o->rc = KV_ESYS;
-        }
-        freeReplyObject(rep);
-    }
-    free(rto);
-    free(rask);
+    resend_redirected(r, o, &rt, "GET", get_reply);
+    route_free(&rt);
+    uint64_t hits = 0, misses = 0, bad = 0;
     for (size_t i = 0; i < o->n; i++) {
         hits += o->vals[i].status == KVD_REMOTE_HIT;
         bad += o->vals[i].status == KVD_REMOTE_BAD;
         misses += o->vals[i].status == KVD_REMOTE_MISS;
     }
-    free(dest);
     pthread_mutex_lock(&r->mu);
     r->st.state = any_up(r) ? 1 : 2; /* with the counts: a reader sees them agree */
     r->st.gets += o->n;
@@ -981,120 +1035,43 @@ static void do_get(kvd_remote *r, op *o) {
     pthread_mutex_unlock(&r->mu);
 }
 
-/* One key's STRLEN reply: 1 when it names a value longer than a header. */
-static int probe_reply(const redisReply *rep) {
-    return rep->type == REDIS_REPLY_INTEGER && rep->integer > (long long)KVD_REMOTE_HEADER;
+/* A probe's reply: the key is there when its value is longer than a header; an error makes it
+ * not there (o->rc KV_ESYS). */
+static void probe_reply(kvd_remote *r, op *o, size_t i, const node *nd, redisReply *rep) {
+    if (rep->type == REDIS_REPLY_ERROR) {
+        note_error(r, "%s:%d: STRLEN: %s", nd->host, nd->port, rep->str);
+        o->rc = KV_ESYS;
+    }
+    o->present[i] = rep->type == REDIS_REPLY_INTEGER && rep->integer > (long long)KVD_REMOTE_HEADER;
 }
 
 /* A probe: STRLEN of every key, one pipeline per node (libhiredis reads the replies), then the
- * keys a node redirected, one by one, as do_get. */
+ * keys a node redirected, one by one. */
 static void do_probe(kvd_remote *r, op *o) {
     size_t n = o->n > 0 ? o->n : 1;
     if (o->present == NULL) {
         o->present = calloc(n, 1);
     } else {
-        memset(o->present, 0, n);
+        memset(o->present, 0, n); /* the second try, after a failover */
     }
-    int *dest = malloc(n * sizeof(int));
-    int *rto = malloc(n * sizeof(int));
-    uint8_t *rask = calloc(n, 1);
-    if (o->present == NULL || dest == NULL || rto == NULL || rask == NULL) {
-        free(dest);
-        free(rto);
-        free(rask);
+    route rt;
+    if (o->present == NULL) {
         o->rc = KV_ENOMEM;
         return;
     }
-    const uint64_t deadline = o->deadline;
-    for (size_t i = 0; i < o->n; i++) {
-        rto[i] = -1;
-        dest[i] = node_of(r, o->keys[i]);
-        if (dest[i] < 0) {
-            o->rc = KV_ESYS; /* every node is down */
-        }
+    if (route_init(r, o, &rt) != 0) {
+        return;
     }
     for (int ni = 0; ni < r->nnodes; ni++) {
-        size_t cnt = 0;
-        for (size_t i = 0; i < o->n; i++) {
-            cnt += dest[i] == ni;
-        }
-        if (cnt == 0) {
-            continue;
-        }
-        uint64_t now = now_ms();
-        node *nd = &r->nodes[ni];
-        redisContext *c = now < deadline ? node_ctx(r, nd) : NULL;
-        if (c == NULL) {
-            o->rc = KV_ESYS;
-            continue;
-        }
-        if (nd->rb_len != nd->rb_pos) {
-            node_fail(r, nd, "STRLEN: the connection is out of step");
-            o->rc = KV_ESYS;
-            continue;
-        }
-        int shortened = deadline - now < r->timeout_ms;
-        if (shortened) {
-            set_timeout(c, deadline - now);
-        }
-        for (size_t i = 0; i < o->n; i++) {
-            if (dest[i] == ni) {
-                redisAppendCommand(c, "STRLEN %s", o->keys[i]);
-            }
-        }
-        for (size_t i = 0; i < o->n; i++) {
-            if (dest[i] != ni) {
-                continue;
-            }
-            void *vrep = NULL;
-            if (nd->c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
-                if (nd->c != NULL) {
-                    node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
-                }
-                o->rc = KV_ESYS; /* the keys not read are not there */
-                continue;
-            }
-            redisReply *rep = vrep;
-            nd->fails = 0; /* it answers */
-            if (note_redirect(r, rep, &rto[i], &rask[i])) {
-                freeReplyObject(rep);
-                continue;
-            }
-            if (rep->type == REDIS_REPLY_ERROR) {
-                note_error(r, "%s:%d: STRLEN: %s", nd->host, nd->port, rep->str);
-                o->rc = KV_ESYS;
-            }
-            o->present[i] = (uint8_t)probe_reply(rep);
-            freeReplyObject(rep);
-        }
-        if (shortened && nd->c != NULL) {
-            set_timeout(c, r->timeout_ms);
+        int shortened = 0;
+        redisContext *c = pipeline_begin(r, o, &rt, ni, "STRLEN", &shortened);
+        if (c != NULL) {
+            pipeline_read(r, o, &rt, ni, c, probe_reply);
+            pipeline_end(r, ni, c, shortened);
         }
     }
-    for (size_t i = 0; i < o->n; i++) {
-        if (rto[i] < 0) {
-            continue;
-        }
-        if (now_ms() >= deadline) {
-            o->rc = KV_ESYS;
-            continue;
-        }
-        const char *argv[2] = {"STRLEN", o->keys[i]};
-        size_t lens[2] = {6, strlen(o->keys[i])};
-        redisReply *rep = command_at(r, rto[i], rask[i], 2, argv, lens);
-        if (rep == NULL) {
-            o->rc = KV_ESYS;
-            continue;
-        }
-        if (rep->type == REDIS_REPLY_ERROR) {
-            o->rc = KV_ESYS; /* TRYAGAIN, CLUSTERDOWN, one redirection too many */
-        }
-        o->present[i] = (uint8_t)probe_reply(rep);
-        freeReplyObject(rep);
-    }
-    free(dest);
-    free(rto);
-    free(rask);
+    resend_redirected(r, o, &rt, "STRLEN", probe_reply);
+    route_free(&rt);
 }
 
 /* Bytes of a put's value: header, tail, payload. */

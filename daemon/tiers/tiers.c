@@ -2590,7 +2590,7 @@ static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
 }
 
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
-    return t != NULL && t->remote != NULL && p->tiers != NULL && t->cfg->remote_fetch_max > 0;
+    return kvd_tiers_remote_any(t) && p->tiers != NULL;
 }
 
 /* A Lookup's remote probe in flight: its keys (borrowed by the remote thread) and whom to tell. */

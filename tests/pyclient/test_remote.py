@@ -1531,12 +1531,9 @@ def test_lookup_remote_with_redis_stopped(kvd_factory, redis):
         assert "detach_pool_reply" in got and "attach_pool_reply" in got, got
         assert c3.stats()["session.refs_held"] == 0, c3.stats()
         c3.close()
-        # A second session asks and goes away before the answer.
-        gone = connect(b)
-        pg = gone.attach(MODEL, LAYOUT)
-        gone.send("lookup", gone.lookup_msg(pg.pool_id, hs, remote=True))
-        time.sleep(0.05)
-        gone.close()
+        # The probe above failed the node: past its backoff (100 ms) the next request connects
+        # again and waits the whole timeout, so the Pings below overlap a Lookup that waits.
+        time.sleep(0.3)
         t = time.monotonic()
         lid = cb.send("lookup", cb.lookup_msg(pb_.pool_id, hs, remote=True))
         lat, reply, took = pings_while_waiting(cb, lid, "lookup_reply", 20, t)
@@ -1548,12 +1545,19 @@ def test_lookup_remote_with_redis_stopped(kvd_factory, redis):
             _, reply, _ = cb.recv(lid)
             took = time.monotonic() - t
         assert took <= limit, "Lookup.remote with Redis stopped took %.2f s" % took
+        assert took >= timeout_ms / 2000, "the Lookup did not wait on Redis: %.3f s" % took
         pb_.follow(reply)
         held = kw.reply_blocks(reply)
         assert len(held) == 2 and reply.remote_hits == 0, reply
         assert reply.remote_failure == pb.ESYS, reply
         check_prefix(pb_, held, pats, "T0 hits while Redis is stopped")
         cb.release(pb_.pool_id, held)
+        # A second session asks and goes away before the answer.
+        gone = connect(b)
+        pg = gone.attach(MODEL, LAYOUT)
+        gone.send("lookup", gone.lookup_msg(pg.pool_id, hs, remote=True))
+        time.sleep(0.05)
+        gone.close()
     finally:
         redis.sigcont()
     deadline = time.monotonic() + 15
