@@ -46,8 +46,9 @@ static const kvd_config_option options[] = {
         "initial capacity of the prefix index in blocks over all pools; it grows with the pools so "
         "every block can be indexed (32 bytes a slot at load 0.7: 1M takes 64 MiB, faulted in at "
         "start up to 256 MiB of table so no request pays for it)"),
-    OPT("evict-policy", KVD_OPT_STRING, evict_policy, "lru", 0, 0,
-        "eviction order of cached blocks: lru, s3fifo, prefix-lru or adaptive"),
+    OPT("evict-policy", KVD_OPT_STRING, evict_policy, "adaptive", 0, 0,
+        "eviction order of cached blocks: adaptive (LRU over the leaves of the prefix tree, reused "
+        "shared prefixes kept a round longer), lru, s3fifo or prefix-lru"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
     OPT_RT("strict-layouts", KVD_OPT_BOOL, strict_layouts, "false", 0, 1,

@@ -21,11 +21,9 @@
  * of one-off prompts.
  *
  * S3-FIFO and ADAPTIVE count children too and keep a block with any on LIST_INNER: only leaves
- * are on their queues, so they evict tails of cached prefixes only (leaf_policy). ADAPTIVE's
- * ghost (shared with S3-FIFO's) remembers the side each block left from; see adaptive_admit.
- * Not done here (issue 20): the guaranteed-share skip still rotates protected blocks past the
- * head (O(protected) per pick when unprotected blocks sit behind them) and park_candidate still
- * walks each idle segment's blocks (O(blocks)).
+ * are on their queues, so they evict tails of cached prefixes only (leaf_policy). ADAPTIVE marks
+ * SHARED blocks as PREFIX_LRU does and gives them its rounds on the leaves; see the ADAPTIVE
+ * section below.
  */
 #include "daemon/core/pool.h"
 
@@ -62,7 +60,6 @@ enum {
 #define BLOCK_LEASED 0x10u  /* flags: holds a tier lease (kvd_pool_lease; one at a time) */
 #define BLOCK_PRIVATE 0x20u /* flags: WRITING and never committed (kvd_pool_make_private) */
 #define FREQ_MAX 3          /* S3-FIFO's two-bit access counter */
-#define ARC_STEPS 32        /* ADAPTIVE: ghost hits that move the bias across the age span */
 #define NQUEUE 3            /* eviction queues counted per tenant (evict_queue) */
 
 typedef struct pool_block {
@@ -149,15 +146,6 @@ struct kvd_pool {
     uint32_t ghost_seq;                       /* evictions recorded in the ghost so far (wraps) */
     uint64_t inner_home[2]; /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
     int defer_leaves;       /* an admin walk runs: child_removed leaves inner blocks be */
-    uint64_t arc_p;         /* ADAPTIVE: unused (ARC's target size; see adaptive_admit) */
-    int64_t arc_bias;       /* ADAPTIVE: clock units added to the recency side's ages */
-    uint8_t pending_rule;   /* ADAPTIVE: rule that chose the victim being evicted (0: both
-                               rules agreed, 1: LRU's, 2: the biased one) */
-    uint64_t rule_n[2];     /* ADAPTIVE: victims chosen by the LRU rule / the biased rule
-                               where the two disagreed (decayed) */
-    uint64_t rule_back[2];  /* ADAPTIVE: of them, committed again within the ghost's reach */
-    uint64_t ghost_n[2];    /* ADAPTIVE: recent evictions by side, decayed (ARC's |B1|, |B2|) */
-    uint64_t ghost_hits[2]; /* ADAPTIVE: commits of a hash in the ghost, by side it left */
     uint64_t queries;       /* lookups */
     uint64_t query_blocks;  /* hashes asked */
     uint64_t hit_blocks;    /* hashes found */
@@ -432,46 +420,34 @@ static inline int home_list(const kvd_pool *p, int home) {
 
 /* ---- S3-FIFO ghost ---------------------------------------------------------------------- */
 
+/* A 64-bit fingerprint of the block's hash, mixed (splitmix64's finalizer) so that structured
+ * hashes, not only random ones, spread over the ghost's slots and tags. */
 static inline uint64_t ghost_fp(const pool_block *b) {
-    return b->hlo ^ (b->hhi * 0x9E3779B97F4A7C15ull);
+    uint64_t x = b->hlo ^ (b->hhi * 0xC2B2AE3D27D4EB4Full);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
 }
 
-/* Tag bit 0 marks a used slot, bit 1 the side the block left from (ADAPTIVE). */
-static void ghost_insert(kvd_pool *p, const pool_block *b, int side, int rule) {
+/* Tag bit 0 marks a used slot. */
+static void ghost_insert(kvd_pool *p, const pool_block *b) {
     if (p->ghost == NULL) {
         return;
     }
     uint64_t fp = ghost_fp(b);
-    uint64_t tag =
-        ((fp >> 32) & ~(uint64_t)15) | 1u | (uint64_t)side << 1 | (uint64_t)(rule & 3) << 2;
+    uint64_t tag = (fp >> 32) | 1u;
     p->ghost[fp & p->ghost_mask] = tag << 32 | p->ghost_seq++;
 }
 
-/* A ghost entry counts while fewer evictions than the pool has blocks happened since: the side
- * it was evicted from (0 or 1), or -1 when the block is not in the ghost. */
-static int ghost_side_rule(const kvd_pool *p, const pool_block *b, int *rule) {
+/* A ghost entry counts while fewer evictions than the pool has blocks happened since. */
+static int ghost_has(const kvd_pool *p, const pool_block *b) {
     if (p->ghost == NULL) {
-        return -1;
+        return 0;
     }
     uint64_t fp = ghost_fp(b);
     uint64_t e = p->ghost[fp & p->ghost_mask];
-    uint64_t tag = ((fp >> 32) & ~(uint64_t)15) | 1u;
     uint32_t age = p->ghost_seq - (uint32_t)e;
-    if (((e >> 32) & ~(uint64_t)14) != tag || (uint64_t)age > (uint64_t)p->nsegs * p->bps) {
-        return -1;
-    }
-    if (rule != NULL) {
-        *rule = (int)((e >> 34) & 3u);
-    }
-    return (int)((e >> 33) & 1u);
-}
-
-static int ghost_side(const kvd_pool *p, const pool_block *b) {
-    return ghost_side_rule(p, b, NULL);
-}
-
-static int ghost_has(const kvd_pool *p, const pool_block *b) {
-    return ghost_side(p, b) >= 0;
+    return (e >> 32) == ((fp >> 32) | 1u) && (uint64_t)age <= (uint64_t)p->nsegs * p->bps;
 }
 
 /* Sizes the ghost to the pool (a power of two >= blocks); keeps the old one when out of memory
@@ -496,81 +472,22 @@ static void ghost_resize(kvd_pool *p) {
     p->ghost_mask = want - 1;
 }
 
-/* ---- ADAPTIVE: ARC's adaptation on the leaves of the prefix tree -----------------------
- * Two LRU sides: recency (blocks not reused since they entered the cache) and frequency
- * (reused, or committed again while the ghost remembered them). arc_p is the recency side's
- * target in blocks (its inner blocks included): a commit of a hash evicted from the recency
- * side recently says that side was too small (arc_p grows), one evicted from the frequency side
- * that it was too large; the step is the ratio of the two sides' recent evictions, ARC's
- * |B2|/|B1|. Leaves go from whichever side is over its share. */
+/* ---- ADAPTIVE: PREFIX_LRU's rounds on the leaves of the prefix tree --------------------
+ * Leaves are evicted in LRU order, tail of a prefix first, from two sides kept in that order
+ * (recency: not reused since the block entered the cache; frequency: reused, or committed
+ * again while the ghost remembered it) whose oldest leaves are compared by age. A leaf that is
+ * a branch point of the prefix tree or an ancestor of one (BLOCK_SHARED, as PREFIX_LRU marks
+ * them) and was reused gets one more round per reuse (freq, at most FREQ_MAX) when it is the
+ * oldest, and its shared ancestors, which wait as inner blocks for it, spend a round with it:
+ * a shared chain lives as many rounds as its most reused block, not one per block in turn. A
+ * commit found in the ghost counts as a reuse (a block evicted and wanted again within one
+ * pool's worth of evictions earns its round). */
 
-static uint64_t pool_capacity(const kvd_pool *p) {
-    return (uint64_t)p->nsegs * p->bps;
-}
-
-static void adaptive_evicted(kvd_pool *p, int side) {
-    p->ghost_n[side]++;
-    if (p->ghost_n[0] + p->ghost_n[1] > 2 * pool_capacity(p)) {
-        /* A window of about the ghost's reach: older evictions count half. */
-        p->ghost_n[0] /= 2;
-        p->ghost_n[1] /= 2;
-    }
-}
-
-/* ADAPTIVE's choice between the sides' oldest leaves: 1 to evict the recency side's. Two rules:
- * LRU's (the older goes) and the biased one (the recency side's age shifted by arc_bias, which
- * ghost hits move). Where they disagree, the rule that chose is recorded with the victim in the
- * ghost, and a victim committed again within the ghost's reach counts against its rule
- * (adaptive_admit); the rule whose victims came back less often decides (LRU's until the
- * biased one has shown it does better, so at worst this is close to LRU over the leaves). Two
- * 32nds of the disagreements, by the recency head's hash, always take one rule each, so both
- * keep being measured. */
-static int adaptive_rec_first(kvd_pool *p, uint32_t rec, uint32_t freq) {
-    int64_t ra = (int64_t)blk_at(p, rec)->last_access;
-    int64_t fa = (int64_t)blk_at(p, freq)->last_access;
-    int lru = ra <= fa, biased = ra + p->arc_bias <= fa;
-    if (lru == biased) {
-        return lru;
-    }
-    uint32_t sample = (uint32_t)(ghost_fp(blk_at(p, rec)) >> 40) & 31u;
-    int use_bias = sample == 0   ? 0
-                   : sample == 1 ? 1
-                                 : p->rule_back[1] * p->rule_n[0] < p->rule_back[0] * p->rule_n[1];
-    p->pending_rule = (uint8_t)(1 + use_bias);
-    return use_bias ? biased : lru;
-}
-
-/* A block was just committed: a ghost hit moves the target and admits it to the frequency side
- * (it was used twice within the ghost's reach). */
+/* A block was just committed: a ghost hit counts as a reuse. */
 static void adaptive_admit(kvd_pool *p, pool_block *b) {
-    int rule = 0;
-    int side = ghost_side_rule(p, b, &rule);
-    if (side < 0) {
-        return;
+    if (ghost_has(p, b)) {
+        b->freq = 1;
     }
-    if (rule == 1 || rule == 2) {
-        p->rule_back[rule - 1]++;
-    }
-    p->ghost_hits[side]++;
-    /* The step: a 32nd of the span of ages the leaves cover (clock units differ between the
-     * daemon, ms, and trace replays, requests), the bias bounded by that span. */
-    uint32_t rh = p->lists[LIST_AREC].head, fh = p->lists[LIST_AFREQ].head;
-    uint64_t oldest = p->now;
-    if (rh != KVD_NO_BLOCK && blk_at(p, rh)->last_access < oldest) {
-        oldest = blk_at(p, rh)->last_access;
-    }
-    if (fh != KVD_NO_BLOCK && blk_at(p, fh)->last_access < oldest) {
-        oldest = blk_at(p, fh)->last_access;
-    }
-    int64_t span = (int64_t)(p->now - oldest) + 1;
-    int64_t step = span / ARC_STEPS > 0 ? span / ARC_STEPS : 1;
-    p->arc_bias += side == 0 ? -step : step;
-    if (p->arc_bias > span) {
-        p->arc_bias = span;
-    } else if (p->arc_bias < -span) {
-        p->arc_bias = -span;
-    }
-    b->freq = 1;
 }
 
 /* ---- state transitions ------------------------------------------------------------------ */
@@ -705,12 +622,14 @@ static void child_added(kvd_pool *p, pool_block *b) {
     if (pb->nchild < UINT8_MAX) {
         pb->nchild++;
     }
-    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU) {
+    if (p->cfg.policy == KVD_EVICT_PREFIX_LRU || p->cfg.policy == KVD_EVICT_ADAPTIVE) {
         for (pool_block *x = pb->nchild >= 2 ? pb : NULL; x != NULL && !(x->flags & BLOCK_SHARED);
              x = parent_of(p, x)) {
             x->flags |= BLOCK_SHARED;
         }
-    } else if (pb->nchild == 1 && pb->state == KVD_BLOCK_CACHED && pb->list != LIST_PINNED) {
+    }
+    if (leaf_policy(p) && pb->nchild == 1 && pb->state == KVD_BLOCK_CACHED &&
+        pb->list != LIST_PINNED) {
         leaf_to_inner(p, b->parent, pb);
     }
 }
@@ -737,9 +656,6 @@ static void child_removed(kvd_pool *p, pool_block *b) {
 /* Takes a CACHED unpinned block out of the index and the eviction order, back to FREE. */
 static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     KV_ASSERT(b->state == KVD_BLOCK_CACHED && !(b->flags & BLOCK_PINNED));
-    int side = b->list == LIST_INNER || b->list == LIST_ASIDE2 ? (b->flags & BLOCK_HOME2) != 0
-               : b->list == LIST_MAIN || b->list == LIST_AFREQ || b->list == LIST_ASIDE1 ? 1
-                                                                                         : 0;
     int ghosted =
         p->cfg.policy == KVD_EVICT_ADAPTIVE ||
         (p->cfg.policy == KVD_EVICT_S3FIFO && (b->list == LIST_SMALL || b->list == LIST_ASIDE0));
@@ -747,21 +663,7 @@ static void drop_cached(kvd_pool *p, uint32_t id, pool_block *b) {
     kv_err err = kvd_index_remove(p->idx, p->cfg.pool_id, blk_hash(b));
     KV_ASSERT(err == KV_OK);
     if (ghosted) {
-        int rule = p->pending_rule;
-        p->pending_rule = 0;
-        ghost_insert(p, b, side, rule);
-        if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
-            adaptive_evicted(p, side);
-            if (rule == 1 || rule == 2) {
-                p->rule_n[rule - 1]++;
-                if (p->rule_n[0] + p->rule_n[1] > pool_capacity(p)) {
-                    for (int i = 0; i < 2; i++) {
-                        p->rule_n[i] /= 2;
-                        p->rule_back[i] /= 2;
-                    }
-                }
-            }
-        }
+        ghost_insert(p, b);
     }
     child_removed(p, b);
     seg_evictable(p, seg_of(p, id), b, -1);
@@ -945,7 +847,6 @@ static uint32_t aside_oldest(const kvd_pool *p, int q0, int q1, int unprotected_
  * block is skipped once, so a pick costs O(1) amortized plus O(guaranteed tenants).
  * Requires a candidate. */
 static uint32_t pick_victim(kvd_pool *p, int honour) {
-    p->pending_rule = 0;
     uint64_t budget = evictable_count(p);
     KV_ASSERT(budget > 0);
     uint64_t prot[NQUEUE] = {0, 0, 0}, protm[NQUEUE] = {0, 0, 0};
@@ -983,7 +884,7 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
     /* The leaf policies. S3-FIFO: evict from the small queue while it holds >= 10% of the
      * pool's blocks (its inner and aside blocks included), else from the main queue, whose
      * blocks get one more round per access (at most FREQ_MAX). ADAPTIVE: the older of the two
-     * sides' oldest leaves, the recency side's age shifted by arc_bias. A queue whose evictable
+     * sides' oldest leaves, a reused shared one getting another round. A queue whose evictable
      * leaves are all protected yields to the other one; when no leaf is left (every leaf below
      * the inner blocks is pinned or referenced) or all are protected, inner blocks go, oldest
      * first. */
@@ -1002,9 +903,10 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         }
         uint64_t first = s->len + p->inner_home[0] + p->n_aside[0];
         int which;
-        if (us > 0 && (um == 0 || (p->cfg.policy == KVD_EVICT_S3FIFO
-                                       ? first >= small_target
-                                       : adaptive_rec_first(p, s->head, m->head)))) {
+        if (us > 0 && (um == 0 ||
+                       (p->cfg.policy == KVD_EVICT_S3FIFO ? first >= small_target
+                                                          : blk_at(p, s->head)->last_access <=
+                                                                blk_at(p, m->head)->last_access))) {
             which = q0;
         } else if (um > 0) {
             which = q1;
@@ -1028,6 +930,20 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
             if (honour && tenant_protected(p, b)) {
                 protm[0]--, protm[1]++;
             }
+            continue;
+        }
+        if (p->cfg.policy == KVD_EVICT_ADAPTIVE && which != LIST_INNER &&
+            (b->flags & BLOCK_SHARED) && b->freq > 0) {
+            /* A reused shared leaf: one more round; the shared ancestors waiting for it spend
+             * one with it (each decrement is paid for by the hit that raised freq, so the walk
+             * is O(1) amortized). */
+            for (pool_block *x = b; x != NULL && x->freq > 0 && (x->flags & BLOCK_SHARED);
+                 x = parent_of(p, x)) {
+                x->freq--;
+            }
+            b->last_access = p->now;
+            seg_touch(p, seg_of(p, id));
+            list_rotate(p, which, which);
             continue;
         }
         if (p->cfg.policy == KVD_EVICT_S3FIFO && which == LIST_MAIN && b->freq > 0) {
@@ -2536,7 +2452,8 @@ kv_err kvd_pool_check(const kvd_pool *p) {
             }
             CHECK(b->tenant < p->ntcap && b->pin_tenant < p->ntcap, "block %u: tenant %u/%u", id,
                   b->tenant, b->pin_tenant);
-            CHECK((p->cfg.policy == KVD_EVICT_PREFIX_LRU || !(b->flags & BLOCK_SHARED)) &&
+            CHECK((p->cfg.policy == KVD_EVICT_PREFIX_LRU || p->cfg.policy == KVD_EVICT_ADAPTIVE ||
+                   !(b->flags & BLOCK_SHARED)) &&
                       (counts_children(p) || b->nchild == 0),
                   "block %u: prefix marks under policy %d", id, (int)p->cfg.policy);
             CHECK(!(b->flags & BLOCK_HOME2) || b->list == LIST_INNER || b->list == LIST_ASIDE2,

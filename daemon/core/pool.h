@@ -20,13 +20,14 @@
  * (core section). ADAPTIVE and the S3-FIFO here evict only leaves of the cached prefix tree: a
  * block that a committed or cached block names as its parent waits on an inner list until its
  * last child goes (then it is next in its queue), and goes earlier only when every leaf left is
- * pinned or referenced, so no cached block sits behind a hole in its prefix. ADAPTIVE keeps two
- * LRU sides (not reused since entering the cache / reused or re-committed while its ghost
- * remembered it) and evicts the older of their oldest leaves after shifting the recency side's
- * age by a bias that ghost hits move (ARC's adaptation as an age offset: bias 0 is LRU over the
- * leaves); where the biased and the LRU choice differ, the rule whose victims came back less
- * often (ghost hits) decides, LRU's until the bias has proved itself. Every policy is O(1)
- * amortized per block.
+ * pinned or referenced, so no cached block sits behind a hole in its prefix. ADAPTIVE is
+ * PREFIX_LRU on those leaves: LRU over the leaves, and a shared leaf (a branch point or an
+ * ancestor of one) that was reused, or committed again while the ghost of recent evictions
+ * remembered it, gets one more round per reuse (at most 3) when it is the oldest; the shared
+ * ancestors waiting above it as inner blocks spend that round with it, so a shared chain lives
+ * as long as its most reused block, not one round per block in turn. It is never below LRU on
+ * the traces of bench/RESULTS.md (core section) and beats PREFIX_LRU on most. Every policy is
+ * O(1) amortized per block.
  * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist
  * (each protected block once: it waits on its tenant's aside list; O(1) amortized per block
  * plus O(tenants with a guarantee) per eviction).
@@ -68,7 +69,7 @@ typedef enum kvd_evict_policy {
     KVD_EVICT_LRU = 1,        /* vLLM's order: least recently used, tail of a prefix first */
     KVD_EVICT_S3FIFO = 2,     /* S3-FIFO (Yang et al., SOSP 2023) */
     KVD_EVICT_PREFIX_LRU = 3, /* LRU, tail first; shared prefixes get a round per reuse */
-    KVD_EVICT_ADAPTIVE = 4,   /* leaves of the prefix tree, ARC-style recency/frequency sides */
+    KVD_EVICT_ADAPTIVE = 4,   /* PREFIX_LRU's order on the leaves of the prefix tree only */
 } kvd_evict_policy;
 
 /* The one table of policy names, as `evict-policy` spells them: "lru", "s3fifo", "prefix-lru",
@@ -388,7 +389,8 @@ void kvd_pool_count_verified(kvd_pool *pool, uint64_t blocks);
 const kv_stat_desc *kvd_pool_stat_descs(size_t *n);
 
 /* Bytes of the pool's own metadata: its record, per-slot and per-tenant arrays (sized to the
- * slots and tenants it has met), the S3-FIFO ghost and the block records of its live segments
+ * slots and tenants it has met), the ghost of the leaf policies (S3-FIFO, ADAPTIVE: 8 bytes a
+ * slot, a power of two >= blocks) and the block records of its live segments
  * (parked ones keep theirs). What the daemon's memory budget counts beside segment memory. O(1). */
 uint64_t kvd_pool_meta_bytes(const kvd_pool *pool);
 

@@ -347,6 +347,72 @@ static void test_prefix_lru_keeps_shared_prefix(void **state) {
      * another round and takes two cold blocks instead. */
     assert_int_equal(shared_prefix_survivors(KVD_EVICT_LRU), 2);
     assert_int_equal(shared_prefix_survivors(KVD_EVICT_PREFIX_LRU), 4);
+    /* ADAPTIVE gives the same round on the leaves: the prefix waits as inner blocks while its
+     * branches live, then its reused shared tail gets a round past the cold chain's. */
+    assert_int_equal(shared_prefix_survivors(KVD_EVICT_ADAPTIVE), 4);
+}
+
+/* ADAPTIVE: a reused shared prefix gets one round past newer cold blocks, and its shared
+ * blocks spend that round together: once the tail has had it, the block above goes as soon as
+ * it is the oldest leaf, not after a round of its own. */
+static void test_adaptive_shared_chain_rounds(void **state) {
+    (void)state;
+    fixture f;
+    kvd_pool *p = make_pool(&f, 16, 1, KVD_EVICT_ADAPTIVE);
+    kvd_block_ref s[4], a[2], b[2], cold[8], got[4], x[6], y[4], z[4];
+    kv_hash128 q[4] = {H(1), H(2), H(3), H(4)};
+    size_t nhit;
+    kvd_pool_set_now(p, 1);
+    commit_chain(p, 1, 0, 1, 4, s);
+    commit_branch(p, s[3].id, 10, 2, a);
+    assert_int_equal(kvd_pool_release(p, 1, 0, a, 2), KV_OK);
+    assert_int_equal(kvd_pool_release(p, 1, 0, s, 4), KV_OK);
+    kvd_pool_set_now(p, 2);
+    assert_int_equal(kvd_pool_lookup(p, 0, q, 4, got, &nhit), KV_OK);
+    assert_int_equal(nhit, 4);
+    commit_branch(p, got[3].id, 20, 2, b); /* second child: the prefix is shared */
+    assert_int_equal(kvd_pool_release(p, 1, 0, b, 2), KV_OK);
+    assert_int_equal(kvd_pool_release(p, 1, 0, got, 4), KV_OK);
+    kvd_pool_set_now(p, 3);
+    commit_chain(p, 1, 0, 100, 8, cold);
+    assert_int_equal(kvd_pool_release(p, 1, 0, cold, 8), KV_OK);
+    /* Full. Six go: both branches, then the prefix's tail is the oldest leaf but has a round,
+     * so the cold chain's tail goes instead. */
+    kvd_pool_set_now(p, 4);
+    commit_chain(p, 2, 0, 1000, 6, x);
+    kvd_pool_set_now(p, 5);
+    assert_int_equal(kvd_pool_release(p, 2, 0, x, 6), KV_OK);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(kvd_pool_check_ref(p, s[i]), KV_OK);
+    }
+    assert_int_equal(kvd_pool_check_ref(p, b[0]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, cold[7]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, cold[6]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, cold[5]), KV_OK);
+    /* Four more: the rest of the cold chain is older than the prefix's tail (its round ran
+     * from now = 4). */
+    kvd_pool_set_now(p, 6);
+    commit_chain(p, 2, 0, 2000, 4, y);
+    assert_int_equal(kvd_pool_release(p, 2, 0, y, 4), KV_OK);
+    assert_int_equal(kvd_pool_check_ref(p, cold[2]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, cold[1]), KV_OK);
+    /* Four more: the cold chain's last two, then the prefix's tail (its round is spent, and
+     * it is older than the chain released at 5) and the block above it, whose round was spent
+     * with it (had it kept its own, it would have gone round again and taken x's tail); the
+     * first two stay. */
+    kvd_pool_set_now(p, 7);
+    commit_chain(p, 2, 0, 3000, 4, z);
+    assert_int_equal(kvd_pool_check_ref(p, cold[0]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, s[3]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, s[2]), KV_ESTALE);
+    assert_int_equal(kvd_pool_check_ref(p, s[1]), KV_OK);
+    assert_int_equal(kvd_pool_check_ref(p, s[0]), KV_OK);
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(kvd_pool_check_ref(p, x[i]), KV_OK);
+    }
+    assert_int_equal(kvd_pool_release(p, 2, 0, z, 4), KV_OK);
+    assert_int_equal(kvd_pool_check(p), KV_OK);
+    drop(&f);
 }
 
 /* A chain without branches (a conversation's own history) gets no extra rounds however often
@@ -930,6 +996,7 @@ int main(void) {
         cmocka_unit_test(test_s3fifo_prefers_reused),
         cmocka_unit_test(test_prefix_lru_keeps_shared_prefix),
         cmocka_unit_test(test_prefix_lru_linear_chain_is_lru),
+        cmocka_unit_test(test_adaptive_shared_chain_rounds),
         cmocka_unit_test(test_pins),
         cmocka_unit_test(test_pin_expires_while_referenced),
         cmocka_unit_test(test_guarantee),

@@ -30,7 +30,7 @@ uint64_t kvd_registry_now(const kvd_registry *g) {
 
 kvd_evict_policy kvd_registry_policy(const kvd_registry *g) {
     kvd_evict_policy p;
-    return kvd_evict_policy_parse(g->cfg->evict_policy, &p) == KV_OK ? p : KVD_EVICT_LRU;
+    return kvd_evict_policy_parse(g->cfg->evict_policy, &p) == KV_OK ? p : KVD_EVICT_ADAPTIVE;
 }
 
 /* ---- budget and pools ------------------------------------------------------------------ */
