@@ -176,6 +176,11 @@ static const kvd_config_option options[] = {
     OPT("remote-queue-bytes", KVD_OPT_U64, remote_queue_bytes, "256M", 1 << 20, 1ull << 40,
         "block bytes of remote writes queued at most; more are dropped (counted) while Redis "
         "is slow or down"),
+    OPT("remote-watch", KVD_OPT_BOOL, remote_watch, "false", 0, 1,
+        "listen to every Redis node's keyspace notifications of expired and evicted keys "
+        "(the node's notify-keyspace-events must hold Exe; kvd never sets it) and publish "
+        "BlockRemoved on medium REMOTE for the values of this node's pools; a block read from "
+        "such a value is written to Redis again on its way down"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

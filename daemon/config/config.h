@@ -76,6 +76,7 @@ typedef struct kvd_config {
     uint64_t remote_timeout_ms;                     /* connect and command timeout */
     uint64_t remote_fetch_max;                      /* blocks past the local run a Fetch asks for */
     uint64_t remote_queue_bytes;                    /* puts queued at most */
+    int remote_watch; /* listen to Redis's expiries and evictions (kvd_rwatch) */
 } kvd_config;
 
 typedef enum kvd_opt_type {

@@ -107,8 +107,8 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
  *     medium is the pool's (GPU / CPU), counted with the Commits' blocks;
  *   1: tier 1 (medium "CPU"; for a host pool the same medium as T0, counted with it);
  *   2: tier 2 ("DISK");
- *   KVD_KVEV_REMOTE: the remote tier (a write Redis acknowledged, or the DEL of a quarantined
- *     block): "REMOTE", not counted (Redis drops keys by TTL and maxmemory without a word).
+ *   KVD_KVEV_REMOTE: the remote tier (a write Redis acknowledged, the DEL of a quarantined
+ *     block, or with remote-watch a value Redis expired or evicted): "REMOTE", not counted.
  * parent (NULL: none or unknown) is published only on T0's medium (vLLM's offloading connector
  * reports its copies without parent or tokens). In hash-mode vllm an event needs the block's
  * digest, which the publisher knows while some medium of it records the block (its T0 copy,

@@ -28,6 +28,7 @@
 #include "daemon/tiers/codec.h"
 #include "daemon/tiers/disk.h"
 #include "daemon/tiers/remote.h"
+#include "daemon/tiers/rwatch.h"
 #include "daemon/tiers/store.h"
 
 enum {
@@ -83,6 +84,11 @@ enum {
     TS_REMOTE_PROBE_HITS,
     TS_REMOTE_PUT_SKIPS,
     TS_QUOTA_DROPS,
+    TS_RWATCH_NODES,
+    TS_RWATCH_UNCONFIGURED,
+    TS_RWATCH_EXPIRED,
+    TS_RWATCH_EVICTED,
+    TS_RWATCH_REPORTED,
     TS_COUNT
 };
 
@@ -225,6 +231,24 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                              "blocks not written to Redis again on their way down: read from "
                              "there straight into T0 (remote-ttl-s 0)",
                              NULL, NULL, NULL, NULL},
+    [TS_RWATCH_NODES] = {"remote_watch_nodes", "gauge", "nodes",
+                         "Redis nodes whose expiries and evictions kvd listens to (remote-watch)",
+                         NULL, NULL, NULL, NULL},
+    [TS_RWATCH_UNCONFIGURED] = {"remote_watch_unconfigured", "gauge", "nodes",
+                                "of the nodes asked, those whose notify-keyspace-events lacks "
+                                "Exe: the values Redis drops there go unreported",
+                                NULL, NULL, NULL, NULL},
+    [TS_RWATCH_EXPIRED] = {"remote_watch_expired", "counter", "keys",
+                           "keys Redis said it expired (any key of the node)", NULL, NULL, NULL,
+                           NULL},
+    [TS_RWATCH_EVICTED] = {"remote_watch_evicted", "counter", "keys",
+                           "keys Redis said its maxmemory policy evicted (any key of the node)",
+                           NULL, NULL, NULL, NULL},
+    [TS_RWATCH_REPORTED] = {"remote_watch_reported", "counter", "blocks",
+                            "of them, values of this node's pools: BlockRemoved on REMOTE, and "
+                            "a block read from that value is written to Redis again on its way "
+                            "down",
+                            NULL, NULL, NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -259,6 +283,7 @@ struct kvd_tiers {
     char t2_error[640];        /* the last T2 error ("" none) */
     uint64_t t2_error_ms;      /* when it was logged (rate limit) */
     kvd_remote *remote;        /* the remote tier (remote-redis), or NULL */
+    kvd_rwatch *rwatch;        /* its keyspace notifications (remote-watch), or NULL */
     struct rfetch *rfetches;   /* Fetches waiting for the remote tier */
     kvd_tiers_event_fn ev_fn;  /* KV events of the tiers (kvd_tiers_set_event_hook) */
     kvd_tiers_digest_fn dg_fn; /* digests of blocks going down (kvd_tiers_set_digest_fn) */
@@ -1554,6 +1579,46 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     }
 }
 
+/* remote-watch: Redis dropped key (expired, or evicted by its maxmemory policy). A key of one of
+ * this node's pools (PREFIX:DOMAIN:LAYOUT:HASH, remote_key) is reported as BlockRemoved on
+ * REMOTE, and a block of it that came from Redis into T0 is no longer taken for one Redis
+ * holds (from_remote): it is written again on its way down. Other keys are ignored. */
+static void on_remote_dropped(void *arg, const char *key, size_t len, int evicted) {
+    (void)evicted;
+    kvd_tiers *t = arg;
+    const char *prefix = t->cfg->remote_key_prefix;
+    size_t pl = strlen(prefix);
+    /* PREFIX ':' DOMAIN ':' 32 hex ':' 32 hex */
+    if (len < pl + 1 + 1 + 1 + 32 + 1 + 32 || len >= 512 || memcmp(key, prefix, pl) != 0 ||
+        key[pl] != ':' || key[len - 33] != ':' || key[len - 66] != ':') {
+        return;
+    }
+    char lk[33], hh[33], dom[512];
+    memcpy(lk, key + len - 65, 32);
+    lk[32] = '\0';
+    memcpy(hh, key + len - 32, 32);
+    hh[32] = '\0';
+    size_t dl = len - 66 - (pl + 1);
+    memcpy(dom, key + pl + 1, dl);
+    dom[dl] = '\0';
+    kv_hash128 layout_key, hash;
+    if (kv_hash_parse(lk, &layout_key) != KV_OK || kv_hash_parse(hh, &hash) != KV_OK) {
+        return;
+    }
+    for (uint32_t i = 0; i < t->reg->npools; i++) {
+        tier_pool *tp = t->reg->pools[i].tiers;
+        if (tp == NULL || tp->gone || !kv_hash_eq(tp->layout_key, layout_key) ||
+            strcmp(tp->domain, dom) != 0) {
+            continue;
+        }
+        (void)from_remote_take(tp, hash);
+        uint32_t e = kvd_tstore_find(&tp->st, hash);
+        const kvd_tentry *te = e != KVD_TNONE ? kvd_tstore_at(&tp->st, e) : NULL;
+        tier_event(tp, hash, NULL, te != NULL && te->has_tail ? te->tail : NULL, 3, 0);
+        t->c[TS_RWATCH_REPORTED]++;
+    }
+}
+
 /* ---- the interface ------------------------------------------------------------------------- */
 
 static void on_pool_gone(void *arg, kvd_reg_pool *p) {
@@ -1614,6 +1679,10 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
                                                                   : cfg->tier1_memory / 4;
     kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_ttl_s, qb};
     kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
+    if (e == KV_OK && cfg->remote_watch) {
+        kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms};
+        e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
+    }
     memset(pw, 0, sizeof(pw));
     if (e != KV_OK) {
         if (t->remote != NULL) {
@@ -1636,6 +1705,9 @@ void kvd_tiers_close(kvd_tiers *t) {
     }
     if (t != NULL && t->remote != NULL) {
         kvd_remote_close(t->remote); /* its last callbacks run here */
+    }
+    if (t != NULL) {
+        kvd_rwatch_close(t->rwatch);
     }
 }
 
@@ -1736,6 +1808,7 @@ void kvd_tiers_free(kvd_tiers *t) {
         free(f);
     }
     kvd_remote_free(t->remote);
+    kvd_rwatch_free(t->rwatch);
     free(t);
 }
 
@@ -2982,6 +3055,14 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_REMOTE_REDIRECTS] = rs.redirects;
             v[TS_REMOTE_PROBES] = rs.probes;
             v[TS_REMOTE_PROBE_HITS] = rs.probe_hits;
+        }
+        if (t->rwatch != NULL) {
+            kvd_rwatch_stats ws;
+            kvd_rwatch_get_stats(t->rwatch, &ws);
+            v[TS_RWATCH_NODES] = ws.nodes;
+            v[TS_RWATCH_UNCONFIGURED] = ws.unconfigured;
+            v[TS_RWATCH_EXPIRED] = ws.expired;
+            v[TS_RWATCH_EVICTED] = ws.evicted;
         }
     }
     for (int i = 0; i < TS_COUNT; i++) {

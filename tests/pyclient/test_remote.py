@@ -1804,3 +1804,168 @@ def test_cluster_forgets_nodes_that_left(kvd_factory, redis_cluster):
     want = len(set(cl.client.masters()) | {seed})
     assert wait_until(lambda: _nodes_known(a) == want, timeout=10), (want, tiers(a)["state"])
     assert a.alive() and ping_ms(ca) < 100
+
+
+# ---------------------------------------------------------------------------------------------
+# remote-watch: Redis's own drops (TTL expiry, maxmemory eviction) reported as BlockRemoved
+
+def _watch_node(kvd_factory, seeds, ea, writer=True, **extra):
+    o = dict(kv_events_endpoint=ea, kv_events_flush_ms="0", remote_watch="true")
+    o.update(extra)
+    return kvd_factory(**node_opts(seeds, writer=writer, **o))
+
+
+def _removed_on_remote(sub, start=0):
+    from test_kv_events import BlockRemoved
+    return [h for x in sub.batches[start:] for e in x.events
+            if isinstance(e, BlockRemoved) and e.medium == "REMOTE" for h in e.block_hashes]
+
+
+def test_remote_watch_reports_expiry(kvd_factory, redis_factory):
+    """remote-watch on a Redis whose notify-keyspace-events holds Exe: the values A wrote with
+    remote-ttl-s 1 expire, and each is a BlockRemoved on medium REMOTE (after its BlockStored);
+    a key of another prefix expiring says nothing. The counters say one node, configured."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, srv.addr, ea, remote_ttl_s="1")
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 3, 515100)
+        want = [xxh3_form(h, Schema()) for h in hs]
+        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        with srv.client() as r:
+            r.call("SET", "other:key", "x", "PX", "50")
+        sa.until("REMOTE removed", lambda x: set(want) <= set(_removed_on_remote(sa)),
+                 timeout=15)
+        assert sorted(_removed_on_remote(sa)) == sorted(want), _removed_on_remote(sa)
+        t = tiers(a)
+        assert t["remote_watch_unconfigured"] == 0, t
+        assert t["remote_watch_expired"] >= 4 and t["remote_watch_reported"] == 3, t
+        sa.close()
+    finally:
+        ctx.destroy(0)
+
+
+def test_remote_watch_reports_eviction_and_writes_again(kvd_factory, redis_factory):
+    """maxmemory eviction (the test makes Redis evict every key: allkeys-random, maxmemory 1
+    byte, then a write): B's blocks, read from Redis straight into T0, are reported removed on
+    REMOTE; and since Redis lost them, B writes them to Redis again when its own commits push
+    them down (with remote-ttl-s 0 a block read from Redis is otherwise not written back:
+    test_block_from_redis_not_written_back)."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    ctx = zmq.Context()
+    try:
+        (eb,) = tcp_endpoints(1)
+        a = kvd_factory(**node_opts(srv.addr))
+        b = _watch_node(kvd_factory, srv.addr, eb, writer=False)
+        assert wait_until(lambda: tiers(b)["remote_watch_nodes"] == 1, timeout=10), rem(b)
+        ca, cb = connect(a), connect(b)
+        pa, pb_ = ca.attach(MODEL, LAYOUT), cb.attach(MODEL, LAYOUT)
+        hs, pats = commit_chain(ca, pa, 3, 525100)
+        ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs)
+        sb = Sub(ctx, eb, name="B")
+        fr, n = fetch_checked(cb, pb_, hs, pats, "from Redis")
+        assert n == 3 and rstat(b, "direct") == 3, msg(fr, rem(b))
+        want = [xxh3_form(h, Schema()) for h in hs]
+        with srv.client() as r:
+            r.call("CONFIG", "SET", "maxmemory-policy", "allkeys-random")
+            r.call("CONFIG", "SET", "maxmemory", "1")
+            try:
+                r.call("SET", "trigger", "x")
+            except RespError:
+                pass  # OOM once every key is gone: the evictions came first
+            r.call("CONFIG", "SET", "maxmemory", "0")
+        assert not ns.present(hs)
+        sb.until("REMOTE removed", lambda x: set(want) <= set(_removed_on_remote(sb)),
+                 timeout=10)
+        t = tiers(b)
+        assert t["remote_watch_evicted"] >= 3 and t["remote_watch_reported"] >= 3, t
+        blocks = cb.stats(pb_.pool_id)["pool.blocks_total"]
+        commit_chain(cb, pb_, blocks + 64, 77000)  # more than the pool: the 3 go down and out
+
+        def settled():
+            st = tiers(b)
+            return st["jobs_inflight"] == 0 and st["remote_puts"] + st["remote_put_errors"] + \
+                st["remote_put_drops"] + st["remote_put_skips"] >= st["demotions_t1"]
+        assert wait_until(settled, timeout=15), msg(tiers(b))
+        assert tiers(b)["remote_put_skips"] == 0, rem(b)
+        assert wait_until(lambda: len(ns.present(hs)) == 3, timeout=10), ns.present(hs)
+        sb.close()
+    finally:
+        ctx.destroy(0)
+
+
+def test_remote_watch_says_when_redis_is_not_configured(kvd_factory, redis):
+    """A Redis with notify-keyspace-events empty (its default): kvd subscribes, counts the node
+    as unconfigured, logs how to fix it (never changing the server), and serves as before."""
+    from test_kv_events import tcp_endpoints
+    (ea,) = tcp_endpoints(1)
+    a = _watch_node(kvd_factory, redis.addr, ea, remote_ttl_s="1")
+    assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+    assert tiers(a)["remote_watch_unconfigured"] == 1, tiers(a)
+    assert wait_until(lambda: "notify-keyspace-events" in log_tail(a), timeout=5)
+    assert "Exe" in log_tail(a)
+    with redis.client() as r:
+        assert r.call("CONFIG", "GET", "notify-keyspace-events")[1] in (b"", "")
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    commit_chain(ca, pa, 2, 535100)
+    assert wait_until(lambda: rstat(a, "puts") >= 2, timeout=10), rem(a)
+    assert ping_ms(ca) < 100
+
+
+def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
+    """A Redis Cluster whose nodes the test configured (Exe): kvd subscribes on the 3 masters
+    (learnt from one seed), hears expiries on each; a master SIGKILLed and failed over: kvd
+    subscribes again on the 3 current masters, and an expiry on the promoted one is heard."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    cl = redis_cluster
+    for p in cl.ports:
+        with Redis(p, timeout=2.0) as r:
+            r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea, remote_ttl_s="3")
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=10), rem(a)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 24, 545100)
+        ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs, timeout=2.5), ns.present(hs)
+        assert len({cl.client.master_of(ns.key(h)) for h in hs}) == 3
+        want = [xxh3_form(h, Schema()) for h in hs]
+        sa.until("REMOTE removed on every master",
+                 lambda x: set(want) <= set(_removed_on_remote(sa)), timeout=20)
+        wait_until(cl.replication_caught_up, timeout=5)
+        victim = cl.client.masters()[0]
+        cl.kill_node(victim)
+        assert wait_until(lambda: cl.ok_everywhere(), timeout=30, step=0.2), "no failover"
+        cl.client.refresh()
+        promoted = set(cl.client.masters())
+        assert victim not in promoted
+        for p in promoted:  # the promoted replica kept Exe (the test set it on every node)
+            with Redis(p, timeout=2.0) as r:
+                r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=20), msg(
+            rem(a), [l for l in log_tail(a, 20000).splitlines() if "WATCH" in l][-12:])
+        n0 = len(sa.batches)
+        hs2, _ = commit_chain(ca, pa, 24, 555100)
+        want2 = [xxh3_form(h, Schema()) for h in hs2]
+        sa.until("REMOTE removed after the failover",
+                 lambda x: set(want2) <= set(_removed_on_remote(sa, n0)), timeout=25)
+        assert tiers(a)["remote_watch_unconfigured"] == 0, tiers(a)
+        sa.close()
+    finally:
+        ctx.destroy(0)

@@ -1,0 +1,462 @@
+/* kvd_rwatch: keyspace notifications of the remote tier's Redis nodes (see rwatch.h).
+ *
+ * One discovery connection at a time (to the seeds in turn) reads the masters from CLUSTER
+ * SLOTS, or takes its own node where cluster support is off, and goes; then one subscriber
+ * connection per node asks for its notify-keyspace-events (to say when drops go unheard) and
+ * subscribes. Any failure, or a deadline, tears everything down and starts again after a
+ * backoff: the set of nodes is small and a failover changes it anyway.
+ *
+ * libhiredis frees a context itself after its connect callback reports an error and after its
+ * disconnect callback; this file forgets a context in those callbacks and frees one only from a
+ * timer or from close, never from inside one of libhiredis's callbacks.
+ */
+#include "daemon/tiers/rwatch.h"
+
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* libhiredis's libuv adapter: static functions, included here only. */
+#include <hiredis/adapters/libuv.h>
+
+#include "common/kv_log.h"
+
+#define RW_MAX_NODES 64
+#define RW_BACKOFF_MIN_MS 100
+#define RW_BACKOFF_MAX_MS 5000
+#define RW_HOST_MAX 256
+
+typedef struct rw_node {
+    kvd_rwatch *w;
+    redisAsyncContext *ac; /* NULL when it has none */
+    char host[RW_HOST_MAX];
+    int port;
+    int subscribed; /* both channels confirmed */
+} rw_node;
+
+struct kvd_rwatch {
+    uv_loop_t *loop;
+    kvd_rwatch_fn fn;
+    void *arg;
+    char *password;
+    uint64_t timeout_ms;
+    /* The configured seeds, then every node a CLUSTER SLOTS named (masters and replicas), so a
+     * discovery still finds the cluster when the seeds given are the nodes that went. */
+    char seed_host[2 * RW_MAX_NODES][RW_HOST_MAX];
+    int seed_port[2 * RW_MAX_NODES];
+    int nseeds;              /* of them, configured */
+    int nknown;              /* all of them */
+    int seed_at;             /* the one the next discovery asks */
+    int asked;               /* the one the current discovery asks */
+    redisAsyncContext *disc; /* the discovery connection, NULL when none */
+    rw_node nodes[RW_MAX_NODES];
+    int nnodes;
+    uv_timer_t restart;  /* backoff before the next discovery */
+    uv_timer_t deadline; /* the current discovery and subscriptions must be done by then */
+    uint64_t backoff_ms;
+    int restart_pending;
+    int tearing; /* teardown runs: the disconnect callbacks it causes restart nothing */
+    int closing;
+    kvd_rwatch_stats st;
+};
+
+static void rw_schedule_restart(kvd_rwatch *w, const char *why);
+
+/* ---- teardown and restart ------------------------------------------------------------------ */
+
+static void rw_teardown(kvd_rwatch *w) {
+    w->tearing = 1;
+    if (w->disc != NULL) {
+        redisAsyncContext *ac = w->disc;
+        w->disc = NULL;
+        redisAsyncFree(ac);
+    }
+    for (int i = 0; i < w->nnodes; i++) {
+        if (w->nodes[i].ac != NULL) {
+            redisAsyncContext *ac = w->nodes[i].ac;
+            w->nodes[i].ac = NULL;
+            redisAsyncFree(ac);
+        }
+    }
+    w->nnodes = 0;
+    w->st.nodes = 0;
+    w->tearing = 0;
+    uv_timer_stop(&w->deadline);
+}
+
+static void rw_start_discovery(kvd_rwatch *w);
+
+static void on_restart(uv_timer_t *t) {
+    kvd_rwatch *w = t->data;
+    w->restart_pending = 0;
+    if (w->closing) {
+        return;
+    }
+    rw_teardown(w);
+    rw_start_discovery(w);
+}
+
+static void on_deadline(uv_timer_t *t) {
+    kvd_rwatch *w = t->data;
+    rw_schedule_restart(w, "not subscribed in time");
+}
+
+static void rw_schedule_restart(kvd_rwatch *w, const char *why) {
+    if (w->closing || w->tearing || w->restart_pending) {
+        return;
+    }
+    KV_LOG(INFO, "KVD-REMOTE-WATCH", "remote watch: %s; asking the seeds again in %llu ms", why,
+           (unsigned long long)w->backoff_ms);
+    w->restart_pending = 1;
+    uv_timer_stop(&w->deadline);
+    uv_timer_start(&w->restart, on_restart, w->backoff_ms, 0);
+    w->backoff_ms = w->backoff_ms * 2 > RW_BACKOFF_MAX_MS ? RW_BACKOFF_MAX_MS : w->backoff_ms * 2;
+}
+
+/* A new context to host:port on the loop, NULL (logged) when libhiredis cannot make one. */
+static redisAsyncContext *rw_connect(kvd_rwatch *w, const char *host, int port, void *data,
+                                     redisConnectCallback *on_conn,
+                                     redisDisconnectCallback *on_disc) {
+    redisAsyncContext *ac = redisAsyncConnect(host, port);
+    if (ac == NULL || ac->err) {
+        KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: %s:%d: %s", host, port,
+               ac != NULL ? ac->errstr : "out of memory");
+        if (ac != NULL) {
+            redisAsyncFree(ac);
+        }
+        return NULL;
+    }
+    if (redisLibuvAttach(ac, w->loop) != REDIS_OK) {
+        redisAsyncFree(ac);
+        return NULL;
+    }
+    ac->data = data;
+    redisAsyncSetConnectCallback(ac, on_conn);
+    redisAsyncSetDisconnectCallback(ac, on_disc);
+    if (w->password[0] != '\0') {
+        redisAsyncCommand(ac, NULL, NULL, "AUTH %s", w->password);
+    }
+    return ac;
+}
+
+/* ---- subscribers ---------------------------------------------------------------------------- */
+
+static void node_connected(const redisAsyncContext *ac, int status) {
+    rw_node *n = ac->data;
+    if (status != REDIS_OK && n->ac == ac) {
+        n->ac = NULL; /* libhiredis frees it */
+        KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: %s:%d: %s", n->host, n->port, ac->errstr);
+        rw_schedule_restart(n->w, "a node's connection failed");
+    }
+}
+
+static void node_disconnected(const redisAsyncContext *ac, int status) {
+    (void)status;
+    rw_node *n = ac->data;
+    if (n->ac != ac) {
+        return; /* torn down */
+    }
+    n->ac = NULL;
+    if (n->subscribed) {
+        n->subscribed = 0;
+        n->w->st.nodes--;
+    }
+    rw_schedule_restart(n->w, "a node's connection closed");
+}
+
+static int has_flag(const char *flags, char f) {
+    return strchr(flags, f) != NULL;
+}
+
+static void node_config(redisAsyncContext *ac, void *reply, void *priv) {
+    rw_node *n = priv;
+    redisReply *r = reply;
+    if (r == NULL || n->ac != ac) {
+        return;
+    }
+    const char *flags = NULL;
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+        r->element[1]->type == REDIS_REPLY_STRING) {
+        flags = r->element[1]->str;
+    }
+    if (flags != NULL && has_flag(flags, 'E') &&
+        (has_flag(flags, 'A') || (has_flag(flags, 'x') && has_flag(flags, 'e')))) {
+        return;
+    }
+    n->w->st.unconfigured++;
+    if (flags != NULL) {
+        KV_LOG(WARN, "KVD-REMOTE-WATCH",
+               "remote watch: %s:%d has notify-keyspace-events '%s': the values Redis expires or "
+               "evicts there are not reported (BlockRemoved on REMOTE); set it to include 'Exe' "
+               "(kvd never changes a server's configuration)",
+               n->host, n->port, flags);
+    } else {
+        KV_LOG(WARN, "KVD-REMOTE-WATCH",
+               "remote watch: %s:%d: CONFIG GET notify-keyspace-events failed (%s); its drops are "
+               "reported only if the server sends them",
+               n->host, n->port, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+    }
+}
+
+static int all_subscribed(const kvd_rwatch *w) {
+    for (int i = 0; i < w->nnodes; i++) {
+        if (!w->nodes[i].subscribed) {
+            return 0;
+        }
+    }
+    return w->nnodes > 0;
+}
+
+static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
+    rw_node *n = priv;
+    redisReply *r = reply;
+    kvd_rwatch *w = n->w;
+    if (r == NULL || n->ac != ac || w->closing) {
+        return;
+    }
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 3 ||
+        r->element[0]->type != REDIS_REPLY_STRING) {
+        if (r->type == REDIS_REPLY_ERROR) {
+            KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: %s:%d refused SUBSCRIBE: %s", n->host,
+                   n->port, r->str);
+        }
+        return;
+    }
+    const char *kind = r->element[0]->str;
+    if (strcmp(kind, "subscribe") == 0) {
+        if (r->element[2]->type == REDIS_REPLY_INTEGER && r->element[2]->integer == 2 &&
+            !n->subscribed) {
+            n->subscribed = 1;
+            w->st.nodes++;
+            if (all_subscribed(w)) {
+                uv_timer_stop(&w->deadline);
+                w->backoff_ms = RW_BACKOFF_MIN_MS;
+                KV_LOG(INFO, "KVD-REMOTE-WATCH",
+                       "remote watch: subscribed to expiries and evictions on %d node(s)%s",
+                       w->nnodes,
+                       w->st.unconfigured > 0 ? " (some not configured to send them)" : "");
+            }
+        }
+        return;
+    }
+    if (strcmp(kind, "message") != 0 || r->element[1]->type != REDIS_REPLY_STRING ||
+        r->element[2]->type != REDIS_REPLY_STRING) {
+        return;
+    }
+    size_t cl = r->element[1]->len;
+    int evicted = cl >= 7 && memcmp(r->element[1]->str + cl - 7, "evicted", 7) == 0;
+    if (evicted) {
+        w->st.evicted++;
+    } else {
+        w->st.expired++;
+    }
+    w->fn(w->arg, r->element[2]->str, r->element[2]->len, evicted);
+}
+
+static void rw_start_nodes(kvd_rwatch *w) {
+    for (int i = 0; i < w->nnodes; i++) {
+        rw_node *n = &w->nodes[i];
+        n->w = w;
+        n->subscribed = 0;
+        n->ac = rw_connect(w, n->host, n->port, n, node_connected, node_disconnected);
+        if (n->ac == NULL) {
+            rw_schedule_restart(w, "cannot connect to a node");
+            return;
+        }
+        redisAsyncCommand(n->ac, node_config, n, "CONFIG GET notify-keyspace-events");
+        redisAsyncCommand(n->ac, node_message, n,
+                          "SUBSCRIBE __keyevent@0__:expired __keyevent@0__:evicted");
+    }
+}
+
+/* ---- discovery ------------------------------------------------------------------------------ */
+
+static void disc_connected(const redisAsyncContext *ac, int status) {
+    kvd_rwatch *w = ac->data;
+    if (status != REDIS_OK && w->disc == ac) {
+        w->disc = NULL; /* libhiredis frees it */
+        rw_schedule_restart(w, "no seed answered");
+    }
+}
+
+static void disc_disconnected(const redisAsyncContext *ac, int status) {
+    (void)status;
+    kvd_rwatch *w = ac->data;
+    if (w->disc == ac) {
+        w->disc = NULL;
+        rw_schedule_restart(w, "the seed closed the connection");
+    }
+}
+
+static int rw_add_node(kvd_rwatch *w, const char *host, int port) {
+    for (int i = 0; i < w->nnodes; i++) {
+        if (w->nodes[i].port == port && strcmp(w->nodes[i].host, host) == 0) {
+            return 0;
+        }
+    }
+    if (w->nnodes == RW_MAX_NODES || strlen(host) >= RW_HOST_MAX) {
+        return -1;
+    }
+    rw_node *n = &w->nodes[w->nnodes++];
+    memset(n, 0, sizeof(*n));
+    snprintf(n->host, sizeof(n->host), "%s", host);
+    n->port = port;
+    return 0;
+}
+
+/* Remembers host:port as a node to ask in later discoveries. */
+static void rw_learn(kvd_rwatch *w, const char *host, int port) {
+    for (int i = 0; i < w->nknown; i++) {
+        if (w->seed_port[i] == port && strcmp(w->seed_host[i], host) == 0) {
+            return;
+        }
+    }
+    if (w->nknown < 2 * RW_MAX_NODES && strlen(host) < RW_HOST_MAX) {
+        snprintf(w->seed_host[w->nknown], RW_HOST_MAX, "%s", host);
+        w->seed_port[w->nknown++] = port;
+    }
+}
+
+static void disc_slots(redisAsyncContext *ac, void *reply, void *priv) {
+    kvd_rwatch *w = priv;
+    redisReply *r = reply;
+    if (r == NULL || w->disc != ac || w->closing) {
+        return;
+    }
+    char seed[RW_HOST_MAX];
+    snprintf(seed, sizeof(seed), "%s", w->seed_host[w->asked]);
+    int seed_port = w->seed_port[w->asked];
+    w->nnodes = 0;
+    if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled") != NULL) {
+        (void)rw_add_node(w, seed, seed_port); /* one server */
+    } else if (r->type == REDIS_REPLY_ARRAY) {
+        for (size_t i = 0; i < r->elements; i++) {
+            const redisReply *range = r->element[i];
+            if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+                range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
+                range->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+                range->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
+                continue;
+            }
+            const char *host = range->element[2]->element[0]->str;
+            /* An empty host is the node we asked (Redis does not know its own address). */
+            if (rw_add_node(w, host[0] != '\0' ? host : seed,
+                            (int)range->element[2]->element[1]->integer) != 0) {
+                break;
+            }
+            for (size_t k = 2; k < range->elements; k++) {
+                const redisReply *nd = range->element[k];
+                if (nd->type == REDIS_REPLY_ARRAY && nd->elements >= 2 &&
+                    nd->element[0]->type == REDIS_REPLY_STRING &&
+                    nd->element[1]->type == REDIS_REPLY_INTEGER) {
+                    rw_learn(w, nd->element[0]->str[0] != '\0' ? nd->element[0]->str : seed,
+                             (int)nd->element[1]->integer);
+                }
+            }
+        }
+    } else {
+        KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: %s:%d: CLUSTER SLOTS: %s", seed, seed_port,
+               r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+    }
+    /* The discovery connection is done: it goes after this callback (libhiredis). */
+    w->disc = NULL;
+    redisAsyncDisconnect(ac);
+    if (w->nnodes == 0) {
+        rw_schedule_restart(w, "no master found");
+        return;
+    }
+    rw_start_nodes(w);
+}
+
+static void rw_start_discovery(kvd_rwatch *w) {
+    w->st.discoveries++;
+    w->st.unconfigured = 0;
+    int s = w->seed_at;
+    w->asked = s;
+    w->seed_at = (w->seed_at + 1) % w->nknown;
+    uv_timer_start(&w->deadline, on_deadline, 5 * w->timeout_ms, 0);
+    w->disc = rw_connect(w, w->seed_host[s], w->seed_port[s], w, disc_connected, disc_disconnected);
+    if (w->disc == NULL) {
+        rw_schedule_restart(w, "cannot connect to a seed");
+        return;
+    }
+    redisAsyncCommand(w->disc, disc_slots, w, "CLUSTER SLOTS");
+}
+
+/* ---- the interface -------------------------------------------------------------------------- */
+
+kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_fn fn, void *arg,
+                        kvd_rwatch **out, char *msg, size_t len) {
+    kvd_rwatch *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        return KV_ENOMEM;
+    }
+    w->password = strdup(cfg->password != NULL ? cfg->password : "");
+    if (w->password == NULL) {
+        free(w);
+        return KV_ENOMEM;
+    }
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", cfg->seeds != NULL ? cfg->seeds : "");
+    char *save = NULL;
+    for (char *s = strtok_r(buf, ",", &save); s != NULL; s = strtok_r(NULL, ",", &save)) {
+        char *colon = strrchr(s, ':');
+        char *end = NULL;
+        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
+        if (colon == NULL || colon == s || colon - s >= RW_HOST_MAX || *end != '\0' || port < 1 ||
+            port > 65535 || w->nseeds == RW_MAX_NODES) {
+            snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
+            free(w->password);
+            free(w);
+            return KV_EINVAL;
+        }
+        *colon = '\0';
+        snprintf(w->seed_host[w->nseeds], RW_HOST_MAX, "%s", s);
+        w->seed_port[w->nseeds++] = (int)port;
+    }
+    if (w->nseeds == 0) {
+        snprintf(msg, len, "remote-redis: no HOST:PORT given");
+        free(w->password);
+        free(w);
+        return KV_EINVAL;
+    }
+    w->nknown = w->nseeds;
+    w->loop = loop;
+    w->fn = fn;
+    w->arg = arg;
+    w->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;
+    w->backoff_ms = RW_BACKOFF_MIN_MS;
+    uv_timer_init(loop, &w->restart);
+    uv_timer_init(loop, &w->deadline);
+    w->restart.data = w->deadline.data = w;
+    rw_start_discovery(w);
+    *out = w;
+    return KV_OK;
+}
+
+void kvd_rwatch_close(kvd_rwatch *w) {
+    if (w == NULL || w->closing) {
+        return;
+    }
+    rw_teardown(w);
+    w->closing = 1;
+    uv_close((uv_handle_t *)&w->restart, NULL);
+    uv_close((uv_handle_t *)&w->deadline, NULL);
+}
+
+void kvd_rwatch_free(kvd_rwatch *w) {
+    if (w == NULL) {
+        return;
+    }
+    free(w->password);
+    free(w);
+}
+
+void kvd_rwatch_get_stats(const kvd_rwatch *w, kvd_rwatch_stats *out) {
+    if (w == NULL) {
+        memset(out, 0, sizeof(*out));
+        return;
+    }
+    *out = w->st;
+}

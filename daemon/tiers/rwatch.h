@@ -1,0 +1,68 @@
+/* kvd_rwatch: hears Redis drop the remote tier's keys (docs/TIERS.md, "Remote tier"), so that
+ * the KV events can say BlockRemoved on medium REMOTE for a value that expired (remote-ttl-s)
+ * or that Redis's own maxmemory policy evicted: Redis does both without a word to its clients.
+ *
+ * Redis publishes such drops as keyspace notifications when its `notify-keyspace-events`
+ * holds E (keyevent channels) and x (expired) or e (evicted), A for both; kvd never changes a
+ * server's configuration: a node without them is counted (`unconfigured`) and logged once per
+ * connection, and its drops go unheard. Notifications are node-local, so the watcher
+ * subscribes on every master of a Redis Cluster (the masters of CLUSTER SLOTS, asked of the
+ * seeds and then every node an earlier CLUSTER SLOTS named, in turn), or on the one server
+ * where cluster support is off, to the channels
+ * __keyevent@0__:expired and __keyevent@0__:evicted. When a subscriber's connection goes (a
+ * master killed, a failover) the watcher forgets every node and asks the seeds again, after a
+ * backoff of 100 ms doubling to 5 s; a discovery or subscription not done within 5 x timeout_ms
+ * starts over the same way. Drops while a node has no subscriber are not heard (Redis keeps no
+ * backlog of notifications). Slots moved to a master added later are heard after the next
+ * rediscovery only.
+ *
+ * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
+ * adapter: nothing here blocks (a connect is non-blocking; HOST is resolved by the system as
+ * the remote tier's own thread does, so give addresses). Loop thread only.
+ */
+#ifndef KVD_RWATCH_H
+#define KVD_RWATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/kv_err.h"
+
+typedef struct kvd_rwatch kvd_rwatch;
+
+/* A key Redis dropped: expired (evicted 0) or evicted by maxmemory (1). key is not NUL-ended
+ * and lives until the callback returns. */
+typedef void (*kvd_rwatch_fn)(void *arg, const char *key, size_t len, int evicted);
+
+typedef struct kvd_rwatch_cfg {
+    const char *seeds;    /* "HOST:PORT[,HOST:PORT...]", as remote-redis */
+    const char *password; /* AUTH password, or "" (copied) */
+    uint64_t timeout_ms;  /* the remote tier's timeout: discovery gives up after 5x */
+} kvd_rwatch_cfg;
+
+/* Parses the seeds and starts the first discovery (returns at once). KV_EINVAL with msg for a
+ * bad seed list, KV_ENOMEM. */
+kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_fn fn, void *arg,
+                        kvd_rwatch **out, char *msg, size_t len);
+
+/* Drops every connection and stops the timers (the loop runs their close callbacks); fn is never
+ * called again. Once. Accepts NULL. */
+void kvd_rwatch_close(kvd_rwatch *w);
+
+/* Frees it (after close, once the loop ran the close callbacks). Accepts NULL. */
+void kvd_rwatch_free(kvd_rwatch *w);
+
+typedef struct kvd_rwatch_stats {
+    uint32_t nodes;        /* nodes subscribed now */
+    uint32_t unconfigured; /* of the nodes asked, those whose notify-keyspace-events lacks E
+                              with x and e (or A): their drops are not heard */
+    uint64_t expired;      /* expiry notifications heard */
+    uint64_t evicted;      /* eviction notifications heard */
+    uint64_t discoveries;  /* discoveries started (the first one included) */
+} kvd_rwatch_stats;
+
+void kvd_rwatch_get_stats(const kvd_rwatch *w, kvd_rwatch_stats *out);
+
+#endif
