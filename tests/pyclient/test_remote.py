@@ -1229,6 +1229,14 @@ def test_session_dies_while_its_direct_fetch_waits(kvd_factory, redis):
     assert a.alive()
 
 
+def puts_settled(d):
+    """No copy in flight, and every block that went down to T1 was written to Redis, refused,
+    dropped or skipped."""
+    st = tiers(d)
+    return st["jobs_inflight"] == 0 and st["remote_puts"] + st["remote_put_errors"] + \
+        st["remote_put_drops"] + st["remote_put_skips"] >= st["demotions_t1"]
+
+
 @pytest.mark.parametrize("ttl", [0, 3600])
 def test_block_from_redis_not_written_back(kvd_factory, redis, ttl):
     """B reads A's 8 blocks from Redis straight into T0, then its own commits push them out
@@ -1244,12 +1252,7 @@ def test_block_from_redis_not_written_back(kvd_factory, redis, ttl):
     assert n == 8 and rstat(b, "direct") == 8, msg(fr, rem(b))
     blocks = cb.stats(pb_.pool_id)["pool.blocks_total"]
     commit_chain(cb, pb_, blocks + 64, 77000)  # more than the pool: the 8 go down and out
-
-    def settled():
-        st = tiers(b)
-        return st["jobs_inflight"] == 0 and st["remote_puts"] + st["remote_put_errors"] + \
-            st["remote_put_drops"] + st["remote_put_skips"] >= st["demotions_t1"]
-    assert wait_until(settled, timeout=15), msg(tiers(b))
+    assert wait_until(lambda: puts_settled(b), timeout=15), msg(tiers(b))
     st = tiers(b)
     assert st["demotions_t1"] > 8, msg(st)
     assert st["remote_put_skips"] == (8 if ttl == 0 else 0), rem(st)
@@ -1891,12 +1894,7 @@ def test_remote_watch_reports_eviction_and_writes_again(kvd_factory, redis_facto
         assert t["remote_watch_evicted"] >= 3 and t["remote_watch_reported"] >= 3, t
         blocks = cb.stats(pb_.pool_id)["pool.blocks_total"]
         commit_chain(cb, pb_, blocks + 64, 77000)  # more than the pool: the 3 go down and out
-
-        def settled():
-            st = tiers(b)
-            return st["jobs_inflight"] == 0 and st["remote_puts"] + st["remote_put_errors"] + \
-                st["remote_put_drops"] + st["remote_put_skips"] >= st["demotions_t1"]
-        assert wait_until(settled, timeout=15), msg(tiers(b))
+        assert wait_until(lambda: puts_settled(b), timeout=15), msg(tiers(b))
         assert tiers(b)["remote_put_skips"] == 0, rem(b)
         assert wait_until(lambda: len(ns.present(hs)) == 3, timeout=10), ns.present(hs)
         sb.close()
