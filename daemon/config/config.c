@@ -176,6 +176,13 @@ static const kvd_config_option options[] = {
     OPT("remote-queue-bytes", KVD_OPT_U64, remote_queue_bytes, "256M", 1 << 20, 1ull << 40,
         "block bytes of remote writes queued at most; more are dropped (counted) while Redis "
         "is slow or down"),
+    OPT("remote-uid-tenants", KVD_OPT_STRING, remote_uid_tenants, "shared", 0, 0,
+        "the remote tier for peers without a tenants-file line (tenant uid-N): shared (uid N is "
+        "the same tenant on every node that shares the Redis), node (their keys carry node-name: "
+        "each node's uid-N is its own) or off (they use the local tiers only)"),
+    OPT("node-name", KVD_OPT_STRING, node_name, "", 0, 0,
+        "this node's name in the remote tier's keys of uid-N tenants (remote-uid-tenants node); "
+        "1..63 of [A-Za-z0-9._-]; empty: the host name"),
     OPT("remote-watch", KVD_OPT_BOOL, remote_watch, "false", 0, 1,
         "listen to every Redis node's keyspace notifications of expired and evicted keys "
         "(the node's notify-keyspace-events must hold Exe; kvd never sets it) and publish "
@@ -311,6 +318,19 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "hash-mode") == 0 && strcmp(value, "xxh3") != 0 &&
                 strcmp(value, "vllm") != 0) {
                 kvd_conf_err(err, errlen, "hash-mode: '%s' is not xxh3 or vllm", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "remote-uid-tenants") == 0 && strcmp(value, "shared") != 0 &&
+                strcmp(value, "node") != 0 && strcmp(value, "off") != 0) {
+                kvd_conf_err(err, errlen, "remote-uid-tenants: '%s' is not shared, node or off",
+                             value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "node-name") == 0 &&
+                strspn(value,
+                       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
+                    strlen(value)) {
+                kvd_conf_err(err, errlen, "node-name: '%s' may hold only [A-Za-z0-9._-]", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "remote-key-prefix") == 0 &&

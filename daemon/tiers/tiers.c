@@ -284,6 +284,7 @@ struct kvd_tiers {
     uint64_t t2_error_ms;      /* when it was logged (rate limit) */
     kvd_remote *remote;        /* the remote tier (remote-redis), or NULL */
     kvd_rwatch *rwatch;        /* its keyspace notifications (remote-watch), or NULL */
+    char node_name[64];        /* node-name, or the host name (remote-uid-tenants node) */
     struct rfetch *rfetches;   /* Fetches waiting for the remote tier */
     kvd_tiers_event_fn ev_fn;  /* KV events of the tiers (kvd_tiers_set_event_hook) */
     kvd_tiers_digest_fn dg_fn; /* digests of blocks going down (kvd_tiers_set_digest_fn) */
@@ -318,7 +319,8 @@ struct tier_pool {
     int gone;               /* the pool was freed: free this when jobs reach 0 */
     kv_hash128 layout_key;  /* model, layout and flags: remote values of other pools never match */
     uint32_t domain_id;     /* the pool's domain (KV events) */
-    char domain[KVD_TENANT_NAME_MAX + 8]; /* the domain's name (remote keys) */
+    char domain[KVD_TENANT_NAME_MAX + 24]; /* the domain's name in remote keys */
+    int no_remote; /* a uid-N tenant's pool under remote-uid-tenants off: no remote tier */
     /* Hashes read from Redis straight into T0 (the direct path), direct-mapped by the hash's
      * low bits (a newer one overwrites, so some are forgotten): when such a block goes down to
      * T1, Redis has its value already and it is not written again (remote-ttl-s 0 only: with a
@@ -1133,7 +1135,7 @@ static void on_remote_put(void *arg, kv_err rc) {
 static void start_remote_put(tier_pool *tp, uint32_t i) {
     kvd_tiers *t = tp->t;
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
-    if (t->remote == NULL || e->t1 == NULL || e->doomed) {
+    if (t->remote == NULL || tp->no_remote || e->t1 == NULL || e->doomed) {
         return;
     }
     if (from_remote_take(tp, e->hash)) {
@@ -1553,7 +1555,7 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     if (reason == KVD_DROP_UNSHARE) {
         return; /* the copy below had these bytes under this hash: it stays valid */
     }
-    if (reason == KVD_DROP_QUARANTINE && t->remote != NULL) {
+    if (reason == KVD_DROP_QUARANTINE && t->remote != NULL && !tp->no_remote) {
         /* Its bytes changed after commit: no node may be served them from Redis either. */
         (void)from_remote_take(tp, hash); /* a block committed again is written again */
         char key[256];
@@ -1607,7 +1609,7 @@ static void on_remote_dropped(void *arg, const char *key, size_t len, int evicte
     }
     for (uint32_t i = 0; i < t->reg->npools; i++) {
         tier_pool *tp = t->reg->pools[i].tiers;
-        if (tp == NULL || tp->gone || !kv_hash_eq(tp->layout_key, layout_key) ||
+        if (tp == NULL || tp->gone || tp->no_remote || !kv_hash_eq(tp->layout_key, layout_key) ||
             strcmp(tp->domain, dom) != 0) {
             continue;
         }
@@ -1692,10 +1694,13 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
         return e;
     }
     KV_LOG(INFO, "KVD-REMOTE",
-           "remote tier: redis %s, key prefix %s, ttl %llu s, timeout %llu ms%s", cfg->remote_redis,
-           cfg->remote_key_prefix, (unsigned long long)cfg->remote_ttl_s,
+           "remote tier: redis %s, key prefix %s, ttl %llu s, timeout %llu ms%s; uid-N tenants "
+           "%s%s%s",
+           cfg->remote_redis, cfg->remote_key_prefix, (unsigned long long)cfg->remote_ttl_s,
            (unsigned long long)cfg->remote_timeout_ms,
-           cfg->remote_password_file[0] != '\0' ? ", AUTH from the password file" : "");
+           cfg->remote_password_file[0] != '\0' ? ", AUTH from the password file" : "",
+           cfg->remote_uid_tenants, strcmp(cfg->remote_uid_tenants, "node") == 0 ? " as " : "",
+           strcmp(cfg->remote_uid_tenants, "node") == 0 ? t->node_name : "");
     return KV_OK;
 }
 
@@ -1744,6 +1749,27 @@ kv_err kvd_tiers_wait_room(kvd_tiers *t, const kvd_reg_pool *p, kvd_tiers_room_f
     return KV_OK;
 }
 
+/* node-name, else the host name with every character outside [A-Za-z0-9._-] made '_' (a key's
+ * parts are ':'-separated), else "node". */
+static void node_name_init(kvd_tiers *t) {
+    if (t->cfg->node_name[0] != '\0') {
+        snprintf(t->node_name, sizeof(t->node_name), "%s", t->cfg->node_name);
+        return;
+    }
+    char h[256] = "";
+    if (gethostname(h, sizeof(h) - 1) != 0 || h[0] == '\0') {
+        snprintf(h, sizeof(h), "node");
+    }
+    h[sizeof(t->node_name) - 1] = '\0';
+    for (char *c = h; *c != '\0'; c++) {
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+              *c == '.' || *c == '_' || *c == '-')) {
+            *c = '_';
+        }
+    }
+    snprintf(t->node_name, sizeof(t->node_name), "%s", h);
+}
+
 kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
                        char *msg, size_t msglen) {
     kvd_tiers *t = calloc(1, sizeof(*t));
@@ -1753,6 +1779,7 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
     t->loop = loop;
     t->reg = reg;
     t->cfg = cfg;
+    node_name_init(t);
     t->cap[0] = cfg->tier1_memory;
     t->cap[1] = cfg->tier2_path[0] != '\0' ? cfg->tier2_bytes : 0;
     t->seq = 1;
@@ -1997,7 +2024,17 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         KV_LOG(INFO, "KVD-TIERS-RULE", "pool %u (model %s, domain %s): tiers line %u applies",
                p->pool_id, p->model_id, domain, rule->lineno);
     }
-    snprintf(tp->domain, sizeof(tp->domain), "%s", domain);
+    /* A peer without a tenants-file line is tenant uid-N, named by a number that means a person
+     * only on its own machine: remote-uid-tenants says whether the nodes sharing the Redis agree
+     * on it (shared), or each node's uid-N is its own (node: the key carries node-name), or such
+     * tenants stay off the remote tier (off). */
+    int uid_tenant = strncmp(domain, "uid-", 4) == 0;
+    if (uid_tenant && strcmp(t->cfg->remote_uid_tenants, "node") == 0) {
+        snprintf(tp->domain, sizeof(tp->domain), "%s@%s", domain, t->node_name);
+    } else {
+        snprintf(tp->domain, sizeof(tp->domain), "%s", domain);
+    }
+    tp->no_remote = uid_tenant && strcmp(t->cfg->remote_uid_tenants, "off") == 0;
     {
         /* The remote tier's layout key: model, shape and flags (not the hash seed, which
          * hash-mode vllm makes the same for every model). */
@@ -2663,7 +2700,7 @@ static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
 }
 
 int kvd_tiers_remote_on(const kvd_tiers *t, const kvd_reg_pool *p) {
-    return kvd_tiers_remote_any(t) && p->tiers != NULL;
+    return kvd_tiers_remote_any(t) && p->tiers != NULL && !((const tier_pool *)p->tiers)->no_remote;
 }
 
 /* A Lookup's remote probe in flight: its keys (borrowed by the remote thread) and whom to tell. */

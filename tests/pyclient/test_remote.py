@@ -1967,3 +1967,51 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
         sa.close()
     finally:
         ctx.destroy(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# remote-uid-tenants: peers without a tenants-file line (uid-N) across nodes
+
+def test_uid_tenants_node_keeps_each_nodes_uid_apart(kvd_factory, redis):
+    """remote-uid-tenants node: a uid-N tenant's keys carry node-name, so node B's uid-N (the
+    same number, maybe another person there) never hits node A's values; a node C of the same
+    name as A does (the operator said they are one)."""
+    opts = {"remote_uid_tenants": "node"}
+    a = kvd_factory(**node_opts(redis.addr, node_name="alpha", **opts))
+    b = kvd_factory(**node_opts(redis.addr, writer=False, node_name="beta", **opts))
+    c = kvd_factory(**node_opts(redis.addr, writer=False, node_name="alpha", **opts))
+    ca, cb, cc = connect(a), connect(b), connect(c)
+    pa, pb_, pc = (x.attach(MODEL, LAYOUT) for x in (ca, cb, cc))
+    dom = domain_of(a, pa.pool_id)
+    assert dom.startswith("uid-"), dom
+    hs, pats = commit_chain(ca, pa, 4, 565100)
+    ns = Namespace(redis.client(), "kvd", dom + "@alpha")
+    assert ns.wait_landed(hs), (redis.client().keys("kvd:*"), rem(a))
+    assert not Namespace(redis.client(), "kvd", dom).present(hs)
+    fr, n = fetch_checked(cb, pb_, hs, pats, "node beta")
+    assert n == 0 and rstat(b, "hits") == 0, msg(fr, rem(b))
+    fr, n = fetch_checked(cc, pc, hs, pats, "node alpha again")
+    assert n == 4, msg(fr, rem(c))
+
+
+def test_uid_tenants_off_stay_local(kvd_factory, redis):
+    """remote-uid-tenants off: a uid-N tenant's blocks still go down to T1 but never to Redis,
+    and its Fetch never asks Redis."""
+    a = kvd_factory(**node_opts(redis.addr, remote_uid_tenants="off"))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, pats = commit_chain(ca, pa, 4, 575100)
+    assert wait_until(lambda: tiers(a)["demotions_t1"] >= 4, timeout=10), msg(tiers(a))
+    time.sleep(0.3)
+    assert rstat(a, "puts") == 0 and not redis.client().keys("kvd:*"), rem(a)
+    fr, n = fetch_checked(ca, pa, [(7, 7), (8, 8)], [b"", b""], "unknown chain")
+    assert n == 0 and rstat(a, "gets") == 0, msg(fr, rem(a))
+
+
+def test_remote_uid_tenants_refuses_a_bad_value():
+    """A value that is not shared, node or off, and a node-name with a ':' (keys are
+    ':'-separated): kvd refuses to start and names the option."""
+    for opt, val in (("remote-uid-tenants", "everyone"), ("node-name", "a:b")):
+        rc, out = run_kvd_expecting_refusal({OPT_REDIS: "127.0.0.1:1", "tier1_memory": "1M",
+                                             opt.replace("-", "_"): val})
+        assert rc not in (None, 0) and opt in out, out
