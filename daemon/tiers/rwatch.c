@@ -12,8 +12,11 @@
  */
 #include "daemon/tiers/rwatch.h"
 
+#include <arpa/inet.h>
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
+#include <netdb.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,7 +59,8 @@ struct kvd_rwatch {
     uv_timer_t deadline; /* the current discovery and subscriptions must be done by then */
     uint64_t backoff_ms;
     int restart_pending;
-    int tearing; /* teardown runs: the disconnect callbacks it causes restart nothing */
+    int tearing;  /* teardown runs: the disconnect callbacks it causes restart nothing */
+    uint32_t gen; /* bumped by each teardown: a name resolved for an older round is dropped */
     int closing;
     kvd_rwatch_stats st;
 };
@@ -81,6 +85,7 @@ static void rw_teardown(kvd_rwatch *w) {
     }
     w->nnodes = 0;
     w->st.nodes = 0;
+    w->gen++;
     w->tearing = 0;
     uv_timer_stop(&w->deadline);
 }
@@ -138,6 +143,91 @@ static redisAsyncContext *rw_connect(kvd_rwatch *w, const char *host, int port, 
         redisAsyncCommand(ac, NULL, NULL, "AUTH %s", w->password);
     }
     return ac;
+}
+
+/* ---- names -----------------------------------------------------------------------------------
+ * A host name is resolved on libuv's thread pool (uv_getaddrinfo), never on the loop thread:
+ * libhiredis's connect would call getaddrinfo right there. An address is used as it is. */
+
+static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port);
+
+typedef struct rw_resolve {
+    uv_getaddrinfo_t req;
+    kvd_rwatch *w;
+    uint32_t gen; /* w->gen when it was asked */
+    int node;     /* the node it is for, -1: the discovery */
+    int port;
+} rw_resolve;
+
+static int is_address(const char *host) {
+    unsigned char buf[sizeof(struct in6_addr)];
+    return inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1;
+}
+
+static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
+    rw_resolve *r = req->data;
+    kvd_rwatch *w = r->w;
+    char addr[INET6_ADDRSTRLEN] = "";
+    /* The first IPv4 address, else the first one (the remote tier's own connect, through
+     * libhiredis, tries the system's order; a server bound to 127.0.0.1 only is common). */
+    const struct addrinfo *pick = NULL;
+    for (const struct addrinfo *ai = status == 0 ? res : NULL; ai != NULL; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET || (pick == NULL && ai->ai_family == AF_INET6)) {
+            pick = ai;
+            if (ai->ai_family == AF_INET) {
+                break;
+            }
+        }
+    }
+    if (pick != NULL) {
+        const void *a = pick->ai_family == AF_INET6
+                            ? (const void *)&((struct sockaddr_in6 *)pick->ai_addr)->sin6_addr
+                            : (const void *)&((struct sockaddr_in *)pick->ai_addr)->sin_addr;
+        if (inet_ntop(pick->ai_family, a, addr, sizeof(addr)) == NULL) {
+            addr[0] = '\0';
+        }
+    }
+    if (res != NULL) {
+        uv_freeaddrinfo(res);
+    }
+    if (!w->closing && r->gen == w->gen) {
+        if (addr[0] == '\0') {
+            KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: cannot resolve a %s's name: %s",
+                   r->node < 0 ? "seed" : "node", status != 0 ? uv_strerror(status) : "no address");
+            rw_schedule_restart(w, "a name did not resolve");
+        } else {
+            rw_open_at(w, r->node, addr, r->port);
+        }
+    }
+    free(r);
+}
+
+/* Opens the discovery connection (node -1) or node's subscriber to host:port. */
+static void rw_open(kvd_rwatch *w, int node, const char *host, int port) {
+    if (is_address(host)) {
+        rw_open_at(w, node, host, port);
+        return;
+    }
+    rw_resolve *r = calloc(1, sizeof(*r));
+    char ps[8];
+    snprintf(ps, sizeof(ps), "%d", port);
+    struct addrinfo hints;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    if (r == NULL) {
+        rw_schedule_restart(w, "out of memory");
+        return;
+    }
+    r->w = w;
+    r->gen = w->gen;
+    r->node = node;
+    r->port = port;
+    r->req.data = r;
+    if (uv_getaddrinfo(w->loop, &r->req, on_resolved, host, ps, &hints) != 0) {
+        free(r);
+        rw_schedule_restart(w, "cannot resolve a name");
+    }
 }
 
 /* ---- subscribers ---------------------------------------------------------------------------- */
@@ -256,17 +346,9 @@ static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
 
 static void rw_start_nodes(kvd_rwatch *w) {
     for (int i = 0; i < w->nnodes; i++) {
-        rw_node *n = &w->nodes[i];
-        n->w = w;
-        n->subscribed = 0;
-        n->ac = rw_connect(w, n->host, n->port, n, node_connected, node_disconnected);
-        if (n->ac == NULL) {
-            rw_schedule_restart(w, "cannot connect to a node");
-            return;
-        }
-        redisAsyncCommand(n->ac, node_config, n, "CONFIG GET notify-keyspace-events");
-        redisAsyncCommand(n->ac, node_message, n,
-                          "SUBSCRIBE __keyevent@0__:expired __keyevent@0__:evicted");
+        w->nodes[i].w = w;
+        w->nodes[i].subscribed = 0;
+        rw_open(w, i, w->nodes[i].host, w->nodes[i].port);
     }
 }
 
@@ -376,12 +458,28 @@ static void rw_start_discovery(kvd_rwatch *w) {
     w->asked = s;
     w->seed_at = (w->seed_at + 1) % w->nknown;
     uv_timer_start(&w->deadline, on_deadline, 5 * w->timeout_ms, 0);
-    w->disc = rw_connect(w, w->seed_host[s], w->seed_port[s], w, disc_connected, disc_disconnected);
-    if (w->disc == NULL) {
-        rw_schedule_restart(w, "cannot connect to a seed");
+    rw_open(w, -1, w->seed_host[s], w->seed_port[s]);
+}
+
+static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port) {
+    if (node < 0) {
+        w->disc = rw_connect(w, addr, port, w, disc_connected, disc_disconnected);
+        if (w->disc == NULL) {
+            rw_schedule_restart(w, "cannot connect to a seed");
+            return;
+        }
+        redisAsyncCommand(w->disc, disc_slots, w, "CLUSTER SLOTS");
         return;
     }
-    redisAsyncCommand(w->disc, disc_slots, w, "CLUSTER SLOTS");
+    rw_node *n = &w->nodes[node];
+    n->ac = rw_connect(w, addr, port, n, node_connected, node_disconnected);
+    if (n->ac == NULL) {
+        rw_schedule_restart(w, "cannot connect to a node");
+        return;
+    }
+    redisAsyncCommand(n->ac, node_config, n, "CONFIG GET notify-keyspace-events");
+    redisAsyncCommand(n->ac, node_message, n,
+                      "SUBSCRIBE __keyevent@0__:expired __keyevent@0__:evicted");
 }
 
 /* ---- the interface -------------------------------------------------------------------------- */

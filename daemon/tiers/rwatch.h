@@ -17,8 +17,9 @@
  * rediscovery only.
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
- * adapter: nothing here blocks (a connect is non-blocking; HOST is resolved by the system as
- * the remote tier's own thread does, so give addresses). Loop thread only.
+ * adapter: nothing here blocks (a connect is non-blocking; a host name is resolved on libuv's
+ * thread pool, uv_getaddrinfo, its first IPv4 address taken, else its first one). Loop thread
+ * only.
  */
 #ifndef KVD_RWATCH_H
 #define KVD_RWATCH_H

@@ -1824,17 +1824,20 @@ def _removed_on_remote(sub, start=0):
             if isinstance(e, BlockRemoved) and e.medium == "REMOTE" for h in e.block_hashes]
 
 
-def test_remote_watch_reports_expiry(kvd_factory, redis_factory):
+@pytest.mark.parametrize("seed", ["address", "name"])
+def test_remote_watch_reports_expiry(kvd_factory, redis_factory, seed):
     """remote-watch on a Redis whose notify-keyspace-events holds Exe: the values A wrote with
     remote-ttl-s 1 expire, and each is a BlockRemoved on medium REMOTE (after its BlockStored);
-    a key of another prefix expiring says nothing. The counters say one node, configured."""
+    a key of another prefix expiring says nothing. The counters say one node, configured. The
+    seed given as a host name ("localhost") is resolved off the loop thread."""
     import zmq
     from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
     srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
-        a = _watch_node(kvd_factory, srv.addr, ea, remote_ttl_s="1")
+        addr = srv.addr if seed == "address" else "localhost:%d" % srv.port
+        a = _watch_node(kvd_factory, addr, ea, remote_ttl_s="1")
         assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
         sa = Sub(ctx, ea, name="A")
         ca = connect(a)
