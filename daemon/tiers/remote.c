@@ -1401,6 +1401,33 @@ static void on_async(uv_async_t *h) {
     }
 }
 
+kv_err kvd_remote_parse_seeds(const char *seeds, kvd_remote_seed *out, int *n, char *msg,
+                              size_t len) {
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", seeds != NULL ? seeds : "");
+    char *save = NULL;
+    *n = 0;
+    for (char *s = strtok_r(buf, ",", &save); s != NULL; s = strtok_r(NULL, ",", &save)) {
+        char *colon = strrchr(s, ':');
+        char *end = NULL;
+        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
+        if (colon == NULL || colon == s || colon - s >= KVD_REMOTE_HOST_MAX || *end != '\0' ||
+            port < 1 || port > 65535 || *n == KVD_REMOTE_SEEDS_MAX) {
+            snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
+            return KV_EINVAL;
+        }
+        *colon = '\0';
+        snprintf(out[*n].host, sizeof(out[*n].host), "%s", s);
+        out[*n].port = (int)port;
+        (*n)++;
+    }
+    if (*n == 0) {
+        snprintf(msg, len, "remote-redis: no HOST:PORT given");
+        return KV_EINVAL;
+    }
+    return KV_OK;
+}
+
 kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote **out, char *msg,
                         size_t len) {
     kvd_remote *r = calloc(1, sizeof(*r));
@@ -1418,32 +1445,21 @@ kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote *
     for (int s = 0; s < NSLOTS; s++) {
         r->slots[s] = -1;
     }
-    /* Seeds: HOST:PORT, comma separated. */
-    char buf[1024];
-    snprintf(buf, sizeof(buf), "%s", cfg->seeds);
-    char *save = NULL;
-    for (char *s = strtok_r(buf, ",", &save); s != NULL; s = strtok_r(NULL, ",", &save)) {
-        char *colon = strrchr(s, ':');
-        char *end = NULL;
-        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
-        if (colon == NULL || colon == s || colon - s >= 256 || *end != '\0' || port < 1 ||
-            port > 65535 || r->nnodes == MAX_NODES) {
-            snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
-            free(r->slots);
-            free(r->password);
-            free(r);
-            return KV_EINVAL;
-        }
-        *colon = '\0';
-        (void)node_find_or_add(r, s, (int)port);
-    }
-    if (r->nnodes == 0) {
-        snprintf(msg, len, "remote-redis: no HOST:PORT given");
+    kvd_remote_seed *seeds = malloc(KVD_REMOTE_SEEDS_MAX * sizeof(*seeds));
+    int nseeds = 0;
+    kv_err perr =
+        seeds == NULL ? KV_ENOMEM : kvd_remote_parse_seeds(cfg->seeds, seeds, &nseeds, msg, len);
+    if (perr != KV_OK) {
+        free(seeds);
         free(r->slots);
         free(r->password);
         free(r);
-        return KV_EINVAL;
+        return perr;
     }
+    for (int i = 0; i < nseeds; i++) {
+        (void)node_find_or_add(r, seeds[i].host, seeds[i].port);
+    }
+    free(seeds);
     r->nseeds = r->nnodes;
     r->loop = loop;
     r->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;

@@ -51,6 +51,18 @@ typedef struct kvd_remote_cfg {
     uint64_t queue_bytes; /* bytes of puts queued at most (more are refused: KV_EBUSY) */
 } kvd_remote_cfg;
 
+/* A seed list, "HOST:PORT[,HOST:PORT...]" as remote-redis takes it: up to KVD_REMOTE_SEEDS_MAX
+ * seeds, HOST under KVD_REMOTE_HOST_MAX bytes. KV_EINVAL with msg (naming remote-redis) for a
+ * malformed list, an empty one or too many seeds. */
+#define KVD_REMOTE_SEEDS_MAX 64
+#define KVD_REMOTE_HOST_MAX 256
+typedef struct kvd_remote_seed {
+    char host[KVD_REMOTE_HOST_MAX];
+    int port;
+} kvd_remote_seed;
+kv_err kvd_remote_parse_seeds(const char *seeds, kvd_remote_seed *out, int *n, char *msg,
+                              size_t len);
+
 /* Parses the seeds and starts the thread (which connects on its own: alloc never waits on the
  * network). KV_EINVAL with msg for a bad seed list; KV_ENOMEM; KV_ESYS (thread). */
 kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote **out, char *msg,

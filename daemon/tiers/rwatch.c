@@ -24,11 +24,12 @@
 #include <hiredis/adapters/libuv.h>
 
 #include "common/kv_log.h"
+#include "daemon/tiers/remote.h"
 
-#define RW_MAX_NODES 64
+#define RW_MAX_NODES KVD_REMOTE_SEEDS_MAX
 #define RW_BACKOFF_MIN_MS 100
 #define RW_BACKOFF_MAX_MS 5000
-#define RW_HOST_MAX 256
+#define RW_HOST_MAX KVD_REMOTE_HOST_MAX
 
 typedef struct rw_node {
     kvd_rwatch *w;
@@ -495,30 +496,20 @@ kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_f
         free(w);
         return KV_ENOMEM;
     }
-    char buf[1024];
-    snprintf(buf, sizeof(buf), "%s", cfg->seeds != NULL ? cfg->seeds : "");
-    char *save = NULL;
-    for (char *s = strtok_r(buf, ",", &save); s != NULL; s = strtok_r(NULL, ",", &save)) {
-        char *colon = strrchr(s, ':');
-        char *end = NULL;
-        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
-        if (colon == NULL || colon == s || colon - s >= RW_HOST_MAX || *end != '\0' || port < 1 ||
-            port > 65535 || w->nseeds == RW_MAX_NODES) {
-            snprintf(msg, len, "remote-redis: '%s' is not HOST:PORT (seeds: HOST:PORT,...)", s);
-            free(w->password);
-            free(w);
-            return KV_EINVAL;
-        }
-        *colon = '\0';
-        snprintf(w->seed_host[w->nseeds], RW_HOST_MAX, "%s", s);
-        w->seed_port[w->nseeds++] = (int)port;
-    }
-    if (w->nseeds == 0) {
-        snprintf(msg, len, "remote-redis: no HOST:PORT given");
+    kvd_remote_seed *seeds = malloc(KVD_REMOTE_SEEDS_MAX * sizeof(*seeds));
+    kv_err perr =
+        seeds == NULL ? KV_ENOMEM : kvd_remote_parse_seeds(cfg->seeds, seeds, &w->nseeds, msg, len);
+    if (perr != KV_OK) {
+        free(seeds);
         free(w->password);
         free(w);
-        return KV_EINVAL;
+        return perr;
     }
+    for (int i = 0; i < w->nseeds; i++) {
+        memcpy(w->seed_host[i], seeds[i].host, RW_HOST_MAX); /* NUL-ended by the parser */
+        w->seed_port[i] = seeds[i].port;
+    }
+    free(seeds);
     w->nknown = w->nseeds;
     w->loop = loop;
     w->fn = fn;
