@@ -1767,7 +1767,7 @@ static void node_name_init(kvd_tiers *t) {
             *c = '_';
         }
     }
-    snprintf(t->node_name, sizeof(t->node_name), "%s", h);
+    memcpy(t->node_name, h, sizeof(t->node_name)); /* h is NUL-ended within that size */
 }
 
 kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg, kvd_tiers **out,
