@@ -233,11 +233,14 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                              NULL, NULL, NULL, NULL},
     [TS_RWATCH_NODES] = {"remote_watch_nodes", "gauge", "nodes",
                          "Redis nodes whose expiries and evictions kvd listens to (remote-watch)",
-                         NULL, NULL, NULL, NULL},
+                         "kvd_remote_watch_nodes",
+                         "Redis nodes whose expiries and evictions kvd listens to.", NULL, NULL},
     [TS_RWATCH_UNCONFIGURED] = {"remote_watch_unconfigured", "gauge", "nodes",
                                 "of the nodes asked, those whose notify-keyspace-events lacks "
                                 "Exe: the values Redis drops there go unreported",
-                                NULL, NULL, NULL, NULL},
+                                "kvd_remote_watch_unconfigured",
+                                "Redis nodes whose drops go unreported (notify-keyspace-events).",
+                                NULL, NULL},
     [TS_RWATCH_EXPIRED] = {"remote_watch_expired", "counter", "keys",
                            "keys Redis said it expired (any key of the node)", NULL, NULL, NULL,
                            NULL},
@@ -248,7 +251,9 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                             "of them, values of this node's pools: BlockRemoved on REMOTE, and "
                             "a block read from that value is written to Redis again on its way "
                             "down",
-                            NULL, NULL, NULL, NULL},
+                            "kvd_remote_watch_reported_total",
+                            "Remote values of this node's pools Redis expired or evicted.", NULL,
+                            NULL},
 };
 
 typedef struct tier_pool tier_pool;
