@@ -18,6 +18,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "bench/benchutil.h"
 #include "common/kv_hash.h"
 #include "common/kv_vllm_hash.h"
 #include "daemon/testing/evict_trace.h"
@@ -44,11 +45,6 @@ static volatile uint64_t sink_u64; /* keeps results alive */
 #define RUNS 5
 #define INDEX_RUNS 3
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 typedef struct spread {
     double med, lo, hi;
 } spread;
@@ -56,8 +52,8 @@ typedef struct spread {
 static spread spread_of(const double *v, int n) {
     double s[RUNS > INDEX_RUNS ? RUNS : INDEX_RUNS];
     memcpy(s, v, (size_t)n * sizeof(double));
-    qsort(s, (size_t)n, sizeof(double), cmp_double);
-    spread r = {n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2, s[0], s[n - 1]};
+    double med = bench_median(s, (size_t)n); /* sorts s */
+    spread r = {med, s[0], s[n - 1]};
     return r;
 }
 

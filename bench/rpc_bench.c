@@ -894,16 +894,9 @@ int main(int argc, char **argv) {
                     at += (size_t)snprintf(each + at, sizeof(each) - at, "%s%.2f", k ? ", " : "",
                                            v[k]);
                 }
-                for (int a = 1; a < REPS; a++) { /* insertion sort for the median */
-                    for (int b = a; b > 0 && v[b] < v[b - 1]; b--) {
-                        double t = v[b];
-                        v[b] = v[b - 1];
-                        v[b - 1] = t;
-                    }
-                }
                 all_ahead = all_ahead && lo > 1.0;
                 printf("| %s | %d | %s | %.2f (%.2f-%.2f) | %s | %s |\n", op_name[op], conns[ci],
-                       pl ? "pipelined" : "sync", v[REPS / 2], lo, hi, each,
+                       pl ? "pipelined" : "sync", bench_median(v, REPS), lo, hi, each,
                        lo > 1.0 ? "yes" : "no");
             }
         }
