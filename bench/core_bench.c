@@ -817,6 +817,9 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--hash") == 0) {
             bench_hash(quick);
             return 0;
+        } else if (strcmp(argv[i], "--alloc") == 0) {
+            bench_alloc(quick);
+            return 0;
         } else if (strcmp(argv[i], "--cycle") == 0) {
             bench_policy_cycle(quick);
             return 0;
@@ -828,8 +831,10 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--trace-file") == 0 && i + 1 < argc) {
             file = argv[++i];
         } else {
-            fprintf(stderr, "usage: core_bench [--quick] [--traces] [--hash] [--index] [--seed N] "
-                            "[--trace-file FILE]\n");
+            fprintf(stderr,
+                    "usage: core_bench [--quick] [--traces] [--hash] [--alloc] [--cycle] [--index] "
+                    "[--seed N] "
+                    "[--trace-file FILE]\n");
             return 2;
         }
     }

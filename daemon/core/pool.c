@@ -214,10 +214,13 @@ static kv_err slots_reserve(kvd_pool *p, uint32_t n) {
 /* Grows the per-tenant arrays to cover tenant id t (a power of two at least 16). KV_EINVAL for
  * an id out of range, KV_ENOMEM (arrays unchanged). Memory grows with the tenants a pool meets,
  * not with KVD_MAX_TENANTS (a private pool sees one). */
-static kv_err tenant_room(kvd_pool *p, uint32_t t) {
-    if (t < p->ntcap) {
-        return KV_OK;
-    }
+static kv_err tenant_grow(kvd_pool *p, uint32_t t);
+
+static inline kv_err tenant_room(kvd_pool *p, uint32_t t) {
+    return t < p->ntcap ? KV_OK : tenant_grow(p, t);
+}
+
+static kv_err tenant_grow(kvd_pool *p, uint32_t t) {
     if (t >= KVD_MAX_TENANTS) {
         return KV_EINVAL;
     }
@@ -575,7 +578,18 @@ static inline void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
     b->hlo = b->hhi = 0;
     b->parent = KVD_NO_BLOCK;
     seg_of(p, id)->nfree++;
-    list_push_head(p, LIST_FREE, id, b);
+    /* list_push_head on the free list, which no eviction count covers */
+    pool_list *l = &p->lists[LIST_FREE];
+    b->list = LIST_FREE;
+    b->prev = KVD_NO_BLOCK;
+    b->next = l->head;
+    if (l->head != KVD_NO_BLOCK) {
+        blk_at(p, l->head)->prev = id;
+    } else {
+        l->tail = id;
+    }
+    l->head = id;
+    l->len++;
 }
 
 static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {
@@ -1437,19 +1451,11 @@ uint64_t kvd_pool_evictions(const kvd_pool *p, kvd_evict_reason reason) {
 
 /* ---- block operations ------------------------------------------------------------------- */
 
-kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
-                         kvd_block_ref *out) {
-    if (n > 0 && out == NULL) {
-        return KV_EINVAL;
-    }
-    kv_err terr = tenant_room(p, tenant);
-    if (terr != KV_OK) {
-        return terr;
-    }
+/* Allocate's slow part: grows, unparks or evicts until the free list holds n blocks, or
+ * changes nothing and fails (KV_ENOSPC, or the growth's error). Kept out of line: the common
+ * allocation finds its blocks on the free list. */
+static __attribute__((noinline)) kv_err make_free(kvd_pool *p, uint32_t n) {
     pool_list *fl = &p->lists[LIST_FREE];
-    if (p->now >= p->min_pin_expiry) {
-        pin_sweep(p);
-    }
     /* Decide before anything changes: a refused allocation grows and evicts nothing. */
     if (fl->len + (uint64_t)kvd_pool_growable_segments(p) * p->bps + evictable_count(p) < n) {
         return KV_ENOSPC;
@@ -1469,6 +1475,28 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
         for (uint64_t i = 0; i < need; i++) {
             uint32_t id = pick_victim(p, 1);
             evict_block(p, id, blk_at(p, id), KVD_EVICT_CAPACITY);
+        }
+    }
+    return KV_OK;
+}
+
+kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t tenant,
+                         kvd_block_ref *out) {
+    if (n > 0 && out == NULL) {
+        return KV_EINVAL;
+    }
+    kv_err terr = tenant_room(p, tenant);
+    if (terr != KV_OK) {
+        return terr;
+    }
+    pool_list *fl = &p->lists[LIST_FREE];
+    if (p->now >= p->min_pin_expiry) {
+        pin_sweep(p);
+    }
+    if (fl->len < n) {
+        kv_err err = make_free(p, n);
+        if (err != KV_OK) {
+            return err;
         }
     }
     for (uint32_t i = 0; i < n; i++) {
@@ -1876,42 +1904,9 @@ kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_bloc
     return KV_OK;
 }
 
-kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
-                        size_t n) {
-    if (n == 0) {
-        return KV_OK;
-    }
-    if (tenant >= p->ntcap || blks == NULL || p->tenants[tenant].held < n) {
-        return KV_EINVAL;
-    }
-    if (n == 1) {
-        /* The loops below for one block, with its record looked up once. */
-        pool_block *b;
-        kv_err err = get_block(p, blks[0], &b);
-        if (err != KV_OK) {
-            return err;
-        }
-        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
-            return KV_ESTATE;
-        }
-        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
-            return KV_EPERM;
-        }
-        if (b->refcount == 0) {
-            return KV_ESTATE;
-        }
-        if (--b->refcount == 0) {
-            if (b->state == KVD_BLOCK_WRITING) {
-                p->n_writing--;
-                p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
-                block_to_free(p, blks[0].id, b);
-            } else if (b->state == KVD_BLOCK_COMMITTED) {
-                block_to_cached(p, blks[0].id, b);
-            }
-        }
-        p->tenants[tenant].held--;
-        return KV_OK;
-    }
+/* kvd_pool_release of several blocks (out of line: one block is the common release). */
+static __attribute__((noinline)) kv_err release_many(kvd_pool *p, uint64_t session, uint32_t tenant,
+                                                     const kvd_block_ref *blks, size_t n) {
     for (size_t i = 0; i < n; i++) {
         pool_block *b;
         kv_err err = get_block(p, blks[i], &b);
@@ -1954,6 +1949,45 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
     }
     p->tenants[tenant].held -= n;
     return KV_OK;
+}
+
+kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kvd_block_ref *blks,
+                        size_t n) {
+    if (n == 0) {
+        return KV_OK;
+    }
+    if (tenant >= p->ntcap || blks == NULL || p->tenants[tenant].held < n) {
+        return KV_EINVAL;
+    }
+    if (n == 1) {
+        /* The loops below for one block, with its record looked up once. */
+        pool_block *b;
+        kv_err err = get_block(p, blks[0], &b);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+            return KV_ESTATE;
+        }
+        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+            return KV_EPERM;
+        }
+        if (b->refcount == 0) {
+            return KV_ESTATE;
+        }
+        if (--b->refcount == 0) {
+            if (b->state == KVD_BLOCK_WRITING) {
+                p->n_writing--;
+                p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
+                block_to_free(p, blks[0].id, b);
+            } else if (b->state == KVD_BLOCK_COMMITTED) {
+                block_to_cached(p, blks[0].id, b);
+            }
+        }
+        p->tenants[tenant].held--;
+        return KV_OK;
+    }
+    return release_many(p, session, tenant, blks, n);
 }
 
 kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8_t priority,
