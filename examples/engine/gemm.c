@@ -4,7 +4,8 @@
  * in L2; every 4-row tile of x goes through a block before the next block is read, so the
  * weights stream from memory once per call however many rows the batch holds (a decode step
  * reads them once for the whole batch, as a GPU does). The micro-kernel keeps a 4 x 3 tile of
- * dot products in registers over the whole of nin. Every element has its own accumulator and the
+ * dot products in registers over the whole of nin (a row tail of 2 or 3 gets its own 2 x 3 or 3 x 3
+ * tile, so it too reads each weight once). Every element has its own accumulator and the
  * same reduction in every tile shape, so the tiling, the thread split and the batch never change
  * a result bit. The AVX2 kernel is compiled with a target attribute, so the file needs no -m
  * flags and the binary runs on any x86-64 (or other) CPU.
@@ -109,7 +110,59 @@ static AVX2_FN void tile_avx2_4x3(float *out, const float *x, const float *w, in
     o3[2] = finish(a32, w2, x3, i, nin);
 }
 
-/* 1 row x 3 columns (row tails and one-row decode steps). */
+/* 3 rows x 3 columns (a row tail of 3): 9 accumulators. */
+static AVX2_FN void tile_avx2_3x3(float *out, const float *x, const float *w, int nin, int nout) {
+    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
+    const float *x0 = x, *x1 = x + nin, *x2 = x + 2 * (size_t)nin;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00;
+    int i = 0;
+    for (; i + 8 <= nin; i += 8) {
+        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        __m256 v2 = _mm256_loadu_ps(w2 + i), xv;
+        xv = _mm256_loadu_ps(x0 + i);
+        a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);
+        a02 = _mm256_fmadd_ps(v2, xv, a02);
+        xv = _mm256_loadu_ps(x1 + i);
+        a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
+        a12 = _mm256_fmadd_ps(v2, xv, a12);
+        xv = _mm256_loadu_ps(x2 + i);
+        a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);
+        a22 = _mm256_fmadd_ps(v2, xv, a22);
+    }
+    float *o0 = out, *o1 = out + nout, *o2 = out + 2 * (size_t)nout;
+    o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
+    o0[2] = finish(a02, w2, x0, i, nin);
+    o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
+    o1[2] = finish(a12, w2, x1, i, nin);
+    o2[0] = finish(a20, w0, x2, i, nin), o2[1] = finish(a21, w1, x2, i, nin);
+    o2[2] = finish(a22, w2, x2, i, nin);
+}
+
+/* 2 rows x 3 columns (a row tail of 2): 6 accumulators. */
+static AVX2_FN void tile_avx2_2x3(float *out, const float *x, const float *w, int nin, int nout) {
+    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
+    const float *x0 = x, *x1 = x + nin;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    int i = 0;
+    for (; i + 8 <= nin; i += 8) {
+        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        __m256 v2 = _mm256_loadu_ps(w2 + i), xv;
+        xv = _mm256_loadu_ps(x0 + i);
+        a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);
+        a02 = _mm256_fmadd_ps(v2, xv, a02);
+        xv = _mm256_loadu_ps(x1 + i);
+        a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
+        a12 = _mm256_fmadd_ps(v2, xv, a12);
+    }
+    float *o0 = out, *o1 = out + nout;
+    o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
+    o0[2] = finish(a02, w2, x0, i, nin);
+    o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
+    o1[2] = finish(a12, w2, x1, i, nin);
+}
+
+/* 1 row x 3 columns (one-row decode steps). */
 static AVX2_FN void tile_avx2_1x3(float *out, const float *x, const float *w, int nin) {
     const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
@@ -136,8 +189,14 @@ static AVX2_FN void tile_avx2_1x1(float *out, const float *x, const float *w, in
 }
 
 static void tile_avx2(float *out, const float *x, const float *w, int nin, int nout, int R, int C) {
-    if (R == TILE_R && C == TILE_C) {
-        tile_avx2_4x3(out, x, w, nin, nout);
+    if (C == TILE_C && R > 1) { /* a row tail of 2 or 3 reads the weights once, as a full tile */
+        if (R == TILE_R) {
+            tile_avx2_4x3(out, x, w, nin, nout);
+        } else if (R == 3) {
+            tile_avx2_3x3(out, x, w, nin, nout);
+        } else {
+            tile_avx2_2x3(out, x, w, nin, nout);
+        }
         return;
     }
     for (int r = 0; r < R; r++) {
