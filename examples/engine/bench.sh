@@ -125,8 +125,8 @@ if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = big ] || [ "$ONLY" = cb
     echo "Continuous / static tokens/s per pair: $(awk '{ print $1 / $2 }' "$DIR/cb.txt" | stat)x; target >= 2x: $(met "$w" 2)."
     echo
     if [ -s "$DIR/p1" ]; then
-        # What this CPU allows: the pass costs above, fitted as a + b * rows (least squares on the
-        # three medians), priced over each scheduler's own steps and computed rows (last run).
+        # The pass costs above, fitted as a + b * rows (least squares on the three medians),
+        # priced over each scheduler's own steps and computed rows (last run).
         fit=$(for r in 1 4 16; do echo "$r $(stat <"$DIR/p$r" | awk '{ print $1 }')"; done |
             awk '{ n++; sx += $1; sy += $2; sxx += $1 * $1; sxy += $1 * $2 }
                 END { b = (n * sxy - sx * sy) / (n * sxx - sx * sx); printf "%.2f %.3f", (sy - b * sx) / n, b }')
@@ -134,8 +134,8 @@ if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = big ] || [ "$ONLY" = cb
         b=${fit#* }
         tail -1 "$DIR/cb.txt" | awk -v a="$a" -v b="$b" '{
             pc = a * $5 + b * $7; ps = a * $6 + b * $8
-            printf "Priced by the pass costs above (%.2f ms a pass + %.3f ms a row, fitted): continuous %d steps and %d rows = %.1f s, static %d steps and %d rows = %.1f s, so %.2fx is what this CPU allows these requests when every pass costs what the table says; measured (last pair) %.2fx. The longer the passes the more rows they hold, the less batching saves: the ratio is bounded by the pass-cost curve, not by the scheduler alone.\n\n",
-                a, b, $5, $7, pc / 1000, $6, $8, ps / 1000, ps / pc, $1 / $2 }'
+            printf "Priced by the pass costs above (fitted: %.2f ms a pass + %.3f ms a row): continuous %d steps and %d rows = %.1f s, static %d steps and %d rows = %.1f s, a ratio of %.2fx; measured in the last pair %.2fx. Were a pass as dear with 16 rows as with one, the ratio would be the step ratio, %.2fx: how far below that it lands is set by how the pass cost grows with its rows on this CPU (a straight line fits the curve only roughly).\n\n",
+                a, b, $5, $7, pc / 1000, $6, $8, ps / 1000, ps / pc, $1 / $2, $6 / $5 }'
     fi
 fi
 if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = cascade ]; then
