@@ -338,9 +338,8 @@ static void list_push_tail(kvd_pool *p, int which, uint32_t id, pool_block *b) {
     l->len++;
 }
 
-static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
-    tevict_add(p, which, b, 1);
-    pool_list *l = list_of(p, which, b);
+/* Links block id at the head of list l (numbered which); no counts. */
+static inline void link_head(kvd_pool *p, pool_list *l, int which, uint32_t id, pool_block *b) {
     b->list = (uint8_t)which;
     b->prev = KVD_NO_BLOCK;
     b->next = l->head;
@@ -351,6 +350,11 @@ static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_bloc
     }
     l->head = id;
     l->len++;
+}
+
+static inline void list_push_head(kvd_pool *p, int which, uint32_t id, pool_block *b) {
+    tevict_add(p, which, b, 1);
+    link_head(p, list_of(p, which, b), which, id, b);
 }
 
 static void list_remove(kvd_pool *p, uint32_t id, pool_block *b) {
@@ -578,18 +582,7 @@ static inline void block_to_free(kvd_pool *p, uint32_t id, pool_block *b) {
     b->hlo = b->hhi = 0;
     b->parent = KVD_NO_BLOCK;
     seg_of(p, id)->nfree++;
-    /* list_push_head on the free list, which no eviction count covers */
-    pool_list *l = &p->lists[LIST_FREE];
-    b->list = LIST_FREE;
-    b->prev = KVD_NO_BLOCK;
-    b->next = l->head;
-    if (l->head != KVD_NO_BLOCK) {
-        blk_at(p, l->head)->prev = id;
-    } else {
-        l->tail = id;
-    }
-    l->head = id;
-    l->len++;
+    link_head(p, &p->lists[LIST_FREE], LIST_FREE, id, b); /* no eviction count covers FREE */
 }
 
 static void unpin_block(kvd_pool *p, uint32_t id, pool_block *b) {

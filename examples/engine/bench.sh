@@ -135,7 +135,8 @@ if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = big ] || [ "$ONLY" = cb
         tail -1 "$DIR/cb.txt" | awk -v a="$a" -v b="$b" '{
             pc = a * $5 + b * $7; ps = a * $6 + b * $8
             printf "Priced by the pass costs above (fitted: %.2f ms a pass + %.3f ms a row): continuous %d steps and %d rows = %.1f s, static %d steps and %d rows = %.1f s, a ratio of %.2fx; measured in the last pair %.2fx. Were a pass as dear with 16 rows as with one, the ratio would be the step ratio, %.2fx: how far below that it lands is set by how the pass cost grows with its rows on this CPU (a straight line fits the curve only roughly).\n\n",
-                a, b, $5, $7, pc / 1000, $6, $8, ps / 1000, ps / pc, $1 / $2, $6 / $5 }'
+                a, b, $5, $7, pc / 1000, $6, $8, ps / 1000, (pc > 0 ? ps / pc : 0), $1 / $2,
+                ($5 > 0 ? $6 / $5 : 0) }'
     fi
 fi
 if [ "$ONLY" = all ] || [ "$ONLY" = new ] || [ "$ONLY" = cascade ]; then

@@ -76,10 +76,14 @@ static inline __attribute__((always_inline)) AVX2_FN float finish(__m256 acc, co
     return s;
 }
 
-/* 4 rows x 3 columns: 12 accumulators, 3 weight registers, x read as a memory operand. */
-static AVX2_FN void tile_avx2_4x3(float *out, const float *x, const float *w, int nin, int nout) {
+/* R rows x 3 columns, R = 2, 3 or 4 (a constant at every call, so the rows past R compile
+ * away): 3R accumulators, 3 weight registers, x read as a memory operand. Row tails of 2 or 3
+ * thus read each weight once, as a full tile does. */
+static inline __attribute__((always_inline)) AVX2_FN void
+tile_avx2_rx3(float *out, const float *x, const float *w, int nin, int nout, const int R) {
     const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin, *x2 = x + 2 * (size_t)nin, *x3 = x + 3 * (size_t)nin;
+    const float *x0 = x, *x1 = x + nin;
+    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
     __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
     int i = 0;
@@ -92,74 +96,44 @@ static AVX2_FN void tile_avx2_4x3(float *out, const float *x, const float *w, in
         xv = _mm256_loadu_ps(x1 + i);
         a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
         a12 = _mm256_fmadd_ps(v2, xv, a12);
-        xv = _mm256_loadu_ps(x2 + i);
-        a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);
-        a22 = _mm256_fmadd_ps(v2, xv, a22);
-        xv = _mm256_loadu_ps(x3 + i);
-        a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);
-        a32 = _mm256_fmadd_ps(v2, xv, a32);
-    }
-    float *o0 = out, *o1 = out + nout, *o2 = out + 2 * (size_t)nout, *o3 = out + 3 * (size_t)nout;
-    o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
-    o0[2] = finish(a02, w2, x0, i, nin);
-    o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
-    o1[2] = finish(a12, w2, x1, i, nin);
-    o2[0] = finish(a20, w0, x2, i, nin), o2[1] = finish(a21, w1, x2, i, nin);
-    o2[2] = finish(a22, w2, x2, i, nin);
-    o3[0] = finish(a30, w0, x3, i, nin), o3[1] = finish(a31, w1, x3, i, nin);
-    o3[2] = finish(a32, w2, x3, i, nin);
-}
-
-/* 3 rows x 3 columns (a row tail of 3): 9 accumulators. */
-static AVX2_FN void tile_avx2_3x3(float *out, const float *x, const float *w, int nin, int nout) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin, *x2 = x + 2 * (size_t)nin;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00;
-    int i = 0;
-    for (; i + 8 <= nin; i += 8) {
-        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-        __m256 v2 = _mm256_loadu_ps(w2 + i), xv;
-        xv = _mm256_loadu_ps(x0 + i);
-        a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);
-        a02 = _mm256_fmadd_ps(v2, xv, a02);
-        xv = _mm256_loadu_ps(x1 + i);
-        a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
-        a12 = _mm256_fmadd_ps(v2, xv, a12);
-        xv = _mm256_loadu_ps(x2 + i);
-        a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);
-        a22 = _mm256_fmadd_ps(v2, xv, a22);
-    }
-    float *o0 = out, *o1 = out + nout, *o2 = out + 2 * (size_t)nout;
-    o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
-    o0[2] = finish(a02, w2, x0, i, nin);
-    o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
-    o1[2] = finish(a12, w2, x1, i, nin);
-    o2[0] = finish(a20, w0, x2, i, nin), o2[1] = finish(a21, w1, x2, i, nin);
-    o2[2] = finish(a22, w2, x2, i, nin);
-}
-
-/* 2 rows x 3 columns (a row tail of 2): 6 accumulators. */
-static AVX2_FN void tile_avx2_2x3(float *out, const float *x, const float *w, int nin, int nout) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    int i = 0;
-    for (; i + 8 <= nin; i += 8) {
-        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-        __m256 v2 = _mm256_loadu_ps(w2 + i), xv;
-        xv = _mm256_loadu_ps(x0 + i);
-        a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);
-        a02 = _mm256_fmadd_ps(v2, xv, a02);
-        xv = _mm256_loadu_ps(x1 + i);
-        a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
-        a12 = _mm256_fmadd_ps(v2, xv, a12);
+        if (R > 2) {
+            xv = _mm256_loadu_ps(x2 + i);
+            a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);
+            a22 = _mm256_fmadd_ps(v2, xv, a22);
+        }
+        if (R > 3) {
+            xv = _mm256_loadu_ps(x3 + i);
+            a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);
+            a32 = _mm256_fmadd_ps(v2, xv, a32);
+        }
     }
     float *o0 = out, *o1 = out + nout;
     o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
     o0[2] = finish(a02, w2, x0, i, nin);
     o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
     o1[2] = finish(a12, w2, x1, i, nin);
+    if (R > 2) {
+        float *o2 = out + 2 * (size_t)nout;
+        o2[0] = finish(a20, w0, x2, i, nin), o2[1] = finish(a21, w1, x2, i, nin);
+        o2[2] = finish(a22, w2, x2, i, nin);
+    }
+    if (R > 3) {
+        float *o3 = out + 3 * (size_t)nout;
+        o3[0] = finish(a30, w0, x3, i, nin), o3[1] = finish(a31, w1, x3, i, nin);
+        o3[2] = finish(a32, w2, x3, i, nin);
+    }
+}
+
+static AVX2_FN void tile_avx2_4x3(float *out, const float *x, const float *w, int nin, int nout) {
+    tile_avx2_rx3(out, x, w, nin, nout, 4);
+}
+
+static AVX2_FN void tile_avx2_3x3(float *out, const float *x, const float *w, int nin, int nout) {
+    tile_avx2_rx3(out, x, w, nin, nout, 3);
+}
+
+static AVX2_FN void tile_avx2_2x3(float *out, const float *x, const float *w, int nin, int nout) {
+    tile_avx2_rx3(out, x, w, nin, nout, 2);
 }
 
 /* 1 row x 3 columns (one-row decode steps). */
