@@ -1897,20 +1897,39 @@ kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_bloc
     return KV_OK;
 }
 
+/* Whether a session may drop a reference on block b (the state, not the count). */
+static inline kv_err release_allowed(const pool_block *b, uint64_t session) {
+    if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
+        return KV_ESTATE;
+    }
+    if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
+        return KV_EPERM;
+    }
+    return KV_OK;
+}
+
+/* Block id lost its last reference: WRITING goes back to FREE, COMMITTED becomes CACHED. */
+static inline void release_last(kvd_pool *p, uint32_t id, pool_block *b) {
+    if (b->state == KVD_BLOCK_WRITING) {
+        p->n_writing--;
+        p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
+        block_to_free(p, id, b);
+    } else if (b->state == KVD_BLOCK_COMMITTED) {
+        block_to_cached(p, id, b);
+    }
+}
+
 /* kvd_pool_release of several blocks (out of line: one block is the common release). */
 static __attribute__((noinline)) kv_err release_many(kvd_pool *p, uint64_t session, uint32_t tenant,
                                                      const kvd_block_ref *blks, size_t n) {
     for (size_t i = 0; i < n; i++) {
         pool_block *b;
         kv_err err = get_block(p, blks[i], &b);
+        if (err == KV_OK) {
+            err = release_allowed(b, session);
+        }
         if (err != KV_OK) {
             return err;
-        }
-        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
-            return KV_ESTATE;
-        }
-        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
-            return KV_EPERM;
         }
     }
     /* Drop the references; a block listed more often than it is referenced undoes it all. */
@@ -1929,15 +1948,8 @@ static __attribute__((noinline)) kv_err release_many(kvd_pool *p, uint64_t sessi
     for (size_t i = n; i-- > 0;) {
         uint32_t id = blks[i].id;
         pool_block *b = blk_at(p, id);
-        if (b->refcount != 0) {
-            continue;
-        }
-        if (b->state == KVD_BLOCK_WRITING) {
-            p->n_writing--;
-            p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
-            block_to_free(p, id, b);
-        } else if (b->state == KVD_BLOCK_COMMITTED) {
-            block_to_cached(p, id, b);
+        if (b->refcount == 0) {
+            release_last(p, id, b);
         }
     }
     p->tenants[tenant].held -= n;
@@ -1956,26 +1968,17 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
         /* The loops below for one block, with its record looked up once. */
         pool_block *b;
         kv_err err = get_block(p, blks[0], &b);
+        if (err == KV_OK) {
+            err = release_allowed(b, session);
+        }
         if (err != KV_OK) {
             return err;
-        }
-        if (b->state == KVD_BLOCK_FREE || b->state == KVD_BLOCK_CACHED) {
-            return KV_ESTATE;
-        }
-        if (b->state == KVD_BLOCK_WRITING && b->aux != session) {
-            return KV_EPERM;
         }
         if (b->refcount == 0) {
             return KV_ESTATE;
         }
         if (--b->refcount == 0) {
-            if (b->state == KVD_BLOCK_WRITING) {
-                p->n_writing--;
-                p->n_private -= (b->flags & BLOCK_PRIVATE) != 0;
-                block_to_free(p, blks[0].id, b);
-            } else if (b->state == KVD_BLOCK_COMMITTED) {
-                block_to_cached(p, blks[0].id, b);
-            }
+            release_last(p, blks[0].id, b);
         }
         p->tenants[tenant].held--;
         return KV_OK;
