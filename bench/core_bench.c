@@ -833,8 +833,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr,
                     "usage: core_bench [--quick] [--traces] [--hash] [--alloc] [--cycle] [--index] "
-                    "[--seed N] "
-                    "[--trace-file FILE]\n");
+                    "[--seed N] [--trace-file FILE]\n");
             return 2;
         }
     }

@@ -1444,9 +1444,9 @@ uint64_t kvd_pool_evictions(const kvd_pool *p, kvd_evict_reason reason) {
 
 /* ---- block operations ------------------------------------------------------------------- */
 
-/* Allocate's slow part: grows, unparks or evicts until the free list holds n blocks, or
- * changes nothing and fails (KV_ENOSPC, or the growth's error). Kept out of line: the common
- * allocation finds its blocks on the free list. */
+/* Allocate's slow part: grows, unparks or evicts until the free list holds n blocks; fails
+ * with KV_ENOSPC before anything changes when the pool cannot hold n, or with the growth's
+ * error. Kept out of line: the common allocation finds its blocks on the free list. */
 static __attribute__((noinline)) kv_err make_free(kvd_pool *p, uint32_t n) {
     pool_list *fl = &p->lists[LIST_FREE];
     /* Decide before anything changes: a refused allocation grows and evicts nothing. */
@@ -1965,7 +1965,7 @@ kv_err kvd_pool_release(kvd_pool *p, uint64_t session, uint32_t tenant, const kv
         return KV_EINVAL;
     }
     if (n == 1) {
-        /* The loops below for one block, with its record looked up once. */
+        /* release_many's loops for one block, with its record looked up once. */
         pool_block *b;
         kv_err err = get_block(p, blks[0], &b);
         if (err == KV_OK) {
