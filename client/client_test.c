@@ -2,12 +2,17 @@
  * synchronous calls, pipelined batches, segment growth, sequences and their CSR export, error
  * codes with messages, and restart detection. tests/integration runs the same paths against
  * the real kvd. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -458,6 +463,88 @@ static void test_connect_refused(void **state) {
     assert_int_equal(kvc_default_socket_path(path, 4), KV_ETOOBIG);
 }
 
+/* A "daemon" that listens but never answers: the Hello's wait ends with KV_ETIMEDOUT after
+ * the timeout (the blocking recvmsg wakes every slice to look at the deadline), not before it
+ * and not long after it. */
+static int silent_listener(char *path, size_t cap) {
+    snprintf(path, cap, "/tmp/kvc-silent-%d.sock", (int)getpid());
+    unlink(path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || listen(fd, 4) != 0) {
+        return -1;
+    }
+    return fd;
+}
+
+static double mono_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+static void test_silent_daemon_times_out(void **state) {
+    (void)state;
+    char path[108];
+    int lfd = silent_listener(path, sizeof(path));
+    assert_true(lfd >= 0);
+    const int timeouts[] = {1, 250, 1200};
+    for (size_t i = 0; i < sizeof(timeouts) / sizeof(timeouts[0]); i++) {
+        kvc_options o;
+        kvc_options_init(&o);
+        o.socket_path = path;
+        o.timeout_ms = timeouts[i];
+        kvc_conn *c = NULL;
+        double t0 = mono_ms();
+        assert_int_equal(kvc_conn_open(&o, &c), KV_ETIMEDOUT);
+        double took = mono_ms() - t0;
+        assert_null(c);
+        assert_true(took >= timeouts[i] - 1);
+        assert_true(took < timeouts[i] + 1000);
+        /* Take the connection off the backlog so that the next one is queued too. */
+        int a = accept(lfd, NULL, NULL);
+        assert_true(a >= 0);
+        close(a);
+    }
+    close(lfd);
+    unlink(path);
+}
+
+typedef struct {
+    int lfd;
+} closer_arg;
+
+static void *close_after(void *arg) {
+    closer_arg *a = arg;
+    usleep(200 * 1000);
+    int c = accept(a->lfd, NULL, NULL);
+    close(c);
+    return NULL;
+}
+
+/* The daemon's side going away while a call waits wakes the wait at once: KV_ECLOSED, long
+ * before the timeout. */
+static void test_peer_close_wakes_wait(void **state) {
+    (void)state;
+    char path[108];
+    closer_arg a = {.lfd = silent_listener(path, sizeof(path))};
+    assert_true(a.lfd >= 0);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, close_after, &a), 0);
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = path;
+    o.timeout_ms = 20000;
+    kvc_conn *c = NULL;
+    double t0 = mono_ms();
+    assert_int_equal(kvc_conn_open(&o, &c), KV_ECLOSED);
+    assert_true(mono_ms() - t0 < 10000);
+    pthread_join(t, NULL);
+    close(a.lfd);
+    unlink(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hello_ping_stats, setup, teardown),
@@ -473,6 +560,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_restart_is_eepoch, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lost_connection_voids_pool, setup, teardown),
         cmocka_unit_test(test_connect_refused),
+        cmocka_unit_test(test_silent_daemon_times_out),
+        cmocka_unit_test(test_peer_close_wakes_wait),
     };
     return cmocka_run_group_tests_name("client", tests, NULL, NULL);
 }

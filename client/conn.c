@@ -1,8 +1,10 @@
 /* conn: libkvclient's transport: dialing, framing, the fd FIFO, batches and the I/O engine.
  *
- * The engine (kvc__exchange) is one poll() loop per call that writes the batch's encoded frames
- * and reads replies at the same time, so a long pipelined batch never deadlocks against the
- * daemon's flow control (it stops reading us while our unread replies pile up). Received fds go
+ * The engine (kvc__exchange) is one loop per call that writes the batch's encoded frames and
+ * reads replies at the same time (poll() while frames are left to write), so a long pipelined
+ * batch never deadlocks against the daemon's flow control (it stops reading us while our unread
+ * replies pile up); once everything is written it waits in a blocking recvmsg instead, one system
+ * call a reply instead of two. Received fds go
  * into a FIFO in arrival order; a decoded frame takes as many from the front as it names
  * (PROTOCOL.md 2.2). Frames are decoded by common/kv_wire.h into the connection's arena, handed
  * to the installed completion function and dropped at once. Any transport failure closes the
@@ -14,12 +16,12 @@
 #include "common/kv_util.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -28,7 +30,8 @@
 #include "common/kv_wire.h"
 
 #define RBUF_MIN (64u * 1024u)
-#define CMSG_FDS 256 /* room for PROTOCOL.md's 200 fds per frame, and some */
+#define CMSG_FDS 256      /* room for PROTOCOL.md's 200 fds per frame, and some */
+#define RECV_SLICE_MS 100 /* longest blocking recvmsg before the deadline is looked at again */
 
 void kvc_options_init(kvc_options *o) {
     memset(o, 0, sizeof(*o));
@@ -175,8 +178,9 @@ kv_err kvc__batch_add(kvc_batch *b, kvc__op_kind kind, Kvd__Envelope *env, kvc__
 
 /* ---- receiving ------------------------------------------------------------------------ */
 
-/* Reads what the socket has (non-blocking). KV_OK with nothing read is fine (EAGAIN). */
-static kv_err recv_some(kvc_conn *c) {
+/* Reads what the socket has: at once (block 0), or waiting up to the socket's receive timeout
+ * (block 1; RECV_SLICE_MS, see kvc__conn_dial). KV_OK with nothing read is fine (EAGAIN). */
+static kv_err recv_some(kvc_conn *c, int block) {
     if (c->rcap - c->rlen < RBUF_MIN / 2) {
         size_t ncap = c->rcap ? c->rcap * 2 : RBUF_MIN;
         uint8_t *n = realloc(c->rbuf, ncap);
@@ -198,7 +202,7 @@ static kv_err recv_some(kvc_conn *c) {
     msg.msg_controllen = sizeof(ctl.buf);
     ssize_t n;
     do {
-        n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC | (block ? 0 : MSG_DONTWAIT));
     } while (n < 0 && errno == EINTR);
     if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -434,7 +438,6 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
         if (!want_write && (!wait || b->nwait == 0)) {
             break;
         }
-        struct pollfd pfd = {.fd = c->fd, .events = POLLIN | (want_write ? POLLOUT : 0)};
         int timeout = -1;
         if (deadline >= 0) {
             int64_t left = deadline - now_ms();
@@ -447,6 +450,20 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             }
             timeout = left > 1000000 ? 1000000 : (int)left;
         }
+        if (!want_write) {
+            /* Only replies are awaited (every sync call, once its frame is out): a blocking
+             * recvmsg, bounded by the socket's receive timeout, saves the poll's system call and
+             * its second wake-up. EAGAIN after a slice comes back as nothing read; the deadline
+             * is checked above on the next turn. */
+            err = recv_some(c, 1);
+            if (err != KV_OK) {
+                kv_err why = drain_frames(c, b);
+                err = why != KV_OK ? why : err;
+                goto fail;
+            }
+            continue;
+        }
+        struct pollfd pfd = {.fd = c->fd, .events = POLLIN | POLLOUT};
         int pr = poll(&pfd, 1, timeout);
         if (pr < 0) {
             if (errno == EINTR) {
@@ -466,7 +483,7 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
                 err =
                     kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd lost: %s", strerror(errno));
                 /* The daemon may have said why before closing (ETOOBIG): read that first. */
-                if (recv_some(c) == KV_OK) {
+                if (recv_some(c, 0) == KV_OK) {
                     kv_err why = drain_frames(c, b);
                     err = why != KV_OK ? why : err;
                 }
@@ -478,7 +495,7 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             }
         }
         if (pfd.revents & (POLLIN | POLLHUP | POLLERR)) {
-            err = recv_some(c);
+            err = recv_some(c, 0);
             if (err != KV_OK) {
                 /* Frames already buffered still count (e.g. the Error before a close). */
                 kv_err why = drain_frames(c, b);
@@ -584,12 +601,18 @@ kv_err kvc__conn_dial(kvc_conn *c) {
         close(fd);
         return kvc__fail(&c->diag, KV_ESYS, "connect %s: %s", c->path, strerror(e));
     }
-    /* Blocking connect (a full backlog waits instead of failing), non-blocking I/O after. */
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+    /* The descriptor stays blocking: every send and recvmsg but the engine's wait for replies
+     * passes MSG_DONTWAIT, and that wait blocks in recvmsg for at most RECV_SLICE_MS at a time
+     * (shorter for a shorter timeout) before it looks at the call's deadline again. */
+    int slice = c->timeout_ms < 0 || c->timeout_ms > RECV_SLICE_MS ? RECV_SLICE_MS : c->timeout_ms;
+    struct timeval tv = {.tv_sec = slice / 1000, .tv_usec = (slice % 1000) * 1000};
+    if (slice == 0) {
+        tv.tv_usec = 1000; /* 0 would mean no limit */
+    }
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) < 0) {
         int e = errno;
         close(fd);
-        return kvc__fail(&c->diag, KV_ESYS, "fcntl: %s", strerror(e));
+        return kvc__fail(&c->diag, KV_ESYS, "setsockopt SO_RCVTIMEO: %s", strerror(e));
     }
     c->fd = fd;
     c->broken = 0;
