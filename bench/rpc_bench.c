@@ -38,16 +38,17 @@
 #define REPS 5 /* runs per row; the best is kept */
 
 enum { SYS_KVD, SYS_ECHO, SYS_REDIS, NSYS };
-enum { OP_PING, OP_LOOKUP, NOP };
+enum { OP_PING, OP_LOOKUP, OP_LOOKUP_D, NOP };
 static const char *const sys_name[NSYS] = {"kvd", "echo", "redis"};
-static const char *const op_name[NOP] = {"Ping", "Lookup 128"};
-static const char *const redis_op[NOP] = {"PING", "MGET 128"};
+static const char *const op_name[NOP] = {"Ping", "Lookup 128", "Lookup 128 (deferred Release)"};
+static const char *const redis_op[NOP] = {"PING", "MGET 128", "MGET 128"};
 
 static double g_seconds = 0.3;
 static char g_dir[64];
 static char g_kvd_sock[100], g_echo_sock[100], g_redis_sock[100];
 static kv_hash128 g_hashes[NBLK];
 static size_t g_kvd_req[NOP], g_kvd_rep[NOP]; /* frame sizes, for the echo */
+static size_t g_rel_req, g_rel_rep;           /* Release of the 128 blocks, and its reply */
 static char *g_mget;                          /* RESP MGET command */
 static size_t g_mget_len, g_mget_reply_len;
 
@@ -262,9 +263,20 @@ static int round_once(client *c) {
     return n;
 }
 
-/* Lookups are followed by their releases (not part of the latency, part of throughput). */
+/* Lookups are followed by their releases (not part of the latency, part of throughput).
+ * OP_LOOKUP_D defers them (kvc_release_deferred): each rides ahead of the next round's first
+ * request, whose latency therefore includes it (pipelined: kvc_batch_send sends them first in
+ * a round trip of their own, as the batch of releases does). */
 static void after_round(client *c) {
-    if (c->sys != SYS_KVD || c->op != OP_LOOKUP) {
+    if (c->sys != SYS_KVD || c->op == OP_PING) {
+        return;
+    }
+    if (c->op == OP_LOOKUP_D) {
+        for (int i = 0; i < (c->pipelined ? DEPTH : 1); i++) {
+            if (kvc_release_deferred(c->pool, c->hits[i], c->nhit[i]) != KV_OK) {
+                bench_die("deferred release failed");
+            }
+        }
         return;
     }
     if (!c->pipelined) {
@@ -421,6 +433,20 @@ static void kvd_prepare(void) {
     env.body_case = KVD__ENVELOPE__BODY_LOOKUP_REPLY;
     env.lookup_reply = &lr;
     g_kvd_rep[OP_LOOKUP] = kv_wire_frame_size(&env);
+    Kvd__Release rl = KVD__RELEASE__INIT;
+    rl.pool_id = lk.pool_id;
+    rl.blocks_packed.data = rp;
+    rl.blocks_packed.len = sizeof(rp);
+    env.body_case = KVD__ENVELOPE__BODY_RELEASE;
+    env.release = &rl;
+    g_rel_req = kv_wire_frame_size(&env);
+    Kvd__ReleaseReply rr = KVD__RELEASE_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_RELEASE_REPLY;
+    env.release_reply = &rr;
+    g_rel_rep = kv_wire_frame_size(&env);
+    /* The echo of a deferred round moves the Release and the Lookup in one round trip. */
+    g_kvd_req[OP_LOOKUP_D] = g_kvd_req[OP_LOOKUP] + g_rel_req;
+    g_kvd_rep[OP_LOOKUP_D] = g_kvd_rep[OP_LOOKUP] + g_rel_rep;
     client_close(&c);
 }
 
@@ -852,13 +878,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
     }
 
-    printf("Frames: Ping %zu B request / %zu B reply; Lookup of %d hashes %zu B / %zu B reply "
-           "(the echo moves exactly these). Redis: PING, and MGET of %d 32-byte keys with "
-           "8-byte values (%zu B / %zu B). Pipelined = %d requests in flight; its latency is "
-           "per batch. Lookup throughput includes each lookup's Release (kvd only). Each row: "
-           "best of %d runs of %.1f s, interleaved.\n\n",
+    printf("Frames: Ping %zu B request / %zu B reply; Lookup of %d hashes %zu B / %zu B reply; "
+           "Release of its blocks %zu B / %zu B (the echo moves exactly these: for the deferred "
+           "rows a Release and a Lookup in one round trip). Redis: PING, and MGET of %d 32-byte "
+           "keys with 8-byte values (%zu B / %zu B). Pipelined = %d requests in flight; its "
+           "latency is per batch. Lookup throughput includes each lookup's Release (kvd only): "
+           "a round trip of its own (kvc_release), or sent ahead of the next Lookup in the same "
+           "write (kvc_release_deferred; pipelined, ahead of the next batch in a round trip of "
+           "its own). Each row: best of %d runs of %.1f s, interleaved.\n\n",
            g_kvd_req[OP_PING], g_kvd_rep[OP_PING], NBLK, g_kvd_req[OP_LOOKUP], g_kvd_rep[OP_LOOKUP],
-           NBLK, g_mget_len, g_mget_reply_len, DEPTH, REPS, g_seconds);
+           g_rel_req, g_rel_rep, NBLK, g_mget_len, g_mget_reply_len, DEPTH, REPS, g_seconds);
     printf("| op | conns | mode | system | p50 us | p99 us | kops/s | x echo ops/s |\n");
     printf("|---|---:|---|---|---:|---:|---:|---:|\n");
     for (int op = 0; op < NOP; op++) {
@@ -906,8 +935,8 @@ int main(int argc, char **argv) {
            lr = r[SYS_REDIS][OP_LOOKUP][0][0];
     result tk = r[SYS_KVD][OP_LOOKUP][1][1], tr = r[SYS_REDIS][OP_LOOKUP][1][1];
     printf("\n| target | measured | ratio | met |\n|---|---|---:|---|\n");
-    printf("| Lookup p50 <= 2x echo floor (1 conn, sync) | %.1f us vs %.1f us | %.2fx | %s |\n",
-           lk.p50, le.p50, lk.p50 / le.p50, lk.p50 <= 2 * le.p50 ? "yes" : "no");
+    printf("| Lookup p50 <= 1.3x echo floor (1 conn, sync) | %.1f us vs %.1f us | %.2fx | %s |\n",
+           lk.p50, le.p50, lk.p50 / le.p50, lk.p50 <= 1.3 * le.p50 ? "yes" : "no");
     printf("| Lookup p50 below Redis MGET-128 (1 conn, sync) | %.1f us vs %.1f us | %.2fx | %s "
            "|\n",
            lk.p50, lr.p50, lk.p50 / lr.p50, lk.p50 < lr.p50 ? "yes" : "no");

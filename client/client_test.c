@@ -463,6 +463,94 @@ static void test_connect_refused(void **state) {
     assert_int_equal(kvc_default_socket_path(path, 4), KV_ETOOBIG);
 }
 
+/* Deferred Releases: nothing is sent until the next call, which carries them in its own write
+ * (one request more reaches the daemon, no round trip more); a refusal does not fail that call
+ * but is counted and returned by kvc_flush; batches and a full queue send them first. */
+static void test_release_deferred(void **state) {
+    fixture *f = *state;
+    uint32_t tok[64];
+    tokens_fill(tok, 64, 900);
+    kv_hash128 h[4];
+    size_t nh = 0;
+    assert_int_equal(kvc_pool_hash_tokens(f->pool, NULL, 0, tok, 64, h, 4, &nh), KV_OK);
+    kvc_block b[4], canon[4], hit[4];
+    assert_int_equal(kvc_allocate(f->pool, 4, b), KV_OK);
+    kvc_commit_entry e[4];
+    for (int i = 0; i < 4; i++) {
+        e[i].block = b[i];
+        e[i].hash = h[i];
+        e[i].parent = i == 0 ? KVC_NO_PARENT : b[i - 1].id;
+    }
+    assert_int_equal(kvc_commit(f->pool, e, 4, canon), KV_OK);
+    assert_int_equal(kvc_release_deferred(f->pool, canon, 4), KV_OK);
+    size_t nhit = 0;
+    uint64_t before = fake_kvd_requests(f->kvd);
+    assert_int_equal(fake_kvd_refs(f->kvd), 4);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 1);
+    /* The Lookup carries the Release: both reach the daemon, the Release first. */
+    assert_int_equal(kvc_lookup(f->pool, h, 4, hit, &nhit), KV_OK);
+    assert_int_equal(nhit, 4);
+    assert_int_equal(fake_kvd_requests(f->kvd), before + 2);
+    assert_int_equal(fake_kvd_refs(f->kvd), 4);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 0);
+    /* A refused one: the next call still succeeds; kvc_flush says what failed, once. */
+    kvc_block stale = hit[0];
+    stale.gen++;
+    assert_int_equal(kvc_release_deferred(f->pool, &stale, 1), KV_OK);
+    assert_int_equal(kvc_ping(f->conn, "x", 1), KV_OK);
+    assert_int_equal(kvc_conn_deferred_failures(f->conn), 1);
+    assert_int_equal(kvc_flush(f->conn), KV_ESTALE);
+    assert_non_null(strstr(kvc_last_error(f->conn), "deferred"));
+    assert_int_equal(kvc_flush(f->conn), KV_OK);
+    /* kvc_flush sends them alone. */
+    assert_int_equal(kvc_release_deferred(f->pool, hit, 4), KV_OK);
+    assert_int_equal(fake_kvd_refs(f->kvd), 4);
+    assert_int_equal(kvc_flush(f->conn), KV_OK);
+    assert_int_equal(fake_kvd_refs(f->kvd), 0);
+    /* Local checks fail at once; nothing is queued. */
+    assert_int_equal(kvc_release_deferred(f->pool, NULL, 2), KV_EINVAL);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 0);
+    /* A full queue sends itself before it takes one more. */
+    for (int i = 0; i < 70; i++) {
+        assert_int_equal(kvc_lookup(f->pool, h, 1, hit, &nhit), KV_OK);
+        assert_int_equal(kvc_release_deferred(f->pool, hit, 1), KV_OK);
+        assert_true(kvc_conn_deferred_pending(f->conn) <= 64);
+    }
+    assert_true(fake_kvd_refs(f->kvd) <= 64);
+    /* A batch sends the queued ones first; its indexes are its own. */
+    kvc_batch *bt;
+    assert_int_equal(kvc_batch_alloc(f->conn, &bt), KV_OK);
+    size_t idx = 99;
+    assert_int_equal(kvc_batch_ping(bt, "y", 1, &idx), KV_OK);
+    assert_int_equal(idx, 0);
+    assert_int_equal(kvc_batch_run(bt), KV_OK);
+    assert_int_equal(kvc_batch_status(bt, 0), KV_OK);
+    assert_int_equal(fake_kvd_refs(f->kvd), 0);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 0);
+    kvc_batch_free(bt);
+    assert_int_equal(kvc_conn_deferred_failures(f->conn), 1);
+}
+
+/* Deferred Releases queued when the connection is lost are dropped, not sent to the restarted
+ * daemon (their session and its references are gone); the next call reports the restart. */
+static void test_release_deferred_lost(void **state) {
+    fixture *f = *state;
+    kvc_block b[2];
+    assert_int_equal(kvc_allocate(f->pool, 2, b), KV_OK);
+    assert_int_equal(kvc_release_deferred(f->pool, b, 2), KV_OK);
+    assert_int_equal(fake_kvd_restart(f->kvd, 0x2222), 0);
+    /* The ping carries them into the closed socket and fails; the next one reconnects. */
+    assert_int_equal(kvc_ping(f->conn, NULL, 0), KV_ECLOSED);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 0);
+    assert_int_equal(kvc_ping(f->conn, NULL, 0), KV_EEPOCH);
+    /* Queued on a pool of the old daemon: refused at once, as kvc_release would be. */
+    assert_int_equal(kvc_release_deferred(f->pool, b, 2), KV_EEPOCH);
+    assert_int_equal(kvc_conn_deferred_pending(f->conn), 0);
+    assert_int_equal(kvc_flush(f->conn), KV_OK);
+    assert_int_equal(kvc_conn_deferred_failures(f->conn), 0);
+    assert_int_equal(fake_kvd_refs(f->kvd), 0);
+}
+
 /* A "daemon" that listens but never answers: the Hello's wait ends with KV_ETIMEDOUT after
  * the timeout (the blocking recvmsg wakes every slice to look at the deadline), not before it
  * and not long after it. */
@@ -560,6 +648,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_restart_is_eepoch, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lost_connection_voids_pool, setup, teardown),
         cmocka_unit_test(test_connect_refused),
+        cmocka_unit_test_setup_teardown(test_release_deferred, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_release_deferred_lost, setup, teardown),
         cmocka_unit_test(test_silent_daemon_times_out),
         cmocka_unit_test(test_peer_close_wakes_wait),
     };

@@ -575,6 +575,12 @@ void kvc__conn_free(kvc_conn *c) {
         return;
     }
     kvc__conn_break(c);
+    if (c->later != NULL) {
+        /* Unsent deferred Releases: the session's end releases everything it held anyway. */
+        kvc__batch_fini(c->later);
+        free(c->later);
+        c->later = NULL;
+    }
     /* Batches outlive their connection as empty shells (kvc_batch_free still frees them). */
     for (kvc_batch *b = c->batches; b != NULL; b = b->next) {
         b->conn = NULL;
@@ -615,6 +621,7 @@ kv_err kvc__conn_dial(kvc_conn *c) {
         return kvc__fail(&c->diag, KV_ESYS, "setsockopt SO_RCVTIMEO: %s", strerror(e));
     }
     c->fd = fd;
+    c->dials++;
     c->broken = 0;
     c->rlen = 0;
     return KV_OK;

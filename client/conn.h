@@ -121,6 +121,12 @@ struct kvc_conn {
     kvc_pool *pools;           /* attached pools (opaque here: client/map.h links them) */
     kvc_batch *batches;        /* its batches (kvc__batch_init links them) */
     kvc_batch *active;         /* batch sent and not yet waited for */
+    kvc_batch *later;          /* kvc_release_deferred's Releases not yet sent, or NULL */
+    uint64_t later_dial;       /* dials when they were queued (an older dial: drop them) */
+    uint64_t dials;            /* sockets connected so far */
+    kv_err later_err;          /* first deferred Release the daemon refused since kvc_flush */
+    uint64_t later_failed;     /* deferred Releases refused, all told */
+    char later_msg[160];       /* later_err's message */
     kv_arena arena;            /* one reply at a time is unpacked into it */
 };
 

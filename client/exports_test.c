@@ -27,7 +27,9 @@ static void test_only_public_symbols(void **state) {
                               "kvc_seq_fork",
                               "kvc_seq_append_many",
                               "kvc_seq_export_slots",
-                              "kvc_pool_copy_blocks"};
+                              "kvc_pool_copy_blocks",
+                              "kvc_release_deferred",
+                              "kvc_flush"};
     for (size_t i = 0; i < sizeof(exported) / sizeof(exported[0]); i++) {
         assert_non_null(dlsym(so, exported[i]));
     }

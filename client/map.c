@@ -326,6 +326,14 @@ static void pool_free_one(kvc_pool *p) {
         p->orphan(p->users[i]);
     }
     free(p->users);
+    if (p->conn != NULL && p->conn->later != NULL) {
+        /* A deferred Release of this pool still goes out; its reply needs no pool. */
+        for (size_t i = 0; i < p->conn->later->nops; i++) {
+            if (p->conn->later->ops[i].pool == p) {
+                p->conn->later->ops[i].pool = NULL;
+            }
+        }
+    }
     if (p->conn != NULL) {
         for (kvc_pool **pp = &p->conn->pools; *pp != NULL; pp = &(*pp)->next) {
             if (*pp == p) {

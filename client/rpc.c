@@ -478,6 +478,122 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
 /* Sends one request outside any batch of the caller's and waits for its reply; the op is tied to
  * pool and nout (either may be NULL) before it is sent. Returns the send error or the reply's
  * status. */
+/* ---- deferred Releases (kvc_release_deferred) ------------------------------------------ */
+
+#define LATER_MAX_OPS 64 /* deferred Releases queued before the next one sends them all */
+
+/* 1 when the connection has deferred Releases for its current socket; ones queued on an older
+ * socket are dropped (that session ended, and with it every reference it held). */
+static int later_pending(kvc_conn *c) {
+    kvc_batch *l = c->later;
+    if (l == NULL || l->nops == 0) {
+        return 0;
+    }
+    if (c->later_dial != c->dials || c->broken || c->fd < 0) {
+        kvc__batch_fini(l);
+        kvc__batch_init(l, c);
+        return 0;
+    }
+    return 1;
+}
+
+/* Takes the results of the first n ops of the later batch (the deferred Releases): a refusal is
+ * logged, counted and kept for kvc_flush (with msg, the daemon's message, when known). After a
+ * transport failure nothing counts: the session ended and released everything it held. Then
+ * empties the batch for the next ones. */
+static void later_settle(kvc_conn *c, size_t n, const char *msg) {
+    kvc_batch *l = c->later;
+    for (size_t i = 0; i < n && !c->broken; i++) {
+        kv_err st = l->ops[i].done ? l->ops[i].status : KV_ECLOSED;
+        if (st == KV_OK) {
+            continue;
+        }
+        c->later_failed++;
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-RELEASE-DEFERRED",
+                 "a deferred Release of %zu block(s) failed: %s: %s", l->ops[i].count,
+                 kv_err_name(st), msg);
+        if (c->later_err == KV_OK) {
+            c->later_err = st;
+            snprintf(c->later_msg, sizeof(c->later_msg), "%s: %s", kv_err_name(st), msg);
+        }
+    }
+    kvc__batch_fini(l);
+    kvc__batch_init(l, c);
+}
+
+static kv_err grow_to(void **buf, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) {
+        return KV_OK;
+    }
+    size_t ncap = *cap ? *cap : 8;
+    while (ncap < need) {
+        ncap *= 2;
+    }
+    void *n = realloc(*buf, ncap * elem);
+    if (n == NULL) {
+        return KV_ENOMEM;
+    }
+    *buf = n;
+    *cap = ncap;
+    return KV_OK;
+}
+
+/* Runs b (queued, nothing sent) and waits for all of it. Deferred Releases go first in the same
+ * write: b's ops and frames are appended to the later batch, that batch is exchanged, and the
+ * results are copied back into b's ops, which the caller reads as if b had run alone. */
+static kv_err sync_exchange(kvc_batch *b) {
+    kvc_conn *c = b->conn;
+    if (c->active != NULL || b->nsent != 0 || !later_pending(c)) {
+        return kvc__exchange(b, 1);
+    }
+    kvc_batch *l = c->later;
+    size_t first = l->nops;
+    size_t ocap = l->ocap;
+    if (grow_to((void **)&l->ops, &l->cap, first + b->nops, sizeof(kvc__op)) != KV_OK ||
+        grow_to((void **)&l->obuf, &ocap, l->olen + b->olen, 1) != KV_OK) {
+        return kvc__exchange(b, 1); /* no memory to merge: they wait for the next call */
+    }
+    l->ocap = ocap;
+    for (size_t i = 0; i < b->nops; i++) {
+        l->ops[first + i] = b->ops[i];
+        l->ops[first + i].frame_off += l->olen;
+    }
+    memcpy(l->obuf + l->olen, b->obuf, b->olen);
+    l->olen += b->olen;
+    l->nops += b->nops;
+    kv_err err = kvc__exchange(l, 1);
+    for (size_t i = 0; i < b->nops; i++) {
+        kvc__op *o = &b->ops[i];
+        const kvc__op *r = &l->ops[first + i];
+        o->sent = r->sent;
+        o->done = r->done;
+        o->status = r->status;
+    }
+    b->nsent = b->nops;
+    b->osent = b->olen;
+    /* The last error message is the last failure's: theirs only when the call's ops all
+     * succeeded, and it stays the call's own either way. */
+    int own_failed = 0;
+    for (size_t i = 0; i < b->nops; i++) {
+        own_failed |= b->ops[i].status != KV_OK;
+    }
+    char why[sizeof(c->diag.err)];
+    snprintf(why, sizeof(why), "%s", c->diag.err);
+    later_settle(c, first, own_failed ? "(message lost to the call's own error)" : why);
+    snprintf(c->diag.err, sizeof(c->diag.err), "%s", why);
+    return err;
+}
+
+/* Sends the deferred Releases alone and waits for their replies. */
+static kv_err later_flush(kvc_conn *c) {
+    if (!later_pending(c)) {
+        return KV_OK;
+    }
+    kv_err err = kvc__exchange(c->later, 1);
+    later_settle(c, c->later->nops, c->diag.err);
+    return err;
+}
+
 static kv_err exchange_one(kvc_conn *c, kvc__op_kind kind, Kvd__Envelope *env, kvc_pool *pool,
                            size_t *nout) {
     kvc_batch b;
@@ -487,7 +603,7 @@ static kv_err exchange_one(kvc_conn *c, kvc__op_kind kind, Kvd__Envelope *env, k
     if (err == KV_OK) {
         op->pool = pool;
         op->nout = nout;
-        err = kvc__exchange(&b, 1);
+        err = kind == KVC__OP_HELLO ? kvc__exchange(&b, 1) : sync_exchange(&b);
     }
     if (err == KV_OK) {
         err = b.ops[0].status;
@@ -1075,7 +1191,7 @@ static kv_err check_addressable(kvc_conn *c, kvc__op *op) {
 
 /* Runs a one-request batch synchronously and returns the request's status. */
 static kv_err run_one(kvc_batch *b) {
-    kv_err err = kvc__exchange(b, 1);
+    kv_err err = sync_exchange(b);
     if (err == KV_OK) {
         err = b->ops[0].status;
         kv_err merr = map_pending(b->conn);
@@ -1291,6 +1407,67 @@ kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, size_t n,
 
 kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n) {
     SYNC_CALL(p->conn, q_blocks(b, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, NULL));
+}
+
+kv_err kvc_release_deferred(kvc_pool *p, const kvc_block *blocks, size_t n) {
+    if (p == NULL) {
+        return kvc__fail(NULL, KV_EINVAL, "no pool");
+    }
+    kvc_conn *c = p->conn;
+    if (n == 0) {
+        return KV_OK;
+    }
+    if (c->broken || c->fd < 0) {
+        kv_err err = kvc__rpc_ready(c); /* reconnects; the stale pool is refused below */
+        if (err != KV_OK) {
+            return err;
+        }
+    }
+    if (c->later == NULL) {
+        c->later = calloc(1, sizeof(*c->later));
+        if (c->later == NULL) {
+            return kvc__fail(&c->diag, KV_ENOMEM, "out of memory for deferred releases");
+        }
+        kvc__batch_init(c->later, c);
+    }
+    if (!later_pending(c)) {
+        c->later_dial = c->dials;
+    } else if (c->later->nops >= LATER_MAX_OPS && c->active == NULL) {
+        kv_err err = later_flush(c);
+        if (err != KV_OK) {
+            return err;
+        }
+        c->later_dial = c->dials;
+    }
+    return q_blocks(c->later, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, NULL);
+}
+
+kv_err kvc_flush(kvc_conn *c) {
+    if (c == NULL) {
+        return kvc__fail(NULL, KV_EINVAL, "no connection");
+    }
+    if (c->active != NULL) {
+        return kvc__fail(&c->diag, KV_ESTATE,
+                         "a batch is in flight on this connection; wait for it");
+    }
+    kv_err err = later_flush(c);
+    if (err != KV_OK) {
+        return err;
+    }
+    err = c->later_err;
+    c->later_err = KV_OK;
+    if (err != KV_OK) {
+        return kvc__fail(&c->diag, err, "a deferred release failed: %s", c->later_msg);
+    }
+    return KV_OK;
+}
+
+uint64_t kvc_conn_deferred_failures(const kvc_conn *c) {
+    return c != NULL ? c->later_failed : 0;
+}
+
+size_t kvc_conn_deferred_pending(kvc_conn *c) {
+    return c != NULL && later_pending(c) ? c->later->nops : 0;
 }
 
 kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n) {
@@ -1594,6 +1771,14 @@ kv_err kvc_batch_send(kvc_batch *b) {
         for (size_t i = b->nsent; i < b->nops; i++) {
             if (b->ops[i].pool != NULL && kvc__pool_stale(b->ops[i].pool)) {
                 return check_pool(c, b->ops[i].pool);
+            }
+        }
+        /* Deferred Releases go before the batch, in a round trip of their own (the batch's
+         * indexes stay the caller's). */
+        if (b != c->later && c->active == NULL) {
+            err = later_flush(c);
+            if (err != KV_OK) {
+                return err;
             }
         }
     }

@@ -474,6 +474,27 @@ KVC_EXTERN kv_err kvc_commit_ex(kvc_pool *p, const kvc_commit_entry *entries, si
 KVC_EXTERN kv_err kvc_release(kvc_pool *p, const kvc_block *blocks, size_t n);
 KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
 
+/* kvc_release without the wait: checks what kvc_release checks here (the pool, the list's size
+ * and NULLs), encodes the Release and returns; nothing is sent yet. The frame goes out ahead of
+ * the connection's next call, in the same write (a synchronous call carries it with no round
+ * trip of its own; kvc_batch_send sends queued ones first in one round trip), or with
+ * kvc_flush. The daemon handles a connection's requests in order, so the next call sees the
+ * blocks released (a quota it frees counts for that call); other sessions see it when that call
+ * or kvc_flush runs. At most 64 are queued: the 65th sends the queued ones first. A refusal
+ * (KV_ESTALE, KV_EPERM, ...) is logged (KVC-RELEASE-DEFERRED), counted
+ * (kvc_conn_deferred_failures) and returned by the next kvc_flush; a lost connection drops the
+ * queued ones, and nothing leaks: the session's end released every block it held. The same
+ * rules as kvc_release: never touch a block after releasing it. */
+KVC_EXTERN kv_err kvc_release_deferred(kvc_pool *p, const kvc_block *blocks, size_t n);
+
+/* Sends the deferred Releases now and waits for their replies; returns the first refusal of a
+ * deferred Release since the last kvc_flush (then forgets it), or a transport error. */
+KVC_EXTERN kv_err kvc_flush(kvc_conn *c);
+
+/* Deferred Releases queued and not sent; deferred Releases the daemon refused, all told. */
+KVC_EXTERN size_t kvc_conn_deferred_pending(kvc_conn *c);
+KVC_EXTERN uint64_t kvc_conn_deferred_failures(const kvc_conn *c);
+
 /* Pins committed blocks so they are not evicted for retention_ms (priority 0..255), or unpins
  * them (unpin = 1; retention and priority ignored). */
 KVC_EXTERN kv_err kvc_pin(kvc_pool *p, const kvc_block *blocks, size_t n, uint64_t retention_ms,

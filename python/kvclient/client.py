@@ -243,6 +243,26 @@ class Connection:
         if rc:
             raise_for(rc, "ping")
 
+    def flush(self):
+        """Sends the deferred releases (Pool.release(..., deferred=True)) now and waits for
+        them; raises the first refusal of one since the last flush."""
+        h = self._handle()
+        with h.lock:
+            rc = lib.kvc_flush(h.ptr)
+            h.exit_call()
+        if rc:
+            raise_for(rc, "flush")
+
+    @property
+    def deferred_pending(self):
+        """Deferred releases queued and not sent yet."""
+        return lib.kvc_conn_deferred_pending(self._handle().ptr)
+
+    @property
+    def deferred_failures(self):
+        """Deferred releases the daemon refused, all told."""
+        return lib.kvc_conn_deferred_failures(self._handle().ptr)
+
     def reconnect(self):
         """Reconnects and says Hello again (the old session is gone). KvdEpoch when kvd
         restarted: detach the pools and attach them again."""
@@ -958,10 +978,13 @@ class Pool:
         if rc:
             raise_for(rc, name)
 
-    def release(self, blocks):
+    def release(self, blocks, deferred=False):
         """Drops the session's references on blocks (WRITING ones are freed). Never write into
-        a block after releasing it."""
-        self._refcall(lib.kvc_release, "release", blocks)
+        a block after releasing it. deferred=True queues the Release to go out ahead of the
+        connection's next call, with no round trip of its own (kvc_release_deferred; refusals
+        come back from Connection.flush)."""
+        fn = lib.kvc_release_deferred if deferred else lib.kvc_release
+        self._refcall(fn, "release", blocks)
 
     def rewind(self, blocks):
         """Release of blocks past a sequence's accepted length (counted apart: pool.rewinds)."""

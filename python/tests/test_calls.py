@@ -110,6 +110,24 @@ def test_lookup_allocate_commit_release(conn, model_id):
     assert conn.stat("session.refs_held") == 0
 
 
+def test_deferred_release_rides_with_the_next_call(conn, model_id):
+    p = conn.attach(model_id, **SHAPE)
+    h, canon = _publish(p, list(range(300, 316)))
+    p.release(canon, deferred=True)
+    assert conn.deferred_pending == 1
+    hits = p.lookup(h)  # carries the Release, ahead of the Lookup
+    assert conn.deferred_pending == 0 and len(hits) == 4
+    assert conn.stat("session.refs_held") == 4
+    p.release(hits, deferred=True)
+    assert conn.stat("session.refs_held") == 0  # the Stats call carried it
+    p.release(hits[:1], deferred=True)  # no longer held: refused, but the ping succeeds
+    conn.ping()
+    assert conn.deferred_failures == 1
+    with pytest.raises(kvclient.KvdPermission, match="deferred"):
+        conn.flush()
+    conn.flush()  # reported once
+
+
 def test_commit_of_a_duplicate_returns_the_cached_block(conn, model_id):
     p = conn.attach(model_id, **SHAPE)
     toks = list(range(8))
