@@ -203,9 +203,11 @@ static kv_err recv_some(kvc_conn *c, int block) {
     ssize_t n;
     do {
         n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC | (block ? 0 : MSG_DONTWAIT));
-    } while (n < 0 && errno == EINTR);
+    } while (n < 0 && errno == EINTR && !block);
     if (n < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        /* A blocking read cut short by a signal is nothing read: the caller looks at its
+         * deadline before it reads again. */
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
             return KV_OK;
         }
         kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(errno));
@@ -263,11 +265,27 @@ static size_t frame_fd_count(const Kvd__Envelope *env) {
     return k;
 }
 
+/* The op of b whose request had this id. Ids increase along a batch but may have gaps (the
+ * deferred-Release batch is queued between other calls' requests, and a call's own ops are
+ * appended to it): the position is tried first, then a binary search. */
 static kvc__op *find_op(kvc_batch *b, uint64_t id) {
-    if (b->nops == 0 || id < b->ops[0].id || id - b->ops[0].id >= b->nops) {
+    if (b->nops == 0 || id < b->ops[0].id) {
         return NULL;
     }
-    return &b->ops[id - b->ops[0].id];
+    uint64_t guess = id - b->ops[0].id;
+    if (guess < b->nops && b->ops[guess].id == id) {
+        return &b->ops[guess];
+    }
+    size_t lo = 0, hi = b->nops;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (b->ops[mid].id < id) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo < b->nops && b->ops[lo].id == id ? &b->ops[lo] : NULL;
 }
 
 /* Handles one decoded frame. Returns a transport-level error (the stream cannot go on). */
@@ -450,11 +468,12 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             }
             timeout = left > 1000000 ? 1000000 : (int)left;
         }
-        if (!want_write) {
+        if (!want_write && (deadline < 0 || timeout >= RECV_SLICE_MS)) {
             /* Only replies are awaited (every sync call, once its frame is out): a blocking
              * recvmsg, bounded by the socket's receive timeout, saves the poll's system call and
              * its second wake-up. EAGAIN after a slice comes back as nothing read; the deadline
-             * is checked above on the next turn. */
+             * is checked above on the next turn. Less than a slice left: the poll below waits
+             * for exactly what is left. */
             err = recv_some(c, 1);
             if (err != KV_OK) {
                 kv_err why = drain_frames(c, b);
@@ -463,7 +482,7 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             }
             continue;
         }
-        struct pollfd pfd = {.fd = c->fd, .events = POLLIN | POLLOUT};
+        struct pollfd pfd = {.fd = c->fd, .events = POLLIN | (want_write ? POLLOUT : 0)};
         int pr = poll(&pfd, 1, timeout);
         if (pr < 0) {
             if (errno == EINTR) {

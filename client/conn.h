@@ -1,15 +1,16 @@
 /* conn: libkvclient's transport: the socket, framing, the SCM_RIGHTS fd FIFO, batches of encoded
  * requests and the I/O engine that sends them and matches replies.
  *
- * One kvc_conn owns a non-blocking Unix socket, an input buffer that frames are decoded from
- * (into a per-connection arena, common/kv_arena.h), and the FIFO of file descriptors received
- * with SCM_RIGHTS. The engine (kvc__exchange) writes a run of encoded requests and reads replies
- * with poll(), matching each reply to its request by envelope id, so synchronous calls are a
- * batch of one. What a reply means is not this module's business: each one goes to the
- * completion function the layer above installed when it made the connection (kvc__conn_alloc),
- * which is how the request layer (client/rpc.h) sits on top without conn calling up into it.
- * Internal names are kvc__*; nothing here is exported (-fvisibility=hidden).
- * Threads: whatever thread owns the connection (see kvclient.h).
+ * One kvc_conn owns a Unix socket, an input buffer that frames are decoded from (into a
+ * per-connection arena, common/kv_arena.h), and the FIFO of file descriptors received with
+ * SCM_RIGHTS. The engine (kvc__exchange) writes a run of encoded requests (MSG_DONTWAIT, poll()
+ * while the socket is full) and reads replies (a blocking recvmsg in slices bounded by the
+ * socket's receive timeout once everything is written), matching each reply to its request by
+ * envelope id, so synchronous calls are a batch of one. What a reply means is not this module's
+ * business: each one goes to the completion function the layer above installed when it made the
+ * connection (kvc__conn_alloc), which is how the request layer (client/rpc.h) sits on top without
+ * conn calling up into it. Internal names are kvc__*; nothing here is exported
+ * (-fvisibility=hidden). Threads: whatever thread owns the connection (see kvclient.h).
  */
 #ifndef KVC_CONN_H
 #define KVC_CONN_H
@@ -139,8 +140,9 @@ kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_c
  * off c (pools) must be gone first. */
 void kvc__conn_free(kvc_conn *c);
 
-/* Connects the socket to c->path (blocking connect, non-blocking I/O after) and clears broken.
- * KV_ESYS with the last error set when that fails. Hello is the caller's. */
+/* Connects the socket to c->path (blocking connect; then a receive timeout of RECV_SLICE_MS for the
+ * blocking waits, and MSG_DONTWAIT on every other send and recv) and clears broken. KV_ESYS with
+ * the last error set when that fails. Hello is the caller's. */
 kv_err kvc__conn_dial(kvc_conn *c);
 
 /* Marks the connection broken (closes the socket, drops queued fds and input). */

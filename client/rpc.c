@@ -1514,7 +1514,7 @@ static kv_err blocks_multi(kvc__op_kind kind, kvc_pool *const *pools, const kvc_
         }
         i += k;
     }
-    err = kvc__exchange(&b, 1);
+    err = sync_exchange(&b);
     for (size_t i = 0; err == KV_OK && i < b.nops; i++) {
         err = b.ops[i].status;
     }

@@ -480,7 +480,8 @@ KVC_EXTERN kv_err kvc_rewind(kvc_pool *p, const kvc_block *blocks, size_t n);
  * trip of its own; kvc_batch_send sends queued ones first in one round trip), or with
  * kvc_flush. The daemon handles a connection's requests in order, so the next call sees the
  * blocks released (a quota it frees counts for that call); other sessions see it when that call
- * or kvc_flush runs. At most 64 are queued: the 65th sends the queued ones first. A refusal
+ * or kvc_flush runs. At most 64 are queued: the 65th sends the queued ones first (while a batch is
+ * in flight they cannot go out, and queue beyond 64 until it is done). A refusal
  * (KV_ESTALE, KV_EPERM, ...) is logged (KVC-RELEASE-DEFERRED), counted
  * (kvc_conn_deferred_failures) and returned by the next kvc_flush; a lost connection drops the
  * queued ones, and nothing leaks: the session's end released every block it held. The same

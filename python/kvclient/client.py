@@ -256,7 +256,9 @@ class Connection:
     @property
     def deferred_pending(self):
         """Deferred releases queued and not sent yet."""
-        return lib.kvc_conn_deferred_pending(self._handle().ptr)
+        h = self._handle()
+        with h.lock:
+            return lib.kvc_conn_deferred_pending(h.ptr)
 
     @property
     def deferred_failures(self):

@@ -95,6 +95,62 @@ static void test_next_call_sees_release(void **state) {
     kvc_conn_close(obs);
 }
 
+/* Requests of a batch queued (not sent) between deferred Releases take ids in between theirs:
+ * the merged write then has gaps in its ids, and every reply must still find its request. */
+static void test_interleaved_ids(void **state) {
+    (void)state;
+    kvc_conn *c, *obs;
+    kvc_pool *p, *po;
+    open_pool("worker", &c, &p);
+    open_pool("observer", &obs, &po);
+    uint32_t id = kvc_pool_id(p);
+    kvc_block b[8];
+    assert_int_equal(kvc_allocate(p, 8, b), KV_OK);
+    kvc_batch *u1, *u2;
+    assert_int_equal(kvc_batch_alloc(c, &u1), KV_OK);
+    assert_int_equal(kvc_batch_alloc(c, &u2), KV_OK);
+    size_t i1 = 0, i2 = 0;
+    assert_int_equal(kvc_release_deferred(p, b, 2), KV_OK);
+    assert_int_equal(kvc_batch_ping(u1, NULL, 0, &i1), KV_OK);
+    assert_int_equal(kvc_release_deferred(p, b + 2, 2), KV_OK);
+    assert_int_equal(kvc_conn_deferred_pending(c), 2);
+    assert_int_equal(kvc_ping(c, NULL, 0), KV_OK); /* carries both, ids with a gap */
+    assert_int_equal(kvc_conn_deferred_pending(c), 0);
+    assert_int_equal(kvc_batch_run(u1), KV_OK);
+    assert_int_equal(kvc_batch_status(u1, i1), KV_OK);
+    uint64_t w = 0;
+    assert_int_equal(kvc_stat_get(obs, id, "pool.blocks_writing", &w), KV_OK);
+    assert_int_equal(w, 4);
+    /* The multi-pool release rides the same way. */
+    assert_int_equal(kvc_release_deferred(p, b + 4, 1), KV_OK);
+    assert_int_equal(kvc_batch_ping(u2, NULL, 0, &i2), KV_OK);
+    assert_int_equal(kvc_release_deferred(p, b + 5, 1), KV_OK);
+    kvc_pool *pools[2] = {p, p};
+    assert_int_equal(kvc_release_multi(pools, b + 6, 2), KV_OK);
+    assert_int_equal(kvc_conn_deferred_pending(c), 0);
+    assert_int_equal(kvc_batch_run(u2), KV_OK);
+    assert_int_equal(kvc_batch_status(u2, i2), KV_OK);
+    assert_int_equal(kvc_stat_get(obs, id, "pool.blocks_writing", &w), KV_OK);
+    assert_int_equal(w, 0);
+    /* Queued behind a batch that is then sent: the batch's send carries them first. */
+    assert_int_equal(kvc_allocate(p, 2, b), KV_OK);
+    kvc_batch_reset(u1);
+    assert_int_equal(kvc_release_deferred(p, b, 1), KV_OK);
+    assert_int_equal(kvc_batch_ping(u1, NULL, 0, &i1), KV_OK);
+    assert_int_equal(kvc_release_deferred(p, b + 1, 1), KV_OK);
+    assert_int_equal(kvc_batch_run(u1), KV_OK);
+    assert_int_equal(kvc_batch_status(u1, i1), KV_OK);
+    assert_int_equal(kvc_conn_deferred_pending(c), 0);
+    assert_int_equal(kvc_stat_get(obs, id, "pool.blocks_writing", &w), KV_OK);
+    assert_int_equal(w, 0);
+    kvc_batch_free(u1);
+    kvc_batch_free(u2);
+    assert_int_equal(kvc_conn_deferred_failures(c), 0);
+    assert_int_equal(kvc_flush(c), KV_OK);
+    kvc_conn_close(c);
+    kvc_conn_close(obs);
+}
+
 /* A worker that exits with deferred Releases queued (never sent) holds nothing afterwards. */
 static void test_dying_worker_leaks_nothing(void **state) {
     (void)state;
@@ -128,6 +184,7 @@ static void test_dying_worker_leaks_nothing(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_next_call_sees_release),
+        cmocka_unit_test(test_interleaved_ids),
         cmocka_unit_test(test_dying_worker_leaks_nothing),
     };
     return cmocka_run_group_tests_name("deferred", tests, setup, teardown);
