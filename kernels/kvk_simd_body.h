@@ -12,7 +12,11 @@
  * Attention (kvk__attn_task): a tile of 8 tokens at a time, each K and V row converted once to
  * float32 (times its block's scale) and then used by every query vector of the task (the GQA group,
  * times the query rows in prefill), scores in base 2 with an online softmax per query vector.
- * Only the dot products and the V accumulation use the full vector width KVK_W.
+ * That path is vectorised across the query vectors (one lane each, KVK_W of them per vector):
+ * the queries and the output accumulators are kept transposed ([dim][query]), so a score is an
+ * FMA of a broadcast K element with a vector of query elements, summed over the dims in order,
+ * the softmax's max, rescale and sum are lane-wise, and V goes in the same way. No horizontal
+ * sum, no per-query scalar softmax: the work per (query, token) is what a matmul does.
  * Decode-sized tasks (<= KVK__ATTN_DIRECT_NQ query vectors per KV head, head_dim a multiple of
  * KVK_W) take the direct path instead (attend_direct): no float32 copy of K or V, the 8-bit scale
  * applied per dot product, and several KV heads per task so each token's rows are one run.
@@ -30,6 +34,15 @@ typedef __m256 vf;
 #define VSET1(x) _mm256_set1_ps(x)
 #define VZERO() _mm256_setzero_ps()
 #define VTO8(v) (v)
+typedef __m256i vi;
+#define VILOAD(p) _mm256_load_si256((const __m256i *)(p))
+#define VISET1(x) _mm256_set1_epi32(x)
+/* (a < b lane by lane, int32) ? x : y */
+#define VSEL_LT(a, b, x, y)                                                                        \
+    _mm256_blendv_ps((y), (x), _mm256_castsi256_ps(_mm256_cmpgt_epi32((b), (a))))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VADD(a, b) _mm256_add_ps((a), (b))
 #else
 typedef __m512 vf;
 #define VLOAD(p) _mm512_load_ps(p)
@@ -38,6 +51,13 @@ typedef __m512 vf;
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
 #define VSET1(x) _mm512_set1_ps(x)
 #define VZERO() _mm512_setzero_ps()
+typedef __m512i vi;
+#define VILOAD(p) _mm512_load_si512((const void *)(p))
+#define VISET1(x) _mm512_set1_epi32(x)
+#define VSEL_LT(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask((b), (a)), (y), (x))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VADD(a, b) _mm512_add_ps((a), (b))
 /* Folds 16 lanes into 8 (sums of lane pairs i, i + 8). */
 #define VTO8(v)                                                                                    \
     _mm256_add_ps(_mm512_castps512_ps256(v),                                                       \
@@ -86,6 +106,32 @@ static inline __m256 exp2_8(__m256 x) {
     __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return _mm256_and_ps(r, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
 }
+
+/* exp2_8 at the full vector width (the same polynomial, so the same values lane by lane). */
+#if KVK_W == 8
+static inline vf exp2_v(vf x) {
+    return exp2_8(x);
+}
+#else
+static inline vf exp2_v(vf x) {
+    const __m512 lo = _mm512_set1_ps(-126.0f);
+    __m512 xc = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), r);
+}
+#endif
 
 /* Eight fp8-e4m3 codes as the fp16 numbers code / 256 (exact); NaN codes as fp16 NaN 0x7e00. */
 static inline __m128i fp8_to_half8(const void *p) {
@@ -279,67 +325,6 @@ static float simd_absmax(const float *src, uint64_t n) {
 
 /* ---- Attention (kvk__simd_ops.attend) ---------------------------------------------------------
  */
-
-/* dot(a, b) over dimp floats (64-byte aligned, dimp a multiple of 16). */
-static inline float dot1(const float *a, const float *b, uint32_t dimp) {
-    vf acc = VZERO();
-    for (uint32_t j = 0; j < dimp; j += KVK_W) {
-        acc = VFMA(VLOAD(a + j), VLOAD(b + j), acc);
-    }
-    return hsum8(VTO8(acc));
-}
-
-/* The four dots of q0..q3 with k. */
-static inline __m128 dot4(const float *q0, const float *q1, const float *q2, const float *q3,
-                          const float *k, uint32_t dimp) {
-    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-    for (uint32_t j = 0; j < dimp; j += KVK_W) {
-        vf kv = VLOAD(k + j);
-        a0 = VFMA(VLOAD(q0 + j), kv, a0);
-        a1 = VFMA(VLOAD(q1 + j), kv, a1);
-        a2 = VFMA(VLOAD(q2 + j), kv, a2);
-        a3 = VFMA(VLOAD(q3 + j), kv, a3);
-    }
-    return hsum4x8(VTO8(a0), VTO8(a1), VTO8(a2), VTO8(a3));
-}
-
-/* acc[k] = acc[k] * alpha[k] + sum over t < ntok of p[k][t] * v[t], for nb (1..4) query vectors. */
-static inline void axpy_tile(float *acc, const float *alpha, const float *p, const float *vt,
-                             uint32_t ntok, uint32_t nb, uint32_t dimp) {
-    enum { T = KVK__ATTN_TILE };
-    if (nb == 4) {
-        vf s0 = VSET1(alpha[0]), s1 = VSET1(alpha[1]), s2 = VSET1(alpha[2]), s3 = VSET1(alpha[3]);
-        for (uint32_t j = 0; j < dimp; j += KVK_W) {
-            vf a0 = VMUL(VLOAD(acc + j), s0);
-            vf a1 = VMUL(VLOAD(acc + dimp + j), s1);
-            vf a2 = VMUL(VLOAD(acc + 2 * dimp + j), s2);
-            vf a3 = VMUL(VLOAD(acc + 3 * dimp + j), s3);
-            for (uint32_t t = 0; t < ntok; t++) {
-                vf v = VLOAD(vt + t * dimp + j);
-                a0 = VFMA(VSET1(p[t]), v, a0);
-                a1 = VFMA(VSET1(p[T + t]), v, a1);
-                a2 = VFMA(VSET1(p[2 * T + t]), v, a2);
-                a3 = VFMA(VSET1(p[3 * T + t]), v, a3);
-            }
-            VSTORE(acc + j, a0);
-            VSTORE(acc + dimp + j, a1);
-            VSTORE(acc + 2 * dimp + j, a2);
-            VSTORE(acc + 3 * dimp + j, a3);
-        }
-        return;
-    }
-    for (uint32_t k = 0; k < nb; k++) {
-        vf s = VSET1(alpha[k]);
-        float *ak = acc + k * dimp;
-        for (uint32_t j = 0; j < dimp; j += KVK_W) {
-            vf a = VMUL(VLOAD(ak + j), s);
-            for (uint32_t t = 0; t < ntok; t++) {
-                a = VFMA(VSET1(p[k * T + t]), VLOAD(vt + t * dimp + j), a);
-            }
-            VSTORE(ak + j, a);
-        }
-    }
-}
 
 /* ---- Direct attention path: K and V converted in registers ------------------------------------
  * Used when head_dim is a multiple of the vector width and a task has at most 8 query vectors
@@ -576,7 +561,8 @@ static inline void softmax_tile(float *sp, uint32_t n, const uint32_t *lens, uin
         __m256 sv = _mm256_loadu_ps(s);
         float mnew = hmax8(sv);
         mnew = mnew > mx[k] ? mnew : mx[k];
-        float a = mx[k] == -INFINITY ? 0.0f : exp2f(mx[k] - mnew);
+        /* The max seldom moves after the first tiles: 2^0 is 1 without the call. */
+        float a = mx[k] == -INFINITY ? 0.0f : mnew == mx[k] ? 1.0f : exp2f(mx[k] - mnew);
         __m256 pv = exp2_8(_mm256_sub_ps(sv, _mm256_set1_ps(mnew)));
         _mm256_storeu_ps(s, pv);
         sum[k] = sum[k] * a + hsum8(pv);
@@ -745,16 +731,16 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
     const uint32_t dim = c->head_dim, dimp = jb->dimp, G = jb->group, nq = tk->nq;
     const uint32_t kvh = tk->kv_head, heads = c->num_kv_heads, tpb = c->tokens_per_block;
     const uint32_t eb = kvk_elem_bytes(c->dtype), qeb = kvk_elem_bytes(jb->qo_dtype);
+    const uint32_t nc = (nq + KVK_W - 1) / KVK_W; /* vectors of query vectors */
     const int scaled = kvk__is_scaled(c->dtype);
-    float *qf = scratch;                       /* [QM][dimp] queries times sm_scale * log2(e) */
-    float *acc = qf + (size_t)QM * dimp;       /* [QM][dimp] unnormalised outputs */
+    float *qt = scratch;                       /* [dimp][QM] queries (times q_mul), transposed */
+    float *acc = qt + (size_t)QM * dimp;       /* [dimp][QM] unnormalised outputs, transposed */
     float *kt = acc + (size_t)QM * dimp;       /* [T][dimp] the tile's K rows, dequantized */
     float *vt = kt + (size_t)T * dimp;         /* [T][dimp] its V rows */
-    float *sp = vt + (size_t)T * dimp;         /* [QM][T] scores, then probabilities */
-    float *mx = sp + (size_t)QM * T;           /* [QM] running max (base 2) */
+    float *pt_ = vt + (size_t)T * dimp;        /* [T][QM] scores, then probabilities */
+    float *mx = pt_ + (size_t)QM * T;          /* [QM] running max (base 2) */
     float *sum = mx + QM;                      /* [QM] running sum of 2^(s - max) */
-    float *alpha = sum + QM;                   /* [QM] this tile's rescale of acc */
-    uint32_t *lens = (uint32_t *)(alpha + QM); /* [QM] tokens each query vector sees */
+    int32_t *lens = (int32_t *)(sum + 2 * QM); /* [QM] tokens each query vector sees */
 
     int32_t p0 = pt->indptr[tk->req];
     int32_t npages = pt->indptr[tk->req + 1] - p0;
@@ -765,27 +751,29 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
     uint64_t nrows =
         jb->qo_indptr != NULL ? (uint64_t)(jb->qo_indptr[tk->req + 1] - jb->qo_indptr[tk->req]) : 1;
     uint32_t maxlen = 0;
+    /* Lanes past nq (the last vector's tail) see no token: their state stays zero. */
+    memset(qt, 0, (size_t)dim * QM * sizeof(float));
+    memset(acc, 0, (size_t)dim * QM * sizeof(float));
+    for (uint32_t k = 0; k < nc * KVK_W; k++) {
+        lens[k] = 0;
+        mx[k] = -INFINITY;
+        sum[k] = 0.0f;
+    }
     for (uint32_t k = 0; k < nq; k++) {
         uint32_t qi = tk->qi0 + k;
         uint64_t row = row0 + qi / G;
         uint64_t e0 = (row * jb->num_qo_heads + (uint64_t)kvh * G + qi % G) * dim;
-        float *qk = qf + (size_t)k * dimp;
-        load_row(jb->qo_dtype, (const char *)jb->q + e0 * qeb, dim, jb->q_mul, qk, 0);
-        memset(qk + dim, 0, (dimp - dim) * sizeof(float));
-        memset(acc + (size_t)k * dimp, 0, dimp * sizeof(float));
+        load_row(jb->qo_dtype, (const char *)jb->q + e0 * qeb, dim, jb->q_mul, kt, 0);
+        for (uint32_t d = 0; d < dim; d++) {
+            qt[(size_t)d * QM + k] = kt[d];
+        }
         int64_t see = (int64_t)len;
         if (jb->causal) {
             see = (int64_t)len - (int64_t)nrows + (int64_t)(qi / G) + 1;
             see = see < 0 ? 0 : see;
         }
-        lens[k] = (uint32_t)see;
-        maxlen = lens[k] > maxlen ? lens[k] : maxlen;
-        mx[k] = -INFINITY;
-        sum[k] = 0.0f;
-    }
-    for (uint32_t t = 0; t < T; t++) {
-        memset(kt + (size_t)t * dimp + dim, 0, (dimp - dim) * sizeof(float));
-        memset(vt + (size_t)t * dimp + dim, 0, (dimp - dim) * sizeof(float));
+        lens[k] = (int32_t)see;
+        maxlen = (uint32_t)see > maxlen ? (uint32_t)see : maxlen;
     }
     const uint32_t sec = jb->layer * 2; /* K; V is the next section */
     const int64_t head_off = (int64_t)kvh * dim * eb;
@@ -824,35 +812,75 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
                 }
             }
             load_row(c->dtype, krow, dim, ks, kt + (size_t)t * dimp, 0);
-        }
-        /* Scores of every query vector that sees this tile. */
-        for (uint32_t k = 0; k < nq; k += 4) {
-            uint32_t nb = nq - k < 4 ? nq - k : 4;
-            for (uint32_t t = 0; t < ntok; t++) {
-                const float *kr = kt + (size_t)t * dimp;
-                if (nb == 4) {
-                    const float *q0 = qf + (size_t)k * dimp;
-                    __m128 d = dot4(q0, q0 + dimp, q0 + 2 * dimp, q0 + 3 * dimp, kr, dimp);
-                    float dd[4];
-                    _mm_storeu_ps(dd, d);
-                    for (uint32_t b = 0; b < 4; b++) {
-                        sp[(k + b) * T + t] = dd[b];
-                    }
-                } else {
-                    for (uint32_t b = 0; b < nb; b++) {
-                        sp[(k + b) * T + t] = dot1(qf + (size_t)(k + b) * dimp, kr, dimp);
-                    }
-                }
-            }
-        }
-        /* Online softmax: mask tokens beyond each vector's length, rescale by the new max. */
-        softmax_tile(sp, nq, lens, t0, ntok, mx, sum, alpha);
-        for (uint32_t t = 0; t < ntok; t++) {
             load_row(c->dtype, vrow[t], dim, vscale[t], vt + (size_t)t * dimp, 0);
         }
-        for (uint32_t k = 0; k < nq; k += 4) {
-            uint32_t nb = nq - k < 4 ? nq - k : 4;
-            axpy_tile(acc + (size_t)k * dimp, alpha + k, sp + (size_t)k * T, vt, ntok, nb, dimp);
+        /* The last tile's missing rows are zeros: their probabilities are zero, and 0 * V must
+         * not meet a stale NaN. */
+        for (uint32_t t = ntok; t < T; t++) {
+            memset(kt + (size_t)t * dimp, 0, dim * sizeof(float));
+            memset(vt + (size_t)t * dimp, 0, dim * sizeof(float));
+        }
+        for (uint32_t ci = 0; ci < nc; ci++) {
+            const size_t c0 = (size_t)ci * KVK_W;
+            /* Scores of KVK_W query vectors with the tile's 8 tokens: one vector per token,
+             * summed over the head's dims (each K element broadcast, every query's element
+             * from one load). */
+            _Static_assert(KVK__ATTN_TILE == 8, "the tile's tokens are eight named vectors");
+            vf s[T];
+            {
+                /* Eight named accumulators: GCC keeps an array of vectors in memory here. */
+                vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+                vf a4 = VZERO(), a5 = VZERO(), a6 = VZERO(), a7 = VZERO();
+                const float *k0 = kt;
+                for (uint32_t d = 0; d < dim; d++, k0++) {
+                    vf qv = VLOAD(qt + (size_t)d * QM + c0);
+                    a0 = VFMA(VSET1(k0[0]), qv, a0);
+                    a1 = VFMA(VSET1(k0[dimp]), qv, a1);
+                    a2 = VFMA(VSET1(k0[2 * dimp]), qv, a2);
+                    a3 = VFMA(VSET1(k0[3 * dimp]), qv, a3);
+                    a4 = VFMA(VSET1(k0[4 * dimp]), qv, a4);
+                    a5 = VFMA(VSET1(k0[5 * dimp]), qv, a5);
+                    a6 = VFMA(VSET1(k0[6 * dimp]), qv, a6);
+                    a7 = VFMA(VSET1(k0[7 * dimp]), qv, a7);
+                }
+                s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3;
+                s[4] = a4, s[5] = a5, s[6] = a6, s[7] = a7;
+            }
+            /* Online softmax, one lane per query vector: tokens past a vector's length are
+             * -inf; 2^(-inf - -inf) is NaN, which exp2_v turns into 0 as it does -inf. */
+            vi lv = VILOAD(lens + c0);
+            vf m0 = VLOAD(mx + c0), mnew = m0;
+            for (uint32_t t = 0; t < T; t++) {
+                s[t] = VSEL_LT(VISET1((int32_t)(t0 + t)), lv, s[t], VSET1(-INFINITY));
+                mnew = VMAX(mnew, s[t]);
+            }
+            vf alpha = exp2_v(VSUB(m0, mnew));
+            vf tot = VZERO();
+            for (uint32_t t = 0; t < T; t++) {
+                s[t] = exp2_v(VSUB(s[t], mnew));
+                tot = VADD(tot, s[t]);
+            }
+            VSTORE(sum + c0, VFMA(VLOAD(sum + c0), alpha, tot));
+            VSTORE(mx + c0, mnew);
+            /* acc = acc * alpha + sum over t of p[t] * V[t], one dim at a time. */
+            {
+                const vf p0 = s[0], p1 = s[1], p2 = s[2], p3 = s[3];
+                const vf p4 = s[4], p5 = s[5], p6 = s[6], p7 = s[7];
+                const float *v0 = vt;
+                for (uint32_t d = 0; d < dim; d++, v0++) {
+                    float *ad = acc + (size_t)d * QM + c0;
+                    vf a = VMUL(VLOAD(ad), alpha);
+                    vf b = VMUL(VSET1(v0[0]), p0);
+                    a = VFMA(VSET1(v0[dimp]), p1, a);
+                    b = VFMA(VSET1(v0[2 * dimp]), p2, b);
+                    a = VFMA(VSET1(v0[3 * dimp]), p3, a);
+                    b = VFMA(VSET1(v0[4 * dimp]), p4, b);
+                    a = VFMA(VSET1(v0[5 * dimp]), p5, a);
+                    b = VFMA(VSET1(v0[6 * dimp]), p6, b);
+                    a = VFMA(VSET1(v0[7 * dimp]), p7, a);
+                    VSTORE(ad, VADD(a, b));
+                }
+            }
         }
     }
     for (uint32_t k = 0; k < nq; k++) {
@@ -860,12 +888,10 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
         uint64_t row = row0 + qi / G;
         uint64_t r = row * jb->num_qo_heads + (uint64_t)kvh * G + qi % G;
         char *o = (char *)jb->out + r * dim * qeb;
-        if (lens[k] == 0) {
-            memset(acc + (size_t)k * dimp, 0, dim * sizeof(float));
-            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, 1.0f, o);
-        } else {
-            simd_from_f32(jb->qo_dtype, acc + (size_t)k * dimp, dim, sum[k], o);
+        for (uint32_t d = 0; d < dim; d++) {
+            kt[d] = lens[k] == 0 ? 0.0f : acc[(size_t)d * QM + k];
         }
+        simd_from_f32(jb->qo_dtype, kt, dim, lens[k] == 0 ? 1.0f : sum[k], o);
         if (jb->lse != NULL) {
             jb->lse[r] = lens[k] == 0 ? -INFINITY : (mx[k] + log2f(sum[k])) * 0.69314718055994531f;
         }

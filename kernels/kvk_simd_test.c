@@ -354,6 +354,26 @@ static void test_decode_vs_twin(void **state) {
     }
 }
 
+/* Many query heads on one KV head (cascade's shared prefix: every row's heads as one request;
+ * 128 is more than one task's chunk): the query-vectorised path, with ragged lengths. */
+static void test_wide_groups_vs_twin(void **state) {
+    (void)state;
+    if (best_level == KVK__SIMD_SCALAR) {
+        skip();
+    }
+    const uint32_t gqas[] = {12, 16, 128};
+    const uint32_t dims[] = {32, 36, 128};
+    const uint32_t lens[] = {1, 17, 0, 64, 130};
+    int n = 0;
+    for (int g = 0; g < 3; g++) {
+        for (int k = 0; k < 5; k++) {
+            check_attention(n % 2 ? 16 : 1, gqas[g], dims[n % 3], all_dts[k], wide_dts[n % 3],
+                            n % 2 ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR, lens, NULL, 5, 0);
+            n++;
+        }
+    }
+}
+
 static void test_prefill_vs_twin(void **state) {
     (void)state;
     if (best_level == KVK__SIMD_SCALAR) {
@@ -525,6 +545,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_reshape_exact),
         cmocka_unit_test(test_quantize_exact),
         cmocka_unit_test(test_decode_vs_twin),
+        cmocka_unit_test(test_wide_groups_vs_twin),
         cmocka_unit_test(test_prefill_vs_twin),
         cmocka_unit_test(test_prefill_twin_is_decode),
         cmocka_unit_test(test_threads_concurrent_callers),
