@@ -29,7 +29,9 @@ static void test_only_public_symbols(void **state) {
                               "kvc_seq_export_slots",
                               "kvc_pool_copy_blocks",
                               "kvc_release_deferred",
-                              "kvc_flush"};
+                              "kvc_flush",
+                              "kvc_batch_lookup_many",
+                              "kvc_batch_release_many"};
     for (size_t i = 0; i < sizeof(exported) / sizeof(exported[0]); i++) {
         assert_non_null(dlsym(so, exported[i]));
     }

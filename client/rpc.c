@@ -1752,6 +1752,54 @@ kv_err kvc_batch_release(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, siz
     return q_blocks(b, KVC__OP_RELEASE, p, blocks, n, 0, 0, 0, index);
 }
 
+/* Rolls b back to nops0 requests and olen0 bytes (the ids taken stay unused: ids of a batch
+ * may have gaps) after a failure in the middle of a _many call. */
+static void batch_truncate(kvc_batch *b, size_t nops0, size_t olen0) {
+    b->nops = nops0;
+    b->olen = olen0;
+}
+
+kv_err kvc_batch_lookup_many(kvc_batch *b, kvc_pool *p, const kv_hash128 *const *hashes,
+                             const size_t *n, kvc_block *const *out, size_t *nhit, size_t count,
+                             size_t *first) {
+    BATCH_LIVE(b);
+    if (count > 0 && (hashes == NULL || n == NULL || out == NULL || nhit == NULL)) {
+        return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL array");
+    }
+    size_t nops0 = b->nops, olen0 = b->olen;
+    for (size_t i = 0; i < count; i++) {
+        kv_err err = q_lookup(b, p, hashes[i], n[i], out[i], NULL, &nhit[i], NULL);
+        if (err != KV_OK) {
+            batch_truncate(b, nops0, olen0);
+            return err;
+        }
+    }
+    if (first != NULL) {
+        *first = nops0;
+    }
+    return KV_OK;
+}
+
+kv_err kvc_batch_release_many(kvc_batch *b, kvc_pool *p, const kvc_block *const *blocks,
+                              const size_t *n, size_t count, size_t *first) {
+    BATCH_LIVE(b);
+    if (count > 0 && (blocks == NULL || n == NULL)) {
+        return kvc__fail(&b->conn->diag, KV_EINVAL, "NULL array");
+    }
+    size_t nops0 = b->nops, olen0 = b->olen;
+    for (size_t i = 0; i < count; i++) {
+        kv_err err = q_blocks(b, KVC__OP_RELEASE, p, blocks[i], n[i], 0, 0, 0, NULL);
+        if (err != KV_OK) {
+            batch_truncate(b, nops0, olen0);
+            return err;
+        }
+    }
+    if (first != NULL) {
+        *first = nops0;
+    }
+    return KV_OK;
+}
+
 kv_err kvc_batch_rewind(kvc_batch *b, kvc_pool *p, const kvc_block *blocks, size_t n,
                         size_t *index) {
     BATCH_LIVE(b);

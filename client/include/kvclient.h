@@ -540,6 +540,17 @@ KVC_EXTERN kv_err kvc_batch_lookup_domains(kvc_batch *b, kvc_pool *p, const kv_h
 KVC_EXTERN kv_err kvc_batch_fetch(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size_t n,
                                   uint32_t min_tokens, kvc_block *out, kvc_fetch_result *res,
                                   size_t *index);
+/* count lookups (or releases) of one pool in one call, for bindings where a call per request
+ * costs more than the request: lookup i reads the n[i] hashes at hashes[i] into out[i] (room
+ * for n[i]) and its hit count into nhit[i]; release i the n[i] blocks at blocks[i]. They get
+ * consecutive indexes from *first (when first is not NULL). All or nothing: the first request
+ * that cannot be queued (the errors of kvc_batch_lookup / kvc_batch_release) fails the call and
+ * none of the count stays queued. */
+KVC_EXTERN kv_err kvc_batch_lookup_many(kvc_batch *b, kvc_pool *p, const kv_hash128 *const *hashes,
+                                        const size_t *n, kvc_block *const *out, size_t *nhit,
+                                        size_t count, size_t *first);
+KVC_EXTERN kv_err kvc_batch_release_many(kvc_batch *b, kvc_pool *p, const kvc_block *const *blocks,
+                                         const size_t *n, size_t count, size_t *first);
 KVC_EXTERN kv_err kvc_batch_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, kvc_block *out,
                                      size_t *index);
 KVC_EXTERN kv_err kvc_batch_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries,

@@ -172,6 +172,11 @@ _PROTOS = {
     "kvc_batch_allocate": (_E, [p, p, c_uint32, c_void_p, c_void_p]),
     "kvc_batch_commit": (_E, [p, p, c_void_p, c_size_t, c_void_p, c_void_p]),
     "kvc_batch_release": (_E, [p, p, c_void_p, c_size_t, c_void_p]),
+    "kvc_batch_lookup_many": (
+        _E,
+        [p, p, c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_void_p],
+    ),
+    "kvc_batch_release_many": (_E, [p, p, c_void_p, c_void_p, c_size_t, c_void_p]),
     "kvc_batch_rewind": (_E, [p, p, c_void_p, c_size_t, c_void_p]),
     "kvc_batch_send": (_E, [p]),
     "kvc_batch_wait": (_E, [p]),

@@ -1234,55 +1234,54 @@ class Batch:
 
     def lookup_many(self, pool, hashes, outs):
         """Queues one lookup per Blocks in outs, of hashes (one Hashes for all, or a list of
-        one per out). The lean path for many requests: no BatchRequest objects; returns the
-        range of their indices; after run()/wait() each out holds its hits (none when its
-        request failed: check() raises the first failure)."""
+        one per out). The lean path for many requests: one C call for all of them
+        (kvc_batch_lookup_many), no BatchRequest objects; returns the range of their indices;
+        after run()/wait() each out holds its hits (none when its request failed: check()
+        raises the first failure). All or none are queued."""
         pcv = pool._pcv()
         n = len(outs)
         if isinstance(hashes, Hashes):
             if n and min(o.cap for o in outs) < hashes.n:
                 raise ValueError("an out has less room than the %d hashes" % hashes.n)
-            hl = [hashes._cv()] * n
-            nl = [c_size_t(hashes.n)] * n
+            hp = (c_void_p * max(n, 1))(*([hashes._addr] * n))
+            ns = (c_size_t * max(n, 1))(*([hashes.n] * n))
         else:
             if len(hashes) != n:
                 raise ValueError("lookup_many: %d hash lists for %d outputs" % (len(hashes), n))
             for h, o in zip(hashes, outs):
                 if o.cap < h.n:
                     raise ValueError("out has room for %d blocks, lookup of %d" % (o.cap, h.n))
-            hl = [h._cv() for h in hashes]
-            nl = [c_size_t(h.n) for h in hashes]
+            hp = (c_void_p * max(n, 1))(*[h._addr for h in hashes])
+            ns = (c_size_t * max(n, 1))(*[h.n for h in hashes])
         # Hit counts start at a value no reply writes: outputs are written only on success,
         # so check() finds failed lookups without asking each request's status.
         nh = (c_size_t * max(n, 1))(*([_UNSET] * max(n, 1)))
-        base = ctypes.addressof(nh)
-        nhp = [c_void_p(base + 8 * i) for i in range(n)]
-        ocv = [o._cv() for o in outs]
-        fn, bp, ia = _lib.raw.kvc_batch_lookup, self._cv, self._idx_cv
-        first = lib.kvc_batch_count(self._ptr)
-        for h, k, o, q in zip(hl, nl, ocv, nhp):
-            rc = fn(bp, pcv, h, k, o, q, ia)
-            if rc:
-                raise_for(rc, "batch lookup")
+        op = (c_void_p * max(n, 1))(*[o._addr for o in outs])
+        first = c_size_t(0)
+        rc = lib.kvc_batch_lookup_many(self._cv, pcv, hp, ns, op, nh, n, byref(first))
+        if rc:
+            raise_for(rc, "batch lookup")
         for o in outs:
             o.pool = pool
             o.n = 0
-        self._fixups.append(("lookup", first, outs, nh, (hl, nl, nhp, ocv)))
+        first = first.value
+        self._fixups.append(("lookup", first, outs, nh, (hashes, ns)))
         return range(first, first + n)
 
     def release_many(self, pool, blocks_list):
-        """Queues one release per Blocks in blocks_list (lean, like lookup_many); returns the
-        range of their indices."""
+        """Queues one release per Blocks in blocks_list (lean, like lookup_many: one C call,
+        all or none); returns the range of their indices."""
         pcv = pool._pcv()
-        fn, bp, ia = _lib.raw.kvc_batch_release, self._cv, self._idx_cv
-        first = lib.kvc_batch_count(self._ptr)
-        sizes = [c_size_t(b.n) for b in blocks_list]
-        for b, sz in zip(blocks_list, sizes):
-            rc = fn(bp, pcv, b._cv(), sz, ia)
-            if rc:
-                raise_for(rc, "batch release")
-        self._fixups.append(("release", first, None, len(blocks_list), (blocks_list, sizes)))
-        return range(first, first + len(blocks_list))
+        n = len(blocks_list)
+        bp = (c_void_p * max(n, 1))(*[b._addr for b in blocks_list])
+        ns = (c_size_t * max(n, 1))(*[b.n for b in blocks_list])
+        first = c_size_t(0)
+        rc = lib.kvc_batch_release_many(self._cv, pcv, bp, ns, n, byref(first))
+        if rc:
+            raise_for(rc, "batch release")
+        first = first.value
+        self._fixups.append(("release", first, None, n, (blocks_list,)))
+        return range(first, first + n)
 
     def check(self):
         """After run()/wait(): raises the KvdError of the first request that failed."""

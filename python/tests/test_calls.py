@@ -285,6 +285,14 @@ def test_batch_lean_paths(conn, model_id):
     assert conn.stat("session.refs_held") == 0
     with pytest.raises(ValueError):
         b.lookup_many(p, h, [kvclient.Blocks(2)])
+    # All or none: the second list is longer than a request may be, so neither is queued.
+    b.reset()
+    big = p.hash_tokens(list(range(p.layout.tokens_per_block * (p.max_blocks + 1))))
+    assert len(big) == p.max_blocks + 1
+    with pytest.raises(kvclient.KvdError):
+        b.lookup_many(p, [h, big], [kvclient.Blocks(4), kvclient.Blocks(len(big))])
+    assert len(b) == 0
+    assert list(b.lookup_many(p, [h], [kvclient.Blocks(4)])) == [0]
 
 
 def test_daemon_restart_is_kvd_epoch(kvd_factory, model_id):
