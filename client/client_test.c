@@ -272,6 +272,61 @@ static void test_batch_pipelined(void **state) {
     assert_int_equal(kvc_ping(f->conn, NULL, 0), KV_OK);
 }
 
+/* kvc_batch_lookup_many / kvc_batch_release_many: n requests from one call, consecutive
+ * indexes, and nothing queued when one of them is refused locally. */
+static void test_batch_many(void **state) {
+    fixture *f = *state;
+    uint32_t tok[64];
+    tokens_fill(tok, 64, 300);
+    kv_hash128 h[4];
+    size_t nh = 0;
+    assert_int_equal(kvc_pool_hash_tokens(f->pool, NULL, 0, tok, 64, h, 4, &nh), KV_OK);
+    kvc_block b[4], canon[4];
+    assert_int_equal(kvc_allocate(f->pool, 4, b), KV_OK);
+    kvc_commit_entry e[4];
+    for (int i = 0; i < 4; i++) {
+        e[i] = (kvc_commit_entry){b[i], h[i], i == 0 ? KVC_NO_PARENT : b[i - 1].id};
+    }
+    assert_int_equal(kvc_commit(f->pool, e, 4, canon), KV_OK);
+    kvc_batch *bt;
+    assert_int_equal(kvc_batch_alloc(f->conn, &bt), KV_OK);
+    size_t first = 99, i0 = 0;
+    assert_int_equal(kvc_batch_ping(bt, NULL, 0, &i0), KV_OK);
+    kvc_block o1[4], o2[2], o3[4];
+    const kv_hash128 *hl[3] = {h, h, h};
+    size_t nl[3] = {4, 2, 4};
+    kvc_block *const ol[3] = {o1, o2, o3};
+    size_t nhit[3] = {0, 0, 0};
+    assert_int_equal(kvc_batch_lookup_many(bt, f->pool, hl, nl, ol, nhit, 3, &first), KV_OK);
+    assert_int_equal(first, 1);
+    assert_int_equal(kvc_batch_count(bt), 4);
+    /* One refused locally (NULL output): none of the three is queued. */
+    kvc_block *const bad[3] = {o1, NULL, o3};
+    assert_int_equal(kvc_batch_lookup_many(bt, f->pool, hl, nl, bad, nhit, 3, &first), KV_EINVAL);
+    assert_int_equal(kvc_batch_count(bt), 4);
+    assert_int_equal(kvc_batch_run(bt), KV_OK);
+    for (size_t i = 0; i < 4; i++) {
+        assert_int_equal(kvc_batch_status(bt, i), KV_OK);
+    }
+    assert_int_equal(nhit[0], 4);
+    assert_int_equal(nhit[1], 2);
+    assert_int_equal(nhit[2], 4);
+    assert_memory_equal(o1, b, sizeof(o1));
+    assert_memory_equal(o2, b, sizeof(o2));
+    kvc_batch_reset(bt);
+    const kvc_block *rl[4] = {o1, o2, o3, b};
+    size_t rn[4] = {4, 2, 4, 4};
+    const kvc_block *rbad[2] = {o1, NULL};
+    assert_int_equal(kvc_batch_release_many(bt, f->pool, rbad, rn, 2, NULL), KV_EINVAL);
+    assert_int_equal(kvc_batch_count(bt), 0);
+    assert_int_equal(kvc_batch_release_many(bt, f->pool, rl, rn, 4, &first), KV_OK);
+    assert_int_equal(first, 0);
+    assert_int_equal(kvc_batch_run(bt), KV_OK);
+    assert_int_equal(kvc_batch_first_error(bt, NULL), KV_OK);
+    assert_int_equal(fake_kvd_refs(f->kvd), 0);
+    kvc_batch_free(bt);
+}
+
 static void test_seq_prefill_commit_share(void **state) {
     fixture *f = *state;
     uint32_t prompt[70];
@@ -650,6 +705,7 @@ int main(void) {
         cmocka_unit_test(test_connect_refused),
         cmocka_unit_test_setup_teardown(test_release_deferred, setup, teardown),
         cmocka_unit_test_setup_teardown(test_release_deferred_lost, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_batch_many, setup, teardown),
         cmocka_unit_test(test_silent_daemon_times_out),
         cmocka_unit_test(test_peer_close_wakes_wait),
     };
