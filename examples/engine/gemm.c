@@ -52,269 +52,40 @@ static void tile_scalar(float *out, const float *x, const float *w, int nin, int
     }
 }
 
-/* ---- AVX2 + FMA kernel: 8 lanes per element, a fixed reduction, then the tail in order. ---- */
+/* ---- Vector kernels: examples/engine/gemm_tiles.h, written once and compiled per set. ----
+ * AVX2 + FMA: 8 lanes per element (i = 8j + lane, FMA in order of j), hsum8, then the tail in
+ * order. AVX-512F: 16 lanes, folded 16 -> 8 (lane l + lane l + 8), then as hsum8 does, then
+ * the tail. Each set's reduction is the same in every one of its tiles. */
 
 #if GEMM_HAVE_AVX2
-#define AVX2_FN __attribute__((target("avx2,fma")))
-
-static inline __attribute__((always_inline)) AVX2_FN float hsum8(__m256 v) {
+static inline __attribute__((always_inline, target("avx2,fma"))) float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
 
-/* Every element's sum, whatever the tile: lanes accumulate i = 8j + lane by FMA in order of j,
- * hsum8 reduces them, then the tail i >= 8 * (nin / 8) is added in order by scalar FMA. The
- * tiles below spell that out with named registers (GCC keeps arrays of vectors in memory). */
-static inline __attribute__((always_inline)) AVX2_FN float finish(__m256 acc, const float *w,
-                                                                  const float *x, int i, int nin) {
-    float s = hsum8(acc);
-    for (int j = i; j < nin; j++) {
-        s = __builtin_fmaf(w[j], x[j], s);
-    }
-    return s;
-}
+#define GT_FN __attribute__((target("avx2,fma")))
+#define GT_NAME(x) x##_avx2
+#define GT_W 8
+#define GT_VEC __m256
+#define GT_ZERO() _mm256_setzero_ps()
+#define GT_LOAD(p) _mm256_loadu_ps(p)
+#define GT_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define GT_HSUM(v) hsum8(v)
+#include "examples/engine/gemm_tiles.h"
 
-/* R rows x 3 columns, R = 2, 3 or 4 (a constant at every call, so the rows past R compile
- * away): 3R accumulators, 3 weight registers, x read as a memory operand. Row tails of 2 or 3
- * thus read each weight once, as a full tile does. */
-static inline __attribute__((always_inline)) AVX2_FN void
-tile_avx2_rx3(float *out, const float *x, const float *w, int nin, int nout, const int R) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin;
-    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
-    int i = 0;
-    for (; i + 8 <= nin; i += 8) {
-        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
-        __m256 v2 = _mm256_loadu_ps(w2 + i), xv;
-        xv = _mm256_loadu_ps(x0 + i);
-        a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);
-        a02 = _mm256_fmadd_ps(v2, xv, a02);
-        xv = _mm256_loadu_ps(x1 + i);
-        a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);
-        a12 = _mm256_fmadd_ps(v2, xv, a12);
-        if (R > 2) {
-            xv = _mm256_loadu_ps(x2 + i);
-            a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);
-            a22 = _mm256_fmadd_ps(v2, xv, a22);
-        }
-        if (R > 3) {
-            xv = _mm256_loadu_ps(x3 + i);
-            a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);
-            a32 = _mm256_fmadd_ps(v2, xv, a32);
-        }
-    }
-    float *o0 = out, *o1 = out + nout;
-    o0[0] = finish(a00, w0, x0, i, nin), o0[1] = finish(a01, w1, x0, i, nin);
-    o0[2] = finish(a02, w2, x0, i, nin);
-    o1[0] = finish(a10, w0, x1, i, nin), o1[1] = finish(a11, w1, x1, i, nin);
-    o1[2] = finish(a12, w2, x1, i, nin);
-    if (R > 2) {
-        float *o2 = out + 2 * (size_t)nout;
-        o2[0] = finish(a20, w0, x2, i, nin), o2[1] = finish(a21, w1, x2, i, nin);
-        o2[2] = finish(a22, w2, x2, i, nin);
-    }
-    if (R > 3) {
-        float *o3 = out + 3 * (size_t)nout;
-        o3[0] = finish(a30, w0, x3, i, nin), o3[1] = finish(a31, w1, x3, i, nin);
-        o3[2] = finish(a32, w2, x3, i, nin);
-    }
-}
-
-static AVX2_FN void tile_avx2_4x3(float *out, const float *x, const float *w, int nin, int nout) {
-    tile_avx2_rx3(out, x, w, nin, nout, 4);
-}
-
-static AVX2_FN void tile_avx2_3x3(float *out, const float *x, const float *w, int nin, int nout) {
-    tile_avx2_rx3(out, x, w, nin, nout, 3);
-}
-
-static AVX2_FN void tile_avx2_2x3(float *out, const float *x, const float *w, int nin, int nout) {
-    tile_avx2_rx3(out, x, w, nin, nout, 2);
-}
-
-/* 1 row x 3 columns (one-row decode steps). */
-static AVX2_FN void tile_avx2_1x3(float *out, const float *x, const float *w, int nin) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
-    int i = 0;
-    for (; i + 8 <= nin; i += 8) {
-        __m256 xv = _mm256_loadu_ps(x + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
-    }
-    out[0] = finish(a0, w0, x, i, nin);
-    out[1] = finish(a1, w1, x, i, nin);
-    out[2] = finish(a2, w2, x, i, nin);
-}
-
-/* 1 x 1 (column tails). */
-static AVX2_FN void tile_avx2_1x1(float *out, const float *x, const float *w, int nin) {
-    __m256 a = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= nin; i += 8) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a);
-    }
-    out[0] = finish(a, w, x, i, nin);
-}
-
-static void tile_avx2(float *out, const float *x, const float *w, int nin, int nout, int R, int C) {
-    if (C == TILE_C && R > 1) { /* a row tail of 2 or 3 reads the weights once, as a full tile */
-        if (R == TILE_R) {
-            tile_avx2_4x3(out, x, w, nin, nout);
-        } else if (R == 3) {
-            tile_avx2_3x3(out, x, w, nin, nout);
-        } else {
-            tile_avx2_2x3(out, x, w, nin, nout);
-        }
-        return;
-    }
-    for (int r = 0; r < R; r++) {
-        const float *xr = x + (size_t)r * nin;
-        float *o = out + (size_t)r * nout;
-        if (C == TILE_C) {
-            tile_avx2_1x3(o, xr, w, nin);
-            continue;
-        }
-        for (int c = 0; c < C; c++) {
-            tile_avx2_1x1(o + c, xr, w + (size_t)c * nin, nin);
-        }
-    }
-}
-
-/* ---- AVX-512F kernel: 16 lanes per element (i = 16j + lane, FMA in order of j), the lanes
- * folded 16 -> 8 (lane l + lane l + 8) and then reduced as hsum8 does, then the tail in order.
- * The same tiles as AVX2's; 32 registers would hold more, but 4 x 3 already loads 7 vectors
- * for 12 FMAs, under the two loads a cycle of the cores it was measured on. ---- */
-
-#define AVX512_FN __attribute__((target("avx512f,avx2,fma")))
-
-static inline __attribute__((always_inline)) AVX512_FN float
-finish16(__m512 acc, const float *w, const float *x, int i, int nin) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
-    float s = _mm_cvtss_f32(s4);
-    for (int j = i; j < nin; j++) {
-        s = __builtin_fmaf(w[j], x[j], s);
-    }
-    return s;
-}
-
-static inline __attribute__((always_inline)) AVX512_FN void
-tile_avx512_rx3(float *out, const float *x, const float *w, int nin, int nout, const int R) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin;
-    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
-    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    __m512 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
-    int i = 0;
-    for (; i + 16 <= nin; i += 16) {
-        __m512 v0 = _mm512_loadu_ps(w0 + i), v1 = _mm512_loadu_ps(w1 + i);
-        __m512 v2 = _mm512_loadu_ps(w2 + i), xv;
-        xv = _mm512_loadu_ps(x0 + i);
-        a00 = _mm512_fmadd_ps(v0, xv, a00), a01 = _mm512_fmadd_ps(v1, xv, a01);
-        a02 = _mm512_fmadd_ps(v2, xv, a02);
-        xv = _mm512_loadu_ps(x1 + i);
-        a10 = _mm512_fmadd_ps(v0, xv, a10), a11 = _mm512_fmadd_ps(v1, xv, a11);
-        a12 = _mm512_fmadd_ps(v2, xv, a12);
-        if (R > 2) {
-            xv = _mm512_loadu_ps(x2 + i);
-            a20 = _mm512_fmadd_ps(v0, xv, a20), a21 = _mm512_fmadd_ps(v1, xv, a21);
-            a22 = _mm512_fmadd_ps(v2, xv, a22);
-        }
-        if (R > 3) {
-            xv = _mm512_loadu_ps(x3 + i);
-            a30 = _mm512_fmadd_ps(v0, xv, a30), a31 = _mm512_fmadd_ps(v1, xv, a31);
-            a32 = _mm512_fmadd_ps(v2, xv, a32);
-        }
-    }
-    float *o0 = out, *o1 = out + nout;
-    o0[0] = finish16(a00, w0, x0, i, nin), o0[1] = finish16(a01, w1, x0, i, nin);
-    o0[2] = finish16(a02, w2, x0, i, nin);
-    o1[0] = finish16(a10, w0, x1, i, nin), o1[1] = finish16(a11, w1, x1, i, nin);
-    o1[2] = finish16(a12, w2, x1, i, nin);
-    if (R > 2) {
-        float *o2 = out + 2 * (size_t)nout;
-        o2[0] = finish16(a20, w0, x2, i, nin), o2[1] = finish16(a21, w1, x2, i, nin);
-        o2[2] = finish16(a22, w2, x2, i, nin);
-    }
-    if (R > 3) {
-        float *o3 = out + 3 * (size_t)nout;
-        o3[0] = finish16(a30, w0, x3, i, nin), o3[1] = finish16(a31, w1, x3, i, nin);
-        o3[2] = finish16(a32, w2, x3, i, nin);
-    }
-}
-
-static AVX512_FN void tile_avx512_4x3(float *out, const float *x, const float *w, int nin,
-                                      int nout) {
-    tile_avx512_rx3(out, x, w, nin, nout, 4);
-}
-
-static AVX512_FN void tile_avx512_3x3(float *out, const float *x, const float *w, int nin,
-                                      int nout) {
-    tile_avx512_rx3(out, x, w, nin, nout, 3);
-}
-
-static AVX512_FN void tile_avx512_2x3(float *out, const float *x, const float *w, int nin,
-                                      int nout) {
-    tile_avx512_rx3(out, x, w, nin, nout, 2);
-}
-
-static AVX512_FN void tile_avx512_1x3(float *out, const float *x, const float *w, int nin) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0;
-    int i = 0;
-    for (; i + 16 <= nin; i += 16) {
-        __m512 xv = _mm512_loadu_ps(x + i);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + i), xv, a2);
-    }
-    out[0] = finish16(a0, w0, x, i, nin);
-    out[1] = finish16(a1, w1, x, i, nin);
-    out[2] = finish16(a2, w2, x, i, nin);
-}
-
-static AVX512_FN void tile_avx512_1x1(float *out, const float *x, const float *w, int nin) {
-    __m512 a = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= nin; i += 16) {
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a);
-    }
-    out[0] = finish16(a, w, x, i, nin);
-}
-
-static void tile_avx512(float *out, const float *x, const float *w, int nin, int nout, int R,
-                        int C) {
-    if (C == TILE_C && R > 1) {
-        if (R == TILE_R) {
-            tile_avx512_4x3(out, x, w, nin, nout);
-        } else if (R == 3) {
-            tile_avx512_3x3(out, x, w, nin, nout);
-        } else {
-            tile_avx512_2x3(out, x, w, nin, nout);
-        }
-        return;
-    }
-    for (int r = 0; r < R; r++) {
-        const float *xr = x + (size_t)r * nin;
-        float *o = out + (size_t)r * nout;
-        if (C == TILE_C) {
-            tile_avx512_1x3(o, xr, w, nin);
-            continue;
-        }
-        for (int c = 0; c < C; c++) {
-            tile_avx512_1x1(o + c, xr, w + (size_t)c * nin, nin);
-        }
-    }
-}
+#define GT_FN __attribute__((target("avx512f,avx2,fma")))
+#define GT_NAME(x) x##_avx512
+#define GT_W 16
+#define GT_VEC __m512
+#define GT_ZERO() _mm512_setzero_ps()
+#define GT_LOAD(p) _mm512_loadu_ps(p)
+#define GT_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define GT_HSUM(v)                                                                                 \
+    hsum8(_mm256_add_ps(_mm512_castps512_ps256(v),                                                 \
+                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
+#include "examples/engine/gemm_tiles.h"
 #endif
 
 int kve_gemm_supported(kve_gemm_isa isa) {

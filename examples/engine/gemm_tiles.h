@@ -1,0 +1,144 @@
+/* gemm_tiles: the vector micro-kernels of gemm.c, written once and compiled per instruction set:
+ * gemm.c defines GT_FN (the target attribute), GT_NAME(x) (a suffix per set), GT_W (lanes),
+ * GT_VEC, GT_ZERO, GT_LOAD, GT_FMA and GT_HSUM (the set's fixed lane reduction), then includes
+ * this file, which defines tile_<set> and undefines them. Nothing else includes it.
+ *
+ * Every element's sum, whatever the tile: lanes accumulate i = GT_W j + lane by FMA in order of
+ * j, GT_HSUM reduces them, then the tail i >= GT_W * (nin / GT_W) is added in order by scalar
+ * FMA. The tiles spell that out with named registers (GCC keeps arrays of vectors in memory).
+ */
+#ifndef GT_NAME
+#error "gemm_tiles.h is included by gemm.c only"
+#endif
+
+static inline __attribute__((always_inline)) GT_FN float GT_NAME(finish)(GT_VEC acc,
+                                                                        const float *w,
+                                                                        const float *x, int i,
+                                                                        int nin) {
+    float s = GT_HSUM(acc);
+    for (int j = i; j < nin; j++) {
+        s = __builtin_fmaf(w[j], x[j], s);
+    }
+    return s;
+}
+
+/* R rows x 3 columns, R = 2, 3 or 4 (a constant at every call, so the rows past R compile
+ * away): 3R accumulators, 3 weight registers, x read as a memory operand. Row tails of 2 or 3
+ * thus read each weight once, as a full tile does. */
+static inline __attribute__((always_inline)) GT_FN void
+GT_NAME(tile_rx3)(float *out, const float *x, const float *w, int nin, int nout, const int R) {
+    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
+    const float *x0 = x, *x1 = x + nin;
+    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
+    GT_VEC a00 = GT_ZERO(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    GT_VEC a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    int i = 0;
+    for (; i + GT_W <= nin; i += GT_W) {
+        GT_VEC v0 = GT_LOAD(w0 + i), v1 = GT_LOAD(w1 + i), v2 = GT_LOAD(w2 + i), xv;
+        xv = GT_LOAD(x0 + i);
+        a00 = GT_FMA(v0, xv, a00), a01 = GT_FMA(v1, xv, a01), a02 = GT_FMA(v2, xv, a02);
+        xv = GT_LOAD(x1 + i);
+        a10 = GT_FMA(v0, xv, a10), a11 = GT_FMA(v1, xv, a11), a12 = GT_FMA(v2, xv, a12);
+        if (R > 2) {
+            xv = GT_LOAD(x2 + i);
+            a20 = GT_FMA(v0, xv, a20), a21 = GT_FMA(v1, xv, a21), a22 = GT_FMA(v2, xv, a22);
+        }
+        if (R > 3) {
+            xv = GT_LOAD(x3 + i);
+            a30 = GT_FMA(v0, xv, a30), a31 = GT_FMA(v1, xv, a31), a32 = GT_FMA(v2, xv, a32);
+        }
+    }
+    float *o0 = out, *o1 = out + nout;
+    o0[0] = GT_NAME(finish)(a00, w0, x0, i, nin), o0[1] = GT_NAME(finish)(a01, w1, x0, i, nin);
+    o0[2] = GT_NAME(finish)(a02, w2, x0, i, nin);
+    o1[0] = GT_NAME(finish)(a10, w0, x1, i, nin), o1[1] = GT_NAME(finish)(a11, w1, x1, i, nin);
+    o1[2] = GT_NAME(finish)(a12, w2, x1, i, nin);
+    if (R > 2) {
+        float *o2 = out + 2 * (size_t)nout;
+        o2[0] = GT_NAME(finish)(a20, w0, x2, i, nin), o2[1] = GT_NAME(finish)(a21, w1, x2, i, nin);
+        o2[2] = GT_NAME(finish)(a22, w2, x2, i, nin);
+    }
+    if (R > 3) {
+        float *o3 = out + 3 * (size_t)nout;
+        o3[0] = GT_NAME(finish)(a30, w0, x3, i, nin), o3[1] = GT_NAME(finish)(a31, w1, x3, i, nin);
+        o3[2] = GT_NAME(finish)(a32, w2, x3, i, nin);
+    }
+}
+
+/* The three shapes as functions of their own: each carries the target attribute, which a
+ * caller without it needs to call into the always-inline kernel. */
+static GT_FN void GT_NAME(tile_4x3)(float *out, const float *x, const float *w, int nin,
+                                    int nout) {
+    GT_NAME(tile_rx3)(out, x, w, nin, nout, 4);
+}
+
+static GT_FN void GT_NAME(tile_3x3)(float *out, const float *x, const float *w, int nin,
+                                    int nout) {
+    GT_NAME(tile_rx3)(out, x, w, nin, nout, 3);
+}
+
+static GT_FN void GT_NAME(tile_2x3)(float *out, const float *x, const float *w, int nin,
+                                    int nout) {
+    GT_NAME(tile_rx3)(out, x, w, nin, nout, 2);
+}
+
+/* 1 row x 3 columns (one-row decode steps). */
+static GT_FN void GT_NAME(tile_1x3)(float *out, const float *x, const float *w, int nin) {
+    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
+    GT_VEC a0 = GT_ZERO(), a1 = a0, a2 = a0;
+    int i = 0;
+    for (; i + GT_W <= nin; i += GT_W) {
+        GT_VEC xv = GT_LOAD(x + i);
+        a0 = GT_FMA(GT_LOAD(w0 + i), xv, a0);
+        a1 = GT_FMA(GT_LOAD(w1 + i), xv, a1);
+        a2 = GT_FMA(GT_LOAD(w2 + i), xv, a2);
+    }
+    out[0] = GT_NAME(finish)(a0, w0, x, i, nin);
+    out[1] = GT_NAME(finish)(a1, w1, x, i, nin);
+    out[2] = GT_NAME(finish)(a2, w2, x, i, nin);
+}
+
+/* 1 x 1 (column tails). */
+static GT_FN void GT_NAME(tile_1x1)(float *out, const float *x, const float *w, int nin) {
+    GT_VEC a = GT_ZERO();
+    int i = 0;
+    for (; i + GT_W <= nin; i += GT_W) {
+        a = GT_FMA(GT_LOAD(w + i), GT_LOAD(x + i), a);
+    }
+    out[0] = GT_NAME(finish)(a, w, x, i, nin);
+}
+
+/* The tile_fn of this set: a row tail of 2 or 3 reads the weights once, as a full tile. */
+static void GT_NAME(tile)(float *out, const float *x, const float *w, int nin, int nout, int R,
+                          int C) {
+    if (C == TILE_C && R > 1) {
+        if (R == TILE_R) {
+            GT_NAME(tile_4x3)(out, x, w, nin, nout);
+        } else if (R == 3) {
+            GT_NAME(tile_3x3)(out, x, w, nin, nout);
+        } else {
+            GT_NAME(tile_2x3)(out, x, w, nin, nout);
+        }
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (size_t)r * nin;
+        float *o = out + (size_t)r * nout;
+        if (C == TILE_C) {
+            GT_NAME(tile_1x3)(o, xr, w, nin);
+            continue;
+        }
+        for (int c = 0; c < C; c++) {
+            GT_NAME(tile_1x1)(o + c, xr, w + (size_t)c * nin, nin);
+        }
+    }
+}
+
+#undef GT_FN
+#undef GT_NAME
+#undef GT_W
+#undef GT_VEC
+#undef GT_ZERO
+#undef GT_LOAD
+#undef GT_FMA
+#undef GT_HSUM
