@@ -11,10 +11,8 @@
 #error "gemm_tiles.h is included by gemm.c only"
 #endif
 
-static inline __attribute__((always_inline)) GT_FN float GT_NAME(finish)(GT_VEC acc,
-                                                                        const float *w,
-                                                                        const float *x, int i,
-                                                                        int nin) {
+static inline __attribute__((always_inline)) GT_FN float
+GT_NAME(finish)(GT_VEC acc, const float *w, const float *x, int i, int nin) {
     float s = GT_HSUM(acc);
     for (int j = i; j < nin; j++) {
         s = __builtin_fmaf(w[j], x[j], s);
@@ -67,18 +65,15 @@ GT_NAME(tile_rx3)(float *out, const float *x, const float *w, int nin, int nout,
 
 /* The three shapes as functions of their own: each carries the target attribute, which a
  * caller without it needs to call into the always-inline kernel. */
-static GT_FN void GT_NAME(tile_4x3)(float *out, const float *x, const float *w, int nin,
-                                    int nout) {
+static GT_FN void GT_NAME(tile_4x3)(float *out, const float *x, const float *w, int nin, int nout) {
     GT_NAME(tile_rx3)(out, x, w, nin, nout, 4);
 }
 
-static GT_FN void GT_NAME(tile_3x3)(float *out, const float *x, const float *w, int nin,
-                                    int nout) {
+static GT_FN void GT_NAME(tile_3x3)(float *out, const float *x, const float *w, int nin, int nout) {
     GT_NAME(tile_rx3)(out, x, w, nin, nout, 3);
 }
 
-static GT_FN void GT_NAME(tile_2x3)(float *out, const float *x, const float *w, int nin,
-                                    int nout) {
+static GT_FN void GT_NAME(tile_2x3)(float *out, const float *x, const float *w, int nin, int nout) {
     GT_NAME(tile_rx3)(out, x, w, nin, nout, 2);
 }
 
