@@ -4,11 +4,12 @@
  * in L2; every 4-row tile of x goes through a block before the next block is read, so the
  * weights stream from memory once per call however many rows the batch holds (a decode step
  * reads them once for the whole batch, as a GPU does). The micro-kernel keeps a 4 x 3 tile of
- * dot products in registers over the whole of nin (a row tail of 2 or 3 gets its own 2 x 3 or 3 x 3
- * tile, so it too reads each weight once). Every element has its own accumulator and the
- * same reduction in every tile shape, so the tiling, the thread split and the batch never change
- * a result bit. The AVX2 and AVX-512 kernels are compiled with target attributes, so the file
- * needs no -m flags and the binary runs on any x86-64 (or other) CPU.
+ * dot products in registers over the whole of nin (AVX-512: 4 x 6, its 32 registers hold it; a
+ * row tail of 2 or 3 gets its own 2- or 3-row tile, so it too reads each weight once). Every
+ * element has its own accumulator and the same reduction in every tile shape, so the tiling, the
+ * thread split and the batch never change a result bit. The AVX2 and AVX-512 kernels are compiled
+ * with target attributes, so the file needs no -m flags and the binary runs on any x86-64 (or
+ * other) CPU.
  */
 #include "examples/engine/gemm.h"
 
@@ -150,17 +151,24 @@ static tile_fn tile_for(kve_gemm_isa isa) {
     return tile_scalar;
 }
 
-/* Columns [c0, c1) of the product, blocked: a block of weight rows, then every row tile. */
-static void gemm_cols(tile_fn tile, float *out, const float *x, const float *w, int n, int nin,
-                      int nout, int c0, int c1) {
+/* Columns per tile call of a set: AVX-512's kernel takes 6 (a 4 x 6 tile: 10 loads for 24
+ * FMAs in its 32 registers), the others 3. A multiple of TILE_C, the unit threads split by. */
+static int span_for(kve_gemm_isa isa) {
+    return isa == KVE_GEMM_AVX512 ? 2 * TILE_C : TILE_C;
+}
+
+/* Columns [c0, c1) of the product, blocked: a block of weight rows, then every row tile; tile
+ * calls of `span` columns (fewer at a block's end). */
+static void gemm_cols(tile_fn tile, int span, float *out, const float *x, const float *w, int n,
+                      int nin, int nout, int c0, int c1) {
     int bc = (int)(BLOCK_BYTES / ((size_t)nin * sizeof(float)));
-    bc = bc < TILE_C ? TILE_C : bc - bc % TILE_C;
+    bc = bc < span ? span : bc - bc % span;
     for (int b0 = c0; b0 < c1; b0 += bc) {
         int b1 = b0 + bc < c1 ? b0 + bc : c1;
         for (int r = 0; r < n; r += TILE_R) {
             int R = n - r < TILE_R ? n - r : TILE_R;
-            for (int c = b0; c < b1; c += TILE_C) {
-                int C = b1 - c < TILE_C ? b1 - c : TILE_C;
+            for (int c = b0; c < b1; c += span) {
+                int C = b1 - c < span ? b1 - c : span;
                 tile(out + (size_t)r * nout + c, x + (size_t)r * nin, w + (size_t)c * nin, nin,
                      nout, R, C);
             }
@@ -182,6 +190,7 @@ struct kve_gemm {
     int threads;         /* threads in all, the caller's included */
     kve_gemm_isa isa;    /* resolved instruction set */
     tile_fn tile;        /* its micro-kernel */
+    int span;            /* columns per tile call (span_for) */
     pthread_t *tid;      /* threads[1..): workers */
     int started;         /* workers started */
     pthread_mutex_t mu;  /* guards everything below */
@@ -203,7 +212,7 @@ static void run_part(kve_gemm *g, const gemm_job *j, int t) {
     int t0 = (int)((int64_t)tiles * t / j->parts), t1 = (int)((int64_t)tiles * (t + 1) / j->parts);
     int c0 = t0 * TILE_C, c1 = t1 * TILE_C < j->nout ? t1 * TILE_C : j->nout;
     if (c0 < c1) {
-        gemm_cols(g->tile, j->out, j->x, j->w, j->n, j->nin, j->nout, c0, c1);
+        gemm_cols(g->tile, g->span, j->out, j->x, j->w, j->n, j->nin, j->nout, c0, c1);
     }
 }
 
@@ -248,6 +257,7 @@ kv_err kve_gemm_alloc(int threads, kve_gemm_isa isa, kve_gemm **out) {
     /* AUTO, or a set this CPU lacks: the best it has (scalar at least). */
     g->isa = isa == KVE_GEMM_AUTO || !kve_gemm_supported(isa) ? kve_gemm_detect() : isa;
     g->tile = tile_for(g->isa);
+    g->span = span_for(g->isa);
     g->threads = threads;
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->go, NULL);
@@ -305,9 +315,11 @@ int kve_gemm_threads(const kve_gemm *g) {
 
 static pthread_once_t auto_once = PTHREAD_ONCE_INIT;
 static tile_fn auto_tile; /* the kernel of g == NULL calls, set once */
+static int auto_span;
 
 static void auto_init(void) {
     auto_tile = tile_for(kve_gemm_detect());
+    auto_span = span_for(kve_gemm_detect());
 }
 
 void kve_gemm_run(kve_gemm *g, float *out, const float *x, const float *w, int n, int nin,
@@ -323,7 +335,7 @@ void kve_gemm_run(kve_gemm *g, float *out, const float *x, const float *w, int n
     }
     if (g == NULL) {
         pthread_once(&auto_once, auto_init);
-        gemm_cols(auto_tile, out, x, w, n, nin, nout, 0, nout);
+        gemm_cols(auto_tile, auto_span, out, x, w, n, nin, nout, 0, nout);
         return;
     }
     int64_t macs = (int64_t)n * nin * nout;

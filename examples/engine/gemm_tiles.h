@@ -103,9 +103,75 @@ static GT_FN void GT_NAME(tile_1x1)(float *out, const float *x, const float *w, 
     out[0] = GT_NAME(finish)(a, w, x, i, nin);
 }
 
-/* The tile_fn of this set: a row tail of 2 or 3 reads the weights once, as a full tile. */
-static void GT_NAME(tile)(float *out, const float *x, const float *w, int nin, int nout, int R,
-                          int C) {
+#if GT_W == 16
+/* R rows x 6 columns, R = 2, 3 or 4 (AVX-512: 6R accumulators and 6 weight registers fit its 32;
+ * 10 loads for 24 FMAs where 4 x 3 has 7 for 12). Each element's sum as in every tile. */
+static inline __attribute__((always_inline)) GT_FN void
+GT_NAME(tile_rx6)(float *out, const float *x, const float *w, int nin, int nout, const int R) {
+    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin, *w3 = w + 3 * (size_t)nin;
+    const float *w4 = w + 4 * (size_t)nin, *w5 = w + 5 * (size_t)nin;
+    const float *x0 = x, *x1 = x + nin;
+    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
+    GT_VEC a00 = GT_ZERO(), a01 = a00, a02 = a00, a03 = a00, a04 = a00, a05 = a00;
+    GT_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00, a14 = a00, a15 = a00;
+    GT_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00, a24 = a00, a25 = a00;
+    GT_VEC a30 = a00, a31 = a00, a32 = a00, a33 = a00, a34 = a00, a35 = a00;
+    int i = 0;
+    for (; i + GT_W <= nin; i += GT_W) {
+        GT_VEC v0 = GT_LOAD(w0 + i), v1 = GT_LOAD(w1 + i), v2 = GT_LOAD(w2 + i);
+        GT_VEC v3 = GT_LOAD(w3 + i), v4 = GT_LOAD(w4 + i), v5 = GT_LOAD(w5 + i), xv;
+#define GT_ROW6(r, xr)                                                                             \
+    xv = GT_LOAD(xr + i);                                                                          \
+    a##r##0 = GT_FMA(v0, xv, a##r##0), a##r##1 = GT_FMA(v1, xv, a##r##1);                          \
+    a##r##2 = GT_FMA(v2, xv, a##r##2), a##r##3 = GT_FMA(v3, xv, a##r##3);                          \
+    a##r##4 = GT_FMA(v4, xv, a##r##4), a##r##5 = GT_FMA(v5, xv, a##r##5)
+        GT_ROW6(0, x0);
+        GT_ROW6(1, x1);
+        if (R > 2) {
+            GT_ROW6(2, x2);
+        }
+        if (R > 3) {
+            GT_ROW6(3, x3);
+        }
+#undef GT_ROW6
+    }
+#define GT_OUT6(r, xr)                                                                             \
+    do {                                                                                           \
+        float *o = out + (size_t)(r)*nout;                                                         \
+        o[0] = GT_NAME(finish)(a##r##0, w0, xr, i, nin);                                           \
+        o[1] = GT_NAME(finish)(a##r##1, w1, xr, i, nin);                                           \
+        o[2] = GT_NAME(finish)(a##r##2, w2, xr, i, nin);                                           \
+        o[3] = GT_NAME(finish)(a##r##3, w3, xr, i, nin);                                           \
+        o[4] = GT_NAME(finish)(a##r##4, w4, xr, i, nin);                                           \
+        o[5] = GT_NAME(finish)(a##r##5, w5, xr, i, nin);                                           \
+    } while (0)
+    GT_OUT6(0, x0);
+    GT_OUT6(1, x1);
+    if (R > 2) {
+        GT_OUT6(2, x2);
+    }
+    if (R > 3) {
+        GT_OUT6(3, x3);
+    }
+#undef GT_OUT6
+}
+
+static GT_FN void GT_NAME(tile_4x6)(float *out, const float *x, const float *w, int nin, int nout) {
+    GT_NAME(tile_rx6)(out, x, w, nin, nout, 4);
+}
+
+static GT_FN void GT_NAME(tile_3x6)(float *out, const float *x, const float *w, int nin, int nout) {
+    GT_NAME(tile_rx6)(out, x, w, nin, nout, 3);
+}
+
+static GT_FN void GT_NAME(tile_2x6)(float *out, const float *x, const float *w, int nin, int nout) {
+    GT_NAME(tile_rx6)(out, x, w, nin, nout, 2);
+}
+#endif
+
+/* R rows x C <= 3 columns: a row tail of 2 or 3 reads the weights once, as a full tile. */
+static void GT_NAME(tile3)(float *out, const float *x, const float *w, int nin, int nout, int R,
+                           int C) {
     if (C == TILE_C && R > 1) {
         if (R == TILE_R) {
             GT_NAME(tile_4x3)(out, x, w, nin, nout);
@@ -126,6 +192,27 @@ static void GT_NAME(tile)(float *out, const float *x, const float *w, int nin, i
         for (int c = 0; c < C; c++) {
             GT_NAME(tile_1x1)(o + c, xr, w + (size_t)c * nin, nin);
         }
+    }
+}
+
+/* The tile_fn of this set: C <= 3 columns (AVX2), or <= 6 (AVX-512, span_for in gemm.c). */
+static void GT_NAME(tile)(float *out, const float *x, const float *w, int nin, int nout, int R,
+                          int C) {
+#if GT_W == 16
+    if (C == 2 * TILE_C && R > 1) {
+        if (R == TILE_R) {
+            GT_NAME(tile_4x6)(out, x, w, nin, nout);
+        } else if (R == 3) {
+            GT_NAME(tile_3x6)(out, x, w, nin, nout);
+        } else {
+            GT_NAME(tile_2x6)(out, x, w, nin, nout);
+        }
+        return;
+    }
+#endif
+    for (int c = 0; c < C; c += TILE_C) {
+        GT_NAME(tile3)
+        (out + c, x, w + (size_t)c * nin, nin, nout, R, C - c < TILE_C ? C - c : TILE_C);
     }
 }
 
