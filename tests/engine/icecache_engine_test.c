@@ -74,6 +74,13 @@ static void run_all(const kve_options *o, kve_request *reqs, uint32_t (*p)[PLEN]
                                 .max_new = NEW,
                                 .arrival_ms = i * 0.1};
     }
+    /* kvd ends the engine's session when it reads the close, after kve_engine_close returns:
+     * the next engine's pool needs this one's segment back (pool-memory holds one), so the
+     * sessions are counted before and waited for after (under load the next attach could
+     * otherwise come first and fail with ENOSPC). */
+    kvc_conn *obs;
+    assert_int_equal(kvd_harness_connect(&H, "ice-observer", &obs), KV_OK);
+    uint64_t sessions = kvd_harness_stat(obs, 0, "daemon.sessions");
     kve_engine *e = NULL;
     assert_int_equal(kve_engine_open(&M, o, &e), KV_OK);
     assert_int_equal(kve_engine_run(e, reqs, R), KV_OK);
@@ -84,6 +91,8 @@ static void run_all(const kve_options *o, kve_request *reqs, uint32_t (*p)[PLEN]
         *st = *kve_engine_stats(e);
     }
     kve_engine_close(e);
+    assert_int_equal(kvd_harness_wait_stat(obs, 0, "daemon.sessions", sessions), sessions);
+    kvc_conn_close(obs);
 }
 
 static void fini_all(kve_request *r) {
