@@ -733,14 +733,14 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
     const uint32_t eb = kvk_elem_bytes(c->dtype), qeb = kvk_elem_bytes(jb->qo_dtype);
     const uint32_t nc = (nq + KVK_W - 1) / KVK_W; /* vectors of query vectors */
     const int scaled = kvk__is_scaled(c->dtype);
-    float *qt = scratch;                       /* [dimp][QM] queries (times q_mul), transposed */
-    float *acc = qt + (size_t)QM * dimp;       /* [dimp][QM] unnormalised outputs, transposed */
-    float *kt = acc + (size_t)QM * dimp;       /* [T][dimp] the tile's K rows, dequantized */
-    float *vt = kt + (size_t)T * dimp;         /* [T][dimp] its V rows */
-    float *pt_ = vt + (size_t)T * dimp;        /* [T][QM] scores, then probabilities */
-    float *mx = pt_ + (size_t)QM * T;          /* [QM] running max (base 2) */
-    float *sum = mx + QM;                      /* [QM] running sum of 2^(s - max) */
-    int32_t *lens = (int32_t *)(sum + 2 * QM); /* [QM] tokens each query vector sees */
+    float *qt = scratch;                 /* [dimp][QM] queries (times q_mul), transposed */
+    float *acc = qt + (size_t)QM * dimp; /* [dimp][QM] unnormalised outputs, transposed */
+    float *kt = acc + (size_t)QM * dimp; /* [T][dimp] the tile's K rows, dequantized */
+    float *vt = kt + (size_t)T * dimp;   /* [T][dimp] its V rows */
+    /* The layout's [QM][T] scores (the direct path's) are not used here: they stay in registers. */
+    float *mx = vt + (size_t)T * dimp + (size_t)QM * T; /* [QM] running max (base 2) */
+    float *sum = mx + QM;                               /* [QM] running sum of 2^(s - max) */
+    int32_t *lens = (int32_t *)(sum + 2 * QM);          /* [QM] tokens each query vector sees */
 
     int32_t p0 = pt->indptr[tk->req];
     int32_t npages = pt->indptr[tk->req + 1] - p0;
@@ -781,23 +781,21 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
     const uint64_t row_bytes = (uint64_t)dim * eb;
     for (uint32_t t0 = 0; t0 < maxlen; t0 += T) {
         uint32_t ntok = maxlen - t0 < T ? maxlen - t0 : T;
-        const char *vrow[T];
-        float vscale[T];
         for (uint32_t t = 0; t < ntok; t++) {
             uint32_t tok = t0 + t;
             int64_t blk = pages[tok / tpb];
             const char *krow = (const char *)c->data + blk * c->block_stride +
                                (int64_t)sec * c->section_stride + (int64_t)(tok % tpb) * tok_bytes +
                                head_off;
-            vrow[t] = krow + c->section_stride;
+            const char *vrow = krow + c->section_stride;
             float ks = 1.0f;
-            vscale[t] = 1.0f;
+            float vscale = 1.0f;
             if (scaled) {
                 const float *sc =
                     (const float *)((const char *)c->scales + blk * c->scale_block_stride +
                                     (int64_t)sec * c->scale_section_stride);
                 ks = sc[kvh];
-                vscale[t] = ((const float *)((const char *)sc + c->scale_section_stride))[kvh];
+                vscale = ((const float *)((const char *)sc + c->scale_section_stride))[kvh];
             }
             /* Rows come from pages anywhere in memory, which no hardware prefetcher follows:
              * start loading the next tile's K and V rows now. */
@@ -812,7 +810,7 @@ static void simd_attend(const kvk__attn_job *jb, const kvk__attn_task *tk, float
                 }
             }
             load_row(c->dtype, krow, dim, ks, kt + (size_t)t * dimp, 0);
-            load_row(c->dtype, vrow[t], dim, vscale[t], vt + (size_t)t * dimp, 0);
+            load_row(c->dtype, vrow, dim, vscale, vt + (size_t)t * dimp, 0);
         }
         /* The last tile's missing rows are zeros: their probabilities are zero, and 0 * V must
          * not meet a stale NaN. */

@@ -318,8 +318,9 @@ static tile_fn auto_tile; /* the kernel of g == NULL calls, set once */
 static int auto_span;
 
 static void auto_init(void) {
-    auto_tile = tile_for(kve_gemm_detect());
-    auto_span = span_for(kve_gemm_detect());
+    kve_gemm_isa isa = kve_gemm_detect();
+    auto_tile = tile_for(isa);
+    auto_span = span_for(isa);
 }
 
 void kve_gemm_run(kve_gemm *g, float *out, const float *x, const float *w, int n, int nin,

@@ -20,61 +20,84 @@ GT_NAME(finish)(GT_VEC acc, const float *w, const float *x, int i, int nin) {
     return s;
 }
 
-/* R rows x 3 columns, R = 2, 3 or 4 (a constant at every call, so the rows past R compile
- * away): 3R accumulators, 3 weight registers, x read as a memory operand. Row tails of 2 or 3
- * thus read each weight once, as a full tile does. */
+/* R rows x C columns, R = 2, 3 or 4 and C = 3 or 6 (constants at every call, so the rows and
+ * columns past them compile away): RC accumulators, C weight registers, x read as a memory
+ * operand. Row tails of 2 or 3 thus read each weight once, as a full tile does. C = 6 is for
+ * AVX-512, whose 32 registers hold 4 x 6 (10 loads for 24 FMAs where 4 x 3 has 7 for 12). */
 static inline __attribute__((always_inline)) GT_FN void
-GT_NAME(tile_rx3)(float *out, const float *x, const float *w, int nin, int nout, const int R) {
+GT_NAME(tile_rxc)(float *out, const float *x, const float *w, int nin, int nout, const int R,
+                  const int C) {
     const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin;
+    const float *w3 = C > 3 ? w + 3 * (size_t)nin : w, *w4 = C > 3 ? w + 4 * (size_t)nin : w;
+    const float *w5 = C > 3 ? w + 5 * (size_t)nin : w;
     const float *x0 = x, *x1 = x + nin;
     const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
-    GT_VEC a00 = GT_ZERO(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    GT_VEC a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    GT_VEC a00 = GT_ZERO(), a01 = a00, a02 = a00, a03 = a00, a04 = a00, a05 = a00;
+    GT_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00, a14 = a00, a15 = a00;
+    GT_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00, a24 = a00, a25 = a00;
+    GT_VEC a30 = a00, a31 = a00, a32 = a00, a33 = a00, a34 = a00, a35 = a00;
     int i = 0;
     for (; i + GT_W <= nin; i += GT_W) {
         GT_VEC v0 = GT_LOAD(w0 + i), v1 = GT_LOAD(w1 + i), v2 = GT_LOAD(w2 + i), xv;
-        xv = GT_LOAD(x0 + i);
-        a00 = GT_FMA(v0, xv, a00), a01 = GT_FMA(v1, xv, a01), a02 = GT_FMA(v2, xv, a02);
-        xv = GT_LOAD(x1 + i);
-        a10 = GT_FMA(v0, xv, a10), a11 = GT_FMA(v1, xv, a11), a12 = GT_FMA(v2, xv, a12);
+        GT_VEC v3 = v0, v4 = v0, v5 = v0;
+        if (C > 3) {
+            v3 = GT_LOAD(w3 + i), v4 = GT_LOAD(w4 + i), v5 = GT_LOAD(w5 + i);
+        }
+#define GT_ROW(r, xr)                                                                              \
+    do {                                                                                           \
+        xv = GT_LOAD(xr + i);                                                                      \
+        a##r##0 = GT_FMA(v0, xv, a##r##0), a##r##1 = GT_FMA(v1, xv, a##r##1);                      \
+        a##r##2 = GT_FMA(v2, xv, a##r##2);                                                         \
+        if (C > 3) {                                                                               \
+            a##r##3 = GT_FMA(v3, xv, a##r##3), a##r##4 = GT_FMA(v4, xv, a##r##4);                  \
+            a##r##5 = GT_FMA(v5, xv, a##r##5);                                                     \
+        }                                                                                          \
+    } while (0)
+        GT_ROW(0, x0);
+        GT_ROW(1, x1);
         if (R > 2) {
-            xv = GT_LOAD(x2 + i);
-            a20 = GT_FMA(v0, xv, a20), a21 = GT_FMA(v1, xv, a21), a22 = GT_FMA(v2, xv, a22);
+            GT_ROW(2, x2);
         }
         if (R > 3) {
-            xv = GT_LOAD(x3 + i);
-            a30 = GT_FMA(v0, xv, a30), a31 = GT_FMA(v1, xv, a31), a32 = GT_FMA(v2, xv, a32);
+            GT_ROW(3, x3);
         }
+#undef GT_ROW
     }
-    float *o0 = out, *o1 = out + nout;
-    o0[0] = GT_NAME(finish)(a00, w0, x0, i, nin), o0[1] = GT_NAME(finish)(a01, w1, x0, i, nin);
-    o0[2] = GT_NAME(finish)(a02, w2, x0, i, nin);
-    o1[0] = GT_NAME(finish)(a10, w0, x1, i, nin), o1[1] = GT_NAME(finish)(a11, w1, x1, i, nin);
-    o1[2] = GT_NAME(finish)(a12, w2, x1, i, nin);
+#define GT_OUT(r, xr)                                                                              \
+    do {                                                                                           \
+        float *o = out + (size_t)(r)*nout;                                                         \
+        o[0] = GT_NAME(finish)(a##r##0, w0, xr, i, nin);                                           \
+        o[1] = GT_NAME(finish)(a##r##1, w1, xr, i, nin);                                           \
+        o[2] = GT_NAME(finish)(a##r##2, w2, xr, i, nin);                                           \
+        if (C > 3) {                                                                               \
+            o[3] = GT_NAME(finish)(a##r##3, w3, xr, i, nin);                                       \
+            o[4] = GT_NAME(finish)(a##r##4, w4, xr, i, nin);                                       \
+            o[5] = GT_NAME(finish)(a##r##5, w5, xr, i, nin);                                       \
+        }                                                                                          \
+    } while (0)
+    GT_OUT(0, x0);
+    GT_OUT(1, x1);
     if (R > 2) {
-        float *o2 = out + 2 * (size_t)nout;
-        o2[0] = GT_NAME(finish)(a20, w0, x2, i, nin), o2[1] = GT_NAME(finish)(a21, w1, x2, i, nin);
-        o2[2] = GT_NAME(finish)(a22, w2, x2, i, nin);
+        GT_OUT(2, x2);
     }
     if (R > 3) {
-        float *o3 = out + 3 * (size_t)nout;
-        o3[0] = GT_NAME(finish)(a30, w0, x3, i, nin), o3[1] = GT_NAME(finish)(a31, w1, x3, i, nin);
-        o3[2] = GT_NAME(finish)(a32, w2, x3, i, nin);
+        GT_OUT(3, x3);
     }
+#undef GT_OUT
 }
 
 /* The three shapes as functions of their own: each carries the target attribute, which a
  * caller without it needs to call into the always-inline kernel. */
 static GT_FN void GT_NAME(tile_4x3)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx3)(out, x, w, nin, nout, 4);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 4, 3);
 }
 
 static GT_FN void GT_NAME(tile_3x3)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx3)(out, x, w, nin, nout, 3);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 3, 3);
 }
 
 static GT_FN void GT_NAME(tile_2x3)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx3)(out, x, w, nin, nout, 2);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 2, 3);
 }
 
 /* 1 row x 3 columns (one-row decode steps). */
@@ -104,68 +127,16 @@ static GT_FN void GT_NAME(tile_1x1)(float *out, const float *x, const float *w, 
 }
 
 #if GT_W == 16
-/* R rows x 6 columns, R = 2, 3 or 4 (AVX-512: 6R accumulators and 6 weight registers fit its 32;
- * 10 loads for 24 FMAs where 4 x 3 has 7 for 12). Each element's sum as in every tile. */
-static inline __attribute__((always_inline)) GT_FN void
-GT_NAME(tile_rx6)(float *out, const float *x, const float *w, int nin, int nout, const int R) {
-    const float *w0 = w, *w1 = w + nin, *w2 = w + 2 * (size_t)nin, *w3 = w + 3 * (size_t)nin;
-    const float *w4 = w + 4 * (size_t)nin, *w5 = w + 5 * (size_t)nin;
-    const float *x0 = x, *x1 = x + nin;
-    const float *x2 = R > 2 ? x + 2 * (size_t)nin : x, *x3 = R > 3 ? x + 3 * (size_t)nin : x;
-    GT_VEC a00 = GT_ZERO(), a01 = a00, a02 = a00, a03 = a00, a04 = a00, a05 = a00;
-    GT_VEC a10 = a00, a11 = a00, a12 = a00, a13 = a00, a14 = a00, a15 = a00;
-    GT_VEC a20 = a00, a21 = a00, a22 = a00, a23 = a00, a24 = a00, a25 = a00;
-    GT_VEC a30 = a00, a31 = a00, a32 = a00, a33 = a00, a34 = a00, a35 = a00;
-    int i = 0;
-    for (; i + GT_W <= nin; i += GT_W) {
-        GT_VEC v0 = GT_LOAD(w0 + i), v1 = GT_LOAD(w1 + i), v2 = GT_LOAD(w2 + i);
-        GT_VEC v3 = GT_LOAD(w3 + i), v4 = GT_LOAD(w4 + i), v5 = GT_LOAD(w5 + i), xv;
-#define GT_ROW6(r, xr)                                                                             \
-    xv = GT_LOAD(xr + i);                                                                          \
-    a##r##0 = GT_FMA(v0, xv, a##r##0), a##r##1 = GT_FMA(v1, xv, a##r##1);                          \
-    a##r##2 = GT_FMA(v2, xv, a##r##2), a##r##3 = GT_FMA(v3, xv, a##r##3);                          \
-    a##r##4 = GT_FMA(v4, xv, a##r##4), a##r##5 = GT_FMA(v5, xv, a##r##5)
-        GT_ROW6(0, x0);
-        GT_ROW6(1, x1);
-        if (R > 2) {
-            GT_ROW6(2, x2);
-        }
-        if (R > 3) {
-            GT_ROW6(3, x3);
-        }
-#undef GT_ROW6
-    }
-#define GT_OUT6(r, xr)                                                                             \
-    do {                                                                                           \
-        float *o = out + (size_t)(r)*nout;                                                         \
-        o[0] = GT_NAME(finish)(a##r##0, w0, xr, i, nin);                                           \
-        o[1] = GT_NAME(finish)(a##r##1, w1, xr, i, nin);                                           \
-        o[2] = GT_NAME(finish)(a##r##2, w2, xr, i, nin);                                           \
-        o[3] = GT_NAME(finish)(a##r##3, w3, xr, i, nin);                                           \
-        o[4] = GT_NAME(finish)(a##r##4, w4, xr, i, nin);                                           \
-        o[5] = GT_NAME(finish)(a##r##5, w5, xr, i, nin);                                           \
-    } while (0)
-    GT_OUT6(0, x0);
-    GT_OUT6(1, x1);
-    if (R > 2) {
-        GT_OUT6(2, x2);
-    }
-    if (R > 3) {
-        GT_OUT6(3, x3);
-    }
-#undef GT_OUT6
-}
-
 static GT_FN void GT_NAME(tile_4x6)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx6)(out, x, w, nin, nout, 4);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 4, 6);
 }
 
 static GT_FN void GT_NAME(tile_3x6)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx6)(out, x, w, nin, nout, 3);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 3, 6);
 }
 
 static GT_FN void GT_NAME(tile_2x6)(float *out, const float *x, const float *w, int nin, int nout) {
-    GT_NAME(tile_rx6)(out, x, w, nin, nout, 2);
+    GT_NAME(tile_rxc)(out, x, w, nin, nout, 2, 6);
 }
 #endif
 

@@ -81,11 +81,8 @@ static void fill_uniform(float *p, size_t n, float bound, uint64_t *s) {
     }
 }
 
-/* The weights start on a cache line (malloc of a large block is 16 bytes past a page), so where
- * the dims are multiples of 16 floats every row starts on one too and no 64-byte vector load of
- * the matmul straddles two lines. */
-static float *weights_alloc(size_t floats) {
-    size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+float *kve_alloc_floats(size_t n) {
+    size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
     return aligned_alloc(64, bytes == 0 ? 64 : bytes);
 }
 
@@ -94,7 +91,7 @@ kv_err kve_model_random(const kve_config *c, uint64_t seed, int shared_cls, kve_
         return KV_EINVAL;
     }
     kve_model m = {.cfg = *c, .shared_cls = shared_cls != 0};
-    m.mem = weights_alloc(tensor_floats(c, m.shared_cls));
+    m.mem = kve_alloc_floats(tensor_floats(c, m.shared_cls));
     if (m.mem == NULL) {
         return KV_ENOMEM;
     }
@@ -151,7 +148,7 @@ kv_err kve_model_load(const char *path, kve_model *out) {
         goto cleanup_file;
     }
     size_t total = tensor_floats(&m.cfg, m.shared_cls);
-    m.mem = weights_alloc(total);
+    m.mem = kve_alloc_floats(total);
     if (m.mem == NULL) {
         rc = KV_ENOMEM;
         goto cleanup_file;

@@ -52,6 +52,12 @@ typedef struct kve_model {
  * head size. Returns a static message naming what is wrong, or NULL. */
 const char *kve_config_check(const kve_config *c);
 
+/* n floats starting on a cache line (at least one line; free with free): the weights and the
+ * matmuls' activation rows, so where the dims are multiples of 16 floats no 64-byte vector load
+ * straddles two lines (malloc of a large block is 16 bytes past a page). NULL when out of
+ * memory. */
+float *kve_alloc_floats(size_t n);
+
 /* Head size (dim / n_heads) and KV width (n_kv_heads * head size). */
 int32_t kve_head_dim(const kve_config *c);
 int32_t kve_kv_dim(const kve_config *c);

@@ -269,16 +269,10 @@ def load():
             f.restype = res
             f.argtypes = args
         lib.kvclient_path = _loaded_path(name)
-        global raw
-        # The same functions without argtypes (a second handle of the same library), for the
-        # lean batch loops: they are called with ready-made ctypes objects only, which skips
-        # the per-argument conversion.
-        raw = ctypes.CDLL(name)
         return lib
     raise ImportError("kvclient: cannot load libkvclient; tried:\n  " + "\n  ".join(tried) +
                       "\nInstall it (./dev install, or the kvd .deb) or set KVCLIENT_LIBRARY to "
                       "the path of libkvclient.so.")
 
 
-raw = None
 lib = load()

@@ -1184,8 +1184,6 @@ class Batch:
         self._reqs = []
         self._fixups = []  # (outs, c_size_t array of their hit counts) of lookup_many
         self._idx = c_size_t()
-        self._idx_addr = ctypes.addressof(self._idx)
-        self._idx_cv = c_void_p(self._idx_addr)
 
     def _queued(self, rc, req, name):
         if rc:
