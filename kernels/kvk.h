@@ -114,6 +114,14 @@ uint32_t kvk_dtype_bytes(kv_dtype d);
 kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int32_t *src_blocks,
                            const int32_t *dst_blocks, uint32_t n);
 
+/* memcpy of n bytes between host buffers that do not overlap, for a destination that is not
+ * read again soon (a tier's copy of a block): non-temporal stores (no read for ownership, no
+ * cache lines evicted for it) in four interleaved streams, AVX2 where the CPU has it (KVK_SIMD
+ * applies), SSE2 otherwise; fenced before it returns. Under KVK_STREAM_MIN bytes it is memcpy.
+ * copy_blocks uses the same copy for calls of 4 MiB or more. */
+#define KVK_STREAM_MIN 4096u
+void kvk_copy_stream(void *dst, const void *src, size_t n);
+
 /* GPU twin: one launch for all n blocks. src_blocks and dst_blocks are device arrays; a pair
  * with an id out of range is skipped. src or dst data may be pinned host memory (UVA), which
  * makes this a host<->device tier move. */

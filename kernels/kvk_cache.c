@@ -98,28 +98,61 @@ kv_err kvk__check_copy(const kvk_cache *src, const kvk_cache *dst) {
 #define STREAM_MIN_BYTES (4u << 20)
 
 #if defined(__SSE2__)
-/* memcpy of n bytes whose stores bypass the caches (16-byte aligned non-temporal stores; the
- * unaligned head and the tail through memcpy). The caller fences with _mm_sfence. */
-static void copy_stream(char *to, const char *from, size_t n) {
+/* The SSE2 form of simd_copy_nt (kvk_simd_body.h), for CPUs without AVX2 or KVK_SIMD=scalar:
+ * 16-byte aligned non-temporal stores, four interleaved quarters of 64-byte steps. */
+static void copy_nt_sse2(char *to, const char *from, size_t n) {
     size_t head = (16 - ((uintptr_t)to & 15)) & 15;
     head = head < n ? head : n;
     memcpy(to, from, head);
     to += head;
     from += head;
     n -= head;
-    for (; n >= 64; n -= 64, to += 64, from += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)from);
-        __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(from + 48));
-        _mm_stream_si128((__m128i *)to, a);
-        _mm_stream_si128((__m128i *)(to + 16), b);
-        _mm_stream_si128((__m128i *)(to + 32), c);
-        _mm_stream_si128((__m128i *)(to + 48), d);
+    size_t q = n / 256 * 64;
+    for (size_t o = 0; o < q; o += 64) {
+        for (int k = 0; k < 4; k++) {
+            const char *f = from + (size_t)k * q + o;
+            char *t = to + (size_t)k * q + o;
+            __builtin_prefetch(f + 512);
+            __m128i a = _mm_loadu_si128((const __m128i *)f);
+            __m128i b = _mm_loadu_si128((const __m128i *)(f + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(f + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(f + 48));
+            _mm_stream_si128((__m128i *)t, a);
+            _mm_stream_si128((__m128i *)(t + 16), b);
+            _mm_stream_si128((__m128i *)(t + 32), c);
+            _mm_stream_si128((__m128i *)(t + 48), d);
+        }
     }
-    memcpy(to, from, n);
+    memcpy(to + 4 * q, from + 4 * q, n - 4 * q);
 }
 #endif
+
+void kvk__copy_nt(const kvk__simd_ops *ops, void *to, const void *from, size_t n) {
+    if (ops != NULL && ops->copy_nt != NULL) {
+        ops->copy_nt(to, from, n);
+        return;
+    }
+#if defined(__SSE2__)
+    copy_nt_sse2(to, from, n);
+#else
+    memcpy(to, from, n);
+#endif
+}
+
+void kvk__copy_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streamed stores are visible before the caller reads or hands off */
+#endif
+}
+
+void kvk_copy_stream(void *dst, const void *src, size_t n) {
+    if (n < KVK_STREAM_MIN) {
+        memcpy(dst, src, n);
+        return;
+    }
+    kvk__copy_nt(kvk__ops(), dst, src, n);
+    kvk__copy_fence();
+}
 
 kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int32_t *src_blocks,
                            const int32_t *dst_blocks, uint32_t n) {
@@ -142,35 +175,19 @@ kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int
                    kvk_dtype_bytes(src->dtype);
     size_t scale_chunk = (size_t)src->num_kv_heads * sizeof(float);
     int scaled = kvk__is_scaled(src->dtype);
-#if defined(__SSE2__)
     int stream = (uint64_t)n * src->num_sections * chunk >= STREAM_MIN_BYTES;
-#endif
+    const kvk__simd_ops *ops = stream ? kvk__ops() : NULL;
     for (uint32_t i = 0; i < n; i++) {
         for (uint32_t s = 0; s < src->num_sections; s++) {
             const char *from = (const char *)src->data + src_blocks[i] * src->block_stride +
                                (int64_t)s * src->section_stride;
             char *to = (char *)dst->data + dst_blocks[i] * dst->block_stride +
                        (int64_t)s * dst->section_stride;
-#if defined(__SSE2__)
             if (stream) {
-                /* The next chunk starts somewhere else: ask for its first lines now. */
-                uint32_t ni = s + 1 < src->num_sections ? i : i + 1;
-                if (ni < n) {
-                    uint32_t ns = s + 1 < src->num_sections ? s + 1 : 0;
-                    const char *next = (const char *)src->data +
-                                       src_blocks[ni] * src->block_stride +
-                                       (int64_t)ns * src->section_stride;
-                    for (int k = 0; k < 8; k++) {
-                        __builtin_prefetch(next + k * 64);
-                    }
-                }
-                copy_stream(to, from, chunk);
+                kvk__copy_nt(ops, to, from, chunk);
             } else {
                 memcpy(to, from, chunk);
             }
-#else
-            memcpy(to, from, chunk);
-#endif
             if (scaled) {
                 from = (const char *)src->scales + src_blocks[i] * src->scale_block_stride +
                        (int64_t)s * src->scale_section_stride;
@@ -180,11 +197,9 @@ kv_err kvk_copy_blocks_cpu(const kvk_cache *src, const kvk_cache *dst, const int
             }
         }
     }
-#if defined(__SSE2__)
     if (stream) {
-        _mm_sfence(); /* the streamed stores are visible before the caller reads or hands off */
+        kvk__copy_fence();
     }
-#endif
     return KV_OK;
 }
 

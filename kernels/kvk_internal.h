@@ -130,6 +130,8 @@ typedef struct kvk__simd_ops {
     float (*absmax)(const float *src, uint64_t n);
     /* Runs one attention task with scratch of kvk__attn_scratch_floats floats. */
     void (*attend)(const kvk__attn_job *j, const kvk__attn_task *t, float *scratch);
+    /* memcpy of n bytes (not overlapping) with non-temporal stores, unfenced: kvk__copy_nt. */
+    void (*copy_nt)(void *to, const void *from, size_t n);
 } kvk__simd_ops;
 
 extern const kvk__simd_ops kvk__simd_avx2;
@@ -145,6 +147,16 @@ int kvk__simd_force(int level);
  * rounding exactly as kvk_load_f32 / kvk_store_f32 (div == 1: no division). */
 void kvk__convert(const kvk__simd_ops *ops, kv_dtype sd, const void *src, float mul, kv_dtype dd,
                   void *dst, uint64_t n, float div);
+
+/* memcpy of n bytes between buffers that do not overlap, for bytes that are not read again
+ * soon (tier copies): the stores bypass the caches (non-temporal), so a copy larger than the
+ * caches writes each line once instead of reading it for ownership first, and the bytes move in
+ * four interleaved streams (the quarters of the copy, a few cache lines of each in turn), which
+ * keeps more lines in flight from wherever the source lies than one front does. Unfenced: the
+ * caller issues kvk__copy_fence() before anything else may read the destination or learn that
+ * the copy is done. ops: kvk__ops() (NULL: the SSE2 or plain fallback). */
+void kvk__copy_nt(const kvk__simd_ops *ops, void *to, const void *from, size_t n);
+void kvk__copy_fence(void);
 
 /* Workers a call starting now may use: kvk_threads(). Size per-worker scratch with it and pass
  * it to kvk__parallel_for (the count may change in between). */

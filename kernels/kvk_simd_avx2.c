@@ -25,5 +25,6 @@ const kvk__simd_ops kvk__simd_avx2 = {
     .from_f32 = simd_from_f32,
     .absmax = simd_absmax,
     .attend = simd_attend,
+    .copy_nt = simd_copy_nt,
 };
 #endif

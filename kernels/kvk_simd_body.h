@@ -323,6 +323,38 @@ static float simd_absmax(const float *src, uint64_t n) {
     return r;
 }
 
+/* kvk__simd_ops.copy_nt: 32-byte loads and non-temporal stores (256-bit in both builds: 512-bit
+ * stores measured no faster here), the aligned middle in four interleaved quarters of 128-byte
+ * steps (docs/KERNELS.md, "Tier copies"); the unaligned head and the tail through memcpy. */
+static void simd_copy_nt(void *to_, const void *from_, size_t n) {
+    char *to = to_;
+    const char *from = from_;
+    size_t head = (32 - ((uintptr_t)to & 31)) & 31;
+    head = head < n ? head : n;
+    memcpy(to, from, head);
+    to += head;
+    from += head;
+    n -= head;
+    size_t q = n / 512 * 128; /* each quarter: a multiple of 128 bytes */
+    for (size_t o = 0; o < q; o += 128) {
+        for (int k = 0; k < 4; k++) {
+            const char *f = from + (size_t)k * q + o;
+            char *t = to + (size_t)k * q + o;
+            __builtin_prefetch(f + 512);
+            __builtin_prefetch(f + 576);
+            __m256i a = _mm256_loadu_si256((const __m256i *)f);
+            __m256i b = _mm256_loadu_si256((const __m256i *)(f + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(f + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(f + 96));
+            _mm256_stream_si256((__m256i *)t, a);
+            _mm256_stream_si256((__m256i *)(t + 32), b);
+            _mm256_stream_si256((__m256i *)(t + 64), c);
+            _mm256_stream_si256((__m256i *)(t + 96), d);
+        }
+    }
+    memcpy(to + 4 * q, from + 4 * q, n - 4 * q);
+}
+
 /* ---- Attention (kvk__simd_ops.attend) ---------------------------------------------------------
  */
 

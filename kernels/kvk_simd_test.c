@@ -183,6 +183,51 @@ static void test_reshape_exact(void **state) {
     kvk__simd_force(best_level);
 }
 
+/* kvk_copy_stream at every level (and the SSE2 fallback): sizes around the 4 KiB threshold,
+ * the 512-byte quarter step and its tail, both buffers at every offset mod 64; the bytes
+ * around the destination untouched. */
+static void test_copy_stream_exact(void **state) {
+    (void)state;
+    int lv[2];
+    int nl = levels(lv);
+    int all[3] = {KVK__SIMD_SCALAR, 0, 0};
+    for (int i = 0; i < nl; i++) {
+        all[i + 1] = lv[i];
+    }
+    const size_t sizes[] = {0, 1, 63, 4095, 4096, 4097, 4607, 8192 + 31, 32768, 100003, 1 << 20};
+    size_t cap = (1 << 20) + 256;
+    uint8_t *src = malloc(cap), *dst = malloc(cap), *want = malloc(cap);
+    assert_non_null(src);
+    assert_non_null(dst);
+    assert_non_null(want);
+    for (size_t i = 0; i < cap; i++) {
+        src[i] = (uint8_t)(i * 131 + (i >> 9));
+    }
+    for (int li = 0; li < nl + 1; li++) {
+        assert_int_equal(kvk__simd_force(all[li]), all[li]);
+        for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+            /* (offsets 0..63 in steps that meet every alignment class of 16 and 32) */
+            for (size_t so = 0; so < 64; so += 7) {
+                for (size_t d0 = 0; d0 < 64; d0 += 5) {
+                    size_t n = sizes[si], span = n + 128;
+                    memset(dst, 0xA5, span);
+                    memset(want, 0xA5, span);
+                    memcpy(want + d0, src + so, n);
+                    kvk_copy_stream(dst + d0, src + so, n);
+                    if (memcmp(dst, want, span) != 0) {
+                        fail_msg("level %d: copy of %zu bytes (src +%zu, dst +%zu) differs",
+                                 all[li], n, so, d0);
+                    }
+                }
+            }
+        }
+    }
+    free(src);
+    free(dst);
+    free(want);
+    kvk__simd_force(best_level);
+}
+
 static void test_quantize_exact(void **state) {
     (void)state;
     int lv[2];
@@ -544,6 +589,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_conversions_exact),
         cmocka_unit_test(test_reshape_exact),
         cmocka_unit_test(test_quantize_exact),
+        cmocka_unit_test(test_copy_stream_exact),
         cmocka_unit_test(test_decode_vs_twin),
         cmocka_unit_test(test_wide_groups_vs_twin),
         cmocka_unit_test(test_prefill_vs_twin),

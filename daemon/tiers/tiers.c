@@ -30,6 +30,7 @@
 #include "daemon/tiers/remote.h"
 #include "daemon/tiers/rwatch.h"
 #include "daemon/tiers/store.h"
+#include "kernels/kvk.h"
 
 enum {
     TS_T1_BYTES, /* rows of one Prometheus family stay adjacent (daemon/ops/metrics.c) */
@@ -470,6 +471,16 @@ static void gather(const run *r, uint32_t n, uint8_t *dst) {
     }
 }
 
+/* gather for a destination nobody reads soon (a T1 buffer): streamed stores (kvk_copy_stream),
+ * which keep the copy from reading every line of the buffer for ownership first. Not for a
+ * scratch image a codec or checksum reads next: that one stays in the caches. */
+static void gather_stream(const run *r, uint32_t n, uint8_t *dst) {
+    for (uint32_t i = 0; i < n; i++) {
+        kvk_copy_stream(dst, r[i].p, r[i].n);
+        dst += r[i].n;
+    }
+}
+
 static void scatter(const run *r, uint32_t n, const uint8_t *src) {
     for (uint32_t i = 0; i < n; i++) {
         memcpy(r[i].p, src, r[i].n);
@@ -531,7 +542,7 @@ static void work(uv_work_t *w) {
                 break;
             }
             if (j->format == KVD_TF_RAW) {
-                gather(j->runs, j->nruns, j->out);
+                gather_stream(j->runs, j->nruns, j->out);
                 j->out_len = j->block_bytes;
                 j->out_fmt = KVD_TF_RAW;
                 break;
