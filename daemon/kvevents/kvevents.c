@@ -166,6 +166,13 @@ struct kvd_kvevents {
     uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
     int handles, armed, started, closed;
+    int check_on;  /* check handle started */
+    int flush_due; /* flush-ms 0: flush at this iteration's check */
+    int startup;   /* the AllBlocksCleared batches wait for the first check */
+    uint8_t *in;   /* the intake (records, in order) */
+    size_t in_len, in_cap;
+    kvd_kvevent_block *blk; /* drain scratch: one Stored record's blocks */
+    size_t blk_cap;
     adv *tab;
     size_t tcap, tn;  /* slots (a power of two), used */
     uint64_t nblocks; /* ns-2 records: hashes advertised */
@@ -498,10 +505,30 @@ static void flush_all(kvd_kvevents *e) {
     e->armed = 0;
 }
 
+static void drain(kvd_kvevents *e);
+
+/* After every I/O callback of the loop iteration (so after the replies it wrote): the start-up
+ * batches alone, then the intake's records, then (flush-ms 0) the batches they built. */
 static void on_check(uv_check_t *h) {
     kvd_kvevents *e = h->data;
+    if (e->startup) {
+        e->startup = 0;
+        flush_all(e);
+    }
+    drain(e);
+    if (e->flush_due) {
+        e->flush_due = 0;
+        flush_all(e);
+    }
     uv_check_stop(&e->check);
-    flush_all(e);
+    e->check_on = 0;
+}
+
+static void want_check(kvd_kvevents *e) {
+    if (!e->check_on && e->handles && !e->closed) {
+        uv_check_start(&e->check, on_check);
+        e->check_on = 1;
+    }
 }
 
 static void on_timer(uv_timer_t *h) {
@@ -518,7 +545,8 @@ static void arm(kvd_kvevents *e) {
     if (e->flush_ms > 0) {
         uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
     } else {
-        uv_check_start(&e->check, on_check);
+        e->flush_due = 1;
+        want_check(e);
     }
     e->armed = 1;
 }
@@ -781,6 +809,9 @@ static const uint8_t *full_of(kvd_kvevents *e, pub *b, kv_hash128 key, const uin
 
 int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]) {
     kvd_kvevents *e = arg;
+    if (e != NULL) {
+        drain(e); /* the records so far first: the digest may be in one */
+    }
     pub *b = e != NULL && e->vllm ? pub_of(e, domain) : NULL;
     uint8_t buf[32];
     if (b == NULL || recorded_full(e, b, hash, buf) == NULL) {
@@ -790,13 +821,9 @@ int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_
     return 1;
 }
 
-void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
-                              kv_hash128 hash, const kv_hash128 *parent, const uint8_t *tail,
-                              int tier, int present) {
-    kvd_kvevents *e = arg;
-    if (e == NULL || !e->started || e->closed || tier < KVD_KVEV_T0 || tier > KVD_KVEV_REMOTE) {
-        return;
-    }
+static void do_tier_change(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, uint32_t block_size,
+                           kv_hash128 hash, const kv_hash128 *parent, const uint8_t *tail, int tier,
+                           int present) {
     pub *b = pub_of(e, domain);
     if (b == NULL) {
         return;
@@ -853,12 +880,13 @@ void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint
     }
 }
 
-void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
-                         size_t n, const kv_hash128 *parent, const uint8_t *parent_full) {
-    if (!kvd_kvevents_publishes(e, p) || n == 0) {
+static void do_stored(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, uint32_t tpb,
+                      const kvd_kvevent_block *blk, size_t n, const kv_hash128 *parent,
+                      const uint8_t *parent_full) {
+    pub *b = pub_of(e, domain);
+    if (b == NULL) {
         return;
     }
-    pub *b = pub_of(e, p->domain);
     /* The pool holds each block now; the publisher advertises those it did not hold: one
      * BlockStored per run of them, a block advertised already splits the chain (it is the
      * next run's parent). */
@@ -867,7 +895,7 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
     for (size_t i = 0; i <= n; i++) {
         int fresh = 0;
         if (i < n) {
-            int rc = adv_hold(e, b, p->pool_id, blk[i].key, 0, 0, blk[i].full);
+            int rc = adv_hold(e, b, pool_id, blk[i].key, 0, 0, blk[i].full);
             fresh = rc == 1;
             e->c[KS_GAPS] += rc < 0;
         }
@@ -875,7 +903,7 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
             start = i;
             in_run = 1;
         } else if (!fresh && in_run) {
-            pack_stored(e, b, p->layout.tokens_per_block, e->medium, blk + start, i - start,
+            pack_stored(e, b, tpb, e->medium, blk + start, i - start,
                         start == 0 ? parent : &blk[start - 1].key,
                         start == 0 ? parent_full : blk[start - 1].full);
             in_run = 0;
@@ -883,21 +911,232 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
     }
 }
 
+/* A block of pool pool_id left T0. */
+static void do_drop(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, kv_hash128 hash) {
+    pub *b = pub_of(e, domain);
+    uint8_t fbuf[32];
+    const uint8_t *full;
+    if (b != NULL && adv_let_go(e, b, pool_id, hash, 0, 0, fbuf, &full) == 1) {
+        pack_removed(e, b, hash, full, e->medium);
+    }
+}
+
+/* ---- the intake ------------------------------------------------------------------------------
+ * The request paths only record what happened, copied (the caller's arrays are gone when it
+ * returns): a Commit's blocks (key, digest, token ids when the publisher sends them), a T0 drop,
+ * a tier change. The check handle (after every I/O callback of the loop iteration, so after the
+ * replies it wrote) runs the bookkeeping and the encoding of the records in the order they came:
+ * a Commit's or an Allocate's reply does not wait for its events. A synchronous reader of the
+ * state (digest_tail, stats, close) drains the intake first. Records are 8-byte multiples in a
+ * malloc'd buffer (so every struct below is aligned). */
+enum { IN_STORED = 1, IN_DROP, IN_TIER };
+
+typedef struct in_stored {
+    uint32_t kind, size; /* size: bytes of the record, blocks and token ids included */
+    uint32_t pool_id, domain, tpb, n;
+    uint32_t has_parent, has_parent_full;
+    kv_hash128 parent;
+    uint8_t parent_full[32];
+} in_stored; /* then n in_block, each followed by its token ids (padded to 8) when it has them */
+
+typedef struct in_block {
+    kv_hash128 key;
+    uint32_t has_full, has_tokens;
+    uint8_t full[32];
+} in_block;
+
+typedef struct in_drop {
+    uint32_t kind, size;
+    uint32_t pool_id, domain;
+    kv_hash128 hash;
+} in_drop;
+
+typedef struct in_tier {
+    uint32_t kind, size;
+    uint32_t pool_id, domain, block_size;
+    int32_t tier, present;
+    uint32_t has_parent, has_tail, pad;
+    kv_hash128 hash, parent;
+    uint8_t tail[16];
+} in_tier;
+
+#define IN_ALIGN(n) (((n) + 7u) & ~(size_t)7u)
+_Static_assert(sizeof(in_stored) % 8 == 0 && sizeof(in_block) % 8 == 0 &&
+                   sizeof(in_drop) % 8 == 0 && sizeof(in_tier) % 8 == 0,
+               "intake records keep the next one 8-byte aligned");
+
+/* Room for n more bytes of records (n a multiple of 8), or NULL for want of memory. */
+static uint8_t *in_room(kvd_kvevents *e, size_t n) {
+    if (e->in_cap - e->in_len < n) {
+        size_t nc = e->in_cap != 0 ? e->in_cap : 16384;
+        while (nc - e->in_len < n) {
+            nc *= 2;
+        }
+        uint8_t *ni = realloc(e->in, nc);
+        if (ni == NULL) {
+            return NULL;
+        }
+        e->in = ni;
+        e->in_cap = nc;
+    }
+    want_check(e);
+    return e->in + e->in_len;
+}
+
+static int takes(const kvd_kvevents *e, uint32_t domain) {
+    return e != NULL && e->started && !e->closed && pub_of(e, domain) != NULL;
+}
+
+/* Runs the records so far, in order, and empties the intake. */
+static void drain(kvd_kvevents *e) {
+    size_t off = 0;
+    while (off < e->in_len) {
+        const uint8_t *r = e->in + off;
+        uint32_t kind, size;
+        memcpy(&kind, r, 4);
+        memcpy(&size, r + 4, 4);
+        if (kind == IN_DROP) {
+            const in_drop *d = (const in_drop *)r;
+            do_drop(e, d->pool_id, d->domain, d->hash);
+        } else if (kind == IN_TIER) {
+            const in_tier *t = (const in_tier *)r;
+            do_tier_change(e, t->pool_id, t->domain, t->block_size, t->hash,
+                           t->has_parent ? &t->parent : NULL, t->has_tail ? t->tail : NULL, t->tier,
+                           t->present);
+        } else {
+            const in_stored *h = (const in_stored *)r;
+            if (h->n > e->blk_cap) {
+                kvd_kvevent_block *nb = realloc(e->blk, h->n * sizeof(*nb));
+                if (nb == NULL) {
+                    e->c[KS_GAPS] += h->n;
+                    off += size;
+                    continue;
+                }
+                e->blk = nb;
+                e->blk_cap = h->n;
+            }
+            const uint8_t *q = r + sizeof(*h);
+            for (uint32_t i = 0; i < h->n; i++) {
+                const in_block *ib = (const in_block *)q;
+                q += sizeof(*ib);
+                e->blk[i].key = ib->key;
+                e->blk[i].full = ib->has_full ? ib->full : NULL;
+                e->blk[i].tokens = ib->has_tokens ? (const uint32_t *)q : NULL;
+                q += ib->has_tokens ? IN_ALIGN((size_t)h->tpb * sizeof(uint32_t)) : 0;
+            }
+            do_stored(e, h->pool_id, h->domain, h->tpb, e->blk, h->n,
+                      h->has_parent ? &h->parent : NULL,
+                      h->has_parent_full ? h->parent_full : NULL);
+        }
+        off += size;
+    }
+    e->in_len = 0;
+}
+
+void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
+                         size_t n, const kv_hash128 *parent, const uint8_t *parent_full) {
+    if (!kvd_kvevents_publishes(e, p) || n == 0) {
+        return;
+    }
+    uint32_t tpb = p->layout.tokens_per_block;
+    /* Token ids only where the publisher sends them (a record stays small otherwise). */
+    int tokens = pub_of(e, p->domain)->token_ids;
+    size_t tok_bytes = IN_ALIGN((size_t)tpb * sizeof(uint32_t));
+    size_t size = sizeof(in_stored);
+    for (size_t i = 0; i < n; i++) {
+        size += sizeof(in_block) + (tokens && blk[i].tokens != NULL ? tok_bytes : 0);
+    }
+    uint8_t *r = size <= UINT32_MAX ? in_room(e, size) : NULL;
+    if (r == NULL) {
+        e->c[KS_GAPS] += n;
+        return;
+    }
+    in_stored *h = (in_stored *)r;
+    memset(h, 0, sizeof(*h));
+    h->kind = IN_STORED;
+    h->size = (uint32_t)size;
+    h->pool_id = p->pool_id;
+    h->domain = p->domain;
+    h->tpb = tpb;
+    h->n = (uint32_t)n;
+    if (parent != NULL) {
+        h->has_parent = 1;
+        h->parent = *parent;
+    }
+    if (parent_full != NULL) {
+        h->has_parent_full = 1;
+        memcpy(h->parent_full, parent_full, 32);
+    }
+    uint8_t *q = r + sizeof(*h);
+    for (size_t i = 0; i < n; i++) {
+        in_block *ib = (in_block *)q;
+        q += sizeof(*ib);
+        ib->key = blk[i].key;
+        ib->has_full = blk[i].full != NULL;
+        if (ib->has_full) {
+            memcpy(ib->full, blk[i].full, 32);
+        }
+        ib->has_tokens = tokens && blk[i].tokens != NULL;
+        if (ib->has_tokens) {
+            memcpy(q, blk[i].tokens, (size_t)tpb * sizeof(uint32_t));
+            q += tok_bytes;
+        }
+    }
+    e->in_len += size;
+}
+
+void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint32_t block_size,
+                              kv_hash128 hash, const kv_hash128 *parent, const uint8_t *tail,
+                              int tier, int present) {
+    kvd_kvevents *e = arg;
+    if (!takes(e, domain) || tier < KVD_KVEV_T0 || tier > KVD_KVEV_REMOTE) {
+        return;
+    }
+    in_tier *t = (in_tier *)in_room(e, sizeof(in_tier));
+    if (t == NULL) {
+        e->c[KS_GAPS]++;
+        return;
+    }
+    memset(t, 0, sizeof(*t));
+    t->kind = IN_TIER;
+    t->size = sizeof(*t);
+    t->pool_id = pool_id;
+    t->domain = domain;
+    t->block_size = block_size;
+    t->tier = tier;
+    t->present = present;
+    t->hash = hash;
+    if (parent != NULL) {
+        t->has_parent = 1;
+        t->parent = *parent;
+    }
+    if (tail != NULL) {
+        t->has_tail = 1;
+        memcpy(t->tail, tail, 16);
+    }
+    e->in_len += sizeof(*t);
+}
+
 /* The pool's drop hook (KVD_DROP_HOOK_EVENTS): a block left T0. */
 static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 parent, int reason) {
     (void)parent;
     (void)reason;
     kvd_kvevents *e = arg;
-    if (e->closed || !e->started) {
+    const kvd_pool_config *pc = kvd_pool_config_get(pool);
+    if (!takes(e, pc->domain)) {
         return;
     }
-    const kvd_pool_config *pc = kvd_pool_config_get(pool);
-    pub *b = pub_of(e, pc->domain);
-    uint8_t fbuf[32];
-    const uint8_t *full;
-    if (b != NULL && adv_let_go(e, b, pc->pool_id, hash, 0, 0, fbuf, &full) == 1) {
-        pack_removed(e, b, hash, full, e->medium);
+    in_drop *d = (in_drop *)in_room(e, sizeof(in_drop));
+    if (d == NULL) {
+        e->c[KS_GAPS]++;
+        return;
     }
+    d->kind = IN_DROP;
+    d->size = sizeof(*d);
+    d->pool_id = pc->pool_id;
+    d->domain = pc->domain;
+    d->hash = hash;
+    e->in_len += sizeof(*d);
 }
 
 void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p) {
@@ -1213,8 +1452,9 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
                b->map ? "map" : "array");
     }
     /* The AllBlocksCleared batches go alone, at the first loop iteration, whatever flush-ms. */
-    uv_check_start(&e->check, on_check);
+    e->startup = 1;
     e->armed = 1;
+    want_check(e);
     return KV_OK;
 }
 
@@ -1222,6 +1462,7 @@ void kvd_kvevents_close(kvd_kvevents *e) {
     if (e == NULL || e->closed) {
         return;
     }
+    drain(e);
     flush_all(e);
     e->closed = 1;
     for (uint32_t i = 0; i < e->npubs; i++) {
@@ -1257,11 +1498,16 @@ void kvd_kvevents_free(kvd_kvevents *e) {
         free(b->ring);
         msgpack_sbuffer_destroy(&b->evbuf);
     }
+    free(e->in);
+    free(e->blk);
     free(e->tab);
     free(e);
 }
 
-void kvd_kvevents_stats(const kvd_kvevents *e, kvd_stat_sink sink, void *arg) {
+void kvd_kvevents_stats(kvd_kvevents *e, kvd_stat_sink sink, void *arg) {
+    if (e != NULL) {
+        drain(e); /* kv_events_blocks as of every record so far */
+    }
     for (int i = 0; i < KS_COUNT; i++) {
         uint64_t v = e == NULL ? 0 : e->c[i];
         if (i == KS_BLOCKS) {

@@ -36,6 +36,13 @@
  * writes ("REMOTE"): kvd_kvevents_tier_change; and the blocks the daemon promotes into the
  * commons (kvd_kvevents_stored on the commons pool, from the Commit handler).
  *
+ * Off the request path: the Commit handler, the pools' drop hook and the tiers' event hook
+ * only record what happened (copied: key, digest, token ids where the publisher sends them);
+ * the bookkeeping below (the advertised-hash counts) and the encoding run at the end of the
+ * loop iteration (a uv_check handle, after every I/O callback, so after the replies were
+ * written), the records in the order they came. A reader of that state (digest_tail, stats,
+ * close) runs the records so far first, so it never sees an older state.
+ *
  * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
  * shared by the live send, the replay buffer and every replay, counted), replays are answered
  * from the buffer, at most KVD_KVEVENTS_REPLAYS_PER_WAKE requests per wake-up. Loop thread only.
@@ -95,9 +102,10 @@ typedef struct kvd_kvevent_block {
 
 /* Blocks b[0..n) of pool p were stored, each the parent of the next. parent: the key of the
  * first one's parent (NULL: a prefix's first block, or unknown); parent_full its digest when
- * the handler knows it (hash-mode vllm; else the publisher's own record of it, if any). Queues
- * BlockStored for the blocks this publisher did not hold yet (split where a block it holds
- * already sits in the chain) in the batch being built. */
+ * the handler knows it (hash-mode vllm; else the publisher's own record of it, if any). Records
+ * them (b and its arrays are copied; the caller may free them on return); at the end of the
+ * loop iteration, BlockStored for the blocks this publisher did not hold yet (split where a
+ * block it holds already sits in the chain) joins the batch being built. */
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *b,
                          size_t n, const kv_hash128 *parent, const uint8_t *parent_full);
 
@@ -128,10 +136,10 @@ int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_
 /* An event that could not be published for want of memory (the handler's): counted. */
 void kvd_kvevents_gap(kvd_kvevents *e);
 
-/* Counters over all publishers through sink: kv_events_publishers, kv_events_batches,
- * kv_events_events, kv_events_send_errors, kv_events_gaps, kv_events_replays,
- * kv_events_replay_bad, kv_events_blocks (hashes advertised now). */
-void kvd_kvevents_stats(const kvd_kvevents *e, kvd_stat_sink sink, void *arg);
+/* Counters over all publishers through sink (after running the records so far):
+ * kv_events_publishers, kv_events_batches, kv_events_events, kv_events_send_errors, kv_events_gaps,
+ * kv_events_replays, kv_events_replay_bad, kv_events_blocks (hashes advertised now). */
+void kvd_kvevents_stats(kvd_kvevents *e, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_kvevents_stat_descs(size_t *n);
 
 #endif
