@@ -532,6 +532,7 @@ static void want_check(kvd_kvevents *e) {
 }
 
 static void on_timer(uv_timer_t *h) {
+    drain(h->data); /* records made after the iteration's check (a close callback's) */
     flush_all(h->data);
 }
 
@@ -809,12 +810,13 @@ static const uint8_t *full_of(kvd_kvevents *e, pub *b, kv_hash128 key, const uin
 
 int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]) {
     kvd_kvevents *e = arg;
-    if (e != NULL) {
-        drain(e); /* the records so far first: the digest may be in one */
-    }
     pub *b = e != NULL && e->vllm ? pub_of(e, domain) : NULL;
+    if (b == NULL) {
+        return 0; /* no digests recorded for this domain: nothing to run first */
+    }
+    drain(e); /* the records so far first: the digest may be in one */
     uint8_t buf[32];
-    if (b == NULL || recorded_full(e, b, hash, buf) == NULL) {
+    if (recorded_full(e, b, hash, buf) == NULL) {
         return 0;
     }
     memcpy(tail, buf + 16, 16);
@@ -980,6 +982,9 @@ static uint8_t *in_room(kvd_kvevents *e, size_t n) {
         e->in_cap = nc;
     }
     want_check(e);
+    if (e->flush_ms > 0) {
+        arm(e); /* the window starts at the first event, whenever the next check comes */
+    }
     return e->in + e->in_len;
 }
 
