@@ -169,7 +169,7 @@ struct kvd_kvevents {
     int check_on;  /* check handle started */
     int flush_due; /* flush-ms 0: flush at this iteration's check */
     int startup;   /* the AllBlocksCleared batches wait for the first check */
-    uint8_t *in;   /* the intake (records, in order) */
+    char *in;      /* the intake (records, in order) */
     size_t in_len, in_cap;
     kvd_kvevent_block *blk; /* drain scratch: one Stored record's blocks */
     size_t blk_cap;
@@ -298,25 +298,31 @@ static void pack_str(msgpack_packer *pk, const char *s) {
     msgpack_pack_str_body(pk, s, n);
 }
 
+/* Room for n more bytes at the end of a growing buffer (*data, *cap bytes, len used; doubling
+ * from init): where they go, or NULL for want of memory (the buffer unchanged). */
+static void *room_in(char **data, size_t *cap, size_t len, size_t n, size_t init) {
+    if (*cap - len < n) {
+        size_t nc = *cap != 0 ? *cap : init;
+        while (nc - len < n) {
+            nc *= 2;
+        }
+        char *d = realloc(*data, nc);
+        if (d == NULL) {
+            return NULL;
+        }
+        *data = d;
+        *cap = nc;
+    }
+    return *data + len;
+}
+
 /* Room for n more bytes at the end of the batch being built: where they go (the caller writes
  * them and adds what it wrote to evbuf.size), or NULL for want of memory (as msgpack's
  * sbuffer_write, which grows it the same way, then writes nothing). Packing a block name
  * through msgpack's callback cost ~80 instructions a hash; writing it in place ~15. */
 static uint8_t *evbuf_room(pub *b, size_t n) {
     msgpack_sbuffer *sb = &b->evbuf;
-    if (sb->alloc - sb->size < n) {
-        size_t na = sb->alloc != 0 ? sb->alloc : MSGPACK_SBUFFER_INIT_SIZE;
-        while (na - sb->size < n) {
-            na *= 2;
-        }
-        char *d = realloc(sb->data, na);
-        if (d == NULL) {
-            return NULL;
-        }
-        sb->data = d;
-        sb->alloc = na;
-    }
-    return (uint8_t *)sb->data + sb->size;
+    return room_in(&sb->data, &sb->alloc, sb->size, n, MSGPACK_SBUFFER_INIT_SIZE);
 }
 
 #define HASH_MAX 34 /* bytes of one packed block name, at most (bin 8 of a 32-byte digest) */
@@ -969,23 +975,15 @@ _Static_assert(sizeof(in_stored) % 8 == 0 && sizeof(in_block) % 8 == 0 &&
 
 /* Room for n more bytes of records (n a multiple of 8), or NULL for want of memory. */
 static uint8_t *in_room(kvd_kvevents *e, size_t n) {
-    if (e->in_cap - e->in_len < n) {
-        size_t nc = e->in_cap != 0 ? e->in_cap : 16384;
-        while (nc - e->in_len < n) {
-            nc *= 2;
-        }
-        uint8_t *ni = realloc(e->in, nc);
-        if (ni == NULL) {
-            return NULL;
-        }
-        e->in = ni;
-        e->in_cap = nc;
+    uint8_t *r = room_in(&e->in, &e->in_cap, e->in_len, n, 16384);
+    if (r == NULL) {
+        return NULL;
     }
     want_check(e);
     if (e->flush_ms > 0) {
         arm(e); /* the window starts at the first event, whenever the next check comes */
     }
-    return e->in + e->in_len;
+    return r;
 }
 
 static int takes(const kvd_kvevents *e, uint32_t domain) {
@@ -996,7 +994,7 @@ static int takes(const kvd_kvevents *e, uint32_t domain) {
 static void drain(kvd_kvevents *e) {
     size_t off = 0;
     while (off < e->in_len) {
-        const uint8_t *r = e->in + off;
+        const uint8_t *r = (const uint8_t *)e->in + off;
         uint32_t kind, size;
         memcpy(&kind, r, 4);
         memcpy(&size, r + 4, 4);
