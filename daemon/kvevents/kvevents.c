@@ -969,6 +969,7 @@ typedef struct in_tier {
 } in_tier;
 
 #define IN_ALIGN(n) (((n) + 7u) & ~(size_t)7u)
+#define INTAKE_KEEP (1u << 20) /* intake bytes kept between iterations, at most */
 _Static_assert(sizeof(in_stored) % 8 == 0 && sizeof(in_block) % 8 == 0 &&
                    sizeof(in_drop) % 8 == 0 && sizeof(in_tier) % 8 == 0,
                "intake records keep the next one 8-byte aligned");
@@ -1034,6 +1035,11 @@ static void drain(kvd_kvevents *e) {
         off += size;
     }
     e->in_len = 0;
+    if (e->in_cap > INTAKE_KEEP) { /* a burst's buffer (a huge Commit with token ids) goes back */
+        free(e->in);
+        e->in = NULL;
+        e->in_cap = 0;
+    }
 }
 
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
