@@ -591,6 +591,60 @@ def test_capacity_eviction_publishes_block_removed(kvd_factory, zctx):
     collect_removed(sub, [ref.to_u64(h) for h in chain], "BlockRemoved after capacity eviction")
 
 
+def test_pipelined_commit_release_evict_keep_their_order(kvd_factory, zctx):
+    """A Commit, the Release of its blocks and an Allocate that must evict them, in one write
+    (one loop iteration, where kvd records the events and runs them after the replies): the
+    stream says BlockStored for the chain before BlockRemoved for it, each once."""
+    d = start(kvd_factory, pool_memory="2M")
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    # Hold every block but 4, so the pipelined Allocate finds nothing free but the chain.
+    held, chunk = [], 32
+    while True:
+        try:
+            held += allocate(c, pool, chunk)
+        except kw.KvdError as e:
+            assert e.code in (kw.ENOSPC, kw.EQUOTA), str(e)
+            if chunk == 1:
+                break
+            chunk = 1
+    assert len(held) > 4
+    c.release(pool.pool_id, held[:4])  # never committed: back to free
+    tokens = toks(4, 7000)
+    digests = ref.hash_chain(ref.none_hash(SEED), tokens, T)
+    blocks = allocate(c, pool, 4)
+    entries, parent = [], kw.NO_PARENT
+    for b, dg in zip(blocks, digests):
+        pool.write_block(b[0], kw.block_pattern(pool.layout, dg.hex()))
+        entries.append(entry(b, dg, parent))
+        parent = b[0]
+    envs = [c.envelope("commit", pb.Commit(pool_id=pool.pool_id, entries=entries), None),
+            c.envelope("release", c.blocks_msg("Release", pool.pool_id, blocks), None),
+            c.envelope("allocate", pb.Allocate(pool_id=pool.pool_id, count=4), None)]
+    c.send_raw(b"".join(c.frame(e.SerializeToString()) for e in envs))
+    for e in envs:
+        which, reply, _ = c.recv(e.id)
+        if which == "allocate_reply":
+            pool.follow(reply)
+            assert len(kw.reply_blocks(reply)) == 4
+    assert pool_stat(c, pool, "evictions_capacity") == 4
+    names = [ref.to_u64(dg) for dg in digests]
+    seen = []  # ("s" | "r", hash) in stream order
+
+    def done(b):
+        for ev in b.events:
+            kind = "s" if isinstance(ev, BlockStored) else "r" if isinstance(ev, BlockRemoved) else None
+            assert kind is not None, "unexpected event %r" % (ev,)
+            seen.extend((kind, h) for h in ev.block_hashes)
+        return all(("r", h) in seen for h in names)
+
+    sub.until("BlockStored then BlockRemoved of the pipelined chain", done)
+    for h in names:
+        assert seen.count(("s", h)) == 1 and seen.count(("r", h)) == 1, seen
+        assert seen.index(("s", h)) < seen.index(("r", h)), "removed before stored: %r" % seen
+
+
 def test_admin_evict_is_one_block_removed(kvd_factory, zctx):
     """Removals in a row on one medium share one BlockRemoved (vLLM's event lists its blocks):
     an admin evict of 5 cached blocks is a single event naming the 5, in both formats."""
