@@ -128,7 +128,7 @@ static void copy_nt_sse2(char *to, const char *from, size_t n) {
 #endif
 
 void kvk__copy_nt(const kvk__simd_ops *ops, void *to, const void *from, size_t n) {
-    if (ops != NULL && ops->copy_nt != NULL) {
+    if (ops != NULL) {
         ops->copy_nt(to, from, n);
         return;
     }

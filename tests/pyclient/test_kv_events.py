@@ -388,13 +388,20 @@ def vllm_commit(conn, pool, tokens, parent_digest=None, parent_block=kw.NO_PAREN
     first = ref.none_hash(SEED) if parent_digest is None else parent_digest
     digests = ref.hash_chain(first, tokens, T)
     blocks = allocate(conn, pool, len(digests))
-    entries, parent = [], parent_block
+    entries = chain_entries(pool, blocks, digests, parent_block, tokens if send_tokens else None)
+    return commit_entries(conn, pool, entries), digests
+
+
+def chain_entries(pool, blocks, digests, parent=kw.NO_PARENT, tokens=None):
+    """Writes each digest's pattern into its block and returns the chain's CommitEntries, each
+    the parent of the next (with the blocks' token ids from `tokens` when given)."""
+    entries = []
     for i, (b, dg) in enumerate(zip(blocks, digests)):
         pool.write_block(b[0], kw.block_pattern(pool.layout, dg.hex()))
-        entries.append(entry(b, dg, parent,
-                             token_ids=tokens[i * T:(i + 1) * T] if send_tokens else None))
+        ids = tokens[i * T:(i + 1) * T] if tokens is not None else None
+        entries.append(entry(b, dg, parent, token_ids=ids))
         parent = b[0]
-    return commit_entries(conn, pool, entries), digests
+    return entries
 
 
 def xxh3_commit(conn, pool, tokens, parent_hash=None, parent_block=kw.NO_PARENT):
@@ -614,11 +621,7 @@ def test_pipelined_commit_release_evict_keep_their_order(kvd_factory, zctx):
     tokens = toks(4, 7000)
     digests = ref.hash_chain(ref.none_hash(SEED), tokens, T)
     blocks = allocate(c, pool, 4)
-    entries, parent = [], kw.NO_PARENT
-    for b, dg in zip(blocks, digests):
-        pool.write_block(b[0], kw.block_pattern(pool.layout, dg.hex()))
-        entries.append(entry(b, dg, parent))
-        parent = b[0]
+    entries = chain_entries(pool, blocks, digests)
     envs = [c.envelope("commit", pb.Commit(pool_id=pool.pool_id, entries=entries), None),
             c.envelope("release", c.blocks_msg("Release", pool.pool_id, blocks), None),
             c.envelope("allocate", pb.Allocate(pool_id=pool.pool_id, count=4), None)]
@@ -634,7 +637,8 @@ def test_pipelined_commit_release_evict_keep_their_order(kvd_factory, zctx):
 
     def done(b):
         for ev in b.events:
-            kind = "s" if isinstance(ev, BlockStored) else "r" if isinstance(ev, BlockRemoved) else None
+            kind = ("s" if isinstance(ev, BlockStored) else
+                    "r" if isinstance(ev, BlockRemoved) else None)
             assert kind is not None, "unexpected event %r" % (ev,)
             seen.extend((kind, h) for h in ev.block_hashes)
         return all(("r", h) in seen for h in names)
@@ -1025,12 +1029,7 @@ def test_parent_after_duplicates_and_from_the_client(kvd_factory, zctx):
     p2 = c2.attach("m", LAYOUT)
     full = ref.hash_chain(ref.none_hash(SEED), tokens, T)
     blocks = allocate(c2, p2, 4)
-    entries, parent = [], kw.NO_PARENT
-    for b, dg in zip(blocks, full):
-        p2.write_block(b[0], kw.block_pattern(p2.layout, dg.hex()))
-        entries.append(entry(b, dg, parent))
-        parent = b[0]
-    commit_entries(c2, p2, entries)
+    commit_entries(c2, p2, chain_entries(p2, blocks, full))
     assert sub.next_batch("the new tail").events == [
         stored([ref.to_u64(h) for h in full[2:]], parent=ref.to_u64(full[1]))]
     more = toks(1, 5000)
