@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 int kv_default_socket_path(const char *file, char *buf, size_t cap) {
@@ -25,6 +26,52 @@ int kv_parse_u64(const char *s, const char **end, uint64_t *out) {
     }
     if (end != NULL) {
         *end = e;
+    }
+    *out = v;
+    return 0;
+}
+
+int kv_parse_size(const char *s, uint64_t *out) {
+    const char *end;
+    uint64_t v;
+    if (kv_parse_u64(s, &end, &v) != 0) {
+        return -1;
+    }
+    unsigned shift = 0;
+    switch (*end) {
+        case 'k':
+        case 'K':
+            shift = 10;
+            break;
+        case 'm':
+        case 'M':
+            shift = 20;
+            break;
+        case 'g':
+        case 'G':
+            shift = 30;
+            break;
+        case 't':
+        case 'T':
+            shift = 40;
+            break;
+        case '\0':
+            break;
+        default:
+            return -1;
+    }
+    if (shift != 0) {
+        end++;
+        if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0) {
+            end += strlen(end);
+        }
+        if (v > (UINT64_MAX >> shift)) {
+            return -1;
+        }
+        v <<= shift;
+    }
+    if (*end != '\0') {
+        return -1;
     }
     *out = v;
     return 0;

@@ -765,6 +765,14 @@ static void test_quota_fields(void **state) {
     assert_int_equal(kvd_quota_parse_field(&q, "max-held", "12x"), KV_EINVAL);
     assert_int_equal(kvd_quota_parse_field(&q, "nope", "1"), KV_ENOENT);
     assert_int_equal(q.max_held, 10);
+    /* Only the byte limit takes a size suffix. */
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-max-bytes", "64K"), KV_OK);
+    assert_int_equal(q.tier_max_bytes, 64 << 10);
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-max-bytes", "12345"), KV_OK);
+    assert_int_equal(q.tier_max_bytes, 12345);
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-max-bytes", "2X"), KV_EINVAL);
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-max", "4K"), KV_EINVAL);
+    assert_int_equal(q.tier_max_bytes, 12345);
 }
 
 /* Run-time change (what admin `quota set` calls), on the loop thread before serving. */

@@ -210,53 +210,6 @@ const kvd_config_option *kvd_config_find(const char *name) {
     return find_option(name, strlen(name));
 }
 
-/* Parses decimal digits with an optional K/M/G/T (or KiB/MiB/...) suffix. */
-static int parse_u64(const char *s, uint64_t *out) {
-    const char *end;
-    uint64_t v;
-    if (kv_parse_u64(s, &end, &v) != 0) {
-        return -1;
-    }
-    unsigned shift = 0;
-    switch (*end) {
-        case 'k':
-        case 'K':
-            shift = 10;
-            break;
-        case 'm':
-        case 'M':
-            shift = 20;
-            break;
-        case 'g':
-        case 'G':
-            shift = 30;
-            break;
-        case 't':
-        case 'T':
-            shift = 40;
-            break;
-        case '\0':
-            break;
-        default:
-            return -1;
-    }
-    if (shift != 0) {
-        end++;
-        if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0) {
-            end += strlen(end);
-        }
-        if (v > (UINT64_MAX >> shift)) {
-            return -1;
-        }
-        v <<= shift;
-    }
-    if (*end != '\0') {
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
 static int parse_bool(const char *s, int *out) {
     static const char *const yes[] = {"true", "yes", "on", "1"};
     static const char *const no[] = {"false", "no", "off", "0"};
@@ -356,7 +309,7 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
         }
         case KVD_OPT_U64: {
             uint64_t v;
-            if (parse_u64(value, &v) != 0) {
+            if (kv_parse_size(value, &v) != 0) {
                 kvd_conf_err(err, errlen, "%s: '%s' is not a number (suffixes K, M, G, T allowed)",
                              o->name, value);
                 return KV_EINVAL;

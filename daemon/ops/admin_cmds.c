@@ -843,10 +843,12 @@ static kv_err quota_one(kvd_ops *s, const char *tenant, json_t **out, char *msg)
         (void)kvd_registry_quota_usage(s->reg, tenant, quota_sink, usage);
     }
     if (strcmp(tenant, "default") != 0 && kvd_tenants_find(s->reg->tenants, tenant, &id) == KV_OK) {
-        uint64_t t1, t2;
-        kvd_tiers_tenant_usage(s->tiers, id, &t1, &t2);
-        quota_sink(usage, "tier1", t1);
-        quota_sink(usage, "tier2", t2);
+        kvd_tier_usage u;
+        kvd_tiers_tenant_usage(s->tiers, id, &u);
+        quota_sink(usage, "tier1", u.blocks[0]);
+        quota_sink(usage, "tier2", u.blocks[1]);
+        quota_sink(usage, "tier1_bytes", u.bytes[0]);
+        quota_sink(usage, "tier2_bytes", u.bytes[1]);
     }
     *out = json_pack("{s:s, s:o, s:o}", "tenant", tenant, "quota", limits, "usage", usage);
     return KV_OK;
@@ -1321,7 +1323,8 @@ static const kvd_admin_cmd cmds[] = {
      cmd_unpin},
     {"quota get", "[TENANT]", "a tenant's quota and usage (all tenants without TENANT)",
      "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools, "
-     "tier-max, tier-guarantee}, usage: {sessions, held, cached, pinned, tier1, tier2}}, or "
+     "tier-max, tier-guarantee, tier-max-bytes}, usage: {sessions, held, cached, pinned, tier1, "
+     "tier2, tier1_bytes, tier2_bytes}}, or "
      "`quotas`, a list of those (the `default` entry first). 0 means unlimited.",
      cmd_quota_get},
     {"quota set", "TENANT NAME VALUE", "change one limit of a tenant's quota, live",

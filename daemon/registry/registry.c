@@ -420,11 +420,11 @@ kv_err kvd_registry_quota_set(kvd_registry *s, const char *tenant, const kvd_quo
     }
     KV_LOG(INFO, "KVD-QUOTA",
            "quota of %s: max-held %llu, guarantee %llu, max-pinned %llu, max-sessions %llu, "
-           "max-pools %llu, tier-max %llu, tier-guarantee %llu",
+           "max-pools %llu, tier-max %llu, tier-guarantee %llu, tier-max-bytes %llu",
            tenant, (unsigned long long)q->max_held, (unsigned long long)q->guarantee,
            (unsigned long long)q->max_pinned, (unsigned long long)q->max_sessions,
            (unsigned long long)q->max_pools, (unsigned long long)q->tier_max,
-           (unsigned long long)q->tier_guarantee);
+           (unsigned long long)q->tier_guarantee, (unsigned long long)q->tier_max_bytes);
     return KV_OK;
 }
 

@@ -16,26 +16,29 @@
 static const struct {
     const char *name; /* as the tenants file and `quota set` spell it */
     size_t off;       /* its field in kvd_quota */
+    int size;         /* takes a size suffix (kv_parse_size) */
 } fields[] = {
-    {"max-held", offsetof(kvd_quota, max_held)},
-    {"guarantee", offsetof(kvd_quota, guarantee)},
-    {"max-pinned", offsetof(kvd_quota, max_pinned)},
-    {"max-sessions", offsetof(kvd_quota, max_sessions)},
-    {"max-pools", offsetof(kvd_quota, max_pools)},
-    {"tier-max", offsetof(kvd_quota, tier_max)},
-    {"tier-guarantee", offsetof(kvd_quota, tier_guarantee)},
+    {"max-held", offsetof(kvd_quota, max_held), 0},
+    {"guarantee", offsetof(kvd_quota, guarantee), 0},
+    {"max-pinned", offsetof(kvd_quota, max_pinned), 0},
+    {"max-sessions", offsetof(kvd_quota, max_sessions), 0},
+    {"max-pools", offsetof(kvd_quota, max_pools), 0},
+    {"tier-max", offsetof(kvd_quota, tier_max), 0},
+    {"tier-guarantee", offsetof(kvd_quota, tier_guarantee), 0},
+    {"tier-max-bytes", offsetof(kvd_quota, tier_max_bytes), 1},
 };
 
 #define NFIELDS (sizeof(fields) / sizeof(fields[0]))
 
 kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value) {
-    const char *end;
-    uint64_t v;
-    if (kv_parse_u64(value, &end, &v) != 0 || *end != '\0') {
-        return KV_EINVAL;
-    }
     for (size_t i = 0; i < NFIELDS; i++) {
         if (strcmp(name, fields[i].name) == 0) {
+            const char *end;
+            uint64_t v;
+            if (fields[i].size ? kv_parse_size(value, &v) != 0
+                               : kv_parse_u64(value, &end, &v) != 0 || *end != '\0') {
+                return KV_EINVAL;
+            }
             *(uint64_t *)(void *)((char *)q + fields[i].off) = v;
             return KV_OK;
         }

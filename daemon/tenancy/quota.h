@@ -1,6 +1,6 @@
 /* kvd_quota: per-tenant limits, read and changed at run time (admin `quota get|set`).
  *
- * A tenant's quota has seven limits. The block limits apply per pool (each (model, layout,
+ * A tenant's quota has eight limits. The block limits apply per pool (each (model, layout,
  * domain) pool counts the tenant's blocks separately, as kvd_pool_tenant_usage does); the
  * session limit applies to the whole daemon. 0 means "no limit" (for guarantee: "no share").
  *   max-held     blocks the tenant holds in one pool: WRITING leases + references on committed
@@ -37,14 +37,17 @@ typedef struct kvd_quota {
     uint64_t max_pools;      /* pools the tenant's attaches created and that live; 0 = unlimited */
     uint64_t tier_max;       /* blocks per lower tier per pool; 0 = unlimited */
     uint64_t tier_guarantee; /* blocks per lower tier per pool protected from others; 0 = none */
+    uint64_t tier_max_bytes; /* bytes per lower tier per pool; 0 = unlimited */
 } kvd_quota;
 
 /* Names of the limits as the tenants file and the admin command spell them. */
 #define KVD_QUOTA_NAMES                                                                            \
-    "max-held, guarantee, max-pinned, max-sessions, max-pools, tier-max, tier-guarantee"
+    "max-held, guarantee, max-pinned, max-sessions, max-pools, tier-max, tier-guarantee, "         \
+    "tier-max-bytes"
 
-/* Sets one limit of q by name (KVD_QUOTA_NAMES) from a
- * decimal text value. KV_ENOENT unknown name, KV_EINVAL bad number. Pure; any thread. */
+/* Sets one limit of q by name (KVD_QUOTA_NAMES) from a decimal text value (tier-max-bytes: with
+ * an optional K/M/G/T suffix, kv_parse_size). KV_ENOENT unknown name, KV_EINVAL bad number. Pure;
+ * any thread. */
 kv_err kvd_quota_parse_field(kvd_quota *q, const char *name, const char *value);
 
 /* Reports q's limits through sink under their names (KVD_QUOTA_NAMES order). Any thread. */

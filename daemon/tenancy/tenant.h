@@ -6,7 +6,7 @@
  *     group NAME members=TENANT,TENANT...
  *     commons [min-tenants=K]
  *     quota NAME|default [max-held=N] [guarantee=N] [max-pinned=N] [max-sessions=N]
- *           [max-pools=N] [tier-max=N] [tier-guarantee=N]
+ *           [max-pools=N] [tier-max=N] [tier-guarantee=N] [tier-max-bytes=SIZE]
  *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
  *            [format=array|map] [buffer=N] domains=NAME,group:NAME,commons
  *     tiers [model=M] [domains=NAME,group:NAME,commons] [write=write-back|write-through]

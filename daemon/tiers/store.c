@@ -139,6 +139,9 @@ static void own_unlink(kvd_tstore *s, uint32_t i, int t) {
     }
     e->oprev[t] = e->onext[t] = KVD_TNONE;
     o->count[t]--;
+    if (t == 0) {
+        o->bytes1 -= e->len1;
+    }
 }
 
 static void own_push(kvd_tstore *s, uint32_t i, int t) {
@@ -156,6 +159,9 @@ static void own_push(kvd_tstore *s, uint32_t i, int t) {
     }
     o->tail[t] = i;
     o->count[t]++;
+    if (t == 0) {
+        o->bytes1 += e->len1;
+    }
 }
 
 static void lru_unlink(kvd_tstore *s, uint32_t i, int t) {
@@ -382,6 +388,7 @@ kv_err kvd_tstore_own(kvd_tstore *s, uint32_t i, uint32_t tenant) {
         n->tenant = tenant;
         n->head[0] = n->head[1] = n->tail[0] = n->tail[1] = KVD_TNONE;
         n->count[0] = n->count[1] = 0;
+        n->bytes1 = 0;
         o = n;
     }
     e->owner = (uint16_t)(o - s->own);
@@ -396,6 +403,11 @@ uint32_t kvd_tstore_owner(const kvd_tstore *s, uint32_t i) {
 uint64_t kvd_tstore_owned(const kvd_tstore *s, uint32_t tenant, int tier) {
     const kvd_towner *o = owner_of(s, tenant);
     return o != NULL ? o->count[tier - 1] : 0;
+}
+
+uint64_t kvd_tstore_owned_bytes1(const kvd_tstore *s, uint32_t tenant) {
+    const kvd_towner *o = owner_of(s, tenant);
+    return o != NULL ? o->bytes1 : 0;
 }
 
 uint32_t kvd_tstore_oldest_of(const kvd_tstore *s, uint32_t tenant, int tier) {

@@ -57,11 +57,13 @@ typedef struct kvd_tentry {
     uint32_t onext[2];
 } kvd_tentry;
 
-/* A tenant the store holds entries of: its oldest and newest entry and its count, per tier. */
+/* A tenant the store holds entries of: its oldest and newest entry and its count, per tier, and
+ * the T1 bytes of its entries (len1 summed; a T2 entry takes one slot, whatever its payload). */
 typedef struct kvd_towner {
     uint32_t tenant;
     uint32_t head[2], tail[2];
     uint64_t count[2];
+    uint64_t bytes1;
 } kvd_towner;
 
 #define KVD_TPEND_T1 0x01u /* a copy into T1 is in flight */
@@ -151,6 +153,9 @@ uint32_t kvd_tstore_owner(const kvd_tstore *s, uint32_t i);
 
 /* Present entries of tenant in tier (1 or 2). */
 uint64_t kvd_tstore_owned(const kvd_tstore *s, uint32_t tenant, int tier);
+
+/* Bytes of tenant's entries in T1 (their len1 summed). */
+uint64_t kvd_tstore_owned_bytes1(const kvd_tstore *s, uint32_t tenant);
 
 /* The oldest entry of tenant in tier that is not busy, or KVD_TNONE. */
 uint32_t kvd_tstore_oldest_of(const kvd_tstore *s, uint32_t tenant, int tier);

@@ -662,6 +662,37 @@ static void test_owners(void **state) {
     kvd_tstore_fini(&s);
 }
 
+/* An owner's T1 bytes follow its entries' len1 through set1, touch, take1 and drop; entries of
+ * nobody and T2 records are not in it. */
+static void test_owner_bytes(void **state) {
+    (void)state;
+    kvd_tstore s;
+    kvd_tstore_init(&s);
+    uint32_t a = get(&s, 1), b = get(&s, 2), c = get(&s, 3), d = get(&s, 4);
+    assert_int_equal(kvd_tstore_own(&s, a, 7), KV_OK);
+    assert_int_equal(kvd_tstore_own(&s, b, 7), KV_OK);
+    assert_int_equal(kvd_tstore_own(&s, c, 9), KV_OK);
+    kvd_tstore_set1(&s, a, buf(100), 100, 0);
+    kvd_tstore_set1(&s, b, buf(300), 300, 0);
+    kvd_tstore_set1(&s, c, buf(50), 50, 0);
+    kvd_tstore_set1(&s, d, buf(70), 70, 0); /* nobody's */
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 7), 400);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 9), 50);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 5), 0);
+    kvd_tstore_touch(&s, a);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 7), 400);
+    kvd_tstore_set2(&s, b, 0, 300, 0, 1, SLOT_BYTES);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 7), 400);
+    free(kvd_tstore_take1(&s, b));
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 7), 100);
+    kvd_tstore_drop(&s, a, 1, SLOT_BYTES);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 7), 0);
+    kvd_tstore_drop(&s, c, 1, SLOT_BYTES);
+    assert_int_equal(kvd_tstore_owned_bytes1(&s, 9), 0);
+    assert_int_equal(s.bytes[0], 70);
+    kvd_tstore_fini(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_empty),
@@ -676,6 +707,7 @@ int main(void) {
         cmocka_unit_test(test_unlink2_keeps_slot),
         cmocka_unit_test(test_forget),
         cmocka_unit_test(test_owners),
+        cmocka_unit_test(test_owner_bytes),
         cmocka_unit_test(test_set2_moves_next_slot2),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -218,7 +218,7 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                             "remote values a Fetch put into tier 1 on their way to T0", NULL, NULL,
                             NULL, NULL},
     [TS_QUOTA_DROPS] = {"tier_quota_drops", "counter", "blocks",
-                        "lower-tier blocks a tenant's tier-max pushed out (its own oldest)", NULL,
+                        "lower-tier blocks a tenant's tier-max or tier-max-bytes pushed out", NULL,
                         NULL, NULL, NULL},
     [TS_REMOTE_DIRECT] = {"remote_direct", "counter", "blocks",
                           "remote values a Fetch read from the socket straight into T0 blocks",
@@ -861,12 +861,6 @@ static void entry_drop(tier_pool *tp, uint32_t i, int tier) {
 
 static void start_down2_from_t1(tier_pool *tp, uint32_t i);
 
-/* Makes room in tier for `need` more bytes by evicting this pool's oldest entries of it; 1 when
- * the room is there. A T1 victim without a T2 copy gets none now: T1 is the last tier for it. */
-/* The entry a full tier gives up for pool tp: tp's own oldest while tp holds more than its fair
- * share of the tier (the budget over the pools with tiers), else the oldest of the pool furthest
- * over its share, so that one pool's flood cannot keep the others out (each pool is guaranteed
- * its share); tp's own oldest when no pool is over. 0 when there is none. */
 /* ---- tenants in the lower tiers (quota tier-max, tier-guarantee; docs/TIERS.md) ------------ */
 
 static const kvd_quota *quota_of(const kvd_tiers *t, uint32_t tenant) {
@@ -925,6 +919,11 @@ static uint32_t victim_in(const tier_pool *tp, int tier, uint32_t for_tenant) {
     return KVD_TNONE;
 }
 
+/* The entry a full tier gives up for pool tp: tp's own oldest while tp holds more than its fair
+ * share of the tier (the budget over the pools with tiers), else the oldest of the pool furthest
+ * over its share, so that one pool's flood cannot keep the others out (each pool is guaranteed
+ * its share); tp's own oldest when no pool is over (victim_in picks inside the pool). 0 when
+ * there is none. */
 static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool **vtp, uint32_t *v) {
     kvd_tiers *t = tp->t;
     uint32_t npools = 0;
@@ -986,14 +985,33 @@ static int make_room(tier_pool *tp, int tier, uint64_t need, uint32_t for_tenant
     return 1;
 }
 
-/* Tenant (an entry's owner) is to have one more block in tp's tier: while it holds its
- * tier-max there, its own oldest goes first. 0 when none of them can go (all busy). */
-static int tier_admit(tier_pool *tp, int tier, uint32_t tenant) {
+/* Bytes charged to tenant in tp's tier: its T1 entries as stored, a T2 slot each. */
+static uint64_t owned_bytes(const tier_pool *tp, uint32_t tenant, int tier) {
+    return tier == 1 ? kvd_tstore_owned_bytes1(&tp->st, tenant)
+                     : kvd_tstore_owned(&tp->st, tenant, 2) * tp->slot_bytes;
+}
+
+/* Whether tenant (quota q) would be past its tier-max or tier-max-bytes in tp's tier with
+ * `blocks` more blocks of `bytes` more bytes. */
+static int tier_over(const tier_pool *tp, const kvd_quota *q, uint32_t tenant, int tier,
+                     uint64_t blocks, uint64_t bytes) {
+    return (q->tier_max != 0 && kvd_tstore_owned(&tp->st, tenant, tier) + blocks > q->tier_max) ||
+           (q->tier_max_bytes != 0 && owned_bytes(tp, tenant, tier) + bytes > q->tier_max_bytes);
+}
+
+/* Tenant (an entry's owner) is to have one more block of `need` bytes in tp's tier (0: not known
+ * before the copy, a compressed or quantized one): while that would pass its tier-max or
+ * tier-max-bytes there, its own oldest goes first. 0 when the block cannot go down: none of them
+ * can go (all busy), or need alone is past tier-max-bytes. */
+static int tier_admit(tier_pool *tp, int tier, uint32_t tenant, uint64_t need) {
     const kvd_quota *q = quota_of(tp->t, tenant);
-    if (q == NULL || q->tier_max == 0) {
+    if (q == NULL || (q->tier_max == 0 && q->tier_max_bytes == 0)) {
         return 1;
     }
-    while (kvd_tstore_owned(&tp->st, tenant, tier) >= q->tier_max) {
+    if (q->tier_max_bytes != 0 && need > q->tier_max_bytes) {
+        return 0;
+    }
+    while (tier_over(tp, q, tenant, tier, 1, need > 0 ? need : 1)) {
         uint32_t v = kvd_tstore_oldest_of(&tp->st, tenant, tier);
         if (v == KVD_TNONE) {
             return 0;
@@ -1004,19 +1022,32 @@ static int tier_admit(tier_pool *tp, int tier, uint32_t tenant) {
     return 1;
 }
 
-/* After entry i landed in tp's tier: its owner back to its tier-max (copies that were in flight
- * together may have passed it), the oldest first. */
-static void tier_trim(tier_pool *tp, int tier, uint32_t i) {
+/* After entry i landed in tp's tier: its owner back to its tier-max and tier-max-bytes (copies
+ * that were in flight together may have passed them, and a compressed block's size was not
+ * known before), its oldest first; i itself stays. A block alone past tier-max-bytes (one that
+ * compressed worse than the limit allows) goes instead, and nothing else: then 0 is returned
+ * (the entry may be freed). */
+static int tier_trim(tier_pool *tp, int tier, uint32_t i) {
     uint32_t tenant = kvd_tstore_owner(&tp->st, i);
     const kvd_quota *q = quota_of(tp->t, tenant);
-    while (q != NULL && q->tier_max != 0 && kvd_tstore_owned(&tp->st, tenant, tier) > q->tier_max) {
+    if (q == NULL) {
+        return 1;
+    }
+    uint64_t own = tier == 1 ? kvd_tstore_at(&tp->st, i)->len1 : tp->slot_bytes;
+    if (q->tier_max_bytes != 0 && own > q->tier_max_bytes) {
+        drop_victim(tp, tier, i);
+        tp->t->c[TS_QUOTA_DROPS]++;
+        return 0;
+    }
+    while (tier_over(tp, q, tenant, tier, 0, 0)) {
         uint32_t v = kvd_tstore_oldest_of(&tp->st, tenant, tier);
         if (v == KVD_TNONE || v == i) {
-            return;
+            break;
         }
         drop_victim(tp, tier, v);
         tp->t->c[TS_QUOTA_DROPS]++;
     }
+    return 1;
 }
 
 static void doomed_finish(tier_pool *tp, uint32_t i);
@@ -1181,7 +1212,7 @@ static void start_down2_from_t1(tier_pool *tp, uint32_t i) {
         return;
     }
     uint32_t owner = kvd_tstore_owner(&tp->st, i);
-    if (!tier_admit(tp, 2, owner) || !make_room(tp, 2, tp->slot_bytes, owner)) {
+    if (!tier_admit(tp, 2, owner, tp->slot_bytes) || !make_room(tp, 2, tp->slot_bytes, owner)) {
         return;
     }
     job *j = job_new(tp, J_DOWN2);
@@ -1227,7 +1258,13 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
     }
     int to1 = t->cap[0] > 0;
-    if ((!to1 && tp->disk == NULL) || !tier_admit(tp, to1 ? 1 : 2, tenant)) {
+    /* The bytes the copy will take there, where known before it runs (a compressed block's
+     * are not: the copy's landing trims the tenant to its tier-max-bytes then). */
+    uint64_t need = !to1                        ? tp->slot_bytes
+                    : tp->format == KVD_TF_RAW  ? tp->block_bytes
+                    : tp->format >= KVD_TF_INT8 ? kvd_codec_quantized_bytes(tp->format, &tp->layout)
+                                                : 0;
+    if ((!to1 && tp->disk == NULL) || !tier_admit(tp, to1 ? 1 : 2, tenant, need)) {
         return;
     }
     /* A raw copy into T1 writes into a recycled buffer of the block's size when there is one,
@@ -1437,14 +1474,15 @@ static void after_work(uv_work_t *w, int status) {
             if (j->rc == KV_OK && !e->doomed && e->t1 == NULL &&
                 make_room(tp, 1, j->out_len, kvd_tstore_owner(&tp->st, j->entry))) {
                 kvd_tstore_set1(&tp->st, j->entry, j->out, j->out_len, j->out_fmt);
-                tier_trim(tp, 1, j->entry);
                 t->used[0] += j->out_len;
                 t->c[TS_DEMOTE_T1]++;
                 t->c[TS_COPY_BYTES_DOWN1] += tp->block_bytes;
                 t->c[TS_COPY_NS_DOWN1] += j->ns;
                 j->out = NULL;
-                start_down2_from_t1(tp, j->entry);
-                start_remote_put(tp, j->entry);
+                if (tier_trim(tp, 1, j->entry)) {
+                    start_down2_from_t1(tp, j->entry);
+                    start_remote_put(tp, j->entry);
+                }
             } else if (e->doomed) {
                 doomed_finish(tp, j->entry);
             } else if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
@@ -1470,10 +1508,12 @@ static void after_work(uv_work_t *w, int status) {
                 kvd_tstore_set2(&tp->st, j->entry, j->slot, j->rec.len, (uint8_t)j->rec.format,
                                 j->rec.seq, tp->slot_bytes);
                 t->used[1] += tp->slot_bytes;
-                tier_trim(tp, 2, j->entry);
                 t->c[TS_DEMOTE_T2]++;
                 t->c[TS_COPY_BYTES_DOWN2] += j->rec.len;
                 t->c[TS_COPY_NS_DOWN2] += j->ns;
+                if (!tier_trim(tp, 2, j->entry)) {
+                    break; /* it went again (the entry may be freed) */
+                }
             } else {
                 if (j->rc != KV_OK) {
                     t->c[TS_WERR_T2]++;
@@ -2590,7 +2630,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (ei != KVD_TNONE && kvd_tstore_at(&tp->st, ei)->pending != 0) {
             break; /* a copy into T1 is landing: the next Fetch finds it */
         }
-        if (!tier_admit(tp, 1, rf->tenant) || !make_room(tp, 1, v->len, rf->tenant)) {
+        if (!tier_admit(tp, 1, rf->tenant, v->len) || !make_room(tp, 1, v->len, rf->tenant)) {
             break;
         }
         kv_hash128 parent = i > 0 || rf->n > 0 ? rf->hashes[rf->n + i - 1] : (kv_hash128){0, 0};
@@ -3193,13 +3233,13 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
     return KV_OK;
 }
 
-void kvd_tiers_tenant_usage(const kvd_tiers *t, uint32_t tenant, uint64_t *t1, uint64_t *t2) {
-    *t1 = *t2 = 0;
+void kvd_tiers_tenant_usage(const kvd_tiers *t, uint32_t tenant, kvd_tier_usage *out) {
+    memset(out, 0, sizeof(*out));
     for (uint32_t i = 0; t != NULL && i < t->reg->npools; i++) {
         const tier_pool *tp = t->reg->pools[i].tiers;
-        if (tp != NULL) {
-            *t1 += kvd_tstore_owned(&tp->st, tenant, 1);
-            *t2 += kvd_tstore_owned(&tp->st, tenant, 2);
+        for (int tier = 1; tp != NULL && tier <= 2; tier++) {
+            out->blocks[tier - 1] += kvd_tstore_owned(&tp->st, tenant, tier);
+            out->bytes[tier - 1] += owned_bytes(tp, tenant, tier);
         }
     }
 }

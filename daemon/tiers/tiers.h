@@ -210,9 +210,14 @@ uint32_t kvd_tiers_inflight(const kvd_tiers *t);
 void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_tiers_stat_descs(size_t *n);
 
-/* Blocks charged to tenant in the lower tiers, summed over the pools (its tier-max and
- * tier-guarantee count per pool): *t1 in tier 1, *t2 in tier 2. Zeros without tiers. */
-void kvd_tiers_tenant_usage(const kvd_tiers *t, uint32_t tenant, uint64_t *t1, uint64_t *t2);
+/* What is charged to tenant in the lower tiers, summed over the pools (its tier-max,
+ * tier-max-bytes and tier-guarantee count per pool): blocks and bytes ([0] tier 1, [1] tier 2;
+ * bytes as tier-max-bytes counts them). Zeros without tiers. */
+typedef struct kvd_tier_usage {
+    uint64_t blocks[2];
+    uint64_t bytes[2];
+} kvd_tier_usage;
+void kvd_tiers_tenant_usage(const kvd_tiers *t, uint32_t tenant, kvd_tier_usage *out);
 
 /* One pool's lower tiers through sink (admin `pools`): tier1_blocks, tier1_bytes, tier2_blocks,
  * tier2_bytes (all 0 for a pool without tiers), and format (the kvd_tier_format its blocks are

@@ -934,6 +934,84 @@ def test_tier_guarantee_holds_in_a_group_pool(kvd_factory):
     assert _quota_usage(d, "bob")["tier1"] == 32, tier_stats(d)
 
 
+def test_tier_max_bytes_counts_what_tier_1_stores(kvd_factory):
+    """quota tier-max-bytes=5K in an lz4 tier 1 counts bytes as stored: 10 incompressible blocks
+    (kept raw, 2048 bytes each) leave the newest 2 (8 pushed out, counted); then 10 blocks of
+    zeros, a few dozen bytes each compressed, all fit beside them, where a block count of 2
+    would keep 2. `quota get` reports the bytes; the zero blocks come back as zeros. With the
+    limit set live under one raw block, the tenant's next incompressible block goes (after the
+    tenant is brought under the new limit) and the zero blocks stay."""
+    d = kvd_factory(tenants="quota default tier-max-bytes=5K\n",
+                    **_tiers(tier_write="write-through", tier_format="lz4"))
+    c = connect(d)
+    pool = c.attach("m-tmaxb", LAYOUT)
+    tenant = "uid-%d" % os.geteuid()
+    assert d.admin_result("quota get %s" % tenant)["quota"]["tier-max-bytes"] == 5120
+    hs = prefix(pool, 10, 24)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    st, u = tier_stats(d), _quota_usage(d, tenant)
+    assert st["tier1_blocks"] == 2 and st["tier_quota_drops"] == 8, st
+    assert u["tier1"] == 2 and u["tier1_bytes"] == 2 * LAYOUT.block_bytes, u
+    zs = prefix(pool, 10, 25)
+    zeros = [bytes(LAYOUT.block_bytes)] * 10
+    write_commit_release(c, pool, zs, zeros)
+    settle(d)
+    st, u = tier_stats(d), _quota_usage(d, tenant)
+    assert st["tier1_blocks"] == 12 and st["tier_quota_drops"] == 8, st
+    zbytes = u["tier1_bytes"] - 2 * LAYOUT.block_bytes
+    assert 0 < zbytes <= 5120 - 2 * LAYOUT.block_bytes, u
+    assert d.admin_result("evict all")["evicted"] >= 20
+    fr, blocks = fetch_all(c, pool, zs)
+    assert len(blocks) == 10 and fr.promoted == 10, fr
+    check_bytes(pool, blocks, zeros)
+    c.release(pool.pool_id, blocks)
+    d.admin_result("quota set default tier-max-bytes 1K")
+    assert zbytes < 1024
+    hs3 = prefix(pool, 1, 26)
+    write_commit_release(c, pool, hs3, patterns(pool, hs3))
+    settle(d)
+    st, u = tier_stats(d), _quota_usage(d, tenant)
+    # The 2 raw blocks made room (the tenant was past 1K), the new one was past it alone.
+    assert st["tier_quota_drops"] == 8 + 2 + 1, st
+    assert u["tier1"] == 10 and u["tier1_bytes"] == zbytes, u
+    d.admin_result("evict all")
+    assert c.lookup(pool.pool_id, zs).tier1_hits == 10
+
+
+def test_tier_max_bytes_counts_slots_in_tier_2(kvd_factory):
+    """In tier 2 (T1 off) a record takes one slot whatever its payload: tier-max-bytes of 3.5
+    slots keeps 3 of 10 blocks, the rest counted."""
+    _, opts = _t2_only()
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-tmaxb2", LAYOUT)
+    hs = prefix(pool, 1, 27)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    tenant = "uid-%d" % os.geteuid()
+    u = _quota_usage(d, tenant)
+    assert u["tier2"] == 1, u
+    slot = u["tier2_bytes"]
+    assert slot >= LAYOUT.block_bytes and slot % 4096 == 0, u
+    d.admin_result("quota set default tier-max-bytes %d" % (slot * 7 // 2))
+    hs = prefix(pool, 10, 28)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    st, u = tier_stats(d), _quota_usage(d, tenant)
+    assert u["tier2"] == 3 and u["tier2_bytes"] == 3 * slot, u
+    assert st["tier_quota_drops"] == 8, st  # the first block and 7 of the 10
+    # Under one slot: a block is not written at all (its size is known before the copy), and
+    # nothing of the tenant's goes for it.
+    d.admin_result("quota set default tier-max-bytes %d" % (slot - 1))
+    hs = prefix(pool, 1, 29)
+    write_commit_release(c, pool, hs, patterns(pool, hs))
+    settle(d)
+    after = tier_stats(d)
+    assert after["demotions_t2"] == st["demotions_t2"], after
+    assert after["tier_quota_drops"] == 8 and _quota_usage(d, tenant)["tier2"] == 3, after
+
+
 def test_tier_max_holds_in_tier_2(kvd_factory):
     """The same limit in tier 2 (T1 off): 10 blocks down, 4 records kept, 6 counted."""
     _, opts = _t2_only()
