@@ -772,6 +772,234 @@ static void tiers_rpc_print(const ten_result *t) {
     }
 }
 
+/* ---- the Commit path: Allocate + Commit + Release of chains, pipelined ------------------- */
+
+#define CP_CHAIN 32 /* blocks a chain */
+#define CP_DEPTH 8  /* chains a round: 8 Allocates, then 8 Commits, then 8 Releases in flight */
+#define CP_CONNS 2
+
+/* Frame sizes (request, reply) of the round's three phases as libkvclient and kvd exchange
+ * them: packed lists and the packed Commit (PROTOCOL.md 6). */
+static size_t g_cp_req[3], g_cp_rep[3];
+
+typedef struct cp_client {
+    int sys; /* SYS_KVD or SYS_ECHO */
+    int idx;
+    double secs;
+    uint64_t blocks;
+} cp_client;
+
+static void cp_sizes(void) {
+    uint8_t blocks[CP_CHAIN * KV_WIRE_BLOCK_BYTES], ents[CP_CHAIN * KV_WIRE_COMMIT_BYTES];
+    memset(blocks, 0x5a, sizeof(blocks));
+    memset(ents, 0x5a, sizeof(ents));
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.id = 1000000;
+    env.boot_epoch = 0x123456789abcdefull;
+    Kvd__Allocate a = KVD__ALLOCATE__INIT;
+    a.pool_id = 1;
+    a.count = CP_CHAIN;
+    env.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
+    env.allocate = &a;
+    g_cp_req[0] = kv_wire_frame_size(&env);
+    Kvd__AllocateReply ar = KVD__ALLOCATE_REPLY__INIT;
+    ar.blocks_packed.data = blocks;
+    ar.blocks_packed.len = sizeof(blocks);
+    env.body_case = KVD__ENVELOPE__BODY_ALLOCATE_REPLY;
+    env.allocate_reply = &ar;
+    g_cp_rep[0] = kv_wire_frame_size(&env);
+    Kvd__Commit c = KVD__COMMIT__INIT;
+    c.pool_id = 1;
+    c.entries_packed.data = ents;
+    c.entries_packed.len = sizeof(ents);
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    env.commit = &c;
+    g_cp_req[1] = kv_wire_frame_size(&env);
+    Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
+    cr.canonical_packed.data = blocks;
+    cr.canonical_packed.len = sizeof(blocks);
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
+    env.commit_reply = &cr;
+    g_cp_rep[1] = kv_wire_frame_size(&env);
+    Kvd__Release r = KVD__RELEASE__INIT;
+    r.pool_id = 1;
+    r.blocks_packed.data = blocks;
+    r.blocks_packed.len = sizeof(blocks);
+    env.body_case = KVD__ENVELOPE__BODY_RELEASE;
+    env.release = &r;
+    g_cp_req[2] = kv_wire_frame_size(&env);
+    Kvd__ReleaseReply rr = KVD__RELEASE_REPLY__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_RELEASE_REPLY;
+    env.release_reply = &rr;
+    g_cp_rep[2] = kv_wire_frame_size(&env);
+}
+
+/* One round of the echo: each phase's CP_DEPTH frames in one write, their replies read back. */
+static void cp_echo_round(int fd, char *const req[3], char *rep) {
+    for (int ph = 0; ph < 3; ph++) {
+        write_all(fd, req[ph], g_cp_req[ph] * CP_DEPTH);
+        read_all(fd, rep, g_cp_rep[ph] * CP_DEPTH);
+    }
+}
+
+/* One round through kvd: CP_DEPTH new chains allocated, committed (each block's parent the one
+ * before) and released, each phase one batch. */
+static void cp_kvd_round(kvc_pool *p, kvc_batch *b, uint64_t *seq) {
+    static __thread kvc_block blk[CP_DEPTH][CP_CHAIN], can[CP_DEPTH][CP_CHAIN];
+    static __thread kvc_commit_entry e[CP_DEPTH][CP_CHAIN];
+    kvc_batch_reset(b);
+    for (int k = 0; k < CP_DEPTH; k++) {
+        if (kvc_batch_allocate(b, p, CP_CHAIN, blk[k], NULL) != KV_OK) {
+            bench_die("commit path: queue allocate failed");
+        }
+    }
+    if (kvc_batch_run(b) != KV_OK) {
+        bench_die("commit path: allocate failed");
+    }
+    kvc_batch_reset(b);
+    for (int k = 0; k < CP_DEPTH; k++) {
+        for (int i = 0; i < CP_CHAIN; i++) {
+            e[k][i].block = blk[k][i];
+            e[k][i].hash.lo = ++*seq;
+            e[k][i].hash.hi = 0x636f6d6d6974ull; /* new hashes: every Commit stores */
+            e[k][i].parent = i == 0 ? KVC_NO_PARENT : blk[k][i - 1].id;
+        }
+        if (kvc_batch_commit(b, p, e[k], CP_CHAIN, can[k], NULL) != KV_OK) {
+            bench_die("commit path: queue commit failed");
+        }
+    }
+    if (kvc_batch_run(b) != KV_OK) {
+        bench_die("commit path: commit failed");
+    }
+    kvc_batch_reset(b);
+    for (int k = 0; k < CP_DEPTH; k++) {
+        if (kvc_batch_release(b, p, can[k], CP_CHAIN, NULL) != KV_OK) {
+            bench_die("commit path: queue release failed");
+        }
+    }
+    if (kvc_batch_run(b) != KV_OK) {
+        bench_die("commit path: release failed");
+    }
+}
+
+static void *cp_run(void *arg) {
+    cp_client *c = arg;
+    client k = {0};
+    char *req[3] = {NULL, NULL, NULL}, *rep = NULL;
+    int fd = -1;
+    if (c->sys == SYS_KVD) {
+        kvd_open(&k);
+    } else {
+        fd = bench_unix_connect(g_echo_sock);
+        if (fd < 0) {
+            bench_die("commit path: cannot connect to the echo");
+        }
+        size_t most = 0;
+        for (int ph = 0; ph < 3; ph++) {
+            req[ph] = calloc(CP_DEPTH, g_cp_req[ph]);
+            for (int i = 0; i < CP_DEPTH; i++) {
+                uint32_t hdr[2] = {(uint32_t)g_cp_req[ph], (uint32_t)g_cp_rep[ph]};
+                memcpy(req[ph] + (size_t)i * g_cp_req[ph], hdr, sizeof(hdr));
+            }
+            most = g_cp_rep[ph] > most ? g_cp_rep[ph] : most;
+        }
+        rep = malloc(most * CP_DEPTH);
+    }
+    uint64_t seq = (uint64_t)(c->idx + 1) << 44 | (uint64_t)getpid() << 24;
+    for (int i = 0; i < 20; i++) { /* warm up: the pool fills, Allocates start evicting */
+        if (c->sys == SYS_KVD) {
+            cp_kvd_round(k.pool, k.batch, &seq);
+        } else {
+            cp_echo_round(fd, req, rep);
+        }
+    }
+    pthread_barrier_wait(&g_barrier);
+    double t0 = bench_now_s(), end = t0 + g_seconds, t = t0;
+    while (t < end) {
+        if (c->sys == SYS_KVD) {
+            cp_kvd_round(k.pool, k.batch, &seq);
+        } else {
+            cp_echo_round(fd, req, rep);
+        }
+        c->blocks += CP_DEPTH * CP_CHAIN;
+        t = bench_now_s();
+    }
+    c->secs = t - t0;
+    if (c->sys == SYS_KVD) {
+        kvc_batch_free(k.batch);
+        kvc_conn_close(k.conn);
+    } else {
+        close(fd);
+        for (int ph = 0; ph < 3; ph++) {
+            free(req[ph]);
+        }
+        free(rep);
+    }
+    return NULL;
+}
+
+/* Blocks per second through sys over CP_CONNS connections. */
+static double cp_measure(int sys) {
+    cp_client cs[CP_CONNS];
+    pthread_t th[CP_CONNS];
+    memset(cs, 0, sizeof(cs));
+    pthread_barrier_init(&g_barrier, NULL, CP_CONNS + 1);
+    for (int i = 0; i < CP_CONNS; i++) {
+        cs[i].sys = sys;
+        cs[i].idx = i;
+        pthread_create(&th[i], NULL, cp_run, &cs[i]);
+    }
+    pthread_barrier_wait(&g_barrier);
+    double rate = 0;
+    for (int i = 0; i < CP_CONNS; i++) {
+        pthread_join(th[i], NULL);
+        rate += (double)cs[i].blocks / cs[i].secs;
+    }
+    pthread_barrier_destroy(&g_barrier);
+    return rate;
+}
+
+typedef struct cp_result {
+    double kvd[REPS], echo[REPS];
+} cp_result;
+
+static void commit_path_bench(cp_result *r) {
+    cp_sizes();
+    for (int rep = 0; rep < REPS; rep++) {
+        r->kvd[rep] = cp_measure(SYS_KVD);
+        r->echo[rep] = cp_measure(SYS_ECHO);
+    }
+}
+
+static void commit_path_print(const cp_result *r) {
+    double ratio[REPS], k[REPS], e[REPS], lo = 1e9, hi = 0, klo = 1e18, khi = 0, elo = 1e18,
+                                          ehi = 0;
+    for (int i = 0; i < REPS; i++) {
+        k[i] = r->kvd[i] / 1e3;
+        e[i] = r->echo[i] / 1e3;
+        ratio[i] = r->kvd[i] / r->echo[i];
+        lo = ratio[i] < lo ? ratio[i] : lo;
+        hi = ratio[i] > hi ? ratio[i] : hi;
+        klo = k[i] < klo ? k[i] : klo;
+        khi = k[i] > khi ? k[i] : khi;
+        elo = e[i] < elo ? e[i] : elo;
+        ehi = e[i] > ehi ? e[i] : ehi;
+    }
+    printf("\n#### The Commit path (Allocate + Commit + Release of %d-block chains)\n\n", CP_CHAIN);
+    printf("%d connections, each %d chains a round: their %d Allocates in flight together, then "
+           "the %d Commits (each block's parent the one before; new hashes, so every Commit "
+           "stores and, the pool being full, every Allocate evicts), then the %d Releases. The "
+           "echo moves the same frames in the same three round trips (%zu/%zu, %zu/%zu, %zu/%zu "
+           "B a request/reply: packed lists and the packed Commit, PROTOCOL.md 6). %d "
+           "interleaved runs of %.1f s; median (min-max).\n\n",
+           CP_CONNS, CP_DEPTH, CP_DEPTH, CP_DEPTH, CP_DEPTH, g_cp_req[0], g_cp_rep[0], g_cp_req[1],
+           g_cp_rep[1], g_cp_req[2], g_cp_rep[2], REPS, g_seconds);
+    printf("| system | k blocks/s | x echo |\n|---|---:|---:|\n");
+    printf("| kvd | %.0f (%.0f-%.0f) | %.2f (%.2f-%.2f) |\n", bench_median(k, REPS), klo, khi,
+           bench_median(ratio, REPS), lo, hi);
+    printf("| echo | %.0f (%.0f-%.0f) | 1 |\n", bench_median(e, REPS), elo, ehi);
+}
+
 int main(int argc, char **argv) {
     const char *kvd = "bazel-bin/daemon/kvd";
     const char *redis = "redis-server";
@@ -787,7 +1015,7 @@ int main(int argc, char **argv) {
             g_seconds = atof(argv[i + 1]);
         } else {
             bench_die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
-                      "kvd|echo|redis|tiers]");
+                      "kvd|echo|redis|tiers|commit]");
         }
     }
     signal(SIGPIPE, SIG_IGN);
@@ -820,6 +1048,21 @@ int main(int argc, char **argv) {
     bench_wait_socket(g_kvd_sock, kvd_pid);
     bench_wait_socket(g_redis_sock, redis_pid);
     kvd_prepare();
+    if (only != NULL && strcmp(only, "commit") == 0) {
+        /* Only the Commit path (its rows are in the full run's output too). */
+        cp_result cp;
+        commit_path_bench(&cp);
+        commit_path_print(&cp);
+        bench_stop(kvd_pid);
+        bench_stop(redis_pid);
+        bench_stop(echo_pid);
+        char rm[160];
+        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
+        if (system(rm) != 0) {
+            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+        }
+        return 0;
+    }
     if (only != NULL && strcmp(only, "tiers") == 0) {
         /* Only the tiers comparison (bench/tiers_bench.py records it in the tiers section). */
         ten_result tiers;
@@ -865,7 +1108,9 @@ int main(int argc, char **argv) {
         }
     }
     ten_result ten, tiers; /* tenancy and tiers sections (below the tables) */
+    cp_result cp;
     if (only == NULL || strcmp(only, "kvd") == 0) {
+        commit_path_bench(&cp);
         tenancy_bench(kvd, &ten);
         tiers_rpc_bench(kvd, &tiers);
     }
@@ -945,6 +1190,7 @@ int main(int argc, char **argv) {
            tk.ops_per_s / 1e3, tr.ops_per_s / 1e3, tk.ops_per_s / tr.ops_per_s,
            tk.ops_per_s >= 2 * tr.ops_per_s ? "yes" : "no");
     if (only == NULL || strcmp(only, "kvd") == 0) {
+        commit_path_print(&cp);
         tenancy_print(&ten);
         tiers_rpc_print(&tiers);
     }

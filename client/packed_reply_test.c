@@ -1,8 +1,8 @@
 /* packed_reply_test: libkvclient's handling of packed block lists in replies (PROTOCOL.md 6,
  * "Packed lists"), straight through kvc__op_complete with crafted envelopes: both forms decode
  * to the same handles, and a malformed packed list (length not a multiple of 8, both forms at
- * once, more hits than hashes, a wrong Allocate count) is a malformed reply (KV_EPROTO) that
- * writes nothing past what was asked. */
+ * once, more hits than hashes, a wrong Allocate or Commit count) is a malformed reply
+ * (KV_EPROTO) that writes nothing past what was asked. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -125,9 +125,66 @@ static void test_allocate_packed(void **state) {
     free(f);
 }
 
+/* CommitReply.canonical_packed (Hello.features PACKED_COMMIT): the same handles as canonical;
+ * one record short, a cut record or both forms are malformed and write nothing. */
+static void test_commit_packed(void **state) {
+    (void)state;
+    for (int packed = 0; packed < 2; packed++) {
+        fixture *f = fx_new();
+        kvc__op op;
+        memset(&op, 0, sizeof(op));
+        op.kind = KVC__OP_COMMIT;
+        op.pool = &f->pool;
+        op.count = 4;
+        op.out = f->out;
+        Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
+        if (packed) {
+            cr.canonical_packed.data = f->buf;
+            cr.canonical_packed.len = 4 * KV_WIRE_BLOCK_BYTES;
+        } else {
+            cr.n_canonical = 4;
+            cr.canonical = f->pr;
+        }
+        Kvd__Envelope env = KVD__ENVELOPE__INIT;
+        env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
+        env.commit_reply = &cr;
+        assert_int_equal(kvc__op_complete(&f->conn, &op, &env, NULL, 0), KV_OK);
+        for (uint32_t i = 0; i < 4; i++) {
+            assert_int_equal(f->out[i].id, 100 + i);
+            assert_int_equal(f->out[i].gen, 7 * i);
+        }
+        assert_int_equal(f->out[4].id, 0xeeeeeeeeu);
+        assert_true(f->pool.need_map); /* the canonical blocks are not mapped here */
+        free(f);
+    }
+    fixture *f = fx_new();
+    kvc__op op;
+    memset(&op, 0, sizeof(op));
+    op.kind = KVC__OP_COMMIT;
+    op.pool = &f->pool;
+    op.count = 4;
+    op.out = f->out;
+    Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
+    cr.canonical_packed.data = f->buf;
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT_REPLY;
+    env.commit_reply = &cr;
+    cr.canonical_packed.len = 3 * KV_WIRE_BLOCK_BYTES; /* one short */
+    assert_int_equal(kvc__op_complete(&f->conn, &op, &env, NULL, 0), KV_EPROTO);
+    cr.canonical_packed.len = 4 * KV_WIRE_BLOCK_BYTES - 1; /* a cut record */
+    assert_int_equal(kvc__op_complete(&f->conn, &op, &env, NULL, 0), KV_EPROTO);
+    cr.canonical_packed.len = 4 * KV_WIRE_BLOCK_BYTES;
+    cr.n_canonical = 4; /* both forms */
+    cr.canonical = f->pr;
+    assert_int_equal(kvc__op_complete(&f->conn, &op, &env, NULL, 0), KV_EPROTO);
+    assert_int_equal(f->out[0].id, 0xeeeeeeeeu);
+    free(f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_lookup_both_forms),
+        cmocka_unit_test(test_commit_packed),
         cmocka_unit_test(test_lookup_malformed),
         cmocka_unit_test(test_allocate_packed),
     };

@@ -379,16 +379,24 @@ kv_err kvc__op_complete(kvc_conn *c, kvc__op *op, const Kvd__Envelope *env, cons
                 break;
             }
             const Kvd__CommitReply *r = env->commit_reply;
-            if (r->n_canonical != op->count) {
+            size_t n;
+            if (blocks_count(r->n_canonical, &r->canonical_packed, &n) != KV_OK) {
+                return bad_reply(c, "malformed canonical_packed in CommitReply");
+            }
+            if (n != op->count) {
                 return bad_reply(c, "commit returned a different entry count");
             }
             if (op->out != NULL) {
-                blocks_out(op->out, r->canonical, r->n_canonical);
+                blocks_out_any(op->out, r->canonical, r->n_canonical, &r->canonical_packed, n);
             }
             /* A duplicate's canonical block may lie in a segment another session grew. */
             note_new_segments(op->pool, r->new_segments_from);
-            for (size_t i = 0; i < r->n_canonical; i++) {
-                note_block(op->pool, r->canonical[i]->id);
+            for (size_t i = 0; i < n; i++) {
+                uint32_t id =
+                    r->n_canonical > 0
+                        ? r->canonical[i]->id
+                        : kv_wire_le32(r->canonical_packed.data + i * KV_WIRE_BLOCK_BYTES);
+                note_block(op->pool, id);
             }
             return KV_OK;
         }
@@ -618,9 +626,9 @@ static kv_err hello(kvc_conn *c) {
     h.client_name = c->name;
     h.token.data = c->token;
     h.token.len = c->token_len;
-    /* We read packed block lists and LookupReply's tier fields, and match every reply by its
-     * id (a FetchReply may come after later replies). */
-    h.features = KV_FEATURE_PACKED | KV_FEATURE_TIERS;
+    /* We read packed block lists (CommitReply's too) and LookupReply's tier fields, and match
+     * every reply by its id (a FetchReply may come after later replies). */
+    h.features = KV_FEATURE_PACKED | KV_FEATURE_TIERS | KV_FEATURE_PACKED_COMMIT;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_HELLO;
     env.hello = &h;
@@ -978,6 +986,70 @@ static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *en
                      rerr == KV_OK ? "their leases are released" : "release them (kvc_release)");
 }
 
+/* Queues a Commit op of env's request (encoded by kvc__batch_add) that fills canonical. */
+static kv_err commit_add(kvc_batch *b, kvc_pool *p, Kvd__Envelope *env, size_t n,
+                         kvc_block *canonical, size_t *index) {
+    kvc__op *op;
+    kv_err err = kvc__batch_add(b, KVC__OP_COMMIT, env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = n;
+        op->out = canonical;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+    return err;
+}
+
+/* A Commit in its packed form (HelloReply.features PACKED_COMMIT; PROTOCOL.md §6): 28 bytes an
+ * entry and the digests and token ids as they come, no submessage per entry. */
+static kv_err q_commit_packed(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
+                              const uint8_t (*full)[32], const uint8_t *parent_full,
+                              const uint32_t *tokens, kvc_block *canonical, size_t *index) {
+    kvc_conn *c = b->conn;
+    size_t tpb = p->layout.tokens_per_block;
+    uint8_t *ent = malloc(n > 0 ? n * KV_WIRE_COMMIT_BYTES : 1);
+    uint8_t *tok = tokens != NULL ? malloc(n > 0 ? n * tpb * 4 : 1) : NULL;
+    kv_err err = KV_OK;
+    if (ent == NULL || (tokens != NULL && tok == NULL)) {
+        err = kvc__fail(&c->diag, KV_ENOMEM, "out of memory encoding %zu commits", n);
+        goto cleanup;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_commit w = {entries[i].block.id, entries[i].block.gen, entries[i].hash.lo,
+                            entries[i].hash.hi, entries[i].parent};
+        kv_wire_commit_put(ent, i, &w);
+    }
+    for (size_t i = 0; tok != NULL && i < n * tpb; i++) {
+        kv_wire_put_le32(tok + 4 * i, tokens[i]);
+    }
+    Kvd__Commit req = KVD__COMMIT__INIT;
+    req.pool_id = p->pool_id;
+    req.entries_packed.data = ent;
+    req.entries_packed.len = n * KV_WIRE_COMMIT_BYTES;
+    if (full != NULL && n > 0) {
+        req.hash_full_packed.data = (uint8_t *)full[0];
+        req.hash_full_packed.len = n * 32;
+    }
+    if (tok != NULL) {
+        req.token_ids_packed.data = tok;
+        req.token_ids_packed.len = n * tpb * 4;
+    }
+    if (parent_full != NULL && n > 0) {
+        req.parent_hash_full.data = (uint8_t *)parent_full;
+        req.parent_hash_full.len = 32;
+    }
+    Kvd__Envelope env = KVD__ENVELOPE__INIT;
+    env.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    env.commit = &req;
+    err = commit_add(b, p, &env, n, canonical, index);
+cleanup:
+    free(ent);
+    free(tok);
+    return err;
+}
+
 static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
                        const uint8_t (*full)[32], const uint8_t *parent_full,
                        const uint32_t *tokens, kvc_block *canonical, size_t *index) {
@@ -991,6 +1063,9 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
     }
     if (err != KV_OK) {
         return err;
+    }
+    if (c->features & KV_FEATURE_PACKED_COMMIT) {
+        return q_commit_packed(b, p, entries, n, full, parent_full, tokens, canonical, index);
     }
     Kvd__CommitEntry *e = malloc((n ? n : 1) * sizeof(*e));
     Kvd__CommitEntry **ep = malloc((n ? n : 1) * sizeof(*ep));
@@ -1032,16 +1107,7 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_COMMIT;
     env.commit = &req;
-    kvc__op *op;
-    err = kvc__batch_add(b, KVC__OP_COMMIT, &env, &op);
-    if (err == KV_OK) {
-        op->pool = p;
-        op->count = n;
-        op->out = canonical;
-        if (index != NULL) {
-            *index = b->nops - 1;
-        }
-    }
+    err = commit_add(b, p, &env, n, canonical, index);
 cleanup:
     free(e);
     free(ep);

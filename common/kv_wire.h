@@ -96,6 +96,13 @@ void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
 #define KV_FEATURE_REMOTE                                                                          \
     8u /* a remote tier: the daemon answers Lookup.remote (HelloReply; a client's bit means        \
           nothing) */
+#define KV_FEATURE_PACKED_COMMIT                                                                   \
+    16u /* packed Commit: the daemon takes Commit.entries_packed (HelloReply); the client reads    \
+           CommitReply.canonical_packed (Hello) */
+
+/* One packed Commit entry (Commit.entries_packed): block id LE32, gen LE32, hash lo LE64, hash hi
+ * LE64, parent LE32. */
+#define KV_WIRE_COMMIT_BYTES 28
 
 /* Entries of a packed field of len bytes with unit-byte entries: KV_EPROTO when len is not a
  * multiple of unit (a malformed frame). Writes *n only on success. */
@@ -177,6 +184,31 @@ static inline void kv_wire_block_put(uint8_t *p, size_t i, uint32_t id, uint32_t
     uint8_t *q = p + i * KV_WIRE_BLOCK_BYTES;
     kv_wire_put_le32(q, id);
     kv_wire_put_le32(q + 4, gen);
+}
+
+/* One packed Commit entry (KV_WIRE_COMMIT_BYTES). */
+typedef struct kv_wire_commit {
+    uint32_t id, gen;
+    uint64_t lo, hi;
+    uint32_t parent;
+} kv_wire_commit;
+
+/* Packed Commit entry i of p (p holds at least 28 * (i + 1) bytes). */
+static inline kv_wire_commit kv_wire_commit_get(const uint8_t *p, size_t i) {
+    const uint8_t *q = p + i * KV_WIRE_COMMIT_BYTES;
+    kv_wire_commit e = {kv_wire_le32(q), kv_wire_le32(q + 4), kv_wire_le64(q + 8),
+                        kv_wire_le64(q + 16), kv_wire_le32(q + 24)};
+    return e;
+}
+
+/* Writes packed Commit entry i into p. */
+static inline void kv_wire_commit_put(uint8_t *p, size_t i, const kv_wire_commit *e) {
+    uint8_t *q = p + i * KV_WIRE_COMMIT_BYTES;
+    kv_wire_put_le32(q, e->id);
+    kv_wire_put_le32(q + 4, e->gen);
+    kv_wire_put_le64(q + 8, e->lo);
+    kv_wire_put_le64(q + 16, e->hi);
+    kv_wire_put_le32(q + 24, e->parent);
 }
 
 #endif

@@ -34,6 +34,22 @@ static void test_packed_byte_layout(void **state) {
     uint32_t id, gen;
     kv_wire_block_get(b, 1, &id, &gen);
     assert_true(id == 0xffffffffu && gen == 0);
+
+    /* A packed Commit entry: id, gen, hash lo, hash hi, parent, little-endian, no padding. */
+    uint8_t c[2 * KV_WIRE_COMMIT_BYTES];
+    kv_wire_commit e0 = {0x04030201u, 0x08070605u, 0x100f0e0d0c0b0a09ull, 0x1817161514131211ull,
+                         0x1c1b1a19u};
+    kv_wire_commit e1 = {7, 1, 2, 3, 0xffffffffu};
+    kv_wire_commit_put(c, 0, &e0);
+    kv_wire_commit_put(c, 1, &e1);
+    for (int k = 0; k < KV_WIRE_COMMIT_BYTES; k++) {
+        assert_int_equal(c[k], k + 1);
+    }
+    kv_wire_commit g = kv_wire_commit_get(c, 1);
+    assert_true(g.id == 7 && g.gen == 1 && g.lo == 2 && g.hi == 3 && g.parent == 0xffffffffu);
+    g = kv_wire_commit_get(c, 0);
+    assert_true(g.id == e0.id && g.gen == e0.gen && g.lo == e0.lo && g.hi == e0.hi &&
+                g.parent == e0.parent);
 }
 
 static void test_packed_counts(void **state) {

@@ -3,8 +3,9 @@
  *  - packed lists (PROTOCOL.md 6, "Packed lists"): Lookup.hashes_packed, Release/Rewind
  *    blocks_packed, and blocks_packed in LookupReply/AllocateReply for a client whose Hello
  *    asked for them (a client that did not gets BlockRef messages);
- *  - malformed packed fields (length not a multiple of 16/8, both forms at once) -> EPROTO with
- *    the connection kept; a block listed twice with one reference -> EPERM, nothing released;
+ *  - Commit.entries_packed, and CommitReply.canonical_packed for a client whose Hello asked;
+ *  - malformed packed fields (length not a multiple of 16/8/28, both forms at once) -> EPROTO
+ *    with the connection kept; a block listed twice with one reference -> EPERM, nothing released;
  *  - replies coalesced into one output chunk: a burst of pipelined requests under a small
  *    max-inflight gets every reply, in order. */
 #include <pthread.h>
@@ -96,18 +97,19 @@ static void expect_error(int fd, Kvd__Envelope *req, kv_err code) {
     kvd_raw_expect_error(fd, req, code);
 }
 
-/* Hello (asking for packed replies or not) and AttachPool; returns the pool id. */
-static uint32_t open_session(int fd, int packed) {
+/* Hello (with features: the packed reply forms asked for) and AttachPool; returns the pool id. */
+static uint32_t open_session_with(int fd, uint32_t features) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
     Kvd__Hello h = KVD__HELLO__INIT;
     h.protocol_version = 1;
     h.client_name = "packed_test";
-    h.features = packed ? KV_FEATURE_PACKED : 0;
+    h.features = features;
     e.body_case = KVD__ENVELOPE__BODY_HELLO;
     e.hello = &h;
     Kvd__Envelope *r = rpc_ok(fd, &e, KVD__ENVELOPE__BODY_HELLO_REPLY);
     /* The daemon takes packed requests from everyone and says so. */
     assert_true(r->hello_reply->features & KV_FEATURE_PACKED);
+    assert_true(r->hello_reply->features & KV_FEATURE_PACKED_COMMIT);
     kv_wire_free(r);
     Kvd__AttachPool a = KVD__ATTACH_POOL__INIT;
     Kvd__Layout l = KVD__LAYOUT__INIT;
@@ -121,6 +123,10 @@ static uint32_t open_session(int fd, int packed) {
     uint32_t pool = r->attach_pool_reply->pool_id;
     kv_wire_free(r);
     return pool;
+}
+
+static uint32_t open_session(int fd, int packed) {
+    return open_session_with(fd, packed ? KV_FEATURE_PACKED : 0);
 }
 
 static void hash_of(size_t i, uint64_t *lo, uint64_t *hi) {
@@ -202,9 +208,8 @@ static uint64_t refs_held(int fd) {
     return v;
 }
 
-/* Allocates NB blocks (packed reply), commits them as the test prefix, releases them packed;
- * out gets the handles. */
-static void make_prefix(int fd, uint32_t pool, uint32_t (*out)[2]) {
+/* Allocates NB blocks (the session reads packed replies); out gets the handles. */
+static void allocate_nb(int fd, uint32_t pool, uint32_t (*out)[2]) {
     Kvd__Allocate a = KVD__ALLOCATE__INIT;
     a.pool_id = pool;
     a.count = NB;
@@ -218,6 +223,14 @@ static void make_prefix(int fd, uint32_t pool, uint32_t (*out)[2]) {
         kv_wire_block_get(r->allocate_reply->blocks_packed.data, i, &out[i][0], &out[i][1]);
     }
     kv_wire_free(r);
+}
+
+/* Allocates NB blocks (packed reply), commits them as the test prefix, releases them packed;
+ * out gets the handles. */
+static void make_prefix(int fd, uint32_t pool, uint32_t (*out)[2]) {
+    allocate_nb(fd, pool, out);
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Envelope *r;
     Kvd__CommitEntry ent[NB], *pe[NB];
     Kvd__Hash128 h[NB];
     Kvd__BlockRef br[NB];
@@ -431,10 +444,136 @@ static void test_pipelined_burst(void **state) {
     stop(h);
 }
 
+/* The packed Commit (entries_packed) of blk[0..n) as the test prefix's first n hashes, chained;
+ * c gets the request (its fields point into ent, which holds n * 28 bytes). */
+static void commit_packed_req(Kvd__Commit *c, uint8_t *ent, uint32_t pool, const uint32_t (*blk)[2],
+                              size_t n) {
+    kvd__commit__init(c);
+    c->pool_id = pool;
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_commit w = {blk[i][0], blk[i][1], 0, 0, i == 0 ? UINT32_MAX : blk[i - 1][0]};
+        hash_of(i, &w.lo, &w.hi);
+        kv_wire_commit_put(ent, i, &w);
+    }
+    c->entries_packed.data = ent;
+    c->entries_packed.len = n * KV_WIRE_COMMIT_BYTES;
+}
+
+/* Commit.entries_packed (PROTOCOL.md 6, "Packed lists"): the blocks are committed as with the
+ * repeated form and a client that asked (Hello.features PACKED_COMMIT) gets canonical_packed,
+ * another canonical BlockRefs naming the same blocks (its duplicates); malformed packed fields
+ * are EPROTO (ETOOBIG past the limit, EINVAL for a digest the xxh3 daemon has no use for) with
+ * the connection kept and nothing committed. */
+static void test_packed_commit(void **state) {
+    (void)state;
+    harness *h = start(64);
+    int fd = dial(h);
+    uint32_t pool = open_session_with(fd, KV_FEATURE_PACKED | KV_FEATURE_PACKED_COMMIT);
+    uint32_t blk[NB][2];
+    uint8_t ent[(NB + 9) * KV_WIRE_COMMIT_BYTES];
+    allocate_nb(fd, pool, blk);
+    Kvd__Commit c;
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk, NB);
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    e.body_case = KVD__ENVELOPE__BODY_COMMIT;
+    e.commit = &c;
+    Kvd__Envelope *r = rpc_ok(fd, &e, KVD__ENVELOPE__BODY_COMMIT_REPLY);
+    assert_int_equal(r->commit_reply->n_canonical, 0);
+    assert_int_equal(r->commit_reply->canonical_packed.len, NB * KV_WIRE_BLOCK_BYTES);
+    for (size_t i = 0; i < NB; i++) {
+        uint32_t id, gen;
+        kv_wire_block_get(r->commit_reply->canonical_packed.data, i, &id, &gen);
+        assert_int_equal(id, blk[i][0]);
+        assert_int_equal(gen, blk[i][1]);
+    }
+    kv_wire_free(r);
+    r = release_packed(fd, pool, (const uint32_t(*)[2])blk, NB, 0);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_RELEASE_REPLY);
+    kv_wire_free(r);
+    /* Committed as a chain: a lookup of the prefix hits every block. */
+    r = lookup(fd, pool, NB, 1);
+    assert_int_equal(r->lookup_reply->blocks_packed.len, NB * KV_WIRE_BLOCK_BYTES);
+    kv_wire_free(r);
+    r = release_packed(fd, pool, (const uint32_t(*)[2])blk, NB, 0);
+    kv_wire_free(r);
+    assert_int_equal(refs_held(fd), 0);
+
+    /* A client without the bit: the same packed request is taken, the reply is BlockRefs, and
+     * its blocks are duplicates of the first client's. */
+    int fd2 = dial(h);
+    assert_int_equal(open_session_with(fd2, KV_FEATURE_PACKED), pool);
+    uint32_t blk2[NB][2];
+    allocate_nb(fd2, pool, blk2);
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk2, NB);
+    r = rpc_ok(fd2, &e, KVD__ENVELOPE__BODY_COMMIT_REPLY);
+    assert_int_equal(r->commit_reply->canonical_packed.len, 0);
+    assert_int_equal(r->commit_reply->n_canonical, NB);
+    for (size_t i = 0; i < NB; i++) {
+        assert_int_equal(r->commit_reply->canonical[i]->id, blk[i][0]);
+    }
+    kv_wire_free(r);
+    r = release_packed(fd2, pool, (const uint32_t(*)[2])blk, NB, 0);
+    assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_RELEASE_REPLY);
+    kv_wire_free(r);
+    close(fd2);
+
+    /* Malformed: nothing is committed, the connection stays. */
+    uint32_t blk3[NB + 9][2];
+    memset(blk3, 0, sizeof(blk3)); /* the 17th is never allocated: ETOOBIG comes first */
+    allocate_nb(fd, pool, blk3);
+    allocate_nb(fd, pool, blk3 + NB);
+    uint8_t junk[(NB + 9) * 32];
+    memset(junk, 0, sizeof(junk));
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk3, NB);
+    c.entries_packed.len = NB * KV_WIRE_COMMIT_BYTES - 1; /* a cut record */
+    expect_error(fd, &e, KV_EPROTO);
+    c.entries_packed.len = NB * KV_WIRE_COMMIT_BYTES;
+    Kvd__CommitEntry one = KVD__COMMIT_ENTRY__INIT, *pone = &one;
+    c.n_entries = 1; /* both forms */
+    c.entries = &pone;
+    expect_error(fd, &e, KV_EPROTO);
+    c.n_entries = 0;
+    c.entries = NULL;
+    c.hash_full_packed.data = junk;
+    c.hash_full_packed.len = 32 * NB - 32; /* one digest short */
+    expect_error(fd, &e, KV_EPROTO);
+    c.hash_full_packed.len = 0;
+    c.token_ids_packed.data = junk;
+    c.token_ids_packed.len = 3; /* not whole token ids */
+    expect_error(fd, &e, KV_EPROTO);
+    c.token_ids_packed.len = 0;
+    c.entries_packed.len = 0; /* a companion alone */
+    c.parent_hash_full.data = junk;
+    c.parent_hash_full.len = 32;
+    expect_error(fd, &e, KV_EPROTO);
+    c.parent_hash_full.len = 0;
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk3, 17); /* past 16 a request */
+    expect_error(fd, &e, KV_ETOOBIG);
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk3, NB);
+    c.hash_full_packed.data = junk; /* a digest this xxh3 daemon has no use for */
+    c.hash_full_packed.len = 32 * NB;
+    expect_error(fd, &e, KV_EINVAL);
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk3, NB);
+    kv_wire_put_le32(ent + 3 * KV_WIRE_COMMIT_BYTES + 24, blk3[3][0]); /* its own parent */
+    expect_error(fd, &e, KV_EINVAL);
+    /* All still WRITING: the well-formed request commits them (the prefix's hashes: the
+     * first client's blocks are canonical). */
+    commit_packed_req(&c, ent, pool, (const uint32_t(*)[2])blk3, NB);
+    r = rpc_ok(fd, &e, KVD__ENVELOPE__BODY_COMMIT_REPLY);
+    assert_int_equal(r->commit_reply->canonical_packed.len, NB * KV_WIRE_BLOCK_BYTES);
+    uint32_t id0, gen0;
+    kv_wire_block_get(r->commit_reply->canonical_packed.data, 0, &id0, &gen0);
+    assert_int_equal(id0, blk[0][0]);
+    kv_wire_free(r);
+    close(fd);
+    stop(h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_packed_round_trip),
         cmocka_unit_test(test_packed_malformed),
+        cmocka_unit_test(test_packed_commit),
         cmocka_unit_test(test_pipelined_burst),
     };
     return cmocka_run_group_tests_name("packed", tests, NULL, NULL);

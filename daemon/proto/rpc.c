@@ -219,7 +219,8 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     c->sess->tenant = tenant;
     c->sess->hello = 1;
     /* What we may send it. */
-    c->sess->features = h->features & (KV_FEATURE_PACKED | KV_FEATURE_TIERS);
+    c->sess->features =
+        h->features & (KV_FEATURE_PACKED | KV_FEATURE_TIERS | KV_FEATURE_PACKED_COMMIT);
     snprintf(c->sess->name, sizeof(c->sess->name), "%s", h->client_name ? h->client_name : "");
     Kvd__Envelope env;
     env_init(c, &env, id);
@@ -241,7 +242,7 @@ static kv_err on_hello(rpc *c, uint64_t id, const Kvd__Hello *h, char *msg) {
     r.max_frame_bytes = (uint32_t)c->cfg->max_frame_bytes;
     r.max_inflight = (uint32_t)c->cfg->max_inflight;
     r.max_blocks_per_request = (uint32_t)c->cfg->max_blocks_per_request;
-    r.features = KV_FEATURE_PACKED | KV_FEATURE_PRIVATE |
+    r.features = KV_FEATURE_PACKED | KV_FEATURE_PRIVATE | KV_FEATURE_PACKED_COMMIT |
                  (kvd_tiers_on(c->ctx->tiers) ? KV_FEATURE_TIERS : 0) |
                  (kvd_tiers_remote_any(c->ctx->tiers) ? KV_FEATURE_REMOTE : 0);
     env.body_case = KVD__ENVELOPE__BODY_HELLO_REPLY;
@@ -431,17 +432,16 @@ static kv_err on_map(rpc *c, uint64_t id, const Kvd__MapSegments *m, char *msg) 
     return send_segments_reply(c, id, sp, p, m->first_index, 0);
 }
 
-/* Queues a LookupReply (lookup) or AllocateReply with refs[0..n): as blocks_packed when the
- * client said it reads packed lists (Hello.features), else as BlockRef messages. */
 /* A reply's list of block handles refs[0..n), in the request arena: as *packed (the session
- * reads packed lists, Hello.features; *nref 0) or as BlockRef messages (*pv, *nref = n). */
-static kv_err blocks_field(rpc *c, const kvd_block_ref *refs, size_t n, ProtobufCBinaryData *packed,
-                           Kvd__BlockRef ***pv, size_t *nref) {
+ * reads that reply's packed form, Hello.features bit `feature`; *nref 0) or as BlockRef
+ * messages (*pv, *nref = n). */
+static kv_err blocks_field(rpc *c, uint32_t feature, const kvd_block_ref *refs, size_t n,
+                           ProtobufCBinaryData *packed, Kvd__BlockRef ***pv, size_t *nref) {
     packed->data = NULL;
     packed->len = 0;
     *pv = NULL;
     *nref = 0;
-    if (c->sess->features & KV_FEATURE_PACKED) {
+    if (c->sess->features & feature) {
         packed->data = rpc_scratch(c, n * KV_WIRE_BLOCK_BYTES);
         if (packed->data == NULL) {
             return KV_ENOMEM;
@@ -481,7 +481,7 @@ static kv_err send_blocks_reply(rpc *c, uint64_t id, const kvd_block_ref *refs, 
     Kvd__BlockRef **pv;
     ProtobufCBinaryData packed;
     size_t nref;
-    if (blocks_field(c, refs, n, &packed, &pv, &nref) != KV_OK) {
+    if (blocks_field(c, KV_FEATURE_PACKED, refs, n, &packed, &pv, &nref) != KV_OK) {
         return KV_ENOMEM;
     }
     Kvd__Envelope env;
@@ -1080,7 +1080,8 @@ static kv_err send_fetch_reply(rpc *c, uint64_t id, kvd_session_pool *sp, const 
                                size_t n, Kvd__FetchStatus st, uint32_t t0, uint32_t promoted,
                                uint32_t lower, kv_err failure, const char *why) {
     Kvd__FetchReply fr = KVD__FETCH_REPLY__INIT;
-    if (blocks_field(c, refs, n, &fr.blocks_packed, &fr.blocks, &fr.n_blocks) != KV_OK) {
+    if (blocks_field(c, KV_FEATURE_PACKED, refs, n, &fr.blocks_packed, &fr.blocks, &fr.n_blocks) !=
+        KV_OK) {
         return KV_ENOMEM;
     }
     fr.new_segments_from = new_segments_from(sp);
@@ -1410,10 +1411,104 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
     }
 }
 
-static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
+/* A Commit's packed form (entries_packed and what goes with it; PROTOCOL.md §6, "Packed lists")
+ * as the repeated one, in the request arena, so that the handler reads one form; *out is cm
+ * itself when it has no packed field. ETOOBIG past max_blocks_per_request entries; EPROTO for a
+ * packed field of a length that is not whole records (or not one record per entry), both forms
+ * at once, or the companions without entries_packed; ENOMEM. */
+static kv_err commit_unpacked(rpc *c, const kvd_reg_pool *p, const Kvd__Commit *cm,
+                              const Kvd__Commit **out, char *msg) {
+    *out = cm;
+    if (cm->entries_packed.len == 0) {
+        if (cm->hash_full_packed.len != 0 || cm->token_ids_packed.len != 0 ||
+            cm->parent_hash_full.len != 0) {
+            FAIL(KV_EPROTO,
+                 "hash_full_packed, token_ids_packed and parent_hash_full go with entries_packed "
+                 "only (the repeated form has them in each entry)");
+        }
+        return KV_OK;
+    }
+    /* Field order (PROTOCOL.md §7): entries (2) too long, then entries_packed (3). */
+    size_t n = cm->entries_packed.len / KV_WIRE_COMMIT_BYTES;
+    kv_err rc =
+        kvd_validate_list(cm->n_entries, c->cfg->max_blocks_per_request, "entries", msg, KV_ERRMSG);
+    if (rc == KV_OK) {
+        rc = kvd_validate_list(n, c->cfg->max_blocks_per_request, "entries_packed", msg, KV_ERRMSG);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (kv_wire_list_count(cm->n_entries, cm->entries_packed.len, KV_WIRE_COMMIT_BYTES, &n) !=
+        KV_OK) {
+        FAIL(KV_EPROTO,
+             "entries_packed of %zu bytes: not a multiple of %d, or sent together with entries",
+             cm->entries_packed.len, KV_WIRE_COMMIT_BYTES);
+    }
+    const size_t tpb = p->layout.tokens_per_block;
+    if (cm->hash_full_packed.len != 0 && cm->hash_full_packed.len != n * KV_VLLM_HASH_BYTES) {
+        FAIL(KV_EPROTO, "hash_full_packed of %zu bytes for %zu entries: %d bytes an entry, or none",
+             cm->hash_full_packed.len, n, KV_VLLM_HASH_BYTES);
+    }
+    if (cm->token_ids_packed.len != 0 && cm->token_ids_packed.len != n * tpb * 4) {
+        FAIL(KV_EPROTO,
+             "token_ids_packed of %zu bytes for %zu entries: %zu token ids of 4 bytes an entry, or "
+             "none",
+             cm->token_ids_packed.len, n, tpb);
+    }
+    Kvd__Commit *x = rpc_scratch(c, sizeof(*x));
+    Kvd__CommitEntry *e = rpc_scratch(c, n * sizeof(*e));
+    Kvd__CommitEntry **ep = rpc_scratch(c, n * sizeof(*ep));
+    Kvd__BlockRef *b = rpc_scratch(c, n * sizeof(*b));
+    Kvd__Hash128 *h = rpc_scratch(c, n * sizeof(*h));
+    uint32_t *tok = cm->token_ids_packed.len != 0 ? rpc_scratch(c, n * tpb * sizeof(*tok)) : NULL;
+    if (x == NULL || e == NULL || ep == NULL || b == NULL || h == NULL ||
+        (cm->token_ids_packed.len != 0 && tok == NULL)) {
+        FAIL(KV_ENOMEM, "no memory for %zu entries", n);
+    }
+    for (size_t i = 0; tok != NULL && i < n * tpb; i++) {
+        tok[i] = kv_wire_le32(cm->token_ids_packed.data + 4 * i);
+    }
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_commit w = kv_wire_commit_get(cm->entries_packed.data, i);
+        kvd__commit_entry__init(&e[i]);
+        kvd__block_ref__init(&b[i]);
+        kvd__hash128__init(&h[i]);
+        b[i].id = w.id;
+        b[i].gen = w.gen;
+        h[i].lo = w.lo;
+        h[i].hi = w.hi;
+        e[i].block = &b[i];
+        e[i].hash = &h[i];
+        e[i].parent = w.parent;
+        if (cm->hash_full_packed.len != 0) {
+            e[i].hash_full.data = cm->hash_full_packed.data + i * KV_VLLM_HASH_BYTES;
+            e[i].hash_full.len = KV_VLLM_HASH_BYTES;
+        }
+        if (tok != NULL) {
+            e[i].n_token_ids = tpb;
+            e[i].token_ids = tok + i * tpb;
+        }
+        ep[i] = &e[i];
+    }
+    if (n > 0) {
+        e[0].parent_hash_full = cm->parent_hash_full;
+    }
+    *x = *cm;
+    x->n_entries = n;
+    x->entries = ep;
+    *out = x;
+    return KV_OK;
+}
+
+static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *req, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
-    kv_err rc = session_pool(c, cm->pool_id, &sp, &p, msg);
+    kv_err rc = session_pool(c, req->pool_id, &sp, &p, msg);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    const Kvd__Commit *cm;
+    rc = commit_unpacked(c, p, req, &cm, msg);
     if (rc != KV_OK) {
         return rc;
     }
@@ -1434,9 +1529,7 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
     kvd_refs_init(&seen);
     kvd_block_ref *canon = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*canon));
     uint32_t *parents = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*parents));
-    Kvd__BlockRef *v = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*v));
-    Kvd__BlockRef **pv = rpc_scratch(c, (n > 0 ? n : 1) * sizeof(*pv));
-    if (canon == NULL || parents == NULL || v == NULL || pv == NULL) {
+    if (canon == NULL || parents == NULL) {
         snprintf(msg, KV_ERRMSG, "no memory for %zu entries", n);
         rc = KV_ENOMEM;
         goto cleanup;
@@ -1508,8 +1601,9 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
         kvd_block_ref r = {e->block->id, e->block->gen};
         kv_hash128 h = {e->hash->lo, e->hash->hi};
         uint32_t parent = e->parent;
-        /* A parent committed earlier in this request may have been replaced by a duplicate. */
-        for (size_t j = 0; j < i && parent != KVD_NO_BLOCK; j++) {
+        /* A parent committed earlier in this request may have been replaced by a duplicate.
+         * Looked for from the entry before (a chain's parent is: O(1) per entry there). */
+        for (size_t j = i; j-- > 0 && parent != KVD_NO_BLOCK;) {
             if (cm->entries[j]->block->id == parent) {
                 parent = canon[j].id;
                 break;
@@ -1549,17 +1643,17 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *cm, char *msg) {
             rc = KV_ENOMEM;
             goto cleanup;
         }
-        kvd__block_ref__init(&v[i]);
-        v[i].id = canon[i].id;
-        v[i].gen = canon[i].gen;
-        pv[i] = &v[i];
     }
     Kvd__Envelope env;
     env_init(c, &env, id);
     kvd_events_tenant(&c->reg->events, c->sess->tenant)->commits += n;
     Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
-    cr.n_canonical = n;
-    cr.canonical = pv;
+    if (blocks_field(c, KV_FEATURE_PACKED_COMMIT, canon, n, &cr.canonical_packed, &cr.canonical,
+                     &cr.n_canonical) != KV_OK) {
+        snprintf(msg, KV_ERRMSG, "no memory for the reply");
+        rc = KV_ENOMEM;
+        goto cleanup;
+    }
     /* A duplicate's canonical block may lie in a segment grown by another session. */
     cr.new_segments_from = new_segments_from(sp);
     check_announced(sp, canon, n, cr.new_segments_from);

@@ -37,6 +37,7 @@ PAGE = 4096
 NO_PARENT = 0xFFFFFFFF  # Commit parent of a prefix's first block (§6 Commit)
 FEATURE_PACKED = 1  # §6 Packed lists (KV_FEATURE_PACKED)
 FEATURE_TIERS = 2  # §6 Fetch: LookupReply tier fields, FetchReply out of order (KV_FEATURE_TIERS)
+FEATURE_PACKED_COMMIT = 16  # §6 Packed lists: Commit.entries_packed, CommitReply.canonical_packed
 REPLY_SLACK = 64  # replies may be max_frame_bytes + 64 long (§2)
 
 
@@ -218,6 +219,38 @@ def unpack_blocks(data):
     if len(data) % 8:
         raise ProtocolViolation("blocks_packed of %d bytes is not a multiple of 8" % len(data))
     return [struct.unpack_from("<II", data, i) for i in range(0, len(data), 8)]
+
+
+def pack_commit(entries):
+    """Commit.entries_packed of pb.CommitEntry messages: 28 bytes each (block id, gen, hash lo,
+    hash hi, parent; little-endian)."""
+    return b"".join(struct.pack("<IIQQI", e.block.id, e.block.gen, e.hash.lo, e.hash.hi, e.parent)
+                    for e in entries)
+
+
+def packed_commit(pool_id, entries):
+    """The packed form of a Commit of pb.CommitEntry messages: hash_full and token_ids of every
+    entry (all or none of them), parent_hash_full of the first only."""
+    m = pb.Commit(pool_id=pool_id, entries_packed=pack_commit(entries))
+    if any(e.hash_full for e in entries):
+        m.hash_full_packed = b"".join(e.hash_full for e in entries)
+    if any(e.token_ids for e in entries):
+        m.token_ids_packed = b"".join(struct.pack("<%dI" % len(e.token_ids), *e.token_ids)
+                                      for e in entries)
+    if entries and entries[0].parent_hash_full:
+        m.parent_hash_full = entries[0].parent_hash_full
+    if any(e.parent_hash_full for e in entries[1:]):
+        raise ValueError("the packed form carries parent_hash_full for the first entry only")
+    return m
+
+
+def reply_canonical(reply):
+    """(id, gen) pairs of a CommitReply in whichever form it came."""
+    if reply.canonical and reply.canonical_packed:
+        raise ProtocolViolation("reply has both canonical and canonical_packed")
+    if reply.canonical_packed:
+        return unpack_blocks(reply.canonical_packed)
+    return [(b.id, b.gen) for b in reply.canonical]
 
 
 def reply_blocks(reply):
@@ -459,21 +492,24 @@ class Conn:
         r, _ = self.call("allocate", pb.Allocate(pool_id=pool_id, count=count))
         return r
 
-    def commit_reply(self, pool_id, entries):
-        """entries: (block (id, gen), hash (lo, hi), parent id). Returns the CommitReply."""
+    def commit_reply(self, pool_id, entries, packed=False):
+        """entries: (block (id, gen), hash (lo, hi), parent id). packed: as entries_packed
+        (§6 Packed lists). Returns the CommitReply."""
         m = pb.Commit(pool_id=pool_id)
         for (bid, gen), (lo, hi), parent in entries:
             m.entries.add(block=pb.BlockRef(id=bid, gen=gen), hash=pb.Hash128(lo=lo, hi=hi),
                           parent=parent)
+        if packed:
+            m = packed_commit(pool_id, list(m.entries))
         return self.call("commit", m)[0]
 
-    def commit(self, pool_id, entries):
+    def commit(self, pool_id, entries, packed=False):
         """Commit; maps the segments the reply announces (for a pool this Conn knows) and
         returns the canonical (id, gen)s."""
-        r = self.commit_reply(pool_id, entries)
+        r = self.commit_reply(pool_id, entries, packed)
         if pool_id in self.pools:
             self.pools[pool_id].follow(r)
-        return [(c.id, c.gen) for c in r.canonical]
+        return reply_canonical(r)
 
     def blocks_msg(self, kind, pool_id, blocks, packed=None):
         packed = self.packed_out if packed is None else packed

@@ -371,10 +371,13 @@ def entry(block, digest, parent=kw.NO_PARENT, hash_full=_FULL, token_ids=None, k
     return e
 
 
-def commit_entries(conn, pool, entries):
-    r, _ = conn.call("commit", pb.Commit(pool_id=pool.pool_id, entries=entries))
+def commit_entries(conn, pool, entries, packed=False):
+    """Commits pb.CommitEntry messages, as entries or (packed) in the packed form."""
+    m = (kw.packed_commit(pool.pool_id, entries) if packed
+         else pb.Commit(pool_id=pool.pool_id, entries=entries))
+    r, _ = conn.call("commit", m)
     pool.follow(r)
-    return [(c.id, c.gen) for c in r.canonical]
+    return kw.reply_canonical(r)
 
 
 def toks(nblocks, base):
@@ -382,14 +385,15 @@ def toks(nblocks, base):
 
 
 def vllm_commit(conn, pool, tokens, parent_digest=None, parent_block=kw.NO_PARENT,
-                send_tokens=False):
+                send_tokens=False, packed=False):
     """Allocates, writes and commits the full blocks of `tokens` as one chain continuing
-    parent_digest (NONE_HASH if None) at parent_block; returns (canonical blocks, digests)."""
+    parent_digest (NONE_HASH if None) at parent_block (packed: in the packed form); returns
+    (canonical blocks, digests)."""
     first = ref.none_hash(SEED) if parent_digest is None else parent_digest
     digests = ref.hash_chain(first, tokens, T)
     blocks = allocate(conn, pool, len(digests))
     entries = chain_entries(pool, blocks, digests, parent_block, tokens if send_tokens else None)
-    return commit_entries(conn, pool, entries), digests
+    return commit_entries(conn, pool, entries, packed), digests
 
 
 def chain_entries(pool, blocks, digests, parent=kw.NO_PARENT, tokens=None):
@@ -526,6 +530,37 @@ def test_vllm_token_ids_on(kvd_factory, zctx):
                          send_tokens=True)
     b = sub.next_batch("the extension's BlockStored")
     assert b.events == [stored([ref.to_u64(ext[0])], parent=ref.to_u64(chain[2]), tokens=more)]
+
+
+def test_packed_commit_publishes_what_the_repeated_form_does(kvd_factory, zctx):
+    """§6 Packed lists: a Commit sent as entries_packed, with hash_full_packed and
+    token_ids_packed, publishes the BlockStored the repeated form does (digests, parent, token
+    ids of every msgpack width); parent_hash_full names the parent of a chain from elsewhere; a
+    client that asked (Hello.features PACKED_COMMIT) reads canonical_packed."""
+    d = start(kvd_factory, **{OPT_TOKEN_IDS: "1"})
+    sub = Sub(zctx, d.pub)
+    c = d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_PACKED_COMMIT)
+    assert c.hello_reply.features & kw.FEATURE_PACKED_COMMIT
+    pool = c.attach("m", LAYOUT)
+    tokens = toks(3, 7)
+    canon, chain = vllm_commit(c, pool, tokens, send_tokens=True, packed=True)
+    assert sub.next_batch("BlockStored").events == [
+        stored([ref.to_u64(h) for h in chain], tokens=tokens)]
+    more = [4294967295, 0, 65536, 127, 128, 255, 256, 65535] + list(range(100, 100 + T - 8))
+    _, ext = vllm_commit(c, pool, more, parent_digest=chain[2], parent_block=canon[2][0],
+                         send_tokens=True, packed=True)
+    assert sub.next_batch("the extension").events == [
+        stored([ref.to_u64(ext[0])], parent=ref.to_u64(chain[2]), tokens=more)]
+    nxt = ref.hash_chain(ext[0], toks(1, 5000), T)
+    b = allocate(c, pool, 1)[0]
+    pool.write_block(b[0], kw.block_pattern(pool.layout, nxt[0].hex()))
+    commit_entries(c, pool, [entry(b, nxt[0], kw.NO_PARENT, parent_full=ext[0])], packed=True)
+    assert sub.next_batch("a parent only the client names").events == [
+        stored([ref.to_u64(nxt[0])], parent=ref.to_u64(ext[0]))]
+    # hash-mode vllm needs the digests: without hash_full_packed the request is EINVAL.
+    b = allocate(c, pool, 1)[0]
+    expect_error(pb.EINVAL, commit_entries, c, pool, [entry(b, nxt[0], hash_full=None)],
+                 True, contains="hash_full")
 
 
 def test_vllm_hash_form_bytes(kvd_factory, zctx):

@@ -645,6 +645,85 @@ def test_packed_and_repeated_forms_agree(kvd):
     assert pool_stats(plain, pr)["session_refs"] == 0
 
 
+def _vllm_free_entries(pool, blocks, hashes):
+    entries, parent = [], kw.NO_PARENT
+    for b, h in zip(blocks, hashes):
+        entries.append((b, h, parent))
+        parent = b[0]
+    return entries
+
+
+def test_packed_commit_forms_agree(kvd):
+    """§6 Packed lists: Commit.entries_packed commits what the repeated form does; the daemon
+    takes it from every session and says so (HelloReply.features PACKED_COMMIT); replies are
+    canonical_packed only to a session that set the bit, BlockRefs to others (naming the
+    same canonical blocks), whichever form the request came in."""
+    pc = kvd.connect(features=kw.FEATURE_PACKED | kw.FEATURE_PACKED_COMMIT)
+    plain = kvd.connect(features=kw.FEATURE_PACKED)
+    assert pc.hello_reply.features & kw.FEATURE_PACKED_COMMIT
+    assert plain.hello_reply.features & kw.FEATURE_PACKED_COMMIT
+    pp, pr = pc.attach("m", LAYOUT), plain.attach("m", LAYOUT)
+    T = LAYOUT.tokens_per_block
+    hashes = kw.hash_chain(pp.hash_seed, toks(3, 900, T), T, b"", pp.hash_algo)
+    blocks = allocate(pc, pp, 3)
+    pats = [kw.block_pattern(LAYOUT, kw.hash_hex(h)) for h in hashes]
+    for (bid, _), pat in zip(blocks, pats):
+        pp.write_block(bid, pat)
+    r = pc.commit_reply(pp.pool_id, _vllm_free_entries(pp, blocks, hashes), packed=True)
+    assert not r.canonical and kw.unpack_blocks(r.canonical_packed) == blocks
+    hits = lookup(plain, pr, hashes)
+    assert hits == blocks
+    assert [pr.read_block(b) for b, _ in hits] == pats
+    plain.release(pr.pool_id, hits)
+    # The same chain from the other session, packed: its blocks are duplicates.
+    mine = allocate(plain, pr, 3)
+    r = plain.commit_reply(pr.pool_id, _vllm_free_entries(pr, mine, hashes), packed=True)
+    assert not r.canonical_packed and [(b.id, b.gen) for b in r.canonical] == blocks
+    plain.release(pr.pool_id, blocks)
+    # A repeated-form request from the session that set the bit: a packed reply.
+    more = kw.hash_chain(hashes[-1], toks(1, 5000, T), T, b"", pp.hash_algo)
+    b = allocate(pc, pp, 1)
+    r = pc.commit_reply(pp.pool_id, [(b[0], more[0], blocks[-1][0])])
+    assert not r.canonical and kw.unpack_blocks(r.canonical_packed) == b
+    pc.release(pp.pool_id, blocks + b)
+    assert pool_stats(pc, pp)["session_refs"] == 0
+
+
+def test_packed_commit_errors(kvd):
+    """§6 Packed lists: entries_packed of a length that is not whole 28-byte records, both forms
+    at once, hash_full_packed or token_ids_packed not one record per entry, a companion field
+    without entries_packed: EPROTO with the request's id; a digest an xxh3 daemon has no use for
+    is EINVAL; nothing is committed, the connection is kept."""
+    c = kvd.connect(features=kw.FEATURE_PACKED | kw.FEATURE_PACKED_COMMIT)
+    pool = c.attach("m", LAYOUT)
+    P = pool.pool_id
+    w = allocate(c, pool, 2)
+    ents = [pb.CommitEntry(block=pb.BlockRef(id=b, gen=g), hash=pb.Hash128(lo=7 + i, hi=9),
+                           parent=kw.NO_PARENT if i == 0 else w[0][0])
+            for i, (b, g) in enumerate(w)]
+    good = kw.pack_commit(ents)
+    T = LAYOUT.tokens_per_block
+    bad = [pb.Commit(pool_id=P, entries_packed=good[:n]) for n in (1, 27, 29, 55)]
+    bad += [pb.Commit(pool_id=P, entries_packed=good, entries=ents[:1]),
+            pb.Commit(pool_id=P, entries_packed=good, hash_full_packed=b"\1" * 32),
+            pb.Commit(pool_id=P, entries_packed=good, token_ids_packed=b"\0" * (8 * T - 4)),
+            pb.Commit(pool_id=P, hash_full_packed=b"\1" * 64),
+            pb.Commit(pool_id=P, token_ids_packed=b"\0" * 8 * T),
+            pb.Commit(pool_id=P, parent_hash_full=b"\1" * 32)]
+    for msg in bad:
+        rid = c.send("commit", msg)
+        with kvd_error(kw.EPROTO) as e:
+            c.recv()
+        assert e.value.req_id == rid and e.value.message
+    with kvd_error(kw.EINVAL) as e:
+        c.call("commit", pb.Commit(pool_id=P, entries_packed=good, hash_full_packed=b"\1" * 64))
+    assert "hash-mode vllm" in e.value.message
+    st = pool_stats(c, pool)
+    assert st["blocks_writing"] == 2 and st["blocks_committed"] == 0
+    r, _ = c.call("commit", pb.Commit(pool_id=P, entries_packed=good))
+    assert kw.unpack_blocks(r.canonical_packed) == w
+
+
 def test_pin_rules(kvd_factory):
     """§6 Pin: only held, committed blocks (EPERM / ESTATE); retention <= 7 days and priority
     <= 255 (EINVAL); a pinned cached block is not evicted (Allocate is ENOSPC with the count
@@ -2277,7 +2356,7 @@ def test_which_error_fields_then_pool_kind(kvd_factory):
         [(b, w, g) for (b, _, w), (_, _, g) in zip(cases, got) if w != g]
 
 
-@pytest.mark.parametrize("body", ["lookup", "release", "rewind"])
+@pytest.mark.parametrize("body", ["lookup", "release", "rewind", "commit"])
 def test_which_error_toobig_before_malformed_packed(kvd_factory, body):
     """§7 'Which error' 3: 'the request's own fields, in field order: EINVAL, ETOOBIG, EPROTO
     (malformed packed lists)'. A repeated list of 9 entries at max-blocks-per-request 8
@@ -2291,6 +2370,9 @@ def test_which_error_toobig_before_malformed_packed(kvd_factory, body):
     if body == "lookup":
         msgs = [pb.Lookup(pool_id=P, hashes=[pb.Hash128()] * 9, hashes_packed=b"\0" * n)
                 for n in (15, 16)]
+    elif body == "commit":
+        e = pb.CommitEntry(block=pb.BlockRef(), hash=pb.Hash128())
+        msgs = [pb.Commit(pool_id=P, entries=[e] * 9, entries_packed=b"\0" * n) for n in (27, 28)]
     else:
         cls = pb.Release if body == "release" else pb.Rewind
         msgs = [cls(pool_id=P, blocks=_refs([(0, 0)] * 9), blocks_packed=b"\0" * n)
