@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -781,10 +782,10 @@ static void tiers_rpc_print(const ten_result *t) {
 /* Frame sizes (request, reply) of the round's three phases as libkvclient and kvd exchange
  * them: packed lists and the packed Commit (PROTOCOL.md 6). */
 static size_t g_cp_req[3], g_cp_rep[3];
+static _Atomic uint64_t g_cp_seq = (uint64_t)1 << 40; /* each connection's hashes start here */
 
 typedef struct cp_client {
     int sys; /* SYS_KVD or SYS_ECHO */
-    int idx;
     double secs;
     uint64_t blocks;
 } cp_client;
@@ -905,7 +906,7 @@ static void *cp_run(void *arg) {
         }
         rep = malloc(most * CP_DEPTH);
     }
-    uint64_t seq = (uint64_t)(c->idx + 1) << 44 | (uint64_t)getpid() << 24;
+    uint64_t seq = atomic_fetch_add(&g_cp_seq, (uint64_t)1 << 40); /* hashes no run made */
     for (int i = 0; i < 20; i++) { /* warm up: the pool fills, Allocates start evicting */
         if (c->sys == SYS_KVD) {
             cp_kvd_round(k.pool, k.batch, &seq);
@@ -946,7 +947,6 @@ static double cp_measure(int sys) {
     pthread_barrier_init(&g_barrier, NULL, CP_CONNS + 1);
     for (int i = 0; i < CP_CONNS; i++) {
         cs[i].sys = sys;
-        cs[i].idx = i;
         pthread_create(&th[i], NULL, cp_run, &cs[i]);
     }
     pthread_barrier_wait(&g_barrier);

@@ -529,9 +529,15 @@ static void test_packed_commit(void **state) {
     expect_error(fd, &e, KV_EPROTO);
     c.entries_packed.len = NB * KV_WIRE_COMMIT_BYTES;
     Kvd__CommitEntry one = KVD__COMMIT_ENTRY__INIT, *pone = &one;
+    Kvd__BlockRef oneb = KVD__BLOCK_REF__INIT;
+    Kvd__Hash128 oneh = KVD__HASH128__INIT;
+    one.block = &oneb; /* a whole entry: an empty one would be EINVAL first (field order) */
+    one.hash = &oneh;
     c.n_entries = 1; /* both forms */
     c.entries = &pone;
     expect_error(fd, &e, KV_EPROTO);
+    one.block = NULL; /* an entry without its block: EINVAL before the packed field's EPROTO */
+    expect_error(fd, &e, KV_EINVAL);
     c.n_entries = 0;
     c.entries = NULL;
     c.hash_full_packed.data = junk;

@@ -1419,6 +1419,12 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
 static kv_err commit_unpacked(rpc *c, const kvd_reg_pool *p, const Kvd__Commit *cm,
                               const Kvd__Commit **out, char *msg) {
     *out = cm;
+    /* Field order (PROTOCOL.md §7): entries (2) first, EINVAL and ETOOBIG, then the packed
+     * fields (3-6): ETOOBIG, then EPROTO. */
+    kv_err rc = kvd_validate_commit(cm, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
     if (cm->entries_packed.len == 0) {
         if (cm->hash_full_packed.len != 0 || cm->token_ids_packed.len != 0 ||
             cm->parent_hash_full.len != 0) {
@@ -1428,13 +1434,8 @@ static kv_err commit_unpacked(rpc *c, const kvd_reg_pool *p, const Kvd__Commit *
         }
         return KV_OK;
     }
-    /* Field order (PROTOCOL.md §7): entries (2) too long, then entries_packed (3). */
     size_t n = cm->entries_packed.len / KV_WIRE_COMMIT_BYTES;
-    kv_err rc =
-        kvd_validate_list(cm->n_entries, c->cfg->max_blocks_per_request, "entries", msg, KV_ERRMSG);
-    if (rc == KV_OK) {
-        rc = kvd_validate_list(n, c->cfg->max_blocks_per_request, "entries_packed", msg, KV_ERRMSG);
-    }
+    rc = kvd_validate_list(n, c->cfg->max_blocks_per_request, "entries_packed", msg, KV_ERRMSG);
     if (rc != KV_OK) {
         return rc;
     }

@@ -442,7 +442,10 @@ kv_err kvd_registry_quota_set_field(kvd_registry *s, const char *tenant, const c
         return rc;
     }
     if (rc != KV_OK) {
-        snprintf(err, errlen, "%s must be a decimal number of blocks or sessions (0 = none)", name);
+        snprintf(err, errlen,
+                 "%s must be a decimal number of blocks or sessions (tier-max-bytes: a size such "
+                 "as 4096, 64K, 1G; 0 = none)",
+                 name);
         return rc;
     }
     return kvd_registry_quota_set(s, tenant, &q);

@@ -14,6 +14,9 @@
  *   tier-max     blocks charged to the tenant in each lower tier (T1, T2) of one pool: a block
  *                of the tenant's that goes down past it takes the place of the tenant's own
  *                oldest block of that tier (docs/TIERS.md, "Tenants in the lower tiers").
+ *   tier-max-bytes  the same in bytes: the tenant's T1 blocks as stored there (a compressed
+ *                block counts its compressed size) and its T2 records (a slot's size each) in
+ *                each lower tier of one pool. The one limit that takes a size suffix (64M).
  *   tier-guarantee  blocks of the tenant in each lower tier of one pool that other tenants'
  *                blocks coming down do not evict while the tenant is at or under it.
  * Tenants without a `quota` line in the tenants file get the `quota default` line (or no limits).

@@ -999,6 +999,12 @@ static int tier_over(const tier_pool *tp, const kvd_quota *q, uint32_t tenant, i
            (q->tier_max_bytes != 0 && owned_bytes(tp, tenant, tier) + bytes > q->tier_max_bytes);
 }
 
+/* Whether a block of `bytes` is alone past tenant's tier-max-bytes (it can never stay). */
+static int tier_past_bytes(const tier_pool *tp, uint32_t tenant, uint64_t bytes) {
+    const kvd_quota *q = quota_of(tp->t, tenant);
+    return q != NULL && q->tier_max_bytes != 0 && bytes > q->tier_max_bytes;
+}
+
 /* Tenant (an entry's owner) is to have one more block of `need` bytes in tp's tier (0: not known
  * before the copy, a compressed or quantized one): while that would pass its tier-max or
  * tier-max-bytes there, its own oldest goes first. 0 when the block cannot go down: none of them
@@ -1008,7 +1014,7 @@ static int tier_admit(tier_pool *tp, int tier, uint32_t tenant, uint64_t need) {
     if (q == NULL || (q->tier_max == 0 && q->tier_max_bytes == 0)) {
         return 1;
     }
-    if (q->tier_max_bytes != 0 && need > q->tier_max_bytes) {
+    if (tier_past_bytes(tp, tenant, need)) {
         return 0;
     }
     while (tier_over(tp, q, tenant, tier, 1, need > 0 ? need : 1)) {
@@ -1023,18 +1029,19 @@ static int tier_admit(tier_pool *tp, int tier, uint32_t tenant, uint64_t need) {
 }
 
 /* After entry i landed in tp's tier: its owner back to its tier-max and tier-max-bytes (copies
- * that were in flight together may have passed them, and a compressed block's size was not
- * known before), its oldest first; i itself stays. A block alone past tier-max-bytes (one that
- * compressed worse than the limit allows) goes instead, and nothing else: then 0 is returned
- * (the entry may be freed). */
+ * that were in flight together may have passed them), its oldest first; i itself stays. A block
+ * alone past tier-max-bytes (the limit lowered while it was copied) goes instead, and nothing
+ * else, unless a copy still reads it (then the next admission trims it): 0 is returned when it
+ * went (the entry may be freed). */
 static int tier_trim(tier_pool *tp, int tier, uint32_t i) {
     uint32_t tenant = kvd_tstore_owner(&tp->st, i);
     const kvd_quota *q = quota_of(tp->t, tenant);
     if (q == NULL) {
         return 1;
     }
-    uint64_t own = tier == 1 ? kvd_tstore_at(&tp->st, i)->len1 : tp->slot_bytes;
-    if (q->tier_max_bytes != 0 && own > q->tier_max_bytes) {
+    const kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    uint64_t own = tier == 1 ? e->len1 : tp->slot_bytes;
+    if (q->tier_max_bytes != 0 && own > q->tier_max_bytes && e->busy == 0) {
         drop_victim(tp, tier, i);
         tp->t->c[TS_QUOTA_DROPS]++;
         return 0;
@@ -1471,8 +1478,17 @@ static void after_work(uv_work_t *w, int status) {
             }
             unleased(tp);
             e->pending &= (uint8_t)~KVD_TPEND_T1;
+            uint32_t owner = kvd_tstore_owner(&tp->st, j->entry);
             if (j->rc == KV_OK && !e->doomed && e->t1 == NULL &&
-                make_room(tp, 1, j->out_len, kvd_tstore_owner(&tp->st, j->entry))) {
+                tier_past_bytes(tp, owner, j->out_len)) {
+                /* Compressed worse than the owner's whole tier-max-bytes: not kept (and nothing
+                 * of anyone's made room for it); the next landing or Fetch finds no T1 copy. */
+                t->c[TS_QUOTA_DROPS]++;
+                if (!e->in2 && e->pending == 0 && e->busy == 0) {
+                    kvd_tstore_forget(&tp->st, j->entry);
+                }
+            } else if (j->rc == KV_OK && !e->doomed && e->t1 == NULL &&
+                       make_room(tp, 1, j->out_len, owner)) {
                 kvd_tstore_set1(&tp->st, j->entry, j->out, j->out_len, j->out_fmt);
                 t->used[0] += j->out_len;
                 t->c[TS_DEMOTE_T1]++;
