@@ -103,6 +103,7 @@ void kv_wire_free_with(Kvd__Envelope *env, ProtobufCAllocator *alloc);
 /* One packed Commit entry (Commit.entries_packed): block id LE32, gen LE32, hash lo LE64, hash hi
  * LE64, parent LE32. */
 #define KV_WIRE_COMMIT_BYTES 28
+#define KV_WIRE_DIGEST_BYTES 32 /* one hash_full_packed record: a vLLM sha256_cbor digest */
 
 /* Entries of a packed field of len bytes with unit-byte entries: KV_EPROTO when len is not a
  * multiple of unit (a malformed frame). Writes *n only on success. */

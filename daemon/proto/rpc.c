@@ -1411,96 +1411,6 @@ static void publish_stored(rpc *c, kvd_reg_pool *p, const Kvd__Commit *cm,
     }
 }
 
-/* A Commit's packed form (entries_packed and what goes with it; PROTOCOL.md §6, "Packed lists")
- * as the repeated one, in the request arena, so that the handler reads one form; *out is cm
- * itself when it has no packed field. ETOOBIG past max_blocks_per_request entries; EPROTO for a
- * packed field of a length that is not whole records (or not one record per entry), both forms
- * at once, or the companions without entries_packed; ENOMEM. */
-static kv_err commit_unpacked(rpc *c, const kvd_reg_pool *p, const Kvd__Commit *cm,
-                              const Kvd__Commit **out, char *msg) {
-    *out = cm;
-    /* Field order (PROTOCOL.md §7): entries (2) first, EINVAL and ETOOBIG, then the packed
-     * fields (3-6): ETOOBIG, then EPROTO. */
-    kv_err rc = kvd_validate_commit(cm, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    if (cm->entries_packed.len == 0) {
-        if (cm->hash_full_packed.len != 0 || cm->token_ids_packed.len != 0 ||
-            cm->parent_hash_full.len != 0) {
-            FAIL(KV_EPROTO,
-                 "hash_full_packed, token_ids_packed and parent_hash_full go with entries_packed "
-                 "only (the repeated form has them in each entry)");
-        }
-        return KV_OK;
-    }
-    size_t n = cm->entries_packed.len / KV_WIRE_COMMIT_BYTES;
-    rc = kvd_validate_list(n, c->cfg->max_blocks_per_request, "entries_packed", msg, KV_ERRMSG);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    if (kv_wire_list_count(cm->n_entries, cm->entries_packed.len, KV_WIRE_COMMIT_BYTES, &n) !=
-        KV_OK) {
-        FAIL(KV_EPROTO,
-             "entries_packed of %zu bytes: not a multiple of %d, or sent together with entries",
-             cm->entries_packed.len, KV_WIRE_COMMIT_BYTES);
-    }
-    const size_t tpb = p->layout.tokens_per_block;
-    if (cm->hash_full_packed.len != 0 && cm->hash_full_packed.len != n * KV_VLLM_HASH_BYTES) {
-        FAIL(KV_EPROTO, "hash_full_packed of %zu bytes for %zu entries: %d bytes an entry, or none",
-             cm->hash_full_packed.len, n, KV_VLLM_HASH_BYTES);
-    }
-    if (cm->token_ids_packed.len != 0 && cm->token_ids_packed.len != n * tpb * 4) {
-        FAIL(KV_EPROTO,
-             "token_ids_packed of %zu bytes for %zu entries: %zu token ids of 4 bytes an entry, or "
-             "none",
-             cm->token_ids_packed.len, n, tpb);
-    }
-    Kvd__Commit *x = rpc_scratch(c, sizeof(*x));
-    Kvd__CommitEntry *e = rpc_scratch(c, n * sizeof(*e));
-    Kvd__CommitEntry **ep = rpc_scratch(c, n * sizeof(*ep));
-    Kvd__BlockRef *b = rpc_scratch(c, n * sizeof(*b));
-    Kvd__Hash128 *h = rpc_scratch(c, n * sizeof(*h));
-    uint32_t *tok = cm->token_ids_packed.len != 0 ? rpc_scratch(c, n * tpb * sizeof(*tok)) : NULL;
-    if (x == NULL || e == NULL || ep == NULL || b == NULL || h == NULL ||
-        (cm->token_ids_packed.len != 0 && tok == NULL)) {
-        FAIL(KV_ENOMEM, "no memory for %zu entries", n);
-    }
-    for (size_t i = 0; tok != NULL && i < n * tpb; i++) {
-        tok[i] = kv_wire_le32(cm->token_ids_packed.data + 4 * i);
-    }
-    for (size_t i = 0; i < n; i++) {
-        kv_wire_commit w = kv_wire_commit_get(cm->entries_packed.data, i);
-        kvd__commit_entry__init(&e[i]);
-        kvd__block_ref__init(&b[i]);
-        kvd__hash128__init(&h[i]);
-        b[i].id = w.id;
-        b[i].gen = w.gen;
-        h[i].lo = w.lo;
-        h[i].hi = w.hi;
-        e[i].block = &b[i];
-        e[i].hash = &h[i];
-        e[i].parent = w.parent;
-        if (cm->hash_full_packed.len != 0) {
-            e[i].hash_full.data = cm->hash_full_packed.data + i * KV_VLLM_HASH_BYTES;
-            e[i].hash_full.len = KV_VLLM_HASH_BYTES;
-        }
-        if (tok != NULL) {
-            e[i].n_token_ids = tpb;
-            e[i].token_ids = tok + i * tpb;
-        }
-        ep[i] = &e[i];
-    }
-    if (n > 0) {
-        e[0].parent_hash_full = cm->parent_hash_full;
-    }
-    *x = *cm;
-    x->n_entries = n;
-    x->entries = ep;
-    *out = x;
-    return KV_OK;
-}
-
 static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *req, char *msg) {
     kvd_session_pool *sp;
     kvd_reg_pool *p;
@@ -1508,12 +1418,10 @@ static kv_err on_commit(rpc *c, uint64_t id, const Kvd__Commit *req, char *msg) 
     if (rc != KV_OK) {
         return rc;
     }
+    /* Either form, checked, as the repeated one (the packed one expanded in the arena). */
     const Kvd__Commit *cm;
-    rc = commit_unpacked(c, p, req, &cm, msg);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    rc = kvd_validate_commit(cm, c->cfg->max_blocks_per_request, msg, KV_ERRMSG);
+    rc = kvd_validate_commit_any(req, c->cfg->max_blocks_per_request, p->layout.tokens_per_block,
+                                 kv_arena_allocator(c->ctx->arena), &cm, msg, KV_ERRMSG);
     if (rc != KV_OK) {
         return rc;
     }

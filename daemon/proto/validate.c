@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/kv_wire.h"
+
 static kv_err fail(kv_err rc, char *msg, size_t msglen, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
@@ -141,5 +143,103 @@ kv_err kvd_validate_ping(const Kvd__Ping *p, uint64_t max_frame, char *msg, size
         return fail(KV_ETOOBIG, msg, msglen, "ping payload of %zu bytes exceeds %llu",
                     p->payload.len, (unsigned long long)(max_frame - KV_WIRE_PING_SLACK));
     }
+    return KV_OK;
+}
+
+/* ---- Commit in either form ------------------------------------------------------------- */
+
+static void *alloc_of(ProtobufCAllocator *a, size_t n) {
+    return a->alloc(a->allocator_data, n > 0 ? n : 1);
+}
+
+kv_err kvd_validate_commit_any(const Kvd__Commit *c, uint64_t max, uint32_t tpb,
+                               ProtobufCAllocator *alloc, const Kvd__Commit **out, char *msg,
+                               size_t msglen) {
+    *out = c;
+    kv_err rc = kvd_validate_commit(c, max, msg, msglen);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (c->entries_packed.len == 0) {
+        if (c->hash_full_packed.len != 0 || c->token_ids_packed.len != 0 ||
+            c->parent_hash_full.len != 0) {
+            return fail(KV_EPROTO, msg, msglen,
+                        "hash_full_packed, token_ids_packed and parent_hash_full go with "
+                        "entries_packed only (the repeated form has them in each entry)");
+        }
+        return KV_OK;
+    }
+    size_t n = c->entries_packed.len / KV_WIRE_COMMIT_BYTES;
+    rc = kvd_validate_list(n, max, "entries_packed", msg, msglen);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (c->n_entries != 0 || c->entries_packed.len % KV_WIRE_COMMIT_BYTES != 0) {
+        return fail(KV_EPROTO, msg, msglen,
+                    "entries_packed of %zu bytes: not a multiple of %d, or sent together with "
+                    "entries",
+                    c->entries_packed.len, KV_WIRE_COMMIT_BYTES);
+    }
+    if (c->hash_full_packed.len != 0 && c->hash_full_packed.len != n * KV_WIRE_DIGEST_BYTES) {
+        return fail(KV_EPROTO, msg, msglen,
+                    "hash_full_packed of %zu bytes for %zu entries: %d bytes an entry, or none",
+                    c->hash_full_packed.len, n, KV_WIRE_DIGEST_BYTES);
+    }
+    if (c->token_ids_packed.len != 0 && c->token_ids_packed.len != n * (size_t)tpb * 4) {
+        return fail(KV_EPROTO, msg, msglen,
+                    "token_ids_packed of %zu bytes for %zu entries: %u token ids of 4 bytes an "
+                    "entry, or none",
+                    c->token_ids_packed.len, n, tpb);
+    }
+    Kvd__Commit *x = alloc_of(alloc, sizeof(*x));
+    Kvd__CommitEntry *e = alloc_of(alloc, n * sizeof(*e));
+    Kvd__CommitEntry **ep = alloc_of(alloc, n * sizeof(*ep));
+    Kvd__BlockRef *b = alloc_of(alloc, n * sizeof(*b));
+    Kvd__Hash128 *h = alloc_of(alloc, n * sizeof(*h));
+    int tokens = c->token_ids_packed.len != 0;
+    uint32_t *tok = tokens ? alloc_of(alloc, n * tpb * sizeof(*tok)) : NULL;
+    if (x == NULL || e == NULL || ep == NULL || b == NULL || h == NULL || (tokens && tok == NULL)) {
+        return fail(KV_ENOMEM, msg, msglen, "no memory for %zu entries", n);
+    }
+    for (size_t i = 0; tokens && i < n * tpb; i++) {
+        tok[i] = kv_wire_le32(c->token_ids_packed.data + 4 * i);
+    }
+    for (size_t i = 0; i < n; i++) {
+        kv_wire_commit w = kv_wire_commit_get(c->entries_packed.data, i);
+        kvd__commit_entry__init(&e[i]);
+        kvd__block_ref__init(&b[i]);
+        kvd__hash128__init(&h[i]);
+        b[i].id = w.id;
+        b[i].gen = w.gen;
+        h[i].lo = w.lo;
+        h[i].hi = w.hi;
+        e[i].block = &b[i];
+        e[i].hash = &h[i];
+        e[i].parent = w.parent;
+        if (c->hash_full_packed.len != 0) {
+            e[i].hash_full.data = c->hash_full_packed.data + i * KV_WIRE_DIGEST_BYTES;
+            e[i].hash_full.len = KV_WIRE_DIGEST_BYTES;
+        }
+        if (tokens) {
+            e[i].n_token_ids = tpb;
+            e[i].token_ids = tok + i * tpb;
+        }
+        ep[i] = &e[i];
+    }
+    if (n > 0) {
+        e[0].parent_hash_full = c->parent_hash_full;
+    }
+    *x = *c;
+    x->n_entries = n;
+    x->entries = ep;
+    x->entries_packed.len = 0; /* one form: the repeated one */
+    x->entries_packed.data = NULL;
+    x->hash_full_packed.len = 0;
+    x->hash_full_packed.data = NULL;
+    x->token_ids_packed.len = 0;
+    x->token_ids_packed.data = NULL;
+    x->parent_hash_full.len = 0;
+    x->parent_hash_full.data = NULL;
+    *out = x;
     return KV_OK;
 }

@@ -31,6 +31,20 @@ kv_err kvd_validate_allocate(const Kvd__Allocate *a, uint64_t max, char *msg, si
 /* Commit: list length, every entry has a block and a hash (KV_EINVAL). */
 kv_err kvd_validate_commit(const Kvd__Commit *c, uint64_t max, char *msg, size_t msglen);
 
+/* A Commit in either form (PROTOCOL.md §6, "Packed lists") as the repeated one, for a pool of
+ * tpb tokens a block. In field order: the repeated entries (kvd_validate_commit: KV_ETOOBIG,
+ * KV_EINVAL), then entries_packed past max records (KV_ETOOBIG), then KV_EPROTO: a packed field
+ * that is not whole records (entries_packed KV_WIRE_COMMIT_BYTES an entry; hash_full_packed 32
+ * and token_ids_packed tpb * 4 bytes an entry, or empty), both forms at once, or
+ * hash_full_packed, token_ids_packed or parent_hash_full without entries_packed. On success
+ * *out is c itself (no packed field) or a Commit allocated from alloc (an arena: nothing is
+ * freed here) holding only repeated entries, whose hash_full and parent_hash_full point into
+ * c's bytes (c must outlive it) and whose token ids are copied. KV_ENOMEM when alloc fails. *out
+ * is c on every error. */
+kv_err kvd_validate_commit_any(const Kvd__Commit *c, uint64_t max, uint32_t tpb,
+                               ProtobufCAllocator *alloc, const Kvd__Commit **out, char *msg,
+                               size_t msglen);
+
 /* A list of repeated hashes (Lookup's, Fetch's): its length (KV_ETOOBIG), every hash present
  * (KV_EINVAL). */
 kv_err kvd_validate_hashes(size_t n, Kvd__Hash128 *const *hashes, uint64_t max, char *msg,

@@ -7,6 +7,8 @@
 
 #include <cmocka.h>
 
+#include "common/kv_arena.h"
+#include "common/kv_wire.h"
 #include "daemon/proto/validate.h"
 
 static void test_hello(void **state) {
@@ -114,6 +116,102 @@ static void test_lists(void **state) {
     assert_int_equal(kvd_validate_refs(2, bs, 1, msg, sizeof(msg)), KV_ETOOBIG);
 }
 
+/* A packed Commit comes out as the repeated form, entry for entry; malformed or oversized packed
+ * fields are refused in field order and leave *out the request itself. */
+static void test_commit_any(void **state) {
+    (void)state;
+    char msg[256];
+    kv_arena a;
+    kv_arena_init(&a);
+    enum { TPB = 4 };
+    uint8_t ent[3 * KV_WIRE_COMMIT_BYTES], full[3 * KV_WIRE_DIGEST_BYTES], tok[3 * TPB * 4],
+        pfull[32];
+    for (size_t i = 0; i < 3; i++) {
+        kv_wire_commit w = {10 + (uint32_t)i, 7, 100 + i, 200 + i,
+                            i == 0 ? UINT32_MAX : 9 + (uint32_t)i};
+        kv_wire_commit_put(ent, i, &w);
+    }
+    for (size_t i = 0; i < sizeof(full); i++) {
+        full[i] = (uint8_t)i;
+    }
+    for (size_t i = 0; i < 3 * TPB; i++) {
+        kv_wire_put_le32(tok + 4 * i, 0x01020300u + (uint32_t)i);
+    }
+    memset(pfull, 0xab, sizeof(pfull));
+    Kvd__Commit c = KVD__COMMIT__INIT;
+    const Kvd__Commit *out = NULL;
+    /* No packed field: the request itself. */
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)), KV_OK);
+    assert_ptr_equal(out, &c);
+    c.entries_packed.data = ent;
+    c.entries_packed.len = sizeof(ent);
+    c.hash_full_packed.data = full;
+    c.hash_full_packed.len = sizeof(full);
+    c.token_ids_packed.data = tok;
+    c.token_ids_packed.len = sizeof(tok);
+    c.parent_hash_full.data = pfull;
+    c.parent_hash_full.len = sizeof(pfull);
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)), KV_OK);
+    assert_ptr_not_equal(out, &c);
+    assert_int_equal(out->n_entries, 3);
+    assert_int_equal(out->entries_packed.len, 0);
+    for (size_t i = 0; i < 3; i++) {
+        const Kvd__CommitEntry *e = out->entries[i];
+        assert_int_equal(e->block->id, 10 + i);
+        assert_int_equal(e->block->gen, 7);
+        assert_true(e->hash->lo == 100 + i && e->hash->hi == 200 + i);
+        assert_int_equal(e->parent, i == 0 ? UINT32_MAX : 9 + i);
+        assert_int_equal(e->hash_full.len, 32);
+        assert_memory_equal(e->hash_full.data, full + 32 * i, 32);
+        assert_int_equal(e->n_token_ids, TPB);
+        assert_int_equal(e->token_ids[TPB - 1], 0x01020300u + i * TPB + TPB - 1);
+        assert_int_equal(e->parent_hash_full.len, i == 0 ? 32 : 0);
+    }
+    /* Refusals, in field order; *out stays the request. */
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 2, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_ETOOBIG);
+    assert_ptr_equal(out, &c);
+    c.token_ids_packed.len = sizeof(tok) - 4;
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EPROTO);
+    assert_non_null(strstr(msg, "token_ids_packed"));
+    c.token_ids_packed.len = sizeof(tok);
+    c.hash_full_packed.len = 32;
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EPROTO);
+    c.hash_full_packed.len = sizeof(full);
+    c.entries_packed.len = sizeof(ent) - 1;
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EPROTO);
+    c.entries_packed.len = 0; /* companions alone */
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EPROTO);
+    /* Both forms: EPROTO, unless the repeated entries are refused first (field 2). */
+    Kvd__BlockRef b = KVD__BLOCK_REF__INIT;
+    Kvd__Hash128 h = KVD__HASH128__INIT;
+    Kvd__CommitEntry e = KVD__COMMIT_ENTRY__INIT, *es[1] = {&e};
+    e.block = &b;
+    e.hash = &h;
+    c.entries_packed.len = sizeof(ent);
+    c.entries = es;
+    c.n_entries = 1;
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EPROTO);
+    e.hash = NULL;
+    assert_int_equal(
+        kvd_validate_commit_any(&c, 4, TPB, kv_arena_allocator(&a), &out, msg, sizeof(msg)),
+        KV_EINVAL);
+    kv_arena_fini(&a);
+}
+
 static void test_pin_and_ping(void **state) {
     (void)state;
     char msg[256];
@@ -142,9 +240,8 @@ static void test_pin_and_ping(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hello),
-        cmocka_unit_test(test_attach),
-        cmocka_unit_test(test_lists),
+        cmocka_unit_test(test_hello),        cmocka_unit_test(test_attach),
+        cmocka_unit_test(test_lists),        cmocka_unit_test(test_commit_any),
         cmocka_unit_test(test_pin_and_ping),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

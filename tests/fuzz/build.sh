@@ -39,7 +39,7 @@ clang "${CFLAGS[@]}" -fsanitize=fuzzer-no-link -c "$OUT/kvd.pb-c.c" -o "$OUT/kvd
 for t in "${targets[@]}"; do
     case "$t" in
         wire) srcs=(common/kv_wire.c) libs=(-lprotobuf-c) ;;
-        validate) srcs=(daemon/proto/validate.c common/kv_layout.c) libs=(-lprotobuf-c) ;;
+        validate) srcs=(daemon/proto/validate.c common/kv_layout.c common/kv_arena.c) libs=(-lprotobuf-c) ;;
         config) srcs=(daemon/config/config.c daemon/config/conffile.c daemon/core/policy.c common/kv_util.c)
             libs=(-lprotobuf-c) ;;
         admin)

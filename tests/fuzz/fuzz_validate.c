@@ -4,10 +4,13 @@
  * handed to its validator. Properties: only the documented codes come back; every refusal has a
  * non-empty message; a refused AttachPool leaves the output layout untouched; an accepted one
  * yields a layout whose every element lies inside its block; accepted lists are within the
- * limit and hold no NULL entries; Allocate accepts exactly 1..limit. */
+ * limit and hold no NULL entries; Allocate accepts exactly 1..limit; a Commit in its packed form
+ * expands to exactly its records. */
 #include <string.h>
 
+#include "common/kv_arena.h"
 #include "common/kv_layout.h"
+#include "common/kv_wire.h"
 #include "daemon/proto/validate.h"
 #include "tests/fuzz/fuzz.h"
 
@@ -86,7 +89,43 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             FUZZ_CHECK((rc == KV_OK) == (e->allocate->count >= 1 && e->allocate->count <= max));
             FUZZ_CHECK(rc == KV_OK || rc == KV_EINVAL || rc == KV_ETOOBIG);
             break;
-        case KVD__ENVELOPE__BODY_COMMIT:
+        case KVD__ENVELOPE__BODY_COMMIT: {
+            /* Either form, the packed one expanded: the entries it yields are exactly the
+             * records, with a digest and tpb token ids each or none. */
+            uint32_t tpb = (uint32_t)(e->id % 64) + 1;
+            const Kvd__Commit *any = NULL;
+            kv_arena a;
+            kv_arena_init(&a);
+            rc = kvd_validate_commit_any(e->commit, max, tpb, kv_arena_allocator(&a), &any, msg,
+                                         sizeof(msg));
+            FUZZ_CHECK(rc == KV_OK || rc == KV_EINVAL || rc == KV_ETOOBIG || rc == KV_EPROTO ||
+                       rc == KV_ENOMEM);
+            check_msg(rc, msg);
+            FUZZ_CHECK(any != NULL);
+            if (rc != KV_OK) {
+                FUZZ_CHECK(any == e->commit);
+            } else if (any != e->commit) {
+                const Kvd__Commit *c = e->commit;
+                FUZZ_CHECK(c->n_entries == 0 && c->entries_packed.len % KV_WIRE_COMMIT_BYTES == 0);
+                FUZZ_CHECK(any->n_entries == c->entries_packed.len / KV_WIRE_COMMIT_BYTES);
+                FUZZ_CHECK(any->n_entries <= max);
+                for (size_t i = 0; i < any->n_entries; i++) {
+                    const Kvd__CommitEntry *x = any->entries[i];
+                    kv_wire_commit w = kv_wire_commit_get(c->entries_packed.data, i);
+                    FUZZ_CHECK(x->block->id == w.id && x->block->gen == w.gen);
+                    FUZZ_CHECK(x->hash->lo == w.lo && x->hash->hi == w.hi);
+                    FUZZ_CHECK(x->parent == w.parent);
+                    FUZZ_CHECK(x->hash_full.len == (c->hash_full_packed.len ? 32u : 0u));
+                    FUZZ_CHECK(x->n_token_ids == (c->token_ids_packed.len ? tpb : 0u));
+                    for (size_t t = 0; t < x->n_token_ids; t++) {
+                        FUZZ_CHECK(x->token_ids[t] ==
+                                   kv_wire_le32(c->token_ids_packed.data + 4 * (i * tpb + t)));
+                    }
+                }
+            } else {
+                FUZZ_CHECK(e->commit->entries_packed.len == 0);
+            }
+            kv_arena_fini(&a);
             rc = kvd_validate_commit(e->commit, max, msg, sizeof(msg));
             FUZZ_CHECK(rc == KV_OK || rc == KV_EINVAL || rc == KV_ETOOBIG);
             if (rc == KV_OK) {
@@ -98,6 +137,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 }
             }
             break;
+        }
         case KVD__ENVELOPE__BODY_LOOKUP:
             rc = kvd_validate_lookup(e->lookup, max, msg, sizeof(msg));
             FUZZ_CHECK(rc == KV_OK || rc == KV_EINVAL || rc == KV_ETOOBIG);

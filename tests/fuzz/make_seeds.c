@@ -143,6 +143,33 @@ int main(int argc, char **argv) {
     ents[1].hash = NULL;
     seed("commit-nohash", &env);
     ents[1].hash = &hashes[1];
+    /* The packed form (PROTOCOL.md 6): 3 records with their digests and token ids (the
+     * validate fuzzer takes id % 64 + 1 = 5 tokens a block for id 4), a parent digest; and one
+     * cut a byte short. */
+    uint8_t pent[3 * KV_WIRE_COMMIT_BYTES], pfull[3 * 32], ptok[3 * 5 * 4];
+    for (int i = 0; i < 3; i++) {
+        kv_wire_commit w = {refs[i].id, refs[i].gen, hashes[i].lo, hashes[i].hi, ents[i].parent};
+        kv_wire_commit_put(pent, (size_t)i, &w);
+    }
+    memset(pfull, 0x11, sizeof(pfull));
+    for (int i = 0; i < 15; i++) {
+        kv_wire_put_le32(ptok + 4 * i, 1000u + (uint32_t)i * 40000u);
+    }
+    Kvd__Commit pcom = KVD__COMMIT__INIT;
+    pcom.pool_id = 1;
+    pcom.entries_packed.data = pent;
+    pcom.entries_packed.len = sizeof(pent);
+    pcom.hash_full_packed.data = pfull;
+    pcom.hash_full_packed.len = sizeof(pfull);
+    pcom.token_ids_packed.data = ptok;
+    pcom.token_ids_packed.len = sizeof(ptok);
+    pcom.parent_hash_full.data = pfull;
+    pcom.parent_hash_full.len = 32;
+    env.commit = &pcom;
+    seed("commit-packed", &env);
+    pcom.entries_packed.len = sizeof(pent) - 1;
+    seed("commit-packed-cut", &env);
+    env.commit = &com;
 
     Kvd__Lookup look = KVD__LOOKUP__INIT;
     look.pool_id = 1;
