@@ -43,6 +43,17 @@ static fixture *fx_new(void) {
     return f;
 }
 
+/* An op of kind waiting for count blocks into the fixture's output array. */
+static kvc__op block_op(fixture *f, kvc__op_kind kind, size_t count) {
+    kvc__op op;
+    memset(&op, 0, sizeof(op));
+    op.kind = kind;
+    op.pool = &f->pool;
+    op.count = count;
+    op.out = f->out;
+    return op;
+}
+
 static kv_err complete_lookup(fixture *f, size_t asked, size_t nrep, size_t packed_len,
                               uint32_t nsf) {
     kvc__op op;
@@ -103,12 +114,7 @@ static void test_lookup_malformed(void **state) {
 static void test_allocate_packed(void **state) {
     (void)state;
     fixture *f = fx_new();
-    kvc__op op;
-    memset(&op, 0, sizeof(op));
-    op.kind = KVC__OP_ALLOCATE;
-    op.pool = &f->pool;
-    op.count = 3;
-    op.out = f->out;
+    kvc__op op = block_op(f, KVC__OP_ALLOCATE, 3);
     Kvd__AllocateReply ar = KVD__ALLOCATE_REPLY__INIT;
     ar.blocks_packed.data = f->buf;
     ar.blocks_packed.len = 3 * KV_WIRE_BLOCK_BYTES;
@@ -131,12 +137,7 @@ static void test_commit_packed(void **state) {
     (void)state;
     for (int packed = 0; packed < 2; packed++) {
         fixture *f = fx_new();
-        kvc__op op;
-        memset(&op, 0, sizeof(op));
-        op.kind = KVC__OP_COMMIT;
-        op.pool = &f->pool;
-        op.count = 4;
-        op.out = f->out;
+        kvc__op op = block_op(f, KVC__OP_COMMIT, 4);
         Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
         if (packed) {
             cr.canonical_packed.data = f->buf;
@@ -158,12 +159,7 @@ static void test_commit_packed(void **state) {
         free(f);
     }
     fixture *f = fx_new();
-    kvc__op op;
-    memset(&op, 0, sizeof(op));
-    op.kind = KVC__OP_COMMIT;
-    op.pool = &f->pool;
-    op.count = 4;
-    op.out = f->out;
+    kvc__op op = block_op(f, KVC__OP_COMMIT, 4);
     Kvd__CommitReply cr = KVD__COMMIT_REPLY__INIT;
     cr.canonical_packed.data = f->buf;
     Kvd__Envelope env = KVD__ENVELOPE__INIT;

@@ -907,6 +907,23 @@ static kv_err q_lookup(kvc_batch *b, kvc_pool *p, const kv_hash128 *hashes, size
     return q_hashes(b, p, hashes, n, out, pools, nhit, index, NULL, NULL, 0, NULL);
 }
 
+/* Queues an op of kind for env's request (encoded by kvc__batch_add) whose reply fills
+ * count blocks of out in pool p; *index (may be NULL) gets its place in the batch. */
+static kv_err op_add(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, Kvd__Envelope *env, size_t count,
+                     kvc_block *out, size_t *index) {
+    kvc__op *op;
+    kv_err err = kvc__batch_add(b, kind, env, &op);
+    if (err == KV_OK) {
+        op->pool = p;
+        op->count = count;
+        op->out = out;
+        if (index != NULL) {
+            *index = b->nops - 1;
+        }
+    }
+    return err;
+}
+
 static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, int priv, kvc_block *out,
                          size_t *index) {
     kvc_conn *c = b->conn;
@@ -932,17 +949,7 @@ static kv_err q_allocate(kvc_batch *b, kvc_pool *p, uint32_t count, int priv, kv
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_ALLOCATE;
     env.allocate = &req;
-    kvc__op *op;
-    err = kvc__batch_add(b, KVC__OP_ALLOCATE, &env, &op);
-    if (err == KV_OK) {
-        op->pool = p;
-        op->count = count;
-        op->out = out;
-        if (index != NULL) {
-            *index = b->nops - 1;
-        }
-    }
-    return err;
+    return op_add(b, KVC__OP_ALLOCATE, p, &env, count, out, index);
 }
 
 static kv_err q_blocks(kvc_batch *b, kvc__op_kind kind, kvc_pool *p, const kvc_block *blocks,
@@ -986,22 +993,6 @@ static kv_err commit_guard(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *en
                      rerr == KV_OK ? "their leases are released" : "release them (kvc_release)");
 }
 
-/* Queues a Commit op of env's request (encoded by kvc__batch_add) that fills canonical. */
-static kv_err commit_add(kvc_batch *b, kvc_pool *p, Kvd__Envelope *env, size_t n,
-                         kvc_block *canonical, size_t *index) {
-    kvc__op *op;
-    kv_err err = kvc__batch_add(b, KVC__OP_COMMIT, env, &op);
-    if (err == KV_OK) {
-        op->pool = p;
-        op->count = n;
-        op->out = canonical;
-        if (index != NULL) {
-            *index = b->nops - 1;
-        }
-    }
-    return err;
-}
-
 /* A Commit in its packed form (HelloReply.features PACKED_COMMIT; PROTOCOL.md §6): 28 bytes an
  * entry and the digests and token ids as they come, no submessage per entry. */
 static kv_err q_commit_packed(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entries, size_t n,
@@ -1043,7 +1034,7 @@ static kv_err q_commit_packed(kvc_batch *b, kvc_pool *p, const kvc_commit_entry 
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_COMMIT;
     env.commit = &req;
-    err = commit_add(b, p, &env, n, canonical, index);
+    err = op_add(b, KVC__OP_COMMIT, p, &env, n, canonical, index);
 cleanup:
     free(ent);
     free(tok);
@@ -1107,7 +1098,7 @@ static kv_err q_commit(kvc_batch *b, kvc_pool *p, const kvc_commit_entry *entrie
     Kvd__Envelope env = KVD__ENVELOPE__INIT;
     env.body_case = KVD__ENVELOPE__BODY_COMMIT;
     env.commit = &req;
-    err = commit_add(b, p, &env, n, canonical, index);
+    err = op_add(b, KVC__OP_COMMIT, p, &env, n, canonical, index);
 cleanup:
     free(e);
     free(ep);

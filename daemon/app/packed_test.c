@@ -191,6 +191,17 @@ static Kvd__Envelope *release_packed(int fd, uint32_t pool, const uint32_t (*blo
     return r;
 }
 
+/* A packed block list holds exactly blk[0..n). */
+static void assert_packed(const ProtobufCBinaryData *packed, const uint32_t (*blk)[2], size_t n) {
+    assert_int_equal(packed->len, n * KV_WIRE_BLOCK_BYTES);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t id, gen;
+        kv_wire_block_get(packed->data, i, &id, &gen);
+        assert_int_equal(id, blk[i][0]);
+        assert_int_equal(gen, blk[i][1]);
+    }
+}
+
 static uint64_t refs_held(int fd) {
     Kvd__Stats s = KVD__STATS__INIT;
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
@@ -271,13 +282,7 @@ static void test_packed_round_trip(void **state) {
     /* Packed lookup, packed reply: the prefix's handles in order, then the first miss ends it. */
     Kvd__Envelope *r = lookup(fd, pool, NB + 2, 1);
     assert_int_equal(r->lookup_reply->n_blocks, 0);
-    assert_int_equal(r->lookup_reply->blocks_packed.len, NB * KV_WIRE_BLOCK_BYTES);
-    for (size_t i = 0; i < NB; i++) {
-        uint32_t id, gen;
-        kv_wire_block_get(r->lookup_reply->blocks_packed.data, i, &id, &gen);
-        assert_int_equal(id, blk[i][0]);
-        assert_int_equal(gen, blk[i][1]);
-    }
+    assert_packed(&r->lookup_reply->blocks_packed, (const uint32_t(*)[2])blk, NB);
     kv_wire_free(r);
     assert_int_equal(refs_held(fd), NB);
     /* Repeated-form lookup from the same (packed) client: the daemon takes both forms. */
@@ -479,13 +484,7 @@ static void test_packed_commit(void **state) {
     e.commit = &c;
     Kvd__Envelope *r = rpc_ok(fd, &e, KVD__ENVELOPE__BODY_COMMIT_REPLY);
     assert_int_equal(r->commit_reply->n_canonical, 0);
-    assert_int_equal(r->commit_reply->canonical_packed.len, NB * KV_WIRE_BLOCK_BYTES);
-    for (size_t i = 0; i < NB; i++) {
-        uint32_t id, gen;
-        kv_wire_block_get(r->commit_reply->canonical_packed.data, i, &id, &gen);
-        assert_int_equal(id, blk[i][0]);
-        assert_int_equal(gen, blk[i][1]);
-    }
+    assert_packed(&r->commit_reply->canonical_packed, (const uint32_t(*)[2])blk, NB);
     kv_wire_free(r);
     r = release_packed(fd, pool, (const uint32_t(*)[2])blk, NB, 0);
     assert_int_equal(r->body_case, KVD__ENVELOPE__BODY_RELEASE_REPLY);

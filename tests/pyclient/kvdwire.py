@@ -244,22 +244,24 @@ def packed_commit(pool_id, entries):
     return m
 
 
+def _either_form(reply, field):
+    """(id, gen) pairs of reply's block list `field` or its packed form `field`_packed."""
+    refs, packed = getattr(reply, field), getattr(reply, field + "_packed")
+    if refs and packed:
+        raise ProtocolViolation("reply has both %s and %s_packed" % (field, field))
+    if packed:
+        return unpack_blocks(packed)
+    return [(b.id, b.gen) for b in refs]
+
+
 def reply_canonical(reply):
     """(id, gen) pairs of a CommitReply in whichever form it came."""
-    if reply.canonical and reply.canonical_packed:
-        raise ProtocolViolation("reply has both canonical and canonical_packed")
-    if reply.canonical_packed:
-        return unpack_blocks(reply.canonical_packed)
-    return [(b.id, b.gen) for b in reply.canonical]
+    return _either_form(reply, "canonical")
 
 
 def reply_blocks(reply):
     """(id, gen) pairs of a LookupReply / AllocateReply in whichever form it came."""
-    if reply.blocks and reply.blocks_packed:
-        raise ProtocolViolation("reply has both blocks and blocks_packed")
-    if reply.blocks_packed:
-        return unpack_blocks(reply.blocks_packed)
-    return [(b.id, b.gen) for b in reply.blocks]
+    return _either_form(reply, "blocks")
 
 
 def _refs(blocks):
