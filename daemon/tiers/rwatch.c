@@ -59,6 +59,7 @@ struct kvd_rwatch {
     uv_timer_t restart;  /* backoff before the next discovery */
     uv_timer_t deadline; /* the current discovery and subscriptions must be done by then */
     uint64_t backoff_ms;
+    int gap_open; /* a subscription that was up was lost and not every node is back */
     int restart_pending;
     int tearing;  /* teardown runs: the disconnect callbacks it causes restart nothing */
     uint32_t gen; /* bumped by each teardown: a name resolved for an older round is dropped */
@@ -69,6 +70,15 @@ struct kvd_rwatch {
 static void rw_schedule_restart(kvd_rwatch *w, const char *why);
 
 /* ---- teardown and restart ------------------------------------------------------------------ */
+
+/* A subscription that was up is lost: a gap (drops unheard) opens, unless one is open already;
+ * it closes when every node is subscribed again. */
+static void gap_opens(kvd_rwatch *w) {
+    if (!w->gap_open && !w->closing) {
+        w->gap_open = 1;
+        w->st.gaps++;
+    }
+}
 
 static void rw_teardown(kvd_rwatch *w) {
     w->tearing = 1;
@@ -83,6 +93,9 @@ static void rw_teardown(kvd_rwatch *w) {
             w->nodes[i].ac = NULL;
             redisAsyncFree(ac);
         }
+    }
+    if (w->st.nodes > 0) {
+        gap_opens(w); /* subscriptions that were up go with the teardown */
     }
     w->nnodes = 0;
     w->st.nodes = 0;
@@ -252,6 +265,7 @@ static void node_disconnected(const redisAsyncContext *ac, int status) {
     if (n->subscribed) {
         n->subscribed = 0;
         n->w->st.nodes--;
+        gap_opens(n->w);
     }
     rw_schedule_restart(n->w, "a node's connection closed");
 }
@@ -321,6 +335,7 @@ static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
             n->subscribed = 1;
             w->st.nodes++;
             if (all_subscribed(w)) {
+                w->gap_open = 0;
                 uv_timer_stop(&w->deadline);
                 w->backoff_ms = RW_BACKOFF_MIN_MS;
                 KV_LOG(INFO, "KVD-REMOTE-WATCH",

@@ -13,8 +13,8 @@
  * master killed, a failover) the watcher forgets every node and asks the seeds again, after a
  * backoff of 100 ms doubling to 5 s; a discovery or subscription not done within 5 x timeout_ms
  * starts over the same way. Drops while a node has no subscriber are not heard (Redis keeps no
- * backlog of notifications). Slots moved to a master added later are heard after the next
- * rediscovery only.
+ * backlog of notifications): each such gap is counted (kvd_rwatch_stats.gaps). Slots moved to a
+ * master added later are heard after the next rediscovery only.
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
  * adapter: nothing here blocks (a connect is non-blocking; a host name is resolved on libuv's
@@ -62,6 +62,8 @@ typedef struct kvd_rwatch_stats {
     uint64_t expired;      /* expiry notifications heard */
     uint64_t evicted;      /* eviction notifications heard */
     uint64_t discoveries;  /* discoveries started (the first one included) */
+    uint64_t gaps;         /* times subscriptions that were up were lost (each counted once until
+                              every node is subscribed again): drops in between went unheard */
 } kvd_rwatch_stats;
 
 void kvd_rwatch_get_stats(const kvd_rwatch *w, kvd_rwatch_stats *out);

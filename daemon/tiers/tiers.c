@@ -90,6 +90,7 @@ enum {
     TS_RWATCH_EXPIRED,
     TS_RWATCH_EVICTED,
     TS_RWATCH_REPORTED,
+    TS_RWATCH_GAPS,
     TS_COUNT
 };
 
@@ -255,6 +256,13 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                             "kvd_remote_watch_reported_total",
                             "Remote values of this node's pools Redis expired or evicted.", NULL,
                             NULL},
+    [TS_RWATCH_GAPS] = {"remote_watch_gaps", "counter", "gaps",
+                        "times subscriptions that were up were lost (a master killed, a failover, "
+                        "a connection closed), counted once until every master is subscribed "
+                        "again: Redis's drops in between were not heard, so REMOTE entries a "
+                        "router holds may be stale",
+                        "kvd_remote_watch_gaps_total",
+                        "Times the remote watch lost subscriptions that were up.", NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -3172,6 +3180,7 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_RWATCH_UNCONFIGURED] = ws.unconfigured;
             v[TS_RWATCH_EXPIRED] = ws.expired;
             v[TS_RWATCH_EVICTED] = ws.evicted;
+            v[TS_RWATCH_GAPS] = ws.gaps;
         }
     }
     for (int i = 0; i < TS_COUNT; i++) {
