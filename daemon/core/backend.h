@@ -1,6 +1,7 @@
 /* kvd_backend: where segment memory comes from. One const table of functions per backend
  * (host memfd, malloc for tests, cuda-vmm, cuda-ipc); pools call it only to create and destroy
- * segments, never per block. Called on the loop thread only.
+ * segments, never per block. Called on the loop thread only, but for the copy_* entries (the
+ * tiers' copy threads move GPU blocks with them).
  */
 #ifndef KVD_BACKEND_H
 #define KVD_BACKEND_H
@@ -63,6 +64,16 @@ typedef struct kvd_backend_ops {
      * its physical memory while it stays mapped), and then memory does not move between pools.
      * KV_ESYS when the system refuses. */
     kv_err (*segment_discard)(void *ctx, kvd_segment_mem *mem);
+    /* Optional, for GPU backends, and the only calls here that any thread may make (the tiers'
+     * copy threads): copies n bytes between a device address inside one of this backend's
+     * segments (a segment's base plus an offset) and host memory. copy_to_host returns when the
+     * bytes are in dst. copy_to_device may return before the bytes are in device memory (the
+     * driver's pageable-memory rule); src may be reused at once, and copy_sync returns when every
+     * copy the process started before it has landed. NULL where segment memory is host memory
+     * the daemon maps itself (memcpy does). KV_ESYS on a driver error (logged). */
+    kv_err (*copy_to_host)(void *ctx, void *dst, const void *src_dev, uint64_t n);
+    kv_err (*copy_to_device)(void *ctx, void *dst_dev, const void *src, uint64_t n);
+    kv_err (*copy_sync)(void *ctx);
 } kvd_backend_ops;
 
 /* Writes or reads n bytes of a segment at offset off through the backend: on GPU backends the

@@ -334,6 +334,45 @@ static kv_err cuda_seg_read(void *ctx, const kvd_segment_mem *mem, uint64_t off,
     return r == KV_CU_SUCCESS ? KV_OK : driver_err(c, r, "cuMemcpyDtoH out of", mem->bytes);
 }
 
+/* The tiers' copies (backend.h, copy_*): any thread; make_current sets the context on the
+ * calling copy thread each time (the driver's current context is per thread). */
+static kv_err cuda_copy_err(kvd_backend_cuda_ctx *c, kv_cu_result r, const char *what, uint64_t n) {
+    char buf[160];
+    KV_LOG(ERROR, "KVD-CUDA-COPY", "%s of %llu bytes on device %d failed: %s", what,
+           (unsigned long long)n, c->dev.ordinal, kv_cuda_strerror(&c->cu, r, buf, sizeof(buf)));
+    return KV_ESYS;
+}
+
+static kv_err cuda_copy_to_host(void *ctx, void *dst, const void *src_dev, uint64_t n) {
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_err rc = make_current(c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.memcpy_dtoh(dst, (kv_cu_deviceptr)(uintptr_t)src_dev, (size_t)n);
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyDtoH (tier copy)", n);
+}
+
+static kv_err cuda_copy_to_device(void *ctx, void *dst_dev, const void *src, uint64_t n) {
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_err rc = make_current(c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.memcpy_htod((kv_cu_deviceptr)(uintptr_t)dst_dev, src, (size_t)n);
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyHtoD (tier copy)", n);
+}
+
+static kv_err cuda_copy_sync(void *ctx) {
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_err rc = make_current(c);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.ctx_synchronize();
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuCtxSynchronize (tier copy)", 0);
+}
+
 static uint64_t cuda_align(void *ctx) {
     const kvd_backend_cuda_ctx *c = ctx;
     return c->align;
@@ -348,6 +387,9 @@ const kvd_backend_ops kvd_backend_cuda_vmm = {
     .segment_write = cuda_seg_write,
     .segment_read = cuda_seg_read,
     .segment_alloc_parts = vmm_alloc_parts,
+    .copy_to_host = cuda_copy_to_host,
+    .copy_to_device = cuda_copy_to_device,
+    .copy_sync = cuda_copy_sync,
     /* No segment_discard: clients import the whole allocation (one physical handle), which cannot
      * shrink while they hold it, so cuda-vmm pools never park and memory does not move between
      * them (a new pool gets ENOSPC once pool-memory is spent). */
@@ -362,6 +404,9 @@ const kvd_backend_ops kvd_backend_cuda_ipc = {
     .align = cuda_align,
     .segment_write = cuda_seg_write,
     .segment_read = cuda_seg_read,
+    .copy_to_host = cuda_copy_to_host,
+    .copy_to_device = cuda_copy_to_device,
+    .copy_sync = cuda_copy_sync,
     /* No segment_discard: a cuMemAlloc block opened by clients with cuIpcOpenMemHandle cannot
      * release part of its memory, so cuda-ipc pools never park (see cuda-vmm). */
     .segment_discard = NULL,

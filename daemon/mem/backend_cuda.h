@@ -16,7 +16,10 @@
  * and zeroes new segments, so no bytes of an earlier owner of the memory reach a tenant.
  *
  * Loop thread only (the thread that opened the backend: the driver's current context is per
- * thread, and every call sets it again).
+ * thread, and every call sets it again), but for the ops' copy_to_host / copy_to_device /
+ * copy_sync, which the tiers' copy threads call (each call makes the context current on its
+ * thread; the driver is thread-safe): a GPU pool's blocks go down to host memory and disk and
+ * come back with plain driver copies on the default stream.
  */
 #ifndef KVD_BACKEND_CUDA_H
 #define KVD_BACKEND_CUDA_H

@@ -6,11 +6,13 @@
  * T1 entry, one slot of the file), and its completion, on the loop thread, applies the result.
  * A T0 block's bytes are gathered into (or scattered from) one contiguous image: for
  * BLOCK_MAJOR its one run; for LAYER_MAJOR each (layer, K|V) run followed by its scales, in
- * layer order, K before V (the order verify-blocks sums them in).
+ * layer order, K before V (the order verify-blocks sums them in). A GPU pool's runs are device
+ * addresses: t0_gather / t0_scatter move them with the backend's driver copies instead of memcpy.
  */
 #include "daemon/tiers/tiers.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -340,6 +342,10 @@ struct tier_pool {
      * T1, Redis has its value already and it is not written again (remote-ttl-s 0 only: with a
      * TTL the write refreshes it). NULL until the first direct read. */
     kv_hash128 *from_remote;
+    /* GPU pools: the backend whose driver copies move T0 bytes (its copy_* entries, any thread),
+     * and its context; NULL for pools in host memory the daemon maps (memcpy). */
+    const kvd_backend_ops *dev;
+    void *dev_ctx;
 };
 
 #define FROM_REMOTE_SLOTS 4096u /* 64 KiB a pool that read from Redis */
@@ -496,18 +502,79 @@ static void scatter(const run *r, uint32_t n, const uint8_t *src) {
     }
 }
 
+/* The T0 side of a copy for any pool: a GPU pool's runs are device addresses no host load may
+ * touch, so its bytes move with the backend's driver copies; a host pool's with gather
+ * (streamed: gather_stream). Any thread. */
+static kv_err t0_gather(const tier_pool *tp, const run *r, uint32_t n, uint8_t *dst, int streamed) {
+    if (tp->dev == NULL) {
+        if (streamed) {
+            gather_stream(r, n, dst);
+        } else {
+            gather(r, n, dst);
+        }
+        return KV_OK;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        kv_err rc = tp->dev->copy_to_host(tp->dev_ctx, dst, r[i].p, r[i].n);
+        if (rc != KV_OK) {
+            return rc;
+        }
+        dst += r[i].n;
+    }
+    return KV_OK;
+}
+
+/* scatter for any pool; a GPU pool's copies are synchronized before it returns, so the block's
+ * bytes are in device memory when the completion commits it. */
+static kv_err t0_scatter(const tier_pool *tp, const run *r, uint32_t n, const uint8_t *src) {
+    if (tp->dev == NULL) {
+        scatter(r, n, src);
+        return KV_OK;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        kv_err rc = tp->dev->copy_to_device(tp->dev_ctx, r[i].p, src, r[i].n);
+        if (rc != KV_OK) {
+            return rc;
+        }
+        src += r[i].n;
+    }
+    return tp->dev->copy_sync(tp->dev_ctx);
+}
+
 /* ---- the work functions (copy threads: only the job's own data) --------------------------- */
 
 #define COPY_NICE 10 /* copy threads' nice value (the loop thread keeps the daemon's) */
 
 /* Each copy thread keeps its scratch (a block image, an aligned disk slot) for the next job:
- * a buffer malloc'd per job faults its pages in every time. They live as long as the thread
- * (libuv's pool threads live as long as the process). */
+ * a buffer malloc'd per job faults its pages in every time. They live as long as the thread:
+ * libuv's pool threads live until its exit-time cleanup joins them, and a thread-specific key's
+ * destructor frees them then (else every exit would leak them). */
 static __thread uint8_t *tls_img, *tls_slot;
 static __thread uint64_t tls_img_cap, tls_slot_cap;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *unused) {
+    (void)unused;
+    free(tls_img);
+    free(tls_slot);
+    tls_img = tls_slot = NULL;
+    tls_img_cap = tls_slot_cap = 0;
+}
+
+static void scratch_key_make(void) {
+    (void)pthread_key_create(&scratch_key, scratch_free);
+}
+
+/* Arms the thread's exit-time free (a key's destructor runs only where its value is set). */
+static void scratch_arm(void) {
+    (void)pthread_once(&scratch_once, scratch_key_make);
+    (void)pthread_setspecific(scratch_key, &scratch_key);
+}
 
 static uint8_t *scratch_img(uint64_t n) {
     if (tls_img_cap < n) {
+        scratch_arm();
         free(tls_img);
         tls_img = malloc(n);
         tls_img_cap = tls_img != NULL ? n : 0;
@@ -517,6 +584,7 @@ static uint8_t *scratch_img(uint64_t n) {
 
 static uint8_t *scratch_slot(uint64_t n) {
     if (tls_slot_cap < n) {
+        scratch_arm();
         free(tls_slot);
         tls_slot = aligned_alloc(KVD_DISK_ALIGN, n);
         tls_slot_cap = tls_slot != NULL ? n : 0;
@@ -550,20 +618,22 @@ static void work(uv_work_t *w) {
                 break;
             }
             if (j->format == KVD_TF_RAW) {
-                gather_stream(j->runs, j->nruns, j->out);
+                j->rc = t0_gather(j->tp, j->runs, j->nruns, j->out, 1);
                 j->out_len = j->block_bytes;
                 j->out_fmt = KVD_TF_RAW;
                 break;
             }
             const uint8_t *src = j->runs[0].p;
             if (kvd_tier_format_lossy(j->format)) {
-                if (j->nruns > 1) {
+                if (j->nruns > 1 || j->tp->dev != NULL) {
                     uint8_t *img = scratch_img(j->block_bytes);
                     if (img == NULL) {
                         j->rc = KV_ENOMEM;
                         break;
                     }
-                    gather(j->runs, j->nruns, img);
+                    if ((j->rc = t0_gather(j->tp, j->runs, j->nruns, img, 0)) != KV_OK) {
+                        break;
+                    }
                     src = img;
                 }
                 j->rc = kvd_codec_quantize(j->format, &j->tp->layout, src, j->out);
@@ -571,13 +641,15 @@ static void work(uv_work_t *w) {
                 j->out_fmt = (uint8_t)j->format;
                 break;
             }
-            if (j->nruns > 1) {
+            if (j->nruns > 1 || j->tp->dev != NULL) {
                 uint8_t *img = scratch_img(j->block_bytes);
                 if (img == NULL) {
                     j->rc = KV_ENOMEM;
                     break;
                 }
-                gather(j->runs, j->nruns, img);
+                if ((j->rc = t0_gather(j->tp, j->runs, j->nruns, img, 0)) != KV_OK) {
+                    break;
+                }
                 src = img;
             }
             size_t len = 0;
@@ -615,8 +687,8 @@ static void work(uv_work_t *w) {
                 uint8_t *enc = j->format == KVD_TF_RAW ? payload : malloc(cap);
                 if (img == NULL || enc == NULL) {
                     j->rc = KV_ENOMEM;
-                } else {
-                    gather(j->runs, j->nruns, img); /* raw: straight into the slot */
+                } else if ((j->rc = t0_gather(j->tp, j->runs, j->nruns, img, 0)) == KV_OK) {
+                    /* raw: straight into the slot */
                     size_t len = 0;
                     kvd_tier_format used = KVD_TF_RAW;
                     if (j->format == KVD_TF_RAW) {
@@ -671,7 +743,7 @@ static void work(uv_work_t *w) {
             }
             if (j->rc == KV_OK) {
                 if (fmt == KVD_TF_RAW && len == j->block_bytes) {
-                    scatter(j->runs, j->nruns, src);
+                    j->rc = t0_scatter(j->tp, j->runs, j->nruns, src);
                 } else {
                     uint8_t *img = scratch_img(j->block_bytes);
                     if (img == NULL) {
@@ -680,13 +752,13 @@ static void work(uv_work_t *w) {
                         j->rc = kvd_codec_dequantize((kvd_tier_format)fmt, &j->tp->layout, src, len,
                                                      img);
                         if (j->rc == KV_OK) {
-                            scatter(j->runs, j->nruns, img);
+                            j->rc = t0_scatter(j->tp, j->runs, j->nruns, img);
                         }
                     } else {
                         j->rc =
                             kvd_codec_decode((kvd_tier_format)fmt, src, len, img, j->block_bytes);
                         if (j->rc == KV_OK) {
-                            scatter(j->runs, j->nruns, img);
+                            j->rc = t0_scatter(j->tp, j->runs, j->nruns, img);
                         }
                     }
                 }
@@ -2074,13 +2146,15 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     if (!kvd_tiers_on(t) || p->tiers != NULL) {
         return KV_OK;
     }
-    if (t->reg->be->segment_read != NULL) {
+    const kvd_backend_ops *be = t->reg->be;
+    int dev = be->segment_read != NULL; /* T0 is device memory no host load may touch */
+    if (dev && (be->copy_to_host == NULL || be->copy_to_device == NULL || be->copy_sync == NULL)) {
         static int logged;
         if (!logged) {
             logged = 1;
             KV_LOG(WARN, "KVD-TIERS-GPU",
-                   "tiers are not built for GPU pools yet (backend %s): pools stay single-tier",
-                   t->reg->be->name);
+                   "backend %s cannot copy blocks to host memory: pools stay single-tier",
+                   be->name);
         }
         return KV_OK;
     }
@@ -2089,6 +2163,10 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         return KV_ENOMEM;
     }
     tp->t = t;
+    if (dev) {
+        tp->dev = be;
+        tp->dev_ctx = t->reg->be_ctx;
+    }
     tp->pool_id = p->pool_id;
     tp->block_bytes = p->layout.block_bytes;
     tp->layout = p->layout;
@@ -2726,6 +2804,9 @@ static void direct_off(rfetch *rf, kvd_reg_pool *p) {
 }
 
 static void direct_prepare(kvd_tiers *t, kvd_reg_pool *p, rfetch *rf) {
+    if (rf->tp->dev != NULL) {
+        return; /* GPU memory: socket reads cannot fill it; values come through T1 */
+    }
     size_t k = rf->k;
     kvd_block_ref *blocks = malloc(sizeof(*blocks) * (k + rf->n));
     rf->d = calloc(k, sizeof(*rf->d));
@@ -3247,8 +3328,12 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
         free(b);
         return KV_ENOMEM;
     }
-    gather(runs, nruns, b);
+    kv_err grc = t0_gather(tp, runs, nruns, b, 0);
     free(runs);
+    if (grc != KV_OK) {
+        free(b);
+        return grc;
+    }
     if (kvd_tstore_in(&tp->st, i, 1)) {
         free(b);
         return KV_OK;

@@ -25,9 +25,12 @@
  * same Redis: each block landing in T1 is also written there (the entry is busy while the remote
  * thread reads its bytes), and a Fetch asks it for the blocks past the local run (above).
  * Formats (kvd_codec): lossless raw, lz4, zstd (`tier-format`); lossy int8 / fp8 for pools whose
- * layout asked (KVD_POOL_LOSSY_TIERS, `tier-lossy-format`). Not built yet (issue 14,
- * unfinished): per-pool tier options, per-tier quotas, pinned host memory and copy streams for
- * GPU pools (a pool whose backend has no host mapping gets no tiers, logged once).
+ * layout asked (KVD_POOL_LOSSY_TIERS, `tier-lossy-format`).
+ * GPU pools (cuda-vmm, cuda-ipc): T0 is device memory, so the copy threads move its bytes with
+ * the backend's driver copies (kvd_backend_ops copy_to_host / copy_to_device / copy_sync; a copy
+ * up is synchronized before its completion commits the block) and the remote tier's direct path
+ * is off (values land in T1 first). Not built yet (issue 14, unfinished): pinned host memory for
+ * such pools' T1 buffers and copy streams (the driver stages pageable copies itself).
  * Loop thread only.
  */
 #ifndef KVD_TIERS_H
