@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "common/kv_cuda.h"
+#include "tests/gpu/gpu_testing.h"
 #include "tests/integration/kvd_harness.h"
 
 #define NBLOCKS 8
@@ -30,22 +31,6 @@
 static kv_cuda cu;
 static int g_committed[2]; /* writer -> parent: its blocks are committed */
 static int g_done[2];      /* parent -> writer: the readers are done, detach */
-
-static void use_fake_driver(void) {
-#ifdef KVD_GPU_FAKE
-    static char path[4096];
-    const char *src = getenv("TEST_SRCDIR");
-    const char *ws = getenv("TEST_WORKSPACE");
-    if (src != NULL && ws != NULL) {
-        snprintf(path, sizeof(path), "%s/%s/daemon/testing/libfakecuda.so", src, ws);
-    } else {
-        char cwd[2048];
-        snprintf(path, sizeof(path), "%s/daemon/testing/libfakecuda.so",
-                 getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".");
-    }
-    setenv("KV_CUDA_LIBRARY", path, 1);
-#endif
-}
 
 /* The byte pattern of block i (by its position in the prefix), layer, K|V. */
 static void pattern(uint8_t *buf, size_t n, uint32_t i, uint32_t layer, int kv) {
@@ -210,33 +195,6 @@ static int reader(kvd_harness *h, int layers_expected) {
     return bad ? 8 : 0;
 }
 
-/* Loads the driver in a child that exits at once; 0 when a GPU is usable, else -1 with the
- * reason in why. The parent never initialises CUDA. */
-static int probe_in_child(char *why, size_t len) {
-    int p[2];
-    assert_int_equal(pipe(p), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        close(p[0]);
-        kv_cuda probe;
-        char msg[256] = "";
-        int ok = kv_cuda_load(NULL, &probe, msg, sizeof(msg)) == KV_OK;
-        if (write(p[1], msg, strlen(msg) + 1) < 0) {
-            _exit(3);
-        }
-        _exit(ok ? 0 : 1);
-    }
-    close(p[1]);
-    ssize_t n = read(p[0], why, len - 1);
-    why[n > 0 ? (size_t)n : 0] = '\0';
-    close(p[0]);
-    int st = 0;
-    assert_int_equal(waitpid(pid, &st, 0), pid);
-    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
-
 static int run_child(int (*fn)(kvd_harness *, int), kvd_harness *h, int layers) {
     fflush(NULL);
     pid_t pid = fork();
@@ -254,13 +212,15 @@ static int wait_child(pid_t pid) {
 }
 
 static void share(const char *backend, int layers) {
-    use_fake_driver();
+#ifdef KVD_GPU_FAKE
+    kvd_gpu_test_use_fake_driver();
+#endif
     /* Without a usable GPU: skip, unless the bundle (KVD_EXPECT_GPU=1) says one must be there. The
      * probe runs in a throwaway child: CUDA state does not survive fork, so a parent that ran
      * cuInit could not fork the writer and readers below (they would get
      * CUDA_ERROR_NOT_INITIALIZED). */
     char why[256];
-    if (probe_in_child(why, sizeof(why)) != 0) {
+    if (kvd_gpu_test_probe(why, sizeof(why)) != 0) {
         const char *expect = getenv("KVD_EXPECT_GPU");
         if (expect != NULL && expect[0] == '1') {
             fail_msg("KVD_EXPECT_GPU=1 but %s", why);
@@ -341,7 +301,7 @@ static int other_gpu(kvd_harness *h, int layers) {
 static void test_vmm_other_gpu(void **state) {
     (void)state;
 #ifdef KVD_GPU_FAKE
-    use_fake_driver();
+    kvd_gpu_test_use_fake_driver();
     kvd_harness h;
     const char *flags[] = {"--backend=cuda-vmm", "--pool-memory=64M", "--segment-bytes=4M", NULL};
     assert_int_equal(kvd_harness_start(&h, flags), 0);

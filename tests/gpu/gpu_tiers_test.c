@@ -22,6 +22,7 @@
 #include <cmocka.h>
 
 #include "common/kv_cuda.h"
+#include "tests/gpu/gpu_testing.h"
 #include "tests/integration/kvd_harness.h"
 
 #define NB 8     /* blocks of the chain under test */
@@ -29,22 +30,6 @@
 #define TPB 16
 
 static kv_cuda cu;
-
-static void use_fake_driver(void) {
-#ifdef KVD_GPU_FAKE
-    static char path[4096];
-    const char *src = getenv("TEST_SRCDIR");
-    const char *ws = getenv("TEST_WORKSPACE");
-    if (src != NULL && ws != NULL) {
-        snprintf(path, sizeof(path), "%s/%s/daemon/testing/libfakecuda.so", src, ws);
-    } else {
-        char cwd[2048];
-        snprintf(path, sizeof(path), "%s/daemon/testing/libfakecuda.so",
-                 getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".");
-    }
-    setenv("KV_CUDA_LIBRARY", path, 1);
-#endif
-}
 
 /* The bytes of chain `chain`, block b, (layer, K|V). */
 static void pattern(uint8_t *buf, size_t n, uint32_t chain, uint32_t b, uint32_t layer, int kv) {
@@ -213,37 +198,12 @@ static int run_worker(kvd_harness *h, int phase) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* 0 when a GPU (or the test driver) is usable, probed in a child that exits at once: CUDA
- * state does not survive fork, and the workers are forked from this process. */
-static int gpu_usable(char *why, size_t len) {
-    int p[2];
-    assert_int_equal(pipe(p), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        close(p[0]);
-        kv_cuda probe;
-        char msg[256] = "";
-        int ok = kv_cuda_load(NULL, &probe, msg, sizeof(msg)) == KV_OK;
-        if (write(p[1], msg, strlen(msg) + 1) < 0) {
-            _exit(3);
-        }
-        _exit(ok ? 0 : 1);
-    }
-    close(p[1]);
-    ssize_t n = read(p[0], why, len - 1);
-    why[n > 0 ? (size_t)n : 0] = '\0';
-    close(p[0]);
-    int st = 0;
-    assert_int_equal(waitpid(pid, &st, 0), pid);
-    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
-}
-
 static void tiers_round_trip(const char *backend, const char *format) {
-    use_fake_driver();
+#ifdef KVD_GPU_FAKE
+    kvd_gpu_test_use_fake_driver();
+#endif
     char why[256];
-    if (gpu_usable(why, sizeof(why)) != 0) {
+    if (kvd_gpu_test_probe(why, sizeof(why)) != 0) {
         const char *expect = getenv("KVD_EXPECT_GPU");
         if (expect != NULL && expect[0] == '1') {
             fail_msg("KVD_EXPECT_GPU=1 but %s", why);

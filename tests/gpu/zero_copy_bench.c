@@ -45,6 +45,7 @@
 #include "common/kv_log.h"
 #include "kernels/kvk.h"
 #include "kernels/kvk_dtype.h"
+#include "tests/gpu/gpu_testing.h"
 #include "tests/integration/kvd_harness.h"
 
 enum {
@@ -172,19 +173,9 @@ static const zc_ops CPU_OPS = {"CPU twins over the fake driver (timings meaningl
                                cpu_timer_stop};
 static const zc_ops *const OPS = &CPU_OPS;
 
-/* Points KV_CUDA_LIBRARY (inherited by kvd) at the test driver among the runfiles. */
+/* The test driver (gpu_testing.h), with its device ranges open to host loads. */
 static void use_fake_driver(void) {
-    static char path[4096];
-    const char *src = getenv("TEST_SRCDIR");
-    const char *ws = getenv("TEST_WORKSPACE");
-    if (src != NULL && ws != NULL) {
-        snprintf(path, sizeof(path), "%s/%s/daemon/testing/libfakecuda.so", src, ws);
-    } else {
-        char cwd[2048];
-        snprintf(path, sizeof(path), "%s/daemon/testing/libfakecuda.so",
-                 getcwd(cwd, sizeof(cwd)) != NULL ? cwd : ".");
-    }
-    setenv("KV_CUDA_LIBRARY", path, 1);
+    kvd_gpu_test_use_fake_driver();
     /* The CPU twins read and write the mapped blocks with host loads: the test driver opens its
      * device ranges to the host for this variant only (everywhere else it keeps them PROT_NONE,
      * as device memory is to the host on a GPU). */
