@@ -78,6 +78,8 @@ static const sym_row syms[] = {
     SYM(ipc_get_mem_handle, "cuIpcGetMemHandle", "CUDA 4.1"),
     SYM(ipc_open_mem_handle, "cuIpcOpenMemHandle_v2", "CUDA 11.0"),
     SYM(ipc_close_mem_handle, "cuIpcCloseMemHandle", "CUDA 4.1"),
+    SYM(mem_alloc_host, "cuMemAllocHost_v2", "CUDA 3.2"),
+    SYM(mem_free_host, "cuMemFreeHost", "CUDA 2.0"),
 };
 
 kv_err kv_cuda_load(const char *lib, kv_cuda *out, char *why, size_t why_len) {

@@ -132,6 +132,8 @@ typedef struct kv_cuda {
     kv_cu_result (*ipc_get_mem_handle)(kv_cu_ipc_mem_handle *h, kv_cu_deviceptr p);
     kv_cu_result (*ipc_open_mem_handle)(kv_cu_deviceptr *p, kv_cu_ipc_mem_handle h, unsigned flags);
     kv_cu_result (*ipc_close_mem_handle)(kv_cu_deviceptr p);
+    kv_cu_result (*mem_alloc_host)(void **p, size_t bytes); /* page-locked host memory */
+    kv_cu_result (*mem_free_host)(void *p);
 } kv_cuda;
 
 /* The library kv_cuda_load opens when given NULL: $KV_CUDA_LIBRARY if set and non-empty (tests,

@@ -714,3 +714,43 @@ EXPORT kv_cu_result cuIpcCloseMemHandle(kv_cu_deviceptr p) {
     range_drop(r);
     return KV_CU_SUCCESS;
 }
+
+/* ---- page-locked host memory ---------------------------------------------------------------- */
+
+/* Host memory a host may touch, as the driver's is; freed only by cuMemFreeHost (a pointer the
+ * fake did not hand out is refused, as the driver refuses it). */
+#define FAKE_MAX_HOST 1024
+static void *host_blocks[FAKE_MAX_HOST];
+
+EXPORT kv_cu_result cuMemAllocHost_v2(void **p, size_t bytes) {
+    GUARD();
+    CHECK_PROC();
+    if (p == NULL || bytes == 0) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    for (int i = 0; i < FAKE_MAX_HOST; i++) {
+        if (host_blocks[i] == NULL) {
+            void *m = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+            if (m == NULL) {
+                return KV_CU_ERROR_OUT_OF_MEMORY;
+            }
+            host_blocks[i] = *p = m;
+            return KV_CU_SUCCESS;
+        }
+    }
+    return KV_CU_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT kv_cu_result cuMemFreeHost(void *p) {
+    GUARD();
+    CHECK_PROC();
+    for (int i = 0; i < FAKE_MAX_HOST; i++) {
+        if (host_blocks[i] != NULL && host_blocks[i] == p) {
+            drain(); /* copies queued from it read it first */
+            free(p);
+            host_blocks[i] = NULL;
+            return KV_CU_SUCCESS;
+        }
+    }
+    return KV_CU_ERROR_INVALID_VALUE;
+}

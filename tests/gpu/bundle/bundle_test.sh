@@ -25,7 +25,7 @@ finish() {
 }
 
 TESTS="kernels/cuda_test kernels/probe_test tests/gpu/gpu_share_test"
-TOOLS="daemon/kvd kvctl/kvctl tests/gpu/gpu_probe tests/gpu/zero_copy_bench kernels/kvk_bench"
+TOOLS="daemon/kvd kvctl/kvctl tests/gpu/gpu_probe tests/gpu/zero_copy_bench tests/gpu/tiers_copy_bench kernels/kvk_bench"
 B="$T/bundle"
 
 # 1. Pack.

@@ -145,3 +145,11 @@ int cuIpcOpenMemHandle_v2(void) {
 int cuIpcCloseMemHandle(void) {
     return NO_DEVICE;
 }
+
+int cuMemAllocHost_v2(void) {
+    return NO_DEVICE;
+}
+
+int cuMemFreeHost(void) {
+    return NO_DEVICE;
+}

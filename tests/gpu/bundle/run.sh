@@ -12,6 +12,8 @@
 #            KVD_EXPECT_GPU=1 so a test that would skip fails instead
 #   selftest kvd on cuda-vmm and on cuda-ipc, `kvctl selftest isolation` against each
 #   zerocopy tests/gpu/zero_copy_bench (attention over kvd's memory vs self-allocated)
+#   tiers    tests/gpu/tiers_copy_bench (a GPU pool's T0 <-> T1 copies vs cuMemcpy, pinned and
+#            pageable)
 #   kernels  kernels/kvk_bench (copy_blocks vs cudaMemcpy, decode attention vs HBM peak)
 #   then every executable in checks.d/ (later GPU checks), in name order
 # Exit: 0 every step passed, 1 a step failed or timed out, 2 no GPU visible.
@@ -162,7 +164,7 @@ extra_checks() {
 } >>"$RESULTS"
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(load probe tests selftest zerocopy kernels extra)
+[ ${#steps[@]} -gt 0 ] || steps=(load probe tests selftest zerocopy tiers kernels extra)
 for s in "${steps[@]}"; do
     case "$s" in
         load) step load 30 load_check ;;
@@ -178,6 +180,7 @@ for s in "${steps[@]}"; do
         tests) step tests 150 gpu_tests ;;
         selftest) step selftest 60 selftests ;;
         zerocopy) FULL=1 step zerocopy 90 env OUT= ./tests/gpu/zero_copy_bench ;;
+        tiers) FULL=1 step tiers 45 env OUT= ./tests/gpu/tiers_copy_bench ;;
         kernels) FULL=1 step kernels 90 ./kernels/kvk_bench ;;
         extra) extra_checks || failed=1 ;;
         *) echo "unknown step: $s" >&2; exit 1 ;;
