@@ -1,7 +1,9 @@
 /* kvd_remote: the remote tier's Redis client (remote.h has the contract). */
 #include "daemon/tiers/remote.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -52,9 +54,18 @@ typedef struct op {
     void *arg;
 } op;
 
+/* A host name's lookup (getaddrinfo_a). It must outlive the request, so one that ran past its
+ * time stays with its node and is looked at again at the node's next connect. */
+typedef struct resolve {
+    struct gaicb cb;       /* the request: ar_name = name, ar_request = &hints */
+    struct addrinfo hints; /* any family, stream sockets */
+    char name[256];        /* the host name (nodes move when the cluster map shrinks) */
+} resolve;
+
 typedef struct node {
     char host[256];
     int port;
+    resolve *res; /* a lookup of host still running, or NULL */
     redisContext *c;
     uint64_t down_until; /* ms; 0: may try now */
     uint32_t fails;
@@ -217,6 +228,93 @@ static void set_timeout(redisContext *c, uint64_t ms) {
     (void)redisSetTimeout(c, tv);
 }
 
+/* Lets a lookup go: cancelled when it still runs; one the resolver will not give up is left to
+ * it (it writes its answer there when it is done) rather than freed under it. */
+static void resolve_drop(resolve *q) {
+    if (q == NULL) {
+        return;
+    }
+    int rc = gai_error(&q->cb);
+    if (rc == EAI_INPROGRESS && gai_cancel(&q->cb) == EAI_NOTCANCELED) {
+        return;
+    }
+    if (rc == 0 && q->cb.ar_result != NULL) {
+        freeaddrinfo(q->cb.ar_result);
+    }
+    free(q);
+}
+
+#define NODE_ADDRS 4 /* addresses of a name tried in turn (localhost: ::1, then 127.0.0.1) */
+typedef char node_addr_str[256]; /* a numeric address (a literal host fits: it is one) */
+
+/* The numeric addresses to connect nd to, in out[0..*n): a literal as it is, a host name
+ * through getaddrinfo_a, waiting at most remote-timeout-ms for it. hiredis's own connect would
+ * call getaddrinfo, which waits on the resolver's timeouts (seconds a try, several tries) where a
+ * DNS server does not answer: this thread would miss every deadline meanwhile. The name is
+ * looked up again at every connect (a failover may move it). 0, or -1 with why (wlen bytes). */
+static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *why, size_t wlen) {
+    unsigned char bin[sizeof(struct in6_addr)];
+    *n = 0;
+    if (inet_pton(AF_INET, nd->host, bin) == 1 || inet_pton(AF_INET6, nd->host, bin) == 1) {
+        snprintf(out[0], sizeof(out[0]), "%s", nd->host);
+        *n = 1;
+        return 0;
+    }
+    if (nd->res == NULL) {
+        resolve *q = calloc(1, sizeof(*q));
+        if (q == NULL) {
+            snprintf(why, wlen, "resolving %s: out of memory", nd->host);
+            return -1;
+        }
+        snprintf(q->name, sizeof(q->name), "%s", nd->host);
+        q->hints.ai_family = AF_UNSPEC;
+        q->hints.ai_socktype = SOCK_STREAM;
+        q->cb.ar_name = q->name;
+        q->cb.ar_request = &q->hints;
+        struct gaicb *list[1] = {&q->cb};
+        int rc = getaddrinfo_a(GAI_NOWAIT, list, 1, NULL);
+        if (rc != 0) {
+            snprintf(why, wlen, "resolving %s: %s", nd->host, gai_strerror(rc));
+            free(q);
+            return -1;
+        }
+        nd->res = q;
+    }
+    uint64_t deadline = now_ms() + r->timeout_ms;
+    int rc = gai_error(&nd->res->cb);
+    while (rc == EAI_INPROGRESS) {
+        uint64_t now = now_ms();
+        if (now >= deadline) {
+            break;
+        }
+        uint64_t left = deadline - now;
+        struct timespec ts = {(time_t)(left / 1000), (long)(left % 1000) * 1000000L};
+        const struct gaicb *wait[1] = {&nd->res->cb};
+        (void)gai_suspend(wait, 1, &ts); /* EAI_AGAIN (time up), EAI_INTR: look again */
+        rc = gai_error(&nd->res->cb);
+    }
+    if (rc == EAI_INPROGRESS) {
+        snprintf(why, wlen, "resolving %s: no answer within %llu ms (remote-timeout-ms)", nd->host,
+                 (unsigned long long)r->timeout_ms);
+        return -1; /* the lookup goes on; the next connect looks at it again */
+    }
+    for (const struct addrinfo *ai = rc == 0 ? nd->res->cb.ar_result : NULL;
+         ai != NULL && *n < NODE_ADDRS; ai = ai->ai_next) {
+        if (getnameinfo(ai->ai_addr, ai->ai_addrlen, out[*n], sizeof(out[*n]), NULL, 0,
+                        NI_NUMERICHOST) == 0) {
+            ++*n;
+        }
+    }
+    int ok = *n > 0;
+    if (!ok) {
+        snprintf(why, wlen, "resolving %s: %s", nd->host,
+                 rc != 0 ? gai_strerror(rc) : "no address");
+    }
+    resolve_drop(nd->res);
+    nd->res = NULL;
+    return ok ? 0 : -1;
+}
+
 /* A connected context for nd, or NULL (down, or the connect failed now). */
 static redisContext *node_ctx(kvd_remote *r, node *nd) {
     if (nd->c != NULL) {
@@ -225,9 +323,20 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
     if (nd->down_until != 0 && now_ms() < nd->down_until) {
         return NULL;
     }
+    node_addr_str addr[NODE_ADDRS];
+    char unresolved[320];
+    int naddr = 0;
+    if (node_addr(r, nd, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
+        node_fail(r, nd, unresolved);
+        return NULL;
+    }
     struct timeval tv = {(time_t)(r->timeout_ms / 1000),
                          (suseconds_t)(r->timeout_ms % 1000) * 1000};
-    redisContext *c = redisConnectWithTimeout(nd->host, nd->port, tv);
+    redisContext *c = redisConnectWithTimeout(addr[0], nd->port, tv);
+    for (int k = 1; k < naddr && c != NULL && c->err; k++) {
+        redisFree(c); /* the name's next address (a refused one answers at once) */
+        c = redisConnectWithTimeout(addr[k], nd->port, tv);
+    }
     if (c == NULL || c->err) {
         const char *why = c != NULL ? c->errstr : "out of memory";
         char buf[160];
@@ -307,6 +416,7 @@ static void prune_nodes(kvd_remote *r) {
                 redisFree(r->nodes[i].c);
             }
             free(r->nodes[i].rb);
+            resolve_drop(r->nodes[i].res);
             map[i] = -1;
             continue;
         }
@@ -1362,6 +1472,8 @@ static void *thread_main(void *arg) {
         }
         free(r->nodes[i].rb);
         r->nodes[i].rb = NULL;
+        resolve_drop(r->nodes[i].res);
+        r->nodes[i].res = NULL;
     }
     return NULL;
 }

@@ -29,6 +29,8 @@ What it checks:
   while Redis is known down are drops), it retries with a backoff capped at about 5 s, and it
   reconnects and writes again once Redis is back;
 - remote-ttl-s: keys expire and a Fetch then misses;
+- a host name whose DNS server never answers (kvd in a mount namespace; root only) costs a Fetch
+  about one remote-timeout-ms, and a name's addresses are tried in turn;
 - Redis Cluster: a Fetch whose keys are on three SIGSTOPped masters is answered within about
   one remote-timeout-ms (the request's, not one per node or per map refresh);
   blocks spread over the masters' slots, served with equal bytes; after a master
@@ -2022,3 +2024,88 @@ def test_remote_uid_tenants_refuses_a_bad_value():
         rc, out = run_kvd_expecting_refusal({OPT_REDIS: "127.0.0.1:1", "tier1_memory": "1M",
                                              opt.replace("-", "_"): val})
         assert rc not in (None, 0) and opt in out, out
+
+
+def hung_dns_kvd(tmp_base, options):
+    """A kvd whose name lookups go to a DNS server that never answers: it runs in a mount
+    namespace of its own where /etc/resolv.conf names 127.0.0.77, on whose port 53 a UDP socket
+    of this test reads and drops every query. Needs root (unshare, mount, port 53). Returns
+    (daemon, the dropping socket)."""
+    import conftest
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a mount namespace")
+    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        dns.bind(("127.0.0.77", 53))
+    except OSError as e:
+        dns.close()
+        pytest.skip("cannot bind 127.0.0.77:53: %s" % e)
+    resolv = os.path.join(tmp_base, "resolv.conf")
+    with open(resolv, "w") as f:
+        f.write("nameserver 127.0.0.77\noptions timeout:3 attempts:2\n")
+    wrapper = os.path.join(tmp_base, "kvd-hung-dns")
+    with open(wrapper, "w") as f:
+        f.write("#!/bin/sh\nexec unshare --mount --propagation private sh -c "
+                "'mount --bind \"$0\" /etc/resolv.conf && exec \"$@\"' %s %s \"$@\"\n"
+                % (resolv, conftest.kvd_binary()))
+    os.chmod(wrapper, 0o755)
+    tmp = conftest.new_dir()
+    try:
+        d = conftest.Daemon(wrapper, tmp, options)
+    except BaseException:
+        dns.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return d, dns
+
+
+def test_dns_that_never_answers_costs_one_timeout(tmp_path):
+    """remote-redis names a host whose DNS server never answers (the resolver's own timeouts
+    would hold a lookup for seconds): a Fetch that asks the remote tier is answered within about
+    remote-timeout-ms, Pings meanwhile are prompt, and the tier's state names the lookup."""
+    timeout_ms = 200
+    d, dns = hung_dns_kvd(str(tmp_path), node_opts("redis.kvd-test.invalid:6379",
+                                                   **{OPT_TIMEOUT: str(timeout_ms)}))
+    try:
+        c = connect(d)
+        p = c.attach(MODEL, LAYOUT)
+        hs = kw.hash_chain(p.hash_seed, list(range(9000, 9000 + 4 * T)), T, b"", p.hash_algo)
+        for k in range(2):  # the first lookup, then one that finds it still running
+            t = time.monotonic()
+            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
+            lat, reply, took = pings_while_waiting(c, fid, "fetch_reply", 20, t)
+            if reply is None:
+                c.sock.settimeout(10)
+                try:
+                    which, reply, _ = c.recv(fid)
+                except kw.KvdError as e:
+                    reply = e
+                except (TimeoutError, socket.timeout):
+                    pytest.fail(msg("Fetch %d with DNS hung: no answer in 10 s" % k, rem(d)))
+                took = time.monotonic() - t
+            limit = timeout_ms * 3 / 1000 + 1
+            assert took <= limit, msg("Fetch %d with DNS hung took %.2f s" % (k, took), rem(d))
+            assert max(lat) < 50, "Ping latency while DNS hangs: max %.1f ms" % max(lat)
+            if not isinstance(reply, kw.KvdError):
+                assert kw.reply_blocks(reply) == [], reply
+        state = d.admin_result("tiers")["state"]
+        assert "resolving redis.kvd-test.invalid" in state and "no answer within" in state, state
+        assert rstat(d, "state") == STATE_DOWN, rem(d)
+        assert d.alive()
+    finally:
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+        dns.close()
+
+
+def test_host_name_tries_each_address(kvd_factory, redis):
+    """remote-redis by name (the lookup path, not a literal): "localhost" (::1 before 127.0.0.1
+    where /etc/hosts has both, while Redis listens on 127.0.0.1 only: kvd tries the name's
+    addresses in turn) and the puts land."""
+    a = kvd_factory(**node_opts("localhost:%d" % redis.port))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    hs, _ = commit_chain(ca, pa, 2, 1)
+    assert ns.wait_landed(hs), rem(a)
+    assert rstat(a, "state") == STATE_UP, rem(a)
