@@ -54,12 +54,19 @@ typedef struct op {
     void *arg;
 } op;
 
-/* A host name's lookup (getaddrinfo_a). It must outlive the request, so one that ran past its
- * time stays with its node and is looked at again at the node's next connect. */
+/* A host name's lookup, run by a thread of its own (blocking getaddrinfo) so that the remote
+ * thread can stop waiting for it. Shared by the node and the lookup thread, freed by whichever
+ * lets go last: a lookup that runs past its time stays with its node and is looked at again at
+ * the node's next connect. (Not glibc's getaddrinfo_a: its helper threads are made inside libc,
+ * where ThreadSanitizer cannot see them, and crash a TSan build.) */
 typedef struct resolve {
-    struct gaicb cb;       /* the request: ar_name = name, ar_request = &hints */
-    struct addrinfo hints; /* any family, stream sockets */
-    char name[256];        /* the host name (nodes move when the cluster map shrinks) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;    /* signalled when done (CLOCK_MONOTONIC) */
+    int refs;             /* the node's and the lookup thread's */
+    int done;             /* rc and res are the answer */
+    int rc;               /* getaddrinfo's */
+    struct addrinfo *res; /* its addresses when rc is 0 */
+    char name[256];       /* the host name (nodes move when the cluster map shrinks) */
 } resolve;
 
 typedef struct node {
@@ -228,27 +235,74 @@ static void set_timeout(redisContext *c, uint64_t ms) {
     (void)redisSetTimeout(c, tv);
 }
 
-/* Lets a lookup go: cancelled when it still runs; one the resolver will not give up is left to
- * it (it writes its answer there when it is done) rather than freed under it. */
-static void resolve_drop(resolve *q) {
+static void resolve_rele(resolve *q) {
     if (q == NULL) {
         return;
     }
-    int rc = gai_error(&q->cb);
-    if (rc == EAI_INPROGRESS && gai_cancel(&q->cb) == EAI_NOTCANCELED) {
-        return;
+    pthread_mutex_lock(&q->mu);
+    int last = --q->refs == 0;
+    pthread_mutex_unlock(&q->mu);
+    if (last) {
+        if (q->res != NULL) {
+            freeaddrinfo(q->res);
+        }
+        pthread_cond_destroy(&q->cv);
+        pthread_mutex_destroy(&q->mu);
+        free(q);
     }
-    if (rc == 0 && q->cb.ar_result != NULL) {
-        freeaddrinfo(q->cb.ar_result);
+}
+
+static void *resolve_main(void *arg) {
+    resolve *q = arg;
+    struct addrinfo hints;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    struct addrinfo *res = NULL;
+    int rc = getaddrinfo(q->name, NULL, &hints, &res);
+    pthread_mutex_lock(&q->mu);
+    q->rc = rc;
+    q->res = rc == 0 ? res : NULL;
+    q->done = 1;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    resolve_rele(q);
+    return NULL;
+}
+
+/* Starts looking name up; NULL when no thread or memory could be had. */
+static resolve *resolve_start(const char *name) {
+    resolve *q = calloc(1, sizeof(*q));
+    if (q == NULL) {
+        return NULL;
     }
-    free(q);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&q->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&q->mu, NULL);
+    snprintf(q->name, sizeof(q->name), "%s", name);
+    q->refs = 2;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_t th;
+    int rc = pthread_create(&th, &at, resolve_main, q);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+        q->refs = 1;
+        resolve_rele(q);
+        return NULL;
+    }
+    return q;
 }
 
 #define NODE_ADDRS 4 /* addresses of a name tried in turn (localhost: ::1, then 127.0.0.1) */
 typedef char node_addr_str[256]; /* a numeric address (a literal host fits: it is one) */
 
-/* The numeric addresses to connect nd to, in out[0..*n): a literal as it is, a host name
- * through getaddrinfo_a, waiting at most remote-timeout-ms for it. hiredis's own connect would
+/* The numeric addresses to connect nd to, in out[0..*n): a literal as it is, a host name as a
+ * lookup thread finds it, waiting at most remote-timeout-ms for it. hiredis's own connect would
  * call getaddrinfo, which waits on the resolver's timeouts (seconds a try, several tries) where a
  * DNS server does not answer: this thread would miss every deadline meanwhile. The name is
  * looked up again at every connect (a failover may move it). 0, or -1 with why (wlen bytes). */
@@ -260,46 +314,33 @@ static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *
         *n = 1;
         return 0;
     }
-    if (nd->res == NULL) {
-        resolve *q = calloc(1, sizeof(*q));
-        if (q == NULL) {
-            snprintf(why, wlen, "resolving %s: out of memory", nd->host);
-            return -1;
-        }
-        snprintf(q->name, sizeof(q->name), "%s", nd->host);
-        q->hints.ai_family = AF_UNSPEC;
-        q->hints.ai_socktype = SOCK_STREAM;
-        q->cb.ar_name = q->name;
-        q->cb.ar_request = &q->hints;
-        struct gaicb *list[1] = {&q->cb};
-        int rc = getaddrinfo_a(GAI_NOWAIT, list, 1, NULL);
-        if (rc != 0) {
-            snprintf(why, wlen, "resolving %s: %s", nd->host, gai_strerror(rc));
-            free(q);
-            return -1;
-        }
-        nd->res = q;
+    if (nd->res == NULL && (nd->res = resolve_start(nd->host)) == NULL) {
+        snprintf(why, wlen, "resolving %s: no thread for the lookup", nd->host);
+        return -1;
     }
-    uint64_t deadline = now_ms() + r->timeout_ms;
-    int rc = gai_error(&nd->res->cb);
-    while (rc == EAI_INPROGRESS) {
-        uint64_t now = now_ms();
-        if (now >= deadline) {
-            break;
-        }
-        uint64_t left = deadline - now;
-        struct timespec ts = {(time_t)(left / 1000), (long)(left % 1000) * 1000000L};
-        const struct gaicb *wait[1] = {&nd->res->cb};
-        (void)gai_suspend(wait, 1, &ts); /* EAI_AGAIN (time up), EAI_INTR: look again */
-        rc = gai_error(&nd->res->cb);
+    resolve *q = nd->res;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)(r->timeout_ms / 1000);
+    until.tv_nsec += (long)(r->timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
     }
-    if (rc == EAI_INPROGRESS) {
+    pthread_mutex_lock(&q->mu);
+    int w = 0;
+    while (!q->done && w != ETIMEDOUT) {
+        w = pthread_cond_timedwait(&q->cv, &q->mu, &until);
+    }
+    int done = q->done, rc = q->rc;
+    pthread_mutex_unlock(&q->mu);
+    if (!done) {
         snprintf(why, wlen, "resolving %s: no answer within %llu ms (remote-timeout-ms)", nd->host,
                  (unsigned long long)r->timeout_ms);
         return -1; /* the lookup goes on; the next connect looks at it again */
     }
-    for (const struct addrinfo *ai = rc == 0 ? nd->res->cb.ar_result : NULL;
-         ai != NULL && *n < NODE_ADDRS; ai = ai->ai_next) {
+    /* Done: the lookup thread writes nothing more, so its answer is read without the lock. */
+    for (const struct addrinfo *ai = q->res; ai != NULL && *n < NODE_ADDRS; ai = ai->ai_next) {
         if (getnameinfo(ai->ai_addr, ai->ai_addrlen, out[*n], sizeof(out[*n]), NULL, 0,
                         NI_NUMERICHOST) == 0) {
             ++*n;
@@ -310,7 +351,7 @@ static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *
         snprintf(why, wlen, "resolving %s: %s", nd->host,
                  rc != 0 ? gai_strerror(rc) : "no address");
     }
-    resolve_drop(nd->res);
+    resolve_rele(q);
     nd->res = NULL;
     return ok ? 0 : -1;
 }
@@ -416,7 +457,7 @@ static void prune_nodes(kvd_remote *r) {
                 redisFree(r->nodes[i].c);
             }
             free(r->nodes[i].rb);
-            resolve_drop(r->nodes[i].res);
+            resolve_rele(r->nodes[i].res);
             map[i] = -1;
             continue;
         }
@@ -1472,7 +1513,7 @@ static void *thread_main(void *arg) {
         }
         free(r->nodes[i].rb);
         r->nodes[i].rb = NULL;
-        resolve_drop(r->nodes[i].res);
+        resolve_rele(r->nodes[i].res);
         r->nodes[i].res = NULL;
     }
     return NULL;
