@@ -385,7 +385,8 @@ typedef struct job {
     /* results */
     kv_err rc;
     int sys_errno;
-    uint8_t *out; /* DOWN1: encoded bytes (malloc'd) */
+    int t0_failed; /* DOWN2 from T0: the copy out of T0 failed (a GPU pool's driver copy), not T2 */
+    uint8_t *out;  /* DOWN1: encoded bytes (malloc'd) */
     uint64_t out_len;
     uint8_t out_fmt;
     uint64_t ns;
@@ -534,6 +535,9 @@ static kv_err t0_scatter(const tier_pool *tp, const run *r, uint32_t n, const ui
     for (uint32_t i = 0; i < n; i++) {
         kv_err rc = tp->dev->copy_to_device(tp->dev_ctx, r[i].p, src, r[i].n);
         if (rc != KV_OK) {
+            /* Runs copied before may still be landing: the block must not be freed (and handed
+             * to another writer) under them. */
+            (void)tp->dev->copy_sync(tp->dev_ctx);
             return rc;
         }
         src += r[i].n;
@@ -687,7 +691,9 @@ static void work(uv_work_t *w) {
                 uint8_t *enc = j->format == KVD_TF_RAW ? payload : malloc(cap);
                 if (img == NULL || enc == NULL) {
                     j->rc = KV_ENOMEM;
-                } else if ((j->rc = t0_gather(j->tp, j->runs, j->nruns, img, 0)) == KV_OK) {
+                } else if ((j->rc = t0_gather(j->tp, j->runs, j->nruns, img, 0)) != KV_OK) {
+                    j->t0_failed = 1;
+                } else {
                     /* raw: straight into the slot */
                     size_t len = 0;
                     kvd_tier_format used = KVD_TF_RAW;
@@ -1612,8 +1618,10 @@ static void after_work(uv_work_t *w, int status) {
                 }
             } else {
                 if (j->rc != KV_OK) {
-                    t->c[TS_WERR_T2]++;
-                    t2_fail(t, tp, "tier-2 write", j->sys_errno);
+                    if (!j->t0_failed) { /* a device copy's failure is logged by the backend */
+                        t->c[TS_WERR_T2]++;
+                        t2_fail(t, tp, "tier-2 write", j->sys_errno);
+                    }
                     kvd_tstore_slot2_back(&tp->st, j->slot);
                 } else {
                     /* Quarantined while it was written: the record must not come back. */
@@ -3332,6 +3340,10 @@ kv_err kvd_tiers_selftest_put(kvd_tiers *t, kvd_reg_pool *p, kvd_block_ref blk, 
     free(runs);
     if (grc != KV_OK) {
         free(b);
+        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+        if (e->t1 == NULL && !e->in2 && e->pending == 0 && e->busy == 0) {
+            kvd_tstore_forget(&tp->st, i);
+        }
         return grc;
     }
     if (kvd_tstore_in(&tp->st, i, 1)) {

@@ -152,6 +152,7 @@ static void kvd_round(kvc_pool *p, kvc_conn *c, uint32_t round, uint8_t *buf, ui
     b0 = stat(c, "tiers.copy_bytes_up_t1");
     n0 = stat(c, "tiers.copy_busy_ns_up_t1");
     kvc_fetch_result fr;
+    memset(&fr, 0, sizeof(fr));
     if (kvc_fetch(p, hs, NB, TPB, out, &fr) != KV_OK || fr.status != KVC_FETCH_DONE ||
         fr.nblocks != NB || fr.promoted != NB) {
         fprintf(stderr, "fetch: status %d, %zu blocks, %u promoted\n", fr.status, fr.nblocks,
