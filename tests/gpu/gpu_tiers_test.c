@@ -2,7 +2,9 @@
  * with tier 1 (host memory) and tier 2 (disk): a worker process writes a chain into device
  * blocks and commits it, other chains push it out of T0, and kvc_fetch brings it back into
  * device memory with the bytes as written (read back with cuMemcpyDtoH). Then the daemon
- * restarts and the chain comes back from its T2 file into a new process's device blocks.
+ * restarts and the chain comes back from its T2 file into a new process's device blocks. Formats:
+ * raw, zstd, and a pool that asked for lossy tiers (int8: the bytes come back within the bound,
+ * and not all bit-equal, which shows the quantized path ran).
  *
  * Built twice (tests/gpu/BUILD), as gpu_share_test: with KVD_GPU_FAKE on the test driver
  * (daemon/fake_cuda.c: "device" memory a host load faults on, so a tier copy that touched T0
@@ -30,14 +32,51 @@
 #define TPB 16
 
 static kv_cuda cu;
+/* The pool is attached with KVC_ATTACH_LOSSY_TIERS (set before the workers fork): its lower tiers
+ * keep blocks as int8 with per-head scales, and the bytes come back close, not equal. */
+static int g_lossy;
 
-/* The bytes of chain `chain`, block b, (layer, K|V). */
+/* The bytes of chain `chain`, block b, (layer, K|V). Lossy pools: fp16 values, finite and under
+ * 2 in magnitude (exponents 10..15), so the int8 round trip's error is under 2 / 254. */
 static void pattern(uint8_t *buf, size_t n, uint32_t chain, uint32_t b, uint32_t layer, int kv) {
     uint32_t x = (chain + 1) * 2654435761u ^ (b + 1) * 40503u ^ layer * 977u ^ (uint32_t)kv * 31u;
     for (size_t k = 0; k < n; k++) {
         x = x * 1103515245u + 12345u;
         buf[k] = (uint8_t)(x >> 16);
+        if (g_lossy && (k & 1)) { /* the high byte of a little-endian fp16 */
+            buf[k] = (uint8_t)((buf[k] & 0x80) | (10 + (x >> 24) % 6) << 2 | (buf[k] & 0x3));
+        }
     }
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t e = (h >> 10) & 0x1fu;
+    float m = (float)(h & 0x3ffu), v;
+    if (e == 0) {
+        v = m * (1.0f / 16777216.0f); /* subnormal: m x 2^-24 */
+    } else {
+        uint32_t pb = (e - 15u + 127u) << 23;
+        float p2;
+        memcpy(&p2, &pb, sizeof(p2));
+        v = (1.0f + m / 1024.0f) * p2;
+    }
+    return (h & 0x8000u) ? -v : v;
+}
+
+/* Lossy pools: how many fp16 elements of got differ from want, and whether any is further than
+ * the int8 bound allows (int8: absmax / 254 of its head's group, here < 2 / 254, plus the fp16
+ * rounding of the result). */
+static int lossy_close(const uint8_t *got, const uint8_t *want, size_t n, size_t *differ) {
+    for (size_t k = 0; k + 1 < n; k += 2) {
+        uint16_t g = (uint16_t)(got[k] | got[k + 1] << 8),
+                 w = (uint16_t)(want[k] | want[k + 1] << 8);
+        float d = half_to_float(g) - half_to_float(w);
+        *differ += g != w;
+        if (d > 0.01f || d < -0.01f) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static void chain_hashes(kvc_pool *p, uint32_t chain, kv_hash128 *out) {
@@ -124,6 +163,7 @@ static int fetch_and_check(kvc_pool *p, int want_tier, uint8_t *buf, uint8_t *go
         return 12;
     }
     int bad = 0;
+    size_t differ = 0; /* lossy: elements not bit-equal (the quantized path ran) */
     for (uint32_t b = 0; b < NB; b++) {
         for (uint32_t layer = 0; layer < l->num_layers; layer++) {
             for (int kv = KV_K; kv <= KV_V; kv++) {
@@ -132,7 +172,8 @@ static int fetch_and_check(kvc_pool *p, int want_tier, uint8_t *buf, uint8_t *go
                 memset(got, 0, l->kv_block_bytes);
                 if (cu.memcpy_dtoh(got, (kv_cu_deviceptr)(uintptr_t)src, l->kv_block_bytes) !=
                         KV_CU_SUCCESS ||
-                    memcmp(got, buf, l->kv_block_bytes) != 0) {
+                    (g_lossy ? !lossy_close(got, buf, l->kv_block_bytes, &differ)
+                             : memcmp(got, buf, l->kv_block_bytes) != 0)) {
                     fprintf(stderr, "block %u layer %u kv %d differs after the fetch\n", b, layer,
                             kv);
                     bad = 1;
@@ -141,6 +182,10 @@ static int fetch_and_check(kvc_pool *p, int want_tier, uint8_t *buf, uint8_t *go
         }
     }
     kvc_release(p, out, NB);
+    if (g_lossy && differ == 0) {
+        fprintf(stderr, "a lossy pool's blocks came back bit-equal: not quantized below T0\n");
+        return 14;
+    }
     return bad ? 13 : 0;
 }
 
@@ -161,7 +206,8 @@ static int worker(kvd_harness *h, int phase) {
         fprintf(stderr, "worker: no connection to a daemon with tiers\n");
         return 3;
     }
-    if (kvc_pool_attach(c, "gpu-tiers-model", &l, &p) != KV_OK) {
+    if (kvc_pool_attach_ex(c, "gpu-tiers-model", &l, g_lossy ? KVC_ATTACH_LOSSY_TIERS : 0, &p) !=
+        KV_OK) {
         fprintf(stderr, "worker: attach: %s\n", kvc_last_error(c));
         return 3;
     }
@@ -251,6 +297,15 @@ static void test_vmm_zstd(void **state) {
     tiers_round_trip("cuda-vmm", "zstd");
 }
 
+/* A pool that asked for lossy tiers: blocks go down as int8 with per-head scales (quantized from
+ * the image gathered out of device memory) and come back within the bound. */
+static void test_vmm_int8(void **state) {
+    (void)state;
+    g_lossy = 1;
+    tiers_round_trip("cuda-vmm", "raw");
+    g_lossy = 0;
+}
+
 static void test_ipc_raw(void **state) {
     (void)state;
     tiers_round_trip("cuda-ipc", "raw");
@@ -260,6 +315,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vmm_raw),
         cmocka_unit_test(test_vmm_zstd),
+        cmocka_unit_test(test_vmm_int8),
         cmocka_unit_test(test_ipc_raw),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
