@@ -364,13 +364,7 @@ static kv_err cuda_copy_to_device(void *ctx, void *dst_dev, const void *src, uin
 }
 
 static kv_err cuda_copy_sync(void *ctx) {
-    kvd_backend_cuda_ctx *c = ctx;
-    kv_err rc = make_current(c);
-    if (rc != KV_OK) {
-        return rc;
-    }
-    kv_cu_result r = c->cu.ctx_synchronize();
-    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuCtxSynchronize (tier copy)", 0);
+    return kvd_backend_cuda_sync(ctx);
 }
 
 static uint64_t cuda_align(void *ctx) {

@@ -746,8 +746,7 @@ EXPORT kv_cu_result cuMemFreeHost(void *p) {
     CHECK_PROC();
     for (int i = 0; i < FAKE_MAX_HOST; i++) {
         if (host_blocks[i] != NULL && host_blocks[i] == p) {
-            drain(); /* copies queued from it read it first */
-            free(p);
+            free(p); /* queued copies hold their own copy of host bytes (enqueue) */
             host_blocks[i] = NULL;
             return KV_CU_SUCCESS;
         }

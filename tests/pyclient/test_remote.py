@@ -2098,10 +2098,10 @@ def test_dns_that_never_answers_costs_one_timeout(tmp_path):
         dns.close()
 
 
-def test_host_name_tries_each_address(kvd_factory, redis):
-    """remote-redis by name (the lookup path, not a literal): "localhost" (::1 before 127.0.0.1
-    where /etc/hosts has both, while Redis listens on 127.0.0.1 only: kvd tries the name's
-    addresses in turn) and the puts land."""
+def test_remote_redis_by_host_name(kvd_factory, redis):
+    """remote-redis by name (the lookup thread's path, not a literal): "localhost", and the puts
+    land. Where /etc/hosts gives ::1 before 127.0.0.1 (Redis listens on 127.0.0.1 only) this also
+    shows the name's addresses tried in turn; where localhost is 127.0.0.1 alone it does not."""
     a = kvd_factory(**node_opts("localhost:%d" % redis.port))
     ca = connect(a)
     pa = ca.attach(MODEL, LAYOUT)
