@@ -80,6 +80,12 @@ static const sym_row syms[] = {
     SYM(ipc_close_mem_handle, "cuIpcCloseMemHandle", "CUDA 4.1"),
     SYM(mem_alloc_host, "cuMemAllocHost_v2", "CUDA 3.2"),
     SYM(mem_free_host, "cuMemFreeHost", "CUDA 2.0"),
+    SYM(mem_host_alloc, "cuMemHostAlloc", "CUDA 2.2"),
+    SYM(stream_create, "cuStreamCreate", "CUDA 2.0"),
+    SYM(stream_destroy, "cuStreamDestroy_v2", "CUDA 4.0"),
+    SYM(stream_synchronize, "cuStreamSynchronize", "CUDA 2.0"),
+    SYM(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2", "CUDA 3.2"),
+    SYM(memcpy_htod_async, "cuMemcpyHtoDAsync_v2", "CUDA 3.2"),
 };
 
 kv_err kv_cuda_load(const char *lib, kv_cuda *out, char *why, size_t why_len) {

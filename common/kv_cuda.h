@@ -24,11 +24,12 @@
 
 /* ---- driver types (ABI of cuda.h, declared here so that cuda.h is never needed) ---------- */
 
-typedef int kv_cu_result;                    /* CUresult; 0 = CUDA_SUCCESS */
-typedef int kv_cu_device;                    /* CUdevice: an ordinal */
-typedef struct kv_cu_ctx_st *kv_cu_context;  /* CUcontext */
-typedef unsigned long long kv_cu_deviceptr;  /* CUdeviceptr (64-bit builds) */
-typedef unsigned long long kv_cu_mem_handle; /* CUmemGenericAllocationHandle */
+typedef int kv_cu_result;                     /* CUresult; 0 = CUDA_SUCCESS */
+typedef int kv_cu_device;                     /* CUdevice: an ordinal */
+typedef struct kv_cu_ctx_st *kv_cu_context;   /* CUcontext */
+typedef unsigned long long kv_cu_deviceptr;   /* CUdeviceptr (64-bit builds) */
+typedef unsigned long long kv_cu_mem_handle;  /* CUmemGenericAllocationHandle */
+typedef struct kv_cu_stream_st *kv_cu_stream; /* CUstream */
 
 #define KV_CU_SUCCESS 0
 #define KV_CU_ERROR_OUT_OF_MEMORY 2
@@ -47,6 +48,8 @@ typedef unsigned long long kv_cu_mem_handle; /* CUmemGenericAllocationHandle */
 #define KV_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 1
 #define KV_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1 /* CUipcMem_flags */
 #define KV_CU_IPC_HANDLE_SIZE 64                /* CU_IPC_HANDLE_SIZE */
+#define KV_CU_MEMHOSTALLOC_PORTABLE 1           /* cuMemHostAlloc: pinned for every context */
+#define KV_CU_STREAM_NON_BLOCKING 1             /* CUstream_flags: no sync with stream 0 */
 
 #define KV_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102 /* CUdevice_attribute */
 #define KV_CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED 103
@@ -134,6 +137,13 @@ typedef struct kv_cuda {
     kv_cu_result (*ipc_close_mem_handle)(kv_cu_deviceptr p);
     kv_cu_result (*mem_alloc_host)(void **p, size_t bytes); /* page-locked host memory */
     kv_cu_result (*mem_free_host)(void *p);
+    kv_cu_result (*mem_host_alloc)(void **p, size_t bytes, unsigned flags); /* page-locked */
+    kv_cu_result (*stream_create)(kv_cu_stream *s, unsigned flags);
+    kv_cu_result (*stream_destroy)(kv_cu_stream s);
+    kv_cu_result (*stream_synchronize)(kv_cu_stream s);
+    kv_cu_result (*memcpy_dtoh_async)(void *dst, kv_cu_deviceptr src, size_t n, kv_cu_stream s);
+    kv_cu_result (*memcpy_htod_async)(kv_cu_deviceptr dst, const void *src, size_t n,
+                                      kv_cu_stream s);
 } kv_cuda;
 
 /* The library kv_cuda_load opens when given NULL: $KV_CUDA_LIBRARY if set and non-empty (tests,

@@ -66,14 +66,23 @@ typedef struct kvd_backend_ops {
     kv_err (*segment_discard)(void *ctx, kvd_segment_mem *mem);
     /* Optional, for GPU backends, and the only calls here that any thread may make (the tiers'
      * copy threads): copies n bytes between a device address inside one of this backend's
-     * segments (a segment's base plus an offset) and host memory. copy_to_host returns when the
-     * bytes are in dst. copy_to_device may return before the bytes are in device memory (the
-     * driver's pageable-memory rule); src may be reused at once, and copy_sync returns when every
-     * copy the process started before it has landed. NULL where segment memory is host memory
-     * the daemon maps itself (memcpy does). KV_ESYS on a driver error (logged). */
+     * segments (a segment's base plus an offset) and host memory, on the calling thread's own
+     * copy stream. Either may return before the copy has landed: dst of copy_to_host must not be
+     * read, and src of copy_to_device not changed or freed, until copy_sync on the same thread
+     * has returned; copy_sync waits for every copy the calling thread started (only those). Host
+     * memory from host_alloc moves asynchronously at the link's full rate; pageable memory goes
+     * through the driver's staging buffers (copy_to_host then returns with the bytes in dst).
+     * NULL where segment memory is host memory the daemon maps itself (memcpy does). KV_ESYS on
+     * a driver error (logged). */
     kv_err (*copy_to_host)(void *ctx, void *dst, const void *src_dev, uint64_t n);
     kv_err (*copy_to_device)(void *ctx, void *dst_dev, const void *src, uint64_t n);
     kv_err (*copy_sync)(void *ctx);
+    /* Optional, GPU backends, any thread: page-locked host memory of at least n bytes that every
+     * context of the process may copy to and from (cuMemHostAlloc, portable), or NULL when the
+     * driver has none to give (the caller falls back to malloc). host_free gives it back (never
+     * free()); it waits for copies still using it, so the tiers call it off the loop thread. */
+    void *(*host_alloc)(void *ctx, uint64_t n);
+    void (*host_free)(void *ctx, void *p);
 } kvd_backend_ops;
 
 /* Writes or reads n bytes of a segment at offset off through the backend: on GPU backends the

@@ -2,6 +2,7 @@
  * first makes the backend's context current: the loop thread may have run other CUDA code. */
 #include "daemon/mem/backend_cuda.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -343,28 +344,95 @@ static kv_err cuda_copy_err(kvd_backend_cuda_ctx *c, kv_cu_result r, const char 
     return KV_ESYS;
 }
 
+/* The calling thread's copy stream of c (made at its first copy). Threads take slots in turn,
+ * process-wide; past KVD_CUDA_STREAMS they share (correct: a stream's sync then also waits for
+ * the other thread's copies). Context current. */
+static atomic_uint next_slot;
+static __thread int tls_slot = -1;
+
+static kv_err thread_stream(kvd_backend_cuda_ctx *c, kv_cu_stream *out) {
+    if (tls_slot < 0) {
+        tls_slot = (int)(atomic_fetch_add(&next_slot, 1u) % KVD_CUDA_STREAMS);
+    }
+    kv_err rc = KV_OK;
+    pthread_mutex_lock(&c->smu);
+    kv_cu_stream s = c->streams[tls_slot];
+    if (s == NULL) {
+        kv_cu_result r = c->cu.stream_create(&s, KV_CU_STREAM_NON_BLOCKING);
+        if (r == KV_CU_SUCCESS) {
+            c->streams[tls_slot] = s;
+        } else {
+            rc = cuda_copy_err(c, r, "cuStreamCreate (tier copies)", 0);
+        }
+    }
+    pthread_mutex_unlock(&c->smu);
+    *out = s;
+    return rc;
+}
+
 static kv_err cuda_copy_to_host(void *ctx, void *dst, const void *src_dev, uint64_t n) {
     kvd_backend_cuda_ctx *c = ctx;
+    kv_cu_stream s = NULL;
     kv_err rc = make_current(c);
+    if (rc == KV_OK) {
+        rc = thread_stream(c, &s);
+    }
     if (rc != KV_OK) {
         return rc;
     }
-    kv_cu_result r = c->cu.memcpy_dtoh(dst, (kv_cu_deviceptr)(uintptr_t)src_dev, (size_t)n);
-    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyDtoH (tier copy)", n);
+    kv_cu_result r =
+        c->cu.memcpy_dtoh_async(dst, (kv_cu_deviceptr)(uintptr_t)src_dev, (size_t)n, s);
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyDtoHAsync (tier copy)", n);
 }
 
 static kv_err cuda_copy_to_device(void *ctx, void *dst_dev, const void *src, uint64_t n) {
     kvd_backend_cuda_ctx *c = ctx;
+    kv_cu_stream s = NULL;
     kv_err rc = make_current(c);
+    if (rc == KV_OK) {
+        rc = thread_stream(c, &s);
+    }
     if (rc != KV_OK) {
         return rc;
     }
-    kv_cu_result r = c->cu.memcpy_htod((kv_cu_deviceptr)(uintptr_t)dst_dev, src, (size_t)n);
-    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyHtoD (tier copy)", n);
+    kv_cu_result r =
+        c->cu.memcpy_htod_async((kv_cu_deviceptr)(uintptr_t)dst_dev, src, (size_t)n, s);
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuMemcpyHtoDAsync (tier copy)", n);
 }
 
 static kv_err cuda_copy_sync(void *ctx) {
-    return kvd_backend_cuda_sync(ctx);
+    kvd_backend_cuda_ctx *c = ctx;
+    kv_cu_stream s = NULL;
+    kv_err rc = make_current(c);
+    if (rc == KV_OK) {
+        rc = thread_stream(c, &s);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    kv_cu_result r = c->cu.stream_synchronize(s);
+    return r == KV_CU_SUCCESS ? KV_OK : cuda_copy_err(c, r, "cuStreamSynchronize (tier copies)", 0);
+}
+
+static void *cuda_host_alloc(void *ctx, uint64_t n) {
+    kvd_backend_cuda_ctx *c = ctx;
+    void *p = NULL;
+    if (make_current(c) != KV_OK ||
+        c->cu.mem_host_alloc(&p, (size_t)n, KV_CU_MEMHOSTALLOC_PORTABLE) != KV_CU_SUCCESS) {
+        return NULL; /* the caller falls back to pageable memory and counts it */
+    }
+    return p;
+}
+
+static void cuda_host_free(void *ctx, void *p) {
+    kvd_backend_cuda_ctx *c = ctx;
+    if (p == NULL || make_current(c) != KV_OK) {
+        return;
+    }
+    kv_cu_result r = c->cu.mem_free_host(p);
+    if (r != KV_CU_SUCCESS) {
+        (void)cuda_copy_err(c, r, "cuMemFreeHost (tier-1 buffer)", 0);
+    }
 }
 
 static uint64_t cuda_align(void *ctx) {
@@ -384,6 +452,8 @@ const kvd_backend_ops kvd_backend_cuda_vmm = {
     .copy_to_host = cuda_copy_to_host,
     .copy_to_device = cuda_copy_to_device,
     .copy_sync = cuda_copy_sync,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     /* No segment_discard: clients import the whole allocation (one physical handle), which cannot
      * shrink while they hold it, so cuda-vmm pools never park and memory does not move between
      * them (a new pool gets ENOSPC once pool-memory is spent). */
@@ -401,6 +471,8 @@ const kvd_backend_ops kvd_backend_cuda_ipc = {
     .copy_to_host = cuda_copy_to_host,
     .copy_to_device = cuda_copy_to_device,
     .copy_sync = cuda_copy_sync,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     /* No segment_discard: a cuMemAlloc block opened by clients with cuIpcOpenMemHandle cannot
      * release part of its memory, so cuda-ipc pools never park (see cuda-vmm). */
     .segment_discard = NULL,
@@ -437,6 +509,7 @@ kv_err kvd_backend_cuda_open(kvd_backend_cuda_ctx *ctx, uint32_t kind, int devic
         c.align = IPC_ALIGN;
     }
     *ctx = c;
+    pthread_mutex_init(&ctx->smu, NULL);
     return KV_OK;
 cleanup_device:
     kv_cuda_device_close(&c.cu, &c.dev);
@@ -450,6 +523,14 @@ void kvd_backend_cuda_close(kvd_backend_cuda_ctx *ctx) {
         return;
     }
     KV_ASSERT(ctx->segments == 0);
+    if (make_current(ctx) == KV_OK) {
+        for (int i = 0; i < KVD_CUDA_STREAMS; i++) {
+            if (ctx->streams[i] != NULL) {
+                (void)ctx->cu.stream_destroy(ctx->streams[i]); /* the copy threads are done */
+            }
+        }
+    }
+    pthread_mutex_destroy(&ctx->smu);
     kv_cuda_device_close(&ctx->cu, &ctx->dev);
     kv_cuda_unload(&ctx->cu);
     memset(ctx, 0, sizeof(*ctx));

@@ -17,13 +17,16 @@
  *
  * Loop thread only (the thread that opened the backend: the driver's current context is per
  * thread, and every call sets it again), but for the ops' copy_to_host / copy_to_device /
- * copy_sync, which the tiers' copy threads call (each call makes the context current on its
- * thread; the driver is thread-safe): a GPU pool's blocks go down to host memory and disk and
- * come back with plain driver copies on the default stream.
+ * copy_sync / host_alloc / host_free, which the tiers' copy threads call (each call makes the
+ * context current on its thread; the driver is thread-safe): a GPU pool's blocks go down to host
+ * memory and disk and come back with async driver copies, each calling thread on a stream of its
+ * own (non-blocking, made at its first copy, destroyed at close), into and out of page-locked
+ * host memory where the tiers have it.
  */
 #ifndef KVD_BACKEND_CUDA_H
 #define KVD_BACKEND_CUDA_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,14 +35,18 @@
 #include "daemon/mem/backend_host.h"
 #include "common/kv_cuda.h"
 
+#define KVD_CUDA_STREAMS 16 /* copy streams per context (threads beyond share them) */
+
 /* The ctx of both GPU backends. */
 typedef struct kvd_backend_cuda_ctx {
-    kv_cuda cu;         /* the loaded driver */
-    kv_cuda_device dev; /* the device segments live on; primary context retained */
-    uint32_t kind;      /* KVD_MEM_CUDA_VMM or KVD_MEM_CUDA_IPC */
-    uint64_t align;     /* segment and section granularity (bytes, power of two) */
-    uint64_t segments;  /* live segments */
-    uint64_t bytes;     /* their bytes */
+    kv_cuda cu;          /* the loaded driver */
+    kv_cuda_device dev;  /* the device segments live on; primary context retained */
+    uint32_t kind;       /* KVD_MEM_CUDA_VMM or KVD_MEM_CUDA_IPC */
+    uint64_t align;      /* segment and section granularity (bytes, power of two) */
+    uint64_t segments;   /* live segments */
+    uint64_t bytes;      /* their bytes */
+    pthread_mutex_t smu; /* guards streams (copy threads make them) */
+    kv_cu_stream streams[KVD_CUDA_STREAMS]; /* a copy thread's: streams[its slot] */
 } kvd_backend_cuda_ctx;
 
 /* Loads the driver (lib NULL: kv_cuda_library_name()), opens device and checks that it can do

@@ -11,6 +11,13 @@
  *    at cuCtxSynchronize, or before a cuMemcpyDtoH, cuMemUnmap or cuMemFree of the context (which
  *    order after them). A process that commits a block without synchronizing publishes stale
  *    bytes here too.
+ *  - Streams (cuStreamCreate): cuMemcpyHtoDAsync and cuMemcpyDtoHAsync on a stream complete at
+ *    that stream's cuStreamSynchronize (or a cuCtxSynchronize). Where the host side is
+ *    page-locked memory (cuMemHostAlloc, cuMemAllocHost) the DMA reads or writes it only then:
+ *    a DtoH copy's bytes are not in the host buffer before the synchronize, and a host buffer
+ *    changed before it goes to the device changed. Where the host side is pageable, as the driver
+ *    does, DtoH is synchronous and HtoD takes the source's bytes at the call. Page-locked memory
+ *    is an anonymous mapping of the fake's, so free() of it fails as free() of the driver's does.
  *  - CUDA state does not survive fork: cuInit records the pid, and every call from another
  *    process (a child forked after cuInit, without exec) fails with CUDA_ERROR_NOT_INITIALIZED.
  *  - VMM granularity is 2 MiB (current GPUs); sizes, offsets and addresses must be multiples.
@@ -19,12 +26,14 @@
  *  - cuIpcGetMemHandle writes (magic, pid, fd, bytes) into the 64 bytes and cuIpcOpenMemHandle
  *    opens /proc/PID/fd/FD of the exporter (same uid only).
  * Environment switches: FAKE_CUDA_NO_DEVICE=1 (cuInit fails with CUDA_ERROR_NO_DEVICE),
- * FAKE_CUDA_NO_VMM=1 (no VMM support), FAKE_CUDA_NO_MAP_OFFSET=1 (cuMemMap refuses a non-zero
- * offset, as cuda.h's "currently must be zero" allows a driver to), FAKE_CUDA_HOST_ACCESS=1
- * (cuMemSetAccess also opens device ranges to host loads: for tests that run the kernels' CPU
- * twins over "device" memory), FAKE_CUDA_UUID=<32 hex digits> (the device's UUID).
- * Thread-safe as a real driver is: one recursive lock guards the fake's state in every entry
- * point (in-process tests call it from the test thread and the daemon's loop thread at once).
+ * FAKE_CUDA_NO_VMM=1 (no VMM support), FAKE_CUDA_NO_PINNED=1 (cuMemHostAlloc and cuMemAllocHost
+ * fail with CUDA_ERROR_OUT_OF_MEMORY, as they do where page-locked memory runs out),
+ * FAKE_CUDA_NO_MAP_OFFSET=1 (cuMemMap refuses a non-zero offset, as cuda.h's "currently must be
+ * zero" allows a driver to), FAKE_CUDA_HOST_ACCESS=1 (cuMemSetAccess also opens device ranges to
+ * host loads: for tests that run the kernels' CPU twins over "device" memory), FAKE_CUDA_UUID=<32
+ * hex digits> (the device's UUID). Thread-safe as a real driver is: one recursive lock guards the
+ * fake's state in every entry point (in-process tests call it from the test thread and the daemon's
+ * loop thread at once).
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -43,6 +52,8 @@
 #define FAKE_MAX_RANGES 8192
 #define FAKE_MAX_PENDING 65536
 #define KV_CU_ERROR_INVALID_VALUE 1
+#define KV_CU_ERROR_INVALID_HANDLE 400
+#define FAKE_MAX_STREAMS 256
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -127,15 +138,19 @@ static uint8_t *shadow_of(uintptr_t p, size_t n, size_t *in_range) {
 /* ---- operations that complete at a synchronize --------------------------------------------- */
 
 typedef struct pending {
-    int op;          /* OP_SET, OP_COPY */
-    uintptr_t dst;   /* device address */
-    uintptr_t src;   /* OP_COPY from device: device address; 0 when data holds the bytes */
-    uint8_t *data;   /* OP_COPY from host: a copy of the source taken at the call */
-    size_t n;        /* bytes */
-    unsigned char v; /* OP_SET value */
+    int op;        /* OP_SET, OP_COPY, OP_TOHOST */
+    uintptr_t dst; /* device address (OP_TOHOST: unused) */
+    uintptr_t src; /* OP_COPY from device: device address; 0 when data or pinned holds them */
+    uint8_t *data; /* OP_COPY from pageable host: a copy of the source taken at the call;
+                      OP_TOHOST: the device bytes, read when the copy was queued */
+    const uint8_t *pinned; /* OP_COPY from page-locked host memory: read at completion */
+    uint8_t *host;         /* OP_TOHOST: the page-locked destination, written at completion */
+    size_t n;              /* bytes */
+    unsigned char v;       /* OP_SET value */
+    uintptr_t stream;      /* 0: the legacy stream (completes at any synchronize) */
 } pending;
 
-enum { OP_SET = 1, OP_COPY = 2 };
+enum { OP_SET = 1, OP_COPY = 2, OP_TOHOST = 3 };
 
 static pending queue[FAKE_MAX_PENDING];
 static size_t nqueue;
@@ -173,13 +188,35 @@ static int dev_write(uintptr_t dst, const uint8_t *src_host, uintptr_t src_dev, 
     return 0;
 }
 
+static void complete(pending *q) {
+    if (q->op == OP_TOHOST) {
+        memcpy(q->host, q->data, q->n);
+    } else {
+        (void)dev_write(q->dst, q->pinned != NULL ? q->pinned : q->data, q->src, q->n,
+                        q->op == OP_SET, q->v);
+    }
+    free(q->data);
+}
+
+/* Completes the queued work of every stream, in the order it was queued. */
 static void drain(void) {
     for (size_t i = 0; i < nqueue; i++) {
-        pending *q = &queue[i];
-        (void)dev_write(q->dst, q->data, q->src, q->n, q->op == OP_SET, q->v);
-        free(q->data);
+        complete(&queue[i]);
     }
     nqueue = 0;
+}
+
+/* Completes the queued work of stream s (in order); the rest stays queued. */
+static void drain_stream(uintptr_t s) {
+    size_t k = 0;
+    for (size_t i = 0; i < nqueue; i++) {
+        if (queue[i].stream == s) {
+            complete(&queue[i]);
+        } else {
+            queue[k++] = queue[i];
+        }
+    }
+    nqueue = k;
 }
 
 /* Checks that [p, p + n) is device memory (piecewise), without touching it. */
@@ -195,16 +232,22 @@ static int dev_range_ok(uintptr_t p, size_t n) {
     return 1;
 }
 
-static kv_cu_result enqueue(int op, uintptr_t dst, uintptr_t src, const void *host, size_t n,
-                            unsigned char v) {
-    if (!dev_range_ok(dst, n) || (op == OP_COPY && host == NULL && !dev_range_ok(src, n))) {
-        return KV_CU_ERROR_INVALID_VALUE;
-    }
+/* A new queue slot (completing everything when the queue is full). */
+static pending *queue_slot(void) {
     if (nqueue == FAKE_MAX_PENDING) {
         drain();
     }
     pending *q = &queue[nqueue];
     memset(q, 0, sizeof(*q));
+    return q;
+}
+
+static kv_cu_result enqueue(int op, uintptr_t dst, uintptr_t src, const void *host, size_t n,
+                            unsigned char v) {
+    if (!dev_range_ok(dst, n) || (op == OP_COPY && host == NULL && !dev_range_ok(src, n))) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    pending *q = queue_slot();
     q->op = op;
     q->dst = dst;
     q->src = src;
@@ -717,39 +760,205 @@ EXPORT kv_cu_result cuIpcCloseMemHandle(kv_cu_deviceptr p) {
 
 /* ---- page-locked host memory ---------------------------------------------------------------- */
 
-/* Host memory a host may touch, as the driver's is; freed only by cuMemFreeHost (a pointer the
- * fake did not hand out is refused, as the driver refuses it). */
-#define FAKE_MAX_HOST 1024
-static void *host_blocks[FAKE_MAX_HOST];
+/* Host memory a host may touch, as the driver's is: an anonymous mapping of its own (free() of it
+ * fails), freed only by cuMemFreeHost (a pointer the fake did not hand out is refused, as the
+ * driver refuses it). */
+typedef struct hostblock {
+    uint8_t *p;
+    size_t bytes; /* mapped length (whole pages) */
+} hostblock;
+
+static hostblock *hosts;
+static size_t nhosts, hosts_cap;
+
+/* Whether [p, p + n) lies in one page-locked block. */
+static int pinned_range(const void *p, size_t n) {
+    uintptr_t a = (uintptr_t)p;
+    for (size_t i = 0; i < nhosts; i++) {
+        uintptr_t b = (uintptr_t)hosts[i].p;
+        if (a >= b && a - b <= hosts[i].bytes && n <= hosts[i].bytes - (a - b)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static kv_cu_result host_alloc(void **p, size_t bytes) {
+    if (p == NULL || bytes == 0) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    if (env_set("FAKE_CUDA_NO_PINNED")) {
+        return KV_CU_ERROR_OUT_OF_MEMORY;
+    }
+    if (nhosts == hosts_cap) {
+        size_t nc = hosts_cap == 0 ? 64 : hosts_cap * 2;
+        hostblock *nh = realloc(hosts, sizeof(*nh) * nc);
+        if (nh == NULL) {
+            return KV_CU_ERROR_OUT_OF_MEMORY;
+        }
+        hosts = nh;
+        hosts_cap = nc;
+    }
+    size_t len = (bytes + 4095) / 4096 * 4096;
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+        return KV_CU_ERROR_OUT_OF_MEMORY;
+    }
+    hosts[nhosts++] = (hostblock){m, len};
+    *p = m;
+    return KV_CU_SUCCESS;
+}
 
 EXPORT kv_cu_result cuMemAllocHost_v2(void **p, size_t bytes) {
     GUARD();
     CHECK_PROC();
-    if (p == NULL || bytes == 0) {
+    return host_alloc(p, bytes);
+}
+
+EXPORT kv_cu_result cuMemHostAlloc(void **p, size_t bytes, unsigned flags) {
+    GUARD();
+    CHECK_PROC();
+    if ((flags & ~0x7u) != 0) { /* PORTABLE, DEVICEMAP, WRITECOMBINED */
         return KV_CU_ERROR_INVALID_VALUE;
     }
-    for (int i = 0; i < FAKE_MAX_HOST; i++) {
-        if (host_blocks[i] == NULL) {
-            void *m = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-            if (m == NULL) {
-                return KV_CU_ERROR_OUT_OF_MEMORY;
-            }
-            host_blocks[i] = *p = m;
+    return host_alloc(p, bytes);
+}
+
+EXPORT kv_cu_result cuMemFreeHost(void *p) {
+    GUARD();
+    CHECK_PROC();
+    for (size_t i = 0; i < nhosts; i++) {
+        if (hosts[i].p == p) {
+            drain(); /* the driver waits for copies still using the memory */
+            munmap(p, hosts[i].bytes);
+            hosts[i] = hosts[--nhosts];
+            return KV_CU_SUCCESS;
+        }
+    }
+    return KV_CU_ERROR_INVALID_VALUE;
+}
+
+/* ---- streams -----------------------------------------------------------------------------------
+ */
+
+static uintptr_t streams[FAKE_MAX_STREAMS]; /* live stream handles; 0: a free slot */
+static uintptr_t next_stream = 0x5000;
+
+static int stream_ok(kv_cu_stream s) {
+    if (s == NULL) {
+        return 1; /* the legacy stream */
+    }
+    for (int i = 0; i < FAKE_MAX_STREAMS; i++) {
+        if (streams[i] == (uintptr_t)s) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+EXPORT kv_cu_result cuStreamCreate(kv_cu_stream *s, unsigned flags) {
+    GUARD();
+    CHECK_PROC();
+    if (s == NULL || (flags & ~1u) != 0) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    for (int i = 0; i < FAKE_MAX_STREAMS; i++) {
+        if (streams[i] == 0) {
+            streams[i] = next_stream;
+            next_stream += 0x10;
+            *s = (kv_cu_stream)streams[i];
             return KV_CU_SUCCESS;
         }
     }
     return KV_CU_ERROR_OUT_OF_MEMORY;
 }
 
-EXPORT kv_cu_result cuMemFreeHost(void *p) {
+EXPORT kv_cu_result cuStreamDestroy_v2(kv_cu_stream s) {
     GUARD();
     CHECK_PROC();
-    for (int i = 0; i < FAKE_MAX_HOST; i++) {
-        if (host_blocks[i] != NULL && host_blocks[i] == p) {
-            free(p); /* queued copies hold their own copy of host bytes (enqueue) */
-            host_blocks[i] = NULL;
+    for (int i = 0; i < FAKE_MAX_STREAMS; i++) {
+        if (s != NULL && streams[i] == (uintptr_t)s) {
+            drain_stream((uintptr_t)s); /* its work still completes, as the driver's does */
+            streams[i] = 0;
             return KV_CU_SUCCESS;
         }
     }
-    return KV_CU_ERROR_INVALID_VALUE;
+    return KV_CU_ERROR_INVALID_HANDLE;
+}
+
+EXPORT kv_cu_result cuStreamSynchronize(kv_cu_stream s) {
+    GUARD();
+    CHECK_PROC();
+    if (!stream_ok(s)) {
+        return KV_CU_ERROR_INVALID_HANDLE;
+    }
+    if (s == NULL) {
+        drain(); /* the legacy stream waits for every blocking stream */
+    } else {
+        drain_stream((uintptr_t)s);
+    }
+    return KV_CU_SUCCESS;
+}
+
+EXPORT kv_cu_result cuMemcpyHtoDAsync_v2(kv_cu_deviceptr dst, const void *src, size_t n,
+                                         kv_cu_stream s) {
+    GUARD();
+    CHECK_PROC();
+    if (!stream_ok(s)) {
+        return KV_CU_ERROR_INVALID_HANDLE;
+    }
+    if (!pinned_range(src, n)) { /* pageable: staged at the call, lands later */
+        kv_cu_result r = enqueue(OP_COPY, (uintptr_t)dst, 0, src, n, 0);
+        if (r == KV_CU_SUCCESS) {
+            queue[nqueue - 1].stream = (uintptr_t)s;
+        }
+        return r;
+    }
+    if (!dev_range_ok((uintptr_t)dst, n)) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    pending *q = queue_slot();
+    q->op = OP_COPY;
+    q->dst = (uintptr_t)dst;
+    q->pinned = src; /* the DMA reads it when it runs */
+    q->n = n;
+    q->stream = (uintptr_t)s;
+    nqueue++;
+    return KV_CU_SUCCESS;
+}
+
+EXPORT kv_cu_result cuMemcpyDtoHAsync_v2(void *dst, kv_cu_deviceptr src, size_t n, kv_cu_stream s) {
+    GUARD();
+    CHECK_PROC();
+    if (!stream_ok(s)) {
+        return KV_CU_ERROR_INVALID_HANDLE;
+    }
+    if (!pinned_range(dst, n)) {
+        return cuMemcpyDtoH_v2(dst, src, n); /* pageable: synchronous, as the driver's */
+    }
+    if (!dev_range_ok((uintptr_t)src, n)) {
+        return KV_CU_ERROR_INVALID_VALUE;
+    }
+    drain(); /* ordered after the work queued before it */
+    pending *q = queue_slot();
+    q->data = malloc(n > 0 ? n : 1);
+    if (q->data == NULL) {
+        return KV_CU_ERROR_OUT_OF_MEMORY;
+    }
+    uint8_t *d = q->data;
+    uintptr_t a = (uintptr_t)src;
+    for (size_t left = n; left > 0;) {
+        size_t k = 0;
+        const uint8_t *sh = shadow_of(a, left, &k);
+        memcpy(d, sh, k);
+        d += k;
+        a += k;
+        left -= k;
+    }
+    q->op = OP_TOHOST;
+    q->host = dst; /* written when the stream is synchronized */
+    q->n = n;
+    q->stream = (uintptr_t)s;
+    nqueue++;
+    return KV_CU_SUCCESS;
 }

@@ -18,12 +18,23 @@ void kvd_tstore_init(kvd_tstore *s) {
     }
 }
 
+static void free_t1(kvd_tstore *s, uint8_t *b) {
+    if (b == NULL) {
+        return;
+    }
+    if (s->free1 != NULL) {
+        s->free1(s->free1_arg, b);
+    } else {
+        free(b);
+    }
+}
+
 void kvd_tstore_fini(kvd_tstore *s) {
     if (s == NULL) {
         return;
     }
     for (uint32_t i = 0; i < s->cap; i++) {
-        free(s->e[i].t1);
+        free_t1(s, s->e[i].t1);
         free(s->e[i].summ);
     }
     free(s->e);
@@ -272,7 +283,7 @@ void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes) {
         lru_unlink(s, i, 0);
         s->count[0]--;
         s->bytes[0] -= e->len1;
-        free(e->t1);
+        free_t1(s, e->t1);
         e->t1 = NULL;
         e->len1 = 0;
         tell(s, e, 1, 0);

@@ -88,11 +88,15 @@ typedef struct kvd_tstore {
      * drop/take1/unlink2 (not fini). NULL: nobody (init). */
     void (*on_tier)(void *arg, const kvd_tentry *e, int tier, int present);
     void *on_tier_arg;
+    /* Frees T1 bytes the store lets go (drop, fini): NULL is free(). The tiers route page-locked
+     * buffers back to their driver with it (daemon/tiers/pinned.h). */
+    void (*free1)(void *arg, uint8_t *bytes);
+    void *free1_arg;
 } kvd_tstore;
 
-/* init makes an empty store (call it before any other function: zeroed storage is not one).
- * fini frees every T1 buffer and the store's arrays (nothing may be busy); it accepts NULL and
- * zeroed memory. */
+/* init makes an empty store (call it before any other function: zeroed storage is not one; it
+ * clears the hooks). fini frees every T1 buffer (through free1) and the store's arrays (nothing
+ * may be busy), leaving an empty store without hooks; it accepts NULL and zeroed memory. */
 void kvd_tstore_init(kvd_tstore *s);
 void kvd_tstore_fini(kvd_tstore *s);
 
@@ -119,7 +123,7 @@ void kvd_tstore_set1(kvd_tstore *s, uint32_t i, uint8_t *bytes, uint64_t len, ui
 void kvd_tstore_set2(kvd_tstore *s, uint32_t i, uint64_t slot, uint64_t len, uint8_t fmt,
                      uint64_t seq, uint64_t slot_bytes);
 
-/* Takes the entry out of tier (1: frees its bytes; 2: gives its slot back, slot_bytes
+/* Takes the entry out of tier (1: frees its bytes through free1; 2: gives its slot back, slot_bytes
  * uncounted). An entry in neither tier, not busy and not pending, is freed (its index may be
  * reused). The entry must not be busy. */
 void kvd_tstore_drop(kvd_tstore *s, uint32_t i, int tier, uint64_t slot_bytes);

@@ -29,6 +29,7 @@
 #include "daemon/tenancy/tenant.h"
 #include "daemon/tiers/codec.h"
 #include "daemon/tiers/disk.h"
+#include "daemon/tiers/pinned.h"
 #include "daemon/tiers/remote.h"
 #include "daemon/tiers/rwatch.h"
 #include "daemon/tiers/store.h"
@@ -93,6 +94,8 @@ enum {
     TS_RWATCH_EVICTED,
     TS_RWATCH_REPORTED,
     TS_RWATCH_GAPS,
+    TS_T1_PINNED,
+    TS_PIN_FALLBACKS,
     TS_COUNT
 };
 
@@ -265,6 +268,16 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                         "router holds may be stale",
                         "kvd_remote_watch_gaps_total",
                         "Times the remote watch lost subscriptions that were up.", NULL, NULL},
+    [TS_T1_PINNED] = {"tier1_pinned_bytes", "gauge", "bytes",
+                      "page-locked host memory held for GPU pools' tier-1 blocks (in use, "
+                      "recycled, and freed but not yet given back to the driver)",
+                      "kvd_tier1_pinned_bytes", "Page-locked host memory of GPU pools' tier 1.",
+                      NULL, NULL},
+    [TS_PIN_FALLBACKS] = {"tier1_pinned_fallbacks", "counter", "buffers",
+                          "GPU pools' tier-1 buffers the driver would not page-lock (malloc'd "
+                          "instead: their copies go through the driver's staging buffers)",
+                          "kvd_tier1_pinned_fallbacks_total",
+                          "GPU pools' tier-1 buffers that could not be page-locked.", NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -275,6 +288,7 @@ typedef struct tier_pool tier_pool;
 #define NBUFCLASS 8
 typedef struct bufclass {
     uint64_t size; /* bytes of each buffer; 0: class unused */
+    int pinned;    /* its buffers are page-locked (kvd_pinned's) */
     uint8_t **v;   /* [cap] buffers */
     uint32_t n, cap;
 } bufclass;
@@ -287,7 +301,8 @@ struct kvd_tiers {
     uint64_t used[2];          /* bytes in use over all pools (T1: entry bytes; T2: slots) */
     uint64_t reserved1;        /* T1 bytes of copies in flight */
     uint64_t cached1;          /* T1 bytes of recycled buffers kept for the next copies */
-    bufclass bc[NBUFCLASS];    /* those buffers, by size */
+    bufclass bc[NBUFCLASS];    /* those buffers, by size and page-locking */
+    kvd_pinned *pinned;        /* the page-locked T1 buffers (GPU pools); pinned.h */
     uint32_t busy[4];          /* copies in flight per kind (span_kind) */
     uint64_t busy_since[4];    /* when the kind's current busy period began (ns) */
     kvd_tier_format format;    /* tier-format */
@@ -346,6 +361,8 @@ struct tier_pool {
      * and its context; NULL for pools in host memory the daemon maps (memcpy). */
     const kvd_backend_ops *dev;
     void *dev_ctx;
+    /* Raw T1 buffers of this pool are page-locked (a GPU pool whose backend has host_alloc). */
+    int pin;
 };
 
 #define FROM_REMOTE_SLOTS 4096u /* 64 KiB a pool that read from Redis */
@@ -386,7 +403,9 @@ typedef struct job {
     kv_err rc;
     int sys_errno;
     int t0_failed; /* DOWN2 from T0: the copy out of T0 failed (a GPU pool's driver copy), not T2 */
-    uint8_t *out;  /* DOWN1: encoded bytes (malloc'd) */
+    uint8_t *out;  /* DOWN1: encoded bytes (malloc'd, or page-locked for a pinning pool) */
+    uint32_t pin_fallbacks; /* DOWN1, PREFAULT: buffers made with malloc where page-locked
+                               ones were wanted */
     uint64_t out_len;
     uint8_t out_fmt;
     uint64_t ns;
@@ -504,8 +523,8 @@ static void scatter(const run *r, uint32_t n, const uint8_t *src) {
 }
 
 /* The T0 side of a copy for any pool: a GPU pool's runs are device addresses no host load may
- * touch, so its bytes move with the backend's driver copies; a host pool's with gather
- * (streamed: gather_stream). Any thread. */
+ * touch, so its bytes move with the backend's driver copies (synchronized before it returns:
+ * dst holds the block then); a host pool's with gather (streamed: gather_stream). Any thread. */
 static kv_err t0_gather(const tier_pool *tp, const run *r, uint32_t n, uint8_t *dst, int streamed) {
     if (tp->dev == NULL) {
         if (streamed) {
@@ -515,14 +534,17 @@ static kv_err t0_gather(const tier_pool *tp, const run *r, uint32_t n, uint8_t *
         }
         return KV_OK;
     }
+    /* The runs' copies are queued on this thread's stream, then waited for at once (into
+     * page-locked T1 memory they land asynchronously; the caller reads dst next). */
     for (uint32_t i = 0; i < n; i++) {
         kv_err rc = tp->dev->copy_to_host(tp->dev_ctx, dst, r[i].p, r[i].n);
         if (rc != KV_OK) {
+            (void)tp->dev->copy_sync(tp->dev_ctx); /* none may still be writing into dst */
             return rc;
         }
         dst += r[i].n;
     }
-    return KV_OK;
+    return tp->dev->copy_sync(tp->dev_ctx);
 }
 
 /* scatter for any pool; a GPU pool's copies are synchronized before it returns, so the block's
@@ -596,8 +618,20 @@ static uint8_t *scratch_slot(uint64_t n) {
     return tls_slot;
 }
 
+/* A raw T1 buffer for a pinning pool's job: page-locked, or malloc'd (and counted) when the
+ * driver has none to give. Copy threads. */
+static uint8_t *t1_buffer(job *j, uint64_t n) {
+    uint8_t *b = kvd_pinned_alloc(j->tp->t->pinned, j->tp->dev, j->tp->dev_ctx, n);
+    if (b == NULL) {
+        b = malloc(n);
+        j->pin_fallbacks += b != NULL;
+    }
+    return b;
+}
+
 static void work(uv_work_t *w) {
     job *j = w->data;
+    kvd_pinned_reap(j->tp->t->pinned); /* page-locked buffers let go since: back to the driver */
     static __thread int niced;
     if (!niced) {
         /* Copy threads yield to the loop thread: it dispatches their jobs and runs their
@@ -614,7 +648,9 @@ static void work(uv_work_t *w) {
             /* Raw: one gather straight into the entry's buffer. Compressed: the image (the
              * block itself when it is one run), then the codec writes the stored form. */
             size_t cap = kvd_codec_bound(j->format, j->block_bytes);
-            if (j->out == NULL) {
+            if (j->out == NULL && j->format == KVD_TF_RAW && j->tp->pin) {
+                j->out = t1_buffer(j, j->block_bytes);
+            } else if (j->out == NULL) {
                 j->out = malloc(j->format == KVD_TF_RAW ? j->block_bytes : cap);
             }
             if (j->out == NULL) {
@@ -774,7 +810,7 @@ static void work(uv_work_t *w) {
         case J_PREFAULT: {
             /* j->runs is scratch here: nruns buffers' pointers (run.p), each block_bytes. */
             for (uint32_t k = 0; k < j->nruns; k++) {
-                j->runs[k].p = malloc(j->block_bytes);
+                j->runs[k].p = j->tp->pin ? t1_buffer(j, j->block_bytes) : malloc(j->block_bytes);
                 if (j->runs[k].p != NULL) {
                     memset(j->runs[k].p, 0, j->block_bytes); /* the pages fault in now */
                 }
@@ -854,10 +890,23 @@ static kv_err job_start(job *j) {
 
 /* ---- recycled T1 buffers ---------------------------------------------------------------- */
 
-static uint8_t *buf_take(kvd_tiers *t, uint64_t size) {
+/* Frees T1 bytes of any kind: a page-locked buffer goes back to its driver (from a copy thread),
+ * any other to free(). Every path that lets T1 bytes go ends here or in the stores' free1. */
+static void t1_free(kvd_tiers *t, uint8_t *b) {
+    if (!kvd_pinned_free(t->pinned, b)) {
+        free(b);
+    }
+}
+
+static void store_free1(void *arg, uint8_t *b) {
+    t1_free(arg, b);
+}
+
+/* A recycled buffer of size bytes, page-locked or not as asked; NULL when there is none. */
+static uint8_t *buf_take(kvd_tiers *t, uint64_t size, int pinned) {
     for (int k = 0; k < NBUFCLASS; k++) {
         bufclass *c = &t->bc[k];
-        if (c->size == size && c->n > 0) {
+        if (c->size == size && c->pinned == pinned && c->n > 0) {
             t->cached1 -= size;
             return c->v[--c->n];
         }
@@ -877,24 +926,26 @@ static int buf_shed(kvd_tiers *t) {
         return 0;
     }
     bufclass *c = &t->bc[best];
-    free(c->v[--c->n]);
+    t1_free(t, c->v[--c->n]);
     t->cached1 -= c->size;
     return 1;
 }
 
-/* Keeps buffer b (size bytes, no longer an entry's) for the next copy of that size, when the
- * budget has room for it; else frees it. */
+/* Keeps buffer b (size bytes, no longer an entry's) for the next copy of that size and kind
+ * (page-locked or not), when the budget has room for it; else frees it. */
 static void buf_give(kvd_tiers *t, uint8_t *b, uint64_t size) {
+    int pinned = kvd_pinned_is(t->pinned, b);
     if (t->used[0] + t->reserved1 + t->cached1 + size <= t->cap[0]) {
         bufclass *c = NULL;
         for (int k = 0; k < NBUFCLASS && c == NULL; k++) {
-            if (t->bc[k].size == size) {
+            if (t->bc[k].size == size && t->bc[k].pinned == pinned) {
                 c = &t->bc[k];
             }
         }
         for (int k = 0; k < NBUFCLASS && c == NULL; k++) {
             if (t->bc[k].n == 0) {
-                t->bc[k].size = size; /* an empty class takes the new size */
+                t->bc[k].size = size; /* an empty class takes the new size and kind */
+                t->bc[k].pinned = pinned;
                 c = &t->bc[k];
             }
         }
@@ -912,7 +963,7 @@ static void buf_give(kvd_tiers *t, uint8_t *b, uint64_t size) {
             return;
         }
     }
-    free(b);
+    t1_free(t, b);
 }
 
 static void t2_fail(kvd_tiers *t, tier_pool *tp, const char *what, int err) {
@@ -936,7 +987,7 @@ static void entry_drop(tier_pool *tp, uint32_t i, int tier) {
         if (tp->format == KVD_TF_RAW && len == tp->block_bytes) {
             buf_give(t, b, len); /* the next raw copy of this block size reuses it */
         } else {
-            free(b);
+            t1_free(t, b);
         }
         return;
     }
@@ -1364,7 +1415,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
      * or one that an eviction of this pool's oldest T1 entry just gave back. */
     uint8_t *buf = NULL;
     if (to1 && tp->format == KVD_TF_RAW) {
-        buf = buf_take(t, tp->block_bytes);
+        buf = buf_take(t, tp->block_bytes, tp->pin);
         while (buf == NULL &&
                t->used[0] + t->reserved1 + t->cached1 + tp->block_bytes > t->cap[0]) {
             tier_pool *vtp;
@@ -1373,7 +1424,7 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
                 break;
             }
             drop_victim(vtp, 1, v);
-            buf = buf_take(t, tp->block_bytes);
+            buf = buf_take(t, tp->block_bytes, tp->pin);
             if (buf == NULL) {
                 buf_shed(t); /* a victim of another size: its buffer is room, not a buffer */
             }
@@ -1541,10 +1592,11 @@ static void after_work(uv_work_t *w, int status) {
         } else if (j->kind == J_PREFAULT) {
             t->reserved1 -= (uint64_t)j->nruns * j->block_bytes;
             for (uint32_t k = 0; k < j->nruns; k++) {
-                free(j->runs[k].p);
+                t1_free(t, j->runs[k].p);
             }
         }
-        free(j->out);
+        t->c[TS_PIN_FALLBACKS] += j->pin_fallbacks;
+        t1_free(t, j->out);
         free(j->runs);
         free(j);
         if (tp->jobs == 0) {
@@ -1696,7 +1748,8 @@ static void after_work(uv_work_t *w, int status) {
             }
             break;
     }
-    free(j->out);
+    t->c[TS_PIN_FALLBACKS] += j->pin_fallbacks;
+    t1_free(t, j->out);
     free(j->runs);
     free(j);
     if (tp->gone && tp->jobs == 0) {
@@ -1943,6 +1996,11 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
     t->cap[0] = cfg->tier1_memory;
     t->cap[1] = cfg->tier2_path[0] != '\0' ? cfg->tier2_bytes : 0;
     t->seq = 1;
+    t->pinned = kvd_pinned_new();
+    if (t->pinned == NULL) {
+        free(t);
+        return KV_ENOMEM;
+    }
     if (kvd_tier_format_parse(cfg->tier_format, &t->format) != KV_OK) {
         t->format = KVD_TF_RAW;
     }
@@ -1951,12 +2009,14 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
         if (msg != NULL) {
             snprintf(msg, msglen, "tier2-path %s: %s", cfg->tier2_path, strerror(errno));
         }
+        kvd_pinned_destroy(t->pinned);
         free(t);
         return KV_ESYS;
     }
     if (cfg->remote_redis[0] != '\0') {
         kv_err rrc = remote_open(t, cfg, msg, msglen);
         if (rrc != KV_OK) {
+            kvd_pinned_destroy(t->pinned);
             free(t);
             return rrc;
         }
@@ -1996,6 +2056,7 @@ void kvd_tiers_free(kvd_tiers *t) {
     }
     kvd_remote_free(t->remote);
     kvd_rwatch_free(t->rwatch);
+    kvd_pinned_destroy(t->pinned);
     free(t);
 }
 
@@ -2235,6 +2296,12 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->domain_id = p->domain;
     tp->st.on_tier = on_tier_change;
     tp->st.on_tier_arg = tp;
+    tp->st.free1 = store_free1;
+    tp->st.free1_arg = t;
+    /* A GPU pool's raw T1 blocks live in page-locked memory: the driver's copies into and out
+     * of them are DMA at the link's rate, asynchronous on each copy thread's stream. */
+    tp->pin = tp->dev != NULL && tp->dev->host_alloc != NULL && tp->dev->host_free != NULL &&
+              tp->format == KVD_TF_RAW;
     if (t->cap[1] > 0 && with_t2) {
         char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
         t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));
@@ -3272,6 +3339,7 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_RWATCH_GAPS] = ws.gaps;
         }
     }
+    v[TS_T1_PINNED] = t != NULL ? kvd_pinned_bytes(t->pinned) : 0;
     for (int i = 0; i < TS_COUNT; i++) {
         sink(arg, tier_stats[i].name, v[i]);
     }

@@ -27,10 +27,10 @@
  * Formats (kvd_codec): lossless raw, lz4, zstd (`tier-format`); lossy int8 / fp8 for pools whose
  * layout asked (KVD_POOL_LOSSY_TIERS, `tier-lossy-format`).
  * GPU pools (cuda-vmm, cuda-ipc): T0 is device memory, so the copy threads move its bytes with
- * the backend's driver copies (kvd_backend_ops copy_to_host / copy_to_device / copy_sync; a copy
- * up is synchronized before its completion commits the block) and the remote tier's direct path
- * is off (values land in T1 first). Not built yet (issue 14, unfinished): pinned host memory for
- * such pools' T1 buffers and copy streams (the driver stages pageable copies itself).
+ * the backend's driver copies (kvd_backend_ops copy_to_host / copy_to_device / copy_sync: async
+ * on each copy thread's own stream, which the thread waits for before the job reports back), a
+ * raw pool's T1 buffers are page-locked (host_alloc; daemon/tiers/pinned.h) and the remote
+ * tier's direct path is off (values land in T1 first).
  * Loop thread only.
  */
 #ifndef KVD_TIERS_H

@@ -4,7 +4,9 @@
  * device memory with the bytes as written (read back with cuMemcpyDtoH). Then the daemon
  * restarts and the chain comes back from its T2 file into a new process's device blocks. Formats:
  * raw, zstd, and a pool that asked for lossy tiers (int8: the bytes come back within the bound,
- * and not all bit-equal, which shows the quantized path ran).
+ * and not all bit-equal, which shows the quantized path ran). Raw blocks sit in page-locked T1
+ * memory (kvd's tier1_pinned_bytes); on the test driver also a driver that refuses it (malloc'd
+ * T1, counted in tier1_pinned_fallbacks).
  *
  * Built twice (tests/gpu/BUILD), as gpu_share_test: with KVD_GPU_FAKE on the test driver
  * (daemon/fake_cuda.c: "device" memory a host load faults on, so a tier copy that touched T0
@@ -35,6 +37,11 @@ static kv_cuda cu;
 /* The pool is attached with KVC_ATTACH_LOSSY_TIERS (set before the workers fork): its lower tiers
  * keep blocks as int8 with per-head scales, and the bytes come back close, not equal. */
 static int g_lossy;
+/* What kvd's T1 buffers must be (checked after phase 1 through its stats): PIN_YES page-locked
+ * (raw blocks of a GPU pool), PIN_NO none (compressed or quantized blocks are malloc'd),
+ * PIN_FALLBACK none because the driver refused (FAKE_CUDA_NO_PINNED) and counted. */
+enum { PIN_NO = 0, PIN_YES = 1, PIN_FALLBACK = 2 };
+static int g_pin = PIN_YES;
 
 /* The bytes of chain `chain`, block b, (layer, K|V). Lossy pools: fp16 values, finite and under
  * 2 in magnitude (exponents 10..15), so the int8 round trip's error is under 2 / 254. */
@@ -225,6 +232,22 @@ static int worker(kvd_harness *h, int phase) {
     if (rc == 0) {
         rc = fetch_and_check(p, phase, buf, got);
     }
+    if (rc == 0 && phase == 1) {
+        uint64_t pinned = 0, fallbacks = 0;
+        if (kvc_stat_get(c, 0, "tiers.tier1_pinned_bytes", &pinned) != KV_OK ||
+            kvc_stat_get(c, 0, "tiers.tier1_pinned_fallbacks", &fallbacks) != KV_OK) {
+            rc = 20;
+        } else if ((g_pin == PIN_YES && (pinned < NB * kvb || fallbacks != 0)) ||
+                   (g_pin == PIN_NO && (pinned != 0 || fallbacks != 0)) ||
+                   (g_pin == PIN_FALLBACK && (pinned != 0 || fallbacks == 0))) {
+            fprintf(stderr, "T1 buffers: %llu page-locked bytes, %llu fallbacks (want %s)\n",
+                    (unsigned long long)pinned, (unsigned long long)fallbacks,
+                    g_pin == PIN_YES  ? "page-locked"
+                    : g_pin == PIN_NO ? "none"
+                                      : "fallbacks");
+            rc = 21;
+        }
+    }
     free(buf);
     free(got);
     kvc_pool_detach(p);
@@ -294,7 +317,9 @@ static void test_vmm_raw(void **state) {
 /* Compressed blocks take the image path (gathered into scratch before the codec). */
 static void test_vmm_zstd(void **state) {
     (void)state;
+    g_pin = PIN_NO;
     tiers_round_trip("cuda-vmm", "zstd");
+    g_pin = PIN_YES;
 }
 
 /* A pool that asked for lossy tiers: blocks go down as int8 with per-head scales (quantized from
@@ -302,8 +327,10 @@ static void test_vmm_zstd(void **state) {
 static void test_vmm_int8(void **state) {
     (void)state;
     g_lossy = 1;
+    g_pin = PIN_NO;
     tiers_round_trip("cuda-vmm", "raw");
     g_lossy = 0;
+    g_pin = PIN_YES;
 }
 
 static void test_ipc_raw(void **state) {
@@ -311,12 +338,26 @@ static void test_ipc_raw(void **state) {
     tiers_round_trip("cuda-ipc", "raw");
 }
 
+#ifdef KVD_GPU_FAKE
+/* The driver has no page-locked memory to give (the test driver's FAKE_CUDA_NO_PINNED): T1
+ * buffers are malloc'd, counted as fallbacks, and the blocks still go down and come back. */
+static void test_vmm_raw_unpinned(void **state) {
+    (void)state;
+    setenv("FAKE_CUDA_NO_PINNED", "1", 1);
+    g_pin = PIN_FALLBACK;
+    tiers_round_trip("cuda-vmm", "raw");
+    g_pin = PIN_YES;
+    unsetenv("FAKE_CUDA_NO_PINNED");
+}
+#endif
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_vmm_raw),
-        cmocka_unit_test(test_vmm_zstd),
-        cmocka_unit_test(test_vmm_int8),
-        cmocka_unit_test(test_ipc_raw),
+        cmocka_unit_test(test_vmm_raw),          cmocka_unit_test(test_vmm_zstd),
+        cmocka_unit_test(test_vmm_int8),         cmocka_unit_test(test_ipc_raw),
+#ifdef KVD_GPU_FAKE
+        cmocka_unit_test(test_vmm_raw_unpinned),
+#endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

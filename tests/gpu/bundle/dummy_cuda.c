@@ -153,3 +153,27 @@ int cuMemAllocHost_v2(void) {
 int cuMemFreeHost(void) {
     return NO_DEVICE;
 }
+
+int cuMemHostAlloc(void) {
+    return NO_DEVICE;
+}
+
+int cuStreamCreate(void) {
+    return NO_DEVICE;
+}
+
+int cuStreamDestroy_v2(void) {
+    return NO_DEVICE;
+}
+
+int cuStreamSynchronize(void) {
+    return NO_DEVICE;
+}
+
+int cuMemcpyDtoHAsync_v2(void) {
+    return NO_DEVICE;
+}
+
+int cuMemcpyHtoDAsync_v2(void) {
+    return NO_DEVICE;
+}
