@@ -43,7 +43,8 @@ static void t_free(void *ctx, void *p) {
     pthread_mutex_unlock(&mu);
 }
 
-static const kvd_backend_ops be = {.name = "test-pinned", .host_alloc = t_alloc, .host_free = t_free};
+static const kvd_backend_ops be = {
+    .name = "test-pinned", .host_alloc = t_alloc, .host_free = t_free};
 static const kvd_backend_ops be_none = {.name = "no-host-alloc"};
 
 static void reset(void) {

@@ -302,11 +302,13 @@ static resolve *resolve_start(const char *name) {
 typedef char node_addr_str[256]; /* a numeric address (a literal host fits: it is one) */
 
 /* The numeric addresses to connect nd to, in out[0..*n): a literal as it is, a host name as a
- * lookup thread finds it, waiting at most remote-timeout-ms for it. hiredis's own connect would
+ * lookup thread finds it, waiting at most wait_ms for it (remote-timeout-ms, or less where a
+ * request's deadline is nearer: by_deadline). hiredis's own connect would
  * call getaddrinfo, which waits on the resolver's timeouts (seconds a try, several tries) where a
  * DNS server does not answer: this thread would miss every deadline meanwhile. The name is
  * looked up again at every connect (a failover may move it). 0, or -1 with why (wlen bytes). */
-static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *why, size_t wlen) {
+static int node_addr(node *nd, uint64_t wait_ms, int by_deadline, node_addr_str *out, int *n,
+                     char *why, size_t wlen) {
     unsigned char bin[sizeof(struct in6_addr)];
     *n = 0;
     if (inet_pton(AF_INET, nd->host, bin) == 1 || inet_pton(AF_INET6, nd->host, bin) == 1) {
@@ -321,8 +323,8 @@ static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *
     resolve *q = nd->res;
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += (time_t)(r->timeout_ms / 1000);
-    until.tv_nsec += (long)(r->timeout_ms % 1000) * 1000000L;
+    until.tv_sec += (time_t)(wait_ms / 1000);
+    until.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
     if (until.tv_nsec >= 1000000000L) {
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
@@ -335,8 +337,9 @@ static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *
     int done = q->done, rc = q->rc;
     pthread_mutex_unlock(&q->mu);
     if (!done) {
-        snprintf(why, wlen, "resolving %s: no answer within %llu ms (remote-timeout-ms)", nd->host,
-                 (unsigned long long)r->timeout_ms);
+        snprintf(why, wlen, "resolving %s: no answer within %llu ms (%s)", nd->host,
+                 (unsigned long long)wait_ms,
+                 by_deadline ? "what the request had left" : "remote-timeout-ms");
         return -1; /* the lookup goes on; the next connect looks at it again */
     }
     /* Done: the lookup thread writes nothing more, so its answer is read without the lock. */
@@ -356,28 +359,46 @@ static int node_addr(kvd_remote *r, node *nd, node_addr_str *out, int *n, char *
     return ok ? 0 : -1;
 }
 
-/* A connected context for nd, or NULL (down, or the connect failed now). */
-static redisContext *node_ctx(kvd_remote *r, node *nd) {
+/* A connected context for nd, or NULL (down, or the connect failed now). deadline (ms, 0: none):
+ * a name's lookup and the connect wait at most what is left of it when that is under
+ * remote-timeout-ms (the connection, once made, keeps remote-timeout-ms for its commands). */
+static redisContext *node_ctx_by(kvd_remote *r, node *nd, uint64_t deadline) {
     if (nd->c != NULL) {
         return nd->c;
     }
-    if (nd->down_until != 0 && now_ms() < nd->down_until) {
+    uint64_t now = now_ms();
+    if (nd->down_until != 0 && now < nd->down_until) {
         return NULL;
     }
+    uint64_t wait_ms = r->timeout_ms;
+    int by_deadline = deadline != 0 && (deadline <= now || deadline - now < wait_ms);
+    if (by_deadline) {
+        wait_ms = deadline > now ? deadline - now : 1;
+    }
     node_addr_str addr[NODE_ADDRS];
-    char unresolved[320];
+    char unresolved[512];
     int naddr = 0;
-    if (node_addr(r, nd, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
-        node_fail(r, nd, unresolved);
+    if (node_addr(nd, wait_ms, by_deadline, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
+        if (!(by_deadline && now_ms() >= deadline)) {
+            node_fail(r, nd, unresolved); /* not when it was the request's time that ran out */
+        }
         return NULL;
     }
     struct timeval tv = {(time_t)(r->timeout_ms / 1000),
                          (suseconds_t)(r->timeout_ms % 1000) * 1000};
+    if (by_deadline) {
+        uint64_t left = now_ms();
+        left = deadline > left ? deadline - left : 1;
+        struct timeval ctv = {(time_t)(left / 1000), (suseconds_t)(left % 1000) * 1000};
+        tv = ctv; /* for the connect; the commands' timeout is set back below */
+    }
     redisContext *c = redisConnectWithTimeout(addr[0], nd->port, tv);
     for (int k = 1; k < naddr && c != NULL && c->err; k++) {
         redisFree(c); /* the name's next address (a refused one answers at once) */
         c = redisConnectWithTimeout(addr[k], nd->port, tv);
     }
+    tv.tv_sec = (time_t)(r->timeout_ms / 1000);
+    tv.tv_usec = (suseconds_t)(r->timeout_ms % 1000) * 1000;
     if (c == NULL || c->err) {
         const char *why = c != NULL ? c->errstr : "out of memory";
         char buf[160];
@@ -385,7 +406,9 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
         if (c != NULL) {
             redisFree(c);
         }
-        node_fail(r, nd, buf);
+        if (!(by_deadline && now_ms() >= deadline)) {
+            node_fail(r, nd, buf);
+        }
         return NULL;
     }
     redisSetTimeout(c, tv);
@@ -413,6 +436,10 @@ static redisContext *node_ctx(kvd_remote *r, node *nd) {
     nd->down_until = 0; /* fails is reset by a command that succeeds: a paused Redis accepts
                            connections and answers nothing, and must not reset the backoff */
     return c;
+}
+
+static redisContext *node_ctx(kvd_remote *r, node *nd) {
+    return node_ctx_by(r, nd, 0);
 }
 
 static int node_find_or_add(kvd_remote *r, const char *host, int port) {
@@ -481,9 +508,13 @@ static int refresh(kvd_remote *r, uint64_t deadline) {
         if (deadline != 0 && now >= deadline) {
             return -1;
         }
-        redisContext *c = node_ctx(r, nd);
+        redisContext *c = node_ctx_by(r, nd, deadline);
         if (c == NULL) {
             continue;
+        }
+        now = now_ms();
+        if (deadline != 0 && now >= deadline) {
+            return -1;
         }
         int shortened = deadline != 0 && deadline - now < r->timeout_ms;
         if (shortened) {
@@ -1027,8 +1058,9 @@ static redisContext *pipeline_begin(kvd_remote *r, op *o, const route *rt, int n
         return NULL;
     }
     uint64_t now = now_ms();
-    redisContext *c = now < o->deadline ? node_ctx(r, &r->nodes[ni]) : NULL;
-    if (c == NULL) {
+    redisContext *c = now < o->deadline ? node_ctx_by(r, &r->nodes[ni], o->deadline) : NULL;
+    now = now_ms();
+    if (c == NULL || now >= o->deadline) {
         o->rc = KV_ESYS;
         return NULL;
     }

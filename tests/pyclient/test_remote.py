@@ -2098,6 +2098,46 @@ def test_dns_that_never_answers_costs_one_timeout(tmp_path):
         dns.close()
 
 
+def test_dns_deadline_spans_every_seed(tmp_path):
+    """Two seeds whose names both hang in DNS: a Fetch's lookups share its one deadline (the
+    second seed's lookup waits only what the first left, not remote-timeout-ms again), so each
+    Fetch is answered in about one remote-timeout-ms, where it took two before. The second
+    seed's lookup cut short by the deadline does not mark it down (it was the request's time
+    that ran out)."""
+    timeout_ms = 400
+    d, dns = hung_dns_kvd(str(tmp_path), node_opts(
+        "a.kvd-test.invalid:6379,b.kvd-test.invalid:6379", **{OPT_TIMEOUT: str(timeout_ms)}))
+    try:
+        c = connect(d)
+        p = c.attach(MODEL, LAYOUT)
+        hs = kw.hash_chain(p.hash_seed, list(range(9100, 9100 + 4 * T)), T, b"", p.hash_algo)
+        # The start's first discovery asks every seed with no request waiting (one timeout each):
+        # it has ended when the second seed's lookup is the last error.
+        assert wait_until(lambda: "b.kvd-test.invalid:6379: resolving" in
+                          d.admin_result("tiers")["state"], timeout=10), rem(d)
+        for k in range(3):
+            t = time.monotonic()
+            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
+            c.sock.settimeout(10)
+            try:
+                c.recv(fid)
+            except kw.KvdError:
+                pass
+            except (TimeoutError, socket.timeout):
+                pytest.fail(msg("Fetch %d with DNS hung: no answer in 10 s" % k, rem(d)))
+            took = time.monotonic() - t
+            assert took <= timeout_ms * 1.75 / 1000, msg(
+                "Fetch %d over two hung seeds took %.2f s (remote-timeout-ms %d)" %
+                (k, took, timeout_ms), rem(d))
+        state = d.admin_result("tiers")["state"]
+        assert "no answer within" in state, state
+        assert d.alive()
+    finally:
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+        dns.close()
+
+
 def test_remote_redis_by_host_name(kvd_factory, redis):
     """remote-redis by name (the lookup thread's path, not a literal): "localhost", and the puts
     land. Where /etc/hosts gives ::1 before 127.0.0.1 (Redis listens on 127.0.0.1 only) this also
