@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BIN_DIR=${BENCH_BIN_DIR:-bazel-bin/bench}
 RESULTS=bench/RESULTS.md
-ALL=(core rpc host sched engine python tiers compress cluster)
+ALL=(core rpc host sched engine python tiers disk compress cluster)
 
 run_one() {
     case "$1" in
@@ -18,6 +18,14 @@ run_one() {
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         engine) bash examples/engine/bench.sh "$BIN_DIR/.." ;;
         tiers) /usr/bin/python3 bench/tiers_bench.py "$BIN_DIR/../daemon/kvd" ;;
+        disk)
+            # Twice, separate processes: this machine's raw disk rate changes between them.
+            for k in 1 2; do
+                printf '### Process %d\n\n' "$k"
+                "$BIN_DIR/disk_bench" --rounds "${DISK_ROUNDS:-7}"
+                printf '\n'
+            done
+            ;;
         cluster)
             "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}"
             # The remote rows again with Llama-3-8B-sized blocks (32 layers: 2 MiB).

@@ -53,6 +53,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <liburing.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -605,6 +607,21 @@ cleanup_buf:
     return rc;
 }
 
+/* The 64-byte record header of rec at buf, with psum the checksum of its tail and payload. */
+static void rec_header(uint8_t *buf, const kvd_disk_rec *rec, uint64_t psum) {
+    put_u16(buf, REC_MAGIC);
+    buf[2] = REC_VERSION;
+    buf[3] = (uint8_t)(rec->format | (rec->has_tail ? 0x80u : 0u));
+    put_u32(buf + 4, rec->len);
+    put_u64(buf + 8, rec->hash.lo);
+    put_u64(buf + 16, rec->hash.hi);
+    put_u64(buf + 24, rec->parent.lo);
+    put_u64(buf + 32, rec->parent.hi);
+    put_u64(buf + 40, rec->seq);
+    put_u64(buf + 48, psum);
+    put_u64(buf + REC_SUM_OFF, XXH3_64bits(buf, REC_SUM_OFF));
+}
+
 kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
                       uint8_t *buf, int *sys_errno) {
     if (rec == NULL || buf == NULL ||
@@ -630,17 +647,7 @@ kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const
         memcpy(body, rec->tail, KVD_DISK_TAIL);
     }
     memset(body + blen, 0, d->slot_bytes - KVD_DISK_REC_HDR - blen);
-    put_u16(buf, REC_MAGIC);
-    buf[2] = REC_VERSION;
-    buf[3] = (uint8_t)(rec->format | (rec->has_tail ? 0x80u : 0u));
-    put_u32(buf + 4, rec->len);
-    put_u64(buf + 8, rec->hash.lo);
-    put_u64(buf + 16, rec->hash.hi);
-    put_u64(buf + 24, rec->parent.lo);
-    put_u64(buf + 32, rec->parent.hi);
-    put_u64(buf + 40, rec->seq);
-    put_u64(buf + 48, XXH3_64bits(body, blen));
-    put_u64(buf + REC_SUM_OFF, XXH3_64bits(buf, REC_SUM_OFF));
+    rec_header(buf, rec, XXH3_64bits(body, blen));
     size_t done = 0;
     if (disk_io(d, 1, buf, d->slot_bytes, off, &done) != 0) {
         if (sys_errno != NULL) {
@@ -704,5 +711,325 @@ kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
                (unsigned long long)slot, strerror(errno));
         return KV_ESYS;
     }
+    return KV_OK;
+}
+
+/* ---- streamed write and read (io_uring) ------------------------------------------------------ */
+
+#define RING_DEPTH 32u
+/* Chunks of one streamed transfer at most (16 MiB slots); larger slots go the plain way. */
+#define STREAM_MAX 64u
+
+static __thread struct io_uring tls_ring;
+static __thread int tls_ring_state; /* 0: not tried on this thread, 1: ready, -1: unavailable */
+static pthread_key_t ring_key;
+static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
+
+static void ring_exit(void *unused) {
+    (void)unused;
+    if (tls_ring_state == 1) {
+        io_uring_queue_exit(&tls_ring);
+    }
+    tls_ring_state = 0;
+}
+
+static void ring_key_make(void) {
+    (void)pthread_key_create(&ring_key, ring_exit);
+}
+
+/* This thread's ring (made at its first use; freed when the thread exits), or NULL. */
+static struct io_uring *thread_ring(void) {
+    if (tls_ring_state == 0) {
+        const char *env = getenv("KVD_TIER2_URING");
+        if (env != NULL && strcmp(env, "off") == 0) {
+            tls_ring_state = -1;
+        } else if (io_uring_queue_init(RING_DEPTH, &tls_ring, 0) == 0) {
+            tls_ring_state = 1;
+            (void)pthread_once(&ring_once, ring_key_make);
+            (void)pthread_setspecific(ring_key, &ring_key);
+        } else {
+            tls_ring_state = -1;
+        }
+    }
+    return tls_ring_state == 1 ? &tls_ring : NULL;
+}
+
+int kvd_disk_thread_uring(void) {
+    return thread_ring() != NULL;
+}
+
+/* Transfers of one streamed I/O on the ring: chunk k's result lands in res[k] (index STREAM_MAX:
+ * the header block). */
+typedef struct stream_io {
+    struct io_uring *ring;
+    uint32_t inflight;
+    int32_t res[STREAM_MAX + 1]; /* the transfer's result; INT32_MIN while in flight */
+    uint32_t want[STREAM_MAX + 1];
+} stream_io;
+
+/* Queues a transfer of chunk k (n bytes at buf, file offset off) and submits it. -1 when the
+ * ring has no room (the caller reaps one and tries again) or the submit failed. */
+static int sio_queue(stream_io *io, int wr, int fd, uint32_t k, uint8_t *buf, uint32_t n,
+                     uint64_t off) {
+    struct io_uring_sqe *sqe = io_uring_get_sqe(io->ring);
+    if (sqe == NULL) {
+        return -1;
+    }
+    if (wr) {
+        io_uring_prep_write(sqe, fd, buf, n, off);
+    } else {
+        io_uring_prep_read(sqe, fd, buf, n, off);
+    }
+    io_uring_sqe_set_data64(sqe, k);
+    io->res[k] = INT32_MIN;
+    io->want[k] = n;
+    if (io_uring_submit(io->ring) < 1) {
+        return -1;
+    }
+    io->inflight++;
+    return 0;
+}
+
+/* Waits for one completion. -1 when the ring fails. */
+static int sio_reap(stream_io *io) {
+    struct io_uring_cqe *cqe = NULL;
+    int r;
+    do {
+        r = io_uring_wait_cqe(io->ring, &cqe);
+    } while (r == -EINTR);
+    if (r != 0 || cqe == NULL) {
+        return -1;
+    }
+    uint64_t k = io_uring_cqe_get_data64(cqe);
+    if (k <= STREAM_MAX) {
+        io->res[k] = cqe->res;
+    }
+    io_uring_cqe_seen(io->ring, cqe);
+    io->inflight--;
+    return 0;
+}
+
+/* Waits for every transfer still in flight (their buffers are the caller's again). */
+static void sio_drain(stream_io *io) {
+    while (io->inflight > 0 && sio_reap(io) == 0) {
+    }
+}
+
+/* Chunk k's result, waited for: 0 done in full; 1 short (a read past the end of the file, a
+ * write that could not complete); -1 failed (errno set). */
+static int sio_wait(stream_io *io, uint32_t k) {
+    while (io->res[k] == INT32_MIN) {
+        if (io->inflight == 0 || sio_reap(io) != 0) {
+            errno = EIO;
+            return -1;
+        }
+    }
+    if (io->res[k] < 0) {
+        errno = -io->res[k];
+        return -1;
+    }
+    return (uint32_t)io->res[k] == io->want[k] ? 0 : 1;
+}
+
+/* Chunks of a streamed transfer past the header block, or 0 when the slot is too small or
+ * large for one (the callers go the plain way). */
+static uint32_t stream_chunks(const kvd_disk *d) {
+    uint64_t n = (d->slot_bytes - KVD_DISK_ALIGN + KVD_DISK_CHUNK - 1) / KVD_DISK_CHUNK;
+    return d->slot_bytes > KVD_DISK_ALIGN && n <= STREAM_MAX ? (uint32_t)n : 0;
+}
+
+/* Slot bytes [*s0, *s1) of chunk k. */
+static void chunk_range(const kvd_disk *d, uint32_t k, uint64_t *s0, uint64_t *s1) {
+    *s0 = KVD_DISK_ALIGN + (uint64_t)k * KVD_DISK_CHUNK;
+    *s1 = *s0 + KVD_DISK_CHUNK < d->slot_bytes ? *s0 + KVD_DISK_CHUNK : d->slot_bytes;
+}
+
+kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec,
+                             kvd_disk_fill_fn fill, void *arg, uint8_t *buf, int *sys_errno,
+                             int *fill_failed) {
+    *fill_failed = 0;
+    if (rec == NULL || buf == NULL || fill == NULL ||
+        rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d) ||
+        rec->format >= KVD_TF_COUNT) {
+        return KV_EINVAL;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    uint32_t nch = stream_chunks(d);
+    struct io_uring *ring = off != 0 && nch > 0 ? thread_ring() : NULL;
+    uint64_t poff = kvd_disk_payload_off(rec);
+    XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
+    if (st == NULL) {
+        kv_err rc = fill(arg, buf + poff, 0, rec->len);
+        if (rc != KV_OK) {
+            *fill_failed = 1;
+            return rc;
+        }
+        return kvd_disk_write(d, slot, rec, buf + poff, buf, sys_errno);
+    }
+    XXH3_64bits_reset(st);
+    if (rec->has_tail) {
+        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
+        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
+    uint64_t pend = poff + rec->len; /* where the payload ends in the slot */
+    /* The header block's share of the payload first (the checksum runs in payload order). */
+    uint64_t first = pend < KVD_DISK_ALIGN ? rec->len : KVD_DISK_ALIGN - poff;
+    kv_err rc = fill(arg, buf + poff, 0, first);
+    if (rc != KV_OK) {
+        *fill_failed = 1;
+        XXH3_freeState(st);
+        return rc;
+    }
+    XXH3_64bits_update(st, buf + poff, first);
+    if (pend < KVD_DISK_ALIGN) {
+        memset(buf + pend, 0, KVD_DISK_ALIGN - pend);
+    }
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    int ring_ok = 1; /* every chunk so far is queued */
+    for (uint32_t k = 0; k < nch; k++) {
+        uint64_t s0, s1;
+        chunk_range(d, k, &s0, &s1);
+        if (s0 < pend) {
+            uint64_t e = s1 < pend ? s1 : pend;
+            if ((rc = fill(arg, buf + s0, s0 - poff, e - s0)) != KV_OK) {
+                *fill_failed = 1;
+                break;
+            }
+            XXH3_64bits_update(st, buf + s0, e - s0);
+        }
+        uint64_t z = s0 > pend ? s0 : pend;
+        if (z < s1) {
+            memset(buf + z, 0, s1 - z);
+        }
+        while (ring_ok && sio_queue(&io, 1, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0) != 0) {
+            if (io.inflight == 0 || sio_reap(&io) != 0) {
+                ring_ok = 0; /* the rest is filled all the same: the plain way writes it below */
+            }
+        }
+    }
+    if (*fill_failed) {
+        sio_drain(&io);
+        XXH3_freeState(st);
+        return rc;
+    }
+    /* The header block goes with the last chunks: what vouches for the record is the payload
+     * checksum in it, so a slot cut off midway (here, or in one plain pwrite alike) never reads
+     * back as good. */
+    rec_header(buf, rec, XXH3_64bits_digest(st));
+    XXH3_freeState(st);
+    while (ring_ok && sio_queue(&io, 1, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off) != 0) {
+        if (io.inflight == 0 || sio_reap(&io) != 0) {
+            ring_ok = 0;
+        }
+    }
+    sio_drain(&io);
+    int plain = !ring_ok || sio_wait(&io, STREAM_MAX) != 0;
+    for (uint32_t k = 0; k < nch && !plain; k++) {
+        plain = sio_wait(&io, k) != 0;
+    }
+    if (!plain) {
+        return KV_OK;
+    }
+    /* A transfer the ring refused or cut short (O_DIRECT's alignment where the file system
+     * wants more, a full disk): the whole slot again through pwrite, which knows those cases
+     * and reports the error that stays. */
+    size_t done = 0;
+    if (disk_io(d, 1, buf, d->slot_bytes, off, &done) != 0) {
+        if (sys_errno != NULL) {
+            *sys_errno = errno;
+        }
+        return KV_ESYS;
+    }
+    return KV_OK;
+}
+
+kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                            uint8_t *buf, kvd_disk_sink_fn sink, void *arg) {
+    if (rec == NULL || buf == NULL || sink == NULL) {
+        return KV_EINVAL;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    if (off == 0) {
+        return KV_ECORRUPT; /* past any possible end of file */
+    }
+    uint32_t nch = stream_chunks(d);
+    struct io_uring *ring = nch > 0 ? thread_ring() : NULL;
+    XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
+    if (st == NULL) {
+        kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
+        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
+    }
+    /* Every transfer at once: the header block, then the chunks in order. */
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    int plain = 0;
+    while (sio_queue(&io, 0, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off) != 0) {
+        if (io.inflight == 0 || sio_reap(&io) != 0) {
+            plain = 1;
+            break;
+        }
+    }
+    for (uint32_t k = 0; k < nch && !plain; k++) {
+        uint64_t s0, s1;
+        chunk_range(d, k, &s0, &s1);
+        while (sio_queue(&io, 0, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0) != 0) {
+            if (io.inflight == 0 || sio_reap(&io) != 0) {
+                plain = 1;
+                break;
+            }
+        }
+    }
+    kv_err rc = KV_OK;
+    kvd_disk_rec r;
+    uint64_t psum = 0, pend = 0, poff = 0;
+    if (!plain) {
+        int w = sio_wait(&io, STREAM_MAX);
+        if (w != 0) {
+            plain = 1; /* short or refused: the plain read tells which */
+        } else if (rec_parse(d, buf, &r, &psum) != 0 ||
+                   (expect != NULL && !kv_hash_eq(r.hash, *expect))) {
+            rc = KV_ECORRUPT;
+        } else {
+            poff = kvd_disk_payload_off(&r);
+            pend = poff + r.len;
+            uint64_t e = pend < KVD_DISK_ALIGN ? pend : KVD_DISK_ALIGN;
+            XXH3_64bits_reset(st);
+            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, e - KVD_DISK_REC_HDR);
+            rc = sink(arg, buf + poff, 0, e - poff);
+        }
+    }
+    for (uint32_t k = 0; k < nch && !plain && rc == KV_OK; k++) {
+        uint64_t s0, s1;
+        chunk_range(d, k, &s0, &s1);
+        if (s0 >= pend) {
+            break; /* padding: not looked at */
+        }
+        int w = sio_wait(&io, k);
+        if (w != 0) {
+            plain = 1;
+            break;
+        }
+        uint64_t e = s1 < pend ? s1 : pend;
+        XXH3_64bits_update(st, buf + s0, e - s0);
+        rc = sink(arg, buf + s0, s0 - poff, e - s0);
+    }
+    sio_drain(&io);
+    uint64_t got = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    if (plain) {
+        /* The ring refused or cut short a transfer: the whole slot the plain way (it knows
+         * O_DIRECT's refusals, says corrupt for a slot past the end, and reports what stays an
+         * error). */
+        rc = kvd_disk_read(d, slot, expect, rec, buf);
+        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (got != psum) {
+        return KV_ECORRUPT;
+    }
+    *rec = r;
     return KV_OK;
 }

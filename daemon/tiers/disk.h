@@ -109,6 +109,35 @@ kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const
 kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
                      uint8_t *buf);
 
+/* The streamed forms of write and read (raw blocks, the copy threads' path): the payload moves in
+ * chunks of KVD_DISK_CHUNK bytes through this thread's io_uring (liburing), so the disk works on
+ * one chunk while the caller produces or consumes the next, and the payload checksum is computed
+ * on the way. The record's first 4096 bytes (its header, whose checksum needs the whole payload)
+ * go with the last chunks: as with one pwrite, a slot cut off midway fails its payload checksum
+ * and is never read back as good. Where io_uring is unavailable (an old kernel, io_uring_disabled,
+ * or KVD_TIER2_URING=off in the environment) or refuses a transfer, both fall back to the
+ * whole-slot write and read above, with the same results.
+ *
+ * write_stream: fill(arg, dst, off, n) writes payload bytes [off, off + n) at dst (called in
+ * payload order; its error is returned as it is, with *fill_failed set, and nothing is written
+ * after it). rec->len is the payload length. Otherwise as kvd_disk_write.
+ * read_stream: reads slot and hands the payload to sink(arg, src, off, n) in payload order as it
+ * arrives, then checks the payload checksum: on KV_ECORRUPT the bytes already handed over are
+ * garbage (the caller must not use them). The record header is checked (and *expect) before any
+ * byte is handed over. sink's error stops the read and is returned. Otherwise as kvd_disk_read
+ * (buf: a slot-sized aligned scratch; the payload is there afterwards too). */
+#define KVD_DISK_CHUNK (256u << 10)
+typedef kv_err (*kvd_disk_fill_fn)(void *arg, uint8_t *dst, uint64_t off, uint64_t n);
+typedef kv_err (*kvd_disk_sink_fn)(void *arg, const uint8_t *src, uint64_t off, uint64_t n);
+kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec,
+                             kvd_disk_fill_fn fill, void *arg, uint8_t *buf, int *sys_errno,
+                             int *fill_failed);
+kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                            uint8_t *buf, kvd_disk_sink_fn sink, void *arg);
+
+/* 1 when this thread's streamed I/O goes through io_uring (made on its first use). */
+int kvd_disk_thread_uring(void);
+
 /* Makes slot empty (zeroes its header on disk) so that a restart does not find it: a block that
  * must never be served again (quarantined) or a slot given back. buf as for write. KV_ESYS.
  * Any thread. */

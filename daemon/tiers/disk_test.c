@@ -674,6 +674,259 @@ static void test_direct(void **state) {
     }
 }
 
+/* ---- streamed write and read ------------------------------------------------------------- */
+
+/* A fill or sink over a flat payload: checks the calls come in payload order, back to back, and
+ * can fail at a chosen call. */
+typedef struct flow {
+    uint8_t *bytes; /* the payload (fill reads it, sink writes it) */
+    uint64_t len;
+    uint64_t next; /* the offset the next call must start at */
+    int calls;
+    int fail_at;      /* the call that fails (0: none) */
+    int out_of_order; /* a call that did not start where the last ended */
+} flow;
+
+static kv_err flow_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    flow *f = arg;
+    f->calls++;
+    if (off != f->next || off + n > f->len) {
+        f->out_of_order = 1;
+    }
+    if (f->fail_at != 0 && f->calls == f->fail_at) {
+        return KV_ESYS;
+    }
+    memcpy(dst, f->bytes + off, n);
+    f->next = off + n;
+    return KV_OK;
+}
+
+static kv_err flow_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    flow *f = arg;
+    f->calls++;
+    if (off != f->next || off + n > f->len) {
+        f->out_of_order = 1;
+        return KV_EINVAL;
+    }
+    if (f->fail_at != 0 && f->calls == f->fail_at) {
+        return KV_ENOMEM;
+    }
+    memcpy(f->bytes + off, src, n);
+    f->next = off + n;
+    return KV_OK;
+}
+
+/* 32 layers, 8 heads of 128 fp16: 2 MiB blocks, slots of 2 MiB + 4 KiB (8 chunks). */
+static void key_big(kvd_disk_key *k) {
+    key_make(k, "llama-big", "tenant-a", 32, 8, 128, KV_DTYPE_FP16, 0x5678);
+}
+
+static kvd_disk_rec rec_stream(uint64_t k, uint32_t len, int tail) {
+    kvd_disk_rec r = rec_of(k, len);
+    r.format = KVD_TF_RAW;
+    if (tail) {
+        r.has_tail = 1;
+        for (int i = 0; i < (int)KVD_DISK_TAIL; i++) {
+            r.tail[i] = (uint8_t)(k * 7 + (uint64_t)i);
+        }
+    }
+    return r;
+}
+
+/* Writes record k (len bytes) streamed, reads it back both ways and checks every byte. */
+static void stream_case(kvd_disk *d, uint64_t slot, uint64_t k, uint32_t len, int tail) {
+    uint8_t *buf = slot_buf(d);
+    uint8_t *want = malloc(len + 1), *got = calloc(1, len + 1);
+    assert_non_null(want);
+    assert_non_null(got);
+    fill_payload(want, len, k);
+    kvd_disk_rec r = rec_stream(k, len, tail);
+    flow f = {.bytes = want, .len = len};
+    int e = 0, ff = 0;
+    assert_int_equal(kvd_disk_write_stream(d, slot, &r, flow_fill, &f, buf, &e, &ff), KV_OK);
+    assert_int_equal(ff, 0);
+    assert_false(f.out_of_order);
+    assert_int_equal(f.next, len);
+    /* The plain read sees the same record the plain write would have made. */
+    kvd_disk_rec rr;
+    kv_hash128 h = hash_of(k);
+    memset(buf, 0xee, kvd_disk_slot_bytes(d));
+    assert_int_equal(kvd_disk_read(d, slot, &h, &rr, buf), KV_OK);
+    assert_int_equal(rr.len, len);
+    assert_int_equal(rr.has_tail, (uint32_t)tail);
+    assert_memory_equal(rr.tail, r.tail, tail ? KVD_DISK_TAIL : 0);
+    assert_memory_equal(buf + kvd_disk_payload_off(&rr), want, len);
+    for (uint64_t i = kvd_disk_payload_off(&rr) + len; i < kvd_disk_slot_bytes(d); i++) {
+        assert_int_equal(buf[i], 0);
+    }
+    /* And the streamed read. */
+    flow g = {.bytes = got, .len = len};
+    memset(&rr, 0, sizeof(rr));
+    assert_int_equal(kvd_disk_read_stream(d, slot, &h, &rr, buf, flow_sink, &g), KV_OK);
+    assert_false(g.out_of_order);
+    assert_int_equal(g.next, len);
+    assert_memory_equal(got, want, len);
+    assert_true(kv_hash_eq(rr.hash, h));
+    assert_int_equal(rr.len, len);
+    free(want);
+    free(got);
+    free(buf);
+}
+
+static void stream_lengths(kvd_disk *d) {
+    uint32_t max = (uint32_t)kvd_disk_payload_max(d) - KVD_DISK_TAIL;
+    uint32_t lens[] = {0, 1, 100, 4032, 4033, 5000, KVD_DISK_CHUNK + 4000, max / 2 + 3, max};
+    uint64_t slot = 0;
+    for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
+        if (lens[i] > max) {
+            continue;
+        }
+        for (int tail = 0; tail < 2; tail++) {
+            stream_case(d, slot, 40 + slot, lens[i], tail);
+            slot++;
+        }
+    }
+}
+
+static void test_stream_round_trip(void **state) {
+    fixture *fx = *state;
+    assert_true(kvd_disk_thread_uring()); /* io_uring works here: the streamed path runs */
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    stream_lengths(d); /* 16 KiB slots: one chunk past the header block */
+    kvd_disk_close(d);
+    key_big(&k);
+    snprintf(fx->dir + strlen(fx->dir), sizeof(fx->dir) - strlen(fx->dir), "-big");
+    d = open_ok(fx, &k, 1);
+    stream_lengths(d); /* 2 MiB slots: eight chunks */
+    /* A plain write, read streamed. */
+    uint32_t len = (uint32_t)kvd_disk_payload_max(d);
+    write_rec(d, 30, 90, len);
+    uint8_t *buf = slot_buf(d), *got = malloc(len), *want = malloc(len);
+    assert_non_null(got);
+    assert_non_null(want);
+    fill_payload(want, len, 90);
+    flow g = {.bytes = got, .len = len};
+    kvd_disk_rec rr;
+    kv_hash128 h = hash_of(90);
+    assert_int_equal(kvd_disk_read_stream(d, 30, &h, &rr, buf, flow_sink, &g), KV_OK);
+    assert_true(g.calls > 1);
+    assert_memory_equal(got, want, len);
+    check_rec(&rr, 90, len);
+    /* Another hash expected, or a slot past the end: corrupt, nothing handed over. */
+    kv_hash128 other = hash_of(91);
+    g = (flow){.bytes = got, .len = len};
+    assert_int_equal(kvd_disk_read_stream(d, 30, &other, &rr, buf, flow_sink, &g), KV_ECORRUPT);
+    assert_int_equal(g.calls, 0);
+    assert_int_equal(kvd_disk_read_stream(d, 500, NULL, &rr, buf, flow_sink, &g), KV_ECORRUPT);
+    assert_int_equal(g.calls, 0);
+    /* The caller's sink error stops the read. */
+    g = (flow){.bytes = got, .len = len, .fail_at = 3};
+    assert_int_equal(kvd_disk_read_stream(d, 30, &h, &rr, buf, flow_sink, &g), KV_ENOMEM);
+    free(buf);
+    free(got);
+    free(want);
+    kvd_disk_close(d);
+}
+
+/* A flipped payload byte in any chunk, or in the header: never served. */
+static void test_stream_corruption(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_big(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    uint64_t sb = kvd_disk_slot_bytes(d);
+    uint32_t len = (uint32_t)kvd_disk_payload_max(d);
+    uint8_t *buf = slot_buf(d), *want = malloc(len), *got = malloc(len);
+    assert_non_null(want);
+    assert_non_null(got);
+    off_t flips[] = {100, 4096 + 5, 4096 + 3 * KVD_DISK_CHUNK + 77, (off_t)sb - 10, 20};
+    for (int i = 0; i < 5; i++) {
+        fill_payload(want, len, 60 + (uint64_t)i);
+        kvd_disk_rec r = rec_stream(60 + (uint64_t)i, len, 0);
+        flow f = {.bytes = want, .len = len};
+        int e = 0, ff = 0;
+        assert_int_equal(kvd_disk_write_stream(d, (uint64_t)i, &r, flow_fill, &f, buf, &e, &ff),
+                         KV_OK);
+    }
+    kvd_disk_close(d);
+    for (int i = 0; i < 5; i++) {
+        flip_byte(fx->path, (off_t)KVD_DISK_ALIGN + (off_t)i * (off_t)sb + flips[i]);
+    }
+    d = open_ok(fx, &k, 1);
+    for (int i = 0; i < 5; i++) {
+        kvd_disk_rec rr;
+        kv_hash128 h = hash_of(60 + (uint64_t)i);
+        flow g = {.bytes = got, .len = len};
+        kv_err rc = kvd_disk_read_stream(d, (uint64_t)i, &h, &rr, buf, flow_sink, &g);
+        assert_int_equal(rc, KV_ECORRUPT); /* the last chunk's last bytes too (a full slot) */
+        assert_int_equal(read_slot(d, (uint64_t)i, &h), KV_ECORRUPT);
+        if (flips[i] == 20) {
+            assert_int_equal(g.calls, 0); /* a bad header: nothing handed over */
+        }
+    }
+    free(buf);
+    free(want);
+    free(got);
+    kvd_disk_close(d);
+}
+
+/* fill fails midway over a slot that held a good record: the error comes back as it is, and the
+ * slot's old header never vouches for the half-overwritten payload. */
+static void test_stream_fill_error(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_big(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    uint32_t len = (uint32_t)kvd_disk_payload_max(d);
+    write_rec(d, 0, 70, len);
+    read_check(d, 0, 70, len);
+    uint8_t *buf = slot_buf(d), *want = malloc(len);
+    assert_non_null(want);
+    fill_payload(want, len, 71);
+    kvd_disk_rec r = rec_stream(71, len, 0);
+    flow f = {.bytes = want, .len = len, .fail_at = 5};
+    int e = 0, ff = 0;
+    assert_int_equal(kvd_disk_write_stream(d, 0, &r, flow_fill, &f, buf, &e, &ff), KV_ESYS);
+    assert_int_equal(ff, 1);
+    kv_hash128 h70 = hash_of(70), h71 = hash_of(71);
+    assert_int_equal(read_slot(d, 0, &h70), KV_ECORRUPT); /* chunks written over it */
+    assert_int_equal(read_slot(d, 0, &h71), KV_ECORRUPT); /* never vouched for */
+    free(buf);
+    free(want);
+    kvd_disk_close(d);
+}
+
+/* KVD_TIER2_URING=off (read at a thread's first streamed I/O): the plain path, same bytes. */
+typedef struct plain_arg {
+    kvd_disk *d;
+    int uring;
+} plain_arg;
+
+static void *plain_thread(void *arg) {
+    plain_arg *a = arg;
+    a->uring = kvd_disk_thread_uring();
+    stream_case(a->d, 3, 80, (uint32_t)kvd_disk_payload_max(a->d) - 5, 0);
+    stream_case(a->d, 4, 81, 5000, 1);
+    return NULL;
+}
+
+static void test_stream_without_uring(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_big(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    setenv("KVD_TIER2_URING", "off", 1);
+    plain_arg a = {d, -1};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, plain_thread, &a), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    unsetenv("KVD_TIER2_URING");
+    assert_int_equal(a.uring, 0);
+    kvd_disk_close(d);
+}
+
 #define NTHREADS 4
 #define PER_THREAD 16
 
@@ -765,6 +1018,10 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_damaged_header_renamed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_direct, setup, teardown),
         cmocka_unit_test_setup_teardown(test_threads, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_round_trip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_corruption, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_fill_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_without_uring, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -389,6 +389,7 @@ typedef struct job {
     int from_t0;       /* DOWN2: source is the T0 block, not T1 bytes */
     int cold;          /* DOWN1/DOWN2 from T0: a write-back copy (unlease cold) */
     int src_tier;      /* UP: 1 or 2 */
+    int stream2;       /* UP from T2: a raw record of the whole block (streamed into T0) */
     run *runs;         /* T0 block image runs */
     uint32_t nruns;
     uint64_t block_bytes;
@@ -567,6 +568,69 @@ static kv_err t0_scatter(const tier_pool *tp, const run *r, uint32_t n, const ui
     return tp->dev->copy_sync(tp->dev_ctx);
 }
 
+/* A range of a block image, [off, off + n), moved out of (fill) or into (sink) the T0 block's
+ * runs: the streamed T2 transfers hand the image over in chunks (kvd_disk_write_stream /
+ * read_stream). A GPU pool's pieces are driver copies on this thread's stream: the fill waits
+ * for them (the disk reads dst next); the sink leaves them in flight (its source is pageable
+ * scratch the driver stages at the call) and the job synchronizes once at the end. */
+typedef struct t0_range {
+    const tier_pool *tp;
+    const run *r;
+    uint32_t n;
+} t0_range;
+
+static kv_err t0_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    const t0_range *x = arg;
+    uint64_t base = 0;
+    for (uint32_t i = 0; i < x->n && n > 0; i++) {
+        const run *ri = &x->r[i];
+        if (off < base + ri->n) {
+            uint64_t at = off - base, k = ri->n - at < n ? ri->n - at : n;
+            if (x->tp->dev == NULL) {
+                memcpy(dst, ri->p + at, k);
+            } else {
+                kv_err rc = x->tp->dev->copy_to_host(x->tp->dev_ctx, dst, ri->p + at, k);
+                if (rc != KV_OK) {
+                    (void)x->tp->dev->copy_sync(x->tp->dev_ctx);
+                    return rc;
+                }
+            }
+            dst += k;
+            off += k;
+            n -= k;
+        }
+        base += ri->n;
+    }
+    if (n > 0) {
+        return KV_EINTERNAL; /* past the block: the caller's length is wrong */
+    }
+    return x->tp->dev != NULL ? x->tp->dev->copy_sync(x->tp->dev_ctx) : KV_OK;
+}
+
+static kv_err t0_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    const t0_range *x = arg;
+    uint64_t base = 0;
+    for (uint32_t i = 0; i < x->n && n > 0; i++) {
+        const run *ri = &x->r[i];
+        if (off < base + ri->n) {
+            uint64_t at = off - base, k = ri->n - at < n ? ri->n - at : n;
+            if (x->tp->dev == NULL) {
+                memcpy(ri->p + at, src, k);
+            } else {
+                kv_err rc = x->tp->dev->copy_to_device(x->tp->dev_ctx, ri->p + at, src, k);
+                if (rc != KV_OK) {
+                    return rc; /* the job synchronizes before it reports back */
+                }
+            }
+            src += k;
+            off += k;
+            n -= k;
+        }
+        base += ri->n;
+    }
+    return n > 0 ? KV_ECORRUPT : KV_OK; /* a record longer than the block is not this block */
+}
+
 /* ---- the work functions (copy threads: only the job's own data) --------------------------- */
 
 #define COPY_NICE 10 /* copy threads' nice value (the loop thread keeps the daemon's) */
@@ -721,6 +785,17 @@ static void work(uv_work_t *w) {
                 j->rec.has_tail = 0;
             }
             uint8_t *payload = buf + kvd_disk_payload_off(&j->rec);
+            if (j->from_t0 && j->format == KVD_TF_RAW) {
+                /* Raw: gathered chunk by chunk while the disk writes the chunks before. */
+                t0_range x = {j->tp, j->runs, j->nruns};
+                int fill_failed = 0;
+                j->rec.len = (uint32_t)j->block_bytes;
+                j->rec.format = KVD_TF_RAW;
+                j->rc = kvd_disk_write_stream(j->disk, j->slot, &j->rec, t0_fill, &x, buf,
+                                              &j->sys_errno, &fill_failed);
+                j->t0_failed = fill_failed;
+                break;
+            }
             if (j->from_t0) {
                 size_t cap = kvd_codec_bound(j->format, j->block_bytes);
                 uint8_t *img = j->format == KVD_TF_RAW ? payload : scratch_img(j->block_bytes);
@@ -771,6 +846,28 @@ static void work(uv_work_t *w) {
             uint64_t len = j->len1;
             uint8_t fmt = j->fmt1;
             uint8_t *buf = NULL;
+            if (j->src_tier == 2 && j->stream2) {
+                /* A raw record: scattered chunk by chunk while the disk reads the chunks after;
+                 * the payload checksum is checked at the end (a bad one fails the job, and the
+                 * block, WRITING, is never committed). */
+                buf = scratch_slot(kvd_disk_slot_bytes(j->disk));
+                if (buf == NULL) {
+                    j->rc = KV_ENOMEM;
+                    break;
+                }
+                kv_hash128 want = j->rec.hash;
+                t0_range x = {j->tp, j->runs, j->nruns};
+                j->rc = kvd_disk_read_stream(j->disk, j->slot, &want, &j->rec, buf, t0_sink, &x);
+                if (j->rc == KV_OK &&
+                    (j->rec.format != KVD_TF_RAW || j->rec.len != j->block_bytes)) {
+                    j->rc = KV_ECORRUPT; /* not the record the store knew */
+                }
+                if (j->tp->dev != NULL) {
+                    kv_err s = j->tp->dev->copy_sync(j->tp->dev_ctx); /* nothing lands later */
+                    j->rc = j->rc == KV_OK ? s : j->rc;
+                }
+                break;
+            }
             if (j->src_tier == 2) {
                 buf = scratch_slot(kvd_disk_slot_bytes(j->disk));
                 if (buf == NULL) {
@@ -3201,6 +3298,7 @@ static kv_err fetch_start(kvd_tiers *t, kvd_reg_pool *p, uint64_t session, uint3
             j->src_tier = 2;
             j->slot = e->slot2;
             j->rec.hash = e->hash;
+            j->stream2 = e->fmt2 == KVD_TF_RAW && e->len2 == tp->block_bytes;
         }
         q->tier = (uint8_t)j->src_tier;
         if (job_start(j) != KV_OK) {

@@ -1,0 +1,215 @@
+/* disk_bench: a T2 record's write and read (daemon/tiers/disk.h), plain against streamed, and a
+ * raw O_DIRECT pwrite / pread of the same slot-sized buffers to a file in the same directory, in
+ * one process, interleaved: the disk module's own cost, without a daemon, a client or the copy
+ * threads' scheduling around it.
+ *
+ * 48 raw blocks of 2 MiB (Llama-3-8B-sized: 32 layers x 8 KV heads x 128 dims x 16 tokens, fp16)
+ * go from a "T0" image in memory to 48 slots and back. Per round, each way in turn (the order
+ * rotates): raw (the baseline: pwrite/pread of a prepared slot image, no copy, no checksum);
+ * plain (kvd_disk_write / kvd_disk_read: copy the block into the slot image, checksum, one
+ * pwrite; one pread, checksum, copy out); streamed (kvd_disk_write_stream / read_stream: the same
+ * work in 256 KiB chunks through io_uring, the copy and checksum of a chunk overlapping the disk's
+ * work on the ones before). GB/s of each, and each way's ratio to raw taken per round; median
+ * [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds N].
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench/benchutil.h"
+#include "daemon/tiers/codec.h"
+#include "daemon/tiers/disk.h"
+
+#define NBLK 48
+
+static kv_err fill_copy(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    memcpy(dst, (const uint8_t *)arg + off, n);
+    return KV_OK;
+}
+
+static kv_err sink_copy(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    memcpy((uint8_t *)arg + off, src, n);
+    return KV_OK;
+}
+
+enum { RAW = 0, PLAIN = 1, STREAM = 2, NWAYS = 3 };
+static const char *const way_name[NWAYS] = {"raw pwrite / pread (baseline)",
+                                            "plain (kvd_disk_write / read)",
+                                            "streamed (io_uring, 256 KiB chunks)"};
+
+int main(int argc, char **argv) {
+    const char *dir = "/tmp";
+    int rounds = 7;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--dir") == 0 && i + 1 < argc) {
+            dir = argv[++i];
+        } else if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
+            rounds = atoi(argv[++i]);
+        } else {
+            bench_die("usage: disk_bench [--dir DIR] [--rounds N]");
+        }
+    }
+    if (rounds < 1 || rounds > 64) {
+        bench_die("--rounds: 1 to 64");
+    }
+    char tmp[256];
+    snprintf(tmp, sizeof(tmp), "%s/kvd_disk_bench.XXXXXX", dir);
+    if (mkdtemp(tmp) == NULL) {
+        bench_die("mkdtemp %s: %s", tmp, strerror(errno));
+    }
+    kvd_disk_key key;
+    memset(&key, 0, sizeof(key));
+    snprintf(key.model, sizeof(key.model), "disk-bench");
+    snprintf(key.domain, sizeof(key.domain), "bench");
+    if (kv_layout_init(32, 8, 128, 16, KV_DTYPE_FP16, KV_BLOCK_MAJOR, &key.layout) != KV_OK) {
+        bench_die("layout");
+    }
+    uint64_t bb = key.layout.block_bytes;
+    char sub[300], msg[256] = "";
+    snprintf(sub, sizeof(sub), "%s/dom", tmp);
+    kvd_disk *d = NULL;
+    if (kvd_disk_open(sub, "bench.t2", &key, 1, &d, msg, sizeof(msg)) != KV_OK) {
+        bench_die("kvd_disk_open: %s", msg);
+    }
+    uint64_t sb = kvd_disk_slot_bytes(d);
+    char rawpath[320];
+    snprintf(rawpath, sizeof(rawpath), "%s/raw.bin", tmp);
+    int rfd = open(rawpath, O_RDWR | O_CREAT | O_DIRECT, 0600);
+    int direct = rfd >= 0;
+    if (rfd < 0) {
+        rfd = open(rawpath, O_RDWR | O_CREAT, 0600);
+    }
+    if (rfd < 0) {
+        bench_die("%s: %s", rawpath, strerror(errno));
+    }
+    uint8_t *t0 = malloc(NBLK * bb), *back = malloc(bb);
+    uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
+    uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
+    if (t0 == NULL || back == NULL || buf == NULL || img == NULL) {
+        bench_die("out of memory");
+    }
+    uint64_t x = 88172645463325252ull;
+    for (uint64_t i = 0; i < NBLK * bb / 8; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(t0 + i * 8, &x, 8);
+    }
+    /* Each raw slot holds its own block's bytes, as kvd's do: a storage layer that deduplicates
+     * or compresses must not see the same bytes written 48 times where kvd writes 48 blocks. */
+    for (uint64_t b = 0; b < NBLK; b++) {
+        memcpy(img + b * sb, t0 + b * bb, bb);
+        memset(img + b * sb + bb, 0, sb - bb);
+    }
+    double wr[NWAYS][64], rd[NWAYS][64], wratio[NWAYS][64], rratio[NWAYS][64];
+    int uring = kvd_disk_thread_uring();
+    for (int r = -1; r < rounds; r++) { /* round -1: the files grow, not counted */
+        double w[NWAYS], rr[NWAYS];
+        for (int o = 0; o < NWAYS; o++) {
+            int way = (o + (r < 0 ? 0 : r)) % NWAYS;
+            double t = bench_now_s();
+            for (uint64_t b = 0; b < NBLK; b++) {
+                kvd_disk_rec rec;
+                memset(&rec, 0, sizeof(rec));
+                rec.hash = (kv_hash128){b + 1, 7};
+                rec.seq = b;
+                rec.format = KVD_TF_RAW;
+                rec.len = (uint32_t)bb;
+                int e = 0, ff = 0;
+                kv_err rc = KV_OK;
+                if (way == RAW) {
+                    if (pwrite(rfd, img + b * sb, sb, (off_t)(KVD_DISK_ALIGN + b * sb)) !=
+                        (ssize_t)sb) {
+                        bench_die("pwrite: %s", strerror(errno));
+                    }
+                } else if (way == PLAIN) {
+                    memcpy(buf + kvd_disk_payload_off(&rec), t0 + b * bb, bb);
+                    rc = kvd_disk_write(d, b, &rec, buf + kvd_disk_payload_off(&rec), buf, &e);
+                } else {
+                    rc = kvd_disk_write_stream(d, b, &rec, fill_copy, t0 + b * bb, buf, &e, &ff);
+                }
+                if (rc != KV_OK) {
+                    bench_die("write: %s (%s)", kv_strerror(rc), strerror(e));
+                }
+            }
+            w[way] = (double)(NBLK * bb) / (bench_now_s() - t) / 1e9;
+        }
+        for (int o = 0; o < NWAYS; o++) {
+            int way = (o + (r < 0 ? 0 : r)) % NWAYS;
+            double t = bench_now_s();
+            for (uint64_t b = 0; b < NBLK; b++) {
+                kvd_disk_rec rec;
+                kv_hash128 h = {b + 1, 7};
+                kv_err rc = KV_OK;
+                if (way == RAW) {
+                    if (pread(rfd, img + b * sb, sb, (off_t)(KVD_DISK_ALIGN + b * sb)) !=
+                        (ssize_t)sb) {
+                        bench_die("pread: %s", strerror(errno));
+                    }
+                } else if (way == PLAIN) {
+                    rc = kvd_disk_read(d, b, &h, &rec, buf);
+                    if (rc == KV_OK) {
+                        memcpy(back, buf + kvd_disk_payload_off(&rec), bb);
+                    }
+                } else {
+                    rc = kvd_disk_read_stream(d, b, &h, &rec, buf, sink_copy, back);
+                }
+                if (rc != KV_OK) {
+                    bench_die("read: %s", kv_strerror(rc));
+                }
+                if (way != RAW && memcmp(back, t0 + b * bb, bb) != 0) {
+                    bench_die("block %llu read back wrong", (unsigned long long)b);
+                }
+            }
+            rr[way] = (double)(NBLK * bb) / (bench_now_s() - t) / 1e9;
+        }
+        if (r < 0) {
+            continue;
+        }
+        for (int way = 0; way < NWAYS; way++) {
+            wr[way][r] = w[way];
+            rd[way][r] = rr[way];
+            wratio[way][r] = w[way] / w[RAW];
+            rratio[way][r] = rr[way] / rr[RAW];
+        }
+    }
+    printf("%d blocks of %llu KiB (32 x 8 x 128 x 16 fp16), slots of %llu KiB, in a directory of "
+           "this machine's %s; O_DIRECT %s (kvd's file: %s); this thread's io_uring: %s. %d "
+           "rounds, the ways' order rotating; median [min-max]; the ratio is taken per round.\n\n",
+           NBLK, (unsigned long long)(bb >> 10), (unsigned long long)(sb >> 10), dir,
+           direct ? "on" : "off", kvd_disk_direct(d) ? "on" : "off", uring ? "yes" : "no", rounds);
+    printf("| way | write GB/s | x raw | read GB/s | x raw |\n|---|---:|---:|---:|---:|\n");
+    for (int way = 0; way < NWAYS; way++) {
+        double v[4][64];
+        memcpy(v[0], wr[way], sizeof(v[0]));
+        memcpy(v[1], wratio[way], sizeof(v[1]));
+        memcpy(v[2], rd[way], sizeof(v[2]));
+        memcpy(v[3], rratio[way], sizeof(v[3]));
+        printf("| %s |", way_name[way]);
+        for (int k = 0; k < 4; k++) {
+            double lo = v[k][0], hi = v[k][0];
+            for (int i = 1; i < rounds; i++) {
+                lo = v[k][i] < lo ? v[k][i] : lo;
+                hi = v[k][i] > hi ? v[k][i] : hi;
+            }
+            printf(" %.2f [%.2f-%.2f] |", bench_median(v[k], (size_t)rounds), lo, hi);
+        }
+        printf("\n");
+    }
+    kvd_disk_close(d);
+    close(rfd);
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "disk_bench: could not remove %s\n", tmp);
+    }
+    free(t0);
+    free(back);
+    free(buf);
+    free(img);
+    return 0;
+}
