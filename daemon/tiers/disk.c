@@ -960,6 +960,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
         kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
         return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
     }
+    XXH3_64bits_reset(st); /* a state is undefined until reset, digested or not */
     /* Every transfer at once: the header block, then the chunks in order. */
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);
@@ -994,7 +995,6 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
             poff = kvd_disk_payload_off(&r);
             pend = poff + r.len;
             uint64_t e = pend < KVD_DISK_ALIGN ? pend : KVD_DISK_ALIGN;
-            XXH3_64bits_reset(st);
             XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, e - KVD_DISK_REC_HDR);
             rc = sink(arg, buf + poff, 0, e - poff);
         }
@@ -1015,7 +1015,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
         rc = sink(arg, buf + s0, s0 - poff, e - s0);
     }
     sio_drain(&io);
-    uint64_t got = XXH3_64bits_digest(st);
+    uint64_t got = !plain && rc == KV_OK ? XXH3_64bits_digest(st) : 0;
     XXH3_freeState(st);
     if (plain) {
         /* The ring refused or cut short a transfer: the whole slot the plain way (it knows
