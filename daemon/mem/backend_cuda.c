@@ -370,13 +370,16 @@ static kv_err thread_stream(kvd_backend_cuda_ctx *c, kv_cu_stream *out) {
     return rc;
 }
 
+/* The context made current on this thread, and its copy stream. */
+static kv_err copy_begin(kvd_backend_cuda_ctx *c, kv_cu_stream *s) {
+    kv_err rc = make_current(c);
+    return rc == KV_OK ? thread_stream(c, s) : rc;
+}
+
 static kv_err cuda_copy_to_host(void *ctx, void *dst, const void *src_dev, uint64_t n) {
     kvd_backend_cuda_ctx *c = ctx;
     kv_cu_stream s = NULL;
-    kv_err rc = make_current(c);
-    if (rc == KV_OK) {
-        rc = thread_stream(c, &s);
-    }
+    kv_err rc = copy_begin(c, &s);
     if (rc != KV_OK) {
         return rc;
     }
@@ -388,10 +391,7 @@ static kv_err cuda_copy_to_host(void *ctx, void *dst, const void *src_dev, uint6
 static kv_err cuda_copy_to_device(void *ctx, void *dst_dev, const void *src, uint64_t n) {
     kvd_backend_cuda_ctx *c = ctx;
     kv_cu_stream s = NULL;
-    kv_err rc = make_current(c);
-    if (rc == KV_OK) {
-        rc = thread_stream(c, &s);
-    }
+    kv_err rc = copy_begin(c, &s);
     if (rc != KV_OK) {
         return rc;
     }
@@ -403,10 +403,7 @@ static kv_err cuda_copy_to_device(void *ctx, void *dst_dev, const void *src, uin
 static kv_err cuda_copy_sync(void *ctx) {
     kvd_backend_cuda_ctx *c = ctx;
     kv_cu_stream s = NULL;
-    kv_err rc = make_current(c);
-    if (rc == KV_OK) {
-        rc = thread_stream(c, &s);
-    }
+    kv_err rc = copy_begin(c, &s);
     if (rc != KV_OK) {
         return rc;
     }

@@ -579,56 +579,49 @@ typedef struct t0_range {
     uint32_t n;
 } t0_range;
 
-static kv_err t0_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
-    const t0_range *x = arg;
+/* Moves [off, off + n) of the block image between host memory at h and the runs: into the
+ * block (to_t0) or out of it. A GPU pool's pieces are queued on this thread's stream. */
+static kv_err t0_range_move(const t0_range *x, uint8_t *h, uint64_t off, uint64_t n, int to_t0) {
+    const kvd_backend_ops *dev = x->tp->dev;
     uint64_t base = 0;
     for (uint32_t i = 0; i < x->n && n > 0; i++) {
         const run *ri = &x->r[i];
         if (off < base + ri->n) {
             uint64_t at = off - base, k = ri->n - at < n ? ri->n - at : n;
-            if (x->tp->dev == NULL) {
-                memcpy(dst, ri->p + at, k);
+            kv_err rc = KV_OK;
+            if (dev == NULL) {
+                memcpy(to_t0 ? ri->p + at : h, to_t0 ? h : ri->p + at, k);
+            } else if (to_t0) {
+                rc = dev->copy_to_device(x->tp->dev_ctx, ri->p + at, h, k);
             } else {
-                kv_err rc = x->tp->dev->copy_to_host(x->tp->dev_ctx, dst, ri->p + at, k);
-                if (rc != KV_OK) {
-                    (void)x->tp->dev->copy_sync(x->tp->dev_ctx);
-                    return rc;
-                }
+                rc = dev->copy_to_host(x->tp->dev_ctx, h, ri->p + at, k);
             }
-            dst += k;
+            if (rc != KV_OK) {
+                return rc;
+            }
+            h += k;
             off += k;
             n -= k;
         }
         base += ri->n;
     }
-    if (n > 0) {
-        return KV_EINTERNAL; /* past the block: the caller's length is wrong */
-    }
-    return x->tp->dev != NULL ? x->tp->dev->copy_sync(x->tp->dev_ctx) : KV_OK;
+    return n > 0 ? KV_ECORRUPT : KV_OK; /* past the block's end */
 }
 
-static kv_err t0_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+static kv_err t0_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
     const t0_range *x = arg;
-    uint64_t base = 0;
-    for (uint32_t i = 0; i < x->n && n > 0; i++) {
-        const run *ri = &x->r[i];
-        if (off < base + ri->n) {
-            uint64_t at = off - base, k = ri->n - at < n ? ri->n - at : n;
-            if (x->tp->dev == NULL) {
-                memcpy(ri->p + at, src, k);
-            } else {
-                kv_err rc = x->tp->dev->copy_to_device(x->tp->dev_ctx, ri->p + at, src, k);
-                if (rc != KV_OK) {
-                    return rc; /* the job synchronizes before it reports back */
-                }
-            }
-            src += k;
-            off += k;
-            n -= k;
-        }
-        base += ri->n;
+    kv_err rc = t0_range_move(x, dst, off, n, 0);
+    if (x->tp->dev != NULL) {
+        kv_err s = x->tp->dev->copy_sync(x->tp->dev_ctx); /* the disk reads dst next */
+        rc = rc == KV_OK ? s : rc;
     }
-    return n > 0 ? KV_ECORRUPT : KV_OK; /* a record longer than the block is not this block */
+    return rc == KV_ECORRUPT ? KV_EINTERNAL : rc; /* past the block: the caller's length */
+}
+
+/* A record longer than the block is not this block (KV_ECORRUPT); the job synchronizes a GPU
+ * pool's copies before it reports back. */
+static kv_err t0_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    return t0_range_move(arg, (uint8_t *)(uintptr_t)src, off, n, 1);
 }
 
 /* ---- the work functions (copy threads: only the job's own data) --------------------------- */

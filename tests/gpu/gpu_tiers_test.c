@@ -6,7 +6,8 @@
  * raw, zstd, and a pool that asked for lossy tiers (int8: the bytes come back within the bound,
  * and not all bit-equal, which shows the quantized path ran). Raw blocks sit in page-locked T1
  * memory (kvd's tier1_pinned_bytes); on the test driver also a driver that refuses it (malloc'd
- * T1, counted in tier1_pinned_fallbacks).
+ * T1, counted in tier1_pinned_fallbacks). With tier 1 off, device memory to T2 and back directly
+ * (T2's streamed transfers, chunk by chunk through the driver).
  *
  * Built twice (tests/gpu/BUILD), as gpu_share_test: with KVD_GPU_FAKE on the test driver
  * (daemon/fake_cuda.c: "device" memory a host load faults on, so a tier copy that touched T0
@@ -42,6 +43,9 @@ static int g_lossy;
  * PIN_FALLBACK none because the driver refused (FAKE_CUDA_NO_PINNED) and counted. */
 enum { PIN_NO = 0, PIN_YES = 1, PIN_FALLBACK = 2 };
 static int g_pin = PIN_YES;
+/* Tier 1 off: blocks go from device memory straight to T2 (the streamed write, chunk by chunk
+ * out of T0) and come back from there in phase 1 too. */
+static int g_t1_off;
 
 /* The bytes of chain `chain`, block b, (layer, K|V). Lossy pools: fp16 values, finite and under
  * 2 in magnitude (exponents 10..15), so the int8 round trip's error is under 2 / 254. */
@@ -230,7 +234,7 @@ static int worker(kvd_harness *h, int phase) {
         kvd_harness_sleep_ms(100);
     }
     if (rc == 0) {
-        rc = fetch_and_check(p, phase, buf, got);
+        rc = fetch_and_check(p, g_t1_off ? 2 : phase, buf, got);
     }
     if (rc == 0 && phase == 1) {
         uint64_t pinned = 0, fallbacks = 0;
@@ -287,10 +291,15 @@ static void tiers_round_trip(const char *backend, const char *format) {
     snprintf(ff, sizeof(ff), "--tier-format=%s", format);
     snprintf(ft2, sizeof(ft2), "--tier2-path=%s", t2dir);
     /* One segment in T0 (four 2 MiB sections: 512 blocks of 16 KiB); T1 and T2 hold all written. */
-    const char *flags[] = {
-        fb,  "--pool-memory=9M",  "--segment-bytes=4M",         "--tier1-memory=16M",
-        ft2, "--tier2-bytes=64M", "--tier-write=write-through", ff,
-        NULL};
+    const char *flags[] = {fb,
+                           "--pool-memory=9M",
+                           "--segment-bytes=4M",
+                           g_t1_off ? "--tier1-memory=0" : "--tier1-memory=16M",
+                           ft2,
+                           "--tier2-bytes=64M",
+                           "--tier-write=write-through",
+                           ff,
+                           NULL};
     kvd_harness h;
     assert_int_equal(kvd_harness_start(&h, flags), 0);
     int rc1 = run_worker(&h, 1);
@@ -338,6 +347,16 @@ static void test_ipc_raw(void **state) {
     tiers_round_trip("cuda-ipc", "raw");
 }
 
+/* T1 off: T0 -> T2 and back with the driver's copies, the disk I/O streamed in chunks. */
+static void test_vmm_raw_t2_only(void **state) {
+    (void)state;
+    g_t1_off = 1;
+    g_pin = PIN_NO;
+    tiers_round_trip("cuda-vmm", "raw");
+    g_t1_off = 0;
+    g_pin = PIN_YES;
+}
+
 #ifdef KVD_GPU_FAKE
 /* The driver has no page-locked memory to give (the test driver's FAKE_CUDA_NO_PINNED): T1
  * buffers are malloc'd, counted as fallbacks, and the blocks still go down and come back. */
@@ -355,6 +374,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vmm_raw),          cmocka_unit_test(test_vmm_zstd),
         cmocka_unit_test(test_vmm_int8),         cmocka_unit_test(test_ipc_raw),
+        cmocka_unit_test(test_vmm_raw_t2_only),
 #ifdef KVD_GPU_FAKE
         cmocka_unit_test(test_vmm_raw_unpinned),
 #endif
