@@ -71,7 +71,8 @@ typedef struct kvd_backend_ops {
      * read, and src of copy_to_device not changed or freed, until copy_sync on the same thread
      * has returned; copy_sync waits for every copy the calling thread started (only those). Host
      * memory from host_alloc moves asynchronously at the link's full rate; pageable memory goes
-     * through the driver's staging buffers (copy_to_host then returns with the bytes in dst).
+     * through the driver's staging buffers (copy_to_host then returns with the bytes in dst, and
+     * copy_to_device has taken src's bytes when it returns).
      * NULL where segment memory is host memory the daemon maps itself (memcpy does). KV_ESYS on
      * a driver error (logged). */
     kv_err (*copy_to_host)(void *ctx, void *dst, const void *src_dev, uint64_t n);

@@ -939,7 +939,11 @@ EXPORT kv_cu_result cuMemcpyDtoHAsync_v2(void *dst, kv_cu_deviceptr src, size_t 
     if (!dev_range_ok((uintptr_t)src, n)) {
         return KV_CU_ERROR_INVALID_VALUE;
     }
-    drain(); /* ordered after the work queued before it */
+    /* Ordered after the work queued before it on its own stream and the legacy one (not other
+     * streams': a copy thread that did not wait for its own copies must not be saved by
+     * another's). */
+    drain_stream(0);
+    drain_stream((uintptr_t)s);
     pending *q = queue_slot();
     q->data = malloc(n > 0 ? n : 1);
     if (q->data == NULL) {

@@ -55,6 +55,7 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -716,7 +717,7 @@ kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
 
 /* ---- streamed write and read (io_uring) ------------------------------------------------------ */
 
-#define RING_DEPTH 32u
+#define RING_DEPTH 128u /* submission entries; at most STREAM_MAX + 1 are in flight */
 /* Chunks of one streamed transfer at most (16 MiB slots); larger slots go the plain way. */
 #define STREAM_MAX 64u
 
@@ -767,8 +768,24 @@ typedef struct stream_io {
     uint32_t want[STREAM_MAX + 1];
 } stream_io;
 
-/* Queues a transfer of chunk k (n bytes at buf, file offset off) and submits it. -1 when the
- * ring has no room (the caller reaps one and tries again) or the submit failed. */
+/* Streamed transfers that went the plain way (the ring refused, or none): tests and stats. */
+static atomic_ullong stream_fallbacks;
+
+uint64_t kvd_disk_stream_fallbacks(void) {
+    return atomic_load(&stream_fallbacks);
+}
+
+/* A ring that lost track of a transfer: the kernel may still read or write a buffer the caller
+ * is about to reuse, and nothing can tell when it stops. Not seen; never survived quietly. */
+static void ring_lost(int err) {
+    KV_LOG(ERROR, "KVD-TIER2-FILE", "io_uring failed with transfers in flight (%s): stopping",
+           strerror(err));
+    abort();
+}
+
+/* Queues a transfer of chunk k (n bytes at buf, file offset off) and submits it; it counts as
+ * in flight from here (a submit the kernel put off goes with the next reap's). -1 when the
+ * ring has no free entry: the caller reaps one and tries again. */
 static int sio_queue(stream_io *io, int wr, int fd, uint32_t k, uint8_t *buf, uint32_t n,
                      uint64_t off) {
     struct io_uring_sqe *sqe = io_uring_get_sqe(io->ring);
@@ -783,22 +800,29 @@ static int sio_queue(stream_io *io, int wr, int fd, uint32_t k, uint8_t *buf, ui
     io_uring_sqe_set_data64(sqe, k);
     io->res[k] = INT32_MIN;
     io->want[k] = n;
-    if (io_uring_submit(io->ring) < 1) {
-        return -1;
-    }
     io->inflight++;
+    int r = io_uring_submit(io->ring);
+    if (r < 0 && r != -EAGAIN && r != -EBUSY && r != -EINTR) {
+        ring_lost(-r); /* the entry is in the ring, neither sent nor taken back */
+    }
     return 0;
 }
 
-/* Waits for one completion. -1 when the ring fails. */
+/* Waits for one completion (sending entries still unsent first). 0, or the thread stops
+ * (ring_lost). */
 static int sio_reap(stream_io *io) {
     struct io_uring_cqe *cqe = NULL;
-    int r;
-    do {
-        r = io_uring_wait_cqe(io->ring, &cqe);
-    } while (r == -EINTR);
-    if (r != 0 || cqe == NULL) {
-        return -1;
+    for (;;) {
+        int r = io_uring_submit_and_wait(io->ring, 1);
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+            ring_lost(-r);
+        }
+        if (io_uring_peek_cqe(io->ring, &cqe) == 0 && cqe != NULL) {
+            break;
+        }
+        if (r == -EAGAIN || r == -EBUSY) {
+            sched_yield(); /* the kernel is short of something for a moment */
+        }
     }
     uint64_t k = io_uring_cqe_get_data64(cqe);
     if (k <= STREAM_MAX) {
@@ -811,7 +835,8 @@ static int sio_reap(stream_io *io) {
 
 /* Waits for every transfer still in flight (their buffers are the caller's again). */
 static void sio_drain(stream_io *io) {
-    while (io->inflight > 0 && sio_reap(io) == 0) {
+    while (io->inflight > 0) {
+        (void)sio_reap(io);
     }
 }
 
@@ -859,6 +884,7 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     uint64_t poff = kvd_disk_payload_off(rec);
     XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
     if (st == NULL) {
+        atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = fill(arg, buf + poff, 0, rec->len);
         if (rc != KV_OK) {
             *fill_failed = 1;
@@ -931,6 +957,7 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     if (!plain) {
         return KV_OK;
     }
+    atomic_fetch_add(&stream_fallbacks, 1);
     /* A transfer the ring refused or cut short (O_DIRECT's alignment where the file system
      * wants more, a full disk): the whole slot again through pwrite, which knows those cases
      * and reports the error that stays. */
@@ -957,6 +984,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     struct io_uring *ring = nch > 0 ? thread_ring() : NULL;
     XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
     if (st == NULL) {
+        atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
         return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
     }
@@ -1018,6 +1046,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     uint64_t got = !plain && rc == KV_OK ? XXH3_64bits_digest(st) : 0;
     XXH3_freeState(st);
     if (plain) {
+        atomic_fetch_add(&stream_fallbacks, 1);
         /* The ring refused or cut short a transfer: the whole slot the plain way (it knows
          * O_DIRECT's refusals, says corrupt for a slot past the end, and reports what stays an
          * error). */

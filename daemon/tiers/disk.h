@@ -138,6 +138,10 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
 /* 1 when this thread's streamed I/O goes through io_uring (made on its first use). */
 int kvd_disk_thread_uring(void);
 
+/* Streamed transfers, over the process's life, that went the plain way instead (no io_uring on
+ * the thread, or the ring refused or cut short a transfer). Any thread. */
+uint64_t kvd_disk_stream_fallbacks(void);
+
 /* Makes slot empty (zeroes its header on disk) so that a restart does not find it: a block that
  * must never be served again (quarantined) or a slot given back. buf as for write. KV_ESYS.
  * Any thread. */

@@ -9,7 +9,7 @@
  * the rest to free(). A page-locked buffer is not given back to the driver at once: freeing it
  * may wait for the context's copies, so it waits in a list until a copy thread's next job
  * (kvd_pinned_reap) or kvd_pinned_destroy frees it, and the loop thread never calls the driver
- * here.
+ * here (but when the list cannot grow for want of memory: then the buffer goes back at once).
  *
  * Thread-safe: copy threads allocate and reap, the loop thread frees (one mutex; a lookup is a
  * hash probe).

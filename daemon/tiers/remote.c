@@ -76,6 +76,10 @@ typedef struct node {
     redisContext *c;
     uint64_t down_until; /* ms; 0: may try now */
     uint32_t fails;
+    /* ms spent in lookups and connects a request's deadline cut short since the node last
+     * connected: once it reaches remote-timeout-ms the node is marked down as a full timeout
+     * would have (so a dead node still backs off when every request finds it late). */
+    uint64_t cut_ms;
     /* The get path's own read buffer (read_get_reply): bytes of c's socket not yet parsed. */
     uint8_t *rb;
     size_t rb_pos, rb_len;
@@ -359,6 +363,23 @@ static int node_addr(node *nd, uint64_t wait_ms, int by_deadline, node_addr_str 
     return ok ? 0 : -1;
 }
 
+/* A failed lookup or connect of nd that began at `since`: marks the node down (node_fail), but
+ * not while the request's deadline cut it short (by_deadline: it was the request's time that ran
+ * out, not the node) and such cut attempts have not yet added up to one remote-timeout-ms. */
+static void node_fail_cut(kvd_remote *r, node *nd, const char *why, int by_deadline,
+                          uint64_t since) {
+    uint64_t t = now_ms();
+    if (by_deadline) {
+        nd->cut_ms += t > since ? t - since : 0;
+        if (nd->cut_ms < r->timeout_ms) {
+            note_error(r, "%s:%d: %s", nd->host, nd->port, why);
+            return;
+        }
+    }
+    nd->cut_ms = 0;
+    node_fail(r, nd, why);
+}
+
 /* A connected context for nd, or NULL (down, or the connect failed now). deadline (ms, 0: none):
  * a name's lookup and the connect wait at most what is left of it when that is under
  * remote-timeout-ms (the connection, once made, keeps remote-timeout-ms for its commands). */
@@ -379,36 +400,37 @@ static redisContext *node_ctx_by(kvd_remote *r, node *nd, uint64_t deadline) {
     char unresolved[512];
     int naddr = 0;
     if (node_addr(nd, wait_ms, by_deadline, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
-        if (!(by_deadline && now_ms() >= deadline)) {
-            node_fail(r, nd, unresolved); /* not when it was the request's time that ran out */
-        }
+        node_fail_cut(r, nd, unresolved, by_deadline, now);
         return NULL;
+    }
+    redisContext *c = NULL;
+    for (int k = 0; k < naddr && (c == NULL || c->err); k++) {
+        /* Each address waits what is left (the request's deadline, or one timeout). */
+        uint64_t t = now_ms(), left = r->timeout_ms;
+        if (by_deadline) {
+            left = deadline > t ? deadline - t : 0;
+        }
+        if (left == 0) {
+            break;
+        }
+        struct timeval ctv = {(time_t)(left / 1000), (suseconds_t)(left % 1000) * 1000};
+        if (c != NULL) {
+            redisFree(c); /* the name's next address (a refused one answers at once) */
+        }
+        c = redisConnectWithTimeout(addr[k], nd->port, ctv);
     }
     struct timeval tv = {(time_t)(r->timeout_ms / 1000),
                          (suseconds_t)(r->timeout_ms % 1000) * 1000};
-    if (by_deadline) {
-        uint64_t left = now_ms();
-        left = deadline > left ? deadline - left : 1;
-        struct timeval ctv = {(time_t)(left / 1000), (suseconds_t)(left % 1000) * 1000};
-        tv = ctv; /* for the connect; the commands' timeout is set back below */
-    }
-    redisContext *c = redisConnectWithTimeout(addr[0], nd->port, tv);
-    for (int k = 1; k < naddr && c != NULL && c->err; k++) {
-        redisFree(c); /* the name's next address (a refused one answers at once) */
-        c = redisConnectWithTimeout(addr[k], nd->port, tv);
-    }
-    tv.tv_sec = (time_t)(r->timeout_ms / 1000);
-    tv.tv_usec = (suseconds_t)(r->timeout_ms % 1000) * 1000;
     if (c == NULL || c->err) {
-        const char *why = c != NULL ? c->errstr : "out of memory";
+        const char *why = c != NULL                  ? c->errstr
+                          : by_deadline && naddr > 0 ? "the request's deadline passed first"
+                                                     : "out of memory";
         char buf[160];
         snprintf(buf, sizeof(buf), "connect: %s", why);
         if (c != NULL) {
             redisFree(c);
         }
-        if (!(by_deadline && now_ms() >= deadline)) {
-            node_fail(r, nd, buf);
-        }
+        node_fail_cut(r, nd, buf, by_deadline, now);
         return NULL;
     }
     redisSetTimeout(c, tv);
@@ -432,6 +454,7 @@ static redisContext *node_ctx_by(kvd_remote *r, node *nd, uint64_t deadline) {
     if (nd->fails > 0) {
         count(r, &r->st.reconnects, 1);
     }
+    nd->cut_ms = 0;
     nd->c = c;
     nd->down_until = 0; /* fails is reset by a command that succeeds: a paused Redis accepts
                            connections and answers nothing, and must not reset the backoff */

@@ -992,13 +992,18 @@ static void store_free1(void *arg, uint8_t *b) {
     t1_free(arg, b);
 }
 
-/* A recycled buffer of size bytes, page-locked or not as asked; NULL when there is none. */
+/* A recycled buffer of size bytes, page-locked or not as asked; NULL when there is none. A
+ * pool that wants page-locked ones takes a malloc'd one when that is all there is (the driver
+ * may have refused it page-locked memory: it must not malloc afresh at every copy then); a
+ * host pool never takes a page-locked one. */
 static uint8_t *buf_take(kvd_tiers *t, uint64_t size, int pinned) {
-    for (int k = 0; k < NBUFCLASS; k++) {
-        bufclass *c = &t->bc[k];
-        if (c->size == size && c->pinned == pinned && c->n > 0) {
-            t->cached1 -= size;
-            return c->v[--c->n];
+    for (int pass = 0; pass < (pinned ? 2 : 1); pass++) {
+        for (int k = 0; k < NBUFCLASS; k++) {
+            bufclass *c = &t->bc[k];
+            if (c->size == size && c->pinned == (pass == 0 ? pinned : 0) && c->n > 0) {
+                t->cached1 -= size;
+                return c->v[--c->n];
+            }
         }
     }
     return NULL;
