@@ -942,12 +942,13 @@ static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want,
 /* ---- requests on the thread -------------------------------------------------------------- */
 
 /* One GET (or SET) sent alone to node ni, following one redirection. Returns the reply (caller
- * frees) or NULL (failed: counted). */
+ * frees) or NULL (failed: counted). deadline (ms, 0: none): a node's lookup and connect keep to
+ * it (node_ctx_by). */
 static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **argv,
-                               const size_t *lens) {
+                               const size_t *lens, uint64_t deadline) {
     for (int tries = 0; tries < 3 && ni >= 0; tries++) {
         node *nd = &r->nodes[ni];
-        redisContext *c = node_ctx(r, nd);
+        redisContext *c = node_ctx_by(r, nd, deadline);
         if (c == NULL) {
             return NULL;
         }
@@ -968,7 +969,7 @@ static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **arg
             r->slots[slot] = (int16_t)to;
             r->need_refresh = 1;
         } else {
-            redisContext *tc = node_ctx(r, &r->nodes[to]);
+            redisContext *tc = node_ctx_by(r, &r->nodes[to], deadline);
             redisReply *a = tc != NULL ? redisCommand(tc, "ASKING") : NULL;
             if (a != NULL) {
                 freeReplyObject(a);
@@ -981,12 +982,12 @@ static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **arg
 
 /* A command sent alone where a redirection said: after ASKING for an ASK. */
 static redisReply *command_at(kvd_remote *r, int to, int ask, int argc, const char **argv,
-                              const size_t *lens) {
+                              const size_t *lens, uint64_t deadline) {
     if (!ask) {
-        return command_one(r, to, argc, argv, lens);
+        return command_one(r, to, argc, argv, lens, deadline);
     }
     node *nd = &r->nodes[to];
-    redisContext *c = node_ctx(r, nd);
+    redisContext *c = node_ctx_by(r, nd, deadline);
     if (c == NULL) {
         return NULL;
     }
@@ -1149,7 +1150,7 @@ static void resend_redirected(kvd_remote *r, op *o, const route *rt, const char 
         }
         const char *argv[2] = {cmd, o->keys[i]};
         size_t lens[2] = {strlen(cmd), strlen(o->keys[i])};
-        redisReply *rep = command_at(r, rt->rto[i], rt->rask[i], 2, argv, lens);
+        redisReply *rep = command_at(r, rt->rto[i], rt->rask[i], 2, argv, lens, o->deadline);
         if (rep == NULL) {
             o->rc = KV_ESYS;
             continue;
@@ -1378,7 +1379,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
         }
         const char *argv[5] = {"SET", ops[i]->key, (const char *)vals[i], "EX", ttl};
         size_t lens[5] = {3, strlen(ops[i]->key), value_len(ops[i]), 2, strlen(ttl)};
-        redisReply *rep = command_at(r, rto[i], rask[i], r->ttl_s > 0 ? 5 : 3, argv, lens);
+        redisReply *rep = command_at(r, rto[i], rask[i], r->ttl_s > 0 ? 5 : 3, argv, lens, 0);
         if (rep == NULL || rep->type == REDIS_REPLY_ERROR) {
             ops[i]->rc = rep != NULL && strncmp(rep->str, "OOM", 3) == 0 ? KV_EQUOTA : KV_ESYS;
         }
@@ -1525,7 +1526,7 @@ static void *thread_main(void *arg) {
                     const char *argv[2] = {"DEL", batch[i]->key};
                     size_t lens[2] = {3, strlen(batch[i]->key)};
                     int ni = node_of(r, batch[i]->key);
-                    redisReply *rep = ni >= 0 ? command_one(r, ni, 2, argv, lens) : NULL;
+                    redisReply *rep = ni >= 0 ? command_one(r, ni, 2, argv, lens, 0) : NULL;
                     batch[i]->rc =
                         rep != NULL && rep->type == REDIS_REPLY_INTEGER ? KV_OK : KV_ESYS;
                     if (rep != NULL) {
