@@ -56,7 +56,7 @@ for t in "${targets[@]}"; do
                 srcs+=("$OUT/kvk_$k.o")
             done
             libs=(-lprotobuf-c -luv -ljansson -lmicrohttpd -lxxhash -lmd -llz4 -lzstd -lzmq
-                  -lmsgpackc -lcbor -lhiredis -lpthread -ldl -lm)
+                  -lmsgpackc -lcbor -lhiredis -luring -lpthread -ldl -lm)
             ;;
         *) echo "build.sh: unknown target $t (${ALL[*]})" >&2; exit 2 ;;
     esac
