@@ -219,6 +219,19 @@ static void drain_stream(uintptr_t s) {
     nqueue = k;
 }
 
+/* Copies device bytes [src, src + n) (device memory, checked by the caller) to host dst,
+ * piecewise over ranges. */
+static void dev_read(uint8_t *dst, uintptr_t src, size_t n) {
+    while (n > 0) {
+        size_t k = 0;
+        const uint8_t *sh = shadow_of(src, n, &k);
+        memcpy(dst, sh, k);
+        dst += k;
+        src += k;
+        n -= k;
+    }
+}
+
 /* Checks that [p, p + n) is device memory (piecewise), without touching it. */
 static int dev_range_ok(uintptr_t p, size_t n) {
     while (n > 0) {
@@ -517,16 +530,7 @@ EXPORT kv_cu_result cuMemcpyDtoH_v2(void *dst, kv_cu_deviceptr src, size_t n) {
         return KV_CU_ERROR_INVALID_VALUE;
     }
     drain(); /* a DtoH copy waits for the work queued before it */
-    uint8_t *d = dst;
-    uintptr_t s = (uintptr_t)src;
-    while (n > 0) {
-        size_t k = 0;
-        const uint8_t *sh = shadow_of(s, n, &k);
-        memcpy(d, sh, k);
-        d += k;
-        s += k;
-        n -= k;
-    }
+    dev_read(dst, (uintptr_t)src, n);
     return KV_CU_SUCCESS;
 }
 
@@ -949,16 +953,7 @@ EXPORT kv_cu_result cuMemcpyDtoHAsync_v2(void *dst, kv_cu_deviceptr src, size_t 
     if (q->data == NULL) {
         return KV_CU_ERROR_OUT_OF_MEMORY;
     }
-    uint8_t *d = q->data;
-    uintptr_t a = (uintptr_t)src;
-    for (size_t left = n; left > 0;) {
-        size_t k = 0;
-        const uint8_t *sh = shadow_of(a, left, &k);
-        memcpy(d, sh, k);
-        d += k;
-        a += k;
-        left -= k;
-    }
+    dev_read(q->data, (uintptr_t)src, n); /* the bytes as of now, in stream order */
     q->op = OP_TOHOST;
     q->host = dst; /* written when the stream is synchronized */
     q->n = n;

@@ -608,6 +608,12 @@ cleanup_buf:
     return rc;
 }
 
+/* Whether rec can be written: a known format, its payload and tail within a slot. */
+static int rec_fits(const kvd_disk *d, const kvd_disk_rec *rec) {
+    return rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) <= kvd_disk_payload_max(d) &&
+           rec->format < KVD_TF_COUNT;
+}
+
 /* The 64-byte record header of rec at buf, with psum the checksum of its tail and payload. */
 static void rec_header(uint8_t *buf, const kvd_disk_rec *rec, uint64_t psum) {
     put_u16(buf, REC_MAGIC);
@@ -625,9 +631,7 @@ static void rec_header(uint8_t *buf, const kvd_disk_rec *rec, uint64_t psum) {
 
 kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
                       uint8_t *buf, int *sys_errno) {
-    if (rec == NULL || buf == NULL ||
-        rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d) ||
-        rec->format >= KVD_TF_COUNT || (rec->len > 0 && payload == NULL)) {
+    if (rec == NULL || buf == NULL || !rec_fits(d, rec) || (rec->len > 0 && payload == NULL)) {
         return KV_EINVAL;
     }
     uint64_t off = disk_slot_off(d, slot);
@@ -722,7 +726,8 @@ kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
 #define STREAM_MAX 64u
 
 static __thread struct io_uring tls_ring;
-static __thread int tls_ring_state; /* 0: not tried on this thread, 1: ready, -1: unavailable */
+static __thread XXH3_state_t *tls_sum; /* the ring's transfers' payload checksum */
+static __thread int tls_ring_state;    /* 0: not tried on this thread, 1: ready, -1: unavailable */
 static pthread_key_t ring_key;
 static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
 
@@ -730,6 +735,8 @@ static void ring_exit(void *unused) {
     (void)unused;
     if (tls_ring_state == 1) {
         io_uring_queue_exit(&tls_ring);
+        XXH3_freeState(tls_sum);
+        tls_sum = NULL;
     }
     tls_ring_state = 0;
 }
@@ -738,18 +745,21 @@ static void ring_key_make(void) {
     (void)pthread_key_create(&ring_key, ring_exit);
 }
 
-/* This thread's ring (made at its first use; freed when the thread exits), or NULL. */
+/* This thread's ring and checksum state (made at its first use; freed when the thread exits),
+ * or NULL. */
 static struct io_uring *thread_ring(void) {
     if (tls_ring_state == 0) {
         const char *env = getenv("KVD_TIER2_URING");
-        if (env != NULL && strcmp(env, "off") == 0) {
-            tls_ring_state = -1;
-        } else if (io_uring_queue_init(RING_DEPTH, &tls_ring, 0) == 0) {
-            tls_ring_state = 1;
-            (void)pthread_once(&ring_once, ring_key_make);
-            (void)pthread_setspecific(ring_key, &ring_key);
-        } else {
-            tls_ring_state = -1;
+        tls_ring_state = -1;
+        if ((env == NULL || strcmp(env, "off") != 0) && (tls_sum = XXH3_createState()) != NULL) {
+            if (io_uring_queue_init(RING_DEPTH, &tls_ring, 0) == 0) {
+                tls_ring_state = 1;
+                (void)pthread_once(&ring_once, ring_key_make);
+                (void)pthread_setspecific(ring_key, &ring_key);
+            } else {
+                XXH3_freeState(tls_sum);
+                tls_sum = NULL;
+            }
         }
     }
     return tls_ring_state == 1 ? &tls_ring : NULL;
@@ -783,34 +793,9 @@ static void ring_lost(int err) {
     abort();
 }
 
-/* Queues a transfer of chunk k (n bytes at buf, file offset off) and submits it; it counts as
- * in flight from here (a submit the kernel put off goes with the next reap's). -1 when the
- * ring has no free entry: the caller reaps one and tries again. */
-static int sio_queue(stream_io *io, int wr, int fd, uint32_t k, uint8_t *buf, uint32_t n,
-                     uint64_t off) {
-    struct io_uring_sqe *sqe = io_uring_get_sqe(io->ring);
-    if (sqe == NULL) {
-        return -1;
-    }
-    if (wr) {
-        io_uring_prep_write(sqe, fd, buf, n, off);
-    } else {
-        io_uring_prep_read(sqe, fd, buf, n, off);
-    }
-    io_uring_sqe_set_data64(sqe, k);
-    io->res[k] = INT32_MIN;
-    io->want[k] = n;
-    io->inflight++;
-    int r = io_uring_submit(io->ring);
-    if (r < 0 && r != -EAGAIN && r != -EBUSY && r != -EINTR) {
-        ring_lost(-r); /* the entry is in the ring, neither sent nor taken back */
-    }
-    return 0;
-}
-
-/* Waits for one completion (sending entries still unsent first). 0, or the thread stops
+/* Waits for one completion (sending entries still unsent first), or the thread stops
  * (ring_lost). */
-static int sio_reap(stream_io *io) {
+static void sio_reap(stream_io *io) {
     struct io_uring_cqe *cqe = NULL;
     for (;;) {
         int r = io_uring_submit_and_wait(io->ring, 1);
@@ -830,27 +815,46 @@ static int sio_reap(stream_io *io) {
     }
     io_uring_cqe_seen(io->ring, cqe);
     io->inflight--;
-    return 0;
+}
+
+/* Queues a transfer of chunk k (n bytes at buf, file offset off) and submits it; it counts as
+ * in flight from here (a submit the kernel put off goes with the next reap's). A full ring first
+ * waits for a completion (every entry in it is in flight). */
+static void sio_queue(stream_io *io, int wr, int fd, uint32_t k, uint8_t *buf, uint32_t n,
+                      uint64_t off) {
+    struct io_uring_sqe *sqe;
+    while ((sqe = io_uring_get_sqe(io->ring)) == NULL) {
+        sio_reap(io);
+    }
+    if (wr) {
+        io_uring_prep_write(sqe, fd, buf, n, off);
+    } else {
+        io_uring_prep_read(sqe, fd, buf, n, off);
+    }
+    io_uring_sqe_set_data64(sqe, k);
+    io->res[k] = INT32_MIN;
+    io->want[k] = n;
+    io->inflight++;
+    int r = io_uring_submit(io->ring);
+    if (r < 0 && r != -EAGAIN && r != -EBUSY && r != -EINTR) {
+        ring_lost(-r); /* the entry is in the ring, neither sent nor taken back */
+    }
 }
 
 /* Waits for every transfer still in flight (their buffers are the caller's again). */
 static void sio_drain(stream_io *io) {
     while (io->inflight > 0) {
-        (void)sio_reap(io);
+        sio_reap(io);
     }
 }
 
 /* Chunk k's result, waited for: 0 done in full; 1 short (a read past the end of the file, a
- * write that could not complete); -1 failed (errno set). */
+ * write that could not complete); -1 failed. */
 static int sio_wait(stream_io *io, uint32_t k) {
     while (io->res[k] == INT32_MIN) {
-        if (io->inflight == 0 || sio_reap(io) != 0) {
-            errno = EIO;
-            return -1;
-        }
+        sio_reap(io);
     }
     if (io->res[k] < 0) {
-        errno = -io->res[k];
         return -1;
     }
     return (uint32_t)io->res[k] == io->want[k] ? 0 : 1;
@@ -873,17 +877,14 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
                              kvd_disk_fill_fn fill, void *arg, uint8_t *buf, int *sys_errno,
                              int *fill_failed) {
     *fill_failed = 0;
-    if (rec == NULL || buf == NULL || fill == NULL ||
-        rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d) ||
-        rec->format >= KVD_TF_COUNT) {
+    if (rec == NULL || buf == NULL || fill == NULL || !rec_fits(d, rec)) {
         return KV_EINVAL;
     }
     uint64_t off = disk_slot_off(d, slot);
     uint32_t nch = stream_chunks(d);
     struct io_uring *ring = off != 0 && nch > 0 ? thread_ring() : NULL;
     uint64_t poff = kvd_disk_payload_off(rec);
-    XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
-    if (st == NULL) {
+    if (ring == NULL) {
         atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = fill(arg, buf + poff, 0, rec->len);
         if (rc != KV_OK) {
@@ -892,6 +893,7 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
         }
         return kvd_disk_write(d, slot, rec, buf + poff, buf, sys_errno);
     }
+    XXH3_state_t *st = tls_sum;
     XXH3_64bits_reset(st);
     if (rec->has_tail) {
         memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
@@ -903,7 +905,6 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     kv_err rc = fill(arg, buf + poff, 0, first);
     if (rc != KV_OK) {
         *fill_failed = 1;
-        XXH3_freeState(st);
         return rc;
     }
     XXH3_64bits_update(st, buf + poff, first);
@@ -912,7 +913,6 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     }
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);
-    int ring_ok = 1; /* every chunk so far is queued */
     for (uint32_t k = 0; k < nch; k++) {
         uint64_t s0, s1;
         chunk_range(d, k, &s0, &s1);
@@ -928,29 +928,19 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
         if (z < s1) {
             memset(buf + z, 0, s1 - z);
         }
-        while (ring_ok && sio_queue(&io, 1, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0) != 0) {
-            if (io.inflight == 0 || sio_reap(&io) != 0) {
-                ring_ok = 0; /* the rest is filled all the same: the plain way writes it below */
-            }
-        }
+        sio_queue(&io, 1, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0);
     }
     if (*fill_failed) {
         sio_drain(&io);
-        XXH3_freeState(st);
         return rc;
     }
     /* The header block goes with the last chunks: what vouches for the record is the payload
      * checksum in it, so a slot cut off midway (here, or in one plain pwrite alike) never reads
      * back as good. */
     rec_header(buf, rec, XXH3_64bits_digest(st));
-    XXH3_freeState(st);
-    while (ring_ok && sio_queue(&io, 1, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off) != 0) {
-        if (io.inflight == 0 || sio_reap(&io) != 0) {
-            ring_ok = 0;
-        }
-    }
+    sio_queue(&io, 1, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off);
     sio_drain(&io);
-    int plain = !ring_ok || sio_wait(&io, STREAM_MAX) != 0;
+    int plain = sio_wait(&io, STREAM_MAX) != 0;
     for (uint32_t k = 0; k < nch && !plain; k++) {
         plain = sio_wait(&io, k) != 0;
     }
@@ -982,42 +972,28 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     }
     uint32_t nch = stream_chunks(d);
     struct io_uring *ring = nch > 0 ? thread_ring() : NULL;
-    XXH3_state_t *st = ring != NULL ? XXH3_createState() : NULL;
-    if (st == NULL) {
+    if (ring == NULL) {
         atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
         return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
     }
-    XXH3_64bits_reset(st); /* a state is undefined until reset, digested or not */
+    XXH3_state_t *st = tls_sum;
+    XXH3_64bits_reset(st);
     /* Every transfer at once: the header block, then the chunks in order. */
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);
-    int plain = 0;
-    while (sio_queue(&io, 0, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off) != 0) {
-        if (io.inflight == 0 || sio_reap(&io) != 0) {
-            plain = 1;
-            break;
-        }
-    }
-    for (uint32_t k = 0; k < nch && !plain; k++) {
+    sio_queue(&io, 0, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off);
+    for (uint32_t k = 0; k < nch; k++) {
         uint64_t s0, s1;
         chunk_range(d, k, &s0, &s1);
-        while (sio_queue(&io, 0, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0) != 0) {
-            if (io.inflight == 0 || sio_reap(&io) != 0) {
-                plain = 1;
-                break;
-            }
-        }
+        sio_queue(&io, 0, fd, k, buf + s0, (uint32_t)(s1 - s0), off + s0);
     }
     kv_err rc = KV_OK;
     kvd_disk_rec r;
     uint64_t psum = 0, pend = 0, poff = 0;
+    int plain = sio_wait(&io, STREAM_MAX) != 0; /* short or refused: the plain read tells which */
     if (!plain) {
-        int w = sio_wait(&io, STREAM_MAX);
-        if (w != 0) {
-            plain = 1; /* short or refused: the plain read tells which */
-        } else if (rec_parse(d, buf, &r, &psum) != 0 ||
-                   (expect != NULL && !kv_hash_eq(r.hash, *expect))) {
+        if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect))) {
             rc = KV_ECORRUPT;
         } else {
             poff = kvd_disk_payload_off(&r);
@@ -1033,8 +1009,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
         if (s0 >= pend) {
             break; /* padding: not looked at */
         }
-        int w = sio_wait(&io, k);
-        if (w != 0) {
+        if (sio_wait(&io, k) != 0) {
             plain = 1;
             break;
         }
@@ -1044,7 +1019,6 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     }
     sio_drain(&io);
     uint64_t got = !plain && rc == KV_OK ? XXH3_64bits_digest(st) : 0;
-    XXH3_freeState(st);
     if (plain) {
         atomic_fetch_add(&stream_fallbacks, 1);
         /* The ring refused or cut short a transfer: the whole slot the plain way (it knows
