@@ -9,8 +9,11 @@
  * plain (kvd_disk_write / kvd_disk_read: copy the block into the slot image, checksum, one
  * pwrite; one pread, checksum, copy out); streamed (kvd_disk_write_stream / read_stream: the same
  * work in 256 KiB chunks through io_uring, the copy and checksum of a chunk overlapping the disk's
- * work on the ones before). GB/s of each, and each way's ratio to raw taken per round; median
- * [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds N].
+ * work on the ones before); zero-copy (kvd_disk_write_from / read_into, a format 2 file: the
+ * block's pages go between the disk and the "T0" image with no copy, the checksum runs while the
+ * disk works; a host pool's raw block-major blocks go this way). GB/s of each, and each way's ratio
+ * to raw taken per round; median [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds
+ * N].
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -36,10 +39,10 @@ static kv_err sink_copy(void *arg, const uint8_t *src, uint64_t off, uint64_t n)
     return KV_OK;
 }
 
-enum { RAW = 0, PLAIN = 1, STREAM = 2, NWAYS = 3 };
-static const char *const way_name[NWAYS] = {"raw pwrite / pread (baseline)",
-                                            "plain (kvd_disk_write / read)",
-                                            "streamed (io_uring, 256 KiB chunks)"};
+enum { RAW = 0, PLAIN = 1, STREAM = 2, ZERO = 3, NWAYS = 4 };
+static const char *const way_name[NWAYS] = {
+    "raw pwrite / pread (baseline)", "plain (kvd_disk_write / read)",
+    "streamed (io_uring, 256 KiB chunks)", "zero-copy (kvd_disk_write_from / read_into)"};
 
 int main(int argc, char **argv) {
     const char *dir = "/tmp";
@@ -72,7 +75,7 @@ int main(int argc, char **argv) {
     char sub[300], msg[256] = "";
     snprintf(sub, sizeof(sub), "%s/dom", tmp);
     kvd_disk *d = NULL;
-    if (kvd_disk_open(sub, "bench.t2", &key, 1, &d, msg, sizeof(msg)) != KV_OK) {
+    if (kvd_disk_open(sub, "bench.t2", &key, KVD_DISK_DIRECT, &d, msg, sizeof(msg)) != KV_OK) {
         bench_die("kvd_disk_open: %s", msg);
     }
     uint64_t sb = kvd_disk_slot_bytes(d);
@@ -86,7 +89,9 @@ int main(int argc, char **argv) {
     if (rfd < 0) {
         bench_die("%s: %s", rawpath, strerror(errno));
     }
-    uint8_t *t0 = malloc(NBLK * bb), *back = malloc(bb);
+    /* Page-aligned, as a host pool's blocks are (zero-copy's O_DIRECT needs it). */
+    uint8_t *t0 = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb),
+            *back = aligned_alloc(KVD_DISK_ALIGN, bb);
     uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
     uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
     if (t0 == NULL || back == NULL || buf == NULL || img == NULL) {
@@ -127,8 +132,11 @@ int main(int argc, char **argv) {
                         bench_die("pwrite: %s", strerror(errno));
                     }
                 } else if (way == PLAIN) {
-                    memcpy(buf + kvd_disk_payload_off(&rec), t0 + b * bb, bb);
-                    rc = kvd_disk_write(d, b, &rec, buf + kvd_disk_payload_off(&rec), buf, &e);
+                    uint8_t *pl = buf + kvd_disk_payload_off(d, &rec);
+                    memcpy(pl, t0 + b * bb, bb);
+                    rc = kvd_disk_write(d, b, &rec, pl, buf, &e);
+                } else if (way == ZERO) {
+                    rc = kvd_disk_write_from(d, b, &rec, t0 + b * bb, buf, &e, NULL);
                 } else {
                     rc = kvd_disk_write_stream(d, b, &rec, fill_copy, t0 + b * bb, buf, &e, &ff);
                 }
@@ -153,8 +161,10 @@ int main(int argc, char **argv) {
                 } else if (way == PLAIN) {
                     rc = kvd_disk_read(d, b, &h, &rec, buf);
                     if (rc == KV_OK) {
-                        memcpy(back, buf + kvd_disk_payload_off(&rec), bb);
+                        memcpy(back, buf + kvd_disk_payload_off(d, &rec), bb);
                     }
+                } else if (way == ZERO) {
+                    rc = kvd_disk_read_into(d, b, &h, &rec, back, bb, buf, NULL);
                 } else {
                     rc = kvd_disk_read_stream(d, b, &h, &rec, buf, sink_copy, back);
                 }
@@ -178,10 +188,13 @@ int main(int argc, char **argv) {
         }
     }
     printf("%d blocks of %llu KiB (32 x 8 x 128 x 16 fp16), slots of %llu KiB, in a directory of "
-           "this machine's %s; O_DIRECT %s (kvd's file: %s); this thread's io_uring: %s. %d "
-           "rounds, the ways' order rotating; median [min-max]; the ratio is taken per round.\n\n",
+           "this machine's %s; O_DIRECT %s (kvd's file: %s, format %u); this thread's io_uring: "
+           "%s; zero-copy transfers %llu of %llu. %d rounds, the ways' order rotating; median "
+           "[min-max]; the ratio is taken per round.\n\n",
            NBLK, (unsigned long long)(bb >> 10), (unsigned long long)(sb >> 10), dir,
-           direct ? "on" : "off", kvd_disk_direct(d) ? "on" : "off", uring ? "yes" : "no", rounds);
+           direct ? "on" : "off", kvd_disk_direct(d) ? "on" : "off", kvd_disk_format(d),
+           uring ? "yes" : "no", (unsigned long long)kvd_disk_direct_transfers(),
+           (unsigned long long)(2 * NBLK * (rounds + 1)), rounds);
     printf("| way | write GB/s | x raw | read GB/s | x raw |\n|---|---:|---:|---:|---:|\n");
     for (int way = 0; way < NWAYS; way++) {
         double v[4][64];

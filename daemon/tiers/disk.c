@@ -5,7 +5,7 @@
  *
  * File header, bytes [0, 4096):
  *     0  8  magic "KVDTIER2"
- *     8  4  u32 file format version (1)
+ *     8  4  u32 file format version (1 or 2)
  *    12  4  u32 header bytes (4096)
  *    16  8  u64 slot_bytes
  *    24  8  u64 block_bytes
@@ -36,11 +36,12 @@
  *    40  8  u64 seq
  *    48  8  u64 XXH3_64bits of the payload
  *    56  8  u64 XXH3_64bits of bytes [0, 56)
- * then the payload at byte 64 (with bit 7: the tail at 64, the payload at 80; the payload bytes
- * and checksum count only the payload, the checksum covers tail and payload) and zeros to the
- * end of the slot. A slot whose first 64 bytes are
- * all zero is empty. The magic is short so that both checksums keep all 64 bits; the header
- * checksum is what rejects garbage.
+ * then, format 1: the payload at byte 64 (with bit 7: the tail at 64, the payload at 80) and
+ * zeros to the end of the slot; format 2: the tail (with bit 7) at 64, zeros to byte 4096, the
+ * payload at byte 4096 and zeros to the end of the slot. The payload bytes count only the
+ * payload; its checksum is XXH3_64bits of the tail (when there is one) followed by the payload,
+ * in both formats. A slot whose first 64 bytes are all zero is empty. The magic is short so that
+ * both checksums keep all 64 bits; the header checksum is what rejects garbage.
  *
  * I/O: whole slots, the 4096-byte file header, or a slot's first 4096 bytes (scan reads and
  * clear writes only those), always at 4096-aligned offsets, so O_DIRECT works where the file
@@ -65,13 +66,13 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 #include "common/kv_log.h"
 #include "daemon/tiers/codec.h"
 
 #define FILE_MAGIC "KVDTIER2"
-#define FILE_VERSION 1u
 #define FILE_HDR KVD_DISK_ALIGN
 #define FILE_SUM_OFF (FILE_HDR - 8u)
 #define FILE_MODEL_OFF 80u
@@ -85,8 +86,15 @@ struct kvd_disk {
     char *path;          /* <dir>/<name>, heap */
     atomic_int fd;       /* read/write, O_CLOEXEC; -1 once closed */
     atomic_int direct;   /* 1 while the descriptor has O_DIRECT */
+    unsigned version;    /* file format, 1 or 2 */
     uint64_t slot_bytes; /* bytes of one slot, a multiple of KVD_DISK_ALIGN */
 };
+
+/* Slot bytes of a format-version file of block_bytes blocks. */
+static uint64_t slot_bytes_for(unsigned version, uint64_t block_bytes) {
+    uint64_t head = version == 1 ? KVD_DISK_REC_HDR : KVD_DISK_ALIGN;
+    return (head + block_bytes + KVD_DISK_ALIGN - 1) / KVD_DISK_ALIGN * KVD_DISK_ALIGN;
+}
 
 static void put_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)v;
@@ -279,10 +287,11 @@ static int disk_name_ok(const char *name) {
            strcmp(name, "..") != 0;
 }
 
-static void disk_header_build(uint8_t *h, const kvd_disk_key *key, uint64_t slot_bytes) {
+static void disk_header_build(uint8_t *h, const kvd_disk_key *key, unsigned version,
+                              uint64_t slot_bytes) {
     memset(h, 0, FILE_HDR);
     memcpy(h, FILE_MAGIC, 8);
-    put_u32(h + 8, FILE_VERSION);
+    put_u32(h + 8, version);
     put_u32(h + 12, FILE_HDR);
     put_u64(h + 16, slot_bytes);
     put_u64(h + 24, key->layout.block_bytes);
@@ -303,16 +312,18 @@ static void disk_header_build(uint8_t *h, const kvd_disk_key *key, uint64_t slot
     put_u64(h + FILE_SUM_OFF, XXH3_64bits(h, FILE_SUM_OFF));
 }
 
-/* NULL when header h (FILE_HDR bytes) belongs to key, else why not (for the log line). */
+/* NULL when header h (FILE_HDR bytes) belongs to key (*version gets its format), else why not
+ * (for the log line). */
 static const char *disk_header_mismatch(const uint8_t *h, const kvd_disk_key *key,
-                                        uint64_t slot_bytes) {
+                                        unsigned *version) {
     if (memcmp(h, FILE_MAGIC, 8) != 0) {
         return "bad magic (not a kvd T2 file)";
     }
     if (get_u64(h + FILE_SUM_OFF) != XXH3_64bits(h, FILE_SUM_OFF)) {
         return "header checksum mismatch";
     }
-    if (get_u32(h + 8) != FILE_VERSION || get_u32(h + 12) != FILE_HDR) {
+    uint32_t v = get_u32(h + 8);
+    if ((v != 1 && v != 2) || get_u32(h + 12) != FILE_HDR) {
         return "unknown file format version";
     }
     const kv_layout *l = &key->layout;
@@ -321,7 +332,7 @@ static const char *disk_header_mismatch(const uint8_t *h, const kvd_disk_key *ke
         get_u32(h + 48) != (uint32_t)l->dtype || get_u32(h + 52) != (uint32_t)l->arrangement) {
         return "layout differs";
     }
-    if (get_u64(h + 24) != l->block_bytes || get_u64(h + 16) != slot_bytes) {
+    if (get_u64(h + 24) != l->block_bytes || get_u64(h + 16) != slot_bytes_for(v, l->block_bytes)) {
         return "block or slot size differs";
     }
     if (get_u64(h + 56) != key->seed.lo || get_u64(h + 64) != key->seed.hi) {
@@ -335,6 +346,7 @@ static const char *disk_header_mismatch(const uint8_t *h, const kvd_disk_key *ke
     if (get_u32(h + 76) != dl || memcmp(h + FILE_DOMAIN_OFF, key->domain, dl) != 0) {
         return "domain differs";
     }
+    *version = v;
     return NULL;
 }
 
@@ -371,7 +383,8 @@ static void disk_close_fd(kvd_disk *d) {
 }
 
 /* Checks the file just opened: *fresh = 1 when it is empty (new), *why = NULL when its header
- * is key's, else *why says why it must be put aside. KV_ESYS (msg) when it cannot be read. */
+ * is key's (d->version and slot_bytes then the file's), else *why says why it must be put
+ * aside. KV_ESYS (msg) when it cannot be read. */
 static kv_err disk_check_existing(kvd_disk *d, const kvd_disk_key *key, uint8_t *h, int *fresh,
                                   const char **why, char *msg, size_t msglen) {
     struct stat st;
@@ -398,11 +411,16 @@ static kv_err disk_check_existing(kvd_disk *d, const kvd_disk_key *key, uint8_t 
         *why = "truncated header";
         return KV_OK;
     }
-    *why = disk_header_mismatch(h, key, d->slot_bytes);
+    unsigned v = 0;
+    *why = disk_header_mismatch(h, key, &v);
+    if (*why == NULL) {
+        d->version = v;
+        d->slot_bytes = slot_bytes_for(v, key->layout.block_bytes);
+    }
     return KV_OK;
 }
 
-kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, int direct,
+kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, unsigned flags,
                      kvd_disk **out, char *msg, size_t msglen) {
     if (dir == NULL || dir[0] == '\0' || name == NULL || key == NULL || out == NULL) {
         disk_msg(msg, msglen, "T2 file: directory, name, key and out are required");
@@ -428,8 +446,13 @@ kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key,
     }
     atomic_init(&d->fd, -1);
     atomic_init(&d->direct, 0);
-    d->slot_bytes = (KVD_DISK_REC_HDR + key->layout.block_bytes + KVD_DISK_ALIGN - 1) /
-                    KVD_DISK_ALIGN * KVD_DISK_ALIGN;
+    int direct = (flags & KVD_DISK_DIRECT) != 0;
+    /* Format 2 where its header page costs no room over format 1's 64 bytes (see disk.h). */
+    uint64_t bb = key->layout.block_bytes;
+    unsigned fresh_version = slot_bytes_for(2, bb) == slot_bytes_for(1, bb) ? 2u : 1u;
+    if (flags & (KVD_DISK_FORMAT1 | KVD_DISK_FORMAT2)) {
+        fresh_version = (flags & KVD_DISK_FORMAT1) ? 1u : 2u;
+    }
     size_t plen = strlen(dir) + 1 + strlen(name) + 1;
     d->path = malloc(plen);
     if (d->path == NULL) {
@@ -480,7 +503,9 @@ kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key,
         fresh = 1;
     }
     if (fresh) {
-        disk_header_build(h, key, d->slot_bytes);
+        d->version = fresh_version;
+        d->slot_bytes = slot_bytes_for(d->version, key->layout.block_bytes);
+        disk_header_build(h, key, d->version, d->slot_bytes);
         size_t done = 0;
         if (disk_io(d, 1, h, FILE_HDR, 0, &done) != 0) {
             disk_msg(msg, msglen, "cannot write T2 file header of %s: %s", d->path,
@@ -515,7 +540,40 @@ uint64_t kvd_disk_slot_bytes(const kvd_disk *d) {
 }
 
 uint64_t kvd_disk_payload_max(const kvd_disk *d) {
-    return d->slot_bytes - KVD_DISK_REC_HDR;
+    return d->slot_bytes - (d->version == 1 ? KVD_DISK_REC_HDR : KVD_DISK_ALIGN);
+}
+
+int kvd_disk_fits(const kvd_disk *d, uint64_t len, int has_tail) {
+    uint64_t tail = has_tail && d->version == 1 ? KVD_DISK_TAIL : 0;
+    return len + tail <= kvd_disk_payload_max(d);
+}
+
+unsigned kvd_disk_format(const kvd_disk *d) {
+    return d->version;
+}
+
+uint64_t kvd_disk_payload_off(const kvd_disk *d, const kvd_disk_rec *rec) {
+    if (d->version != 1) {
+        return KVD_DISK_ALIGN;
+    }
+    return KVD_DISK_REC_HDR + (rec->has_tail ? KVD_DISK_TAIL : 0u);
+}
+
+/* The payload checksum of the record rec in slot image buf: XXH3_64bits of its tail (when it
+ * has one) followed by its payload. */
+static uint64_t rec_sum(const kvd_disk *d, const uint8_t *buf, const kvd_disk_rec *rec) {
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (d->version == 1 || tail == 0) {
+        /* Format 1 keeps them side by side; without a tail there is only the payload. */
+        return XXH3_64bits(buf + (d->version == 1 ? KVD_DISK_REC_HDR : KVD_DISK_ALIGN),
+                           rec->len + (d->version == 1 ? tail : 0));
+    }
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    XXH3_64bits_update(&st, buf + KVD_DISK_ALIGN, rec->len);
+    return XXH3_64bits_digest(&st);
 }
 
 int kvd_disk_direct(const kvd_disk *d) {
@@ -550,7 +608,7 @@ static int rec_parse(const kvd_disk *d, const uint8_t *p, kvd_disk_rec *rec, uin
     }
     uint32_t len = get_u32(p + 4);
     uint32_t fmt = p[3] & 0x7fu, tail = (p[3] & 0x80u) != 0;
-    if (fmt >= KVD_TF_COUNT || len + (tail ? KVD_DISK_TAIL : 0) > kvd_disk_payload_max(d)) {
+    if (fmt >= KVD_TF_COUNT || !kvd_disk_fits(d, len, (int)tail)) {
         return -1;
     }
     rec->format = fmt;
@@ -610,8 +668,7 @@ cleanup_buf:
 
 /* Whether rec can be written: a known format, its payload and tail within a slot. */
 static int rec_fits(const kvd_disk *d, const kvd_disk_rec *rec) {
-    return rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0) <= kvd_disk_payload_max(d) &&
-           rec->format < KVD_TF_COUNT;
+    return kvd_disk_fits(d, rec->len, (int)rec->has_tail) && rec->format < KVD_TF_COUNT;
 }
 
 /* The 64-byte record header of rec at buf, with psum the checksum of its tail and payload. */
@@ -641,18 +698,19 @@ kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const
         }
         return KV_ESYS;
     }
-    uint8_t *pl = buf + kvd_disk_payload_off(rec);
+    uint64_t poff = kvd_disk_payload_off(d, rec);
+    uint8_t *pl = buf + poff;
     /* Move first: payload may overlap the header bytes about to be written. */
     if (payload != pl && rec->len > 0) {
         memmove(pl, payload, rec->len);
     }
-    uint8_t *body = buf + KVD_DISK_REC_HDR; /* tail and payload */
-    size_t blen = rec->len + (rec->has_tail ? KVD_DISK_TAIL : 0);
-    if (rec->has_tail) {
-        memcpy(body, rec->tail, KVD_DISK_TAIL);
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (tail > 0) {
+        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
     }
-    memset(body + blen, 0, d->slot_bytes - KVD_DISK_REC_HDR - blen);
-    rec_header(buf, rec, XXH3_64bits(body, blen));
+    memset(buf + KVD_DISK_REC_HDR + tail, 0, poff - KVD_DISK_REC_HDR - tail); /* format 2 */
+    memset(pl + rec->len, 0, d->slot_bytes - poff - rec->len);
+    rec_header(buf, rec, rec_sum(d, buf, rec));
     size_t done = 0;
     if (disk_io(d, 1, buf, d->slot_bytes, off, &done) != 0) {
         if (sys_errno != NULL) {
@@ -689,7 +747,7 @@ kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_d
     if (expect != NULL && !kv_hash_eq(r.hash, *expect)) {
         return KV_ECORRUPT;
     }
-    if (XXH3_64bits(buf + KVD_DISK_REC_HDR, r.len + (r.has_tail ? KVD_DISK_TAIL : 0)) != psum) {
+    if (rec_sum(d, buf, &r) != psum) {
         return KV_ECORRUPT;
     }
     *rec = r;
@@ -721,7 +779,7 @@ kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
 
 /* ---- streamed write and read (io_uring) ------------------------------------------------------ */
 
-#define RING_DEPTH 128u /* submission entries; at most STREAM_MAX + 1 are in flight */
+#define RING_DEPTH 128u /* submission entries; at most STREAM_MAX + 2 are in flight */
 /* Chunks of one streamed transfer at most (16 MiB slots); larger slots go the plain way. */
 #define STREAM_MAX 64u
 
@@ -769,13 +827,14 @@ int kvd_disk_thread_uring(void) {
     return thread_ring() != NULL;
 }
 
-/* Transfers of one streamed I/O on the ring: chunk k's result lands in res[k] (index STREAM_MAX:
- * the header block). */
+/* Transfers of one streamed I/O on the ring: chunk k's result lands in res[k]. */
+#define KEY_HDR STREAM_MAX         /* the slot's first 4096 bytes (record header) */
+#define KEY_REST (STREAM_MAX + 1u) /* a zero-copy transfer's last partial page and padding */
 typedef struct stream_io {
     struct io_uring *ring;
     uint32_t inflight;
-    int32_t res[STREAM_MAX + 1]; /* the transfer's result; INT32_MIN while in flight */
-    uint32_t want[STREAM_MAX + 1];
+    int32_t res[KEY_REST + 1]; /* the transfer's result; INT32_MIN while in flight */
+    uint32_t want[KEY_REST + 1];
 } stream_io;
 
 /* Streamed transfers that went the plain way (the ring refused, or none): tests and stats. */
@@ -810,7 +869,7 @@ static void sio_reap(stream_io *io) {
         }
     }
     uint64_t k = io_uring_cqe_get_data64(cqe);
-    if (k <= STREAM_MAX) {
+    if (k <= KEY_REST) {
         io->res[k] = cqe->res;
     }
     io_uring_cqe_seen(io->ring, cqe);
@@ -883,7 +942,7 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     uint64_t off = disk_slot_off(d, slot);
     uint32_t nch = stream_chunks(d);
     struct io_uring *ring = off != 0 && nch > 0 ? thread_ring() : NULL;
-    uint64_t poff = kvd_disk_payload_off(rec);
+    uint64_t poff = kvd_disk_payload_off(d, rec);
     if (ring == NULL) {
         atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = fill(arg, buf + poff, 0, rec->len);
@@ -895,21 +954,27 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     }
     XXH3_state_t *st = tls_sum;
     XXH3_64bits_reset(st);
-    if (rec->has_tail) {
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (tail > 0) {
         memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
         XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
     }
     uint64_t pend = poff + rec->len; /* where the payload ends in the slot */
-    /* The header block's share of the payload first (the checksum runs in payload order). */
-    uint64_t first = pend < KVD_DISK_ALIGN ? rec->len : KVD_DISK_ALIGN - poff;
-    kv_err rc = fill(arg, buf + poff, 0, first);
-    if (rc != KV_OK) {
-        *fill_failed = 1;
-        return rc;
-    }
-    XXH3_64bits_update(st, buf + poff, first);
-    if (pend < KVD_DISK_ALIGN) {
-        memset(buf + pend, 0, KVD_DISK_ALIGN - pend);
+    /* The header block's share of the payload first (the checksum runs in payload order);
+     * format 2 has none (zeros after the tail). */
+    kv_err rc = KV_OK;
+    if (poff < KVD_DISK_ALIGN) {
+        uint64_t first = pend < KVD_DISK_ALIGN ? rec->len : KVD_DISK_ALIGN - poff;
+        if ((rc = fill(arg, buf + poff, 0, first)) != KV_OK) {
+            *fill_failed = 1;
+            return rc;
+        }
+        XXH3_64bits_update(st, buf + poff, first);
+        if (pend < KVD_DISK_ALIGN) {
+            memset(buf + pend, 0, KVD_DISK_ALIGN - pend);
+        }
+    } else {
+        memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
     }
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);
@@ -938,9 +1003,9 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
      * checksum in it, so a slot cut off midway (here, or in one plain pwrite alike) never reads
      * back as good. */
     rec_header(buf, rec, XXH3_64bits_digest(st));
-    sio_queue(&io, 1, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off);
+    sio_queue(&io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
     sio_drain(&io);
-    int plain = sio_wait(&io, STREAM_MAX) != 0;
+    int plain = sio_wait(&io, KEY_HDR) != 0;
     for (uint32_t k = 0; k < nch && !plain; k++) {
         plain = sio_wait(&io, k) != 0;
     }
@@ -975,14 +1040,14 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     if (ring == NULL) {
         atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
-        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
+        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(d, rec), 0, rec->len);
     }
     XXH3_state_t *st = tls_sum;
     XXH3_64bits_reset(st);
     /* Every transfer at once: the header block, then the chunks in order. */
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);
-    sio_queue(&io, 0, fd, STREAM_MAX, buf, KVD_DISK_ALIGN, off);
+    sio_queue(&io, 0, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
     for (uint32_t k = 0; k < nch; k++) {
         uint64_t s0, s1;
         chunk_range(d, k, &s0, &s1);
@@ -991,16 +1056,20 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
     kv_err rc = KV_OK;
     kvd_disk_rec r;
     uint64_t psum = 0, pend = 0, poff = 0;
-    int plain = sio_wait(&io, STREAM_MAX) != 0; /* short or refused: the plain read tells which */
+    int plain = sio_wait(&io, KEY_HDR) != 0; /* short or refused: the plain read tells which */
     if (!plain) {
         if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect))) {
             rc = KV_ECORRUPT;
         } else {
-            poff = kvd_disk_payload_off(&r);
+            poff = kvd_disk_payload_off(d, &r);
             pend = poff + r.len;
-            uint64_t e = pend < KVD_DISK_ALIGN ? pend : KVD_DISK_ALIGN;
-            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, e - KVD_DISK_REC_HDR);
-            rc = sink(arg, buf + poff, 0, e - poff);
+            if (poff < KVD_DISK_ALIGN) { /* format 1: tail and payload side by side */
+                uint64_t e = pend < KVD_DISK_ALIGN ? pend : KVD_DISK_ALIGN;
+                XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, e - KVD_DISK_REC_HDR);
+                rc = sink(arg, buf + poff, 0, e - poff);
+            } else if (r.has_tail) {
+                XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+            }
         }
     }
     for (uint32_t k = 0; k < nch && !plain && rc == KV_OK; k++) {
@@ -1025,7 +1094,7 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
          * O_DIRECT's refusals, says corrupt for a slot past the end, and reports what stays an
          * error). */
         rc = kvd_disk_read(d, slot, expect, rec, buf);
-        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(rec), 0, rec->len);
+        return rc != KV_OK ? rc : sink(arg, buf + kvd_disk_payload_off(d, rec), 0, rec->len);
     }
     if (rc != KV_OK) {
         return rc;
@@ -1034,5 +1103,206 @@ kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect
         return KV_ECORRUPT;
     }
     *rec = r;
+    return KV_OK;
+}
+
+/* ---- zero-copy write and read (format 2) ------------------------------------------------------
+ */
+
+static atomic_ullong direct_transfers;
+
+uint64_t kvd_disk_direct_transfers(void) {
+    return atomic_load(&direct_transfers);
+}
+
+static kv_err copy_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    memcpy(dst, (const uint8_t *)arg + off, n);
+    return KV_OK;
+}
+
+/* read_into's copying way: the payload into dst[0, len), never past it. */
+typedef struct copy_dst {
+    uint8_t *dst;
+    uint64_t len;
+} copy_dst;
+
+static kv_err copy_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    const copy_dst *c = arg;
+    if (off > c->len || n > c->len - off) {
+        return KV_ECORRUPT; /* a longer record than the caller's: not the one asked for */
+    }
+    memcpy(c->dst + off, src, n);
+    return KV_OK;
+}
+
+/* The ring for a zero-copy transfer of len payload bytes at mem into or out of slot, or NULL
+ * when it goes the copying way: format 1, a slot the stream cannot take, memory O_DIRECT
+ * cannot use, no io_uring on this thread. */
+static struct io_uring *direct_ring(kvd_disk *d, uint64_t slot, const void *mem, uint64_t len) {
+    if (d->version == 1 || stream_chunks(d) == 0 || disk_slot_off(d, slot) == 0 ||
+        len > kvd_disk_payload_max(d)) {
+        return NULL;
+    }
+    if (atomic_load(&d->direct) && (uintptr_t)mem % KVD_DISK_ALIGN != 0) {
+        return NULL;
+    }
+    return thread_ring();
+}
+
+kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const uint8_t *src,
+                           uint8_t *buf, int *sys_errno, int *zero_copy) {
+    if (zero_copy != NULL) {
+        *zero_copy = 0;
+    }
+    if (rec == NULL || buf == NULL || (src == NULL && rec->len > 0) || !rec_fits(d, rec)) {
+        return KV_EINVAL;
+    }
+    struct io_uring *ring = direct_ring(d, slot, src, rec->len);
+    if (ring == NULL) {
+        int fill_failed = 0;
+        return kvd_disk_write_stream(d, slot, rec, copy_fill, (void *)(uintptr_t)src, buf,
+                                     sys_errno, &fill_failed);
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    uint64_t len = rec->len, full = len / KVD_DISK_ALIGN * KVD_DISK_ALIGN;
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    /* The payload's whole pages straight from src, a chunk at a time: the disk starts on them
+     * at once. */
+    uint32_t nk = 0;
+    for (uint64_t p = 0; p < full; p += KVD_DISK_CHUNK, nk++) {
+        uint64_t n = full - p < KVD_DISK_CHUNK ? full - p : KVD_DISK_CHUNK;
+        sio_queue(&io, 1, fd, nk, (uint8_t *)(uintptr_t)src + p, (uint32_t)n,
+                  off + KVD_DISK_ALIGN + p);
+    }
+    /* The rest (the last partial page and the padding) through buf, where it sits in a slot
+     * image. */
+    uint64_t rest = d->slot_bytes - KVD_DISK_ALIGN - full;
+    if (rest > 0) {
+        uint8_t *r = buf + KVD_DISK_ALIGN + full;
+        memcpy(r, src + full, len - full);
+        memset(r + (len - full), 0, rest - (len - full));
+        sio_queue(&io, 1, fd, KEY_REST, r, (uint32_t)rest, off + KVD_DISK_ALIGN + full);
+    }
+    /* The checksum while the disk reads the same bytes; the header block goes last (as in
+     * write_stream, a slot cut off midway fails its payload checksum). */
+    XXH3_state_t *st = tls_sum;
+    XXH3_64bits_reset(st);
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (tail > 0) {
+        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
+        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
+    XXH3_64bits_update(st, src, len);
+    memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
+    rec_header(buf, rec, XXH3_64bits_digest(st));
+    sio_queue(&io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
+    sio_drain(&io);
+    int plain = sio_wait(&io, KEY_HDR) != 0;
+    for (uint32_t k = 0; k < nk && !plain; k++) {
+        plain = sio_wait(&io, k) != 0;
+    }
+    if (!plain && rest > 0) {
+        plain = sio_wait(&io, KEY_REST) != 0;
+    }
+    if (!plain) {
+        atomic_fetch_add(&direct_transfers, 1);
+        if (zero_copy != NULL) {
+            *zero_copy = 1;
+        }
+        return KV_OK;
+    }
+    atomic_fetch_add(&stream_fallbacks, 1);
+    /* Refused or cut short: the whole slot through pwrite (see write_stream). */
+    return kvd_disk_write(d, slot, rec, src, buf, sys_errno);
+}
+
+kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                          uint8_t *dst, uint64_t len, uint8_t *buf, int *zero_copy) {
+    if (zero_copy != NULL) {
+        *zero_copy = 0;
+    }
+    if (rec == NULL || buf == NULL || (dst == NULL && len > 0)) {
+        return KV_EINVAL;
+    }
+    struct io_uring *ring = direct_ring(d, slot, dst, len);
+    kv_err rc;
+    if (ring == NULL) {
+        copy_dst c = {dst, len};
+        rc = kvd_disk_read_stream(d, slot, expect, rec, buf, copy_sink, &c);
+        return rc == KV_OK && rec->len != len ? KV_ECORRUPT : rc;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    uint64_t full = len / KVD_DISK_ALIGN * KVD_DISK_ALIGN;
+    uint64_t rest = (len + KVD_DISK_ALIGN - 1) / KVD_DISK_ALIGN * KVD_DISK_ALIGN - full;
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    /* Every transfer at once: the header block, the whole pages straight into dst, the last
+     * partial page into buf. */
+    sio_queue(&io, 0, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
+    uint32_t nk = 0;
+    for (uint64_t p = 0; p < full; p += KVD_DISK_CHUNK, nk++) {
+        uint64_t n = full - p < KVD_DISK_CHUNK ? full - p : KVD_DISK_CHUNK;
+        sio_queue(&io, 0, fd, nk, dst + p, (uint32_t)n, off + KVD_DISK_ALIGN + p);
+    }
+    if (rest > 0) {
+        sio_queue(&io, 0, fd, KEY_REST, buf + KVD_DISK_ALIGN + full, (uint32_t)rest,
+                  off + KVD_DISK_ALIGN + full);
+    }
+    XXH3_state_t *st = tls_sum;
+    XXH3_64bits_reset(st);
+    kvd_disk_rec r;
+    uint64_t psum = 0;
+    rc = KV_OK;
+    int plain = sio_wait(&io, KEY_HDR) != 0; /* short or refused: the plain read tells which */
+    if (!plain) {
+        if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect)) ||
+            r.len != len) {
+            rc = KV_ECORRUPT;
+        } else if (r.has_tail) {
+            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+        }
+    }
+    /* Each piece checksummed as it lands, while the later ones are still on their way. */
+    for (uint32_t k = 0; k < nk && !plain && rc == KV_OK; k++) {
+        if (sio_wait(&io, k) != 0) {
+            plain = 1;
+            break;
+        }
+        uint64_t p = (uint64_t)k * KVD_DISK_CHUNK;
+        XXH3_64bits_update(st, dst + p, full - p < KVD_DISK_CHUNK ? full - p : KVD_DISK_CHUNK);
+    }
+    if (!plain && rc == KV_OK && rest > 0) {
+        if (sio_wait(&io, KEY_REST) != 0) {
+            plain = 1;
+        } else {
+            XXH3_64bits_update(st, buf + KVD_DISK_ALIGN + full, len - full);
+            memcpy(dst + full, buf + KVD_DISK_ALIGN + full, len - full);
+        }
+    }
+    sio_drain(&io);
+    if (plain) {
+        atomic_fetch_add(&stream_fallbacks, 1);
+        /* As read_stream: the whole slot the plain way. */
+        rc = kvd_disk_read(d, slot, expect, rec, buf);
+        if (rc == KV_OK && rec->len != len) {
+            rc = KV_ECORRUPT;
+        }
+        if (rc == KV_OK) {
+            memcpy(dst, buf + kvd_disk_payload_off(d, rec), len);
+        }
+        return rc;
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (XXH3_64bits_digest(st) != psum) {
+        return KV_ECORRUPT;
+    }
+    *rec = r;
+    atomic_fetch_add(&direct_transfers, 1);
+    if (zero_copy != NULL) {
+        *zero_copy = 1;
+    }
     return KV_OK;
 }

@@ -5,11 +5,20 @@
  * File `<dir>/<name>`, created 0600 in a directory created 0700 (the caller makes one directory
  * per domain). Layout: a 4096-byte header (magic "KVDTIER2", format version, slot_bytes,
  * block_bytes, the pool key: model id, layout fields, domain name, hash seed; an XXH3-64 of the
- * header), then slot i at byte 4096 + i * slot_bytes. slot_bytes = 64 + block_bytes rounded up
- * to 4096, so every slot starts and ends on a 4096-byte boundary (O_DIRECT's alignment). A slot
- * holds one record: a 64-byte header (magic, format, payload length, the block's chain hash,
- * its parent's chain hash, a sequence number, XXH3-64 of the payload, XXH3-64 of the header)
- * followed by the payload (the block's bytes as kvd_codec stored them), zero padded.
+ * header), then slot i at byte 4096 + i * slot_bytes; every slot starts and ends on a 4096-byte
+ * boundary (O_DIRECT's alignment). A slot holds one record: a 64-byte header (magic, format,
+ * payload length, the block's chain hash, its parent's chain hash, a sequence number, XXH3-64
+ * of the digest tail and payload, XXH3-64 of the header), the optional 16-byte digest tail, and
+ * the payload (the block's bytes as kvd_codec stored them), zero padded.
+ *
+ * Two file formats. Format 2: the record header and tail fill the slot's first 4096 bytes and
+ * the payload starts at byte 4096 of the slot, so a payload's whole pages can go between the
+ * disk and the caller's memory with O_DIRECT and no copy (kvd_disk_write_from / read_into);
+ * slot_bytes = 4096 + block_bytes rounded up to 4096. Format 1: the payload follows the header
+ * (and tail) at byte 64 (80); slot_bytes = 64 + block_bytes rounded up to 4096. A new file is
+ * format 2 where that costs no room (block_bytes a multiple of 4096, or within 64 bytes under
+ * one: every real model's blocks), else format 1 (a small block would pay a page a slot for
+ * the header); files made by kvd before format 2 are format 1 and stay so.
  *
  * The file survives a restart: kvd_disk_scan reads every slot header and reports the valid
  * ones, so the daemon rebuilds its T2 entries. A file whose header is corrupt, truncated or of
@@ -35,6 +44,11 @@
 #define KVD_DISK_REC_HDR 64u  /* bytes of a record header */
 #define KVD_DISK_KEY_MAX 256u /* model id and domain name: at most this many bytes each */
 
+/* kvd_disk_open's flags. */
+#define KVD_DISK_DIRECT 1u  /* try O_DIRECT */
+#define KVD_DISK_FORMAT1 2u /* a new file gets format 1 (tests: files older kvds made) */
+#define KVD_DISK_FORMAT2 4u /* a new file gets format 2 whatever the room (tests) */
+
 typedef struct kvd_disk kvd_disk;
 
 /* What a file belongs to. Two keys match when every field is equal. */
@@ -56,27 +70,35 @@ typedef struct kvd_disk_rec {
     uint8_t tail[16];
 } kvd_disk_rec;
 
-/* With a tail the record's payload starts KVD_DISK_TAIL bytes later in the slot (the tail sits
- * between header and payload, inside the payload checksum, so a scan reads it with the header).
- * kvd_disk_payload_off: where rec's payload starts in a slot buffer. */
+/* The tail sits right after the record header, inside the payload checksum, so a scan reads it
+ * with the header. kvd_disk_payload_off: where rec's payload starts in a slot buffer (4096 in a
+ * format 2 file; 64, or 80 with a tail, in a format 1 file). */
 #define KVD_DISK_TAIL 16u
-#define kvd_disk_payload_off(rec) (KVD_DISK_REC_HDR + ((rec)->has_tail ? KVD_DISK_TAIL : 0u))
+uint64_t kvd_disk_payload_off(const kvd_disk *d, const kvd_disk_rec *rec);
 
 /* Opens (or creates) file `name` in directory dir (created 0700 with its parents if missing;
- * an existing directory is used as it is) for key. direct: try O_DIRECT first (falls back to
- * buffered I/O where the file system refuses it; kvd_disk_direct tells). A file that exists with
- * a bad or foreign header is renamed aside and replaced (log line KVD-TIER2-FILE). KV_ESYS
- * (errno's text in msg) when the directory or file cannot be made or opened, KV_EINVAL for a bad
- * key or name (containing '/'). msg (msglen bytes, may be NULL) gets a sentence on error. */
-kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, int direct,
+ * an existing directory is used as it is) for key. flags: KVD_DISK_DIRECT tries O_DIRECT first
+ * (falls back to buffered I/O where the file system refuses it; kvd_disk_direct tells);
+ * KVD_DISK_FORMAT1 / FORMAT2 choose a new file's format (else as above). An existing file keeps
+ * its format. A file that
+ * exists with a bad or foreign header is renamed aside and replaced (log line KVD-TIER2-FILE).
+ * KV_ESYS (errno's text in msg) when the directory or file cannot be made or opened, KV_EINVAL for
+ * a bad key or name (containing '/'). msg (msglen bytes, may be NULL) gets a sentence on error. */
+kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key, unsigned flags,
                      kvd_disk **out, char *msg, size_t msglen);
 
 /* Closes the file (nothing in flight). Accepts NULL. */
 void kvd_disk_close(kvd_disk *d);
 
-/* Bytes of one slot, and the most payload bytes a record may have (slot_bytes - 64). */
+/* Bytes of one slot, and the most payload bytes a record without a tail may have (slot_bytes
+ * less 4096 in format 2, less 64 in format 1). kvd_disk_fits: 1 when a record of len payload
+ * bytes, with a tail or not, fits a slot (format 1's tail takes payload room). */
 uint64_t kvd_disk_slot_bytes(const kvd_disk *d);
 uint64_t kvd_disk_payload_max(const kvd_disk *d);
+int kvd_disk_fits(const kvd_disk *d, uint64_t len, int has_tail);
+
+/* The file's format (1 or 2). */
+unsigned kvd_disk_format(const kvd_disk *d);
 
 /* 1 when the file is open with O_DIRECT. */
 int kvd_disk_direct(const kvd_disk *d);
@@ -94,16 +116,16 @@ kv_err kvd_disk_scan(kvd_disk *d, kvd_disk_scan_fn fn, void *arg, uint64_t *bad)
 
 /* Writes record rec with payload[0..rec->len) into slot (any slot number; the file grows).
  * buf: caller scratch of kvd_disk_slot_bytes(d) bytes aligned to KVD_DISK_ALIGN (O_DIRECT needs
- * it); payload may point into buf at kvd_disk_payload_off(rec) to save a copy. KV_EINVAL for
- * len (plus the tail) > payload_max; KV_ESYS (ENOSPC, EIO...) with errno kept in *sys_errno (may be
- * NULL). Any thread. */
+ * it); payload may point into buf at kvd_disk_payload_off(d, rec) to save a copy. KV_EINVAL for
+ * a record that does not fit (kvd_disk_fits); KV_ESYS (ENOSPC, EIO...) with errno kept in
+ * *sys_errno (may be NULL). Any thread. */
 kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const void *payload,
                       uint8_t *buf, int *sys_errno);
 
 /* Reads slot into buf (kvd_disk_slot_bytes(d) bytes, KVD_DISK_ALIGN-aligned) and checks it: the
  * header's magic and checksum, its hash equal to *expect (when not NULL), and the payload's
  * checksum. On success *rec gets the header (and tail) and the payload is at buf +
- * kvd_disk_payload_off(rec).
+ * kvd_disk_payload_off(d, rec).
  * KV_ECORRUPT for any failed check or a short read (a slot past the end), KV_ESYS for an I/O
  * error. Any thread. */
 kv_err kvd_disk_read(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
@@ -134,6 +156,28 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
                              int *fill_failed);
 kv_err kvd_disk_read_stream(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
                             uint8_t *buf, kvd_disk_sink_fn sink, void *arg);
+
+/* The zero-copy forms (raw blocks whose bytes lie in one piece of host memory: a host pool's
+ * T0 block). write_from writes record rec whose payload is src[0, rec->len): in a format 2 file
+ * with io_uring, the payload's whole pages go to the disk straight from src (only the last
+ * partial page is copied, into buf), while this thread checksums src; src must not change
+ * until it returns. read_into reads slot, whose record must have exactly len payload bytes,
+ * with the payload's whole pages straight into dst and the rest through buf, checking the
+ * payload checksum as the pieces land. With O_DIRECT on, src / dst must be KVD_DISK_ALIGN-
+ * aligned for the direct way. Otherwise (format 1, no io_uring, unaligned memory, a slot too
+ * large to stream) both go the streamed or plain way with a copy, with the same results.
+ * buf: a slot-sized aligned scratch, as for write and read. read_into: a record of another
+ * length is KV_ECORRUPT, and after any error dst[0, len) is garbage. *zero_copy (may be NULL)
+ * gets 1 when the transfer succeeded the zero-copy way, else 0. Otherwise as write_stream /
+ * read_stream. */
+kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const uint8_t *src,
+                           uint8_t *buf, int *sys_errno, int *zero_copy);
+kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                          uint8_t *dst, uint64_t len, uint8_t *buf, int *zero_copy);
+
+/* Transfers kvd_disk_write_from / read_into made the zero-copy way, over the process's life.
+ * Any thread. */
+uint64_t kvd_disk_direct_transfers(void);
 
 /* 1 when this thread's streamed I/O goes through io_uring (made on its first use). */
 int kvd_disk_thread_uring(void);

@@ -96,6 +96,7 @@ enum {
     TS_RWATCH_GAPS,
     TS_T1_PINNED,
     TS_PIN_FALLBACKS,
+    TS_T2_ZERO_COPY,
     TS_COUNT
 };
 
@@ -278,6 +279,11 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                           "instead: their copies go through the driver's staging buffers)",
                           "kvd_tier1_pinned_fallbacks_total",
                           "GPU pools' tier-1 buffers that could not be page-locked.", NULL, NULL},
+    [TS_T2_ZERO_COPY] = {"tier2_zero_copy", "counter", "blocks",
+                         "T2 writes and reads whose block went between the disk and T0 with no "
+                         "copy (a host pool's raw blocks in one piece, a format 2 file)",
+                         "kvd_tier2_zero_copy_total",
+                         "T2 transfers that moved a block with no copy.", NULL, NULL},
 };
 
 typedef struct tier_pool tier_pool;
@@ -407,6 +413,7 @@ typedef struct job {
     uint8_t *out;  /* DOWN1: encoded bytes (malloc'd, or page-locked for a pinning pool) */
     uint32_t pin_fallbacks; /* DOWN1, PREFAULT: buffers made with malloc where page-locked
                                ones were wanted */
+    int zero_copy; /* DOWN2, UP from T2: the block went between the disk and T0 with no copy */
     uint64_t out_len;
     uint8_t out_fmt;
     uint64_t ns;
@@ -770,14 +777,22 @@ static void work(uv_work_t *w) {
                 break;
             }
             /* The digest tail goes with the record when it fits beside the payload. */
-            uint64_t room = kvd_disk_payload_max(j->disk);
             if (j->rec.has_tail &&
-                (j->from_t0 ? kvd_codec_bound(j->format, j->block_bytes) : j->len1) +
-                        KVD_DISK_TAIL >
-                    room) {
+                !kvd_disk_fits(j->disk,
+                               j->from_t0 ? kvd_codec_bound(j->format, j->block_bytes) : j->len1,
+                               1)) {
                 j->rec.has_tail = 0;
             }
-            uint8_t *payload = buf + kvd_disk_payload_off(&j->rec);
+            uint8_t *payload = buf + kvd_disk_payload_off(j->disk, &j->rec);
+            if (j->from_t0 && j->format == KVD_TF_RAW && j->tp->dev == NULL && j->nruns == 1 &&
+                j->runs[0].n == j->block_bytes) {
+                /* Raw, one piece of host memory: its whole pages go to the disk from T0. */
+                j->rec.len = (uint32_t)j->block_bytes;
+                j->rec.format = KVD_TF_RAW;
+                j->rc = kvd_disk_write_from(j->disk, j->slot, &j->rec, j->runs[0].p, buf,
+                                            &j->sys_errno, &j->zero_copy);
+                break;
+            }
             if (j->from_t0 && j->format == KVD_TF_RAW) {
                 /* Raw: gathered chunk by chunk while the disk writes the chunks before. */
                 t0_range x = {j->tp, j->runs, j->nruns};
@@ -810,8 +825,7 @@ static void work(uv_work_t *w) {
                     } else {
                         j->rc =
                             kvd_codec_encode(j->format, img, j->block_bytes, enc, cap, &len, &used);
-                        if (j->rc == KV_OK && len + (j->rec.has_tail ? KVD_DISK_TAIL : 0) >
-                                                  kvd_disk_payload_max(j->disk)) {
+                        if (j->rc == KV_OK && !kvd_disk_fits(j->disk, len, (int)j->rec.has_tail)) {
                             j->rc = KV_EINTERNAL;
                         }
                         if (j->rc == KV_OK) {
@@ -850,7 +864,14 @@ static void work(uv_work_t *w) {
                 }
                 kv_hash128 want = j->rec.hash;
                 t0_range x = {j->tp, j->runs, j->nruns};
-                j->rc = kvd_disk_read_stream(j->disk, j->slot, &want, &j->rec, buf, t0_sink, &x);
+                if (j->tp->dev == NULL && j->nruns == 1 && j->runs[0].n == j->block_bytes) {
+                    /* One piece of host memory: the whole pages land in T0 from the disk. */
+                    j->rc = kvd_disk_read_into(j->disk, j->slot, &want, &j->rec, j->runs[0].p,
+                                               j->block_bytes, buf, &j->zero_copy);
+                } else {
+                    j->rc =
+                        kvd_disk_read_stream(j->disk, j->slot, &want, &j->rec, buf, t0_sink, &x);
+                }
                 if (j->rc == KV_OK &&
                     (j->rec.format != KVD_TF_RAW || j->rec.len != j->block_bytes)) {
                     j->rc = KV_ECORRUPT; /* not the record the store knew */
@@ -869,7 +890,7 @@ static void work(uv_work_t *w) {
                 }
                 kv_hash128 want = j->rec.hash;
                 j->rc = kvd_disk_read(j->disk, j->slot, &want, &j->rec, buf);
-                src = buf + kvd_disk_payload_off(&j->rec);
+                src = buf + kvd_disk_payload_off(j->disk, &j->rec);
                 len = j->rec.len;
                 fmt = (uint8_t)j->rec.format;
             }
@@ -1691,6 +1712,7 @@ static void after_work(uv_work_t *w, int status) {
             }
         }
         t->c[TS_PIN_FALLBACKS] += j->pin_fallbacks;
+        t->c[TS_T2_ZERO_COPY] += j->zero_copy;
         t1_free(t, j->out);
         free(j->runs);
         free(j);
@@ -1844,6 +1866,7 @@ static void after_work(uv_work_t *w, int status) {
             break;
     }
     t->c[TS_PIN_FALLBACKS] += j->pin_fallbacks;
+    t->c[TS_T2_ZERO_COPY] += j->zero_copy;
     t1_free(t, j->out);
     free(j->runs);
     free(j);
@@ -2410,8 +2433,8 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         snprintf(key.domain, sizeof(key.domain), "%s", domain);
         key.layout = p->layout;
         key.seed = p->seed;
-        kv_err rc =
-            kvd_disk_open(dir, name, &key, t->cfg->tier2_direct, &tp->disk, msg, sizeof(msg));
+        kv_err rc = kvd_disk_open(dir, name, &key, t->cfg->tier2_direct ? KVD_DISK_DIRECT : 0u,
+                                  &tp->disk, msg, sizeof(msg));
         if (rc != KV_OK) {
             tp->disk = NULL;
             snprintf(t->t2_error, sizeof(t->t2_error), "pool %u: %s", p->pool_id, msg);

@@ -157,6 +157,42 @@ def test_t2_round_trip_and_restart(kvd_factory, fmt):
     assert tier_stats(d2)["promotions_t2"] == 6
 
 
+# Block-major, 8 KiB blocks: each block is one page-aligned piece of the pool's memory.
+LAYOUT_BM = kw.Layout(2, 2, 32, 16, pb.FP16, pb.BLOCK_MAJOR)
+
+
+@pytest.mark.parametrize("direct", ["true", "false"])
+def test_t2_zero_copy_round_trip(kvd_factory, direct):
+    """A host pool's block-major raw blocks go to a T2 file (format 2) and come back with no
+    copy (tier2_zero_copy counts each write and read), O_DIRECT on or off; the bytes survive
+    a restart; a layer-major pool beside it goes the copying way."""
+    t2dir, opts = _t2_only(tier2_direct=direct)
+    d = kvd_factory(**opts)
+    c = connect(d)
+    pool = c.attach("m-zc", LAYOUT_BM)
+    hs = prefix(pool, 6, 11)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    st = tier_stats(d)
+    assert st["demotions_t2"] == 6 and st["tier2_zero_copy"] == 6, st
+    other = c.attach("m-zc-lm", LAYOUT)
+    hs2 = prefix(other, 4, 12)
+    write_commit_release(c, other, hs2, patterns(other, hs2))
+    settle(d)
+    st = tier_stats(d)
+    assert st["demotions_t2"] == 10 and st["tier2_zero_copy"] == 6, st
+    d.kill()
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    pool2 = c2.attach("m-zc", LAYOUT_BM)
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == 6 and fr.promoted == 6, fr
+    check_bytes(pool2, blocks, pats)
+    st = tier_stats(d2)
+    assert st["promotions_t2"] == 6 and st["tier2_zero_copy"] == 6, st
+
+
 def test_t2_corrupt_record_never_served(kvd_factory):
     """A T2 record whose bytes changed on disk fails its check: the Fetch returns the run up to
     it (FETCH_PARTIAL, ECORRUPT), the record is dropped and counted, and the daemon serves on."""
