@@ -21,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench/benchutil.h"
@@ -46,14 +48,18 @@ static const char *const way_name[NWAYS] = {
 
 int main(int argc, char **argv) {
     const char *dir = "/tmp";
-    int rounds = 7;
+    int rounds = 7, fresh = 0, use_memfd = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--dir") == 0 && i + 1 < argc) {
             dir = argv[++i];
+        } else if (strcmp(argv[i], "--fresh") == 0) {
+            fresh = 1;
+        } else if (strcmp(argv[i], "--memfd") == 0) {
+            use_memfd = 1;
         } else if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
             rounds = atoi(argv[++i]);
         } else {
-            bench_die("usage: disk_bench [--dir DIR] [--rounds N]");
+            bench_die("usage: disk_bench [--dir DIR] [--rounds N] [--fresh] [--memfd]");
         }
     }
     if (rounds < 1 || rounds > 64) {
@@ -92,6 +98,19 @@ int main(int argc, char **argv) {
     /* Page-aligned, as a host pool's blocks are (zero-copy's O_DIRECT needs it). */
     uint8_t *t0 = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb),
             *back = aligned_alloc(KVD_DISK_ALIGN, bb);
+    int mfd = -1;
+    if (use_memfd) {
+        /* T0 as a host pool's: a memfd mapped shared (a child process writes it with --fresh). */
+        free(t0);
+        mfd = memfd_create("disk-bench-t0", MFD_CLOEXEC);
+        if (mfd < 0 || ftruncate(mfd, (off_t)(NBLK * bb)) != 0) {
+            bench_die("memfd: %s", strerror(errno));
+        }
+        t0 = mmap(NULL, NBLK * bb, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+        if (t0 == MAP_FAILED) {
+            bench_die("mmap: %s", strerror(errno));
+        }
+    }
     uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
     uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
     if (t0 == NULL || back == NULL || buf == NULL || img == NULL) {
@@ -116,6 +135,27 @@ int main(int argc, char **argv) {
         double w[NWAYS], rr[NWAYS];
         for (int o = 0; o < NWAYS; o++) {
             int way = (o + (r < 0 ? 0 : r)) % NWAYS;
+            if (fresh) {
+                /* Every source byte stored again by the CPU just before (same values): what an
+                 * engine's blocks are when write-through sends them down at commit. With
+                 * --memfd another process stores them (as a client does into its pool). */
+                pid_t pid = use_memfd && way != RAW ? fork() : 0;
+                if (pid < 0) {
+                    bench_die("fork: %s", strerror(errno));
+                }
+                if (pid == 0) {
+                    volatile uint64_t *p = (volatile uint64_t *)(way == RAW ? img : t0);
+                    uint64_t n = (way == RAW ? NBLK * sb : NBLK * bb) / 8;
+                    for (uint64_t i = 0; i < n; i++) {
+                        p[i] = p[i];
+                    }
+                    if (use_memfd && way != RAW) {
+                        _exit(0);
+                    }
+                } else if (waitpid(pid, NULL, 0) != pid) {
+                    bench_die("waitpid: %s", strerror(errno));
+                }
+            }
             double t = bench_now_s();
             for (uint64_t b = 0; b < NBLK; b++) {
                 kvd_disk_rec rec;
@@ -220,7 +260,12 @@ int main(int argc, char **argv) {
     if (system(cmd) != 0) {
         fprintf(stderr, "disk_bench: could not remove %s\n", tmp);
     }
-    free(t0);
+    if (mfd >= 0) {
+        munmap(t0, NBLK * bb);
+        close(mfd);
+    } else {
+        free(t0);
+    }
     free(back);
     free(buf);
     free(img);

@@ -88,7 +88,17 @@ struct kvd_disk {
     atomic_int direct;   /* 1 while the descriptor has O_DIRECT */
     unsigned version;    /* file format, 1 or 2 */
     uint64_t slot_bytes; /* bytes of one slot, a multiple of KVD_DISK_ALIGN */
+    /* Preallocation (kvd_disk_preallocate): the file's blocks reach alloc_end; grow_mu orders
+     * the fallocate calls; prealloc_max 0 is off; prealloc_failed stops it after a refusal. */
+    pthread_mutex_t grow_mu;
+    atomic_ullong alloc_end;
+    uint64_t prealloc_max;
+    int prealloc_failed;
 };
+
+/* Preallocation step: the file grows by this much (whole slots, at least one) ahead of the
+ * writes that need it. */
+#define PREALLOC_STEP (64ull << 20)
 
 /* Slot bytes of a format-version file of block_bytes blocks. */
 static uint64_t slot_bytes_for(unsigned version, uint64_t block_bytes) {
@@ -446,6 +456,8 @@ kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key,
     }
     atomic_init(&d->fd, -1);
     atomic_init(&d->direct, 0);
+    atomic_init(&d->alloc_end, 0);
+    pthread_mutex_init(&d->grow_mu, NULL);
     int direct = (flags & KVD_DISK_DIRECT) != 0;
     /* Format 2 where its header page costs no room over format 1's 64 bytes (see disk.h). */
     uint64_t bb = key->layout.block_bytes;
@@ -514,6 +526,10 @@ kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key,
         }
     }
     free(h);
+    struct stat st;
+    if (fstat(atomic_load(&d->fd), &st) == 0) {
+        atomic_store(&d->alloc_end, (uint64_t)st.st_size);
+    }
     *out = d;
     return KV_OK;
 cleanup_fd:
@@ -521,6 +537,7 @@ cleanup_fd:
 cleanup_header:
     free(h);
 cleanup_disk:
+    pthread_mutex_destroy(&d->grow_mu);
     free(d->path);
     free(d);
     return rc;
@@ -531,8 +548,48 @@ void kvd_disk_close(kvd_disk *d) {
         return;
     }
     disk_close_fd(d);
+    pthread_mutex_destroy(&d->grow_mu);
     free(d->path);
     free(d);
+}
+
+void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes) {
+    pthread_mutex_lock(&d->grow_mu);
+    d->prealloc_max = max_bytes;
+    pthread_mutex_unlock(&d->grow_mu);
+}
+
+/* Before a write that reaches byte end of the file: with preallocation on, makes the file's
+ * blocks reach at least end, growing it (fallocate) a step ahead, whole slots, up to
+ * prealloc_max. A write into a file's allocated blocks runs beside the others; one that extends
+ * the file takes the file system's exclusive inode lock (ext4, xfs: the writes of all copy
+ * threads go one at a time, and io_uring hands each to a worker thread). A refusal (no room
+ * for the step, a file system without fallocate) turns preallocation off for the file: the
+ * writes extend it as before, and report a full disk themselves. Any thread. */
+static void disk_grow(kvd_disk *d, uint64_t end) {
+    if (end <= atomic_load(&d->alloc_end)) {
+        return;
+    }
+    pthread_mutex_lock(&d->grow_mu);
+    uint64_t have = atomic_load(&d->alloc_end);
+    if (d->prealloc_max > 0 && !d->prealloc_failed && end > have && end <= d->prealloc_max) {
+        uint64_t step = PREALLOC_STEP / d->slot_bytes * d->slot_bytes;
+        step = step > 0 ? step : d->slot_bytes;
+        uint64_t want = end > have + step ? end : have + step;
+        if (want > d->prealloc_max) {
+            want = end + (d->prealloc_max - end) / d->slot_bytes * d->slot_bytes;
+        }
+        if (fallocate(atomic_load(&d->fd), 0, (off_t)have, (off_t)(want - have)) == 0) {
+            atomic_store(&d->alloc_end, want);
+        } else {
+            d->prealloc_failed = 1;
+            KV_LOG(INFO, "KVD-TIER2-FILE",
+                   "%s: preallocating %llu bytes refused (%s); the file "
+                   "grows as it is written",
+                   d->path, (unsigned long long)(want - have), strerror(errno));
+        }
+    }
+    pthread_mutex_unlock(&d->grow_mu);
 }
 
 uint64_t kvd_disk_slot_bytes(const kvd_disk *d) {
@@ -698,6 +755,7 @@ kv_err kvd_disk_write(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const
         }
         return KV_ESYS;
     }
+    disk_grow(d, off + d->slot_bytes);
     uint64_t poff = kvd_disk_payload_off(d, rec);
     uint8_t *pl = buf + poff;
     /* Move first: payload may overlap the header bytes about to be written. */
@@ -943,6 +1001,9 @@ kv_err kvd_disk_write_stream(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec
     uint32_t nch = stream_chunks(d);
     struct io_uring *ring = off != 0 && nch > 0 ? thread_ring() : NULL;
     uint64_t poff = kvd_disk_payload_off(d, rec);
+    if (off != 0) {
+        disk_grow(d, off + d->slot_bytes);
+    }
     if (ring == NULL) {
         atomic_fetch_add(&stream_fallbacks, 1);
         kv_err rc = fill(arg, buf + poff, 0, rec->len);
@@ -1164,6 +1225,7 @@ kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, 
                                      sys_errno, &fill_failed);
     }
     uint64_t off = disk_slot_off(d, slot);
+    disk_grow(d, off + d->slot_bytes);
     uint64_t len = rec->len, full = len / KVD_DISK_ALIGN * KVD_DISK_ALIGN;
     stream_io io = {.ring = ring};
     int fd = atomic_load(&d->fd);

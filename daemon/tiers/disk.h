@@ -100,6 +100,14 @@ int kvd_disk_fits(const kvd_disk *d, uint64_t len, int has_tail);
 /* The file's format (1 or 2). */
 unsigned kvd_disk_format(const kvd_disk *d);
 
+/* Preallocation: from now on, a write that needs the file to grow first grows it by a step
+ * (64 MiB of whole slots) with fallocate, up to max_bytes of file (0: off, the default), so the
+ * writes that fill new slots do not extend the file one by one (an extending write is serialized
+ * by the file system's inode lock). The slots so made read as empty (kvd_disk_slots counts
+ * them; a scan skips them). A refusal turns it off for the file (log line KVD-TIER2-FILE).
+ * Any thread. */
+void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes);
+
 /* 1 when the file is open with O_DIRECT. */
 int kvd_disk_direct(const kvd_disk *d);
 

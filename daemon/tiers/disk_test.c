@@ -1185,6 +1185,55 @@ static void test_format1_file_kept(void **state) {
     kvd_disk_close(d);
 }
 
+/* Preallocation: the first write past the end grows the file a step ahead (here up to the
+ * limit: 10 slots); the slots made so are empty to scan and read; a write past the limit
+ * extends the file as without it; a reopened file keeps what is on disk. */
+static void test_preallocate(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_default(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    uint64_t sb = kvd_disk_slot_bytes(d);
+    kvd_disk_preallocate(d, 4096 + 10 * sb);
+    write_rec(d, 2, 20, 1000);
+    assert_int_equal(file_size(fx->path), 4096 + 10 * (off_t)sb);
+    assert_int_equal(kvd_disk_slots(d), 10);
+    write_rec(d, 9, 29, 3000);
+    assert_int_equal(kvd_disk_slots(d), 10);
+    scan_log s;
+    uint64_t bad;
+    do_scan(d, &s, &bad);
+    assert_int_equal(s.n, 2);
+    assert_int_equal(bad, 0);
+    assert_int_equal(read_slot(d, 5, NULL), KV_ECORRUPT); /* made, never written: empty */
+    read_check(d, 2, 20, 1000);
+    write_rec(d, 12, 32, 500); /* past the limit: the write extends the file itself */
+    assert_int_equal(kvd_disk_slots(d), 13);
+    kvd_disk_close(d);
+    d = open_ok(fx, &k, 1);
+    assert_int_equal(kvd_disk_slots(d), 13);
+    do_scan(d, &s, &bad);
+    assert_int_equal(s.n, 3);
+    read_check(d, 9, 29, 3000);
+    read_check(d, 12, 32, 500);
+    /* With 2 MiB slots the step is 64 MiB of whole slots: 31 a step. */
+    kvd_disk_close(d);
+    key_big(&k);
+    snprintf(fx->dir + strlen(fx->dir), sizeof(fx->dir) - strlen(fx->dir), "-big");
+    snprintf(fx->path, sizeof(fx->path), "%s/%s", fx->dir, NAME);
+    d = open_ok(fx, &k, 1);
+    sb = kvd_disk_slot_bytes(d);
+    kvd_disk_preallocate(d, 1ull << 30);
+    uint64_t step = (64ull << 20) / sb;
+    write_rec(d, 0, 1, 100);
+    assert_int_equal(kvd_disk_slots(d), step);
+    write_rec(d, step, 2, 100);
+    assert_int_equal(kvd_disk_slots(d), 2 * step);
+    read_check(d, 0, 1, 100);
+    read_check(d, step, 2, 100);
+    kvd_disk_close(d);
+}
+
 #define NTHREADS 4
 #define PER_THREAD 16
 
@@ -1238,6 +1287,8 @@ static void test_threads(void **state) {
     kvd_disk_key k;
     key_default(&k);
     kvd_disk *d = open_ok(fx, &k, 1);
+    /* The file grows ahead under the writers, a few slots a step. */
+    kvd_disk_preallocate(d, 4096 + (NTHREADS * PER_THREAD + 3) * kvd_disk_slot_bytes(d));
     worker w[NTHREADS];
     pthread_t th[NTHREADS];
     for (int t = 0; t < NTHREADS; t++) {
@@ -1250,7 +1301,7 @@ static void test_threads(void **state) {
     }
     kvd_disk_close(d);
     d = open_ok(fx, &k, 0);
-    assert_int_equal(kvd_disk_slots(d), NTHREADS * PER_THREAD);
+    assert_int_equal(kvd_disk_slots(d), NTHREADS * PER_THREAD + 3); /* 3 made, never written */
     scan_log s;
     uint64_t bad;
     do_scan(d, &s, &bad);
@@ -1288,6 +1339,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_stream_without_uring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_direct_transfers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_direct_corruption, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_preallocate, setup, teardown),
     };
     const struct CMUnitTest once[] = {
         cmocka_unit_test_setup_teardown(test_format1_file_kept, setup, teardown),

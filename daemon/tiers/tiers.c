@@ -2441,6 +2441,8 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
             KV_LOG(WARN, "KVD-TIER2-OPEN", "pool %u: no tier 2: %s", p->pool_id, msg);
         } else {
             tp->slot_bytes = kvd_disk_slot_bytes(tp->disk);
+            /* The file grows ahead of its writes, as far as tier2-bytes allows one pool. */
+            kvd_disk_preallocate(tp->disk, KVD_DISK_ALIGN + t->cap[1]);
             scan_ctx sc = {tp, 0, 0};
             uint64_t bad = 0;
             uint64_t t0 = now_ns();
@@ -2474,7 +2476,9 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
                         taken[sl / 8] |= (uint8_t)(1u << (sl % 8)); /* on the list already */
                     }
                 }
-                for (uint64_t sl = 0; sl < nslots; sl++) {
+                /* Highest first: the list gives the last one back first, so the lowest
+                 * slots (bad records, then the file's preallocated tail) fill first. */
+                for (uint64_t sl = nslots; sl-- > 0;) {
                     if (!(taken[sl / 8] & (1u << (sl % 8)))) {
                         kvd_tstore_slot2_back(&tp->st, sl);
                     }
