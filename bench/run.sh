@@ -25,6 +25,10 @@ run_one() {
                 "$BIN_DIR/disk_bench" --rounds "${DISK_ROUNDS:-7}"
                 printf '\n'
             done
+            # A host pool's case: T0 a memfd that another process wrote just before each write.
+            printf '### Process 3: T0 a memfd another process stored into just before each round\n\n'
+            "$BIN_DIR/disk_bench" --rounds "${DISK_ROUNDS:-7}" --memfd --fresh
+            printf '\n'
             ;;
         cluster)
             "$BIN_DIR/cluster_bench" --kvd "$BIN_DIR/../daemon/kvd" --runs "${CLUSTER_RUNS:-7}"
