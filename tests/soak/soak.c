@@ -383,7 +383,7 @@ static void cycle(worker *w) {
     release(w, held, nheld);
 }
 
-static kv_layout soak_layout(void) {
+static kv_layout soak_layout(int block_major) {
     kv_layout l;
     memset(&l, 0, sizeof(l));
     l.num_layers = 2;
@@ -391,7 +391,7 @@ static kv_layout soak_layout(void) {
     l.head_dim = 64;
     l.tokens_per_block = 16;
     l.dtype = KV_DTYPE_FP16;
-    l.arrangement = KV_LAYER_MAJOR;
+    l.arrangement = block_major ? KV_BLOCK_MAJOR : KV_LAYER_MAJOR;
     return l;
 }
 
@@ -410,7 +410,7 @@ static kv_err open_tenant(const soak_ctx *x, int tenant, const char *name, kvc_c
         fprintf(stderr, "soak: %s: tenant %d: connect: %s\n", name, tenant, kv_strerror(rc));
         return rc;
     }
-    kv_layout l = soak_layout();
+    kv_layout l = soak_layout(x->o->block_major);
     rc = kvc_pool_attach(*c, SOAK_MODEL, &l, p);
     if (rc != KV_OK) {
         fprintf(stderr, "soak: %s: tenant %d: attach: %s: %s\n", name, tenant, kv_strerror(rc),
@@ -652,6 +652,9 @@ static int check_pools(soak_ctx *x, soak_result *r) {
             }
             kvd_harness_sleep_ms(10);
         }
+        if (t == 0 && x->o->tiers) {
+            (void)kvc_stat_get(c, 0, "tiers.tier2_zero_copy", &r->t2_zero_copy);
+        }
         if (t == 0 && x->o->redis != NULL) {
             (void)kvc_stat_get(c, 0, "tiers.remote_direct", &r->remote_direct);
             (void)kvc_stat_get(c, 0, "tiers.remote_bad", &r->remote_bad);
@@ -870,8 +873,11 @@ int soak_run(const soak_options *o, soak_result *r) {
                (unsigned long long)r->remote_bad, (unsigned long long)r->remote_lookups,
                (unsigned long long)r->remote_lookup_hits);
     } else if (o->tiers) {
-        printf("soak: tiers on (%s): %llu hit blocks came up from tier 1 or 2\n",
-               o->tiers == 2 ? "write-through" : "write-back", (unsigned long long)r->promoted);
+        printf("soak: tiers on (%s, %s pools): %llu hit blocks came up from tier 1 or 2; %llu T2 "
+               "transfers with no copy\n",
+               o->tiers == 2 ? "write-through" : "write-back",
+               o->block_major ? "block-major" : "layer-major", (unsigned long long)r->promoted,
+               (unsigned long long)r->t2_zero_copy);
     }
     printf("soak: faults injected %llu (workers SIGKILLed at a random step)\n",
            (unsigned long long)r->deaths);

@@ -32,6 +32,8 @@ typedef struct soak_options {
                              loopback and kvd gets it as its remote tier (tier 1 small, no tier
                              2, write-through), so blocks T0 and T1 let go come back from Redis,
                              read straight into T0 (docs/TIERS.md, remote tier) */
+    int block_major;      /* pools block-major (each block one piece of memory: with tiers, T2
+                             moves host blocks with no copy) instead of layer-major */
     int verbose;          /* print per-tenant pool figures */
 } soak_options;
 
@@ -42,6 +44,7 @@ typedef struct soak_result {
     uint64_t hit_blocks;         /* blocks returned by Lookup (or Fetch, with tiers) */
     uint64_t promoted;           /* of them, blocks a Fetch copied up from tier 1 or 2 */
     uint64_t remote_direct;      /* remote values read straight into T0 blocks (kvd's count) */
+    uint64_t t2_zero_copy;       /* T2 transfers with no copy (kvd's tier2_zero_copy) */
     uint64_t remote_bad;         /* remote values that failed a check (kvd's count; 0 expected) */
     uint64_t remote_lookups;     /* kvc_lookup_remote calls (with redis: a quarter of the cycles) */
     uint64_t remote_lookup_hits; /* blocks they said Redis holds past the local tiers */

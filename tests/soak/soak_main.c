@@ -2,8 +2,8 @@
  * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --segment-bytes=SIZE
  * --busy=N (CPU burners beside the workers) --tiers=1|2 (tier 1 and 2 on, write-back |
  * write-through; workers Fetch) --redis=PATH (with --tiers: a redis-server as kvd's remote tier)
- * --kvd=PATH --wrap="CMD ARGS" (run kvd under e.g. valgrind) -v. Exit 0 when every invariant
- * held. */
+ * --block-major (block-major pools: with --tiers, T2 copies go with no copy) --kvd=PATH --wrap="CMD
+ * ARGS" (run kvd under e.g. valgrind) -v. Exit 0 when every invariant held. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +35,8 @@ int main(int argc, char **argv) {
             o.kvd = a + 6;
         } else if (strncmp(a, "--wrap=", 7) == 0) {
             o.wrap = a + 7;
+        } else if (strcmp(a, "--block-major") == 0) {
+            o.block_major = 1;
         } else if (strcmp(a, "-v") == 0) {
             o.verbose = 1;
         } else if (a[0] >= '0' && a[0] <= '9') {
@@ -42,7 +44,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr, "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
                             "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
-                            "[--tiers=0|1|2] [--redis=PATH] [--kvd=PATH] "
+                            "[--tiers=0|1|2] [--redis=PATH] [--block-major] [--kvd=PATH] "
                             "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }

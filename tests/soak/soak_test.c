@@ -71,6 +71,25 @@ static void test_soak_tiers(void **state) {
     check_soak(&o, NULL);
 }
 
+/* The same with block-major pools, write-through: each block is one piece of host memory, so its
+ * T2 copies go between the disk and T0 with no copy (format 2 files); every hit's bytes are
+ * checked, and the zero-copy path really ran. */
+static void test_soak_tiers_zero_copy(void **state) {
+    (void)state;
+    soak_options o;
+    soak_options_init(&o);
+    o.seconds = 8;
+    o.pool_mem = "8M";
+    o.seg_size = "256K";
+    o.tiers = 2;
+    o.block_major = 1;
+    o.busy = 2;
+    o.verbose = 1;
+    soak_result r;
+    check_soak(&o, &r);
+    assert_true(r.t2_zero_copy > 0);
+}
+
 /* The remote tier (issue 17) under the same faults: kvd with a redis-server the soak starts,
  * tier 1 small and no tier 2, so hits come back from Redis read straight into T0 blocks (the
  * direct path) while workers die mid-Fetch; every hit's bytes are checked, nothing leaks, no
@@ -99,9 +118,8 @@ static void test_soak_remote(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_soak_short),
-        cmocka_unit_test(test_soak_small_segments_busy),
-        cmocka_unit_test(test_soak_tiers),
+        cmocka_unit_test(test_soak_short),  cmocka_unit_test(test_soak_small_segments_busy),
+        cmocka_unit_test(test_soak_tiers),  cmocka_unit_test(test_soak_tiers_zero_copy),
         cmocka_unit_test(test_soak_remote),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
