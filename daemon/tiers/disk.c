@@ -88,17 +88,17 @@ struct kvd_disk {
     atomic_int direct;   /* 1 while the descriptor has O_DIRECT */
     unsigned version;    /* file format, 1 or 2 */
     uint64_t slot_bytes; /* bytes of one slot, a multiple of KVD_DISK_ALIGN */
-    /* Preallocation (kvd_disk_preallocate): the file's blocks reach alloc_end; grow_mu orders
-     * the fallocate calls; prealloc_max 0 is off; prealloc_failed stops it after a refusal. */
+    /* Preallocation (kvd_disk_preallocate): the file's blocks reach alloc_end (what kvd made
+     * or found; not lowered when the file is cut under it); grow_mu orders the fallocate calls;
+     * prealloc_max 0 is off; after a refusal, no new try before a write reaches prealloc_retry.
+     * prealloc_step (whole slots) and prealloc_logged under grow_mu. */
     pthread_mutex_t grow_mu;
     atomic_ullong alloc_end;
-    uint64_t prealloc_max;
-    int prealloc_failed;
+    atomic_ullong prealloc_max;
+    atomic_ullong prealloc_retry;
+    uint64_t prealloc_step;
+    int prealloc_logged;
 };
-
-/* Preallocation step: the file grows by this much (whole slots, at least one) ahead of the
- * writes that need it. */
-#define PREALLOC_STEP (64ull << 20)
 
 /* Slot bytes of a format-version file of block_bytes blocks. */
 static uint64_t slot_bytes_for(unsigned version, uint64_t block_bytes) {
@@ -457,6 +457,8 @@ kv_err kvd_disk_open(const char *dir, const char *name, const kvd_disk_key *key,
     atomic_init(&d->fd, -1);
     atomic_init(&d->direct, 0);
     atomic_init(&d->alloc_end, 0);
+    atomic_init(&d->prealloc_max, 0);
+    atomic_init(&d->prealloc_retry, 0);
     pthread_mutex_init(&d->grow_mu, NULL);
     int direct = (flags & KVD_DISK_DIRECT) != 0;
     /* Format 2 where its header page costs no room over format 1's 64 bytes (see disk.h). */
@@ -553,9 +555,12 @@ void kvd_disk_close(kvd_disk *d) {
     free(d);
 }
 
-void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes) {
+void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes, uint64_t step_bytes) {
     pthread_mutex_lock(&d->grow_mu);
-    d->prealloc_max = max_bytes;
+    uint64_t step = step_bytes / d->slot_bytes * d->slot_bytes;
+    d->prealloc_step = step > 0 ? step : d->slot_bytes;
+    atomic_store(&d->prealloc_max, max_bytes);
+    atomic_store(&d->prealloc_retry, 0);
     pthread_mutex_unlock(&d->grow_mu);
 }
 
@@ -564,29 +569,34 @@ void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes) {
  * prealloc_max. A write into a file's allocated blocks runs beside the others; one that extends
  * the file takes the file system's exclusive inode lock (ext4, xfs: the writes of all copy
  * threads go one at a time, and io_uring hands each to a worker thread). A refusal (no room
- * for the step, a file system without fallocate) turns preallocation off for the file: the
- * writes extend it as before, and report a full disk themselves. Any thread. */
+ * for the step, a file system without fallocate) is tried again only once the writes have
+ * grown the file by another step: meanwhile they extend it as before, and report a full disk
+ * themselves. The common cases (room already made; preallocation off; a refusal being waited
+ * out) take no lock. Any thread. */
 static void disk_grow(kvd_disk *d, uint64_t end) {
-    if (end <= atomic_load(&d->alloc_end)) {
+    if (end <= atomic_load(&d->alloc_end) || end > atomic_load(&d->prealloc_max) ||
+        end < atomic_load(&d->prealloc_retry)) {
         return;
     }
     pthread_mutex_lock(&d->grow_mu);
-    uint64_t have = atomic_load(&d->alloc_end);
-    if (d->prealloc_max > 0 && !d->prealloc_failed && end > have && end <= d->prealloc_max) {
-        uint64_t step = PREALLOC_STEP / d->slot_bytes * d->slot_bytes;
-        step = step > 0 ? step : d->slot_bytes;
-        uint64_t want = end > have + step ? end : have + step;
-        if (want > d->prealloc_max) {
-            want = end + (d->prealloc_max - end) / d->slot_bytes * d->slot_bytes;
+    uint64_t have = atomic_load(&d->alloc_end), max = atomic_load(&d->prealloc_max);
+    if (end > have && end <= max && end >= atomic_load(&d->prealloc_retry)) {
+        uint64_t want = end > have + d->prealloc_step ? end : have + d->prealloc_step;
+        if (want > max) {
+            want = end + (max - end) / d->slot_bytes * d->slot_bytes;
         }
         if (fallocate(atomic_load(&d->fd), 0, (off_t)have, (off_t)(want - have)) == 0) {
             atomic_store(&d->alloc_end, want);
         } else {
-            d->prealloc_failed = 1;
-            KV_LOG(INFO, "KVD-TIER2-FILE",
-                   "%s: preallocating %llu bytes refused (%s); the file "
-                   "grows as it is written",
-                   d->path, (unsigned long long)(want - have), strerror(errno));
+            int e = errno;
+            if (!d->prealloc_logged) {
+                d->prealloc_logged = 1;
+                KV_LOG(INFO, "KVD-TIER2-FILE",
+                       "%s: preallocating %llu bytes refused (%s); the file grows as it is "
+                       "written until the next step",
+                       d->path, (unsigned long long)(want - have), strerror(e));
+            }
+            atomic_store(&d->prealloc_retry, want);
         }
     }
     pthread_mutex_unlock(&d->grow_mu);
@@ -1242,7 +1252,9 @@ kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, 
     uint64_t rest = d->slot_bytes - KVD_DISK_ALIGN - full;
     if (rest > 0) {
         uint8_t *r = buf + KVD_DISK_ALIGN + full;
-        memcpy(r, src + full, len - full);
+        if (len > full) {
+            memcpy(r, src + full, len - full);
+        }
         memset(r + (len - full), 0, rest - (len - full));
         sio_queue(&io, 1, fd, KEY_REST, r, (uint32_t)rest, off + KVD_DISK_ALIGN + full);
     }

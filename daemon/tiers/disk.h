@@ -16,7 +16,7 @@
  * disk and the caller's memory with O_DIRECT and no copy (kvd_disk_write_from / read_into);
  * slot_bytes = 4096 + block_bytes rounded up to 4096. Format 1: the payload follows the header
  * (and tail) at byte 64 (80); slot_bytes = 64 + block_bytes rounded up to 4096. A new file is
- * format 2 where that costs no room (block_bytes a multiple of 4096, or within 64 bytes under
+ * format 2 where that costs no room (block_bytes a multiple of 4096, or at most 63 bytes under
  * one: every real model's blocks), else format 1 (a small block would pay a page a slot for
  * the header); files made by kvd before format 2 are format 1 and stay so.
  *
@@ -101,12 +101,13 @@ int kvd_disk_fits(const kvd_disk *d, uint64_t len, int has_tail);
 unsigned kvd_disk_format(const kvd_disk *d);
 
 /* Preallocation: from now on, a write that needs the file to grow first grows it by a step
- * (64 MiB of whole slots) with fallocate, up to max_bytes of file (0: off, the default), so the
- * writes that fill new slots do not extend the file one by one (an extending write is serialized
- * by the file system's inode lock). The slots so made read as empty (kvd_disk_slots counts
- * them; a scan skips them). A refusal turns it off for the file (log line KVD-TIER2-FILE).
- * Any thread. */
-void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes);
+ * (step_bytes rounded down to whole slots, at least one) with fallocate, up to max_bytes of
+ * file (0: off, the default), so the writes that fill new slots do not extend the file one by
+ * one (an extending write is serialized by the file system's inode lock). The file so holds at
+ * most one step more than its written slots. The slots so made read as empty (kvd_disk_slots
+ * counts them; a scan skips them). A refusal (log line KVD-TIER2-FILE, once) is tried again a
+ * step later. Any thread. */
+void kvd_disk_preallocate(kvd_disk *d, uint64_t max_bytes, uint64_t step_bytes);
 
 /* 1 when the file is open with O_DIRECT. */
 int kvd_disk_direct(const kvd_disk *d);

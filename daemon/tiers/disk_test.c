@@ -982,6 +982,18 @@ static void test_stream_without_uring(void **state) {
 
 /* ---- zero-copy write and read ------------------------------------------------------------- */
 
+/* 1 when fallocate makes room in directory dir (tmpfs and ext4 do; some file systems do not). */
+static int fallocate_works(const char *dir) {
+    char p[256];
+    snprintf(p, sizeof(p), "%s/falloc.probe", dir);
+    int fd = open(p, O_CREAT | O_RDWR, 0600);
+    assert_true(fd >= 0);
+    int ok = fallocate(fd, 0, 0, 8192) == 0;
+    close(fd);
+    unlink(p);
+    return ok;
+}
+
 /* Page-aligned memory of n bytes (+ one page, so that mem + 1 is an unaligned view of n). */
 static uint8_t *page_mem(uint64_t n) {
     uint8_t *p =
@@ -1032,6 +1044,14 @@ static void direct_case(kvd_disk *d, uint64_t slot, uint64_t k, uint32_t len, in
     assert_int_equal(rr.len, len);
     assert_int_equal(rr.has_tail, (uint32_t)tail);
     assert_memory_equal(rr.tail, r.tail, tail ? KVD_DISK_TAIL : 0);
+    /* The streamed read of the same record. */
+    uint8_t *got = calloc(1, len + 1);
+    assert_non_null(got);
+    flow g = {.bytes = got, .len = len};
+    assert_int_equal(kvd_disk_read_stream(d, slot, &h, &rr, buf, flow_sink, &g), KV_OK);
+    assert_int_equal(g.next, len);
+    assert_memory_equal(got, want, len);
+    free(got);
     /* Another length or another hash asked for: corrupt. */
     kv_hash128 other = hash_of(k + 1);
     assert_int_equal(kvd_disk_read_into(d, slot, &other, &rr, dst, len, buf, NULL), KV_ECORRUPT);
@@ -1068,6 +1088,7 @@ static void test_direct_transfers(void **state) {
         kvd_disk *d = open_ok(fx, &k, 1);
         uint32_t bb = (uint32_t)k.layout.block_bytes;
         uint32_t lens[] = {bb, 0, 1, 4095, 4096, 4097, 3 * 4096, bb - 1, bb / 2 + 7};
+        int direct_at_open = kvd_disk_direct(d);
         uint64_t slot = 0, direct = 0, aligned = 0;
         for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
             for (int tail = 0; tail < 2; tail++) {
@@ -1078,6 +1099,35 @@ static void test_direct_transfers(void **state) {
                 }
             }
         }
+        /* A streamed write read back into memory, and a plain one. */
+        for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
+            for (int tail = 0; tail < 2; tail++) {
+                uint32_t len = lens[i];
+                uint8_t *want = malloc(len + 1), *dst = page_mem(len), *buf = slot_buf(d);
+                assert_non_null(want);
+                fill_payload(want, len, 500 + i);
+                kvd_disk_rec r = rec_stream(500 + i, len, tail);
+                flow f = {.bytes = want, .len = len};
+                int e = 0, ff = 0, zc = -1;
+                uint64_t s2 = 200 + 2 * i + (uint64_t)tail;
+                assert_int_equal(kvd_disk_write_stream(d, s2, &r, flow_fill, &f, buf, &e, &ff),
+                                 KV_OK);
+                kvd_disk_rec rr;
+                kv_hash128 h = hash_of(500 + i);
+                assert_int_equal(kvd_disk_read_into(d, s2, &h, &rr, dst, len, buf, &zc), KV_OK);
+                assert_memory_equal(dst, want, len);
+                assert_memory_equal(rr.tail, r.tail, tail ? KVD_DISK_TAIL : 0);
+                memcpy(buf + kvd_disk_payload_off(d, &r), want, len);
+                assert_int_equal(
+                    kvd_disk_write(d, s2, &r, buf + kvd_disk_payload_off(d, &r), buf, &e), KV_OK);
+                memset(dst, 0, len);
+                assert_int_equal(kvd_disk_read_into(d, s2, &h, &rr, dst, len, buf, &zc), KV_OK);
+                assert_memory_equal(dst, want, len);
+                free(want);
+                free(dst);
+                free(buf);
+            }
+        }
         print_message("format %u, %llu KiB slots, O_DIRECT %s: %llu of %llu transfers zero-copy\n",
                       kvd_disk_format(d), (unsigned long long)(kvd_disk_slot_bytes(d) >> 10),
                       kvd_disk_direct(d) ? "on" : "off", (unsigned long long)direct,
@@ -1086,8 +1136,13 @@ static void test_direct_transfers(void **state) {
             assert_int_equal(direct, 0); /* format 1: the copying way, always */
         } else if (kvd_disk_thread_uring()) {
             /* Each case's write and good read (failed reads are not counted): every aligned
-             * case's, and with O_DIRECT off (buffered) the unaligned ones' too. */
-            assert_int_equal(direct, kvd_disk_direct(d) ? 2 * aligned : 2 * slot);
+             * case's, and with O_DIRECT off (buffered) the unaligned ones' too. A file system
+             * that took O_DIRECT at open and refused its first transfer turned it off midway. */
+            if (direct_at_open == kvd_disk_direct(d)) {
+                assert_int_equal(direct, kvd_disk_direct(d) ? 2 * aligned : 2 * slot);
+            } else {
+                assert_true(direct + 2 >= 2 * aligned);
+            }
         }
         kvd_disk_close(d);
     }
@@ -1107,8 +1162,10 @@ static void test_direct_corruption(void **state) {
     for (int i = 0; i < 4; i++) {
         fill_payload(src, len, 90 + (uint64_t)i);
         kvd_disk_rec r = rec_stream(90 + (uint64_t)i, len, 1);
-        int e = 0;
-        assert_int_equal(kvd_disk_write_from(d, (uint64_t)i, &r, src, buf, &e, NULL), KV_OK);
+        int e = 0, zc = -1;
+        assert_int_equal(kvd_disk_write_from(d, (uint64_t)i, &r, src, buf, &e, &zc), KV_OK);
+        /* The zero-copy way where io_uring is (O_DIRECT on or off: src is aligned). */
+        assert_int_equal(zc, FMT1 ? 0 : kvd_disk_thread_uring());
         uint64_t p = kvd_disk_payload_off(d, &r);
         off_t where[4] = {(off_t)(p + 5 * KVD_DISK_CHUNK + 11), (off_t)(p + len - 3),
                           KVD_DISK_REC_HDR + 2, (off_t)p};
@@ -1190,11 +1247,14 @@ static void test_format1_file_kept(void **state) {
  * extends the file as without it; a reopened file keeps what is on disk. */
 static void test_preallocate(void **state) {
     fixture *fx = *state;
+    if (!fallocate_works(fx->root)) {
+        skip(); /* the writes extend the file as without preallocation (test_threads) */
+    }
     kvd_disk_key k;
     key_default(&k);
     kvd_disk *d = open_ok(fx, &k, 1);
     uint64_t sb = kvd_disk_slot_bytes(d);
-    kvd_disk_preallocate(d, 4096 + 10 * sb);
+    kvd_disk_preallocate(d, 4096 + 10 * sb, 64ull << 20);
     write_rec(d, 2, 20, 1000);
     assert_int_equal(file_size(fx->path), 4096 + 10 * (off_t)sb);
     assert_int_equal(kvd_disk_slots(d), 10);
@@ -1223,7 +1283,7 @@ static void test_preallocate(void **state) {
     snprintf(fx->path, sizeof(fx->path), "%s/%s", fx->dir, NAME);
     d = open_ok(fx, &k, 1);
     sb = kvd_disk_slot_bytes(d);
-    kvd_disk_preallocate(d, 1ull << 30);
+    kvd_disk_preallocate(d, 1ull << 30, 64ull << 20);
     uint64_t step = (64ull << 20) / sb;
     write_rec(d, 0, 1, 100);
     assert_int_equal(kvd_disk_slots(d), step);
@@ -1231,6 +1291,10 @@ static void test_preallocate(void **state) {
     assert_int_equal(kvd_disk_slots(d), 2 * step);
     read_check(d, 0, 1, 100);
     read_check(d, step, 2, 100);
+    /* A smaller step: 3 slots. */
+    kvd_disk_preallocate(d, 1ull << 30, 3 * sb + 100);
+    write_rec(d, 2 * step, 3, 100);
+    assert_int_equal(kvd_disk_slots(d), 2 * step + 3);
     kvd_disk_close(d);
 }
 
@@ -1287,8 +1351,10 @@ static void test_threads(void **state) {
     kvd_disk_key k;
     key_default(&k);
     kvd_disk *d = open_ok(fx, &k, 1);
-    /* The file grows ahead under the writers, a few slots a step. */
-    kvd_disk_preallocate(d, 4096 + (NTHREADS * PER_THREAD + 3) * kvd_disk_slot_bytes(d));
+    /* The file grows ahead under the writers, 5 slots a step, up to 3 slots past theirs. */
+    uint64_t sb = kvd_disk_slot_bytes(d);
+    kvd_disk_preallocate(d, 4096 + (NTHREADS * PER_THREAD + 3) * sb, 5 * sb);
+    int grows = fallocate_works(fx->root);
     worker w[NTHREADS];
     pthread_t th[NTHREADS];
     for (int t = 0; t < NTHREADS; t++) {
@@ -1301,7 +1367,9 @@ static void test_threads(void **state) {
     }
     kvd_disk_close(d);
     d = open_ok(fx, &k, 0);
-    assert_int_equal(kvd_disk_slots(d), NTHREADS * PER_THREAD + 3); /* 3 made, never written */
+    /* With fallocate, up to 3 made and never written (how many: the order of the writes). */
+    uint64_t n = kvd_disk_slots(d);
+    assert_true(n >= NTHREADS * PER_THREAD && n <= NTHREADS * PER_THREAD + (grows ? 3 : 0));
     scan_log s;
     uint64_t bad;
     do_scan(d, &s, &bad);

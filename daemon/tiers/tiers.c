@@ -2441,8 +2441,13 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
             KV_LOG(WARN, "KVD-TIER2-OPEN", "pool %u: no tier 2: %s", p->pool_id, msg);
         } else {
             tp->slot_bytes = kvd_disk_slot_bytes(tp->disk);
-            /* The file grows ahead of its writes, as far as tier2-bytes allows one pool. */
-            kvd_disk_preallocate(tp->disk, KVD_DISK_ALIGN + t->cap[1]);
+            /* The file grows ahead of its writes, as far as tier2-bytes allows one pool, by
+             * steps of 64 MiB or 1/32 of tier2-bytes, whichever is less: what a pool's file
+             * holds past its slots in use, beyond the budget. */
+            uint64_t pmax =
+                t->cap[1] > UINT64_MAX - KVD_DISK_ALIGN ? UINT64_MAX : KVD_DISK_ALIGN + t->cap[1];
+            uint64_t pstep = t->cap[1] / 32 < (64ull << 20) ? t->cap[1] / 32 : (64ull << 20);
+            kvd_disk_preallocate(tp->disk, pmax, pstep);
             scan_ctx sc = {tp, 0, 0};
             uint64_t bad = 0;
             uint64_t t0 = now_ns();
