@@ -21,6 +21,7 @@
 #include "common/kv_log.h"
 
 #define MAX_NODES 64
+#define LOOKUPS_MAX 16 /* host name lookups waiting for DNS at once, over all nodes */
 #define NSLOTS 16384
 #define PUT_BATCH 64
 #define BACKOFF_MIN_MS 100
@@ -108,6 +109,11 @@ struct kvd_remote {
     int need_refresh; /* read CLUSTER SLOTS again before the next request */
     int probed;       /* single vs cluster decided */
     int16_t *slots;   /* [NSLOTS] node index, -1 unknown */
+    /* Lookups that nodes a new slot map forgot left running (a DNS server that does not
+     * answer holds each for its resolver's timeouts): a node of the same name met again waits
+     * for one of these instead of starting another thread. */
+    resolve *idle[LOOKUPS_MAX];
+    int nidle;
     /* Shared (under mu): */
     kvd_remote_stats st;
 };
@@ -274,6 +280,19 @@ static void *resolve_main(void *arg) {
     return NULL;
 }
 
+static int resolve_done(resolve *q) {
+    pthread_mutex_lock(&q->mu);
+    int d = q->done;
+    pthread_mutex_unlock(&q->mu);
+    return d;
+}
+
+static void resolve_ref(resolve *q) {
+    pthread_mutex_lock(&q->mu);
+    q->refs++;
+    pthread_mutex_unlock(&q->mu);
+}
+
 /* Starts looking name up; NULL when no thread or memory could be had. */
 static resolve *resolve_start(const char *name) {
     resolve *q = calloc(1, sizeof(*q));
@@ -302,6 +321,66 @@ static resolve *resolve_start(const char *name) {
     return q;
 }
 
+/* Lets go of the lookups forgotten nodes left behind once they have ended. */
+static void lookups_sweep(kvd_remote *r) {
+    int n = 0;
+    for (int k = 0; k < r->nidle; k++) {
+        if (resolve_done(r->idle[k])) {
+            resolve_rele(r->idle[k]);
+        } else {
+            r->idle[n++] = r->idle[k];
+        }
+    }
+    r->nidle = n;
+}
+
+/* A lookup of name for a node to wait for: one already running or answered for the name
+ * (another node's: a Cluster's masters often share a host name; or one a forgotten node left
+ * behind), else a new one; NULL (why) when LOOKUPS_MAX lookups are still waiting for an answer or
+ * no thread could be had. So a DNS server that does not answer costs one thread per name, not
+ * one per slot map that names it again. */
+static resolve *lookup_for(kvd_remote *r, const char *name, char *why, size_t wlen) {
+    lookups_sweep(r);
+    int waiting = r->nidle;
+    for (int i = 0; i < r->nnodes; i++) {
+        resolve *q = r->nodes[i].res;
+        if (q == NULL) {
+            continue;
+        }
+        if (strcmp(q->name, name) == 0) {
+            resolve_ref(q);
+            return q;
+        }
+        waiting += !resolve_done(q);
+    }
+    for (int k = 0; k < r->nidle; k++) {
+        if (strcmp(r->idle[k]->name, name) == 0) {
+            resolve *q = r->idle[k];
+            r->idle[k] = r->idle[--r->nidle];
+            return q; /* the list's reference is the node's now */
+        }
+    }
+    if (waiting >= LOOKUPS_MAX) {
+        snprintf(why, wlen, "resolving %s: %d host name lookups are still waiting for DNS", name,
+                 waiting);
+        return NULL;
+    }
+    resolve *q = resolve_start(name);
+    if (q == NULL) {
+        snprintf(why, wlen, "resolving %s: no thread for the lookup", name);
+    }
+    return q;
+}
+
+/* A forgotten node's lookup: kept while it runs, so that the name met again waits for it. */
+static void lookup_forget(kvd_remote *r, resolve *q) {
+    if (q != NULL && !resolve_done(q) && r->nidle < LOOKUPS_MAX) {
+        r->idle[r->nidle++] = q;
+        return;
+    }
+    resolve_rele(q);
+}
+
 #define NODE_ADDRS 4 /* addresses of a name tried in turn (localhost: ::1, then 127.0.0.1) */
 typedef char node_addr_str[256]; /* a numeric address (a literal host fits: it is one) */
 
@@ -311,8 +390,8 @@ typedef char node_addr_str[256]; /* a numeric address (a literal host fits: it i
  * call getaddrinfo, which waits on the resolver's timeouts (seconds a try, several tries) where a
  * DNS server does not answer: this thread would miss every deadline meanwhile. The name is
  * looked up again at every connect (a failover may move it). 0, or -1 with why (wlen bytes). */
-static int node_addr(node *nd, uint64_t wait_ms, int by_deadline, node_addr_str *out, int *n,
-                     char *why, size_t wlen) {
+static int node_addr(kvd_remote *r, node *nd, uint64_t wait_ms, int by_deadline, node_addr_str *out,
+                     int *n, char *why, size_t wlen) {
     unsigned char bin[sizeof(struct in6_addr)];
     *n = 0;
     if (inet_pton(AF_INET, nd->host, bin) == 1 || inet_pton(AF_INET6, nd->host, bin) == 1) {
@@ -320,8 +399,7 @@ static int node_addr(node *nd, uint64_t wait_ms, int by_deadline, node_addr_str 
         *n = 1;
         return 0;
     }
-    if (nd->res == NULL && (nd->res = resolve_start(nd->host)) == NULL) {
-        snprintf(why, wlen, "resolving %s: no thread for the lookup", nd->host);
+    if (nd->res == NULL && (nd->res = lookup_for(r, nd->host, why, wlen)) == NULL) {
         return -1;
     }
     resolve *q = nd->res;
@@ -399,7 +477,7 @@ static redisContext *node_ctx_by(kvd_remote *r, node *nd, uint64_t deadline) {
     node_addr_str addr[NODE_ADDRS];
     char unresolved[512];
     int naddr = 0;
-    if (node_addr(nd, wait_ms, by_deadline, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
+    if (node_addr(r, nd, wait_ms, by_deadline, addr, &naddr, unresolved, sizeof(unresolved)) != 0) {
         node_fail_cut(r, nd, unresolved, by_deadline, now);
         return NULL;
     }
@@ -507,7 +585,7 @@ static void prune_nodes(kvd_remote *r) {
                 redisFree(r->nodes[i].c);
             }
             free(r->nodes[i].rb);
-            resolve_rele(r->nodes[i].res);
+            lookup_forget(r, r->nodes[i].res);
             map[i] = -1;
             continue;
         }
@@ -1572,6 +1650,10 @@ static void *thread_main(void *arg) {
         resolve_rele(r->nodes[i].res);
         r->nodes[i].res = NULL;
     }
+    for (int k = 0; k < r->nidle; k++) {
+        resolve_rele(r->idle[k]);
+    }
+    r->nidle = 0;
     return NULL;
 }
 

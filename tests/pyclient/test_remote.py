@@ -2155,6 +2155,137 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
         lsock.close()
 
 
+def _fake_cluster(name):
+    """A RESP server that plays a Redis Cluster whose map keeps changing: CLUSTER SLOTS gives,
+    in turn, half of the slots to itself and half to a port nothing listens on, then that half
+    to `name`:6379 (each map has a node that fails, so kvd reads the map again at the next
+    request); GET and STRLEN find nothing, SET is fine. Returns (listening socket, stop event, thread)."""
+    import threading
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)
+    port = lsock.getsockname()[1]
+    stop = threading.Event()
+    maps = [0]
+
+    def bulk(s):
+        b = s.encode()
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+
+    def node(host, p):
+        return b"*2\r\n" + bulk(host) + b":%d\r\n" % p
+
+    def slots():
+        maps[0] += 1
+        if maps[0] % 2:  # the other half on a port nothing listens on: refused, so read again
+            return (b"*2\r\n*3\r\n:0\r\n:8191\r\n" + node("127.0.0.1", port) +
+                    b"*3\r\n:8192\r\n:16383\r\n" + node("127.0.0.1", 1))
+        return (b"*2\r\n*3\r\n:0\r\n:8191\r\n" + node("127.0.0.1", port) +
+                b"*3\r\n:8192\r\n:16383\r\n" + node(name, 6379))
+
+    def reply(cmd):
+        c = [x.upper() for x in cmd[:2]]
+        if c[:2] == [b"CLUSTER", b"SLOTS"]:
+            return slots()
+        if c[0] == b"GET":
+            return b"$-1\r\n"
+        if c[0] == b"STRLEN":
+            return b":0\r\n"
+        return b"+OK\r\n"
+
+    def serve(conn):
+        buf = b""
+        conn.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            buf += data
+            out = b""
+            while True:  # whole commands: *N then N bulk strings
+                if not buf.startswith(b"*") or b"\r\n" not in buf:
+                    break
+                head, rest = buf.split(b"\r\n", 1)
+                n, args, ok = int(head[1:]), [], True
+                for _ in range(n):
+                    if b"\r\n" not in rest:
+                        ok = False
+                        break
+                    ln, rest = rest.split(b"\r\n", 1)
+                    k = int(ln[1:])
+                    if len(rest) < k + 2:
+                        ok = False
+                        break
+                    args.append(rest[:k])
+                    rest = rest[k + 2:]
+                if not ok:
+                    break
+                buf = rest
+                out += reply(args)
+            if out:
+                conn.sendall(out)
+        conn.close()
+
+    def accept():
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except (TimeoutError, socket.timeout, OSError):
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    return lsock, stop, th
+
+
+def test_hung_dns_costs_one_thread_per_name(tmp_path):
+    """A Cluster whose slot map keeps naming, then forgetting, a master by a host name whose DNS
+    never answers (the resolver holds a lookup 6 s): each time the map names it again, kvd waits
+    for the lookup still running instead of starting another thread, so its threads do not pile
+    up; Fetches are answered meanwhile."""
+    lsock, stop, th = _fake_cluster("m.kvd-test.invalid")
+    d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
+                                                   **{OPT_TIMEOUT: "150"}))
+    try:
+        c = connect(d)
+        p = c.attach(MODEL, LAYOUT)
+
+        def threads():
+            return len(os.listdir("/proc/%d/task" % d.proc.pid))
+
+        base = threads()
+        most = base
+        for k in range(24):  # about 4 s: the map changes every Fetch or two
+            hs = kw.hash_chain(p.hash_seed, list(range(20000 + 100 * k, 20000 + 100 * k + 8 * T)),
+                               T, b"", p.hash_algo)
+            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
+            c.sock.settimeout(10)
+            try:
+                c.recv(fid)
+            except kw.KvdError:
+                pass
+            most = max(most, threads())
+        # The lookup of the name: one thread (two while one that ended is being reaped); at
+        # least one, or the name was never looked up and the test shows nothing.
+        assert base + 1 <= most <= base + 2, msg(
+            "threads %d at the start, %d at most" % (base, most), rem(d))
+        assert d.alive()
+    finally:
+        stop.set()
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+        dns.close()
+        th.join(timeout=2)
+        lsock.close()
+
+
 def test_remote_redis_by_host_name(kvd_factory, redis):
     """remote-redis by name (the lookup thread's path, not a literal): "localhost", and the puts
     land. Where /etc/hosts gives ::1 before 127.0.0.1 (Redis listens on 127.0.0.1 only) this also
