@@ -11,9 +11,12 @@
  * work in 256 KiB chunks through io_uring, the copy and checksum of a chunk overlapping the disk's
  * work on the ones before); zero-copy (kvd_disk_write_from / read_into, a format 2 file: the
  * block's pages go between the disk and the "T0" image with no copy, the checksum runs while the
- * disk works; a host pool's raw block-major blocks go this way). GB/s of each, and each way's ratio
- * to raw taken per round; median [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds
- * N].
+ * disk works; a host pool's raw block-major blocks go this way); zero-copy in 64 pieces
+ * (kvd_disk_write_fromv / read_intov, one vectored transfer per 256 KiB of pieces: a layer-major
+ * block whose pieces are whole pages). GB/s of each, and each way's ratio to raw taken per
+ * round; median [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds N] [--fresh:
+ * the CPU stores every source byte again just before each write round] [--memfd: "T0" a memfd
+ * mapped shared, the stores made by a child process].
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -41,10 +44,12 @@ static kv_err sink_copy(void *arg, const uint8_t *src, uint64_t off, uint64_t n)
     return KV_OK;
 }
 
-enum { RAW = 0, PLAIN = 1, STREAM = 2, ZERO = 3, NWAYS = 4 };
+enum { RAW = 0, PLAIN = 1, STREAM = 2, ZERO = 3, ZEROV = 4, NWAYS = 5 };
 static const char *const way_name[NWAYS] = {
     "raw pwrite / pread (baseline)", "plain (kvd_disk_write / read)",
-    "streamed (io_uring, 256 KiB chunks)", "zero-copy (kvd_disk_write_from / read_into)"};
+    "streamed (io_uring, 256 KiB chunks)", "zero-copy (kvd_disk_write_from / read_into)",
+    "zero-copy, 64 pieces of 32 KiB (write_fromv / read_intov: layer-major)"};
+#define NPIECES 64
 
 int main(int argc, char **argv) {
     const char *dir = "/tmp";
@@ -177,6 +182,12 @@ int main(int argc, char **argv) {
                     rc = kvd_disk_write(d, b, &rec, pl, buf, &e);
                 } else if (way == ZERO) {
                     rc = kvd_disk_write_from(d, b, &rec, t0 + b * bb, buf, &e, NULL);
+                } else if (way == ZEROV) {
+                    kvd_disk_piece pv[NPIECES];
+                    for (int i = 0; i < NPIECES; i++) {
+                        pv[i] = (kvd_disk_piece){t0 + b * bb + i * (bb / NPIECES), bb / NPIECES};
+                    }
+                    rc = kvd_disk_write_fromv(d, b, &rec, pv, NPIECES, buf, &e, NULL);
                 } else {
                     rc = kvd_disk_write_stream(d, b, &rec, fill_copy, t0 + b * bb, buf, &e, &ff);
                 }
@@ -205,6 +216,12 @@ int main(int argc, char **argv) {
                     }
                 } else if (way == ZERO) {
                     rc = kvd_disk_read_into(d, b, &h, &rec, back, bb, buf, NULL);
+                } else if (way == ZEROV) {
+                    kvd_disk_piece pv[NPIECES];
+                    for (int i = 0; i < NPIECES; i++) {
+                        pv[i] = (kvd_disk_piece){back + i * (bb / NPIECES), bb / NPIECES};
+                    }
+                    rc = kvd_disk_read_intov(d, b, &h, &rec, pv, NPIECES, bb, buf, NULL);
                 } else {
                     rc = kvd_disk_read_stream(d, b, &h, &rec, buf, sink_copy, back);
                 }
@@ -234,7 +251,7 @@ int main(int argc, char **argv) {
            NBLK, (unsigned long long)(bb >> 10), (unsigned long long)(sb >> 10), dir,
            direct ? "on" : "off", kvd_disk_direct(d) ? "on" : "off", kvd_disk_format(d),
            uring ? "yes" : "no", (unsigned long long)kvd_disk_direct_transfers(),
-           (unsigned long long)(2 * NBLK * (rounds + 1)), rounds);
+           (unsigned long long)(4 * NBLK * (rounds + 1)), rounds);
     printf("| way | write GB/s | x raw | read GB/s | x raw |\n|---|---:|---:|---:|---:|\n");
     for (int way = 0; way < NWAYS; way++) {
         double v[4][64];

@@ -854,6 +854,8 @@ kv_err kvd_disk_clear(kvd_disk *d, uint64_t slot, uint8_t *buf) {
 static __thread struct io_uring tls_ring;
 static __thread XXH3_state_t *tls_sum; /* the ring's transfers' payload checksum */
 static __thread int tls_ring_state;    /* 0: not tried on this thread, 1: ready, -1: unavailable */
+static __thread struct iovec *tls_iov; /* the vectored transfers' iovecs (thread_iov) */
+static __thread uint32_t tls_iov_cap;
 static pthread_key_t ring_key;
 static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
 
@@ -864,6 +866,9 @@ static void ring_exit(void *unused) {
         XXH3_freeState(tls_sum);
         tls_sum = NULL;
     }
+    free(tls_iov);
+    tls_iov = NULL;
+    tls_iov_cap = 0;
     tls_ring_state = 0;
 }
 
@@ -1364,6 +1369,290 @@ kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, 
         }
         if (rc == KV_OK) {
             memcpy(dst, buf + kvd_disk_payload_off(d, rec), len);
+        }
+        return rc;
+    }
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (XXH3_64bits_digest(st) != psum) {
+        return KV_ECORRUPT;
+    }
+    *rec = r;
+    atomic_fetch_add(&direct_transfers, 1);
+    if (zero_copy != NULL) {
+        *zero_copy = 1;
+    }
+    return KV_OK;
+}
+
+/* ---- zero-copy write and read of a block in pieces (format 2) -------------------------------- */
+
+/* Pieces as the copying ways see them: one flat payload. */
+typedef struct pieces {
+    const kvd_disk_piece *v;
+    uint32_t n;
+    uint64_t len;
+} pieces;
+
+/* Moves [off, off + n) of the pieces' concatenation to (out) or from h. 0, or -1 past the end. */
+static int pieces_move(const pieces *ps, uint8_t *h, uint64_t off, uint64_t n, int out) {
+    uint64_t base = 0;
+    for (uint32_t i = 0; i < ps->n && n > 0; i++) {
+        const kvd_disk_piece *pc = &ps->v[i];
+        if (off < base + pc->n) {
+            uint64_t at = off - base, k = pc->n - at < n ? pc->n - at : n;
+            memcpy(out ? h : pc->p + at, out ? pc->p + at : h, k);
+            h += k;
+            off += k;
+            n -= k;
+        }
+        base += pc->n;
+    }
+    return n > 0 ? -1 : 0;
+}
+
+static kv_err pieces_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    return pieces_move(arg, dst, off, n, 1) == 0 ? KV_OK : KV_EINVAL;
+}
+
+/* A record longer than the pieces is not the one asked for. */
+static kv_err pieces_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    return pieces_move(arg, (uint8_t *)(uintptr_t)src, off, n, 0) == 0 ? KV_OK : KV_ECORRUPT;
+}
+
+/* The pieces' total, or UINT64_MAX for a bad array. *aligned: every piece whole pages at an
+ * aligned address. */
+static uint64_t pieces_len(const kvd_disk_piece *v, uint32_t n, int *aligned) {
+    uint64_t t = 0;
+    *aligned = n > 0 && n <= KVD_DISK_PIECES_MAX;
+    for (uint32_t i = 0; i < n; i++) {
+        if (v[i].p == NULL && v[i].n > 0) {
+            return UINT64_MAX;
+        }
+        *aligned =
+            *aligned && v[i].n % KVD_DISK_ALIGN == 0 && (uintptr_t)v[i].p % KVD_DISK_ALIGN == 0;
+        t += v[i].n;
+    }
+    return t;
+}
+
+/* Groups of consecutive whole pieces of at least KVD_DISK_CHUNK bytes (the last may be less),
+ * one vectored transfer each: group g is pieces [first[g], first[g + 1]). The number of groups,
+ * or 0 when there would be more than STREAM_MAX. */
+static uint32_t pieces_group(const kvd_disk_piece *v, uint32_t n, uint32_t *first) {
+    uint32_t g = 0;
+    uint64_t acc = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (acc == 0) {
+            if (g == STREAM_MAX) {
+                return 0;
+            }
+            first[g++] = i;
+        }
+        acc += v[i].n;
+        if (acc >= KVD_DISK_CHUNK) {
+            acc = 0;
+        }
+    }
+    first[g] = n;
+    return g;
+}
+
+/* This thread's iovec array for the vectored transfers (grown as needed; freed with the ring),
+ * or NULL. Only on a thread with a ring. */
+static struct iovec *thread_iov(uint32_t n) {
+    if (tls_iov_cap < n) {
+        struct iovec *v = realloc(tls_iov, n * sizeof(*v));
+        if (v == NULL) {
+            return NULL;
+        }
+        tls_iov = v;
+        tls_iov_cap = n;
+    }
+    return tls_iov;
+}
+
+/* Queues a vectored transfer of group k (iov[0, cnt), bytes at file offset off). */
+static void sio_queue_v(stream_io *io, int wr, int fd, uint32_t k, const struct iovec *iov,
+                        uint32_t cnt, uint64_t bytes, uint64_t off) {
+    struct io_uring_sqe *sqe;
+    while ((sqe = io_uring_get_sqe(io->ring)) == NULL) {
+        sio_reap(io);
+    }
+    if (wr) {
+        io_uring_prep_writev(sqe, fd, iov, cnt, off);
+    } else {
+        io_uring_prep_readv(sqe, fd, iov, cnt, off);
+    }
+    io_uring_sqe_set_data64(sqe, k);
+    io->res[k] = INT32_MIN;
+    io->want[k] = (uint32_t)bytes;
+    io->inflight++;
+    int r = io_uring_submit(io->ring);
+    if (r < 0 && r != -EAGAIN && r != -EBUSY && r != -EINTR) {
+        ring_lost(-r);
+    }
+}
+
+kv_err kvd_disk_write_fromv(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec,
+                            const kvd_disk_piece *src, uint32_t npieces, uint8_t *buf,
+                            int *sys_errno, int *zero_copy) {
+    if (zero_copy != NULL) {
+        *zero_copy = 0;
+    }
+    int aligned = 0;
+    uint64_t len = src != NULL ? pieces_len(src, npieces, &aligned) : UINT64_MAX;
+    if (rec == NULL || buf == NULL || len != rec->len || !rec_fits(d, rec)) {
+        return KV_EINVAL;
+    }
+    if (npieces == 1) {
+        return kvd_disk_write_from(d, slot, rec, src[0].p, buf, sys_errno, zero_copy);
+    }
+    uint32_t first[STREAM_MAX + 1];
+    uint32_t ng = aligned ? pieces_group(src, npieces, first) : 0;
+    struct io_uring *ring = ng > 0 ? direct_ring(d, slot, NULL, len) : NULL;
+    struct iovec *iov = ring != NULL ? thread_iov(npieces) : NULL;
+    if (iov == NULL) {
+        pieces ps = {src, npieces, len};
+        int fill_failed = 0;
+        return kvd_disk_write_stream(d, slot, rec, pieces_fill, &ps, buf, sys_errno, &fill_failed);
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    disk_grow(d, off + d->slot_bytes);
+    for (uint32_t i = 0; i < npieces; i++) {
+        iov[i].iov_base = src[i].p;
+        iov[i].iov_len = src[i].n;
+    }
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    uint64_t at = 0;
+    for (uint32_t g = 0; g < ng; g++) {
+        uint64_t bytes = 0;
+        for (uint32_t i = first[g]; i < first[g + 1]; i++) {
+            bytes += src[i].n;
+        }
+        sio_queue_v(&io, 1, fd, g, iov + first[g], first[g + 1] - first[g], bytes,
+                    off + KVD_DISK_ALIGN + at);
+        at += bytes;
+    }
+    /* Padding past the payload (a record shorter than the slot's room): zeros, through buf. */
+    uint64_t rest = d->slot_bytes - KVD_DISK_ALIGN - len;
+    if (rest > 0) {
+        memset(buf + KVD_DISK_ALIGN + len, 0, rest);
+        sio_queue(&io, 1, fd, KEY_REST, buf + KVD_DISK_ALIGN + len, (uint32_t)rest,
+                  off + KVD_DISK_ALIGN + len);
+    }
+    XXH3_state_t *st = tls_sum;
+    XXH3_64bits_reset(st);
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (tail > 0) {
+        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
+        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
+    for (uint32_t i = 0; i < npieces; i++) {
+        XXH3_64bits_update(st, src[i].p, src[i].n);
+    }
+    memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
+    rec_header(buf, rec, XXH3_64bits_digest(st));
+    sio_queue(&io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
+    sio_drain(&io);
+    int plain = sio_wait(&io, KEY_HDR) != 0;
+    for (uint32_t g = 0; g < ng && !plain; g++) {
+        plain = sio_wait(&io, g) != 0;
+    }
+    if (!plain && rest > 0) {
+        plain = sio_wait(&io, KEY_REST) != 0;
+    }
+    if (!plain) {
+        atomic_fetch_add(&direct_transfers, 1);
+        if (zero_copy != NULL) {
+            *zero_copy = 1;
+        }
+        return KV_OK;
+    }
+    atomic_fetch_add(&stream_fallbacks, 1);
+    /* Refused or cut short: the whole slot through pwrite (see write_stream). */
+    pieces ps = {src, npieces, len};
+    (void)pieces_move(&ps, buf + KVD_DISK_ALIGN, 0, len, 1);
+    return kvd_disk_write(d, slot, rec, buf + KVD_DISK_ALIGN, buf, sys_errno);
+}
+
+kv_err kvd_disk_read_intov(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                           const kvd_disk_piece *dst, uint32_t npieces, uint64_t len, uint8_t *buf,
+                           int *zero_copy) {
+    if (zero_copy != NULL) {
+        *zero_copy = 0;
+    }
+    int aligned = 0;
+    if (rec == NULL || buf == NULL || dst == NULL || pieces_len(dst, npieces, &aligned) != len) {
+        return KV_EINVAL;
+    }
+    if (npieces == 1) {
+        return kvd_disk_read_into(d, slot, expect, rec, dst[0].p, len, buf, zero_copy);
+    }
+    uint32_t first[STREAM_MAX + 1];
+    uint32_t ng = aligned ? pieces_group(dst, npieces, first) : 0;
+    struct io_uring *ring = ng > 0 ? direct_ring(d, slot, NULL, len) : NULL;
+    struct iovec *iov = ring != NULL ? thread_iov(npieces) : NULL;
+    kv_err rc;
+    if (iov == NULL) {
+        pieces ps = {dst, npieces, len};
+        rc = kvd_disk_read_stream(d, slot, expect, rec, buf, pieces_sink, &ps);
+        return rc == KV_OK && rec->len != len ? KV_ECORRUPT : rc;
+    }
+    uint64_t off = disk_slot_off(d, slot);
+    for (uint32_t i = 0; i < npieces; i++) {
+        iov[i].iov_base = dst[i].p;
+        iov[i].iov_len = dst[i].n;
+    }
+    stream_io io = {.ring = ring};
+    int fd = atomic_load(&d->fd);
+    sio_queue(&io, 0, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
+    uint64_t at = 0;
+    for (uint32_t g = 0; g < ng; g++) {
+        uint64_t bytes = 0;
+        for (uint32_t i = first[g]; i < first[g + 1]; i++) {
+            bytes += dst[i].n;
+        }
+        sio_queue_v(&io, 0, fd, g, iov + first[g], first[g + 1] - first[g], bytes,
+                    off + KVD_DISK_ALIGN + at);
+        at += bytes;
+    }
+    XXH3_state_t *st = tls_sum;
+    XXH3_64bits_reset(st);
+    kvd_disk_rec r;
+    uint64_t psum = 0;
+    rc = KV_OK;
+    int plain = sio_wait(&io, KEY_HDR) != 0;
+    if (!plain) {
+        if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect)) ||
+            r.len != len) {
+            rc = KV_ECORRUPT;
+        } else if (r.has_tail) {
+            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+        }
+    }
+    /* Each group checksummed as it lands, while the later ones are still on their way. */
+    for (uint32_t g = 0; g < ng && !plain && rc == KV_OK; g++) {
+        if (sio_wait(&io, g) != 0) {
+            plain = 1;
+            break;
+        }
+        for (uint32_t i = first[g]; i < first[g + 1]; i++) {
+            XXH3_64bits_update(st, dst[i].p, dst[i].n);
+        }
+    }
+    sio_drain(&io);
+    if (plain) {
+        atomic_fetch_add(&stream_fallbacks, 1);
+        rc = kvd_disk_read(d, slot, expect, rec, buf);
+        if (rc == KV_OK && rec->len != len) {
+            rc = KV_ECORRUPT;
+        }
+        if (rc == KV_OK) {
+            pieces ps = {dst, npieces, len};
+            (void)pieces_move(&ps, buf + kvd_disk_payload_off(d, rec), 0, len, 0);
         }
         return rc;
     }

@@ -184,8 +184,26 @@ kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, 
 kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
                           uint8_t *dst, uint64_t len, uint8_t *buf, int *zero_copy);
 
-/* Transfers kvd_disk_write_from / read_into made the zero-copy way, over the process's life.
- * Any thread. */
+/* The same for a block in several pieces of host memory (a layer-major block: one piece per
+ * layer and K/V), its payload their concatenation in order (the block image a gather makes).
+ * The zero-copy way (vectored transfers of whole pieces) needs a format 2 file, io_uring, and
+ * every piece a whole number of KVD_DISK_ALIGN pages at an aligned address, at most
+ * KVD_DISK_PIECES_MAX pieces; otherwise the copying way, same results. src[i].n summed is
+ * rec->len (write) or len (read); else KV_EINVAL. */
+#define KVD_DISK_PIECES_MAX 1024u
+typedef struct kvd_disk_piece {
+    uint8_t *p;
+    uint64_t n;
+} kvd_disk_piece;
+kv_err kvd_disk_write_fromv(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec,
+                            const kvd_disk_piece *src, uint32_t npieces, uint8_t *buf,
+                            int *sys_errno, int *zero_copy);
+kv_err kvd_disk_read_intov(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
+                           const kvd_disk_piece *dst, uint32_t npieces, uint64_t len, uint8_t *buf,
+                           int *zero_copy);
+
+/* Transfers kvd_disk_write_from / read_into (and the v forms) made the zero-copy way, over the
+ * process's life. Any thread. */
 uint64_t kvd_disk_direct_transfers(void);
 
 /* 1 when this thread's streamed I/O goes through io_uring (made on its first use). */

@@ -982,6 +982,14 @@ static void test_stream_without_uring(void **state) {
 
 /* ---- zero-copy write and read ------------------------------------------------------------- */
 
+/* The concatenation of n pieces, into out. */
+static void pieces_to(const kvd_disk_piece *v, uint32_t n, uint8_t *out) {
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(out, v[i].p, v[i].n);
+        out += v[i].n;
+    }
+}
+
 /* 1 when fallocate makes room in directory dir (tmpfs and ext4 do; some file systems do not). */
 static int fallocate_works(const char *dir) {
     char p[256];
@@ -1197,6 +1205,95 @@ static void test_direct_corruption(void **state) {
     kvd_disk_close(d);
 }
 
+/* A block in pieces (layer-major): write_fromv / read_intov against every other way, pieces
+ * of whole pages (zero-copy in format 2 with io_uring), pieces that are not (copying), a piece
+ * list that does not add up (refused), and a flipped byte in the middle piece (corrupt). */
+static void test_direct_pieces(void **state) {
+    fixture *fx = *state;
+    kvd_disk_key k;
+    key_big(&k);
+    kvd_disk *d = open_ok(fx, &k, 1);
+    uint32_t len = (uint32_t)k.layout.block_bytes; /* 2 MiB */
+    uint8_t *img = page_mem(len), *back = page_mem(len), *buf = slot_buf(d);
+    uint8_t *want = malloc(len);
+    assert_non_null(want);
+    /* 64 pieces of 32 KiB (32 layers x K, V), in the order they appear, at scattered places of
+     * img (the second half first), as a layer-major pool's are; then 3 pieces not whole pages. */
+    kvd_disk_piece pv[64], bv[64];
+    uint32_t shapes[2] = {64, 3};
+    uint64_t slot = 0;
+    for (int shape = 0; shape < 2; shape++) {
+        uint32_t n = shapes[shape];
+        uint64_t each = len / n, at = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t sz = i + 1 == n ? len - at : each;
+            uint64_t where = shape == 0 ? ((uint64_t)(i + n / 2) % n) * each : at;
+            pv[i] = (kvd_disk_piece){img + where, sz};
+            bv[i] = (kvd_disk_piece){back + where, sz};
+            at += sz;
+        }
+        for (int tail = 0; tail < 2; tail++, slot++) {
+            fill_payload(img, len, 300 + slot);
+            pieces_to(pv, n, want);
+            kvd_disk_rec r = rec_stream(300 + slot, len, tail);
+            int e = 0, zc = -1;
+            assert_int_equal(kvd_disk_write_fromv(d, slot, &r, pv, n, buf, &e, &zc), KV_OK);
+            int expect_zc = !FMT1 && shape == 0 && kvd_disk_thread_uring();
+            assert_int_equal(zc, expect_zc);
+            /* The plain read sees the concatenation of the pieces. */
+            kvd_disk_rec rr;
+            kv_hash128 h = hash_of(300 + slot);
+            assert_int_equal(kvd_disk_read(d, slot, &h, &rr, buf), KV_OK);
+            assert_memory_equal(buf + kvd_disk_payload_off(d, &rr), want, len);
+            assert_memory_equal(rr.tail, r.tail, tail ? KVD_DISK_TAIL : 0);
+            /* Into pieces, and into one piece. */
+            memset(back, 0, len);
+            zc = -1;
+            assert_int_equal(kvd_disk_read_intov(d, slot, &h, &rr, bv, n, len, buf, &zc), KV_OK);
+            assert_int_equal(zc, expect_zc);
+            uint8_t *got = malloc(len);
+            assert_non_null(got);
+            pieces_to(bv, n, got);
+            assert_memory_equal(got, want, len);
+            assert_int_equal(kvd_disk_read_into(d, slot, &h, &rr, back, len, buf, NULL), KV_OK);
+            assert_memory_equal(back, want, len);
+            /* A streamed write read back into pieces. */
+            flow f = {.bytes = want, .len = len};
+            int ff = 0;
+            assert_int_equal(kvd_disk_write_stream(d, 40 + slot, &r, flow_fill, &f, buf, &e, &ff),
+                             KV_OK);
+            memset(back, 0, len);
+            assert_int_equal(kvd_disk_read_intov(d, 40 + slot, &h, &rr, bv, n, len, buf, NULL),
+                             KV_OK);
+            pieces_to(bv, n, got);
+            assert_memory_equal(got, want, len);
+            free(got);
+        }
+    }
+    /* Pieces that do not add up to the record, or none. */
+    kvd_disk_rec r = rec_stream(9, len, 0);
+    int e = 0;
+    pv[0].n -= 4096;
+    assert_int_equal(kvd_disk_write_fromv(d, 9, &r, pv, 3, buf, &e, NULL), KV_EINVAL);
+    kvd_disk_rec rr;
+    assert_int_equal(kvd_disk_read_intov(d, 0, NULL, &rr, pv, 3, len, buf, NULL), KV_EINVAL);
+    assert_int_equal(kvd_disk_write_fromv(d, 9, &r, NULL, 0, buf, &e, NULL), KV_EINVAL);
+    kvd_disk_close(d);
+    /* A flipped byte inside the 33rd piece of slot 0 (64 pieces): corrupt. */
+    flip_byte(fx->path, (off_t)(4096 + KVD_DISK_ALIGN * (FMT1 ? 0 : 1) + 33 * (len / 64) + 77));
+    d = open_ok(fx, &k, 1);
+    kv_hash128 h0 = hash_of(300);
+    for (uint32_t i = 0; i < 64; i++) {
+        bv[i] = (kvd_disk_piece){back + i * (len / 64), len / 64};
+    }
+    assert_int_equal(kvd_disk_read_intov(d, 0, &h0, &rr, bv, 64, len, buf, NULL), KV_ECORRUPT);
+    free(img);
+    free(back);
+    free(buf);
+    free(want);
+    kvd_disk_close(d);
+}
+
 /* A format 1 file (made by kvd before format 2) opened by a kvd that makes format 2 files: kept,
  * read and written in its own format. New files: format 2 where it costs no room. */
 static void test_format1_file_kept(void **state) {
@@ -1407,6 +1504,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_stream_without_uring, setup, teardown),
         cmocka_unit_test_setup_teardown(test_direct_transfers, setup, teardown),
         cmocka_unit_test_setup_teardown(test_direct_corruption, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_direct_pieces, setup, teardown),
         cmocka_unit_test_setup_teardown(test_preallocate, setup, teardown),
     };
     const struct CMUnitTest once[] = {

@@ -381,10 +381,7 @@ typedef enum job_kind {
     J_PREFAULT = 5 /* make T1 buffers of a block's size and touch their pages (ahead of use) */
 } job_kind;
 
-typedef struct run {
-    uint8_t *p;
-    uint64_t n;
-} run;
+typedef kvd_disk_piece run; /* a piece of a block's bytes: {p, n} */
 
 typedef struct job {
     uv_work_t work;
@@ -784,13 +781,13 @@ static void work(uv_work_t *w) {
                 j->rec.has_tail = 0;
             }
             uint8_t *payload = buf + kvd_disk_payload_off(j->disk, &j->rec);
-            if (j->from_t0 && j->format == KVD_TF_RAW && j->tp->dev == NULL && j->nruns == 1 &&
-                j->runs[0].n == j->block_bytes) {
-                /* Raw, one piece of host memory: its whole pages go to the disk from T0. */
+            if (j->from_t0 && j->format == KVD_TF_RAW && j->tp->dev == NULL) {
+                /* Raw host memory: the block's pages go to the disk from T0 (one piece, or a
+                 * layer-major block's pieces in one vectored transfer a group). */
                 j->rec.len = (uint32_t)j->block_bytes;
                 j->rec.format = KVD_TF_RAW;
-                j->rc = kvd_disk_write_from(j->disk, j->slot, &j->rec, j->runs[0].p, buf,
-                                            &j->sys_errno, &j->zero_copy);
+                j->rc = kvd_disk_write_fromv(j->disk, j->slot, &j->rec, j->runs, j->nruns, buf,
+                                             &j->sys_errno, &j->zero_copy);
                 break;
             }
             if (j->from_t0 && j->format == KVD_TF_RAW) {
@@ -864,10 +861,10 @@ static void work(uv_work_t *w) {
                 }
                 kv_hash128 want = j->rec.hash;
                 t0_range x = {j->tp, j->runs, j->nruns};
-                if (j->tp->dev == NULL && j->nruns == 1 && j->runs[0].n == j->block_bytes) {
-                    /* One piece of host memory: the whole pages land in T0 from the disk. */
-                    j->rc = kvd_disk_read_into(j->disk, j->slot, &want, &j->rec, j->runs[0].p,
-                                               j->block_bytes, buf, &j->zero_copy);
+                if (j->tp->dev == NULL) {
+                    /* Host memory: the pages land in T0's pieces from the disk. */
+                    j->rc = kvd_disk_read_intov(j->disk, j->slot, &want, &j->rec, j->runs, j->nruns,
+                                                j->block_bytes, buf, &j->zero_copy);
                 } else {
                     j->rc =
                         kvd_disk_read_stream(j->disk, j->slot, &want, &j->rec, buf, t0_sink, &x);

@@ -159,6 +159,9 @@ def test_t2_round_trip_and_restart(kvd_factory, fmt):
 
 # Block-major, 8 KiB blocks: each block is one page-aligned piece of the pool's memory.
 LAYOUT_BM = kw.Layout(2, 2, 32, 16, pb.FP16, pb.BLOCK_MAJOR)
+# Layer-major, 4 KiB pieces (16 tokens x 2 heads x 64 dims fp16): 16 KiB blocks in 4 pieces,
+# each whole pages.
+LAYOUT_LM4K = kw.Layout(2, 2, 64, 16, pb.FP16, pb.LAYER_MAJOR)
 
 
 def _uring_usable():
@@ -178,36 +181,39 @@ def _uring_usable():
 
 @pytest.mark.parametrize("direct", ["true", "false"])
 def test_t2_zero_copy_round_trip(kvd_factory, direct):
-    """A host pool's block-major raw blocks go to a T2 file (format 2) and come back with no
-    copy (tier2_zero_copy counts each write and read), O_DIRECT on or off; the bytes survive
-    a restart; a layer-major pool beside it goes the copying way. Without io_uring every
-    transfer copies (same bytes)."""
-    zc = 6 if _uring_usable() else 0
-    t2dir, opts = _t2_only(tier2_direct=direct)
+    """A host pool's raw blocks go to a T2 file (format 2) and come back with no copy
+    (tier2_zero_copy counts each write and read), O_DIRECT on or off, and the bytes survive a
+    restart: a block-major pool's (one piece a block) and a layer-major pool's whose pieces are
+    whole pages (one vectored transfer); a layer-major pool of 512-byte pieces beside them goes
+    the copying way. Without io_uring every transfer copies (same bytes)."""
+    uring = _uring_usable()
+    t2dir, opts = _t2_only(tier2_direct=direct, pool_memory="512K")  # room for three pools
     d = kvd_factory(**opts)
     c = connect(d)
-    pool = c.attach("m-zc", LAYOUT_BM)
-    hs = prefix(pool, 6, 11)
-    pats = patterns(pool, hs)
-    write_commit_release(c, pool, hs, pats)
-    settle(d)
-    st = tier_stats(d)
-    assert st["demotions_t2"] == 6 and st["tier2_zero_copy"] == zc, st
-    other = c.attach("m-zc-lm", LAYOUT)
-    hs2 = prefix(other, 4, 12)
-    write_commit_release(c, other, hs2, patterns(other, hs2))
-    settle(d)
-    st = tier_stats(d)
-    assert st["demotions_t2"] == 10 and st["tier2_zero_copy"] == zc, st
+    chains = []
+    for model, lay, n, zc in (("m-zc", LAYOUT_BM, 6, 6), ("m-zc-lm4k", LAYOUT_LM4K, 4, 4),
+                              ("m-zc-lm", LAYOUT, 4, 0)):
+        pool = c.attach(model, lay)
+        hs = prefix(pool, n, 11 + len(chains))
+        pats = patterns(pool, hs)
+        write_commit_release(c, pool, hs, pats)
+        settle(d)
+        chains.append((model, lay, hs, pats, zc if uring else 0))
+        st = tier_stats(d)
+        want = sum(z for _, _, _, _, z in chains)
+        assert st["demotions_t2"] == sum(len(x[2]) for x in chains), st
+        assert st["tier2_zero_copy"] == want, (model, st)
     d.kill()
     d2 = kvd_factory(**opts)
     c2 = connect(d2)
-    pool2 = c2.attach("m-zc", LAYOUT_BM)
-    fr, blocks = fetch_all(c2, pool2, hs)
-    assert fr.status == pb.FETCH_DONE and len(blocks) == 6 and fr.promoted == 6, fr
-    check_bytes(pool2, blocks, pats)
-    st = tier_stats(d2)
-    assert st["promotions_t2"] == 6 and st["tier2_zero_copy"] == zc, st
+    want = 0
+    for model, lay, hs, pats, zc in chains:
+        pool2 = c2.attach(model, lay)
+        fr, blocks = fetch_all(c2, pool2, hs)
+        assert fr.status == pb.FETCH_DONE and len(blocks) == len(hs) and fr.promoted == len(hs), fr
+        check_bytes(pool2, blocks, pats)
+        want += zc
+        assert tier_stats(d2)["tier2_zero_copy"] == want, (model, tier_stats(d2))
 
 
 def test_t2_corrupt_record_never_served(kvd_factory):
