@@ -1432,6 +1432,9 @@ static uint64_t pieces_len(const kvd_disk_piece *v, uint32_t n, int *aligned) {
         }
         *aligned =
             *aligned && v[i].n % KVD_DISK_ALIGN == 0 && (uintptr_t)v[i].p % KVD_DISK_ALIGN == 0;
+        if (v[i].n > UINT64_MAX - t) {
+            return UINT64_MAX;
+        }
         t += v[i].n;
     }
     return t;

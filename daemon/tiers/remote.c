@@ -341,17 +341,25 @@ static void lookups_sweep(kvd_remote *r) {
  * one per slot map that names it again. */
 static resolve *lookup_for(kvd_remote *r, const char *name, char *why, size_t wlen) {
     lookups_sweep(r);
-    int waiting = r->nidle;
+    int waiting = r->nidle; /* the idle ones are all running, each once there */
     for (int i = 0; i < r->nnodes; i++) {
         resolve *q = r->nodes[i].res;
-        if (q == NULL) {
-            continue;
+        if (q == NULL || resolve_done(q)) {
+            continue; /* an answer another node has not used yet is not shared: it may be old */
         }
         if (strcmp(q->name, name) == 0) {
             resolve_ref(q);
             return q;
         }
-        waiting += !resolve_done(q);
+        /* Counted once: not when an earlier node or the idle list holds the same lookup. */
+        int seen = 0;
+        for (int j = 0; j < i && !seen; j++) {
+            seen = r->nodes[j].res == q;
+        }
+        for (int k = 0; k < r->nidle && !seen; k++) {
+            seen = r->idle[k] == q;
+        }
+        waiting += !seen;
     }
     for (int k = 0; k < r->nidle; k++) {
         if (strcmp(r->idle[k]->name, name) == 0) {
@@ -372,9 +380,18 @@ static resolve *lookup_for(kvd_remote *r, const char *name, char *why, size_t wl
     return q;
 }
 
-/* A forgotten node's lookup: kept while it runs, so that the name met again waits for it. */
+/* A forgotten node's lookup: kept (once) while it runs, so that the name met again waits for it. */
 static void lookup_forget(kvd_remote *r, resolve *q) {
-    if (q != NULL && !resolve_done(q) && r->nidle < LOOKUPS_MAX) {
+    if (q == NULL) {
+        return;
+    }
+    for (int k = 0; k < r->nidle; k++) {
+        if (r->idle[k] == q) {
+            resolve_rele(q); /* kept already (another node of the name was forgotten before) */
+            return;
+        }
+    }
+    if (!resolve_done(q) && r->nidle < LOOKUPS_MAX) {
         r->idle[r->nidle++] = q;
         return;
     }

@@ -2155,11 +2155,12 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
         lsock.close()
 
 
-def _fake_cluster(name):
+def _fake_cluster(names):
     """A RESP server that plays a Redis Cluster whose map keeps changing: CLUSTER SLOTS gives,
     in turn, half of the slots to itself and half to a port nothing listens on, then that half
-    to `name`:6379 (each map has a node that fails, so kvd reads the map again at the next
-    request); GET and STRLEN find nothing, SET is fine. Returns (listening socket, stop event, thread)."""
+    split between the nodes `names` ((host, port) pairs; each map has a node that fails, so kvd
+    reads the map again at the next request); GET and STRLEN find nothing, SET is fine.
+    Returns (listening socket, stop event, thread)."""
     import threading
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
@@ -2180,8 +2181,13 @@ def _fake_cluster(name):
         if maps[0] % 2:  # the other half on a port nothing listens on: refused, so read again
             return (b"*2\r\n*3\r\n:0\r\n:8191\r\n" + node("127.0.0.1", port) +
                     b"*3\r\n:8192\r\n:16383\r\n" + node("127.0.0.1", 1))
-        return (b"*2\r\n*3\r\n:0\r\n:8191\r\n" + node("127.0.0.1", port) +
-                b"*3\r\n:8192\r\n:16383\r\n" + node(name, 6379))
+        out = b"*%d\r\n*3\r\n:0\r\n:8191\r\n" % (1 + len(names)) + node("127.0.0.1", port)
+        each = 8192 // len(names)
+        for i, (host, p) in enumerate(names):
+            lo = 8192 + i * each
+            hi = 16383 if i + 1 == len(names) else lo + each - 1
+            out += b"*3\r\n:%d\r\n:%d\r\n" % (lo, hi) + node(host, p)
+        return out
 
     def reply(cmd):
         c = [x.upper() for x in cmd[:2]]
@@ -2250,7 +2256,7 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
     never answers (the resolver holds a lookup 6 s): each time the map names it again, kvd waits
     for the lookup still running instead of starting another thread, so its threads do not pile
     up; Fetches are answered meanwhile."""
-    lsock, stop, th = _fake_cluster("m.kvd-test.invalid")
+    lsock, stop, th = _fake_cluster([("m.kvd-test.invalid", 6379)])
     d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
                                                    **{OPT_TIMEOUT: "150"}))
     try:
