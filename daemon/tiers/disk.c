@@ -1225,6 +1225,48 @@ static struct io_uring *direct_ring(kvd_disk *d, uint64_t slot, const void *mem,
     return thread_ring();
 }
 
+/* Starts a record's payload checksum in st with its tail (copied into buf's header block) and
+ * returns the tail's bytes (0 without one). */
+static uint64_t sum_begin(XXH3_state_t *st, uint8_t *buf, const kvd_disk_rec *rec) {
+    XXH3_64bits_reset(st);
+    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
+    if (tail > 0) {
+        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
+        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
+    return tail;
+}
+
+/* A zero-copy write's end, its payload's transfers queued (keys 0..n-1, and KEY_REST when rest)
+ * and this thread's checksum state holding tail and payload: the header block (the header, the
+ * tail, zeros) goes last (as in write_stream, a slot cut off midway fails its payload checksum),
+ * and every transfer is waited for. 0 when all went through (counted, *zero_copy set), else 1
+ * (counted as a fallback): the caller writes the slot the plain way. */
+static int direct_write_end(stream_io *io, int fd, uint64_t off, const kvd_disk_rec *rec,
+                            uint8_t *buf, uint64_t tail, uint32_t n, uint64_t rest,
+                            int *zero_copy) {
+    memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
+    rec_header(buf, rec, XXH3_64bits_digest(tls_sum));
+    sio_queue(io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
+    sio_drain(io);
+    int plain = sio_wait(io, KEY_HDR) != 0;
+    for (uint32_t k = 0; k < n && !plain; k++) {
+        plain = sio_wait(io, k) != 0;
+    }
+    if (!plain && rest > 0) {
+        plain = sio_wait(io, KEY_REST) != 0;
+    }
+    if (plain) {
+        atomic_fetch_add(&stream_fallbacks, 1);
+        return 1;
+    }
+    atomic_fetch_add(&direct_transfers, 1);
+    if (zero_copy != NULL) {
+        *zero_copy = 1;
+    }
+    return 0;
+}
+
 kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, const uint8_t *src,
                            uint8_t *buf, int *sys_errno, int *zero_copy) {
     if (zero_copy != NULL) {
@@ -1263,37 +1305,33 @@ kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, 
         memset(r + (len - full), 0, rest - (len - full));
         sio_queue(&io, 1, fd, KEY_REST, r, (uint32_t)rest, off + KVD_DISK_ALIGN + full);
     }
-    /* The checksum while the disk reads the same bytes; the header block goes last (as in
-     * write_stream, a slot cut off midway fails its payload checksum). */
-    XXH3_state_t *st = tls_sum;
-    XXH3_64bits_reset(st);
-    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
-    if (tail > 0) {
-        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
-        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
-    }
-    XXH3_64bits_update(st, src, len);
-    memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
-    rec_header(buf, rec, XXH3_64bits_digest(st));
-    sio_queue(&io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
-    sio_drain(&io);
-    int plain = sio_wait(&io, KEY_HDR) != 0;
-    for (uint32_t k = 0; k < nk && !plain; k++) {
-        plain = sio_wait(&io, k) != 0;
-    }
-    if (!plain && rest > 0) {
-        plain = sio_wait(&io, KEY_REST) != 0;
-    }
-    if (!plain) {
-        atomic_fetch_add(&direct_transfers, 1);
-        if (zero_copy != NULL) {
-            *zero_copy = 1;
-        }
+    /* The checksum while the disk reads the same bytes. */
+    uint64_t tail = sum_begin(tls_sum, buf, rec);
+    XXH3_64bits_update(tls_sum, src, len);
+    if (direct_write_end(&io, fd, off, rec, buf, tail, nk, rest, zero_copy) == 0) {
         return KV_OK;
     }
-    atomic_fetch_add(&stream_fallbacks, 1);
     /* Refused or cut short: the whole slot through pwrite (see write_stream). */
     return kvd_disk_write(d, slot, rec, src, buf, sys_errno);
+}
+
+/* A zero-copy read's end once every transfer went through: the header's verdict rc, then the
+ * payload checksum (this thread's state) against psum; on success *rec = *r, counted, and
+ * *zero_copy set. */
+static kv_err direct_read_end(kv_err rc, uint64_t psum, kvd_disk_rec *rec, const kvd_disk_rec *r,
+                              int *zero_copy) {
+    if (rc != KV_OK) {
+        return rc;
+    }
+    if (XXH3_64bits_digest(tls_sum) != psum) {
+        return KV_ECORRUPT;
+    }
+    *rec = *r;
+    atomic_fetch_add(&direct_transfers, 1);
+    if (zero_copy != NULL) {
+        *zero_copy = 1;
+    }
+    return KV_OK;
 }
 
 kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, kvd_disk_rec *rec,
@@ -1372,18 +1410,7 @@ kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, 
         }
         return rc;
     }
-    if (rc != KV_OK) {
-        return rc;
-    }
-    if (XXH3_64bits_digest(st) != psum) {
-        return KV_ECORRUPT;
-    }
-    *rec = r;
-    atomic_fetch_add(&direct_transfers, 1);
-    if (zero_copy != NULL) {
-        *zero_copy = 1;
-    }
-    return KV_OK;
+    return direct_read_end(rc, psum, rec, &r, zero_copy);
 }
 
 /* ---- zero-copy write and read of a block in pieces (format 2) -------------------------------- */
@@ -1546,35 +1573,13 @@ kv_err kvd_disk_write_fromv(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec,
         sio_queue(&io, 1, fd, KEY_REST, buf + KVD_DISK_ALIGN + len, (uint32_t)rest,
                   off + KVD_DISK_ALIGN + len);
     }
-    XXH3_state_t *st = tls_sum;
-    XXH3_64bits_reset(st);
-    uint64_t tail = rec->has_tail ? KVD_DISK_TAIL : 0;
-    if (tail > 0) {
-        memcpy(buf + KVD_DISK_REC_HDR, rec->tail, KVD_DISK_TAIL);
-        XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
-    }
+    uint64_t tail = sum_begin(tls_sum, buf, rec);
     for (uint32_t i = 0; i < npieces; i++) {
-        XXH3_64bits_update(st, src[i].p, src[i].n);
+        XXH3_64bits_update(tls_sum, src[i].p, src[i].n);
     }
-    memset(buf + KVD_DISK_REC_HDR + tail, 0, KVD_DISK_ALIGN - KVD_DISK_REC_HDR - tail);
-    rec_header(buf, rec, XXH3_64bits_digest(st));
-    sio_queue(&io, 1, fd, KEY_HDR, buf, KVD_DISK_ALIGN, off);
-    sio_drain(&io);
-    int plain = sio_wait(&io, KEY_HDR) != 0;
-    for (uint32_t g = 0; g < ng && !plain; g++) {
-        plain = sio_wait(&io, g) != 0;
-    }
-    if (!plain && rest > 0) {
-        plain = sio_wait(&io, KEY_REST) != 0;
-    }
-    if (!plain) {
-        atomic_fetch_add(&direct_transfers, 1);
-        if (zero_copy != NULL) {
-            *zero_copy = 1;
-        }
+    if (direct_write_end(&io, fd, off, rec, buf, tail, ng, rest, zero_copy) == 0) {
         return KV_OK;
     }
-    atomic_fetch_add(&stream_fallbacks, 1);
     /* Refused or cut short: the whole slot through pwrite (see write_stream). */
     pieces ps = {src, npieces, len};
     (void)pieces_move(&ps, buf + KVD_DISK_ALIGN, 0, len, 1);
@@ -1659,16 +1664,5 @@ kv_err kvd_disk_read_intov(kvd_disk *d, uint64_t slot, const kv_hash128 *expect,
         }
         return rc;
     }
-    if (rc != KV_OK) {
-        return rc;
-    }
-    if (XXH3_64bits_digest(st) != psum) {
-        return KV_ECORRUPT;
-    }
-    *rec = r;
-    atomic_fetch_add(&direct_transfers, 1);
-    if (zero_copy != NULL) {
-        *zero_copy = 1;
-    }
-    return KV_OK;
+    return direct_read_end(rc, psum, rec, &r, zero_copy);
 }
