@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -679,6 +680,22 @@ static uint8_t *scratch_slot(uint64_t n) {
     return tls_slot;
 }
 
+/* A raw T1 buffer of a host pool: where the block is a whole number of 2 MiB it is 2 MiB-aligned
+ * and asks for transparent huge pages (MADV_HUGEPAGE: honoured in the kernel's `madvise` mode
+ * too), so its first touch faults once a 2 MiB instead of 512 times; else malloc. free() takes
+ * either. Any thread. */
+#define HUGE_BYTES (2ull << 20)
+static uint8_t *raw_t1_alloc(uint64_t n) {
+    if (n >= HUGE_BYTES && n % HUGE_BYTES == 0) {
+        uint8_t *p = aligned_alloc(HUGE_BYTES, n);
+        if (p != NULL) {
+            (void)madvise(p, n, MADV_HUGEPAGE);
+            return p;
+        }
+    }
+    return malloc(n);
+}
+
 /* A raw T1 buffer for a pinning pool's job: page-locked, or malloc'd (and counted) when the
  * driver has none to give. Copy threads. */
 static uint8_t *t1_buffer(job *j, uint64_t n) {
@@ -712,7 +729,7 @@ static void work(uv_work_t *w) {
             if (j->out == NULL && j->format == KVD_TF_RAW && j->tp->pin) {
                 j->out = t1_buffer(j, j->block_bytes);
             } else if (j->out == NULL) {
-                j->out = malloc(j->format == KVD_TF_RAW ? j->block_bytes : cap);
+                j->out = j->format == KVD_TF_RAW ? raw_t1_alloc(j->block_bytes) : malloc(cap);
             }
             if (j->out == NULL) {
                 j->rc = KV_ENOMEM;
@@ -918,7 +935,8 @@ static void work(uv_work_t *w) {
         case J_PREFAULT: {
             /* j->runs is scratch here: nruns buffers' pointers (run.p), each block_bytes. */
             for (uint32_t k = 0; k < j->nruns; k++) {
-                j->runs[k].p = j->tp->pin ? t1_buffer(j, j->block_bytes) : malloc(j->block_bytes);
+                j->runs[k].p =
+                    j->tp->pin ? t1_buffer(j, j->block_bytes) : raw_t1_alloc(j->block_bytes);
                 if (j->runs[k].p != NULL) {
                     memset(j->runs[k].p, 0, j->block_bytes); /* the pages fault in now */
                 }
