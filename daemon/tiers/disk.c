@@ -1191,24 +1191,69 @@ uint64_t kvd_disk_direct_transfers(void) {
     return atomic_load(&direct_transfers);
 }
 
-static kv_err copy_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
-    memcpy(dst, (const uint8_t *)arg + off, n);
+/* Pieces as the copying ways see them: one flat payload. */
+typedef struct pieces {
+    const kvd_disk_piece *v;
+    uint32_t n;
+    uint64_t len;
+} pieces;
+
+/* Moves [off, off + n) of the pieces' concatenation to (out) or from h. 0, or -1 past the end. */
+static int pieces_move(const pieces *ps, uint8_t *h, uint64_t off, uint64_t n, int out) {
+    uint64_t base = 0;
+    for (uint32_t i = 0; i < ps->n && n > 0; i++) {
+        const kvd_disk_piece *pc = &ps->v[i];
+        if (off < base + pc->n) {
+            uint64_t at = off - base, k = pc->n - at < n ? pc->n - at : n;
+            memcpy(out ? h : pc->p + at, out ? pc->p + at : h, k);
+            h += k;
+            off += k;
+            n -= k;
+        }
+        base += pc->n;
+    }
+    return n > 0 ? -1 : 0;
+}
+
+static kv_err pieces_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
+    return pieces_move(arg, dst, off, n, 1) == 0 ? KV_OK : KV_EINVAL;
+}
+
+/* A record longer than the pieces is not the one asked for. */
+static kv_err pieces_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
+    return pieces_move(arg, (uint8_t *)(uintptr_t)src, off, n, 0) == 0 ? KV_OK : KV_ECORRUPT;
+}
+
+/* The zero-copy reads' header: checks the record header in buf (its hash against *expect, its
+ * length against len) and starts the payload checksum in this thread's state with the tail.
+ * KV_OK with *r and *psum, or KV_ECORRUPT. */
+static kv_err direct_read_head(const kvd_disk *d, const uint8_t *buf, const kv_hash128 *expect,
+                               uint64_t len, kvd_disk_rec *r, uint64_t *psum) {
+    XXH3_64bits_reset(tls_sum);
+    if (rec_parse(d, buf, r, psum) != 0 || (expect != NULL && !kv_hash_eq(r->hash, *expect)) ||
+        r->len != len) {
+        return KV_ECORRUPT;
+    }
+    if (r->has_tail) {
+        XXH3_64bits_update(tls_sum, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
+    }
     return KV_OK;
 }
 
-/* read_into's copying way: the payload into dst[0, len), never past it. */
-typedef struct copy_dst {
-    uint8_t *dst;
-    uint64_t len;
-} copy_dst;
-
-static kv_err copy_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
-    const copy_dst *c = arg;
-    if (off > c->len || n > c->len - off) {
-        return KV_ECORRUPT; /* a longer record than the caller's: not the one asked for */
+/* The zero-copy reads' way back when the ring refused or cut short a transfer: the whole slot
+ * the plain way (it knows O_DIRECT's refusals and says corrupt for a slot past the end), a
+ * record of another length corrupt, the payload copied into the pieces. */
+static kv_err read_plain_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect,
+                              kvd_disk_rec *rec, uint8_t *buf, const pieces *ps) {
+    atomic_fetch_add(&stream_fallbacks, 1);
+    kv_err rc = kvd_disk_read(d, slot, expect, rec, buf);
+    if (rc == KV_OK && rec->len != ps->len) {
+        rc = KV_ECORRUPT;
     }
-    memcpy(c->dst + off, src, n);
-    return KV_OK;
+    if (rc == KV_OK) {
+        (void)pieces_move(ps, buf + kvd_disk_payload_off(d, rec), 0, ps->len, 0);
+    }
+    return rc;
 }
 
 /* The ring for a zero-copy transfer of len payload bytes at mem into or out of slot, or NULL
@@ -1278,8 +1323,9 @@ kv_err kvd_disk_write_from(kvd_disk *d, uint64_t slot, const kvd_disk_rec *rec, 
     struct io_uring *ring = direct_ring(d, slot, src, rec->len);
     if (ring == NULL) {
         int fill_failed = 0;
-        return kvd_disk_write_stream(d, slot, rec, copy_fill, (void *)(uintptr_t)src, buf,
-                                     sys_errno, &fill_failed);
+        kvd_disk_piece one = {(uint8_t *)(uintptr_t)src, rec->len};
+        pieces ps = {&one, 1, rec->len};
+        return kvd_disk_write_stream(d, slot, rec, pieces_fill, &ps, buf, sys_errno, &fill_failed);
     }
     uint64_t off = disk_slot_off(d, slot);
     disk_grow(d, off + d->slot_bytes);
@@ -1342,11 +1388,12 @@ kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, 
     if (rec == NULL || buf == NULL || (dst == NULL && len > 0)) {
         return KV_EINVAL;
     }
+    kvd_disk_piece one = {dst, len};
+    pieces ps = {&one, 1, len};
     struct io_uring *ring = direct_ring(d, slot, dst, len);
     kv_err rc;
     if (ring == NULL) {
-        copy_dst c = {dst, len};
-        rc = kvd_disk_read_stream(d, slot, expect, rec, buf, copy_sink, &c);
+        rc = kvd_disk_read_stream(d, slot, expect, rec, buf, pieces_sink, &ps);
         return rc == KV_OK && rec->len != len ? KV_ECORRUPT : rc;
     }
     uint64_t off = disk_slot_off(d, slot);
@@ -1367,18 +1414,12 @@ kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, 
                   off + KVD_DISK_ALIGN + full);
     }
     XXH3_state_t *st = tls_sum;
-    XXH3_64bits_reset(st);
     kvd_disk_rec r;
     uint64_t psum = 0;
     rc = KV_OK;
     int plain = sio_wait(&io, KEY_HDR) != 0; /* short or refused: the plain read tells which */
     if (!plain) {
-        if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect)) ||
-            r.len != len) {
-            rc = KV_ECORRUPT;
-        } else if (r.has_tail) {
-            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
-        }
+        rc = direct_read_head(d, buf, expect, len, &r, &psum);
     }
     /* Each piece checksummed as it lands, while the later ones are still on their way. */
     for (uint32_t k = 0; k < nk && !plain && rc == KV_OK; k++) {
@@ -1399,54 +1440,12 @@ kv_err kvd_disk_read_into(kvd_disk *d, uint64_t slot, const kv_hash128 *expect, 
     }
     sio_drain(&io);
     if (plain) {
-        atomic_fetch_add(&stream_fallbacks, 1);
-        /* As read_stream: the whole slot the plain way. */
-        rc = kvd_disk_read(d, slot, expect, rec, buf);
-        if (rc == KV_OK && rec->len != len) {
-            rc = KV_ECORRUPT;
-        }
-        if (rc == KV_OK) {
-            memcpy(dst, buf + kvd_disk_payload_off(d, rec), len);
-        }
-        return rc;
+        return read_plain_into(d, slot, expect, rec, buf, &ps);
     }
     return direct_read_end(rc, psum, rec, &r, zero_copy);
 }
 
 /* ---- zero-copy write and read of a block in pieces (format 2) -------------------------------- */
-
-/* Pieces as the copying ways see them: one flat payload. */
-typedef struct pieces {
-    const kvd_disk_piece *v;
-    uint32_t n;
-    uint64_t len;
-} pieces;
-
-/* Moves [off, off + n) of the pieces' concatenation to (out) or from h. 0, or -1 past the end. */
-static int pieces_move(const pieces *ps, uint8_t *h, uint64_t off, uint64_t n, int out) {
-    uint64_t base = 0;
-    for (uint32_t i = 0; i < ps->n && n > 0; i++) {
-        const kvd_disk_piece *pc = &ps->v[i];
-        if (off < base + pc->n) {
-            uint64_t at = off - base, k = pc->n - at < n ? pc->n - at : n;
-            memcpy(out ? h : pc->p + at, out ? pc->p + at : h, k);
-            h += k;
-            off += k;
-            n -= k;
-        }
-        base += pc->n;
-    }
-    return n > 0 ? -1 : 0;
-}
-
-static kv_err pieces_fill(void *arg, uint8_t *dst, uint64_t off, uint64_t n) {
-    return pieces_move(arg, dst, off, n, 1) == 0 ? KV_OK : KV_EINVAL;
-}
-
-/* A record longer than the pieces is not the one asked for. */
-static kv_err pieces_sink(void *arg, const uint8_t *src, uint64_t off, uint64_t n) {
-    return pieces_move(arg, (uint8_t *)(uintptr_t)src, off, n, 0) == 0 ? KV_OK : KV_ECORRUPT;
-}
 
 /* The pieces' total, or UINT64_MAX for a bad array. *aligned: every piece whole pages at an
  * aligned address. */
@@ -1628,18 +1627,12 @@ kv_err kvd_disk_read_intov(kvd_disk *d, uint64_t slot, const kv_hash128 *expect,
         at += bytes;
     }
     XXH3_state_t *st = tls_sum;
-    XXH3_64bits_reset(st);
     kvd_disk_rec r;
     uint64_t psum = 0;
     rc = KV_OK;
-    int plain = sio_wait(&io, KEY_HDR) != 0;
+    int plain = sio_wait(&io, KEY_HDR) != 0; /* short or refused: the plain read tells which */
     if (!plain) {
-        if (rec_parse(d, buf, &r, &psum) != 0 || (expect != NULL && !kv_hash_eq(r.hash, *expect)) ||
-            r.len != len) {
-            rc = KV_ECORRUPT;
-        } else if (r.has_tail) {
-            XXH3_64bits_update(st, buf + KVD_DISK_REC_HDR, KVD_DISK_TAIL);
-        }
+        rc = direct_read_head(d, buf, expect, len, &r, &psum);
     }
     /* Each group checksummed as it lands, while the later ones are still on their way. */
     for (uint32_t g = 0; g < ng && !plain && rc == KV_OK; g++) {
@@ -1653,16 +1646,8 @@ kv_err kvd_disk_read_intov(kvd_disk *d, uint64_t slot, const kv_hash128 *expect,
     }
     sio_drain(&io);
     if (plain) {
-        atomic_fetch_add(&stream_fallbacks, 1);
-        rc = kvd_disk_read(d, slot, expect, rec, buf);
-        if (rc == KV_OK && rec->len != len) {
-            rc = KV_ECORRUPT;
-        }
-        if (rc == KV_OK) {
-            pieces ps = {dst, npieces, len};
-            (void)pieces_move(&ps, buf + kvd_disk_payload_off(d, rec), 0, len, 0);
-        }
-        return rc;
+        pieces ps = {dst, npieces, len};
+        return read_plain_into(d, slot, expect, rec, buf, &ps);
     }
     return direct_read_end(rc, psum, rec, &r, zero_copy);
 }
