@@ -6,7 +6,8 @@
  * paged tensor per layer, as vLLM and FlashInfer index it. Both views share the same pages
  * (MAP_SHARED of one file), so a write through either is seen through the other and by every
  * other worker. Read-only segments (the commons) are mapped PROT_READ from the read-only fd the
- * daemon sends.
+ * daemon sends. Every mapping asks for transparent huge pages (kv_map_advise_huge), granted where
+ * the kernel's shmem THP mode allows.
  */
 #include "client/map.h"
 
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "client/conn.h"
+#include "common/kv_util.h"
 
 #define KVC__MAX_RESERVE (1ull << 40) /* address space reserved per pool at most (1 TiB) */
 
@@ -208,6 +210,7 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
         return kvc__fail(p->diag, KV_ESYS, "mmap of segment %u (%llu bytes): %s", seg,
                          (unsigned long long)bytes, strerror(e));
     }
+    kv_map_advise_huge(base, bytes); /* the daemon advises its mapping too (kv_util.h) */
     if (in_place) {
         uint64_t pg = page_size();
         uint64_t end = (bytes + pg - 1) / pg * pg;
@@ -252,6 +255,7 @@ kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, 
                          strerror(errno));
                 goto no_layers;
             }
+            kv_map_advise_huge(m, len);
         }
     }
     return KV_OK;

@@ -1,6 +1,6 @@
 /* Mapping arithmetic of libkvclient with local memfds, no daemon: the per-segment view
  * (kvc_pool_addr, kv_layout order) and the per-layer tensors (MAP_FIXED sections) must be two
- * windows on the same bytes, segment after segment. */
+ * windows on the same bytes, segment after segment, both advised for huge pages. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,6 +14,7 @@
 
 #include "client/diag.h"
 #include "client/map.h"
+#include "common/kv_util.h"
 
 static int make_memfd(uint64_t bytes) {
     int fd = memfd_create("pool-map-test", MFD_CLOEXEC);
@@ -43,6 +44,10 @@ static void test_layer_major_views_agree(void **state) {
         close(fd); /* the mappings keep the memory */
     }
     assert_int_equal(kvc_pool_segments(&p), 3);
+    /* Both views ask for transparent huge pages (a kernel without THP refuses the advice). */
+    assert_int_not_equal(kv_map_advised_huge(kvc_pool_addr(&p, 2 * bps, 0, KV_K, 0, 0)), 0);
+    assert_int_not_equal(
+        kv_map_advised_huge(kvc_pool_layer_base(&p, 2, KV_V) + 2 * bps * l.kv_block_bytes), 0);
     /* Write through the segment view, read through the layer tensors. */
     for (uint32_t b = 0; b < 3 * bps; b++) {
         for (uint32_t layer = 0; layer < 3; layer++) {

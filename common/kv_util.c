@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 int kv_default_socket_path(const char *file, char *buf, size_t cap) {
@@ -75,4 +76,53 @@ int kv_parse_size(const char *s, uint64_t *out) {
     }
     *out = v;
     return 0;
+}
+
+void kv_map_advise_huge(void *base, uint64_t bytes) {
+    if (base != NULL && bytes > 0) {
+        (void)madvise(base, (size_t)bytes, MADV_HUGEPAGE);
+    }
+}
+
+const char *kv_shmem_thp_mode(char *buf, size_t cap) {
+    char line[128] = "";
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+    if (f != NULL) {
+        if (fgets(line, sizeof(line), f) == NULL) {
+            line[0] = '\0';
+        }
+        fclose(f);
+    }
+    const char *a = strchr(line, '[');
+    const char *b = a != NULL ? strchr(a, ']') : NULL;
+    if (a == NULL || b == NULL || b == a + 1) {
+        snprintf(buf, cap, "unknown");
+    } else {
+        snprintf(buf, cap, "%.*s", (int)(b - a - 1), a + 1);
+    }
+    return buf;
+}
+
+int kv_map_advised_huge(const void *addr) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (f == NULL) {
+        return -1;
+    }
+    char line[512];
+    int in = 0;
+    int found = -1;
+    uintptr_t a = (uintptr_t)addr;
+    while (found < 0 && fgets(line, sizeof(line), f) != NULL) {
+        unsigned long lo;
+        unsigned long hi;
+        /* A mapping's first line: "lo-hi perms offset dev inode path"; its fields follow. */
+        if (line[strspn(line, "0123456789abcdef")] == '-' &&
+            sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+            in = a >= lo && a < hi;
+        } else if (in && strncmp(line, "VmFlags:", 8) == 0) {
+            found = strstr(line, " hg") != NULL ? 1 : 0;
+        }
+    }
+    fclose(f);
+    return found;
 }

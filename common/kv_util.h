@@ -1,5 +1,6 @@
 /* kv_util: small helpers kvd, kvctl and libkvclient share, one definition each: the default
- * socket location and decimal and size parsing. Any thread. */
+ * socket location, decimal and size parsing, and the huge-page advice on mappings of pool
+ * segments. Any thread. */
 #ifndef KV_UTIL_H
 #define KV_UTIL_H
 
@@ -20,5 +21,25 @@ int kv_parse_u64(const char *s, const char **end, uint64_t *out);
  * (either case), optionally followed by B or iB ("64K", "2MiB", "1GB": all powers of 1024).
  * Returns 0, or -1 for anything else or a value past UINT64_MAX (out untouched). */
 int kv_parse_size(const char *s, uint64_t *out);
+
+/* Asks for transparent huge pages behind [base, base + bytes), a shared mapping of a host
+ * pool's memfd segment (madvise MADV_HUGEPAGE; base page aligned). kvd and libkvclient advise
+ * every mapping of pool memory, because with the kernel's shmem THP mode `advise` a 2 MiB page
+ * of a memfd is allocated huge only when the mapping that first touches it carries the advice,
+ * and a mapping maps it with one entry only when it carries it too: one page fault and one TLB
+ * entry per 2 MiB instead of 512. In the modes `never` and `deny` (the shmem default of most
+ * distributions) the kernel ignores the advice: 4 KiB pages as without it. Failure (a kernel
+ * without THP) is ignored: the memory is the same either way. */
+void kv_map_advise_huge(void *base, uint64_t bytes);
+
+/* The system's shmem THP mode, the bracketed word of
+ * /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never", "advise", "within_size",
+ * "always", "deny", "force"), copied into buf (cap bytes); "unknown" where it cannot be read. */
+const char *kv_shmem_thp_mode(char *buf, size_t cap);
+
+/* 1 when the mapping that holds addr carries the huge-page advice (VmFlags `hg` in
+ * /proc/self/smaps), 0 when it does not, -1 when that cannot be told (no such mapping, no
+ * /proc). Reads smaps: for tests and diagnostics, not hot paths. */
+int kv_map_advised_huge(const void *addr);
 
 #endif

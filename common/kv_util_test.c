@@ -1,9 +1,11 @@
-/* kv_util: decimal and size parsing (the socket path is covered by the daemon's and the
- * client's tests, which run with and without XDG_RUNTIME_DIR). */
+/* kv_util: decimal and size parsing, the huge-page advice (the socket path is covered by the
+ * daemon's and the client's tests, which run with and without XDG_RUNTIME_DIR). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
 
 #include <cmocka.h>
 
@@ -58,10 +60,51 @@ static void test_parse_size(void **state) {
     }
 }
 
+/* The advice shows in the mapping's VmFlags whatever the system's THP mode (the kernel keeps the
+ * flag even where it will not use huge pages), and only on the mapping advised. */
+static void test_advise_huge(void **state) {
+    (void)state;
+    size_t n = 4u << 20;
+    uint8_t *a = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *b = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_true(a != MAP_FAILED && b != MAP_FAILED);
+    if (kv_map_advised_huge(a) < 0) {
+        skip(); /* no /proc/self/smaps here */
+    }
+    assert_int_equal(kv_map_advised_huge(a), 0);
+    kv_map_advise_huge(a, n);
+    kv_map_advise_huge(NULL, n); /* ignored */
+    if (kv_map_advised_huge(a) != 1) {
+        skip(); /* a kernel built without transparent huge pages refuses the advice */
+    }
+    assert_int_equal(kv_map_advised_huge(a + n - 1), 1);
+    assert_int_equal(kv_map_advised_huge(b), 0);
+    assert_int_equal(kv_map_advised_huge((const void *)16), -1); /* below any mapping */
+    munmap(a, n);
+    munmap(b, n);
+}
+
+static void test_shmem_thp_mode(void **state) {
+    (void)state;
+    char buf[32];
+    const char *m = kv_shmem_thp_mode(buf, sizeof(buf));
+    assert_ptr_equal(m, buf);
+    const char *known[] = {"never", "advise", "within_size", "always", "deny", "force", "unknown"};
+    int ok = 0;
+    for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++) {
+        ok |= strcmp(m, known[i]) == 0;
+    }
+    assert_true(ok);
+    char tiny[3];
+    assert_true(strlen(kv_shmem_thp_mode(tiny, sizeof(tiny))) <= 2); /* cut, never overrun */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_u64),
         cmocka_unit_test(test_parse_size),
+        cmocka_unit_test(test_advise_huge),
+        cmocka_unit_test(test_shmem_thp_mode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

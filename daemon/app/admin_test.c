@@ -28,6 +28,7 @@
 
 #include "common/kv_layout.h"
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 #include "common/kv_wire.h"
 #include "daemon/ops/admin_cmds.h"
 #include "daemon/config/config.h"
@@ -248,6 +249,9 @@ static void test_commands(void **state) {
     assert_non_null(json_string_value(json_object_get(r, "version")));
     assert_string_equal(json_string_value(json_object_get(r, "admin_socket")), h->admin);
     assert_true(json_is_true(json_object_get(r, "ready")));
+    char thp[32];
+    assert_string_equal(json_string_value(json_object_get(r, "shmem_thp")),
+                        kv_shmem_thp_mode(thp, sizeof(thp)));
     assert_string_equal(
         json_string_value(json_object_get(json_object_get(r, "config"), "index-entries")), "4096");
     json_decref(r);

@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 #include "daemon/mem/backend_cuda.h"
 #include "daemon/mem/backend_host.h"
 #include "daemon/kvevents/kvevents.h"
@@ -71,6 +72,20 @@ static kv_err backend_open(kvd_daemon *d) {
     /* `kvctl info` shows the backend in use, not "auto". */
     snprintf(d->cfg.backend, sizeof(d->cfg.backend), "%s", d->sel.ops->name);
     KV_LOG(INFO, "KVD-BACKEND", "%s", d->sel.reason);
+    if (d->sel.ops == &kvd_backend_host && !d->cfg.hugepages) {
+        char thp[32];
+        kv_shmem_thp_mode(thp, sizeof(thp));
+        if (strcmp(thp, "never") == 0 || strcmp(thp, "deny") == 0) {
+            KV_LOG(INFO, "KVD-HUGEPAGES",
+                   "host segments use 4 KiB pages: the kernel's shmem huge pages are `%s` "
+                   "(/sys/kernel/mm/transparent_hugepage/shmem_enabled); `advise` gives pool "
+                   "memory 2 MiB pages (docs/ARCHITECTURE.md, Huge pages)",
+                   thp);
+        } else {
+            KV_LOG(INFO, "KVD-HUGEPAGES", "host segments ask for 2 MiB pages (shmem THP `%s`)",
+                   thp);
+        }
+    }
     return KV_OK;
 }
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/kv_log.h"
+#include "common/kv_util.h"
 
 #define HUGE_PAGE_BYTES (2ull << 20)
 
@@ -59,6 +60,9 @@ static kv_err host_segment_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out
         }
         rc = e == ENOMEM ? KV_ENOMEM : KV_ESYS;
         goto cleanup_fd;
+    }
+    if (!huge) {
+        kv_map_advise_huge(base, size); /* transparent huge pages where shmem THP allows */
     }
     memset(out, 0, sizeof(*out));
     out->base = base;

@@ -1,5 +1,6 @@
-/* backend_host_test: segments are sealed memfds, page-rounded, shared between two mappings, and
- * freeing accepts a zeroed segment. Huge pages: either a segment or a clean error. */
+/* backend_host_test: segments are sealed memfds, page-rounded, shared between two mappings,
+ * advised for huge pages, and freeing accepts a zeroed segment. Huge pages: either a segment or a
+ * clean error. */
 #include <fcntl.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -10,6 +11,7 @@
 
 #include <cmocka.h>
 
+#include "common/kv_util.h"
 #include "daemon/mem/backend_host.h"
 
 static void test_segment(void **state) {
@@ -31,6 +33,8 @@ static void test_segment(void **state) {
     memset(m.base, 0x5a, m.bytes);
     assert_int_equal(other[m.bytes - 1], 0x5a);
     munmap(other, m.bytes);
+    /* The daemon's mapping asks for transparent huge pages (a kernel without THP refuses). */
+    assert_int_not_equal(kv_map_advised_huge(m.base), 0);
     kvd_backend_host.segment_free(&ctx, &m);
     assert_int_equal(m.fd, -1);
     kvd_segment_mem zero;

@@ -347,13 +347,15 @@ static kv_err cmd_info(kvd_ops *s, int argc, char **argv, json_t **out, char *ms
         kvd_config_format(s->cfg, &opts[i], v, sizeof(v));
         json_object_set_new(cfg, opts[i].name, json_string(v));
     }
-    *out = json_pack("{s:s, s:s, s:o, s:o, s:i, s:i, s:s, s:s, s:s, s:b, s:b, s:o, s:o}", "version",
-                     KV_VERSION, "boot_epoch", epoch, "start_unix_ms", u64(s->start_unix_ms),
-                     "uptime_seconds", u64((uv_now(s->loop) - s->start_loop_ms) / 1000), "pid",
-                     (int)getpid(), "uid", (int)geteuid(), "backend", s->cfg->backend, "socket",
-                     kvd_server_socket_path(s->srv), "admin_socket", s->admin_path, "draining",
-                     kvd_server_draining(s->srv), "ready", kvd_ops_ready(s), "metrics_port",
-                     u64(s->metrics_port), "config", cfg);
+    char thp[32];
+    *out = json_pack(
+        "{s:s, s:s, s:o, s:o, s:i, s:i, s:s, s:s, s:s, s:b, s:b, s:o, s:s, s:o}", "version",
+        KV_VERSION, "boot_epoch", epoch, "start_unix_ms", u64(s->start_unix_ms), "uptime_seconds",
+        u64((uv_now(s->loop) - s->start_loop_ms) / 1000), "pid", (int)getpid(), "uid",
+        (int)geteuid(), "backend", s->cfg->backend, "socket", kvd_server_socket_path(s->srv),
+        "admin_socket", s->admin_path, "draining", kvd_server_draining(s->srv), "ready",
+        kvd_ops_ready(s), "metrics_port", u64(s->metrics_port), "shmem_thp",
+        kv_shmem_thp_mode(thp, sizeof(thp)), "config", cfg);
     return KV_OK;
 }
 
@@ -1267,8 +1269,9 @@ static const kvd_admin_cmd cmds[] = {
     {"info", "", "version, boot epoch, uptime, backend, sockets, readiness, every option's value",
      "Result: `version`, `boot_epoch` (16 hex digits; clients see it in every reply), "
      "`start_unix_ms`, `uptime_seconds`, `pid`, `uid`, `backend`, `socket`, `admin_socket`, "
-     "`draining`, `ready`, `metrics_port` (0: off) and `config` (option name -> current value as "
-     "text).",
+     "`draining`, `ready`, `metrics_port` (0: off), `shmem_thp` (the kernel's shmem huge-page "
+     "mode: `advise`, `within_size` or `always` let host pools' segments use 2 MiB pages; "
+     "docs/ARCHITECTURE.md, Huge pages) and `config` (option name -> current value as text).",
      cmd_info},
     {"stats", "", "counters per pool and per tenant (the numbers /metrics exports)",
      "Result: `daemon` (sessions, pools, pool_memory_bytes, pool_memory_used_bytes, "

@@ -568,6 +568,9 @@ class Pool:
                     raise ProtocolViolation("fd_index %d of %d fds" % (s.fd_index, len(fds)))
                 prot = mmap.PROT_READ | (0 if s.read_only else mmap.PROT_WRITE)
                 m = mmap.mmap(fds[s.fd_index], s.bytes, mmap.MAP_SHARED, prot)
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    # as libkvclient does (common/kv_util.h): 2 MiB pages where shmem THP allows
+                    m.madvise(mmap.MADV_HUGEPAGE)
                 old = self.segments.pop(s.index, None)
                 if old:
                     old[1].close()
