@@ -11,7 +11,9 @@ same run on the same sizes: memcpy (numpy copyto between two warm buffers; and i
 allocated buffer, which is what a T1 copy writes into), and pwrite/pread of the same slot-sized,
 4096-aligned buffers to a file in the same directory with the same O_DIRECT flag. Prints
 markdown (bench/run.sh records it in bench/RESULTS.md); the target (>= 0.9x) is met only when
-the worst run meets it.
+the worst run meets it. Then: hit rates on a trace whose working set is 4x T0, TTFT from T1 / T2
+in the example engine, and the Lookup path's cost with tiers on (rpc_bench's timed pairs, and
+the instructions per Lookup counted by callgrind where valgrind is installed).
 """
 
 import mmap
@@ -479,8 +481,79 @@ def lookup_cost(binary):
     print(out.strip())
 
 
+def callgrind_pairs(binary, tiers, n):
+    """Instructions kvd ran (callgrind) for its start, one 128-block Commit and n Lookup-128 +
+    Release pairs of one Python client, tiers off or on (T1 and T2, nothing demoted)."""
+    tmp = tempfile.mkdtemp(prefix="kvdcg.", dir="/tmp")
+    try:
+        sock = os.path.join(tmp, "kvd.sock")
+        out = os.path.join(tmp, "cg.out")
+        args = ["valgrind", "--tool=callgrind", "--callgrind-out-file=" + out, binary,
+                "--socket=" + sock, "--admin-socket=" + os.path.join(tmp, "admin.sock"),
+                "--log-level=warn", "--segment-bytes=4M", "--pool-memory=256M"]
+        if tiers:
+            args += ["--tier1-memory=256M", "--tier2-path=" + os.path.join(tmp, "t2"),
+                     "--tier2-bytes=256M"]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(sock):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvd under callgrind did not start")
+                time.sleep(0.05)
+            c = kw.Conn(sock)
+            c.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+            pool = c.attach("bench-cg", TRACE_LAYOUT)
+            r = c.allocate(pool.pool_id, 128)
+            pool.follow(r)
+            blocks = kw.reply_blocks(r)
+            hashes = kw.hash_chain(pool.hash_seed, list(range(128 * 16)), 16, b"",
+                                   pool.hash_algo)
+            entries, parent = [], kw.NO_PARENT
+            for b, h in zip(blocks, hashes):
+                entries.append((b, h, parent))
+                parent = b[0]
+            c.release(pool.pool_id, c.commit(pool.pool_id, entries))
+            for _ in range(n):
+                got = kw.reply_blocks(c.lookup(pool.pool_id, hashes))
+                assert len(got) == 128, len(got)
+                c.release(pool.pool_id, got)
+            c.close()
+        finally:
+            proc.terminate()
+            proc.wait()
+        for line in open(out):
+            if line.startswith("summary:"):
+                return int(line.split()[1])
+        raise RuntimeError("no callgrind summary")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def lookup_instructions(binary, n=500):
+    """The Lookup path's cost with tiers on, counted in instructions (callgrind): the timed rows
+    above move several percent between fresh daemon pairs on a shared host; instructions do
+    not. Per pair = (run with n pairs - run with none) / n, for tiers off and on."""
+    if shutil.which("valgrind") is None:
+        return
+    per = {}
+    for tiers in (False, True):
+        per[tiers] = (callgrind_pairs(binary, tiers, n) - callgrind_pairs(binary, tiers, 0)) / n
+    ratio = per[True] / per[False]
+    print()
+    print("Instructions kvd runs per Lookup-128 + Release (callgrind; one Python client, %d pairs "
+          "after one 128-block Commit, less a run with none; T1 and T2 on, nothing demoted):"
+          % n)
+    print()
+    print("| tiers off | tiers on | on / off | within 3% |")
+    print("|---:|---:|---:|---|")
+    print("| %.0f | %.0f | %.4f | %s |" % (per[False], per[True], ratio,
+                                            "yes" if ratio <= 1.03 else "no"))
+
+
 if __name__ == "__main__":
     main()
     if os.environ.get("TIERS_SKIP_TRACE") != "1":
         print_trace_and_ttft(sys.argv[1])
         lookup_cost(sys.argv[1])
+        lookup_instructions(sys.argv[1])
