@@ -11,7 +11,8 @@ same run on the same sizes: memcpy (numpy copyto between two warm buffers; and i
 allocated buffer, which is what a T1 copy writes into), and pwrite/pread of the same slot-sized,
 4096-aligned buffers to a file in the same directory with the same O_DIRECT flag. Prints
 markdown (bench/run.sh records it in bench/RESULTS.md); the target (>= 0.9x) is met only when
-the worst run meets it. Then: hit rates on a trace whose working set is 4x T0, TTFT from T1 / T2
+the worst run meets it. The copy table runs under the system's shmem THP mode and again under
+`advise` (docs/ARCHITECTURE.md, "Huge pages"; set for that table, as root, and put back). Then: hit rates on a trace whose working set is 4x T0, TTFT from T1 / T2
 in the example engine, and the Lookup path's cost with tiers on (rpc_bench's timed pairs, and
 the instructions per Lookup counted by callgrind where valgrind is installed).
 """
@@ -191,6 +192,53 @@ def raw_disk_gbps(directory, slot):
     os.close(fd)
     os.unlink(path)
     return NBLOCKS * BB / wns, NBLOCKS * BB / rns, bool(direct)
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def thp_mode():
+    """The kernel's shmem THP mode (the bracketed word), or None where it cannot be read."""
+    try:
+        line = open(THP).read()
+    except OSError:
+        return None
+    a, b = line.find("["), line.find("]")
+    return line[a + 1:b] if 0 <= a < b else None
+
+
+def set_thp(mode):
+    """Sets the shmem THP mode; False where this process may not (not root, read-only sysfs)."""
+    try:
+        with open(THP, "w") as f:
+            f.write(mode)
+    except OSError:
+        return False
+    return thp_mode() == mode
+
+
+def copies():
+    """The copy table under this system's shmem THP mode, then (TIERS_SHMEM_THP, default
+    `advise`; empty: none) under the mode docs/ARCHITECTURE.md ("Huge pages") recommends, set for
+    that table only and put back after; skipped, and said so, where it cannot be set."""
+    system = thp_mode()
+    print("#### Copy bandwidth, shmem THP `%s` (this system's setting)" % system)
+    print()
+    main()
+    want = os.environ.get("TIERS_SHMEM_THP", "advise")
+    if not want or system is None or want == system:
+        return
+    print()
+    print("#### Copy bandwidth, shmem THP `%s` (set by the bench for this table, then put back "
+          "to `%s`)" % (want, system))
+    print()
+    if not set_thp(want):
+        print("Skipped: this process cannot set %s (not root?)." % THP)
+        return
+    try:
+        main()
+    finally:
+        set_thp(system)
 
 
 def main():
@@ -552,7 +600,7 @@ def lookup_instructions(binary, n=500):
 
 
 if __name__ == "__main__":
-    main()
+    copies()
     if os.environ.get("TIERS_SKIP_TRACE") != "1":
         print_trace_and_ttft(sys.argv[1])
         lookup_cost(sys.argv[1])
