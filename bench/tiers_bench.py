@@ -36,7 +36,11 @@ import kvdwire as kw  # noqa: E402
 from kvdwire import pb  # noqa: E402
 
 RUNS = int(os.environ.get("TIERS_RUNS", "5"))
-NBLOCKS = 48
+# 192 blocks (384 MiB) a round: a warm T1 round of 48 (96 MiB) took about 6 ms, so one
+# descheduling of a copy thread on a shared 2-vCPU VM moved its ratio by a third (warm demotion
+# 0.81-1.10x memcpy over 4 daemons of 48 blocks, 1.26-1.31x over 4 of 192, same hour, shmem THP
+# advise).
+NBLOCKS = 192
 # 32 layers x 8 kv heads x 128 dims x 16 tokens fp16, block-major: 2 MiB blocks, one run each.
 LAYOUT = kw.Layout(32, 8, 128, 16, pb.FP16, pb.BLOCK_MAJOR)
 BB = LAYOUT.block_bytes
@@ -256,7 +260,8 @@ def main():
         tmp = tempfile.mkdtemp(prefix="kvdtb.", dir="/tmp")
         try:
             # T1 holds exactly one round: the second round's copies recycle the first's buffers.
-            d = Kvd(binary, tmp, tier1_memory=str(NBLOCKS * BB + (1 << 20)))
+            d = Kvd(binary, tmp, tier1_memory=str(NBLOCKS * BB + (1 << 20)),
+                    pool_memory=str(3 * NBLOCKS * BB))
             try:
                 s1 = round_trip(d, 1, 0)
                 s2 = round_trip(d, 1, 10 ** 7)
@@ -275,7 +280,8 @@ def main():
             # disk rate drifts from minute to minute): each round's baseline is the mean of the
             # loops on either side of it.
             raw = [raw_disk_gbps(tmp, slot)]
-            d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2, tier2_bytes="1G")
+            d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2,
+                    tier2_bytes=str(3 * NBLOCKS * (BB + 4096)), pool_memory=str(3 * NBLOCKS * BB))
             try:
                 s1 = round_trip(d, 2, 0)
                 raw.append(raw_disk_gbps(tmp, slot))
