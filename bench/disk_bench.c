@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "bench/benchutil.h"
+#include "common/kv_util.h"
 #include "daemon/tiers/codec.h"
 #include "daemon/tiers/disk.h"
 
@@ -115,6 +116,7 @@ int main(int argc, char **argv) {
         if (t0 == MAP_FAILED) {
             bench_die("mmap: %s", strerror(errno));
         }
+        kv_map_advise_huge(t0, NBLK * bb); /* as kvd's mapping of a segment (kv_util.h) */
     }
     uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
     uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
