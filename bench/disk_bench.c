@@ -14,9 +14,11 @@
  * disk works; a host pool's raw block-major blocks go this way); zero-copy in 64 pieces
  * (kvd_disk_write_fromv / read_intov, one vectored transfer per 256 KiB of pieces: a layer-major
  * block whose pieces are whole pages). GB/s of each, and each way's ratio to raw taken per
- * round; median [min-max] over the rounds. Usage: disk_bench [--dir DIR] [--rounds N] [--fresh:
- * the CPU stores every source byte again just before each write round] [--memfd: "T0" a memfd
- * mapped shared, the stores made by a child process].
+ * round; median [min-max] over the rounds. Reads land in a block-sized place of their own per
+ * block, as a Fetch's do, and are checked against "T0" after the clock stops. Usage: disk_bench
+ * [--dir DIR] [--rounds N] [--fresh: the CPU stores every source byte again just before each
+ * write round] [--memfd: "T0", the raw way's images and the reads' places are memfds mapped
+ * shared and advised for huge pages as kvd's mappings are, T0's stores made by a child process].
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -103,7 +105,7 @@ int main(int argc, char **argv) {
     }
     /* Page-aligned, as a host pool's blocks are (zero-copy's O_DIRECT needs it). */
     uint8_t *t0 = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb),
-            *back = aligned_alloc(KVD_DISK_ALIGN, bb);
+            *back = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb); /* where reads land, a block each */
     int mfd = -1;
     if (use_memfd) {
         /* T0 as a host pool's: a memfd mapped shared (a child process writes it with --fresh). */
@@ -118,8 +120,35 @@ int main(int argc, char **argv) {
         }
         kv_map_advise_huge(t0, NBLK * bb); /* as kvd's mapping of a segment (kv_util.h) */
     }
-    uint8_t *buf = aligned_alloc(KVD_DISK_ALIGN, sb);
+    uint8_t *buf = kv_alloc_huge(sb); /* the slot buffer, as a copy thread's (tiers.c) */
     uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
+    if (use_memfd) {
+        /* The raw way's images in memory of the same kind and page size as T0: a memfd mapped
+         * shared with the same advice, so the ratio compares the ways, not the pages. */
+        free(img);
+        int ifd = memfd_create("disk-bench-img", MFD_CLOEXEC);
+        if (ifd < 0 || ftruncate(ifd, (off_t)(NBLK * sb)) != 0) {
+            bench_die("memfd: %s", strerror(errno));
+        }
+        img = mmap(NULL, NBLK * sb, PROT_READ | PROT_WRITE, MAP_SHARED, ifd, 0);
+        if (img == MAP_FAILED) {
+            bench_die("mmap: %s", strerror(errno));
+        }
+        kv_map_advise_huge(img, NBLK * sb);
+        close(ifd);
+        /* Reads land in a pool's memory too (a Fetch's T0 blocks): another advised memfd. */
+        free(back);
+        int bfd = memfd_create("disk-bench-back", MFD_CLOEXEC);
+        if (bfd < 0 || ftruncate(bfd, (off_t)(NBLK * bb)) != 0) {
+            bench_die("memfd: %s", strerror(errno));
+        }
+        back = mmap(NULL, NBLK * bb, PROT_READ | PROT_WRITE, MAP_SHARED, bfd, 0);
+        if (back == MAP_FAILED) {
+            bench_die("mmap: %s", strerror(errno));
+        }
+        kv_map_advise_huge(back, NBLK * bb);
+        close(bfd);
+    }
     if (t0 == NULL || back == NULL || buf == NULL || img == NULL) {
         bench_die("out of memory");
     }
@@ -214,27 +243,33 @@ int main(int argc, char **argv) {
                 } else if (way == PLAIN) {
                     rc = kvd_disk_read(d, b, &h, &rec, buf);
                     if (rc == KV_OK) {
-                        memcpy(back, buf + kvd_disk_payload_off(d, &rec), bb);
+                        memcpy(back + b * bb, buf + kvd_disk_payload_off(d, &rec), bb);
                     }
                 } else if (way == ZERO) {
-                    rc = kvd_disk_read_into(d, b, &h, &rec, back, bb, buf, NULL);
+                    rc = kvd_disk_read_into(d, b, &h, &rec, back + b * bb, bb, buf, NULL);
                 } else if (way == ZEROV) {
                     kvd_disk_piece pv[NPIECES];
                     for (int i = 0; i < NPIECES; i++) {
-                        pv[i] = (kvd_disk_piece){back + i * (bb / NPIECES), bb / NPIECES};
+                        pv[i] = (kvd_disk_piece){back + b * bb + i * (bb / NPIECES), bb / NPIECES};
                     }
                     rc = kvd_disk_read_intov(d, b, &h, &rec, pv, NPIECES, bb, buf, NULL);
                 } else {
-                    rc = kvd_disk_read_stream(d, b, &h, &rec, buf, sink_copy, back);
+                    rc = kvd_disk_read_stream(d, b, &h, &rec, buf, sink_copy, back + b * bb);
                 }
                 if (rc != KV_OK) {
                     bench_die("read: %s", kv_strerror(rc));
                 }
-                if (way != RAW && memcmp(back, t0 + b * bb, bb) != 0) {
+            }
+            rr[way] = (double)(NBLK * bb) / (bench_now_s() - t) / 1e9;
+            /* Checked after the clock stopped (the raw way reads its images, unchecked). */
+            for (uint64_t b = 0; b < NBLK && way != RAW; b++) {
+                if (memcmp(back + b * bb, t0 + b * bb, bb) != 0) {
                     bench_die("block %llu read back wrong", (unsigned long long)b);
                 }
             }
-            rr[way] = (double)(NBLK * bb) / (bench_now_s() - t) / 1e9;
+            if (way != RAW) {
+                memset(back, 0, NBLK * bb); /* the next way must bring every byte itself */
+            }
         }
         if (r < 0) {
             continue;
@@ -246,14 +281,19 @@ int main(int argc, char **argv) {
             rratio[way][r] = rr[way] / rr[RAW];
         }
     }
+    char thp[32];
     printf("%d blocks of %llu KiB (32 x 8 x 128 x 16 fp16), slots of %llu KiB, in a directory of "
            "this machine's %s; O_DIRECT %s (kvd's file: %s, format %u); this thread's io_uring: "
            "%s; zero-copy transfers %llu of %llu. %d rounds, the ways' order rotating; median "
-           "[min-max]; the ratio is taken per round.\n\n",
+           "[min-max]; the ratio is taken per round. Shmem THP `%s`%s.\n\n",
            NBLK, (unsigned long long)(bb >> 10), (unsigned long long)(sb >> 10), dir,
            direct ? "on" : "off", kvd_disk_direct(d) ? "on" : "off", kvd_disk_format(d),
            uring ? "yes" : "no", (unsigned long long)kvd_disk_direct_transfers(),
-           (unsigned long long)(4 * NBLK * (rounds + 1)), rounds);
+           (unsigned long long)(4 * NBLK * (rounds + 1)), rounds,
+           kv_shmem_thp_mode(thp, sizeof(thp)),
+           use_memfd ? " (T0 and the raw way's images: memfds that ask for huge pages, as kvd's "
+                       "mappings do)"
+                     : "");
     printf("| way | write GB/s | x raw | read GB/s | x raw |\n|---|---:|---:|---:|---:|\n");
     for (int way = 0; way < NWAYS; way++) {
         double v[4][64];
@@ -281,12 +321,14 @@ int main(int argc, char **argv) {
     }
     if (mfd >= 0) {
         munmap(t0, NBLK * bb);
+        munmap(img, NBLK * sb);
+        munmap(back, NBLK * bb);
         close(mfd);
     } else {
         free(t0);
+        free(img);
+        free(back);
     }
-    free(back);
     free(buf);
-    free(img);
     return 0;
 }

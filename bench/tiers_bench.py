@@ -150,6 +150,19 @@ def rates(before, after, tier):
     return out
 
 
+def huge_arrays(n):
+    """n arrays of BB bytes in one anonymous mapping that asks for transparent huge pages
+    (granted where the kernel's THP mode for anonymous memory is madvise or always)."""
+    m = mmap.mmap(-1, n * BB + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    whole = np.frombuffer(m, dtype=np.uint8)
+    skip = (-whole.ctypes.data) % (2 << 20)  # the first 2 MiB boundary
+    return [whole[skip + i * BB:skip + (i + 1) * BB] for i in range(n)]
+
+
 def memcpy_gbps(kind):
     """One thread's memcpy (numpy copyto) GB/s. kind "blocks": NBLOCKS distinct blocks into
     NBLOCKS distinct buffers touched before (the bytes a round moves, as a warm T1 copy writes
@@ -158,8 +171,12 @@ def memcpy_gbps(kind):
     reference, not the same bytes)."""
     rng = np.random.default_rng(7)
     nsrc = 1 if kind == "cached" else NBLOCKS
-    src = [rng.integers(0, 256, BB, dtype=np.uint8) for _ in range(nsrc)]
-    dst = [np.empty(BB, dtype=np.uint8) for _ in range(nsrc)]
+    # In 2 MiB-aligned mappings that ask for huge pages, as kvd's T1 buffers and (where shmem
+    # THP allows) its T0 blocks do: the baseline gets the page size kvd gets at best.
+    src = huge_arrays(nsrc)
+    dst = huge_arrays(nsrc)
+    for a in src:
+        a[:] = rng.integers(0, 256, BB, dtype=np.uint8)
     for a, b in zip(dst, src):
         np.copyto(a, b)  # touched before, as a recycled T1 buffer
     ns = 0
@@ -182,7 +199,11 @@ def raw_disk_gbps(directory, slot):
         fd = os.open(path, flags | direct, 0o600)
     except OSError:
         fd, direct = os.open(path, flags, 0o600), 0
-    buf = mmap.mmap(-1, slot)
+    buf = mmap.mmap(-1, slot)  # shared anonymous: shmem, as kvd's T0 segments are
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)  # as kvd's mappings of T0 ask (same page size)
+    except (AttributeError, OSError):
+        pass
     buf.write(os.urandom(slot))
     wns = rns = 0
     for i in range(NBLOCKS):
@@ -221,86 +242,120 @@ def set_thp(mode):
     return thp_mode() == mode
 
 
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop("signal %d" % signum)
+
+
 def copies():
-    """The copy table under this system's shmem THP mode, then (TIERS_SHMEM_THP, default
-    `advise`; empty: none) under the mode docs/ARCHITECTURE.md ("Huge pages") recommends, set for
-    that table only and put back after; skipped, and said so, where it cannot be set."""
+    """The copy table under this system's shmem THP mode and (TIERS_SHMEM_THP, default `advise`;
+    empty: not) under the mode docs/ARCHITECTURE.md ("Huge pages") recommends. The modes take
+    turns within each run (the order alternating from run to run), the bench setting the other
+    mode for its part of a run (root only) and putting the system's back after it, on an error
+    and on SIGTERM / SIGHUP too; where it cannot set it, that table is skipped and said so."""
+    import signal
     system = thp_mode()
-    print("#### Copy bandwidth, shmem THP `%s` (this system's setting)" % system)
-    print()
-    main()
+    modes = [system]
     want = os.environ.get("TIERS_SHMEM_THP", "advise")
-    if not want or system is None or want == system:
-        return
-    print()
-    print("#### Copy bandwidth, shmem THP `%s` (set by the bench for this table, then put back "
-          "to `%s`)" % (want, system))
-    print()
-    if not set_thp(want):
-        print("Skipped: this process cannot set %s (not root?)." % THP)
-        return
+    skipped = None
+    if want and system is not None and want != system:
+        if os.geteuid() == 0 and os.access(THP, os.W_OK):
+            modes.append(want)
+        else:
+            skipped = want
+    rows = {m: new_rows() for m in modes}
+    old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    direct = False
     try:
-        main()
+        for run in range(RUNS):
+            for m in (modes if run % 2 == 0 else modes[::-1]):
+                try:
+                    if m != system and not set_thp(m):
+                        raise RuntimeError("could not set %s to %s" % (THP, m))
+                    direct = one_run(sys.argv[1], rows[m])
+                finally:
+                    if thp_mode() != system and not set_thp(system):
+                        print("tiers_bench: could not put %s back to %s: set it by hand"
+                              % (THP, system), file=sys.stderr)
     finally:
-        set_thp(system)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    for m in modes:
+        print("#### Copy bandwidth, shmem THP `%s` (%s)" % (
+            m, "this system's setting" if m == system else
+            "set by the bench for its part of each run, then put back to `%s`" % system))
+        print()
+        print_table(rows[m], direct, len(modes))
+        print()
+    if skipped:
+        print("The table under shmem THP `%s` was skipped: this process cannot set %s (not root?)."
+              % (skipped, THP))
+        print()
 
 
-def main():
-    binary = sys.argv[1]
-    keys = ("t1_cold", "t1_warm", "t2_cold", "t2_warm")
+def new_rows():
     rows = {}
-    for k in keys:
+    for k in ("t1_cold", "t1_warm", "t2_cold", "t2_warm"):
         for m in ("down_copy", "down_tput", "up_copy", "up_tput"):
             rows["%s_%s" % (k, m)] = []
     for k in ("memcpy", "memcpy_fresh", "memcpy_cached", "raw_w", "raw_r", "raw_w_cold",
               "raw_r_cold", "raw_w_warm", "raw_r_warm"):
         rows[k] = []
-    direct = False
-    for run in range(RUNS):
-        tmp = tempfile.mkdtemp(prefix="kvdtb.", dir="/tmp")
-        try:
-            # T1 holds exactly one round: the second round's copies recycle the first's buffers.
-            d = Kvd(binary, tmp, tier1_memory=str(NBLOCKS * BB + (1 << 20)),
-                    pool_memory=str(3 * NBLOCKS * BB))
-            try:
-                s1 = round_trip(d, 1, 0)
-                s2 = round_trip(d, 1, 10 ** 7)
-            finally:
-                d.stop()
-            for phase, (a, b) in (("cold", ({}, s1)), ("warm", (s1, s2))):
-                v = rates(a, b, 1)
-                for m, x in zip(("down_copy", "down_tput", "up_copy", "up_tput"), v):
-                    rows["t1_%s_%s" % (phase, m)].append(x)
-            rows["memcpy"].append(memcpy_gbps("blocks"))
-            rows["memcpy_fresh"].append(memcpy_gbps("fresh"))
-            rows["memcpy_cached"].append(memcpy_gbps("cached"))
-            t2 = os.path.join(tmp, "t2")
-            slot = (64 + BB + 4095) // 4096 * 4096
-            # The raw loop runs just before, between and just after the two rounds (this VM's
-            # disk rate drifts from minute to minute): each round's baseline is the mean of the
-            # loops on either side of it.
-            raw = [raw_disk_gbps(tmp, slot)]
-            d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2,
-                    tier2_bytes=str(3 * NBLOCKS * (BB + 4096)), pool_memory=str(3 * NBLOCKS * BB))
-            try:
-                s1 = round_trip(d, 2, 0)
-                raw.append(raw_disk_gbps(tmp, slot))
-                s2 = round_trip(d, 2, 10 ** 7)
-                raw.append(raw_disk_gbps(tmp, slot))
-            finally:
-                d.stop()
-            for phase, (a, b), k in (("cold", ({}, s1), 0), ("warm", (s1, s2), 1)):
-                v = rates(a, b, 2)
-                for m, x in zip(("down_copy", "down_tput", "up_copy", "up_tput"), v):
-                    rows["t2_%s_%s" % (phase, m)].append(x)
-                rows["raw_w_" + phase].append((raw[k][0] + raw[k + 1][0]) / 2)
-                rows["raw_r_" + phase].append((raw[k][1] + raw[k + 1][1]) / 2)
-            direct = raw[0][2]
-            rows["raw_w"].append(sum(x[0] for x in raw) / 3)
-            rows["raw_r"].append(sum(x[1] for x in raw) / 3)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return rows
 
+
+def one_run(binary, rows):
+    """One run: a T1 daemon's two rounds, the memcpy baselines, a T2 daemon's two rounds between
+    raw disk loops; appends to rows. Returns whether O_DIRECT was taken."""
+    tmp = tempfile.mkdtemp(prefix="kvdtb.", dir="/tmp")
+    try:
+        # T1 holds exactly one round: the second round's copies recycle the first's buffers.
+        d = Kvd(binary, tmp, tier1_memory=str(NBLOCKS * BB + (1 << 20)),
+                pool_memory=str(3 * NBLOCKS * BB))
+        try:
+            s1 = round_trip(d, 1, 0)
+            s2 = round_trip(d, 1, 10 ** 7)
+        finally:
+            d.stop()
+        for phase, (a, b) in (("cold", ({}, s1)), ("warm", (s1, s2))):
+            v = rates(a, b, 1)
+            for m, x in zip(("down_copy", "down_tput", "up_copy", "up_tput"), v):
+                rows["t1_%s_%s" % (phase, m)].append(x)
+        rows["memcpy"].append(memcpy_gbps("blocks"))
+        rows["memcpy_fresh"].append(memcpy_gbps("fresh"))
+        rows["memcpy_cached"].append(memcpy_gbps("cached"))
+        t2 = os.path.join(tmp, "t2")
+        slot = (64 + BB + 4095) // 4096 * 4096
+        # The raw loop runs just before, between and just after the two rounds (this VM's
+        # disk rate drifts from minute to minute): each round's baseline is the mean of the
+        # loops on either side of it.
+        raw = [raw_disk_gbps(tmp, slot)]
+        d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2,
+                tier2_bytes=str(3 * NBLOCKS * (BB + 4096)), pool_memory=str(3 * NBLOCKS * BB))
+        try:
+            s1 = round_trip(d, 2, 0)
+            raw.append(raw_disk_gbps(tmp, slot))
+            s2 = round_trip(d, 2, 10 ** 7)
+            raw.append(raw_disk_gbps(tmp, slot))
+        finally:
+            d.stop()
+        for phase, (a, b), k in (("cold", ({}, s1), 0), ("warm", (s1, s2), 1)):
+            v = rates(a, b, 2)
+            for m, x in zip(("down_copy", "down_tput", "up_copy", "up_tput"), v):
+                rows["t2_%s_%s" % (phase, m)].append(x)
+            rows["raw_w_" + phase].append((raw[k][0] + raw[k + 1][0]) / 2)
+            rows["raw_r_" + phase].append((raw[k][1] + raw[k + 1][1]) / 2)
+        rows["raw_w"].append(sum(x[0] for x in raw) / 3)
+        rows["raw_r"].append(sum(x[1] for x in raw) / 3)
+        return raw[0][2]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_table(rows, direct, nmodes):
     def ratio(a, b):
         return [x / y for x, y in zip(rows[a], rows[b])]
 
@@ -308,7 +363,7 @@ def main():
         v = sorted(v)
         return "%.2f (%.2f-%.2f)" % (v[len(v) // 2], v[0], v[-1])
 
-    print("%d runs; each moves %d blocks of %d KiB (layout 32x8x128x16 fp16 block-major, raw "
+    print("%d runs%s; each moves %d blocks of %d KiB (layout 32x8x128x16 fp16 block-major, raw "
           "format) down (write-through at commit) and back up (one Fetch after `evict all`), "
           "twice per daemon: *cold* is the first round (new T0 segments, T1 buffers and copy-thread "
           "scratch fault in on first touch), *warm* the second (T1 holds one round, so its copies "
@@ -316,10 +371,12 @@ def main():
           "before: a running daemon's steady state). GB/s as median (min-max). "
           "Throughput = bytes / wall time while copies of that kind were in flight (libuv's 4 "
           "copy threads together, on %d cores); per copy = bytes / each job's own time."
-          % (RUNS, NBLOCKS, BB // 1024, os.cpu_count()))
+          % (RUNS, " (taking turns with the other table's, run by run)" if nmodes > 1 else "",
+             NBLOCKS, BB // 1024, os.cpu_count()))
     print("T2 and its baseline in a directory under /tmp, O_DIRECT %s; the T2 baseline of a "
           "round is the mean of the raw loops run just before and just after it (the loops "
-          "write a fresh file, one synchronous pwrite a slot, then read it back)."
+          "write a fresh file, one synchronous pwrite a slot from one buffer that asks for huge "
+          "pages as kvd's T0 does, then read it back)."
           % ("on" if direct else "off (refused)"))
     print()
     print("| copy | phase | kvd throughput | kvd per copy | baseline | baseline GB/s | "
@@ -339,10 +396,11 @@ def main():
                 fmt(rows[base]), fmt(r),
                 "yes" if min(r) >= 0.9 else "no (worst %.2f)" % min(r)))
     print()
-    print("Baseline: one thread's memcpy of %d distinct %d KiB blocks into %d distinct buffers "
-          "touched before (the bytes a round moves, where a warm round writes them). Same run: "
-          "into a freshly allocated buffer each %s GB/s; one block into one buffer %d times "
-          "(cache-resident, not the same bytes; the baseline of runs before 2026-12-02) %s GB/s."
+    print("Baseline: one thread's memcpy (numpy) of %d distinct %d KiB blocks into %d distinct "
+          "buffers touched before, all in mappings that ask for huge pages (the bytes a round "
+          "moves, where a warm round writes them). Same run: into a freshly allocated buffer each "
+          "%s GB/s; one block into one buffer %d times (cache-resident, not the same bytes; the "
+          "baseline of runs before 2026-12-02) %s GB/s."
           % (NBLOCKS, BB // 1024, NBLOCKS, fmt(rows["memcpy_fresh"]), NBLOCKS,
              fmt(rows["memcpy_cached"])))
 

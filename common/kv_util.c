@@ -78,10 +78,28 @@ int kv_parse_size(const char *s, uint64_t *out) {
     return 0;
 }
 
-void kv_map_advise_huge(void *base, uint64_t bytes) {
-    if (base != NULL && bytes > 0) {
-        (void)madvise(base, (size_t)bytes, MADV_HUGEPAGE);
+int kv_map_advise_huge(void *base, uint64_t bytes) {
+    if (base == NULL || bytes == 0) {
+        return 0;
     }
+    return madvise(base, (size_t)bytes, MADV_HUGEPAGE) == 0 ? 0 : -1;
+}
+
+void *kv_alloc_huge(uint64_t n) {
+    const uint64_t huge = 2ull << 20;
+    if (n == 0 || n > SIZE_MAX - huge) {
+        return NULL;
+    }
+    if (n < huge) {
+        return aligned_alloc(4096, (size_t)((n + 4095) / 4096 * 4096));
+    }
+    /* aligned_alloc wants a size that is a multiple of the alignment; the tail past n is only
+     * touched where the caller touches it (and then as small pages: the advice covers n). */
+    void *p = aligned_alloc((size_t)huge, (size_t)((n + huge - 1) / huge * huge));
+    if (p != NULL) {
+        (void)kv_map_advise_huge(p, (n + 4095) / 4096 * 4096);
+    }
+    return p;
 }
 
 const char *kv_shmem_thp_mode(char *buf, size_t cap) {
@@ -108,11 +126,12 @@ int kv_map_advised_huge(const void *addr) {
     if (f == NULL) {
         return -1;
     }
-    char line[512];
+    char *line = NULL; /* getline: a header line with a long path comes whole */
+    size_t cap = 0;
     int in = 0;
     int found = -1;
     uintptr_t a = (uintptr_t)addr;
-    while (found < 0 && fgets(line, sizeof(line), f) != NULL) {
+    while (found < 0 && getline(&line, &cap, f) > 0) {
         unsigned long lo;
         unsigned long hi;
         /* A mapping's first line: "lo-hi perms offset dev inode path"; its fields follow. */
@@ -120,9 +139,10 @@ int kv_map_advised_huge(const void *addr) {
             sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
             in = a >= lo && a < hi;
         } else if (in && strncmp(line, "VmFlags:", 8) == 0) {
-            found = strstr(line, " hg") != NULL ? 1 : 0;
+            found = strstr(line, " hg") != NULL ? 1 : 0; /* flags are two letters each */
         }
     }
+    free(line);
     fclose(f);
     return found;
 }

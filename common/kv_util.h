@@ -28,18 +28,29 @@ int kv_parse_size(const char *s, uint64_t *out);
  * of a memfd is allocated huge only when the mapping that first touches it carries the advice,
  * and a mapping maps it with one entry only when it carries it too: one page fault and one TLB
  * entry per 2 MiB instead of 512. In the modes `never` and `deny` (the shmem default of most
- * distributions) the kernel ignores the advice: 4 KiB pages as without it. Failure (a kernel
- * without THP) is ignored: the memory is the same either way. */
-void kv_map_advise_huge(void *base, uint64_t bytes);
+ * distributions) the kernel ignores the advice: 4 KiB pages as without it. Returns 0, or -1 when
+ * the kernel refused the advice (built without THP; errno set): callers that map pool memory
+ * ignore that, the memory being the same either way; tests use it to tell such a kernel. */
+int kv_map_advise_huge(void *base, uint64_t bytes);
+
+/* n bytes (n > 0) for a large, long-lived buffer of one thread or job: from n = 2 MiB on,
+ * 2 MiB-aligned and advised for transparent huge pages (kv_map_advise_huge: for private memory
+ * the kernel's THP mode for anonymous memory decides, `madvise` on most distributions), else
+ * 4096-aligned; free() frees it. What it buys: a first touch, and each O_DIRECT transfer's pinning,
+ * handles one 2 MiB page instead of 512 (docs/ARCHITECTURE.md, Huge pages). NULL when out of
+ * memory. */
+void *kv_alloc_huge(uint64_t n);
 
 /* The system's shmem THP mode, the bracketed word of
- * /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never", "advise", "within_size",
- * "always", "deny", "force"), copied into buf (cap bytes); "unknown" where it cannot be read. */
+ * /sys/kernel/mm/transparent_hugepage/shmem_enabled as the kernel spells it (today's kernels:
+ * never, advise, within_size, always, deny, force), copied into buf (cap bytes); "unknown" where
+ * it cannot be read (no THP, no sysfs). Returns buf. A diagnostic: no kv_err, it cannot fail. */
 const char *kv_shmem_thp_mode(char *buf, size_t cap);
 
 /* 1 when the mapping that holds addr carries the huge-page advice (VmFlags `hg` in
  * /proc/self/smaps), 0 when it does not, -1 when that cannot be told (no such mapping, no
- * /proc). Reads smaps: for tests and diagnostics, not hot paths. */
+ * /proc). Reads smaps: for tests and diagnostics, not hot paths (a tri-state answer, not a
+ * kv_err). */
 int kv_map_advised_huge(const void *addr);
 
 #endif

@@ -75,15 +75,18 @@ static kv_err backend_open(kvd_daemon *d) {
     if (d->sel.ops == &kvd_backend_host && !d->cfg.hugepages) {
         char thp[32];
         kv_shmem_thp_mode(thp, sizeof(thp));
-        if (strcmp(thp, "never") == 0 || strcmp(thp, "deny") == 0) {
-            KV_LOG(INFO, "KVD-HUGEPAGES",
+        if (strcmp(thp, "unknown") == 0) {
+            KV_LOG(INFO, "KVD-THP",
+                   "host segments use the kernel's default pages: it shows no shmem huge-page "
+                   "mode (/sys/kernel/mm/transparent_hugepage/shmem_enabled)");
+        } else if (strcmp(thp, "never") == 0 || strcmp(thp, "deny") == 0) {
+            KV_LOG(INFO, "KVD-THP",
                    "host segments use 4 KiB pages: the kernel's shmem huge pages are `%s` "
                    "(/sys/kernel/mm/transparent_hugepage/shmem_enabled); `advise` gives pool "
                    "memory 2 MiB pages (docs/ARCHITECTURE.md, Huge pages)",
                    thp);
         } else {
-            KV_LOG(INFO, "KVD-HUGEPAGES", "host segments ask for 2 MiB pages (shmem THP `%s`)",
-                   thp);
+            KV_LOG(INFO, "KVD-THP", "host segments ask for 2 MiB pages (shmem THP `%s`)", thp);
         }
     }
     return KV_OK;

@@ -5,7 +5,8 @@
  * maps it can never be hit by SIGBUS from the daemon resizing it. The daemon keeps one MAP_SHARED
  * mapping; the fd is what clients receive (SCM_RIGHTS). Without MFD_HUGETLB the mapping asks for
  * transparent huge pages (kv_map_advise_huge; libkvclient advises its mappings too), which the
- * kernel grants where its shmem THP mode allows (docs/ADMIN.md, "Huge pages"). Loop thread only.
+ * kernel grants where its shmem THP mode allows (docs/ARCHITECTURE.md, "Huge pages"). Loop thread
+ * only.
  */
 #ifndef KVD_BACKEND_HOST_H
 #define KVD_BACKEND_HOST_H

@@ -570,7 +570,10 @@ class Pool:
                 m = mmap.mmap(fds[s.fd_index], s.bytes, mmap.MAP_SHARED, prot)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
                     # as libkvclient does (common/kv_util.h): 2 MiB pages where shmem THP allows
-                    m.madvise(mmap.MADV_HUGEPAGE)
+                    try:
+                        m.madvise(mmap.MADV_HUGEPAGE)
+                    except OSError:
+                        pass  # a kernel without THP refuses the advice; the memory is the same
                 old = self.segments.pop(s.index, None)
                 if old:
                     old[1].close()
