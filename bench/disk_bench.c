@@ -15,7 +15,9 @@
  * (kvd_disk_write_fromv / read_intov, one vectored transfer per 256 KiB of pieces: a layer-major
  * block whose pieces are whole pages). GB/s of each, and each way's ratio to raw taken per
  * round; median [min-max] over the rounds. Reads land in a block-sized place of their own per
- * block, as a Fetch's do, and are checked against "T0" after the clock stops. Usage: disk_bench
+ * block, as a Fetch's do, and are checked against "T0" after the clock stops. Every buffer of
+ * every way asks for huge pages (kv_alloc_huge, as kvd's copy threads' do), so the ways meet at
+ * one page size. Usage: disk_bench
  * [--dir DIR] [--rounds N] [--fresh: the CPU stores every source byte again just before each
  * write round] [--memfd: "T0", the raw way's images and the reads' places are memfds mapped
  * shared and advised for huge pages as kvd's mappings are, T0's stores made by a child process].
@@ -103,9 +105,12 @@ int main(int argc, char **argv) {
     if (rfd < 0) {
         bench_die("%s: %s", rawpath, strerror(errno));
     }
-    /* Page-aligned, as a host pool's blocks are (zero-copy's O_DIRECT needs it). */
-    uint8_t *t0 = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb),
-            *back = aligned_alloc(KVD_DISK_ALIGN, NBLK * bb); /* where reads land, a block each */
+    /* Page-aligned, as a host pool's blocks are (zero-copy's O_DIRECT needs it), and every buffer
+     * of every way in huge pages where the kernel gives them (kv_alloc_huge), so that the ways are
+     * compared at one page size: on a VM that shadows page tables a transfer from 4 KiB pages
+     * runs at a third of one from 2 MiB pages, the raw loop's as much as kvd's. */
+    uint8_t *t0 = kv_alloc_huge(NBLK * bb),
+            *back = kv_alloc_huge(NBLK * bb); /* where reads land, a block each */
     int mfd = -1;
     if (use_memfd) {
         /* T0 as a host pool's: a memfd mapped shared (a child process writes it with --fresh). */
@@ -120,8 +125,8 @@ int main(int argc, char **argv) {
         }
         kv_map_advise_huge(t0, NBLK * bb); /* as kvd's mapping of a segment (kv_util.h) */
     }
-    uint8_t *buf = kv_alloc_huge(sb); /* the slot buffer, as a copy thread's (tiers.c) */
-    uint8_t *img = aligned_alloc(KVD_DISK_ALIGN, NBLK * sb); /* raw's slot images, one a block */
+    uint8_t *buf = kv_alloc_huge(sb);        /* the slot buffer, as a copy thread's (tiers.c) */
+    uint8_t *img = kv_alloc_huge(NBLK * sb); /* raw's slot images, one a block */
     if (use_memfd) {
         /* The raw way's images in memory of the same kind and page size as T0: a memfd mapped
          * shared with the same advice, so the ratio compares the ways, not the pages. */
