@@ -56,6 +56,22 @@ static const char *const way_name[NWAYS] = {
     "zero-copy, 64 pieces of 32 KiB (write_fromv / read_intov: layer-major)"};
 #define NPIECES 64
 
+/* bytes of a new memfd mapped shared and advised for huge pages, as kvd maps a host pool's
+ * segment (the mapping keeps the memory; a fork's child shares it). */
+static uint8_t *shared_memfd(const char *name, uint64_t bytes) {
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0) {
+        bench_die("memfd: %s", strerror(errno));
+    }
+    uint8_t *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        bench_die("mmap: %s", strerror(errno));
+    }
+    kv_map_advise_huge(p, bytes);
+    close(fd);
+    return p;
+}
+
 int main(int argc, char **argv) {
     const char *dir = "/tmp";
     int rounds = 7, fresh = 0, use_memfd = 0;
@@ -109,51 +125,19 @@ int main(int argc, char **argv) {
      * of every way in huge pages where the kernel gives them (kv_alloc_huge), so that the ways are
      * compared at one page size: on a VM that shadows page tables a transfer from 4 KiB pages
      * runs at a third of one from 2 MiB pages, the raw loop's as much as kvd's. */
-    uint8_t *t0 = kv_alloc_huge(NBLK * bb),
-            *back = kv_alloc_huge(NBLK * bb); /* where reads land, a block each */
-    int mfd = -1;
+    uint8_t *t0, *back, *img; /* T0, where reads land (a block each), raw's slot images */
     if (use_memfd) {
-        /* T0 as a host pool's: a memfd mapped shared (a child process writes it with --fresh). */
-        free(t0);
-        mfd = memfd_create("disk-bench-t0", MFD_CLOEXEC);
-        if (mfd < 0 || ftruncate(mfd, (off_t)(NBLK * bb)) != 0) {
-            bench_die("memfd: %s", strerror(errno));
-        }
-        t0 = mmap(NULL, NBLK * bb, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
-        if (t0 == MAP_FAILED) {
-            bench_die("mmap: %s", strerror(errno));
-        }
-        kv_map_advise_huge(t0, NBLK * bb); /* as kvd's mapping of a segment (kv_util.h) */
+        /* A host pool's memory: T0 a memfd mapped shared (a child process writes it with
+         * --fresh), and so the raw way's images and the reads' places, all advised alike. */
+        t0 = shared_memfd("disk-bench-t0", NBLK * bb);
+        back = shared_memfd("disk-bench-back", NBLK * bb);
+        img = shared_memfd("disk-bench-img", NBLK * sb);
+    } else {
+        t0 = kv_alloc_huge(NBLK * bb);
+        back = kv_alloc_huge(NBLK * bb);
+        img = kv_alloc_huge(NBLK * sb);
     }
-    uint8_t *buf = kv_alloc_huge(sb);        /* the slot buffer, as a copy thread's (tiers.c) */
-    uint8_t *img = kv_alloc_huge(NBLK * sb); /* raw's slot images, one a block */
-    if (use_memfd) {
-        /* The raw way's images in memory of the same kind and page size as T0: a memfd mapped
-         * shared with the same advice, so the ratio compares the ways, not the pages. */
-        free(img);
-        int ifd = memfd_create("disk-bench-img", MFD_CLOEXEC);
-        if (ifd < 0 || ftruncate(ifd, (off_t)(NBLK * sb)) != 0) {
-            bench_die("memfd: %s", strerror(errno));
-        }
-        img = mmap(NULL, NBLK * sb, PROT_READ | PROT_WRITE, MAP_SHARED, ifd, 0);
-        if (img == MAP_FAILED) {
-            bench_die("mmap: %s", strerror(errno));
-        }
-        kv_map_advise_huge(img, NBLK * sb);
-        close(ifd);
-        /* Reads land in a pool's memory too (a Fetch's T0 blocks): another advised memfd. */
-        free(back);
-        int bfd = memfd_create("disk-bench-back", MFD_CLOEXEC);
-        if (bfd < 0 || ftruncate(bfd, (off_t)(NBLK * bb)) != 0) {
-            bench_die("memfd: %s", strerror(errno));
-        }
-        back = mmap(NULL, NBLK * bb, PROT_READ | PROT_WRITE, MAP_SHARED, bfd, 0);
-        if (back == MAP_FAILED) {
-            bench_die("mmap: %s", strerror(errno));
-        }
-        kv_map_advise_huge(back, NBLK * bb);
-        close(bfd);
-    }
+    uint8_t *buf = kv_alloc_huge(sb); /* the slot buffer, as a copy thread's (tiers.c) */
     if (t0 == NULL || back == NULL || buf == NULL || img == NULL) {
         bench_die("out of memory");
     }
@@ -324,11 +308,10 @@ int main(int argc, char **argv) {
     if (system(cmd) != 0) {
         fprintf(stderr, "disk_bench: could not remove %s\n", tmp);
     }
-    if (mfd >= 0) {
+    if (use_memfd) {
         munmap(t0, NBLK * bb);
         munmap(img, NBLK * sb);
         munmap(back, NBLK * bb);
-        close(mfd);
     } else {
         free(t0);
         free(img);
