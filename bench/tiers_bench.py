@@ -191,7 +191,13 @@ def memcpy_gbps(kind):
 
 
 def raw_disk_gbps(directory, slot):
-    """pwrite then pread of NBLOCKS slot-sized aligned buffers, O_DIRECT when taken."""
+    """The raw disk loop: one synchronous pwrite a slot, NBLOCKS slots of a fresh file, then one
+    pread a slot, O_DIRECT when taken; from and into NBLOCKS distinct slot-sized buffers (the
+    bytes a round moves, each where kvd's T0 holds its block), then again from and into one
+    buffer (cache-resident: a reference, as dd runs). The buffers are shared anonymous memory
+    (shmem, as T0 segments are) that asks for huge pages as kvd's mappings do, so both sides get
+    the same page size. Returns (write GB/s, read GB/s, one-buffer write, one-buffer read,
+    O_DIRECT taken)."""
     path = os.path.join(directory, "raw.bin")
     flags = os.O_RDWR | os.O_CREAT
     direct = getattr(os, "O_DIRECT", 0)
@@ -199,24 +205,33 @@ def raw_disk_gbps(directory, slot):
         fd = os.open(path, flags | direct, 0o600)
     except OSError:
         fd, direct = os.open(path, flags, 0o600), 0
-    buf = mmap.mmap(-1, slot)  # shared anonymous: shmem, as kvd's T0 segments are
+    m = mmap.mmap(-1, NBLOCKS * slot)
     try:
-        buf.madvise(mmap.MADV_HUGEPAGE)  # as kvd's mappings of T0 ask (same page size)
+        m.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):
         pass
-    buf.write(os.urandom(slot))
-    wns = rns = 0
-    for i in range(NBLOCKS):
-        t0 = time.perf_counter_ns()
-        os.pwritev(fd, [buf], 4096 + i * slot)
-        wns += time.perf_counter_ns() - t0
-    for i in range(NBLOCKS):
-        t0 = time.perf_counter_ns()
-        os.preadv(fd, [buf], 4096 + i * slot)
-        rns += time.perf_counter_ns() - t0
+    words = np.frombuffer(m, dtype=np.uint64)
+    words[:] = np.arange(len(words), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # distinct
+    bufs = [memoryview(m)[i * slot:(i + 1) * slot] for i in range(NBLOCKS)]
+    out = []
+    for same in (False, True):
+        wns = rns = 0
+        for i in range(NBLOCKS):
+            t0 = time.perf_counter_ns()
+            os.pwritev(fd, [bufs[0 if same else i]], 4096 + i * slot)
+            wns += time.perf_counter_ns() - t0
+        for i in range(NBLOCKS):
+            t0 = time.perf_counter_ns()
+            os.preadv(fd, [bufs[0 if same else i]], 4096 + i * slot)
+            rns += time.perf_counter_ns() - t0
+        out += [NBLOCKS * BB / wns, NBLOCKS * BB / rns]
     os.close(fd)
     os.unlink(path)
-    return NBLOCKS * BB / wns, NBLOCKS * BB / rns, bool(direct)
+    for v in bufs:
+        v.release()
+    del words
+    m.close()
+    return out[0], out[1], out[2], out[3], bool(direct)
 
 
 THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -302,7 +317,7 @@ def new_rows():
         for m in ("down_copy", "down_tput", "up_copy", "up_tput"):
             rows["%s_%s" % (k, m)] = []
     for k in ("memcpy", "memcpy_fresh", "memcpy_cached", "raw_w", "raw_r", "raw_w_cold",
-              "raw_r_cold", "raw_w_warm", "raw_r_warm"):
+              "raw_r_cold", "raw_w_warm", "raw_r_warm", "raw_w_one", "raw_r_one"):
         rows[k] = []
     return rows
 
@@ -350,7 +365,9 @@ def one_run(binary, rows):
             rows["raw_r_" + phase].append((raw[k][1] + raw[k + 1][1]) / 2)
         rows["raw_w"].append(sum(x[0] for x in raw) / 3)
         rows["raw_r"].append(sum(x[1] for x in raw) / 3)
-        return raw[0][2]
+        rows["raw_w_one"].append(sum(x[2] for x in raw) / 3)
+        rows["raw_r_one"].append(sum(x[3] for x in raw) / 3)
+        return raw[0][4]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -375,8 +392,9 @@ def print_table(rows, direct, nmodes):
              NBLOCKS, BB // 1024, os.cpu_count()))
     print("T2 and its baseline in a directory under /tmp, O_DIRECT %s; the T2 baseline of a "
           "round is the mean of the raw loops run just before and just after it (the loops "
-          "write a fresh file, one synchronous pwrite a slot from one buffer that asks for huge "
-          "pages as kvd's T0 does, then read it back)."
+          "write a fresh file, one synchronous pwrite a slot, each slot from a buffer of its own "
+          "in shared memory that asks for huge pages as kvd's T0 does, then read it back into "
+          "the same buffers)."
           % ("on" if direct else "off (refused)"))
     print()
     print("| copy | phase | kvd throughput | kvd per copy | baseline | baseline GB/s | "
@@ -403,6 +421,10 @@ def print_table(rows, direct, nmodes):
           "baseline of runs before 2026-12-02) %s GB/s."
           % (NBLOCKS, BB // 1024, NBLOCKS, fmt(rows["memcpy_fresh"]), NBLOCKS,
              fmt(rows["memcpy_cached"])))
+    print()
+    print("The raw loop from and into one buffer instead (cache-resident, as dd runs; a "
+          "reference, not the same bytes' places; the baseline of runs before 2026-12-07 05:16Z): "
+          "pwrite %s GB/s, pread %s GB/s." % (fmt(rows["raw_w_one"]), fmt(rows["raw_r_one"])))
 
 
 # ---- hit rate on a trace whose working set is 4x T0 ------------------------------------------
