@@ -104,6 +104,11 @@ static const kvd_config_option options[] = {
         "bytes of tier-2 files over all pools"),
     OPT("tier2-direct", KVD_OPT_BOOL, tier2_direct, "true", 0, 1,
         "tier 2: O_DIRECT reads and writes where the file system takes them (else buffered)"),
+    OPT("tier2-zero-copy", KVD_OPT_STRING, tier2_zero_copy, "auto", 0, 0,
+        "tier 2 of host pools: on moves a raw block's pages between T0 and the disk with no copy "
+        "(each transfer pins T0's pages); off copies through a huge-page buffer; auto: on where "
+        "T0 is in 2 MiB pages (hugepages, or the kernel's shmem THP mode is advise, within_size, "
+        "always or force), off where it is in 4 KiB pages"),
     OPT("tier-format", KVD_OPT_STRING, tier_format, "raw", 0, 0,
         "how tiers 1 and 2 store a block: raw (as in the pool), lz4 or zstd (lossless; a block "
         "that does not shrink by 1/16 is stored raw)"),
@@ -260,6 +265,11 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "tier-lossy-format") == 0 && strcmp(value, "int8") != 0 &&
                 strcmp(value, "fp8") != 0 && strcmp(value, "off") != 0) {
                 kvd_conf_err(err, errlen, "tier-lossy-format: '%s' is not int8, fp8 or off", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "tier2-zero-copy") == 0 && strcmp(value, "auto") != 0 &&
+                strcmp(value, "on") != 0 && strcmp(value, "off") != 0) {
+                kvd_conf_err(err, errlen, "tier2-zero-copy: '%s' is not auto, on or off", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "tier-write") == 0 && strcmp(value, "write-back") != 0 &&

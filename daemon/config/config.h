@@ -56,6 +56,7 @@ typedef struct kvd_config {
     char tier_format[16];                   /* "raw", "lz4" or "zstd" */
     char tier_lossy_format[16];             /* "int8", "fp8" or "off": pools that asked */
     char tier_write[16];                    /* "write-back" or "write-through" */
+    char tier2_zero_copy[8];                /* "auto", "on" or "off" (host pools' T2 transfers) */
     uint64_t tier_min_hits;                 /* selective: lookups a block needs to go down */
     uint64_t tier_clean_ahead;              /* write-back: victims kept copied ahead */
     uint64_t fetch_min_tokens;              /* a shorter lower-tier hit is not fetched */

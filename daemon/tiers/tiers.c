@@ -314,6 +314,7 @@ struct kvd_tiers {
     uint64_t busy_since[4];    /* when the kind's current busy period began (ns) */
     kvd_tier_format format;    /* tier-format */
     int write_through;         /* tier-write */
+    int zero_copy;             /* host pools' T2 without copies (tier2-zero-copy) */
     uint64_t seq;              /* next T2 record sequence number */
     uint32_t jobs;             /* in flight over all pools */
     uint64_t c[TS_COUNT];      /* counters (the gauges are computed) */
@@ -799,7 +800,8 @@ static void work(uv_work_t *w) {
                 j->rec.has_tail = 0;
             }
             uint8_t *payload = buf + kvd_disk_payload_off(j->disk, &j->rec);
-            if (j->from_t0 && j->format == KVD_TF_RAW && j->tp->dev == NULL) {
+            if (j->from_t0 && j->format == KVD_TF_RAW && j->tp->dev == NULL &&
+                j->tp->t->zero_copy) {
                 /* Raw host memory: the block's pages go to the disk from T0 (one piece, or a
                  * layer-major block's pieces in one vectored transfer a group). */
                 j->rec.len = (uint32_t)j->block_bytes;
@@ -879,7 +881,7 @@ static void work(uv_work_t *w) {
                 }
                 kv_hash128 want = j->rec.hash;
                 t0_range x = {j->tp, j->runs, j->nruns};
-                if (j->tp->dev == NULL) {
+                if (j->tp->dev == NULL && j->tp->t->zero_copy) {
                     /* Host memory: the pages land in T0's pieces from the disk. */
                     j->rc = kvd_disk_read_intov(j->disk, j->slot, &want, &j->rec, j->runs, j->nruns,
                                                 j->block_bytes, buf, &j->zero_copy);
@@ -2139,6 +2141,15 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
         t->format = KVD_TF_RAW;
     }
     t->write_through = strcmp(cfg->tier_write, "write-through") == 0;
+    char thp[32];
+    kv_shmem_thp_mode(thp, sizeof(thp));
+    /* Zero-copy pins T0's pages for each transfer: one a 2 MiB page, or 512 small ones, which on
+     * a VM that shadows page tables cost more than copying the block into a huge-page buffer
+     * (bench `disk`, process 3: copying 1.7-1.9x the zero-copy rate from 4 KiB pages). */
+    int t0_huge = cfg->hugepages || strcmp(thp, "advise") == 0 || strcmp(thp, "within_size") == 0 ||
+                  strcmp(thp, "always") == 0 || strcmp(thp, "force") == 0;
+    t->zero_copy = strcmp(cfg->tier2_zero_copy, "on") == 0 ||
+                   (strcmp(cfg->tier2_zero_copy, "auto") == 0 && t0_huge);
     if (t->cap[1] > 0 && mkdir(cfg->tier2_path, 0700) != 0 && errno != EEXIST) {
         if (msg != NULL) {
             snprintf(msg, msglen, "tier2-path %s: %s", cfg->tier2_path, strerror(errno));
@@ -2161,11 +2172,12 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
     if (kvd_tiers_on(t)) {
         KV_LOG(INFO, "KVD-TIERS",
                "tiers: T1 %llu bytes, T2 %s (%llu bytes), format %s, %s, clean-ahead %llu, "
-               "fetch-min-tokens %llu",
+               "fetch-min-tokens %llu, host pools' T2 zero-copy %s (tier2-zero-copy %s, shmem "
+               "THP %s)",
                (unsigned long long)t->cap[0], t->cap[1] > 0 ? cfg->tier2_path : "off",
                (unsigned long long)t->cap[1], kvd_tier_format_name(t->format), cfg->tier_write,
-               (unsigned long long)cfg->tier_clean_ahead,
-               (unsigned long long)cfg->fetch_min_tokens);
+               (unsigned long long)cfg->tier_clean_ahead, (unsigned long long)cfg->fetch_min_tokens,
+               t->zero_copy ? "on" : "off", cfg->tier2_zero_copy, thp);
     }
     *out = t;
     return KV_OK;
@@ -3499,10 +3511,11 @@ const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
         snprintf(buf, len, "off");
         return buf;
     }
-    int n = snprintf(buf, len, "T1 %llu bytes, T2 %s, format %s, %s; last T2 error: %s",
-                     (unsigned long long)t->cap[0], t->cap[1] > 0 ? t->cfg->tier2_path : "off",
-                     kvd_tier_format_name(t->format), t->cfg->tier_write,
-                     t->t2_error[0] != '\0' ? t->t2_error : "none");
+    int n =
+        snprintf(buf, len, "T1 %llu bytes, T2 %s, format %s, %s, zero-copy %s; last T2 error: %s",
+                 (unsigned long long)t->cap[0], t->cap[1] > 0 ? t->cfg->tier2_path : "off",
+                 kvd_tier_format_name(t->format), t->cfg->tier_write, t->zero_copy ? "on" : "off",
+                 t->t2_error[0] != '\0' ? t->t2_error : "none");
     if (n < 0 || (size_t)n >= len) {
         return buf;
     }

@@ -187,7 +187,8 @@ def test_t2_zero_copy_round_trip(kvd_factory, direct):
     whole pages (one vectored transfer); a layer-major pool of 512-byte pieces beside them goes
     the copying way. Without io_uring every transfer copies (same bytes)."""
     uring = _uring_usable()
-    t2dir, opts = _t2_only(tier2_direct=direct, pool_memory="512K")  # room for three pools
+    # on: whatever the page size (auto takes the copying way where T0 is in 4 KiB pages)
+    t2dir, opts = _t2_only(tier2_direct=direct, pool_memory="512K", tier2_zero_copy="on")
     d = kvd_factory(**opts)
     c = connect(d)
     chains = []
@@ -214,6 +215,45 @@ def test_t2_zero_copy_round_trip(kvd_factory, direct):
         check_bytes(pool2, blocks, pats)
         want += zc
         assert tier_stats(d2)["tier2_zero_copy"] == want, (model, tier_stats(d2))
+
+
+def _shmem_thp():
+    try:
+        line = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return "unknown"
+    return line[line.find("[") + 1:line.find("]")] if "[" in line else "unknown"
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_t2_zero_copy_off_and_auto(kvd_factory, mode):
+    """tier2-zero-copy off: a host pool's raw blocks go to T2 and back through the copying way
+    (tier2_zero_copy stays 0) with the same bytes, across a restart. auto: the zero-copy way
+    exactly where T0 is in huge pages (the kernel's shmem THP mode grants them), as the tiers'
+    state line says."""
+    huge = _shmem_thp() in ("advise", "within_size", "always", "force")
+    zc = mode == "auto" and huge and _uring_usable()
+    t2dir, opts = _t2_only(tier2_zero_copy=mode)
+    d = kvd_factory(**opts)
+    state = d.admin_result("tiers")["state"]
+    assert ("zero-copy on" if mode == "auto" and huge else "zero-copy off") in state, state
+    c = connect(d)
+    pool = c.attach("m-zc-" + mode, LAYOUT_BM)
+    hs = prefix(pool, 6, 41)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    st = tier_stats(d)
+    assert st["demotions_t2"] == len(hs), st
+    assert st["tier2_zero_copy"] == (len(hs) if zc else 0), st
+    d.kill()
+    d2 = kvd_factory(**opts)
+    c2 = connect(d2)
+    pool2 = c2.attach("m-zc-" + mode, LAYOUT_BM)
+    fr, blocks = fetch_all(c2, pool2, hs)
+    assert fr.status == pb.FETCH_DONE and len(blocks) == len(hs) and fr.promoted == len(hs), fr
+    check_bytes(pool2, blocks, pats)
+    assert tier_stats(d2)["tier2_zero_copy"] == (len(hs) if zc else 0), tier_stats(d2)
 
 
 def test_t2_corrupt_record_never_served(kvd_factory):

@@ -600,6 +600,10 @@ static int start_kvd(soak_ctx *x) {
         argv[n++] = "--tier2-bytes=256M";
         argv[n++] = "--fetch-min-tokens=1";
         argv[n++] = x->o->tiers == 2 ? "--tier-write=write-through" : "--tier-write=write-back";
+        if (x->o->block_major) {
+            /* the zero-copy way whatever the page size (auto would copy from 4 KiB pages) */
+            argv[n++] = "--tier2-zero-copy=on";
+        }
     }
     argv[n] = NULL;
     /* 60 s: valgrind starts slowly. A kvd still starting then is left running (x->kvd). */
