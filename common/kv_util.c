@@ -121,6 +121,16 @@ const char *kv_shmem_thp_mode(char *buf, size_t cap) {
     return buf;
 }
 
+int kv_shmem_thp_huge(const char *mode) {
+    static const char *const huge[] = {"advise", "within_size", "always", "force"};
+    for (size_t i = 0; i < sizeof(huge) / sizeof(huge[0]); i++) {
+        if (strcmp(mode, huge[i]) == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 int kv_map_advised_huge(const void *addr) {
     FILE *f = fopen("/proc/self/smaps", "r");
     if (f == NULL) {

@@ -47,6 +47,11 @@ void *kv_alloc_huge(uint64_t n);
  * it cannot be read (no THP, no sysfs). Returns buf. A diagnostic: no kv_err, it cannot fail. */
 const char *kv_shmem_thp_mode(char *buf, size_t cap);
 
+/* 1 when shmem THP mode `mode` (as kv_shmem_thp_mode reads it) gives an advised mapping of a
+ * memfd 2 MiB pages: advise, within_size, always, force; 0 for never, deny, unknown and any
+ * other word. The one list kvd decides by (the start-up line, tier2-zero-copy auto). */
+int kv_shmem_thp_huge(const char *mode);
+
 /* 1 when the mapping that holds addr carries the huge-page advice (VmFlags `hg` in
  * /proc/self/smaps), 0 when it does not, -1 when that cannot be told (no such mapping, no
  * /proc). Reads smaps: for tests and diagnostics, not hot paths (a tri-state answer, not a

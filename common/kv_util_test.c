@@ -121,6 +121,10 @@ static void test_shmem_thp_mode(void **state) {
     assert_ptr_equal(m, buf);
     /* One word as the kernel spells its modes (never, advise, within_size...), or "unknown". */
     assert_true(m[0] != '\0' && m[strspn(m, "abcdefghijklmnopqrstuvwxyz_")] == '\0');
+    assert_true(kv_shmem_thp_huge("advise") && kv_shmem_thp_huge("within_size") &&
+                kv_shmem_thp_huge("always") && kv_shmem_thp_huge("force"));
+    assert_false(kv_shmem_thp_huge("never") || kv_shmem_thp_huge("deny") ||
+                 kv_shmem_thp_huge("unknown") || kv_shmem_thp_huge("adv"));
     char tiny[3];
     assert_true(strlen(kv_shmem_thp_mode(tiny, sizeof(tiny))) <= 2); /* cut, never overrun */
 }

@@ -79,7 +79,7 @@ static kv_err backend_open(kvd_daemon *d) {
             KV_LOG(INFO, "KVD-THP",
                    "host segments use the kernel's default pages: it shows no shmem huge-page "
                    "mode (/sys/kernel/mm/transparent_hugepage/shmem_enabled)");
-        } else if (strcmp(thp, "never") == 0 || strcmp(thp, "deny") == 0) {
+        } else if (!kv_shmem_thp_huge(thp)) {
             KV_LOG(INFO, "KVD-THP",
                    "host segments use 4 KiB pages: the kernel's shmem huge pages are `%s` "
                    "(/sys/kernel/mm/transparent_hugepage/shmem_enabled); `advise` gives pool "

@@ -2146,8 +2146,7 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
     /* Zero-copy pins T0's pages for each transfer: one a 2 MiB page, or 512 small ones, which on
      * a VM that shadows page tables cost more than copying the block into a huge-page buffer
      * (bench `disk`, process 3: copying 1.7-1.9x the zero-copy rate from 4 KiB pages). */
-    int t0_huge = cfg->hugepages || strcmp(thp, "advise") == 0 || strcmp(thp, "within_size") == 0 ||
-                  strcmp(thp, "always") == 0 || strcmp(thp, "force") == 0;
+    int t0_huge = cfg->hugepages || kv_shmem_thp_huge(thp);
     t->zero_copy = strcmp(cfg->tier2_zero_copy, "on") == 0 ||
                    (strcmp(cfg->tier2_zero_copy, "auto") == 0 && t0_huge);
     if (t->cap[1] > 0 && mkdir(cfg->tier2_path, 0700) != 0 && errno != EEXIST) {

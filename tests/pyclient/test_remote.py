@@ -2147,12 +2147,18 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
                 "Fetch %d took %.2f s (remote-timeout-ms %d)" % (k, took, timeout_ms), rem(d))
         assert d.alive()
     finally:
-        stop.set()
-        d.stop()
-        shutil.rmtree(d.dir, ignore_errors=True)
-        dns.close()
-        th.join(timeout=2)
-        lsock.close()
+        _stop_hung(d, dns, lsock, stop, th)
+
+
+def _stop_hung(d, dns, lsock, stop, th):
+    """Ends a hung-DNS test: the daemon and its directory, the dropping DNS socket, and the fake
+    cluster (_fake_cluster's socket, stop event and thread)."""
+    stop.set()
+    d.stop()
+    shutil.rmtree(d.dir, ignore_errors=True)
+    dns.close()
+    th.join(timeout=2)
+    lsock.close()
 
 
 def _fake_cluster(names):
@@ -2284,12 +2290,7 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
             "threads %d at the start, %d at most" % (base, most), rem(d))
         assert d.alive()
     finally:
-        stop.set()
-        d.stop()
-        shutil.rmtree(d.dir, ignore_errors=True)
-        dns.close()
-        th.join(timeout=2)
-        lsock.close()
+        _stop_hung(d, dns, lsock, stop, th)
 
 
 def test_remote_redis_by_host_name(kvd_factory, redis):
