@@ -12,6 +12,7 @@
 #include "client/map.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -113,6 +114,30 @@ void kvc__pool_unmap(kvc_pool *p) {
     p->nsegs = 0;
 }
 
+/* bytes of address space, no access, starting on a 2 MiB boundary when bytes >= 2 MiB: a
+ * section mapped at a 2 MiB-aligned offset of its memfd can then be mapped with huge entries
+ * (the kernel needs the address and the file offset congruent mod 2 MiB; kv_map_advise_huge).
+ * MAP_FAILED when out of address space. */
+static void *reserve_aligned(uint64_t bytes) {
+    const uint64_t huge = 2ull << 20;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (bytes < huge || bytes > UINT64_MAX - huge) {
+        return mmap(NULL, (size_t)bytes, PROT_NONE, flags, -1, 0);
+    }
+    uint8_t *m = mmap(NULL, (size_t)(bytes + huge), PROT_NONE, flags, -1, 0);
+    if (m == MAP_FAILED) {
+        return MAP_FAILED;
+    }
+    uint8_t *a = (uint8_t *)(((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1));
+    if (a > m) {
+        munmap(m, (size_t)(a - m));
+    }
+    if (a + bytes < m + bytes + huge) {
+        munmap(a + bytes, (size_t)(m + bytes + huge - (a + bytes)));
+    }
+    return a;
+}
+
 /* Reserves the per-(layer, K|V) ranges; leaves layer_base NULL where that is not possible. */
 static void reserve_layers(kvc_pool *p) {
     const kv_layout *l = &p->layout;
@@ -134,7 +159,7 @@ static void reserve_layers(kvc_pool *p) {
         return;
     }
     for (uint32_t i = 0; i < l->num_layers * 2; i++) {
-        void *m = mmap(NULL, range, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        void *m = reserve_aligned(range);
         if (m == MAP_FAILED) {
             kvc__log(p->diag, KVC_LOG_WARN, "KVC-POOL-RESERVE", "reserving layer ranges: %s",
                      strerror(errno));

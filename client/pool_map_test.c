@@ -91,6 +91,42 @@ static void test_layer_major_views_agree(void **state) {
     kvc__pool_unmap(&p);
 }
 
+/* Layer ranges of 2 MiB or more start on a 2 MiB boundary, so a section at a 2 MiB-aligned
+ * offset of its memfd lands at a 2 MiB-aligned address (what a huge mapping needs), and the
+ * views still read what the segment view wrote. */
+static void test_layer_ranges_huge_aligned(void **state) {
+    (void)state;
+    kv_layout l;
+    /* 2 layers, 8 heads, dim 128, 16 tokens/block fp16: kv_block_bytes 32 KiB, 64 blocks a
+     * segment: each section 2 MiB. */
+    assert_int_equal(kv_layout_init(2, 8, 128, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
+    const uint32_t bps = 64;
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, bps, 3), KV_OK);
+    uint64_t seg_bytes = round_page(kv_layout_segment_bytes(&l, bps));
+    for (uint32_t s = 0; s < 2; s++) {
+        int fd = make_memfd(seg_bytes);
+        assert_int_equal(kvc__pool_map_segment(&p, s, fd, seg_bytes, bps, 0), KV_OK);
+        close(fd);
+    }
+    for (uint32_t layer = 0; layer < 2; layer++) {
+        for (int kv = 0; kv < 2; kv++) {
+            uint8_t *base = kvc_pool_layer_base(&p, layer, kv);
+            assert_non_null(base);
+            assert_int_equal((uintptr_t)base % (2u << 20), 0);
+            assert_int_equal(kv_layout_offset(&l, bps, 0, layer, kv, 0, 0) % (2u << 20), 0);
+            for (uint32_t b = 0; b < 2 * bps; b += 37) {
+                *(uint32_t *)kvc_pool_addr(&p, b, layer, kv, 15, 7) = b * 10 + layer * 2 + kv;
+                assert_int_equal(
+                    *(uint32_t *)(base + b * l.kv_block_bytes + 15 * l.token_bytes + 7 * 128 * 2),
+                    b * 10 + layer * 2 + kv);
+            }
+        }
+    }
+    kvc__pool_unmap(&p);
+}
+
 static void test_remap_replaces_segment(void **state) {
     (void)state;
     kv_layout l;
@@ -220,6 +256,7 @@ static void test_hash_helpers_match_spec(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layer_major_views_agree),
+        cmocka_unit_test(test_layer_ranges_huge_aligned),
         cmocka_unit_test(test_remap_replaces_segment),
         cmocka_unit_test(test_addresses_survive_replacement),
         cmocka_unit_test(test_block_major_and_scales),
