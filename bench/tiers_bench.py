@@ -7,9 +7,11 @@ For each of RUNS runs, one kvd (-c opt) per tier:
       Fetch reads them back (O_DIRECT where the file system takes it).
 Bandwidth of a tier = bytes moved / copy-thread time (the daemon's copy_bytes_* / copy_ns_*
 counters: per-copy bandwidth, every job timed on its own thread). Baselines, measured in the
-same run on the same sizes: memcpy (numpy copyto between two warm buffers; and into a freshly
-allocated buffer, which is what a T1 copy writes into), and pwrite/pread of the same slot-sized,
-4096-aligned buffers to a file in the same directory with the same O_DIRECT flag. Prints
+same run on the same sizes: memcpy (numpy copyto between two warm buffers; for the cold round's
+copies down, from a second mapping of a memfd that has not touched it into buffers never
+touched, the faults a cold round's copy takes), and pwrite/pread of the same slot-sized,
+4096-aligned buffers to a file in the same directory with the same O_DIRECT flag (for the cold
+writes, from such a second mapping). Prints
 markdown (bench/run.sh records it in bench/RESULTS.md); the target (>= 0.9x) is met only when
 the worst run meets it. The copy table runs under the system's shmem THP mode and again under
 `advise` (docs/ARCHITECTURE.md, "Huge pages"; set for that table, as root, and put back). Then: hit rates on a trace whose working set is 4x T0, TTFT from T1 / T2
@@ -163,14 +165,58 @@ def huge_arrays(n):
     return [whole[skip + i * BB:skip + (i + 1) * BB] for i in range(n)]
 
 
+class SecondMapping:
+    """n blocks of BB bytes in a memfd, written through one shared mapping, and `views` of them
+    through a second mapping that has touched nothing yet: what kvd's copy thread meets when it
+    first reads a T0 block a client wrote (its own mapping of the segment faults each page in on
+    first access). Both mappings ask for huge pages, as kvd's and libkvclient's do."""
+
+    def __init__(self, n):
+        size = n * BB
+        self.fd = os.memfd_create("kvd-tiers-bench")
+        os.ftruncate(self.fd, size)
+        self.a = mmap.mmap(self.fd, size)
+        self.b = mmap.mmap(self.fd, size)
+        for m in (self.a, self.b):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except (AttributeError, OSError):
+                pass
+        words = np.frombuffer(self.a, dtype=np.uint64)
+        words[:] = np.arange(len(words), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        del words
+        self.whole = np.frombuffer(self.b, dtype=np.uint8)
+        self.views = [self.whole[i * BB:(i + 1) * BB] for i in range(n)]
+
+    def close(self):
+        self.views = None
+        self.whole = None
+        self.a.close()
+        self.b.close()
+        os.close(self.fd)
+
+
 def memcpy_gbps(kind):
     """One thread's memcpy (numpy copyto) GB/s. kind "blocks": NBLOCKS distinct blocks into
     NBLOCKS distinct buffers touched before (the bytes a round moves, as a warm T1 copy writes
     them: the baseline); "fresh": into a freshly allocated buffer each (its pages fault in);
-    "cached": one block into one buffer NBLOCKS times (both stay in the caches: an upper
-    reference, not the same bytes)."""
+    "cold": from a mapping of shared memory that has not touched it yet into buffers that have
+    never been touched (SecondMapping; the work of a cold round's T0 -> T1 copy, which reads a
+    new segment through the daemon's mapping for the first time into new T1 buffers: the cold
+    rows' baseline); "cached": one block into one buffer NBLOCKS times (both stay in the caches:
+    an upper reference, not the same bytes)."""
     rng = np.random.default_rng(7)
     nsrc = 1 if kind == "cached" else NBLOCKS
+    if kind == "cold":
+        src = SecondMapping(NBLOCKS)
+        dst = huge_arrays(NBLOCKS)  # never touched: each page faults in, as a new T1 buffer's
+        ns = 0
+        for i in range(NBLOCKS):
+            t0 = time.perf_counter_ns()
+            np.copyto(dst[i], src.views[i])
+            ns += time.perf_counter_ns() - t0
+        src.close()
+        return NBLOCKS * BB / ns
     # In 2 MiB-aligned mappings that ask for huge pages, as kvd's T1 buffers and (where shmem
     # THP allows) its T0 blocks do: the baseline gets the page size kvd gets at best.
     src = huge_arrays(nsrc)
@@ -232,6 +278,33 @@ def raw_disk_gbps(directory, slot):
     del words
     m.close()
     return out[0], out[1], out[2], out[3], bool(direct)
+
+
+def raw_write_cold_gbps(directory, slot):
+    """The raw write loop of raw_disk_gbps from slots that the writing mapping has not touched
+    yet (SecondMapping: each O_DIRECT pwrite faults its pages in first), the work of a cold
+    round's T0 -> T2 writes, which read a new segment through the daemon's mapping for the first
+    time: the cold write row's baseline. Same file flags; GB/s."""
+    path = os.path.join(directory, "raw-cold.bin")
+    flags = os.O_RDWR | os.O_CREAT
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        fd = os.open(path, flags, 0o600)
+    # Slot-sized pieces of BB-byte blocks: a slot's payload is one block (the header page is
+    # written from the block's first page too: same bytes, same faults).
+    src = SecondMapping(NBLOCKS)
+    ns = 0
+    for i in range(NBLOCKS):
+        v = memoryview(src.b)[i * BB:(i + 1) * BB]
+        t0 = time.perf_counter_ns()
+        os.pwritev(fd, [v], 4096 + i * slot)
+        ns += time.perf_counter_ns() - t0
+        v.release()
+    os.close(fd)
+    os.unlink(path)
+    src.close()
+    return NBLOCKS * BB / ns
 
 
 THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -316,8 +389,9 @@ def new_rows():
     for k in ("t1_cold", "t1_warm", "t2_cold", "t2_warm"):
         for m in ("down_copy", "down_tput", "up_copy", "up_tput"):
             rows["%s_%s" % (k, m)] = []
-    for k in ("memcpy", "memcpy_fresh", "memcpy_cached", "raw_w", "raw_r", "raw_w_cold",
-              "raw_r_cold", "raw_w_warm", "raw_r_warm", "raw_w_one", "raw_r_one"):
+    for k in ("memcpy", "memcpy_fresh", "memcpy_cold", "memcpy_cached", "raw_w", "raw_r",
+              "raw_w_cold", "raw_r_cold", "raw_w_warm", "raw_r_warm", "raw_w_one", "raw_r_one",
+              "raw_w_fresh"):
         rows[k] = []
     return rows
 
@@ -341,6 +415,7 @@ def one_run(binary, rows):
                 rows["t1_%s_%s" % (phase, m)].append(x)
         rows["memcpy"].append(memcpy_gbps("blocks"))
         rows["memcpy_fresh"].append(memcpy_gbps("fresh"))
+        rows["memcpy_cold"].append(memcpy_gbps("cold"))
         rows["memcpy_cached"].append(memcpy_gbps("cached"))
         t2 = os.path.join(tmp, "t2")
         slot = (64 + BB + 4095) // 4096 * 4096
@@ -348,6 +423,7 @@ def one_run(binary, rows):
         # disk rate drifts from minute to minute): each round's baseline is the mean of the
         # loops on either side of it.
         raw = [raw_disk_gbps(tmp, slot)]
+        rows["raw_w_fresh"].append(raw_write_cold_gbps(tmp, slot))
         d = Kvd(binary, tmp, tier1_memory="0", tier2_path=t2,
                 tier2_bytes=str(3 * NBLOCKS * (BB + 4096)), pool_memory=str(3 * NBLOCKS * BB))
         try:
@@ -404,22 +480,40 @@ def print_table(rows, direct, nmodes):
              ("T1 -> T0 (Fetch)", "t1", "up", "memcpy", "memcpy of the round's blocks (one thread)"),
              ("T0 -> T2", "t2", "down", "raw_w", "pwrite of the same slots"),
              ("T2 -> T0 (Fetch)", "t2", "up", "raw_r", "pread of the same slots"))
+    # A cold round's copies down read T0 through a mapping that has not touched it and write
+    # into memory never touched (T1) or pin pages not yet mapped (T2): their baselines do the same
+    # (memcpy_gbps("cold"), raw_write_cold_gbps). The warm baseline of those rows is printed
+    # below the table.
+    cold_base = {("t1", "down"): ("memcpy_cold", "memcpy from a second, untouched mapping into "
+                                  "untouched buffers"),
+                 ("t2", "down"): ("raw_w_fresh", "pwrite of the same slots from a second, "
+                                  "untouched mapping")}
     for name, tier, way, base0, bname in table:
         for phase in ("cold", "warm"):
             k = "%s_%s_%s" % (tier, phase, way)
             base = base0 if tier == "t1" else "%s_%s" % (base0, phase)
+            bn = bname
+            if phase == "cold" and (tier, way) in cold_base:
+                base, bn = cold_base[(tier, way)]
             r = ratio(k + "_tput", base)
             print("| %s | %s | %s | %s | %s | %s | %s | >= 0.9x | %s |" % (
-                name, phase, fmt(rows[k + "_tput"]), fmt(rows[k + "_copy"]), bname,
+                name, phase, fmt(rows[k + "_tput"]), fmt(rows[k + "_copy"]), bn,
                 fmt(rows[base]), fmt(r),
                 "yes" if min(r) >= 0.9 else "no (worst %.2f)" % min(r)))
     print()
     print("Baseline: one thread's memcpy (numpy) of %d distinct %d KiB blocks into %d distinct "
           "buffers touched before, all in mappings that ask for huge pages (the bytes a round "
-          "moves, where a warm round writes them). Same run: into a freshly allocated buffer each "
-          "%s GB/s; one block into one buffer %d times (cache-resident, not the same bytes; the "
-          "baseline of runs before 2026-12-02) %s GB/s."
-          % (NBLOCKS, BB // 1024, NBLOCKS, fmt(rows["memcpy_fresh"]), NBLOCKS,
+          "moves, where a warm round writes them). The cold copies down have baselines that do "
+          "a cold round's work (since 2026-12-07 07:30Z; before, every T1 row had the warm "
+          "memcpy): the blocks in a memfd written through one mapping and read through a second "
+          "one that has not touched them, as kvd's copy thread first reads a new T0 segment, "
+          "into buffers never touched (T1) or pwritten with the file's flags (T2). The cold rows "
+          "against the warm baselines instead: T0 -> T1 %s, T0 -> T2 %s. Same run: memcpy into "
+          "a freshly malloc'd buffer each (small pages) %s GB/s; one block into one buffer %d "
+          "times (cache-resident, not the same bytes; the baseline of runs before 2026-12-02) "
+          "%s GB/s."
+          % (NBLOCKS, BB // 1024, NBLOCKS, fmt(ratio("t1_cold_down_tput", "memcpy")),
+             fmt(ratio("t2_cold_down_tput", "raw_w_cold")), fmt(rows["memcpy_fresh"]), NBLOCKS,
              fmt(rows["memcpy_cached"])))
     print()
     print("The raw loop from and into one buffer instead (cache-resident, as dd runs; a "
