@@ -2026,11 +2026,12 @@ def test_remote_uid_tenants_refuses_a_bad_value():
         assert rc not in (None, 0) and opt in out, out
 
 
-def hung_dns_kvd(tmp_base, options):
+def hung_dns_kvd(tmp_base, options, resolver="timeout:3 attempts:2"):
     """A kvd whose name lookups go to a DNS server that never answers: it runs in a mount
     namespace of its own where /etc/resolv.conf names 127.0.0.77, on whose port 53 a UDP socket
-    of this test reads and drops every query. Needs root (unshare, mount, port 53). Returns
-    (daemon, the dropping socket)."""
+    of this test reads and drops every query (resolver: the file's options, how long the
+    resolver holds a lookup). Needs root (unshare, mount, port 53). Returns (daemon, the dropping
+    socket)."""
     import conftest
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a mount namespace")
@@ -2042,7 +2043,7 @@ def hung_dns_kvd(tmp_base, options):
         pytest.skip("cannot bind 127.0.0.77:53: %s" % e)
     resolv = os.path.join(tmp_base, "resolv.conf")
     with open(resolv, "w") as f:
-        f.write("nameserver 127.0.0.77\noptions timeout:3 attempts:2\n")
+        f.write("nameserver 127.0.0.77\noptions %s\n" % resolver)
     wrapper = os.path.join(tmp_base, "kvd-hung-dns")
     with open(wrapper, "w") as f:
         f.write("#!/bin/sh\nexec unshare --mount --propagation private sh -c "
@@ -2161,12 +2162,12 @@ def _stop_hung(d, dns, lsock, stop, th):
     lsock.close()
 
 
-def _fake_cluster(names):
+def _fake_cluster(names, stable=False):
     """A RESP server that plays a Redis Cluster whose map keeps changing: CLUSTER SLOTS gives,
     in turn, half of the slots to itself and half to a port nothing listens on, then that half
     split between the nodes `names` ((host, port) pairs; each map has a node that fails, so kvd
-    reads the map again at the next request); GET and STRLEN find nothing, SET is fine.
-    Returns (listening socket, stop event, thread)."""
+    reads the map again at the next request); stable: always the second map. GET and STRLEN
+    find nothing, SET is fine. Returns (listening socket, stop event, thread)."""
     import threading
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
@@ -2184,7 +2185,7 @@ def _fake_cluster(names):
 
     def slots():
         maps[0] += 1
-        if maps[0] % 2:  # the other half on a port nothing listens on: refused, so read again
+        if maps[0] % 2 and not stable:  # the other half on a port nothing listens on: refused, so read again
             return (b"*2\r\n*3\r\n:0\r\n:8191\r\n" + node("127.0.0.1", port) +
                     b"*3\r\n:8192\r\n:16383\r\n" + node("127.0.0.1", 1))
         out = b"*%d\r\n*3\r\n:0\r\n:8191\r\n" % (1 + len(names)) + node("127.0.0.1", port)
@@ -2288,6 +2289,55 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
         # least one, or the name was never looked up and the test shows nothing.
         assert base + 1 <= most <= base + 2, msg(
             "threads %d at the start, %d at most" % (base, most), rem(d))
+        assert d.alive()
+    finally:
+        _stop_hung(d, dns, lsock, stop, th)
+
+
+def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
+    """A Cluster whose map (the same at every read) gives 4 masters one host name (a node per
+    port) and 13 others a name each, all names hung in DNS (the resolver holds a lookup 20 s):
+    the 4 nodes share one lookup,
+    and it counts once against the 16 lookups kvd lets wait at a time, so all 14 names are looked
+    up together (counted once per node, the last name would be refused: "16 host name lookups
+    are still waiting for DNS"), and no more threads than names start."""
+    names = [("shared.kvd-test.invalid", 7001 + i) for i in range(4)]
+    names += [("n%d.kvd-test.invalid" % i, 6379) for i in range(13)]
+    lsock, stop, th = _fake_cluster(names, stable=True)
+    d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
+                                                   **{OPT_TIMEOUT: "100"}),
+                          resolver="timeout:20 attempts:1")
+    try:
+        c = connect(d)
+        p = c.attach(MODEL, LAYOUT)
+
+        def threads():
+            return len(os.listdir("/proc/%d/task" % d.proc.pid))
+
+        base = threads()
+        most, refused = base, []
+        # One block a Fetch: its key's slot picks one node (a Fetch's lookups share one
+        # remote-timeout-ms, so a first hung name would keep it from the others); until all 14
+        # lookups run (each holds a thread 20 s; about 200 Fetches, a quarter of them waiting
+        # 100 ms for a name).
+        for k in range(600):
+            hs = kw.hash_chain(p.hash_seed, list(range(50000 + T * k, 50000 + T * (k + 1))), T,
+                               b"", p.hash_algo)
+            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
+            c.sock.settimeout(10)
+            try:
+                c.recv(fid)
+            except kw.KvdError:
+                pass
+            most = max(most, threads())
+            state = d.admin_result("tiers")["state"]
+            if "still waiting for DNS" in state:
+                refused.append(state)
+            if most >= base + 14:
+                break
+        assert not refused, msg("a lookup was refused", refused[0], rem(d))
+        assert base + 14 <= most <= base + 16, msg(
+            "threads %d at the start, %d at most (14 names)" % (base, most), rem(d))
         assert d.alive()
     finally:
         _stop_hung(d, dns, lsock, stop, th)
