@@ -504,7 +504,7 @@ def print_table(rows, direct, nmodes):
     print("Baseline: one thread's memcpy (numpy) of %d distinct %d KiB blocks into %d distinct "
           "buffers touched before, all in mappings that ask for huge pages (the bytes a round "
           "moves, where a warm round writes them). The cold copies down have baselines that do "
-          "a cold round's work (since 2026-12-07 07:30Z; before, every T1 row had the warm "
+          "a cold round's work (since 2026-12-07 07:01Z; before, every T1 row had the warm "
           "memcpy): the blocks in a memfd written through one mapping and read through a second "
           "one that has not touched them, as kvd's copy thread first reads a new T0 segment, "
           "into buffers never touched (T1) or pwritten with the file's flags (T2). The cold rows "
