@@ -2305,7 +2305,7 @@ def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
     names += [("n%d.kvd-test.invalid" % i, 6379) for i in range(13)]
     lsock, stop, th = _fake_cluster(names, stable=True)
     d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
-                                                   **{OPT_TIMEOUT: "100"}),
+                                                   **{OPT_TIMEOUT: "50"}),
                           resolver="timeout:20 attempts:1")
     try:
         c = connect(d)
@@ -2319,7 +2319,7 @@ def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
         # One block a Fetch: its key's slot picks one node (a Fetch's lookups share one
         # remote-timeout-ms, so a first hung name would keep it from the others); until all 14
         # lookups run (each holds a thread 20 s; about 200 Fetches, a quarter of them waiting
-        # 100 ms for a name).
+        # 50 ms for a name).
         for k in range(600):
             hs = kw.hash_chain(p.hash_seed, list(range(50000 + T * k, 50000 + T * (k + 1))), T,
                                b"", p.hash_algo)
