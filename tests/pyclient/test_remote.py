@@ -2135,20 +2135,32 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
                           d.admin_result("tiers")["state"], timeout=10), rem(d)
         for k in range(3):
             t = time.monotonic()
-            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
-            c.sock.settimeout(10)
-            try:
-                c.recv(fid)
-            except kw.KvdError:
-                pass
-            except (TimeoutError, socket.timeout):
-                pytest.fail(msg("Fetch %d with DNS hung: no answer in 10 s" % k, rem(d)))
+            _fetch_ignoring_errors(c, p, hs, d)
             took = time.monotonic() - t
             assert took <= timeout_ms * 1.25 / 1000, msg(
                 "Fetch %d took %.2f s (remote-timeout-ms %d)" % (k, took, timeout_ms), rem(d))
         assert d.alive()
     finally:
         _stop_hung(d, dns, lsock, stop, th)
+
+
+def _threads(d):
+    """The daemon's threads now."""
+    return len(os.listdir("/proc/%d/task" % d.proc.pid))
+
+
+def _fetch_ignoring_errors(c, p, hs, d):
+    """One Fetch of hashes hs in pool p of daemon d, its answer awaited (no answer in 10 s fails
+    the test) and an error answer ignored: what the hung-DNS tests drive kvd's remote lookups
+    with."""
+    fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
+    c.sock.settimeout(10)
+    try:
+        c.recv(fid)
+    except kw.KvdError:
+        pass
+    except (TimeoutError, socket.timeout):
+        pytest.fail(msg("Fetch with DNS hung: no answer in 10 s", rem(d)))
 
 
 def _stop_hung(d, dns, lsock, stop, th):
@@ -2269,22 +2281,13 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
     try:
         c = connect(d)
         p = c.attach(MODEL, LAYOUT)
-
-        def threads():
-            return len(os.listdir("/proc/%d/task" % d.proc.pid))
-
-        base = threads()
+        base = _threads(d)
         most = base
         for k in range(24):  # about 4 s: the map changes every Fetch or two
             hs = kw.hash_chain(p.hash_seed, list(range(20000 + 100 * k, 20000 + 100 * k + 8 * T)),
                                T, b"", p.hash_algo)
-            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
-            c.sock.settimeout(10)
-            try:
-                c.recv(fid)
-            except kw.KvdError:
-                pass
-            most = max(most, threads())
+            _fetch_ignoring_errors(c, p, hs, d)
+            most = max(most, _threads(d))
         # The lookup of the name: one thread (two while one that ended is being reaped); at
         # least one, or the name was never looked up and the test shows nothing.
         assert base + 1 <= most <= base + 2, msg(
@@ -2297,10 +2300,10 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
 def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
     """A Cluster whose map (the same at every read) gives 4 masters one host name (a node per
     port) and 13 others a name each, all names hung in DNS (the resolver holds a lookup 20 s):
-    the 4 nodes share one lookup,
-    and it counts once against the 16 lookups kvd lets wait at a time, so all 14 names are looked
-    up together (counted once per node, the last name would be refused: "16 host name lookups
-    are still waiting for DNS"), and no more threads than names start."""
+    the 4 nodes share one lookup, and it counts once against the 16 lookups kvd lets wait at a
+    time, so all 14 names are looked up together (counted once per node, the last name would be
+    refused: "16 host name lookups are still waiting for DNS"), and no more threads than names
+    start."""
     names = [("shared.kvd-test.invalid", 7001 + i) for i in range(4)]
     names += [("n%d.kvd-test.invalid" % i, 6379) for i in range(13)]
     lsock, stop, th = _fake_cluster(names, stable=True)
@@ -2310,11 +2313,7 @@ def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
     try:
         c = connect(d)
         p = c.attach(MODEL, LAYOUT)
-
-        def threads():
-            return len(os.listdir("/proc/%d/task" % d.proc.pid))
-
-        base = threads()
+        base = _threads(d)
         most, refused = base, []
         # One block a Fetch: its key's slot picks one node (a Fetch's lookups share one
         # remote-timeout-ms, so a first hung name would keep it from the others); until all 14
@@ -2323,13 +2322,8 @@ def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
         for k in range(600):
             hs = kw.hash_chain(p.hash_seed, list(range(50000 + T * k, 50000 + T * (k + 1))), T,
                                b"", p.hash_algo)
-            fid = c.send("fetch", c.fetch_msg(p.pool_id, hs))
-            c.sock.settimeout(10)
-            try:
-                c.recv(fid)
-            except kw.KvdError:
-                pass
-            most = max(most, threads())
+            _fetch_ignoring_errors(c, p, hs, d)
+            most = max(most, _threads(d))
             state = d.admin_result("tiers")["state"]
             if "still waiting for DNS" in state:
                 refused.append(state)
