@@ -144,12 +144,13 @@ struct kvd_pool {
     uint64_t *ghost;                          /* S3-FIFO ghost: tag << 32 | eviction sequence */
     size_t ghost_mask;                        /* ghost slots - 1 */
     uint32_t ghost_seq;                       /* evictions recorded in the ghost so far (wraps) */
-    uint64_t inner_home[2]; /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
-    int defer_leaves;       /* an admin walk runs: child_removed leaves inner blocks be */
-    uint64_t queries;       /* lookups */
-    uint64_t query_blocks;  /* hashes asked */
-    uint64_t hit_blocks;    /* hashes found */
-    uint64_t commits;       /* commits, duplicates included */
+    uint64_t inner_home[2];    /* LIST_INNER blocks by home queue (0: small/AREC, 1: main/AFREQ) */
+    int defer_leaves;          /* an admin walk runs: child_removed leaves inner blocks be */
+    kvd_leaf_order leaf_order; /* ADAPTIVE: how the two sides' oldest leaves are chosen */
+    uint64_t queries;          /* lookups */
+    uint64_t query_blocks;     /* hashes asked */
+    uint64_t hit_blocks;       /* hashes found */
+    uint64_t commits;          /* commits, duplicates included */
     uint64_t commits_duplicate;
     uint64_t quarantines;   /* blocks kvd_pool_quarantine took out of the index */
     uint64_t verified;      /* hits verify-blocks checked (kvd_pool_count_verified) */
@@ -891,7 +892,8 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
     /* The leaf policies. S3-FIFO: evict from the small queue while it holds >= 10% of the
      * pool's blocks (its inner and aside blocks included), else from the main queue, whose
      * blocks get one more round per access (at most FREQ_MAX). ADAPTIVE: the older of the two
-     * sides' oldest leaves, a reused shared one getting another round. A queue whose evictable
+     * sides' oldest leaves (leaf order UNREUSED_FIRST: the recency side's while it has one), a
+     * reused shared one getting another round. A queue whose evictable
      * leaves are all protected yields to the other one; when no leaf is left (every leaf below
      * the inner blocks is pinned or referenced) or all are protected, inner blocks go, oldest
      * first. */
@@ -910,10 +912,11 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
         }
         uint64_t first = s->len + p->inner_home[0] + p->n_aside[0];
         int which;
-        if (us > 0 && (um == 0 ||
-                       (p->cfg.policy == KVD_EVICT_S3FIFO ? first >= small_target
-                                                          : blk_at(p, s->head)->last_access <=
-                                                                blk_at(p, m->head)->last_access))) {
+        if (us > 0 && (um == 0 || (p->cfg.policy == KVD_EVICT_S3FIFO
+                                       ? first >= small_target
+                                       : p->leaf_order == KVD_LEAF_ORDER_UNREUSED_FIRST ||
+                                             blk_at(p, s->head)->last_access <=
+                                                 blk_at(p, m->head)->last_access))) {
             which = q0;
         } else if (um > 0) {
             which = q1;
@@ -2047,6 +2050,10 @@ kv_err kvd_pool_unpin(kvd_pool *p, kvd_block_ref blk) {
         unpin_block(p, blk.id, b);
     }
     return KV_OK;
+}
+
+void kvd_pool_set_leaf_order(kvd_pool *p, kvd_leaf_order order) {
+    p->leaf_order = order;
 }
 
 void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {

@@ -27,7 +27,10 @@
  * ancestors waiting above it as inner blocks spend that round with it, so a shared chain lives
  * as long as its most reused block, not one round per block in turn. On the traces of
  * bench/RESULTS.md (core section) it is 0.999-1.141x LRU and at or above every other policy on
- * 16 of 24 rows. Every policy is O(1) amortized per block.
+ * 16 of 24 rows. Its leaf order can instead take never-reused leaves first
+ * (kvd_pool_set_leaf_order), which frequency-friendly workloads want; the trace replay's set
+ * dueling switches between the two (evict_trace.h), the daemon does not yet. Every policy is
+ * O(1) amortized per block.
  * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist
  * (each protected block once: it waits on its tenant's aside list; O(1) amortized per block
  * plus O(tenants with a guarantee) per eviction).
@@ -350,6 +353,19 @@ kv_err kvd_pool_unpin(kvd_pool *pool, kvd_block_ref blk);
  * before each request names the pool (kvd_registry_pool), when a session closes, and before
  * admin pin and evict. Pins expire against it and blocks record their last access with it. */
 void kvd_pool_set_now(kvd_pool *pool, uint64_t now_ms);
+
+/* How ADAPTIVE chooses between the oldest leaf of its recency side (never reused since it
+ * entered) and that of its frequency side: by age (AGE, the default: LRU over the leaves), or
+ * the recency side's first while it has one (UNREUSED_FIRST: S3-FIFO's small queue without its
+ * bound, which frequency-friendly workloads such as few-shot prompts over shared examples want
+ * and recency-ranked ones such as chat do not). Set per pool at any time (the order of the
+ * lists is the same under both); other policies ignore it. The trace replay's set dueling
+ * (daemon/testing/evict_trace.h, kvd_trace_replay_duel) switches it; the daemon does not yet. */
+typedef enum kvd_leaf_order {
+    KVD_LEAF_ORDER_AGE = 0,
+    KVD_LEAF_ORDER_UNREUSED_FIRST = 1,
+} kvd_leaf_order;
+void kvd_pool_set_leaf_order(kvd_pool *pool, kvd_leaf_order order);
 
 /* Evicts up to max CACHED unpinned blocks (of tenant, or any when tenant < 0) in policy order,
  * counting them under reason; *nevicted gets the count. With dry_run nothing changes and

@@ -415,6 +415,46 @@ static void test_adaptive_shared_chain_rounds(void **state) {
     drop(&f);
 }
 
+/* Leaf order: a reused chain A (older) and a never-reused chain B (newer) compete. By age (the
+ * default) A's blocks go first; with UNREUSED_FIRST B's do, and A stays. */
+static void test_adaptive_leaf_order(void **state) {
+    (void)state;
+    for (int order = 0; order < 2; order++) {
+        fixture f;
+        kvd_pool *p = make_pool(&f, 8, 1, KVD_EVICT_ADAPTIVE);
+        kvd_pool_set_leaf_order(p, order ? KVD_LEAF_ORDER_UNREUSED_FIRST : KVD_LEAF_ORDER_AGE);
+        kvd_block_ref a[2], b[2], c[4], d[2], got[2];
+        kv_hash128 q[2] = {H(1), H(2)};
+        size_t nhit;
+        kvd_pool_set_now(p, 1);
+        commit_chain(p, 1, 0, 1, 2, a);
+        assert_int_equal(kvd_pool_release(p, 1, 0, a, 2), KV_OK);
+        kvd_pool_set_now(p, 2);
+        assert_int_equal(kvd_pool_lookup(p, 0, q, 2, got, &nhit), KV_OK); /* A is reused */
+        assert_int_equal(nhit, 2);
+        assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);
+        kvd_pool_set_now(p, 3);
+        commit_chain(p, 1, 0, 10, 2, b);
+        assert_int_equal(kvd_pool_release(p, 1, 0, b, 2), KV_OK);
+        kvd_pool_set_now(p, 4);
+        commit_chain(p, 1, 0, 20, 4, c);
+        assert_int_equal(kvd_pool_release(p, 1, 0, c, 4), KV_OK);
+        kvd_pool_set_now(p, 5); /* full: two must go */
+        commit_chain(p, 1, 0, 30, 2, d);
+        kvd_block_ref *gone = order ? b : a, *kept = order ? a : b;
+        for (int i = 0; i < 2; i++) {
+            assert_int_equal(kvd_pool_check_ref(p, gone[i]), KV_ESTALE);
+            assert_int_equal(kvd_pool_check_ref(p, kept[i]), KV_OK);
+        }
+        for (int i = 0; i < 4; i++) {
+            assert_int_equal(kvd_pool_check_ref(p, c[i]), KV_OK);
+        }
+        assert_int_equal(kvd_pool_release(p, 1, 0, d, 2), KV_OK);
+        assert_int_equal(kvd_pool_check(p), KV_OK);
+        drop(&f);
+    }
+}
+
 /* A chain without branches (a conversation's own history) gets no extra rounds however often
  * it is reused: PREFIX_LRU evicts it in LRU order, tail first. */
 static void test_prefix_lru_linear_chain_is_lru(void **state) {
@@ -997,6 +1037,7 @@ int main(void) {
         cmocka_unit_test(test_prefix_lru_keeps_shared_prefix),
         cmocka_unit_test(test_prefix_lru_linear_chain_is_lru),
         cmocka_unit_test(test_adaptive_shared_chain_rounds),
+        cmocka_unit_test(test_adaptive_leaf_order),
         cmocka_unit_test(test_pins),
         cmocka_unit_test(test_pin_expires_while_referenced),
         cmocka_unit_test(test_guarantee),

@@ -929,12 +929,23 @@ void kvd_trace_fini(kvd_trace *t) {
     memset(t, 0, sizeof(*t));
 }
 
-kv_err kvd_trace_replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
-                        uint32_t check_every, kvd_trace_result *out) {
-    if (capacity_blocks < t->max_len || capacity_blocks == 0) {
-        return KV_EINVAL;
-    }
-    kvd_trace_result res = {0, 0, 0};
+/* A pool of capacity blocks with policy, for a replay (one segment, small blocks). */
+typedef struct replay_pool {
+    kvd_index *idx;
+    kvd_pool *pool;
+    kvd_block_ref *refs; /* [max_len] */
+} replay_pool;
+
+static void replay_pool_close(replay_pool *r) {
+    kvd_pool_free(r->pool);
+    kvd_index_free(r->idx);
+    free(r->refs);
+    memset(r, 0, sizeof(*r));
+}
+
+static kv_err replay_pool_open(replay_pool *r, kvd_evict_policy policy, uint32_t capacity,
+                               uint32_t max_len) {
+    memset(r, 0, sizeof(*r));
     kvd_pool_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.pool_id = 1;
@@ -942,89 +953,140 @@ kv_err kvd_trace_replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t ca
     if (err != KV_OK) {
         return err;
     }
-    cfg.blocks_per_segment = capacity_blocks;
+    cfg.blocks_per_segment = capacity;
     cfg.max_segments = 1;
     cfg.policy = policy;
-    kvd_index *idx = NULL;
-    kvd_pool *pool = NULL;
+    r->refs = calloc(max_len, sizeof(kvd_block_ref));
+    if (r->refs == NULL) {
+        return KV_ENOMEM;
+    }
+    err = kvd_index_alloc(capacity, &r->idx);
+    if (err == KV_OK) {
+        err = kvd_pool_alloc(&cfg, r->idx, &kvd_backend_malloc, NULL, &r->pool);
+    }
+    if (err != KV_OK) {
+        replay_pool_close(r);
+    }
+    return err;
+}
+
+/* One request of n hashes at time now: looks up its prefix (checking every hit), allocates and
+ * commits the rest, releases everything; adds to *res. KV_EINTERNAL on a wrong result or a
+ * failed allocation (every other block is released: it must fit). */
+static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, uint64_t now,
+                             kvd_trace_result *res) {
+    kvd_pool *pool = r->pool;
+    kvd_block_ref *refs = r->refs;
+    kvd_pool_set_now(pool, now);
+    size_t nhit = 0;
+    kv_err err = kvd_pool_lookup(pool, 0, hs, n, refs, &nhit);
+    if (err != KV_OK) {
+        return err;
+    }
+    for (size_t i = 0; i < nhit; i++) {
+        kvd_block_info info;
+        if (kvd_pool_block_info(pool, refs[i].id, &info) != KV_OK ||
+            !kv_hash_eq(info.hash, hs[i]) || info.state != KVD_BLOCK_COMMITTED ||
+            info.gen != refs[i].gen) {
+            return KV_EINTERNAL;
+        }
+    }
+    res->query_blocks += n;
+    res->hit_blocks += nhit;
+    uint32_t need = n - (uint32_t)nhit;
+    if (need > 0 && kvd_pool_allocate(pool, need, 1, 0, refs + nhit) != KV_OK) {
+        return KV_EINTERNAL;
+    }
+    for (uint32_t i = (uint32_t)nhit; i < n; i++) {
+        uint32_t parent = i == 0 ? KVD_NO_BLOCK : refs[i - 1].id;
+        kvd_block_ref c;
+        err = kvd_pool_commit(pool, 1, refs[i], hs[i], parent, &c);
+        if (err != KV_OK) {
+            return err;
+        }
+        if (c.id != refs[i].id) {
+            res->duplicates++;
+        }
+        refs[i] = c;
+    }
+    return kvd_pool_release(pool, 1, 0, refs, n);
+}
+
+/* The replay of kvd_trace_replay, with set dueling when duel is set (ADAPTIVE only): see
+ * evict_trace.h. */
+static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
+                     uint32_t check_every, int duel, kvd_trace_result *out) {
+    if (capacity_blocks < t->max_len || capacity_blocks == 0) {
+        return KV_EINVAL;
+    }
+    kvd_trace_result res = {0, 0, 0}, mres = {0, 0, 0};
+    replay_pool main, mini[2];
+    memset(mini, 0, sizeof(mini));
     kv_hash128 *hs = calloc(t->max_len, sizeof(kv_hash128));
-    kvd_block_ref *refs = calloc(t->max_len, sizeof(kvd_block_ref));
-    if (hs == NULL || refs == NULL) {
-        err = KV_ENOMEM;
-        goto cleanup;
-    }
-    err = kvd_index_alloc(capacity_blocks, &idx);
+    kv_err err =
+        hs == NULL ? KV_ENOMEM : replay_pool_open(&main, policy, capacity_blocks, t->max_len);
     if (err != KV_OK) {
-        goto cleanup;
+        free(hs);
+        return err;
     }
-    err = kvd_pool_alloc(&cfg, idx, &kvd_backend_malloc, NULL, &pool);
-    if (err != KV_OK) {
-        goto cleanup;
+    uint32_t mcap = capacity_blocks / KVD_TRACE_DUEL_SAMPLE;
+    duel = duel && policy == KVD_EVICT_ADAPTIVE && mcap >= KVD_TRACE_DUEL_MIN_REQS * t->max_len;
+    for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
+        err = replay_pool_open(&mini[m], KVD_EVICT_ADAPTIVE, mcap, t->max_len);
+        if (err == KV_OK) {
+            kvd_pool_set_leaf_order(mini[m].pool,
+                                    m == 0 ? KVD_LEAF_ORDER_AGE : KVD_LEAF_ORDER_UNREUSED_FIRST);
+        }
     }
-    for (uint32_t q = 0; q < t->nreq; q++) {
+    double score[2] = {0, 0}; /* decayed hits of the two minis */
+    for (uint32_t q = 0; q < t->nreq && err == KV_OK; q++) {
         const uint32_t *keys = t->keys + t->off[q];
         uint32_t n = t->off[q + 1] - t->off[q];
         for (uint32_t i = 0; i < n; i++) {
             hs[i] = kvd_trace_hash(keys[i]);
         }
-        kvd_pool_set_now(pool, q);
-        size_t nhit = 0;
-        err = kvd_pool_lookup(pool, 0, hs, n, refs, &nhit);
-        if (err != KV_OK) {
-            goto cleanup;
-        }
-        for (size_t i = 0; i < nhit; i++) {
-            kvd_block_info info;
-            if (kvd_pool_block_info(pool, refs[i].id, &info) != KV_OK ||
-                !kv_hash_eq(info.hash, hs[i]) || info.state != KVD_BLOCK_COMMITTED ||
-                info.gen != refs[i].gen) {
-                err = KV_EINTERNAL;
-                goto cleanup;
+        if (duel && ((hs[n - 1].lo * 0x9E3779B97F4A7C15ull) >> 40) % KVD_TRACE_DUEL_SAMPLE == 0) {
+            for (int m = 0; m < 2 && err == KV_OK; m++) {
+                uint64_t before = mres.hit_blocks;
+                err = replay_request(&mini[m], hs, n, q, &mres);
+                score[m] = score[m] * (1.0 - 1.0 / KVD_TRACE_DUEL_DECAY) +
+                           (double)(mres.hit_blocks - before);
             }
+            kvd_pool_set_leaf_order(main.pool, score[1] > score[0] * (1.0 + KVD_TRACE_DUEL_MARGIN)
+                                                   ? KVD_LEAF_ORDER_UNREUSED_FIRST
+                                                   : KVD_LEAF_ORDER_AGE);
         }
-        res.query_blocks += n;
-        res.hit_blocks += nhit;
-        uint32_t need = n - (uint32_t)nhit;
-        if (need > 0) {
-            err = kvd_pool_allocate(pool, need, 1, 0, refs + nhit);
-            if (err != KV_OK) {
-                err = KV_EINTERNAL; /* every other block is released: it must fit */
-                goto cleanup;
-            }
+        if (err == KV_OK) {
+            err = replay_request(&main, hs, n, q, &res);
         }
-        for (uint32_t i = (uint32_t)nhit; i < n; i++) {
-            uint32_t parent = i == 0 ? KVD_NO_BLOCK : refs[i - 1].id;
-            kvd_block_ref c;
-            err = kvd_pool_commit(pool, 1, refs[i], hs[i], parent, &c);
-            if (err != KV_OK) {
-                goto cleanup;
-            }
-            if (c.id != refs[i].id) {
-                res.duplicates++;
-            }
-            refs[i] = c;
-        }
-        err = kvd_pool_release(pool, 1, 0, refs, n);
-        if (err != KV_OK) {
-            goto cleanup;
-        }
-        if (check_every != 0 && (q + 1) % check_every == 0) {
-            err = kvd_pool_check(pool);
-            if (err != KV_OK) {
-                goto cleanup;
+        if (err == KV_OK && check_every != 0 && (q + 1) % check_every == 0) {
+            err = kvd_pool_check(main.pool);
+            for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
+                err = kvd_pool_check(mini[m].pool);
             }
         }
     }
-    err = kvd_pool_check(pool);
+    if (err == KV_OK) {
+        err = kvd_pool_check(main.pool);
+    }
     if (err == KV_OK) {
         *out = res;
     }
-cleanup:
-    kvd_pool_free(pool);
-    kvd_index_free(idx);
+    replay_pool_close(&main);
+    replay_pool_close(&mini[0]);
+    replay_pool_close(&mini[1]);
     free(hs);
-    free(refs);
     return err;
+}
+
+kv_err kvd_trace_replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
+                        uint32_t check_every, kvd_trace_result *out) {
+    return replay(t, policy, capacity_blocks, check_every, 0, out);
+}
+
+kv_err kvd_trace_replay_duel(const kvd_trace *t, uint32_t capacity_blocks, uint32_t check_every,
+                             kvd_trace_result *out) {
+    return replay(t, KVD_EVICT_ADAPTIVE, capacity_blocks, check_every, 1, out);
 }
 
 typedef struct heap_ent {
