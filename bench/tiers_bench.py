@@ -166,13 +166,14 @@ def huge_arrays(n):
 
 
 class SecondMapping:
-    """n blocks of BB bytes in a memfd, written through one shared mapping, and `views` of them
-    through a second mapping that has touched nothing yet: what kvd's copy thread meets when it
-    first reads a T0 block a client wrote (its own mapping of the segment faults each page in on
-    first access). Both mappings ask for huge pages, as kvd's and libkvclient's do."""
+    """n pieces of `piece` bytes (default BB) in a memfd, written through one shared mapping, and
+    `views` of them through a second mapping that has touched nothing yet: what kvd's copy thread
+    meets when it first reads a T0 block a client wrote (its own mapping of the segment faults
+    each page in on first access). Both mappings ask for huge pages, as kvd's and libkvclient's
+    do."""
 
-    def __init__(self, n):
-        size = n * BB
+    def __init__(self, n, piece=BB):
+        size = n * piece
         self.fd = os.memfd_create("kvd-tiers-bench")
         os.ftruncate(self.fd, size)
         self.a = mmap.mmap(self.fd, size)
@@ -186,7 +187,7 @@ class SecondMapping:
         words[:] = np.arange(len(words), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         del words
         self.whole = np.frombuffer(self.b, dtype=np.uint8)
-        self.views = [self.whole[i * BB:(i + 1) * BB] for i in range(n)]
+        self.views = [self.whole[i * piece:(i + 1) * piece] for i in range(n)]
 
     def close(self):
         self.views = None
@@ -209,13 +210,15 @@ def memcpy_gbps(kind):
     nsrc = 1 if kind == "cached" else NBLOCKS
     if kind == "cold":
         src = SecondMapping(NBLOCKS)
-        dst = huge_arrays(NBLOCKS)  # never touched: each page faults in, as a new T1 buffer's
-        ns = 0
-        for i in range(NBLOCKS):
-            t0 = time.perf_counter_ns()
-            np.copyto(dst[i], src.views[i])
-            ns += time.perf_counter_ns() - t0
-        src.close()
+        try:
+            dst = huge_arrays(NBLOCKS)  # never touched: each page faults in, as a new T1 buffer's
+            ns = 0
+            for i in range(NBLOCKS):
+                t0 = time.perf_counter_ns()
+                np.copyto(dst[i], src.views[i])
+                ns += time.perf_counter_ns() - t0
+        finally:
+            src.close()
         return NBLOCKS * BB / ns
     # In 2 MiB-aligned mappings that ask for huge pages, as kvd's T1 buffers and (where shmem
     # THP allows) its T0 blocks do: the baseline gets the page size kvd gets at best.
@@ -281,29 +284,31 @@ def raw_disk_gbps(directory, slot):
 
 
 def raw_write_cold_gbps(directory, slot):
-    """The raw write loop of raw_disk_gbps from slots that the writing mapping has not touched
-    yet (SecondMapping: each O_DIRECT pwrite faults its pages in first), the work of a cold
-    round's T0 -> T2 writes, which read a new segment through the daemon's mapping for the first
-    time: the cold write row's baseline. Same file flags; GB/s."""
+    """The raw write loop of raw_disk_gbps (one synchronous pwrite of a whole slot each, NBLOCKS
+    slots of a fresh file) from slots that the writing mapping has not touched yet
+    (SecondMapping: each O_DIRECT pwrite faults its pages in first), the work of a cold round's
+    T0 -> T2 writes, which read a new segment through the daemon's mapping for the first time:
+    the cold write row's baseline. Same file flags; GB/s of the blocks' bytes, as
+    raw_disk_gbps counts. Measured once a run, just before the T2 daemon starts."""
     path = os.path.join(directory, "raw-cold.bin")
     flags = os.O_RDWR | os.O_CREAT
     try:
         fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
     except OSError:
         fd = os.open(path, flags, 0o600)
-    # Slot-sized pieces of BB-byte blocks: a slot's payload is one block (the header page is
-    # written from the block's first page too: same bytes, same faults).
-    src = SecondMapping(NBLOCKS)
-    ns = 0
-    for i in range(NBLOCKS):
-        v = memoryview(src.b)[i * BB:(i + 1) * BB]
-        t0 = time.perf_counter_ns()
-        os.pwritev(fd, [v], 4096 + i * slot)
-        ns += time.perf_counter_ns() - t0
-        v.release()
-    os.close(fd)
-    os.unlink(path)
-    src.close()
+    src = SecondMapping(NBLOCKS, slot)
+    try:
+        ns = 0
+        for i in range(NBLOCKS):
+            v = memoryview(src.b)[i * slot:(i + 1) * slot]
+            t0 = time.perf_counter_ns()
+            os.pwritev(fd, [v], 4096 + i * slot)
+            ns += time.perf_counter_ns() - t0
+            v.release()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        src.close()
     return NBLOCKS * BB / ns
 
 

@@ -114,11 +114,7 @@ void kvc__pool_unmap(kvc_pool *p) {
     p->nsegs = 0;
 }
 
-/* bytes of address space, no access, starting on a 2 MiB boundary when bytes >= 2 MiB: a
- * section mapped at a 2 MiB-aligned offset of its memfd can then be mapped with huge entries
- * (the kernel needs the address and the file offset congruent mod 2 MiB; kv_map_advise_huge).
- * MAP_FAILED when out of address space. */
-static void *reserve_aligned(uint64_t bytes) {
+void *kvc__reserve_aligned(uint64_t bytes) {
     const uint64_t huge = 2ull << 20;
     int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
     if (bytes < huge || bytes > UINT64_MAX - huge) {
@@ -159,7 +155,7 @@ static void reserve_layers(kvc_pool *p) {
         return;
     }
     for (uint32_t i = 0; i < l->num_layers * 2; i++) {
-        void *m = reserve_aligned(range);
+        void *m = kvc__reserve_aligned(range);
         if (m == MAP_FAILED) {
             kvc__log(p->diag, KVC_LOG_WARN, "KVC-POOL-RESERVE", "reserving layer ranges: %s",
                      strerror(errno));

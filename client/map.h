@@ -88,6 +88,14 @@ kv_err kvc__pool_add_user(kvc_pool *p, void *user, void (*orphan)(void *user));
 /* Forgets user (it was freed first). */
 void kvc__pool_forget_user(kvc_pool *p, void *user);
 
+/* bytes (a multiple of the page size) of address space, no access (PROT_NONE, MAP_NORESERVE),
+ * starting on a 2 MiB boundary when bytes >= 2 MiB: a section mapped at a 2 MiB-aligned offset
+ * of its memfd can then be mapped with huge entries (the kernel needs the address and the file
+ * offset congruent mod 2 MiB; kv_map_advise_huge). Kernels from 6.7 align large anonymous
+ * mappings whose size is a multiple of 2 MiB themselves; this does it for any size and kernel.
+ * MAP_FAILED (errno set) when out of address space. munmap(p, bytes) gives it back. */
+void *kvc__reserve_aligned(uint64_t bytes);
+
 /* Sets up a pool object's geometry and reserves its layer ranges (no daemon involved).
  * KV_EINVAL for a zero or oversized geometry, KV_ENOMEM. */
 kv_err kvc__pool_init_geometry(kvc_pool *p, const kv_layout *layout, uint32_t blocks_per_segment,

@@ -91,6 +91,29 @@ static void test_layer_major_views_agree(void **state) {
     kvc__pool_unmap(&p);
 }
 
+/* kvc__reserve_aligned: from 2 MiB on the range starts on a 2 MiB boundary, whatever its size
+ * (6 MiB + 4 KiB: a size kernels from 6.7 do not align by themselves), and the whole range is
+ * reserved (a page at each end can be mapped over); below 2 MiB, a plain page-aligned range. */
+static void test_reserve_aligned(void **state) {
+    (void)state;
+    const uint64_t huge = 2u << 20,
+                   sizes[] = {4096, (2u << 20) - 4096, 2u << 20, (6u << 20) + 4096, 4097u * 4096};
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        uint64_t n = sizes[i];
+        uint8_t *r = kvc__reserve_aligned(n);
+        assert_true(r != MAP_FAILED);
+        assert_int_equal((uintptr_t)r % (n >= huge ? huge : 4096), 0);
+        for (int end = 0; end < 2; end++) {
+            uint8_t *pg = end ? r + n - 4096 : r;
+            void *m = mmap(pg, 4096, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+            /* the range is ours: NOREPLACE refuses (EEXIST) where a mapping is */
+            assert_true(m == MAP_FAILED);
+        }
+        assert_int_equal(munmap(r, n), 0);
+    }
+}
+
 /* Layer ranges of 2 MiB or more start on a 2 MiB boundary, so a section at a 2 MiB-aligned
  * offset of its memfd lands at a 2 MiB-aligned address (what a huge mapping needs), and the
  * views still read what the segment view wrote. */
@@ -256,6 +279,7 @@ static void test_hash_helpers_match_spec(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layer_major_views_agree),
+        cmocka_unit_test(test_reserve_aligned),
         cmocka_unit_test(test_layer_ranges_huge_aligned),
         cmocka_unit_test(test_remap_replaces_segment),
         cmocka_unit_test(test_addresses_survive_replacement),

@@ -1068,6 +1068,9 @@ static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capac
     }
     if (err == KV_OK) {
         err = kvd_pool_check(main.pool);
+        for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
+            err = kvd_pool_check(mini[m].pool);
+        }
     }
     if (err == KV_OK) {
         *out = res;

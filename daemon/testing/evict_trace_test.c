@@ -163,7 +163,6 @@ static void test_adaptive_never_below_lru(void **state) {
                 fail_msg("shape %d, cache %u: dueling %llu hits, LRU %llu", (int)kinds[k], cap,
                          (unsigned long long)du.hit_blocks, (unsigned long long)lru.hit_blocks);
             }
-            assert_int_equal(du.query_blocks, ad.query_blocks);
             assert_int_equal(du.duplicates, 0);
             if (kinds[k] == KVD_TRACE_FEWSHOT && du.hit_blocks * 100 < ad.hit_blocks * 103) {
                 fail_msg("few-shot, cache %u: dueling %llu hits, ADAPTIVE %llu", cap,

@@ -2144,6 +2144,18 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
         _stop_hung(d, dns, lsock, stop, th)
 
 
+def _hung_dns_kvd_over(lsock, stop, th, tmp_base, options, **kw_args):
+    """hung_dns_kvd for a test that started a fake cluster (lsock, stop, th) first: when the
+    daemon cannot start, or the test is skipped there (not root), the fake cluster stops too."""
+    try:
+        return hung_dns_kvd(tmp_base, options, **kw_args)
+    except BaseException:
+        stop.set()
+        th.join(timeout=2)
+        lsock.close()
+        raise
+
+
 def _threads(d):
     """The daemon's threads now."""
     return len(os.listdir("/proc/%d/task" % d.proc.pid))
@@ -2276,8 +2288,9 @@ def test_hung_dns_costs_one_thread_per_name(tmp_path):
     for the lookup still running instead of starting another thread, so its threads do not pile
     up; Fetches are answered meanwhile."""
     lsock, stop, th = _fake_cluster([("m.kvd-test.invalid", 6379)])
-    d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
-                                                   **{OPT_TIMEOUT: "150"}))
+    d, dns = _hung_dns_kvd_over(lsock, stop, th, str(tmp_path),
+                                node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
+                                          **{OPT_TIMEOUT: "150"}))
     try:
         c = connect(d)
         p = c.attach(MODEL, LAYOUT)
@@ -2307,9 +2320,10 @@ def test_hung_dns_lookups_shared_by_nodes_count_once(tmp_path):
     names = [("shared.kvd-test.invalid", 7001 + i) for i in range(4)]
     names += [("n%d.kvd-test.invalid" % i, 6379) for i in range(13)]
     lsock, stop, th = _fake_cluster(names, stable=True)
-    d, dns = hung_dns_kvd(str(tmp_path), node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
-                                                   **{OPT_TIMEOUT: "50"}),
-                          resolver="timeout:20 attempts:1")
+    d, dns = _hung_dns_kvd_over(lsock, stop, th, str(tmp_path),
+                                node_opts("127.0.0.1:%d" % lsock.getsockname()[1],
+                                          **{OPT_TIMEOUT: "50"}),
+                                resolver="timeout:20 attempts:1")
     try:
         c = connect(d)
         p = c.attach(MODEL, LAYOUT)
