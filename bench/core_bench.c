@@ -730,7 +730,8 @@ static void trace_rows(const kvd_trace *t, const char *name, worst_row *w) {
                 snprintf(w->what, sizeof(w->what), "%s on %s at %.1f%%", col_name(i), name,
                          100.0 * frac[f]);
             }
-            if (i == 3 && ratio < w->ad_ratio) {
+            int adaptive = i < NPOL && pols[i].pol == KVD_EVICT_ADAPTIVE;
+            if (adaptive && ratio < w->ad_ratio) {
                 w->ad_ratio = ratio;
                 snprintf(w->ad_what, sizeof(w->ad_what), "%s at %.1f%%", name, 100.0 * frac[f]);
             }
@@ -738,7 +739,7 @@ static void trace_rows(const kvd_trace *t, const char *name, worst_row *w) {
                 w->du_ratio = ratio;
                 snprintf(w->du_what, sizeof(w->du_what), "%s at %.1f%%", name, 100.0 * frac[f]);
             }
-            w->ad_met += i == 3 && ratio >= 0.895; /* 0.90 as the table rounds it */
+            w->ad_met += adaptive && ratio >= 0.895; /* 0.90 as the table rounds it */
             w->du_met += i == NPOL && ratio >= 0.895;
         }
         w->rows++;

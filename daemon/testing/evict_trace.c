@@ -1012,6 +1012,15 @@ static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, u
     return kvd_pool_release(pool, 1, 0, refs, n);
 }
 
+/* kvd_pool_check of the replayed pool and, when dueling, of both minis. */
+static kv_err check_pools(const replay_pool *main, const replay_pool *mini, int duel) {
+    kv_err err = kvd_pool_check(main->pool);
+    for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
+        err = kvd_pool_check(mini[m].pool);
+    }
+    return err;
+}
+
 /* The replay of kvd_trace_replay, with set dueling when duel is set (ADAPTIVE only): see
  * evict_trace.h. */
 static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
@@ -1019,7 +1028,7 @@ static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capac
     if (capacity_blocks < t->max_len || capacity_blocks == 0) {
         return KV_EINVAL;
     }
-    kvd_trace_result res = {0, 0, 0}, mres = {0, 0, 0};
+    kvd_trace_result res = {0, 0, 0};
     replay_pool main, mini[2];
     memset(mini, 0, sizeof(mini));
     kv_hash128 *hs = calloc(t->max_len, sizeof(kv_hash128));
@@ -1047,10 +1056,9 @@ static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capac
         }
         if (duel && ((hs[n - 1].lo * 0x9E3779B97F4A7C15ull) >> 40) % KVD_TRACE_DUEL_SAMPLE == 0) {
             for (int m = 0; m < 2 && err == KV_OK; m++) {
-                uint64_t before = mres.hit_blocks;
-                err = replay_request(&mini[m], hs, n, q, &mres);
-                score[m] = score[m] * (1.0 - 1.0 / KVD_TRACE_DUEL_DECAY) +
-                           (double)(mres.hit_blocks - before);
+                kvd_trace_result mr = {0, 0, 0};
+                err = replay_request(&mini[m], hs, n, q, &mr);
+                score[m] = score[m] * (1.0 - 1.0 / KVD_TRACE_DUEL_DECAY) + (double)mr.hit_blocks;
             }
             kvd_pool_set_leaf_order(main.pool, score[1] > score[0] * (1.0 + KVD_TRACE_DUEL_MARGIN)
                                                    ? KVD_LEAF_ORDER_UNREUSED_FIRST
@@ -1060,17 +1068,11 @@ static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capac
             err = replay_request(&main, hs, n, q, &res);
         }
         if (err == KV_OK && check_every != 0 && (q + 1) % check_every == 0) {
-            err = kvd_pool_check(main.pool);
-            for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
-                err = kvd_pool_check(mini[m].pool);
-            }
+            err = check_pools(&main, mini, duel);
         }
     }
     if (err == KV_OK) {
-        err = kvd_pool_check(main.pool);
-        for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
-            err = kvd_pool_check(mini[m].pool);
-        }
+        err = check_pools(&main, mini, duel);
     }
     if (err == KV_OK) {
         *out = res;
