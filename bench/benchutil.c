@@ -70,6 +70,35 @@ int bench_unix_connect(const char *path) {
     return fd;
 }
 
+int bench_admin(const char *path, const char *command, char *out, size_t len) {
+    int fd = bench_unix_connect(path);
+    if (fd < 0 || len == 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    char line[256];
+    int n = snprintf(line, sizeof(line), "%s\n", command);
+    size_t got = 0;
+    int rc = n > 0 && (size_t)n < sizeof(line) && write(fd, line, (size_t)n) == n ? 0 : -1;
+    while (rc == 0 && (got == 0 || out[got - 1] != '\n')) {
+        if (got + 1 >= len) {
+            rc = -1; /* the reply does not fit */
+            break;
+        }
+        ssize_t r = read(fd, out + got, len - 1 - got);
+        if (r <= 0) {
+            rc = -1;
+            break;
+        }
+        got += (size_t)r;
+    }
+    out[got] = '\0';
+    close(fd);
+    return rc;
+}
+
 pid_t bench_spawn(char *const argv[]) {
     pid_t pid = fork();
     if (pid < 0) {

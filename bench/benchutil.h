@@ -20,6 +20,11 @@ void bench_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noretu
 /* A connected blocking Unix stream socket to path, or -1. Any thread. */
 int bench_unix_connect(const char *path);
 
+/* One kvd admin command (a line) on the admin socket at path; its one-line JSON reply goes to
+ * out (NUL-terminated, cut at len - 1). 0, or -1 when the socket cannot be reached or the reply
+ * does not arrive whole. */
+int bench_admin(const char *path, const char *command, char *out, size_t len);
+
 /* Forks and execs argv (argv[0] searched on PATH) with stdout sent to /dev/null; returns the
  * child's pid (bench_die when fork fails). The child is tracked (bench_track). */
 pid_t bench_spawn(char *const argv[]);

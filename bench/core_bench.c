@@ -687,8 +687,8 @@ typedef struct worst_row {
     int rows, ad_met, du_met; /* rows; rows where ADAPTIVE / dueling reach 0.90 of MIN */
 } worst_row;
 
-/* The trace table's columns: the policies, then ADAPTIVE with set dueling (trace replay only,
- * kvd_trace_replay_duel). */
+/* The trace table's columns: the policies, then ADAPTIVE with set dueling (kvd_trace_replay_duel:
+ * the daemon's evict-duel, daemon/core/duel.h). */
 #define NCOL (NPOL + 1)
 static const char *col_name(int i) {
     return i < NPOL ? pols[i].name : "ADAPTIVE+duel";
@@ -778,7 +778,8 @@ static void table_head(void) {
 static void worst_line(const worst_row *w) {
     printf("\nWorst policy / MIN over all rows: %.2f (%s). ADAPTIVE: worst / MIN %.2f (%s), "
            "lowest ADAPTIVE / LRU %.3f (%s), >= 0.90 of MIN on %d of %d rows. ADAPTIVE with set "
-           "dueling (trace replay only): worst / MIN %.2f (%s), lowest / LRU %.3f (%s), >= 0.90 "
+           "dueling (the daemon's default, evict-duel): worst / MIN %.2f (%s), lowest / LRU %.3f "
+           "(%s), >= 0.90 "
            "of MIN on %d of %d rows.\n\n",
            w->ratio, w->what, w->ad_ratio, w->ad_what, w->ad_lru, w->ad_lru_what, w->ad_met,
            w->rows, w->du_ratio, w->du_what, w->du_lru, w->du_lru_what, w->du_met, w->rows);
@@ -818,11 +819,11 @@ static void bench_traces(int quick, uint64_t seed) {
            "ADAPTIVE is PREFIX_LRU on the leaves of the cached prefix tree: LRU over the leaves,\n"
            "a reused shared leaf (a branch point or an ancestor of one) gets a round per reuse,\n"
            "and the shared ancestors waiting above it spend that round with it (pool.h).\n"
-           "ADAPTIVE+duel: ADAPTIVE with set dueling, in the trace replay only (the daemon does\n"
-           "not run it yet): half the requests, picked by a hash of their last block, also run\n"
-           "through two half-size ADAPTIVE pools, one evicting by age and one taking never-reused\n"
-           "leaves first; the pool takes the never-reused leaves first while the second's\n"
-           "decayed hits lead by 5%% (evict_trace.h, kvd_trace_replay_duel).\n\n");
+           "ADAPTIVE+duel: ADAPTIVE with set dueling, what the daemon runs by default (option\n"
+           "evict-duel; the same code, daemon/core/duel.h): half the requests, picked by a hash\n"
+           "of their last block, also run through two half-size ADAPTIVE pools, one evicting by\n"
+           "age and one taking never-reused leaves first; the pool takes the never-reused leaves\n"
+           "first while the second's decayed hits lead by 5%%.\n\n");
 }
 
 /* A user's trace file (evict_trace.h's text format) at the same three sizes. */

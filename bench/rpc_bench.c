@@ -30,6 +30,7 @@
 
 #include "bench/benchutil.h"
 #include "common/kv_wire.h"
+#include "daemon/core/duel.h"
 #include "kvclient.h"
 
 #define NBLK 128         /* blocks in the looked-up prefix */
@@ -48,6 +49,30 @@ static double g_seconds = 0.3;
 static char g_dir[64];
 static char g_kvd_sock[100], g_echo_sock[100], g_redis_sock[100];
 static kv_hash128 g_hashes[NBLK];
+/* The duel rows: a second chain, g_hashes forked at its last block, so that exactly one of the
+ * two is a request kvd's eviction duel picks (daemon/core/duel.h); the Lookups alternate them. */
+static kv_hash128 g_fork[NBLK];
+static int g_two_chains;
+/* The duel rows: the first daemon of each pair runs with g_first_extra (NULL: none), and after a
+ * pair's runs the second daemon's admin `stats` is read for its duel's counters. */
+static const char *g_first_extra;
+static uint64_t g_duel_sampled[2], g_duel_dropped[2]; /* [sync, pipelined] */
+
+/* The duel's counters (sampled, dropped) of the daemon whose admin socket is path. */
+static void duel_counts(const char *path, uint64_t *sampled, uint64_t *dropped) {
+    static char reply[1 << 16];
+    if (bench_admin(path, "stats", reply, sizeof(reply)) != 0) {
+        bench_die("duel: admin stats failed");
+    }
+    const char *du = strstr(reply, "\"duel\":[");
+    const char *sp = du != NULL ? strstr(du, "\"sampled\":") : NULL;
+    const char *dp = du != NULL ? strstr(du, "\"dropped\":") : NULL;
+    if (sp == NULL || dp == NULL) {
+        bench_die("duel: no duel in the daemon's stats");
+    }
+    *sampled = strtoull(sp + strlen("\"sampled\":"), NULL, 10);
+    *dropped = strtoull(dp + strlen("\"dropped\":"), NULL, 10);
+}
 static size_t g_kvd_req[NOP], g_kvd_rep[NOP]; /* frame sizes, for the echo */
 static size_t g_rel_req, g_rel_rep;           /* Release of the 128 blocks, and its reply */
 static char *g_mget;                          /* RESP MGET command */
@@ -537,6 +562,20 @@ static void ten_open(const char *sock, int tenant, kvc_conn **conn, kvc_pool **p
     if (kvc_commit(*pool, e, NBLK, canon) != KV_OK || kvc_release(*pool, canon, NBLK) != KV_OK) {
         bench_die("tenancy: commit failed");
     }
+    if (g_two_chains) { /* the fork's last block, its parent the chain's last but one */
+        kvc_block hit[NBLK], nb;
+        size_t nhit = 0;
+        if (kvc_lookup(*pool, g_fork, NBLK - 1, hit, &nhit) != KV_OK || nhit != NBLK - 1 ||
+            kvc_allocate(*pool, 1, &nb) != KV_OK) {
+            bench_die("duel: fork lookup failed");
+        }
+        kvc_commit_entry fe = {.block = nb, .hash = g_fork[NBLK - 1], .parent = hit[NBLK - 2].id};
+        kvc_block fc;
+        if (kvc_commit(*pool, &fe, 1, &fc) != KV_OK || kvc_release(*pool, &fc, 1) != KV_OK ||
+            kvc_release(*pool, hit, NBLK - 1) != KV_OK) {
+            bench_die("duel: fork commit failed");
+        }
+    }
 }
 
 /* Lookup-128 + Release for g_seconds; sync or DEPTH pipelined. Returns ops/s. */
@@ -553,7 +592,8 @@ static double ten_run(kvc_conn *conn, kvc_pool *pool, int pipelined) {
         int n = pipelined ? DEPTH : 1;
         kvc_batch_reset(b);
         for (int i = 0; i < n; i++) {
-            if (kvc_batch_lookup(b, pool, g_hashes, NBLK, hits[i], &nhit[i], NULL) != KV_OK) {
+            const kv_hash128 *hs = g_two_chains && (ops + (uint64_t)i) % 2 ? g_fork : g_hashes;
+            if (kvc_batch_lookup(b, pool, hs, NBLK, hits[i], &nhit[i], NULL) != KV_OK) {
                 bench_die("tenancy: lookup");
             }
         }
@@ -587,12 +627,15 @@ static void pair_run(const char *kvd, int pair, const char *tag, const char *con
     snprintf(sockn, sizeof(sockn), "%s/kvd-b-%s-%d.sock", g_dir, tag, pair);
     snprintf(f1, sizeof(f1), "--socket=%s", sock1);
     snprintf(fn, sizeof(fn), "--socket=%s", sockn);
-    char *argv1[] = {(char *)kvd,        f1,  "--log-level=warn", "--segment-bytes=4M",
-                     "--pool-memory=4G", NULL};
+    char a1[160], an[160]; /* each daemon's admin socket, beside its client socket */
+    snprintf(a1, sizeof(a1), "--admin-socket=%s/admin-a-%s-%d.sock", g_dir, tag, pair);
+    snprintf(an, sizeof(an), "--admin-socket=%s/admin-b-%s-%d.sock", g_dir, tag, pair);
+    char *argv1[] = {(char *)kvd,        f1, "--log-level=warn",    "--segment-bytes=4M",
+                     "--pool-memory=4G", a1, (char *)g_first_extra, NULL};
     char *argvn[] = {
-        (char *)kvd, fn,  "--log-level=warn", "--segment-bytes=4M", "--pool-memory=4G", NULL,
+        (char *)kvd, fn,  "--log-level=warn", "--segment-bytes=4M", "--pool-memory=4G", an, NULL,
         NULL,        NULL};
-    for (int i = 0, at = 5; i < 2; i++) {
+    for (int i = 0, at = 6; i < 2; i++) {
         if (extra[i] != NULL) {
             argvn[at++] = (char *)extra[i];
         }
@@ -642,6 +685,10 @@ static void pair_run(const char *kvd, int pair, const char *tag, const char *con
     for (int pl = 0; pl < 2; pl++) {
         one[pl] = many[pl] = 0;
     }
+    uint64_t duel_seen[2] = {0, 0}; /* the duel's counters after the last run */
+    if (g_two_chains) {
+        duel_counts(an + strlen("--admin-socket="), &duel_seen[0], &duel_seen[1]);
+    }
     for (int rep = 0; rep < REPS; rep++) {
         for (int pl = 0; pl < 2; pl++) {
             double a, b;
@@ -654,6 +701,14 @@ static void pair_run(const char *kvd, int pair, const char *tag, const char *con
             }
             one[pl] = a > one[pl] ? a : one[pl];
             many[pl] = b > many[pl] ? b : many[pl];
+            if (g_two_chains) { /* what the second daemon's duel did in this mode's runs */
+                uint64_t sa, dr;
+                duel_counts(an + strlen("--admin-socket="), &sa, &dr);
+                g_duel_sampled[pl] += sa - duel_seen[0];
+                g_duel_dropped[pl] += dr - duel_seen[1];
+                duel_seen[0] = sa;
+                duel_seen[1] = dr;
+            }
         }
     }
     kvc_conn_close(c1);
@@ -770,6 +825,60 @@ static void tiers_rpc_print(const ten_result *t) {
         printf("| %s | %.1f | %.1f | %.3f | %s | %s |\n", pl ? "pipelined" : "sync",
                t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs,
                worst >= 0.97 ? "yes" : "no");
+    }
+}
+
+/* The eviction duel (evict-duel, on by default) against off: Lookups alternate two chains of which
+ * the duel picks one, as it picks half of a real mix. Each pair: the first daemon without the
+ * duel, the second with it (the ratio is on / off); the second's admin stats say how many picked
+ * Lookups its loop ran through the minis and how many it dropped for want of spare time. */
+static void duel_rpc_bench(const char *kvd, ten_result *t) {
+    memcpy(g_fork, g_hashes, sizeof(g_fork));
+    while (kvd_duel_picks(g_fork[NBLK - 1]) == kvd_duel_picks(g_hashes[NBLK - 1])) {
+        g_fork[NBLK - 1].lo++;
+    }
+    g_two_chains = 1;
+    g_first_extra = "--evict-duel=false";
+    memset(g_duel_sampled, 0, sizeof(g_duel_sampled));
+    memset(g_duel_dropped, 0, sizeof(g_duel_dropped));
+    const char *extra[2] = {NULL, NULL};
+    pairs_loop(kvd, "duel", extra, 0, t);
+    g_first_extra = NULL;
+    g_two_chains = 0;
+}
+
+static void duel_rpc_print(const ten_result *t) {
+    printf("\nEviction duel (Lookup-128 + Release on one session, 1 conn; the Lookups alternate "
+           "two chains of which the duel picks one, as it picks half of a real mix): evict-duel "
+           "off vs on (the default: picked Lookups wait for the loop's spare time, then run "
+           "through the pool's two miniature pools). %d fresh pairs of daemons, each best of %d "
+           "interleaved runs; kops/s and the ratio are medians over the pairs.\n\n",
+           TEN_PAIRS, REPS);
+    printf("| mode | duel off kops/s | duel on kops/s | on / off | each pair's on / off | worst "
+           "pair |\n");
+    printf("|---|---:|---:|---:|---|---:|\n");
+    for (int pl = 0; pl < 2; pl++) {
+        char pairs[96];
+        size_t at = 0;
+        double worst = t->pair_ratio[pl][0];
+        for (int i = 0; i < TEN_PAIRS && at < sizeof(pairs); i++) {
+            worst = t->pair_ratio[pl][i] < worst ? t->pair_ratio[pl][i] : worst;
+            at += (size_t)snprintf(pairs + at, sizeof(pairs) - at, "%s%.3f", i ? ", " : "",
+                                   t->pair_ratio[pl][i]);
+        }
+        printf("| %s | %.1f | %.1f | %.3f | %s | %.3f |\n", pl ? "pipelined" : "sync",
+               t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs, worst);
+    }
+    printf("\nPicked Lookups of the duel-on daemons over all their runs (a waiting one runs in the "
+           "loop's spare time; past the queue's %d it is dropped):\n\n",
+           KVD_DUEL_QUEUE);
+    printf("| mode | picked | ran through the minis | dropped |\n|---|---:|---:|---:|\n");
+    for (int pl = 0; pl < 2; pl++) {
+        uint64_t picked = g_duel_sampled[pl] + g_duel_dropped[pl];
+        printf("| %s | %llu | %llu (%.1f%%) | %llu |\n", pl ? "pipelined" : "sync",
+               (unsigned long long)picked, (unsigned long long)g_duel_sampled[pl],
+               picked ? 100.0 * (double)g_duel_sampled[pl] / (double)picked : 0.0,
+               (unsigned long long)g_duel_dropped[pl]);
     }
 }
 
@@ -1015,7 +1124,7 @@ int main(int argc, char **argv) {
             g_seconds = atof(argv[i + 1]);
         } else {
             bench_die("usage: rpc_bench [--kvd PATH] [--redis PATH] [--seconds S] [--only "
-                      "kvd|echo|redis|tiers|commit]");
+                      "kvd|echo|redis|tiers|commit|duel]");
         }
     }
     signal(SIGPIPE, SIG_IGN);
@@ -1053,6 +1162,21 @@ int main(int argc, char **argv) {
         cp_result cp;
         commit_path_bench(&cp);
         commit_path_print(&cp);
+        bench_stop(kvd_pid);
+        bench_stop(redis_pid);
+        bench_stop(echo_pid);
+        char rm[160];
+        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
+        if (system(rm) != 0) {
+            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+        }
+        return 0;
+    }
+    if (only != NULL && strcmp(only, "duel") == 0) {
+        /* Only the eviction duel's cost on the Lookup path. */
+        ten_result duel;
+        duel_rpc_bench(kvd, &duel);
+        duel_rpc_print(&duel);
         bench_stop(kvd_pid);
         bench_stop(redis_pid);
         bench_stop(echo_pid);
@@ -1107,12 +1231,13 @@ int main(int argc, char **argv) {
             }
         }
     }
-    ten_result ten, tiers; /* tenancy and tiers sections (below the tables) */
+    ten_result ten, tiers, duel; /* tenancy, tiers and duel sections (below the tables) */
     cp_result cp;
     if (only == NULL || strcmp(only, "kvd") == 0) {
         commit_path_bench(&cp);
         tenancy_bench(kvd, &ten);
         tiers_rpc_bench(kvd, &tiers);
+        duel_rpc_bench(kvd, &duel);
     }
     bench_stop(kvd_pid);
     bench_stop(redis_pid);
@@ -1130,9 +1255,16 @@ int main(int argc, char **argv) {
            "latency is per batch. Lookup throughput includes each lookup's Release (kvd only): "
            "a round trip of its own (kvc_release), or sent ahead of the next Lookup in the same "
            "write (kvc_release_deferred; pipelined, ahead of the next batch in a round trip of "
-           "its own). Each row: best of %d runs of %.1f s, interleaved.\n\n",
+           "its own). Each row: best of %d runs of %.1f s, interleaved. kvd runs with its "
+           "defaults: its eviction duel (evict-duel) %s this chain, so %s.\n\n",
            g_kvd_req[OP_PING], g_kvd_rep[OP_PING], NBLK, g_kvd_req[OP_LOOKUP], g_kvd_rep[OP_LOOKUP],
-           g_rel_req, g_rel_rep, NBLK, g_mget_len, g_mget_reply_len, DEPTH, REPS, g_seconds);
+           g_rel_req, g_rel_rep, NBLK, g_mget_len, g_mget_reply_len, DEPTH, REPS, g_seconds,
+           kvd_duel_picks(g_hashes[NBLK - 1]) ? "picks" : "does not pick",
+           kvd_duel_picks(g_hashes[NBLK - 1])
+               ? "every Lookup of these rows also runs through its two miniature pools (a real "
+                 "mix: half of them; the duel rows below)"
+               : "no Lookup of these rows runs through its miniature pools (a real mix: half of "
+                 "them; the duel rows below)");
     printf("| op | conns | mode | system | p50 us | p99 us | kops/s | x echo ops/s |\n");
     printf("|---|---:|---|---|---:|---:|---:|---:|\n");
     for (int op = 0; op < NOP; op++) {
@@ -1193,6 +1325,7 @@ int main(int argc, char **argv) {
         commit_path_print(&cp);
         tenancy_print(&ten);
         tiers_rpc_print(&tiers);
+        duel_rpc_print(&duel);
     }
     return 0;
 }

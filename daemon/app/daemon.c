@@ -36,6 +36,9 @@ struct kvd_daemon {
     int signals_active;          /* signal handles initialised and not closed */
     uv_async_t stop_async;       /* kvd_daemon_stop_async */
     int async_active;            /* stop_async initialised and not closed */
+    uv_check_t duel_check;       /* evict-duel: runs a waiting Lookup after each loop turn */
+    uv_idle_t duel_idle;         /* active while Lookups wait: the loop polls without blocking */
+    int duel_active;             /* duel_check and duel_idle initialised and not closed */
 };
 
 static uint64_t loop_clock(void *arg) {
@@ -45,6 +48,11 @@ static uint64_t loop_clock(void *arg) {
 /* The server stopped (after any cuda-ipc wait): the rest goes. */
 static void on_server_stopped(void *arg) {
     kvd_daemon *d = arg;
+    if (d->duel_active) {
+        d->duel_active = 0;
+        uv_close((uv_handle_t *)&d->duel_check, NULL);
+        uv_close((uv_handle_t *)&d->duel_idle, NULL);
+    }
     kvd_metrics_stop(&d->ops);
     kvd_admin_stop(&d->ops);
     kvd_kvevents_close(d->kvevents);
@@ -188,12 +196,36 @@ static void on_stop_async(uv_async_t *h) {
     kvd_daemon_stop(h->data);
 }
 
+/* evict-duel: after each turn of the loop (its I/O callbacks ran and their replies were written),
+ * one waiting Lookup goes through its pool's duel; while more wait, the idle handle keeps the next
+ * poll from blocking, so an otherwise idle loop drains them one per turn and a busy one spends
+ * one request's worth a turn (the rest wait, and past the queue's bound are dropped). */
+static void on_duel_idle(uv_idle_t *h) {
+    (void)h;
+}
+
+static void on_duel_check(uv_check_t *h) {
+    kvd_daemon *d = h->data;
+    if (d->reg.duel_pending > 0 && kvd_registry_duel_step(&d->reg, 1) > 0) {
+        uv_idle_start(&d->duel_idle, on_duel_idle);
+    } else {
+        uv_idle_stop(&d->duel_idle);
+    }
+}
+
 kv_err kvd_daemon_start(kvd_daemon *d, int handle_signals) {
     if (uv_async_init(d->loop, &d->stop_async, on_stop_async) != 0) {
         return KV_ESYS;
     }
     d->stop_async.data = d;
     d->async_active = 1;
+    uv_check_init(d->loop, &d->duel_check);
+    uv_idle_init(d->loop, &d->duel_idle);
+    d->duel_check.data = d->duel_idle.data = d;
+    d->duel_active = 1;
+    uv_check_start(&d->duel_check, on_duel_check);
+    uv_unref((uv_handle_t *)&d->duel_check); /* neither keeps the loop alive on its own */
+    uv_unref((uv_handle_t *)&d->duel_idle);
     if (handle_signals) {
         uv_signal_init(d->loop, &d->sigterm);
         uv_signal_init(d->loop, &d->sigint);

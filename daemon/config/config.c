@@ -49,6 +49,11 @@ static const kvd_config_option options[] = {
     OPT("evict-policy", KVD_OPT_STRING, evict_policy, "adaptive", 0, 0,
         "eviction order of cached blocks: adaptive (LRU over the leaves of the prefix tree, reused "
         "shared prefixes kept a round longer), lru, s3fifo or prefix-lru"),
+    OPT("evict-duel", KVD_OPT_BOOL, evict_duel, "true", 0, 1,
+        "adaptive: every pool runs two miniature copies of itself on half its Lookups (in the "
+        "loop's spare time), one evicting by age and one taking never-reused leaves first, and "
+        "follows the one with more hits (set dueling; costs about the pool's block records "
+        "again, outside pool-memory)"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,
            "open client connections; more are refused with EBUSY"),
     OPT_RT("strict-layouts", KVD_OPT_BOOL, strict_layouts, "false", 0, 1,

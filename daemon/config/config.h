@@ -32,6 +32,7 @@ typedef struct kvd_config {
     uint64_t segment_bytes;                 /* target bytes per segment */
     uint64_t index_entries;                 /* capacity of the prefix index */
     char evict_policy[16];                  /* "lru" or "s3fifo" */
+    int evict_duel;                         /* adaptive: set dueling picks the leaf order */
     uint64_t max_connections;               /* open client connections */
     uint64_t max_pools;                     /* pools over all tenants */
     uint64_t frame_timeout_ms;              /* a started request frame must complete in this */

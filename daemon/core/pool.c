@@ -2056,6 +2056,10 @@ void kvd_pool_set_leaf_order(kvd_pool *p, kvd_leaf_order order) {
     p->leaf_order = order;
 }
 
+kvd_leaf_order kvd_pool_leaf_order(const kvd_pool *p) {
+    return p->leaf_order;
+}
+
 void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
     p->now = now_ms;
     if (now_ms >= p->min_pin_expiry) {

@@ -28,8 +28,8 @@
  * as long as its most reused block, not one round per block in turn. On the traces of
  * bench/RESULTS.md (core section) it is 0.999-1.141x LRU and at or above every other policy on
  * 16 of 24 rows. Its leaf order can instead take never-reused leaves first
- * (kvd_pool_set_leaf_order), which frequency-friendly workloads want; the trace replay's set
- * dueling switches between the two (evict_trace.h), the daemon does not yet. Every policy is
+ * (kvd_pool_set_leaf_order), which frequency-friendly workloads want; set dueling (duel.h: the
+ * daemon's `evict-duel`, and the trace replay) switches between the two. Every policy is
  * O(1) amortized per block.
  * Tenants under their guaranteed share of cached blocks are skipped while other candidates exist
  * (each protected block once: it waits on its tenant's aside list; O(1) amortized per block
@@ -359,13 +359,13 @@ void kvd_pool_set_now(kvd_pool *pool, uint64_t now_ms);
  * the recency side's first while it has one (UNREUSED_FIRST: S3-FIFO's small queue without its
  * bound, which frequency-friendly workloads such as few-shot prompts over shared examples want
  * and recency-ranked ones such as chat do not). Set per pool at any time (the order of the
- * lists is the same under both); other policies ignore it. The trace replay's set dueling
- * (daemon/testing/evict_trace.h, kvd_trace_replay_duel) switches it; the daemon does not yet. */
+ * lists is the same under both); other policies ignore it. Set dueling (duel.h) switches it. */
 typedef enum kvd_leaf_order {
     KVD_LEAF_ORDER_AGE = 0,
     KVD_LEAF_ORDER_UNREUSED_FIRST = 1,
 } kvd_leaf_order;
 void kvd_pool_set_leaf_order(kvd_pool *pool, kvd_leaf_order order);
+kvd_leaf_order kvd_pool_leaf_order(const kvd_pool *pool);
 
 /* Evicts up to max CACHED unpinned blocks (of tenant, or any when tenant < 0) in policy order,
  * counting them under reason; *nevicted gets the count. With dry_run nothing changes and

@@ -222,6 +222,70 @@ static const kv_stat_desc tenant_stats[TS_COUNT] = {
                           "kvd_tenant_blocks", NULL, "state", "pinned"},
 };
 
+/* A pool's eviction duel (evict-duel; daemon/core/duel.h): ONE table, values in its order. */
+enum {
+    DU_SAMPLED,
+    DU_SKIPPED,
+    DU_DROPPED,
+    DU_QUEUED,
+    DU_SWITCHES,
+    DU_UNREUSED_FIRST,
+    DU_MINI_BLOCKS,
+    DU_BYTES,
+    DU_COUNT
+};
+
+static const kv_stat_desc duel_stats[DU_COUNT] = {
+    [DU_SAMPLED] = {"sampled", "counter", "requests",
+                    "Lookups that also ran through both miniature pools (one in two is picked)",
+                    "kvd_pool_duel_sampled_total",
+                    "Lookups that also ran through the pool's two miniature pools.", NULL, NULL},
+    [DU_SKIPPED] = {"skipped", "counter", "requests",
+                    "picked Lookups left out: longer than half a mini, or a mini out of memory",
+                    "kvd_pool_duel_skipped_total",
+                    "Picked Lookups left out of the miniature pools.", NULL, NULL},
+    [DU_DROPPED] = {"dropped", "counter", "requests",
+                    "picked Lookups dropped: the loop had no spare time and the queue was full",
+                    "kvd_pool_duel_dropped_total",
+                    "Picked Lookups dropped because the loop had no spare time.", NULL, NULL},
+    [DU_QUEUED] = {"queued", "gauge", "requests",
+                   "picked Lookups waiting for the loop's spare time", "kvd_pool_duel_queued",
+                   "Picked Lookups waiting for the loop's spare time.", NULL, NULL},
+    [DU_SWITCHES] = {"switches", "counter", "changes", "times the pool's leaf order changed",
+                     "kvd_pool_duel_switches_total", "Times the pool's leaf order changed.", NULL,
+                     NULL},
+    [DU_UNREUSED_FIRST] = {"unreused_first", "gauge", "bool",
+                           "true while the pool evicts never-reused leaves first (false: by age)",
+                           "kvd_pool_duel_unreused_first",
+                           "1 while the pool evicts never-reused leaves first.", NULL, NULL},
+    [DU_MINI_BLOCKS] = {"mini_blocks", "gauge", "blocks",
+                        "capacity of each miniature pool (half the pool's, as it may grow)",
+                        "kvd_pool_duel_mini_blocks", "Capacity of each miniature pool.", NULL,
+                        NULL},
+    [DU_BYTES] = {"bytes", "gauge", "bytes",
+                  "memory of both miniature pools (outside pool-memory, like the index)",
+                  "kvd_pool_duel_memory_bytes", "Memory of the pool's miniature pools.", NULL,
+                  NULL},
+};
+
+static void duel_values(const kvd_duel *d, uint64_t *v) {
+    kvd_duel_stats st;
+    kvd_duel_stats_get(d, &st);
+    v[DU_SAMPLED] = st.sampled;
+    v[DU_SKIPPED] = st.skipped;
+    v[DU_DROPPED] = st.dropped;
+    v[DU_QUEUED] = st.queued;
+    v[DU_SWITCHES] = st.switches;
+    v[DU_UNREUSED_FIRST] = st.order == KVD_LEAF_ORDER_UNREUSED_FIRST;
+    v[DU_MINI_BLOCKS] = st.mini_blocks;
+    v[DU_BYTES] = st.bytes;
+}
+
+const kv_stat_desc *kvd_admin_duel_stats(size_t *n) {
+    *n = DU_COUNT;
+    return duel_stats;
+}
+
 const kv_stat_desc *kvd_admin_daemon_stats(size_t *n) {
     *n = DS_COUNT;
     return daemon_stats;
@@ -242,6 +306,7 @@ static void put_stats(json_t *o, const kv_stat_desc *d, const uint64_t *v, size_
 
 json_t *kvd_admin_stats(kvd_ops *s) {
     json_t *pools = json_array();
+    json_t *duels = json_array(); /* pools with an eviction duel */
     for (uint32_t i = 0; i < s->reg->npools; i++) {
         kvd_reg_pool *p = &s->reg->pools[i];
         char dom[KVD_TENANT_NAME_MAX + 8];
@@ -252,6 +317,15 @@ json_t *kvd_admin_stats(kvd_ops *s) {
         kvd_pool_stats(p->pool, pool_sink, o);
         add_hit_rate(o, get_u64(o, "hit_blocks"), get_u64(o, "query_blocks"));
         json_array_append_new(pools, o);
+        if (p->duel != NULL) {
+            uint64_t dv[DU_COUNT];
+            duel_values(p->duel, dv);
+            json_t *d =
+                json_pack("{s:i, s:o, s:o}", "id", (int)p->pool_id, "model", text(p->model_id),
+                          "domain", json_incref(json_object_get(o, "domain")));
+            put_stats(d, duel_stats, dv, DU_COUNT);
+            json_array_append_new(duels, d);
+        }
     }
     json_t *tenants = json_array();
     uint32_t nt = kvd_tenants_count(s->reg->tenants);
@@ -305,8 +379,8 @@ json_t *kvd_admin_stats(kvd_ops *s) {
     /* KV events (daemon/kvevents; zeros without publishers). */
     json_t *kvev = json_object();
     kvd_kvevents_stats(s->kvevents, pool_sink, kvev);
-    return json_pack("{s:o, s:o, s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "tenants",
-                     tenants, "tiers", tiers, "kv_events", kvev);
+    return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o}", "daemon", daemon, "pools", pools, "duel",
+                     duels, "tenants", tenants, "tiers", tiers, "kv_events", kvev);
 }
 
 /* ---- commands -------------------------------------------------------------------------- */
@@ -396,6 +470,14 @@ static kv_err cmd_pools(kvd_ops *s, int argc, char **argv, json_t **out, char *m
         kvd_tiers_pool_stats(p, pool_sink, lt);
         json_object_set_new(lt, "lossy", json_boolean((p->flags & KVD_POOL_LOSSY_TIERS) != 0));
         json_object_set_new(o, "tiers", lt);
+        json_t *du = json_null(); /* its eviction duel (evict-duel), null without one */
+        if (p->duel != NULL) {
+            uint64_t dv[DU_COUNT];
+            duel_values(p->duel, dv);
+            du = json_object();
+            put_stats(du, duel_stats, dv, DU_COUNT);
+        }
+        json_object_set_new(o, "duel", du);
         json_array_append_new(a, o);
     }
     *out = json_pack("{s:o}", "pools", a);

@@ -43,6 +43,8 @@ json_t *kvd_admin_error(kv_err code, const char *msg);
  * a tenant's (common/kv_stat.h). Static storage. */
 const kv_stat_desc *kvd_admin_daemon_stats(size_t *n);
 const kv_stat_desc *kvd_admin_tenant_stats(size_t *n);
+/* A pool's eviction duel (the `duel` section of `stats`: one row per pool that has one). */
+const kv_stat_desc *kvd_admin_duel_stats(size_t *n);
 
 /* The `stats` result: daemon, pools and tenants sections (what the metrics endpoint renders). */
 json_t *kvd_admin_stats(kvd_ops *o);

@@ -71,6 +71,12 @@ void kvd_admin_write_doc(FILE *f) {
           f);
     stats_table(f, "daemon", ds, nd);
     stats_table(f, "pools[] (each also has id, model, domain, tokens_per_block, hit_rate)", ps, np);
+    size_t ndu;
+    const kv_stat_desc *dus = kvd_admin_duel_stats(&ndu);
+    stats_table(f,
+                "duel[] (one per pool with an eviction duel, `evict-duel`; each also has id, "
+                "model, domain; `pools` shows the same under each pool's duel)",
+                dus, ndu);
     stats_table(f, "tenants[] (each also has id, name, hit_rate)", ts, nt);
     size_t nti, nke;
     const kv_stat_desc *tis = kvd_tiers_stat_descs(&nti);

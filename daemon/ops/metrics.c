@@ -26,14 +26,14 @@
  * tenant's (daemon/ops/admin_cmds.h) and a pool's (daemon/core/pool.h). Rows of one family are
  * adjacent in their table; the first carries the family's HELP. */
 typedef struct section {
-    const char *name; /* "daemon", "pools", "tenants", "tiers" or "kv_events" */
+    const char *name; /* "daemon", "pools", "duel", "tenants", "tiers" or "kv_events" */
     const kv_stat_desc *(*table)(size_t *n); /* its table */
 } section;
 
 static const section sections[] = {
-    {"daemon", kvd_admin_daemon_stats},     {"pools", kvd_pool_stat_descs},
-    {"tenants", kvd_admin_tenant_stats},    {"tiers", kvd_tiers_stat_descs},
-    {"kv_events", kvd_kvevents_stat_descs},
+    {"daemon", kvd_admin_daemon_stats}, {"pools", kvd_pool_stat_descs},
+    {"duel", kvd_admin_duel_stats},     {"tenants", kvd_admin_tenant_stats},
+    {"tiers", kvd_tiers_stat_descs},    {"kv_events", kvd_kvevents_stat_descs},
 };
 
 /* Writes a label value with the exposition format's escapes (\\, \", \n). */
@@ -59,7 +59,7 @@ static void put_labels(FILE *out, const char *section, const json_t *obj, const 
         return;
     }
     fputc('{', out);
-    if (strcmp(section, "pools") == 0) {
+    if (strcmp(section, "pools") == 0 || strcmp(section, "duel") == 0) {
         fprintf(out, "pool=\"%lld\",model=\"",
                 (long long)json_integer_value(json_object_get(obj, "id")));
         put_label(out, json_string_value(json_object_get(obj, "model")));

@@ -933,6 +933,9 @@ static kv_err on_lookup(rpc *c, uint64_t id, const Kvd__Lookup *l, char *msg) {
     if (c->reg->reqtrace != NULL && n > 0) {
         kvd_reqtrace_record(c->reg->reqtrace, p->pool_id, hashes, n);
     }
+    /* Half the Lookups also run through the pool's two minis (core/duel.h) when the loop
+     * has time: queued here, run by the daemon's check handle (kvd_registry_duel_step). */
+    kvd_registry_duel_observe(c->reg, p, hashes, n);
     /* Scratch lives in the request arena: nothing to free. */
     kvd_block_ref *refs = rpc_scratch(c, sizeof(*refs) * n);
     uint32_t *pool_of = rpc_scratch(c, sizeof(*pool_of) * n);

@@ -28,6 +28,35 @@ uint64_t kvd_registry_now(const kvd_registry *g) {
     return g->clock != NULL ? g->clock(g->clock_arg) : 0;
 }
 
+void kvd_registry_duel_observe(kvd_registry *g, kvd_reg_pool *p, const kv_hash128 *h, size_t n) {
+    if (p->duel == NULL) {
+        return;
+    }
+    size_t before = kvd_duel_pending(p->duel);
+    /* Out of memory for the copy: counted as dropped; the Lookup goes on. */
+    (void)kvd_duel_observe(p->duel, h, n, kvd_registry_now(g));
+    g->duel_pending += kvd_duel_pending(p->duel) - before;
+}
+
+uint64_t kvd_registry_duel_step(kvd_registry *g, uint32_t max) {
+    for (uint32_t done = 0, tried = 0; done < max && g->duel_pending > 0 && tried < g->npools;) {
+        if (g->duel_next >= g->npools) {
+            g->duel_next = 0;
+        }
+        kvd_reg_pool *p = &g->pools[g->duel_next++];
+        if (p->duel == NULL || kvd_duel_pending(p->duel) == 0) {
+            tried++;
+            continue;
+        }
+        tried = 0;
+        /* A mini out of memory is counted (skipped) and made again by a later request. */
+        (void)kvd_duel_step(p->duel, p->pool);
+        g->duel_pending--;
+        done++;
+    }
+    return g->duel_pending;
+}
+
 kvd_evict_policy kvd_registry_policy(const kvd_registry *g) {
     kvd_evict_policy p;
     return kvd_evict_policy_parse(g->cfg->evict_policy, &p) == KV_OK ? p : KVD_EVICT_ADAPTIVE;
@@ -335,6 +364,12 @@ static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *
              "cannot create the pool's first segment (%llu bytes): %s",
              (unsigned long long)sp.segment_bytes, kv_strerror(rc));
     }
+    sp.duel = NULL;
+    if (pc.policy == KVD_EVICT_ADAPTIVE && s->cfg->evict_duel &&
+        kvd_duel_alloc(&sp.duel) != KV_OK) {
+        kvd_pool_free(sp.pool);
+        FAIL(KV_ENOMEM, "no memory for the pool's eviction duel");
+    }
     sp.pool_id = s->next_pool_id++;
     KV_ASSERT(s->npools == 0 || s->pools[s->npools - 1].pool_id < sp.pool_id); /* pool_by_id */
     s->pools[s->npools] = sp;
@@ -484,6 +519,10 @@ static void pool_close(kvd_registry *s, uint32_t pool_id) {
         s->pool_gone(s->pool_gone_arg, p);
     }
     kvd_pool_free(p->pool);
+    if (p->duel != NULL) {
+        s->duel_pending -= kvd_duel_pending(p->duel);
+    }
+    kvd_duel_free(p->duel);
     kvd_verify_free(&p->verify);
     kvd_summaries_free(&p->summ);
     memmove(&s->pools[i], &s->pools[i + 1], sizeof(s->pools[0]) * (s->npools - i - 1));
@@ -542,12 +581,15 @@ void kvd_registry_fini(kvd_registry *g) {
             g->pool_gone(g->pool_gone_arg, &g->pools[i]);
         }
         kvd_pool_free(g->pools[i].pool);
+        kvd_duel_free(g->pools[i].duel);
+        g->pools[i].duel = NULL;
         kvd_verify_free(&g->pools[i].verify);
         kvd_summaries_free(&g->pools[i].summ);
     }
     free(g->pools);
     g->pools = NULL;
     g->npools = g->pools_cap = 0;
+    g->duel_pending = 0;
     free(g->sessions);
     g->sessions = NULL;
     if (g->index != NULL) {

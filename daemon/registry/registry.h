@@ -21,6 +21,7 @@
 #include "common/kv_layout.h"
 #include "daemon/config/config.h"
 #include "daemon/core/backend.h"
+#include "daemon/core/duel.h"
 #include "daemon/core/events.h"
 #include "daemon/core/index.h"
 #include "daemon/core/pool.h"
@@ -57,7 +58,8 @@ typedef struct kvd_reg_pool {
     uint32_t nsessions;                         /* sessions that attached it (or it as a link) */
     kvd_verify verify;                          /* verify-blocks: checksums of its blocks */
     kvd_summaries summ;                         /* KVD_POOL_SUMMARIES: its blocks' summaries */
-    void *tiers; /* the tiers layer's state of this pool (daemon/tiers), or NULL */
+    void *tiers;    /* the tiers layer's state of this pool (daemon/tiers), or NULL */
+    kvd_duel *duel; /* evict-duel: the minis that pick its leaf order (core/duel.h), or NULL */
 } kvd_reg_pool;
 
 typedef struct kvd_registry {
@@ -87,6 +89,8 @@ typedef struct kvd_registry {
     int vllm;                      /* hash-mode vllm: clients hash with vLLM's sha256_cbor */
     uint8_t none_hash[32];         /* vllm: NONE_HASH (vllm-hash-seed, or random per run) */
     struct kvd_reqtrace *reqtrace; /* admin `trace start`: the request trace (reqtrace.h) */
+    uint64_t duel_pending;         /* evict-duel: picked Lookups waiting over all pools */
+    uint32_t duel_next;            /* evict-duel: the pool kvd_registry_duel_step tries first */
 } kvd_registry;
 
 /* What kvd_registry_init needs; the registry keeps the pointers. */
@@ -192,6 +196,14 @@ kv_err kvd_registry_quota_set_field(kvd_registry *g, const char *tenant, const c
 /* The tenant's usage through sink: "sessions", and summed over pools "held", "cached",
  * "pinned". KV_ENOENT unknown tenant. */
 kv_err kvd_registry_quota_usage(kvd_registry *g, const char *tenant, kvd_stat_sink sink, void *arg);
+
+/* evict-duel: queues a Lookup of hashes h[0..n) for pool p's eviction duel (core/duel.h) when
+ * the duel picks it; nothing when p has no duel. */
+void kvd_registry_duel_observe(kvd_registry *g, kvd_reg_pool *p, const kv_hash128 *h, size_t n);
+
+/* evict-duel: runs up to max waiting Lookups through their pools' duels, one pool after another
+ * (round robin), each pool's oldest first. Returns how many still wait (g->duel_pending). */
+uint64_t kvd_registry_duel_step(kvd_registry *g, uint32_t max);
 
 /* The `evict-policy` option's value as an enum (unknown names: LRU; the config checks names). */
 kvd_evict_policy kvd_registry_policy(const kvd_registry *g);

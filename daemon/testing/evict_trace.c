@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/core/duel.h"
+
 typedef struct trace_rng {
     uint64_t s; /* splitmix64 state */
 } trace_rng;
@@ -1012,25 +1014,16 @@ static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, u
     return kvd_pool_release(pool, 1, 0, refs, n);
 }
 
-/* kvd_pool_check of the replayed pool and, when dueling, of both minis. */
-static kv_err check_pools(const replay_pool *main, const replay_pool *mini, int duel) {
-    kv_err err = kvd_pool_check(main->pool);
-    for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
-        err = kvd_pool_check(mini[m].pool);
-    }
-    return err;
-}
-
-/* The replay of kvd_trace_replay, with set dueling when duel is set (ADAPTIVE only): see
- * evict_trace.h. */
+/* The replay of kvd_trace_replay, with set dueling (daemon/core/duel.h) when duel is set
+ * (ADAPTIVE only): see evict_trace.h. */
 static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
                      uint32_t check_every, int duel, kvd_trace_result *out) {
     if (capacity_blocks < t->max_len || capacity_blocks == 0) {
         return KV_EINVAL;
     }
     kvd_trace_result res = {0, 0, 0};
-    replay_pool main, mini[2];
-    memset(mini, 0, sizeof(mini));
+    replay_pool main;
+    kvd_duel *d = NULL;
     kv_hash128 *hs = calloc(t->max_len, sizeof(kv_hash128));
     kv_err err =
         hs == NULL ? KV_ENOMEM : replay_pool_open(&main, policy, capacity_blocks, t->max_len);
@@ -1038,48 +1031,45 @@ static kv_err replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capac
         free(hs);
         return err;
     }
-    uint32_t mcap = capacity_blocks / KVD_TRACE_DUEL_SAMPLE;
-    duel = duel && policy == KVD_EVICT_ADAPTIVE && mcap >= KVD_TRACE_DUEL_MIN_REQS * t->max_len;
-    for (int m = 0; m < 2 && duel && err == KV_OK; m++) {
-        err = replay_pool_open(&mini[m], KVD_EVICT_ADAPTIVE, mcap, t->max_len);
-        if (err == KV_OK) {
-            kvd_pool_set_leaf_order(mini[m].pool,
-                                    m == 0 ? KVD_LEAF_ORDER_AGE : KVD_LEAF_ORDER_UNREUSED_FIRST);
-        }
+    if (duel && policy == KVD_EVICT_ADAPTIVE &&
+        capacity_blocks / KVD_DUEL_SAMPLE >= KVD_DUEL_MIN_REQS * t->max_len) {
+        err = kvd_duel_alloc(&d);
     }
-    double score[2] = {0, 0}; /* decayed hits of the two minis */
     for (uint32_t q = 0; q < t->nreq && err == KV_OK; q++) {
         const uint32_t *keys = t->keys + t->off[q];
         uint32_t n = t->off[q + 1] - t->off[q];
         for (uint32_t i = 0; i < n; i++) {
             hs[i] = kvd_trace_hash(keys[i]);
         }
-        if (duel && ((hs[n - 1].lo * 0x9E3779B97F4A7C15ull) >> 40) % KVD_TRACE_DUEL_SAMPLE == 0) {
-            for (int m = 0; m < 2 && err == KV_OK; m++) {
-                kvd_trace_result mr = {0, 0, 0};
-                err = replay_request(&mini[m], hs, n, q, &mr);
-                score[m] = score[m] * (1.0 - 1.0 / KVD_TRACE_DUEL_DECAY) + (double)mr.hit_blocks;
+        if (d != NULL) {
+            err = kvd_duel_observe(d, hs, n, q);
+            while (err == KV_OK && kvd_duel_pending(d) > 0) {
+                err = kvd_duel_step(d, main.pool);
             }
-            kvd_pool_set_leaf_order(main.pool, score[1] > score[0] * (1.0 + KVD_TRACE_DUEL_MARGIN)
-                                                   ? KVD_LEAF_ORDER_UNREUSED_FIRST
-                                                   : KVD_LEAF_ORDER_AGE);
         }
         if (err == KV_OK) {
             err = replay_request(&main, hs, n, q, &res);
         }
-        if (err == KV_OK && check_every != 0 && (q + 1) % check_every == 0) {
-            err = check_pools(&main, mini, duel);
+        if (err == KV_OK &&
+            ((check_every != 0 && (q + 1) % check_every == 0) || q + 1 == t->nreq)) {
+            err = kvd_pool_check(main.pool);
+            if (err == KV_OK && d != NULL) {
+                err = kvd_duel_check(d);
+            }
         }
     }
-    if (err == KV_OK) {
-        err = check_pools(&main, mini, duel);
+    if (err == KV_OK && d != NULL) {
+        kvd_duel_stats st;
+        kvd_duel_stats_get(d, &st);
+        if (st.skipped != 0) {
+            err = KV_EINTERNAL; /* every request fits a mini here: none may be left out */
+        }
     }
     if (err == KV_OK) {
         *out = res;
     }
+    kvd_duel_free(d);
     replay_pool_close(&main);
-    replay_pool_close(&mini[0]);
-    replay_pool_close(&mini[1]);
     free(hs);
     return err;
 }

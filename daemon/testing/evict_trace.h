@@ -77,20 +77,13 @@ typedef struct kvd_trace_result {
 kv_err kvd_trace_replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t capacity_blocks,
                         uint32_t check_every, kvd_trace_result *out);
 
-/* ADAPTIVE with set dueling (as CPU caches choose between insertion policies, DIP/DRRIP): a
- * hash of each request's last block picks one request in KVD_TRACE_DUEL_SAMPLE, which also runs
- * through two miniature ADAPTIVE pools of capacity / KVD_TRACE_DUEL_SAMPLE blocks, one with leaf
- * order AGE and one UNREUSED_FIRST (pool.h); their hits are summed with a decay of
- * 1 / KVD_TRACE_DUEL_DECAY per picked request, and the pool takes the never-reused leaves first
- * while the second's sum exceeds the first's by KVD_TRACE_DUEL_MARGIN. Where a mini would hold
- * fewer than KVD_TRACE_DUEL_MIN_REQS of the longest request it is not representative (it would
- * see little but the shared system prompts) and the replay is plain ADAPTIVE. Measured in the
- * trace replay only: the daemon does not run the minis (bench/RESULTS.md core notes say what
- * that would cost). Same results and errors as kvd_trace_replay. */
-#define KVD_TRACE_DUEL_SAMPLE 2
-#define KVD_TRACE_DUEL_DECAY 500.0
-#define KVD_TRACE_DUEL_MARGIN 0.05
-#define KVD_TRACE_DUEL_MIN_REQS 2
+/* ADAPTIVE with set dueling (daemon/core/duel.h: the code the daemon runs with `evict-duel`):
+ * one request in KVD_DUEL_SAMPLE also runs through two miniature ADAPTIVE pools of capacity /
+ * KVD_DUEL_SAMPLE blocks, one per leaf order, and the pool takes the order of the one with more
+ * recent hits. Where a mini would hold fewer than KVD_DUEL_MIN_REQS of the longest request it is
+ * not representative (it would see little but the shared system prompts) and the replay is plain
+ * ADAPTIVE. Same results and errors as kvd_trace_replay (KV_EINTERNAL also when a request was
+ * left out of the minis). */
 kv_err kvd_trace_replay_duel(const kvd_trace *t, uint32_t capacity_blocks, uint32_t check_every,
                              kvd_trace_result *out);
 

@@ -3091,3 +3091,64 @@ def test_verify_blocks_catches_a_write_after_release(kvd_factory):
         again = lookup(b, pb_, hashes)
         assert again == [canon[0], nb[0], canon[2]]
         assert pool_stats(b, pb_)["quarantines"] == 1
+
+
+def _duel_picks(lo):
+    """daemon/core/duel.h: a Lookup feeds the pool's minis when its last hash's low half says so."""
+    return ((lo * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 40 & 1 == 0
+
+
+def _duel_chain(name):
+    """4 hashes named by `name` whose last one is picked (every request feeds the minis)."""
+    hs = [(name * 64 + i + 1, 0xD0E1) for i in range(3)]
+    k = name * 64 + 4
+    while not _duel_picks(k):
+        k += 1
+    return hs + [(k, 0xD0E1)]
+
+
+def _duel_request(c, pool, hashes):
+    """What an engine does per request: Lookup its prefix, allocate and commit the rest, release."""
+    P = pool.pool_id
+    hit = lookup(c, pool, hashes)
+    got = allocate(c, pool, len(hashes) - len(hit)) if len(hit) < len(hashes) else []
+    entries, parent = [], hit[-1][0] if hit else kw.NO_PARENT
+    for b, h in zip(got, hashes[len(hit):]):
+        entries.append((b, h, parent))
+        parent = b[0]
+    canon = c.commit(P, entries) if entries else []
+    c.release(P, hit + canon)
+
+
+def test_evict_duel_picks_the_leaf_order(kvd_factory):
+    """evict-duel (docs/ADMIN.md, duel[]): a working set asked twice a round between scans of
+    one-off chains (96 blocks a round against minis of 64) makes the pool take never-reused
+    leaves first; stats and pools report it. With evict-duel=false a pool has no duel."""
+    d = kvd_factory(pool_memory=budget(1))
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    fresh = 1000
+    for _ in range(40):
+        for _ in range(2):
+            for w in range(8):
+                _duel_request(c, pool, _duel_chain(w))
+        for _ in range(16):
+            _duel_request(c, pool, _duel_chain(fresh))
+            fresh += 1
+    deadline = time.monotonic() + 10
+    while True:  # the loop runs waiting Lookups in its spare time: none is left for long
+        (du,) = d.admin_result("stats")["duel"]
+        if du["queued"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert du["id"] == pool.pool_id and du["model"] == "m", du
+    assert du["sampled"] == 40 * 32 and du["skipped"] == du["dropped"] == du["queued"] == 0, du
+    assert du["unreused_first"] is True and du["switches"] == 1, du
+    assert du["mini_blocks"] == pool.bps // 2 and du["bytes"] > 0, du
+    (p,) = d.admin_result("pools")["pools"]
+    assert p["duel"]["unreused_first"] is True and p["duel"]["sampled"] == du["sampled"], p
+    off = kvd_factory(pool_memory=budget(1), evict_duel="false")
+    c2 = off.connect()
+    c2.attach("m", LAYOUT)
+    assert off.admin_result("stats")["duel"] == []
+    assert off.admin_result("pools")["pools"][0]["duel"] is None
