@@ -12,7 +12,7 @@ ALL=(core rpc host sched engine python tiers disk compress cluster)
 
 run_one() {
     case "$1" in
-        core) "$BIN_DIR/core_bench" ;;
+        core) "$BIN_DIR/core_bench" --daemon "$BIN_DIR/../daemon/kvd" ;;
         rpc) "$BIN_DIR/rpc_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         host) "$BIN_DIR/host_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;
         sched) "$BIN_DIR/sched_bench" --kvd "$BIN_DIR/../daemon/kvd" ;;

@@ -21,18 +21,20 @@ typedef struct queued {
 } queued;
 
 struct kvd_duel {
-    mini m[2];          /* [0] leaf order AGE, [1] UNREUSED_FIRST; pool NULL until made */
+    mini m[2];                /* [0] leaf order AGE, [1] UNREUSED_FIRST; pool NULL until made */
     queued q[KVD_DUEL_QUEUE]; /* ring: q[head .. head + nq) */
     uint32_t head, nq;
     uint64_t q_blocks; /* blocks of the waiting requests */
     uint64_t dropped;
-    uint32_t bps;       /* blocks of one mini segment */
+    uint32_t bps;        /* blocks of one mini segment */
     kvd_block_ref *refs; /* one request's references */
     size_t refs_cap;
     double score[2];
     kvd_leaf_order order;
     uint64_t sampled, skipped, switches;
-    uint32_t limit; /* segments each mini may have now */
+    uint64_t picked;      /* picked requests stepped (fed or skipped) */
+    uint64_t too_long_at; /* picked (1-based) when one last was too long for the minis; 0 never */
+    uint32_t limit;       /* segments each mini may have now */
 };
 
 kv_err kvd_duel_alloc(kvd_duel **out) {
@@ -195,6 +197,14 @@ size_t kvd_duel_pending(const kvd_duel *d) {
     return d->nq;
 }
 
+static void set_order(kvd_duel *d, kvd_pool *pool, kvd_leaf_order order) {
+    if (order != d->order) {
+        d->switches++;
+        d->order = order;
+    }
+    kvd_pool_set_leaf_order(pool, order);
+}
+
 /* One picked request through both minis; scores and pool's leaf order follow. */
 static kv_err feed(kvd_duel *d, kvd_pool *pool, const kv_hash128 *h, size_t n, uint64_t now) {
     kv_err err = fit_minis(d, pool);
@@ -202,8 +212,14 @@ static kv_err feed(kvd_duel *d, kvd_pool *pool, const kv_hash128 *h, size_t n, u
         d->skipped++;
         return err;
     }
+    d->picked++;
     if (n > (uint64_t)d->limit * d->bps / KVD_DUEL_MIN_REQS) {
+        /* Minis that cannot hold two of this request see little but the prefixes shared by
+         * the longer ones: their scores are not to be trusted until KVD_DUEL_DECAY picked
+         * requests in a row fit (the trace replay does not duel such a trace at all). */
         d->skipped++;
+        d->too_long_at = d->picked;
+        set_order(d, pool, KVD_LEAF_ORDER_AGE);
         return KV_OK;
     }
     if (n > d->refs_cap) {
@@ -231,14 +247,11 @@ static kv_err feed(kvd_duel *d, kvd_pool *pool, const kv_hash128 *h, size_t n, u
         d->score[k] = d->score[k] * (1.0 - 1.0 / KVD_DUEL_DECAY) + (double)hits[k];
     }
     d->sampled++;
-    kvd_leaf_order order = d->score[1] > d->score[0] * (1.0 + KVD_DUEL_MARGIN)
-                               ? KVD_LEAF_ORDER_UNREUSED_FIRST
-                               : KVD_LEAF_ORDER_AGE;
-    if (order != d->order) {
-        d->switches++;
-        d->order = order;
-    }
-    kvd_pool_set_leaf_order(pool, order);
+    int trusted = d->too_long_at == 0 || d->picked - d->too_long_at >= (uint64_t)KVD_DUEL_DECAY;
+    set_order(d, pool,
+              trusted && d->score[1] > d->score[0] * (1.0 + KVD_DUEL_MARGIN)
+                  ? KVD_LEAF_ORDER_UNREUSED_FIRST
+                  : KVD_LEAF_ORDER_AGE);
     return KV_OK;
 }
 
@@ -265,7 +278,8 @@ void kvd_duel_stats_get(const kvd_duel *d, kvd_duel_stats *out) {
     out->order = d->order;
     out->score[0] = d->score[0];
     out->score[1] = d->score[1];
-    out->bytes = sizeof(*d) + d->refs_cap * sizeof(kvd_block_ref) + d->q_blocks * sizeof(kv_hash128);
+    out->bytes =
+        sizeof(*d) + d->refs_cap * sizeof(kvd_block_ref) + d->q_blocks * sizeof(kv_hash128);
     if (d->m[0].pool != NULL) {
         out->mini_blocks = (uint64_t)d->limit * d->bps;
         for (int k = 0; k < 2; k++) {

@@ -10,7 +10,10 @@
  * exceeds the first's by KVD_DUEL_MARGIN (AGE otherwise, and before anything is known).
  *
  * A request longer than the mini's capacity / KVD_DUEL_MIN_REQS is not fed (a mini that holds
- * fewer than two such requests sees little but shared system prompts; counted as skipped). The
+ * fewer than two such requests sees little but shared system prompts; counted as skipped), and
+ * the minis are not trusted until KVD_DUEL_DECAY picked requests in a row fit: meanwhile the
+ * pool evicts by age (as the trace replay does not duel a trace whose longest request is too
+ * long for its minis). The
  * minis follow the pool's capacity: each mini segment is a pool segment / KVD_DUEL_SAMPLE, and
  * they may have as many segments as the pool has resident plus may still grow (pool-memory
  * permitting); when that falls (the pool's segments were parked for another pool), the minis give

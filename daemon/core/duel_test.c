@@ -105,31 +105,59 @@ static void test_only_picked_requests_feed_the_minis(void **state) {
  * chains: 96 distinct blocks a round against minis of 64. By age every working chain is gone
  * before its next round (only the second ask hits); with never-reused leaves first the one-offs
  * make room for each other and both asks hit. */
+static void scan_rounds(fixture *f, int rounds, uint64_t *fresh, uint64_t *now) {
+    kv_hash128 h[4];
+    for (int round = 0; round < rounds; round++) {
+        for (int twice = 0; twice < 2; twice++) {
+            for (uint64_t w = 1; w <= 8; w++) {
+                chain(w, 4, 1, h);
+                assert_int_equal(observe(f, h, 4, ++*now), KV_OK);
+            }
+        }
+        for (int s = 0; s < 16; s++) {
+            chain((*fresh)++, 4, 1, h);
+            assert_int_equal(observe(f, h, 4, ++*now), KV_OK);
+        }
+        assert_int_equal(kvd_duel_check(f->duel), KV_OK);
+    }
+}
+
 static void test_scan_over_working_set_takes_unreused_first(void **state) {
     (void)state;
     fixture f;
     setup(&f, 64, 2);
-    kv_hash128 h[4];
     uint64_t fresh = 1000, now = 0;
-    for (int round = 0; round < 40; round++) {
-        for (int twice = 0; twice < 2; twice++) {
-            for (uint64_t w = 1; w <= 8; w++) {
-                chain(w, 4, 1, h);
-                assert_int_equal(observe(&f, h, 4, ++now), KV_OK);
-            }
-        }
-        for (int s = 0; s < 16; s++) {
-            chain(fresh++, 4, 1, h);
-            assert_int_equal(observe(&f, h, 4, ++now), KV_OK);
-        }
-        assert_int_equal(kvd_duel_check(f.duel), KV_OK);
-    }
+    scan_rounds(&f, 40, &fresh, &now);
     kvd_duel_stats st = stats(&f);
     assert_int_equal(st.sampled, 40 * 32);
     assert_true(st.score[1] > st.score[0] * 1.5);
     assert_int_equal(st.order, KVD_LEAF_ORDER_UNREUSED_FIRST);
     assert_int_equal(st.switches, 1);
     assert_int_equal(kvd_pool_leaf_order(f.pool), KVD_LEAF_ORDER_UNREUSED_FIRST);
+    teardown(&f);
+}
+
+/* A request too long for the minis (more than half of one) sends the pool back to its order by
+ * age at once, and the minis are trusted again only after KVD_DUEL_DECAY picked requests in a
+ * row that fit. */
+static void test_too_long_request_distrusts_the_minis(void **state) {
+    (void)state;
+    fixture f;
+    setup(&f, 64, 2);
+    uint64_t fresh = 1000, now = 0;
+    scan_rounds(&f, 40, &fresh, &now);
+    assert_int_equal(kvd_pool_leaf_order(f.pool), KVD_LEAF_ORDER_UNREUSED_FIRST);
+    kv_hash128 h[40];
+    chain(900, 40, 1, h); /* minis of 64 blocks: 40 is too long */
+    assert_int_equal(observe(&f, h, 40, ++now), KV_OK);
+    assert_int_equal(kvd_pool_leaf_order(f.pool), KVD_LEAF_ORDER_AGE);
+    assert_int_equal(stats(&f).skipped, 1);
+    scan_rounds(&f, 15, &fresh, &now); /* 480 picked requests: not yet */
+    assert_int_equal(kvd_pool_leaf_order(f.pool), KVD_LEAF_ORDER_AGE);
+    assert_int_equal(stats(&f).order, KVD_LEAF_ORDER_AGE);
+    scan_rounds(&f, 1, &fresh, &now); /* 512 */
+    assert_int_equal(kvd_pool_leaf_order(f.pool), KVD_LEAF_ORDER_UNREUSED_FIRST);
+    assert_int_equal(stats(&f).switches, 3);
     teardown(&f);
 }
 
@@ -293,6 +321,7 @@ int main(void) {
         cmocka_unit_test(test_recency_workload_stays_by_age),
         cmocka_unit_test(test_minis_follow_the_pool_capacity),
         cmocka_unit_test(test_request_too_long_is_skipped),
+        cmocka_unit_test(test_too_long_request_distrusts_the_minis),
         cmocka_unit_test(test_queue_bounds_and_drops),
         cmocka_unit_test(test_bad_arguments),
     };

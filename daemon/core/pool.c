@@ -66,7 +66,8 @@ typedef struct pool_block {
     uint64_t hlo;         /* chain hash, low half (COMMITTED/CACHED) */
     uint64_t hhi;         /* chain hash, high half */
     uint64_t aux;         /* WRITING: owner session; pinned: retention end (pool ms) */
-    uint64_t last_access; /* pool ms of the last allocate, hit, hold or release */
+    uint64_t last_access; /* pool stamp (kvd_pool.stamp) of the last allocate, hit, hold or
+                             release */
     uint32_t prev;        /* list links (block ids), KVD_NO_BLOCK at the ends */
     uint32_t next;
     uint32_t parent;     /* parent block id or KVD_NO_BLOCK */
@@ -122,6 +123,9 @@ struct kvd_pool {
     uint32_t bps;                /* blocks per segment */
     uint32_t bps_log;            /* log2(bps) when bps is a power of two, else UINT32_MAX */
     uint64_t now;                /* pool clock, ms */
+    uint64_t stamp;              /* blocks' and segments' ages: now << 20, one more for each
+                                    kvd_pool_set_now within a millisecond (so requests in one
+                                    ms keep their order; the blocks of one call share it) */
     uint64_t min_pin_expiry;     /* no pin on the pinned list expires before this */
     pool_list lists[LIST_COUNT]; /* indexed by LIST_*; LIST_NONE unused */
     uint64_t n_writing;          /* blocks by state (FREE is lists[LIST_FREE].len) */
@@ -519,8 +523,8 @@ static inline void seg_evictable(kvd_pool *p, pool_segment *seg, const pool_bloc
 
 /* A block of seg was used now (its last_access set): the segment's newest access. */
 static inline void seg_touch(const kvd_pool *p, pool_segment *seg) {
-    if (p->now > seg->last_access) {
-        seg->last_access = p->now;
+    if (p->stamp > seg->last_access) {
+        seg->last_access = p->stamp;
     }
 }
 
@@ -719,7 +723,7 @@ static void take_ref(kvd_pool *p, uint32_t id, pool_block *b, uint32_t tenant) {
     if (b->freq < FREQ_MAX) {
         b->freq++;
     }
-    b->last_access = p->now;
+    b->last_access = p->stamp;
     seg_touch(p, seg);
     p->tenants[tenant].held++;
 }
@@ -738,7 +742,7 @@ static void block_to_cached(kvd_pool *p, uint32_t id, pool_block *b) {
         return;
     }
     b->state = KVD_BLOCK_CACHED;
-    b->last_access = p->now;
+    b->last_access = p->stamp;
     seg_touch(p, seg_of(p, id));
     p->n_committed--;
     p->n_cached++;
@@ -951,7 +955,7 @@ static uint32_t pick_victim(kvd_pool *p, int honour) {
                  x = parent_of(p, x)) {
                 x->freq--;
             }
-            b->last_access = p->now;
+            b->last_access = p->stamp;
             seg_touch(p, seg_of(p, id));
             list_rotate(p, which, which);
             continue;
@@ -1333,6 +1337,7 @@ kv_err kvd_pool_park_candidate(const kvd_pool *p, kvd_park_candidate *out) {
     if (best.parkable == 0) {
         return KV_ENOENT;
     }
+    best.last_access >>= 20; /* stamps (see kvd_pool.stamp) to ms: pools compare by ms */
     *out = best;
     return KV_OK;
 }
@@ -1505,7 +1510,7 @@ kv_err kvd_pool_allocate(kvd_pool *p, uint32_t n, uint64_t session, uint32_t ten
         b->refcount = 1;
         b->aux = session;
         b->tenant = (uint16_t)tenant;
-        b->last_access = p->now;
+        b->last_access = p->stamp;
         out[i].id = id;
         out[i].gen = b->gen;
     }
@@ -1538,7 +1543,7 @@ kv_err kvd_pool_commit(kvd_pool *p, uint64_t session, kvd_block_ref blk, kv_hash
         b->hhi = hash.hi;
         b->parent = parent;
         b->aux = 0;
-        b->last_access = p->now;
+        b->last_access = p->stamp;
         seg_touch(p, seg_of(p, blk.id));
         child_added(p, b);
         if (p->cfg.policy == KVD_EVICT_ADAPTIVE) {
@@ -1892,7 +1897,7 @@ kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_bloc
     b->flags |= BLOCK_PRIVATE;
     b->hits = 0;
     b->freq = 0;
-    b->last_access = p->now;
+    b->last_access = p->stamp;
     p->n_committed--;
     p->n_writing++;
     p->n_private++;
@@ -2062,6 +2067,10 @@ kvd_leaf_order kvd_pool_leaf_order(const kvd_pool *p) {
 
 void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
     p->now = now_ms;
+    /* The same millisecond: one step on (a million calls in one ms would carry into the next
+     * one); another (later, or earlier as tests set it): that ms's first stamp. */
+    uint64_t ms = now_ms & (UINT64_MAX >> 20);
+    p->stamp = (p->stamp >> 20) == ms ? p->stamp + 1 : ms << 20;
     if (now_ms >= p->min_pin_expiry) {
         pin_sweep(p);
     }
