@@ -255,6 +255,14 @@ static void print_human(const char *cmd, const json_t *res) {
               {"OF BLOCKS", "query_blocks"}, {"HIT TOKENS", "hit_tokens"}, {"COMMITS", "commits"},
               {"EVICT CAP", "evictions_capacity"}, {"EVICT ADM", "evictions_admin"},
               {"BYTES", "bytes"});
+        const json_t *duel = json_object_get(res, "duel");
+        if (json_array_size(duel) > 0) { /* evict-duel: each adaptive pool's set dueling */
+            printf("\neviction duel\n");
+            TABLE(duel, {"POOL", "id"}, {"MODEL", "model"}, {"UNREUSED FIRST", "unreused_first"},
+                  {"SWITCHES", "switches"}, {"SAMPLED", "sampled"}, {"SKIPPED", "skipped"},
+                  {"DROPPED", "dropped"}, {"QUEUED", "queued"}, {"MINI BLOCKS", "mini_blocks"},
+                  {"BYTES", "bytes"});
+        }
         printf("\ntenants\n");
         TABLE(json_object_get(res, "tenants"), {"TENANT", "name"}, {"SESS", "sessions"},
               {"LOOKUPS", "queries"}, {"HIT", "hit_rate.value"}, {"OF BLOCKS", "query_blocks"},
@@ -266,7 +274,7 @@ static void print_human(const char *cmd, const json_t *res) {
               {"DOMAIN", "domain"}, {"LAYERS", "layout.layers"}, {"HEADS", "layout.kv_heads"},
               {"DIM", "layout.head_dim"}, {"TOK/BLK", "layout.tokens_per_block"},
               {"DTYPE", "layout.dtype"}, {"SEGMENTS", "segments"}, {"BLOCKS", "blocks_total"},
-              {"BYTES", "bytes"}, {"POLICY", "policy"});
+              {"BYTES", "bytes"}, {"POLICY", "policy"}, {"UNREUSED FIRST", "duel.unreused_first"});
     } else if (strcmp(cmd, "tenants") == 0) {
         TABLE(json_object_get(res, "tenants"), {"ID", "id"}, {"TENANT", "name"},
               {"SESSIONS", "sessions"}, {"HELD", "blocks_held"}, {"CACHED", "blocks_cached"},

@@ -17,6 +17,7 @@ import select
 import socket
 import stat
 import struct
+import subprocess
 import threading
 import time
 
@@ -2843,7 +2844,6 @@ def test_default_socket_directory_must_be_ours(kvd_factory):
 def test_help_marks_runtime_options():
     """§11: max-pools and frame-timeout-ms are runtime (its table says so), and options marked
     runtime in `kvd --help` can be changed while kvd runs; so --help marks them."""
-    import subprocess
     out = subprocess.run([kvd_binary(), "--help"], capture_output=True, text=True,
                          timeout=10).stdout
     blocks = {}
@@ -2884,7 +2884,6 @@ def test_admin_names_every_policy(kvd_factory):
 def test_admin_socket_in_a_missing_directory_is_named(tmp_path):
     """An admin-socket whose directory does not exist: kvd exits 1 and says so (libuv's bind
     error read 'permission denied')."""
-    import subprocess
     sock_dir = tmp_path / "run"
     sock_dir.mkdir(mode=0o700)
     r = subprocess.run([kvd_binary(), "--socket=%s" % (sock_dir / "kvd.sock"),
@@ -3147,6 +3146,15 @@ def test_evict_duel_picks_the_leaf_order(kvd_factory):
     assert du["mini_blocks"] == pool.bps // 2 and du["bytes"] > 0, du
     (p,) = d.admin_result("pools")["pools"]
     assert p["duel"]["unreused_first"] is True and p["duel"]["sampled"] == du["sampled"], p
+    # kvctl (beside kvd: bazel-bin, or the test's runfiles) shows it in its tables.
+    kvctl = os.path.join(os.path.dirname(os.path.dirname(kvd_binary())), "kvctl", "kvctl")
+    if os.access(kvctl, os.X_OK):
+        out = subprocess.run([kvctl, "--socket=" + d.admin_sock, "stats"], capture_output=True,
+                             text=True, timeout=10)
+        assert out.returncode == 0, out.stderr
+        table = out.stdout.split("eviction duel\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert table[0].split()[:3] == ["POOL", "MODEL", "UNREUSED"], table
+        assert table[1].split()[:4] == [str(pool.pool_id), "m", "yes", "1"], table
     off = kvd_factory(pool_memory=budget(1), evict_duel="false")
     c2 = off.connect()
     c2.attach("m", LAYOUT)
