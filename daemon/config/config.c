@@ -50,8 +50,8 @@ static const kvd_config_option options[] = {
         "eviction order of cached blocks: adaptive (LRU over the leaves of the prefix tree, reused "
         "shared prefixes kept a round longer), lru, s3fifo or prefix-lru"),
     OPT("evict-duel", KVD_OPT_BOOL, evict_duel, "true", 0, 1,
-        "adaptive: every pool runs two miniature copies of itself on half its Lookups (in the "
-        "loop's spare time), one evicting by age and one taking never-reused leaves first, and "
+        "adaptive: every pool runs two miniature copies of itself on half its Lookups (one after "
+        "each turn of the loop), one evicting by age and one taking never-reused leaves first, and "
         "follows the one with more hits (set dueling; costs about the pool's block records "
         "again, outside pool-memory)"),
     OPT_RT("max-connections", KVD_OPT_U64, max_connections, "1024", 1, 1u << 20,

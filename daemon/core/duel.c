@@ -96,6 +96,12 @@ static kv_err mini_open(mini *m, uint32_t bps, uint32_t limit, kvd_leaf_order or
  * segments as the pool has resident plus may still add. */
 static kv_err fit_minis(kvd_duel *d, kvd_pool *pool) {
     uint64_t limit = (uint64_t)kvd_pool_resident_segments(pool) + kvd_pool_growable_segments(pool);
+    /* Mini segments are pool segments / KVD_DUEL_SAMPLE; a pool whose segments hold fewer
+     * blocks than that gets minis of one-block segments, as many as its blocks / SAMPLE. */
+    uint32_t pbps = kvd_pool_config_get(pool)->blocks_per_segment;
+    if (pbps < KVD_DUEL_SAMPLE) {
+        limit = (limit * pbps + KVD_DUEL_SAMPLE - 1) / KVD_DUEL_SAMPLE;
+    }
     if (limit == 0) {
         limit = 1;
     }
@@ -103,8 +109,9 @@ static kv_err fit_minis(kvd_duel *d, kvd_pool *pool) {
         limit = KVD_MAX_SEGMENTS;
     }
     if (d->m[0].pool == NULL || d->m[1].pool == NULL) {
-        uint32_t bps = kvd_pool_config_get(pool)->blocks_per_segment / KVD_DUEL_SAMPLE;
+        uint32_t bps = pbps / KVD_DUEL_SAMPLE;
         d->bps = bps == 0 ? 1 : bps;
+        d->score[0] = d->score[1] = 0; /* new minis: what the old ones scored is gone */
         for (int k = 0; k < 2; k++) {
             mini_close(&d->m[k]);
             kv_err err = mini_open(&d->m[k], d->bps, (uint32_t)limit,
@@ -174,6 +181,10 @@ kv_err kvd_duel_observe(kvd_duel *d, const kv_hash128 *h, size_t n, uint64_t now
     if (n == 0 || !kvd_duel_picks(h[n - 1])) {
         return KV_OK;
     }
+    if (n > KVD_DUEL_QUEUE_BLOCKS) {
+        d->skipped++; /* longer than the queue holds: never fed */
+        return KV_OK;
+    }
     if (d->nq == KVD_DUEL_QUEUE || d->q_blocks + n > KVD_DUEL_QUEUE_BLOCKS) {
         d->dropped++;
         return KV_OK;
@@ -207,12 +218,12 @@ static void set_order(kvd_duel *d, kvd_pool *pool, kvd_leaf_order order) {
 
 /* One picked request through both minis; scores and pool's leaf order follow. */
 static kv_err feed(kvd_duel *d, kvd_pool *pool, const kv_hash128 *h, size_t n, uint64_t now) {
+    d->picked++;
     kv_err err = fit_minis(d, pool);
     if (err != KV_OK) {
         d->skipped++;
         return err;
     }
-    d->picked++;
     if (n > (uint64_t)d->limit * d->bps / KVD_DUEL_MIN_REQS) {
         /* Minis that cannot hold two of this request see little but the prefixes shared by
          * the longer ones: their scores are not to be trusted until KVD_DUEL_DECAY picked

@@ -13,18 +13,22 @@
  * fewer than two such requests sees little but shared system prompts; counted as skipped), and
  * the minis are not trusted until KVD_DUEL_DECAY picked requests in a row fit: meanwhile the
  * pool evicts by age (as the trace replay does not duel a trace whose longest request is too
- * long for its minis). The
- * minis follow the pool's capacity: each mini segment is a pool segment / KVD_DUEL_SAMPLE, and
- * they may have as many segments as the pool has resident plus may still grow (pool-memory
- * permitting); when that falls (the pool's segments were parked for another pool), the minis give
- * back their trailing segments, evicting what those held.
+ * long for its minis). The minis follow the pool's capacity: each mini segment is a pool segment
+ * / KVD_DUEL_SAMPLE (a pool of one-block segments: minis of one-block segments, half as many),
+ * and they may have as many segments as the pool has resident plus may still add (its segment
+ * limit, which the registry sets from pool-memory at each Allocate; parked segments count as
+ * ones it may add); when that falls, the minis give back their trailing segments, evicting what
+ * those held, and new minis (after a failure) start with no score.
  *
  * A picked request is queued (its hashes copied) by kvd_duel_observe and run through the minis
  * later by kvd_duel_step, so the caller chooses when the work is done: the daemon (option
- * `evict-duel`) queues at Lookup and steps when its loop has spare time (the registry's
- * kvd_registry_duel_step, from a check handle), and a picked request that finds
- * KVD_DUEL_QUEUE requests or KVD_DUEL_QUEUE_BLOCKS blocks waiting is dropped (counted): under a
- * loop that is never idle the minis see a thinner stream than the pool. The trace replay
+ * `evict-duel`) queues at Lookup and runs one waiting request after each turn of its loop, once
+ * the turn's replies are written (the registry's kvd_registry_duel_step, from a check handle;
+ * an idle handle keeps the loop turning while some wait). A picked request that finds
+ * KVD_DUEL_QUEUE requests or KVD_DUEL_QUEUE_BLOCKS blocks waiting is dropped (counted; also when
+ * there is no memory for its copy; one longer than KVD_DUEL_QUEUE_BLOCKS is skipped): a loop
+ * that takes in more picked requests a turn than one spends a request's worth a turn on them
+ * and its minis see a thinner stream than the pool. The trace replay
  * (daemon/testing/evict_trace.h, kvd_trace_replay_duel) steps after every request. Cost: two
  * mini lookups, allocations, commits and releases for each picked request (about 23 ns a block
  * and mini on the bench machine); memory about the pool's own block records again
@@ -52,7 +56,7 @@ typedef struct kvd_duel kvd_duel;
 typedef struct kvd_duel_stats {
     uint64_t sampled;     /* picked requests fed to both minis */
     uint64_t skipped;     /* picked requests too long for the minis (or a mini failed) */
-    uint64_t dropped;     /* picked requests that found the queue full */
+    uint64_t dropped;     /* picked requests that found the queue full (or no memory) */
     uint64_t queued;      /* picked requests waiting now */
     uint64_t switches;    /* times the chosen leaf order changed */
     kvd_leaf_order order; /* the order chosen now */
@@ -78,8 +82,9 @@ size_t kvd_duel_pending(const kvd_duel *d);
 
 /* Runs the oldest waiting request through both minis (fitted to pool's capacity now) and sets
  * pool's leaf order by their scores; nothing of pool changes but its leaf order. KV_OK, also
- * with nothing waiting or when the request is skipped; KV_ENOMEM when a mini cannot be made or
- * grown (counted as skipped; the pool keeps its order; the next request tries again). */
+ * with nothing waiting or when the request is skipped; an error when a mini cannot be made or
+ * take the request (KV_ENOMEM growing one, or the pool's own errors: counted as skipped; both
+ * minis start again empty; the pool keeps its order; the next request tries again). */
 kv_err kvd_duel_step(kvd_duel *d, kvd_pool *pool);
 
 /* 1 when the request whose last block hash is last is one of the picked requests. */

@@ -2067,10 +2067,15 @@ kvd_leaf_order kvd_pool_leaf_order(const kvd_pool *p) {
 
 void kvd_pool_set_now(kvd_pool *p, uint64_t now_ms) {
     p->now = now_ms;
-    /* The same millisecond: one step on (a million calls in one ms would carry into the next
-     * one); another (later, or earlier as tests set it): that ms's first stamp. */
+    /* One step on, or that ms's first stamp when it is later: requests within a ms (the loop's
+     * clock stands still for a turn) keep their order, and a million of them carry into the
+     * next ms without ever going back. A clock set earlier than that (tests do) restarts. */
     uint64_t ms = now_ms & (UINT64_MAX >> 20);
-    p->stamp = (p->stamp >> 20) == ms ? p->stamp + 1 : ms << 20;
+    if (ms + 1 >= (p->stamp >> 20)) {
+        p->stamp = p->stamp + 1 > ms << 20 ? p->stamp + 1 : ms << 20;
+    } else {
+        p->stamp = ms << 20;
+    }
     if (now_ms >= p->min_pin_expiry) {
         pin_sweep(p);
     }

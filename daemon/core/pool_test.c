@@ -417,41 +417,57 @@ static void test_adaptive_shared_chain_rounds(void **state) {
 
 /* Leaf order: a reused chain A (older) and a never-reused chain B (newer) compete. By age (the
  * default) A's blocks go first; with UNREUSED_FIRST B's do, and A stays. */
+/* The two leaf orders; the pool's clock either moves (1..5 ms), stands still (every request in
+ * the same ms, as in one turn of kvd's loop: ages are then the requests' order), or stands still
+ * across a million requests in that ms (the ages carry into the next ms, never back). */
 static void test_adaptive_leaf_order(void **state) {
     (void)state;
-    for (int order = 0; order < 2; order++) {
-        fixture f;
-        kvd_pool *p = make_pool(&f, 8, 1, KVD_EVICT_ADAPTIVE);
-        kvd_pool_set_leaf_order(p, order ? KVD_LEAF_ORDER_UNREUSED_FIRST : KVD_LEAF_ORDER_AGE);
-        kvd_block_ref a[2], b[2], c[4], d[2], got[2];
-        kv_hash128 q[2] = {H(1), H(2)};
-        size_t nhit;
-        kvd_pool_set_now(p, 1);
-        commit_chain(p, 1, 0, 1, 2, a);
-        assert_int_equal(kvd_pool_release(p, 1, 0, a, 2), KV_OK);
-        kvd_pool_set_now(p, 2);
-        assert_int_equal(kvd_pool_lookup(p, 0, q, 2, got, &nhit), KV_OK); /* A is reused */
-        assert_int_equal(nhit, 2);
-        assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);
-        kvd_pool_set_now(p, 3);
-        commit_chain(p, 1, 0, 10, 2, b);
-        assert_int_equal(kvd_pool_release(p, 1, 0, b, 2), KV_OK);
-        kvd_pool_set_now(p, 4);
-        commit_chain(p, 1, 0, 20, 4, c);
-        assert_int_equal(kvd_pool_release(p, 1, 0, c, 4), KV_OK);
-        kvd_pool_set_now(p, 5); /* full: two must go */
-        commit_chain(p, 1, 0, 30, 2, d);
-        kvd_block_ref *gone = order ? b : a, *kept = order ? a : b;
-        for (int i = 0; i < 2; i++) {
-            assert_int_equal(kvd_pool_check_ref(p, gone[i]), KV_ESTALE);
-            assert_int_equal(kvd_pool_check_ref(p, kept[i]), KV_OK);
+    for (int clock = 0; clock < 3; clock++) {
+        for (int order = 0; order < 2; order++) {
+            fixture f;
+            kvd_pool *p = make_pool(&f, 8, 1, KVD_EVICT_ADAPTIVE);
+            kvd_pool_set_leaf_order(p, order ? KVD_LEAF_ORDER_UNREUSED_FIRST : KVD_LEAF_ORDER_AGE);
+            kvd_block_ref a[2], b[2], c[4], d[2], got[2];
+            kv_hash128 q[2] = {H(1), H(2)};
+            size_t nhit;
+            uint64_t ms[6] = {0, 1, 2, 3, 4, 5};
+            if (clock > 0) {
+                for (int i = 1; i < 6; i++) {
+                    ms[i] = 7;
+                }
+            }
+            if (clock == 2) { /* A's ages just below the carry, B's and later past it */
+                for (uint32_t i = 0; i < (1u << 20) - 2; i++) {
+                    kvd_pool_set_now(p, 7);
+                }
+            }
+            kvd_pool_set_now(p, ms[1]);
+            commit_chain(p, 1, 0, 1, 2, a);
+            assert_int_equal(kvd_pool_release(p, 1, 0, a, 2), KV_OK);
+            kvd_pool_set_now(p, ms[2]);
+            assert_int_equal(kvd_pool_lookup(p, 0, q, 2, got, &nhit), KV_OK); /* A is reused */
+            assert_int_equal(nhit, 2);
+            assert_int_equal(kvd_pool_release(p, 1, 0, got, 2), KV_OK);
+            kvd_pool_set_now(p, ms[3]);
+            commit_chain(p, 1, 0, 10, 2, b);
+            assert_int_equal(kvd_pool_release(p, 1, 0, b, 2), KV_OK);
+            kvd_pool_set_now(p, ms[4]);
+            commit_chain(p, 1, 0, 20, 4, c);
+            assert_int_equal(kvd_pool_release(p, 1, 0, c, 4), KV_OK);
+            kvd_pool_set_now(p, ms[5]); /* full: two must go */
+            commit_chain(p, 1, 0, 30, 2, d);
+            kvd_block_ref *gone = order ? b : a, *kept = order ? a : b;
+            for (int i = 0; i < 2; i++) {
+                assert_int_equal(kvd_pool_check_ref(p, gone[i]), KV_ESTALE);
+                assert_int_equal(kvd_pool_check_ref(p, kept[i]), KV_OK);
+            }
+            for (int i = 0; i < 4; i++) {
+                assert_int_equal(kvd_pool_check_ref(p, c[i]), KV_OK);
+            }
+            assert_int_equal(kvd_pool_release(p, 1, 0, d, 2), KV_OK);
+            assert_int_equal(kvd_pool_check(p), KV_OK);
+            drop(&f);
         }
-        for (int i = 0; i < 4; i++) {
-            assert_int_equal(kvd_pool_check_ref(p, c[i]), KV_OK);
-        }
-        assert_int_equal(kvd_pool_release(p, 1, 0, d, 2), KV_OK);
-        assert_int_equal(kvd_pool_check(p), KV_OK);
-        drop(&f);
     }
 }
 

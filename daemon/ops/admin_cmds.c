@@ -245,7 +245,7 @@ static const kv_stat_desc duel_stats[DU_COUNT] = {
                     "kvd_pool_duel_skipped_total",
                     "Picked Lookups left out of the miniature pools.", NULL, NULL},
     [DU_DROPPED] = {"dropped", "counter", "requests",
-                    "picked Lookups dropped: the loop had no spare time and the queue was full",
+                    "picked Lookups dropped: the queue was full (the loop runs one a turn)",
                     "kvd_pool_duel_dropped_total",
                     "Picked Lookups dropped because the loop had no spare time.", NULL, NULL},
     [DU_QUEUED] = {"queued", "gauge", "requests",
@@ -1361,7 +1361,9 @@ static const kvd_admin_cmd cmds[] = {
      "`pools` (per pool: id, model, domain, tokens_per_block, and every pool counter: "
      "blocks_total, blocks_free, blocks_writing, blocks_committed, blocks_cached, blocks_pinned, "
      "segments, bytes, queries, query_blocks, hit_blocks, hit_tokens, commits, commits_duplicate, "
-     "evictions_capacity, evictions_admin, evictions_shrink) and `tenants` (per tenant: id, name, "
+     "evictions_capacity, evictions_admin, evictions_shrink), `duel` (per pool with an eviction "
+     "duel, evict-duel: id, model, domain and its counters, Statistics below), `tiers`, "
+     "`kv_events` and `tenants` (per tenant: id, name, "
      "sessions, queries, query_blocks, hit_blocks, hit_tokens, commits, evictions_capacity / "
      "evictions_admin / evictions_shrink (evictions its requests caused, or an operator evicted "
      "of it), refusals, blocks_held, blocks_cached, blocks_pinned). Every `hit_rate` is an object "
@@ -1373,7 +1375,8 @@ static const kvd_admin_cmd cmds[] = {
      "tokens_per_block, dtype, arrangement, block_bytes), blocks_per_segment, max_segments, "
      "segment_bytes, policy, the pool counters as in `stats`, and `tiers`: its lower tiers "
      "(tier1_blocks, tier1_bytes, tier2_blocks, tier2_bytes, format: 0 raw, 1 lz4, 2 zstd, "
-     "3 int8, 4 fp8; lossy: whether its layout asked for lossy tiers).",
+     "3 int8, 4 fp8; lossy: whether its layout asked for lossy tiers), and `duel`: its eviction "
+     "duel's counters as `stats` has them, null without one.",
      cmd_pools},
     {"tenants", "", "tenants with their sessions, counters and blocks by state",
      "Result: `tenants`, the same objects as `stats` returns under `tenants`.", cmd_tenants},
