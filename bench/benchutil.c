@@ -99,6 +99,23 @@ int bench_admin(const char *path, const char *command, char *out, size_t len) {
     return rc;
 }
 
+int bench_admin_stat(const char *path, const char *section, const char *field, uint64_t *out) {
+    static char reply[1 << 16];
+    char sec[64], key[64];
+    snprintf(sec, sizeof(sec), "\"%s\":[", section);
+    snprintf(key, sizeof(key), "\"%s\":", field);
+    if (bench_admin(path, "stats", reply, sizeof(reply)) != 0) {
+        return -1;
+    }
+    const char *s = strstr(reply, sec);
+    const char *v = s != NULL ? strstr(s, key) : NULL;
+    if (v == NULL) {
+        return -1;
+    }
+    *out = strtoull(v + strlen(key), NULL, 10);
+    return 0;
+}
+
 pid_t bench_spawn(char *const argv[]) {
     pid_t pid = fork();
     if (pid < 0) {

@@ -1,5 +1,5 @@
 /* benchutil: what the benchmark programs under bench/ share: a monotonic clock, fatal errors,
- * starting a server process and waiting for its Unix socket, and medians.
+ * starting a server process and waiting for its Unix socket, kvd's admin socket, and medians.
  * Not for tests or the daemon; every call is for one benchmark process (single thread unless
  * said otherwise).
  */
@@ -7,6 +7,7 @@
 #define KVD_BENCHUTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 /* Seconds of CLOCK_MONOTONIC. Any thread. */
@@ -24,6 +25,10 @@ int bench_unix_connect(const char *path);
  * out (NUL-terminated, cut at len - 1). 0, or -1 when the socket cannot be reached or the reply
  * does not arrive whole. */
 int bench_admin(const char *path, const char *command, char *out, size_t len);
+
+/* The first `field` of the first object in the `section` array of kvd's admin `stats` (a
+ * counter) on the admin socket at path. 0, or -1 when it cannot be read. */
+int bench_admin_stat(const char *path, const char *section, const char *field, uint64_t *out);
 
 /* Forks and execs argv (argv[0] searched on PATH) with stdout sent to /dev/null; returns the
  * child's pid (bench_die when fork fails). The child is tracked (bench_track). */

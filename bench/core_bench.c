@@ -925,15 +925,11 @@ static void replay_kvd_run(replay_kvd *k, const kvd_trace *t, uint64_t *asked, u
 
 /* One counter of the duel section of k's admin stats. */
 static uint64_t duel_stat(const replay_kvd *k, const char *name) {
-    static char reply[1 << 16];
-    char key[64];
-    snprintf(key, sizeof(key), "\"%s\":", name);
-    if (bench_admin(k->admin, "stats", reply, sizeof(reply)) != 0) {
-        bench_die("replay: admin stats failed");
+    uint64_t v;
+    if (bench_admin_stat(k->admin, "duel", name, &v) != 0) {
+        bench_die("replay: no duel %s in the daemon's admin stats", name);
     }
-    const char *du = strstr(reply, "\"duel\":[");
-    const char *v = du != NULL ? strstr(du, key) : NULL;
-    return v != NULL ? strtoull(v + strlen(key), NULL, 10) : 0;
+    return v;
 }
 
 /* Every trace at 1% of its distinct blocks through two kvd daemons, evict-duel off and on,
@@ -950,7 +946,7 @@ static void bench_daemon_traces(const char *kvd, int quick, uint64_t seed) {
            "over its socket with libkvclient, one request at a time: Lookup, Allocate and Commit "
            "of the rest, Release. One pool of exactly the cache's blocks (checked). In-process: "
            "the table's replay of the same pool. kvd's duel queues a picked Lookup and runs it "
-           "in the loop's spare time, after the requests before it (the in-process replay runs "
+           "after a turn of the loop, after the requests before it (the in-process replay runs "
            "it first), so the two may differ a little.\n\n",
            nreq);
     printf(

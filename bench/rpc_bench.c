@@ -60,18 +60,10 @@ static uint64_t g_duel_sampled[2], g_duel_dropped[2]; /* [sync, pipelined] */
 
 /* The duel's counters (sampled, dropped) of the daemon whose admin socket is path. */
 static void duel_counts(const char *path, uint64_t *sampled, uint64_t *dropped) {
-    static char reply[1 << 16];
-    if (bench_admin(path, "stats", reply, sizeof(reply)) != 0) {
-        bench_die("duel: admin stats failed");
+    if (bench_admin_stat(path, "duel", "sampled", sampled) != 0 ||
+        bench_admin_stat(path, "duel", "dropped", dropped) != 0) {
+        bench_die("duel: no duel in the daemon's admin stats");
     }
-    const char *du = strstr(reply, "\"duel\":[");
-    const char *sp = du != NULL ? strstr(du, "\"sampled\":") : NULL;
-    const char *dp = du != NULL ? strstr(du, "\"dropped\":") : NULL;
-    if (sp == NULL || dp == NULL) {
-        bench_die("duel: no duel in the daemon's stats");
-    }
-    *sampled = strtoull(sp + strlen("\"sampled\":"), NULL, 10);
-    *dropped = strtoull(dp + strlen("\"dropped\":"), NULL, 10);
 }
 static size_t g_kvd_req[NOP], g_kvd_rep[NOP]; /* frame sizes, for the echo */
 static size_t g_rel_req, g_rel_rep;           /* Release of the 128 blocks, and its reply */
@@ -774,6 +766,18 @@ static void tenancy_bench(const char *kvd, ten_result *t) {
     pairs_loop(kvd, "ten", tf_extra, 1, t);
 }
 
+/* Each pair's ratio of mode pl, comma-separated, into out; returns the worst (lowest). */
+static double pair_list(const ten_result *t, int pl, char *out, size_t len) {
+    size_t at = 0;
+    double worst = t->pair_ratio[pl][0];
+    out[0] = '\0';
+    for (int i = 0; i < TEN_PAIRS && at < len; i++) {
+        worst = t->pair_ratio[pl][i] < worst ? t->pair_ratio[pl][i] : worst;
+        at += (size_t)snprintf(out + at, len - at, "%s%.3f", i ? ", " : "", t->pair_ratio[pl][i]);
+    }
+    return worst;
+}
+
 static void tenancy_print(const ten_result *t) {
     printf("\nTenancy checks (Lookup-128 + Release on one session, 1 conn): one tenant vs %d "
            "token tenants with quotas, %d sessions and %d pools open. %d fresh pairs of daemons, "
@@ -785,11 +789,7 @@ static void tenancy_print(const ten_result *t) {
     printf("|---|---:|---:|---:|---|---|\n");
     for (int pl = 0; pl < 2; pl++) {
         char pairs[96];
-        size_t at = 0;
-        for (int i = 0; i < TEN_PAIRS && at < sizeof(pairs); i++) {
-            at += (size_t)snprintf(pairs + at, sizeof(pairs) - at, "%s%.3f", i ? ", " : "",
-                                   t->pair_ratio[pl][i]);
-        }
+        (void)pair_list(t, pl, pairs, sizeof(pairs));
         printf("| %s | %.1f | %.1f | %.3f | %s | %s |\n", pl ? "pipelined" : "sync",
                t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs,
                t->ratio[pl] >= 0.95 ? "yes" : "no");
@@ -815,13 +815,7 @@ static void tiers_rpc_print(const ten_result *t) {
     printf("|---|---:|---:|---:|---|---|\n");
     for (int pl = 0; pl < 2; pl++) {
         char pairs[96];
-        size_t at = 0;
-        double worst = t->pair_ratio[pl][0];
-        for (int i = 0; i < TEN_PAIRS && at < sizeof(pairs); i++) {
-            worst = t->pair_ratio[pl][i] < worst ? t->pair_ratio[pl][i] : worst;
-            at += (size_t)snprintf(pairs + at, sizeof(pairs) - at, "%s%.3f", i ? ", " : "",
-                                   t->pair_ratio[pl][i]);
-        }
+        double worst = pair_list(t, pl, pairs, sizeof(pairs));
         printf("| %s | %.1f | %.1f | %.3f | %s | %s |\n", pl ? "pipelined" : "sync",
                t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs,
                worst >= 0.97 ? "yes" : "no");
@@ -831,7 +825,7 @@ static void tiers_rpc_print(const ten_result *t) {
 /* The eviction duel (evict-duel, on by default) against off: Lookups alternate two chains of which
  * the duel picks one, as it picks half of a real mix. Each pair: the first daemon without the
  * duel, the second with it (the ratio is on / off); the second's admin stats say how many picked
- * Lookups its loop ran through the minis and how many it dropped for want of spare time. */
+ * Lookups its loop ran through the minis and how many it dropped (the loop runs one a turn). */
 static void duel_rpc_bench(const char *kvd, ten_result *t) {
     memcpy(g_fork, g_hashes, sizeof(g_fork));
     while (kvd_duel_picks(g_fork[NBLK - 1]) == kvd_duel_picks(g_hashes[NBLK - 1])) {
@@ -850,7 +844,7 @@ static void duel_rpc_bench(const char *kvd, ten_result *t) {
 static void duel_rpc_print(const ten_result *t) {
     printf("\nEviction duel (Lookup-128 + Release on one session, 1 conn; the Lookups alternate "
            "two chains of which the duel picks one, as it picks half of a real mix): evict-duel "
-           "off vs on (the default: picked Lookups wait for the loop's spare time, then run "
+           "off vs on (the default: picked Lookups wait in a queue and the loop runs one a turn "
            "through the pool's two miniature pools). %d fresh pairs of daemons, each best of %d "
            "interleaved runs; kops/s and the ratio are medians over the pairs.\n\n",
            TEN_PAIRS, REPS);
@@ -859,18 +853,12 @@ static void duel_rpc_print(const ten_result *t) {
     printf("|---|---:|---:|---:|---|---:|\n");
     for (int pl = 0; pl < 2; pl++) {
         char pairs[96];
-        size_t at = 0;
-        double worst = t->pair_ratio[pl][0];
-        for (int i = 0; i < TEN_PAIRS && at < sizeof(pairs); i++) {
-            worst = t->pair_ratio[pl][i] < worst ? t->pair_ratio[pl][i] : worst;
-            at += (size_t)snprintf(pairs + at, sizeof(pairs) - at, "%s%.3f", i ? ", " : "",
-                                   t->pair_ratio[pl][i]);
-        }
+        double worst = pair_list(t, pl, pairs, sizeof(pairs));
         printf("| %s | %.1f | %.1f | %.3f | %s | %.3f |\n", pl ? "pipelined" : "sync",
                t->one[pl] / 1e3, t->many[pl] / 1e3, t->ratio[pl], pairs, worst);
     }
     printf("\nPicked Lookups of the duel-on daemons over all their runs (a waiting one runs in the "
-           "loop's spare time; past the queue's %d it is dropped):\n\n",
+           "loop runs one waiting a turn; past the queue's %d one is dropped):\n\n",
            KVD_DUEL_QUEUE);
     printf("| mode | picked | ran through the minis | dropped |\n|---|---:|---:|---:|\n");
     for (int pl = 0; pl < 2; pl++) {
@@ -1109,6 +1097,18 @@ static void commit_path_print(const cp_result *r) {
     printf("| echo | %.0f (%.0f-%.0f) | 1 |\n", bench_median(e, REPS), elo, ehi);
 }
 
+/* Stops the three servers and removes the bench's directory. */
+static void stop_servers(pid_t kvd_pid, pid_t redis_pid, pid_t echo_pid) {
+    bench_stop(kvd_pid);
+    bench_stop(redis_pid);
+    bench_stop(echo_pid); /* killed by the signal: no exit status to check */
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
+    if (system(cmd) != 0) {
+        fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+    }
+}
+
 int main(int argc, char **argv) {
     const char *kvd = "bazel-bin/daemon/kvd";
     const char *redis = "redis-server";
@@ -1157,49 +1157,25 @@ int main(int argc, char **argv) {
     bench_wait_socket(g_kvd_sock, kvd_pid);
     bench_wait_socket(g_redis_sock, redis_pid);
     kvd_prepare();
-    if (only != NULL && strcmp(only, "commit") == 0) {
-        /* Only the Commit path (its rows are in the full run's output too). */
-        cp_result cp;
-        commit_path_bench(&cp);
-        commit_path_print(&cp);
-        bench_stop(kvd_pid);
-        bench_stop(redis_pid);
-        bench_stop(echo_pid);
-        char rm[160];
-        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
-        if (system(rm) != 0) {
-            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
+    if (only != NULL &&
+        (strcmp(only, "commit") == 0 || strcmp(only, "duel") == 0 || strcmp(only, "tiers") == 0)) {
+        /* One section alone (its rows are in the full run's output too; tiers_bench.py records
+         * the tiers comparison in the tiers section). */
+        if (strcmp(only, "commit") == 0) {
+            cp_result cp;
+            commit_path_bench(&cp);
+            commit_path_print(&cp);
+        } else {
+            ten_result t;
+            if (strcmp(only, "duel") == 0) {
+                duel_rpc_bench(kvd, &t);
+                duel_rpc_print(&t);
+            } else {
+                tiers_rpc_bench(kvd, &t);
+                tiers_rpc_print(&t);
+            }
         }
-        return 0;
-    }
-    if (only != NULL && strcmp(only, "duel") == 0) {
-        /* Only the eviction duel's cost on the Lookup path. */
-        ten_result duel;
-        duel_rpc_bench(kvd, &duel);
-        duel_rpc_print(&duel);
-        bench_stop(kvd_pid);
-        bench_stop(redis_pid);
-        bench_stop(echo_pid);
-        char rm[160];
-        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
-        if (system(rm) != 0) {
-            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
-        }
-        return 0;
-    }
-    if (only != NULL && strcmp(only, "tiers") == 0) {
-        /* Only the tiers comparison (bench/tiers_bench.py records it in the tiers section). */
-        ten_result tiers;
-        tiers_rpc_bench(kvd, &tiers);
-        tiers_rpc_print(&tiers);
-        bench_stop(kvd_pid);
-        bench_stop(redis_pid);
-        bench_stop(echo_pid);
-        char rm[160];
-        snprintf(rm, sizeof(rm), "rm -rf %s", g_dir);
-        if (system(rm) != 0) {
-            fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
-        }
+        stop_servers(kvd_pid, redis_pid, echo_pid);
         return 0;
     }
     redis_prepare();
@@ -1239,14 +1215,7 @@ int main(int argc, char **argv) {
         tiers_rpc_bench(kvd, &tiers);
         duel_rpc_bench(kvd, &duel);
     }
-    bench_stop(kvd_pid);
-    bench_stop(redis_pid);
-    bench_stop(echo_pid); /* killed by the signal: no exit status to check */
-    char cmd[160];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "rpc_bench: could not remove %s\n", g_dir);
-    }
+    stop_servers(kvd_pid, redis_pid, echo_pid);
 
     printf("Frames: Ping %zu B request / %zu B reply; Lookup of %d hashes %zu B / %zu B reply; "
            "Release of its blocks %zu B / %zu B (the echo moves exactly these: for the deferred "
