@@ -152,12 +152,14 @@ static kv_err mini_request(kvd_duel *d, mini *m, const kv_hash128 *h, uint32_t n
     *hits = nhit;
     uint32_t need = n - (uint32_t)nhit;
     if (need > 0) {
+        kvd_pool_set_now(m->pool, now); /* each call its own age, as in kvd's pools */
         err = kvd_pool_allocate(m->pool, need, 1, 0, refs + nhit);
         if (err != KV_OK) {
             (void)kvd_pool_release(m->pool, 1, 0, refs, nhit);
             return err;
         }
     }
+    kvd_pool_set_now(m->pool, now);
     for (uint32_t i = (uint32_t)nhit; i < n && err == KV_OK; i++) {
         uint32_t parent = i == 0 ? KVD_NO_BLOCK : refs[i - 1].id;
         kvd_block_ref c;
@@ -166,6 +168,7 @@ static kv_err mini_request(kvd_duel *d, mini *m, const kv_hash128 *h, uint32_t n
             refs[i] = c;
         }
     }
+    kvd_pool_set_now(m->pool, now);
     kv_err rerr = kvd_pool_release(m->pool, 1, 0, refs, n);
     return err != KV_OK ? err : rerr;
 }

@@ -974,7 +974,9 @@ static kv_err replay_pool_open(replay_pool *r, kvd_evict_policy policy, uint32_t
 
 /* One request of n hashes at time now: looks up its prefix (checking every hit), allocates and
  * commits the rest, releases everything; adds to *res. KV_EINTERNAL on a wrong result or a
- * failed allocation (every other block is released: it must fit). */
+ * failed allocation (every other block is released: it must fit). The pool's clock is set
+ * before each of the four calls, as kvd sets it for each request of a client: each call gets
+ * its own age stamp (a block an allocation rotates is older than the blocks released after). */
 static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, uint64_t now,
                              kvd_trace_result *res) {
     kvd_pool *pool = r->pool;
@@ -996,9 +998,11 @@ static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, u
     res->query_blocks += n;
     res->hit_blocks += nhit;
     uint32_t need = n - (uint32_t)nhit;
+    kvd_pool_set_now(pool, now);
     if (need > 0 && kvd_pool_allocate(pool, need, 1, 0, refs + nhit) != KV_OK) {
         return KV_EINTERNAL;
     }
+    kvd_pool_set_now(pool, now);
     for (uint32_t i = (uint32_t)nhit; i < n; i++) {
         uint32_t parent = i == 0 ? KVD_NO_BLOCK : refs[i - 1].id;
         kvd_block_ref c;
@@ -1011,6 +1015,7 @@ static kv_err replay_request(replay_pool *r, const kv_hash128 *hs, uint32_t n, u
         }
         refs[i] = c;
     }
+    kvd_pool_set_now(pool, now);
     return kvd_pool_release(pool, 1, 0, refs, n);
 }
 
