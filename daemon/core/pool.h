@@ -26,7 +26,7 @@
  * remembered it, gets one more round per reuse (at most 3) when it is the oldest; the shared
  * ancestors waiting above it as inner blocks spend that round with it, so a shared chain lives
  * as long as its most reused block, not one round per block in turn. On the traces of
- * bench/RESULTS.md (core section) it is 0.999-1.141x LRU and at or above every other policy on
+ * bench/RESULTS.md (core section) it is 0.999-1.124x LRU and at or above every other policy on
  * 16 of 24 rows. Its leaf order can instead take never-reused leaves first
  * (kvd_pool_set_leaf_order), which frequency-friendly workloads want; set dueling (duel.h: the
  * daemon's `evict-duel`, and the trace replay) switches between the two. Every policy is
