@@ -230,7 +230,7 @@ static kv_err feed(kvd_duel *d, kvd_pool *pool, const kv_hash128 *h, size_t n, u
     if (n > (uint64_t)d->limit * d->bps / KVD_DUEL_MIN_REQS) {
         /* Minis that cannot hold two of this request see little but the prefixes shared by
          * the longer ones: their scores are not to be trusted until KVD_DUEL_DECAY picked
-         * requests in a row fit (the trace replay does not duel such a trace at all). */
+         * requests in a row fit. */
         d->skipped++;
         d->too_long_at = d->picked;
         set_order(d, pool, KVD_LEAF_ORDER_AGE);

@@ -80,10 +80,9 @@ kv_err kvd_trace_replay(const kvd_trace *t, kvd_evict_policy policy, uint32_t ca
 /* ADAPTIVE with set dueling (daemon/core/duel.h: the code the daemon runs with `evict-duel`):
  * one request in KVD_DUEL_SAMPLE also runs through two miniature ADAPTIVE pools of capacity /
  * KVD_DUEL_SAMPLE blocks, one per leaf order, and the pool takes the order of the one with more
- * recent hits. Where a mini would hold fewer than KVD_DUEL_MIN_REQS of the longest request it is
- * not representative (it would see little but the shared system prompts) and the replay is plain
- * ADAPTIVE. Same results and errors as kvd_trace_replay (KV_EINTERNAL also when a request was
- * left out of the minis). */
+ * recent hits; a request too long for the minis sends the pool back to its order by age for a
+ * while (duel.h). Requests are fed and stepped one by one, so the replay does what kvd does with
+ * a client that waits for each reply. Same results and errors as kvd_trace_replay. */
 kv_err kvd_trace_replay_duel(const kvd_trace *t, uint32_t capacity_blocks, uint32_t check_every,
                              kvd_trace_result *out);
 
