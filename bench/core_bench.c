@@ -23,6 +23,7 @@
 #include "common/kv_hash.h"
 #include "common/kv_vllm_hash.h"
 #include "daemon/testing/evict_trace.h"
+#include "daemon/testing/trace_kvc.h"
 #include "daemon/core/index.h"
 #include "daemon/core/pool.h"
 #include "kvclient.h"
@@ -879,50 +880,6 @@ static void replay_kvd_start(replay_kvd *k, const char *kvd, const char *dir, co
     }
 }
 
-/* Replays t through k (Lookup, Allocate and Commit of the rest, Release): blocks asked, hit. */
-static void replay_kvd_run(replay_kvd *k, const kvd_trace *t, uint64_t *asked, uint64_t *hit) {
-    kv_hash128 *hs = calloc(t->max_len, sizeof(*hs));
-    kvc_block *b = calloc(t->max_len, sizeof(*b));
-    kvc_commit_entry *e = calloc(t->max_len, sizeof(*e));
-    if (hs == NULL || b == NULL || e == NULL) {
-        bench_die("replay: no memory");
-    }
-    *asked = *hit = 0;
-    for (uint32_t q = 0; q < t->nreq; q++) {
-        uint32_t n = t->off[q + 1] - t->off[q];
-        for (uint32_t i = 0; i < n; i++) {
-            hs[i] = kvd_trace_hash(t->keys[t->off[q] + i]);
-        }
-        size_t nhit = 0;
-        if (kvc_lookup(k->pool, hs, n, b, &nhit) != KV_OK) {
-            bench_die("replay: lookup failed");
-        }
-        *asked += n;
-        *hit += nhit;
-        uint32_t need = n - (uint32_t)nhit;
-        if (need > 0) {
-            if (kvc_allocate(k->pool, need, b + nhit) != KV_OK) {
-                bench_die("replay: allocate of %u failed", need);
-            }
-            for (uint32_t i = 0; i < need; i++) {
-                uint32_t j = (uint32_t)nhit + i;
-                e[i].block = b[j];
-                e[i].hash = hs[j];
-                e[i].parent = j == 0 ? KVC_NO_PARENT : b[j - 1].id;
-            }
-            if (kvc_commit(k->pool, e, need, b + nhit) != KV_OK) {
-                bench_die("replay: commit failed");
-            }
-        }
-        if (kvc_release(k->pool, b, n) != KV_OK) {
-            bench_die("replay: release failed");
-        }
-    }
-    free(hs);
-    free(b);
-    free(e);
-}
-
 /* One counter of the duel section of k's admin stats. */
 static uint64_t duel_stat(const replay_kvd *k, const char *name) {
     uint64_t v;
@@ -986,9 +943,11 @@ static void bench_daemon_traces(const char *kvd, int quick, uint64_t seed) {
             char tag[32];
             snprintf(tag, sizeof(tag), "k%d-%d", kind, on);
             replay_kvd_start(&k, kvd, dir, tag, cap, on);
-            uint64_t asked, hit;
-            replay_kvd_run(&k, &t, &asked, &hit);
-            h[2 + on] = (double)hit / (double)asked;
+            kvd_trace_result kr;
+            if ((err = kvd_trace_replay_kvc(k.pool, &t, &kr)) != KV_OK) {
+                die("replay through kvd", err);
+            }
+            h[2 + on] = (double)kr.hit_blocks / (double)kr.query_blocks;
             if (on) {
                 ran = duel_stat(&k, "sampled");
                 dropped = duel_stat(&k, "dropped");
