@@ -831,8 +831,8 @@ static void bench_traces(int quick, uint64_t seed) {
 
 /* ---- the same traces through a real daemon ------------------------------------------------ */
 
-/* A kvd daemon with one pool of exactly cap blocks of 4 KiB (1 layer, 1 head x 64 dims, 16
- * tokens, fp16: one segment, and pool-memory short of a second one), reached with libkvclient. */
+/* A kvd daemon with one pool of exactly cap blocks (daemon/testing/trace_kvc.h's layout and
+ * flags), reached with libkvclient. */
 typedef struct replay_kvd {
     pid_t pid;
     char sock[200], admin[200];
@@ -853,8 +853,7 @@ static void replay_kvd_start(replay_kvd *k, const char *kvd, const char *dir, co
     snprintf(k->admin, sizeof(k->admin), "%s/%s-admin.sock", dir, tag);
     snprintf(sock, sizeof(sock), "--socket=%s", k->sock);
     snprintf(admin, sizeof(admin), "--admin-socket=%s", k->admin);
-    snprintf(seg, sizeof(seg), "--segment-bytes=%llu", (unsigned long long)cap * 4096);
-    snprintf(mem, sizeof(mem), "--pool-memory=%llu", (unsigned long long)cap * (4096 + 96) + 65536);
+    kvd_trace_kvc_flags(cap, seg, mem);
     snprintf(du, sizeof(du), "--evict-duel=%s", duel ? "true" : "false");
     char *argv[] = {(char *)kvd,      sock, admin, seg, mem, du, "--log-level=warn",
                     "--backend=host", NULL};
@@ -864,12 +863,7 @@ static void replay_kvd_start(replay_kvd *k, const char *kvd, const char *dir, co
     kvc_options_init(&o);
     o.socket_path = k->sock;
     o.client_name = "core_bench_replay";
-    kv_layout l = {.num_layers = 1,
-                   .num_kv_heads = 1,
-                   .head_dim = 64,
-                   .tokens_per_block = 16,
-                   .dtype = KV_DTYPE_FP16,
-                   .arrangement = KV_BLOCK_MAJOR};
+    kv_layout l = kvd_trace_kvc_layout();
     if (kvc_conn_open(&o, &k->conn) != KV_OK ||
         kvc_pool_attach(k->conn, "replay", &l, &k->pool) != KV_OK) {
         bench_die("replay: cannot open a kvd session");

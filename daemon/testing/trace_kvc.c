@@ -1,7 +1,24 @@
 /* kvd_trace_replay_kvc: a trace through kvd over libkvclient (trace_kvc.h). */
 #include "daemon/testing/trace_kvc.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+
+kv_layout kvd_trace_kvc_layout(void) {
+    kv_layout l = {.num_layers = 1,
+                   .num_kv_heads = 1,
+                   .head_dim = 64,
+                   .tokens_per_block = 16,
+                   .dtype = KV_DTYPE_FP16,
+                   .arrangement = KV_BLOCK_MAJOR};
+    return l;
+}
+
+void kvd_trace_kvc_flags(uint32_t cap, char seg[64], char mem[64]) {
+    snprintf(seg, 64, "--segment-bytes=%llu", (unsigned long long)cap * 4096);
+    /* The segment, 64 bytes of block record a block, a ghost slot or two, the pool's own. */
+    snprintf(mem, 64, "--pool-memory=%llu", (unsigned long long)cap * (4096 + 96) + 65536);
+}
 
 kv_err kvd_trace_replay_kvc(kvc_pool *pool, const kvd_trace *t, kvd_trace_result *out) {
     kvd_trace_result res = {0, 0, 0};

@@ -19,24 +19,17 @@
 
 #define NREQ 3000
 
-/* The trace through a fresh kvd with one pool of cap 4 KiB blocks (1 layer, 1 head x 64 dims,
- * 16 tokens, fp16, block-major: one segment, pool-memory short of a second), evict-duel on or
+/* The trace through a fresh kvd with one pool of cap blocks (trace_kvc.h), evict-duel on or
  * off. */
 static kvd_trace_result through_kvd(const kvd_trace *t, uint32_t cap, int duel) {
     char seg[64], mem[64];
-    snprintf(seg, sizeof(seg), "--segment-bytes=%llu", (unsigned long long)cap * 4096);
-    snprintf(mem, sizeof(mem), "--pool-memory=%llu", (unsigned long long)cap * (4096 + 96) + 65536);
+    kvd_trace_kvc_flags(cap, seg, mem);
     const char *flags[] = {seg, mem, duel ? "--evict-duel=true" : "--evict-duel=false", NULL};
     kvd_harness h;
     assert_int_equal(kvd_harness_start(&h, flags), 0);
     kvc_conn *c;
     assert_int_equal(kvd_harness_connect(&h, "evict_replay_test", &c), KV_OK);
-    kv_layout l = {.num_layers = 1,
-                   .num_kv_heads = 1,
-                   .head_dim = 64,
-                   .tokens_per_block = 16,
-                   .dtype = KV_DTYPE_FP16,
-                   .arrangement = KV_BLOCK_MAJOR};
+    kv_layout l = kvd_trace_kvc_layout();
     kvc_pool *p;
     assert_int_equal(kvc_pool_attach(c, "replay", &l, &p), KV_OK);
     assert_int_equal(kvd_harness_stat(c, kvc_pool_id(p), "pool.blocks_total"), cap);
