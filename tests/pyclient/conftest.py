@@ -55,6 +55,32 @@ def base_dir():
     return _BASE[0]
 
 
+# Bazel shards (tests/pyclient/BUILD shard_count): shard i of n runs the tests whose position in
+# the collected order is i modulo n, so the long remote and event tests spread over both cores,
+# and takes only loopback ports whose half is i modulo n, so two shards never pick the same one
+# (not the port itself: Linux hands bind(0) odd ports, and one shard would wait forever).
+SHARDS = int(os.environ.get("TEST_TOTAL_SHARDS", "1") or 1)
+SHARD = int(os.environ.get("TEST_SHARD_INDEX", "0") or 0)
+
+
+def shard_owns_port(port):
+    """Whether this shard may use loopback port `port` (all of them when not sharded)."""
+    return (port >> 1) % SHARDS == SHARD
+
+
+def pytest_collection_modifyitems(config, items):
+    status = os.environ.get("TEST_SHARD_STATUS_FILE")
+    if status:  # tells Bazel this test knows about sharding
+        open(status, "a").close()
+    if SHARDS <= 1:
+        return
+    keep = [it for i, it in enumerate(items) if i % SHARDS == SHARD]
+    gone = [it for i, it in enumerate(items) if i % SHARDS != SHARD]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+    items[:] = keep
+
+
 def pytest_unconfigure(config):
     if _BASE is not None and _BASE[1]:
         shutil.rmtree(_BASE[0], ignore_errors=True)

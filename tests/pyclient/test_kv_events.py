@@ -44,7 +44,7 @@ import pytest
 import zmq
 
 import kvdwire as kw
-from conftest import new_dir, run_kvd_expecting_refusal, wait_until
+from conftest import new_dir, run_kvd_expecting_refusal, shard_owns_port, wait_until
 from kvdwire import pb
 
 sys.path.insert(0, os.path.join(kw.REPO_ROOT, "tests", "vllm"))
@@ -196,13 +196,17 @@ def check_first_batch(b):
 # Sockets
 
 def free_ports(n):
-    """n distinct free TCP ports on 127.0.0.1 (held open together while chosen)."""
+    """n distinct free TCP ports on 127.0.0.1 that this shard owns (held open together while
+    chosen)."""
     socks = []
     try:
-        for _ in range(n):
+        while len(socks) < n:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
+            if shard_owns_port(s.getsockname()[1]):
+                socks.append(s)
+            else:
+                s.close()
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

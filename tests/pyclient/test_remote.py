@@ -55,7 +55,7 @@ import xxhash
 
 import kvdwire as kw
 from conftest import (allocate_blocks as allocate, token_chain as chain, _die_with_parent,
-                      run_kvd_expecting_refusal, wait_until)
+                      run_kvd_expecting_refusal, shard_owns_port, wait_until)
 from kvdwire import pb
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -346,9 +346,10 @@ def free_port(cluster=False):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        if port in _USED_PORTS:
+        if port in _USED_PORTS or not shard_owns_port(port):
             continue
-        if cluster and (port + 10000 > 65535 or not _port_free(port + 10000)):
+        if cluster and (port + 10000 > 65535 or not shard_owns_port(port + 10000) or
+                        not _port_free(port + 10000)):
             continue
         _USED_PORTS.add(port)
         if cluster:
