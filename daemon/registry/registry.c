@@ -364,7 +364,6 @@ static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *
              "cannot create the pool's first segment (%llu bytes): %s",
              (unsigned long long)sp.segment_bytes, kv_strerror(rc));
     }
-    sp.duel = NULL;
     if (pc.policy == KVD_EVICT_ADAPTIVE && s->cfg->evict_duel &&
         kvd_duel_alloc(&sp.duel) != KV_OK) {
         kvd_pool_free(sp.pool);
@@ -582,7 +581,6 @@ void kvd_registry_fini(kvd_registry *g) {
         }
         kvd_pool_free(g->pools[i].pool);
         kvd_duel_free(g->pools[i].duel);
-        g->pools[i].duel = NULL;
         kvd_verify_free(&g->pools[i].verify);
         kvd_summaries_free(&g->pools[i].summ);
     }
