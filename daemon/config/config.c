@@ -198,6 +198,11 @@ static const kvd_config_option options[] = {
         "(the node's notify-keyspace-events must hold Exe; kvd never sets it) and publish "
         "BlockRemoved on medium REMOTE for the values of this node's pools; a block read from "
         "such a value is written to Redis again on its way down"),
+    OPT("remote-watch-ledger", KVD_OPT_U64, remote_watch_ledger, "262144", 0, 1ull << 32,
+        "with remote-watch: how many of the values this node announced on REMOTE it remembers "
+        "(48 bytes each), so that after a gap in the watch (a subscription lost and made again) "
+        "it asks Redis which are gone and publishes BlockRemoved for them; when it is full, "
+        "older ones are forgotten; 0: no reconciliation"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

@@ -13,7 +13,8 @@
  * master killed, a failover) the watcher forgets every node and asks the seeds again, after a
  * backoff of 100 ms doubling to 5 s; a discovery or subscription not done within 5 x timeout_ms
  * starts over the same way. Drops while a node has no subscriber are not heard (Redis keeps no
- * backlog of notifications): each such gap is counted (kvd_rwatch_stats.gaps). Slots moved to a
+ * backlog of notifications): each such gap is counted (kvd_rwatch_stats.gaps), and when every node
+ * is subscribed again the up callback says so (kvd_rwatch_set_up_fn). Slots moved to a
  * master added later are heard after the next rediscovery only.
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
@@ -47,6 +48,12 @@ typedef struct kvd_rwatch_cfg {
  * bad seed list, KV_ENOMEM. */
 kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_fn fn, void *arg,
                         kvd_rwatch **out, char *msg, size_t len);
+
+/* Called each time every node is subscribed: the first time, and after each gap (after_gap 1),
+ * when drops may have gone unheard; the caller then asks Redis what is gone (kvd_tiers'
+ * reconciliation against its ledger, rledger.h). Set once, before the loop runs. */
+typedef void (*kvd_rwatch_up_fn)(void *arg, int after_gap);
+void kvd_rwatch_set_up_fn(kvd_rwatch *w, kvd_rwatch_up_fn fn, void *arg);
 
 /* Drops every connection and stops the timers (the loop runs their close callbacks); fn is never
  * called again. Once. Accepts NULL. */

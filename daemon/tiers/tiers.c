@@ -32,6 +32,7 @@
 #include "daemon/tiers/disk.h"
 #include "daemon/tiers/pinned.h"
 #include "daemon/tiers/remote.h"
+#include "daemon/tiers/rledger.h"
 #include "daemon/tiers/rwatch.h"
 #include "daemon/tiers/store.h"
 #include "kernels/kvk.h"
@@ -95,6 +96,11 @@ enum {
     TS_RWATCH_EVICTED,
     TS_RWATCH_REPORTED,
     TS_RWATCH_GAPS,
+    TS_RWATCH_LEDGER,
+    TS_RWATCH_LEDGER_LOST,
+    TS_RWATCH_RECONCILES,
+    TS_RWATCH_RECONCILED,
+    TS_RWATCH_RECONCILE_ERRORS,
     TS_T1_PINNED,
     TS_PIN_FALLBACKS,
     TS_T2_ZERO_COPY,
@@ -270,6 +276,29 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                         "router holds may be stale",
                         "kvd_remote_watch_gaps_total",
                         "Times the remote watch lost subscriptions that were up.", NULL, NULL},
+    [TS_RWATCH_LEDGER] = {"remote_watch_ledger", "gauge", "blocks",
+                          "values this node announced on REMOTE and remembers, to ask Redis "
+                          "about after a gap (remote-watch-ledger)",
+                          "kvd_remote_watch_ledger_entries",
+                          "Values announced on REMOTE that a reconciliation would ask about.", NULL,
+                          NULL},
+    [TS_RWATCH_LEDGER_LOST] = {"remote_watch_ledger_lost", "counter", "blocks",
+                               "of them, forgotten for room: Redis dropping one in a later gap "
+                               "goes unreported",
+                               NULL, NULL, NULL, NULL},
+    [TS_RWATCH_RECONCILES] = {"remote_watch_reconciles", "counter", "passes",
+                              "reconciliations done: after a gap, every value in the ledger "
+                              "asked about (one pipelined STRLEN per node and 256 keys)",
+                              NULL, NULL, NULL, NULL},
+    [TS_RWATCH_RECONCILED] = {"remote_watch_reconciled", "counter", "blocks",
+                              "values a reconciliation found gone from Redis: BlockRemoved on "
+                              "REMOTE, as for a drop heard",
+                              "kvd_remote_watch_reconciled_total",
+                              "Remote values found gone after a gap in the watch.", NULL, NULL},
+    [TS_RWATCH_RECONCILE_ERRORS] = {"remote_watch_reconcile_errors", "counter", "requests",
+                                    "reconciliation requests Redis did not answer in time (the "
+                                    "pass goes on from there a second later)",
+                                    NULL, NULL, NULL, NULL},
     [TS_T1_PINNED] = {"tier1_pinned_bytes", "gauge", "bytes",
                       "page-locked host memory held for GPU pools' tier-1 blocks (in use, "
                       "recycled, and freed but not yet given back to the driver)",
@@ -323,6 +352,8 @@ struct kvd_tiers {
     uint64_t t2_error_ms;      /* when it was logged (rate limit) */
     kvd_remote *remote;        /* the remote tier (remote-redis), or NULL */
     kvd_rwatch *rwatch;        /* its keyspace notifications (remote-watch), or NULL */
+    kvd_rledger *ledger;       /* the values announced on REMOTE (remote-watch-ledger), or NULL */
+    struct reconcile *rc;      /* the reconciliation against it, with ledger */
     char node_name[64];        /* node-name, or the host name (remote-uid-tenants node) */
     struct rfetch *rfetches;   /* Fetches waiting for the remote tier */
     kvd_tiers_event_fn ev_fn;  /* KV events of the tiers (kvd_tiers_set_event_hook) */
@@ -1447,6 +1478,9 @@ static void on_remote_put(void *arg, kv_err rc) {
         if (rc == KV_OK && !e->doomed) {
             tier_event(tp, e->hash, NULL, e->has_tail ? e->tail : NULL, 3, 1); /* any node
                                                                                   can fetch it */
+            if (tp->t->ledger != NULL) {
+                kvd_rledger_add(tp->t->ledger, tp->pool_id, e->hash);
+            }
         }
         remote_release(tp, q->entry);
     } else if (tp->jobs == 0) {
@@ -1912,6 +1946,9 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
         if (kvd_remote_del(t->remote, key) == KV_OK) {
             const kvd_tentry *qe = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i) : NULL;
             tier_event(tp, hash, NULL, qe != NULL && qe->has_tail ? qe->tail : NULL, 3, 0);
+            if (t->ledger != NULL) {
+                (void)kvd_rledger_remove(t->ledger, tp->pool_id, hash);
+            }
         }
     }
     if (reason == KVD_DROP_QUARANTINE) {
@@ -1934,6 +1971,18 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
  * this node's pools (PREFIX:DOMAIN:LAYOUT:HASH, remote_key) is reported as BlockRemoved on
  * REMOTE, and a block of it that came from Redis into T0 is no longer taken for one Redis
  * holds (from_remote): it is written again on its way down. Other keys are ignored. */
+/* The value of hash in tp's pool is gone from Redis: BlockRemoved on REMOTE, out of the ledger,
+ * and a block read from it is no longer taken for one Redis holds. */
+static void remote_gone(tier_pool *tp, kv_hash128 hash) {
+    (void)from_remote_take(tp, hash);
+    if (tp->t->ledger != NULL) {
+        (void)kvd_rledger_remove(tp->t->ledger, tp->pool_id, hash);
+    }
+    uint32_t e = kvd_tstore_find(&tp->st, hash);
+    const kvd_tentry *te = e != KVD_TNONE ? kvd_tstore_at(&tp->st, e) : NULL;
+    tier_event(tp, hash, NULL, te != NULL && te->has_tail ? te->tail : NULL, 3, 0);
+}
+
 static void on_remote_dropped(void *arg, const char *key, size_t len, int evicted) {
     (void)evicted;
     kvd_tiers *t = arg;
@@ -1962,12 +2011,193 @@ static void on_remote_dropped(void *arg, const char *key, size_t len, int evicte
             strcmp(tp->domain, dom) != 0) {
             continue;
         }
-        (void)from_remote_take(tp, hash);
-        uint32_t e = kvd_tstore_find(&tp->st, hash);
-        const kvd_tentry *te = e != KVD_TNONE ? kvd_tstore_at(&tp->st, e) : NULL;
-        tier_event(tp, hash, NULL, te != NULL && te->has_tail ? te->tail : NULL, 3, 0);
+        remote_gone(tp, hash);
         t->c[TS_RWATCH_REPORTED]++;
     }
+}
+
+/* ---- reconciliation after a gap in the watch (remote-watch-ledger) --------------------------
+ *
+ * Redis keeps no backlog of keyspace notifications, so drops while a subscription is being
+ * made again go unheard. When every node is subscribed again, the loop thread walks the ledger
+ * (the values this node announced on REMOTE) in batches of RC_BATCH, asks Redis whether each is
+ * still there (kvd_remote_probe: one pipelined STRLEN per node, on the remote thread) and
+ * announces BlockRemoved for each that is gone, unless the ledger entry was announced again
+ * since it was asked about (its stamp moved). One batch is out at a time; a batch Redis does
+ * not answer is asked again a second later; a gap that closes during a pass starts another
+ * once it is done. */
+
+#define RC_BATCH 256
+#define RC_KEY 256
+#define RC_RETRY_MS 1000
+
+typedef struct reconcile {
+    kvd_tiers *t;
+    int running;       /* a pass is on */
+    int again;         /* a gap closed during it: another pass after it */
+    int inflight;      /* a batch is out */
+    int closed;        /* kvd_tiers_close ran: nothing more starts */
+    size_t cursor;     /* the next ledger slot to look at */
+    size_t at;         /* where the batch out began (asked again from there on failure) */
+    uint64_t start_ns; /* the pass began */
+    uint64_t asked, gone;
+    uv_timer_t retry;
+    size_t n;
+    kvd_rledger_ent ents[RC_BATCH];
+    const char *keys[RC_BATCH];
+    char kbuf[RC_BATCH][RC_KEY];
+} reconcile;
+
+static tier_pool *tier_pool_of(kvd_tiers *t, uint32_t pool_id) {
+    kvd_reg_pool *p = kvd_registry_pool(t->reg, pool_id);
+    tier_pool *tp = p != NULL ? p->tiers : NULL;
+    return tp != NULL && !tp->gone && !tp->no_remote ? tp : NULL;
+}
+
+static void rc_next(reconcile *rc);
+
+static void rc_finish(reconcile *rc) {
+    kvd_tiers *t = rc->t;
+    rc->running = 0;
+    t->c[TS_RWATCH_RECONCILES]++;
+    KV_LOG(INFO, "KVD-REMOTE-WATCH",
+           "remote watch: reconciled after a gap: %llu values asked about, %llu gone from Redis "
+           "(BlockRemoved on REMOTE), %.1f ms",
+           (unsigned long long)rc->asked, (unsigned long long)rc->gone,
+           (double)(now_ns() - rc->start_ns) / 1e6);
+    if (rc->again) {
+        rc->again = 0;
+        rc->running = 1;
+        rc->cursor = 0;
+        rc->asked = rc->gone = 0;
+        rc->start_ns = now_ns();
+        rc_next(rc);
+    }
+}
+
+static void on_rc_retry(uv_timer_t *h) {
+    reconcile *rc = h->data;
+    if (!rc->closed && rc->running && !rc->inflight) {
+        rc_next(rc);
+    }
+}
+
+static void rc_failed(reconcile *rc, kv_err e) {
+    rc->t->c[TS_RWATCH_RECONCILE_ERRORS]++;
+    if (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] == 1 ||
+        (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] & 63) == 0) {
+        KV_LOG(WARN, "KVD-REMOTE-WATCH",
+               "remote watch: reconciling after a gap: Redis did not answer (%s); asking again "
+               "in %d ms",
+               kv_strerror(e), RC_RETRY_MS);
+    }
+    rc->cursor = rc->at;
+    uv_timer_start(&rc->retry, on_rc_retry, RC_RETRY_MS, 0);
+}
+
+static void on_rc_probe(void *arg, kv_err e, const uint8_t *present, size_t n) {
+    reconcile *rc = arg;
+    kvd_tiers *t = rc->t;
+    rc->inflight = 0;
+    if (e == KV_ECLOSED || rc->closed) {
+        rc->running = 0;
+        return;
+    }
+    if (e != KV_OK || n != rc->n) {
+        rc_failed(rc, e != KV_OK ? e : KV_ESYS);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        rc->asked++;
+        const kvd_rledger_ent *en = &rc->ents[i];
+        if (present[i] || !kvd_rledger_remove_if(t->ledger, en->pool_id, en->hash, en->stamp)) {
+            continue; /* there, or announced again since it was asked about */
+        }
+        tier_pool *tp = tier_pool_of(t, en->pool_id);
+        if (tp != NULL) {
+            remote_gone(tp, en->hash);
+            rc->gone++;
+            t->c[TS_RWATCH_RECONCILED]++;
+        }
+    }
+    rc_next(rc);
+}
+
+/* Sends the next batch of the pass, or ends it. */
+static void rc_next(reconcile *rc) {
+    kvd_tiers *t = rc->t;
+    size_t slots = kvd_rledger_slots(t->ledger);
+    while (rc->cursor < slots) {
+        rc->at = rc->cursor;
+        size_t got = kvd_rledger_scan(t->ledger, &rc->cursor, rc->ents, RC_BATCH);
+        size_t m = 0;
+        for (size_t i = 0; i < got; i++) {
+            tier_pool *tp = tier_pool_of(t, rc->ents[i].pool_id);
+            if (tp == NULL) { /* its pool is gone (pool ids are never reused) */
+                (void)kvd_rledger_remove(t->ledger, rc->ents[i].pool_id, rc->ents[i].hash);
+                continue;
+            }
+            rc->ents[m] = rc->ents[i];
+            remote_key(tp, rc->ents[m].hash, rc->kbuf[m], RC_KEY);
+            rc->keys[m] = rc->kbuf[m];
+            m++;
+        }
+        if (m == 0) {
+            continue;
+        }
+        rc->n = m;
+        kv_err e = kvd_remote_probe(t->remote, rc->keys, m, on_rc_probe, rc);
+        if (e != KV_OK) {
+            rc_failed(rc, e);
+            return;
+        }
+        rc->inflight = 1;
+        return;
+    }
+    rc_finish(rc);
+}
+
+/* Every node of the watch is subscribed: after a gap, reconcile. */
+static void on_watch_up(void *arg, int after_gap) {
+    kvd_tiers *t = arg;
+    reconcile *rc = t->rc;
+    if (rc == NULL || rc->closed || !after_gap || kvd_rledger_count(t->ledger) == 0) {
+        return;
+    }
+    if (rc->running) {
+        rc->again = 1;
+        return;
+    }
+    KV_LOG(INFO, "KVD-REMOTE-WATCH",
+           "remote watch: subscribed again after a gap: asking Redis about the %zu values this "
+           "node announced on REMOTE",
+           kvd_rledger_count(t->ledger));
+    rc->running = 1;
+    rc->cursor = 0;
+    rc->asked = rc->gone = 0;
+    rc->start_ns = now_ns();
+    rc_next(rc);
+}
+
+static kv_err reconcile_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t msglen) {
+    if (cfg->remote_watch_ledger == 0) {
+        return KV_OK;
+    }
+    kv_err e = kvd_rledger_alloc(cfg->remote_watch_ledger, &t->ledger);
+    reconcile *rc = e == KV_OK ? calloc(1, sizeof(*rc)) : NULL;
+    if (rc == NULL) {
+        kvd_rledger_free(t->ledger);
+        t->ledger = NULL;
+        snprintf(msg, msglen, "remote-watch-ledger %llu: out of memory",
+                 (unsigned long long)cfg->remote_watch_ledger);
+        return KV_ENOMEM;
+    }
+    rc->t = t;
+    uv_timer_init(t->loop, &rc->retry);
+    rc->retry.data = rc;
+    t->rc = rc;
+    kvd_rwatch_set_up_fn(t->rwatch, on_watch_up, t);
+    return KV_OK;
 }
 
 /* ---- the interface ------------------------------------------------------------------------- */
@@ -2033,6 +2263,9 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
     if (e == KV_OK && cfg->remote_watch) {
         kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms};
         e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
+        if (e == KV_OK) {
+            e = reconcile_open(t, cfg, msg, msglen);
+        }
     }
     memset(pw, 0, sizeof(pw));
     if (e != KV_OK) {
@@ -2062,6 +2295,10 @@ void kvd_tiers_close(kvd_tiers *t) {
     }
     if (t != NULL) {
         kvd_rwatch_close(t->rwatch);
+    }
+    if (t != NULL && t->rc != NULL) {
+        t->rc->closed = 1;
+        uv_close((uv_handle_t *)&t->rc->retry, NULL);
     }
 }
 
@@ -2201,6 +2438,8 @@ void kvd_tiers_free(kvd_tiers *t) {
     }
     kvd_remote_free(t->remote);
     kvd_rwatch_free(t->rwatch);
+    free(t->rc);
+    kvd_rledger_free(t->ledger);
     kvd_pinned_destroy(t->pinned);
     free(t);
 }
@@ -3492,6 +3731,10 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_RWATCH_EXPIRED] = ws.expired;
             v[TS_RWATCH_EVICTED] = ws.evicted;
             v[TS_RWATCH_GAPS] = ws.gaps;
+        }
+        if (t->ledger != NULL) {
+            v[TS_RWATCH_LEDGER] = kvd_rledger_count(t->ledger);
+            v[TS_RWATCH_LEDGER_LOST] = kvd_rledger_lost(t->ledger);
         }
     }
     v[TS_T1_PINNED] = t != NULL ? kvd_pinned_bytes(t->pinned) : 0;

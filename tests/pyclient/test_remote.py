@@ -1979,6 +1979,158 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
         ctx.destroy(0)
 
 
+def _kill_watch_subscribers(srv):
+    """Closes every pub/sub connection of the server (kvd's watch): a gap in the watch."""
+    with srv.client() as r:
+        return r.call("CLIENT", "KILL", "TYPE", "pubsub")
+
+
+@pytest.mark.parametrize("ledger", ["262144", "0"])
+def test_remote_watch_reconciles_after_a_gap(kvd_factory, redis_factory, ledger):
+    """Values deleted while nothing would tell kvd (a DEL is no expiry or eviction), then the
+    watch's subscription killed (CLIENT KILL TYPE pubsub: a gap): when kvd is subscribed again
+    it asks Redis about every value it announced on REMOTE (its ledger) and publishes
+    BlockRemoved for exactly the deleted ones; a second gap finds the rest once deleted. With
+    remote-watch-ledger 0 the gap is only counted, as before there was a ledger."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, srv.addr, ea, remote_watch_ledger=ledger, log_level="info")
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 6, 565100)
+        want = [xxh3_form(h, Schema()) for h in hs]
+        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        assert tiers(a)["remote_watch_ledger"] == (6 if ledger != "0" else 0), rem(a)
+        ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs), ns.present(hs)
+        with srv.client() as r:
+            for h in hs[1::2]:
+                assert r.call("DEL", ns.key(h)) == 1
+        time.sleep(0.3)
+        assert _removed_on_remote(sa) == [], "a DEL is not heard: nothing yet"
+        assert _kill_watch_subscribers(srv) >= 1
+        assert wait_until(lambda: tiers(a)["remote_watch_gaps"] == 1, timeout=5), rem(a)
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+        gone = [xxh3_form(h, Schema()) for h in hs[1::2]]
+        if ledger == "0":
+            time.sleep(1.0)
+            assert _removed_on_remote(sa) == [], _removed_on_remote(sa)
+            t = tiers(a)
+            assert t["remote_watch_reconciles"] == 0 and t["remote_watch_reconciled"] == 0, t
+            sa.close()
+            return
+        sa.until("REMOTE removed after the gap",
+                 lambda x: set(gone) <= set(_removed_on_remote(sa)), timeout=10)
+        assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] == 1, timeout=5), rem(a)
+        time.sleep(0.3)
+        assert sorted(_removed_on_remote(sa)) == sorted(gone), _removed_on_remote(sa)
+        t = tiers(a)
+        assert t["remote_watch_reconciled"] == 3 and t["remote_watch_ledger"] == 3, rem(t)
+        assert t["remote_watch_reconcile_errors"] == 0, rem(t)
+        assert "reconciled after a gap: 6 values asked about, 3 gone" in log_tail(a)
+        # The rest deleted, a second gap: found too; nothing is reported twice.
+        n0 = len(sa.batches)
+        with srv.client() as r:
+            for h in hs[0::2]:
+                assert r.call("DEL", ns.key(h)) == 1
+        assert _kill_watch_subscribers(srv) >= 1
+        rest = [xxh3_form(h, Schema()) for h in hs[0::2]]
+        sa.until("REMOTE removed after the second gap",
+                 lambda x: set(rest) <= set(_removed_on_remote(sa, n0)), timeout=10)
+        assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] == 2, timeout=5), rem(a)
+        assert sorted(_removed_on_remote(sa)) == sorted(want), _removed_on_remote(sa)
+        t = tiers(a)
+        assert t["remote_watch_gaps"] == 2 and t["remote_watch_ledger"] == 0, rem(t)
+        assert ping_ms(ca) < 100
+        sa.close()
+    finally:
+        ctx.destroy(0)
+
+
+def test_remote_watch_reconciles_a_redis_restarted_empty(kvd_factory, redis_factory):
+    """The Redis server killed and started again on its port without its data (no persistence):
+    every value kvd announced on REMOTE is gone, and once its watch is subscribed again kvd
+    says so (BlockRemoved for each, found by the reconciliation)."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, srv.addr, ea)
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 24, 575100)
+        want = [xxh3_form(h, Schema()) for h in hs]
+        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        srv.kill()
+        srv.start()
+        sa.until("REMOTE removed after the restart",
+                 lambda x: set(want) <= set(_removed_on_remote(sa)), timeout=20)
+        assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] >= 1, timeout=5), rem(a)
+        t = tiers(a)
+        assert t["remote_watch_reconciled"] == 24 and t["remote_watch_ledger"] == 0, rem(t)
+        assert t["remote_watch_gaps"] >= 1, rem(t)
+        assert sorted(set(_removed_on_remote(sa))) == sorted(want)
+        assert ping_ms(ca) < 100
+        sa.close()
+    finally:
+        ctx.destroy(0)
+
+
+def test_remote_watch_reconciles_a_cluster(kvd_factory, redis_cluster):
+    """A Redis Cluster: values on all 3 masters, a third of them deleted unheard, then one
+    master's pub/sub connections killed (a gap on one node): the reconciliation asks every
+    master about its keys (one pipelined round trip per node and batch) and reports exactly the
+    deleted ones."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    cl = redis_cluster
+    for p in cl.ports:
+        with Redis(p, timeout=2.0) as r:
+            r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea)
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=10), rem(a)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 24, 585100)
+        ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs), ns.present(hs)
+        gone = hs[::3]
+        assert len({cl.client.master_of(ns.key(h)) for h in gone}) == 3
+        want = [xxh3_form(h, Schema()) for h in hs]
+        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        for h in gone:
+            assert cl.client.call(ns.key(h), "DEL", ns.key(h)) == 1
+        with Redis(cl.client.masters()[1], timeout=2.0) as r:
+            assert r.call("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+        gone_x = [xxh3_form(h, Schema()) for h in gone]
+        sa.until("REMOTE removed after the gap",
+                 lambda x: set(gone_x) <= set(_removed_on_remote(sa)), timeout=15)
+        assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] >= 1, timeout=5), rem(a)
+        time.sleep(0.3)
+        assert sorted(set(_removed_on_remote(sa))) == sorted(gone_x), _removed_on_remote(sa)
+        t = tiers(a)
+        assert t["remote_watch_reconciled"] == len(gone), rem(t)
+        assert t["remote_watch_ledger"] == len(hs) - len(gone), rem(t)
+        assert t["remote_watch_nodes"] == 3, rem(t)
+        sa.close()
+    finally:
+        ctx.destroy(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # remote-uid-tenants: peers without a tenants-file line (uid-N) across nodes
 
