@@ -1,6 +1,7 @@
 /* benchutil: clock, errors, server processes and medians for bench/ (see benchutil.h). */
 #include "bench/benchutil.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -175,4 +176,41 @@ double bench_median(double *v, size_t n) {
     }
     qsort(v, n, sizeof(*v), cmp_double);
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static uint64_t task_cpu_ns(pid_t pid, const char *tid) {
+    char path[96];
+    snprintf(path, sizeof(path), "/proc/%d/task/%s/schedstat", (int)pid, tid);
+    FILE *f = fopen(path, "r");
+    unsigned long long ns = 0;
+    if (f != NULL) {
+        if (fscanf(f, "%llu", &ns) != 1) {
+            ns = 0;
+        }
+        fclose(f);
+    }
+    return ns;
+}
+
+uint64_t bench_cpu_ns(pid_t pid, int loop) {
+    char tid[24];
+    if (loop) {
+        snprintf(tid, sizeof(tid), "%d", (int)pid);
+        return task_cpu_ns(pid, tid);
+    }
+    char dir[64];
+    snprintf(dir, sizeof(dir), "/proc/%d/task", (int)pid);
+    DIR *d = opendir(dir);
+    if (d == NULL) {
+        return 0;
+    }
+    uint64_t sum = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] != '.') {
+            sum += task_cpu_ns(pid, e->d_name);
+        }
+    }
+    closedir(d);
+    return sum;
 }

@@ -48,4 +48,9 @@ int bench_stop(pid_t pid);
 /* Median of v[0..n) (sorts v in place); 0 for n == 0. */
 double bench_median(double *v, size_t n);
 
+/* CPU time of a process in ns, from the scheduler's own count (/proc/PID/task/TID/schedstat,
+ * ns resolution, where /proc/PID/stat counts 10 ms ticks): of its main thread only (loop 1:
+ * a kvd's loop thread) or of all its threads (loop 0). 0 when it cannot be read. */
+uint64_t bench_cpu_ns(pid_t pid, int loop);
+
 #endif
