@@ -1,6 +1,7 @@
 /* kvd_kvevents: vLLM-format KV events over ZMQ (kvevents.h has the contract). */
 #include "daemon/kvevents/kvevents.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,22 +162,36 @@ struct kvd_kvevents {
     uint8_t dflt; /* the options' publisher, NO_PUB none */
     const char *medium;
     int vllm;         /* hash-mode vllm: blocks are named by digests */
-    uv_check_t check; /* flush-ms 0, and the start-up batches */
-    uv_timer_t timer; /* flush-ms > 0 */
+    uv_check_t check; /* hands the iteration's records to the events thread */
+    uv_timer_t timer; /* flush-ms > 0: hands records made after the iteration's check */
     uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
     int handles, armed, started, closed;
-    int check_on;  /* check handle started */
-    int flush_due; /* flush-ms 0: flush at this iteration's check */
-    int startup;   /* the AllBlocksCleared batches wait for the first check */
-    char *in;      /* the intake (records, in order) */
+    int check_on; /* check handle started */
+    char *in;     /* the intake (records, in order; loop thread) */
     size_t in_len, in_cap;
+    uint64_t lc[KS_COUNT]; /* the loop thread's counters (gaps of the intake, replays) */
+    /* The events thread (the thread's own below; the hand-off under mu). */
+    pthread_t thread;
+    int thread_on;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv; /* records handed, or stop */
+    pthread_cond_t done_cv; /* records drained */
+    char *q;                /* (mu) records handed over, not yet taken */
+    size_t q_len, q_cap;
+    uint64_t handed, done;       /* (mu) hand-offs made, and drained */
+    int stop;                    /* (mu) kvd_kvevents_close: drain, flush and end */
+    uint64_t snap[KS_COUNT + 1]; /* (mu) the thread's counters and nblocks after its last drain */
+    pthread_mutex_t ring_mu;     /* every pub's replay ring: kept by the thread, replayed by the
+                                    loop */
+    char *work;                  /* the thread's: the records it drains */
+    size_t work_cap;
     kvd_kvevent_block *blk; /* drain scratch: one Stored record's blocks */
     size_t blk_cap;
     adv *tab;
-    size_t tcap, tn;  /* slots (a power of two), used */
-    uint64_t nblocks; /* ns-2 records: hashes advertised */
-    uint64_t c[KS_COUNT];
+    size_t tcap, tn;      /* slots (a power of two), used */
+    uint64_t nblocks;     /* ns-2 records: hashes advertised */
+    uint64_t c[KS_COUNT]; /* the events thread's counters */
 };
 
 /* ---- the advertised-hash table --------------------------------------------------------- */
@@ -495,7 +510,9 @@ static void flush_pub(kvd_kvevents *e, pub *b) {
         if (!ok) {
             e->c[KS_SEND_ERRORS]++;
         }
+        pthread_mutex_lock(&e->ring_mu);
         keep(b, seq, buf);
+        pthread_mutex_unlock(&e->ring_mu);
         sbuf_unref(buf);
         e->c[KS_BATCHES]++;
         e->c[KS_EVENTS] += b->nev;
@@ -508,24 +525,16 @@ static void flush_all(kvd_kvevents *e) {
     for (uint32_t i = 0; i < e->npubs; i++) {
         flush_pub(e, &e->pubs[i]);
     }
-    e->armed = 0;
 }
 
-static void drain(kvd_kvevents *e);
+static void handoff(kvd_kvevents *e);
+static void sync_thread(kvd_kvevents *e);
 
-/* After every I/O callback of the loop iteration (so after the replies it wrote): the start-up
- * batches alone, then the intake's records, then (flush-ms 0) the batches they built. */
+/* flush-ms 0: after every I/O callback of the loop iteration (so after the replies it wrote),
+ * the iteration's records go to the events thread (one batch). */
 static void on_check(uv_check_t *h) {
     kvd_kvevents *e = h->data;
-    if (e->startup) {
-        e->startup = 0;
-        flush_all(e);
-    }
-    drain(e);
-    if (e->flush_due) {
-        e->flush_due = 0;
-        flush_all(e);
-    }
+    handoff(e);
     uv_check_stop(&e->check);
     e->check_on = 0;
 }
@@ -538,29 +547,25 @@ static void want_check(kvd_kvevents *e) {
 }
 
 static void on_timer(uv_timer_t *h) {
-    drain(h->data); /* records made after the iteration's check (a close callback's) */
-    flush_all(h->data);
+    kvd_kvevents *e = h->data;
+    e->armed = 0;
+    handoff(e);
 }
 
-/* Arms the flush of the batches being built: at the end of this loop iteration, or flush-ms
- * after this first event (one batch then carries every event of that window: fewer sends and
- * I/O-thread wake-ups on a busy Commit path). */
+/* flush-ms > 0: the window's records go to the events thread when it ends, flush-ms after its
+ * first one (one hand-off, one thread wake-up and one batch a window, however many Commits the
+ * loop served meanwhile). */
 static void arm(kvd_kvevents *e) {
-    if (e->armed || !e->handles || e->closed) {
+    if (e->armed || !e->handles || e->closed || e->flush_ms == 0) {
         return;
     }
-    if (e->flush_ms > 0) {
-        uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
-    } else {
-        e->flush_due = 1;
-        want_check(e);
-    }
+    uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
     e->armed = 1;
 }
 
 static void queued(kvd_kvevents *e, pub *b) {
+    (void)e;
     b->nev++;
-    arm(e);
 }
 
 static pub *pub_of(const kvd_kvevents *e, uint32_t domain) {
@@ -585,7 +590,7 @@ int kvd_kvevents_publishes(const kvd_kvevents *e, const kvd_reg_pool *p) {
 
 void kvd_kvevents_gap(kvd_kvevents *e) {
     if (e != NULL) {
-        e->c[KS_GAPS]++;
+        e->lc[KS_GAPS]++;
     }
 }
 
@@ -820,7 +825,7 @@ int kvd_kvevents_digest_tail(void *arg, uint32_t domain, kv_hash128 hash, uint8_
     if (b == NULL) {
         return 0; /* no digests recorded for this domain: nothing to run first */
     }
-    drain(e); /* the records so far first: the digest may be in one */
+    sync_thread(e); /* the records so far first: the digest may be in one */
     uint8_t buf[32];
     if (recorded_full(e, b, hash, buf) == NULL) {
         return 0;
@@ -937,7 +942,13 @@ static void do_drop(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, kv_hash1
  * a Commit's or an Allocate's reply does not wait for its events. A synchronous reader of the
  * state (digest_tail, stats, close) drains the intake first. Records are 8-byte multiples in a
  * malloc'd buffer (so every struct below is aligned). */
-enum { IN_STORED = 1, IN_DROP, IN_TIER };
+enum { IN_STORED = 1, IN_DROP, IN_TIER, IN_FLUSH };
+
+/* Where one loop iteration's records end and the next one's begin, in a hand-off that joins two
+ * (flush-ms 0: each iteration's events are one batch). */
+typedef struct in_flush {
+    uint32_t kind, size;
+} in_flush;
 
 typedef struct in_stored {
     uint32_t kind, size; /* size: bytes of the record, blocks and token ids included */
@@ -971,7 +982,8 @@ typedef struct in_tier {
 #define IN_ALIGN(n) (((n) + 7u) & ~(size_t)7u)
 #define INTAKE_KEEP (1u << 20) /* intake bytes kept between iterations, at most */
 _Static_assert(sizeof(in_stored) % 8 == 0 && sizeof(in_block) % 8 == 0 &&
-                   sizeof(in_drop) % 8 == 0 && sizeof(in_tier) % 8 == 0,
+                   sizeof(in_drop) % 8 == 0 && sizeof(in_tier) % 8 == 0 &&
+                   sizeof(in_flush) % 8 == 0,
                "intake records keep the next one 8-byte aligned");
 
 /* Room for n more bytes of records (n a multiple of 8), or NULL for want of memory. */
@@ -980,9 +992,10 @@ static uint8_t *in_room(kvd_kvevents *e, size_t n) {
     if (r == NULL) {
         return NULL;
     }
-    want_check(e);
     if (e->flush_ms > 0) {
-        arm(e); /* the window starts at the first event, whenever the next check comes */
+        arm(e); /* the window starts at the first event; its records go when it ends */
+    } else {
+        want_check(e); /* the iteration's records go at its end */
     }
     return r;
 }
@@ -991,15 +1004,17 @@ static int takes(const kvd_kvevents *e, uint32_t domain) {
     return e != NULL && e->started && !e->closed && pub_of(e, domain) != NULL;
 }
 
-/* Runs the records so far, in order, and empties the intake. */
-static void drain(kvd_kvevents *e) {
+/* Runs the records of buf[0..len), in order (the events thread). */
+static void drain(kvd_kvevents *e, const char *buf, size_t len) {
     size_t off = 0;
-    while (off < e->in_len) {
-        const uint8_t *r = (const uint8_t *)e->in + off;
+    while (off < len) {
+        const uint8_t *r = (const uint8_t *)buf + off;
         uint32_t kind, size;
         memcpy(&kind, r, 4);
         memcpy(&size, r + 4, 4);
-        if (kind == IN_DROP) {
+        if (kind == IN_FLUSH) {
+            flush_all(e);
+        } else if (kind == IN_DROP) {
             const in_drop *d = (const in_drop *)r;
             do_drop(e, d->pool_id, d->domain, d->hash);
         } else if (kind == IN_TIER) {
@@ -1034,12 +1049,138 @@ static void drain(kvd_kvevents *e) {
         }
         off += size;
     }
+}
+
+/* ---- the events thread -----------------------------------------------------------------------
+ * The loop thread records (above) and, at the end of each loop iteration, hands the records to
+ * this thread (handoff: a pointer swap under mu, or an append when the thread has not taken the
+ * previous ones yet); the thread runs them in order (the advertised-hash table, the msgpack
+ * encoding: drain) and sends the batches (flush-ms after the first event of a batch, or at once
+ * for flush-ms 0). So the bookkeeping and encoding no longer run on the loop thread. A reader of
+ * the thread's state on the loop thread (digest_tail, stats) hands its records over and waits
+ * until they are run (sync_thread): the thread then touches only the batches and the sockets
+ * until the loop hands it more, which that reader is not doing. The PUB sockets are the
+ * thread's once it runs (bound before it starts, closed after it ends); the replay ROUTER stays
+ * on the loop thread, reading the rings under ring_mu. */
+
+/* Blocks named by the records of buf[0..len) (what a lost hand-off costs: counted as gaps). */
+static uint64_t blocks_in(const char *buf, size_t len) {
+    uint64_t n = 0;
+    for (size_t off = 0; off < len;) {
+        uint32_t kind, size;
+        memcpy(&kind, buf + off, 4);
+        memcpy(&size, buf + off + 4, 4);
+        n += kind == IN_STORED ? ((const in_stored *)(buf + off))->n : kind != IN_FLUSH;
+        off += size;
+    }
+    return n;
+}
+
+static void handoff(kvd_kvevents *e) {
+    if (e->in_len == 0 || !e->thread_on) {
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (e->q_len == 0) {
+        char *t = e->q;
+        size_t tc = e->q_cap;
+        e->q = e->in;
+        e->q_cap = e->in_cap;
+        e->q_len = e->in_len;
+        e->in = t;
+        e->in_cap = tc;
+    } else if (room_in(&e->q, &e->q_cap, e->q_len, sizeof(in_flush) + e->in_len, 16384) != NULL) {
+        /* The thread is behind: after its records, and (flush-ms 0) their batch ends there. */
+        if (e->flush_ms == 0) {
+            in_flush f = {IN_FLUSH, sizeof(in_flush)};
+            memcpy(e->q + e->q_len, &f, sizeof(f));
+            e->q_len += sizeof(f);
+        }
+        memcpy(e->q + e->q_len, e->in, e->in_len);
+        e->q_len += e->in_len;
+    } else {
+        e->lc[KS_GAPS] += blocks_in(e->in, e->in_len);
+    }
+    e->handed++;
+    pthread_cond_signal(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
     e->in_len = 0;
     if (e->in_cap > INTAKE_KEEP) { /* a burst's buffer (a huge Commit with token ids) goes back */
         free(e->in);
         e->in = NULL;
         e->in_cap = 0;
     }
+}
+
+/* Hands the records so far over and waits until the thread ran them. */
+static void sync_thread(kvd_kvevents *e) {
+    if (!e->thread_on) {
+        return;
+    }
+    handoff(e);
+    pthread_mutex_lock(&e->mu);
+    while (e->done < e->handed) {
+        pthread_cond_wait(&e->done_cv, &e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* (mu held) What stats reads: the thread's counters as of its last drain or flush. */
+static void snapshot(kvd_kvevents *e) {
+    memcpy(e->snap, e->c, sizeof(e->c));
+    e->snap[KS_COUNT] = e->nblocks;
+}
+
+static void *events_main(void *arg) {
+    kvd_kvevents *e = arg;
+    flush_all(e); /* the start-up batches (AllBlocksCleared) alone, first */
+    pthread_mutex_lock(&e->mu);
+    snapshot(e);
+    for (;;) {
+        if (e->q_len > 0) {
+            char *w = e->work;
+            size_t wc = e->work_cap, n = e->q_len;
+            uint64_t gen = e->handed;
+            e->work = e->q;
+            e->work_cap = e->q_cap;
+            e->q = w;
+            e->q_cap = wc;
+            e->q_len = 0;
+            pthread_mutex_unlock(&e->mu);
+            drain(e, e->work, n);
+            flush_all(e); /* a hand-off is a window's or an iteration's records: one batch */
+            if (e->work_cap > INTAKE_KEEP) {
+                free(e->work);
+                e->work = NULL;
+                e->work_cap = 0;
+            }
+            pthread_mutex_lock(&e->mu);
+            e->done = gen;
+            snapshot(e);
+            pthread_cond_broadcast(&e->done_cv);
+            continue;
+        }
+        if (e->stop) {
+            break;
+        }
+        pthread_cond_wait(&e->work_cv, &e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* Ends the thread once it ran every record handed over and sent every batch. */
+static void stop_thread(kvd_kvevents *e) {
+    if (!e->thread_on) {
+        return;
+    }
+    handoff(e);
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_signal(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->thread, NULL);
+    e->thread_on = 0;
 }
 
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *blk,
@@ -1057,7 +1198,7 @@ void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kveve
     }
     uint8_t *r = size <= UINT32_MAX ? in_room(e, size) : NULL;
     if (r == NULL) {
-        e->c[KS_GAPS] += n;
+        e->lc[KS_GAPS] += n;
         return;
     }
     in_stored *h = (in_stored *)r;
@@ -1103,7 +1244,7 @@ void kvd_kvevents_tier_change(void *arg, uint32_t pool_id, uint32_t domain, uint
     }
     in_tier *t = (in_tier *)in_room(e, sizeof(in_tier));
     if (t == NULL) {
-        e->c[KS_GAPS]++;
+        e->lc[KS_GAPS]++;
         return;
     }
     memset(t, 0, sizeof(*t));
@@ -1137,7 +1278,7 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     }
     in_drop *d = (in_drop *)in_room(e, sizeof(in_drop));
     if (d == NULL) {
-        e->c[KS_GAPS]++;
+        e->lc[KS_GAPS]++;
         return;
     }
     d->kind = IN_DROP;
@@ -1177,14 +1318,14 @@ static void replay_one(kvd_kvevents *e, pub *b) {
     }
     int good = total == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[2]) == 8;
     if (!good) {
-        e->c[KS_REPLAY_BAD]++;
+        e->lc[KS_REPLAY_BAD]++;
         uint64_t now = uv_now(e->loop);
         if (b->last_warn_ms == 0 || now - b->last_warn_ms >= LOG_EVERY_MS) {
             b->last_warn_ms = now;
             KV_LOG(WARN, "KVD-EVENTS",
                    "%s: malformed replay request (%d frames; expected [identity, empty, 8-byte "
                    "start seq]); ignored (%llu so far)",
-                   b->replay, total, (unsigned long long)e->c[KS_REPLAY_BAD]);
+                   b->replay, total, (unsigned long long)e->lc[KS_REPLAY_BAD]);
         }
     } else {
         const uint8_t *s = zmq_msg_data(&parts[2]);
@@ -1194,6 +1335,7 @@ static void replay_one(kvd_kvevents *e, pub *b) {
         }
         const void *id = zmq_msg_data(&parts[0]);
         size_t idlen = zmq_msg_size(&parts[0]);
+        pthread_mutex_lock(&e->ring_mu); /* the events thread keeps batches meanwhile */
         for (size_t i = 0; i < b->n; i++) {
             const kept *k = &b->ring[(b->head + i) % b->cap];
             if (k->seq < start) {
@@ -1208,12 +1350,13 @@ static void replay_one(kvd_kvevents *e, pub *b) {
                 break; /* the peer's queue is full: it gets the end marker, and asks again */
             }
         }
+        pthread_mutex_unlock(&e->ring_mu);
         static const uint8_t end[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
         zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT);
         zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
         zmq_send(b->router, end, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
         zmq_send(b->router, "", 0, ZMQ_DONTWAIT);
-        e->c[KS_REPLAYS]++;
+        e->lc[KS_REPLAYS]++;
     }
     for (int i = 0; i < nparts; i++) {
         zmq_msg_close(&parts[i]);
@@ -1314,6 +1457,10 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
         return KV_ENOMEM;
     }
     e->loop = loop;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->ring_mu, NULL);
+    pthread_cond_init(&e->work_cv, NULL);
+    pthread_cond_init(&e->done_cv, NULL);
     e->medium = medium_t0;
     e->vllm = strcmp(cfg->hash_mode, "vllm") == 0;
     e->flush_ms = cfg->kv_events_flush_ms;
@@ -1352,7 +1499,7 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
         kvd_kvevents_free(e);
         return rc;
     }
-    e->c[KS_PUBLISHERS] = e->npubs;
+    e->lc[KS_PUBLISHERS] = e->npubs;
     *out = e;
     return KV_OK;
 }
@@ -1444,6 +1591,26 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
         b->polling = 1;
         uv_poll_start(&b->poll, UV_READABLE, on_router);
     }
+    for (uint32_t i = 0; i < e->npubs; i++) {
+        pub *b = &e->pubs[i];
+        pack_head(b, "AllBlocksCleared", 0);
+        b->nev = 1;
+    }
+    /* The thread sends the AllBlocksCleared batches alone, first, whatever flush-ms. */
+    int err = pthread_create(&e->thread, NULL, events_main, e);
+    if (err != 0) {
+        snprintf(msg, len, "kv events: cannot start the events thread: %s", strerror(err));
+        for (uint32_t i = 0; i < e->npubs; i++) {
+            pub *b = &e->pubs[i];
+            if (b->polling) {
+                uv_close((uv_handle_t *)&b->poll, NULL);
+                b->polling = 0;
+            }
+        }
+        close_sockets(e);
+        return KV_ESYS;
+    }
+    e->thread_on = 1;
     uv_check_init(e->loop, &e->check);
     uv_timer_init(e->loop, &e->timer);
     uv_timer_init(e->loop, &e->again);
@@ -1452,18 +1619,12 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
     e->started = 1;
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
-        pack_head(b, "AllBlocksCleared", 0);
-        b->nev = 1;
         KV_LOG(INFO, "KVD-EVENTS",
                "publishing KV events on %s%s%s (token ids %s, hashes as %s, %s events)",
                b->endpoint, b->replay[0] != '\0' ? ", replays on " : "", b->replay,
                b->token_ids ? "on" : "off", b->hash_bytes ? "bytes" : "int",
                b->map ? "map" : "array");
     }
-    /* The AllBlocksCleared batches go alone, at the first loop iteration, whatever flush-ms. */
-    e->startup = 1;
-    e->armed = 1;
-    want_check(e);
     return KV_OK;
 }
 
@@ -1471,8 +1632,7 @@ void kvd_kvevents_close(kvd_kvevents *e) {
     if (e == NULL || e->closed) {
         return;
     }
-    drain(e);
-    flush_all(e);
+    stop_thread(e); /* it runs every record so far and sends every batch first */
     e->closed = 1;
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
@@ -1495,7 +1655,8 @@ void kvd_kvevents_free(kvd_kvevents *e) {
     if (e == NULL) {
         return;
     }
-    close_sockets(e); /* when close never ran */
+    stop_thread(e);   /* when close never ran */
+    close_sockets(e); /* (likewise) */
     if (e->ctx != NULL) {
         zmq_ctx_term(e->ctx); /* every socket is closed: returns after their linger */
     }
@@ -1508,21 +1669,35 @@ void kvd_kvevents_free(kvd_kvevents *e) {
         msgpack_sbuffer_destroy(&b->evbuf);
     }
     free(e->in);
+    free(e->q);
+    free(e->work);
     free(e->blk);
     free(e->tab);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->ring_mu);
+    pthread_cond_destroy(&e->work_cv);
+    pthread_cond_destroy(&e->done_cv);
     free(e);
 }
 
 void kvd_kvevents_stats(kvd_kvevents *e, kvd_stat_sink sink, void *arg) {
+    uint64_t v[KS_COUNT + 1] = {0};
     if (e != NULL) {
-        drain(e); /* kv_events_blocks as of every record so far */
+        sync_thread(e); /* kv_events_blocks as of every record so far */
+        if (e->thread_on) {
+            pthread_mutex_lock(&e->mu);
+            memcpy(v, e->snap, sizeof(v));
+            pthread_mutex_unlock(&e->mu);
+        } else { /* never started, or ended: the thread's own counters are final */
+            memcpy(v, e->c, sizeof(e->c));
+            v[KS_COUNT] = e->nblocks;
+        }
+        for (int i = 0; i < KS_COUNT; i++) {
+            v[i] += e->lc[i];
+        }
     }
     for (int i = 0; i < KS_COUNT; i++) {
-        uint64_t v = e == NULL ? 0 : e->c[i];
-        if (i == KS_BLOCKS) {
-            v = e == NULL ? 0 : e->nblocks;
-        }
-        sink(arg, ks_stats[i].name, v);
+        sink(arg, ks_stats[i].name, i == KS_BLOCKS ? v[KS_COUNT] : v[i]);
     }
 }
 

@@ -36,16 +36,19 @@
  * writes ("REMOTE"): kvd_kvevents_tier_change; and the blocks the daemon promotes into the
  * commons (kvd_kvevents_stored on the commons pool, from the Commit handler).
  *
- * Off the request path: the Commit handler, the pools' drop hook and the tiers' event hook
- * only record what happened (copied: key, digest, token ids where the publisher sends them);
- * the bookkeeping below (the advertised-hash counts) and the encoding run at the end of the
- * loop iteration (a uv_check handle, after every I/O callback, so after the replies were
- * written), the records in the order they came. A reader of that state (digest_tail, stats,
- * close) runs the records so far first, so it never sees an older state.
+ * Off the loop thread: the Commit handler, the pools' drop hook and the tiers' event hook only
+ * record what happened (copied: key, digest, token ids where the publisher sends them); the
+ * records go to the events thread of their own, in the order they came, when the flush window
+ * ends (kv-events-flush-ms after its first record; flush-ms 0: at the end of the loop iteration,
+ * a uv_check handle, after every I/O callback, so after the replies were written). That thread
+ * runs the bookkeeping below (the advertised-hash counts) and the encoding, and sends the batch.
+ * A reader of its state on the loop thread (digest_tail, stats, close) hands the records so far
+ * over and waits until they are run, so it never sees an older state.
  *
- * Nothing here blocks the loop thread: sends are non-blocking and zero-copy (a batch's buffer is
- * shared by the live send, the replay buffer and every replay, counted), replays are answered
- * from the buffer, at most KVD_KVEVENTS_REPLAYS_PER_WAKE requests per wake-up. Loop thread only.
+ * Nothing here blocks the loop thread but those readers: sends are non-blocking and zero-copy (a
+ * batch's buffer is shared by the live send, the replay buffer and every replay, counted),
+ * replays are answered from the buffer on the loop thread, at most
+ * KVD_KVEVENTS_REPLAYS_PER_WAKE requests per wake-up. Every function here: loop thread only.
  */
 #ifndef KVD_KVEVENTS_H
 #define KVD_KVEVENTS_H

@@ -21,11 +21,11 @@ typedef struct rl_slot {
 _Static_assert(sizeof(rl_slot) == 24, "ledger slot must be 24 bytes");
 
 struct kvd_rledger {
-    rl_slot *slots;    /* nsets * RL_WAYS */
-    size_t nsets;      /* a power of two */
-    size_t count;      /* entries present */
-    uint32_t next;     /* the next stamp (never 0) */
-    uint64_t lost;     /* entries replaced for room */
+    rl_slot *slots; /* nsets * RL_WAYS */
+    size_t nsets;   /* a power of two */
+    size_t count;   /* entries present */
+    uint32_t next;  /* the next stamp (never 0) */
+    uint64_t lost;  /* entries replaced for room */
 };
 
 kv_err kvd_rledger_alloc(size_t entries, kvd_rledger **out) {

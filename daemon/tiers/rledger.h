@@ -6,10 +6,11 @@
  * announces BlockRemoved for the values that are gone; the ledger is what it asks about.
  *
  * A bounded set of (pool id, block hash) in 4-way sets, two choices of set per entry: an entry
- * whose two sets are full replaces their oldest one (counted in `lost`: a drop of that value in a later gap goes
- * unreported, as every drop did before). Every add stamps its entry with a new number, so an
- * answer about an entry can be matched with the announcement it was asked about
- * (kvd_rledger_remove_if). 48 bytes an entry asked for (two 24-byte slots), allocated at once. Loop thread only.
+ * whose two sets are full replaces their oldest one (counted in `lost`: a drop of that value in a
+ * later gap goes unreported, as every drop did before). Every add stamps its entry with a new
+ * number, so an answer about an entry can be matched with the announcement it was asked about
+ * (kvd_rledger_remove_if). 48 bytes an entry asked for (two 24-byte slots), allocated at once. Loop
+ * thread only.
  */
 #ifndef KVD_RLEDGER_H
 #define KVD_RLEDGER_H
@@ -55,9 +56,9 @@ int kvd_rledger_remove_if(kvd_rledger *l, uint32_t pool_id, kv_hash128 hash, uin
  * meanwhile may or may not be seen). */
 size_t kvd_rledger_scan(const kvd_rledger *l, size_t *cursor, kvd_rledger_ent *out, size_t max);
 
-size_t kvd_rledger_slots(const kvd_rledger *l);   /* capacity in entries */
-size_t kvd_rledger_count(const kvd_rledger *l);   /* entries present */
-uint64_t kvd_rledger_lost(const kvd_rledger *l);  /* entries replaced for room, ever */
-size_t kvd_rledger_bytes(const kvd_rledger *l);   /* memory held */
+size_t kvd_rledger_slots(const kvd_rledger *l);  /* capacity in entries */
+size_t kvd_rledger_count(const kvd_rledger *l);  /* entries present */
+uint64_t kvd_rledger_lost(const kvd_rledger *l); /* entries replaced for room, ever */
+size_t kvd_rledger_bytes(const kvd_rledger *l);  /* memory held */
 
 #endif

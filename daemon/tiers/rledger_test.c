@@ -31,7 +31,7 @@ static void test_add_remove(void **state) {
     for (uint64_t i = 0; i < 100; i++) {
         kvd_rledger_add(l, 7, H(i));
     }
-    kvd_rledger_add(l, 7, H(5)); /* again: one entry */
+    kvd_rledger_add(l, 7, H(5));    /* again: one entry */
     kvd_rledger_add(l, 0, H(1000)); /* not a pool */
     assert_int_equal(kvd_rledger_count(l), 100);
     assert_int_equal(kvd_rledger_remove(l, 8, H(5)), 0); /* another pool's */
