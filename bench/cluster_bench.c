@@ -20,7 +20,9 @@
  * time per block (the scheduler's ns count of the loop thread, and of all threads) the other:
  * round trips bound these sync loops, so their rates swing with the machine (0.80-1.34 between
  * runs) while the CPU a block costs is what events add to the Commit path (<= 1.05 is the
- * target). Prints markdown (bench/run.sh records it under "cluster" in bench/RESULTS.md).
+ * target). The daemons have one CPU, so kv-events-thread auto keeps the events on their loop
+ * thread; a fourth table has them on a thread of their own (on). Prints markdown (bench/run.sh
+ * records it under "cluster" in bench/RESULTS.md).
  *
  *   cluster_bench --kvd bazel-bin/daemon/kvd [--runs 5] [--chains 1500] [--block-layers 4]
  */
@@ -423,9 +425,11 @@ static void bench_remote(int runs) {
     bench_stop(rpid);
 }
 
-static void start(node *d, const char *name, const char *events, int token_ids) {
+static void start(node *d, const char *name, const char *events, int token_ids,
+                  const char *thread) {
     snprintf(d->sock, sizeof(d->sock), "%s/%s.sock", g_dir, name);
-    char sockopt[200], evopt[200];
+    char sockopt[200], evopt[200], thopt[64];
+    snprintf(thopt, sizeof(thopt), "--kv-events-thread=%s", thread);
     snprintf(sockopt, sizeof(sockopt), "--socket=%s", d->sock);
     snprintf(evopt, sizeof(evopt), "--kv-events-endpoint=%s", events != NULL ? events : "");
     /* The daemons on the last CPU, this process (client loop, subscriber) on the first: the
@@ -445,6 +449,7 @@ static void start(node *d, const char *name, const char *events, int token_ids) 
                     "--vllm-hash-seed=0",
                     token_ids ? "--kv-events-token-ids=true" : "--kv-events-token-ids=false",
                     evopt,
+                    thopt,
                     NULL};
     d->pid = bench_spawn(argv);
     bench_wait_socket(d->sock, d->pid);
@@ -521,8 +526,8 @@ typedef struct runner {
     kvc_pool *p;
     const work *w;
     const node *d;
-    size_t at;   /* chains done */
-    double secs; /* spent in slices */
+    size_t at;            /* chains done */
+    double secs;          /* spent in slices */
     uint64_t loop0, all0; /* the daemon's CPU ns at the start: loop thread, all threads */
 } runner;
 
@@ -694,13 +699,15 @@ int main(int argc, char **argv) {
     CPU_ZERO(&set);
     CPU_SET(0, &set);
     sched_setaffinity(0, sizeof(set), &set); /* the events part; threads made later inherit it */
-    node off, on, nt;
-    char ep[128], ep2[128];
+    node off, on, nt, th;
+    char ep[128], ep2[128], ep3[128];
     snprintf(ep, sizeof(ep), "ipc://%s/ev", g_dir);
     snprintf(ep2, sizeof(ep2), "ipc://%s/ev2", g_dir);
-    start(&off, "off", NULL, 1);
-    start(&on, "on", ep, 1);
-    start(&nt, "nt", ep2, 0);
+    snprintf(ep3, sizeof(ep3), "ipc://%s/ev3", g_dir);
+    start(&off, "off", NULL, 1, "auto");
+    start(&on, "on", ep, 1, "auto");
+    start(&nt, "nt", ep2, 0, "auto");
+    start(&th, "th", ep3, 1, "on");
     g_sub_ep = ep;
     void *zctx = zmq_ctx_new();
     /* One uncounted run each: the pools grow their segments and fill. */
@@ -718,6 +725,11 @@ int main(int argc, char **argv) {
         run_pair(&off, &nt, &w1, &w2, &x, &y, &cx, &cy);
         free_work(&w1);
         free_work(&w2);
+        make_work(&w1, chains, 11u);
+        make_work(&w2, chains, 12u);
+        run_pair(&off, &th, &w1, &w2, &x, &y, &cx, &cy);
+        free_work(&w1);
+        free_work(&w2);
     }
     printf("### KV events on the Commit path (hash-mode vllm)\n\n");
     printf("Allocate(%d) + Commit(%d, digests and token ids) + Release per chain, %zu new chains "
@@ -726,7 +738,10 @@ int main(int argc, char **argv) {
            "%d runs, each alternating the two daemons every 50 chains; the daemons on the last "
            "CPU, the client on the first. Every daemon gets the same Commits (token ids "
            "included); the events-on daemon publishes them with token ids "
-           "(kv-events-token-ids, opt-in), a third one without (the default).\n\n",
+           "(kv-events-token-ids, opt-in), a third one without (the default). With one CPU "
+           "each, kv-events-thread auto runs the events on the loop thread; a fourth daemon "
+           "has them on a thread of their own (on), which here takes turns with its loop "
+           "thread on the one CPU.\n\n",
            CHAIN, CHAIN, chains, runs);
     measure(&off, &on, zctx, 1, runs, chains, 100,
             "Token ids on, with a subscriber draining the stream (this process):");
@@ -736,10 +751,15 @@ int main(int argc, char **argv) {
     measure(&off, &nt, zctx, 1, runs, chains, 300,
             "Token ids off (kv-events-token-ids' default: no prompt text leaves the node), with a "
             "subscriber:");
+    g_sub_ep = ep3;
+    measure(&off, &th, zctx, 1, runs, chains, 400,
+            "Token ids on, with a subscriber, the events on a thread of their own "
+            "(kv-events-thread on):");
     zmq_ctx_term(zctx);
     bench_stop(off.pid);
     bench_stop(on.pid);
     bench_stop(nt.pid);
+    bench_stop(th.pid);
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", g_dir);
     if (system(cmd) != 0) {

@@ -164,6 +164,11 @@ static const kvd_config_option options[] = {
     OPT("kv-events-flush-ms", KVD_OPT_U64, kv_events_flush_ms, "1", 0, 10000,
         "a KV-event batch collects the events of this many ms after its first (one send, not "
         "one per request, on a busy Commit path); 0: each loop iteration's events are a batch"),
+    OPT("kv-events-thread", KVD_OPT_STRING, kv_events_thread, "auto", 0, 0,
+        "where KV events are counted and encoded: on (a thread of their own; the loop thread "
+        "only records them), off (on the loop thread, at the end of the flush window) or auto "
+        "(on when the daemon may run on two or more CPUs: the thread then runs beside the loop "
+        "instead of taking turns with it)"),
     OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,
         "the remote tier below T1/T2: HOST:PORT[,HOST:PORT...] of one Redis server or seed "
         "nodes of a Redis Cluster (found by CLUSTER SLOTS); every block that lands in tier 1 "
@@ -280,6 +285,11 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "tier2-zero-copy") == 0 && strcmp(value, "auto") != 0 &&
                 strcmp(value, "on") != 0 && strcmp(value, "off") != 0) {
                 kvd_conf_err(err, errlen, "tier2-zero-copy: '%s' is not auto, on or off", value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "kv-events-thread") == 0 && strcmp(value, "auto") != 0 &&
+                strcmp(value, "on") != 0 && strcmp(value, "off") != 0) {
+                kvd_conf_err(err, errlen, "kv-events-thread: '%s' is not auto, on or off", value);
                 return KV_EINVAL;
             }
             if (strcmp(o->name, "tier-write") == 0 && strcmp(value, "write-back") != 0 &&

@@ -71,6 +71,7 @@ typedef struct kvd_config {
     char kv_events_format[8];               /* "array" (vLLM's array-like) or "map" */
     uint64_t kv_events_buffer;              /* batches kept for replay */
     uint64_t kv_events_flush_ms;            /* a batch collects this long; 0: one iteration */
+    char kv_events_thread[8];               /* "auto", "on" or "off" (kvd_kvevents' thread) */
     char remote_redis[1024];                /* remote tier seeds HOST:PORT,...; "" = off */
     char remote_key_prefix[64];             /* first part of every remote key */
     char remote_password_file[KVD_CONFIG_PATH_MAX]; /* AUTH password file; "" = none */

@@ -2,6 +2,7 @@
 #include "daemon/kvevents/kvevents.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -173,6 +174,7 @@ struct kvd_kvevents {
     uint64_t lc[KS_COUNT]; /* the loop thread's counters (gaps of the intake, replays) */
     /* The events thread (the thread's own below; the hand-off under mu). */
     pthread_t thread;
+    int want_thread; /* kv-events-thread (auto resolved): run on a thread of their own */
     int thread_on;
     pthread_mutex_t mu;
     pthread_cond_t work_cv; /* records handed, or stop */
@@ -1077,7 +1079,20 @@ static uint64_t blocks_in(const char *buf, size_t len) {
 }
 
 static void handoff(kvd_kvevents *e) {
-    if (e->in_len == 0 || !e->thread_on) {
+    if (e->in_len == 0) {
+        return;
+    }
+    if (!e->thread_on) { /* kv-events-thread off: run them here, now */
+        if (e->started && !e->closed) {
+            drain(e, e->in, e->in_len);
+            flush_all(e);
+        }
+        e->in_len = 0;
+        if (e->in_cap > INTAKE_KEEP) {
+            free(e->in);
+            e->in = NULL;
+            e->in_cap = 0;
+        }
         return;
     }
     pthread_mutex_lock(&e->mu);
@@ -1112,12 +1127,13 @@ static void handoff(kvd_kvevents *e) {
     }
 }
 
-/* Hands the records so far over and waits until the thread ran them. */
+/* Hands the records so far over and waits until the thread ran them (without the thread: runs
+ * them). */
 static void sync_thread(kvd_kvevents *e) {
+    handoff(e);
     if (!e->thread_on) {
         return;
     }
-    handoff(e);
     pthread_mutex_lock(&e->mu);
     while (e->done < e->handed) {
         pthread_cond_wait(&e->done_cv, &e->mu);
@@ -1171,10 +1187,10 @@ static void *events_main(void *arg) {
 
 /* Ends the thread once it ran every record handed over and sent every batch. */
 static void stop_thread(kvd_kvevents *e) {
+    handoff(e);
     if (!e->thread_on) {
         return;
     }
-    handoff(e);
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     pthread_cond_signal(&e->work_cv);
@@ -1464,6 +1480,13 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     e->medium = medium_t0;
     e->vllm = strcmp(cfg->hash_mode, "vllm") == 0;
     e->flush_ms = cfg->kv_events_flush_ms;
+    if (strcmp(cfg->kv_events_thread, "auto") == 0) {
+        cpu_set_t cpus;
+        e->want_thread = sched_getaffinity(0, sizeof(cpus), &cpus) != 0 ||
+                         CPU_COUNT(&cpus) >= 2; /* unknown: on */
+    } else {
+        e->want_thread = strcmp(cfg->kv_events_thread, "off") != 0;
+    }
     memset(e->by_tenant, NO_PUB, sizeof(e->by_tenant));
     memset(e->by_group, NO_PUB, sizeof(e->by_group));
     e->commons = e->dflt = NO_PUB;
@@ -1596,8 +1619,9 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
         pack_head(b, "AllBlocksCleared", 0);
         b->nev = 1;
     }
-    /* The thread sends the AllBlocksCleared batches alone, first, whatever flush-ms. */
-    int err = pthread_create(&e->thread, NULL, events_main, e);
+    /* The thread sends the AllBlocksCleared batches alone, first, whatever flush-ms (without
+     * it, they go now: the loop runs no other record before this returns). */
+    int err = e->want_thread ? pthread_create(&e->thread, NULL, events_main, e) : 0;
     if (err != 0) {
         snprintf(msg, len, "kv events: cannot start the events thread: %s", strerror(err));
         for (uint32_t i = 0; i < e->npubs; i++) {
@@ -1610,7 +1634,10 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
         close_sockets(e);
         return KV_ESYS;
     }
-    e->thread_on = 1;
+    e->thread_on = e->want_thread;
+    if (!e->want_thread) {
+        flush_all(e);
+    }
     uv_check_init(e->loop, &e->check);
     uv_timer_init(e->loop, &e->timer);
     uv_timer_init(e->loop, &e->again);
@@ -1620,10 +1647,11 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
     for (uint32_t i = 0; i < e->npubs; i++) {
         pub *b = &e->pubs[i];
         KV_LOG(INFO, "KVD-EVENTS",
-               "publishing KV events on %s%s%s (token ids %s, hashes as %s, %s events)",
+               "publishing KV events on %s%s%s (token ids %s, hashes as %s, %s events, %s)",
                b->endpoint, b->replay[0] != '\0' ? ", replays on " : "", b->replay,
                b->token_ids ? "on" : "off", b->hash_bytes ? "bytes" : "int",
-               b->map ? "map" : "array");
+               b->map ? "map" : "array",
+               e->thread_on ? "on a thread of their own" : "on the loop thread");
     }
     return KV_OK;
 }

@@ -36,14 +36,16 @@
  * writes ("REMOTE"): kvd_kvevents_tier_change; and the blocks the daemon promotes into the
  * commons (kvd_kvevents_stored on the commons pool, from the Commit handler).
  *
- * Off the loop thread: the Commit handler, the pools' drop hook and the tiers' event hook only
+ * Off the request path: the Commit handler, the pools' drop hook and the tiers' event hook only
  * record what happened (copied: key, digest, token ids where the publisher sends them); the
- * records go to the events thread of their own, in the order they came, when the flush window
- * ends (kv-events-flush-ms after its first record; flush-ms 0: at the end of the loop iteration,
- * a uv_check handle, after every I/O callback, so after the replies were written). That thread
- * runs the bookkeeping below (the advertised-hash counts) and the encoding, and sends the batch.
- * A reader of its state on the loop thread (digest_tail, stats, close) hands the records so far
- * over and waits until they are run, so it never sees an older state.
+ * records are run, in the order they came, when the flush window ends (kv-events-flush-ms after
+ * its first record; flush-ms 0: at the end of the loop iteration, a uv_check handle, after every
+ * I/O callback, so after the replies were written): the bookkeeping below (the advertised-hash
+ * counts), the encoding and the send of the batch. With kv-events-thread on (auto: where the
+ * daemon may run on two or more CPUs) they run on a thread of their own, to which the loop hands
+ * the records (a pointer swap under a mutex); off, on the loop thread itself.
+ * A reader of that state on the loop thread (digest_tail, stats, close) has the records so far
+ * run first (handed over and waited for), so it never sees an older state.
  *
  * Nothing here blocks the loop thread but those readers: sends are non-blocking and zero-copy (a
  * batch's buffer is shared by the live send, the replay buffer and every replay, counted),

@@ -482,11 +482,15 @@ def chain_parents(events):
 # ---------------------------------------------------------------------------------------------
 # vllm mode: hashes and BlockStored
 
-def test_vllm_attach_and_block_stored_chain(kvd_factory, zctx):
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_vllm_attach_and_block_stored_chain(kvd_factory, zctx, thread):
     """AttachPoolReply of a vllm pool; a 4-block chain is one BlockStored with vLLM's u64
     hashes, parent None, no token ids; a 2-block extension names the chain's last block as its
-    parent; Lookup finds the blocks under the digests' 128-bit keys."""
-    d = start(kvd_factory)
+    parent; Lookup finds the blocks under the digests' 128-bit keys. The same with the events on
+    a thread of their own and on the loop thread (kv-events-thread; the log says which)."""
+    d = start(kvd_factory, kv_events_thread=thread, log_level="info")
+    assert ("on a thread of their own" if thread == "on" else "on the loop thread") in \
+        d.read_log(), d.read_log()[-2000:]
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
@@ -637,11 +641,12 @@ def test_capacity_eviction_publishes_block_removed(kvd_factory, zctx):
     collect_removed(sub, [ref.to_u64(h) for h in chain], "BlockRemoved after capacity eviction")
 
 
-def test_pipelined_commit_release_evict_keep_their_order(kvd_factory, zctx):
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_pipelined_commit_release_evict_keep_their_order(kvd_factory, zctx, thread):
     """A Commit, the Release of its blocks and an Allocate that must evict them, in one write
     (one loop iteration, where kvd records the events and runs them after the replies): the
     stream says BlockStored for the chain before BlockRemoved for it, each once."""
-    d = start(kvd_factory, pool_memory="2M")
+    d = start(kvd_factory, pool_memory="2M", kv_events_thread=thread)
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
@@ -734,11 +739,12 @@ def test_duplicate_commit_publishes_nothing(kvd_factory, zctx):
 # ---------------------------------------------------------------------------------------------
 # Replay
 
-def test_replay(kvd_factory, zctx):
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_replay(kvd_factory, zctx, thread):
     """DEALER replay: every buffered batch from seq 0 in order (0 is AllBlocksCleared), the same
     bytes the PUB sent, seqs contiguous, then the end marker; from a later seq only the rest;
     from beyond the last only the end marker; malformed requests get no answer."""
-    d = start(kvd_factory)
+    d = start(kvd_factory, kv_events_thread=thread)
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
@@ -818,10 +824,11 @@ def test_replay_buffer_keeps_the_latest_batches(kvd_factory, zctx):
                       timeout=WAIT), [s for s, _ in replay(zctx, d.replay, 0)]
 
 
-def test_flush_window_coalesces_commits(kvd_factory, zctx):
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_flush_window_coalesces_commits(kvd_factory, zctx, thread):
     """kv-events-flush-ms > 0 (the default is 1): the Commits of one window go out as one batch
     (one send on a busy Commit path), each still its own BlockStored, in order."""
-    d = start(kvd_factory, **{OPT_FLUSH: "400"})
+    d = start(kvd_factory, kv_events_thread=thread, **{OPT_FLUSH: "400"})
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
@@ -1118,13 +1125,14 @@ def test_second_daemon_keeps_off_the_endpoints(kvd_factory, zctx, tmp_path):
         stored([ref.to_u64(chain[0])])]
 
 
-def test_lower_tiers_publish_their_media(kvd_factory, zctx):
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_lower_tiers_publish_their_media(kvd_factory, zctx, thread):
     """Tier copies are events too: tier 2 as medium DISK (BlockStored without parent or tokens,
     as vLLM's offloading connector reports copies); a host pool's tier 1 is the same medium as
     its T0 (CPU): no second BlockStored for it, and no BlockRemoved while tier 1 still holds
     the block after T0 let it go."""
-    d = start(kvd_factory, tier1_memory="8M", tier2_path="{dir}/t2", tier2_bytes="64M",
-              tier_write="write-through")
+    d = start(kvd_factory, kv_events_thread=thread, tier1_memory="8M", tier2_path="{dir}/t2",
+              tier2_bytes="64M", tier_write="write-through")
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
@@ -1240,6 +1248,7 @@ BAD_CONFIGS = {
     "format": ({OPT_ENDPOINT: "{free}", "kv_events_format": "json"}, "kv-events-format"),
     "same_endpoint": ({OPT_ENDPOINT: "{free}", OPT_REPLAY: "{free}"}, "both the PUB and"),
     "hash_form": ({OPT_ENDPOINT: "{free}", OPT_HASH_FORM: "hex"}, "hash-form"),
+    "thread": ({OPT_ENDPOINT: "{free}", "kv_events_thread": "maybe"}, "kv-events-thread"),
     "events_line_domain": ({"tenants_file": "{dir}/tenants"}, "nosuchtenant"),
 }
 
