@@ -1827,6 +1827,22 @@ def _removed_on_remote(sub, start=0):
             if isinstance(e, BlockRemoved) and e.medium == "REMOTE" for h in e.block_hashes]
 
 
+def _watched_chain(kvd_factory, ctx, seeds, ea, nblocks, base, nodes=1, **opts):
+    """A node with remote-watch subscribed on `nodes` Redis nodes, a subscriber to its KV events
+    and a chain of nblocks it committed, each announced on REMOTE: (daemon, subscriber, conn,
+    pool, hashes, the hashes as the events name them)."""
+    from test_kv_events import Sub, xxh3_form, Schema
+    a = _watch_node(kvd_factory, seeds, ea, **opts)
+    assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == nodes, timeout=10), rem(a)
+    sa = Sub(ctx, ea, name="A")
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, _ = commit_chain(ca, pa, nblocks, base)
+    want = [xxh3_form(h, Schema()) for h in hs]
+    sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+    return a, sa, ca, pa, hs, want
+
+
 @pytest.mark.parametrize("seed", ["address", "name"])
 def test_remote_watch_reports_expiry(kvd_factory, redis_factory, seed):
     """remote-watch on a Redis whose notify-keyspace-events holds Exe: the values A wrote with
@@ -1834,20 +1850,14 @@ def test_remote_watch_reports_expiry(kvd_factory, redis_factory, seed):
     a key of another prefix expiring says nothing. The counters say one node, configured. The
     seed given as a host name ("localhost") is resolved off the loop thread."""
     import zmq
-    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    from test_kv_events import tcp_endpoints
     srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
         addr = srv.addr if seed == "address" else "localhost:%d" % srv.port
-        a = _watch_node(kvd_factory, addr, ea, remote_ttl_s="1")
-        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
-        sa = Sub(ctx, ea, name="A")
-        ca = connect(a)
-        pa = ca.attach(MODEL, LAYOUT)
-        hs, _ = commit_chain(ca, pa, 3, 515100)
-        want = [xxh3_form(h, Schema()) for h in hs]
-        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        a, sa, ca, pa, hs, want = _watched_chain(kvd_factory, ctx, addr, ea, 3, 515100,
+                                                 remote_ttl_s="1")
         with srv.client() as r:
             r.call("SET", "other:key", "x", "PX", "50")
         sa.until("REMOTE removed", lambda x: set(want) <= set(_removed_on_remote(sa)),
@@ -1993,19 +2003,13 @@ def test_remote_watch_reconciles_after_a_gap(kvd_factory, redis_factory, ledger)
     BlockRemoved for exactly the deleted ones; a second gap finds the rest once deleted. With
     remote-watch-ledger 0 the gap is only counted, as before there was a ledger."""
     import zmq
-    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    from test_kv_events import tcp_endpoints, xxh3_form, Schema
     srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
-        a = _watch_node(kvd_factory, srv.addr, ea, remote_watch_ledger=ledger, log_level="info")
-        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
-        sa = Sub(ctx, ea, name="A")
-        ca = connect(a)
-        pa = ca.attach(MODEL, LAYOUT)
-        hs, _ = commit_chain(ca, pa, 6, 565100)
-        want = [xxh3_form(h, Schema()) for h in hs]
-        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        a, sa, ca, pa, hs, want = _watched_chain(kvd_factory, ctx, srv.addr, ea, 6, 565100,
+                                                 remote_watch_ledger=ledger, log_level="info")
         assert tiers(a)["remote_watch_ledger"] == (6 if ledger != "0" else 0), rem(a)
         ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
         assert ns.wait_landed(hs), ns.present(hs)
@@ -2058,19 +2062,12 @@ def test_remote_watch_reconciles_a_redis_restarted_empty(kvd_factory, redis_fact
     every value kvd announced on REMOTE is gone, and once its watch is subscribed again kvd
     says so (BlockRemoved for each, found by the reconciliation)."""
     import zmq
-    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    from test_kv_events import tcp_endpoints
     srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
-        a = _watch_node(kvd_factory, srv.addr, ea)
-        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
-        sa = Sub(ctx, ea, name="A")
-        ca = connect(a)
-        pa = ca.attach(MODEL, LAYOUT)
-        hs, _ = commit_chain(ca, pa, 24, 575100)
-        want = [xxh3_form(h, Schema()) for h in hs]
-        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
+        a, sa, ca, pa, hs, want = _watched_chain(kvd_factory, ctx, srv.addr, ea, 24, 575100)
         srv.kill()
         srv.start()
         sa.until("REMOTE removed after the restart",
@@ -2092,7 +2089,7 @@ def test_remote_watch_reconciles_a_cluster(kvd_factory, redis_cluster):
     master about its keys (one pipelined round trip per node and batch) and reports exactly the
     deleted ones."""
     import zmq
-    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    from test_kv_events import tcp_endpoints, xxh3_form, Schema
     cl = redis_cluster
     for p in cl.ports:
         with Redis(p, timeout=2.0) as r:
@@ -2100,18 +2097,12 @@ def test_remote_watch_reconciles_a_cluster(kvd_factory, redis_cluster):
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
-        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea)
-        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=10), rem(a)
-        sa = Sub(ctx, ea, name="A")
-        ca = connect(a)
-        pa = ca.attach(MODEL, LAYOUT)
-        hs, _ = commit_chain(ca, pa, 24, 585100)
+        a, sa, ca, pa, hs, want = _watched_chain(kvd_factory, ctx, "127.0.0.1:%d" % cl.ports[0],
+                                                 ea, 24, 585100, nodes=3)
         ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
         assert ns.wait_landed(hs), ns.present(hs)
         gone = hs[::3]
         assert len({cl.client.master_of(ns.key(h)) for h in gone}) == 3
-        want = [xxh3_form(h, Schema()) for h in hs]
-        sa.until("REMOTE stored", lambda x: set(want) <= sa.stored("REMOTE"), timeout=10)
         for h in gone:
             assert cl.client.call(ns.key(h), "DEL", ns.key(h)) == 1
         with Redis(cl.client.masters()[1], timeout=2.0) as r:
