@@ -1827,6 +1827,14 @@ def _removed_on_remote(sub, start=0):
             if isinstance(e, BlockRemoved) and e.medium == "REMOTE" for h in e.block_hashes]
 
 
+def _send_drops(ports):
+    """Has every Redis node of ports send its expiries and evictions (notify-keyspace-events
+    Exe; kvd never sets it)."""
+    for p in ports:
+        with Redis(p, timeout=2.0) as r:
+            r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+
+
 def _watched_chain(kvd_factory, ctx, seeds, ea, nblocks, base, nodes=1, **opts):
     """A node with remote-watch subscribed on `nodes` Redis nodes, a subscriber to its KV events
     and a chain of nblocks it committed, each announced on REMOTE: (daemon, subscriber, conn,
@@ -1945,9 +1953,7 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
     import zmq
     from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
     cl = redis_cluster
-    for p in cl.ports:
-        with Redis(p, timeout=2.0) as r:
-            r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+    _send_drops(cl.ports)
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
@@ -1971,9 +1977,7 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
         cl.client.refresh()
         promoted = set(cl.client.masters())
         assert victim not in promoted
-        for p in promoted:  # the promoted replica kept Exe (the test set it on every node)
-            with Redis(p, timeout=2.0) as r:
-                r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+        _send_drops(promoted)  # the promoted replica kept Exe (the test set it on every node)
         assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=20), msg(
             rem(a), [l for l in log_tail(a, 20000).splitlines() if "WATCH" in l][-12:])
         # The killed master's subscription was lost: one gap (drops in it went unheard).
@@ -2091,9 +2095,7 @@ def test_remote_watch_reconciles_a_cluster(kvd_factory, redis_cluster):
     import zmq
     from test_kv_events import tcp_endpoints, xxh3_form, Schema
     cl = redis_cluster
-    for p in cl.ports:
-        with Redis(p, timeout=2.0) as r:
-            r.call("CONFIG", "SET", "notify-keyspace-events", "Exe")
+    _send_drops(cl.ports)
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
