@@ -167,8 +167,8 @@ static const kvd_config_option options[] = {
     OPT("kv-events-thread", KVD_OPT_STRING, kv_events_thread, "auto", 0, 0,
         "where KV events are counted and encoded: on (a thread of their own; the loop thread "
         "only records them), off (on the loop thread, at the end of the flush window) or auto "
-        "(on when the daemon may run on two or more CPUs: the thread then runs beside the loop "
-        "instead of taking turns with it)"),
+        "(on when the daemon may run on two or more CPUs, by its CPU affinity and its cgroup's "
+        "CPU quota: the thread then runs beside the loop instead of taking turns with it)"),
     OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,
         "the remote tier below T1/T2: HOST:PORT[,HOST:PORT...] of one Redis server or seed "
         "nodes of a Redis Cluster (found by CLUSTER SLOTS); every block that lands in tier 1 "
@@ -205,9 +205,9 @@ static const kvd_config_option options[] = {
         "such a value is written to Redis again on its way down"),
     OPT("remote-watch-ledger", KVD_OPT_U64, remote_watch_ledger, "262144", 0, 1ull << 32,
         "with remote-watch: how many of the values this node announced on REMOTE it remembers "
-        "(48 bytes each), so that after a gap in the watch (a subscription lost and made again) "
-        "it asks Redis which are gone and publishes BlockRemoved for them; when it is full, "
-        "older ones are forgotten; 0: no reconciliation"),
+        "(48 to 96 bytes each), so that after a gap in the watch (a subscription lost and made "
+        "again) it asks Redis which are gone and publishes BlockRemoved for them; when it is "
+        "full, older ones are forgotten; 0: no reconciliation"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

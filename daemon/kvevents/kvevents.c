@@ -164,13 +164,14 @@ struct kvd_kvevents {
     const char *medium;
     int vllm;         /* hash-mode vllm: blocks are named by digests */
     uv_check_t check; /* hands the iteration's records to the events thread */
-    uv_timer_t timer; /* flush-ms > 0: hands records made after the iteration's check */
+    uv_timer_t timer; /* flush-ms > 0: the window's end (its records are run and sent) */
     uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
     int handles, armed, started, closed;
     int check_on; /* check handle started */
     char *in;     /* the intake (records, in order; loop thread) */
     size_t in_len, in_cap;
+    int unflushed;         /* records were run for a reader since the last flush point */
     uint64_t lc[KS_COUNT]; /* the loop thread's counters (gaps of the intake, replays) */
     /* The events thread (the thread's own below; the hand-off under mu). */
     pthread_t thread;
@@ -529,14 +530,14 @@ static void flush_all(kvd_kvevents *e) {
     }
 }
 
-static void handoff(kvd_kvevents *e);
+static void handoff(kvd_kvevents *e, int flush);
 static void sync_thread(kvd_kvevents *e);
 
 /* flush-ms 0: after every I/O callback of the loop iteration (so after the replies it wrote),
  * the iteration's records go to the events thread (one batch). */
 static void on_check(uv_check_t *h) {
     kvd_kvevents *e = h->data;
-    handoff(e);
+    handoff(e, 1);
     uv_check_stop(&e->check);
     e->check_on = 0;
 }
@@ -551,7 +552,7 @@ static void want_check(kvd_kvevents *e) {
 static void on_timer(uv_timer_t *h) {
     kvd_kvevents *e = h->data;
     e->armed = 0;
-    handoff(e);
+    handoff(e, 1);
 }
 
 /* flush-ms > 0: the window's records go to the events thread when it ends, flush-ms after its
@@ -939,15 +940,16 @@ static void do_drop(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, kv_hash1
 /* ---- the intake ------------------------------------------------------------------------------
  * The request paths only record what happened, copied (the caller's arrays are gone when it
  * returns): a Commit's blocks (key, digest, token ids when the publisher sends them), a T0 drop,
- * a tier change. The check handle (after every I/O callback of the loop iteration, so after the
- * replies it wrote) runs the bookkeeping and the encoding of the records in the order they came:
- * a Commit's or an Allocate's reply does not wait for its events. A synchronous reader of the
- * state (digest_tail, stats, close) drains the intake first. Records are 8-byte multiples in a
- * malloc'd buffer (so every struct below is aligned). */
+ * a tier change. When the flush window ends (the timer; flush-ms 0: the check handle, after
+ * every I/O callback of the loop iteration, so after the replies it wrote) the records are run
+ * in the order they came (handoff: on the events thread, or here): a Commit's or an Allocate's
+ * reply does not wait for its events. A synchronous reader of the state (digest_tail, stats,
+ * close) has the records so far run first. Records are 8-byte multiples in a malloc'd buffer (so
+ * every struct below is aligned). */
 enum { IN_STORED = 1, IN_DROP, IN_TIER, IN_FLUSH };
 
-/* Where one loop iteration's records end and the next one's begin, in a hand-off that joins two
- * (flush-ms 0: each iteration's events are one batch). */
+/* A flush point: the flush window (or, flush-ms 0, the loop iteration) ended here, so the batch
+ * being built goes out (the handoff that ends a window or an iteration appends it). */
 typedef struct in_flush {
     uint32_t kind, size;
 } in_flush;
@@ -1078,47 +1080,49 @@ static uint64_t blocks_in(const char *buf, size_t len) {
     return n;
 }
 
-static void handoff(kvd_kvevents *e) {
+/* Hands the intake to the events thread (without it: runs it here). flush: the window or the
+ * loop iteration ended, so the batch ends with these records (an IN_FLUSH record marks the
+ * point); a reader's hand-off (0) only has the records run, and the batch they joined goes at
+ * the window's end as it would have without the reader. */
+static void handoff(kvd_kvevents *e, int flush) {
+    if (flush && (e->in_len > 0 || e->unflushed)) {
+        uint8_t *r = room_in(&e->in, &e->in_cap, e->in_len, sizeof(in_flush), 16384);
+        if (r != NULL) {
+            in_flush f = {IN_FLUSH, sizeof(in_flush)};
+            memcpy(r, &f, sizeof(f));
+            e->in_len += sizeof(f);
+            e->unflushed = 0;
+        }
+    } else if (!flush && e->in_len > 0) {
+        e->unflushed = 1; /* run, not sent: the window's end sends them */
+    }
     if (e->in_len == 0) {
         return;
     }
     if (!e->thread_on) { /* kv-events-thread off: run them here, now */
         if (e->started && !e->closed) {
             drain(e, e->in, e->in_len);
-            flush_all(e);
         }
-        e->in_len = 0;
-        if (e->in_cap > INTAKE_KEEP) {
-            free(e->in);
-            e->in = NULL;
-            e->in_cap = 0;
-        }
-        return;
-    }
-    pthread_mutex_lock(&e->mu);
-    if (e->q_len == 0) {
-        char *t = e->q;
-        size_t tc = e->q_cap;
-        e->q = e->in;
-        e->q_cap = e->in_cap;
-        e->q_len = e->in_len;
-        e->in = t;
-        e->in_cap = tc;
-    } else if (room_in(&e->q, &e->q_cap, e->q_len, sizeof(in_flush) + e->in_len, 16384) != NULL) {
-        /* The thread is behind: after its records, and (flush-ms 0) their batch ends there. */
-        if (e->flush_ms == 0) {
-            in_flush f = {IN_FLUSH, sizeof(in_flush)};
-            memcpy(e->q + e->q_len, &f, sizeof(f));
-            e->q_len += sizeof(f);
-        }
-        memcpy(e->q + e->q_len, e->in, e->in_len);
-        e->q_len += e->in_len;
     } else {
-        e->lc[KS_GAPS] += blocks_in(e->in, e->in_len);
+        pthread_mutex_lock(&e->mu);
+        if (e->q_len == 0) {
+            char *t = e->q;
+            size_t tc = e->q_cap;
+            e->q = e->in;
+            e->q_cap = e->in_cap;
+            e->q_len = e->in_len;
+            e->in = t;
+            e->in_cap = tc;
+        } else if (room_in(&e->q, &e->q_cap, e->q_len, e->in_len, 16384) != NULL) {
+            memcpy(e->q + e->q_len, e->in, e->in_len); /* the thread is behind: after its */
+            e->q_len += e->in_len;                     /* records, its flush points kept */
+        } else {
+            e->lc[KS_GAPS] += blocks_in(e->in, e->in_len);
+        }
+        e->handed++;
+        pthread_cond_signal(&e->work_cv);
+        pthread_mutex_unlock(&e->mu);
     }
-    e->handed++;
-    pthread_cond_signal(&e->work_cv);
-    pthread_mutex_unlock(&e->mu);
     e->in_len = 0;
     if (e->in_cap > INTAKE_KEEP) { /* a burst's buffer (a huge Commit with token ids) goes back */
         free(e->in);
@@ -1127,10 +1131,9 @@ static void handoff(kvd_kvevents *e) {
     }
 }
 
-/* Hands the records so far over and waits until the thread ran them (without the thread: runs
- * them). */
+/* Has the records so far run (handed over and waited for; without the thread: run here). */
 static void sync_thread(kvd_kvevents *e) {
-    handoff(e);
+    handoff(e, 0);
     if (!e->thread_on) {
         return;
     }
@@ -1163,8 +1166,7 @@ static void *events_main(void *arg) {
             e->q_cap = wc;
             e->q_len = 0;
             pthread_mutex_unlock(&e->mu);
-            drain(e, e->work, n);
-            flush_all(e); /* a hand-off is a window's or an iteration's records: one batch */
+            drain(e, e->work, n); /* its IN_FLUSH records send the batches */
             if (e->work_cap > INTAKE_KEEP) {
                 free(e->work);
                 e->work = NULL;
@@ -1187,7 +1189,7 @@ static void *events_main(void *arg) {
 
 /* Ends the thread once it ran every record handed over and sent every batch. */
 static void stop_thread(kvd_kvevents *e) {
-    handoff(e);
+    handoff(e, 1);
     if (!e->thread_on) {
         return;
     }
@@ -1457,6 +1459,37 @@ static kv_err add_pub(kvd_kvevents *e, const char *endpoint, const char *replay,
     return KV_OK;
 }
 
+/* The CPUs this daemon may use: its affinity, less where a cgroup CPU quota (cgroup v2 cpu.max,
+ * v1 cpu.cfs_quota_us; a Kubernetes CPU limit) allows less time than that. */
+static double cpus_usable(void) {
+    cpu_set_t set;
+    double n = sched_getaffinity(0, sizeof(set), &set) == 0 ? (double)CPU_COUNT(&set) : 2.0;
+    double quota = -1, period = 0;
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f != NULL) {
+        char q[32] = "";
+        if (fscanf(f, "%31s %lf", q, &period) == 2 && strcmp(q, "max") != 0) {
+            quota = atof(q);
+        }
+        fclose(f);
+    } else if ((f = fopen("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "r")) != NULL) {
+        if (fscanf(f, "%lf", &quota) != 1) {
+            quota = -1;
+        }
+        fclose(f);
+        if ((f = fopen("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "r")) != NULL) {
+            if (fscanf(f, "%lf", &period) != 1) {
+                period = 0;
+            }
+            fclose(f);
+        }
+    }
+    if (quota > 0 && period > 0 && quota / period < n) {
+        n = quota / period;
+    }
+    return n;
+}
+
 kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tenants *tenants,
                           const char *medium_t0, kvd_kvevents **out, char *msg, size_t len) {
     *out = NULL;
@@ -1481,9 +1514,7 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     e->vllm = strcmp(cfg->hash_mode, "vllm") == 0;
     e->flush_ms = cfg->kv_events_flush_ms;
     if (strcmp(cfg->kv_events_thread, "auto") == 0) {
-        cpu_set_t cpus;
-        e->want_thread = sched_getaffinity(0, sizeof(cpus), &cpus) != 0 ||
-                         CPU_COUNT(&cpus) >= 2; /* unknown: on */
+        e->want_thread = cpus_usable() >= 2.0;
     } else {
         e->want_thread = strcmp(cfg->kv_events_thread, "off") != 0;
     }

@@ -80,15 +80,18 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
 
 /* Binds every publisher's sockets (call once the daemon holds its client socket, so a second
  * daemon started by mistake never takes the first one's endpoints), starts the replay watchers
- * and queues each one's AllBlocksCleared. KV_ESYS with msg when an endpoint cannot be bound. */
+ * and the events thread (kv-events-thread), and sends each publisher's AllBlocksCleared first
+ * (the thread does, or this call without it). KV_ESYS with msg when an endpoint cannot be bound
+ * or the thread cannot start. */
 kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len);
 
-/* Flushes what is pending, closes the loop handles (the loop runs their close callbacks) and
- * the sockets (a PUB lingers 100 ms for its last batch). Once, at stop. Accepts NULL. */
+/* Runs and sends what is pending, ends the events thread (joined), closes the loop handles (the
+ * loop runs their close callbacks) and the sockets (a PUB lingers 100 ms for its last batch).
+ * Once, at stop. Accepts NULL. */
 void kvd_kvevents_close(kvd_kvevents *e);
 
-/* Frees everything; closes the sockets if close never ran (a daemon freed without a stop
- * started no handle then). Accepts NULL. */
+/* Frees everything; ends the thread and closes the sockets if close never ran (a daemon freed
+ * without a stop started no handle then). Accepts NULL. */
 void kvd_kvevents_free(kvd_kvevents *e);
 
 /* 1 when pool p's domain is published (its events go somewhere). */
@@ -108,9 +111,9 @@ typedef struct kvd_kvevent_block {
 /* Blocks b[0..n) of pool p were stored, each the parent of the next. parent: the key of the
  * first one's parent (NULL: a prefix's first block, or unknown); parent_full its digest when
  * the handler knows it (hash-mode vllm; else the publisher's own record of it, if any). Records
- * them (b and its arrays are copied; the caller may free them on return); at the end of the
- * loop iteration, BlockStored for the blocks this publisher did not hold yet (split where a
- * block it holds already sits in the chain) joins the batch being built. */
+ * them (b and its arrays are copied; the caller may free them on return); when the records are
+ * run (the flush window's end), BlockStored for the blocks this publisher did not hold yet
+ * (split where a block it holds already sits in the chain) joins the batch being built. */
 void kvd_kvevents_stored(kvd_kvevents *e, const kvd_reg_pool *p, const kvd_kvevent_block *b,
                          size_t n, const kv_hash128 *parent, const uint8_t *parent_full);
 

@@ -9,8 +9,8 @@
  * whose two sets are full replaces their oldest one (counted in `lost`: a drop of that value in a
  * later gap goes unreported, as every drop did before). Every add stamps its entry with a new
  * number, so an answer about an entry can be matched with the announcement it was asked about
- * (kvd_rledger_remove_if). 48 bytes an entry asked for (two 24-byte slots), allocated at once. Loop
- * thread only.
+ * (kvd_rledger_remove_if). 48 to 96 bytes an entry asked for (24-byte slots, at least two an
+ * entry and a power of two in all), allocated at once. Loop thread only.
  */
 #ifndef KVD_RLEDGER_H
 #define KVD_RLEDGER_H
@@ -56,7 +56,7 @@ int kvd_rledger_remove_if(kvd_rledger *l, uint32_t pool_id, kv_hash128 hash, uin
  * meanwhile may or may not be seen). */
 size_t kvd_rledger_scan(const kvd_rledger *l, size_t *cursor, kvd_rledger_ent *out, size_t max);
 
-size_t kvd_rledger_slots(const kvd_rledger *l);  /* capacity in entries */
+size_t kvd_rledger_slots(const kvd_rledger *l);  /* slots (at least twice the entries asked) */
 size_t kvd_rledger_count(const kvd_rledger *l);  /* entries present */
 uint64_t kvd_rledger_lost(const kvd_rledger *l); /* entries replaced for room, ever */
 size_t kvd_rledger_bytes(const kvd_rledger *l);  /* memory held */

@@ -238,8 +238,9 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                           "remote values a Fetch read from the socket straight into T0 blocks",
                           NULL, NULL, NULL, NULL},
     [TS_REMOTE_PROBES] = {"remote_probes", "counter", "blocks",
-                          "keys Lookups (Lookup.remote) asked the remote tier about", NULL, NULL,
-                          NULL, NULL},
+                          "keys asked about without reading them: by Lookups (Lookup.remote) and "
+                          "by the remote watch's reconciliation after a gap",
+                          NULL, NULL, NULL, NULL},
     [TS_REMOTE_PROBE_HITS] = {"remote_probe_hits", "counter", "blocks",
                               "of them, keys Redis held a value for", NULL, NULL, NULL, NULL},
     [TS_REMOTE_PUT_SKIPS] = {"remote_put_skips", "counter", "blocks",
@@ -1967,12 +1968,9 @@ static void on_drop(void *arg, kvd_pool *pool, kv_hash128 hash, kv_hash128 paren
     }
 }
 
-/* remote-watch: Redis dropped key (expired, or evicted by its maxmemory policy). A key of one of
- * this node's pools (PREFIX:DOMAIN:LAYOUT:HASH, remote_key) is reported as BlockRemoved on
- * REMOTE, and a block of it that came from Redis into T0 is no longer taken for one Redis
- * holds (from_remote): it is written again on its way down. Other keys are ignored. */
 /* The value of hash in tp's pool is gone from Redis: BlockRemoved on REMOTE, out of the ledger,
- * and a block read from it is no longer taken for one Redis holds. */
+ * and a block read from it is no longer taken for one Redis holds (from_remote): it is written
+ * again on its way down. */
 static void remote_gone(tier_pool *tp, kv_hash128 hash) {
     (void)from_remote_take(tp, hash);
     if (tp->t->ledger != NULL) {
@@ -1983,6 +1981,9 @@ static void remote_gone(tier_pool *tp, kv_hash128 hash) {
     tier_event(tp, hash, NULL, te != NULL && te->has_tail ? te->tail : NULL, 3, 0);
 }
 
+/* remote-watch: Redis dropped key (expired, or evicted by its maxmemory policy). A key of one of
+ * this node's pools (PREFIX:DOMAIN:LAYOUT:HASH, remote_key) is gone (remote_gone); other keys
+ * are ignored. */
 static void on_remote_dropped(void *arg, const char *key, size_t len, int evicted) {
     (void)evicted;
     kvd_tiers *t = arg;
@@ -2039,6 +2040,8 @@ typedef struct reconcile {
     int closed;        /* kvd_tiers_close ran: nothing more starts */
     size_t cursor;     /* the next ledger slot to look at */
     size_t at;         /* where the batch out began (asked again from there on failure) */
+    int tries;         /* failed tries of the batch at `at` */
+    int timer_on;      /* retry initialised (closed at close) */
     uint64_t start_ns; /* the pass began */
     uint64_t asked, gone;
     uv_timer_t retry;
@@ -2056,22 +2059,32 @@ static tier_pool *tier_pool_of(kvd_tiers *t, uint32_t pool_id) {
 
 static void rc_next(reconcile *rc);
 
+/* A pass from the ledger's first slot. */
+static void rc_start(reconcile *rc) {
+    KV_LOG(INFO, "KVD-REMOTE-WATCH",
+           "remote watch: subscribed on every node: asking Redis about the %zu values this node "
+           "announced on REMOTE",
+           kvd_rledger_count(rc->t->ledger));
+    rc->running = 1;
+    rc->cursor = 0;
+    rc->tries = 0;
+    rc->asked = rc->gone = 0;
+    rc->start_ns = now_ns();
+    rc_next(rc);
+}
+
 static void rc_finish(reconcile *rc) {
     kvd_tiers *t = rc->t;
     rc->running = 0;
     t->c[TS_RWATCH_RECONCILES]++;
     KV_LOG(INFO, "KVD-REMOTE-WATCH",
-           "remote watch: reconciled after a gap: %llu values asked about, %llu gone from Redis "
+           "remote watch: reconciled: %llu values asked about, %llu gone from Redis "
            "(BlockRemoved on REMOTE), %.1f ms",
            (unsigned long long)rc->asked, (unsigned long long)rc->gone,
            (double)(now_ns() - rc->start_ns) / 1e6);
     if (rc->again) {
         rc->again = 0;
-        rc->running = 1;
-        rc->cursor = 0;
-        rc->asked = rc->gone = 0;
-        rc->start_ns = now_ns();
-        rc_next(rc);
+        rc_start(rc);
     }
 }
 
@@ -2082,8 +2095,27 @@ static void on_rc_retry(uv_timer_t *h) {
     }
 }
 
+#define RC_TRIES 3
+
 static void rc_failed(reconcile *rc, kv_err e) {
     rc->t->c[TS_RWATCH_RECONCILE_ERRORS]++;
+    if (++rc->tries >= RC_TRIES) {
+        /* Redis keeps failing (a node down: the watch loses it too, and the gap that makes
+         * closes when it is back, which starts a pass again). */
+        KV_LOG(WARN, "KVD-REMOTE-WATCH",
+               "remote watch: reconciliation given up after %d failed tries of one batch (%s); "
+               "%llu values asked about, %llu found gone; the next gap in the watch starts "
+               "another",
+               RC_TRIES, kv_strerror(e), (unsigned long long)rc->asked,
+               (unsigned long long)rc->gone);
+        rc->running = 0;
+        rc->tries = 0;
+        if (rc->again) {
+            rc->again = 0;
+            rc_start(rc);
+        }
+        return;
+    }
     if (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] == 1 ||
         (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] & 63) == 0) {
         KV_LOG(WARN, "KVD-REMOTE-WATCH",
@@ -2107,6 +2139,7 @@ static void on_rc_probe(void *arg, kv_err e, const uint8_t *present, size_t n) {
         rc_failed(rc, e != KV_OK ? e : KV_ESYS);
         return;
     }
+    rc->tries = 0;
     for (size_t i = 0; i < n; i++) {
         rc->asked++;
         const kvd_rledger_ent *en = &rc->ents[i];
@@ -2157,29 +2190,25 @@ static void rc_next(reconcile *rc) {
     rc_finish(rc);
 }
 
-/* Every node of the watch is subscribed: after a gap, reconcile. */
+/* Every node of the watch is subscribed (after a gap, or the first time: values announced
+ * before the first subscription may have gone unheard too): reconcile. */
 static void on_watch_up(void *arg, int after_gap) {
+    (void)after_gap;
     kvd_tiers *t = arg;
     reconcile *rc = t->rc;
-    if (rc == NULL || rc->closed || !after_gap || kvd_rledger_count(t->ledger) == 0) {
+    if (rc == NULL || rc->closed || kvd_rledger_count(t->ledger) == 0) {
         return;
     }
     if (rc->running) {
         rc->again = 1;
         return;
     }
-    KV_LOG(INFO, "KVD-REMOTE-WATCH",
-           "remote watch: subscribed again after a gap: asking Redis about the %zu values this "
-           "node announced on REMOTE",
-           kvd_rledger_count(t->ledger));
-    rc->running = 1;
-    rc->cursor = 0;
-    rc->asked = rc->gone = 0;
-    rc->start_ns = now_ns();
-    rc_next(rc);
+    rc_start(rc);
 }
 
-static kv_err reconcile_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t msglen) {
+/* The ledger and the reconciliation's state (before the watch starts: nothing to undo on the
+ * loop when this fails). */
+static kv_err reconcile_alloc(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t msglen) {
     if (cfg->remote_watch_ledger == 0) {
         return KV_OK;
     }
@@ -2193,11 +2222,19 @@ static kv_err reconcile_open(kvd_tiers *t, const kvd_config *cfg, char *msg, siz
         return KV_ENOMEM;
     }
     rc->t = t;
-    uv_timer_init(t->loop, &rc->retry);
-    rc->retry.data = rc;
     t->rc = rc;
-    kvd_rwatch_set_up_fn(t->rwatch, on_watch_up, t);
     return KV_OK;
+}
+
+/* The watch runs: its up callback starts passes. */
+static void reconcile_start(kvd_tiers *t) {
+    if (t->rc == NULL) {
+        return;
+    }
+    uv_timer_init(t->loop, &t->rc->retry);
+    t->rc->retry.data = t->rc;
+    t->rc->timer_on = 1;
+    kvd_rwatch_set_up_fn(t->rwatch, on_watch_up, t);
 }
 
 /* ---- the interface ------------------------------------------------------------------------- */
@@ -2262,9 +2299,12 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
     kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
     if (e == KV_OK && cfg->remote_watch) {
         kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms};
-        e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
+        e = reconcile_alloc(t, cfg, msg, msglen);
         if (e == KV_OK) {
-            e = reconcile_open(t, cfg, msg, msglen);
+            e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
+        }
+        if (e == KV_OK) {
+            reconcile_start(t);
         }
     }
     memset(pw, 0, sizeof(pw));
@@ -2296,9 +2336,11 @@ void kvd_tiers_close(kvd_tiers *t) {
     if (t != NULL) {
         kvd_rwatch_close(t->rwatch);
     }
-    if (t != NULL && t->rc != NULL) {
+    if (t != NULL && t->rc != NULL && !t->rc->closed) {
         t->rc->closed = 1;
-        uv_close((uv_handle_t *)&t->rc->retry, NULL);
+        if (t->rc->timer_on) {
+            uv_close((uv_handle_t *)&t->rc->retry, NULL);
+        }
     }
 }
 

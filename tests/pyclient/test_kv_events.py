@@ -827,12 +827,17 @@ def test_replay_buffer_keeps_the_latest_batches(kvd_factory, zctx):
 @pytest.mark.parametrize("thread", ["on", "off"])
 def test_flush_window_coalesces_commits(kvd_factory, zctx, thread):
     """kv-events-flush-ms > 0 (the default is 1): the Commits of one window go out as one batch
-    (one send on a busy Commit path), each still its own BlockStored, in order."""
+    (one send on a busy Commit path), each still its own BlockStored, in order; an admin `stats`
+    in the window (which has the records so far run first, for kv_events_blocks) does not end
+    the batch early."""
     d = start(kvd_factory, kv_events_thread=thread, **{OPT_FLUSH: "400"})
     sub = Sub(zctx, d.pub)
     c = d.connect()
     pool = c.attach("m", LAYOUT)
-    chains = [vllm_commit(c, pool, toks(2, 1000 * k + 1))[1] for k in range(3)]
+    chains = []
+    for k in range(3):
+        chains.append(vllm_commit(c, pool, toks(2, 1000 * k + 1))[1])
+        assert d.admin_result("stats")["kv_events"]["kv_events_blocks"] == 2 * (k + 1)
     b = sub.next_batch("the window's batch")
     assert b.events == [stored([ref.to_u64(h) for h in ch]) for ch in chains], (
         "3 commits within one 400 ms window: one batch of 3 BlockStored in commit order")
