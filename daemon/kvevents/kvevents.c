@@ -163,7 +163,7 @@ struct kvd_kvevents {
     uint8_t dflt; /* the options' publisher, NO_PUB none */
     const char *medium;
     int vllm;         /* hash-mode vllm: blocks are named by digests */
-    uv_check_t check; /* hands the iteration's records to the events thread */
+    uv_check_t check; /* flush-ms 0: the iteration's end (its records are run and sent) */
     uv_timer_t timer; /* flush-ms > 0: the window's end (its records are run and sent) */
     uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
@@ -534,7 +534,7 @@ static void handoff(kvd_kvevents *e, int flush);
 static void sync_thread(kvd_kvevents *e);
 
 /* flush-ms 0: after every I/O callback of the loop iteration (so after the replies it wrote),
- * the iteration's records go to the events thread (one batch). */
+ * the iteration's records are run and sent as one batch (handoff). */
 static void on_check(uv_check_t *h) {
     kvd_kvevents *e = h->data;
     handoff(e, 1);
@@ -564,11 +564,6 @@ static void arm(kvd_kvevents *e) {
     }
     uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
     e->armed = 1;
-}
-
-static void queued(kvd_kvevents *e, pub *b) {
-    (void)e;
-    b->nev++;
 }
 
 static pub *pub_of(const kvd_kvevents *e, uint32_t domain) {
@@ -696,7 +691,7 @@ static void pack_stored(kvd_kvevents *e, pub *b, uint32_t tpb, const char *mediu
     pack_str(pk, medium);
     pack_field(b, "lora_name");
     msgpack_pack_nil(pk);
-    queued(e, b);
+    b->nev++;
 }
 
 /* Pool pool_id holds key in its tier pm now, which the publisher advertises as medium m (tier 1
@@ -785,8 +780,7 @@ static void close_removed(pub *b) {
 /* BlockRemoved of one block. Removals in a row on one medium (an Allocate's evictions) share one
  * event, as vLLM's BlockRemoved lists its blocks: the hash joins the open event (its list's
  * count is patched in place) when nothing was packed since. */
-static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t *full,
-                         const char *medium) {
+static void pack_removed(pub *b, kv_hash128 key, const uint8_t *full, const char *medium) {
     if (b->rm_open && b->evbuf.size == b->rm_end && b->rm_count < 0xffff &&
         (b->rm_medium == medium || strcmp(b->rm_medium, medium) == 0)) {
         pack_hash(b, key, full);
@@ -806,7 +800,7 @@ static void pack_removed(kvd_kvevents *e, pub *b, kv_hash128 key, const uint8_t 
     b->rm_medium = medium;
     b->rm_count = 1;
     b->rm_end = b->evbuf.size;
-    queued(e, b);
+    b->nev++;
 }
 
 /* The digest of key: the publisher's record of it, else key || tail (a remote value's). */
@@ -858,7 +852,7 @@ static void do_tier_change(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, u
             kvd_kvevent_block one = {hash, full, NULL};
             pack_stored(e, b, block_size, "REMOTE", &one, 1, NULL, NULL);
         } else {
-            pack_removed(e, b, hash, full, "REMOTE");
+            pack_removed(b, hash, full, "REMOTE");
         }
         return;
     }
@@ -873,7 +867,7 @@ static void do_tier_change(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, u
                 e->c[KS_GAPS]++; /* no vLLM name for it */
                 return;
             }
-            pack_removed(e, b, hash, full, medium);
+            pack_removed(b, hash, full, medium);
         }
         return;
     }
@@ -933,7 +927,7 @@ static void do_drop(kvd_kvevents *e, uint32_t pool_id, uint32_t domain, kv_hash1
     uint8_t fbuf[32];
     const uint8_t *full;
     if (b != NULL && adv_let_go(e, b, pool_id, hash, 0, 0, fbuf, &full) == 1) {
-        pack_removed(e, b, hash, full, e->medium);
+        pack_removed(b, hash, full, e->medium);
     }
 }
 
@@ -1056,11 +1050,11 @@ static void drain(kvd_kvevents *e, const char *buf, size_t len) {
 }
 
 /* ---- the events thread -----------------------------------------------------------------------
- * The loop thread records (above) and, at the end of each loop iteration, hands the records to
- * this thread (handoff: a pointer swap under mu, or an append when the thread has not taken the
- * previous ones yet); the thread runs them in order (the advertised-hash table, the msgpack
- * encoding: drain) and sends the batches (flush-ms after the first event of a batch, or at once
- * for flush-ms 0). So the bookkeeping and encoding no longer run on the loop thread. A reader of
+ * The loop thread records (above) and, when the flush window or (flush-ms 0) the loop iteration
+ * ends, hands the records to this thread with an IN_FLUSH record after them (handoff: a pointer
+ * swap under mu, or an append when the thread has not taken the previous ones yet); the thread
+ * runs them in order (the advertised-hash table, the msgpack encoding: drain) and sends a batch
+ * at each IN_FLUSH. So the bookkeeping and encoding no longer run on the loop thread. A reader of
  * the thread's state on the loop thread (digest_tail, stats) hands its records over and waits
  * until they are run (sync_thread): the thread then touches only the batches and the sockets
  * until the loop hands it more, which that reader is not doing. The PUB sockets are the
@@ -1092,6 +1086,8 @@ static void handoff(kvd_kvevents *e, int flush) {
             memcpy(r, &f, sizeof(f));
             e->in_len += sizeof(f);
             e->unflushed = 0;
+        } else {
+            e->unflushed = 1; /* no room for the mark: the next window's end sends them */
         }
     } else if (!flush && e->in_len > 0) {
         e->unflushed = 1; /* run, not sent: the window's end sends them */

@@ -45,7 +45,6 @@ struct kvd_rwatch {
     void *arg;
     kvd_rwatch_up_fn up_fn; /* every node subscribed (kvd_rwatch_set_up_fn), or NULL */
     void *up_arg;
-    int was_up; /* every node was subscribed once */
     char *password;
     uint64_t timeout_ms;
     /* The configured seeds, then every node a CLUSTER SLOTS named (masters and replicas), so a
@@ -338,9 +337,7 @@ static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
             n->subscribed = 1;
             w->st.nodes++;
             if (all_subscribed(w)) {
-                int after_gap = w->gap_open || w->was_up;
                 w->gap_open = 0;
-                w->was_up = 1;
                 uv_timer_stop(&w->deadline);
                 w->backoff_ms = RW_BACKOFF_MIN_MS;
                 KV_LOG(INFO, "KVD-REMOTE-WATCH",
@@ -348,7 +345,7 @@ static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
                        w->nnodes,
                        w->st.unconfigured > 0 ? " (some not configured to send them)" : "");
                 if (w->up_fn != NULL) {
-                    w->up_fn(w->up_arg, after_gap);
+                    w->up_fn(w->up_arg);
                 }
             }
         }

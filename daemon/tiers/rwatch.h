@@ -49,10 +49,10 @@ typedef struct kvd_rwatch_cfg {
 kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_fn fn, void *arg,
                         kvd_rwatch **out, char *msg, size_t len);
 
-/* Called each time every node is subscribed: the first time, and after each gap (after_gap 1),
- * when drops may have gone unheard; the caller then asks Redis what is gone (kvd_tiers'
- * reconciliation against its ledger, rledger.h). Set once, before the loop runs. */
-typedef void (*kvd_rwatch_up_fn)(void *arg, int after_gap);
+/* Called each time every node is subscribed: the first time and after each gap, when drops may
+ * have gone unheard; the caller then asks Redis what is gone (kvd_tiers' reconciliation against
+ * its ledger, rledger.h). Set once, before the loop runs. */
+typedef void (*kvd_rwatch_up_fn)(void *arg);
 void kvd_rwatch_set_up_fn(kvd_rwatch *w, kvd_rwatch_up_fn fn, void *arg);
 
 /* Drops every connection and stops the timers (the loop runs their close callbacks); fn is never

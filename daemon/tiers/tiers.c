@@ -288,7 +288,8 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                                "goes unreported",
                                NULL, NULL, NULL, NULL},
     [TS_RWATCH_RECONCILES] = {"remote_watch_reconciles", "counter", "passes",
-                              "reconciliations done: after a gap, every value in the ledger "
+                              "reconciliations done: each time every Redis node is subscribed "
+                              "(after a gap, and the first time), every value in the ledger "
                               "asked about (one pipelined STRLEN per node and 256 keys)",
                               NULL, NULL, NULL, NULL},
     [TS_RWATCH_RECONCILED] = {"remote_watch_reconciled", "counter", "blocks",
@@ -297,8 +298,9 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                               "kvd_remote_watch_reconciled_total",
                               "Remote values found gone after a gap in the watch.", NULL, NULL},
     [TS_RWATCH_RECONCILE_ERRORS] = {"remote_watch_reconcile_errors", "counter", "requests",
-                                    "reconciliation requests Redis did not answer in time (the "
-                                    "pass goes on from there a second later)",
+                                    "reconciliation requests Redis did not answer in time (asked "
+                                    "again a second later; the pass is given up after three "
+                                    "tries)",
                                     NULL, NULL, NULL, NULL},
     [TS_T1_PINNED] = {"tier1_pinned_bytes", "gauge", "bytes",
                       "page-locked host memory held for GPU pools' tier-1 blocks (in use, "
@@ -2036,7 +2038,6 @@ typedef struct reconcile {
     kvd_tiers *t;
     int running;       /* a pass is on */
     int again;         /* a gap closed during it: another pass after it */
-    int inflight;      /* a batch is out */
     int closed;        /* kvd_tiers_close ran: nothing more starts */
     size_t cursor;     /* the next ledger slot to look at */
     size_t at;         /* where the batch out began (asked again from there on failure) */
@@ -2073,24 +2074,30 @@ static void rc_start(reconcile *rc) {
     rc_next(rc);
 }
 
-static void rc_finish(reconcile *rc) {
-    kvd_tiers *t = rc->t;
+/* The pass ended (done or given up): the next one starts now if a gap closed during it. */
+static void rc_end(reconcile *rc) {
     rc->running = 0;
-    t->c[TS_RWATCH_RECONCILES]++;
-    KV_LOG(INFO, "KVD-REMOTE-WATCH",
-           "remote watch: reconciled: %llu values asked about, %llu gone from Redis "
-           "(BlockRemoved on REMOTE), %.1f ms",
-           (unsigned long long)rc->asked, (unsigned long long)rc->gone,
-           (double)(now_ns() - rc->start_ns) / 1e6);
+    rc->tries = 0;
     if (rc->again) {
         rc->again = 0;
         rc_start(rc);
     }
 }
 
+static void rc_finish(reconcile *rc) {
+    rc->t->c[TS_RWATCH_RECONCILES]++;
+    KV_LOG(INFO, "KVD-REMOTE-WATCH",
+           "remote watch: reconciled: %llu values asked about, %llu gone from Redis "
+           "(BlockRemoved on REMOTE), %.1f ms",
+           (unsigned long long)rc->asked, (unsigned long long)rc->gone,
+           (double)(now_ns() - rc->start_ns) / 1e6);
+    rc_end(rc);
+}
+
+/* The retry timer runs only while no batch is out (rc_failed starts it instead of a send). */
 static void on_rc_retry(uv_timer_t *h) {
     reconcile *rc = h->data;
-    if (!rc->closed && rc->running && !rc->inflight) {
+    if (!rc->closed && rc->running) {
         rc_next(rc);
     }
 }
@@ -2108,18 +2115,13 @@ static void rc_failed(reconcile *rc, kv_err e) {
                "another",
                RC_TRIES, kv_strerror(e), (unsigned long long)rc->asked,
                (unsigned long long)rc->gone);
-        rc->running = 0;
-        rc->tries = 0;
-        if (rc->again) {
-            rc->again = 0;
-            rc_start(rc);
-        }
+        rc_end(rc);
         return;
     }
     if (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] == 1 ||
         (rc->t->c[TS_RWATCH_RECONCILE_ERRORS] & 63) == 0) {
         KV_LOG(WARN, "KVD-REMOTE-WATCH",
-               "remote watch: reconciling after a gap: Redis did not answer (%s); asking again "
+               "remote watch: reconciling: Redis did not answer (%s); asking again "
                "in %d ms",
                kv_strerror(e), RC_RETRY_MS);
     }
@@ -2130,7 +2132,6 @@ static void rc_failed(reconcile *rc, kv_err e) {
 static void on_rc_probe(void *arg, kv_err e, const uint8_t *present, size_t n) {
     reconcile *rc = arg;
     kvd_tiers *t = rc->t;
-    rc->inflight = 0;
     if (e == KV_ECLOSED || rc->closed) {
         rc->running = 0;
         return;
@@ -2182,9 +2183,7 @@ static void rc_next(reconcile *rc) {
         kv_err e = kvd_remote_probe(t->remote, rc->keys, m, on_rc_probe, rc);
         if (e != KV_OK) {
             rc_failed(rc, e);
-            return;
         }
-        rc->inflight = 1;
         return;
     }
     rc_finish(rc);
@@ -2192,8 +2191,7 @@ static void rc_next(reconcile *rc) {
 
 /* Every node of the watch is subscribed (after a gap, or the first time: values announced
  * before the first subscription may have gone unheard too): reconcile. */
-static void on_watch_up(void *arg, int after_gap) {
-    (void)after_gap;
+static void on_watch_up(void *arg) {
     kvd_tiers *t = arg;
     reconcile *rc = t->rc;
     if (rc == NULL || rc->closed || kvd_rledger_count(t->ledger) == 0) {
