@@ -185,6 +185,9 @@ static const kvd_config_option options[] = {
     OPT("remote-timeout-ms", KVD_OPT_U64, remote_timeout_ms, "200", 1, 60000,
         "connect and command timeout of the remote tier; a Fetch waits at most about this "
         "long for Redis"),
+    OPT("remote-backoff-max-ms", KVD_OPT_U64, remote_backoff_max_ms, "5000", 100, 600000,
+        "longest wait between tries to reach a Redis node that failed (and between the remote "
+        "watch's re-subscriptions): the wait starts at 100 ms and doubles up to this"),
     OPT_RT("remote-fetch-max", KVD_OPT_U64, remote_fetch_max, "256", 0, 4096,
            "blocks past the local tiers' run a Fetch asks the remote tier for (one pipelined "
            "round trip per node); 0: the remote tier is only written"),
@@ -208,6 +211,11 @@ static const kvd_config_option options[] = {
         "(48 to 96 bytes each), so that after a gap in the watch (a subscription lost and made "
         "again) it asks Redis which are gone and publishes BlockRemoved for them; when it is "
         "full, older ones are forgotten; 0: no reconciliation"),
+    OPT("remote-watch-reconcile-s", KVD_OPT_U64, remote_watch_reconcile_s, "600", 0, 604800,
+        "with remote-watch and its ledger: seconds between reconciliation passes while the "
+        "watch is up, besides the pass after each gap; finds the values gone without a "
+        "notification (a DEL or FLUSHALL by another client; a node whose notify-keyspace-events "
+        "lacks Exe); a pass asks one STRLEN per ledger entry; 0: only after gaps"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

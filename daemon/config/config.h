@@ -77,12 +77,14 @@ typedef struct kvd_config {
     char remote_password_file[KVD_CONFIG_PATH_MAX]; /* AUTH password file; "" = none */
     uint64_t remote_ttl_s;                          /* EX of every SET; 0 = none */
     uint64_t remote_timeout_ms;                     /* connect and command timeout */
+    uint64_t remote_backoff_max_ms;                 /* longest wait between reconnect tries */
     uint64_t remote_fetch_max;                      /* blocks past the local run a Fetch asks for */
     uint64_t remote_queue_bytes;                    /* puts queued at most */
     int remote_watch;             /* listen to Redis's expiries and evictions (kvd_rwatch) */
     uint64_t remote_watch_ledger; /* values announced on REMOTE remembered for reconciliation */
-    char remote_uid_tenants[16];  /* uid-N tenants in Redis: shared, node or off */
-    char node_name[64];           /* this node's name ("" = the host name) */
+    uint64_t remote_watch_reconcile_s; /* seconds between passes while the watch is up; 0: none */
+    char remote_uid_tenants[16];       /* uid-N tenants in Redis: shared, node or off */
+    char node_name[64];                /* this node's name ("" = the host name) */
 } kvd_config;
 
 typedef enum kvd_opt_type {

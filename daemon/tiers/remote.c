@@ -25,7 +25,6 @@
 #define NSLOTS 16384
 #define PUT_BATCH 64
 #define BACKOFF_MIN_MS 100
-#define BACKOFF_MAX_MS 5000
 
 enum { OP_PUT = 1, OP_GET = 2, OP_DEL = 3, OP_PROBE = 4 };
 
@@ -101,7 +100,7 @@ struct kvd_remote {
     uint64_t queued_bytes;
     uint64_t queue_cap;
     char *password;
-    uint64_t timeout_ms, ttl_s;
+    uint64_t timeout_ms, ttl_s, backoff_max_ms;
     /* The thread's own (no lock): */
     node nodes[MAX_NODES];
     int nnodes, nseeds;
@@ -232,7 +231,7 @@ static void node_fail(kvd_remote *r, node *nd, const char *why) {
     }
     nd->rb_pos = nd->rb_len = 0; /* the closed connection's bytes */
     uint64_t back = (uint64_t)BACKOFF_MIN_MS << (nd->fails < 6 ? nd->fails : 6);
-    nd->down_until = now_ms() + (back < BACKOFF_MAX_MS ? back : BACKOFF_MAX_MS);
+    nd->down_until = now_ms() + (back < r->backoff_max_ms ? back : r->backoff_max_ms);
     nd->fails++;
     if (r->cluster) {
         r->need_refresh = 1; /* a failover may have moved its slots */
@@ -1771,6 +1770,7 @@ kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote *
     r->nseeds = r->nnodes;
     r->loop = loop;
     r->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;
+    r->backoff_max_ms = cfg->backoff_max_ms > 0 ? cfg->backoff_max_ms : 5000;
     r->ttl_s = cfg->ttl_s;
     r->queue_cap = cfg->queue_bytes;
     r->gets_tail = &r->gets;

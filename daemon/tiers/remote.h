@@ -20,7 +20,8 @@
  * libhiredis.
  *
  * Faults: connect and command timeouts (timeout_ms), a node that fails is closed and retried
- * after a backoff (100 ms doubling to 5 s); while every node is down a request fails at once.
+ * after a backoff (100 ms doubling to backoff_max_ms, 5 s by default); while every node is down
+ * a request fails at once.
  * Nothing here ever blocks the loop thread. The password comes from the caller (a file the
  * daemon read); TLS is not offered (Debian's libhiredis 0.14 has none).
  */
@@ -44,11 +45,12 @@
 typedef struct kvd_remote kvd_remote;
 
 typedef struct kvd_remote_cfg {
-    const char *seeds;    /* "HOST:PORT[,HOST:PORT...]" */
-    const char *password; /* AUTH password, or "" */
-    uint64_t timeout_ms;  /* connect and command timeout */
-    uint64_t ttl_s;       /* SET ... EX ttl_s; 0: no TTL */
-    uint64_t queue_bytes; /* bytes of puts queued at most (more are refused: KV_EBUSY) */
+    const char *seeds;       /* "HOST:PORT[,HOST:PORT...]" */
+    const char *password;    /* AUTH password, or "" */
+    uint64_t timeout_ms;     /* connect and command timeout */
+    uint64_t backoff_max_ms; /* longest wait before a failed node is tried again; 0: 5000 */
+    uint64_t ttl_s;          /* SET ... EX ttl_s; 0: no TTL */
+    uint64_t queue_bytes;    /* bytes of puts queued at most (more are refused: KV_EBUSY) */
 } kvd_remote_cfg;
 
 /* A seed list, "HOST:PORT[,HOST:PORT...]" as remote-redis takes it: up to KVD_REMOTE_SEEDS_MAX

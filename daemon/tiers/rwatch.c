@@ -28,7 +28,6 @@
 
 #define RW_MAX_NODES KVD_REMOTE_SEEDS_MAX
 #define RW_BACKOFF_MIN_MS 100
-#define RW_BACKOFF_MAX_MS 5000
 #define RW_HOST_MAX KVD_REMOTE_HOST_MAX
 
 typedef struct rw_node {
@@ -60,7 +59,7 @@ struct kvd_rwatch {
     int nnodes;
     uv_timer_t restart;  /* backoff before the next discovery */
     uv_timer_t deadline; /* the current discovery and subscriptions must be done by then */
-    uint64_t backoff_ms;
+    uint64_t backoff_ms, backoff_max_ms;
     int gap_open; /* a subscription that was up was lost and not every node is back */
     int restart_pending;
     int tearing;  /* teardown runs: the disconnect callbacks it causes restart nothing */
@@ -132,7 +131,7 @@ static void rw_schedule_restart(kvd_rwatch *w, const char *why) {
     w->restart_pending = 1;
     uv_timer_stop(&w->deadline);
     uv_timer_start(&w->restart, on_restart, w->backoff_ms, 0);
-    w->backoff_ms = w->backoff_ms * 2 > RW_BACKOFF_MAX_MS ? RW_BACKOFF_MAX_MS : w->backoff_ms * 2;
+    w->backoff_ms = w->backoff_ms * 2 > w->backoff_max_ms ? w->backoff_max_ms : w->backoff_ms * 2;
 }
 
 /* A new context to host:port on the loop, NULL (logged) when libhiredis cannot make one. */
@@ -365,6 +364,10 @@ static void node_message(redisAsyncContext *ac, void *reply, void *priv) {
     w->fn(w->arg, r->element[2]->str, r->element[2]->len, evicted);
 }
 
+int kvd_rwatch_up(const kvd_rwatch *w) {
+    return all_subscribed(w);
+}
+
 void kvd_rwatch_set_up_fn(kvd_rwatch *w, kvd_rwatch_up_fn fn, void *arg) {
     w->up_fn = fn;
     w->up_arg = arg;
@@ -541,6 +544,7 @@ kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_f
     w->arg = arg;
     w->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;
     w->backoff_ms = RW_BACKOFF_MIN_MS;
+    w->backoff_max_ms = cfg->backoff_max_ms > 0 ? cfg->backoff_max_ms : 5000;
     uv_timer_init(loop, &w->restart);
     uv_timer_init(loop, &w->deadline);
     w->restart.data = w->deadline.data = w;

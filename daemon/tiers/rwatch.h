@@ -11,11 +11,12 @@
  * where cluster support is off, to the channels
  * __keyevent@0__:expired and __keyevent@0__:evicted. When a subscriber's connection goes (a
  * master killed, a failover) the watcher forgets every node and asks the seeds again, after a
- * backoff of 100 ms doubling to 5 s; a discovery or subscription not done within 5 x timeout_ms
- * starts over the same way. Drops while a node has no subscriber are not heard (Redis keeps no
- * backlog of notifications): each such gap is counted (kvd_rwatch_stats.gaps), and when every node
- * is subscribed again the up callback says so (kvd_rwatch_set_up_fn). Slots moved to a
- * master added later are heard after the next rediscovery only.
+ * backoff of 100 ms doubling to backoff_max_ms (5 s by default); a discovery or subscription
+ * not done within 5 x timeout_ms starts over the same way. Drops while a node has no subscriber
+ * are not heard (Redis keeps no backlog of notifications): each such gap is counted
+ * (kvd_rwatch_stats.gaps), and when every node is subscribed again the up callback says so
+ * (kvd_rwatch_set_up_fn). Slots moved to a master added later are heard after the next
+ * rediscovery only.
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
  * adapter: nothing here blocks (a connect is non-blocking; a host name is resolved on libuv's
@@ -39,9 +40,10 @@ typedef struct kvd_rwatch kvd_rwatch;
 typedef void (*kvd_rwatch_fn)(void *arg, const char *key, size_t len, int evicted);
 
 typedef struct kvd_rwatch_cfg {
-    const char *seeds;    /* "HOST:PORT[,HOST:PORT...]", as remote-redis */
-    const char *password; /* AUTH password, or "" (copied) */
-    uint64_t timeout_ms;  /* the remote tier's timeout: discovery gives up after 5x */
+    const char *seeds;       /* "HOST:PORT[,HOST:PORT...]", as remote-redis */
+    const char *password;    /* AUTH password, or "" (copied) */
+    uint64_t timeout_ms;     /* the remote tier's timeout: discovery gives up after 5x */
+    uint64_t backoff_max_ms; /* longest wait before the next discovery; 0: 5000 */
 } kvd_rwatch_cfg;
 
 /* Parses the seeds and starts the first discovery (returns at once). KV_EINVAL with msg for a
@@ -54,6 +56,9 @@ kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_f
  * its ledger, rledger.h). Set once, before the loop runs. */
 typedef void (*kvd_rwatch_up_fn)(void *arg);
 void kvd_rwatch_set_up_fn(kvd_rwatch *w, kvd_rwatch_up_fn fn, void *arg);
+
+/* 1 while every node is subscribed (no gap open, discovery done), else 0. */
+int kvd_rwatch_up(const kvd_rwatch *w);
 
 /* Drops every connection and stops the timers (the loop runs their close callbacks); fn is never
  * called again. Once. Accepts NULL. */

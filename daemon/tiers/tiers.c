@@ -289,14 +289,17 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                                NULL, NULL, NULL, NULL},
     [TS_RWATCH_RECONCILES] = {"remote_watch_reconciles", "counter", "passes",
                               "reconciliations done: each time every Redis node is subscribed "
-                              "(after a gap, and the first time), every value in the ledger "
-                              "asked about (one pipelined STRLEN per node and 256 keys)",
+                              "(after a gap, and the first time) and every "
+                              "remote-watch-reconcile-s, every value in the ledger asked "
+                              "about (one pipelined STRLEN per node and 256 keys)",
                               NULL, NULL, NULL, NULL},
-    [TS_RWATCH_RECONCILED] = {"remote_watch_reconciled", "counter", "blocks",
-                              "values a reconciliation found gone from Redis: BlockRemoved on "
-                              "REMOTE, as for a drop heard",
-                              "kvd_remote_watch_reconciled_total",
-                              "Remote values found gone after a gap in the watch.", NULL, NULL},
+    [TS_RWATCH_RECONCILED] =
+        {"remote_watch_reconciled", "counter", "blocks",
+         "values a reconciliation found gone from Redis: BlockRemoved on "
+         "REMOTE, as for a drop heard",
+         "kvd_remote_watch_reconciled_total",
+         "Remote values found gone unheard (after a gap in the watch, or by a periodic pass).",
+         NULL, NULL},
     [TS_RWATCH_RECONCILE_ERRORS] = {"remote_watch_reconcile_errors", "counter", "requests",
                                     "reconciliation requests Redis did not answer in time (asked "
                                     "again a second later; the pass is given up after three "
@@ -2028,7 +2031,9 @@ static void on_remote_dropped(void *arg, const char *key, size_t len, int evicte
  * announces BlockRemoved for each that is gone, unless the ledger entry was announced again
  * since it was asked about (its stamp moved). One batch is out at a time; a batch Redis does
  * not answer is asked again a second later; a gap that closes during a pass starts another
- * once it is done. */
+ * once it is done. Besides, a pass starts every remote-watch-reconcile-s while the watch is up
+ * and none runs: drops that made no notification (a DEL or FLUSHALL by another client, a node
+ * without Exe) are found that way. */
 
 #define RC_BATCH 256
 #define RC_KEY 256
@@ -2042,10 +2047,12 @@ typedef struct reconcile {
     size_t cursor;     /* the next ledger slot to look at */
     size_t at;         /* where the batch out began (asked again from there on failure) */
     int tries;         /* failed tries of the batch at `at` */
-    int timer_on;      /* retry initialised (closed at close) */
+    int timer_on;      /* retry and period initialised (closed at close) */
     uint64_t start_ns; /* the pass began */
     uint64_t asked, gone;
     uv_timer_t retry;
+    uv_timer_t period; /* periodic passes (remote-watch-reconcile-s), when set */
+    uint64_t period_ms;
     size_t n;
     kvd_rledger_ent ents[RC_BATCH];
     const char *keys[RC_BATCH];
@@ -2060,11 +2067,10 @@ static tier_pool *tier_pool_of(kvd_tiers *t, uint32_t pool_id) {
 
 static void rc_next(reconcile *rc);
 
-/* A pass from the ledger's first slot. */
-static void rc_start(reconcile *rc) {
+/* A pass from the ledger's first slot (why: what started it, for the log). */
+static void rc_start(reconcile *rc, const char *why) {
     KV_LOG(INFO, "KVD-REMOTE-WATCH",
-           "remote watch: subscribed on every node: asking Redis about the %zu values this node "
-           "announced on REMOTE",
+           "remote watch: %s: asking Redis about the %zu values this node announced on REMOTE", why,
            kvd_rledger_count(rc->t->ledger));
     rc->running = 1;
     rc->cursor = 0;
@@ -2080,7 +2086,7 @@ static void rc_end(reconcile *rc) {
     rc->tries = 0;
     if (rc->again) {
         rc->again = 0;
-        rc_start(rc);
+        rc_start(rc, "a gap closed during the last pass");
     }
 }
 
@@ -2111,8 +2117,8 @@ static void rc_failed(reconcile *rc, kv_err e) {
          * closes when it is back, which starts a pass again). */
         KV_LOG(WARN, "KVD-REMOTE-WATCH",
                "remote watch: reconciliation given up after %d failed tries of one batch (%s); "
-               "%llu values asked about, %llu found gone; the next gap in the watch starts "
-               "another",
+               "%llu values asked about, %llu found gone; the next gap in the watch or "
+               "periodic pass starts another",
                RC_TRIES, kv_strerror(e), (unsigned long long)rc->asked,
                (unsigned long long)rc->gone);
         rc_end(rc);
@@ -2201,7 +2207,19 @@ static void on_watch_up(void *arg) {
         rc->again = 1;
         return;
     }
-    rc_start(rc);
+    rc_start(rc, "subscribed on every node");
+}
+
+/* remote-watch-reconcile-s passed: a pass unless one runs or the watch is not up (its up
+ * callback starts one when it is). */
+static void on_rc_period(uv_timer_t *h) {
+    reconcile *rc = h->data;
+    kvd_tiers *t = rc->t;
+    if (rc->closed || rc->running || !kvd_rwatch_up(t->rwatch) ||
+        kvd_rledger_count(t->ledger) == 0) {
+        return;
+    }
+    rc_start(rc, "periodic pass (remote-watch-reconcile-s)");
 }
 
 /* The ledger and the reconciliation's state (before the watch starts: nothing to undo on the
@@ -2220,6 +2238,7 @@ static kv_err reconcile_alloc(kvd_tiers *t, const kvd_config *cfg, char *msg, si
         return KV_ENOMEM;
     }
     rc->t = t;
+    rc->period_ms = cfg->remote_watch_reconcile_s * 1000;
     t->rc = rc;
     return KV_OK;
 }
@@ -2230,8 +2249,12 @@ static void reconcile_start(kvd_tiers *t) {
         return;
     }
     uv_timer_init(t->loop, &t->rc->retry);
-    t->rc->retry.data = t->rc;
+    uv_timer_init(t->loop, &t->rc->period);
+    t->rc->retry.data = t->rc->period.data = t->rc;
     t->rc->timer_on = 1;
+    if (t->rc->period_ms > 0) {
+        uv_timer_start(&t->rc->period, on_rc_period, t->rc->period_ms, t->rc->period_ms);
+    }
     kvd_rwatch_set_up_fn(t->rwatch, on_watch_up, t);
 }
 
@@ -2293,10 +2316,12 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
     /* Queued puts keep their T1 entries busy: at most a quarter of tier 1 waits on Redis. */
     uint64_t qb = cfg->remote_queue_bytes < cfg->tier1_memory / 4 ? cfg->remote_queue_bytes
                                                                   : cfg->tier1_memory / 4;
-    kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_ttl_s, qb};
+    kvd_remote_cfg rc = {cfg->remote_redis, pw, cfg->remote_timeout_ms, cfg->remote_backoff_max_ms,
+                         cfg->remote_ttl_s, qb};
     kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
     if (e == KV_OK && cfg->remote_watch) {
-        kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms};
+        kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms,
+                             cfg->remote_backoff_max_ms};
         e = reconcile_alloc(t, cfg, msg, msglen);
         if (e == KV_OK) {
             e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
@@ -2338,6 +2363,7 @@ void kvd_tiers_close(kvd_tiers *t) {
         t->rc->closed = 1;
         if (t->rc->timer_on) {
             uv_close((uv_handle_t *)&t->rc->retry, NULL);
+            uv_close((uv_handle_t *)&t->rc->period, NULL);
         }
     }
 }
