@@ -216,6 +216,10 @@ static const kvd_config_option options[] = {
         "watch is up, besides the pass after each gap; finds the values gone without a "
         "notification (a DEL or FLUSHALL by another client; a node whose notify-keyspace-events "
         "lacks Exe); a pass asks one STRLEN per ledger entry; 0: only after gaps"),
+    OPT("remote-watch-refresh-s", KVD_OPT_U64, remote_watch_refresh_s, "30", 0, 86400,
+        "with remote-watch: seconds between checks of the cluster's masters (CLUSTER SLOTS "
+        "asked of a watched node); when they changed (a master added, slots moved to a node "
+        "that had none) the watch subscribes again on the new set; 0: only after a failure"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

@@ -83,6 +83,7 @@ typedef struct kvd_config {
     int remote_watch;             /* listen to Redis's expiries and evictions (kvd_rwatch) */
     uint64_t remote_watch_ledger; /* values announced on REMOTE remembered for reconciliation */
     uint64_t remote_watch_reconcile_s; /* seconds between passes while the watch is up; 0: none */
+    uint64_t remote_watch_refresh_s;   /* seconds between checks of the cluster's masters */
     char remote_uid_tenants[16];       /* uid-N tenants in Redis: shared, node or off */
     char node_name[64];                /* this node's name ("" = the host name) */
 } kvd_config;

@@ -4,7 +4,10 @@
  * SLOTS, or takes its own node where cluster support is off, and goes; then one subscriber
  * connection per node asks for its notify-keyspace-events (to say when drops go unheard) and
  * subscribes. Any failure, or a deadline, tears everything down and starts again after a
- * backoff: the set of nodes is small and a failover changes it anyway.
+ * backoff: the set of nodes is small and a failover changes it anyway. While every node is
+ * subscribed, a check connection asks one of them for CLUSTER SLOTS every refresh_ms (the
+ * nodes in turn) and goes; when the masters it names are not the ones watched (a master added,
+ * slots moved to a node that had none), everything starts again the same way.
  *
  * libhiredis frees a context itself after its connect callback reports an error and after its
  * disconnect callback; this file forgets a context in those callbacks and frees one only from a
@@ -55,6 +58,12 @@ struct kvd_rwatch {
     int seed_at;             /* the one the next discovery asks */
     int asked;               /* the one the current discovery asks */
     redisAsyncContext *disc; /* the discovery connection, NULL when none */
+    redisAsyncContext *chk;  /* the check connection, NULL when none */
+    char chk_host[RW_HOST_MAX];
+    int chk_port;
+    unsigned chk_at;    /* the node the next check asks */
+    uv_timer_t refresh; /* checks, every refresh_ms (when set) */
+    uint64_t refresh_ms;
     rw_node nodes[RW_MAX_NODES];
     int nnodes;
     uv_timer_t restart;  /* backoff before the next discovery */
@@ -86,6 +95,11 @@ static void rw_teardown(kvd_rwatch *w) {
     if (w->disc != NULL) {
         redisAsyncContext *ac = w->disc;
         w->disc = NULL;
+        redisAsyncFree(ac);
+    }
+    if (w->chk != NULL) {
+        redisAsyncContext *ac = w->chk;
+        w->chk = NULL;
         redisAsyncFree(ac);
     }
     for (int i = 0; i < w->nnodes; i++) {
@@ -166,11 +180,14 @@ static redisAsyncContext *rw_connect(kvd_rwatch *w, const char *host, int port, 
 
 static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port);
 
+#define RW_DISCOVERY (-1) /* rw_open's node: the discovery connection */
+#define RW_CHECK (-2)     /* the check connection */
+
 typedef struct rw_resolve {
     uv_getaddrinfo_t req;
     kvd_rwatch *w;
     uint32_t gen; /* w->gen when it was asked */
-    int node;     /* the node it is for, -1: the discovery */
+    int node;     /* the node it is for, or RW_DISCOVERY, RW_CHECK */
     int port;
 } rw_resolve;
 
@@ -206,7 +223,10 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
         uv_freeaddrinfo(res);
     }
     if (!w->closing && r->gen == w->gen) {
-        if (addr[0] == '\0') {
+        if (addr[0] == '\0' && r->node == RW_CHECK) {
+            KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: check: cannot resolve a name: %s",
+                   status != 0 ? uv_strerror(status) : "no address");
+        } else if (addr[0] == '\0') {
             KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: cannot resolve a %s's name: %s",
                    r->node < 0 ? "seed" : "node", status != 0 ? uv_strerror(status) : "no address");
             rw_schedule_restart(w, "a name did not resolve");
@@ -217,7 +237,8 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     free(r);
 }
 
-/* Opens the discovery connection (node -1) or node's subscriber to host:port. */
+/* Opens the discovery connection (RW_DISCOVERY), the check connection (RW_CHECK) or node's
+ * subscriber to host:port. */
 static void rw_open(kvd_rwatch *w, int node, const char *host, int port) {
     if (is_address(host)) {
         rw_open_at(w, node, host, port);
@@ -429,46 +450,72 @@ static void rw_learn(kvd_rwatch *w, const char *host, int port) {
     }
 }
 
+typedef struct rw_addr {
+    char host[RW_HOST_MAX];
+    int port;
+} rw_addr;
+
+/* The masters a CLUSTER SLOTS reply names (host empty: the node asked, host:port), at most max
+ * (more are left out), each once; every node it names is learnt for later discoveries. Returns
+ * their count; 1 (the node asked) where cluster support is off; -1 for another reply (an
+ * error: logged). */
+static int slots_masters(kvd_rwatch *w, const redisReply *r, const char *host, int port,
+                         rw_addr *out, int max) {
+    if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled") != NULL) {
+        snprintf(out[0].host, RW_HOST_MAX, "%s", host);
+        out[0].port = port;
+        return 1;
+    }
+    if (r->type != REDIS_REPLY_ARRAY) {
+        KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: %s:%d: CLUSTER SLOTS: %s", host, port,
+               r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+        return -1;
+    }
+    int n = 0;
+    for (size_t i = 0; i < r->elements; i++) {
+        const redisReply *range = r->element[i];
+        if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+            range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
+            range->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+            range->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
+            continue;
+        }
+        /* An empty host is the node we asked (Redis does not know its own address). */
+        const char *mh = range->element[2]->element[0]->str;
+        mh = mh[0] != '\0' ? mh : host;
+        int mp = (int)range->element[2]->element[1]->integer;
+        int seen = 0;
+        for (int k = 0; k < n && !seen; k++) {
+            seen = out[k].port == mp && strcmp(out[k].host, mh) == 0;
+        }
+        if (!seen && n < max && strlen(mh) < RW_HOST_MAX) {
+            snprintf(out[n].host, RW_HOST_MAX, "%s", mh);
+            out[n++].port = mp;
+        }
+        for (size_t k = 2; k < range->elements; k++) {
+            const redisReply *nd = range->element[k];
+            if (nd->type == REDIS_REPLY_ARRAY && nd->elements >= 2 &&
+                nd->element[0]->type == REDIS_REPLY_STRING &&
+                nd->element[1]->type == REDIS_REPLY_INTEGER) {
+                rw_learn(w, nd->element[0]->str[0] != '\0' ? nd->element[0]->str : host,
+                         (int)nd->element[1]->integer);
+            }
+        }
+    }
+    return n;
+}
+
 static void disc_slots(redisAsyncContext *ac, void *reply, void *priv) {
     kvd_rwatch *w = priv;
     redisReply *r = reply;
     if (r == NULL || w->disc != ac || w->closing) {
         return;
     }
-    char seed[RW_HOST_MAX];
-    snprintf(seed, sizeof(seed), "%s", w->seed_host[w->asked]);
-    int seed_port = w->seed_port[w->asked];
+    rw_addr m[RW_MAX_NODES];
+    int n = slots_masters(w, r, w->seed_host[w->asked], w->seed_port[w->asked], m, RW_MAX_NODES);
     w->nnodes = 0;
-    if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled") != NULL) {
-        (void)rw_add_node(w, seed, seed_port); /* one server */
-    } else if (r->type == REDIS_REPLY_ARRAY) {
-        for (size_t i = 0; i < r->elements; i++) {
-            const redisReply *range = r->element[i];
-            if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
-                range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
-                range->element[2]->element[0]->type != REDIS_REPLY_STRING ||
-                range->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
-                continue;
-            }
-            const char *host = range->element[2]->element[0]->str;
-            /* An empty host is the node we asked (Redis does not know its own address). */
-            if (rw_add_node(w, host[0] != '\0' ? host : seed,
-                            (int)range->element[2]->element[1]->integer) != 0) {
-                break;
-            }
-            for (size_t k = 2; k < range->elements; k++) {
-                const redisReply *nd = range->element[k];
-                if (nd->type == REDIS_REPLY_ARRAY && nd->elements >= 2 &&
-                    nd->element[0]->type == REDIS_REPLY_STRING &&
-                    nd->element[1]->type == REDIS_REPLY_INTEGER) {
-                    rw_learn(w, nd->element[0]->str[0] != '\0' ? nd->element[0]->str : seed,
-                             (int)nd->element[1]->integer);
-                }
-            }
-        }
-    } else {
-        KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: %s:%d: CLUSTER SLOTS: %s", seed, seed_port,
-               r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+    for (int i = 0; i < n; i++) {
+        (void)rw_add_node(w, m[i].host, m[i].port);
     }
     /* The discovery connection is done: it goes after this callback (libhiredis). */
     w->disc = NULL;
@@ -480,6 +527,65 @@ static void disc_slots(redisAsyncContext *ac, void *reply, void *priv) {
     rw_start_nodes(w);
 }
 
+/* ---- checks: has the set of masters changed? ----------------------------------------------- */
+
+static void chk_connected(const redisAsyncContext *ac, int status) {
+    kvd_rwatch *w = ac->data;
+    if (status != REDIS_OK && w->chk == ac) {
+        w->chk = NULL; /* libhiredis frees it; the next check asks another node */
+        KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: check: %s", ac->errstr);
+    }
+}
+
+static void chk_disconnected(const redisAsyncContext *ac, int status) {
+    (void)status;
+    kvd_rwatch *w = ac->data;
+    if (w->chk == ac) {
+        w->chk = NULL;
+    }
+}
+
+static void chk_slots(redisAsyncContext *ac, void *reply, void *priv) {
+    kvd_rwatch *w = priv;
+    redisReply *r = reply;
+    if (r == NULL || w->chk != ac || w->closing) {
+        return;
+    }
+    w->st.checks++;
+    rw_addr m[RW_MAX_NODES];
+    int n = slots_masters(w, r, w->chk_host, w->chk_port, m, RW_MAX_NODES);
+    int same = n == w->nnodes;
+    for (int i = 0; i < n && same; i++) {
+        int found = 0;
+        for (int k = 0; k < w->nnodes && !found; k++) {
+            found = w->nodes[k].port == m[i].port && strcmp(w->nodes[k].host, m[i].host) == 0;
+        }
+        same = found;
+    }
+    w->chk = NULL;
+    redisAsyncDisconnect(ac);
+    if (n > 0 && !same && all_subscribed(w)) {
+        KV_LOG(INFO, "KVD-REMOTE-WATCH",
+               "remote watch: the cluster's masters changed (%d now, %d watched)", n, w->nnodes);
+        w->st.changes++;
+        w->backoff_ms = RW_BACKOFF_MIN_MS;
+        rw_schedule_restart(w, "the cluster's masters changed");
+    }
+}
+
+/* Every refresh_ms: a check, when every node is subscribed and nothing else is under way. */
+static void on_refresh(uv_timer_t *t) {
+    kvd_rwatch *w = t->data;
+    if (w->closing || w->chk != NULL || w->disc != NULL || w->restart_pending ||
+        !all_subscribed(w)) {
+        return;
+    }
+    rw_node *n = &w->nodes[w->chk_at++ % w->nnodes];
+    snprintf(w->chk_host, sizeof(w->chk_host), "%s", n->host);
+    w->chk_port = n->port;
+    rw_open(w, RW_CHECK, w->chk_host, w->chk_port);
+}
+
 static void rw_start_discovery(kvd_rwatch *w) {
     w->st.discoveries++;
     w->st.unconfigured = 0;
@@ -487,11 +593,21 @@ static void rw_start_discovery(kvd_rwatch *w) {
     w->asked = s;
     w->seed_at = (w->seed_at + 1) % w->nknown;
     uv_timer_start(&w->deadline, on_deadline, 5 * w->timeout_ms, 0);
-    rw_open(w, -1, w->seed_host[s], w->seed_port[s]);
+    rw_open(w, RW_DISCOVERY, w->seed_host[s], w->seed_port[s]);
 }
 
 static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port) {
-    if (node < 0) {
+    if (node == RW_CHECK) {
+        if (w->chk != NULL || w->disc != NULL || w->restart_pending) {
+            return; /* a discovery started while its name was resolved */
+        }
+        w->chk = rw_connect(w, addr, port, w, chk_connected, chk_disconnected);
+        if (w->chk != NULL) {
+            redisAsyncCommand(w->chk, chk_slots, w, "CLUSTER SLOTS");
+        }
+        return;
+    }
+    if (node == RW_DISCOVERY) {
         w->disc = rw_connect(w, addr, port, w, disc_connected, disc_disconnected);
         if (w->disc == NULL) {
             rw_schedule_restart(w, "cannot connect to a seed");
@@ -545,9 +661,14 @@ kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_f
     w->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 200;
     w->backoff_ms = RW_BACKOFF_MIN_MS;
     w->backoff_max_ms = cfg->backoff_max_ms > 0 ? cfg->backoff_max_ms : 5000;
+    w->refresh_ms = cfg->refresh_ms;
     uv_timer_init(loop, &w->restart);
     uv_timer_init(loop, &w->deadline);
-    w->restart.data = w->deadline.data = w;
+    uv_timer_init(loop, &w->refresh);
+    w->restart.data = w->deadline.data = w->refresh.data = w;
+    if (w->refresh_ms > 0) {
+        uv_timer_start(&w->refresh, on_refresh, w->refresh_ms, w->refresh_ms);
+    }
     rw_start_discovery(w);
     *out = w;
     return KV_OK;
@@ -561,6 +682,7 @@ void kvd_rwatch_close(kvd_rwatch *w) {
     w->closing = 1;
     uv_close((uv_handle_t *)&w->restart, NULL);
     uv_close((uv_handle_t *)&w->deadline, NULL);
+    uv_close((uv_handle_t *)&w->refresh, NULL);
 }
 
 void kvd_rwatch_free(kvd_rwatch *w) {

@@ -15,8 +15,10 @@
  * not done within 5 x timeout_ms starts over the same way. Drops while a node has no subscriber
  * are not heard (Redis keeps no backlog of notifications): each such gap is counted
  * (kvd_rwatch_stats.gaps), and when every node is subscribed again the up callback says so
- * (kvd_rwatch_set_up_fn). Slots moved to a master added later are heard after the next
- * rediscovery only.
+ * (kvd_rwatch_set_up_fn). While every node is subscribed, one of them is asked for CLUSTER
+ * SLOTS every refresh_ms: when the masters changed (a master added, slots moved to a node that
+ * had none), the watch starts again on the new set (its restart is a gap: drops on the new
+ * master before it were not heard).
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
  * adapter: nothing here blocks (a connect is non-blocking; a host name is resolved on libuv's
@@ -44,6 +46,8 @@ typedef struct kvd_rwatch_cfg {
     const char *password;    /* AUTH password, or "" (copied) */
     uint64_t timeout_ms;     /* the remote tier's timeout: discovery gives up after 5x */
     uint64_t backoff_max_ms; /* longest wait before the next discovery; 0: 5000 */
+    uint64_t refresh_ms;     /* a check of the masters this often while all are subscribed; 0:
+                                none */
 } kvd_rwatch_cfg;
 
 /* Parses the seeds and starts the first discovery (returns at once). KV_EINVAL with msg for a
@@ -76,6 +80,9 @@ typedef struct kvd_rwatch_stats {
     uint64_t discoveries;  /* discoveries started (the first one included) */
     uint64_t gaps;         /* times subscriptions that were up were lost (each counted once until
                               every node is subscribed again): drops in between went unheard */
+    uint64_t checks;       /* checks of the masters answered (refresh_ms) */
+    uint64_t changes;      /* of them, those that found the masters changed: the watch started
+                              again (a gap too) */
 } kvd_rwatch_stats;
 
 void kvd_rwatch_get_stats(const kvd_rwatch *w, kvd_rwatch_stats *out);

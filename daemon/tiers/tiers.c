@@ -96,6 +96,8 @@ enum {
     TS_RWATCH_EVICTED,
     TS_RWATCH_REPORTED,
     TS_RWATCH_GAPS,
+    TS_RWATCH_CHECKS,
+    TS_RWATCH_CHANGES,
     TS_RWATCH_LEDGER,
     TS_RWATCH_LEDGER_LOST,
     TS_RWATCH_RECONCILES,
@@ -277,6 +279,15 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                         "router holds may be stale",
                         "kvd_remote_watch_gaps_total",
                         "Times the remote watch lost subscriptions that were up.", NULL, NULL},
+    [TS_RWATCH_CHECKS] = {"remote_watch_checks", "counter", "checks",
+                          "checks of the cluster's masters (CLUSTER SLOTS asked of a watched "
+                          "node every remote-watch-refresh-s) answered",
+                          NULL, NULL, NULL, NULL},
+    [TS_RWATCH_CHANGES] = {"remote_watch_changes", "counter", "checks",
+                           "of them, those that found the masters changed (a master added, "
+                           "slots moved to a node that had none): the watch subscribed again "
+                           "on the new set (a gap)",
+                           NULL, NULL, NULL, NULL},
     [TS_RWATCH_LEDGER] = {"remote_watch_ledger", "gauge", "blocks",
                           "values this node announced on REMOTE and remembers, to ask Redis "
                           "about after a gap (remote-watch-ledger)",
@@ -2321,7 +2332,7 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
     kv_err e = kvd_remote_alloc(t->loop, &rc, &t->remote, msg, msglen);
     if (e == KV_OK && cfg->remote_watch) {
         kvd_rwatch_cfg wc = {cfg->remote_redis, pw, cfg->remote_timeout_ms,
-                             cfg->remote_backoff_max_ms};
+                             cfg->remote_backoff_max_ms, cfg->remote_watch_refresh_s * 1000};
         e = reconcile_alloc(t, cfg, msg, msglen);
         if (e == KV_OK) {
             e = kvd_rwatch_alloc(t->loop, &wc, on_remote_dropped, t, &t->rwatch, msg, msglen);
@@ -3797,6 +3808,8 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_RWATCH_EXPIRED] = ws.expired;
             v[TS_RWATCH_EVICTED] = ws.evicted;
             v[TS_RWATCH_GAPS] = ws.gaps;
+            v[TS_RWATCH_CHECKS] = ws.checks;
+            v[TS_RWATCH_CHANGES] = ws.changes;
         }
         if (t->ledger != NULL) {
             v[TS_RWATCH_LEDGER] = kvd_rledger_count(t->ledger);

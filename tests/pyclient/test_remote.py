@@ -1997,6 +1997,67 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
         ctx.destroy(0)
 
 
+def test_remote_watch_follows_a_master_added(kvd_factory, redis_cluster):
+    """A fourth master joins the cluster (redis-cli --cluster add-node, then reshard moves 2000
+    slots to it): within remote-watch-refresh-s (1 here; 30 by default) kvd's check of CLUSTER SLOTS sees the
+    masters changed, subscribes on all four (remote_watch_changes, a gap), and an expiry of a
+    value on the new master is reported (BlockRemoved on REMOTE)."""
+    import zmq
+    from test_kv_events import Sub, tcp_endpoints, xxh3_form, Schema
+    cl = redis_cluster
+    _send_drops(cl.ports)
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea, remote_ttl_s="3",
+                        remote_watch_refresh_s="1", log_level="info")
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=10), rem(a)
+        assert wait_until(lambda: tiers(a)["remote_watch_checks"] >= 1, timeout=5), rem(a)
+        assert tiers(a)["remote_watch_changes"] == 0, rem(a)
+        # The new node: an empty master, then 2000 slots of the first master moved to it.
+        port = free_port(cluster=True)
+        cl.nodes[port] = RedisServer(
+            port, cl.dir, ["--cluster-enabled", "yes", "--cluster-config-file",
+                           os.path.join(cl.dir, "nodes-%d.conf" % port),
+                           "--cluster-node-timeout", "1000",
+                           "--notify-keyspace-events", "Exe"])
+        seed = "127.0.0.1:%d" % cl.ports[0]
+        cli = lambda *args: subprocess.run([REDIS_CLI] + list(args), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           timeout=60)
+        out = cli("--cluster", "add-node", "127.0.0.1:%d" % port, seed)
+        assert out.returncode == 0, out.stdout.decode(errors="replace")[-2000:]
+        with Redis(port, timeout=2.0) as r:
+            new_id = r.call("CLUSTER", "MYID").decode()
+        with Redis(cl.ports[0], timeout=2.0) as r:
+            from_id = r.call("CLUSTER", "MYID").decode()
+        assert wait_until(lambda: cl.ok_everywhere(), timeout=20, step=0.2), "never joined"
+        out = cli("--cluster", "reshard", seed, "--cluster-from", from_id, "--cluster-to", new_id,
+                  "--cluster-slots", "2000", "--cluster-yes")
+        assert out.returncode == 0, out.stdout.decode(errors="replace")[-2000:]
+        cl.client.refresh()
+        assert port in cl.client.masters(), cl.client.table
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 4, timeout=10), msg(
+            rem(a), [l for l in log_tail(a, 20000).splitlines() if "WATCH" in l][-12:])
+        t = tiers(a)
+        assert t["remote_watch_changes"] >= 1 and t["remote_watch_gaps"] >= 1, rem(t)
+        assert "the cluster's masters changed (4 now, 3 watched)" in log_tail(a, 20000)
+        sa = Sub(ctx, ea, name="A")
+        ca = connect(a)
+        pa = ca.attach(MODEL, LAYOUT)
+        hs, _ = commit_chain(ca, pa, 48, 595100)
+        ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs, timeout=2.5), ns.present(hs)
+        on_new = [h for h in hs if cl.client.master_of(ns.key(h)) == port]
+        assert on_new, "no value on the new master (2000 of 16384 slots)"
+        want = [xxh3_form(h, Schema()) for h in on_new]
+        sa.until("REMOTE removed on the new master",
+                 lambda x: set(want) <= set(_removed_on_remote(sa)), timeout=20)
+        sa.close()
+    finally:
+        ctx.destroy(0)
+
+
 def _kill_watch_subscribers(srv):
     """Closes every pub/sub connection of the server (kvd's watch): a gap in the watch."""
     with srv.client() as r:
