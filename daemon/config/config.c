@@ -218,8 +218,9 @@ static const kvd_config_option options[] = {
         "lacks Exe); a pass asks one STRLEN per ledger entry; 0: only after gaps"),
     OPT("remote-watch-refresh-s", KVD_OPT_U64, remote_watch_refresh_s, "30", 0, 86400,
         "with remote-watch: seconds between checks of the cluster's masters (CLUSTER SLOTS "
-        "asked of a watched node); when they changed (a master added, slots moved to a node "
-        "that had none) the watch subscribes again on the new set; 0: only after a failure"),
+        "asked of a watched node, in turn); when two checks in a row find them changed (a "
+        "master added, slots moved to a node that had none) the watch subscribes again on the "
+        "new set; 0: only after a failure"),
 };
 
 #define NOPTIONS (sizeof(options) / sizeof(options[0]))

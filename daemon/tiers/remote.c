@@ -229,8 +229,11 @@ static void node_fail(kvd_remote *r, node *nd, const char *why) {
         redisFree(nd->c);
         nd->c = NULL;
     }
-    nd->rb_pos = nd->rb_len = 0; /* the closed connection's bytes */
-    uint64_t back = (uint64_t)BACKOFF_MIN_MS << (nd->fails < 6 ? nd->fails : 6);
+    nd->rb_pos = nd->rb_len = 0;    /* the closed connection's bytes */
+    uint64_t back = BACKOFF_MIN_MS; /* doubled per failure in a row, up to backoff_max_ms */
+    for (uint32_t i = 0; i < nd->fails && back < r->backoff_max_ms; i++) {
+        back *= 2;
+    }
     nd->down_until = now_ms() + (back < r->backoff_max_ms ? back : r->backoff_max_ms);
     nd->fails++;
     if (r->cluster) {

@@ -38,6 +38,7 @@ typedef struct rw_node {
     redisAsyncContext *ac; /* NULL when it has none */
     char host[RW_HOST_MAX];
     int port;
+    int self_named; /* host is the name of the node asked (CLUSTER SLOTS gave it no address) */
     int subscribed; /* both channels confirmed */
 } rw_node;
 
@@ -61,7 +62,11 @@ struct kvd_rwatch {
     redisAsyncContext *chk;  /* the check connection, NULL when none */
     char chk_host[RW_HOST_MAX];
     int chk_port;
+    int chk_busy;       /* a check is under way (its name resolved, or its connection open) */
+    uint32_t chk_gen;   /* bumped when a check is abandoned: its late resolution is dropped */
     unsigned chk_at;    /* the node the next check asks */
+    uint64_t chk_sig;   /* the changed set of masters the last check saw, 0: none */
+    int standalone;     /* the discovery found one server (cluster support off): no checks */
     uv_timer_t refresh; /* checks, every refresh_ms (when set) */
     uint64_t refresh_ms;
     rw_node nodes[RW_MAX_NODES];
@@ -102,6 +107,8 @@ static void rw_teardown(kvd_rwatch *w) {
         w->chk = NULL;
         redisAsyncFree(ac);
     }
+    w->chk_busy = 0;
+    w->chk_sig = 0;
     for (int i = 0; i < w->nnodes; i++) {
         if (w->nodes[i].ac != NULL) {
             redisAsyncContext *ac = w->nodes[i].ac;
@@ -186,8 +193,9 @@ static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port);
 typedef struct rw_resolve {
     uv_getaddrinfo_t req;
     kvd_rwatch *w;
-    uint32_t gen; /* w->gen when it was asked */
-    int node;     /* the node it is for, or RW_DISCOVERY, RW_CHECK */
+    uint32_t gen;     /* w->gen when it was asked */
+    uint32_t chk_gen; /* w->chk_gen when it was asked (RW_CHECK) */
+    int node;         /* the node it is for, or RW_DISCOVERY, RW_CHECK */
     int port;
 } rw_resolve;
 
@@ -222,10 +230,13 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     if (res != NULL) {
         uv_freeaddrinfo(res);
     }
-    if (!w->closing && r->gen == w->gen) {
+    if (r->node == RW_CHECK && (r->chk_gen != w->chk_gen || !w->chk_busy)) {
+        /* an abandoned check's name: dropped */
+    } else if (!w->closing && r->gen == w->gen) {
         if (addr[0] == '\0' && r->node == RW_CHECK) {
             KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: check: cannot resolve a name: %s",
                    status != 0 ? uv_strerror(status) : "no address");
+            w->chk_busy = 0;
         } else if (addr[0] == '\0') {
             KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: cannot resolve a %s's name: %s",
                    r->node < 0 ? "seed" : "node", status != 0 ? uv_strerror(status) : "no address");
@@ -252,17 +263,26 @@ static void rw_open(kvd_rwatch *w, int node, const char *host, int port) {
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     if (r == NULL) {
-        rw_schedule_restart(w, "out of memory");
+        if (node == RW_CHECK) {
+            w->chk_busy = 0; /* a check that cannot be made is no failure of the watch */
+        } else {
+            rw_schedule_restart(w, "out of memory");
+        }
         return;
     }
     r->w = w;
     r->gen = w->gen;
+    r->chk_gen = w->chk_gen;
     r->node = node;
     r->port = port;
     r->req.data = r;
     if (uv_getaddrinfo(w->loop, &r->req, on_resolved, host, ps, &hints) != 0) {
         free(r);
-        rw_schedule_restart(w, "cannot resolve a name");
+        if (node == RW_CHECK) {
+            w->chk_busy = 0;
+        } else {
+            rw_schedule_restart(w, "cannot resolve a name");
+        }
     }
 }
 
@@ -432,7 +452,7 @@ static int rw_add_node(kvd_rwatch *w, const char *host, int port) {
     }
     rw_node *n = &w->nodes[w->nnodes++];
     memset(n, 0, sizeof(*n));
-    snprintf(n->host, sizeof(n->host), "%s", host);
+    memcpy(n->host, host, strlen(host) + 1); /* shorter than RW_HOST_MAX: checked above */
     n->port = port;
     return 0;
 }
@@ -453,22 +473,28 @@ static void rw_learn(kvd_rwatch *w, const char *host, int port) {
 typedef struct rw_addr {
     char host[RW_HOST_MAX];
     int port;
+    int self_named; /* CLUSTER SLOTS gave no address: host is the name of the node asked */
 } rw_addr;
 
 /* The masters a CLUSTER SLOTS reply names (host empty: the node asked, host:port), at most max
  * (more are left out), each once; every node it names is learnt for later discoveries. Returns
- * their count; 1 (the node asked) where cluster support is off; -1 for another reply (an
- * error: logged). */
+ * their count; 1 (the node asked) where cluster support is off (*standalone set); -1 for another
+ * reply (an error: logged at level). */
 static int slots_masters(kvd_rwatch *w, const redisReply *r, const char *host, int port,
-                         rw_addr *out, int max) {
+                         rw_addr *out, int max, int *standalone, kv_log_level level) {
+    *standalone = 0;
     if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled") != NULL) {
         snprintf(out[0].host, RW_HOST_MAX, "%s", host);
         out[0].port = port;
+        out[0].self_named = 1;
+        *standalone = 1;
         return 1;
     }
     if (r->type != REDIS_REPLY_ARRAY) {
-        KV_LOG(WARN, "KVD-REMOTE-WATCH", "remote watch: %s:%d: CLUSTER SLOTS: %s", host, port,
-               r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+        if (level <= kv_log_threshold) {
+            kv_log_emit(level, "KVD-REMOTE-WATCH", "remote watch: %s:%d: CLUSTER SLOTS: %s", host,
+                        port, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+        }
         return -1;
     }
     int n = 0;
@@ -482,7 +508,8 @@ static int slots_masters(kvd_rwatch *w, const redisReply *r, const char *host, i
         }
         /* An empty host is the node we asked (Redis does not know its own address). */
         const char *mh = range->element[2]->element[0]->str;
-        mh = mh[0] != '\0' ? mh : host;
+        int self = mh[0] == '\0';
+        mh = self ? host : mh;
         int mp = (int)range->element[2]->element[1]->integer;
         int seen = 0;
         for (int k = 0; k < n && !seen; k++) {
@@ -490,6 +517,7 @@ static int slots_masters(kvd_rwatch *w, const redisReply *r, const char *host, i
         }
         if (!seen && n < max && strlen(mh) < RW_HOST_MAX) {
             snprintf(out[n].host, RW_HOST_MAX, "%s", mh);
+            out[n].self_named = self;
             out[n++].port = mp;
         }
         for (size_t k = 2; k < range->elements; k++) {
@@ -512,10 +540,13 @@ static void disc_slots(redisAsyncContext *ac, void *reply, void *priv) {
         return;
     }
     rw_addr m[RW_MAX_NODES];
-    int n = slots_masters(w, r, w->seed_host[w->asked], w->seed_port[w->asked], m, RW_MAX_NODES);
+    int n = slots_masters(w, r, w->seed_host[w->asked], w->seed_port[w->asked], m, RW_MAX_NODES,
+                          &w->standalone, KV_LOG_WARN);
     w->nnodes = 0;
     for (int i = 0; i < n; i++) {
-        (void)rw_add_node(w, m[i].host, m[i].port);
+        if (rw_add_node(w, m[i].host, m[i].port) == 0) {
+            w->nodes[w->nnodes - 1].self_named = m[i].self_named;
+        }
     }
     /* The discovery connection is done: it goes after this callback (libhiredis). */
     w->disc = NULL;
@@ -533,6 +564,7 @@ static void chk_connected(const redisAsyncContext *ac, int status) {
     kvd_rwatch *w = ac->data;
     if (status != REDIS_OK && w->chk == ac) {
         w->chk = NULL; /* libhiredis frees it; the next check asks another node */
+        w->chk_busy = 0;
         KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: check: %s", ac->errstr);
     }
 }
@@ -542,7 +574,21 @@ static void chk_disconnected(const redisAsyncContext *ac, int status) {
     kvd_rwatch *w = ac->data;
     if (w->chk == ac) {
         w->chk = NULL;
+        w->chk_busy = 0;
     }
+}
+
+/* One master of a reply is a watched node: the same port, and the same host unless one side is
+ * named after the node asked (the address Redis gave it elsewhere may be spelt otherwise). */
+static int watched(const kvd_rwatch *w, const rw_addr *m) {
+    for (int k = 0; k < w->nnodes; k++) {
+        const rw_node *n = &w->nodes[k];
+        if (n->port == m->port &&
+            (n->self_named || m->self_named || strcmp(n->host, m->host) == 0)) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static void chk_slots(redisAsyncContext *ac, void *reply, void *priv) {
@@ -551,38 +597,70 @@ static void chk_slots(redisAsyncContext *ac, void *reply, void *priv) {
     if (r == NULL || w->chk != ac || w->closing) {
         return;
     }
-    w->st.checks++;
     rw_addr m[RW_MAX_NODES];
-    int n = slots_masters(w, r, w->chk_host, w->chk_port, m, RW_MAX_NODES);
-    int same = n == w->nnodes;
-    for (int i = 0; i < n && same; i++) {
-        int found = 0;
-        for (int k = 0; k < w->nnodes && !found; k++) {
-            found = w->nodes[k].port == m[i].port && strcmp(w->nodes[k].host, m[i].host) == 0;
-        }
-        same = found;
-    }
+    int standalone;
+    int n =
+        slots_masters(w, r, w->chk_host, w->chk_port, m, RW_MAX_NODES, &standalone, KV_LOG_DEBUG);
     w->chk = NULL;
+    w->chk_busy = 0;
     redisAsyncDisconnect(ac);
-    if (n > 0 && !same && all_subscribed(w)) {
-        KV_LOG(INFO, "KVD-REMOTE-WATCH",
-               "remote watch: the cluster's masters changed (%d now, %d watched)", n, w->nnodes);
-        w->st.changes++;
-        w->backoff_ms = RW_BACKOFF_MIN_MS;
-        rw_schedule_restart(w, "the cluster's masters changed");
+    if (n <= 0 || !all_subscribed(w)) {
+        return; /* no answer to compare (an error reply), or a restart under way */
     }
+    w->st.checks++;
+    int same = n == w->nnodes;
+    uint64_t sig = 1469598103934665603ull; /* FNV-1a over the ports, in the reply's order */
+    for (int i = 0; i < n; i++) {
+        same = same && watched(w, &m[i]);
+        sig = (sig ^ (uint64_t)m[i].port) * 1099511628211ull;
+    }
+    if (same) {
+        w->chk_sig = 0;
+        return;
+    }
+    /* During a reshard or a failover the nodes' views differ for a while: the watch starts
+     * again when two checks in a row (of different nodes, where there are several) saw the same
+     * new set. */
+    if (w->chk_sig != sig) {
+        w->chk_sig = sig;
+        KV_LOG(DEBUG, "KVD-REMOTE-WATCH",
+               "remote watch: %s:%d names %d masters, not the %d watched; checking again",
+               w->chk_host, w->chk_port, n, w->nnodes);
+        return;
+    }
+    KV_LOG(INFO, "KVD-REMOTE-WATCH",
+           "remote watch: the cluster's masters changed (%d now, %d watched)", n, w->nnodes);
+    w->st.changes++;
+    w->chk_sig = 0;
+    w->backoff_ms = RW_BACKOFF_MIN_MS;
+    rw_schedule_restart(w, "the cluster's masters changed");
 }
 
-/* Every refresh_ms: a check, when every node is subscribed and nothing else is under way. */
+/* Every refresh_ms: a check, when every node is subscribed and nothing else is under way. A
+ * check still under way from the last tick (a node that accepted and never answered, a name
+ * that never resolved) is abandoned first. */
 static void on_refresh(uv_timer_t *t) {
     kvd_rwatch *w = t->data;
-    if (w->closing || w->chk != NULL || w->disc != NULL || w->restart_pending ||
+    if (w->chk_busy) {
+        if (w->chk != NULL) {
+            redisAsyncContext *ac = w->chk;
+            w->chk = NULL;
+            redisAsyncFree(ac); /* from a timer: not inside one of libhiredis's callbacks */
+        }
+        w->chk_busy = 0;
+        w->chk_gen++;
+        KV_LOG(DEBUG, "KVD-REMOTE-WATCH", "remote watch: check of %s:%d unanswered: abandoned",
+               w->chk_host, w->chk_port);
+        return;
+    }
+    if (w->closing || w->standalone || w->disc != NULL || w->restart_pending ||
         !all_subscribed(w)) {
         return;
     }
-    rw_node *n = &w->nodes[w->chk_at++ % w->nnodes];
+    rw_node *n = &w->nodes[w->chk_at++ % (unsigned)w->nnodes];
     snprintf(w->chk_host, sizeof(w->chk_host), "%s", n->host);
     w->chk_port = n->port;
+    w->chk_busy = 1;
     rw_open(w, RW_CHECK, w->chk_host, w->chk_port);
 }
 
@@ -599,12 +677,15 @@ static void rw_start_discovery(kvd_rwatch *w) {
 static void rw_open_at(kvd_rwatch *w, int node, const char *addr, int port) {
     if (node == RW_CHECK) {
         if (w->chk != NULL || w->disc != NULL || w->restart_pending) {
-            return; /* a discovery started while its name was resolved */
+            w->chk_busy = 0; /* a discovery started while its name was resolved */
+            return;
         }
         w->chk = rw_connect(w, addr, port, w, chk_connected, chk_disconnected);
-        if (w->chk != NULL) {
-            redisAsyncCommand(w->chk, chk_slots, w, "CLUSTER SLOTS");
+        if (w->chk == NULL) {
+            w->chk_busy = 0;
+            return;
         }
+        redisAsyncCommand(w->chk, chk_slots, w, "CLUSTER SLOTS");
         return;
     }
     if (node == RW_DISCOVERY) {

@@ -15,10 +15,11 @@
  * not done within 5 x timeout_ms starts over the same way. Drops while a node has no subscriber
  * are not heard (Redis keeps no backlog of notifications): each such gap is counted
  * (kvd_rwatch_stats.gaps), and when every node is subscribed again the up callback says so
- * (kvd_rwatch_set_up_fn). While every node is subscribed, one of them is asked for CLUSTER
- * SLOTS every refresh_ms: when the masters changed (a master added, slots moved to a node that
- * had none), the watch starts again on the new set (its restart is a gap: drops on the new
- * master before it were not heard).
+ * (kvd_rwatch_set_up_fn). While every node of a cluster is subscribed, one of them (in turn) is
+ * asked for CLUSTER SLOTS every refresh_ms: when two checks in a row name the same set of
+ * masters and it is not the one watched (a master added, slots moved to a node that had none),
+ * the watch starts again on the new set (its restart is a gap: drops on the new master before
+ * it were not heard). A check unanswered by the next tick is abandoned.
  *
  * It runs on the loop thread, through Debian's libhiredis asynchronous API and its libuv
  * adapter: nothing here blocks (a connect is non-blocking; a host name is resolved on libuv's
@@ -61,7 +62,8 @@ kv_err kvd_rwatch_alloc(uv_loop_t *loop, const kvd_rwatch_cfg *cfg, kvd_rwatch_f
 typedef void (*kvd_rwatch_up_fn)(void *arg);
 void kvd_rwatch_set_up_fn(kvd_rwatch *w, kvd_rwatch_up_fn fn, void *arg);
 
-/* 1 while every node is subscribed (no gap open, discovery done), else 0. */
+/* 1 while every node is subscribed (no gap open, discovery done), else 0; still 1 between a
+ * check that found the masters changed and the restart it scheduled. */
 int kvd_rwatch_up(const kvd_rwatch *w);
 
 /* Drops every connection and stops the timers (the loop runs their close callbacks); fn is never

@@ -1394,7 +1394,7 @@ def test_reconnect_backoff_is_capped(kvd_factory, redis):
     assert len(tries) >= 4, msg("kvd stopped trying", tries, rem(a))
     assert len(tries) <= commits // 4, ("no backoff: a connect per put", tries, commits)
     gaps = [y - x for x, y in zip([0.0] + tries, tries)] + [time.monotonic() - t0 - tries[-1]]
-    assert max(gaps) <= 1.3, ("tries more than ~0.8 s apart", tries)
+    assert max(gaps) <= 2.0, ("tries more than ~0.8 s apart", tries)
     redis.start()
     t = time.monotonic()
     ns = Namespace(redis.client(), "kvd", ns.domain)
@@ -2009,7 +2009,7 @@ def test_remote_watch_follows_a_master_added(kvd_factory, redis_cluster):
     ctx = zmq.Context()
     try:
         (ea,) = tcp_endpoints(1)
-        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea, remote_ttl_s="3",
+        a = _watch_node(kvd_factory, "127.0.0.1:%d" % cl.ports[0], ea, remote_ttl_s="5",
                         remote_watch_refresh_s="1", log_level="info")
         assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 3, timeout=10), rem(a)
         assert wait_until(lambda: tiers(a)["remote_watch_checks"] >= 1, timeout=5), rem(a)
@@ -2047,7 +2047,7 @@ def test_remote_watch_follows_a_master_added(kvd_factory, redis_cluster):
         pa = ca.attach(MODEL, LAYOUT)
         hs, _ = commit_chain(ca, pa, 48, 595100)
         ns = Namespace(cl.client, "kvd", domain_of(a, pa.pool_id))
-        assert ns.wait_landed(hs, timeout=2.5), ns.present(hs)
+        assert ns.wait_landed(hs, timeout=4), ns.present(hs)
         on_new = [h for h in hs if cl.client.master_of(ns.key(h)) == port]
         assert on_new, "no value on the new master (2000 of 16384 slots)"
         want = [xxh3_form(h, Schema()) for h in on_new]
