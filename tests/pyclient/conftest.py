@@ -56,16 +56,18 @@ def base_dir():
 
 
 # Bazel shards (tests/pyclient/BUILD shard_count): shard i of n runs the tests whose position in
-# the collected order is i modulo n, so the long remote and event tests spread over both cores,
-# and takes only loopback ports whose half is i modulo n, so two shards never pick the same one
-# (not the port itself: Linux hands bind(0) odd ports, and one shard would wait forever).
+# the collected order is i modulo n, so the long remote and event tests spread over the cores,
+# and takes only loopback ports whose half, counted within its ten thousand, is i modulo n, so
+# two shards never pick the same one (not the port itself: Linux hands bind(0) odd ports, and one
+# shard would wait forever; within its ten thousand: a Redis Cluster node's port p and its bus
+# port p + 10000 belong to the same shard).
 SHARDS = int(os.environ.get("TEST_TOTAL_SHARDS", "1") or 1)
 SHARD = int(os.environ.get("TEST_SHARD_INDEX", "0") or 0)
 
 
 def shard_owns_port(port):
     """Whether this shard may use loopback port `port` (all of them when not sharded)."""
-    return (port >> 1) % SHARDS == SHARD
+    return ((port % 10000) >> 1) % SHARDS == SHARD
 
 
 def pytest_collection_modifyitems(config, items):
