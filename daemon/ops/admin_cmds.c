@@ -1169,6 +1169,23 @@ static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *m
     return KV_OK;
 }
 
+/* -- remote-watch reconcile: a reconciliation pass now (daemon/tiers/tiers.h) -- */
+
+static kv_err cmd_reconcile(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
+    (void)argv;
+    if (argc != 0) {
+        FAIL(KV_EINVAL, "remote-watch reconcile takes no argument");
+    }
+    int queued;
+    uint64_t ledger;
+    kv_err rc = kvd_tiers_reconcile_now(s->tiers, &queued, &ledger, msg, KVD_ADMIN_MSG);
+    if (rc != KV_OK) {
+        return rc;
+    }
+    *out = json_pack("{s:s, s:o}", "pass", queued ? "queued" : "started", "ledger", u64(ledger));
+    return KV_OK;
+}
+
 /* -- trace: a request trace of this daemon's traffic (daemon/registry/reqtrace.h) -- */
 
 static json_t *trace_json(const kvd_reqtrace_stats *st, int active) {
@@ -1448,6 +1465,16 @@ static const kvd_admin_cmd cmds[] = {
      "daemon's option). ENOENT for an unknown pool or one without tiers, EINVAL for a bad "
      "setting. docs/TIERS.md.",
      cmd_tiers},
+    {"remote-watch reconcile", "",
+     "ask Redis now which values this node announced on REMOTE are gone (BlockRemoved for them)",
+     "A reconciliation pass of the remote watch, as after a gap or every "
+     "remote-watch-reconcile-s (docs/TIERS.md): every value in the ledger is asked about and "
+     "each one Redis no longer holds is published as BlockRemoved on REMOTE (after a FLUSHALL, "
+     "say). Returns at once; the log and remote_watch_reconciles / remote_watch_reconciled say "
+     "when it is done and what it found. Result: pass (started, or queued behind the one "
+     "running), ledger (values to ask about). ESTATE without remote-watch or its ledger, or "
+     "while the watch is not subscribed on every node.",
+     cmd_reconcile},
     {"trace", "[start path=PATH [max-bytes=N] | stop]",
      "record this daemon's requests as a trace file (eviction policies against Belady on it)",
      "start: creates PATH (it must not exist; mode 0600) and from then on writes one line per "

@@ -2233,6 +2233,35 @@ static void on_rc_period(uv_timer_t *h) {
     rc_start(rc, "periodic pass (remote-watch-reconcile-s)");
 }
 
+kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char *msg,
+                               size_t msglen) {
+    *queued = 0;
+    *ledger = 0;
+    if (t == NULL || t->rwatch == NULL) {
+        snprintf(msg, msglen, "no remote watch (remote-redis with remote-watch true)");
+        return KV_ESTATE;
+    }
+    reconcile *rc = t->rc;
+    if (rc == NULL || rc->closed) {
+        snprintf(msg, msglen, "no ledger to reconcile (remote-watch-ledger 0)");
+        return KV_ESTATE;
+    }
+    *ledger = kvd_rledger_count(t->ledger);
+    if (!kvd_rwatch_up(t->rwatch)) {
+        snprintf(msg, msglen,
+                 "the remote watch is not subscribed on every node now (see remote_watch_nodes); "
+                 "a pass starts by itself when it is");
+        return KV_ESTATE;
+    }
+    if (rc->running) {
+        rc->again = 1;
+        *queued = 1;
+        return KV_OK;
+    }
+    rc_start(rc, "asked by the admin (remote-watch reconcile)");
+    return KV_OK;
+}
+
 /* The ledger and the reconciliation's state (before the watch starts: nothing to undo on the
  * loop when this fails). */
 static kv_err reconcile_alloc(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t msglen) {

@@ -186,6 +186,13 @@ void kvd_tiers_set_event_hook(kvd_tiers *t, kvd_tiers_event_fn fn, void *arg);
 typedef int (*kvd_tiers_digest_fn)(void *arg, uint32_t domain, kv_hash128 hash, uint8_t tail[16]);
 void kvd_tiers_set_digest_fn(kvd_tiers *t, kvd_tiers_digest_fn fn, void *arg);
 
+/* A reconciliation pass of the remote watch now (admin `remote-watch reconcile`; docs/TIERS.md):
+ * KV_OK with *queued 0 (started) or 1 (a pass runs: another follows it); KV_ESTATE with msg when
+ * there is no remote watch or no ledger, or the watch is not subscribed on every node (a pass
+ * starts by itself when it is). *ledger: the values the pass asks about. */
+kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char *msg,
+                               size_t msglen);
+
 /* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in
  * flight, at most about remote-timeout-ms) and completes what it had queued. */
 void kvd_tiers_close(kvd_tiers *t);

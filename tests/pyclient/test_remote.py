@@ -1997,6 +1997,48 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
         ctx.destroy(0)
 
 
+def test_remote_watch_reconcile_on_demand(kvd_factory, redis_factory):
+    """Admin `remote-watch reconcile`: after a FLUSHALL (no notification) with the periodic pass
+    far off (its default 600 s), a pass asked for now reports every value (pass started; asked
+    again while one runs: queued). ESTATE without the ledger, and without the watch."""
+    import zmq
+    from test_kv_events import tcp_endpoints
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    ctx = zmq.Context()
+    try:
+        (ea,) = tcp_endpoints(1)
+        a, sa, ca, pa, hs, want = _watched_chain(kvd_factory, ctx, srv.addr, ea, 6, 605100,
+                                                 log_level="info")
+        ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+        assert ns.wait_landed(hs), ns.present(hs)
+        r0 = tiers(a)["remote_watch_reconciles"]
+        with srv.client() as r:
+            r.call("FLUSHALL")
+        time.sleep(0.3)
+        assert _removed_on_remote(sa) == [], "a FLUSHALL is not heard: nothing yet"
+        res = a.admin_result("remote-watch reconcile")
+        assert res["pass"] in ("started", "queued") and res["ledger"] == 6, res
+        sa.until("REMOTE removed after the admin's pass",
+                 lambda x: set(want) <= set(_removed_on_remote(sa)), timeout=10)
+        assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] > r0, timeout=5), rem(a)
+        assert "asked by the admin (remote-watch reconcile)" in log_tail(a, 20000)
+        assert sorted(_removed_on_remote(sa)) == sorted(want), _removed_on_remote(sa)
+        bad = a.admin("remote-watch reconcile now")
+        assert not bad["ok"] and bad["error"]["code"] == "EINVAL", bad
+        sa.close()
+        # No ledger: ESTATE, the reason named; no watch at all: ESTATE too.
+        (eb,) = tcp_endpoints(1)
+        b = _watch_node(kvd_factory, srv.addr, eb, remote_watch_ledger="0")
+        r = b.admin("remote-watch reconcile")
+        assert not r["ok"] and r["error"]["code"] == "ESTATE", r
+        assert "remote-watch-ledger 0" in r["error"]["message"], r
+        c = kvd_factory(**node_opts(srv.addr))
+        r = c.admin("remote-watch reconcile")
+        assert not r["ok"] and r["error"]["code"] == "ESTATE", r
+    finally:
+        ctx.destroy(0)
+
+
 def test_remote_watch_follows_a_master_added(kvd_factory, redis_cluster):
     """A fourth master joins the cluster (redis-cli --cluster add-node, then reshard moves 2000
     slots to it): within remote-watch-refresh-s (1 here; 30 by default) kvd's check of CLUSTER SLOTS sees the
