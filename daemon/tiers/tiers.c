@@ -2052,14 +2052,15 @@ static void on_remote_dropped(void *arg, const char *key, size_t len, int evicte
 
 typedef struct reconcile {
     kvd_tiers *t;
-    int running;       /* a pass is on */
-    int again;         /* a gap closed during it: another pass after it */
-    int closed;        /* kvd_tiers_close ran: nothing more starts */
-    size_t cursor;     /* the next ledger slot to look at */
-    size_t at;         /* where the batch out began (asked again from there on failure) */
-    int tries;         /* failed tries of the batch at `at` */
-    int timer_on;      /* retry and period initialised (closed at close) */
-    uint64_t start_ns; /* the pass began */
+    int running;           /* a pass is on */
+    int again;             /* another pass after it (a gap closed, the admin asked) */
+    const char *again_why; /* why, for the log */
+    int closed;            /* kvd_tiers_close ran: nothing more starts */
+    size_t cursor;         /* the next ledger slot to look at */
+    size_t at;             /* where the batch out began (asked again from there on failure) */
+    int tries;             /* failed tries of the batch at `at` */
+    int timer_on;          /* retry and period initialised (closed at close) */
+    uint64_t start_ns;     /* the pass began */
     uint64_t asked, gone;
     uv_timer_t retry;
     uv_timer_t period; /* periodic passes (remote-watch-reconcile-s), when set */
@@ -2097,7 +2098,7 @@ static void rc_end(reconcile *rc) {
     rc->tries = 0;
     if (rc->again) {
         rc->again = 0;
-        rc_start(rc, "a gap closed during the last pass");
+        rc_start(rc, rc->again_why);
     }
 }
 
@@ -2216,6 +2217,7 @@ static void on_watch_up(void *arg) {
     }
     if (rc->running) {
         rc->again = 1;
+        rc->again_why = "a gap closed during the last pass";
         return;
     }
     rc_start(rc, "subscribed on every node");
@@ -2242,8 +2244,12 @@ kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char
         return KV_ESTATE;
     }
     reconcile *rc = t->rc;
-    if (rc == NULL || rc->closed) {
+    if (rc == NULL) {
         snprintf(msg, msglen, "no ledger to reconcile (remote-watch-ledger 0)");
+        return KV_ESTATE;
+    }
+    if (rc->closed) {
+        snprintf(msg, msglen, "kvd is stopping");
         return KV_ESTATE;
     }
     *ledger = kvd_rledger_count(t->ledger);
@@ -2253,12 +2259,14 @@ kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char
                  "a pass starts by itself when it is");
         return KV_ESTATE;
     }
+    static const char *why = "asked by the admin (remote-watch reconcile)";
     if (rc->running) {
         rc->again = 1;
+        rc->again_why = why;
         *queued = 1;
         return KV_OK;
     }
-    rc_start(rc, "asked by the admin (remote-watch reconcile)");
+    rc_start(rc, why);
     return KV_OK;
 }
 

@@ -2018,6 +2018,8 @@ def test_remote_watch_reconcile_on_demand(kvd_factory, redis_factory):
         assert _removed_on_remote(sa) == [], "a FLUSHALL is not heard: nothing yet"
         res = a.admin_result("remote-watch reconcile")
         assert res["pass"] in ("started", "queued") and res["ledger"] == 6, res
+        again = a.admin_result("remote-watch reconcile")  # queued when the first still runs
+        assert again["pass"] in ("started", "queued"), again
         sa.until("REMOTE removed after the admin's pass",
                  lambda x: set(want) <= set(_removed_on_remote(sa)), timeout=10)
         assert wait_until(lambda: tiers(a)["remote_watch_reconciles"] > r0, timeout=5), rem(a)
@@ -2342,22 +2344,23 @@ def test_remote_uid_tenants_refuses_a_bad_value():
 
 def hung_dns_kvd(tmp_base, options, resolver="timeout:3 attempts:2"):
     """A kvd whose name lookups go to a DNS server that never answers: it runs in a mount
-    namespace of its own where /etc/resolv.conf names 127.0.0.77, on whose port 53 a UDP socket
-    of this test reads and drops every query (resolver: the file's options, how long the
-    resolver holds a lookup). Needs root (unshare, mount, port 53). Returns (daemon, the dropping
-    socket)."""
+    namespace of its own where /etc/resolv.conf names 127.0.0.(77 + shard), on whose port 53 a
+    UDP socket of this test reads and drops every query (resolver: the file's options, how long
+    the resolver holds a lookup; one address per shard, so shards running such tests at once do
+    not meet). Needs root (unshare, mount, port 53). Returns (daemon, the dropping socket)."""
     import conftest
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a mount namespace")
+    addr = "127.0.0.%d" % (77 + conftest.SHARD)
     dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        dns.bind(("127.0.0.77", 53))
+        dns.bind((addr, 53))
     except OSError as e:
         dns.close()
-        pytest.skip("cannot bind 127.0.0.77:53: %s" % e)
+        pytest.skip("cannot bind %s:53: %s" % (addr, e))
     resolv = os.path.join(tmp_base, "resolv.conf")
     with open(resolv, "w") as f:
-        f.write("nameserver 127.0.0.77\noptions %s\n" % resolver)
+        f.write("nameserver %s\noptions %s\n" % (addr, resolver))
     wrapper = os.path.join(tmp_base, "kvd-hung-dns")
     with open(wrapper, "w") as f:
         f.write("#!/bin/sh\nexec unshare --mount --propagation private sh -c "
