@@ -609,10 +609,15 @@ static void chk_slots(redisAsyncContext *ac, void *reply, void *priv) {
     }
     w->st.checks++;
     int same = n == w->nnodes;
-    uint64_t sig = 1469598103934665603ull; /* FNV-1a over the ports, in the reply's order */
+    /* FNV-1a over the masters in the reply's order: port, and host unless self-named (its
+     * spelling depends on the node asked). */
+    uint64_t sig = 1469598103934665603ull;
     for (int i = 0; i < n; i++) {
         same = same && watched(w, &m[i]);
         sig = (sig ^ (uint64_t)m[i].port) * 1099511628211ull;
+        for (const char *c = m[i].self_named ? "" : m[i].host; *c != '\0'; c++) {
+            sig = (sig ^ (uint8_t)*c) * 1099511628211ull;
+        }
     }
     if (same) {
         w->chk_sig = 0;

@@ -2092,7 +2092,7 @@ static void rc_start(reconcile *rc, const char *why) {
     rc_next(rc);
 }
 
-/* The pass ended (done or given up): the next one starts now if a gap closed during it. */
+/* The pass ended (done or given up): the next one starts now if one was asked for during it. */
 static void rc_end(reconcile *rc) {
     rc->running = 0;
     rc->tries = 0;
@@ -2100,6 +2100,17 @@ static void rc_end(reconcile *rc) {
         rc->again = 0;
         rc_start(rc, rc->again_why);
     }
+}
+
+/* A pass for why: started now, or (1 returned) after the one running. */
+static int rc_ask(reconcile *rc, const char *why) {
+    if (rc->running) {
+        rc->again = 1;
+        rc->again_why = why;
+        return 1;
+    }
+    rc_start(rc, why);
+    return 0;
 }
 
 static void rc_finish(reconcile *rc) {
@@ -2215,12 +2226,8 @@ static void on_watch_up(void *arg) {
     if (rc == NULL || rc->closed || kvd_rledger_count(t->ledger) == 0) {
         return;
     }
-    if (rc->running) {
-        rc->again = 1;
-        rc->again_why = "a gap closed during the last pass";
-        return;
-    }
-    rc_start(rc, "subscribed on every node");
+    (void)rc_ask(rc,
+                 rc->running ? "a gap closed during the last pass" : "subscribed on every node");
 }
 
 /* remote-watch-reconcile-s passed: a pass unless one runs or the watch is not up (its up
@@ -2259,14 +2266,7 @@ kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char
                  "a pass starts by itself when it is");
         return KV_ESTATE;
     }
-    static const char *why = "asked by the admin (remote-watch reconcile)";
-    if (rc->running) {
-        rc->again = 1;
-        rc->again_why = why;
-        *queued = 1;
-        return KV_OK;
-    }
-    rc_start(rc, why);
+    *queued = rc_ask(rc, "asked by the admin (remote-watch reconcile)");
     return KV_OK;
 }
 

@@ -1999,8 +1999,9 @@ def test_remote_watch_cluster_masters_and_failover(kvd_factory, redis_cluster):
 
 def test_remote_watch_reconcile_on_demand(kvd_factory, redis_factory):
     """Admin `remote-watch reconcile`: after a FLUSHALL (no notification) with the periodic pass
-    far off (its default 600 s), a pass asked for now reports every value (pass started; asked
-    again while one runs: queued). ESTATE without the ledger, and without the watch."""
+    far off (its default 600 s), a pass asked for now reports every value, each once (asked
+    again at once: started or queued behind the first, whichever the timing gives). ESTATE
+    without the ledger, and without the watch."""
     import zmq
     from test_kv_events import tcp_endpoints
     srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
@@ -2344,20 +2345,26 @@ def test_remote_uid_tenants_refuses_a_bad_value():
 
 def hung_dns_kvd(tmp_base, options, resolver="timeout:3 attempts:2"):
     """A kvd whose name lookups go to a DNS server that never answers: it runs in a mount
-    namespace of its own where /etc/resolv.conf names 127.0.0.(77 + shard), on whose port 53 a
-    UDP socket of this test reads and drops every query (resolver: the file's options, how long
-    the resolver holds a lookup; one address per shard, so shards running such tests at once do
-    not meet). Needs root (unshare, mount, port 53). Returns (daemon, the dropping socket)."""
+    namespace of its own where /etc/resolv.conf names 127.0.0.N (the first of 127.0.0.77 to
+    .126 whose port 53 is free, so shards or runs doing this at once do not meet), on whose port
+    53 a UDP socket of this test reads and drops every query (resolver: the file's options, how
+    long the resolver holds a lookup). Needs root (unshare, mount, port 53). Returns (daemon,
+    the dropping socket)."""
     import conftest
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a mount namespace")
-    addr = "127.0.0.%d" % (77 + conftest.SHARD)
-    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        dns.bind((addr, 53))
-    except OSError as e:
-        dns.close()
-        pytest.skip("cannot bind %s:53: %s" % (addr, e))
+    dns, err = None, None
+    for last in range(77, 127):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.bind(("127.0.0.%d" % last, 53))
+            dns, addr = s, "127.0.0.%d" % last
+            break
+        except OSError as e:
+            s.close()
+            err = e
+    if dns is None:
+        pytest.skip("cannot bind port 53 on 127.0.0.77-126: %s" % err)
     resolv = os.path.join(tmp_base, "resolv.conf")
     with open(resolv, "w") as f:
         f.write("nameserver %s\noptions %s\n" % (addr, resolver))
