@@ -171,8 +171,8 @@ static const kvd_config_option options[] = {
         "CPU quota: the thread then runs beside the loop instead of taking turns with it)"),
     OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,
         "the remote tier below T1/T2: HOST:PORT[,HOST:PORT...] of one Redis server or seed "
-        "nodes of a Redis Cluster (found by CLUSTER SLOTS); every block that lands in tier 1 "
-        "is also written there, and a Fetch asks it for the blocks past the local tiers' run; "
+        "nodes of a Redis Cluster (found by CLUSTER SLOTS); blocks in tier 1 are also written "
+        "there (remote-write says when), and a Fetch asks it for the blocks past the local tiers' run; "
         "needs tier1-memory (docs/TIERS.md); empty: off"),
     OPT("remote-key-prefix", KVD_OPT_STRING, remote_key_prefix, "kvd", 0, 0,
         "first part of every remote key (PREFIX:DOMAIN:LAYOUT:HASH): one per deployment"),
@@ -194,6 +194,11 @@ static const kvd_config_option options[] = {
     OPT("remote-queue-bytes", KVD_OPT_U64, remote_queue_bytes, "256M", 1 << 20, 1ull << 40,
         "block bytes of remote writes queued at most; more are dropped (counted) while Redis "
         "is slow or down"),
+    OPT("remote-write", KVD_OPT_STRING, remote_write, "write-through", 0, 0,
+        "when a block goes to the remote tier: write-through (as it lands in tier 1: other nodes "
+        "find it at once) or write-back (only the next blocks tier 1 will evict, "
+        "tier-clean-ahead of them per pool, are written ahead of their eviction: Redis holds "
+        "what left this node's memory, and the writes are fewer)"),
     OPT("remote-uid-tenants", KVD_OPT_STRING, remote_uid_tenants, "shared", 0, 0,
         "the remote tier for peers without a tenants-file line (tenant uid-N): shared (uid N is "
         "the same tenant on every node that shares the Redis), node (their keys carry node-name: "
@@ -308,6 +313,12 @@ static kv_err set_option(kvd_config *c, const kvd_config_option *o, const char *
             if (strcmp(o->name, "tier-write") == 0 && strcmp(value, "write-back") != 0 &&
                 strcmp(value, "write-through") != 0) {
                 kvd_conf_err(err, errlen, "tier-write: '%s' is not write-back or write-through",
+                             value);
+                return KV_EINVAL;
+            }
+            if (strcmp(o->name, "remote-write") == 0 && strcmp(value, "write-back") != 0 &&
+                strcmp(value, "write-through") != 0) {
+                kvd_conf_err(err, errlen, "remote-write: '%s' is not write-back or write-through",
                              value);
                 return KV_EINVAL;
             }

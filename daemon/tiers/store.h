@@ -46,6 +46,8 @@ typedef struct kvd_tentry {
     uint8_t pending;   /* a copy into T1 or T2 is in flight (KVD_TPEND_* bits) */
     uint8_t doomed;    /* must go when no longer busy (quarantined) */
     uint8_t used;      /* the record is an entry (not on the free list) */
+    uint8_t inr;       /* the remote tier holds its value: written there by this node, or read
+                          from there (remote-ttl-s 0); write-back skips it (tiers.c) */
     uint8_t has_tail;  /* hash-mode vllm: tail holds the digest's last 16 bytes (the first 16
                           are the hash), so the remote tier and KV events can name the block */
     uint8_t tail[16];

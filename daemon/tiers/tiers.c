@@ -89,6 +89,7 @@ enum {
     TS_REMOTE_PROBES,
     TS_REMOTE_PROBE_HITS,
     TS_REMOTE_PUT_SKIPS,
+    TS_REMOTE_DIRTY_DROPS,
     TS_QUOTA_DROPS,
     TS_RWATCH_NODES,
     TS_RWATCH_UNCONFIGURED,
@@ -249,6 +250,13 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                              "blocks not written to Redis again on their way down: read from "
                              "there straight into T0 (remote-ttl-s 0)",
                              NULL, NULL, NULL, NULL},
+    [TS_REMOTE_DIRTY_DROPS] = {"remote_dirty_drops", "counter", "blocks",
+                               "remote-write write-back: blocks that left tier 1 before their "
+                               "write to Redis was done (a burst that outran the writes, or "
+                               "Redis down or full)",
+                               "kvd_remote_dirty_drops_total",
+                               "Blocks that left tier 1 before their write-back to Redis.", NULL,
+                               NULL},
     [TS_RWATCH_NODES] = {"remote_watch_nodes", "gauge", "nodes",
                          "Redis nodes whose expiries and evictions kvd listens to (remote-watch)",
                          "kvd_remote_watch_nodes",
@@ -360,6 +368,9 @@ struct kvd_tiers {
     uint64_t busy_since[4];    /* when the kind's current busy period began (ns) */
     kvd_tier_format format;    /* tier-format */
     int write_through;         /* tier-write */
+    int remote_back;           /* remote-write write-back */
+    uint64_t rput_pause_until; /* write-back writes none ahead before this (uv_now ms): one
+                                  failed, so Redis is down or refusing (no storm of retries) */
     int zero_copy;             /* host pools' T2 without copies (tier2-zero-copy) */
     uint64_t seq;              /* next T2 record sequence number */
     uint32_t jobs;             /* in flight over all pools */
@@ -1272,13 +1283,26 @@ static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool *
     return *v != KVD_TNONE;
 }
 
-/* Drops the victim pick_victim chose, counted as a drop when no lower tier keeps it. */
+static int remote_writes(const tier_pool *tp);
+static void remote_clean_ahead(tier_pool *tp);
+
+/* Drops the victim pick_victim chose, counted as a drop when no lower tier keeps it. A T1
+ * victim that remote-write write-back had not written yet is a remote dirty drop; the pool's
+ * next victims are then written ahead (remote_clean_ahead). */
 static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
     kvd_tiers *t = vtp->t;
     int last = tier == 2 || !kvd_tstore_in(&vtp->st, v, 2);
+    int dirty = tier == 1 && t->remote_back && remote_writes(vtp) &&
+                !kvd_tstore_at(&vtp->st, v)->inr;
     entry_drop(vtp, v, tier);
     if (last) {
         t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
+    }
+    if (dirty) {
+        t->c[TS_REMOTE_DIRTY_DROPS]++;
+    }
+    if (tier == 1) {
+        remote_clean_ahead(vtp);
     }
 }
 
@@ -1466,6 +1490,8 @@ static int from_remote_take(tier_pool *tp, kv_hash128 h) {
     return 1;
 }
 
+#define RPUT_PAUSE_MS 100 /* after a failed write, write-back writes none ahead this long */
+
 typedef struct rput {
     tier_pool *tp;
     uint32_t entry;
@@ -1492,7 +1518,11 @@ static void on_remote_put(void *arg, kv_err rc) {
     tp->jobs--;
     if (!tp->gone) {
         kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
+        if (rc != KV_OK) {
+            tp->t->rput_pause_until = uv_now(tp->t->loop) + RPUT_PAUSE_MS;
+        }
         if (rc == KV_OK && !e->doomed) {
+            e->inr = 1;
             tier_event(tp, e->hash, NULL, e->has_tail ? e->tail : NULL, 3, 1); /* any node
                                                                                   can fetch it */
             if (tp->t->ledger != NULL) {
@@ -1506,21 +1536,23 @@ static void on_remote_put(void *arg, kv_err rc) {
     free(q);
 }
 
-/* Entry i just landed in T1: write it to the remote tier too (its T1 bytes are immutable while
- * it is busy, so the remote thread reads them in place). */
-static void start_remote_put(tier_pool *tp, uint32_t i) {
+/* Whether tp's blocks go to the remote tier at all. */
+static int remote_writes(const tier_pool *tp) {
+    return tp->t->remote != NULL && !tp->no_remote && !tp->gone;
+}
+
+/* Writes entry i's T1 bytes to the remote tier (they are immutable while it is busy, so the
+ * remote thread reads them in place). 0 when the remote tier took no more (its queue is full or
+ * every node is down: counted there as a drop); 1 otherwise (written, or nothing to write). */
+static int start_remote_put(tier_pool *tp, uint32_t i) {
     kvd_tiers *t = tp->t;
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
-    if (t->remote == NULL || tp->no_remote || e->t1 == NULL || e->doomed) {
-        return;
-    }
-    if (from_remote_take(tp, e->hash)) {
-        t->c[TS_REMOTE_PUT_SKIPS]++; /* Redis has this value: it came from there */
-        return;
+    if (!remote_writes(tp) || e->t1 == NULL || e->doomed) {
+        return 1;
     }
     rput *q = malloc(sizeof(*q));
     if (q == NULL) {
-        return;
+        return 0;
     }
     q->tp = tp;
     q->entry = i;
@@ -1528,10 +1560,60 @@ static void start_remote_put(tier_pool *tp, uint32_t i) {
     kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1, e->has_tail ? e->tail : NULL};
     if (kvd_remote_put(t->remote, q->key, &m, e->t1, e->len1, on_remote_put, q) != KV_OK) {
         free(q); /* counted as a drop */
-        return;
+        return 0;
     }
     e->busy++;
     tp->jobs++;
+    return 1;
+}
+
+/* Entry i just landed in T1. A block read from Redis straight into T0 (from_remote) is not
+ * written again: Redis has its value. Otherwise remote-write write-through writes it now;
+ * write-back leaves it to remote_clean_ahead. */
+static void remote_landed(tier_pool *tp, uint32_t i) {
+    kvd_tiers *t = tp->t;
+    kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+    if (!remote_writes(tp) || e->t1 == NULL || e->doomed) {
+        return;
+    }
+    if (from_remote_take(tp, e->hash)) {
+        e->inr = 1;
+        t->c[TS_REMOTE_PUT_SKIPS]++; /* Redis has this value: it came from there */
+    } else if (!t->remote_back) {
+        (void)start_remote_put(tp, i);
+    }
+    remote_clean_ahead(tp);
+}
+
+/* remote-write write-back: while tier 1 is within tier-clean-ahead blocks (the pool's) of full,
+ * the pool's oldest tier-clean-ahead T1 entries (the next it gives up, in its LRU order) are
+ * kept written to Redis, each held busy while it is written (eviction passes it meanwhile), so
+ * that what leaves T1 is in Redis. A walk stops at the first write the remote tier does not
+ * take (its queue is full, Redis is down); after a write that failed, none is started for
+ * RPUT_PAUSE_MS (the entries stay unwritten: if T1 gives them up meanwhile, they are counted as
+ * dirty drops). */
+static void remote_clean_ahead(tier_pool *tp) {
+    kvd_tiers *t = tp->t;
+    if (!t->remote_back || !remote_writes(tp) || t->cap[0] == 0 ||
+        uv_now(t->loop) < t->rput_pause_until) {
+        return;
+    }
+    uint64_t ahead = tp->clean_ahead >= 0 ? (uint64_t)tp->clean_ahead : t->cfg->tier_clean_ahead;
+    uint64_t held = t->used[0] + t->reserved1 + t->cached1;
+    if (held + ahead * tp->block_bytes < t->cap[0]) {
+        return;
+    }
+    uint64_t n = 0;
+    for (uint32_t i = tp->st.head[0]; i != KVD_TNONE && n < ahead; n++) {
+        kvd_tentry *e = kvd_tstore_at(&tp->st, i);
+        uint32_t next = e->next[0];
+        if (!e->inr && e->busy == 0 && !e->doomed && e->t1 != NULL &&
+            !start_remote_put(tp, i)) {
+            t->rput_pause_until = uv_now(t->loop) + RPUT_PAUSE_MS;
+            return;
+        }
+        i = next;
+    }
 }
 
 /* Starts writing entry i's T1 bytes to T2 (when the pool has a T2 and it lacks the copy). */
@@ -1821,7 +1903,7 @@ static void after_work(uv_work_t *w, int status) {
                 j->out = NULL;
                 if (tier_trim(tp, 1, j->entry)) {
                     start_down2_from_t1(tp, j->entry);
-                    start_remote_put(tp, j->entry);
+                    remote_landed(tp, j->entry);
                 }
             } else if (e->doomed) {
                 doomed_finish(tp, j->entry);
@@ -1993,7 +2075,10 @@ static void remote_gone(tier_pool *tp, kv_hash128 hash) {
         (void)kvd_rledger_remove(tp->t->ledger, tp->pool_id, hash);
     }
     uint32_t e = kvd_tstore_find(&tp->st, hash);
-    const kvd_tentry *te = e != KVD_TNONE ? kvd_tstore_at(&tp->st, e) : NULL;
+    kvd_tentry *te = e != KVD_TNONE ? kvd_tstore_at(&tp->st, e) : NULL;
+    if (te != NULL) {
+        te->inr = 0; /* write-back writes it again before T1 gives it up */
+    }
     tier_event(tp, hash, NULL, te != NULL && te->has_tail ? te->tail : NULL, 3, 0);
 }
 
@@ -2387,9 +2472,10 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
         return e;
     }
     KV_LOG(INFO, "KVD-REMOTE",
-           "remote tier: redis %s, key prefix %s, ttl %llu s, timeout %llu ms%s; uid-N tenants "
-           "%s%s%s",
-           cfg->remote_redis, cfg->remote_key_prefix, (unsigned long long)cfg->remote_ttl_s,
+           "remote tier: redis %s, %s, key prefix %s, ttl %llu s, timeout %llu ms%s; uid-N "
+           "tenants %s%s%s",
+           cfg->remote_redis, cfg->remote_write, cfg->remote_key_prefix,
+           (unsigned long long)cfg->remote_ttl_s,
            (unsigned long long)cfg->remote_timeout_ms,
            cfg->remote_password_file[0] != '\0' ? ", AUTH from the password file" : "",
            cfg->remote_uid_tenants, strcmp(cfg->remote_uid_tenants, "node") == 0 ? " as " : "",
@@ -2492,6 +2578,7 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
         t->format = KVD_TF_RAW;
     }
     t->write_through = strcmp(cfg->tier_write, "write-through") == 0;
+    t->remote_back = strcmp(cfg->remote_write, "write-back") == 0;
     char thp[32];
     kv_shmem_thp_mode(thp, sizeof(thp));
     /* Zero-copy pins T0's pages for each transfer: one a 2 MiB page, or 512 small ones, which on
@@ -3327,6 +3414,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
             memcpy(ne->tail, v->tail, sizeof(ne->tail)); /* before set1 tells the events */
             ne->has_tail = 1;
         }
+        ne->inr = t->cfg->remote_ttl_s == 0; /* with a TTL, write-back writes it again */
         kvd_tstore_set1(&tp->st, ei, v->data, v->len, v->format); /* the value's buffer */
         v->data = NULL;
         t->used[0] += v->len;
@@ -3883,9 +3971,11 @@ const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
     }
     kvd_remote_stats rs;
     kvd_remote_get_stats(t->remote, &rs);
-    snprintf(buf + n, len - (size_t)n, "; remote redis %s: %s%s, %d nodes; last remote error: %s",
-             t->cfg->remote_redis, rs.state == 1 ? "up" : "down", rs.cluster ? " (cluster)" : "",
-             rs.nnodes, rs.last_error[0] != '\0' ? rs.last_error : "none");
+    snprintf(buf + n, len - (size_t)n,
+             "; remote redis %s (%s): %s%s, %d nodes; last remote error: %s",
+             t->cfg->remote_redis, t->cfg->remote_write, rs.state == 1 ? "up" : "down",
+             rs.cluster ? " (cluster)" : "", rs.nnodes,
+             rs.last_error[0] != '\0' ? rs.last_error : "none");
     return buf;
 }
 

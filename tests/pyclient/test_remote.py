@@ -1270,6 +1270,72 @@ def test_block_from_redis_not_written_back(kvd_factory, redis, ttl):
     assert fetch_checked(cc, pc, hs, pats, "a third node")[1] == 8, rem(c)
 
 
+def remote_quiet(d, settle=0.3):
+    """No copy in flight and the remote write counters still for `settle` seconds."""
+    def snap():
+        st = tiers(d)
+        return (st["jobs_inflight"], st["remote_puts"], st["remote_put_errors"],
+                st["remote_put_drops"], st["demotions_t1"])
+    a = snap()
+    time.sleep(settle)
+    return a[0] == 0 and snap() == a
+
+
+def test_remote_write_back_writes_what_leaves_tier1(kvd_factory, redis):
+    """remote-write write-back: A's blocks go to Redis only as they come up for eviction from
+    its T1 (128 blocks here, the next 16 written ahead), not as they land there: while T1 has
+    room nothing is written; once it overflows, every block that left T1 is in Redis (no dirty
+    drop when the commits give the writes time), B fetches them with A's bytes, and the newest
+    blocks (still in A's T1) are not in Redis. Then Redis is killed: T1 keeps evicting, the
+    blocks it gives up unwritten are counted as dirty drops, A keeps serving, and the failed
+    writes are not retried in a storm."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, tier1_memory="256K",
+                                      remote_write="write-back", tier_clean_ahead="16")
+    assert "(write-back)" in a.admin_result("tiers")["state"], a.admin_result("tiers")
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    first, first_pats = commit_chain(ca, pa, 64, 880000)
+    assert wait_until(lambda: tiers(a)["demotions_t1"] >= 64 and remote_quiet(a),
+                      timeout=10), msg(tiers(a))
+    st = tiers(a)
+    assert st["remote_puts"] == 0 and st["drops_t1"] == 0, rem(st)
+    assert ns.present(first) == {}, "write-back wrote blocks T1 still had room for"
+
+    chains = []
+    for k in range(16):  # 256 more blocks, 16 at a time: T1 (128) overflows
+        chains.append(commit_chain(ca, pa, 16, 881000 + k * 1000))
+        assert wait_until(lambda: remote_quiet(a, 0.1), timeout=10), msg(tiers(a))
+    assert wait_until(lambda: remote_quiet(a), timeout=10), msg(tiers(a))
+    st = tiers(a)
+    left = st["drops_t1"]
+    assert left >= 320 - 128, msg(st)
+    assert st["remote_dirty_drops"] == 0, rem(st)
+    assert st["remote_put_errors"] == 0 and st["remote_put_drops"] == 0, rem(st)
+    # Written: what left T1, and at most the next 16 it gives up (written ahead).
+    assert left <= st["remote_puts"] <= left + 16, msg(st)
+    keys = redis.client().keys(ns.pattern())
+    assert len(keys) == st["remote_puts"], (len(keys), rem(st))
+    assert ns.wait_landed(first, timeout=1), "the oldest blocks left T1 but are not in Redis"
+    newest, _ = chains[-1]
+    assert ns.present(newest) == {}, "write-back wrote the newest blocks, which T1 still holds"
+    fr, n = fetch_checked(cb, pb_, first, first_pats, "B from what A wrote back")
+    assert n == 64 and rstat(b, "hits") == 64, msg(fr, rem(b))
+
+    # Redis gone: what T1 gives up now is lost to the remote tier, and counted.
+    redis.kill()
+    before = tiers(a)
+    for k in range(8):
+        commit_chain(ca, pa, 16, 900000 + k * 1000)
+    assert ping_ms(ca) < 100
+    assert wait_until(lambda: remote_quiet(a), timeout=10), msg(tiers(a))
+    st = tiers(a)
+    assert st["drops_t1"] >= before["drops_t1"] + 128 - 16, msg(st)
+    assert st["remote_dirty_drops"] >= 64, rem(st)
+    tries = (st["remote_put_errors"] + st["remote_put_drops"] + st["remote_puts"]) - \
+        (before["remote_put_errors"] + before["remote_put_drops"] + before["remote_puts"])
+    assert tries <= 128, msg("failed writes retried in a storm:", tries, rem(st))
+    assert a.alive() and b.alive()
+
+
 def test_missing_key_ends_the_run(kvd_factory, redis):
     """A chain position whose key is gone: the Fetch returns the blocks before it (a miss)."""
     a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
@@ -2040,6 +2106,41 @@ def test_remote_watch_reconcile_on_demand(kvd_factory, redis_factory):
         assert not r["ok"] and r["error"]["code"] == "ESTATE", r
     finally:
         ctx.destroy(0)
+
+
+def test_remote_write_back_writes_again_what_redis_lost(kvd_factory, redis_factory):
+    """remote-write write-back with remote-watch: the 16 oldest of A's T1 blocks (of its first
+    64) are written ahead of their eviction; Redis then loses them (FLUSHALL, found by a reconciliation pass);
+    when T1 does give them up, A writes them again rather than taking them for written."""
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    a = kvd_factory(**node_opts(srv.addr, tier1_memory="256K", remote_write="write-back",
+                                tier_clean_ahead="16", remote_watch="true"))
+    assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    ns = Namespace(srv.client(), "kvd", domain_of(a, pa.pool_id))
+    first, _ = commit_chain(ca, pa, 64, 930000)
+    for k in range(3):  # 112 blocks in T1 (of 128): the next 16 it gives up are written ahead
+        commit_chain(ca, pa, 16, 931000 + k * 1000)
+        assert wait_until(lambda: remote_quiet(a, 0.1), timeout=10), msg(tiers(a))
+    # (T1's order is the order the copies landed in, which two copy threads may swap.)
+    assert wait_until(lambda: len(ns.present(first)) == 16, timeout=5), ns.present(first)
+    time.sleep(0.2)
+    assert len(ns.present(first)) == 16, sorted(ns.present(first))
+    assert tiers(a)["drops_t1"] == 0, msg(tiers(a))
+    with srv.client() as r:
+        r.call("FLUSHALL")
+    gone0 = tiers(a)["remote_watch_reconciled"]
+    assert a.admin_result("remote-watch reconcile")["pass"] in ("started", "queued")
+    assert wait_until(lambda: tiers(a)["remote_watch_reconciled"] >= gone0 + 16,
+                      timeout=10), rem(a)
+    for k in range(5):  # 80 more (192 in all): T1 gives up all of `first`
+        commit_chain(ca, pa, 16, 940000 + k * 1000)
+        assert wait_until(lambda: remote_quiet(a, 0.1), timeout=10), msg(tiers(a))
+    st = tiers(a)
+    assert st["drops_t1"] >= 64 and st["remote_dirty_drops"] == 0, rem(st)
+    assert sorted(ns.present(first)) == list(range(64)), msg(
+        "blocks Redis lost were taken for written:", sorted(ns.present(first)), rem(st))
 
 
 def test_remote_watch_follows_a_master_added(kvd_factory, redis_cluster):

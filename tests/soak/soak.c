@@ -579,7 +579,7 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = memflag;
     argv[n++] = segflag;
     argv[n++] = "--log-level=warn";
-    char t2flag[160], rflag[64];
+    char t2flag[160], rflag[64], rwflag[64];
     if (x->o->tiers && x->o->redis != NULL) {
         /* T1 smaller than the pools and no T2: what T0 and T1 let go comes back from Redis. */
         if (start_redis(x) != 0) {
@@ -591,6 +591,10 @@ static int start_kvd(soak_ctx *x) {
         argv[n++] = "--remote-timeout-ms=2000";
         argv[n++] = "--fetch-min-tokens=1";
         argv[n++] = "--tier-write=write-through";
+        if (x->o->remote_write != NULL) {
+            snprintf(rwflag, sizeof(rwflag), "--remote-write=%s", x->o->remote_write);
+            argv[n++] = rwflag;
+        }
     } else if (x->o->tiers) {
         /* T1 smaller than the pools, T2 larger: blocks go down, come up, and are dropped from
          * T1 for room while T2 still has them. fetch-min-tokens 1: every run is fetched. */
@@ -870,10 +874,11 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->duplicates, (unsigned long long)r->rewinds,
            (unsigned long long)r->pins, (unsigned long long)r->enospc);
     if (o->tiers && o->redis != NULL) {
-        printf("soak: tiers on with a remote tier (write-through, redis-server on port %d): %llu "
+        printf("soak: tiers on with a remote tier (remote-write %s, redis-server on port %d): %llu "
                "hit blocks came up, %llu remote values read straight into T0, %llu bad; %llu "
                "Lookups asked Redis, which held %llu blocks past their local runs\n",
-               x.redis_port, (unsigned long long)r->promoted, (unsigned long long)r->remote_direct,
+               o->remote_write != NULL ? o->remote_write : "write-through", x.redis_port,
+               (unsigned long long)r->promoted, (unsigned long long)r->remote_direct,
                (unsigned long long)r->remote_bad, (unsigned long long)r->remote_lookups,
                (unsigned long long)r->remote_lookup_hits);
     } else if (o->tiers) {

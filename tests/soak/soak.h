@@ -32,6 +32,8 @@ typedef struct soak_options {
                              loopback and kvd gets it as its remote tier (tier 1 small, no tier
                              2, write-through), so blocks T0 and T1 let go come back from Redis,
                              read straight into T0 (docs/TIERS.md, remote tier) */
+    const char *remote_write; /* with redis: kvd's --remote-write (NULL: its default,
+                                 write-through) */
     int block_major;      /* pools block-major (each block one piece of memory: with tiers, T2
                              moves host blocks with no copy) instead of layer-major */
     int verbose;          /* print per-tenant pool figures */

@@ -2,6 +2,7 @@
  * Options: --clients=N --tenants=N --deaths=PERMILLE --pool-memory=SIZE --segment-bytes=SIZE
  * --busy=N (CPU burners beside the workers) --tiers=1|2 (tier 1 and 2 on, write-back |
  * write-through; workers Fetch) --redis=PATH (with --tiers: a redis-server as kvd's remote tier)
+ * --remote-write=write-back|write-through (with --redis: when kvd writes to Redis)
  * --block-major (block-major pools: with --tiers, T2 copies go with no copy) --kvd=PATH --wrap="CMD
  * ARGS" (run kvd under e.g. valgrind) -v. Exit 0 when every invariant held. */
 #include <stdio.h>
@@ -31,6 +32,8 @@ int main(int argc, char **argv) {
             o.tiers = atoi(a + 8);
         } else if (strncmp(a, "--redis=", 8) == 0) {
             o.redis = a + 8;
+        } else if (strncmp(a, "--remote-write=", 15) == 0) {
+            o.remote_write = a + 15;
         } else if (strncmp(a, "--kvd=", 6) == 0) {
             o.kvd = a + 6;
         } else if (strncmp(a, "--wrap=", 7) == 0) {
@@ -42,10 +45,12 @@ int main(int argc, char **argv) {
         } else if (a[0] >= '0' && a[0] <= '9') {
             o.seconds = atoi(a);
         } else {
-            fprintf(stderr, "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
-                            "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
-                            "[--tiers=0|1|2] [--redis=PATH] [--block-major] [--kvd=PATH] "
-                            "[--wrap=CMD] [-v] [seconds]\n");
+            fprintf(
+                stderr,
+                "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
+                "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
+                "[--tiers=0|1|2] [--redis=PATH] [--remote-write=MODE] [--block-major] [--kvd=PATH] "
+                "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }
     }

@@ -95,18 +95,18 @@ static void test_soak_tiers_zero_copy(void **state) {
  * tier 1 small and no tier 2, so hits come back from Redis read straight into T0 blocks (the
  * direct path) while workers die mid-Fetch; every hit's bytes are checked, nothing leaks, no
  * value is bad, and the direct path really ran. */
-static void test_soak_remote(void **state) {
-    (void)state;
+static void soak_remote(const char *remote_write) {
     if (access("/usr/bin/redis-server", X_OK) != 0) {
         skip(); /* ./dev installs it; a machine without it has no remote tier to soak */
     }
     soak_options o;
     soak_options_init(&o);
-    o.seconds = 10;
+    o.seconds = 6;
     o.pool_mem = "8M";
     o.seg_size = "256K";
     o.tiers = 2;
     o.redis = "/usr/bin/redis-server";
+    o.remote_write = remote_write;
     o.busy = 2;
     o.verbose = 1;
     soak_result r;
@@ -117,11 +117,23 @@ static void test_soak_remote(void **state) {
     assert_true(r.remote_lookup_hits > 0); /* Lookups saw Redis hold what T0 and T1 let go */
 }
 
+static void test_soak_remote(void **state) {
+    (void)state;
+    soak_remote(NULL); /* remote-write write-through: every block that lands in T1 */
+}
+
+/* The same with remote-write write-back: only what T1 is about to give up goes to Redis, each
+ * held busy while it is written, as workers die and T1 turns over. */
+static void test_soak_remote_write_back(void **state) {
+    (void)state;
+    soak_remote("write-back");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_soak_short),  cmocka_unit_test(test_soak_small_segments_busy),
         cmocka_unit_test(test_soak_tiers),  cmocka_unit_test(test_soak_tiers_zero_copy),
-        cmocka_unit_test(test_soak_remote),
+        cmocka_unit_test(test_soak_remote), cmocka_unit_test(test_soak_remote_write_back),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
