@@ -178,6 +178,17 @@ double bench_median(double *v, size_t n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+double bench_lower_quartile(double *v, size_t n) {
+    if (n == 0) {
+        return 0;
+    }
+    qsort(v, n, sizeof(*v), cmp_double);
+    double at = (double)(n - 1) * 0.25;
+    size_t lo = (size_t)at;
+    double f = at - (double)lo;
+    return lo + 1 < n ? v[lo] + (v[lo + 1] - v[lo]) * f : v[lo];
+}
+
 static uint64_t task_cpu_ns(pid_t pid, const char *tid) {
     char path[96];
     snprintf(path, sizeof(path), "/proc/%d/task/%s/schedstat", (int)pid, tid);

@@ -48,6 +48,11 @@ int bench_stop(pid_t pid);
 /* Median of v[0..n) (sorts v in place); 0 for n == 0. */
 double bench_median(double *v, size_t n);
 
+/* The lower quartile of v[0..n) (sorts v in place): the value a quarter of the way up the sorted
+ * values, interpolated between the two it falls between; 0 for n == 0. A target is met when the
+ * worse quartile of its runs meets it (bench/RESULTS.md says which figure each table reports). */
+double bench_lower_quartile(double *v, size_t n);
+
 /* CPU time of a process in ns, from the scheduler's own count (/proc/PID/task/TID/schedstat,
  * ns resolution, where /proc/PID/stat counts 10 ms ticks): of its main thread only (loop 1:
  * a kvd's loop thread) or of all its threads (loop 0). 0 when it cannot be read. */

@@ -45,8 +45,8 @@ static uint64_t loop_clock(void *arg) {
     return uv_now(arg);
 }
 
-/* The server stopped (after any cuda-ipc wait): the rest goes. */
-static void on_server_stopped(void *arg) {
+/* The tiers wrote what they had to at the stop (or had nothing to): the rest goes. */
+static void on_tiers_drained(void *arg) {
     kvd_daemon *d = arg;
     if (d->duel_active) {
         d->duel_active = 0;
@@ -65,6 +65,15 @@ static void on_server_stopped(void *arg) {
     if (d->async_active) {
         d->async_active = 0;
         uv_close((uv_handle_t *)&d->stop_async, NULL);
+    }
+}
+
+/* The server stopped (after any cuda-ipc wait): remote-write write-back's unwritten tier-1
+ * blocks go to Redis first (kvd_tiers_drain, at most remote-drain-s), then the rest. */
+static void on_server_stopped(void *arg) {
+    kvd_daemon *d = arg;
+    if (!kvd_tiers_drain(d->tiers, on_tiers_drained, d)) {
+        on_tiers_drained(d);
     }
 }
 

@@ -199,6 +199,10 @@ static const kvd_config_option options[] = {
         "find it at once) or write-back (only the next blocks tier 1 will evict, "
         "tier-clean-ahead of them per pool, are written ahead of their eviction: Redis holds "
         "what left this node's memory, and the writes are fewer)"),
+    OPT("remote-drain-s", KVD_OPT_U64, remote_drain_s, "10", 0, 3600,
+        "remote-write write-back: at a stop, how long kvd may spend writing to Redis the blocks "
+        "tier 1 holds that Redis lacks (a progress line says how many went); 0: none are "
+        "written, they go with tier 1"),
     OPT("remote-uid-tenants", KVD_OPT_STRING, remote_uid_tenants, "shared", 0, 0,
         "the remote tier for peers without a tenants-file line (tenant uid-N): shared (uid N is "
         "the same tenant on every node that shares the Redis), node (their keys carry node-name: "

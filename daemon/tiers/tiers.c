@@ -382,6 +382,7 @@ struct kvd_tiers {
     kvd_rwatch *rwatch;        /* its keyspace notifications (remote-watch), or NULL */
     kvd_rledger *ledger;       /* the values announced on REMOTE (remote-watch-ledger), or NULL */
     struct reconcile *rc;      /* the reconciliation against it, with ledger */
+    struct tdrain *drain;      /* write-back's writes at a stop (kvd_tiers_drain), or NULL */
     char node_name[64];        /* node-name, or the host name (remote-uid-tenants node) */
     struct rfetch *rfetches;   /* Fetches waiting for the remote tier */
     kvd_tiers_event_fn ev_fn;  /* KV events of the tiers (kvd_tiers_set_event_hook) */
@@ -1292,8 +1293,8 @@ static void remote_clean_ahead(tier_pool *tp);
 static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
     kvd_tiers *t = vtp->t;
     int last = tier == 2 || !kvd_tstore_in(&vtp->st, v, 2);
-    int dirty = tier == 1 && t->remote_back && remote_writes(vtp) &&
-                !kvd_tstore_at(&vtp->st, v)->inr;
+    int dirty =
+        tier == 1 && t->remote_back && remote_writes(vtp) && !kvd_tstore_at(&vtp->st, v)->inr;
     entry_drop(vtp, v, tier);
     if (last) {
         t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
@@ -1495,8 +1496,11 @@ static int from_remote_take(tier_pool *tp, kv_hash128 h) {
 typedef struct rput {
     tier_pool *tp;
     uint32_t entry;
+    int drain; /* written by kvd_tiers_drain */
     char key[256];
 } rput;
+
+static void drain_put_done(kvd_tiers *t, kv_err rc);
 
 /* An entry the remote tier held busy is free again: what a finished copy job would do. */
 static void remote_release(tier_pool *tp, uint32_t i) {
@@ -1515,6 +1519,8 @@ static void remote_release(tier_pool *tp, uint32_t i) {
 static void on_remote_put(void *arg, kv_err rc) {
     rput *q = arg; /* rc is counted by kvd_remote */
     tier_pool *tp = q->tp;
+    kvd_tiers *t = tp->t;
+    int drain = q->drain;
     tp->jobs--;
     if (!tp->gone) {
         kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
@@ -1534,6 +1540,9 @@ static void on_remote_put(void *arg, kv_err rc) {
         tier_pool_free(tp);
     }
     free(q);
+    if (drain) {
+        drain_put_done(t, rc);
+    }
 }
 
 /* Whether tp's blocks go to the remote tier at all. */
@@ -1544,7 +1553,7 @@ static int remote_writes(const tier_pool *tp) {
 /* Writes entry i's T1 bytes to the remote tier (they are immutable while it is busy, so the
  * remote thread reads them in place). 0 when the remote tier took no more (its queue is full or
  * every node is down: counted there as a drop); 1 otherwise (written, or nothing to write). */
-static int start_remote_put(tier_pool *tp, uint32_t i) {
+static int start_remote_put(tier_pool *tp, uint32_t i, int drain) {
     kvd_tiers *t = tp->t;
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
     if (!remote_writes(tp) || e->t1 == NULL || e->doomed) {
@@ -1556,6 +1565,7 @@ static int start_remote_put(tier_pool *tp, uint32_t i) {
     }
     q->tp = tp;
     q->entry = i;
+    q->drain = drain;
     remote_key(tp, e->hash, q->key, sizeof(q->key));
     kvd_remote_meta m = {tp->layout_key, e->hash, e->fmt1, e->has_tail ? e->tail : NULL};
     if (kvd_remote_put(t->remote, q->key, &m, e->t1, e->len1, on_remote_put, q) != KV_OK) {
@@ -1580,7 +1590,7 @@ static void remote_landed(tier_pool *tp, uint32_t i) {
         e->inr = 1;
         t->c[TS_REMOTE_PUT_SKIPS]++; /* Redis has this value: it came from there */
     } else if (!t->remote_back) {
-        (void)start_remote_put(tp, i);
+        (void)start_remote_put(tp, i, 0);
     }
     remote_clean_ahead(tp);
 }
@@ -1607,13 +1617,185 @@ static void remote_clean_ahead(tier_pool *tp) {
     for (uint32_t i = tp->st.head[0]; i != KVD_TNONE && n < ahead; n++) {
         kvd_tentry *e = kvd_tstore_at(&tp->st, i);
         uint32_t next = e->next[0];
-        if (!e->inr && e->busy == 0 && !e->doomed && e->t1 != NULL &&
-            !start_remote_put(tp, i)) {
+        if (!e->inr && e->busy == 0 && !e->doomed && e->t1 != NULL && !start_remote_put(tp, i, 0)) {
             t->rput_pause_until = uv_now(t->loop) + RPUT_PAUSE_MS;
             return;
         }
         i = next;
     }
+}
+
+/* ---- at stop: write-back's unwritten T1 blocks go to Redis (kvd_tiers_drain) ------------- *
+ *
+ * The server took its last request, so nothing new is committed. A list of (pool, hash) of every
+ * T1 entry Redis lacks is taken (oldest first per pool) and written DRAIN_WINDOW at a time; an
+ * entry gone or written meanwhile is passed. Blocks that landed in T1 after the list was taken
+ * (copies that were in flight) get one more list when the first is done. The drain ends when the
+ * lists are done, at the first write that fails (Redis down or refusing: the rest would fail
+ * too), or after remote-drain-s; its writes still out then end at kvd_tiers_close. */
+
+#define DRAIN_WINDOW 32 /* writes of a drain in flight at most */
+
+typedef struct drain_item {
+    uint32_t pool_id;
+    kv_hash128 hash;
+} drain_item;
+
+typedef struct tdrain {
+    kvd_tiers *t;
+    kvd_tiers_drained_fn done;
+    void *arg;
+    drain_item *items;
+    size_t n, next;
+    int rounds;   /* lists taken */
+    int failed;   /* a write failed: no more are started */
+    int finished; /* done ran */
+    uint32_t inflight;
+    uint64_t total, written, errors;
+    uint64_t start_ms;
+    uv_timer_t timer;
+} tdrain;
+
+static int drain_wants(const tier_pool *tp, const kvd_tentry *e) {
+    return e->t1 != NULL && !e->inr && !e->doomed && remote_writes(tp);
+}
+
+/* Takes the list of the T1 entries Redis lacks; their number. */
+static size_t drain_list(tdrain *d) {
+    kvd_tiers *t = d->t;
+    size_t n = 0, cap = 0;
+    drain_item *v = NULL;
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        tier_pool *tp = t->reg->pools[k].tiers;
+        if (tp == NULL || !remote_writes(tp)) {
+            continue;
+        }
+        for (uint32_t i = tp->st.head[0]; i != KVD_TNONE; i = tp->st.e[i].next[0]) {
+            if (!drain_wants(tp, &tp->st.e[i])) {
+                continue;
+            }
+            if (n == cap) {
+                size_t nc = cap ? cap * 2 : 256;
+                drain_item *nv = realloc(v, nc * sizeof(*nv));
+                if (nv == NULL) {
+                    break; /* what is listed is written */
+                }
+                v = nv;
+                cap = nc;
+            }
+            v[n].pool_id = tp->pool_id;
+            v[n].hash = tp->st.e[i].hash;
+            n++;
+        }
+    }
+    free(d->items);
+    d->items = v;
+    d->n = n;
+    d->next = 0;
+    d->rounds++;
+    d->total += n;
+    return n;
+}
+
+static void drain_finish(tdrain *d, const char *why) {
+    if (d->finished) {
+        return;
+    }
+    d->finished = 1;
+    uv_timer_stop(&d->timer);
+    uv_close((uv_handle_t *)&d->timer, NULL);
+    uint64_t left = d->total > d->written + d->errors ? d->total - d->written - d->errors : 0;
+    kv_log_level lv = left > 0 || d->errors > 0 ? KV_LOG_WARN : KV_LOG_INFO;
+    if (lv <= kv_log_threshold) {
+        kv_log_emit(
+            lv, "KVD-REMOTE",
+            "stop: %llu of %llu tier-1 blocks Redis lacked written in %llu ms (%llu failed, "
+            "%llu left unwritten%s%s)",
+            (unsigned long long)d->written, (unsigned long long)d->total,
+            (unsigned long long)(uv_now(d->t->loop) - d->start_ms), (unsigned long long)d->errors,
+            (unsigned long long)left, why != NULL ? ": " : "", why != NULL ? why : "");
+    }
+    d->done(d->arg);
+}
+
+static void drain_step(tdrain *d) {
+    kvd_tiers *t = d->t;
+    while (!d->finished && !d->failed && d->inflight < DRAIN_WINDOW) {
+        if (d->next == d->n) {
+            if (d->inflight > 0 || d->rounds >= 2 || drain_list(d) == 0) {
+                break;
+            }
+            continue;
+        }
+        drain_item it = d->items[d->next];
+        kvd_reg_pool *p = kvd_registry_pool(t->reg, it.pool_id);
+        tier_pool *tp = p != NULL ? p->tiers : NULL;
+        uint32_t i = tp != NULL ? kvd_tstore_find(&tp->st, it.hash) : KVD_TNONE;
+        kvd_tentry *e = i != KVD_TNONE ? kvd_tstore_at(&tp->st, i) : NULL;
+        if (e == NULL || !drain_wants(tp, e) || e->busy > 0) {
+            d->next++; /* gone, written, or being written (a write ahead) */
+            continue;
+        }
+        if (!start_remote_put(tp, i, 1)) {
+            if (d->inflight == 0) {
+                d->failed = 1; /* every node down, or no memory: nothing will take it */
+            }
+            break; /* the queue is full: the next completion goes on */
+        }
+        d->next++;
+        d->inflight++;
+    }
+    if (!d->finished && d->inflight == 0 && (d->failed || d->next == d->n)) {
+        drain_finish(d, d->failed ? "Redis took no more" : NULL);
+    }
+}
+
+static void drain_put_done(kvd_tiers *t, kv_err rc) {
+    tdrain *d = t->drain;
+    if (d == NULL || d->finished) {
+        return;
+    }
+    d->inflight--;
+    if (rc == KV_OK) {
+        d->written++;
+    } else {
+        d->errors++;
+        d->failed = 1; /* Redis is down, full or refusing: the rest would fail too */
+    }
+    drain_step(d);
+}
+
+static void on_drain_timer(uv_timer_t *h) {
+    tdrain *d = h->data;
+    drain_finish(d, "remote-drain-s is up");
+}
+
+int kvd_tiers_drain(kvd_tiers *t, kvd_tiers_drained_fn done, void *arg) {
+    if (t == NULL || t->remote == NULL || !t->remote_back || t->cfg->remote_drain_s == 0 ||
+        t->drain != NULL) {
+        return 0;
+    }
+    tdrain *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        return 0;
+    }
+    d->t = t;
+    d->done = done;
+    d->arg = arg;
+    t->drain = d;
+    if (drain_list(d) == 0 || uv_timer_init(t->loop, &d->timer) != 0) {
+        d->finished = 1; /* nothing to write (or no timer: nothing is started) */
+        return 0;
+    }
+    d->timer.data = d;
+    d->start_ms = uv_now(t->loop);
+    uv_timer_start(&d->timer, on_drain_timer, t->cfg->remote_drain_s * 1000, 0);
+    KV_LOG(INFO, "KVD-REMOTE",
+           "stop: writing the %llu tier-1 blocks Redis lacks (remote-write write-back; at most "
+           "%llu s, remote-drain-s)",
+           (unsigned long long)d->n, (unsigned long long)t->cfg->remote_drain_s);
+    drain_step(d);
+    return 1;
 }
 
 /* Starts writing entry i's T1 bytes to T2 (when the pool has a T2 and it lacks the copy). */
@@ -2475,8 +2657,7 @@ static kv_err remote_open(kvd_tiers *t, const kvd_config *cfg, char *msg, size_t
            "remote tier: redis %s, %s, key prefix %s, ttl %llu s, timeout %llu ms%s; uid-N "
            "tenants %s%s%s",
            cfg->remote_redis, cfg->remote_write, cfg->remote_key_prefix,
-           (unsigned long long)cfg->remote_ttl_s,
-           (unsigned long long)cfg->remote_timeout_ms,
+           (unsigned long long)cfg->remote_ttl_s, (unsigned long long)cfg->remote_timeout_ms,
            cfg->remote_password_file[0] != '\0' ? ", AUTH from the password file" : "",
            cfg->remote_uid_tenants, strcmp(cfg->remote_uid_tenants, "node") == 0 ? " as " : "",
            strcmp(cfg->remote_uid_tenants, "node") == 0 ? t->node_name : "");
@@ -2640,6 +2821,10 @@ void kvd_tiers_free(kvd_tiers *t) {
     kvd_remote_free(t->remote);
     kvd_rwatch_free(t->rwatch);
     free(t->rc);
+    if (t->drain != NULL) {
+        free(t->drain->items);
+        free(t->drain);
+    }
     kvd_rledger_free(t->ledger);
     kvd_pinned_destroy(t->pinned);
     free(t);
@@ -3972,10 +4157,9 @@ const char *kvd_tiers_state(const kvd_tiers *t, char *buf, size_t len) {
     kvd_remote_stats rs;
     kvd_remote_get_stats(t->remote, &rs);
     snprintf(buf + n, len - (size_t)n,
-             "; remote redis %s (%s): %s%s, %d nodes; last remote error: %s",
-             t->cfg->remote_redis, t->cfg->remote_write, rs.state == 1 ? "up" : "down",
-             rs.cluster ? " (cluster)" : "", rs.nnodes,
-             rs.last_error[0] != '\0' ? rs.last_error : "none");
+             "; remote redis %s (%s): %s%s, %d nodes; last remote error: %s", t->cfg->remote_redis,
+             t->cfg->remote_write, rs.state == 1 ? "up" : "down", rs.cluster ? " (cluster)" : "",
+             rs.nnodes, rs.last_error[0] != '\0' ? rs.last_error : "none");
     return buf;
 }
 

@@ -193,6 +193,14 @@ void kvd_tiers_set_digest_fn(kvd_tiers *t, kvd_tiers_digest_fn fn, void *arg);
 kv_err kvd_tiers_reconcile_now(kvd_tiers *t, int *queued, uint64_t *ledger, char *msg,
                                size_t msglen);
 
+/* At stop, once the server took its last request and before kvd_tiers_close: under remote-write
+ * write-back, writes to Redis the blocks tier 1 holds that Redis lacks (oldest first per pool;
+ * at most remote-drain-s seconds; a progress line at the start and the end), then runs
+ * done(arg) on the loop thread: 1 is returned. 0 (done never runs) when there is nothing to
+ * write: no remote tier, write-through, remote-drain-s 0, or every T1 block is in Redis. Once. */
+typedef void (*kvd_tiers_drained_fn)(void *arg);
+int kvd_tiers_drain(kvd_tiers *t, kvd_tiers_drained_fn done, void *arg);
+
 /* At stop, before the loop runs dry: stops the remote tier's thread (waiting for its request in
  * flight, at most about remote-timeout-ms) and completes what it had queued. */
 void kvd_tiers_close(kvd_tiers *t);

@@ -1336,6 +1336,47 @@ def test_remote_write_back_writes_what_leaves_tier1(kvd_factory, redis):
     assert a.alive() and b.alive()
 
 
+def test_remote_write_back_writes_tier1_at_stop(kvd_factory, redis):
+    """remote-write write-back: what T1 holds and Redis lacks is written when kvd stops (SIGTERM),
+    so another node still finds it; with Redis paused the stop gives up at the first write that
+    fails and kvd exits at once, saying how many blocks went unwritten."""
+    a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr, remote_write="write-back",
+                                      log_level="info")
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    hs, pats = commit_chain(ca, pa, 40, 960000)
+    assert wait_until(lambda: tiers(a)["demotions_t1"] >= 40 and remote_quiet(a),
+                      timeout=10), msg(tiers(a))
+    assert ns.present(hs) == {} and rstat(a, "puts") == 0, rem(a)  # T1 has room: none yet
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=20) == 0, log_tail(a)
+    a.killed = True
+    assert "stop: 40 of 40 tier-1 blocks Redis lacked written" in log_tail(a, 20000), \
+        log_tail(a)
+    assert ns.wait_landed(hs, timeout=1), sorted(ns.present(hs))
+    fr, n = fetch_checked(cb, pb_, hs, pats, "B after A stopped")
+    assert n == 40, msg(fr, rem(b))
+
+    # Redis paused: the first write times out, the stop gives up and kvd exits.
+    c = kvd_factory(**node_opts(redis.addr, remote_write="write-back", remote_timeout_ms="300"))
+    cc = connect(c)
+    pc = cc.attach(MODEL, LAYOUT)
+    commit_chain(cc, pc, 20, 970000)
+    assert wait_until(lambda: tiers(c)["demotions_t1"] >= 20 and remote_quiet(c),
+                      timeout=10), msg(tiers(c))
+    redis.sigstop()
+    try:
+        t = time.monotonic()
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(timeout=20) == 0, log_tail(c)
+        took = time.monotonic() - t
+        c.killed = True
+    finally:
+        redis.sigcont()
+    assert took < 5, "a stop with Redis paused took %.1f s (remote-drain-s 10)" % took
+    log = log_tail(c, 20000)
+    assert "of 20 tier-1 blocks Redis lacked written" in log and "Redis took no more" in log, log
+
+
 def test_missing_key_ends_the_run(kvd_factory, redis):
     """A chain position whose key is gone: the Fetch returns the blocks before it (a miss)."""
     a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
