@@ -348,8 +348,9 @@ static void bench_remote(int runs) {
            "and kvd alternate fetch by fetch; a sample is 32 fetches of 1 block, 4 of 8, 1 of 64 "
            "(each key once); %d samples per size, the ratio taken per sample.\n\n",
            total, bb >> 10, (int)WARM, runs);
-    printf("| prefix blocks | raw GET MB/s (median) | kvd Fetch MB/s (median) | kvd / raw (median) "
-           "| lower quartile | worst | Fetch ms (median) |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf(
+        "| prefix blocks | raw GET MB/s (median) | kvd Fetch MB/s (median) | kvd / raw (median) "
+        "| lower quartile | worst | Fetch ms (median) |\n|---:|---:|---:|---:|---:|---:|---:|\n");
     /* B's warm-up: the first chains, through every block of its pool and its T1. */
     for (int w = 0; w < WARM; w++) {
         kvc_fetch_result fr;

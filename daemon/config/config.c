@@ -172,7 +172,8 @@ static const kvd_config_option options[] = {
     OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,
         "the remote tier below T1/T2: HOST:PORT[,HOST:PORT...] of one Redis server or seed "
         "nodes of a Redis Cluster (found by CLUSTER SLOTS); blocks in tier 1 are also written "
-        "there (remote-write says when), and a Fetch asks it for the blocks past the local tiers' run; "
+        "there (remote-write says when), and a Fetch asks it for the blocks past the local tiers' "
+        "run; "
         "needs tier1-memory (docs/TIERS.md); empty: off"),
     OPT("remote-key-prefix", KVD_OPT_STRING, remote_key_prefix, "kvd", 0, 0,
         "first part of every remote key (PREFIX:DOMAIN:LAYOUT:HASH): one per deployment"),

@@ -81,7 +81,7 @@ typedef struct kvd_config {
     uint64_t remote_fetch_max;                      /* blocks past the local run a Fetch asks for */
     uint64_t remote_queue_bytes;                    /* puts queued at most */
     char remote_write[16];                          /* "write-through" or "write-back" */
-    uint64_t remote_drain_s; /* write-back: seconds a stop may spend writing T1's unwritten */
+    uint64_t remote_drain_s;      /* write-back: seconds a stop may spend writing T1's unwritten */
     int remote_watch;             /* listen to Redis's expiries and evictions (kvd_rwatch) */
     uint64_t remote_watch_ledger; /* values announced on REMOTE remembered for reconciliation */
     uint64_t remote_watch_reconcile_s; /* seconds between passes while the watch is up; 0: none */

@@ -34,9 +34,9 @@ typedef struct soak_options {
                              read straight into T0 (docs/TIERS.md, remote tier) */
     const char *remote_write; /* with redis: kvd's --remote-write (NULL: its default,
                                  write-through) */
-    int block_major;      /* pools block-major (each block one piece of memory: with tiers, T2
-                             moves host blocks with no copy) instead of layer-major */
-    int verbose;          /* print per-tenant pool figures */
+    int block_major;          /* pools block-major (each block one piece of memory: with tiers, T2
+                                 moves host blocks with no copy) instead of layer-major */
+    int verbose;              /* print per-tenant pool figures */
 } soak_options;
 
 typedef struct soak_result {
