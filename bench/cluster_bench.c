@@ -63,8 +63,9 @@ static unsigned long g_sub_msgs;
 static uint32_t g_layers = 4;
 static const size_t g_rsizes[3] = {1, 8, 64};
 
+/* extra: one more kvd flag, or NULL. */
 static void start_remote_node(node *d, const char *name, int port, const char *pool_mem,
-                              const char *t1_mem, const char *cpu) {
+                              const char *t1_mem, const char *cpu, const char *extra) {
     snprintf(d->sock, sizeof(d->sock), "%s/%s.sock", g_dir, name);
     char sockopt[200], redis[64], pm[64], t1[64];
     snprintf(sockopt, sizeof(sockopt), "--socket=%s", d->sock);
@@ -85,6 +86,7 @@ static void start_remote_node(node *d, const char *name, int port, const char *p
                     "--log-level=error",
                     "--remote-timeout-ms=2000",
                     redis,
+                    (char *)extra,
                     NULL};
     d->pid = bench_spawn(argv);
     bench_wait_socket(d->sock, d->pid);
@@ -242,11 +244,30 @@ static void lookup_remote_table(redisContext *rc, kvc_pool *pb, kvc_conn *cb,
            "with nothing between them (the remote thread's hand-offs are what is above it).\n\n");
 }
 
-static void bench_remote(int runs) {
-    char port_s[16], dir_s[128];
-    int port = 20000 + (int)(getpid() % 20000);
+/* redis-server on loopback port, pinned to cpu, no persistence; *rc connected to it. */
+static pid_t start_redis(int port, const char *cpu, redisContext **rc) {
+    char port_s[16];
     snprintf(port_s, sizeof(port_s), "%d", port);
-    snprintf(dir_s, sizeof(dir_s), "%s", g_dir);
+    char *rargv[] = {"taskset",      "-c",     (char *)cpu, "redis-server", "--port",
+                     port_s,         "--bind", "127.0.0.1", "--save",       "",
+                     "--appendonly", "no",     "--dir",     g_dir,          NULL};
+    pid_t rpid = bench_spawn(rargv);
+    *rc = NULL;
+    for (int i = 0; i < 100 && (*rc == NULL || (*rc)->err); i++) {
+        if (*rc != NULL) {
+            redisFree(*rc);
+        }
+        usleep(50000);
+        *rc = redisConnect("127.0.0.1", port);
+    }
+    if (*rc == NULL || (*rc)->err) {
+        bench_die("cannot reach redis-server on port %d", port);
+    }
+    return rpid;
+}
+
+static void bench_remote(int runs) {
+    int port = 20000 + (int)(getpid() % 20000);
     /* Placement: redis-server (and node A, idle while B is measured) on the last CPU; node B
      * and this process (the raw client, B's client) on the first. The raw pipeline's client
      * side and everything kvd does for a Fetch then run on the same one CPU, and Redis on the
@@ -258,21 +279,8 @@ static void bench_remote(int runs) {
     CPU_ZERO(&set);
     CPU_SET(0, &set);
     sched_setaffinity(0, sizeof(set), &set);
-    char *rargv[] = {"taskset",      "-c",     last,        "redis-server", "--port",
-                     port_s,         "--bind", "127.0.0.1", "--save",       "",
-                     "--appendonly", "no",     "--dir",     dir_s,          NULL};
-    pid_t rpid = bench_spawn(rargv);
-    redisContext *rc = NULL;
-    for (int i = 0; i < 100 && (rc == NULL || rc->err); i++) {
-        if (rc != NULL) {
-            redisFree(rc);
-        }
-        usleep(50000);
-        rc = redisConnect("127.0.0.1", port);
-    }
-    if (rc == NULL || rc->err) {
-        bench_die("cannot reach redis-server on port %d", port);
-    }
+    redisContext *rc;
+    pid_t rpid = start_redis(port, last, &rc);
     node a, b;
     /* B is small (T0 four 64-block Fetches' worth, T1 two): its warm-up Fetches recycle every
      * buffer, so the measured ones run on memory a busy node has touched already. */
@@ -282,8 +290,8 @@ static void bench_remote(int runs) {
      * below at 64 MiB); B: T1 for 128 blocks. */
     snprintf(t0, sizeof(t0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
     snprintf(b1, sizeof(b1), "%lluM", (unsigned long long)(blk_kib * 128 / 1024));
-    start_remote_node(&a, "ra", port, t0, "1024M", last);
-    start_remote_node(&b, "rb", port, t0, b1, "0");
+    start_remote_node(&a, "ra", port, t0, "1024M", last, NULL);
+    start_remote_node(&b, "rb", port, t0, b1, "0", NULL);
     kvc_conn *ca, *cb;
     kvc_pool *pa, *pb;
     open_remote_pool(a.sock, &ca, &pa);
@@ -426,6 +434,144 @@ static void bench_remote(int runs) {
     redisFree(rc);
     bench_stop(a.pid);
     bench_stop(b.pid);
+    bench_stop(rpid);
+}
+
+/* ---- remote writes: write-through vs write-back ----------------------------------------- */
+
+static uint64_t stat_of(kvc_conn *c, const char *name) {
+    uint64_t v = 0;
+    if (kvc_stat_get(c, 0, name, &v) != KV_OK) {
+        bench_die("stat %s: %s", name, kvc_last_error(c));
+    }
+    return v;
+}
+
+/* One node serves NREQ requests over NCHAINS chains of 8 blocks drawn with Zipf-like weights
+ * (1/rank), the same sequence in each mode: each request Fetches its chain (T0, T1 or Redis),
+ * then allocates, fills and commits what the Fetch did not bring. T0 holds 256 blocks, T1 512,
+ * the chains 2048: the same work, counted in Redis writes and in what another node could fetch
+ * at the end (the chains' blocks in Redis). */
+#define WB_CHAINS 256
+#define WB_LEN 8
+#define WB_REQS 3000
+
+static void remote_write_mode(const char *mode, int port, const char *last, redisContext *rc,
+                              uint64_t seed, double out[6]) {
+    node a;
+    uint64_t blk_kib = 64u * g_layers;
+    char t0[32], t1[32], flag[64];
+    snprintf(t0, sizeof(t0), "%lluM", (unsigned long long)(blk_kib * 256 / 1024));
+    snprintf(t1, sizeof(t1), "%lluM", (unsigned long long)(blk_kib * 512 / 1024));
+    snprintf(flag, sizeof(flag), "--remote-write=%s", mode);
+    freeReplyObject(redisCommand(rc, "FLUSHALL"));
+    start_remote_node(&a, "wa", port, t0, t1, last, flag);
+    kvc_conn *c;
+    kvc_pool *p;
+    open_remote_pool(a.sock, &c, &p);
+    size_t bb = kvc_pool_layout(p)->block_bytes;
+    static kv_hash128 hashes[WB_CHAINS][WB_LEN];
+    static uint32_t tok[WB_LEN * TPB];
+    for (size_t k = 0; k < WB_CHAINS; k++) {
+        for (size_t i = 0; i < WB_LEN * TPB; i++) {
+            tok[i] = (uint32_t)(seed * 1000003u + k * 7919u + i * 31u + 1u);
+        }
+        size_t nh;
+        if (kvc_pool_hash_tokens(p, NULL, 0, tok, WB_LEN * TPB, hashes[k], WB_LEN, &nh) != KV_OK) {
+            bench_die("hash: %s", kvc_last_error(c));
+        }
+    }
+    double wsum = 0, w[WB_CHAINS];
+    for (size_t k = 0; k < WB_CHAINS; k++) {
+        wsum += w[k] = 1.0 / (double)(k + 1);
+    }
+    uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
+    uint64_t asked = 0, hit = 0, committed = 0;
+    kvc_block blk[WB_LEN], canon[WB_LEN];
+    kvc_commit_entry e[WB_LEN];
+    for (int r = 0; r < WB_REQS; r++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        double u = (double)(rng >> 11) / 9007199254740992.0 * wsum;
+        size_t k = 0;
+        while (k + 1 < WB_CHAINS && u >= w[k]) {
+            u -= w[k++];
+        }
+        kvc_fetch_result fr;
+        if (kvc_fetch(p, hashes[k], WB_LEN, 0, blk, &fr) != KV_OK) {
+            bench_die("fetch: %s", kvc_last_error(c));
+        }
+        size_t got = fr.nblocks, need = WB_LEN - got;
+        asked += WB_LEN;
+        hit += got;
+        if (need > 0) {
+            if (kvc_allocate(p, (uint32_t)need, blk + got) != KV_OK) {
+                bench_die("allocate: %s", kvc_last_error(c));
+            }
+            for (size_t i = 0; i < need; i++) {
+                memset(kvc_pool_addr(p, blk[got + i].id, 0, KV_K, 0, 0), (int)(k + i) & 0xff, bb);
+                e[i].block = blk[got + i];
+                e[i].hash = hashes[k][got + i];
+                e[i].parent = got + i == 0 ? KVC_NO_PARENT : blk[got + i - 1].id;
+            }
+            if (kvc_commit(p, e, need, canon) != KV_OK) {
+                bench_die("commit: %s", kvc_last_error(c));
+            }
+            memcpy(blk + got, canon, need * sizeof(*canon));
+            committed += need;
+        }
+        (void)kvc_release(p, blk, WB_LEN);
+    }
+    /* The writes still out land (a second of quiet). */
+    uint64_t puts = 0;
+    for (int i = 0; i < 50; i++) {
+        uint64_t now = stat_of(c, "tiers.remote_puts");
+        if (i > 0 && now == puts) {
+            break;
+        }
+        puts = now;
+        usleep(100000);
+    }
+    redisReply *rep = redisCommand(rc, "DBSIZE");
+    uint64_t keys = rep != NULL && rep->type == REDIS_REPLY_INTEGER ? (uint64_t)rep->integer : 0;
+    freeReplyObject(rep);
+    out[0] = (double)committed;
+    out[1] = (double)puts;
+    out[2] = (double)stat_of(c, "tiers.remote_put_bytes") / 1e6;
+    out[3] = (double)hit / (double)asked;
+    out[4] = (double)keys / (double)(WB_CHAINS * WB_LEN);
+    out[5] = (double)stat_of(c, "tiers.remote_dirty_drops");
+    kvc_conn_close(c);
+    bench_stop(a.pid);
+}
+
+static void bench_remote_write(void) {
+    int port = 20000 + (int)((getpid() + 7) % 20000);
+    char last[24];
+    snprintf(last, sizeof(last), "%ld", sysconf(_SC_NPROCESSORS_ONLN) - 1);
+    redisContext *rc;
+    pid_t rpid = start_redis(port, last, &rc);
+    printf("### Remote writes: write-through vs write-back (remote-write)\n\n");
+    printf("One node (T0 256 blocks, T1 512, blocks of %zu KiB) serves %d requests over %d chains "
+           "of %d blocks (2048 blocks; a chain drawn with weight 1/rank, the same sequence in "
+           "both modes): each Fetches its chain (from T0, T1 or Redis) and commits what did not "
+           "come. Redis writes, and the share of the chains' blocks Redis holds at the end "
+           "(what another node could fetch before this one stops). One row per seed.\n\n",
+           (size_t)(64u * g_layers), WB_REQS, WB_CHAINS, WB_LEN);
+    printf("| seed | mode | blocks committed | Redis writes | MB written | writes / committed "
+           "| hit rate (T0+T1+Redis) | blocks in Redis at the end | remote dirty drops "
+           "|\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (uint64_t seed = 1; seed <= 3; seed++) {
+        static const char *modes[2] = {"write-through", "write-back"};
+        for (int m = 0; m < 2; m++) {
+            double o[6];
+            remote_write_mode(modes[m], port, last, rc, seed, o);
+            printf("| %llu | %s | %.0f | %.0f | %.0f | %.2f | %.3f | %.0f%% | %.0f |\n",
+                   (unsigned long long)seed, modes[m], o[0], o[1], o[2],
+                   o[0] > 0 ? o[1] / o[0] : 0.0, o[3], o[4] * 100, o[5]);
+        }
+    }
+    printf("\n");
+    redisFree(rc);
     bench_stop(rpid);
 }
 
@@ -701,6 +847,9 @@ int main(int argc, char **argv) {
     }
     if (getenv("CLUSTER_NO_REMOTE") == NULL) {
         bench_remote(remote_runs); /* pins itself (see there) */
+    }
+    if (getenv("CLUSTER_NO_WRITE") == NULL) {
+        bench_remote_write();
     }
     if (getenv("CLUSTER_NO_EVENTS") != NULL) {
         return 0;

@@ -37,7 +37,7 @@ run_one() {
                 --remote-runs "${CLUSTER_REMOTE_RUNS:-15}"
             # The remote rows again with Llama-3-8B-sized blocks (32 layers: 2 MiB; 7 samples:
             # 15 would hold about 15 GB in Redis).
-            CLUSTER_NO_EVENTS=1 CLUSTER_NO_LOOKUP=1 "$BIN_DIR/cluster_bench" \
+            CLUSTER_NO_EVENTS=1 CLUSTER_NO_LOOKUP=1 CLUSTER_NO_WRITE=1 "$BIN_DIR/cluster_bench" \
                 --kvd "$BIN_DIR/../daemon/kvd" \
                 --runs "${CLUSTER_RUNS:-7}" --block-layers 32
             bash bench/cluster_ttft.sh "$BIN_DIR/.."
