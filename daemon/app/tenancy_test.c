@@ -765,7 +765,13 @@ static void test_quota_fields(void **state) {
     assert_int_equal(kvd_quota_parse_field(&q, "max-held", "12x"), KV_EINVAL);
     assert_int_equal(kvd_quota_parse_field(&q, "nope", "1"), KV_ENOENT);
     assert_int_equal(q.max_held, 10);
-    /* Only the byte limit takes a size suffix. */
+    /* Only the byte limits take a size suffix. */
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-guarantee-bytes", "1M"), KV_OK);
+    assert_int_equal(q.tier_guarantee_bytes, 1 << 20);
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-total-bytes", "2G"), KV_OK);
+    assert_int_equal(q.tier_total_bytes, 2ull << 30);
+    assert_int_equal(kvd_quota_parse_field(&q, "tier-total-bytes", "x"), KV_EINVAL);
+    assert_int_equal(q.tier_total_bytes, 2ull << 30);
     assert_int_equal(kvd_quota_parse_field(&q, "tier-max-bytes", "64K"), KV_OK);
     assert_int_equal(q.tier_max_bytes, 64 << 10);
     assert_int_equal(kvd_quota_parse_field(&q, "tier-max-bytes", "12345"), KV_OK);

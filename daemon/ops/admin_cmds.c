@@ -1428,7 +1428,8 @@ static const kvd_admin_cmd cmds[] = {
      cmd_unpin},
     {"quota get", "[TENANT]", "a tenant's quota and usage (all tenants without TENANT)",
      "Result: {tenant, quota: {max-held, guarantee, max-pinned, max-sessions, max-pools, "
-     "tier-max, tier-guarantee, tier-max-bytes}, usage: {sessions, held, cached, pinned, tier1, "
+     "tier-max, tier-guarantee, tier-max-bytes, tier-guarantee-bytes, tier-total-bytes}, usage: "
+     "{sessions, held, cached, pinned, tier1, "
      "tier2, tier1_bytes, tier2_bytes}}, or "
      "`quotas`, a list of those (the `default` entry first). 0 means unlimited.",
      cmd_quota_get},

@@ -454,11 +454,13 @@ kv_err kvd_registry_quota_set(kvd_registry *s, const char *tenant, const kvd_quo
     }
     KV_LOG(INFO, "KVD-QUOTA",
            "quota of %s: max-held %llu, guarantee %llu, max-pinned %llu, max-sessions %llu, "
-           "max-pools %llu, tier-max %llu, tier-guarantee %llu, tier-max-bytes %llu",
+           "max-pools %llu, tier-max %llu, tier-guarantee %llu, tier-max-bytes %llu, "
+           "tier-guarantee-bytes %llu, tier-total-bytes %llu",
            tenant, (unsigned long long)q->max_held, (unsigned long long)q->guarantee,
            (unsigned long long)q->max_pinned, (unsigned long long)q->max_sessions,
            (unsigned long long)q->max_pools, (unsigned long long)q->tier_max,
-           (unsigned long long)q->tier_guarantee, (unsigned long long)q->tier_max_bytes);
+           (unsigned long long)q->tier_guarantee, (unsigned long long)q->tier_max_bytes,
+           (unsigned long long)q->tier_guarantee_bytes, (unsigned long long)q->tier_total_bytes);
     return KV_OK;
 }
 
@@ -477,8 +479,8 @@ kv_err kvd_registry_quota_set_field(kvd_registry *s, const char *tenant, const c
     }
     if (rc != KV_OK) {
         snprintf(err, errlen,
-                 "%s must be a decimal number of blocks or sessions (tier-max-bytes: a size such "
-                 "as 4096, 64K, 1G; 0 = none)",
+                 "%s must be a decimal number of blocks or sessions (the *-bytes limits: a size "
+                 "such as 4096, 64K, 1G; 0 = none)",
                  name);
         return rc;
     }

@@ -26,6 +26,8 @@ static const struct {
     {"tier-max", offsetof(kvd_quota, tier_max), 0},
     {"tier-guarantee", offsetof(kvd_quota, tier_guarantee), 0},
     {"tier-max-bytes", offsetof(kvd_quota, tier_max_bytes), 1},
+    {"tier-guarantee-bytes", offsetof(kvd_quota, tier_guarantee_bytes), 1},
+    {"tier-total-bytes", offsetof(kvd_quota, tier_total_bytes), 1},
 };
 
 #define NFIELDS (sizeof(fields) / sizeof(fields[0]))

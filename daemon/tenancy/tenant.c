@@ -326,8 +326,8 @@ static kv_err parse_quota(kvd_tenants *t, char **save, const char *source, unsig
         *eq = '\0';
         if (kvd_quota_parse_field(&q, kv, eq + 1) != KV_OK) {
             kvd_conf_err(err, errlen,
-                         "%s:%u: '%s=%s': names are %s, values decimal (tier-max-bytes: a size, "
-                         "64K, 1G)",
+                         "%s:%u: '%s=%s': names are %s, values decimal (the *-bytes limits: a "
+                         "size, 64K, 1G)",
                          source, lineno, kv, eq + 1, KVD_QUOTA_NAMES);
             return KV_EINVAL;
         }

@@ -7,6 +7,7 @@
  *     commons [min-tenants=K]
  *     quota NAME|default [max-held=N] [guarantee=N] [max-pinned=N] [max-sessions=N]
  *           [max-pools=N] [tier-max=N] [tier-guarantee=N] [tier-max-bytes=SIZE]
+ *           [tier-guarantee-bytes=SIZE] [tier-total-bytes=SIZE]
  *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
  *            [format=array|map] [buffer=N] domains=NAME,group:NAME,commons
  *     tiers [model=M] [domains=NAME,group:NAME,commons] [write=write-back|write-through]

@@ -1198,17 +1198,48 @@ static const kvd_quota *quota_of(const kvd_tiers *t, uint32_t tenant) {
     return tenant < KVD_MAX_TENANTS ? kvd_tenants_quota(t->reg->tenants, tenant) : NULL;
 }
 
+/* Bytes charged to tenant in tp's tier: its T1 entries as stored, a T2 slot each. */
+static uint64_t owned_bytes(const tier_pool *tp, uint32_t tenant, int tier) {
+    return tier == 1 ? kvd_tstore_owned_bytes1(&tp->st, tenant)
+                     : kvd_tstore_owned(&tp->st, tenant, 2) * tp->slot_bytes;
+}
+
+/* How far tenant is over its guarantees in tp's tier, in bytes: 0 while it is at or under its
+ * tier-guarantee (blocks) or its tier-guarantee-bytes, else the smaller excess (blocks over
+ * tier-guarantee counted at the tenant's mean entry size there); all its bytes without either. */
+static uint64_t over_guarantee(const tier_pool *tp, uint32_t tenant, int tier) {
+    const kvd_quota *q = quota_of(tp->t, tenant);
+    uint64_t c = kvd_tstore_owned(&tp->st, tenant, tier), b = owned_bytes(tp, tenant, tier);
+    if (c == 0) {
+        return 0;
+    }
+    uint64_t ex = b;
+    if (q != NULL && q->tier_guarantee != 0) {
+        if (c <= q->tier_guarantee) {
+            return 0;
+        }
+        uint64_t e = (c - q->tier_guarantee) * (b / c);
+        ex = e < ex ? e : ex;
+    }
+    if (q != NULL && q->tier_guarantee_bytes != 0) {
+        if (b <= q->tier_guarantee_bytes) {
+            return 0;
+        }
+        uint64_t e = b - q->tier_guarantee_bytes;
+        ex = e < ex ? e : ex;
+    }
+    return ex > 0 ? ex : 1;
+}
+
 /* Whether entry v of tp's tier may go to make room for tenant `for` (UINT32_MAX: nobody's):
  * an entry of nobody or of `for` itself always, another tenant's only while that tenant is
- * over its tier-guarantee there. */
+ * over its guarantees there (tier-guarantee, tier-guarantee-bytes). */
 static int evictable_for(const tier_pool *tp, int tier, uint32_t v, uint32_t for_tenant) {
     uint32_t o = kvd_tstore_owner(&tp->st, v);
     if (o == UINT32_MAX || o == for_tenant) {
         return 1;
     }
-    const kvd_quota *q = quota_of(tp->t, o);
-    return q == NULL || q->tier_guarantee == 0 ||
-           kvd_tstore_owned(&tp->st, o, tier) > q->tier_guarantee;
+    return over_guarantee(tp, o, tier) > 0;
 }
 
 #define VICTIM_WALK 64 /* unowned entries looked for past the protected oldest, at most */
@@ -1225,12 +1256,10 @@ static uint32_t victim_in(const tier_pool *tp, int tier, uint32_t for_tenant) {
     uint64_t over = 0;
     for (uint32_t k = 0; k < tp->st.nown; k++) {
         const kvd_towner *o = &tp->st.own[k];
-        const kvd_quota *q = quota_of(tp->t, o->tenant);
-        uint64_t g = q != NULL ? q->tier_guarantee : 0, c = o->count[tier - 1];
-        if (o->tenant != for_tenant && c > g && c - g > over &&
-            kvd_tstore_oldest_of(&tp->st, o->tenant, tier) != KVD_TNONE) {
+        uint64_t ex = o->tenant != for_tenant ? over_guarantee(tp, o->tenant, tier) : 0;
+        if (ex > over && kvd_tstore_oldest_of(&tp->st, o->tenant, tier) != KVD_TNONE) {
             best = o->tenant;
-            over = c - g;
+            over = ex;
         }
     }
     if (best == UINT32_MAX && for_tenant != UINT32_MAX &&
@@ -1329,12 +1358,6 @@ static int make_room(tier_pool *tp, int tier, uint64_t need, uint32_t for_tenant
     return 1;
 }
 
-/* Bytes charged to tenant in tp's tier: its T1 entries as stored, a T2 slot each. */
-static uint64_t owned_bytes(const tier_pool *tp, uint32_t tenant, int tier) {
-    return tier == 1 ? kvd_tstore_owned_bytes1(&tp->st, tenant)
-                     : kvd_tstore_owned(&tp->st, tenant, 2) * tp->slot_bytes;
-}
-
 /* Whether tenant (quota q) would be past its tier-max or tier-max-bytes in tp's tier with
  * `blocks` more blocks of `bytes` more bytes. */
 static int tier_over(const tier_pool *tp, const kvd_quota *q, uint32_t tenant, int tier,
@@ -1343,10 +1366,67 @@ static int tier_over(const tier_pool *tp, const kvd_quota *q, uint32_t tenant, i
            (q->tier_max_bytes != 0 && owned_bytes(tp, tenant, tier) + bytes > q->tier_max_bytes);
 }
 
-/* Whether a block of `bytes` is alone past tenant's tier-max-bytes (it can never stay). */
+/* Whether a block of `bytes` is alone past tenant's tier-max-bytes or tier-total-bytes (it can
+ * never stay). */
 static int tier_past_bytes(const tier_pool *tp, uint32_t tenant, uint64_t bytes) {
     const kvd_quota *q = quota_of(tp->t, tenant);
-    return q != NULL && q->tier_max_bytes != 0 && bytes > q->tier_max_bytes;
+    return q != NULL && ((q->tier_max_bytes != 0 && bytes > q->tier_max_bytes) ||
+                         (q->tier_total_bytes != 0 && bytes > q->tier_total_bytes));
+}
+
+/* Bytes charged to tenant in tier over all pools (what tier-total-bytes limits). O(pools). */
+static uint64_t total_bytes(const kvd_tiers *t, uint32_t tenant, int tier) {
+    uint64_t b = 0;
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        const tier_pool *tp = t->reg->pools[k].tiers;
+        if (tp != NULL && !tp->gone) {
+            b += owned_bytes(tp, tenant, tier);
+        }
+    }
+    return b;
+}
+
+/* The entry tenant gives up for its tier-total-bytes: its oldest (not busy) in the pool where it
+ * holds the most bytes in tier, leaving entry `keep` of pool keep_tp alone (an entry that just
+ * landed; KVD_TNONE: none). 0 when it has none to give. */
+static int total_victim(kvd_tiers *t, uint32_t tenant, int tier, const tier_pool *keep_tp,
+                        uint32_t keep, tier_pool **vtp, uint32_t *v) {
+    uint64_t most = 0;
+    *vtp = NULL;
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        tier_pool *tp = t->reg->pools[k].tiers;
+        if (tp == NULL || tp->gone) {
+            continue;
+        }
+        uint64_t b = owned_bytes(tp, tenant, tier);
+        uint32_t o = kvd_tstore_oldest_of(&tp->st, tenant, tier);
+        if (b > most && o != KVD_TNONE && !(tp == keep_tp && o == keep)) {
+            most = b;
+            *vtp = tp;
+            *v = o;
+        }
+    }
+    return *vtp != NULL;
+}
+
+/* Tenant (quota q) back under its tier-total-bytes in tier with `need` more bytes, its oldest
+ * in its biggest pool first (keep_tp / keep: an entry that stays); 0 when it has nothing left
+ * to give. */
+static int total_trim(kvd_tiers *t, const kvd_quota *q, uint32_t tenant, int tier, uint64_t need,
+                      const tier_pool *keep_tp, uint32_t keep) {
+    if (q == NULL || q->tier_total_bytes == 0) {
+        return 1;
+    }
+    while (total_bytes(t, tenant, tier) + need > q->tier_total_bytes) {
+        tier_pool *vtp;
+        uint32_t v;
+        if (!total_victim(t, tenant, tier, keep_tp, keep, &vtp, &v)) {
+            return 0;
+        }
+        drop_victim(vtp, tier, v);
+        t->c[TS_QUOTA_DROPS]++;
+    }
+    return 1;
 }
 
 /* Tenant (an entry's owner) is to have one more block of `need` bytes in tp's tier (0: not known
@@ -1355,7 +1435,7 @@ static int tier_past_bytes(const tier_pool *tp, uint32_t tenant, uint64_t bytes)
  * can go (all busy), or need alone is past tier-max-bytes. */
 static int tier_admit(tier_pool *tp, int tier, uint32_t tenant, uint64_t need) {
     const kvd_quota *q = quota_of(tp->t, tenant);
-    if (q == NULL || (q->tier_max == 0 && q->tier_max_bytes == 0)) {
+    if (q == NULL || (q->tier_max == 0 && q->tier_max_bytes == 0 && q->tier_total_bytes == 0)) {
         return 1;
     }
     if (tier_past_bytes(tp, tenant, need)) {
@@ -1369,12 +1449,13 @@ static int tier_admit(tier_pool *tp, int tier, uint32_t tenant, uint64_t need) {
         drop_victim(tp, tier, v);
         tp->t->c[TS_QUOTA_DROPS]++;
     }
-    return 1;
+    return total_trim(tp->t, q, tenant, tier, need > 0 ? need : 1, NULL, KVD_TNONE);
 }
 
 /* After entry i landed in tp's tier: its owner back to its tier-max and tier-max-bytes (copies
- * that were in flight together may have passed them), its oldest first; i itself stays. A block
- * alone past tier-max-bytes (the limit lowered while it was copied) goes instead, and nothing
+ * that were in flight together may have passed them), its oldest first, and to its
+ * tier-total-bytes (total_trim); i itself stays. A block alone past tier-max-bytes or
+ * tier-total-bytes (the limit lowered while it was copied) goes instead, and nothing
  * else, unless a copy still reads it (then the next admission trims it): 0 is returned when it
  * went (the entry may be freed). */
 static int tier_trim(tier_pool *tp, int tier, uint32_t i) {
@@ -1385,7 +1466,7 @@ static int tier_trim(tier_pool *tp, int tier, uint32_t i) {
     }
     const kvd_tentry *e = kvd_tstore_at(&tp->st, i);
     uint64_t own = tier == 1 ? e->len1 : tp->slot_bytes;
-    if (q->tier_max_bytes != 0 && own > q->tier_max_bytes && e->busy == 0) {
+    if (tier_past_bytes(tp, tenant, own) && e->busy == 0) {
         drop_victim(tp, tier, i);
         tp->t->c[TS_QUOTA_DROPS]++;
         return 0;
@@ -1398,6 +1479,7 @@ static int tier_trim(tier_pool *tp, int tier, uint32_t i) {
         drop_victim(tp, tier, v);
         tp->t->c[TS_QUOTA_DROPS]++;
     }
+    (void)total_trim(tp->t, q, tenant, tier, 0, tp, i);
     return 1;
 }
 

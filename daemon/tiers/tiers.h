@@ -228,9 +228,9 @@ uint32_t kvd_tiers_inflight(const kvd_tiers *t);
 void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg);
 const kv_stat_desc *kvd_tiers_stat_descs(size_t *n);
 
-/* What is charged to tenant in the lower tiers, summed over the pools (its tier-max,
- * tier-max-bytes and tier-guarantee count per pool): blocks and bytes ([0] tier 1, [1] tier 2;
- * bytes as tier-max-bytes counts them). Zeros without tiers. */
+/* What is charged to tenant in the lower tiers, summed over the pools (what tier-total-bytes
+ * limits; its tier-max, tier-max-bytes and the guarantees count per pool): blocks and bytes
+ * ([0] tier 1, [1] tier 2; bytes as tier-max-bytes counts them). Zeros without tiers. */
 typedef struct kvd_tier_usage {
     uint64_t blocks[2];
     uint64_t bytes[2];

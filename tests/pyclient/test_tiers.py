@@ -1038,6 +1038,86 @@ def test_tier_guarantee_holds_in_a_group_pool(kvd_factory):
     assert _quota_usage(d, "bob")["tier1"] == 32, tier_stats(d)
 
 
+def test_tier_guarantee_bytes_holds_in_a_group_pool(kvd_factory):
+    """The guarantee in bytes: alice's tier-guarantee-bytes of 8 blocks' bytes keeps her 8
+    blocks in the group pool's tier 1 (32 blocks) while bob's 64 come down; at 4 blocks' bytes
+    (set live) bob's next 64 push her down to 4, not to 0."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run children as other uids")
+    bb = LAYOUT.block_bytes
+    d = kvd_factory(tenants="tenant alice uid=%d\ntenant bob uid=%d\n"
+                            "group team members=alice,bob\nquota alice tier-guarantee-bytes=%d\n"
+                            % (UID_A, UID_B, 8 * bb),
+                    **_tiers(tier_write="write-through", tier1_memory="64K"))
+
+    def member(ready_w, n, base):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        mine = k.attach("m-tgb", LAYOUT)
+        group = k.linked_pool(mine, mine.attach_reply.linked[0])
+        for part in range(0, n, 32):
+            hs = prefix(group, min(32, n - part), base + part * 1000)
+            write_commit_release(k, group, hs, patterns(group, hs))
+        return 0
+
+    assert d.admin_result("quota get alice")["quota"]["tier-guarantee-bytes"] == 8 * bb
+    Child(member, 8, 11, uid=UID_A).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 8
+    Child(member, 64, 12, uid=UID_B).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 8, tier_stats(d)
+    assert _quota_usage(d, "bob")["tier1"] == 24, tier_stats(d)
+    d.admin_result("quota set alice tier-guarantee-bytes %d" % (4 * bb))
+    Child(member, 64, 13, uid=UID_B).result()
+    settle(d)
+    assert _quota_usage(d, "alice")["tier1"] == 4, tier_stats(d)
+    assert _quota_usage(d, "bob")["tier1"] == 28, tier_stats(d)
+
+
+def test_tier_total_bytes_over_a_tenants_pools(kvd_factory):
+    """quota tier-total-bytes counts a tenant's tier-1 bytes over all of its pools: with room
+    for 6 blocks, 5 blocks in one model's pool and 5 in another's leave 6 in all (4 pushed out,
+    counted), where the per-pool limits (tier-max-bytes of 5 blocks) alone keep all 10; the
+    blocks left come back with their bytes. Set to 0 live, a third pool's 4 blocks come down
+    beside the 6."""
+    bb = LAYOUT.block_bytes
+    d = kvd_factory(tenants="quota default tier-total-bytes=%d tier-max-bytes=%d\n"
+                    % (6 * bb, 5 * bb), **_tiers(tier_write="write-through"))
+    c = connect(d)
+    tenant = "uid-%d" % os.geteuid()
+    assert d.admin_result("quota get %s" % tenant)["quota"]["tier-total-bytes"] == 6 * bb
+    pa, pb_ = c.attach("m-tot-a", LAYOUT), c.attach("m-tot-b", LAYOUT)
+    assert pa.pool_id != pb_.pool_id
+    ha, hb = prefix(pa, 5, 41), prefix(pb_, 5, 42)
+    pat_a, pat_b = patterns(pa, ha), patterns(pb_, hb)
+    write_commit_release(c, pa, ha, pat_a)
+    settle(d)
+    assert _quota_usage(d, tenant)["tier1"] == 5
+    write_commit_release(c, pb_, hb, pat_b)
+    settle(d)
+    st, u = tier_stats(d), _quota_usage(d, tenant)
+    assert u["tier1"] == 6 and u["tier1_bytes"] == 6 * bb, u
+    assert st["tier_quota_drops"] == 4, st
+    assert d.admin_result("evict all")["evicted"] >= 10
+    kept = 0
+    for pool, hs, pats in ((pa, ha, pat_a), (pb_, hb, pat_b)):
+        for i in range(5):
+            if c.lookup(pool.pool_id, [hs[i]]).tier1_hits == 1:
+                fr, blocks = fetch_all(c, pool, [hs[i]])
+                assert len(blocks) == 1, fr
+                check_bytes(pool, blocks, [pats[i]])
+                c.release(pool.pool_id, blocks)
+                kept += 1
+    assert kept == 6, kept
+    d.admin_result("quota set default tier-total-bytes 0")
+    pc = c.attach("m-tot-c", LAYOUT)
+    hc = prefix(pc, 4, 43)
+    write_commit_release(c, pc, hc, patterns(pc, hc))
+    settle(d)
+    assert _quota_usage(d, tenant)["tier1"] == 10, tier_stats(d)
+
+
 def test_tier_max_bytes_counts_what_tier_1_stores(kvd_factory):
     """quota tier-max-bytes=5K in an lz4 tier 1 counts bytes as stored: 10 incompressible blocks
     (kept raw, 2048 bytes each) leave the newest 2 (8 pushed out, counted); then 10 blocks of
