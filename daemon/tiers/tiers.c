@@ -72,6 +72,7 @@ enum {
     TS_SPAN_UP1,
     TS_SPAN_UP2,
     TS_JOBS,
+    TS_REMOTE_PUTS_INFLIGHT,
     TS_REMOTE_STATE, /* the remote tier's (kvd_remote_stats) */
     TS_REMOTE_PUTS,
     TS_REMOTE_PUT_BYTES,
@@ -197,6 +198,10 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_SPAN_UP2] = {"copy_busy_ns_up_t2", "counter", "ns",
                      "wall time while a read up from tier 2 was in flight", NULL, NULL, NULL, NULL},
     [TS_JOBS] = {"jobs_inflight", "gauge", "jobs", "copy jobs in flight", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_PUTS_INFLIGHT] = {"remote_puts_inflight", "gauge", "blocks",
+                                 "writes to the remote tier queued or in flight (their T1 entries "
+                                 "held busy)",
+                                 NULL, NULL, NULL, NULL},
     [TS_REMOTE_STATE] = {"remote_state", "gauge", "state",
                          "remote tier: 0 off, 1 up (a node answers), 2 down", "kvd_remote_state",
                          "Remote tier state: 0 off, 1 up, 2 down.", NULL, NULL},
@@ -234,9 +239,10 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
     [TS_REMOTE_PROMOTED] = {"remote_promoted", "counter", "blocks",
                             "remote values a Fetch put into tier 1 on their way to T0", NULL, NULL,
                             NULL, NULL},
-    [TS_QUOTA_DROPS] = {"tier_quota_drops", "counter", "blocks",
-                        "lower-tier blocks a tenant's tier-max or tier-max-bytes pushed out", NULL,
-                        NULL, NULL, NULL},
+    [TS_QUOTA_DROPS] =
+        {"tier_quota_drops", "counter", "blocks",
+         "lower-tier blocks a tenant's tier-max, tier-max-bytes or tier-total-bytes pushed out",
+         NULL, NULL, NULL, NULL},
     [TS_REMOTE_DIRECT] = {"remote_direct", "counter", "blocks",
                           "remote values a Fetch read from the socket straight into T0 blocks",
                           NULL, NULL, NULL, NULL},
@@ -369,6 +375,7 @@ struct kvd_tiers {
     kvd_tier_format format;    /* tier-format */
     int write_through;         /* tier-write */
     int remote_back;           /* remote-write write-back */
+    uint32_t rputs;            /* remote writes queued or in flight (entries held busy) */
     uint64_t rput_pause_until; /* write-back writes none ahead before this (uv_now ms): one
                                   failed, so Redis is down or refusing (no storm of retries) */
     int zero_copy;             /* host pools' T2 without copies (tier2-zero-copy) */
@@ -1582,7 +1589,7 @@ typedef struct rput {
     char key[256];
 } rput;
 
-static void drain_put_done(kvd_tiers *t, kv_err rc);
+static void drain_put_done(kvd_tiers *t, kv_err rc, int mine);
 
 /* An entry the remote tier held busy is free again: what a finished copy job would do. */
 static void remote_release(tier_pool *tp, uint32_t i) {
@@ -1604,6 +1611,7 @@ static void on_remote_put(void *arg, kv_err rc) {
     kvd_tiers *t = tp->t;
     int drain = q->drain;
     tp->jobs--;
+    t->rputs--;
     if (!tp->gone) {
         kvd_tentry *e = kvd_tstore_at(&tp->st, q->entry);
         if (rc != KV_OK) {
@@ -1622,9 +1630,7 @@ static void on_remote_put(void *arg, kv_err rc) {
         tier_pool_free(tp);
     }
     free(q);
-    if (drain) {
-        drain_put_done(t, rc);
-    }
+    drain_put_done(t, rc, drain);
 }
 
 /* Whether tp's blocks go to the remote tier at all. */
@@ -1656,6 +1662,7 @@ static int start_remote_put(tier_pool *tp, uint32_t i, int drain) {
     }
     e->busy++;
     tp->jobs++;
+    t->rputs++;
     return 1;
 }
 
@@ -1691,7 +1698,8 @@ static void remote_clean_ahead(tier_pool *tp) {
         return;
     }
     uint64_t ahead = tp->clean_ahead >= 0 ? (uint64_t)tp->clean_ahead : t->cfg->tier_clean_ahead;
-    uint64_t held = t->used[0] + t->reserved1 + t->cached1;
+    /* (Recycled buffers, cached1, are not counted: make_room sheds them before any entry.) */
+    uint64_t held = t->used[0] + t->reserved1;
     if (held + ahead * tp->block_bytes < t->cap[0]) {
         return;
     }
@@ -1731,10 +1739,11 @@ typedef struct tdrain {
     size_t n, next;
     int rounds;   /* lists taken */
     int failed;   /* a write failed: no more are started */
-    int finished; /* done ran */
+    int finished; /* the drain ended (done runs from the timer's close callback) */
     uint32_t inflight;
-    uint64_t total, written, errors;
+    uint64_t first, written, errors; /* first: the blocks of the first list */
     uint64_t start_ms;
+    const char *why; /* why it ended early, or NULL */
     uv_timer_t timer;
 } tdrain;
 
@@ -1774,9 +1783,32 @@ static size_t drain_list(tdrain *d) {
     d->items = v;
     d->n = n;
     d->next = 0;
-    d->rounds++;
-    d->total += n;
+    if (d->rounds++ == 0) {
+        d->first = n;
+    }
     return n;
+}
+
+/* T1 entries Redis still lacks, over all pools (what the drain leaves unwritten). */
+static uint64_t drain_left(const kvd_tiers *t) {
+    uint64_t left = 0;
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        const tier_pool *tp = t->reg->pools[k].tiers;
+        if (tp == NULL || !remote_writes(tp)) {
+            continue;
+        }
+        for (uint32_t i = tp->st.head[0]; i != KVD_TNONE; i = tp->st.e[i].next[0]) {
+            left += (uint64_t)drain_wants(tp, &tp->st.e[i]);
+        }
+    }
+    return left;
+}
+
+/* The timer is closed: the stop goes on, in a loop turn of its own (not inside the remote
+ * tier's completion that ended the drain, which kvd_tiers_close would close under it). */
+static void on_drain_closed(uv_handle_t *h) {
+    tdrain *d = h->data;
+    d->done(d->arg);
 }
 
 static void drain_finish(tdrain *d, const char *why) {
@@ -1784,20 +1816,21 @@ static void drain_finish(tdrain *d, const char *why) {
         return;
     }
     d->finished = 1;
-    uv_timer_stop(&d->timer);
-    uv_close((uv_handle_t *)&d->timer, NULL);
-    uint64_t left = d->total > d->written + d->errors ? d->total - d->written - d->errors : 0;
+    /* Left: counted now (entries written ahead meanwhile, or gone, are not left); writes still
+     * out may yet land. */
+    uint64_t left = drain_left(d->t);
     kv_log_level lv = left > 0 || d->errors > 0 ? KV_LOG_WARN : KV_LOG_INFO;
     if (lv <= kv_log_threshold) {
-        kv_log_emit(
-            lv, "KVD-REMOTE",
-            "stop: %llu of %llu tier-1 blocks Redis lacked written in %llu ms (%llu failed, "
-            "%llu left unwritten%s%s)",
-            (unsigned long long)d->written, (unsigned long long)d->total,
-            (unsigned long long)(uv_now(d->t->loop) - d->start_ms), (unsigned long long)d->errors,
-            (unsigned long long)left, why != NULL ? ": " : "", why != NULL ? why : "");
+        kv_log_emit(lv, "KVD-REMOTE",
+                    "stop: %llu of %llu tier-1 blocks Redis lacked written in %llu ms (%llu "
+                    "failed, %llu left unwritten%s%s)",
+                    (unsigned long long)d->written, (unsigned long long)d->first,
+                    (unsigned long long)(uv_now(d->t->loop) - d->start_ms),
+                    (unsigned long long)d->errors, (unsigned long long)left,
+                    why != NULL ? ": " : "", why != NULL ? why : "");
     }
-    d->done(d->arg);
+    uv_timer_stop(&d->timer);
+    uv_close((uv_handle_t *)&d->timer, on_drain_closed);
 }
 
 static void drain_step(tdrain *d) {
@@ -1819,30 +1852,35 @@ static void drain_step(tdrain *d) {
             continue;
         }
         if (!start_remote_put(tp, i, 1)) {
-            if (d->inflight == 0) {
+            if (t->rputs == 0) {
                 d->failed = 1; /* every node down, or no memory: nothing will take it */
+                d->why = "Redis took no more";
             }
-            break; /* the queue is full: the next completion goes on */
+            break; /* the queue is full (of these or of writes ahead): a completion goes on */
         }
         d->next++;
         d->inflight++;
     }
     if (!d->finished && d->inflight == 0 && (d->failed || d->next == d->n)) {
-        drain_finish(d, d->failed ? "Redis took no more" : NULL);
+        drain_finish(d, d->why);
     }
 }
 
-static void drain_put_done(kvd_tiers *t, kv_err rc) {
+/* A remote write ended (mine: one of the drain's). Any write that fails ends the drain: Redis
+ * is down, full or refusing, and the rest would fail too. */
+static void drain_put_done(kvd_tiers *t, kv_err rc, int mine) {
     tdrain *d = t->drain;
     if (d == NULL || d->finished) {
         return;
     }
-    d->inflight--;
-    if (rc == KV_OK) {
-        d->written++;
-    } else {
-        d->errors++;
-        d->failed = 1; /* Redis is down, full or refusing: the rest would fail too */
+    if (mine) {
+        d->inflight--;
+        d->written += rc == KV_OK;
+        d->errors += rc != KV_OK;
+    }
+    if (rc != KV_OK) {
+        d->failed = 1;
+        d->why = "Redis took no more";
     }
     drain_step(d);
 }
@@ -3424,6 +3462,11 @@ static void fetch_finish(kvd_fetch *f) {
                     }
                     if (i != KVD_TNONE) {
                         kvd_tstore_touch(&tp->st, i);
+                        if (t->cfg->remote_ttl_s != 0) {
+                            /* It stays longer now: its value may expire before T1 gives it
+                             * up, so write-back writes it again then (refreshing the TTL). */
+                            kvd_tstore_at(&tp->st, i)->inr = 0;
+                        }
                     }
                     if (fresh) {
                         /* In T0 again: routers hear of it on T0's medium, with its parent when
@@ -4174,6 +4217,7 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
         v[TS_T1_BLOCKS] = b1;
         v[TS_T2_BLOCKS] = b2;
         v[TS_JOBS] = t->jobs;
+        v[TS_REMOTE_PUTS_INFLIGHT] = t->rputs;
         if (t->remote != NULL) {
             kvd_remote_stats rs;
             kvd_remote_get_stats(t->remote, &rs);

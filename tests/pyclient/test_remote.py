@@ -1271,11 +1271,11 @@ def test_block_from_redis_not_written_back(kvd_factory, redis, ttl):
 
 
 def remote_quiet(d, settle=0.3):
-    """No copy in flight and the remote write counters still for `settle` seconds."""
+    """No copy and no remote write in flight, and the counters still for `settle` seconds."""
     def snap():
         st = tiers(d)
-        return (st["jobs_inflight"], st["remote_puts"], st["remote_put_errors"],
-                st["remote_put_drops"], st["demotions_t1"])
+        return (st["jobs_inflight"] + st["remote_puts_inflight"], st["remote_puts"],
+                st["remote_put_errors"], st["remote_put_drops"], st["demotions_t1"])
     a = snap()
     time.sleep(settle)
     return a[0] == 0 and snap() == a
@@ -1323,16 +1323,20 @@ def test_remote_write_back_writes_what_leaves_tier1(kvd_factory, redis):
     # Redis gone: what T1 gives up now is lost to the remote tier, and counted.
     redis.kill()
     before = tiers(a)
+    t0 = time.monotonic()
     for k in range(8):
         commit_chain(ca, pa, 16, 900000 + k * 1000)
-    assert ping_ms(ca) < 100
+    assert ping_ms(ca) < 500
     assert wait_until(lambda: remote_quiet(a), timeout=10), msg(tiers(a))
+    took = time.monotonic() - t0
     st = tiers(a)
     assert st["drops_t1"] >= before["drops_t1"] + 128 - 16, msg(st)
     assert st["remote_dirty_drops"] >= 64, rem(st)
     tries = (st["remote_put_errors"] + st["remote_put_drops"] + st["remote_puts"]) - \
         (before["remote_put_errors"] + before["remote_put_drops"] + before["remote_puts"])
-    assert tries <= 128, msg("failed writes retried in a storm:", tries, rem(st))
+    # At most a window (16) of writes ahead per 100 ms pause: a storm would try each landing.
+    bound = min(128, 16 * (took / 0.1 + 2))
+    assert tries <= bound, msg("failed writes retried in a storm:", tries, bound, rem(st))
     assert a.alive() and b.alive()
 
 
