@@ -1003,6 +1003,21 @@ def test_tier_max_keeps_a_tenants_newest(kvd_factory):
     assert _quota_usage(d, tenant)["tier1"] == 14
 
 
+def _group_writer(d, model):
+    """A Child function: a member of group `team` writes n blocks (32 a request) into the group
+    pool of `model`, chains from base."""
+    def member(ready_w, n, base):
+        k = kw.Conn(d.sock)
+        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+        mine = k.attach(model, LAYOUT)
+        group = k.linked_pool(mine, mine.attach_reply.linked[0])
+        for part in range(0, n, 32):
+            hs = prefix(group, min(32, n - part), base + part * 1000)
+            write_commit_release(k, group, hs, patterns(group, hs))
+        return 0
+    return member
+
+
 def test_tier_guarantee_holds_in_a_group_pool(kvd_factory):
     """Two tenants write one group pool whose tier 1 holds 32 blocks: alice's 8 blocks stay in
     tier 1 under her tier-guarantee=8 while bob's 64 come down through it (his own oldest make
@@ -1013,16 +1028,7 @@ def test_tier_guarantee_holds_in_a_group_pool(kvd_factory):
                             "group team members=alice,bob\nquota alice tier-guarantee=8\n"
                             % (UID_A, UID_B),
                     **_tiers(tier_write="write-through", tier1_memory="64K"))
-
-    def member(ready_w, n, base):
-        k = kw.Conn(d.sock)
-        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
-        mine = k.attach("m-tg", LAYOUT)
-        group = k.linked_pool(mine, mine.attach_reply.linked[0])
-        for part in range(0, n, 32):
-            hs = prefix(group, min(32, n - part), base + part * 1000)
-            write_commit_release(k, group, hs, patterns(group, hs))
-        return 0
+    member = _group_writer(d, "m-tg")
 
     Child(member, 8, 1, uid=UID_A).result()
     settle(d)
@@ -1049,16 +1055,7 @@ def test_tier_guarantee_bytes_holds_in_a_group_pool(kvd_factory):
                             "group team members=alice,bob\nquota alice tier-guarantee-bytes=%d\n"
                             % (UID_A, UID_B, 8 * bb),
                     **_tiers(tier_write="write-through", tier1_memory="64K"))
-
-    def member(ready_w, n, base):
-        k = kw.Conn(d.sock)
-        k.hello(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
-        mine = k.attach("m-tgb", LAYOUT)
-        group = k.linked_pool(mine, mine.attach_reply.linked[0])
-        for part in range(0, n, 32):
-            hs = prefix(group, min(32, n - part), base + part * 1000)
-            write_commit_release(k, group, hs, patterns(group, hs))
-        return 0
+    member = _group_writer(d, "m-tgb")
 
     assert d.admin_result("quota get alice")["quota"]["tier-guarantee-bytes"] == 8 * bb
     Child(member, 8, 11, uid=UID_A).result()
