@@ -1104,10 +1104,11 @@ static json_t *tier_pool_json(kvd_ops *s, kvd_reg_pool *p) {
         return NULL;
     }
     json_t *o =
-        json_pack("{s:i, s:o, s:s, s:o, s:o, s:s, s:b, s:b}", "pool", (int)p->pool_id, "model",
+        json_pack("{s:i, s:o, s:s, s:s, s:o, s:o, s:s, s:b, s:b}", "pool", (int)p->pool_id, "model",
                   text(p->model_id), "write", pol.write_through ? "write-through" : "write-back",
-                  "min_hits", u64(pol.min_hits), "clean_ahead", u64(pol.clean_ahead), "format",
-                  pol.format, "tier2", pol.has_t2, "own_settings", pol.own);
+                  "remote_write", pol.remote_back ? "write-back" : "write-through", "min_hits",
+                  u64(pol.min_hits), "clean_ahead", u64(pol.clean_ahead), "format", pol.format,
+                  "tier2", pol.has_t2, "own_settings", pol.own);
     kvd_tiers_pool_stats(p, pool_sink, o);
     return o;
 }
@@ -1124,7 +1125,8 @@ static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *m
         } else if (strchr(argv[i], '=') != NULL) {
             nset++;
         } else {
-            FAIL(KV_EINVAL, "bad argument '%.64s' (pool=ID, write=, min-hits=, clean-ahead=)",
+            FAIL(KV_EINVAL,
+                 "bad argument '%.64s' (pool=ID, write=, remote-write=, min-hits=, clean-ahead=)",
                  argv[i]);
         }
     }
@@ -1456,14 +1458,16 @@ static const kvd_admin_cmd cmds[] = {
      "sent (ENOSPC, EQUOTA, EPERM, EDRAINING, EBUSY, EAUTH, ETOOBIG).",
      cmd_events},
     {"tiers",
-     "[pool=ID] [write=write-back|write-through|default] [min-hits=N|default] "
+     "[pool=ID] [write=write-back|write-through|default] "
+     "[remote-write=write-back|write-through|default] [min-hits=N|default] "
      "[clean-ahead=N|default]",
      "the lower tiers: state, and each pool's tier policy and contents; set a pool's own",
      "Shows what is configured (`state`, with the last tier-2 error) and, per pool with tiers, "
-     "its policy in force (write, min_hits, clean_ahead, format, tier2, own_settings) and its "
-     "tier1/tier2 blocks and bytes. With pool=ID and settings, that pool gets its own write "
-     "mode, selective min-hits or clean-ahead (runtime only; `default` goes back to the "
-     "daemon's option). ENOENT for an unknown pool or one without tiers, EINVAL for a bad "
+     "its policy in force (write, remote_write, min_hits, clean_ahead, format, tier2, "
+     "own_settings) and its tier1/tier2 blocks and bytes. With pool=ID and settings, that pool "
+     "gets its own write mode, remote write mode, selective min-hits or clean-ahead (runtime "
+     "only; `default` goes back to the daemon's option). ENOENT for an unknown pool or one without "
+     "tiers, EINVAL for a bad "
      "setting. docs/TIERS.md.",
      cmd_tiers},
     {"remote-watch reconcile", "",

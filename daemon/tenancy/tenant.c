@@ -500,7 +500,7 @@ static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsig
     }
     kvd_tiers_line l;
     memset(&l, 0, sizeof(l));
-    l.write_through = -1;
+    l.write_through = l.remote_back = -1;
     l.min_hits = l.clean_ahead = -1;
     l.lineno = lineno;
     unsigned seen = 0, nset = 0;
@@ -513,7 +513,8 @@ static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsig
         }
         *eq = '\0';
         const char *v = eq + 1;
-        static const char *const keys[] = {"model", "domains", "write", "min-hits", "clean-ahead"};
+        static const char *const keys[] = {"model",    "domains",     "write",
+                                           "min-hits", "clean-ahead", "remote-write"};
         int k = -1;
         for (int i = 0; i < (int)(sizeof(keys) / sizeof(keys[0])); i++) {
             k = strcmp(kv, keys[i]) == 0 ? i : k;
@@ -521,7 +522,7 @@ static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsig
         if (k < 0) {
             kvd_conf_err(err, errlen,
                          "%s:%u: tiers: unknown '%s' (model, domains, write, min-hits, "
-                         "clean-ahead)",
+                         "clean-ahead, remote-write)",
                          source, lineno, kv);
             return KV_EINVAL;
         }
@@ -556,9 +557,13 @@ static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsig
                 l.domains[l.ndomains++] = dom;
             }
             bad = l.ndomains == 0;
-        } else if (k == 2) {
+        } else if (k == 2 || k == 5) {
             bad = strcmp(v, "write-back") != 0 && strcmp(v, "write-through") != 0;
-            l.write_through = strcmp(v, "write-through") == 0;
+            if (k == 2) {
+                l.write_through = strcmp(v, "write-through") == 0;
+            } else {
+                l.remote_back = strcmp(v, "write-back") == 0;
+            }
             nset++;
         } else {
             char *end;
@@ -576,8 +581,8 @@ static kv_err parse_tiers(kvd_tenants *t, char **save, const char *source, unsig
     if (nset == 0) {
         kvd_conf_err(err, errlen,
                      "%s:%u: expected 'tiers [model=M] [domains=NAME,...] "
-                     "[write=write-back|write-through] [min-hits=N] [clean-ahead=N]' with at "
-                     "least one setting",
+                     "[write=write-back|write-through] [remote-write=write-back|write-through] "
+                     "[min-hits=N] [clean-ahead=N]' with at least one setting",
                      source, lineno);
         return KV_EINVAL;
     }

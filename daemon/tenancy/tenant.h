@@ -11,7 +11,7 @@
  *     events endpoint=URL [replay=URL] [topic=T] [token-ids=on|off] [hash-form=int|bytes]
  *            [format=array|map] [buffer=N] domains=NAME,group:NAME,commons
  *     tiers [model=M] [domains=NAME,group:NAME,commons] [write=write-back|write-through]
- *           [min-hits=N] [clean-ahead=N]
+ *           [remote-write=write-back|write-through] [min-hits=N] [clean-ahead=N]
  * (a tenant needs at least one of uid=, gid=, token-file=; NAME is 1..63 of [A-Za-z0-9._-], not
  * "uid-N", "commons" or "default"). Without a token a peer gets the first token-less line whose
  * uid list holds its uid, else the first token-less line whose gid list holds its gid, else the
@@ -77,6 +77,7 @@ typedef struct kvd_tiers_line {
     uint32_t domains[KVD_EVENT_LINE_DOMAINS];
     uint32_t ndomains; /* 0 = any domain */
     int write_through; /* 1 write-through, 0 write-back, -1 not set */
+    int remote_back;   /* remote-write: 1 write-back, 0 write-through, -1 not set */
     int64_t min_hits;  /* -1 not set */
     int64_t clean_ahead;
     unsigned lineno;

@@ -69,6 +69,8 @@ static void test_bad_lines(void **state) {
         "tenant x gid=1,\n",
         "tiers model=m\n",
         "tiers write=up\n",
+        "tiers remote-write=later\n",
+        "tiers remote-write=write-back remote-write=write-back\n",
         "tiers domains=zz write=write-back\n",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -97,7 +99,7 @@ static void test_tiers_lines(void **state) {
                        "tenant b uid=2\n"
                        "group g members=a,b\n"
                        "tiers model=sys domains=a,group:g write=write-through\n"
-                       "tiers domains=b min-hits=3 clean-ahead=5\n"
+                       "tiers domains=b min-hits=3 clean-ahead=5 remote-write=write-back\n"
                        "tiers model=sys write=write-back\n";
     assert_int_equal(kvd_tenants_parse(t, text, "tenants", err, sizeof(err)), KV_OK);
     uint32_t a, b;
@@ -109,6 +111,7 @@ static void test_tiers_lines(void **state) {
     const kvd_tiers_line *l = kvd_tenants_tiers_rule(t, "sys", a);
     assert_non_null(l);
     assert_int_equal(l->write_through, 1);
+    assert_int_equal(l->remote_back, -1);
     assert_int_equal(l->min_hits, -1);
     assert_int_equal(l->lineno, 4);
     assert_int_equal(kvd_tenants_tiers_rule(t, "sys", g)->lineno, 4);
@@ -118,6 +121,7 @@ static void test_tiers_lines(void **state) {
     assert_int_equal(l->min_hits, 3);
     assert_int_equal(l->clean_ahead, 5);
     assert_int_equal(l->write_through, -1);
+    assert_int_equal(l->remote_back, 1);
     assert_int_equal(kvd_tenants_tiers_rule(t, "sys", 4242)->lineno, 6);
     assert_null(kvd_tenants_tiers_rule(t, "other", a));
     assert_int_equal(kvd_tenants_tiers_rule(t, "other", b)->lineno, 5);

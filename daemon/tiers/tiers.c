@@ -419,6 +419,8 @@ struct tier_pool {
     int write_through;      /* admin `tiers pool=ID write=`: 1/0; -1: the daemon's tier-write */
     int64_t min_hits;       /* admin `tiers ... min-hits=`; -1: tier-min-hits */
     int64_t clean_ahead;    /* admin `tiers ... clean-ahead=`; -1: tier-clean-ahead */
+    int remote_back;        /* admin `tiers ... remote-write=`: 1 write-back, 0 write-through;
+                               -1: the daemon's remote-write */
     uint32_t jobs;          /* in flight for this pool */
     uint32_t cleaning;      /* write-back copies in flight */
     uint32_t leased;        /* T0 blocks copies down hold leased (neither free nor evictable) */
@@ -1321,6 +1323,7 @@ static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool *
 }
 
 static int remote_writes(const tier_pool *tp);
+static int remote_back(const tier_pool *tp);
 static void remote_clean_ahead(tier_pool *tp);
 
 /* Drops the victim pick_victim chose, counted as a drop when no lower tier keeps it. A T1
@@ -1330,7 +1333,7 @@ static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
     kvd_tiers *t = vtp->t;
     int last = tier == 2 || !kvd_tstore_in(&vtp->st, v, 2);
     int dirty =
-        tier == 1 && t->remote_back && remote_writes(vtp) && !kvd_tstore_at(&vtp->st, v)->inr;
+        tier == 1 && remote_back(vtp) && remote_writes(vtp) && !kvd_tstore_at(&vtp->st, v)->inr;
     entry_drop(vtp, v, tier);
     if (last) {
         t->c[tier == 1 ? TS_DROPS_T1 : TS_DROPS_T2]++;
@@ -1638,6 +1641,12 @@ static int remote_writes(const tier_pool *tp) {
     return tp->t->remote != NULL && !tp->no_remote && !tp->gone;
 }
 
+/* Whether tp writes to the remote tier under write-back (its own remote-write, else the
+ * daemon's). */
+static int remote_back(const tier_pool *tp) {
+    return tp->remote_back >= 0 ? tp->remote_back : tp->t->remote_back;
+}
+
 /* Writes entry i's T1 bytes to the remote tier (they are immutable while it is busy, so the
  * remote thread reads them in place). 0 when the remote tier took no more (its queue is full or
  * every node is down: counted there as a drop); 1 otherwise (written, or nothing to write). */
@@ -1678,7 +1687,7 @@ static void remote_landed(tier_pool *tp, uint32_t i) {
     if (from_remote_take(tp, e->hash)) {
         e->inr = 1;
         t->c[TS_REMOTE_PUT_SKIPS]++; /* Redis has this value: it came from there */
-    } else if (!t->remote_back) {
+    } else if (!remote_back(tp)) {
         (void)start_remote_put(tp, i, 0);
     }
     remote_clean_ahead(tp);
@@ -1693,7 +1702,7 @@ static void remote_landed(tier_pool *tp, uint32_t i) {
  * dirty drops). */
 static void remote_clean_ahead(tier_pool *tp) {
     kvd_tiers *t = tp->t;
-    if (!t->remote_back || !remote_writes(tp) || t->cap[0] == 0 ||
+    if (!remote_back(tp) || !remote_writes(tp) || t->cap[0] == 0 ||
         uv_now(t->loop) < t->rput_pause_until) {
         return;
     }
@@ -1748,7 +1757,7 @@ typedef struct tdrain {
 } tdrain;
 
 static int drain_wants(const tier_pool *tp, const kvd_tentry *e) {
-    return e->t1 != NULL && !e->inr && !e->doomed && remote_writes(tp);
+    return e->t1 != NULL && !e->inr && !e->doomed && remote_writes(tp) && remote_back(tp);
 }
 
 /* Takes the list of the T1 entries Redis lacks; their number. */
@@ -1891,8 +1900,7 @@ static void on_drain_timer(uv_timer_t *h) {
 }
 
 int kvd_tiers_drain(kvd_tiers *t, kvd_tiers_drained_fn done, void *arg) {
-    if (t == NULL || t->remote == NULL || !t->remote_back || t->cfg->remote_drain_s == 0 ||
-        t->drain != NULL) {
+    if (t == NULL || t->remote == NULL || t->cfg->remote_drain_s == 0 || t->drain != NULL) {
         return 0;
     }
     tdrain *d = calloc(1, sizeof(*d));
@@ -3130,7 +3138,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     tp->block_bytes = p->layout.block_bytes;
     tp->layout = p->layout;
     tp->format = t->format;
-    tp->write_through = tp->min_hits = tp->clean_ahead = -1;
+    tp->write_through = tp->min_hits = tp->clean_ahead = tp->remote_back = -1;
     /* The tenants file's `tiers` line for this model and domain, if any: as if an operator had
      * said `tiers pool=ID ...` at once (kept each time the pool is made again). */
     const kvd_tiers_line *rule = kvd_tenants_tiers_rule(t->reg->tenants, p->model_id, p->domain);
@@ -3138,6 +3146,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         tp->write_through = rule->write_through;
         tp->min_hits = rule->min_hits;
         tp->clean_ahead = rule->clean_ahead;
+        tp->remote_back = rule->remote_back;
         KV_LOG(INFO, "KVD-TIERS-RULE", "pool %u (model %s, domain %s): tiers line %u applies",
                p->pool_id, p->model_id, domain, rule->lineno);
     }
@@ -4368,7 +4377,9 @@ kv_err kvd_tiers_pool_policy(kvd_tiers *t, const kvd_reg_pool *p, kvd_tier_polic
     out->clean_ahead = tp->clean_ahead >= 0 ? (uint64_t)tp->clean_ahead : t->cfg->tier_clean_ahead;
     out->format = kvd_tier_format_name(tp->format);
     out->has_t2 = tp->disk != NULL;
-    out->own = tp->write_through >= 0 || tp->min_hits >= 0 || tp->clean_ahead >= 0;
+    out->remote_back = remote_back(tp);
+    out->own =
+        tp->write_through >= 0 || tp->min_hits >= 0 || tp->clean_ahead >= 0 || tp->remote_back >= 0;
     return KV_OK;
 }
 
@@ -4392,11 +4403,24 @@ kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const
         snprintf(msg, len, "write: '%.32s' is not write-back, write-through or default", value);
         return KV_EINVAL;
     }
+    if (strcmp(name, "remote-write") == 0) {
+        if (strcmp(value, "write-back") == 0 || strcmp(value, "write-through") == 0) {
+            tp->remote_back = strcmp(value, "write-back") == 0;
+            return KV_OK;
+        }
+        if (strcmp(value, "default") == 0) {
+            tp->remote_back = -1;
+            return KV_OK;
+        }
+        snprintf(msg, len, "remote-write: '%.32s' is not write-back, write-through or default",
+                 value);
+        return KV_EINVAL;
+    }
     int64_t *field = strcmp(name, "min-hits") == 0      ? &tp->min_hits
                      : strcmp(name, "clean-ahead") == 0 ? &tp->clean_ahead
                                                         : NULL;
     if (field == NULL) {
-        snprintf(msg, len, "'%.32s' is not write, min-hits or clean-ahead", name);
+        snprintf(msg, len, "'%.32s' is not write, remote-write, min-hits or clean-ahead", name);
         return KV_EINVAL;
     }
     if (strcmp(value, "default") == 0) {

@@ -263,14 +263,16 @@ typedef struct kvd_tier_policy {
     uint64_t clean_ahead; /* write-back: victims kept copied ahead */
     const char *format;   /* how its blocks are stored below T0 (kvd_tier_format_name) */
     int has_t2;           /* it has a tier-2 file */
+    int remote_back;      /* remote-write: 1 write-back, 0 write-through */
     int own;              /* some setting is the pool's own */
 } kvd_tier_policy;
 kv_err kvd_tiers_pool_policy(kvd_tiers *t, const kvd_reg_pool *p, kvd_tier_policy *out);
 
 /* Sets one of a pool's own tier settings (admin `tiers pool=ID NAME=VALUE`): write
- * (write-back | write-through), min-hits, clean-ahead; VALUE `default` goes back to the daemon's
- * option. Runtime only (a pool made again starts with the options). KV_ENOENT for a pool
- * without tiers, KV_EINVAL for a bad name or value (msg says why). */
+ * (write-back | write-through), remote-write (the same: when its blocks go to the remote tier;
+ * it applies from the next T1 landing or eviction on), min-hits, clean-ahead; VALUE `default` goes
+ * back to the daemon's option. Runtime only (a pool made again starts with the options). KV_ENOENT
+ * for a pool without tiers, KV_EINVAL for a bad name or value (msg says why). */
 kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const char *value,
                           char *msg, size_t len);
 

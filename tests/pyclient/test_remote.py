@@ -1381,6 +1381,41 @@ def test_remote_write_back_writes_tier1_at_stop(kvd_factory, redis):
     assert "of 20 tier-1 blocks Redis lacked written" in log and "Redis took no more" in log, log
 
 
+def test_remote_write_per_pool(kvd_factory, redis):
+    """remote-write per pool: a tenants-file `tiers` line makes model m-wb's pool write-back on a
+    write-through node (admin `tiers` says so); admin `tiers pool=ID remote-write=write-back`
+    switches the other pool at run time; the stop's drain writes both pools' unwritten blocks."""
+    a = kvd_factory(tenants="tiers model=m-wb remote-write=write-back\n", log_level="info",
+                    **node_opts(redis.addr))
+    ca = connect(a)
+    p_thr, p_wb = ca.attach(MODEL, LAYOUT), ca.attach("m-wb", LAYOUT)
+    pol = {x["pool"]: x for x in a.admin_result("tiers")["pools"]}
+    assert pol[p_thr.pool_id]["remote_write"] == "write-through", pol
+    assert pol[p_wb.pool_id]["remote_write"] == "write-back", pol
+    assert pol[p_wb.pool_id]["own_settings"] and not pol[p_thr.pool_id]["own_settings"], pol
+    ns = Namespace(redis.client(), "kvd", domain_of(a, p_thr.pool_id))
+    h1, _ = commit_chain(ca, p_thr, 12, 990000)
+    h2, _ = commit_chain(ca, p_wb, 12, 991000)
+    assert ns.wait_landed(h1), sorted(ns.present(h1))
+    assert wait_until(lambda: remote_quiet(a), timeout=10), msg(tiers(a))
+    assert ns.present(h2) == {}, "the write-back pool wrote blocks T1 had room for"
+    a.admin_result("tiers pool=%d remote-write=write-back" % p_thr.pool_id)
+    pol = {x["pool"]: x for x in a.admin_result("tiers")["pools"]}
+    assert pol[p_thr.pool_id]["remote_write"] == "write-back", pol
+    bad = a.admin("tiers pool=%d remote-write=sometimes" % p_thr.pool_id)
+    assert not bad["ok"] and bad["error"]["code"] == "EINVAL", bad
+    h3, _ = commit_chain(ca, p_thr, 8, 992000)
+    assert wait_until(lambda: tiers(a)["demotions_t1"] >= 32 and remote_quiet(a),
+                      timeout=10), msg(tiers(a))
+    assert ns.present(h3) == {}, "written after the switch to write-back"
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=20) == 0, log_tail(a)
+    a.killed = True
+    assert "stop: 20 of 20 tier-1 blocks Redis lacked written" in log_tail(a, 20000), log_tail(a)
+    assert len(ns.present(h2)) == 12 and len(ns.present(h3)) == 8, (ns.present(h2),
+                                                                      ns.present(h3))
+
+
 def test_missing_key_ends_the_run(kvd_factory, redis):
     """A chain position whose key is gone: the Fetch returns the blocks before it (a miss)."""
     a, b, ca, cb, pa, pb_ = two_nodes(kvd_factory, redis.addr)
