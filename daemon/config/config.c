@@ -198,8 +198,9 @@ static const kvd_config_option options[] = {
     OPT("remote-write", KVD_OPT_STRING, remote_write, "write-through", 0, 0,
         "when a block goes to the remote tier: write-through (as it lands in tier 1: other nodes "
         "find it at once) or write-back (only the next blocks tier 1 will evict, "
-        "tier-clean-ahead of them per pool, are written ahead of their eviction: Redis holds "
-        "what left this node's memory, and the writes are fewer)"),
+        "tier-clean-ahead of them per pool, are written ahead of their eviction, and the rest at "
+        "a stop, remote-drain-s: Redis holds what left this node's memory, and the writes are "
+        "fewer); a pool's own: tenants-file tiers lines, admin tiers"),
     OPT("remote-drain-s", KVD_OPT_U64, remote_drain_s, "10", 0, 3600,
         "remote-write write-back: at a stop, how long kvd may spend writing to Redis the blocks "
         "tier 1 holds that Redis lacks (a progress line says how many went); 0: none are "
