@@ -84,8 +84,15 @@ static void test_flag_errors(void **state) {
     assert_int_equal(kvd_config_parse_args(&c, 2, level, &help, err, sizeof(err)), KV_EINVAL);
     char *overflow[] = {"kvd", "--pool-memory=99999999999999999999T"};
     assert_int_equal(kvd_config_parse_args(&c, 2, overflow, &help, err, sizeof(err)), KV_EINVAL);
+    char *rwrite[] = {"kvd", "--remote-write=sometimes"};
+    assert_int_equal(kvd_config_parse_args(&c, 2, rwrite, &help, err, sizeof(err)), KV_EINVAL);
+    assert_non_null(strstr(err, "remote-write"));
+    char *drain[] = {"kvd", "--remote-drain-s=3601"};
+    assert_int_equal(kvd_config_parse_args(&c, 2, drain, &help, err, sizeof(err)), KV_EINVAL);
     /* Errors leave the defaults alone. */
     assert_int_equal(c.pool_memory, 1ull << 30);
+    assert_string_equal(c.remote_write, "write-through");
+    assert_int_equal(c.remote_drain_s, 10);
     assert_int_equal(c.max_inflight, 64);
 }
 
