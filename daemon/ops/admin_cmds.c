@@ -1135,7 +1135,7 @@ static kv_err cmd_tiers(kvd_ops *s, int argc, char **argv, json_t **out, char *m
     }
     if (nset > 0) {
         kvd_reg_pool *p = pool_by_id(s, pool);
-        /* All or nothing: check every setting on a scratch copy first is overkill for three
+        /* All or nothing: check every setting on a scratch copy first is overkill for four
          * fields; they are applied in order and the first bad one stops (earlier ones stay,
          * the message says which failed). */
         for (int i = 0; i < argc; i++) {

@@ -376,6 +376,7 @@ struct kvd_tiers {
     int write_through;         /* tier-write */
     int remote_back;           /* remote-write write-back */
     uint32_t rputs;            /* remote writes queued or in flight (entries held busy) */
+    int any_remote_back;       /* some pool is (or was made) write-back: windows to keep */
     uint64_t rput_pause_until; /* write-back writes none ahead before this (uv_now ms): one
                                   failed, so Redis is down or refusing (no storm of retries) */
     int zero_copy;             /* host pools' T2 without copies (tier2-zero-copy) */
@@ -1324,11 +1325,12 @@ static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool *
 
 static int remote_writes(const tier_pool *tp);
 static int remote_back(const tier_pool *tp);
-static void remote_clean_ahead(tier_pool *tp);
+static void remote_clean_ahead_one(tier_pool *tp);
+static void remote_clean_ahead_victims(tier_pool *tp);
 
 /* Drops the victim pick_victim chose, counted as a drop when no lower tier keeps it. A T1
  * victim that remote-write write-back had not written yet is a remote dirty drop; the pool's
- * next victims are then written ahead (remote_clean_ahead). */
+ * next victims are then written ahead (remote_clean_ahead_one). */
 static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
     kvd_tiers *t = vtp->t;
     int last = tier == 2 || !kvd_tstore_in(&vtp->st, v, 2);
@@ -1342,7 +1344,7 @@ static void drop_victim(tier_pool *vtp, int tier, uint32_t v) {
         t->c[TS_REMOTE_DIRTY_DROPS]++;
     }
     if (tier == 1) {
-        remote_clean_ahead(vtp);
+        remote_clean_ahead_one(vtp);
     }
 }
 
@@ -1592,7 +1594,7 @@ typedef struct rput {
     char key[256];
 } rput;
 
-static void drain_put_done(kvd_tiers *t, kv_err rc, int mine);
+static void drain_put_done(kvd_tiers *t, kv_err rc, int mine, int back);
 
 /* An entry the remote tier held busy is free again: what a finished copy job would do. */
 static void remote_release(tier_pool *tp, uint32_t i) {
@@ -1612,7 +1614,7 @@ static void on_remote_put(void *arg, kv_err rc) {
     rput *q = arg; /* rc is counted by kvd_remote */
     tier_pool *tp = q->tp;
     kvd_tiers *t = tp->t;
-    int drain = q->drain;
+    int drain = q->drain, back = remote_back(tp);
     tp->jobs--;
     t->rputs--;
     if (!tp->gone) {
@@ -1633,7 +1635,7 @@ static void on_remote_put(void *arg, kv_err rc) {
         tier_pool_free(tp);
     }
     free(q);
-    drain_put_done(t, rc, drain);
+    drain_put_done(t, rc, drain, back);
 }
 
 /* Whether tp's blocks go to the remote tier at all. */
@@ -1677,7 +1679,7 @@ static int start_remote_put(tier_pool *tp, uint32_t i, int drain) {
 
 /* Entry i just landed in T1. A block read from Redis straight into T0 (from_remote) is not
  * written again: Redis has its value. Otherwise remote-write write-through writes it now;
- * write-back leaves it to remote_clean_ahead. */
+ * write-back leaves it to remote_clean_ahead_victims. */
 static void remote_landed(tier_pool *tp, uint32_t i) {
     kvd_tiers *t = tp->t;
     kvd_tentry *e = kvd_tstore_at(&tp->st, i);
@@ -1690,7 +1692,29 @@ static void remote_landed(tier_pool *tp, uint32_t i) {
     } else if (!remote_back(tp)) {
         (void)start_remote_put(tp, i, 0);
     }
-    remote_clean_ahead(tp);
+    remote_clean_ahead_victims(tp);
+}
+
+/* After a landing in tp's T1: the pools whose entries T1 gives up next keep their windows
+ * written: tp and every pool over its fair share of T1 (pick_victim takes from those), so an
+ * idle write-back pool's blocks are written before another pool's landings push them out. */
+static void remote_clean_ahead_victims(tier_pool *tp) {
+    kvd_tiers *t = tp->t;
+    if (!t->any_remote_back) {
+        return;
+    }
+    remote_clean_ahead_one(tp);
+    uint32_t npools = 0;
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        npools += t->reg->pools[k].tiers != NULL;
+    }
+    uint64_t share = npools > 0 ? t->cap[0] / npools : t->cap[0];
+    for (uint32_t k = 0; k < t->reg->npools; k++) {
+        tier_pool *o = t->reg->pools[k].tiers;
+        if (o != NULL && o != tp && o->st.bytes[0] > share) {
+            remote_clean_ahead_one(o);
+        }
+    }
 }
 
 /* remote-write write-back: while tier 1 is within tier-clean-ahead blocks (the pool's) of full,
@@ -1700,7 +1724,7 @@ static void remote_landed(tier_pool *tp, uint32_t i) {
  * take (its queue is full, Redis is down); after a write that failed, none is started for
  * RPUT_PAUSE_MS (the entries stay unwritten: if T1 gives them up meanwhile, they are counted as
  * dirty drops). */
-static void remote_clean_ahead(tier_pool *tp) {
+static void remote_clean_ahead_one(tier_pool *tp) {
     kvd_tiers *t = tp->t;
     if (!remote_back(tp) || !remote_writes(tp) || t->cap[0] == 0 ||
         uv_now(t->loop) < t->rput_pause_until) {
@@ -1831,12 +1855,12 @@ static void drain_finish(tdrain *d, const char *why) {
     kv_log_level lv = left > 0 || d->errors > 0 ? KV_LOG_WARN : KV_LOG_INFO;
     if (lv <= kv_log_threshold) {
         kv_log_emit(lv, "KVD-REMOTE",
-                    "stop: %llu of %llu tier-1 blocks Redis lacked written in %llu ms (%llu "
-                    "failed, %llu left unwritten%s%s)",
-                    (unsigned long long)d->written, (unsigned long long)d->first,
+                    "stop: wrote %llu tier-1 blocks Redis lacked in %llu ms (%llu listed at the "
+                    "start; %llu failed, %llu left unwritten%s%s)",
+                    (unsigned long long)d->written,
                     (unsigned long long)(uv_now(d->t->loop) - d->start_ms),
-                    (unsigned long long)d->errors, (unsigned long long)left,
-                    why != NULL ? ": " : "", why != NULL ? why : "");
+                    (unsigned long long)d->first, (unsigned long long)d->errors,
+                    (unsigned long long)left, why != NULL ? ": " : "", why != NULL ? why : "");
     }
     uv_timer_stop(&d->timer);
     uv_close((uv_handle_t *)&d->timer, on_drain_closed);
@@ -1870,14 +1894,17 @@ static void drain_step(tdrain *d) {
         d->next++;
         d->inflight++;
     }
-    if (!d->finished && d->inflight == 0 && (d->failed || d->next == d->n)) {
+    /* Done when its own writes and the writes ahead it passed (busy entries) are back: the
+     * stop cancels what is still queued. */
+    if (!d->finished && d->inflight == 0 && t->rputs == 0 && (d->failed || d->next == d->n)) {
         drain_finish(d, d->why);
     }
 }
 
-/* A remote write ended (mine: one of the drain's). Any write that fails ends the drain: Redis
- * is down, full or refusing, and the rest would fail too. */
-static void drain_put_done(kvd_tiers *t, kv_err rc, int mine) {
+/* A remote write ended (mine: one of the drain's; back: a write-back pool's). A write-back
+ * pool's write that fails ends the drain: Redis is down, full or refusing, and the rest would
+ * fail too (a write-through pool's failure, in a cluster maybe another node's, does not). */
+static void drain_put_done(kvd_tiers *t, kv_err rc, int mine, int back) {
     tdrain *d = t->drain;
     if (d == NULL || d->finished) {
         return;
@@ -1887,7 +1914,7 @@ static void drain_put_done(kvd_tiers *t, kv_err rc, int mine) {
         d->written += rc == KV_OK;
         d->errors += rc != KV_OK;
     }
-    if (rc != KV_OK) {
+    if (rc != KV_OK && back) {
         d->failed = 1;
         d->why = "Redis took no more";
     }
@@ -2888,6 +2915,7 @@ kv_err kvd_tiers_alloc(uv_loop_t *loop, kvd_registry *reg, const kvd_config *cfg
     }
     t->write_through = strcmp(cfg->tier_write, "write-through") == 0;
     t->remote_back = strcmp(cfg->remote_write, "write-back") == 0;
+    t->any_remote_back = t->remote_back;
     char thp[32];
     kv_shmem_thp_mode(thp, sizeof(thp));
     /* Zero-copy pins T0's pages for each transfer: one a 2 MiB page, or 512 small ones, which on
@@ -2950,6 +2978,7 @@ void kvd_tiers_free(kvd_tiers *t) {
     kvd_rwatch_free(t->rwatch);
     free(t->rc);
     if (t->drain != NULL) {
+        KV_ASSERT(t->drain->finished); /* (and its timer's close callback ran: the loop ended) */
         free(t->drain->items);
         free(t->drain);
     }
@@ -3147,6 +3176,7 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
         tp->min_hits = rule->min_hits;
         tp->clean_ahead = rule->clean_ahead;
         tp->remote_back = rule->remote_back;
+        t->any_remote_back |= rule->remote_back == 1;
         KV_LOG(INFO, "KVD-TIERS-RULE", "pool %u (model %s, domain %s): tiers line %u applies",
                p->pool_id, p->model_id, domain, rule->lineno);
     }
@@ -4404,8 +4434,13 @@ kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const
         return KV_EINVAL;
     }
     if (strcmp(name, "remote-write") == 0) {
+        if (t->remote == NULL) {
+            snprintf(msg, len, "remote-write: there is no remote tier (remote-redis)");
+            return KV_EINVAL;
+        }
         if (strcmp(value, "write-back") == 0 || strcmp(value, "write-through") == 0) {
             tp->remote_back = strcmp(value, "write-back") == 0;
+            t->any_remote_back |= tp->remote_back;
             return KV_OK;
         }
         if (strcmp(value, "default") == 0) {

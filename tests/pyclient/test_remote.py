@@ -1354,8 +1354,9 @@ def test_remote_write_back_writes_tier1_at_stop(kvd_factory, redis):
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(timeout=20) == 0, log_tail(a)
     a.killed = True
-    assert "stop: 40 of 40 tier-1 blocks Redis lacked written" in log_tail(a, 20000), \
-        log_tail(a)
+    log = log_tail(a, 20000)
+    assert "stop: wrote 40 tier-1 blocks Redis lacked" in log, log_tail(a)
+    assert "(40 listed at the start; 0 failed, 0 left unwritten)" in log, log_tail(a)
     assert ns.wait_landed(hs, timeout=1), sorted(ns.present(hs))
     fr, n = fetch_checked(cb, pb_, hs, pats, "B after A stopped")
     assert n == 40, msg(fr, rem(b))
@@ -1378,7 +1379,7 @@ def test_remote_write_back_writes_tier1_at_stop(kvd_factory, redis):
         redis.sigcont()
     assert took < 5, "a stop with Redis paused took %.1f s (remote-drain-s 10)" % took
     log = log_tail(c, 20000)
-    assert "of 20 tier-1 blocks Redis lacked written" in log and "Redis took no more" in log, log
+    assert "20 listed at the start" in log and "Redis took no more" in log, log
 
 
 def test_remote_write_per_pool(kvd_factory, redis):
@@ -1393,6 +1394,12 @@ def test_remote_write_per_pool(kvd_factory, redis):
     assert pol[p_thr.pool_id]["remote_write"] == "write-through", pol
     assert pol[p_wb.pool_id]["remote_write"] == "write-back", pol
     assert pol[p_wb.pool_id]["own_settings"] and not pol[p_thr.pool_id]["own_settings"], pol
+    # `default` goes back to the daemon's option (write-through here), and back again.
+    a.admin_result("tiers pool=%d remote-write=default" % p_wb.pool_id)
+    pol = {x["pool"]: x for x in a.admin_result("tiers")["pools"]}
+    assert pol[p_wb.pool_id]["remote_write"] == "write-through", pol
+    assert not pol[p_wb.pool_id]["own_settings"], pol
+    a.admin_result("tiers pool=%d remote-write=write-back" % p_wb.pool_id)
     ns = Namespace(redis.client(), "kvd", domain_of(a, p_thr.pool_id))
     h1, _ = commit_chain(ca, p_thr, 12, 990000)
     h2, _ = commit_chain(ca, p_wb, 12, 991000)
@@ -1411,7 +1418,7 @@ def test_remote_write_per_pool(kvd_factory, redis):
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(timeout=20) == 0, log_tail(a)
     a.killed = True
-    assert "stop: 20 of 20 tier-1 blocks Redis lacked written" in log_tail(a, 20000), log_tail(a)
+    assert "stop: wrote 20 tier-1 blocks Redis lacked" in log_tail(a, 20000), log_tail(a)
     assert len(ns.present(h2)) == 12 and len(ns.present(h3)) == 8, (ns.present(h2),
                                                                       ns.present(h3))
 
@@ -2186,6 +2193,29 @@ def test_remote_watch_reconcile_on_demand(kvd_factory, redis_factory):
         assert not r["ok"] and r["error"]["code"] == "ESTATE", r
     finally:
         ctx.destroy(0)
+
+
+def test_remote_write_back_idle_pool_written_before_eviction(kvd_factory, redis):
+    """Two write-back pools share T1 (128 blocks, 16 written ahead): pool A's 80 blocks land
+    while T1 has room (none written), then only pool B commits. T1 gives up A's blocks (A is
+    over its share), and each is written before it goes: B's landings keep A's window written,
+    not only B's own. No dirty drop; A's oldest blocks are in Redis."""
+    a = kvd_factory(**node_opts(redis.addr, tier1_memory="256K", remote_write="write-back",
+                                tier_clean_ahead="16"))
+    ca = connect(a)
+    pa, pb_ = ca.attach(MODEL, LAYOUT), ca.attach("m-wb-other", LAYOUT)
+    ns = Namespace(redis.client(), "kvd", domain_of(a, pa.pool_id))
+    ha, _ = commit_chain(ca, pa, 80, 995000)
+    assert wait_until(lambda: tiers(a)["demotions_t1"] >= 80 and remote_quiet(a),
+                      timeout=10), msg(tiers(a))
+    assert rstat(a, "puts") == 0, rem(a)
+    for k in range(6):  # 96 of B's: T1 (128) gives up at least 48 of A's
+        commit_chain(ca, pb_, 16, 996000 + k * 1000)
+        assert wait_until(lambda: remote_quiet(a, 0.1), timeout=10), msg(tiers(a))
+    st = tiers(a)
+    assert st["drops_t1"] >= 48, msg(st)
+    assert st["remote_dirty_drops"] == 0, rem(st)
+    assert len(ns.present(ha[:16])) == 16, sorted(ns.present(ha))
 
 
 def test_remote_write_back_writes_again_what_redis_lost(kvd_factory, redis_factory):
