@@ -1289,6 +1289,15 @@ static uint32_t victim_in(const tier_pool *tp, int tier, uint32_t for_tenant) {
     return KVD_TNONE;
 }
 
+/* A pool's fair share of tier's budget: the budget over the pools with tiers. */
+static uint64_t fair_share(const kvd_tiers *t, int tier) {
+    uint32_t npools = 0;
+    for (uint32_t i = 0; i < t->reg->npools; i++) {
+        npools += t->reg->pools[i].tiers != NULL;
+    }
+    return npools > 0 ? t->cap[tier - 1] / npools : t->cap[tier - 1];
+}
+
 /* The entry a full tier gives up for pool tp: tp's own oldest while tp holds more than its fair
  * share of the tier (the budget over the pools with tiers), else the oldest of the pool furthest
  * over its share, so that one pool's flood cannot keep the others out (each pool is guaranteed
@@ -1296,11 +1305,7 @@ static uint32_t victim_in(const tier_pool *tp, int tier, uint32_t for_tenant) {
  * there is none. */
 static int pick_victim(tier_pool *tp, int tier, uint32_t for_tenant, tier_pool **vtp, uint32_t *v) {
     kvd_tiers *t = tp->t;
-    uint32_t npools = 0;
-    for (uint32_t i = 0; i < t->reg->npools; i++) {
-        npools += t->reg->pools[i].tiers != NULL;
-    }
-    uint64_t share = npools > 0 ? t->cap[tier - 1] / npools : t->cap[tier - 1];
+    uint64_t share = fair_share(t, tier);
     if (tp->st.bytes[tier - 1] <= share) {
         tier_pool *best = NULL;
         uint64_t over = 0;
@@ -1704,11 +1709,7 @@ static void remote_clean_ahead_victims(tier_pool *tp) {
         return;
     }
     remote_clean_ahead_one(tp);
-    uint32_t npools = 0;
-    for (uint32_t k = 0; k < t->reg->npools; k++) {
-        npools += t->reg->pools[k].tiers != NULL;
-    }
-    uint64_t share = npools > 0 ? t->cap[0] / npools : t->cap[0];
+    uint64_t share = fair_share(t, 1);
     for (uint32_t k = 0; k < t->reg->npools; k++) {
         tier_pool *o = t->reg->pools[k].tiers;
         if (o != NULL && o != tp && o->st.bytes[0] > share) {
@@ -1784,34 +1785,30 @@ static int drain_wants(const tier_pool *tp, const kvd_tentry *e) {
     return e->t1 != NULL && !e->inr && !e->doomed && remote_writes(tp) && remote_back(tp);
 }
 
-/* Takes the list of the T1 entries Redis lacks; their number. */
-static size_t drain_list(tdrain *d) {
-    kvd_tiers *t = d->t;
-    size_t n = 0, cap = 0;
-    drain_item *v = NULL;
+/* The T1 entries of write-back pools that Redis lacks, oldest first per pool: their number,
+ * the first cap of them named in out (NULL: only counted). */
+static size_t drain_scan(const kvd_tiers *t, drain_item *out, size_t cap) {
+    size_t n = 0;
     for (uint32_t k = 0; k < t->reg->npools; k++) {
-        tier_pool *tp = t->reg->pools[k].tiers;
-        if (tp == NULL || !remote_writes(tp)) {
-            continue;
-        }
-        for (uint32_t i = tp->st.head[0]; i != KVD_TNONE; i = tp->st.e[i].next[0]) {
-            if (!drain_wants(tp, &tp->st.e[i])) {
-                continue;
-            }
-            if (n == cap) {
-                size_t nc = cap ? cap * 2 : 256;
-                drain_item *nv = realloc(v, nc * sizeof(*nv));
-                if (nv == NULL) {
-                    break; /* what is listed is written */
+        const tier_pool *tp = t->reg->pools[k].tiers;
+        for (uint32_t i = tp != NULL ? tp->st.head[0] : KVD_TNONE; i != KVD_TNONE;
+             i = tp->st.e[i].next[0]) {
+            if (drain_wants(tp, &tp->st.e[i])) {
+                if (n < cap) {
+                    out[n] = (drain_item){tp->pool_id, tp->st.e[i].hash};
                 }
-                v = nv;
-                cap = nc;
+                n++;
             }
-            v[n].pool_id = tp->pool_id;
-            v[n].hash = tp->st.e[i].hash;
-            n++;
         }
     }
+    return n;
+}
+
+/* Takes the list of the T1 entries Redis lacks; their number. */
+static size_t drain_list(tdrain *d) {
+    size_t n = drain_scan(d->t, NULL, 0);
+    drain_item *v = n > 0 ? malloc(n * sizeof(*v)) : NULL;
+    n = v != NULL ? drain_scan(d->t, v, n) : 0; /* (no memory: nothing listed is written) */
     free(d->items);
     d->items = v;
     d->n = n;
@@ -1820,21 +1817,6 @@ static size_t drain_list(tdrain *d) {
         d->first = n;
     }
     return n;
-}
-
-/* T1 entries Redis still lacks, over all pools (what the drain leaves unwritten). */
-static uint64_t drain_left(const kvd_tiers *t) {
-    uint64_t left = 0;
-    for (uint32_t k = 0; k < t->reg->npools; k++) {
-        const tier_pool *tp = t->reg->pools[k].tiers;
-        if (tp == NULL || !remote_writes(tp)) {
-            continue;
-        }
-        for (uint32_t i = tp->st.head[0]; i != KVD_TNONE; i = tp->st.e[i].next[0]) {
-            left += (uint64_t)drain_wants(tp, &tp->st.e[i]);
-        }
-    }
-    return left;
 }
 
 /* The timer is closed: the stop goes on, in a loop turn of its own (not inside the remote
@@ -1851,7 +1833,7 @@ static void drain_finish(tdrain *d, const char *why) {
     d->finished = 1;
     /* Left: counted now (entries written ahead meanwhile, or gone, are not left); writes still
      * out may yet land. */
-    uint64_t left = drain_left(d->t);
+    uint64_t left = drain_scan(d->t, NULL, 0);
     kv_log_level lv = left > 0 || d->errors > 0 ? KV_LOG_WARN : KV_LOG_INFO;
     if (lv <= kv_log_threshold) {
         kv_log_emit(lv, "KVD-REMOTE",
@@ -4413,6 +4395,14 @@ kv_err kvd_tiers_pool_policy(kvd_tiers *t, const kvd_reg_pool *p, kvd_tier_polic
     return KV_OK;
 }
 
+/* A write mode setting: 1 write-back, 0 write-through, -1 default, -2 none of them. */
+static int write_mode_arg(const char *v) {
+    return strcmp(v, "write-back") == 0      ? 1
+           : strcmp(v, "write-through") == 0 ? 0
+           : strcmp(v, "default") == 0       ? -1
+                                             : -2;
+}
+
 kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const char *value,
                           char *msg, size_t len) {
     tier_pool *tp = p->tiers;
@@ -4421,35 +4411,25 @@ kv_err kvd_tiers_pool_set(kvd_tiers *t, kvd_reg_pool *p, const char *name, const
         return KV_ENOENT;
     }
     char *end = NULL;
-    if (strcmp(name, "write") == 0) {
-        if (strcmp(value, "write-back") == 0 || strcmp(value, "write-through") == 0) {
-            tp->write_through = strcmp(value, "write-through") == 0;
+    int remote = strcmp(name, "remote-write") == 0;
+    if (remote || strcmp(name, "write") == 0) {
+        int m = write_mode_arg(value);
+        if (m == -2) {
+            snprintf(msg, len, "%s: '%.32s' is not write-back, write-through or default", name,
+                     value);
+            return KV_EINVAL;
+        }
+        if (!remote) {
+            tp->write_through = m < 0 ? -1 : !m;
             return KV_OK;
         }
-        if (strcmp(value, "default") == 0) {
-            tp->write_through = -1;
-            return KV_OK;
-        }
-        snprintf(msg, len, "write: '%.32s' is not write-back, write-through or default", value);
-        return KV_EINVAL;
-    }
-    if (strcmp(name, "remote-write") == 0) {
         if (t->remote == NULL) {
             snprintf(msg, len, "remote-write: there is no remote tier (remote-redis)");
             return KV_EINVAL;
         }
-        if (strcmp(value, "write-back") == 0 || strcmp(value, "write-through") == 0) {
-            tp->remote_back = strcmp(value, "write-back") == 0;
-            t->any_remote_back |= tp->remote_back;
-            return KV_OK;
-        }
-        if (strcmp(value, "default") == 0) {
-            tp->remote_back = -1;
-            return KV_OK;
-        }
-        snprintf(msg, len, "remote-write: '%.32s' is not write-back, write-through or default",
-                 value);
-        return KV_EINVAL;
+        tp->remote_back = m;
+        t->any_remote_back |= m == 1;
+        return KV_OK;
     }
     int64_t *field = strcmp(name, "min-hits") == 0      ? &tp->min_hits
                      : strcmp(name, "clean-ahead") == 0 ? &tp->clean_ahead
