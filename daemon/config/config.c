@@ -166,7 +166,8 @@ static const kvd_config_option options[] = {
         "one per request, on a busy Commit path); 0: each loop iteration's events are a batch"),
     OPT("kv-events-thread", KVD_OPT_STRING, kv_events_thread, "auto", 0, 0,
         "where KV events are counted and encoded: on (a thread of their own; the loop thread "
-        "only records them), off (on the loop thread, at the end of the flush window) or auto "
+        "only records them), off (on the loop thread, at the end of each loop iteration; the "
+        "batch still goes at the end of the flush window) or auto "
         "(on when the daemon may run on two or more CPUs, by its CPU affinity and its cgroup's "
         "CPU quota: the thread then runs beside the loop instead of taking turns with it)"),
     OPT("remote-redis", KVD_OPT_STRING, remote_redis, "", 0, 0,

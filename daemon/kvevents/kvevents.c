@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/timerfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <msgpack.h>
 #include <zmq.h>
@@ -163,8 +165,16 @@ struct kvd_kvevents {
     uint8_t dflt; /* the options' publisher, NO_PUB none */
     const char *medium;
     int vllm;         /* hash-mode vllm: blocks are named by digests */
-    uv_check_t check; /* flush-ms 0: the iteration's end (its records are run and sent) */
-    uv_timer_t timer; /* flush-ms > 0: the window's end (its records are run and sent) */
+    uv_check_t check; /* the iteration's end: its records are run (on the loop thread, or
+                         flush-ms 0) and, for flush-ms 0, sent */
+    /* flush-ms > 0: the window's end (its batch is sent). A timerfd under a uv_poll, armed once a
+     * window: a libuv timer would give every epoll_wait of the window a timeout, and a wait with
+     * a timeout programs (and cancels) a kernel hrtimer on each call, which in a VM is a VM exit
+     * or two per request (measured: the Commit path's loop CPU 1.33x events off with the libuv
+     * timer, 1.1x with none). The libuv timer is kept only where timerfd_create failed. */
+    int tfd;          /* the timerfd, or -1 */
+    uv_poll_t tpoll;  /* its poll, started while the handles are */
+    uv_timer_t timer; /* the fallback */
     uv_timer_t again; /* replays left for the next wake-up */
     uint64_t flush_ms;
     int handles, armed, started, closed;
@@ -533,11 +543,15 @@ static void flush_all(kvd_kvevents *e) {
 static void handoff(kvd_kvevents *e, int flush);
 static void sync_thread(kvd_kvevents *e);
 
-/* flush-ms 0: after every I/O callback of the loop iteration (so after the replies it wrote),
- * the iteration's records are run and sent as one batch (handoff). */
+/* After every I/O callback of the loop iteration (so after the replies it wrote): flush-ms 0,
+ * the iteration's records are run and sent as one batch (handoff); flush-ms > 0 with the events
+ * on the loop thread, they are run now, in the loop's gaps between requests, and their batch
+ * goes when the window ends (on_tfd). Run in one go at the window's end, a window's records
+ * (~200 blocks on a busy Commit path) held up the requests that came meanwhile (measured: the
+ * sync Commit path's rate 0.93x events off that way, 0.98-1.0x this way; the CPU the same). */
 static void on_check(uv_check_t *h) {
     kvd_kvevents *e = h->data;
-    handoff(e, 1);
+    handoff(e, e->flush_ms == 0);
     uv_check_stop(&e->check);
     e->check_on = 0;
 }
@@ -555,14 +569,34 @@ static void on_timer(uv_timer_t *h) {
     handoff(e, 1);
 }
 
-/* flush-ms > 0: the window's records go to the events thread when it ends, flush-ms after its
- * first one (one hand-off, one thread wake-up and one batch a window, however many Commits the
- * loop served meanwhile). */
+static void on_tfd(uv_poll_t *h, int status, int events) {
+    (void)status;
+    (void)events;
+    kvd_kvevents *e = h->data;
+    uint64_t expirations;
+    if (read(e->tfd, &expirations, sizeof(expirations)) != (ssize_t)sizeof(expirations)) {
+        return; /* not expired (a disarmed timer's stale readiness) */
+    }
+    e->armed = 0;
+    handoff(e, 1);
+}
+
+/* flush-ms > 0: the window ends flush-ms after its first record: its batch is sent (its records
+ * handed to the events thread then: one hand-off, one thread wake-up and one batch a window,
+ * however many Commits the loop served meanwhile). */
 static void arm(kvd_kvevents *e) {
     if (e->armed || !e->handles || e->closed || e->flush_ms == 0) {
         return;
     }
-    uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
+    if (e->tfd >= 0) {
+        struct itimerspec its = {
+            {0, 0}, {(time_t)(e->flush_ms / 1000), (long)(e->flush_ms % 1000) * 1000000L}};
+        if (timerfd_settime(e->tfd, 0, &its, NULL) != 0) {
+            return; /* (EINVAL is all it can say to these values) */
+        }
+    } else {
+        uv_timer_start(&e->timer, on_timer, e->flush_ms, 0);
+    }
     e->armed = 1;
 }
 
@@ -991,9 +1025,10 @@ static uint8_t *in_room(kvd_kvevents *e, size_t n) {
         return NULL;
     }
     if (e->flush_ms > 0) {
-        arm(e); /* the window starts at the first event; its records go when it ends */
-    } else {
-        want_check(e); /* the iteration's records go at its end */
+        arm(e); /* the window starts at the first event; its batch goes when it ends */
+    }
+    if (e->flush_ms == 0 || !e->thread_on) {
+        want_check(e); /* the iteration's records run at its end (flush-ms 0: and go) */
     }
     return r;
 }
@@ -1501,6 +1536,7 @@ kv_err kvd_kvevents_alloc(uv_loop_t *loop, const kvd_config *cfg, const kvd_tena
     if (e == NULL) {
         return KV_ENOMEM;
     }
+    e->tfd = -1;
     e->loop = loop;
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->ring_mu, NULL);
@@ -1669,6 +1705,19 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
     uv_timer_init(e->loop, &e->timer);
     uv_timer_init(e->loop, &e->again);
     e->check.data = e->timer.data = e->again.data = e;
+    e->tfd = e->flush_ms > 0 ? timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC) : -1;
+    if (e->tfd >= 0 && uv_poll_init(e->loop, &e->tpoll, e->tfd) != 0) {
+        close(e->tfd);
+        e->tfd = -1;
+    }
+    if (e->tfd >= 0) {
+        e->tpoll.data = e;
+        if (uv_poll_start(&e->tpoll, UV_READABLE, on_tfd) != 0) {
+            uv_close((uv_handle_t *)&e->tpoll, NULL);
+            close(e->tfd);
+            e->tfd = -1;
+        }
+    }
     e->handles = 1;
     e->started = 1;
     for (uint32_t i = 0; i < e->npubs; i++) {
@@ -1702,6 +1751,12 @@ void kvd_kvevents_close(kvd_kvevents *e) {
         uv_close((uv_handle_t *)&e->check, NULL);
         uv_close((uv_handle_t *)&e->timer, NULL);
         uv_close((uv_handle_t *)&e->again, NULL);
+        if (e->tfd >= 0) {
+            uv_poll_stop(&e->tpoll);
+            uv_close((uv_handle_t *)&e->tpoll, NULL);
+            close(e->tfd); /* (not polled any more) */
+            e->tfd = -1;
+        }
         e->handles = 0;
     }
 }

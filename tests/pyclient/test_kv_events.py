@@ -843,6 +843,26 @@ def test_flush_window_coalesces_commits(kvd_factory, zctx, thread):
         "3 commits within one 400 ms window: one batch of 3 BlockStored in commit order")
 
 
+@pytest.mark.parametrize("thread", ["on", "off"])
+def test_flush_window_ends_on_time(kvd_factory, zctx, thread):
+    """The window's end (a timerfd, armed at the window's first record) sends the batch of an
+    idle loop: not before kv-events-flush-ms, and well before a second has passed; a later
+    Commit opens a window of its own (the timer is armed again) and its batch is the next."""
+    d = start(kvd_factory, kv_events_thread=thread, **{OPT_FLUSH: "300"})
+    sub = Sub(zctx, d.pub)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    for k in range(2):
+        t0 = time.monotonic()
+        chain = vllm_commit(c, pool, toks(1, 500 * k + 7))[1]
+        b = sub.recv(5.0)
+        waited = time.monotonic() - t0
+        assert b is not None, "the window's batch never came"
+        assert b.events == [stored([ref.to_u64(h) for h in chain])], b.events
+        assert 0.25 <= waited < 1.5, (
+            f"window {k}: batch {waited:.3f} s after the Commit's reply (window 0.3 s)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 
