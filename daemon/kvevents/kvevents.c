@@ -1151,8 +1151,8 @@ static void handoff(kvd_kvevents *e, int flush) {
             e->lc[KS_GAPS] += blocks_in(e->in, e->in_len);
         }
         e->handed++;
-        pthread_cond_signal(&e->work_cv);
         pthread_mutex_unlock(&e->mu);
+        pthread_cond_signal(&e->work_cv); /* after the unlock: one wake-up, not two */
     }
     e->in_len = 0;
     if (e->in_cap > INTAKE_KEEP) { /* a burst's buffer (a huge Commit with token ids) goes back */

@@ -1811,8 +1811,11 @@ static kv_err enqueue(kvd_remote *r, op *o) {
     **tail = o;
     *tail = &o->next;
     r->queued_bytes += o->kind == OP_PUT ? o->plen : 0;
-    pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
+    /* After the unlock: signalled under it, the woken thread blocks at once on the mutex the
+     * loop still holds and must be woken a second time (two more context switches a request;
+     * seen in a scheduler trace of Lookup.remote). r outlives the call (freed by the loop). */
+    pthread_cond_signal(&r->cv);
     return KV_OK;
 }
 
