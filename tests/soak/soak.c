@@ -6,7 +6,9 @@
 #include "tests/soak/soak.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,12 +17,25 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <msgpack.h>
+#include <zmq.h>
+
 #include "kvclient.h"
 #include "tests/integration/kvd_harness.h"
+
+#if defined(__SANITIZE_THREAD__)
+/* ThreadSanitizer: libzmq is not built with it, and its I/O thread hands messages to the
+ * subscriber through lock-free queues TSan cannot see (as in daemon/kvevents/kvevents.c). */
+const char *__tsan_default_suppressions(void);
+const char *__tsan_default_suppressions(void) {
+    return "called_from_lib:libzmq.so\nrace:libzmq.so\n";
+}
+#endif
 
 #define SOAK_MAX_CLIENTS 256
 #define SOAK_MAX_TENANTS 16
@@ -50,6 +65,14 @@ typedef struct soak_ctx {
     pid_t kvd;                         /* kvd's pid */
     pid_t redis;                       /* the redis-server's pid (options.redis), or 0 */
     int redis_port;
+    /* options.events: kvd's PUB endpoint and the subscriber thread that checks its batches. */
+    char evep[160];
+    void *zctx, *zsub;
+    pthread_t evth;
+    int ev_started;
+    atomic_int ev_stop; /* set once kvd is gone: the thread ends after a quiet poll */
+    uint64_t ev_batches, ev_stored, ev_removed, ev_cleared, ev_gaps, ev_bad; /* the thread's */
+    uint64_t ev_first, ev_last;                                              /* (likewise) */
 } soak_ctx;
 
 static uint64_t now_ms(void) {
@@ -579,6 +602,13 @@ static int start_kvd(soak_ctx *x) {
     argv[n++] = memflag;
     argv[n++] = segflag;
     argv[n++] = "--log-level=warn";
+    char evflag[200];
+    if (x->o->events) {
+        snprintf(x->evep, sizeof(x->evep), "ipc://%s/ev", x->dir);
+        snprintf(evflag, sizeof(evflag), "--kv-events-endpoint=%s", x->evep);
+        argv[n++] = evflag;
+        argv[n++] = "--kv-events-token-ids=true";
+    }
     char t2flag[160], rflag[64], rwflag[64];
     if (x->o->tiers && x->o->redis != NULL) {
         /* T1 smaller than the pools and no T2: what T0 and T1 let go comes back from Redis. */
@@ -633,6 +663,49 @@ static pid_t spawn_worker(const soak_ctx *x, int slot) {
     return pid;
 }
 
+/* The number after key (a JSON member name with its colon) in the admin `stats` reply, from
+ * admin.sock beside kvd's socket; 0 when it cannot be read. */
+static uint64_t admin_stat(const soak_ctx *x, const char *key) {
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/admin.sock", x->dir);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        write(fd, "stats\n", 6) != 6) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return 0;
+    }
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    while (buf != NULL && (len == 0 || buf[len - 1] != '\n')) {
+        if (len + 1 == cap) {
+            char *nb = realloc(buf, cap * 2);
+            if (nb == NULL) {
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        ssize_t k = read(fd, buf + len, cap - 1 - len);
+        if (k <= 0) {
+            break;
+        }
+        len += (size_t)k;
+    }
+    close(fd);
+    uint64_t v = 0;
+    if (buf != NULL) {
+        buf[len] = '\0';
+        const char *at = strstr(buf, key);
+        v = at != NULL ? strtoull(at + strlen(key), NULL, 10) : 0;
+        free(buf);
+    }
+    return v;
+}
+
 /* With every worker gone: every block of every tenant's pool is free or cached. */
 static int check_pools(soak_ctx *x, soak_result *r) {
     for (int t = 0; t < x->o->tenants; t++) {
@@ -662,6 +735,9 @@ static int check_pools(soak_ctx *x, soak_result *r) {
         }
         if (t == 0 && x->o->tiers) {
             (void)kvc_stat_get(c, 0, "tiers.tier2_zero_copy", &r->t2_zero_copy);
+        }
+        if (t == 0 && x->o->events) {
+            r->ev_published = admin_stat(x, "\"kv_events_batches\":");
         }
         if (t == 0 && x->o->redis != NULL) {
             (void)kvc_stat_get(c, 0, "tiers.remote_direct", &r->remote_direct);
@@ -706,6 +782,139 @@ static int check_pools(soak_ctx *x, soak_result *r) {
     return 0;
 }
 
+/* ---- the KV-event subscriber (options.events) -------------------------------------------- */
+
+/* One batch's payload: [ts, [events...], dp_rank], each event an array whose first element is
+ * its tag (vLLM's array-like tagged structs, kvd's default kv-events-format). 0 when it is. */
+static int ev_check(soak_ctx *x, const char *buf, size_t len) {
+    msgpack_unpacked u;
+    msgpack_unpacked_init(&u);
+    size_t off = 0;
+    int bad = msgpack_unpack_next(&u, buf, len, &off) != MSGPACK_UNPACK_SUCCESS || off != len;
+    const msgpack_object *b = &u.data;
+    bad = bad || b->type != MSGPACK_OBJECT_ARRAY || b->via.array.size != 3 ||
+          b->via.array.ptr[0].type != MSGPACK_OBJECT_FLOAT64 ||
+          b->via.array.ptr[1].type != MSGPACK_OBJECT_ARRAY ||
+          b->via.array.ptr[2].type != MSGPACK_OBJECT_POSITIVE_INTEGER;
+    for (uint32_t i = 0; !bad && i < b->via.array.ptr[1].via.array.size; i++) {
+        const msgpack_object *ev = &b->via.array.ptr[1].via.array.ptr[i];
+        if (ev->type != MSGPACK_OBJECT_ARRAY || ev->via.array.size < 1 ||
+            ev->via.array.ptr[0].type != MSGPACK_OBJECT_STR) {
+            bad = 1;
+            break;
+        }
+        const msgpack_object_str *tag = &ev->via.array.ptr[0].via.str;
+#define SOAK_TAG(name) (tag->size == sizeof(name) - 1 && memcmp(tag->ptr, name, tag->size) == 0)
+        if (SOAK_TAG("BlockStored")) {
+            x->ev_stored++;
+        } else if (SOAK_TAG("BlockRemoved")) {
+            x->ev_removed++;
+        } else if (SOAK_TAG("AllBlocksCleared")) {
+            x->ev_cleared++;
+        } else {
+            bad = 1;
+        }
+#undef SOAK_TAG
+    }
+    msgpack_unpacked_destroy(&u);
+    return bad ? -1 : 0;
+}
+
+/* Receives every batch until told to stop and then quiet for a poll: [topic, seq (8 bytes,
+ * big-endian), payload]; a sequence number that skips counts the batches skipped as gaps. */
+static void *ev_main(void *arg) {
+    soak_ctx *x = arg;
+    uint64_t last = 0;
+    int have_last = 0;
+    for (;;) {
+        zmq_pollitem_t it = {x->zsub, 0, ZMQ_POLLIN, 0};
+        int rc = zmq_poll(&it, 1, 200);
+        if (rc <= 0) {
+            if (atomic_load(&x->ev_stop)) {
+                break;
+            }
+            continue;
+        }
+        zmq_msg_t part[4];
+        int np = 0, more = 1;
+        while (more && np < 4) {
+            zmq_msg_init(&part[np]);
+            if (zmq_msg_recv(&part[np], x->zsub, 0) < 0) {
+                zmq_msg_close(&part[np]);
+                break;
+            }
+            more = zmq_msg_more(&part[np]);
+            np++;
+        }
+        while (more) { /* more frames than a batch has: drain them */
+            zmq_msg_t extra;
+            zmq_msg_init(&extra);
+            more = zmq_msg_recv(&extra, x->zsub, 0) >= 0 && zmq_msg_more(&extra);
+            zmq_msg_close(&extra);
+            np = 4;
+        }
+        if (np != 3 || zmq_msg_size(&part[1]) != 8) {
+            x->ev_bad++;
+        } else {
+            const uint8_t *sb = zmq_msg_data(&part[1]);
+            uint64_t seq = 0;
+            for (int i = 0; i < 8; i++) {
+                seq = seq << 8 | sb[i];
+            }
+            if (have_last && seq <= last) {
+                x->ev_bad++;
+            } else {
+                x->ev_gaps += have_last ? seq - last - 1 : 0;
+                x->ev_first = have_last ? x->ev_first : seq;
+                x->ev_last = seq;
+                last = seq;
+                have_last = 1;
+                x->ev_batches++;
+                if (ev_check(x, zmq_msg_data(&part[2]), zmq_msg_size(&part[2])) != 0) {
+                    x->ev_bad++;
+                }
+            }
+        }
+        for (int i = 0; i < np && i < 4; i++) {
+            zmq_msg_close(&part[i]);
+        }
+    }
+    return NULL;
+}
+
+static int ev_start(soak_ctx *x) {
+    int hwm = 0; /* no high-water mark: a batch this side drops would be a gap it reports */
+    x->zctx = zmq_ctx_new();
+    x->zsub = x->zctx != NULL ? zmq_socket(x->zctx, ZMQ_SUB) : NULL;
+    if (x->zsub == NULL || zmq_setsockopt(x->zsub, ZMQ_RCVHWM, &hwm, sizeof(hwm)) != 0 ||
+        zmq_setsockopt(x->zsub, ZMQ_SUBSCRIBE, "", 0) != 0 || zmq_connect(x->zsub, x->evep) != 0 ||
+        pthread_create(&x->evth, NULL, ev_main, x) != 0) {
+        fprintf(stderr, "soak: cannot subscribe to %s: %s\n", x->evep, zmq_strerror(zmq_errno()));
+        return -1;
+    }
+    x->ev_started = 1;
+    kvd_harness_sleep_ms(300); /* the subscription reaches kvd before the first batch */
+    return 0;
+}
+
+static void ev_stop(soak_ctx *x) {
+    if (x->ev_started) {
+        atomic_store(&x->ev_stop, 1);
+        pthread_join(x->evth, NULL);
+        x->ev_started = 0;
+    }
+    if (x->zsub != NULL) {
+        int linger = 0;
+        zmq_setsockopt(x->zsub, ZMQ_LINGER, &linger, sizeof(linger));
+        zmq_close(x->zsub);
+        x->zsub = NULL;
+    }
+    if (x->zctx != NULL) {
+        zmq_ctx_term(x->zctx);
+        x->zctx = NULL;
+    }
+}
+
 int soak_run(const soak_options *o, soak_result *r) {
     memset(r, 0, sizeof(*r));
     r->kvd_status = -1;
@@ -728,6 +937,13 @@ int soak_run(const soak_options *o, soak_result *r) {
         return -1;
     }
     r->rss_start_kb = proc_kb(x.kvd, "VmRSS");
+    if (o->events && ev_start(&x) != 0) {
+        ev_stop(&x);
+        kill(x.kvd, SIGKILL);
+        waitpid(x.kvd, NULL, 0);
+        munmap(x.k, sizeof(soak_counters) * SOAK_MAX_CLIENTS);
+        return -1;
+    }
     /* CPU burners: with every core busy, the daemon and workers are preempted at random points,
      * which is what turned a one-in-six race into a one-in-three failure. */
     pid_t burners[16];
@@ -836,6 +1052,15 @@ int soak_run(const soak_options *o, soak_result *r) {
     } else {
         r->check_failed = 1;
     }
+    ev_stop(&x); /* after kvd: its stop sends the last batch */
+    r->ev_batches = x.ev_batches;
+    r->ev_stored = x.ev_stored;
+    r->ev_removed = x.ev_removed;
+    r->ev_cleared = x.ev_cleared;
+    r->ev_gaps = x.ev_gaps;
+    r->ev_bad = x.ev_bad;
+    r->ev_first = x.ev_first;
+    r->ev_last = x.ev_last;
     if (x.redis > 0) {
         kill(x.redis, SIGKILL);
         waitpid(x.redis, NULL, 0);
@@ -902,10 +1127,23 @@ int soak_run(const soak_options *o, soak_result *r) {
            (unsigned long long)r->rss_end_kb, (unsigned long long)r->anon_warm_kb,
            (unsigned long long)r->anon_end_kb,
            (long long)r->anon_end_kb - (long long)r->anon_warm_kb);
+    int ev_ok = 1;
+    if (o->events) {
+        ev_ok = r->ev_gaps == 0 && r->ev_bad == 0 && r->ev_batches > 0 && r->ev_stored > 0 &&
+                r->ev_last + 1 >= r->ev_published;
+        printf("soak: KV events: %llu batches received, seq %llu..%llu (kvd had published %llu "
+               "when the workers were gone; missing in sequence %llu, malformed or out of order "
+               "%llu), %llu BlockStored, %llu BlockRemoved, %llu AllBlocksCleared%s\n",
+               (unsigned long long)r->ev_batches, (unsigned long long)r->ev_first,
+               (unsigned long long)r->ev_last, (unsigned long long)r->ev_published,
+               (unsigned long long)r->ev_gaps, (unsigned long long)r->ev_bad,
+               (unsigned long long)r->ev_stored, (unsigned long long)r->ev_removed,
+               (unsigned long long)r->ev_cleared, ev_ok ? "" : " (CHECK FAILED)");
+    }
     printf("soak: unexpected errors %llu, worker crashes %llu, kvd exit status %d\n",
            (unsigned long long)r->unexpected, (unsigned long long)r->crashes, r->kvd_status);
     int ok = r->leaked == 0 && r->mismatched == 0 && r->cross_domain == 0 && r->unexpected == 0 &&
-             r->crashes == 0 && r->kvd_status == 0 && !r->check_failed && r->ops > 0;
+             r->crashes == 0 && r->kvd_status == 0 && !r->check_failed && r->ops > 0 && ev_ok;
     printf("soak: %s\n", ok ? "PASS" : "FAIL");
     fflush(stdout);
     return ok ? 0 : -1;

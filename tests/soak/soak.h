@@ -36,6 +36,10 @@ typedef struct soak_options {
                                  write-through) */
     int block_major;          /* pools block-major (each block one piece of memory: with tiers, T2
                                  moves host blocks with no copy) instead of layer-major */
+    int events;               /* kvd publishes KV events (token ids on, docs/EVENTS.md), and a
+                                 subscriber in this process checks every batch: sequence numbers
+                                 without a gap from the first one received, each payload a
+                                 [ts, [events], dp_rank] of known event tags */
     int verbose;              /* print per-tenant pool figures */
 } soak_options;
 
@@ -70,8 +74,17 @@ typedef struct soak_result {
     uint64_t rss_end_kb;         /* kvd VmRSS at the end, every worker gone */
     uint64_t anon_warm_kb;       /* kvd RssAnon after a quarter of the run */
     uint64_t anon_end_kb;        /* kvd RssAnon at the end */
-    int kvd_status;              /* kvd's exit status after SIGTERM (0 expected), -1 if killed */
-    int check_failed;            /* the end-of-run checker could not run */
+    uint64_t ev_batches;         /* with events: batches received */
+    uint64_t ev_stored;          /* BlockStored events in them */
+    uint64_t ev_removed;         /* BlockRemoved events */
+    uint64_t ev_cleared;         /* AllBlocksCleared events */
+    uint64_t ev_gaps;           /* batches missing between sequence numbers received (0 expected) */
+    uint64_t ev_bad;            /* batches not in kvd's format, or going back in sequence */
+    uint64_t ev_first, ev_last; /* sequence numbers of the first and last batch received */
+    uint64_t ev_published;      /* kvd's kv_events_batches once every worker was gone (the batches
+                                   up to the last received must cover them: no tail lost) */
+    int kvd_status;             /* kvd's exit status after SIGTERM (0 expected), -1 if killed */
+    int check_failed;           /* the end-of-run checker could not run */
 } soak_result;
 
 /* Fills o with the defaults: 60 s, 64 clients, 4 tenants, 2 permille deaths, kvd at the runfile
@@ -80,7 +93,8 @@ void soak_options_init(soak_options *o);
 
 /* Runs the soak; fills *r (also when it fails). Returns 0 when every invariant held: nothing
  * leaked, no byte mismatched, no hit crossed a domain, no unexpected error or crash, kvd exited
- * 0; else -1. Prints a summary to stdout. */
+ * 0, and with events every batch came, in order and well formed; else -1. Prints a summary to
+ * stdout. */
 int soak_run(const soak_options *o, soak_result *r);
 
 #endif

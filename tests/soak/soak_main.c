@@ -40,6 +40,8 @@ int main(int argc, char **argv) {
             o.wrap = a + 7;
         } else if (strcmp(a, "--block-major") == 0) {
             o.block_major = 1;
+        } else if (strcmp(a, "--events") == 0) {
+            o.events = 1;
         } else if (strcmp(a, "-v") == 0) {
             o.verbose = 1;
         } else if (a[0] >= '0' && a[0] <= '9') {
@@ -49,7 +51,8 @@ int main(int argc, char **argv) {
                 stderr,
                 "usage: soak [--clients=N] [--tenants=N] [--deaths=PERMILLE] "
                 "[--pool-memory=SIZE] [--segment-bytes=SIZE] [--busy=N] "
-                "[--tiers=0|1|2] [--redis=PATH] [--remote-write=MODE] [--block-major] [--kvd=PATH] "
+                "[--tiers=0|1|2] [--redis=PATH] [--remote-write=MODE] [--block-major] [--events] "
+                "[--kvd=PATH] "
                 "[--wrap=CMD] [-v] [seconds]\n");
             return 2;
         }

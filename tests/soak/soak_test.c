@@ -1,9 +1,10 @@
 /* soak_test: the short soaks of ./dev test: 6 to 10 s of 64 worker processes over 4 token
  * tenants with random deaths against a real kvd, once with 1 MiB segments and once with 64 KiB
  * segments while both cores are kept busy (the setting that once found a race), then with tiers
- * and the remote tier; every invariant of soak_run must hold (no block leaked, every
- * hit's bytes are its writer's and addressable, no hit crossed a domain, no unexpected error,
- * kvd exits 0 on SIGTERM). Figures are printed, not asserted. */
+ * and the remote tier, two of them with KV events; every invariant of soak_run must hold (no
+ * block leaked, every hit's bytes are its writer's and addressable, no hit crossed a domain, no
+ * unexpected error, kvd exits 0 on SIGTERM, every event batch from the first received on came in
+ * order and well formed). Figures are printed, not asserted. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -28,19 +29,29 @@ static void check_soak(const soak_options *o, soak_result *out) {
     assert_false(r.check_failed);
     assert_true(r.ops > 0);
     assert_true(r.verified > 0);
+    if (o->events) { /* every batch from the first one received on, in order and well formed */
+        assert_int_equal(r.ev_gaps, 0);
+        assert_int_equal(r.ev_bad, 0);
+        assert_true(r.ev_stored > 0);
+        assert_true(r.ev_last + 1 >= r.ev_published); /* none lost at the end */
+    }
     assert_int_equal(rc, 0);
     if (out != NULL) {
         *out = r;
     }
 }
 
+/* With KV events published (token ids on) and a subscriber checking every batch. */
 static void test_soak_short(void **state) {
     (void)state;
     soak_options o;
     soak_options_init(&o);
     o.seconds = 6;
+    o.events = 1;
     o.verbose = 1;
-    check_soak(&o, NULL);
+    soak_result r;
+    check_soak(&o, &r);
+    assert_true(r.ev_removed > 0); /* the pools filled: evictions were published too */
 }
 
 /* 64 KiB segments (hundreds per pool, so sessions see many segments they lack) with both cores
@@ -95,7 +106,7 @@ static void test_soak_tiers_zero_copy(void **state) {
  * tier 1 small and no tier 2, so hits come back from Redis read straight into T0 blocks (the
  * direct path) while workers die mid-Fetch; every hit's bytes are checked, nothing leaks, no
  * value is bad, and the direct path really ran. */
-static void soak_remote(const char *remote_write) {
+static void soak_remote(const char *remote_write, int events) {
     if (access("/usr/bin/redis-server", X_OK) != 0) {
         skip(); /* ./dev installs it; a machine without it has no remote tier to soak */
     }
@@ -107,6 +118,7 @@ static void soak_remote(const char *remote_write) {
     o.tiers = 2;
     o.redis = "/usr/bin/redis-server";
     o.remote_write = remote_write;
+    o.events = events;
     o.busy = 2;
     o.verbose = 1;
     soak_result r;
@@ -119,14 +131,15 @@ static void soak_remote(const char *remote_write) {
 
 static void test_soak_remote(void **state) {
     (void)state;
-    soak_remote(NULL); /* remote-write write-through: every block that lands in T1 */
+    soak_remote(NULL, 0); /* remote-write write-through: every block that lands in T1 */
 }
 
 /* The same with remote-write write-back: only what T1 is about to give up goes to Redis, each
- * held busy while it is written, as workers die and T1 turns over. */
+ * held busy while it is written, as workers die and T1 turns over; KV events on, with both
+ * cores busy (their batches checked as in test_soak_short). */
 static void test_soak_remote_write_back(void **state) {
     (void)state;
-    soak_remote("write-back");
+    soak_remote("write-back", 1);
 }
 
 int main(void) {
