@@ -819,14 +819,46 @@ static kvd_session *later_find(void *arg, uint64_t id) {
     return c != NULL ? &c->sess : NULL;
 }
 
+/* The end of the loop iteration in which deferred replies were queued: each such connection is
+ * written and its buffered requests handled, as a writable event would (on_conn_poll). Here, not
+ * in later_send: a reply may be deferred inside another connection's request (a Release that
+ * lets a waiting Allocate go), where writing, or closing a connection whose write fails, would
+ * run in the middle of that request. Here, not at the next writable event: that took two
+ * epoll_ctl and one more epoll_wait a deferred reply (a Fetch, a Lookup that asked Redis). */
+static void on_later_check(uv_check_t *h) {
+    kvd_server *s = h->data;
+    uv_check_stop(&s->later_check);
+    s->later_on = 0;
+    kvd_conn *next;
+    for (kvd_conn *c = s->conns; c != NULL; c = next) {
+        next = c->next; /* (a closed connection stays listed until its close callback) */
+        if (c->later) {
+            c->later = 0;
+            if (!c->closing) {
+                on_conn_poll(&c->poll, 0, 0);
+            }
+        }
+    }
+}
+
 static void later_send(void *arg, uint64_t id, const kvd_reply *r) {
-    kvd_conn *c = conn_of_session(arg, id);
+    kvd_server *s = arg;
+    kvd_conn *c = conn_of_session(s, id);
     if (c == NULL) {
         return;
     }
     conn_queue_reply(c, r);
-    if (!c->closing) {
-        conn_update_events(c); /* the reply leaves at the next writable event */
+    if (c->closing) {
+        return;
+    }
+    if (!s->later_active) {
+        conn_update_events(c); /* (stopping) the reply leaves at the next writable event */
+        return;
+    }
+    c->later = 1;
+    if (!s->later_on) {
+        uv_check_start(&s->later_check, on_later_check);
+        s->later_on = 1;
     }
 }
 
@@ -899,6 +931,11 @@ kv_err kvd_server_start(kvd_server *s) {
     s->frame_timer.data = s;
     s->timer_active = 1;
     uv_timer_start(&s->frame_timer, on_frame_timer, 250, 250);
+    if (uv_check_init(s->loop, &s->later_check) != 0) {
+        return KV_ESYS;
+    }
+    s->later_check.data = s;
+    s->later_active = 1;
     kv_err rc = socket_path_prepare(s);
     if (rc != KV_OK) {
         return rc;
@@ -1039,6 +1076,11 @@ static void stop_now(kvd_server *s) {
     if (s->timer_active) {
         s->timer_active = 0;
         uv_close((uv_handle_t *)&s->frame_timer, NULL);
+    }
+    if (s->later_active) {
+        s->later_active = 0;
+        s->later_on = 0;
+        uv_close((uv_handle_t *)&s->later_check, NULL);
     }
     if (s->linger_active) {
         s->linger_active = 0;

@@ -42,6 +42,7 @@ typedef struct kvd_conn {
     size_t charged;                     /* in_cap + out_bytes as counted in srv->buf_bytes */
     int paused;                         /* not read: over max-buffer-bytes, large backlog */
     uint64_t partial_since;             /* loop ms since an incomplete frame waits; 0: none */
+    int later;                          /* a deferred reply was queued: later_check writes it */
     struct kvd_conn *prev, *next;       /* the server's connection list */
 } kvd_conn;
 
@@ -58,6 +59,9 @@ struct kvd_server {
     int listen_active;        /* listen_poll initialised and not closed */
     uv_timer_t frame_timer;   /* sweeps connections for frames not completed in time */
     int timer_active;         /* frame_timer initialised and not closed */
+    uv_check_t later_check;   /* the loop iteration's end: deferred replies queued in it go out */
+    int later_active;         /* later_check initialised and not closed */
+    int later_on;             /* later_check started */
     uv_timer_t linger_timer;  /* cuda-ipc stop: waits for sessions (shutdown-grace-ms) */
     int linger_active;        /* linger_timer initialised and not closed */
     int lingering;            /* kvd_server_stop is waiting for sessions to close */

@@ -377,6 +377,40 @@ def test_concurrent_fetches_share_one_copy(kvd_factory):
     del a, b, p
 
 
+def test_deferred_reply_among_pipelined_requests(kvd_factory):
+    """A Fetch whose reply waits for its copies up, followed in the same write by 30 Pings, with
+    max-inflight 1: the Pings are answered in order while the Fetch waits (a deferred reply
+    holds no place in flow control), and its reply, written at the end of the loop iteration in
+    which its copies landed (server.c on_later_check), comes with every byte; the connection
+    goes on serving."""
+    d = kvd_factory(max_inflight="1", **_tiers(tier_write="write-through"))
+    c = connect(d)
+    pool = c.attach("m-later", LAYOUT)
+    hs = prefix(pool, 8, 3)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    flood(c, pool, 12, 8, 90)
+    r = c.lookup(pool.pool_id, hs)
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    assert len(kw.reply_blocks(r)) < 8  # some of the chain is in T1 only: the Fetch copies up
+    fenv = c.envelope("fetch", c.fetch_msg(pool.pool_id, hs))
+    pings = [c.envelope("ping", pb.Ping(nonce=i)) for i in range(30)]
+    c.send_raw(b"".join(c.frame(e.SerializeToString()) for e in [fenv] + pings))
+    fr, nonces = None, []
+    for _ in range(31):
+        env, _ = c.recv_frame()  # (the socket times out: a stall fails here)
+        if env.id == fenv.id:
+            fr = env.fetch_reply
+        else:
+            nonces.append(env.pong.nonce)
+    assert nonces == list(range(30))
+    pool.follow(fr)
+    assert fr.status == pb.FETCH_DONE and len(kw.reply_blocks(fr)) == 8, fr
+    check_bytes(pool, kw.reply_blocks(fr), pats)
+    assert c.ping(nonce=99).nonce == 99
+
+
 def test_fetch_client_dies_mid_flight_leaks_nothing(kvd_factory):
     """A client that sends a Fetch and exits at once: the fetched blocks end up cached (no
     reference, no WRITING block left), and the next client hits them in T0."""
