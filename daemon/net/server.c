@@ -823,8 +823,8 @@ static kvd_session *later_find(void *arg, uint64_t id) {
  * written and its buffered requests handled, as a writable event would (on_conn_poll). Here, not
  * in later_send: a reply may be deferred inside another connection's request (a Release that
  * lets a waiting Allocate go), where writing, or closing a connection whose write fails, would
- * run in the middle of that request. Here, not at the next writable event: that took two
- * epoll_ctl and one more epoll_wait a deferred reply (a Fetch, a Lookup that asked Redis). */
+ * run in the middle of that request. Here, not at the next writable event: that took four
+ * epoll_ctl and one more epoll_wait a deferred reply (strace of remote Lookups). */
 static void on_later_check(uv_check_t *h) {
     kvd_server *s = h->data;
     uv_check_stop(&s->later_check);
