@@ -345,21 +345,28 @@ def test_fetch_short_is_not_fetched(kvd_factory):
     assert fr.status == pb.FETCH_DONE and len(kw.reply_blocks(fr)) == 4, fr
 
 
+def _chain_pushed_down(d, c, pool, key, flood_base):
+    """An 8-block chain written, copied down, then partly pushed out of T0 by 12 other chains:
+    (its hashes, its patterns, the blocks T0 still holds). A Fetch of it copies up from T1."""
+    hs = prefix(pool, 8, key)
+    pats = patterns(pool, hs)
+    write_commit_release(c, pool, hs, pats)
+    settle(d)
+    flood(c, pool, 12, 8, flood_base)
+    r = c.lookup(pool.pool_id, hs)
+    n0 = len(kw.reply_blocks(r))
+    c.release(pool.pool_id, kw.reply_blocks(r))
+    assert n0 < 8
+    return hs, pats, n0
+
+
 def test_concurrent_fetches_share_one_copy(kvd_factory):
     """Two Fetches of one evicted chain pipelined back to back: both get all blocks, and the
     copies up are made once (the second waits for the first's)."""
     d = kvd_factory(**_tiers(tier_write="write-through"))
     c = connect(d)
     pool = c.attach("m-share", LAYOUT)
-    hs = prefix(pool, 8, 2)
-    pats = patterns(pool, hs)
-    write_commit_release(c, pool, hs, pats)
-    settle(d)
-    flood(c, pool, 12, 8, 70)
-    r = c.lookup(pool.pool_id, hs)
-    n0 = len(kw.reply_blocks(r))
-    c.release(pool.pool_id, kw.reply_blocks(r))
-    assert n0 < 8
+    hs, pats, n0 = _chain_pushed_down(d, c, pool, 2, 70)
     a = c.send("fetch", c.fetch_msg(pool.pool_id, hs))
     b = c.send("fetch", c.fetch_msg(pool.pool_id, hs))
     p = c.send("ping", pb.Ping(nonce=5))
@@ -386,14 +393,7 @@ def test_deferred_reply_among_pipelined_requests(kvd_factory):
     d = kvd_factory(max_inflight="1", **_tiers(tier_write="write-through"))
     c = connect(d)
     pool = c.attach("m-later", LAYOUT)
-    hs = prefix(pool, 8, 3)
-    pats = patterns(pool, hs)
-    write_commit_release(c, pool, hs, pats)
-    settle(d)
-    flood(c, pool, 12, 8, 90)
-    r = c.lookup(pool.pool_id, hs)
-    c.release(pool.pool_id, kw.reply_blocks(r))
-    assert len(kw.reply_blocks(r)) < 8  # some of the chain is in T1 only: the Fetch copies up
+    hs, pats, _ = _chain_pushed_down(d, c, pool, 3, 90)
     fenv = c.envelope("fetch", c.fetch_msg(pool.pool_id, hs))
     pings = [c.envelope("ping", pb.Ping(nonce=i)) for i in range(30)]
     c.send_raw(b"".join(c.frame(e.SerializeToString()) for e in [fenv] + pings))
