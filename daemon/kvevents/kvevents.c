@@ -575,7 +575,7 @@ static void on_tfd(uv_poll_t *h, int status, int events) {
     kvd_kvevents *e = h->data;
     uint64_t expirations;
     if (read(e->tfd, &expirations, sizeof(expirations)) != (ssize_t)sizeof(expirations)) {
-        return; /* not expired (a disarmed timer's stale readiness) */
+        return; /* EAGAIN: woken with no expiry to read */
     }
     e->armed = 0;
     handoff(e, 1);

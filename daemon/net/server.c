@@ -828,7 +828,6 @@ static kvd_session *later_find(void *arg, uint64_t id) {
 static void on_later_check(uv_check_t *h) {
     kvd_server *s = h->data;
     uv_check_stop(&s->later_check);
-    s->later_on = 0;
     kvd_conn *next;
     for (kvd_conn *c = s->conns; c != NULL; c = next) {
         next = c->next; /* (a closed connection stays listed until its close callback) */
@@ -856,10 +855,7 @@ static void later_send(void *arg, uint64_t id, const kvd_reply *r) {
         return;
     }
     c->later = 1;
-    if (!s->later_on) {
-        uv_check_start(&s->later_check, on_later_check);
-        s->later_on = 1;
-    }
+    uv_check_start(&s->later_check, on_later_check); /* (started already: nothing changes) */
 }
 
 kv_err kvd_server_alloc(const kvd_server_deps *d, kvd_server **out) {
@@ -1079,7 +1075,6 @@ static void stop_now(kvd_server *s) {
     }
     if (s->later_active) {
         s->later_active = 0;
-        s->later_on = 0;
         uv_close((uv_handle_t *)&s->later_check, NULL);
     }
     if (s->linger_active) {

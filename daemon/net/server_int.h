@@ -61,7 +61,6 @@ struct kvd_server {
     int timer_active;         /* frame_timer initialised and not closed */
     uv_check_t later_check;   /* the loop iteration's end: deferred replies queued in it go out */
     int later_active;         /* later_check initialised and not closed */
-    int later_on;             /* later_check started */
     uv_timer_t linger_timer;  /* cuda-ipc stop: waits for sessions (shutdown-grace-ms) */
     int linger_active;        /* linger_timer initialised and not closed */
     int lingering;            /* kvd_server_stop is waiting for sessions to close */

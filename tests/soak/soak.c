@@ -17,7 +17,6 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include <msgpack.h>
 #include <zmq.h>
 
+#include "bench/benchutil.h"
 #include "kvclient.h"
 #include "tests/integration/kvd_harness.h"
 
@@ -666,43 +666,16 @@ static pid_t spawn_worker(const soak_ctx *x, int slot) {
 /* The number after key (a JSON member name with its colon) in the admin `stats` reply, from
  * admin.sock beside kvd's socket; 0 when it cannot be read. */
 static uint64_t admin_stat(const soak_ctx *x, const char *key) {
-    struct sockaddr_un sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sun_family = AF_UNIX;
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/admin.sock", x->dir);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        write(fd, "stats\n", 6) != 6) {
-        if (fd >= 0) {
-            close(fd);
-        }
-        return 0;
-    }
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    while (buf != NULL && (len == 0 || buf[len - 1] != '\n')) {
-        if (len + 1 == cap) {
-            char *nb = realloc(buf, cap * 2);
-            if (nb == NULL) {
-                break;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-        ssize_t k = read(fd, buf + len, cap - 1 - len);
-        if (k <= 0) {
-            break;
-        }
-        len += (size_t)k;
-    }
-    close(fd);
+    char path[160];
+    snprintf(path, sizeof(path), "%s/admin.sock", x->dir);
+    size_t cap = 4u << 20; /* the whole reply (every pool and tenant) */
+    char *reply = malloc(cap);
     uint64_t v = 0;
-    if (buf != NULL) {
-        buf[len] = '\0';
-        const char *at = strstr(buf, key);
+    if (reply != NULL && bench_admin(path, "stats", reply, cap) == 0) {
+        const char *at = strstr(reply, key);
         v = at != NULL ? strtoull(at + strlen(key), NULL, 10) : 0;
-        free(buf);
     }
+    free(reply);
     return v;
 }
 
@@ -1130,7 +1103,7 @@ int soak_run(const soak_options *o, soak_result *r) {
     int ev_ok = 1;
     if (o->events) {
         ev_ok = r->ev_gaps == 0 && r->ev_bad == 0 && r->ev_batches > 0 && r->ev_stored > 0 &&
-                r->ev_last + 1 >= r->ev_published;
+                r->ev_published > 0 && r->ev_last + 1 >= r->ev_published;
         printf("soak: KV events: %llu batches received, seq %llu..%llu (kvd had published %llu "
                "when the workers were gone; missing in sequence %llu, malformed or out of order "
                "%llu), %llu BlockStored, %llu BlockRemoved, %llu AllBlocksCleared%s\n",

@@ -33,6 +33,7 @@ static void check_soak(const soak_options *o, soak_result *out) {
         assert_int_equal(r.ev_gaps, 0);
         assert_int_equal(r.ev_bad, 0);
         assert_true(r.ev_stored > 0);
+        assert_true(r.ev_published > 0);              /* kvd's count was read */
         assert_true(r.ev_last + 1 >= r.ev_published); /* none lost at the end */
     }
     assert_int_equal(rc, 0);
