@@ -834,7 +834,10 @@ static void on_later_check(uv_check_t *h) {
         if (c->later) {
             c->later = 0;
             if (!c->closing) {
-                on_conn_poll(&c->poll, 0, 0);
+                /* As writable: the write comes first, so that the requests buffered behind the
+                 * flow-control limit are handled once it makes room (handled nothing before it
+                 * and nothing after, the connection would wait for a read that may never come). */
+                on_conn_poll(&c->poll, 0, UV_WRITABLE);
             }
         }
     }
