@@ -1527,10 +1527,16 @@ static void room_wake(kvd_tiers *t, uint32_t pool_id, kv_err rc) {
     }
 }
 
-/* A copy down gave its T0 block back: the Allocates waiting on the pool try again. */
-static void unleased(tier_pool *tp) {
+/* A copy down gave its T0 block's lease back; unleased also wakes the Allocates waiting for one
+ * (their retries run now: evictions, copies down started, replies), so a caller in the middle
+ * of updating tier state uses unleased_quiet and wakes them once its state is whole. */
+static void unleased_quiet(tier_pool *tp) {
     KV_ASSERT(tp->leased > 0);
     tp->leased--;
+}
+
+static void unleased(tier_pool *tp) {
+    unleased_quiet(tp);
     if (tp->t->waits != NULL) {
         room_wake(tp->t, tp->pool_id, KV_OK);
     }
@@ -2162,6 +2168,8 @@ static void after_work(uv_work_t *w, int status) {
     tier_pool *tp = j->tp;
     kvd_tiers *t = tp->t;
     kvd_pool *pool = pool_of(tp);
+    uint32_t pool_id = tp->pool_id;
+    int wake = 0; /* a lease came back: waiting Allocates are retried at the end */
     tp->jobs--;
     t->jobs--;
     int kind = span_kind(j);
@@ -2201,7 +2209,8 @@ static void after_work(uv_work_t *w, int status) {
             if (pool != NULL) {
                 (void)kvd_pool_unlease(pool, j->ref, j->cold);
             }
-            unleased(tp);
+            unleased_quiet(tp);
+            wake = 1;
             e->pending &= (uint8_t)~KVD_TPEND_T1;
             uint32_t owner = kvd_tstore_owner(&tp->st, j->entry);
             if (j->rc == KV_OK && !e->doomed && e->t1 == NULL &&
@@ -2239,7 +2248,8 @@ static void after_work(uv_work_t *w, int status) {
                 if (pool != NULL) {
                     (void)kvd_pool_unlease(pool, j->ref, j->cold);
                 }
-                unleased(tp);
+                unleased_quiet(tp);
+                wake = 1;
             } else {
                 e->busy--;
             }
@@ -2342,6 +2352,12 @@ static void after_work(uv_work_t *w, int status) {
     free(j);
     if (tp->gone && tp->jobs == 0) {
         tier_pool_free(tp);
+    }
+    /* Last: a retried Allocate may evict and start copies down, which grow the entry store
+     * (moving the entries this completion updated above) and pick among the blocks it
+     * just made cached. */
+    if (wake && t->waits != NULL) {
+        room_wake(t, pool_id, KV_OK);
     }
 }
 

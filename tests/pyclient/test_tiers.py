@@ -769,6 +769,9 @@ def test_allocate_waits_for_copies_down(kvd_factory):
     st = tier_stats(d)
     assert st["alloc_waits"] >= 1, st  # at least one of them met the copies in flight
     assert st["demotions_t1"] >= 8 * n - n, st
+    # A waiting Allocate is retried once the landing copy's block is in T1: it evicts blocks
+    # with a copy below (it ran before the landing was recorded, counting the block dirty).
+    assert st["dirty_drops"] == 0, st
     assert d.alive()
 
 
