@@ -25,6 +25,8 @@
 #define NSLOTS 16384
 #define PUT_BATCH 64
 #define BACKOFF_MIN_MS 100
+#define UNDEL_MAX 1024     /* deletes that failed, kept to be tried again */
+#define UNDEL_RETRY_MS 500 /* how often they are tried again */
 
 enum { OP_PUT = 1, OP_GET = 2, OP_DEL = 3, OP_PROBE = 4 };
 
@@ -97,6 +99,7 @@ struct kvd_remote {
     op *gets, **gets_tail; /* queued gets (FIFO) */
     op *puts, **puts_tail; /* queued puts (FIFO) */
     op *done, **done_tail; /* finished, for the loop */
+    uint64_t dels_queued;  /* DELs in puts: gets wait until they have run */
     uint64_t queued_bytes;
     uint64_t queue_cap;
     char *password;
@@ -108,6 +111,11 @@ struct kvd_remote {
     int need_refresh; /* read CLUSTER SLOTS again before the next request */
     int probed;       /* single vs cluster decided */
     int16_t *slots;   /* [NSLOTS] node index, -1 unknown */
+    /* Deletes that failed (node down, timeout), tried again every UNDEL_RETRY_MS until they land;
+     * until then a get or probe of their key is a miss. */
+    op *undel;
+    size_t nundel;
+    uint64_t undel_at; /* ms: when to try them again */
     /* Lookups that nodes a new slot map forgot left running (a DNS server that does not
      * answer holds each for its resolver's timeouts): a node of the same name met again waits
      * for one of these instead of starting another thread. */
@@ -220,6 +228,16 @@ static void count(kvd_remote *r, uint64_t *field, uint64_t v) {
 }
 
 static int any_up(const kvd_remote *r);
+
+/* Whether key waits in the deletes that failed (thread). */
+static int undel_has(const kvd_remote *r, const char *key) {
+    for (const struct op *o = r->undel; o != NULL; o = o->next) {
+        if (strcmp(o->key, key) == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
 
 /* ---- nodes ------------------------------------------------------------------------------- */
 
@@ -720,8 +738,11 @@ static int node_of(kvd_remote *r, const char *key) {
     return -1;
 }
 
-/* "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node it names (added if new), or -1. */
-static int redirect_target(kvd_remote *r, const char *err, int *ask, uint32_t *slot) {
+/* "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node it names (added if new), or -1. here: the
+ * host of the node that answered, which an empty host names ("MOVED 3999 :6381": Redis 7's
+ * cluster-preferred-endpoint-type unknown-endpoint), as CLUSTER SLOTS's empty host does. */
+static int redirect_target(kvd_remote *r, const char *here, const char *err, int *ask,
+                           uint32_t *slot) {
     *ask = strncmp(err, "ASK ", 4) == 0;
     if (!*ask && strncmp(err, "MOVED ", 6) != 0) {
         return -1;
@@ -738,8 +759,12 @@ static int redirect_target(kvd_remote *r, const char *err, int *ask, uint32_t *s
         return -1;
     }
     char host[256];
-    memcpy(host, hp, (size_t)(colon - hp));
-    host[colon - hp] = '\0';
+    if (colon == hp) {
+        snprintf(host, sizeof(host), "%s", here);
+    } else {
+        memcpy(host, hp, (size_t)(colon - hp));
+        host[colon - hp] = '\0';
+    }
     *slot = (uint32_t)s;
     return node_find_or_add(r, host, atoi(colon + 1));
 }
@@ -964,7 +989,7 @@ static int rb_readv(node *nd, const struct iovec *iov, int niov) {
 /* One reply of a get pipeline: 0 read (v filled: a hit, a miss, a bad value; or *to set: a
  * redirection to send it again to), 1 an error reply (noted in errbuf), -1 the connection
  * failed or said something that is no GET reply. */
-static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *ask);
+static int note_redirect_err(kvd_remote *r, const node *nd, const char *err, int *to, uint8_t *ask);
 
 static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want,
                           const kvd_remote_dst *dst, kvd_remote_val *v, int *to, uint8_t *ask,
@@ -974,7 +999,7 @@ static int read_get_reply(kvd_remote *r, node *nd, const kvd_remote_meta *want,
         return -1;
     }
     if (line[0] == '-') {
-        if (note_redirect_err(r, line + 1, to, ask)) {
+        if (note_redirect_err(r, nd, line + 1, to, ask)) {
             return 0;
         }
         snprintf(errbuf, errlen, "%.200s", line + 1);
@@ -1056,7 +1081,9 @@ static redisReply *command_one(kvd_remote *r, int ni, int argc, const char **arg
         }
         int ask;
         uint32_t slot;
-        int to = rep->type == REDIS_REPLY_ERROR ? redirect_target(r, rep->str, &ask, &slot) : -1;
+        int to = rep->type == REDIS_REPLY_ERROR
+                     ? redirect_target(r, nd->host, rep->str, &ask, &slot)
+                     : -1;
         if (to < 0) {
             return rep;
         }
@@ -1105,10 +1132,11 @@ static redisReply *command_at(kvd_remote *r, int to, int ask, int argc, const ch
 
 /* A redirection in a pipelined reply: where to send the key again once the pipeline is read
  * (a command sent now on the same connection would read the next pipelined reply). */
-static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *ask) {
+static int note_redirect_err(kvd_remote *r, const node *nd, const char *err, int *to,
+                             uint8_t *ask) {
     int a;
     uint32_t slot;
-    int t = redirect_target(r, err, &a, &slot);
+    int t = redirect_target(r, nd->host, err, &a, &slot);
     if (t < 0) {
         return 0;
     }
@@ -1123,8 +1151,8 @@ static int note_redirect_err(kvd_remote *r, const char *err, int *to, uint8_t *a
 }
 
 /* The same, for a reply libhiredis read. */
-static int note_redirect(kvd_remote *r, redisReply *rep, int *to, uint8_t *ask) {
-    return rep->type == REDIS_REPLY_ERROR && note_redirect_err(r, rep->str, to, ask);
+static int note_redirect(kvd_remote *r, const node *nd, redisReply *rep, int *to, uint8_t *ask) {
+    return rep->type == REDIS_REPLY_ERROR && note_redirect_err(r, nd, rep->str, to, ask);
 }
 
 /* Where each key of a get or a probe goes: dest[i] its node (-1: every node is down), and
@@ -1205,13 +1233,36 @@ static void pipeline_end(kvd_remote *r, int ni, redisContext *c, int shortened) 
     }
 }
 
+/* A read of node nd's pipelined replies for o failed (the pipeline began at since). When less than
+ * half of remote-timeout-ms was left of o's deadline then (the request's other nodes took the
+ * rest), the deadline may be what cut it: the connection goes (its replies are unread), but the
+ * node is marked down only once such cuts add up to remote-timeout-ms (node_fail_cut), as for a
+ * connect the deadline cut short, so that one slow node of a request does not put the next one's
+ * node in backoff. Otherwise the node failed. */
+static void read_failed(kvd_remote *r, const op *o, node *nd, const char *why, uint64_t since) {
+    uint64_t left = o->deadline > since ? o->deadline - since : 0;
+    if (left * 2 >= r->timeout_ms) {
+        node_fail(r, nd, why);
+        return;
+    }
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s (the request's time ran out)", why); /* (why may be c's) */
+    if (nd->c != NULL) {
+        redisFree(nd->c);
+        nd->c = NULL;
+    }
+    nd->rb_pos = nd->rb_len = 0;
+    node_fail_cut(r, nd, buf, 1, since);
+}
+
 /* What a get or a probe makes of one key's reply (not a redirection). */
 typedef void (*reply_fn)(kvd_remote *r, op *o, size_t i, const node *nd, redisReply *rep);
 
 /* Reads node ni's pipelined replies with libhiredis's reader, in key order: fn for each, a
  * redirection noted in rt for resend_redirected. A node that fails: its keys not read are
  * misses (o->rc KV_ESYS). */
-static void pipeline_read(kvd_remote *r, op *o, route *rt, int ni, redisContext *c, reply_fn fn) {
+static void pipeline_read(kvd_remote *r, op *o, route *rt, int ni, redisContext *c, reply_fn fn,
+                          uint64_t since) {
     node *nd = &r->nodes[ni];
     for (size_t i = 0; i < o->n; i++) {
         if (rt->dest[i] != ni) {
@@ -1220,14 +1271,14 @@ static void pipeline_read(kvd_remote *r, op *o, route *rt, int ni, redisContext 
         void *vrep = NULL;
         if (nd->c == NULL || redisGetReply(c, &vrep) != REDIS_OK) {
             if (nd->c != NULL) {
-                node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "no reply");
+                read_failed(r, o, nd, c->errstr[0] != '\0' ? c->errstr : "no reply", since);
             }
             o->rc = KV_ESYS;
             continue;
         }
         redisReply *rep = vrep;
         nd->fails = 0; /* it answers */
-        if (!note_redirect(r, rep, &rt->rto[i], &rt->rask[i])) {
+        if (!note_redirect(r, nd, rep, &rt->rto[i], &rt->rask[i])) {
             fn(r, o, i, nd, rep);
         }
         freeReplyObject(rep);
@@ -1284,6 +1335,7 @@ static void do_get(kvd_remote *r, op *o) {
     for (int ni = 0; ni < r->nnodes; ni++) {
         int shortened = 0;
         redisContext *c = pipeline_begin(r, o, &rt, ni, "GET", &shortened);
+        uint64_t since = now_ms();
         if (c == NULL) {
             continue;
         }
@@ -1312,18 +1364,25 @@ static void do_get(kvd_remote *r, op *o) {
                 failed = 1; /* bytes past the last reply: the connection is out of step */
             }
             if (failed) {
-                node_fail(r, nd, c->errstr[0] != '\0' ? c->errstr : "GET: no reply (or not one)");
+                read_failed(r, o, nd,
+                            c->errstr[0] != '\0' ? c->errstr : "GET: no reply (or not one)", since);
                 o->rc = KV_ESYS; /* the keys not read are misses */
             } else {
                 nd->fails = 0; /* it answers */
             }
         } else {
-            pipeline_read(r, o, &rt, ni, c, get_reply);
+            pipeline_read(r, o, &rt, ni, c, get_reply, since);
         }
         pipeline_end(r, ni, c, shortened);
     }
     resend_redirected(r, o, &rt, "GET", get_reply);
     route_free(&rt);
+    for (size_t i = 0; r->undel != NULL && i < o->n; i++) {
+        if (o->vals[i].status == KVD_REMOTE_HIT && undel_has(r, o->keys[i])) {
+            free(o->vals[i].data); /* a value to be deleted is never served */
+            o->vals[i] = (kvd_remote_val){0};
+        }
+    }
     uint64_t hits = 0, misses = 0, bad = 0;
     for (size_t i = 0; i < o->n; i++) {
         hits += o->vals[i].status == KVD_REMOTE_HIT;
@@ -1369,13 +1428,19 @@ static void do_probe(kvd_remote *r, op *o) {
     for (int ni = 0; ni < r->nnodes; ni++) {
         int shortened = 0;
         redisContext *c = pipeline_begin(r, o, &rt, ni, "STRLEN", &shortened);
+        uint64_t since = now_ms();
         if (c != NULL) {
-            pipeline_read(r, o, &rt, ni, c, probe_reply);
+            pipeline_read(r, o, &rt, ni, c, probe_reply, since);
             pipeline_end(r, ni, c, shortened);
         }
     }
     resend_redirected(r, o, &rt, "STRLEN", probe_reply);
     route_free(&rt);
+    for (size_t i = 0; r->undel != NULL && i < o->n; i++) {
+        if (o->present[i] && undel_has(r, o->keys[i])) {
+            o->present[i] = 0;
+        }
+    }
 }
 
 /* Bytes of a put's value: header, tail, payload. */
@@ -1451,7 +1516,7 @@ static void do_puts(kvd_remote *r, op **ops, size_t n) {
             }
             redisReply *rep = vrep;
             r->nodes[ni].fails = 0; /* it answers */
-            if (note_redirect(r, rep, &rto[i], &rask[i])) {
+            if (note_redirect(r, &r->nodes[ni], rep, &rto[i], &rask[i])) {
                 freeReplyObject(rep); /* sent again below, once this pipeline is read */
                 continue;
             }
@@ -1528,6 +1593,105 @@ static void finish(kvd_remote *r, op *o) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* DEL of o's key: 1 when Redis answered it (the key is gone now, or never was there). */
+static int del_one(kvd_remote *r, op *o) {
+    const char *argv[2] = {"DEL", o->key};
+    size_t lens[2] = {3, strlen(o->key)};
+    int ni = node_of(r, o->key);
+    redisReply *rep = ni >= 0 ? command_one(r, ni, 2, argv, lens, 0) : NULL;
+    int ok = rep != NULL && rep->type == REDIS_REPLY_INTEGER;
+    if (rep != NULL) {
+        freeReplyObject(rep);
+    }
+    return ok;
+}
+
+/* A delete that did not land: kept, to be tried again (the oldest is given up, with a warning,
+ * when UNDEL_MAX wait). */
+static void undel_keep(kvd_remote *r, op *o) {
+    if (r->nundel == UNDEL_MAX) {
+        op *old = r->undel;
+        r->undel = old->next;
+        r->nundel--;
+        KV_LOG(WARN, "KVD-REMOTE-DEL",
+               "remote tier: gave up deleting %s (a quarantined block's value) after %d tries "
+               "of Redis; another node may still be served it",
+               old->key, UNDEL_MAX);
+        old->rc = KV_ESYS;
+        finish(r, old);
+    }
+    op **tail = &r->undel;
+    while (*tail != NULL) {
+        tail = &(*tail)->next;
+    }
+    o->next = NULL;
+    *tail = o;
+    if (r->nundel++ == 0) {
+        r->undel_at = now_ms() + UNDEL_RETRY_MS;
+    }
+    count(r, &r->st.dels_pending, 1);
+}
+
+/* The deletes that failed, tried again in order; those that land are done. */
+static void undel_retry(kvd_remote *r) {
+    op **at = &r->undel;
+    while (*at != NULL) {
+        op *o = *at;
+        if (del_one(r, o)) {
+            *at = o->next;
+            r->nundel--;
+            count(r, &r->st.dels_pending, (uint64_t)-1);
+            o->rc = KV_OK;
+            finish(r, o);
+        } else {
+            at = &o->next;
+        }
+    }
+    r->undel_at = now_ms() + UNDEL_RETRY_MS;
+}
+
+/* A batch of puts and deletes, in queue order: each delete runs after the puts queued before it
+ * have been answered (a put retried after a failover included), so a quarantined block's value
+ * written just before cannot outlive its DEL. */
+static void run_puts(kvd_remote *r, op **batch, size_t nb) {
+    for (size_t s = 0; s < nb;) {
+        size_t e = s;
+        while (e < nb && batch[e]->kind != OP_DEL) {
+            e++;
+        }
+        op **ps = batch + s;
+        size_t np = e - s;
+        do_puts(r, ps, np);
+        op *again[PUT_BATCH];
+        size_t na = 0;
+        for (size_t i = 0; i < np; i++) {
+            if (ps[i]->rc == KV_ESYS && r->cluster) {
+                again[na++] = ps[i];
+            }
+        }
+        if (na > 0 && r->need_refresh && refresh(r, 0) == 0) {
+            /* Counted as errors the first time: uncount what the second try lands. */
+            pthread_mutex_lock(&r->mu);
+            r->st.put_errors -= na;
+            pthread_mutex_unlock(&r->mu);
+            do_puts(r, again, na);
+        }
+        for (size_t i = 0; i < np; i++) {
+            finish(r, ps[i]);
+        }
+        if (e < nb) { /* the delete */
+            op *d = batch[e++];
+            if (del_one(r, d)) {
+                d->rc = KV_OK;
+                finish(r, d);
+            } else {
+                undel_keep(r, d);
+            }
+        }
+        s = e;
+    }
+}
+
 static void *thread_main(void *arg) {
     kvd_remote *r = arg;
     /* libhiredis writes with write(): a connection Redis closed must give EPIPE here, not a
@@ -1544,22 +1708,38 @@ static void *thread_main(void *arg) {
     for (;;) {
         pthread_mutex_lock(&r->mu);
         while (!r->stop && r->gets == NULL && r->puts == NULL) {
-            pthread_cond_wait(&r->cv, &r->mu);
+            if (r->undel == NULL) {
+                pthread_cond_wait(&r->cv, &r->mu);
+                continue;
+            }
+            uint64_t now = now_ms();
+            if (now >= r->undel_at) {
+                break; /* the failed deletes' turn */
+            }
+            struct timespec until;
+            clock_gettime(CLOCK_MONOTONIC, &until);
+            uint64_t ns = (uint64_t)until.tv_nsec + (r->undel_at - now) * 1000000u;
+            until.tv_sec += (time_t)(ns / 1000000000u);
+            until.tv_nsec = (long)(ns % 1000000000u);
+            (void)pthread_cond_timedwait(&r->cv, &r->mu, &until);
         }
         if (r->stop) {
             pthread_mutex_unlock(&r->mu);
             break;
         }
-        op *g = r->gets;
+        /* Gets first (a Fetch waits for them), but not past a delete queued before them: it
+         * runs first, so that no get is served a value a delete was queued for. */
+        op *g = r->dels_queued == 0 ? r->gets : NULL;
         op *batch[PUT_BATCH];
         size_t nb = 0;
-        if (g != NULL) { /* gets first: a Fetch waits for them */
+        if (g != NULL) {
             r->gets = g->next;
             if (r->gets == NULL) {
                 r->gets_tail = &r->gets;
             }
         } else {
             while (r->puts != NULL && nb < PUT_BATCH) {
+                r->dels_queued -= r->puts->kind == OP_DEL;
                 batch[nb++] = r->puts;
                 r->puts = r->puts->next;
             }
@@ -1568,6 +1748,16 @@ static void *thread_main(void *arg) {
             }
         }
         pthread_mutex_unlock(&r->mu);
+        if (r->undel != NULL && now_ms() >= r->undel_at) {
+            if (!r->probed || r->need_refresh) {
+                (void)refresh(r, 0);
+            }
+            undel_retry(r);
+        }
+        if (g == NULL && nb == 0) {
+            uv_async_send(&r->async); /* the deletes that landed */
+            continue;
+        }
         if (g != NULL) {
             g->deadline = now_ms() + r->timeout_ms;
         }
@@ -1616,43 +1806,7 @@ static void *thread_main(void *arg) {
             }
             finish(r, g);
         } else {
-            /* Deletes (a quarantined block) go one by one; the rest is one pipeline. */
-            size_t np = 0;
-            for (size_t i = 0; i < nb; i++) {
-                if (batch[i]->kind == OP_DEL) {
-                    const char *argv[2] = {"DEL", batch[i]->key};
-                    size_t lens[2] = {3, strlen(batch[i]->key)};
-                    int ni = node_of(r, batch[i]->key);
-                    redisReply *rep = ni >= 0 ? command_one(r, ni, 2, argv, lens, 0) : NULL;
-                    batch[i]->rc =
-                        rep != NULL && rep->type == REDIS_REPLY_INTEGER ? KV_OK : KV_ESYS;
-                    if (rep != NULL) {
-                        freeReplyObject(rep);
-                    }
-                    finish(r, batch[i]);
-                } else {
-                    batch[np++] = batch[i];
-                }
-            }
-            nb = np;
-            do_puts(r, batch, nb);
-            op *again[PUT_BATCH];
-            size_t na = 0;
-            for (size_t i = 0; i < nb; i++) {
-                if (batch[i]->rc == KV_ESYS && r->cluster) {
-                    again[na++] = batch[i];
-                }
-            }
-            if (na > 0 && r->need_refresh && refresh(r, 0) == 0) {
-                /* Counted as errors the first time: uncount what the second try lands. */
-                pthread_mutex_lock(&r->mu);
-                r->st.put_errors -= na;
-                pthread_mutex_unlock(&r->mu);
-                do_puts(r, again, na);
-            }
-            for (size_t i = 0; i < nb; i++) {
-                finish(r, batch[i]);
-            }
+            run_puts(r, batch, nb);
         }
         pthread_mutex_lock(&r->mu);
         r->st.state = any_up(r) ? 1 : 2;
@@ -1673,6 +1827,19 @@ static void *thread_main(void *arg) {
         resolve_rele(r->idle[k]);
     }
     r->nidle = 0;
+    if (r->nundel > 0) {
+        KV_LOG(WARN, "KVD-REMOTE-DEL",
+               "remote tier: stopping with %zu deletes of quarantined blocks' values not done "
+               "(Redis did not answer them); another node may still be served those values",
+               r->nundel);
+    }
+    while (r->undel != NULL) {
+        op *o = r->undel;
+        r->undel = o->next;
+        o->rc = KV_ECLOSED;
+        finish(r, o);
+    }
+    r->nundel = 0;
     return NULL;
 }
 
@@ -1782,7 +1949,11 @@ kv_err kvd_remote_alloc(uv_loop_t *loop, const kvd_remote_cfg *cfg, kvd_remote *
     r->st.state = 2;
     r->st.nnodes = r->nnodes;
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    pthread_condattr_t ca; /* timed waits (the failed deletes' retries) on the monotonic clock */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->cv, &ca);
+    pthread_condattr_destroy(&ca);
     uv_async_init(loop, &r->async, on_async);
     r->async.data = r;
     r->async_open = 1;
@@ -1811,6 +1982,7 @@ static kv_err enqueue(kvd_remote *r, op *o) {
     **tail = o;
     *tail = &o->next;
     r->queued_bytes += o->kind == OP_PUT ? o->plen : 0;
+    r->dels_queued += o->kind == OP_DEL;
     pthread_mutex_unlock(&r->mu);
     /* After the unlock: signalled under it, the woken thread blocks at once on the mutex the
      * loop still holds and must be woken a second time (two more context switches a request;

@@ -94,8 +94,11 @@ typedef void (*kvd_remote_put_done)(void *arg, kv_err rc);
 kv_err kvd_remote_put(kvd_remote *r, const char *key, const kvd_remote_meta *meta,
                       const uint8_t *payload, size_t plen, kvd_remote_put_done done, void *arg);
 
-/* DEL key, queued after the puts queued before it (a block that was quarantined: its value must
- * not be served by any node). No completion; KV_EBUSY at stop, KV_ENOMEM. */
+/* DEL key (a block that was quarantined: its value must not be served by any node). It runs after
+ * the puts queued before it have been answered, and before the gets and probes queued after it.
+ * One that fails is kept and tried again every 0.5 s (at most 1024 wait; the oldest is then given
+ * up with a warning), and until it lands a get or probe of the key is a miss; a stop gives up the
+ * ones left, with a warning. No completion; KV_EBUSY at stop, KV_ENOMEM. */
 kv_err kvd_remote_del(kvd_remote *r, const char *key);
 
 /* One key's answer to a get. */
@@ -160,8 +163,9 @@ typedef struct kvd_remote_stats {
     uint64_t gets, hits, misses, bad;
     uint64_t probes, probe_hits; /* keys asked by kvd_remote_probe, and found there */
     uint64_t errors, reconnects, redirects;
-    int cluster; /* a Redis Cluster was found */
-    int nnodes;  /* nodes known */
+    uint64_t dels_pending; /* DELs of quarantined values that failed, waiting to be tried again */
+    int cluster;           /* a Redis Cluster was found */
+    int nnodes;            /* nodes known */
     char last_error[600];
 } kvd_remote_stats;
 void kvd_remote_get_stats(kvd_remote *r, kvd_remote_stats *out);

@@ -89,6 +89,7 @@ enum {
     TS_REMOTE_DIRECT,
     TS_REMOTE_PROBES,
     TS_REMOTE_PROBE_HITS,
+    TS_REMOTE_DELS_PENDING,
     TS_REMOTE_PUT_SKIPS,
     TS_REMOTE_DIRTY_DROPS,
     TS_QUOTA_DROPS,
@@ -252,6 +253,11 @@ static const kv_stat_desc tier_stats[TS_COUNT] = {
                           NULL, NULL, NULL, NULL},
     [TS_REMOTE_PROBE_HITS] = {"remote_probe_hits", "counter", "blocks",
                               "of them, keys Redis held a value for", NULL, NULL, NULL, NULL},
+    [TS_REMOTE_DELS_PENDING] = {"remote_dels_pending", "gauge", "keys",
+                                "deletes of quarantined blocks' values Redis has not answered yet "
+                                "(tried again every 0.5 s; until then this node treats the key as "
+                                "a miss)",
+                                NULL, NULL, NULL, NULL},
     [TS_REMOTE_PUT_SKIPS] = {"remote_put_skips", "counter", "blocks",
                              "blocks not written to Redis again on their way down: read from "
                              "there straight into T0 (remote-ttl-s 0)",
@@ -4272,6 +4278,7 @@ void kvd_tiers_stats(const kvd_tiers *t, kvd_stat_sink sink, void *arg) {
             v[TS_REMOTE_REDIRECTS] = rs.redirects;
             v[TS_REMOTE_PROBES] = rs.probes;
             v[TS_REMOTE_PROBE_HITS] = rs.probe_hits;
+            v[TS_REMOTE_DELS_PENDING] = rs.dels_pending;
         }
         if (t->rwatch != NULL) {
             kvd_rwatch_stats ws;

@@ -976,6 +976,46 @@ def test_events_name_the_remote_medium(kvd_factory, redis):
         ctx.destroy(0)
 
 
+def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, redis):
+    """A block quarantined while its write-through put waits in the remote thread's queue (Redis
+    stopped with SIGSTOP, the thread stuck on an earlier write): the put and the DEL leave in one
+    batch, and the DEL runs after the put, so Redis ends without the value. (The DELs of a batch
+    used to run before its puts: the SET then stored the value again for every node.) A get
+    queued behind the DEL waits for it."""
+    a = kvd_factory(**node_opts(redis.addr, verify_blocks="true", remote_timeout_ms="8000"))
+    c = connect(a)
+    p = c.attach(MODEL, LAYOUT)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, p.pool_id))
+    hw, _ = commit_chain(c, p, 1, 616100)
+    assert ns.wait_landed(hw), rem(a)
+    puts0 = tiers(a)["remote_puts"]
+    redis.sigstop()
+    try:
+        hw2, _ = commit_chain(c, p, 1, 616200)  # its SET waits on the stopped server
+        assert wait_until(lambda: tiers(a)["tier1_blocks"] >= 2, timeout=10), rem(a)
+        hx = chain(p, 1, 616300)
+        px = patterns(p.layout, hx)[0]
+        (bx,) = allocate(c, p, 1)
+        p.write_block(bx[0], px)
+        canon = c.commit(p.pool_id, [(bx, hx[0], kw.NO_PARENT)])
+        c.release(p.pool_id, canon)
+        # X's copy lands in T1 (its put queued behind W2's), then X changes: quarantined.
+        assert wait_until(lambda: tiers(a)["tier1_blocks"] >= 3, timeout=10), rem(a)
+        bad = bytearray(px)
+        bad[0] ^= 0xFF
+        p.write_block(canon[0][0], bytes(bad))
+        assert kw.reply_blocks(c.lookup(p.pool_id, hx)) == []
+    finally:
+        redis.sigcont()
+    assert wait_until(lambda: tiers(a)["remote_puts"] >= puts0 + 2, timeout=15), rem(a)
+    assert ns.wait_landed(hw2), rem(a)
+    time.sleep(0.3)  # (the DEL, after the put)
+    assert ns.present(hx) == {}, (ns.present(hx), rem(a))
+    assert tiers(a)["remote_dels_pending"] == 0, rem(a)
+    assert a.alive() and c.ping(nonce=5).nonce == 5
+
+
 def test_vllm_digest_travels_through_redis(kvd_factory, redis):
     """hash-mode vllm, KV events on both nodes: A's value of each block carries the last 16
     bytes of its vLLM digest (flag 1; the first 16 are the key), so B, which never saw the
