@@ -3688,6 +3688,30 @@ static int format_ok(const tier_pool *tp, uint8_t f) {
     return (f == KVD_TF_INT8 || f == KVD_TF_FP8) && kvd_tier_format_lossy(tp->format);
 }
 
+/* The entries of a Fetch's local run that are in T1 or T2, held busy (eviction never takes a busy
+ * entry) while the values from Redis land in T1, whose room must not be made of the run they
+ * extend, until fetch_start has taken the run up. Their indices into *nh (malloc'd; NULL with
+ * *nh 0 when none or for want of memory: nothing held). */
+static uint32_t *run_hold(tier_pool *tp, const kv_hash128 *hashes, size_t n, size_t *nh) {
+    *nh = 0;
+    uint32_t *ix = n > 0 ? malloc(sizeof(*ix) * n) : NULL;
+    for (size_t i = 0; ix != NULL && i < n; i++) {
+        uint32_t e = kvd_tstore_find(&tp->st, hashes[i]);
+        if (e != KVD_TNONE && (kvd_tstore_in(&tp->st, e, 1) || kvd_tstore_in(&tp->st, e, 2))) {
+            kvd_tstore_at(&tp->st, e)->busy++;
+            ix[(*nh)++] = e;
+        }
+    }
+    return ix;
+}
+
+static void run_unhold(tier_pool *tp, uint32_t *ix, size_t nh) {
+    for (size_t i = 0; i < nh; i++) {
+        remote_release(tp, ix[i]); /* (quarantined meanwhile: it goes now) */
+    }
+    free(ix);
+}
+
 static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv) {
     (void)rc; /* a failed node's keys are misses */
     rfetch *rf = arg;
@@ -3707,6 +3731,8 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
     /* The leading run of good values: those read straight into their T0 blocks are in place;
      * the others go into T1, from where the fetch copies them up as any T1 hit (on the copy
      * threads). The run ends at the first miss or bad value. */
+    size_t nheld = 0;
+    uint32_t *held = run_hold(tp, rf->hashes, rf->n, &nheld);
     size_t got = 0;
     for (size_t i = 0; i < nv && i < rf->k; i++) {
         kvd_remote_val *v = &vals[i];
@@ -3783,6 +3809,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
         if (rf->short_run) {
             kvd_tiers_count_short(t);
         }
+        run_unhold(tp, held, nheld);
         rfetch_release_direct(rf, p);
         fetch_fail(rf, KV_OK);
         rfetch_free(rf);
@@ -3801,6 +3828,7 @@ static void on_remote_get(void *arg, kv_err rc, kvd_remote_val *vals, size_t nv)
     msg[0] = '\0';
     kv_err src = fetch_start(t, p, rf->session, rf->tenant, rf->hashes, rf->n + got, rf->parent_id,
                              rf->done, rf->arg, &nrun, msg, rf);
+    run_unhold(tp, held, nheld); /* (fetch_start's copies hold what they use themselves) */
     /* What the fetch did not take (it releases what it took); the pool looked up again: the
      * fetch may have finished, and its reply run, meanwhile. */
     rfetch_release_direct(rf, kvd_registry_pool(t->reg, pool_id));

@@ -1016,6 +1016,42 @@ def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, re
     assert a.alive() and c.ping(nonce=5).nonce == 5
 
 
+def test_fetch_keeps_its_local_run_in_tier1(kvd_factory, redis):
+    """B's Fetch of a 16-block chain whose first 8 blocks are in B's T1 only and whose next 8
+    are in Redis as zstd values (which land in T1 before they are copied up), T1 with room for
+    about 11 such values: the values landing do not make their room of the run they extend (they
+    used to evict it, the oldest in T1, and the Fetch came back with fewer blocks than B held)."""
+    a = kvd_factory(**node_opts(redis.addr, tier_format="zstd"))
+    ca = connect(a)
+    pa = ca.attach(MODEL, LAYOUT)
+    hs, pats = commit_chain(ca, pa, 16, 818000, compressible=True)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, pa.pool_id))
+    assert ns.wait_landed(hs), rem(a)
+    vlen = max(r.call("STRLEN", ns.key(h)) for h in hs) - HEADER
+    assert vlen < LAYOUT.block_bytes // 2, vlen  # zstd values: they come through T1
+    b = kvd_factory(**node_opts(redis.addr, writer=False, tier_format="zstd",
+                                pool_memory="128K", tier1_memory=str(vlen * 11)))
+    cb = connect(b)
+    p = cb.attach(MODEL, LAYOUT)
+    fr, got = fetch(cb, p, hs[:8])
+    assert len(got) == 8, msg(fr, rem(b))
+    cb.release(p.pool_id, got)
+    # Every T0 block taken and given back: the run's T0 copies are evicted, T1 keeps the run.
+    n = [q for q in b.admin_result("pools")["pools"] if q["id"] == p.pool_id][0]["blocks_total"]
+    taken = []
+    while len(taken) < n:
+        taken += allocate(cb, p, min(32, n - len(taken)))
+    cb.release(p.pool_id, taken)
+    assert kw.reply_blocks(cb.lookup(p.pool_id, hs)) == []
+    assert tiers(b)["tier1_blocks"] == 8, rem(b)
+    fr, got = fetch(cb, p, hs)
+    assert len(got) >= 8, msg(fr, rem(b))
+    check_prefix(p, got, pats[:len(got)], "B's fetch past its T1 run")
+    cb.release(p.pool_id, got)
+    assert a.alive() and b.alive()
+
+
 def test_vllm_digest_travels_through_redis(kvd_factory, redis):
     """hash-mode vllm, KV events on both nodes: A's value of each block carries the last 16
     bytes of its vLLM digest (flag 1; the first 16 are the key), so B, which never saw the
