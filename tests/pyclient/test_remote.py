@@ -1016,6 +1016,37 @@ def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, re
     assert a.alive() and c.ping(nonce=5).nonce == 5
 
 
+def test_quarantine_delete_is_tried_again_until_it_lands(kvd_factory, redis):
+    """A quarantined block's DEL that Redis does not answer (stopped: the DEL times out) is kept
+    (remote_dels_pending 1) and tried again; once Redis answers, it lands and the value is
+    gone. (It used to be dropped, the value left for every node to be served.)"""
+    a = kvd_factory(**node_opts(redis.addr, verify_blocks="true", remote_timeout_ms="300"))
+    c = connect(a)
+    p = c.attach(MODEL, LAYOUT)
+    r = redis.client()
+    ns = Namespace(r, "kvd", domain_of(a, p.pool_id))
+    hx = chain(p, 1, 626100)
+    px = patterns(p.layout, hx)[0]
+    (bx,) = allocate(c, p, 1)
+    p.write_block(bx[0], px)
+    canon = c.commit(p.pool_id, [(bx, hx[0], kw.NO_PARENT)])
+    c.release(p.pool_id, canon)
+    assert ns.wait_landed(hx), rem(a)
+    redis.sigstop()
+    try:
+        bad = bytearray(px)
+        bad[0] ^= 0xFF
+        p.write_block(canon[0][0], bytes(bad))
+        assert kw.reply_blocks(c.lookup(p.pool_id, hx)) == []  # quarantined: DEL queued
+        assert wait_until(lambda: tiers(a)["remote_dels_pending"] == 1, timeout=10), rem(a)
+        assert c.ping(nonce=4).nonce == 4  # the loop serves meanwhile
+    finally:
+        redis.sigcont()
+    assert wait_until(lambda: tiers(a)["remote_dels_pending"] == 0, timeout=10), rem(a)
+    assert ns.present(hx) == {}, (ns.present(hx), rem(a))
+    assert a.alive()
+
+
 def test_fetch_keeps_its_local_run_in_tier1(kvd_factory, redis):
     """B's Fetch of a 16-block chain whose first 8 blocks are in B's T1 only and whose next 8
     are in Redis as zstd values (which land in T1 before they are copied up), T1 with room for
