@@ -391,7 +391,6 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
     }
     /* The session records each pool once; a pool it knew already gives back the session count
      * the registry just added. */
-    kvd_session_pool *sp = NULL;
     for (uint32_t i = 0; i < nids; i++) {
         kvd_reg_pool *lp = kvd_registry_pool(c->reg, ids[i]);
         kvd_session_pool *lsp;
@@ -411,10 +410,9 @@ static kv_err on_attach(rpc *c, uint64_t id, const Kvd__AttachPool *a, char *msg
             }
         }
         kvd_kvevents_attach(c->ctx->kvevents, lp);
-        if (i == 0) {
-            sp = lsp;
-        }
     }
+    /* Found after the loop: adding a linked pool may grow (move) the session's pool array. */
+    kvd_session_pool *sp = kvd_session_find_pool(c->sess, ids[0]);
     kvd_reg_pool *p = kvd_registry_pool(c->reg, ids[0]);
     /* A repeated attach sends every segment again (the client remaps them all). */
     kvd_session_pool_forget_sent(sp);

@@ -425,6 +425,26 @@ def test_second_process_reads_committed_bytes(kvd, lay):
     assert n == 6 and all(got)
 
 
+def test_second_model_with_linked_pools(kvd_factory):
+    """A tenant in a group, with the commons: each AttachPool records three pools in the
+    session (private, group, commons). The second model's attach grows the session's pool table
+    while it records them; the reply is sent from the table as it is after (it was sent from the
+    entry before the table moved: kvd wrote into freed memory and the second model's private
+    pool never recorded its segment, so its Allocate met ESTATE)."""
+    d = kvd_factory(tenants="tenant alice uid=%d\ngroup g members=alice\ncommons\n"
+                    % os.geteuid())
+    c = kw.Conn(d.sock)
+    c.hello()
+    pools = [c.attach("m-link-%d" % k, LAYOUT) for k in range(3)]
+    for pool in pools:
+        r, _ = c.call("allocate", pb.Allocate(pool_id=pool.pool_id, count=1))
+        pool.follow(r)
+        (b,) = kw.reply_blocks(r)
+        pool.write_block(b[0], b"x" * LAYOUT.block_bytes)
+        c.release(pool.pool_id, [b])
+    assert c.ping(nonce=9).nonce == 9 and d.alive()
+
+
 @needs_root
 @pytest.mark.parametrize("lay", SHAPES, ids=_shape_id)
 def test_layout_matches_daemon_commons_copy(kvd_factory, lay):
