@@ -600,12 +600,14 @@ static kvd_session *later_session(const later_req *q, int gone) {
 typedef struct alloc_wait {
     later_req q;
     kvd_tiers *tiers;
+    uint64_t serial; /* the pool's attach it waits in (same_attach) */
     uint32_t count;
     int private_blocks;
     char why[KV_ERRMSG]; /* the ENOSPC it met first */
 } alloc_wait;
 
 static void on_room(void *arg, kv_err why);
+static kvd_session_pool *same_attach(kvd_session *sess, uint32_t pool_id, uint64_t serial);
 
 /* Waits (at the back of the pool's queue) instead of answering ENOSPC, when copies hold blocks
  * of the pool and the session has room in max-inflight. 1 when it waits (no reply now). */
@@ -621,6 +623,7 @@ static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Alloca
     }
     later_req_init(&w->q, c, id, p->pool_id);
     w->tiers = c->ctx->tiers;
+    w->serial = kvd_session_find_pool(c->sess, p->pool_id)->serial;
     w->count = a->count;
     w->private_blocks = a->private_blocks;
     snprintf(w->why, sizeof(w->why), "%s", why);
@@ -649,7 +652,8 @@ static void on_room(void *arg, kv_err why) {
     char msg[KV_ERRMSG];
     msg[0] = '\0';
     kvd_reg_pool *p = kvd_registry_pool(w->q.reg, w->q.pool_id);
-    kvd_session_pool *sp = p != NULL ? kvd_session_find_pool(sess, w->q.pool_id) : NULL;
+    /* The attach it waited in: one detached and attached again has sent no segment yet. */
+    kvd_session_pool *sp = p != NULL ? same_attach(sess, w->q.pool_id, w->serial) : NULL;
     kv_err rc;
     if (sp == NULL) {
         rc = KV_ESTATE;

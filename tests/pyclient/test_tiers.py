@@ -775,6 +775,53 @@ def test_allocate_waits_for_copies_down(kvd_factory):
     assert d.alive()
 
 
+def test_allocate_waiting_in_a_pool_detached_and_attached_again(kvd_factory):
+    """An Allocate in a group pool that waits for copies down, then, pipelined behind it,
+    DetachPool of that pool and an AttachPool that links it again (nothing of it sent to the
+    session yet): the waiting Allocate answers ESTATE when room comes, not blocks of an attach
+    it was not made in (kvd handed out blocks in segments the session was never sent, or
+    aborted on that check in a debug build). Fresh sessions, 6 rounds."""
+    d = kvd_factory(pool_memory="80M", segment_bytes="32M", tier1_memory="256M",
+                    tier_write="write-through", fetch_min_tokens="16",
+                    tenants="tenant alice uid=%d\ngroup g members=alice\n" % os.geteuid())
+    # One segment for the private pool (a block held in it: not idle, not parked) and one for
+    # the group's: an Allocate that meets leased blocks waits instead of growing a segment.
+    c0 = connect(d)
+    p0 = c0.attach("m-wait-g", BIG)
+    allocate(c0, p0, 1)
+    waited = 0
+    for k in range(6):
+        c = connect(d)
+        pool = c.attach("m-wait-g", BIG)
+        (link,) = list(pool.attach_reply.linked)
+        g = c.linked_pool(pool, link)
+        n = _blocks_total(d, c, g)
+        r = c.allocate(g.pool_id, n)
+        g.follow(r)
+        canon = _commit_all(c, g, kw.reply_blocks(r), 9000 * (k + 1))
+        c.release(g.pool_id, canon)
+        aid = c.send("allocate", pb.Allocate(pool_id=g.pool_id, count=n))
+        did = c.send("detach_pool", pb.DetachPool(pool_id=g.pool_id))
+        tid = c.send("attach_pool", pb.AttachPool(model_id="m-wait-g", layout=BIG.to_pb()))
+        got = {}
+        while len(got) < 3:
+            env, fds = c.recv_frame()
+            for fd in fds:
+                os.close(fd)
+            got[env.id] = env
+        assert got[did].WhichOneof("body") == "detach_pool_reply", got[did]
+        assert got[tid].WhichOneof("body") == "attach_pool_reply", got[tid]
+        a = got[aid]
+        if a.WhichOneof("body") == "error":  # it waited: the pool's attach changed meanwhile
+            assert a.error.code == pb.ESTATE and "detached" in a.error.message, a
+            waited += 1
+        else:
+            assert a.WhichOneof("body") == "allocate_reply", a
+        c.close()
+    assert waited >= 1, "no Allocate waited for the copies in 6 rounds"
+    assert d.alive()
+
+
 def test_waiting_allocate_gives_up_when_copies_end(kvd_factory):
     """The pool full of blocks the session itself holds: an Allocate right after their commit
     (whose copies may still be in flight: then it waits for them) gets ENOSPC within seconds,
