@@ -855,7 +855,8 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
             uint32_t pid = w->with_pools ? w->pool_of[j] : w->pools[0];
             for (uint32_t k = 0; k < w->npools; k++) {
                 if (w->pools[k] == pid && sps[k] != NULL) {
-                    kvd_session_unhold(sess, sps[k], &w->refs[j], 1);
+                    /* (a Release may have taken it already: the ledger counted it) */
+                    (void)kvd_session_unhold_held(sess, sps[k], &w->refs[j], 1);
                 }
             }
         }

@@ -1047,6 +1047,43 @@ def test_quarantine_delete_is_tried_again_until_it_lands(kvd_factory, redis):
     assert a.alive()
 
 
+def test_remote_lookup_hits_released_before_its_pool_detach_answer(kvd_factory, redis):
+    """A Lookup.remote over the linked pools holds its T0 hit while it waits for Redis (stopped);
+    the client then detaches the commons and releases the hit block twice (its own Commit's
+    reference and the Lookup's, which the ledger counts). When the wait ends the Lookup answers
+    ESTATE and gives back what the session still holds of its hits: nothing here (kvd used to
+    assert that the reference was still there, and abort)."""
+    a = kvd_factory(**node_opts(redis.addr, remote_timeout_ms="300",
+                                tenants="tenant alice uid=%d\ncommons\n" % os.geteuid()))
+    c = connect(a)
+    p = c.attach(MODEL, LAYOUT)
+    (link,) = list(p.attach_reply.linked)
+    hs = chain(p, 2, 636100)
+    (bx,) = allocate(c, p, 1)
+    p.write_block(bx[0], patterns(p.layout, hs[:1])[0])
+    (held,) = c.commit(p.pool_id, [(bx, hs[0], kw.NO_PARENT)])  # the session holds it
+    redis.sigstop()
+    try:
+        lid = c.send("lookup", c.lookup_msg(p.pool_id, hs, search_domains=True, remote=True))
+        did = c.send("detach_pool", pb.DetachPool(pool_id=link.pool_id))
+        rid = c.send("release", c.blocks_msg("Release", p.pool_id, [held, held]))
+        got = {}
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            env, fds = c.recv_frame()  # (KvdError ECLOSED if kvd went away)
+            for fd in fds:
+                os.close(fd)
+            got[env.id] = env
+        assert set(got) == {lid, did, rid}, got
+        assert got[did].WhichOneof("body") == "detach_pool_reply" and \
+            got[rid].WhichOneof("body") == "release_reply", got
+        assert got[lid].WhichOneof("body") == "error" and \
+            got[lid].error.code == pb.ESTATE, got[lid]
+    finally:
+        redis.sigcont()
+    assert a.alive() and c.ping(nonce=6).nonce == 6
+
+
 def test_fetch_keeps_its_local_run_in_tier1(kvd_factory, redis):
     """B's Fetch of a 16-block chain whose first 8 blocks are in B's T1 only and whose next 8
     are in Redis as zstd values (which land in T1 before they are copied up), T1 with room for
