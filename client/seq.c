@@ -300,7 +300,13 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     }
     s->ncommitted = nhit;
     s->nheld = nhit;
-    for (size_t i = 0; i < nres; i++) {
+    /* Behind the hits, as many reserved blocks as the sequence keeps now (the hits stand for
+     * part of the reservation); the rest go back once the prefill stands (the table holds at
+     * most max_blocks: all of them behind the hits could run past it). */
+    size_t target = held_target(s, n);
+    size_t keep = target > nhit ? target - nhit : 0;
+    keep = keep < nres ? keep : nres;
+    for (size_t i = 0; i < keep; i++) {
         s->blocks[s->nheld] = res[i];
         s->bpool[s->nheld++] = s->pool;
     }
@@ -309,13 +315,10 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
         if (nhit > 0) {
             (void)kvc_release_multi(s->bpool, s->blocks, nhit);
         }
-        memmove(s->blocks, s->blocks + nhit, nres * sizeof(*s->blocks));
-        for (size_t i = 0; i < nres; i++) {
-            s->bpool[i] = s->pool;
-        }
-        s->nheld = nres;
-        nres = 0; /* back in the table: not restored again below */
-        goto fail;
+        goto fail; /* the reserved blocks, all of them, go back into the table below */
+    }
+    if (keep < nres) {
+        (void)kvc_release(s->pool, res + keep, nres - keep);
     }
     s->nblocks = blocks_for(s, n);
     free(res);
@@ -1041,7 +1044,7 @@ kv_err kvc_seq_append_many(kvc_seq *const *seqs, size_t nseqs, const uint32_t *c
         if (!first_of_conn) {
             continue;
         }
-        kvc_batch *b;
+        kvc_batch *b = NULL;
         kv_err err = kvc_batch_alloc(c, &b);
         for (size_t j = k; j < npn && err == KV_OK; j++) {
             if (pn[j].pool->conn != c || pn[j].status != KV_OK) {

@@ -201,6 +201,38 @@ static void test_reserve_and_lookahead(void **state) {
     kvc_conn_close(c);
 }
 
+/* A reservation made while empty, then a prefill whose prefix is cached: the hits stand for part
+ * of the reservation, the reserved blocks past it go back (they all went behind the hits: a table
+ * of 4 blocks took 7 entries, and the sequence held 7 blocks for a 4-block reservation). */
+static void test_reserve_then_prefill_with_hits(void **state) {
+    (void)state;
+    kvc_conn *c;
+    assert_int_equal(kvd_harness_connect(&h, "reserve-hits", &c), KV_OK);
+    kvc_pool *p = attach(c, "m-reserve-hits");
+    uint32_t *t = tokens(4 * T, 3);
+    size_t cached;
+    kvc_seq *a;
+    assert_int_equal(kvc_seq_alloc(p, 4 * T, NULL, 0, &a), KV_OK);
+    assert_int_equal(kvc_seq_prefill(a, t, 4 * T, &cached), KV_OK);
+    assert_int_equal(kvc_seq_commit(a, 4 * T, NULL), KV_OK); /* the 4 full blocks cached */
+    kvc_seq *s;
+    assert_int_equal(kvc_seq_alloc(p, 4 * T, NULL, 0, &s), KV_OK);
+    assert_int_equal(kvc_seq_reserve(s, 4 * T), KV_OK);
+    uint64_t writing = kvd_harness_stat(c, kvc_pool_id(p), "pool.blocks_writing");
+    assert_int_equal(kvc_seq_prefill(s, t, 4 * T, &cached), KV_OK);
+    assert_int_equal(cached, 3 * T); /* the last block is computed again (the last token) */
+    assert_int_equal(kvc_seq_nblocks(s), 4);
+    assert_int_equal(kvc_seq_capacity(s), 4 * T);
+    /* Of the 4 reserved, one stays (behind the 3 hits): 3 went back. */
+    assert_int_equal(kvd_harness_stat(c, kvc_pool_id(p), "pool.blocks_writing"), writing - 3);
+    assert_int_equal(kvc_seq_release(s), KV_OK);
+    assert_int_equal(kvc_seq_release(a), KV_OK);
+    kvc_seq_free(s);
+    kvc_seq_free(a);
+    free(t);
+    kvc_conn_close(c);
+}
+
 /* The padded 2-D block table (fixed buffer) and its limits. */
 static void test_export_table(void **state) {
     (void)state;
@@ -436,6 +468,7 @@ int main(void) {
         cmocka_unit_test(test_wrong_socket),
         cmocka_unit_test(test_append_many_one_round_trip),
         cmocka_unit_test(test_reserve_and_lookahead),
+        cmocka_unit_test(test_reserve_then_prefill_with_hits),
         cmocka_unit_test(test_export_table),
         cmocka_unit_test(test_detach_releases),
         cmocka_unit_test(test_close_in_any_order),
