@@ -210,8 +210,9 @@ static kv_err recv_some(kvc_conn *c, int block) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
             return KV_OK;
         }
-        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(errno));
-        return kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd failed: %s", strerror(errno));
+        int e = errno; /* (the log callback may change errno) */
+        kvc__log(&c->diag, KVC_LOG_WARN, "KVC-CONN-RECV", "recvmsg: %s", strerror(e));
+        return kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd failed: %s", strerror(e));
     }
     kv_err err = KV_OK;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm != NULL; cm = CMSG_NXTHDR(&msg, cm)) {
@@ -498,9 +499,9 @@ kv_err kvc__exchange(kvc_batch *b, int wait) {
             ssize_t n =
                 send(c->fd, b->obuf + b->osent, b->olen - b->osent, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-                kvc__log(&c->diag, KVC_LOG_INFO, "KVC-CONN-SEND", "send: %s", strerror(errno));
-                err =
-                    kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd lost: %s", strerror(errno));
+                int e = errno; /* (the log callback may change errno) */
+                kvc__log(&c->diag, KVC_LOG_INFO, "KVC-CONN-SEND", "send: %s", strerror(e));
+                err = kvc__fail(&c->diag, KV_ECLOSED, "connection to kvd lost: %s", strerror(e));
                 /* The daemon may have said why before closing (ETOOBIG): read that first. */
                 if (recv_some(c, 0) == KV_OK) {
                     kv_err why = drain_frames(c, b);
@@ -569,6 +570,8 @@ kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_c
     }
     if (err != KV_OK) {
         kvc__log(&c->diag, KVC_LOG_ERROR, "KVC-CONN-PATH", "socket path too long");
+        (void)kvc__fail(NULL, err, "the socket path is too long (at most %zu bytes)",
+                        sizeof(c->path) - 1); /* kvc_last_error(NULL) says why */
         goto fail;
     }
     const char *name = opts->client_name ? opts->client_name : "kvclient";
@@ -576,7 +579,7 @@ kv_err kvc__conn_alloc(const kvc_options *opts, kvc__complete_fn complete, kvc_c
     if (opts->token_len > 0) {
         c->token = malloc(opts->token_len);
         if (c->token == NULL) {
-            err = KV_ENOMEM;
+            err = kvc__fail(NULL, KV_ENOMEM, "out of memory for the token");
             goto fail;
         }
         memcpy(c->token, opts->token, opts->token_len);

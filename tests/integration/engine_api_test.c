@@ -101,6 +101,15 @@ static void test_wrong_socket(void **state) {
     double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
     assert_true(secs < 2.0);
     assert_non_null(strstr(kvc_last_error(NULL), "admin socket"));
+    /* A path longer than a Unix socket's: refused, and the last error says so (it kept the
+     * previous call's text). */
+    char longp[300];
+    memset(longp, 'a', sizeof(longp) - 1);
+    longp[0] = '/';
+    longp[sizeof(longp) - 1] = '\0';
+    o.socket_path = longp;
+    assert_int_equal(kvc_conn_open(&o, &c), KV_ETOOBIG);
+    assert_non_null(strstr(kvc_last_error(NULL), "too long"));
 }
 
 /* One scheduler step for 64 sequences is one request (one Allocate for the pool), where
