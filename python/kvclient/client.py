@@ -88,13 +88,24 @@ class _ConnHandle:
     (pools and sequences hold this object). Also the lock that serialises calls, and the
     queue of C frees deferred while a call or a batch was in progress."""
 
-    __slots__ = ("ptr", "lock", "deferred", "batch_inflight", "__weakref__")
+    __slots__ = ("ptr", "lock", "deferred", "batch_inflight", "inflight", "__weakref__")
 
     def __init__(self, ptr):
         self.ptr = ptr
         self.lock = threading.Lock()
         self.deferred = []
         self.batch_inflight = False
+        self.inflight = None  # the kvc_batch pointer sent and not waited for
+
+    def free_batch(self, ptr):
+        """A Batch's finalizer. One sent and never waited for is the batch in flight: nobody can
+        wait for it now, so the connection is no longer held for it; freeing it breaks the
+        connection (libkvclient: its replies would confuse the next call, which reconnects).
+        Without this every later call met KvdState and every deferred free waited forever."""
+        if self.inflight == ptr:
+            self.inflight = None
+            self.batch_inflight = False
+        self.free_later(lib.kvc_batch_free, ptr)
 
     def run_deferred(self):
         """Runs queued frees; the caller holds the lock and no batch is in flight."""
@@ -1180,7 +1191,7 @@ class Batch:
             raise_for(rc, "batch")
         self._ptr = out.value
         self._cv = c_void_p(out.value)
-        self._fin = weakref.finalize(self, self._h.free_later, lib.kvc_batch_free, out.value)
+        self._fin = weakref.finalize(self, self._h.free_batch, out.value)
         self._reqs = []
         self._fixups = []  # (outs, c_size_t array of their hit counts) of lookup_many
         self._idx = c_size_t()
@@ -1370,6 +1381,7 @@ class Batch:
             rc = lib.kvc_batch_send(self._ptr)
             if rc == 0:
                 h.batch_inflight = True
+                h.inflight = self._ptr
         if rc:
             raise_for(rc, "batch send")
 
@@ -1380,6 +1392,7 @@ class Batch:
         with h.lock:
             rc = lib.kvc_batch_wait(self._ptr)
             h.batch_inflight = False
+            h.inflight = None
             h.exit_call()
         if rc:
             raise_for(rc, "batch wait")
