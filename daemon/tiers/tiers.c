@@ -3075,9 +3075,13 @@ static void t2_location(const kvd_tiers *t, const kvd_reg_pool *p, const char *d
                  (unsigned long long)XXH64(p->model_id, strlen(p->model_id), 0));
     }
     snprintf(dir, dirlen, "%s/%s", t->cfg->tier2_path, dpart);
-    snprintf(name, namelen, "%s-%ux%ux%ux%u-%s-%s.t2", mpart, p->layout.num_layers,
+    /* Every flag of the pool's key in the name: pools that differ only by one are other pools,
+     * and two pools on one file would each hand out its slots (each overwriting the other's). */
+    snprintf(name, namelen, "%s-%ux%ux%ux%u-%s-%s%s.t2%s", mpart, p->layout.num_layers,
              p->layout.num_kv_heads, p->layout.head_dim, p->layout.tokens_per_block,
-             kv_dtype_name(p->layout.dtype), kv_arrangement_name(p->layout.arrangement));
+             kv_dtype_name(p->layout.dtype), kv_arrangement_name(p->layout.arrangement),
+             (p->flags & KVD_POOL_SUMMARIES) ? "-summaries" : "",
+             (p->flags & KVD_POOL_LOSSY_TIERS) ? ".lossy" : "");
 }
 
 static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with_t2);
@@ -3238,10 +3242,6 @@ static kv_err attach(kvd_tiers *t, kvd_reg_pool *p, const char *domain, int with
     if (t->cap[1] > 0 && with_t2) {
         char dir[KVD_CONFIG_PATH_MAX + 600], name[700], msg[512];
         t2_location(t, p, domain, dir, sizeof(dir), name, sizeof(name));
-        if (p->flags & KVD_POOL_LOSSY_TIERS) {
-            /* Its own file: a pool of the same key without the flag is another pool. */
-            strncat(name, ".lossy", sizeof(name) - strlen(name) - 1);
-        }
         kvd_disk_key key;
         memset(&key, 0, sizeof(key));
         snprintf(key.model, sizeof(key.model), "%s", p->model_id);

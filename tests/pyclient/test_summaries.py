@@ -113,6 +113,36 @@ def test_summaries_reply_fits_a_frame(kvd_factory):
     assert len(summaries(c, pool, hashes[:fit])) == fit
 
 
+def test_summaries_pool_has_a_t2_file_of_its_own(kvd_factory):
+    """The same model attached with and without summaries is two pools, and each has a T2 file
+    of its own (they shared one, each handing out its slots: one pool's records overwrote the
+    other's, and Fetches met corrupt_t2). Both pools' blocks come back from T2 intact."""
+    import time
+    d = kvd_factory(**dict(SMALL, tier1_memory="0", tier2_path="{dir}/t2", tier2_bytes="64M",
+                           tier_write="write-through", fetch_min_tokens="16"))
+    c = d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
+    pools = [attach(c, "m-sum-file", summaries=False), attach(c, "m-sum-file")]
+    assert pools[0].pool_id != pools[1].pool_id
+    chains = []
+    for k, pool in enumerate(pools):
+        canon, hashes, _ = commit_chain(c, pool, 4, 40 + k)
+        c.release(pool.pool_id, canon)
+        chains.append(hashes)
+    deadline = time.monotonic() + 10
+    while d.admin_result("stats")["tiers"]["jobs_inflight"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    files = sorted(f for _, _, fs in os.walk(os.path.join(d.dir, "t2")) for f in fs
+                   if ".t2" in f)
+    assert len(files) == 2 and any("-summaries" in f for f in files), files
+    assert d.admin_result("evict all")["evicted"] >= 8
+    for pool, hashes in zip(pools, chains):
+        fr = c.fetch(pool.pool_id, hashes)
+        pool.follow(fr)
+        assert len(kw.reply_blocks(fr)) == 4, fr
+    assert d.admin_result("stats")["tiers"]["corrupt_t2"] == 0
+
+
 def test_summaries_survive_demotion_and_promotion(kvd_factory):
     d = kvd_factory(**dict(SMALL, tier1_memory="4M", tier_write="write-through",
                            fetch_min_tokens="16"))
