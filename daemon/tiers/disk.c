@@ -375,6 +375,9 @@ static int disk_open_fd(kvd_disk *d, int flags, int direct) {
         if (errno != EINVAL) {
             return -1;
         }
+        /* Refused for O_DIRECT: some file systems (tmpfs before Linux 6.6) refuse it only after
+         * they made the file, which O_EXCL would now find. */
+        flags &= ~O_EXCL;
     }
     fd = open(d->path, flags, 0600);
     if (fd < 0) {
