@@ -61,6 +61,9 @@ static void token_of(const char *name, char *out) {
     out[32] = '\0';
 }
 
+static int start_vllm; /* the next start() runs hash-mode vllm */
+static int cur_vllm;   /* the running server does: Commits carry 32-byte digests */
+
 /* Starts a server whose tenants file is `lines`, after giving each of names[] a token file
  * ("%T" in lines is replaced by the directory). */
 static harness *start(const char *lines, const char *const *names, size_t nnames,
@@ -94,6 +97,11 @@ static harness *start(const char *lines, const char *const *names, size_t nnames
     h->ts.cfg.segment_bytes = 64 << 10;
     h->ts.cfg.index_entries = 4096;
     h->ts.cfg.log_level = KV_LOG_WARN;
+    cur_vllm = start_vllm;
+    if (start_vllm) {
+        snprintf(h->ts.cfg.hash_mode, sizeof(h->ts.cfg.hash_mode), "vllm");
+        snprintf(h->ts.cfg.vllm_hash_seed, sizeof(h->ts.cfg.vllm_hash_seed), "7");
+    }
     h->ts.on_loop = on_loop;
     cur = h;
     kvd_test_server_start(&h->ts);
@@ -272,6 +280,7 @@ static void commit(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint6
     Kvd__CommitEntry *pe[64];
     Kvd__Hash128 h[64];
     Kvd__BlockRef br[64];
+    uint8_t full[64][32]; /* hash-mode vllm: the digest, the hash its first 16 bytes */
     assert_true(n <= 64);
     for (size_t i = 0; i < n; i++) {
         kvd__commit_entry__init(&ent[i]);
@@ -284,6 +293,15 @@ static void commit(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint6
         ent[i].block = &br[i];
         ent[i].hash = &h[i];
         ent[i].parent = i == 0 ? UINT32_MAX : blocks[i - 1].id;
+        if (cur_vllm) {
+            for (int b = 0; b < 8; b++) {
+                full[i][b] = (uint8_t)(h[i].lo >> (8 * b));
+                full[i][8 + b] = (uint8_t)(h[i].hi >> (8 * b));
+            }
+            memset(full[i] + 16, 0x5a, 16);
+            ent[i].hash_full.data = full[i];
+            ent[i].hash_full.len = 32;
+        }
         pe[i] = &ent[i];
     }
     c.pool_id = pool;
@@ -685,6 +703,43 @@ static void test_commons_after_k_tenants(void **state) {
     for (int i = 0; i < 4; i++) {
         close(f[i]);
         munmap(a[i].base, a[i].seg_bytes);
+    }
+    stop(h);
+}
+
+/* hash-mode vllm gives every pool one seed (vLLM's hashes do not name the model): the commons
+ * counts tenants per model and layout all the same. Two tenants commit a prefix in model m, a
+ * third the same hashes in model n: nothing enters either commons (the counts were shared, and
+ * the third tenant's block went into n's commons, telling everyone it had that prompt). */
+static void test_commons_counts_per_model_in_vllm_mode(void **state) {
+    (void)state;
+    start_vllm = 1;
+    harness *h = start("tenant t1 token-file=%T/t1.token\n"
+                       "tenant t2 token-file=%T/t2.token\n"
+                       "tenant t3 token-file=%T/t3.token\n"
+                       "tenant t4 token-file=%T/t4.token\n"
+                       "commons min-tenants=3\n",
+                       four, 4, 4 << 20, NULL);
+    start_vllm = 0;
+    int f[4];
+    att am[4], an[4];
+    for (int i = 0; i < 4; i++) {
+        f[i] = hello_as(h, four[i], KV_OK, NULL, NULL);
+        am[i] = attach(f[i], "m");
+        an[i] = attach(f[i], "n");
+    }
+    put_prefix(f[0], &am[0], am[0].pool_id, 2, 61);
+    put_prefix(f[1], &am[1], am[1].pool_id, 2, 61);
+    put_prefix(f[2], &an[2], an[2].pool_id, 2, 61); /* the same hashes, another model */
+    assert_int_equal(lookup(f[3], an[3].pool_id, 61, 2, 1, NULL, NULL), 0);
+    assert_int_equal(lookup(f[3], am[3].pool_id, 61, 2, 1, NULL, NULL), 0);
+    /* A third tenant in m: m's commons has it. */
+    put_prefix(f[2], &am[2], am[2].pool_id, 2, 61);
+    assert_int_equal(lookup(f[3], am[3].pool_id, 61, 2, 1, NULL, NULL), 2);
+    for (int i = 0; i < 4; i++) {
+        close(f[i]);
+        munmap(am[i].base, am[i].seg_bytes);
+        munmap(an[i].base, an[i].seg_bytes);
     }
     stop(h);
 }
@@ -1337,6 +1392,7 @@ int main(void) {
         cmocka_unit_test(test_setuid_child_is_another_tenant),
         cmocka_unit_test(test_group_shares),
         cmocka_unit_test(test_commons_after_k_tenants),
+        cmocka_unit_test(test_commons_counts_per_model_in_vllm_mode),
         cmocka_unit_test(test_quotas),
         cmocka_unit_test(test_quota_fields),
         cmocka_unit_test(test_quota_set_at_run_time),

@@ -17,8 +17,10 @@
 
 typedef struct commons_slot {
     kv_hash128 h;                        /* block hash */
-    kv_hash128 model;                    /* the pools' seed (model and layout), not a pool id:
-                                          * counts outlive a commons pool freed while idle */
+    kv_hash128 model;                    /* the pools' model_key (model, layout, flags), not a
+                                          * pool id: counts outlive a commons pool freed while
+                                          * idle; not the seed, which hash-mode vllm gives every
+                                          * model alike (its hashes do not name the model) */
     uint32_t used;                       /* 0 = empty slot */
     uint16_t n;                          /* distinct tenants in tenants[] */
     uint16_t tenants[KVD_COMMONS_MAX_K]; /* who committed h (tenant ids < 4096) */
@@ -193,7 +195,7 @@ kvd_reg_pool *kvd_commons_count_commit(kvd_registry *s, uint32_t pool_id, uint32
         s->commons_free = commons_free;
     }
     uint32_t cid = src->commons_id;
-    const kv_hash128 m = src->seed;
+    const kv_hash128 m = src->model_key;
     uint64_t x = h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull) ^ (m.lo * 0xC2B2AE3D27D4EB4Full) ^ m.hi;
     commons_slot *e = &s->commons->slots[(x ^ (x >> 29)) & (COMMONS_SLOTS - 1)];
     if (!e->used || e->model.lo != m.lo || e->model.hi != m.hi || e->h.lo != h.lo ||

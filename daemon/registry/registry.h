@@ -49,6 +49,8 @@ typedef struct kvd_reg_pool {
     uint64_t seg_cost;                          /* what a new segment costs the budget: its
                                                    memory and its block records */
     kv_hash128 seed;                            /* hash_seed sent to clients: model and layout */
+    kv_hash128 model_key;                       /* model, layout and flags, in every hash mode
+                                                   (hash-mode vllm gives all pools one seed) */
     kvd_pool *pool;                             /* owned */
     uint32_t links[KVD_MAX_DOMAINS_PER_TENANT]; /* private pool: pool ids of the same model in
                                                    the tenant's other domains, lookup order */
