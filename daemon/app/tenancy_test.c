@@ -1008,6 +1008,21 @@ static void pin_for(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint
     expect_code(rpc(fd, &e), code, needle);
 }
 
+/* Unpin of one block, expecting code (and needle in the error message). */
+static void unpin_for(int fd, uint32_t pool, Kvd__BlockRef *block, kv_err code,
+                      const char *needle) {
+    Kvd__Envelope e = KVD__ENVELOPE__INIT;
+    Kvd__Pin pn = KVD__PIN__INIT;
+    Kvd__BlockRef *pv[1] = {block};
+    pn.pool_id = pool;
+    pn.n_blocks = 1;
+    pn.blocks = pv;
+    pn.unpin = 1;
+    e.body_case = KVD__ENVELOPE__BODY_PIN;
+    e.pin = &pn;
+    expect_code(rpc(fd, &e), code, needle);
+}
+
 /* pin_for without expectations: the reply's code (KV_OK for a PinReply). */
 static kv_err pin_try(int fd, uint32_t pool, Kvd__BlockRef *block, uint64_t ms) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
@@ -1121,6 +1136,13 @@ static void test_pin_quota_is_the_pinners(void **state) {
     Kvd__BlockRef mine[3];
     assert_int_equal(lookup(fc, group, 81, 3, 0, mine, NULL), 3);
     pin_for(fc, group, mine + 2, 1, 60000, KV_OK, NULL); /* carol's own limit is untouched */
+    /* Dave's pin pinned again by carol would be charged to carol, past her max-pinned (it
+     * used to extend dave's pin for free); and dave may not unpin carol's pin. */
+    pin_for(fc, group, mine, 1, 60000, KV_EQUOTA, "max-pinned");
+    unpin_for(fd, group, mine + 2, KV_EPERM, "carol");
+    unpin_for(fc, group, mine + 2, KV_OK, NULL);
+    pin_for(fc, group, mine, 1, 60000, KV_OK, NULL); /* now hers: dave's quota is free again */
+    pin_for(fd, group, hit + 1, 1, 60000, KV_OK, NULL);
     close(fc);
     close(fd);
     munmap(c.base, c.seg_bytes);

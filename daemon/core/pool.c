@@ -2018,6 +2018,12 @@ kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8
         if (priority > b->pin_prio) {
             b->pin_prio = priority;
         }
+        if (tenant != KVD_PIN_OWNER && tenant != b->pin_tenant) {
+            /* Another tenant pins it again: the pin is charged to the one who pinned it last. */
+            p->tenants[b->pin_tenant].pinned--;
+            b->pin_tenant = (uint16_t)tenant;
+            p->tenants[tenant].pinned++;
+        }
     } else {
         if (until <= p->now) {
             return KV_OK; /* a zero retention pins nothing */
@@ -2223,6 +2229,7 @@ kv_err kvd_pool_block_info(const kvd_pool *p, uint32_t id, kvd_block_info *out) 
     info.parent = b->parent;
     info.hits = b->hits;
     info.pinned = (b->flags & BLOCK_PINNED) && b->aux > p->now;
+    info.pin_tenant = (b->flags & BLOCK_PINNED) ? b->pin_tenant : 0;
     info.is_private = (b->flags & BLOCK_PRIVATE) != 0;
     *out = info;
     return KV_OK;

@@ -114,6 +114,7 @@ typedef struct kvd_block_info {
     uint32_t parent;        /* KVD_NO_BLOCK for the first block of a prefix */
     uint32_t hits;          /* lookups that returned it (saturating) */
     int pinned;             /* pinned and retention not expired */
+    uint32_t pin_tenant;    /* pinned: the tenant its pin is charged to */
     int is_private;         /* WRITING and private (never committed) */
 } kvd_block_info;
 

@@ -1865,7 +1865,12 @@ static kv_err on_pin(rpc *c, uint64_t id, const Kvd__Pin *pin, char *msg) {
             (info.state != KVD_BLOCK_COMMITTED && info.state != KVD_BLOCK_CACHED)) {
             FAIL(KV_ESTATE, "blocks[%zu]: block %u is not committed", i, r.id);
         }
-        new_pins += !info.pinned && k == 1;
+        if (pin->unpin && info.pinned && info.pin_tenant != c->sess->tenant) {
+            FAIL(KV_EPERM, "blocks[%zu]: block %u's pin is tenant %s's; only that tenant unpins it",
+                 i, r.id, kvd_tenants_name(c->reg->tenants, info.pin_tenant));
+        }
+        /* A pin of another tenant's becomes this tenant's (charged to who pinned it last). */
+        new_pins += (!info.pinned || info.pin_tenant != c->sess->tenant) && k == 1;
     }
     uint64_t max_pinned = kvd_tenants_quota(c->reg->tenants, c->sess->tenant)->max_pinned;
     uint64_t pinned = kvd_pool_tenant_usage(sp->pool, c->sess->tenant).pinned;
