@@ -207,6 +207,10 @@ static uint32_t layer_segments(const kvc_pool *p) {
     return p->layer_base == NULL ? 0 : (uint32_t)(p->layer_range_bytes / stride);
 }
 
+uint32_t kvc__pool_layer_segments(const kvc_pool *p) {
+    return layer_segments(p);
+}
+
 kv_err kvc__pool_map_segment(kvc_pool *p, uint32_t seg, int fd, uint64_t bytes, uint32_t nblocks,
                              int read_only) {
     const kv_layout *l = &p->layout;

@@ -125,6 +125,10 @@ void kvc__pool_unmap(kvc_pool *p);
  * higher slot would leave the hole unmapped (PROTOCOL.md §6, Segments a reply hands out). */
 uint32_t kvc__pool_first_hole(const kvc_pool *p);
 
+/* Segment slots the layer tensors (kvc_pool_layer_base) span: max_segments, or fewer where only
+ * the attach-time budget's address space could be reserved; 0 without layer tensors. */
+uint32_t kvc__pool_layer_segments(const kvc_pool *p);
+
 /* The segment holding block of p and the block's slot in it (*slot), or NULL when that segment
  * is not mapped or does not hold the block. */
 const kvc__segment *kvc__pool_block_seg(const kvc_pool *p, uint32_t block, uint32_t *slot);

@@ -133,7 +133,10 @@ uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p) {
 }
 
 uint32_t kvc_pool_max_segments(const kvc_pool *p) {
-    return p->max_segments;
+    /* What the layer tensors span: fewer than the slots where only the attach-time budget's
+     * address space could be reserved (segments past them are reached by kvc_pool_addr). */
+    uint32_t n = kvc__pool_layer_segments(p);
+    return n > 0 && n < p->max_segments ? n : p->max_segments;
 }
 
 uint64_t kvc_pool_max_blocks(const kvc_pool *p) {

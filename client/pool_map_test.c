@@ -150,6 +150,23 @@ static void test_layer_ranges_huge_aligned(void **state) {
     kvc__pool_unmap(&p);
 }
 
+/* Segments so large that layer tensors for 4096 of them would need more than 1 TiB of address
+ * space: they span the attach-time budget only, and kvc_pool_max_segments says so (it said
+ * 4096, and an engine sizing its tensors by it read blocks past the ranges as other layers'). */
+static void test_layer_ranges_of_the_budget_only(void **state) {
+    (void)state;
+    kv_layout l;
+    /* 1 layer, 8 heads, dim 256, 16 tokens/block fp16: kv_block_bytes 64 KiB; 4096 blocks a
+     * segment: a 256 MiB section per segment, 2 TiB for 4096 segments' K and V. */
+    assert_int_equal(kv_layout_init(1, 8, 256, 16, KV_DTYPE_FP16, KV_LAYER_MAJOR, &l), KV_OK);
+    kvc__diag diag = {0};
+    kvc_pool p = {.diag = &diag};
+    assert_int_equal(kvc__pool_init_geometry(&p, &l, 4096, 2), KV_OK);
+    assert_non_null(kvc_pool_layer_base(&p, 0, KV_K));
+    assert_int_equal(kvc_pool_max_segments(&p), 2);
+    kvc__pool_unmap(&p);
+}
+
 static void test_remap_replaces_segment(void **state) {
     (void)state;
     kv_layout l;
@@ -281,6 +298,7 @@ int main(void) {
         cmocka_unit_test(test_layer_major_views_agree),
         cmocka_unit_test(test_reserve_aligned),
         cmocka_unit_test(test_layer_ranges_huge_aligned),
+        cmocka_unit_test(test_layer_ranges_of_the_budget_only),
         cmocka_unit_test(test_remap_replaces_segment),
         cmocka_unit_test(test_addresses_survive_replacement),
         cmocka_unit_test(test_block_major_and_scales),

@@ -197,8 +197,10 @@ KVC_EXTERN void kvc_pool_detach(kvc_pool *p);
 KVC_EXTERN uint32_t kvc_pool_id(const kvc_pool *p);
 KVC_EXTERN const kv_layout *kvc_pool_layout(const kvc_pool *p);
 KVC_EXTERN uint32_t kvc_pool_blocks_per_segment(const kvc_pool *p);
-/* Segment slots the library reserved address space for (its hard maximum, 4096): the layer
- * tensors of kvc_pool_layer_base span max_segments * blocks_per_segment blocks. */
+/* Segment slots the layer tensors of kvc_pool_layer_base span: its hard maximum, 4096, or, where
+ * that much address space could not be reserved (segments of 256 MiB and more), the daemon's
+ * budget at attach. The tensors span max_segments * blocks_per_segment blocks; a block of a
+ * segment past them (the daemon's budget grew) is not in them: kvc_pool_addr reaches it. */
 KVC_EXTERN uint32_t kvc_pool_max_segments(const kvc_pool *p);
 /* Blocks the pool could hold at attach within kvd's memory budget (AttachPoolReply's
  * max_segments * blocks_per_segment): what to size the engine's own structures for. It moves
