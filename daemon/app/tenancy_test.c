@@ -1139,6 +1139,8 @@ static void test_pin_quota_is_the_pinners(void **state) {
     /* Dave's pin pinned again by carol would be charged to carol, past her max-pinned (it
      * used to extend dave's pin for free); and dave may not unpin carol's pin. */
     pin_for(fc, group, mine, 1, 60000, KV_EQUOTA, "max-pinned");
+    pin_for(fc, group, mine, 1, 0, KV_OK, NULL); /* retention 0 pins nothing, takes nothing */
+    unpin_for(fc, group, mine, KV_EPERM, "dave");
     unpin_for(fd, group, mine + 2, KV_EPERM, "carol");
     unpin_for(fc, group, mine + 2, KV_OK, NULL);
     pin_for(fc, group, mine, 1, 60000, KV_OK, NULL); /* now hers: dave's quota is free again */

@@ -1898,6 +1898,7 @@ kv_err kvd_pool_unshare(kvd_pool *p, uint64_t session, uint32_t tenant, kvd_bloc
     b->hits = 0;
     b->freq = 0;
     b->last_access = p->stamp;
+    seg_touch(p, seg_of(p, blk.id)); /* the segment's newest access (parking's age) with it */
     p->n_committed--;
     p->n_writing++;
     p->n_private++;
@@ -2018,8 +2019,9 @@ kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8
         if (priority > b->pin_prio) {
             b->pin_prio = priority;
         }
-        if (tenant != KVD_PIN_OWNER && tenant != b->pin_tenant) {
-            /* Another tenant pins it again: the pin is charged to the one who pinned it last. */
+        if (until > p->now && tenant != KVD_PIN_OWNER && tenant != b->pin_tenant) {
+            /* Another tenant pins it again: the pin is charged to the one who pinned it last
+             * (a zero retention pins nothing, so it takes nothing over). */
             p->tenants[b->pin_tenant].pinned--;
             b->pin_tenant = (uint16_t)tenant;
             p->tenants[tenant].pinned++;
