@@ -1,5 +1,6 @@
 /* kvd: the daemon's entry point. Parses options, builds the daemon on the default libuv loop,
  * prints one startup line and runs until SIGTERM/SIGINT; exits 0 after a clean stop. */
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -43,6 +44,10 @@ int main(int argc, char **argv) {
         return 0;
     }
     kv_log_threshold = cfg.log_level;
+    /* A peer that closes before it read its reply (an admin client, a worker) must cost a write
+     * error (EPIPE), not the daemon: the admin socket writes through libuv, which does not ask
+     * for MSG_NOSIGNAL. */
+    signal(SIGPIPE, SIG_IGN);
     uv_loop_t *loop = uv_default_loop();
     kvd_daemon *d;
     if (kvd_daemon_alloc(&cfg, loop, &d) != KV_OK) {

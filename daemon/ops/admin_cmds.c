@@ -702,6 +702,8 @@ static kv_err cmd_prefixes(kvd_ops *s, int argc, char **argv, json_t **out, char
 
 /* -- evict -- */
 
+#define EVICT_DRY_MAX 1000000u /* blocks a dry run lists at most (one JSON object each) */
+
 static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *msg) {
     int dry = 0, all = 0;
     int64_t tenant = -1;
@@ -731,6 +733,10 @@ static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *m
     if (!all && tenant < 0 && pool == 0) {
         FAIL(KV_EINVAL, "say what to evict: all, tenant=NAME or pool=ID (and --dry-run to look)");
     }
+    if (dry && max > EVICT_DRY_MAX) {
+        FAIL(KV_EINVAL, "--dry-run lists at most %u blocks (max=%llu)", EVICT_DRY_MAX,
+             (unsigned long long)max);
+    }
     size_t limit = max > 0 ? (size_t)max : (dry ? 1000 : SIZE_MAX);
     json_t *pools = json_array();
     uint64_t total = 0;
@@ -743,7 +749,7 @@ static kv_err cmd_evict(kvd_ops *s, int argc, char **argv, json_t **out, char *m
         size_t want = limit - (size_t)total;
         kvd_block_ref *refs = NULL;
         if (dry) {
-            refs = malloc(sizeof(*refs) * want);
+            refs = calloc(want, sizeof(*refs));
             if (refs == NULL) {
                 json_decref(pools);
                 FAIL(KV_ENOMEM, "no memory for %zu blocks", want);
@@ -1417,7 +1423,8 @@ static const kvd_admin_cmd cmds[] = {
      "Evicts CACHED, unpinned blocks in each pool's policy order (reason `admin` in the "
      "counters and events). A scope is required: `all`, `tenant=NAME` (blocks that tenant "
      "allocated) and/or `pool=ID`. With `--dry-run` nothing changes: the result lists, per pool, "
-     "`would_evict` blocks (block, hash, tenant, hits, why), at most max=N (default 1000). "
+     "`would_evict` blocks (block, hash, tenant, hits, why), at most max=N (default 1000, "
+     "at most 1000000). "
      "Result: `dry_run`, `evicted` or `would_evict` (total), `pools` (pool, blocks, policy).",
      cmd_evict},
     {"pin", "HASH [pool=ID] [retention=MS] [priority=P]", "pin a cached prefix block by its hash",

@@ -319,10 +319,15 @@ kv_err kvd_metrics_start(kvd_ops *s) {
     }
     m->async.data = m;
     m->async_active = 1;
-    m->mhd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)s->cfg->metrics_port, NULL,
-                              NULL, on_request, m, MHD_OPTION_SOCK_ADDR, &sin,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
-                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
+    /* epoll or poll (MHD_USE_AUTO), not select(): the daemon holds an fd per segment and per
+     * client, and select() refuses every connection whose socket number passes 1023 (health
+     * probes failing once the cache fills). At most 16 connections a peer address, so that one
+     * peer holding connections open cannot keep the probes out. */
+    m->mhd =
+        MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD, (uint16_t)s->cfg->metrics_port, NULL, NULL,
+                         on_request, m, MHD_OPTION_SOCK_ADDR, &sin, MHD_OPTION_CONNECTION_LIMIT,
+                         (unsigned)64, MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)16,
+                         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
     if (m->mhd == NULL) {
         KV_LOG(ERROR, "KVD-METRICS", "cannot serve metrics on %s:%llu (port in use?)",
                s->cfg->metrics_address, (unsigned long long)s->cfg->metrics_port);

@@ -2881,6 +2881,58 @@ def test_help_marks_runtime_options():
 # =============================================================================================
 # Admin side notes of the first runs (docs/ADMIN.md)
 
+def test_admin_peer_that_leaves_before_its_replies(kvd):
+    """An admin client that sends 50 commands and closes without reading: kvd's writes meet a
+    closed socket (EPIPE) and kvd keeps serving (SIGPIPE ended the daemon, nothing logged)."""
+    for _ in range(3):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(kvd.admin_sock)
+        s.sendall(b"help\n" * 50)
+        s.close()
+    time.sleep(0.3)
+    assert kvd.alive()
+    assert kvd.admin_result("stats")["daemon"]["sessions"] >= 0
+    c = kw.Conn(kvd.sock)
+    c.hello()
+    assert c.ping(nonce=3).nonce == 3
+
+
+def test_admin_evict_dry_run_max_is_bounded(kvd):
+    """evict --dry-run with a max whose list would not fit memory (its size used to wrap: a
+    small buffer and the dry run wrote past it): EINVAL naming the limit, kvd serves on."""
+    r = kvd.admin("evict --dry-run all max=2305843009213693953")
+    assert not r["ok"] and "at most 1000000" in r["error"]["message"], r
+    assert kvd.admin_result("evict --dry-run all max=5")["dry_run"] is True
+    assert kvd.alive()
+
+
+def test_health_probe_with_fds_past_1023(kvd_factory):
+    """/healthz answers while kvd holds more than 1024 descriptors (1100 client connections):
+    the metrics server polled with select(), which refused every connection whose socket
+    number passed 1023, so health probes failed once a daemon's cache filled its fds."""
+    import urllib.request
+    t = socket.socket()
+    t.bind(("127.0.0.1", 0))
+    port = t.getsockname()[1]
+    t.close()
+    d = kvd_factory(metrics_port=str(port), max_connections="2000")
+    conns = []
+    try:
+        for _ in range(1100):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(d.sock)
+            conns.append(c)
+        time.sleep(0.5)  # (kvd accepts them all: its fds 1024 and up are in use)
+        with urllib.request.urlopen("http://127.0.0.1:%d/healthz" % port, timeout=10) as r:
+            assert r.status == 200
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10) as r:
+            assert r.status == 200 and b"kvd_" in r.read()
+    finally:
+        for c in conns:
+            c.close()
+    assert d.alive()
+
+
 def test_admin_names_the_commons_domain(kvd_factory):
     """`stats` and `pools` name a commons pool's domain `commons` (it read '?')."""
     d = kvd_factory(tenants="tenant me uid=%d\ncommons\n" % ME)
