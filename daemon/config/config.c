@@ -92,7 +92,8 @@ static const kvd_config_option options[] = {
     OPT("admin-socket-mode", KVD_OPT_MODE, admin_socket_mode, "0600", 0, 0777,
         "permission bits of the admin socket (octal); peers are also checked by credentials"),
     OPT("admin-group", KVD_OPT_STRING, admin_group, "", 0, 0,
-        "group (name or number) whose members may use the admin socket besides root and kvd's uid"),
+        "group (name or number) whose members may use the admin socket besides root and kvd's "
+        "uid (the socket then also has group read and write)"),
     OPT("metrics-port", KVD_OPT_U64, metrics_port, "0", 0, 65535,
         "TCP port of the Prometheus endpoint (/metrics, /healthz, /readyz); 0: off"),
     OPT("metrics-address", KVD_OPT_STRING, metrics_address, "127.0.0.1", 0, 0,

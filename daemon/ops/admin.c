@@ -372,7 +372,9 @@ kv_err kvd_admin_start(kvd_ops *s) {
                strerror(errno));
         return KV_ESYS;
     }
-    if (chmod(a->path, (mode_t)s->cfg->admin_socket_mode) != 0) {
+    /* With an admin group its members must be able to connect: group read and write. */
+    mode_t mode = (mode_t)s->cfg->admin_socket_mode | (a->have_group ? 0060 : 0);
+    if (chmod(a->path, mode) != 0) {
         KV_LOG(ERROR, "KVD-ADMIN", "chmod %s: %s", a->path, strerror(errno));
         return KV_ESYS;
     }
@@ -382,9 +384,8 @@ kv_err kvd_admin_start(kvd_ops *s) {
         return KV_ESYS;
     }
     snprintf(s->admin_path, sizeof(s->admin_path), "%s", a->path);
-    KV_LOG(INFO, "KVD-ADMIN", "admin socket %s (mode 0%o%s%s)", a->path,
-           (unsigned)s->cfg->admin_socket_mode, a->have_group ? ", group " : "",
-           a->have_group ? s->cfg->admin_group : "");
+    KV_LOG(INFO, "KVD-ADMIN", "admin socket %s (mode 0%o%s%s)", a->path, (unsigned)mode,
+           a->have_group ? ", group " : "", a->have_group ? s->cfg->admin_group : "");
     return KV_OK;
 }
 

@@ -1017,6 +1017,24 @@ def test_tokens_and_groups(kvd_factory):
         Child(member, True, False, uid=UID_B).result()  # podA's token from podB's uid
 
 
+def test_admin_sizes_past_int64_are_not_negative(kvd_factory):
+    """pool-memory at its maximum (2^64 - 1) is shown as that number, not -1 (a JSON integer
+    is signed: admin wrote the value cast)."""
+    d = kvd_factory(pool_memory=str(2 ** 64 - 1))
+    v = d.admin_result("stats")["daemon"]["pool_memory_bytes"]
+    assert v > 0 and abs(v - 2 ** 64) < 2 ** 20, v
+
+
+def test_admin_group_may_connect(kvd_factory):
+    """With admin-group set the admin socket is group-readable and -writable, so that the
+    group's members can connect (it kept mode 0600: they got EACCES before the credential
+    check that would admit them)."""
+    d = kvd_factory(admin_group=str(os.getgid()))
+    st = os.stat(d.admin_sock)
+    assert st.st_gid == os.getgid() and stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
+    assert d.admin_result("stats")["daemon"]["sessions"] >= 0
+
+
 @needs_root
 def test_admin_socket_refuses_other_uids(kvd_factory):
     """docs/ADMIN.md: with a world-writable admin socket, a peer that is not root, kvd's uid
