@@ -26,8 +26,10 @@
 
 /* ---- helpers --------------------------------------------------------------------------- */
 
+/* A counter or size as JSON: an integer, or past a JSON integer's range (2^63 and up: an option
+ * such as pool-memory set to its maximum) a number with a fraction, never a negative one. */
 static json_t *u64(uint64_t v) {
-    return json_integer((json_int_t)v);
+    return v <= (uint64_t)INT64_MAX ? json_integer((json_int_t)v) : json_real((double)v);
 }
 
 /* A JSON string of s that always exists: bytes that are not UTF-8 (which jansson refuses, and a
