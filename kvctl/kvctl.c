@@ -388,7 +388,7 @@ static int run_once(const char *path, const char *line, const char *cmd, int jso
 }
 
 int main(int argc, char **argv) {
-    char path[108];
+    char path[4096]; /* longer than a Unix socket's: connect_admin names a path too long */
     default_socket(path, sizeof(path));
     int json_out = 0, watch = 0;
     unsigned interval = 2;
@@ -430,6 +430,9 @@ int main(int argc, char **argv) {
             return KVCTL_EXIT_USAGE;
         }
         len += (size_t)n;
+    }
+    if (strspn(line, " \t") == len) { /* blank: kvd answers nothing to an empty line */
+        len = 0;
     }
     if (len == 0) {
         if (!watch) {

@@ -34,4 +34,14 @@ rc=0
 kvctl/kvctl --socket="$dir/admin.sock" unpin 0123456789abcdef0123456789abcdef 2>"$dir/err" >"$dir/out" || rc=$?
 [ "$rc" = 1 ] || fail "unknown hash: exit $rc, want 1"
 grep -q ENOENT "$dir/err" "$dir/out" || fail "unknown hash message: $(cat "$dir/err" "$dir/out")"
+# A blank command is a usage error at once (kvd answers nothing to an empty line: kvctl waited
+# for ever); a socket path longer than a Unix socket's is named as too long (it was cut short).
+rc=0
+timeout 5 kvctl/kvctl --socket="$dir/admin.sock" " " 2>"$dir/err" || rc=$?
+[ "$rc" = 2 ] || fail "blank command: exit $rc, want 2"
+rc=0
+long="/$(printf 'a%.0s' $(seq 1 200))/admin.sock"
+kvctl/kvctl --socket="$long" info 2>"$dir/err" || rc=$?
+[ "$rc" = 3 ] || fail "long path: exit $rc, want 3"
+grep -q "too long" "$dir/err" || fail "long path message: $(cat "$dir/err")"
 echo "kvctl_test: ok"
