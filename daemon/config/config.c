@@ -449,6 +449,12 @@ kv_err kvd_config_check(const kvd_config *c, char *err, size_t errlen) {
                      c->max_frame_bytes, c->max_blocks_per_request, need);
         return KV_EINVAL;
     }
+    if (c->admin_socket[0] != '\0' && strcmp(c->admin_socket, c->socket) == 0) {
+        /* The admin socket would replace the client socket (kvd removes a stale socket file
+         * before it binds). */
+        kvd_conf_err(err, errlen, "admin-socket and socket are the same path (%s)", c->socket);
+        return KV_EINVAL;
+    }
     return KV_OK;
 }
 

@@ -1025,6 +1025,15 @@ def test_admin_sizes_past_int64_are_not_negative(kvd_factory):
     assert v > 0 and abs(v - 2 ** 64) < 2 ** 20, v
 
 
+def test_kvd_refuses_admin_socket_on_the_client_socket():
+    """admin-socket equal to socket: refused at start, naming both (the admin socket replaced
+    the client socket, and `ready` still said yes)."""
+    rc, out = run_kvd_expecting_refusal({"socket": "{dir}/run/kvd.sock",
+                                         "admin_socket": "{dir}/run/kvd.sock"})
+    assert rc not in (None, 0), out
+    assert "admin-socket and socket" in out, out
+
+
 def test_admin_group_may_connect(kvd_factory):
     """With admin-group set the admin socket is group-readable and -writable, so that the
     group's members can connect (it kept mode 0600: they got EACCES before the credential
