@@ -85,6 +85,9 @@ typedef struct node {
     /* The get path's own read buffer (read_get_reply): bytes of c's socket not yet parsed. */
     uint8_t *rb;
     size_t rb_pos, rb_len;
+    /* ms by which the get path's reads must be done (0: none): SO_RCVTIMEO bounds each read,
+     * not a value that trickles in a few bytes at a time. */
+    uint64_t rdl;
 } node;
 
 struct kvd_remote {
@@ -911,6 +914,9 @@ static int rb_fill(node *nd) {
     if (nd->rb_len == RB_CAP) {
         return -1; /* a line longer than the buffer: not a GET reply */
     }
+    if (nd->rdl != 0 && now_ms() >= nd->rdl) {
+        return -1; /* the request's time is spent */
+    }
     ssize_t k;
     do {
         k = read(nd->c->fd, nd->rb + nd->rb_len, RB_CAP - nd->rb_len);
@@ -963,6 +969,9 @@ static int rb_read(node *nd, uint8_t *dst, size_t n) {
                 return -1;
             }
             continue;
+        }
+        if (nd->rdl != 0 && now_ms() >= nd->rdl) {
+            return -1; /* the request's time is spent */
         }
         ssize_t k;
         do {
@@ -1341,7 +1350,9 @@ static void do_get(kvd_remote *r, op *o) {
         }
         node *nd = &r->nodes[ni];
         if (c->reader->len == c->reader->pos && nd->rb_len == nd->rb_pos) {
-            /* The replies are read here, not by libhiredis (read_get_reply). */
+            /* The replies are read here, not by libhiredis (read_get_reply), within the get's
+             * one timeout. */
+            nd->rdl = o->deadline;
             int wdone = 0, failed = 0;
             while (!wdone && !failed) {
                 failed = redisBufferWrite(c, &wdone) != REDIS_OK;
@@ -1360,6 +1371,7 @@ static void do_get(kvd_remote *r, op *o) {
                     o->rc = KV_ESYS;
                 }
             }
+            nd->rdl = 0;
             if (!failed && nd->rb_len != nd->rb_pos) {
                 failed = 1; /* bytes past the last reply: the connection is out of step */
             }

@@ -2961,6 +2961,93 @@ def _fake_cluster(names, stable=False):
     return lsock, stop, th
 
 
+def test_trickling_value_keeps_to_the_timeout(kvd_factory):
+    """A Redis that sends a GET's value a few bytes at a time (each read within remote-timeout-ms,
+    the whole value in seconds): the Fetch's one timeout ends the read (each read had its own
+    timeout, so the Fetch and the remote thread waited for the whole trickle)."""
+    import threading
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    stop = threading.Event()
+
+    def serve(conn):
+        buf = b""
+        conn.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            buf += data
+            while buf.startswith(b"*") and buf.count(b"\r\n") >= 1:
+                head, rest = buf.split(b"\r\n", 1)
+                n, args, ok = int(head[1:]), [], True
+                for _ in range(n):
+                    if b"\r\n" not in rest:
+                        ok = False
+                        break
+                    ln, rest = rest.split(b"\r\n", 1)
+                    k = int(ln[1:])
+                    if len(rest) < k + 2:
+                        ok = False
+                        break
+                    args.append(rest[:k])
+                    rest = rest[k + 2:]
+                if not ok:
+                    break
+                buf = rest
+                cmd = args[0].upper()
+                try:
+                    if cmd == b"CLUSTER":
+                        conn.sendall(b"-ERR This instance has cluster support disabled\r\n")
+                    elif cmd == b"GET":
+                        body = b"KVDR" + bytes(HEADER - 4 + LAYOUT.block_bytes)
+                        conn.sendall(b"$%d\r\n" % len(body))
+                        for i in range(0, len(body), 16):  # ~7 s for the whole value
+                            if stop.is_set():
+                                return
+                            conn.sendall(body[i:i + 16])
+                            time.sleep(0.05)
+                        conn.sendall(b"\r\n")
+                    else:
+                        conn.sendall(b"+OK\r\n")
+                except OSError:
+                    return
+        conn.close()
+
+    def accept():
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except (TimeoutError, socket.timeout, OSError):
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    try:
+        d = kvd_factory(**node_opts("127.0.0.1:%d" % lsock.getsockname()[1], writer=False,
+                                    **{OPT_TIMEOUT: "300"}))
+        c = connect(d)
+        p = c.attach(MODEL, LAYOUT)
+        hs = chain(p, 1, 646100)
+        t = time.monotonic()
+        fr, got = fetch(c, p, hs)
+        took = time.monotonic() - t
+        assert got == [] and took < 2.5, (took, msg(fr, rem(d)))
+        assert c.ping(nonce=2).nonce == 2 and d.alive()
+    finally:
+        stop.set()
+        th.join(timeout=2)
+        lsock.close()
+
+
 def test_hung_dns_costs_one_thread_per_name(tmp_path):
     """A Cluster whose slot map keeps naming, then forgetting, a master by a host name whose DNS
     never answers (the resolver holds a lookup 6 s): each time the map names it again, kvd waits
