@@ -16,6 +16,7 @@
 #include "common/kv_util.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -620,10 +621,29 @@ kv_err kvc__conn_dial(kvc_conn *c) {
     }
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     memcpy(sa.sun_path, c->path, sizeof(sa.sun_path));
+    /* Non-blocking: a blocking connect waits without limit while kvd's listen queue is full (a
+     * daemon stopped or hung); this one is tried again every 10 ms until timeout_ms. */
+    int fl = fcntl(fd, F_GETFL);
+    (void)fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    int64_t deadline = c->timeout_ms < 0 ? -1 : now_ms() + c->timeout_ms;
     int rc;
-    do {
+    for (;;) {
         rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
-    } while (rc < 0 && errno == EINTR);
+        if (rc == 0 || (errno != EINTR && errno != EAGAIN)) {
+            break;
+        }
+        if (errno == EAGAIN) {
+            if (deadline >= 0 && now_ms() >= deadline) {
+                close(fd);
+                return kvc__fail(&c->diag, KV_ETIMEDOUT,
+                                 "connect %s: kvd accepted no connection within %d ms (its "
+                                 "listen queue is full: stopped or hung?)",
+                                 c->path, c->timeout_ms);
+            }
+            (void)poll(NULL, 0, 10);
+        }
+    }
+    (void)fcntl(fd, F_SETFL, fl);
     if (rc < 0) {
         int e = errno;
         close(fd);

@@ -9,7 +9,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -110,6 +113,47 @@ static void test_wrong_socket(void **state) {
     o.socket_path = longp;
     assert_int_equal(kvc_conn_open(&o, &c), KV_ETOOBIG);
     assert_non_null(strstr(kvc_last_error(NULL), "too long"));
+}
+
+/* A socket whose listen queue is full and that never accepts (a kvd stopped or hung):
+ * kvc_conn_open gives up within its timeout (a blocking connect waited for ever). */
+static void test_connect_keeps_to_the_timeout(void **state) {
+    (void)state;
+    char path[160];
+    snprintf(path, sizeof(path), "%s/full.sock", h.dir);
+    int l = socket(AF_UNIX, SOCK_STREAM, 0);
+    assert_true(l >= 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    assert_true(strlen(path) < sizeof(sa.sun_path));
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    assert_int_equal(bind(l, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(l, 0), 0);
+    int fill[64], nfill = 0;
+    for (; nfill < 64; nfill++) { /* until the queue refuses one */
+        fill[nfill] = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (connect(fill[nfill], (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+            close(fill[nfill]);
+            break;
+        }
+    }
+    assert_true(nfill < 64);
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = path;
+    o.timeout_ms = 200;
+    kvc_conn *c;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    assert_int_equal(kvc_conn_open(&o, &c), KV_ETIMEDOUT);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    assert_true(secs < 2.0);
+    assert_non_null(strstr(kvc_last_error(NULL), "accepted no connection"));
+    for (int i = 0; i < nfill; i++) {
+        close(fill[i]);
+    }
+    close(l);
+    unlink(path);
 }
 
 /* One scheduler step for 64 sequences is one request (one Allocate for the pool), where
@@ -475,6 +519,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_last_error_always_set),
         cmocka_unit_test(test_wrong_socket),
+        cmocka_unit_test(test_connect_keeps_to_the_timeout),
         cmocka_unit_test(test_append_many_one_round_trip),
         cmocka_unit_test(test_reserve_and_lookahead),
         cmocka_unit_test(test_reserve_then_prefill_with_hits),
