@@ -243,13 +243,19 @@ kv_err kvc_seq_prefill(kvc_seq *s, const uint32_t *tokens, size_t n, size_t *cac
     if (n == 0 || tokens == NULL) {
         return kvc__fail(&c->diag, KV_EINVAL, "prefill needs at least one token");
     }
-    /* An empty sequence is an ordinary one again, even one rewound to 0 after a compaction. */
-    s->compressed = 0;
-    s->dropped = 0;
     if (n > s->max_tokens) {
         return kvc__fail(&c->diag, KV_ETOOBIG, "prompt of %zu tokens exceeds the sequence's %zu", n,
                          s->max_tokens);
     }
+    /* An empty sequence is an ordinary one again, even one rewound to 0 after a compaction: the
+     * private blocks it kept held (a reservation, a lookahead) go back, since a private block
+     * is never committed; ordinary ones are allocated below. */
+    if (s->compressed && s->nheld > 0) {
+        (void)kvc_release(s->pool, s->blocks, s->nheld);
+        s->nheld = 0;
+    }
+    s->compressed = 0;
+    s->dropped = 0;
     memcpy(s->tokens, tokens, n * sizeof(*tokens));
     s->len = n;
     s->nhashes = 0;

@@ -222,11 +222,19 @@ static void test_budget_compact_shared_prefix(void **state) {
     assert_int_equal(kvc_seq_fork(b, &f, cs, cd, 8, &ncp), KV_ENOTSUP);
     /* Rewound to nothing and prefilled again, it is an ordinary sequence: its prompt's hashes
      * find A's prefix again. */
+    assert_int_equal(kvc_seq_reserve(b, 3 * T), KV_OK); /* held across the rewind: private */
     assert_int_equal(kvc_seq_rewind(b, 0, NULL), KV_OK);
     assert_int_equal(kvc_seq_prefill(b, t, 66, &cached), KV_OK);
     assert_int_equal(cached, 64);
     assert_false(kvc_seq_compressed(b));
     assert_int_equal(kvc_seq_position(b), kvc_seq_length(b));
+    /* Its held blocks are ordinary ones now (the private ones it kept went back): it publishes
+     * its prompt again. */
+    assert_int_equal(stat(c, p, "pool.blocks_private"), 0);
+    assert_int_equal(kvc_seq_append(b, t + 66, T), KV_OK);
+    assert_int_equal(kvc_seq_commit(b, kvc_seq_length(b), &nc), KV_OK);
+    assert_int_equal(nc, 1);
+    assert_int_equal(kvc_seq_reserve(b, 0), KV_OK);
     /* Unshare: a block two sequences of this session hold (A and b2 share it) is refused; the
      * other-session case is tests/pyclient/test_private.py's. */
     kvc_block last = kvc_seq_block(a, 3);
