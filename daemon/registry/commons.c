@@ -157,6 +157,16 @@ static int promote(kvd_registry *s, kvd_reg_pool *src, kvd_reg_pool *com, kvd_bl
     if (s->cfg->verify_blocks && canon.id == nb.id) {
         kvd_registry_verify_commit(s, com, canon);
     }
+    if (canon.id == nb.id && (com->flags & KVD_POOL_SUMMARIES)) {
+        /* The page summary goes with the block (the source's, or one computed from the copy),
+         * as at a Commit: a summary beside every committed block (docs/ICECACHE.md). */
+        kv_err src_rc = kvd_summaries_set(&com->summ, s->be, s->be_ctx, com->pool, canon,
+                                          kvd_summaries_get(&src->summ, blk));
+        if (src_rc != KV_OK) {
+            KV_LOG(WARN, "KVD-SUMMARY", "pool %u block %u: no page summary: %s", com->pool_id,
+                   canon.id, kv_strerror(src_rc));
+        }
+    }
     entered = canon.id == nb.id;
     if (entered && parent.id != KVD_NO_BLOCK) {
         *ph = pinfo.hash;

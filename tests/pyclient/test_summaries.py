@@ -29,6 +29,7 @@ def attach(conn, model, summaries=True):
     pool.hash_algo = r.hash_algo
     pool.add_segments(r.segments, fds)
     assert r.layout.summaries == summaries
+    pool.attach_reply = r
     return pool
 
 
@@ -168,6 +169,36 @@ def test_summaries_survive_demotion_and_promotion(kvd_factory):
     for a, b, k in zip(before, after, keys):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(b, expected(k))
+
+
+def test_commons_blocks_have_summaries(kvd_factory):
+    """A block two tenants committed enters the commons with its page summary (promotions
+    committed without one: a third tenant's Summaries of the commons pool came back empty)."""
+    toks = {n: ("tok-%s-0123456789abcdef0123456789" % n)[:32] for n in "abc"}
+    d = kvd_factory(
+        tenants="".join("tenant %s token-file={dir}/%s.token\n" % (n, n) for n in "abc") +
+        "commons min-tenants=2\n",
+        files={"%s.token" % n: toks[n].encode() for n in "abc"})
+    keep = []
+    for n in "ab":
+        k = kw.Conn(d.sock)
+        k.hello(token=toks[n].encode())
+        p = attach(k, "m-sum-com")
+        _, hashes, keys = commit_chain(k, p, 2, 5)
+        keep.append(k)
+    k = kw.Conn(d.sock)
+    k.hello(token=toks["c"].encode())
+    p = attach(k, "m-sum-com")
+    (link,) = list(p.attach_reply.linked)
+    k.linked_pool(p, link)  # its segments (MapSegments)
+    r, _ = k.call("summaries", pb.Summaries(pool_id=link.pool_id,
+                                            hashes_packed=kw.pack_hashes(hashes)))
+    got = [np.frombuffer(b, np.float32).reshape(LAYOUT.num_layers, LAYOUT.num_kv_heads, 3,
+                                                 LAYOUT.head_dim) if b else None
+           for b in r.summaries]
+    assert all(g is not None for g in got), [g is not None for g in got]
+    for g, key in zip(got, keys):
+        np.testing.assert_array_equal(g, expected(key))
 
 
 def test_summaries_isolated_between_tenants(kvd_factory):
