@@ -251,6 +251,7 @@ static kv_err ice_offload(kve_engine *e, req_state *rs, size_t p0, size_t p1, in
         rc = kve__fail(e, rc, "ice commit: %s", kvc_last_error(e->conn));
         goto cleanup;
     }
+    got_blocks = 0; /* the commit's references (canon) are what is held now: released below */
     /* The summaries while the pages are still held (nothing can evict them yet), then the
      * pages go back: cached in T0, demoted below as kvd decides. */
     uint8_t *found = malloc(np);
