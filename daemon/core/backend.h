@@ -64,6 +64,12 @@ typedef struct kvd_backend_ops {
      * its physical memory while it stays mapped), and then memory does not move between pools.
      * KV_ESYS when the system refuses. */
     kv_err (*segment_discard)(void *ctx, kvd_segment_mem *mem);
+    /* Optional, with segment_discard: takes a discarded segment's memory back before its blocks
+     * are handed out again (kvd_pool_unpark), where a page faulted in later could be missing:
+     * huge pages another user took meanwhile, whose first touch would be SIGBUS in a worker or
+     * in kvd. KV_ENOMEM when the system has none now (the segment stays parked). NULL: pages
+     * fault in fresh when written (tmpfs). */
+    kv_err (*segment_restore)(void *ctx, kvd_segment_mem *mem);
     /* Optional, for GPU backends, and the only calls here that any thread may make (the tiers'
      * copy threads): copies n bytes between a device address inside one of this backend's
      * segments (a segment's base plus an offset) and host memory, on the calling thread's own

@@ -1391,6 +1391,12 @@ kv_err kvd_pool_unpark(kvd_pool *p, uint32_t s) {
         return KV_ENOSPC;
     }
     pool_segment *seg = p->segs[s];
+    if (p->be->segment_restore != NULL) {
+        kv_err rc = p->be->segment_restore(p->be_ctx, &seg->mem);
+        if (rc != KV_OK) {
+            return rc; /* still parked: nothing changed */
+        }
+    }
     /* Like a grown segment: behind the free blocks already there, in id order. */
     for (uint32_t i = 0; i < p->bps; i++) {
         pool_block *b = &seg->blocks[i];

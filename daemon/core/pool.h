@@ -196,8 +196,10 @@ kv_err kvd_pool_park_candidate(const kvd_pool *pool, kvd_park_candidate *out);
  * referenced or pinned; a backend error passes through (the blocks stay FREE and usable then). */
 kv_err kvd_pool_park(kvd_pool *pool, uint32_t seg);
 
-/* Makes a parked segment's blocks allocatable again (their pages fault in fresh, zeroed).
- * KV_ENOENT when seg is not parked, KV_ENOSPC when the pool is at max_segments resident ones. */
+/* Makes a parked segment's blocks allocatable again (their pages fault in fresh, zeroed, or are
+ * taken back first by the backend's segment_restore). KV_ENOENT when seg is not parked,
+ * KV_ENOSPC when the pool is at max_segments resident ones, segment_restore's error (KV_ENOMEM:
+ * the segment stays parked). */
 kv_err kvd_pool_unpark(kvd_pool *pool, uint32_t seg);
 
 /* 1 when seg is a parked segment, else 0. */

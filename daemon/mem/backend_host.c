@@ -13,6 +13,11 @@
 #include "common/kv_util.h"
 
 #define HUGE_PAGE_BYTES (2ull << 20)
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB                                                                               \
+    (21u << 26) /* linux/memfd.h: log2(2 MiB) << MFD_HUGE_SHIFT (glibc's                           \
+                 * sys/mman.h does not define it) */
+#endif
 
 static kv_err host_segment_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out) {
     const kvd_backend_host_ctx *hc = ctx;
@@ -22,14 +27,18 @@ static kv_err host_segment_alloc(void *ctx, uint64_t bytes, kvd_segment_mem *out
     }
     uint64_t page = huge ? HUGE_PAGE_BYTES : (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t size = (bytes + page - 1) / page * page;
-    unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB : 0);
+    /* 2 MiB pages by name, not the system's default huge page size (1 GiB on hosts booted with
+     * default_hugepagesz=1G): segments are rounded and layer sections aligned to 2 MiB. */
+    unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB | MFD_HUGE_2MB : 0);
     int fd = memfd_create("kvd-segment", flags);
     if (fd < 0) {
         int e = errno;
         if (huge) {
             KV_LOG(ERROR, "KVD-HUGEPAGES",
-                   "memfd_create(MFD_HUGETLB) failed: %s; this system has no usable huge pages "
-                   "(set vm.nr_hugepages or run with hugepages = false)",
+                   "memfd_create(MFD_HUGETLB, 2 MiB pages) failed: %s; this system has no "
+                   "usable 2 MiB huge pages (set "
+                   "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages, or vm.nr_hugepages "
+                   "where 2 MiB is the default size, or run with hugepages = false)",
                    strerror(e));
         } else {
             KV_LOG(ERROR, "KVD-SEGMENT", "memfd_create failed: %s", strerror(e));
@@ -107,6 +116,26 @@ static kv_err host_segment_discard(void *ctx, kvd_segment_mem *mem) {
     return KV_OK;
 }
 
+/* Takes a punched-out huge-page segment's pages back before its blocks are used again: a page
+ * of hugetlbfs that is missing at its first touch is SIGBUS (another pool or process may have
+ * taken the pages punching gave back). Ordinary memfds fault their pages in as written. */
+static kv_err host_segment_restore(void *ctx, kvd_segment_mem *mem) {
+    const kvd_backend_host_ctx *hc = ctx;
+    if (hc == NULL || !hc->hugepages) {
+        return KV_OK;
+    }
+    if (mem == NULL || mem->fd < 0 || mem->bytes == 0) {
+        return KV_EINVAL;
+    }
+    if (fallocate(mem->fd, 0, 0, (off_t)mem->bytes) != 0) {
+        KV_LOG(WARN, "KVD-HUGEPAGES",
+               "a parked %llu-byte segment cannot have its huge pages back: %s (vm.nr_hugepages)",
+               (unsigned long long)mem->bytes, strerror(errno));
+        return KV_ENOMEM;
+    }
+    return KV_OK;
+}
+
 /* Huge-page memfds can only be mapped at 2 MiB offsets, so layer sections must be 2 MiB too. */
 static uint64_t host_align(void *ctx) {
     const kvd_backend_host_ctx *hc = ctx;
@@ -120,6 +149,7 @@ const kvd_backend_ops kvd_backend_host = {
     .kind = KVD_MEM_HOST_MEMFD,
     .align = host_align,
     .segment_discard = host_segment_discard,
+    .segment_restore = host_segment_restore,
 };
 
 kv_err kvd_backend_host_ro_fd(int fd, int *out) {

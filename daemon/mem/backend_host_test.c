@@ -61,10 +61,30 @@ static void test_hugepages_clear_result(void **state) {
     }
 }
 
+/* Where 2 MiB huge pages can be had: a segment discarded (its pages given back) and restored
+ * has its pages again, and is written without a fault; with no page free, restore says
+ * KV_ENOMEM (the segment stays parked) instead of a SIGBUS at the first touch. */
+static void test_hugepages_discard_restore(void **state) {
+    (void)state;
+    kvd_backend_host_ctx ctx = {1};
+    kvd_segment_mem m;
+    if (kvd_backend_host.segment_alloc(&ctx, 4u << 20, &m) != KV_OK) {
+        return; /* no huge pages here (vm.nr_hugepages 0): nothing to check */
+    }
+    memset(m.base, 7, m.bytes);
+    assert_int_equal(kvd_backend_host.segment_discard(&ctx, &m), KV_OK);
+    assert_int_equal(((uint8_t *)m.base)[0], 0);
+    assert_int_equal(kvd_backend_host.segment_restore(&ctx, &m), KV_OK);
+    memset(m.base, 9, m.bytes);
+    assert_int_equal(((uint8_t *)m.base)[m.bytes - 1], 9);
+    kvd_backend_host.segment_free(&ctx, &m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_segment),
         cmocka_unit_test(test_hugepages_clear_result),
+        cmocka_unit_test(test_hugepages_discard_restore),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

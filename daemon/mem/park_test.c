@@ -22,7 +22,16 @@
 typedef struct counting_ctx {
     int discards; /* successful segment_discard calls */
     int refuse;   /* nonzero: segment_discard fails with KV_ESYS */
+    int restores; /* segment_restore calls */
+    int no_pages; /* nonzero: segment_restore fails with KV_ENOMEM (huge pages taken) */
 } counting_ctx;
+
+static kv_err counting_restore(void *ctx, kvd_segment_mem *mem) {
+    (void)mem;
+    counting_ctx *c = ctx;
+    c->restores++;
+    return c->no_pages ? KV_ENOMEM : KV_OK;
+}
 
 static kv_err counting_discard(void *ctx, kvd_segment_mem *mem) {
     counting_ctx *c = ctx;
@@ -47,6 +56,7 @@ static const kvd_backend_ops counting_backend = {
     .segment_alloc = counting_alloc,
     .segment_free = counting_free,
     .segment_discard = counting_discard,
+    .segment_restore = counting_restore,
 };
 
 typedef struct fixture {
@@ -222,7 +232,16 @@ static void test_allocate_unparks(void **state) {
     assert_int_equal(kvd_pool_segment_slots(f.pool), 2); /* no new slot: reused a parked one */
     assert_int_equal(kvd_pool_unpark(f.pool, 0),
                      kvd_pool_segment_parked(f.pool, 0) ? KV_ENOSPC : KV_ENOENT);
+    /* A segment whose memory cannot be had back (huge pages taken meanwhile) stays parked, and
+     * the allocation that needed it is refused instead of handing out blocks that would fault. */
     kvd_pool_set_max_segments(f.pool, 2);
+    f.be.no_pages = 1;
+    int restores = f.be.restores;
+    assert_int_equal(kvd_pool_allocate(f.pool, 4, 1, 0, a + 4), KV_ENOMEM);
+    assert_int_equal(f.be.restores, restores + 1);
+    assert_true(kvd_pool_segment_parked(f.pool, 0) || kvd_pool_segment_parked(f.pool, 1));
+    assert_int_equal(kvd_pool_check(f.pool), KV_OK);
+    f.be.no_pages = 0;
     assert_int_equal(kvd_pool_allocate(f.pool, 4, 1, 0, a + 4), KV_OK);
     assert_int_equal(kvd_pool_segment_slots(f.pool), 2);
     assert_int_equal(get_stats(f.pool).segs_parked, 0);
