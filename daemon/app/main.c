@@ -1,5 +1,6 @@
 /* kvd: the daemon's entry point. Parses options, builds the daemon on the default libuv loop,
  * prints one startup line and runs until SIGTERM/SIGINT; exits 0 after a clean stop. */
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -14,6 +15,14 @@
 #include "daemon/ops/man.h"
 
 int main(int argc, char **argv) {
+    /* Started with stdin, stdout or stderr closed, the daemon's next fd (a segment's memfd)
+     * would take that number: log lines written into KV memory, or a segment never closed (fds
+     * 0-2 are never a segment's). /dev/null holds the numbers instead. */
+    for (int fd = 0; fd <= 2; fd++) {
+        if (fcntl(fd, F_GETFD) == -1 && open("/dev/null", O_RDWR) != fd) {
+            return 1;
+        }
+    }
     /* Generators of committed files (tests compare them with these outputs). */
     if (argc == 2 && strcmp(argv[1], "--print-config") == 0) {
         kvd_config_print_example(stdout);

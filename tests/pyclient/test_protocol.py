@@ -1025,6 +1025,35 @@ def test_admin_sizes_past_int64_are_not_negative(kvd_factory):
     assert v > 0 and abs(v - 2 ** 64) < 2 ** 20, v
 
 
+def test_kvd_started_with_stdio_closed():
+    """kvd started with fds 0-2 closed holds them with /dev/null, so that no segment memfd takes
+    one (log lines would be written into KV memory, and such a segment's fd was never
+    closed), and serves."""
+    from conftest import daemon_args, new_dir
+    tmp = new_dir()
+
+    def close_stdio():
+        for fd in (0, 1, 2):
+            os.close(fd)
+    proc = subprocess.Popen(daemon_args(kvd_binary(), tmp, {}), preexec_fn=close_stdio,
+                            close_fds=True)
+    try:
+        sock = os.path.join(tmp, "run", "kvd.sock")
+        deadline = time.monotonic() + 10
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = kw.Conn(sock)
+        c.hello()
+        pool = c.attach("m-stdio", LAYOUT)
+        assert len(pool.segments) >= 1
+        for fd in (0, 1, 2):
+            assert os.readlink("/proc/%d/fd/%d" % (proc.pid, fd)) == "/dev/null"
+        c.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_kvd_refuses_admin_socket_on_the_client_socket():
     """admin-socket equal to socket: refused at start, naming both (the admin socket replaced
     the client socket, and `ready` still said yes)."""
