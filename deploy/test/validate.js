@@ -291,7 +291,8 @@ function checkGpu(where, spec) {
     }
     const vols = new Map((spec.volumes || []).map((v) => [v.name, v]));
     const kvdVols = new Set((k.volumeMounts || []).map((m) => m.name).filter((n) => vols.has(n) && !vols.get(n).configMap));
-    const peers = all.filter((c) => c !== k && (c.volumeMounts || []).some((m) => kvdVols.has(m.name)));
+    // Init containers (preparing a volume before kvd starts) never use its memory.
+    const peers = (spec.containers || []).filter((c) => c !== k && (c.volumeMounts || []).some((m) => kvdVols.has(m.name)));
     for (const p of peers) {
       const pg = gpuOf(p);
       if (g.claims.length > 0) {
