@@ -645,14 +645,17 @@ static const uint8_t *map_commons(int fd, uint32_t pool, uint64_t *bytes) {
     return ro;
 }
 
+/* Four token tenants and the commons, entered at 3 tenants. */
+#define FOUR_AND_COMMONS                                                                           \
+    "tenant t1 token-file=%T/t1.token\n"                                                           \
+    "tenant t2 token-file=%T/t2.token\n"                                                           \
+    "tenant t3 token-file=%T/t3.token\n"                                                           \
+    "tenant t4 token-file=%T/t4.token\n"                                                           \
+    "commons min-tenants=3\n"
+
 static void test_commons_after_k_tenants(void **state) {
     (void)state;
-    harness *h = start("tenant t1 token-file=%T/t1.token\n"
-                       "tenant t2 token-file=%T/t2.token\n"
-                       "tenant t3 token-file=%T/t3.token\n"
-                       "tenant t4 token-file=%T/t4.token\n"
-                       "commons min-tenants=3\n",
-                       four, 4, 2 << 20, NULL);
+    harness *h = start(FOUR_AND_COMMONS, four, 4, 2 << 20, NULL);
     int f[4];
     att a[4];
     for (int i = 0; i < 4; i++) {
@@ -714,12 +717,7 @@ static void test_commons_after_k_tenants(void **state) {
 static void test_commons_counts_per_model_in_vllm_mode(void **state) {
     (void)state;
     start_vllm = 1;
-    harness *h = start("tenant t1 token-file=%T/t1.token\n"
-                       "tenant t2 token-file=%T/t2.token\n"
-                       "tenant t3 token-file=%T/t3.token\n"
-                       "tenant t4 token-file=%T/t4.token\n"
-                       "commons min-tenants=3\n",
-                       four, 4, 4 << 20, NULL);
+    harness *h = start(FOUR_AND_COMMONS, four, 4, 4 << 20, NULL);
     start_vllm = 0;
     int f[4];
     att am[4], an[4];

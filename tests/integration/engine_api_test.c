@@ -87,32 +87,36 @@ static void test_last_error_always_set(void **state) {
     free(t);
 }
 
+/* kvc_conn_open of a socket at path with timeout_ms: expects want, within 2 s, and needle in
+ * the last error. */
+static void open_fails_fast(const char *path, int timeout_ms, kv_err want, const char *needle) {
+    kvc_options o;
+    kvc_options_init(&o);
+    o.socket_path = path;
+    o.timeout_ms = timeout_ms;
+    kvc_conn *c;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    assert_int_equal(kvc_conn_open(&o, &c), want);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    assert_true(secs < 2.0);
+    assert_non_null(strstr(kvc_last_error(NULL), needle));
+}
+
 /* A worker pointed at the admin socket hears so at once instead of timing out. */
 static void test_wrong_socket(void **state) {
     (void)state;
     char admin[160];
     snprintf(admin, sizeof(admin), "%s/admin.sock", h.dir);
-    kvc_options o;
-    kvc_options_init(&o);
-    o.socket_path = admin;
-    o.timeout_ms = 5000;
-    kvc_conn *c;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    assert_int_equal(kvc_conn_open(&o, &c), KV_EPROTO);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
-    assert_true(secs < 2.0);
-    assert_non_null(strstr(kvc_last_error(NULL), "admin socket"));
+    open_fails_fast(admin, 5000, KV_EPROTO, "admin socket");
     /* A path longer than a Unix socket's: refused, and the last error says so (it kept the
      * previous call's text). */
     char longp[300];
     memset(longp, 'a', sizeof(longp) - 1);
     longp[0] = '/';
     longp[sizeof(longp) - 1] = '\0';
-    o.socket_path = longp;
-    assert_int_equal(kvc_conn_open(&o, &c), KV_ETOOBIG);
-    assert_non_null(strstr(kvc_last_error(NULL), "too long"));
+    open_fails_fast(longp, 5000, KV_ETOOBIG, "too long");
 }
 
 /* A socket whose listen queue is full and that never accepts (a kvd stopped or hung):
@@ -137,18 +141,7 @@ static void test_connect_keeps_to_the_timeout(void **state) {
         }
     }
     assert_true(nfill < 64);
-    kvc_options o;
-    kvc_options_init(&o);
-    o.socket_path = path;
-    o.timeout_ms = 200;
-    kvc_conn *c;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    assert_int_equal(kvc_conn_open(&o, &c), KV_ETIMEDOUT);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    double secs = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
-    assert_true(secs < 2.0);
-    assert_non_null(strstr(kvc_last_error(NULL), "accepted no connection"));
+    open_fails_fast(path, 200, KV_ETIMEDOUT, "accepted no connection");
     for (int i = 0; i < nfill; i++) {
         close(fill[i]);
     }

@@ -2865,18 +2865,82 @@ def _stop_hung(d, dns, lsock, stop, th):
     lsock.close()
 
 
+def _resp_commands(buf):
+    """The whole RESP commands (*N then N bulk strings) at the start of buf, as lists of bytes
+    arguments, and the bytes after them (a command not all there yet stays in the rest)."""
+    cmds = []
+    while buf.startswith(b"*") and b"\r\n" in buf:
+        head, rest = buf.split(b"\r\n", 1)
+        args = []
+        for _ in range(int(head[1:])):
+            if b"\r\n" not in rest:
+                return cmds, buf
+            ln, rest = rest.split(b"\r\n", 1)
+            k = int(ln[1:])
+            if len(rest) < k + 2:
+                return cmds, buf
+            args.append(rest[:k])
+            rest = rest[k + 2:]
+        cmds.append(args)
+        buf = rest
+    return cmds, buf
+
+
+def _fake_redis(answer, lsock=None):
+    """A RESP server on loopback: answer(conn, args, stop) answers each whole command (it may
+    send its reply in pieces, and stop early when stop is set). lsock: a listening socket to
+    serve (else a new one). Returns (listening socket, stop event, thread)."""
+    import threading
+    if lsock is None:
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(16)
+    stop = threading.Event()
+
+    def serve(conn):
+        buf = b""
+        conn.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            cmds, buf = _resp_commands(buf + data)
+            try:
+                for args in cmds:
+                    answer(conn, args, stop)
+            except OSError:
+                break
+        conn.close()
+
+    def accept():
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except (TimeoutError, socket.timeout, OSError):
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    return lsock, stop, th
+
+
 def _fake_cluster(names, stable=False):
     """A RESP server that plays a Redis Cluster whose map keeps changing: CLUSTER SLOTS gives,
     in turn, half of the slots to itself and half to a port nothing listens on, then that half
     split between the nodes `names` ((host, port) pairs; each map has a node that fails, so kvd
     reads the map again at the next request); stable: always the second map. GET and STRLEN
     find nothing, SET is fine. Returns (listening socket, stop event, thread)."""
-    import threading
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
     port = lsock.getsockname()[1]
-    stop = threading.Event()
     maps = [0]
 
     def bulk(s):
@@ -2909,128 +2973,30 @@ def _fake_cluster(names, stable=False):
             return b":0\r\n"
         return b"+OK\r\n"
 
-    def serve(conn):
-        buf = b""
-        conn.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                data = conn.recv(65536)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            buf += data
-            out = b""
-            while True:  # whole commands: *N then N bulk strings
-                if not buf.startswith(b"*") or b"\r\n" not in buf:
-                    break
-                head, rest = buf.split(b"\r\n", 1)
-                n, args, ok = int(head[1:]), [], True
-                for _ in range(n):
-                    if b"\r\n" not in rest:
-                        ok = False
-                        break
-                    ln, rest = rest.split(b"\r\n", 1)
-                    k = int(ln[1:])
-                    if len(rest) < k + 2:
-                        ok = False
-                        break
-                    args.append(rest[:k])
-                    rest = rest[k + 2:]
-                if not ok:
-                    break
-                buf = rest
-                out += reply(args)
-            if out:
-                conn.sendall(out)
-        conn.close()
-
-    def accept():
-        lsock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (TimeoutError, socket.timeout, OSError):
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    th = threading.Thread(target=accept, daemon=True)
-    th.start()
-    return lsock, stop, th
+    return _fake_redis(lambda conn, args, stop: conn.sendall(reply(args)), lsock)
 
 
 def test_trickling_value_keeps_to_the_timeout(kvd_factory):
     """A Redis that sends a GET's value a few bytes at a time (each read within remote-timeout-ms,
     the whole value in seconds): the Fetch's one timeout ends the read (each read had its own
     timeout, so the Fetch and the remote thread waited for the whole trickle)."""
-    import threading
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(8)
-    stop = threading.Event()
-
-    def serve(conn):
-        buf = b""
-        conn.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                data = conn.recv(65536)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            buf += data
-            while buf.startswith(b"*") and buf.count(b"\r\n") >= 1:
-                head, rest = buf.split(b"\r\n", 1)
-                n, args, ok = int(head[1:]), [], True
-                for _ in range(n):
-                    if b"\r\n" not in rest:
-                        ok = False
-                        break
-                    ln, rest = rest.split(b"\r\n", 1)
-                    k = int(ln[1:])
-                    if len(rest) < k + 2:
-                        ok = False
-                        break
-                    args.append(rest[:k])
-                    rest = rest[k + 2:]
-                if not ok:
-                    break
-                buf = rest
-                cmd = args[0].upper()
-                try:
-                    if cmd == b"CLUSTER":
-                        conn.sendall(b"-ERR This instance has cluster support disabled\r\n")
-                    elif cmd == b"GET":
-                        body = b"KVDR" + bytes(HEADER - 4 + LAYOUT.block_bytes)
-                        conn.sendall(b"$%d\r\n" % len(body))
-                        for i in range(0, len(body), 16):  # ~7 s for the whole value
-                            if stop.is_set():
-                                return
-                            conn.sendall(body[i:i + 16])
-                            time.sleep(0.05)
-                        conn.sendall(b"\r\n")
-                    else:
-                        conn.sendall(b"+OK\r\n")
-                except OSError:
+    def answer(conn, args, stop):
+        cmd = args[0].upper()
+        if cmd == b"CLUSTER":
+            conn.sendall(b"-ERR This instance has cluster support disabled\r\n")
+        elif cmd == b"GET":
+            body = b"KVDR" + bytes(HEADER - 4 + LAYOUT.block_bytes)
+            conn.sendall(b"$%d\r\n" % len(body))
+            for i in range(0, len(body), 16):  # ~7 s for the whole value
+                if stop.is_set():
                     return
-        conn.close()
+                conn.sendall(body[i:i + 16])
+                time.sleep(0.05)
+            conn.sendall(b"\r\n")
+        else:
+            conn.sendall(b"+OK\r\n")
 
-    def accept():
-        lsock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (TimeoutError, socket.timeout, OSError):
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    th = threading.Thread(target=accept, daemon=True)
-    th.start()
+    lsock, stop, th = _fake_redis(answer)
     try:
         d = kvd_factory(**node_opts("127.0.0.1:%d" % lsock.getsockname()[1], writer=False,
                                     **{OPT_TIMEOUT: "300"}))
