@@ -1006,23 +1006,8 @@ static void pin_for(int fd, uint32_t pool, Kvd__BlockRef *blocks, size_t n, uint
     expect_code(rpc(fd, &e), code, needle);
 }
 
-/* Unpin of one block, expecting code (and needle in the error message). */
-static void unpin_for(int fd, uint32_t pool, Kvd__BlockRef *block, kv_err code,
-                      const char *needle) {
-    Kvd__Envelope e = KVD__ENVELOPE__INIT;
-    Kvd__Pin pn = KVD__PIN__INIT;
-    Kvd__BlockRef *pv[1] = {block};
-    pn.pool_id = pool;
-    pn.n_blocks = 1;
-    pn.blocks = pv;
-    pn.unpin = 1;
-    e.body_case = KVD__ENVELOPE__BODY_PIN;
-    e.pin = &pn;
-    expect_code(rpc(fd, &e), code, needle);
-}
-
-/* pin_for without expectations: the reply's code (KV_OK for a PinReply). */
-static kv_err pin_try(int fd, uint32_t pool, Kvd__BlockRef *block, uint64_t ms) {
+/* The reply to a Pin (unpin: an unpin) of one block. */
+static Kvd__Envelope *pin_one(int fd, uint32_t pool, Kvd__BlockRef *block, uint64_t ms, int unpin) {
     Kvd__Envelope e = KVD__ENVELOPE__INIT;
     Kvd__Pin pn = KVD__PIN__INIT;
     Kvd__BlockRef *pv[1] = {block};
@@ -1030,9 +1015,21 @@ static kv_err pin_try(int fd, uint32_t pool, Kvd__BlockRef *block, uint64_t ms) 
     pn.n_blocks = 1;
     pn.blocks = pv;
     pn.retention_ms = ms;
+    pn.unpin = unpin;
     e.body_case = KVD__ENVELOPE__BODY_PIN;
     e.pin = &pn;
-    Kvd__Envelope *r = rpc(fd, &e);
+    return rpc(fd, &e);
+}
+
+/* Unpin of one block, expecting code (and needle in the error message). */
+static void unpin_for(int fd, uint32_t pool, Kvd__BlockRef *block, kv_err code,
+                      const char *needle) {
+    expect_code(pin_one(fd, pool, block, 0, 1), code, needle);
+}
+
+/* pin_for without expectations: the reply's code (KV_OK for a PinReply). */
+static kv_err pin_try(int fd, uint32_t pool, Kvd__BlockRef *block, uint64_t ms) {
+    Kvd__Envelope *r = pin_one(fd, pool, block, ms, 0);
     kv_err rc = r->body_case == KVD__ENVELOPE__BODY_ERROR ? (kv_err)r->error->code : KV_OK;
     kv_wire_free(r);
     return rc;

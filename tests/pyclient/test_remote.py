@@ -2791,17 +2791,7 @@ def test_dns_lookup_keeps_to_the_request_deadline(tmp_path):
     lsock.listen(16)
     stop = threading.Event()
 
-    def hang_up_late():
-        lsock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (TimeoutError, socket.timeout, OSError):
-                continue
-            threading.Timer(0.3, conn.close).start()
-
-    th = threading.Thread(target=hang_up_late, daemon=True)
-    th.start()
+    th = _accept_loop(lsock, stop, lambda conn: threading.Timer(0.3, conn.close).start())
     seeds = "127.0.0.1:%d,b.kvd-test.invalid:6379" % lsock.getsockname()[1]
     d, dns = hung_dns_kvd(str(tmp_path), node_opts(seeds, **{OPT_TIMEOUT: str(timeout_ms)}))
     try:
@@ -2865,6 +2855,24 @@ def _stop_hung(d, dns, lsock, stop, th):
     lsock.close()
 
 
+def _accept_loop(lsock, stop, on_conn):
+    """A thread that accepts on lsock until stop is set, handing each connection to on_conn."""
+    import threading
+
+    def accept():
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except (TimeoutError, socket.timeout, OSError):
+                continue
+            on_conn(conn)
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    return th
+
+
 def _resp_commands(buf):
     """The whole RESP commands (*N then N bulk strings) at the start of buf, as lists of bytes
     arguments, and the bytes after them (a command not all there yet stays in the rest)."""
@@ -2917,17 +2925,8 @@ def _fake_redis(answer, lsock=None):
                 break
         conn.close()
 
-    def accept():
-        lsock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except (TimeoutError, socket.timeout, OSError):
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    th = threading.Thread(target=accept, daemon=True)
-    th.start()
+    th = _accept_loop(lsock, stop,
+                      lambda conn: threading.Thread(target=serve, args=(conn,), daemon=True).start())
     return lsock, stop, th
 
 
