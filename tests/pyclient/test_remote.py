@@ -976,6 +976,25 @@ def test_events_name_the_remote_medium(kvd_factory, redis):
         ctx.destroy(0)
 
 
+def _commit_one(c, p, base):
+    """One block committed and released: (its chain of one hash, its block id, its bytes)."""
+    hx = chain(p, 1, base)
+    px = patterns(p.layout, hx)[0]
+    (bx,) = allocate(c, p, 1)
+    p.write_block(bx[0], px)
+    canon = c.commit(p.pool_id, [(bx, hx[0], kw.NO_PARENT)])
+    c.release(p.pool_id, canon)
+    return hx, canon[0][0], px
+
+
+def _quarantine(c, p, hx, block, px):
+    """The committed block's bytes change (verify-blocks): the next Lookup quarantines it."""
+    bad = bytearray(px)
+    bad[0] ^= 0xFF
+    p.write_block(block, bytes(bad))
+    assert kw.reply_blocks(c.lookup(p.pool_id, hx)) == []
+
+
 def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, redis):
     """A block quarantined while its write-through put waits in the remote thread's queue (Redis
     stopped with SIGSTOP, the thread stuck on an earlier write): the put and the DEL leave in one
@@ -994,18 +1013,10 @@ def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, re
     try:
         hw2, _ = commit_chain(c, p, 1, 616200)  # its SET waits on the stopped server
         assert wait_until(lambda: tiers(a)["tier1_blocks"] >= 2, timeout=10), rem(a)
-        hx = chain(p, 1, 616300)
-        px = patterns(p.layout, hx)[0]
-        (bx,) = allocate(c, p, 1)
-        p.write_block(bx[0], px)
-        canon = c.commit(p.pool_id, [(bx, hx[0], kw.NO_PARENT)])
-        c.release(p.pool_id, canon)
+        hx, block, px = _commit_one(c, p, 616300)
         # X's copy lands in T1 (its put queued behind W2's), then X changes: quarantined.
         assert wait_until(lambda: tiers(a)["tier1_blocks"] >= 3, timeout=10), rem(a)
-        bad = bytearray(px)
-        bad[0] ^= 0xFF
-        p.write_block(canon[0][0], bytes(bad))
-        assert kw.reply_blocks(c.lookup(p.pool_id, hx)) == []
+        _quarantine(c, p, hx, block, px)
     finally:
         redis.sigcont()
     assert wait_until(lambda: tiers(a)["remote_puts"] >= puts0 + 2, timeout=15), rem(a)
@@ -1025,19 +1036,11 @@ def test_quarantine_delete_is_tried_again_until_it_lands(kvd_factory, redis):
     p = c.attach(MODEL, LAYOUT)
     r = redis.client()
     ns = Namespace(r, "kvd", domain_of(a, p.pool_id))
-    hx = chain(p, 1, 626100)
-    px = patterns(p.layout, hx)[0]
-    (bx,) = allocate(c, p, 1)
-    p.write_block(bx[0], px)
-    canon = c.commit(p.pool_id, [(bx, hx[0], kw.NO_PARENT)])
-    c.release(p.pool_id, canon)
+    hx, block, px = _commit_one(c, p, 626100)
     assert ns.wait_landed(hx), rem(a)
     redis.sigstop()
     try:
-        bad = bytearray(px)
-        bad[0] ^= 0xFF
-        p.write_block(canon[0][0], bytes(bad))
-        assert kw.reply_blocks(c.lookup(p.pool_id, hx)) == []  # quarantined: DEL queued
+        _quarantine(c, p, hx, block, px)  # DEL queued
         assert wait_until(lambda: tiers(a)["remote_dels_pending"] == 1, timeout=10), rem(a)
         assert c.ping(nonce=4).nonce == 4  # the loop serves meanwhile
     finally:
