@@ -70,6 +70,20 @@ typedef struct kept {
     sbuf *buf;
 } kept;
 
+/* Replays are answered a bounded number of batches per loop wake-up (the rest at the next), at
+ * most REPLAY_PENDING at a time per publisher; a peer's queue holds at most REPLAY_HWM batches,
+ * and a replay that finds it full ends there with the end marker (the peer asks again from the
+ * last seq it got). */
+#define REPLAY_PENDING 16
+#define REPLAY_BATCHES_PER_WAKE 256
+#define REPLAY_HWM 1024
+
+typedef struct rpend {
+    uint8_t id[256]; /* the peer's ROUTER identity (at most 255 bytes) */
+    size_t idlen;
+    uint64_t next; /* the next seq to send */
+} rpend;
+
 typedef struct pub {
     struct kvd_kvevents *e;
     uint32_t index;
@@ -98,6 +112,8 @@ typedef struct pub {
     size_t head, n; /* oldest kept, count */
     size_t bytes;   /* payload bytes kept */
     uint64_t last_warn_ms;
+    rpend pend[REPLAY_PENDING]; /* replays being answered, oldest first */
+    uint32_t npend;
 } pub;
 
 /* One record of the advertised-hash table. ns PUB_NS(m): (publisher index + 1, key) = refs
@@ -1347,7 +1363,20 @@ void kvd_kvevents_attach(kvd_kvevents *e, kvd_reg_pool *p) {
 
 /* ---- replay ------------------------------------------------------------------------------ */
 
-static void replay_one(kvd_kvevents *e, pub *b) {
+static void send_end(pub *b, const void *id, size_t idlen) {
+    static const uint8_t end[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+    if (zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
+        return; /* full or gone */
+    }
+    zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(b->router, end, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(b->router, "", 0, ZMQ_DONTWAIT);
+}
+
+/* Reads one request of b's ROUTER: a well-formed one joins the replays being answered (or, with
+ * REPLAY_PENDING of them already, gets the end marker at once: it asks again); any other is
+ * counted and logged. */
+static void replay_take(kvd_kvevents *e, pub *b) {
     zmq_msg_t parts[3];
     int nparts = 0, more = 1, total = 0;
     while (more) {
@@ -1365,7 +1394,8 @@ static void replay_one(kvd_kvevents *e, pub *b) {
         }
         zmq_msg_close(&m);
     }
-    int good = total == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[2]) == 8;
+    int good = total == 3 && zmq_msg_size(&parts[1]) == 0 && zmq_msg_size(&parts[2]) == 8 &&
+               zmq_msg_size(&parts[0]) <= sizeof(b->pend[0].id);
     if (!good) {
         e->lc[KS_REPLAY_BAD]++;
         uint64_t now = uv_now(e->loop);
@@ -1376,52 +1406,100 @@ static void replay_one(kvd_kvevents *e, pub *b) {
                    "start seq]); ignored (%llu so far)",
                    b->replay, total, (unsigned long long)e->lc[KS_REPLAY_BAD]);
         }
-    } else {
-        const uint8_t *s = zmq_msg_data(&parts[2]);
-        uint64_t start = 0;
-        for (int i = 0; i < 8; i++) {
-            start = (start << 8) | s[i];
-        }
-        const void *id = zmq_msg_data(&parts[0]);
-        size_t idlen = zmq_msg_size(&parts[0]);
-        pthread_mutex_lock(&e->ring_mu); /* the events thread keeps batches meanwhile */
-        for (size_t i = 0; i < b->n; i++) {
-            const kept *k = &b->ring[(b->head + i) % b->cap];
-            if (k->seq < start) {
-                continue;
-            }
-            uint8_t sb[8];
-            seq_bytes(k->seq, sb);
-            if (zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-                zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-                zmq_send(b->router, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-                send_sbuf(b->router, k->buf, 0) != 0) {
-                break; /* the peer's queue is full: it gets the end marker, and asks again */
-            }
-        }
-        pthread_mutex_unlock(&e->ring_mu);
-        static const uint8_t end[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
-        zmq_send(b->router, id, idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(b->router, end, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(b->router, "", 0, ZMQ_DONTWAIT);
+    } else if (b->npend == REPLAY_PENDING) {
+        send_end(b, zmq_msg_data(&parts[0]), zmq_msg_size(&parts[0]));
         e->lc[KS_REPLAYS]++;
+    } else {
+        rpend *p = &b->pend[b->npend++];
+        const uint8_t *s = zmq_msg_data(&parts[2]);
+        p->next = 0;
+        for (int i = 0; i < 8; i++) {
+            p->next = (p->next << 8) | s[i];
+        }
+        p->idlen = zmq_msg_size(&parts[0]);
+        memcpy(p->id, zmq_msg_data(&parts[0]), p->idlen);
     }
     for (int i = 0; i < nparts; i++) {
         zmq_msg_close(&parts[i]);
     }
 }
 
-/* Answers up to KVD_KVEVENTS_REPLAYS_PER_WAKE queued requests of b; 1 when more are waiting. */
+/* The ring position of the oldest kept batch with seq >= next (b->n when none): the ring holds
+ * increasing seqs. Under ring_mu. */
+static size_t ring_find(const pub *b, uint64_t next) {
+    size_t lo = 0, hi = b->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (b->ring[(b->head + mid) % b->cap].seq < next) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+/* Sends at most budget batches of b's replays, oldest replay first; a replay that reaches the
+ * ring's end, or finds its peer's queue full, ends with the end marker; one whose peer is gone
+ * ends. Returns the budget left. */
+static int replay_more(kvd_kvevents *e, pub *b, int budget) {
+    while (b->npend > 0 && budget > 0) {
+        rpend *p = &b->pend[0];
+        int done = 0, marker = 0;        /* the replay ends; with the end marker */
+        pthread_mutex_lock(&e->ring_mu); /* the events thread keeps batches meanwhile */
+        size_t i = ring_find(b, p->next);
+        for (; i < b->n && budget > 0; i++) {
+            const kept *k = &b->ring[(b->head + i) % b->cap];
+            uint8_t sb[8];
+            seq_bytes(k->seq, sb);
+            /* ZMQ_ROUTER_MANDATORY: the first frame says whether the peer can take it. */
+            if (zmq_send(b->router, p->id, p->idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
+                marker = zmq_errno() == EAGAIN; /* full: it asks again; else gone */
+                done = 1;
+                break;
+            }
+            zmq_send(b->router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+            zmq_send(b->router, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+            (void)send_sbuf(b->router, k->buf, 0);
+            p->next = k->seq + 1;
+            budget--;
+        }
+        pthread_mutex_unlock(&e->ring_mu);
+        if (i >= b->n && !done) {
+            done = marker = 1; /* all sent */
+        }
+        if (!done) {
+            /* The budget is spent: this replay goes on at the next wake-up, behind the others. */
+            rpend keep = *p;
+            memmove(&b->pend[0], &b->pend[1], (b->npend - 1) * sizeof(*p));
+            b->pend[b->npend - 1] = keep;
+            break;
+        }
+        if (marker) {
+            send_end(b, p->id, p->idlen);
+        }
+        e->lc[KS_REPLAYS]++;
+        memmove(&b->pend[0], &b->pend[1], (b->npend - 1) * sizeof(*p));
+        b->npend--;
+    }
+    return budget;
+}
+
+/* Takes up to KVD_KVEVENTS_REPLAYS_PER_WAKE queued requests of b and sends at most
+ * REPLAY_BATCHES_PER_WAKE batches of its replays; 1 when more is waiting. */
 static int replay_some(kvd_kvevents *e, pub *b) {
-    for (int k = 0; k < KVD_KVEVENTS_REPLAYS_PER_WAKE; k++) {
+    if (b->router == NULL) {
+        return 0;
+    }
+    int budget = replay_more(e, b, REPLAY_BATCHES_PER_WAKE);
+    for (int k = 0; k < KVD_KVEVENTS_REPLAYS_PER_WAKE && budget > 0; k++) {
         int zev = 0;
         size_t zl = sizeof(zev);
-        if (b->router == NULL || zmq_getsockopt(b->router, ZMQ_EVENTS, &zev, &zl) != 0 ||
-            !(zev & ZMQ_POLLIN)) {
-            return 0;
+        if (zmq_getsockopt(b->router, ZMQ_EVENTS, &zev, &zl) != 0 || !(zev & ZMQ_POLLIN)) {
+            return b->npend > 0;
         }
-        replay_one(e, b);
+        replay_take(e, b);
+        budget = replay_more(e, b, budget);
     }
     return 1;
 }
@@ -1642,10 +1720,14 @@ kv_err kvd_kvevents_start(kvd_kvevents *e, char *msg, size_t len) {
             rc = KV_ESYS;
             break;
         }
-        /* Room for one whole replay per peer; requests are 3 small frames. */
-        int rhwm = b->cap + 8 > (1u << 30) ? 1 << 30 : (int)(b->cap + 8);
+        /* A peer's queue holds REPLAY_HWM batches (a peer that stops reading pins no more of
+         * them than that); a send to a full peer fails (ROUTER_MANDATORY) instead of being
+         * dropped unseen, so the replay ends there with its end marker. Requests are 3 small
+         * frames. */
+        int rhwm = REPLAY_HWM + 8, mandatory = 1;
         int64_t maxmsg = 64;
         zmq_setsockopt(b->router, ZMQ_SNDHWM, &rhwm, sizeof(rhwm));
+        zmq_setsockopt(b->router, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof(mandatory));
         zmq_setsockopt(b->router, ZMQ_LINGER, &linger, sizeof(linger));
         zmq_setsockopt(b->router, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
         if (zmq_bind(b->router, b->replay) != 0) {

@@ -50,7 +50,8 @@
  * Nothing here blocks the loop thread but those readers: sends are non-blocking and zero-copy (a
  * batch's buffer is shared by the live send, the replay buffer and every replay, counted),
  * replays are answered from the buffer on the loop thread, at most
- * KVD_KVEVENTS_REPLAYS_PER_WAKE requests per wake-up. Every function here: loop thread only.
+ * KVD_KVEVENTS_REPLAYS_PER_WAKE requests taken and 256 batches sent per wake-up (a long replay
+ * goes on at the next). Every function here: loop thread only.
  */
 #ifndef KVD_KVEVENTS_H
 #define KVD_KVEVENTS_H

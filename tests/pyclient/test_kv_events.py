@@ -812,6 +812,40 @@ def test_replay(kvd_factory, zctx, thread):
     assert ev["kv_events_blocks"] > 0, ev
 
 
+def test_long_replays_go_out_in_pieces(kvd_factory, zctx):
+    """A replay of more batches than kvd sends per loop wake-up (256) goes on at the next
+    wake-ups and arrives whole and in order (a replay was sent in one go, the whole ring on the
+    loop thread: a request could stall the loop for as long as the ring took); 40 requests at
+    once, more than kvd answers at a time (16), each end with the end marker (a full replay, or
+    at once the end marker alone: ask again), and the loop serves meanwhile."""
+    d = start(kvd_factory)
+    c = d.connect()
+    pool = c.attach("m", LAYOUT)
+    for k in range(600):
+        vllm_commit(c, pool, toks(1, 10 * k + 1))
+    assert wait_until(lambda: len(replay(zctx, d.replay, 0)) >= 601, timeout=WAIT)
+    got = replay(zctx, d.replay, 0)
+    assert [s for s, _ in got] == list(range(len(got))), "one replay: every seq, in order"
+    dealers = []
+    for _ in range(40):
+        q = zctx.socket(zmq.DEALER)
+        q.setsockopt(zmq.LINGER, 0)
+        q.connect(d.replay)
+        dealers.append(q)
+    time.sleep(0.2)  # (connected)
+    for q in dealers:
+        q.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert c.ping(nonce=8).nonce == 8
+    whole = 0
+    for q in dealers:
+        r = read_replay(q, d.replay)
+        assert [s for s, _ in r] in ([], [s for s, _ in got][:len(r)]), len(r)
+        whole += len(r) >= len(got)
+        q.close(0)
+    assert whole >= 16, whole
+    assert d.admin_result("stats")["kv_events"]["kv_events_replay_bad"] == 0
+
+
 def test_replay_buffer_keeps_the_latest_batches(kvd_factory, zctx):
     """kv-events-buffer=N keeps the last N batches (vLLM's buffer_steps deque): a replay from 0
     starts at the oldest one kept."""
