@@ -24,7 +24,6 @@
 #include <string.h>
 
 /* libhiredis's libuv adapter: static functions, included here only. */
-#include <hiredis/adapters/libuv.h>
 
 #include "common/kv_log.h"
 #include "daemon/tiers/remote.h"
@@ -155,6 +154,102 @@ static void rw_schedule_restart(kvd_rwatch *w, const char *why) {
     w->backoff_ms = w->backoff_ms * 2 > w->backoff_max_ms ? w->backoff_max_ms : w->backoff_ms * 2;
 }
 
+/* ---- libhiredis on the loop ------------------------------------------------------------------
+ * libhiredis's event hooks on a uv_poll of the context's socket: ours, not Debian's adapter
+ * (hiredis/adapters/libuv.h of libhiredis 0.14), which returns when the poll reports an error:
+ * libuv reports a connection reset (RST) that way, so libhiredis never read the error, never
+ * disconnected, and the watch stayed "up" on a dead subscriber. Here an error lets libhiredis
+ * read and write what it waits for, which finds the error and disconnects. */
+typedef struct rw_ev {
+    redisAsyncContext *ac; /* NULL once libhiredis let go (cleanup) */
+    uv_poll_t poll;
+    int events;
+} rw_ev;
+
+static void rw_ev_set(rw_ev *p, int ev);
+
+static void rw_ev_poll(uv_poll_t *h, int status, int events) {
+    rw_ev *p = h->data;
+    int ev = status < 0 ? p->events : events;
+    if (p->ac != NULL && (ev & UV_READABLE)) {
+        redisAsyncHandleRead(p->ac); /* (may free the context: cleanup clears p->ac) */
+    }
+    if (p->ac != NULL && (ev & UV_WRITABLE)) {
+        redisAsyncHandleWrite(p->ac);
+    }
+    if (status < 0 && p->ac != NULL) {
+        /* libuv stopped the poll on the error; the context lives on: watch its socket again. */
+        int want = p->events;
+        p->events = 0;
+        rw_ev_set(p, want);
+    }
+}
+
+static void rw_ev_set(rw_ev *p, int ev) {
+    if (ev == p->events || p->ac == NULL) {
+        return;
+    }
+    p->events = ev;
+    if (ev != 0) {
+        uv_poll_start(&p->poll, ev, rw_ev_poll);
+    } else {
+        uv_poll_stop(&p->poll);
+    }
+}
+
+static void rw_ev_add_read(void *d) {
+    rw_ev *p = d;
+    rw_ev_set(p, p->events | UV_READABLE);
+}
+
+static void rw_ev_del_read(void *d) {
+    rw_ev *p = d;
+    rw_ev_set(p, p->events & ~UV_READABLE);
+}
+
+static void rw_ev_add_write(void *d) {
+    rw_ev *p = d;
+    rw_ev_set(p, p->events | UV_WRITABLE);
+}
+
+static void rw_ev_del_write(void *d) {
+    rw_ev *p = d;
+    rw_ev_set(p, p->events & ~UV_WRITABLE);
+}
+
+static void rw_ev_closed(uv_handle_t *h) {
+    free(h->data);
+}
+
+static void rw_ev_cleanup(void *d) {
+    rw_ev *p = d;
+    p->ac = NULL;
+    uv_close((uv_handle_t *)&p->poll, rw_ev_closed);
+}
+
+static int rw_attach(redisAsyncContext *ac, uv_loop_t *loop) {
+    if (ac->ev.data != NULL) {
+        return REDIS_ERR;
+    }
+    rw_ev *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return REDIS_ERR;
+    }
+    if (uv_poll_init(loop, &p->poll, ac->c.fd) != 0) {
+        free(p);
+        return REDIS_ERR;
+    }
+    p->poll.data = p;
+    p->ac = ac;
+    ac->ev.data = p;
+    ac->ev.addRead = rw_ev_add_read;
+    ac->ev.delRead = rw_ev_del_read;
+    ac->ev.addWrite = rw_ev_add_write;
+    ac->ev.delWrite = rw_ev_del_write;
+    ac->ev.cleanup = rw_ev_cleanup;
+    return REDIS_OK;
+}
+
 /* A new context to host:port on the loop, NULL (logged) when libhiredis cannot make one. */
 static redisAsyncContext *rw_connect(kvd_rwatch *w, const char *host, int port, void *data,
                                      redisConnectCallback *on_conn,
@@ -168,7 +263,7 @@ static redisAsyncContext *rw_connect(kvd_rwatch *w, const char *host, int port, 
         }
         return NULL;
     }
-    if (redisLibuvAttach(ac, w->loop) != REDIS_OK) {
+    if (rw_attach(ac, w->loop) != REDIS_OK) {
         redisAsyncFree(ac);
         return NULL;
     }

@@ -2155,6 +2155,77 @@ def _watched_chain(kvd_factory, ctx, seeds, ea, nblocks, base, nodes=1, **opts):
     return a, sa, ca, pa, hs, want
 
 
+class _ResetProxy:
+    """A TCP proxy to a Redis port that can reset (RST) every connection through it."""
+
+    def __init__(self, port):
+        import threading
+        self.up = port
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.stop = threading.Event()
+        self.gen = [0]  # bumped by reset_all: every connection opened before it is reset
+        self.resets = [0]
+        self.th = _accept_loop(self.lsock, self.stop, self._serve)
+
+    def _serve(self, conn):
+        import select
+        import threading
+        up = socket.create_connection(("127.0.0.1", self.up))
+        born = self.gen[0]
+
+        def pump():
+            # One thread per connection, which alone closes it: an RST needs the last close of
+            # the socket, which a recv blocked in another thread would delay.
+            try:
+                while not self.stop.is_set() and self.gen[0] == born:
+                    r, _, _ = select.select([conn, up], [], [], 0.05)
+                    for a in r:
+                        data = a.recv(65536)
+                        if not data:
+                            return
+                        (up if a is conn else conn).sendall(data)
+                if self.gen[0] != born:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.resets[0] += 1
+            except OSError:
+                pass
+            finally:
+                conn.close()
+                up.close()
+        threading.Thread(target=pump, daemon=True).start()
+
+    def reset_all(self):
+        self.gen[0] += 1
+
+    def close(self):
+        self.stop.set()
+        self.lsock.close()
+
+
+def test_remote_watch_notices_a_reset_connection(kvd_factory, redis_factory):
+    """The watch's connections reset by the network (an RST, as a proxy or a NAT sends): kvd
+    notices (a gap counted, subscribed again). libhiredis's Debian adapter for libuv ignored the
+    poll error a reset is: the watch stayed "up" on a dead subscriber and heard nothing."""
+    from test_kv_events import tcp_endpoints
+    srv = redis_factory(args=["--notify-keyspace-events", "Exe"])
+    px = _ResetProxy(srv.port)
+    try:
+        (ea,) = tcp_endpoints(1)
+        a = _watch_node(kvd_factory, "127.0.0.1:%d" % px.port, ea)
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
+        gaps = tiers(a)["remote_watch_gaps"]
+        px.reset_all()
+        assert wait_until(lambda: px.resets[0] >= 1, timeout=5)
+        assert wait_until(lambda: tiers(a)["remote_watch_gaps"] > gaps, timeout=10), rem(a)
+        assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=15), rem(a)
+        assert a.alive()
+    finally:
+        px.close()
+
+
 @pytest.mark.parametrize("seed", ["address", "name"])
 def test_remote_watch_reports_expiry(kvd_factory, redis_factory, seed):
     """remote-watch on a Redis whose notify-keyspace-events holds Exe: the values A wrote with
