@@ -15,7 +15,11 @@ cache=$(ldconfig -p)
 libs=$(for b in "$@"; do readelf -d "$b" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p'; done | sort -u)
 n=0
 for l in $libs; do
-    case "$l" in libc.so.* | libm.so.* | ld-linux* | libpthread.so.* | libdl.so.* | librt.so.*) continue ;; esac
+    case "$l" in
+        libc.so.* | libm.so.* | ld-linux* | libpthread.so.* | libdl.so.* | librt.so.*) continue ;;
+        # A sanitizer build (./dev asan, tsan) links its runtime; the image's opt build does not.
+        libasan.so.* | libubsan.so.* | libtsan.so.* | liblsan.so.* | libstdc++.so.* | libgcc_s.so.*) continue ;;
+    esac
     path=$(awk -v l="$l" '$1 == l && !p {print $NF; p = 1}' <<<"$cache")
     [ -n "$path" ] || fail "cannot find $l"
     real=$(readlink -f "$path")
