@@ -1138,6 +1138,8 @@ static void test_pin_quota_is_the_pinners(void **state) {
     unpin_for(fc, group, mine, KV_EPERM, "dave");
     unpin_for(fd, group, mine + 2, KV_EPERM, "carol");
     unpin_for(fc, group, mine + 2, KV_OK, NULL);
+    pin_for(fc, group, mine, 1, 1, KV_OK, NULL); /* shorter than dave's: takes nothing over */
+    unpin_for(fc, group, mine, KV_EPERM, "dave");
     pin_for(fc, group, mine, 1, 60000, KV_OK, NULL); /* now hers: dave's quota is free again */
     pin_for(fd, group, hit + 1, 1, 60000, KV_OK, NULL);
     close(fc);

@@ -2019,18 +2019,20 @@ kv_err kvd_pool_pin(kvd_pool *p, kvd_block_ref blk, uint64_t retention_ms, uint8
     }
     uint64_t until = retention_ms > UINT64_MAX - p->now ? UINT64_MAX : p->now + retention_ms;
     if (b->flags & BLOCK_PINNED) {
+        if (until > p->now && until >= b->aux && tenant != KVD_PIN_OWNER &&
+            tenant != b->pin_tenant) {
+            /* Another tenant pins it again for at least as long: the pin is charged to it from
+             * now on (a shorter pin, a zero retention included, takes nothing over: else a
+             * 1 ms pin would make another tenant's pin its own to unpin). */
+            p->tenants[b->pin_tenant].pinned--;
+            b->pin_tenant = (uint16_t)tenant;
+            p->tenants[tenant].pinned++;
+        }
         if (until > b->aux) {
             b->aux = until;
         }
         if (priority > b->pin_prio) {
             b->pin_prio = priority;
-        }
-        if (until > p->now && tenant != KVD_PIN_OWNER && tenant != b->pin_tenant) {
-            /* Another tenant pins it again: the pin is charged to the one who pinned it last
-             * (a zero retention pins nothing, so it takes nothing over). */
-            p->tenants[b->pin_tenant].pinned--;
-            b->pin_tenant = (uint16_t)tenant;
-            p->tenants[tenant].pinned++;
         }
     } else {
         if (until <= p->now) {

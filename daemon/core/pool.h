@@ -344,7 +344,8 @@ kv_err kvd_pool_release(kvd_pool *pool, uint64_t session, uint32_t tenant,
 
 /* Pins a COMMITTED or CACHED block: it is not evicted before now_ms + retention_ms. A higher
  * priority pin survives explicit eviction of lower ones. Pinning again extends; by another
- * tenant (retention above 0), the pin is charged to that tenant from then on. A new pin is
+ * tenant, for at least as long as the pin has left, the pin is charged to that tenant from then
+ * on. A new pin is
  * charged as pinned to `tenant`, the tenant whose
  * max-pinned it uses (the pinning session's; KVD_PIN_OWNER: the block's allocator, for an
  * operator's pin). An expired pin stops counting at the next clock step, referenced or not.

@@ -71,9 +71,10 @@ typedef struct kept {
 } kept;
 
 /* Replays are answered a bounded number of batches per loop wake-up (the rest at the next), at
- * most REPLAY_PENDING at a time per publisher; a peer's queue holds at most REPLAY_HWM batches,
- * and a replay that finds it full ends there with the end marker (the peer asks again from the
- * last seq it got). */
+ * most REPLAY_PENDING at a time per publisher; a replay sends at most REPLAY_HWM batches and
+ * then its end marker (the peer asks again from the last seq it got), and a peer's queue holds
+ * REPLAY_HWM + 8 messages, so that the marker finds room; a replay that finds the queue full
+ * anyway (two replays to one peer) ends there, its marker sent if it fits. */
 #define REPLAY_PENDING 16
 #define REPLAY_BATCHES_PER_WAKE 256
 #define REPLAY_HWM 1024
@@ -82,6 +83,7 @@ typedef struct rpend {
     uint8_t id[256]; /* the peer's ROUTER identity (at most 255 bytes) */
     size_t idlen;
     uint64_t next; /* the next seq to send */
+    uint32_t sent; /* batches sent */
 } rpend;
 
 typedef struct pub {
@@ -1417,6 +1419,7 @@ static void replay_take(kvd_kvevents *e, pub *b) {
             p->next = (p->next << 8) | s[i];
         }
         p->idlen = zmq_msg_size(&parts[0]);
+        p->sent = 0;
         memcpy(p->id, zmq_msg_data(&parts[0]), p->idlen);
     }
     for (int i = 0; i < nparts; i++) {
@@ -1448,7 +1451,7 @@ static int replay_more(kvd_kvevents *e, pub *b, int budget) {
         int done = 0, marker = 0;        /* the replay ends; with the end marker */
         pthread_mutex_lock(&e->ring_mu); /* the events thread keeps batches meanwhile */
         size_t i = ring_find(b, p->next);
-        for (; i < b->n && budget > 0; i++) {
+        for (; i < b->n && budget > 0 && p->sent < REPLAY_HWM; i++) {
             const kept *k = &b->ring[(b->head + i) % b->cap];
             uint8_t sb[8];
             seq_bytes(k->seq, sb);
@@ -1462,11 +1465,12 @@ static int replay_more(kvd_kvevents *e, pub *b, int budget) {
             zmq_send(b->router, sb, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
             (void)send_sbuf(b->router, k->buf, 0);
             p->next = k->seq + 1;
+            p->sent++;
             budget--;
         }
         pthread_mutex_unlock(&e->ring_mu);
-        if (i >= b->n && !done) {
-            done = marker = 1; /* all sent */
+        if ((i >= b->n || p->sent >= REPLAY_HWM) && !done) {
+            done = marker = 1; /* all sent, or all a replay sends */
         }
         if (!done) {
             /* The budget is spent: this replay goes on at the next wake-up, behind the others. */

@@ -128,6 +128,10 @@ static kv_err host_segment_restore(void *ctx, kvd_segment_mem *mem) {
         return KV_EINVAL;
     }
     if (fallocate(mem->fd, 0, 0, (off_t)mem->bytes) != 0) {
+        int e = errno;
+        /* The pages it did get go back too: the segment stays parked, counted as not resident. */
+        (void)fallocate(mem->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)mem->bytes);
+        errno = e;
         KV_LOG(WARN, "KVD-HUGEPAGES",
                "a parked %llu-byte segment cannot have its huge pages back: %s (vm.nr_hugepages)",
                (unsigned long long)mem->bytes, strerror(errno));

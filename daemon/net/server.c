@@ -827,20 +827,27 @@ static kvd_session *later_find(void *arg, uint64_t id) {
  * epoll_ctl and one more epoll_wait a deferred reply (strace of remote Lookups). */
 static void on_later_check(uv_check_t *h) {
     kvd_server *s = h->data;
-    uv_check_stop(&s->later_check);
-    kvd_conn *next;
-    for (kvd_conn *c = s->conns; c != NULL; c = next) {
-        next = c->next; /* (a closed connection stays listed until its close callback) */
-        if (c->later) {
-            c->later = 0;
-            if (!c->closing) {
-                /* As writable: the write comes first, so that the requests buffered behind the
-                 * flow-control limit are handled once it makes room (handled nothing before it
-                 * and nothing after, the connection would wait for a read that may never come). */
-                on_conn_poll(&c->poll, 0, UV_WRITABLE);
+    /* Passes until none is left: a request handled here may defer a reply to a connection an
+     * earlier pass went by (its reply would otherwise wait for the loop's next wake-up). */
+    for (int again = 1; again;) {
+        again = 0;
+        kvd_conn *next;
+        for (kvd_conn *c = s->conns; c != NULL; c = next) {
+            next = c->next; /* (a closed connection stays listed until its close callback) */
+            if (c->later) {
+                c->later = 0;
+                again = 1;
+                if (!c->closing) {
+                    /* As writable: the write comes first, so that the requests buffered behind
+                     * the flow-control limit are handled once it makes room (handled nothing
+                     * before it and nothing after, the connection would wait for a read that
+                     * may never come). */
+                    on_conn_poll(&c->poll, 0, UV_WRITABLE);
+                }
             }
         }
     }
+    uv_check_stop(&s->later_check);
 }
 
 static void later_send(void *arg, uint64_t id, const kvd_reply *r) {

@@ -611,8 +611,8 @@ static kvd_session_pool *same_attach(kvd_session *sess, uint32_t pool_id, uint64
 
 /* Waits (at the back of the pool's queue) instead of answering ENOSPC, when copies hold blocks
  * of the pool and the session has room in max-inflight. 1 when it waits (no reply now). */
-static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Allocate *a,
-                         const char *why) {
+static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, uint64_t serial,
+                         const Kvd__Allocate *a, const char *why) {
     if (c->ctx->later == NULL || c->ctx->tiers == NULL || kvd_tiers_leased(c->ctx->tiers, p) == 0 ||
         c->sess->fetches >= c->cfg->max_inflight) {
         return 0;
@@ -623,7 +623,7 @@ static int allocate_wait(rpc *c, uint64_t id, kvd_reg_pool *p, const Kvd__Alloca
     }
     later_req_init(&w->q, c, id, p->pool_id);
     w->tiers = c->ctx->tiers;
-    w->serial = kvd_session_find_pool(c->sess, p->pool_id)->serial;
+    w->serial = serial;
     w->count = a->count;
     w->private_blocks = a->private_blocks;
     snprintf(w->why, sizeof(w->why), "%s", why);
@@ -706,11 +706,11 @@ static kv_err on_allocate(rpc *c, uint64_t id, const Kvd__Allocate *a, char *msg
     /* Allocates that wait for copies to give blocks back are answered in order: a new one
      * queues behind them rather than take what they wait for. */
     if (kvd_tiers_room_waited(c->ctx->tiers, p) &&
-        allocate_wait(c, id, p, a, "no room in the pool")) {
+        allocate_wait(c, id, p, sp->serial, a, "no room in the pool")) {
         return KV_OK;
     }
     rc = allocate_reply(c, id, sp, p, a->count, a->private_blocks, msg);
-    if (rc == KV_ENOSPC && allocate_wait(c, id, p, a, msg)) {
+    if (rc == KV_ENOSPC && allocate_wait(c, id, p, sp->serial, a, msg)) {
         return KV_OK; /* answered when a copy gives a block back */
     }
     return rc;
@@ -856,7 +856,7 @@ static void on_lookup_remote(void *arg, kv_err rc, uint32_t run) {
             for (uint32_t k = 0; k < w->npools; k++) {
                 if (w->pools[k] == pid && sps[k] != NULL) {
                     /* (a Release may have taken it already: the ledger counted it) */
-                    (void)kvd_session_unhold_held(sess, sps[k], &w->refs[j], 1);
+                    kvd_session_unhold_held(sess, sps[k], &w->refs[j], 1);
                 }
             }
         }

@@ -321,8 +321,8 @@ static kv_err pool_open(kvd_registry *s, const char *model_id, const kv_layout *
     sp.flags = flags;
     sp.domain = domain;
     sp.creator = creator;
-    sp.seed = s->vllm ? kv_vllm_hash_key(s->none_hash) : pool_seed(model_id, l);
     sp.model_key = pool_seed(model_id, l);
+    sp.seed = s->vllm ? kv_vllm_hash_key(s->none_hash) : sp.model_key;
     sp.model_key.lo ^= (uint64_t)flags * 0x9E3779B97F4A7C15ull;
     kvd_pool_config pc;
     memset(&pc, 0, sizeof(pc));

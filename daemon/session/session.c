@@ -371,18 +371,15 @@ void kvd_session_unhold(kvd_session *s, kvd_session_pool *sp, const kvd_block_re
     (void)kvd_pool_release(sp->pool, s->id, s->tenant, refs, n);
 }
 
-size_t kvd_session_unhold_held(kvd_session *s, kvd_session_pool *sp, const kvd_block_ref *refs,
-                               size_t n) {
-    size_t back = 0;
+void kvd_session_unhold_held(kvd_session *s, kvd_session_pool *sp, const kvd_block_ref *refs,
+                             size_t n) {
     for (size_t i = 0; i < n; i++) {
         uint32_t gen = 0;
         if (kvd_refs_count(&sp->refs, refs[i].id, &gen) > 0 && gen == refs[i].gen &&
             kvd_refs_sub(&sp->refs, refs[i].id, 1) == KV_OK) {
             (void)kvd_pool_release(sp->pool, s->id, s->tenant, &refs[i], 1);
-            back++;
         }
     }
-    return back;
 }
 
 kv_err kvd_session_move_ref(kvd_session *s, kvd_session_pool *sp, uint32_t from, kvd_block_ref to) {

@@ -131,9 +131,9 @@ void kvd_session_unhold(kvd_session *s, kvd_session_pool *sp, const kvd_block_re
 /* The same for references of a reply not sent yet, which the client may have released meanwhile
  * (a Release takes any reference the ledger counts, a held reply's included): each one the ledger
  * still counts at its generation goes back; the others are gone already (and their block id may
- * be held again, at a newer generation: that reference stays). Returns how many went back. */
-size_t kvd_session_unhold_held(kvd_session *s, kvd_session_pool *sp, const kvd_block_ref *refs,
-                               size_t n);
+ * be held again, at a newer generation: that reference stays). */
+void kvd_session_unhold_held(kvd_session *s, kvd_session_pool *sp, const kvd_block_ref *refs,
+                             size_t n);
 
 /* A Commit's block `from` was a duplicate and the pool gave this session a reference on the
  * canonical block `to` instead: moves the ledger's reference. KV_ENOMEM: the ledger could not

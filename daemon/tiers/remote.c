@@ -244,13 +244,18 @@ static int undel_has(const kvd_remote *r, const char *key) {
 
 /* ---- nodes ------------------------------------------------------------------------------- */
 
-static void node_fail(kvd_remote *r, node *nd, const char *why) {
-    note_error(r, "%s:%d: %s", nd->host, nd->port, why);
+/* Closes nd's connection (its unread replies and buffered bytes with it). */
+static void node_close(node *nd) {
     if (nd->c != NULL) {
         redisFree(nd->c);
         nd->c = NULL;
     }
-    nd->rb_pos = nd->rb_len = 0;    /* the closed connection's bytes */
+    nd->rb_pos = nd->rb_len = 0; /* the closed connection's bytes */
+}
+
+static void node_fail(kvd_remote *r, node *nd, const char *why) {
+    note_error(r, "%s:%d: %s", nd->host, nd->port, why);
+    node_close(nd);
     uint64_t back = BACKOFF_MIN_MS; /* doubled per failure in a row, up to backoff_max_ms */
     for (uint32_t i = 0; i < nd->fails && back < r->backoff_max_ms; i++) {
         back *= 2;
@@ -1256,11 +1261,7 @@ static void read_failed(kvd_remote *r, const op *o, node *nd, const char *why, u
     }
     char buf[256];
     snprintf(buf, sizeof(buf), "%s (the request's time ran out)", why); /* (why may be c's) */
-    if (nd->c != NULL) {
-        redisFree(nd->c);
-        nd->c = NULL;
-    }
-    nd->rb_pos = nd->rb_len = 0;
+    node_close(nd);
     node_fail_cut(r, nd, buf, 1, since);
 }
 
@@ -1605,6 +1606,13 @@ static void finish(kvd_remote *r, op *o) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* The stats' copy of how many failed deletes wait (the thread's nundel). */
+static void set_dels_pending(kvd_remote *r) {
+    pthread_mutex_lock(&r->mu);
+    r->st.dels_pending = r->nundel;
+    pthread_mutex_unlock(&r->mu);
+}
+
 /* DEL of o's key: 1 when Redis answered it (the key is gone now, or never was there). */
 static int del_one(kvd_remote *r, op *o) {
     const char *argv[2] = {"DEL", o->key};
@@ -1626,8 +1634,8 @@ static void undel_keep(kvd_remote *r, op *o) {
         r->undel = old->next;
         r->nundel--;
         KV_LOG(WARN, "KVD-REMOTE-DEL",
-               "remote tier: gave up deleting %s (a quarantined block's value) after %d tries "
-               "of Redis; another node may still be served it",
+               "remote tier: gave up deleting %s (a quarantined block's value): %d other deletes "
+               "wait for Redis; another node may still be served it",
                old->key, UNDEL_MAX);
         old->rc = KV_ESYS;
         finish(r, old);
@@ -1641,7 +1649,7 @@ static void undel_keep(kvd_remote *r, op *o) {
     if (r->nundel++ == 0) {
         r->undel_at = now_ms() + UNDEL_RETRY_MS;
     }
-    count(r, &r->st.dels_pending, 1);
+    set_dels_pending(r);
 }
 
 /* The deletes that failed, tried again in order; those that land are done. */
@@ -1652,7 +1660,7 @@ static void undel_retry(kvd_remote *r) {
         if (del_one(r, o)) {
             *at = o->next;
             r->nundel--;
-            count(r, &r->st.dels_pending, (uint64_t)-1);
+            set_dels_pending(r);
             o->rc = KV_OK;
             finish(r, o);
         } else {

@@ -23,8 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* libhiredis's libuv adapter: static functions, included here only. */
-
 #include "common/kv_log.h"
 #include "daemon/tiers/remote.h"
 

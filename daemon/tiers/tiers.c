@@ -1533,19 +1533,12 @@ static void room_wake(kvd_tiers *t, uint32_t pool_id, kv_err rc) {
     }
 }
 
-/* A copy down gave its T0 block's lease back; unleased also wakes the Allocates waiting for one
- * (their retries run now: evictions, copies down started, replies), so a caller in the middle
- * of updating tier state uses unleased_quiet and wakes them once its state is whole. */
-static void unleased_quiet(tier_pool *tp) {
+/* A copy down gave its T0 block's lease back. The caller wakes the Allocates waiting for one
+ * (room_wake) once its own state is whole: their retries run then (evictions, copies down
+ * started, replies), and would meet a half-updated entry. */
+static void unleased(tier_pool *tp) {
     KV_ASSERT(tp->leased > 0);
     tp->leased--;
-}
-
-static void unleased(tier_pool *tp) {
-    unleased_quiet(tp);
-    if (tp->t->waits != NULL) {
-        room_wake(tp->t, tp->pool_id, KV_OK);
-    }
 }
 
 /* Tells the KV events hook (kvd_tiers_set_event_hook) that hash entered or left tier. */
@@ -2115,6 +2108,9 @@ static void start_down(tier_pool *tp, kvd_pool *pool, kvd_block_ref ref, kv_hash
         }
         free(runs);
         free(j);
+        if (t->waits != NULL) {
+            room_wake(t, tp->pool_id, KV_OK); /* once the entry is whole (as after_work) */
+        }
         return;
     }
     kvd_tstore_at(&tp->st, i)->pending |= to1 ? KVD_TPEND_T1 : KVD_TPEND_T2;
@@ -2215,7 +2211,7 @@ static void after_work(uv_work_t *w, int status) {
             if (pool != NULL) {
                 (void)kvd_pool_unlease(pool, j->ref, j->cold);
             }
-            unleased_quiet(tp);
+            unleased(tp);
             wake = 1;
             e->pending &= (uint8_t)~KVD_TPEND_T1;
             uint32_t owner = kvd_tstore_owner(&tp->st, j->entry);
@@ -2254,7 +2250,7 @@ static void after_work(uv_work_t *w, int status) {
                 if (pool != NULL) {
                     (void)kvd_pool_unlease(pool, j->ref, j->cold);
                 }
-                unleased_quiet(tp);
+                unleased(tp);
                 wake = 1;
             } else {
                 e->busy--;

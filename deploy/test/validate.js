@@ -291,8 +291,10 @@ function checkGpu(where, spec) {
     }
     const vols = new Map((spec.volumes || []).map((v) => [v.name, v]));
     const kvdVols = new Set((k.volumeMounts || []).map((m) => m.name).filter((n) => vols.has(n) && !vols.get(n).configMap));
-    // Init containers (preparing a volume before kvd starts) never use its memory.
-    const peers = (spec.containers || []).filter((c) => c !== k && (c.volumeMounts || []).some((m) => kvdVols.has(m.name)));
+    // Init containers that run to completion before kvd starts never use its memory (native
+    // sidecars, restartPolicy Always, run beside it and do).
+    const beside = [...(spec.initContainers || []).filter((c) => c.restartPolicy === 'Always'), ...(spec.containers || [])];
+    const peers = beside.filter((c) => c !== k && (c.volumeMounts || []).some((m) => kvdVols.has(m.name)));
     for (const p of peers) {
       const pg = gpuOf(p);
       if (g.claims.length > 0) {

@@ -345,12 +345,11 @@ def test_threads_share_a_connection(conn, model_id):
     assert conn.stat("session.refs_held") == 0
 
 
-def test_batch_dropped_while_in_flight(conn, model_id):
+def test_batch_dropped_while_in_flight(conn):
     """A batch sent and dropped before wait() (collected): the connection is not held for it
     any more. The next call may find the connection broken (its replies were never read), and
     reconnect() brings it back (every call raised KvdState for good before, reconnect too)."""
     import gc
-    conn.attach(model_id, **SHAPE)
     b = conn.batch()
     b.ping(b"y")
     b.send()

@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import select
+import shutil
 import socket
 import stat
 import struct
@@ -433,13 +434,10 @@ def test_second_model_with_linked_pools(kvd_factory):
     pool never recorded its segment, so its Allocate met ESTATE)."""
     d = kvd_factory(tenants="tenant alice uid=%d\ngroup g members=alice\ncommons\n"
                     % os.geteuid())
-    c = kw.Conn(d.sock)
-    c.hello()
+    c = d.connect()
     pools = [c.attach("m-link-%d" % k, LAYOUT) for k in range(3)]
     for pool in pools:
-        r, _ = c.call("allocate", pb.Allocate(pool_id=pool.pool_id, count=1))
-        pool.follow(r)
-        (b,) = kw.reply_blocks(r)
+        (b,) = allocate(c, pool, 1)
         pool.write_block(b[0], b"x" * LAYOUT.block_bytes)
         c.release(pool.pool_id, [b])
     assert c.ping(nonce=9).nonce == 9 and d.alive()
@@ -1040,9 +1038,13 @@ def test_kvd_started_with_stdio_closed():
     try:
         sock = os.path.join(tmp, "run", "kvd.sock")
         deadline = time.monotonic() + 10
-        while not os.path.exists(sock) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        c = kw.Conn(sock)
+        while True:  # (the socket file exists from bind, connects succeed from listen)
+            try:
+                c = kw.Conn(sock)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "kvd did not listen"
+                time.sleep(0.05)
         c.hello()
         pool = c.attach("m-stdio", LAYOUT)
         assert len(pool.segments) >= 1
@@ -1052,6 +1054,7 @@ def test_kvd_started_with_stdio_closed():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_kvd_refuses_admin_socket_on_the_client_socket():
@@ -2966,11 +2969,15 @@ def test_health_probe_with_fds_past_1023(kvd_factory):
     """/healthz answers while kvd holds more than 1024 descriptors (1100 client connections):
     the metrics server polled with select(), which refused every connection whose socket
     number passed 1023, so health probes failed once a daemon's cache filled its fds."""
+    import resource
     import urllib.request
-    t = socket.socket()
-    t.bind(("127.0.0.1", 0))
-    port = t.getsockname()[1]
-    t.close()
+    from test_kv_events import free_ports
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip("needs 1300 open files (hard limit %d)" % hard)
+    if soft != resource.RLIM_INFINITY and soft < 1300:  # (kvd inherits it)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    (port,) = free_ports(1)
     d = kvd_factory(metrics_port=str(port), max_connections="2000")
     conns = []
     try:
@@ -2978,7 +2985,12 @@ def test_health_probe_with_fds_past_1023(kvd_factory):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(d.sock)
             conns.append(c)
-        time.sleep(0.5)  # (kvd accepts them all: its fds 1024 and up are in use)
+        # kvd accepts them all (its fds 1024 and up are in use): a Ping on the last one is
+        # answered only after kvd has accepted every connection before it.
+        c = kw.Conn(d.sock)
+        c.hello()
+        assert c.ping(nonce=4).nonce == 4
+        conns.append(c.sock)
         with urllib.request.urlopen("http://127.0.0.1:%d/healthz" % port, timeout=10) as r:
             assert r.status == 200
         with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10) as r:

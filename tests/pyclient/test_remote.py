@@ -1021,9 +1021,9 @@ def test_quarantine_delete_runs_after_the_write_queued_before_it(kvd_factory, re
         redis.sigcont()
     assert wait_until(lambda: tiers(a)["remote_puts"] >= puts0 + 2, timeout=15), rem(a)
     assert ns.wait_landed(hw2), rem(a)
-    time.sleep(0.3)  # (the DEL, after the put)
-    assert ns.present(hx) == {}, (ns.present(hx), rem(a))
-    assert tiers(a)["remote_dels_pending"] == 0, rem(a)
+    # The DEL, after the put (the old order left the value there for good).
+    assert wait_until(lambda: ns.present(hx) == {} and tiers(a)["remote_dels_pending"] == 0,
+                      timeout=10), (ns.present(hx), rem(a))
     assert a.alive() and c.ping(nonce=5).nonce == 5
 
 
@@ -2166,30 +2166,30 @@ class _ResetProxy:
         self.lsock.listen(16)
         self.port = self.lsock.getsockname()[1]
         self.stop = threading.Event()
-        self.gen = [0]  # bumped by reset_all: every connection opened before it is reset
-        self.resets = [0]
+        self.gen = 0  # bumped by reset_all: every connection opened before it is reset
+        self.resets = 0
         self.th = _accept_loop(self.lsock, self.stop, self._serve)
 
     def _serve(self, conn):
         import select
         import threading
         up = socket.create_connection(("127.0.0.1", self.up))
-        born = self.gen[0]
+        born = self.gen
 
         def pump():
             # One thread per connection, which alone closes it: an RST needs the last close of
             # the socket, which a recv blocked in another thread would delay.
             try:
-                while not self.stop.is_set() and self.gen[0] == born:
+                while not self.stop.is_set() and self.gen == born:
                     r, _, _ = select.select([conn, up], [], [], 0.05)
                     for a in r:
                         data = a.recv(65536)
                         if not data:
                             return
                         (up if a is conn else conn).sendall(data)
-                if self.gen[0] != born:
+                if self.gen != born:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    self.resets[0] += 1
+                    self.resets += 1
             except OSError:
                 pass
             finally:
@@ -2198,7 +2198,7 @@ class _ResetProxy:
         threading.Thread(target=pump, daemon=True).start()
 
     def reset_all(self):
-        self.gen[0] += 1
+        self.gen += 1
 
     def close(self):
         self.stop.set()
@@ -2218,7 +2218,7 @@ def test_remote_watch_notices_a_reset_connection(kvd_factory, redis_factory):
         assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=10), rem(a)
         gaps = tiers(a)["remote_watch_gaps"]
         px.reset_all()
-        assert wait_until(lambda: px.resets[0] >= 1, timeout=5)
+        assert wait_until(lambda: px.resets >= 1, timeout=5)
         assert wait_until(lambda: tiers(a)["remote_watch_gaps"] > gaps, timeout=10), rem(a)
         assert wait_until(lambda: tiers(a)["remote_watch_nodes"] == 1, timeout=15), rem(a)
         assert a.alive()

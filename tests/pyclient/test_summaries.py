@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvdwire as kw
-from conftest import UID_A, UID_B, Child
+from conftest import UID_A, UID_B, Child, wait_until
 from kvdwire import pb
 
 LAYOUT = kw.Layout(2, 2, 8, 16, pb.FP16, pb.LAYER_MAJOR)
@@ -118,7 +118,6 @@ def test_summaries_pool_has_a_t2_file_of_its_own(kvd_factory):
     """The same model attached with and without summaries is two pools, and each has a T2 file
     of its own (they shared one, each handing out its slots: one pool's records overwrote the
     other's, and Fetches met corrupt_t2). Both pools' blocks come back from T2 intact."""
-    import time
     d = kvd_factory(**dict(SMALL, tier1_memory="0", tier2_path="{dir}/t2", tier2_bytes="64M",
                            tier_write="write-through", fetch_min_tokens="16"))
     c = d.connect(features=kw.FEATURE_PACKED | kw.FEATURE_TIERS)
@@ -129,10 +128,8 @@ def test_summaries_pool_has_a_t2_file_of_its_own(kvd_factory):
         canon, hashes, _ = commit_chain(c, pool, 4, 40 + k)
         c.release(pool.pool_id, canon)
         chains.append(hashes)
-    deadline = time.monotonic() + 10
-    while d.admin_result("stats")["tiers"]["jobs_inflight"] != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    assert wait_until(lambda: d.admin_result("stats")["tiers"]["jobs_inflight"] == 0,
+                      timeout=10)
     files = sorted(f for _, _, fs in os.walk(os.path.join(d.dir, "t2")) for f in fs
                    if ".t2" in f)
     assert len(files) == 2 and any("-summaries" in f for f in files), files

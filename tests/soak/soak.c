@@ -809,24 +809,26 @@ static void *ev_main(void *arg) {
             continue;
         }
         zmq_msg_t part[4];
-        int np = 0, more = 1;
+        int np = 0, more = 1, extra = 0;
         while (more && np < 4) {
             zmq_msg_init(&part[np]);
             if (zmq_msg_recv(&part[np], x->zsub, 0) < 0) {
                 zmq_msg_close(&part[np]);
+                more = 0; /* (an interrupted read: this message is counted bad) */
+                extra = 1;
                 break;
             }
             more = zmq_msg_more(&part[np]);
             np++;
         }
         while (more) { /* more frames than a batch has: drain them */
-            zmq_msg_t extra;
-            zmq_msg_init(&extra);
-            more = zmq_msg_recv(&extra, x->zsub, 0) >= 0 && zmq_msg_more(&extra);
-            zmq_msg_close(&extra);
-            np = 4;
+            zmq_msg_t m;
+            zmq_msg_init(&m);
+            more = zmq_msg_recv(&m, x->zsub, 0) >= 0 && zmq_msg_more(&m);
+            zmq_msg_close(&m);
+            extra = 1;
         }
-        if (np != 3 || zmq_msg_size(&part[1]) != 8) {
+        if (extra || np != 3 || zmq_msg_size(&part[1]) != 8) {
             x->ev_bad++;
         } else {
             const uint8_t *sb = zmq_msg_data(&part[1]);
@@ -848,7 +850,7 @@ static void *ev_main(void *arg) {
                 }
             }
         }
-        for (int i = 0; i < np && i < 4; i++) {
+        for (int i = 0; i < np; i++) {
             zmq_msg_close(&part[i]);
         }
     }
